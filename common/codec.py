@@ -52,8 +52,8 @@ def _check_any(value: Any, where: str) -> Any:
 def _validator_for(hint: Any) -> Validator:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
-    if hint in (int, float, str, bool, bytes):
-        return _check_scalar(hint)
+    if hint in _SCALARS:
+        return _SCALARS[hint]
     if hint is type(None):
 
         def check_none(value: Any, where: str) -> Any:
@@ -117,7 +117,8 @@ def _union(options: list[Any]) -> Validator:
     return check_union
 
 
-_INT_CHECK = _check_scalar(int)
+_SCALARS: dict[type, Validator] = {kind: _check_scalar(kind) for kind in (int, float, str, bool, bytes)}
+_INT_CHECK = _SCALARS[int]
 _STRUCT_CACHE: dict[type, Validator] = {}
 
 

@@ -1,0 +1,41 @@
+# Conveyor: install, serve, test. `make serve` and `make test` work on a fresh machine.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+# CPU machines get this torch build (on these machines a local CPU wheel); a machine with
+# an NVIDIA driver gets the default CUDA build. Extra pip flags: TORCH_PIP_ARGS.
+TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
+NOTORCH_VENV ?= .venv-notorch
+PYTEST_ARGS ?=
+
+.PHONY: install install-torch serve test test-all test-frontend-notorch bench-smoke clean
+
+install-torch:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) install $(TORCH_PIP_ARGS) "torch>=2.4"; \
+	else \
+		$(PIP) install $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"; \
+	fi
+
+install: install-torch
+	$(PIP) install -e ".[test]"
+
+serve: install
+	./bin/serve
+
+test: install
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) test-frontend-notorch
+
+# The tokenizer process must work where torch is not installed at all: prove it in a venv without torch.
+test-frontend-notorch:
+	$(PYTHON) -m venv $(NOTORCH_VENV)
+	$(NOTORCH_VENV)/bin/pip install -q pyzmq msgpack uvloop tokenizers jinja2 numpy transformers pytest hypothesis pytest-timeout
+	$(NOTORCH_VENV)/bin/pip install -q --no-deps -e .
+	@! $(NOTORCH_VENV)/bin/python -c "import torch" 2>/dev/null || (echo "torch leaked into $(NOTORCH_VENV)"; exit 1)
+	$(NOTORCH_VENV)/bin/python -m pytest -q tests/frontend tests/common
+
+clean:
+	rm -rf $(NOTORCH_VENV) build *.egg-info .pytest_cache

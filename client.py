@@ -1,0 +1,315 @@
+"""Python clients for a running Conveyor server (``conveyor.client``).
+
+``Client`` is synchronous and ``AsyncClient`` is for asyncio; both speak the
+msgpack protocol of docs/protocol.md over one ZeroMQ DEALER socket, so many
+requests can be in flight on one client at once. Keyword arguments of
+``generate``/``stream`` are the request fields of the protocol (max_tokens,
+temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos).
+
+A server that goes silent for ``timeout`` seconds raises :class:`TimeoutError`
+instead of hanging the caller; the request is aborted on the way out.
+A zmq socket is not thread-safe: use one ``Client`` per thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from conveyor.common import client_protocol as cp
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class ServerError(RuntimeError):
+    """The server answered with a protocol-level error that names no request."""
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class CompletionResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    timing: dict[str, float | None] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Delta:
+    """One piece of a stream. The last one has ``finish_reason`` set and carries ``result``."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    result: CompletionResult | None = None
+
+
+def _result(msg: dict[str, Any]) -> CompletionResult:
+    usage = msg.get("usage") or {}
+    return CompletionResult(
+        request_id=msg["request_id"],
+        text=msg.get("text", ""),
+        token_ids=list(msg.get("token_ids", [])),
+        finish_reason=msg["finish_reason"],
+        usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)),
+        timing=msg.get("timing") or {},
+        error=msg.get("error"),
+    )
+
+
+def _generate_message(
+    prompt: str | None,
+    messages: list[dict[str, str]] | None,
+    token_ids: list[int] | None,
+    request_id: str | None,
+    stream: bool,
+    fields: dict[str, Any],
+) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": cp.GENERATE, "v": cp.CLIENT_PROTOCOL_VERSION, "stream": stream}
+    msg["request_id"] = request_id or uuid.uuid4().hex
+    for key, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)):
+        if value is not None:
+            msg[key] = value
+    unknown = set(fields) - set(cp.SAMPLING_FIELDS) - {"stop"}
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    msg.update({k: v for k, v in fields.items() if v is not None})
+    return msg
+
+
+def _to_delta(msg: dict[str, Any]) -> Delta:
+    """Turn a server message of a streamed request into a Delta."""
+    if msg["type"] == cp.DELTA:
+        return Delta(msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])))
+    result = _result(msg)
+    return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
+
+
+def _check_error(msg: dict[str, Any]) -> None:
+    if msg.get("type") == cp.ERROR:
+        raise ServerError(msg.get("message", "unknown server error"))
+
+
+class Client:
+    """Synchronous client. Replies for other requests of this client are buffered, not lost."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        self._sock.connect(address)
+        self._inbox: dict[str | None, collections.deque] = collections.defaultdict(collections.deque)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **fields: Any,
+    ) -> CompletionResult:
+        msg = _generate_message(prompt, messages, token_ids, request_id, False, fields)
+        self._send(msg)
+        while True:
+            reply = self._next(msg["request_id"])
+            if reply["type"] == cp.FINAL:
+                return _result(reply)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **fields: Any,
+    ) -> Iterator[Delta]:
+        msg = _generate_message(prompt, messages, token_ids, request_id, True, fields)
+        self._send(msg)
+        finished = False
+        try:
+            while not finished:
+                delta = _to_delta(self._next(msg["request_id"]))
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:  # the caller stopped iterating early: free the server's work
+                self.abort(msg["request_id"])
+
+    def abort(self, request_id: str) -> None:
+        self._send({"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id})
+
+    def stats(self) -> dict[str, Any]:
+        self._send({"type": cp.STATS, "v": cp.CLIENT_PROTOCOL_VERSION})
+        return self._next("__stats__")
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        self._sock.send(cp.pack(msg))
+
+    def _next(self, key: str) -> dict[str, Any]:
+        """The next message for ``key`` (a request id, or "__stats__"), buffering others."""
+        while not self._inbox[key]:
+            if not self._sock.poll(None if self.timeout is None else int(self.timeout * 1000)):
+                if key != "__stats__":
+                    self.abort(key)
+                raise TimeoutError(f"no reply from {self.address} within {self.timeout} s")
+            reply = cp.unpack_map(self._sock.recv())
+            _check_error(reply)
+            target = "__stats__" if reply.get("type") == cp.STATS_REPLY else reply.get("request_id")
+            self._inbox[target].append(reply)
+        reply = self._inbox[key].popleft()
+        if not self._inbox[key]:
+            del self._inbox[key]
+        return reply
+
+
+class AsyncClient:
+    """asyncio client: one reader task routes replies to the awaiting request."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        self._sock.connect(address)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self._failure: BaseException | None = None
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **fields: Any,
+    ) -> CompletionResult:
+        msg = _generate_message(prompt, messages, token_ids, request_id, False, fields)
+        async with self._request(msg["request_id"]) as queue:
+            await self._send(msg)
+            while True:
+                reply = await self._next(queue, msg["request_id"])
+                if reply["type"] == cp.FINAL:
+                    return _result(reply)
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **fields: Any,
+    ) -> AsyncIterator[Delta]:
+        msg = _generate_message(prompt, messages, token_ids, request_id, True, fields)
+        finished = False
+        async with self._request(msg["request_id"]) as queue:
+            await self._send(msg)
+            try:
+                while not finished:
+                    delta = _to_delta(await self._next(queue, msg["request_id"]))
+                    finished = delta.finish_reason is not None
+                    yield delta
+            finally:
+                if not finished:
+                    await self.abort(msg["request_id"])
+
+    async def abort(self, request_id: str) -> None:
+        await self._send({"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id})
+
+    async def stats(self) -> dict[str, Any]:
+        async with self._request("__stats__") as queue:
+            await self._send({"type": cp.STATS, "v": cp.CLIENT_PROTOCOL_VERSION})
+            return await self._next(queue, None)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(linger=0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _request(self, key: str):
+        client = self
+
+        class _Registration:
+            async def __aenter__(self) -> asyncio.Queue:
+                if key in client._queues:
+                    raise ValueError(f"request id {key!r} is already in flight on this client")
+                client._queues[key] = asyncio.Queue()
+                if client._reader is None or client._reader.done():
+                    client._reader = asyncio.ensure_future(client._read_loop())
+                return client._queues[key]
+
+            async def __aexit__(self, *exc: object) -> None:
+                client._queues.pop(key, None)
+
+        return _Registration()
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        await self._sock.send(cp.pack(msg))
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                reply = cp.unpack_map(await self._sock.recv())
+                if reply.get("type") == cp.ERROR and reply.get("request_id") is None:
+                    for queue in self._queues.values():
+                        queue.put_nowait(reply)
+                    continue
+                key = "__stats__" if reply.get("type") == cp.STATS_REPLY else reply.get("request_id")
+                queue = self._queues.get(key)
+                if queue is not None:
+                    queue.put_nowait(reply)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surface a dead reader to every waiter
+            self._failure = exc
+            for queue in self._queues.values():
+                queue.put_nowait({"type": cp.ERROR, "message": f"client reader failed: {exc}"})
+
+    async def _next(self, queue: asyncio.Queue, request_id: str | None) -> dict[str, Any]:
+        try:
+            reply = await asyncio.wait_for(queue.get(), self.timeout)
+        except asyncio.TimeoutError:
+            if request_id is not None:
+                await self.abort(request_id)
+            raise TimeoutError(f"no reply from {self.address} within {self.timeout} s") from None
+        _check_error(reply)
+        return reply

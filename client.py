@@ -118,6 +118,7 @@ class Client:
         self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
         self._sock.connect(address)
         self._inbox: dict[str | None, collections.deque] = collections.defaultdict(collections.deque)
+        self._abandoned: set[str] = set()
 
     def generate(
         self,
@@ -154,7 +155,7 @@ class Client:
                 yield delta
         finally:
             if not finished:  # the caller stopped iterating early: free the server's work
-                self.abort(msg["request_id"])
+                self._abandon(msg["request_id"])
 
     def abort(self, request_id: str) -> None:
         self._send({"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id})
@@ -175,16 +176,26 @@ class Client:
     def _send(self, msg: dict[str, Any]) -> None:
         self._sock.send(cp.pack(msg))
 
+    def _abandon(self, request_id: str) -> None:
+        """Abort a request nobody will read any more; its late replies are dropped on arrival."""
+        self.abort(request_id)
+        self._inbox.pop(request_id, None)
+        self._abandoned.add(request_id)
+
     def _next(self, key: str) -> dict[str, Any]:
         """The next message for ``key`` (a request id, or "__stats__"), buffering others."""
         while not self._inbox[key]:
             if not self._sock.poll(None if self.timeout is None else int(self.timeout * 1000)):
                 if key != "__stats__":
-                    self.abort(key)
+                    self._abandon(key)
                 raise TimeoutError(f"no reply from {self.address} within {self.timeout} s")
             reply = cp.unpack_map(self._sock.recv())
             _check_error(reply)
             target = "__stats__" if reply.get("type") == cp.STATS_REPLY else reply.get("request_id")
+            if target in self._abandoned:
+                if reply.get("type") == cp.FINAL:
+                    self._abandoned.discard(target)
+                continue
             self._inbox[target].append(reply)
         reply = self._inbox[key].popleft()
         if not self._inbox[key]:

@@ -142,6 +142,7 @@ class Server:
             if isinstance(msg, ProcessReady):
                 self.ready[msg.process] = msg
                 waiting.discard(msg.process)
+                print(f"conveyor: {msg.process} ready (pid {msg.pid})", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ supervision
 

@@ -160,7 +160,7 @@ class Frontend:
             if isinstance(cmd, cp.GenerateRequest):
                 await self._on_generate(identity, fd, cmd)
             elif isinstance(cmd, cp.AbortCommand):
-                await self._on_abort(identity, cmd.request_id)
+                await self._on_abort(cmd.request_id)
             else:
                 query_id = uuid.uuid4().hex
                 self._stats_waiters[query_id] = identity
@@ -220,11 +220,10 @@ class Frontend:
                 req.request_id,
             )
 
-    async def _on_abort(self, identity: bytes, request_id: str) -> None:
+    async def _on_abort(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is None:
-            await self._reply_error(identity, request_id, f"no request {request_id!r} in flight")
-            return
+            return  # already finished (its final is on the way) or never existed: aborts are idempotent
         await self._abort_at_scheduler([request_id])
         await self._finish(state, FinishReason.ABORT)
 

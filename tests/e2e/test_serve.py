@@ -1,0 +1,279 @@
+"""bin/serve end to end: real processes, real sockets, a real checkpoint.
+
+Greedy outputs are compared with HF transformers ``generate`` on the same
+checkpoint; the block pool is read back through the stats call to prove that
+aborts, disconnects, errors and completions all return their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from conveyor.client import AsyncClient, Client
+
+from conftest import REPO, alive
+
+NUM_BLOCKS = 96
+SERVE_ARGS = ("--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
+
+
+def wait_for_free_blocks(client: Client, timeout: float = 5.0) -> dict:
+    """Poll stats until every block is free again (blocks are freed within an iteration)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        assert stats["free_blocks"] + stats["held_blocks"] == stats["total_blocks"]
+        if stats["held_blocks"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_checkpoint):
+    """Greedy continuation by HF transformers, one prompt at a time (the reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+    def run(prompt_ids: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+        return out[0, len(prompt_ids):].tolist()
+
+    return run
+
+
+@pytest.fixture
+def server(serve_factory, tiny_checkpoint):
+    return serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
+
+
+def test_concurrent_streams_match_hf(server, hf_greedy) -> None:
+    """32 streamed requests of different lengths, served concurrently, each equal to HF alone."""
+    prompts = [[(7 * i + j) % 200 + 10 for j in range(3 + (i * 5) % 40)] for i in range(32)]
+    lengths = [4 + (i * 7) % 29 for i in range(32)]
+
+    async def one(client: AsyncClient, i: int):
+        text, ids, last = [], [], None
+        async for delta in client.stream(token_ids=prompts[i], max_tokens=lengths[i], temperature=0, ignore_eos=True):
+            text.append(delta.text)
+            ids += delta.token_ids
+            last = delta
+        return "".join(text), ids, last
+
+    async def run_all():
+        async with AsyncClient(server.address, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run_all())
+    for i, (text, ids, last) in enumerate(results):
+        assert last.finish_reason == "length", last
+        assert last.result.usage.completion_tokens == lengths[i]
+        assert last.result.usage.prompt_tokens == len(prompts[i])
+        assert ids == last.result.token_ids
+        assert text == last.result.text
+        timing = last.result.timing
+        assert 0 <= timing["queue_time"] <= timing["ttft"] <= timing["total"]
+    for i in (0, 5, 17, 31):
+        assert results[i][1] == hf_greedy(prompts[i], lengths[i]), f"request {i} differs from HF"
+    with Client(server.address) as client:
+        stats = wait_for_free_blocks(client)
+    assert stats["held_blocks"] == 0 and stats["num_running"] == 0
+
+
+def test_text_prompt_chat_and_sync_client(server, hf_greedy) -> None:
+    from conveyor.frontend.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(server_model_dir(server))
+    with Client(server.address, timeout=60) as client:
+        result = client.generate("The quick brown fox", max_tokens=6, temperature=0, ignore_eos=True)
+        assert result.finish_reason == "length"
+        assert result.token_ids == hf_greedy(tok.encode("The quick brown fox"), 6)
+        assert result.text == tok.decode(result.token_ids)
+        chat = client.generate(messages=[{"role": "user", "content": "hello"}], max_tokens=3, temperature=0, ignore_eos=True)
+        assert chat.usage.prompt_tokens == len(tok.apply_chat_template([{"role": "user", "content": "hello"}]))
+        # sampling with a seed is reproducible
+        a = client.generate("abc", max_tokens=8, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+        b = client.generate("abc", max_tokens=8, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+        assert a.token_ids == b.token_ids
+
+
+def server_model_dir(server) -> str:
+    args = server.proc.args
+    return args[args.index("--model") + 1]
+
+
+def test_stop_token_ids_and_stop_strings(server) -> None:
+    with Client(server.address, timeout=60) as client:
+        base = client.generate(token_ids=[11, 12, 13], max_tokens=12, temperature=0, ignore_eos=True)
+        stop_id = base.token_ids[4]
+        cut = client.generate(token_ids=[11, 12, 13], max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+        assert cut.finish_reason == "stop"
+        assert cut.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+        # A stop string taken from the middle of the unconstrained text: the text ends right before it.
+        text = base.text
+        if len(text.strip()) >= 4:
+            start = len(text) // 2
+            stop = text[start : start + 2]
+            streamed = []
+            final = None
+            for d in client.stream(token_ids=[11, 12, 13], max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]):
+                streamed.append(d.text)
+                final = d
+            assert final.finish_reason == "stop"
+            assert final.result.text == text[: text.index(stop)]
+            assert "".join(streamed) == final.result.text
+        wait_for_free_blocks(client)
+
+
+def test_abort_mid_stream_frees_blocks(server) -> None:
+    with Client(server.address, timeout=60) as client:
+        stream = client.stream(token_ids=list(range(10, 60)), max_tokens=150, temperature=0, ignore_eos=True, request_id="victim")
+        for i, delta in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()  # leaving early aborts the request
+        stats = wait_for_free_blocks(client)
+        assert stats["held_blocks"] == 0 and stats["in_flight"] == 0
+        # explicit abort by id while another client waits for its result
+        with Client(server.address, timeout=60) as other:
+            other._send({"type": "generate", "v": 1, "request_id": "r-abort", "token_ids": [5] * 30, "max_tokens": 200, "ignore_eos": True, "stream": True})
+            first = other._next("r-abort")
+            assert first["type"] == "delta"
+            client.abort("r-abort")
+            while True:
+                msg = other._next("r-abort")
+                if msg["type"] == "final":
+                    break
+            assert msg["finish_reason"] == "abort"
+        assert wait_for_free_blocks(client)["held_blocks"] == 0
+
+
+def test_client_disconnect_frees_blocks(server) -> None:
+    ctx = zmq.Context.instance()
+    for stream in (True, False):
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(server.address)
+        req = {"type": "generate", "v": 1, "token_ids": [9] * 40, "max_tokens": 200, "ignore_eos": True, "stream": stream}
+        sock.send(msgpack.packb(req))
+        with Client(server.address) as watcher:
+            deadline = time.monotonic() + 10
+            while watcher.stats()["held_blocks"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            sock.close(linger=0)
+            stats = wait_for_free_blocks(watcher)
+            assert stats["held_blocks"] == 0 and stats["in_flight"] == 0, stats
+
+
+BAD_INPUTS = [
+    ({"token_ids": [1, 2], "top_p": 0}, "top_p"),
+    ({"token_ids": [1, 2], "temperature": -1}, "temperature"),
+    ({"token_ids": [1, 2], "top_k": -3}, "top_k"),
+    ({"token_ids": [1, 2], "max_tokens": 0}, "max_tokens"),
+    ({"token_ids": [1, 2], "max_tokens": 10_000}, "model length"),
+    ({"token_ids": [10**9]}, "vocabulary"),
+    ({"token_ids": [-1]}, "vocabulary"),
+    ({"token_ids": [1] * 300}, "limit"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": 12}, "'prompt' must be a string"),
+    ({"token_ids": "abc"}, "token_ids"),
+    ({}, "exactly one of"),
+    ({"prompt": "x", "min_p": 3}, "min_p"),
+    ({"prompt": "x", "mystery": 1}, "unknown field"),
+]
+
+
+def test_bad_inputs_get_errors_while_others_are_served(server) -> None:
+    ctx = zmq.Context.instance()
+    with Client(server.address, timeout=60) as good:
+        good._send({"type": "generate", "v": 1, "request_id": "good", "token_ids": [3] * 20, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(server.address)
+        for i, (fields, needle) in enumerate(BAD_INPUTS):
+            sock.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"bad{i}", **fields}))
+            reply = msgpack.unpackb(sock.recv())
+            assert reply["type"] == "final" and reply["finish_reason"] == "error", reply
+            assert reply["request_id"] == f"bad{i}"
+            assert needle in reply["error"], (needle, reply["error"])
+        # Not even a map, not msgpack, an unknown type, a wrong version: an error, never a crash.
+        for raw, needle in [
+            (b"\xc1\xc1", "malformed"),
+            (msgpack.packb([1, 2, 3]), "map"),
+            (msgpack.packb({"type": "launch"}), "unknown message type"),
+            (msgpack.packb({"type": "generate", "v": 99, "prompt": "x"}), "version"),
+        ]:
+            sock.send(raw)
+            reply = msgpack.unpackb(sock.recv())
+            assert reply["type"] in ("error", "final") and needle in (reply.get("message") or reply.get("error")), reply
+        # A client-chosen id already in flight is refused without touching the original.
+        sock.send(msgpack.packb({"type": "generate", "v": 1, "request_id": "good", "prompt": "x"}))
+        reply = msgpack.unpackb(sock.recv())
+        assert reply["finish_reason"] == "error" and "already in flight" in reply["error"]
+        sock.close(linger=0)
+        while True:
+            msg = good._next("good")
+            if msg["type"] == "final":
+                break
+        assert msg["finish_reason"] == "length" and len(msg["token_ids"]) == 40
+        stats = wait_for_free_blocks(good)
+        assert stats["held_blocks"] == 0
+
+
+def test_sigterm_leaves_no_process(serve_factory, tiny_checkpoint) -> None:
+    server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
+    kids = list(server.pids.values())
+    assert all(alive(p) for p in kids)
+    start = time.monotonic()
+    assert server.terminate() == 0
+    assert time.monotonic() - start < 10
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in kids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in kids)
+
+
+def test_killed_worker_fails_in_flight_requests(serve_factory, tiny_checkpoint) -> None:
+    server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
+
+    async def scenario():
+        async with AsyncClient(server.address, timeout=30) as client:
+            async def long_request(i: int):
+                last = None
+                async for d in client.stream(token_ids=[4 + i] * 10, max_tokens=240, ignore_eos=True, temperature=0):
+                    last = d
+                return last
+
+            tasks = [asyncio.ensure_future(long_request(i)) for i in range(4)]
+            await asyncio.sleep(1.0)
+            os.kill(server.pids["worker"], signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    finals = asyncio.run(scenario())
+    for d in finals:
+        assert d.finish_reason == "error" and "worker" in d.result.error, d
+    assert server.proc.wait(15) != 0
+    assert "worker process died" in server.output()
+
+
+def test_bin_client_streams_from_demo_model(serve_factory) -> None:
+    server = serve_factory("--num-kv-blocks", "64", "--threads", "1")
+    assert "random weights" in "".join(server.stdout)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bin" / "client"), "--host", server.address, "--max-tokens", "8", "--ignore-eos", "Hello"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "[length; " in out.stderr and "8 completion tokens" in out.stderr

@@ -156,7 +156,12 @@ class Server:
             done = mp.connection.wait(list(sentinels), timeout=0.2)
             if done:
                 name = sentinels[done[0]]
+                self.procs[name].join(1.0)
                 code = self.procs[name].exitcode
+                time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
+                if _STOP_SIGNAL:
+                    self.stop("server shutting down")
+                    return 0
                 print(f"conveyor: {name} process died (exit code {code}); stopping", file=sys.stderr, flush=True)
                 self.stop(f"{name} process died (exit code {code})")
                 return 1

@@ -17,11 +17,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when bin/serve dies, even by SIGKILL.
+    """Ignore SIGINT and ask the kernel to SIGTERM this process when bin/serve dies, even by SIGKILL.
 
     Without it a killed parent would leave the worker holding GPU memory forever.
     Linux only; elsewhere the parent's own shutdown path is the only guard.
     """
+    # Ctrl-C reaches the whole process group; only bin/serve acts on it, and stops us in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

@@ -262,30 +262,39 @@ class Frontend:
             del self.requests[out.request_id]
             if out.finish_reason is None:
                 await self._abort_at_scheduler([out.request_id])
-            await self._finish(state, FinishReason.STOP, delta=emit)
+            await self._finish(state, FinishReason.STOP, delta=emit, delta_ids=out.new_token_ids)
             return
         if out.finish_reason is not None:
             tail, stopped = state.stop.feed(state.detokenizer.flush())
             emit += tail if stopped else tail + state.stop.flush()
             state.text.append(emit)
             del self.requests[out.request_id]
-            reason = FinishReason.STOP if stopped else out.finish_reason
-            await self._finish(state, reason, delta=emit, error=out.error)
+            reason = FinishReason.STOP if state.stop.stopped else out.finish_reason
+            await self._finish(state, reason, delta=emit, delta_ids=out.new_token_ids, error=out.error)
             return
         state.text.append(emit)
         if state.stream and (emit or out.new_token_ids):
-            await self._send_client(
-                state.identity,
-                {"type": cp.DELTA, "v": 1, "request_id": state.request_id, "text": emit, "token_ids": out.new_token_ids},
-                state,
-            )
+            await self._send_delta(state, emit, out.new_token_ids)
 
-    async def _finish(self, state: RequestState, reason: str, *, delta: str = "", error: str | None = None) -> None:
+    async def _send_delta(self, state: RequestState, text: str, token_ids: list[int]) -> None:
+        await self._send_client(
+            state.identity,
+            {"type": cp.DELTA, "v": 1, "request_id": state.request_id, "text": text, "token_ids": token_ids},
+        )
+
+    async def _finish(
+        self,
+        state: RequestState,
+        reason: str,
+        *,
+        delta: str = "",
+        delta_ids: list[int] | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Send a streamed request's last delta (if any), then the final; the caller untracked it."""
         now = time.time()
-        if state.stream and delta:
-            await self._send_client(
-                state.identity, {"type": cp.DELTA, "v": 1, "request_id": state.request_id, "text": delta, "token_ids": []}
-            )
+        if state.stream and (delta or delta_ids):
+            await self._send_delta(state, delta, delta_ids or [])
         timing = {
             "queue_time": _since(state.arrival_time, state.scheduled_time),
             "ttft": _since(state.arrival_time, state.first_token_time),
@@ -349,7 +358,7 @@ class Frontend:
             }
         await self._send_client(identity, reply)
 
-    async def _send_client(self, identity: bytes, obj: dict, state: RequestState | None = None) -> None:
+    async def _send_client(self, identity: bytes, obj: dict) -> None:
         """Send to one client; a client that is gone has its in-flight requests aborted."""
         try:
             await self.clients.send_multipart([identity, cp.pack(obj)], copy=False)

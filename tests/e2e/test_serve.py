@@ -20,7 +20,7 @@ import zmq
 
 from conveyor.client import AsyncClient, Client
 
-from conftest import REPO, alive
+from serve_harness import REPO, alive
 
 NUM_BLOCKS = 96
 SERVE_ARGS = ("--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
@@ -47,8 +47,11 @@ def hf_greedy(tiny_checkpoint):
 
     def run(prompt_ids: list[int], n: int) -> list[int]:
         with torch.inference_mode():
+            ids = torch.tensor([prompt_ids])
+            # An explicit mask: BOS is id 0 here, and generate() would take it for padding.
             out = model.generate(
-                torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                pad_token_id=0,
             )
         return out[0, len(prompt_ids):].tolist()
 

@@ -1,0 +1,74 @@
+"""Stop strings over a text stream whose deltas can split a stop string anywhere.
+
+A stream must never show text that the final output lacks, so any tail of the text so far
+that could still grow into a stop string is held back until the next delta decides it.
+With several stop strings the earliest match in the text wins, even when a longer stop
+string that starts earlier is completed only after a shorter one has matched: a match is
+final only once no stop string can still match at an earlier position.
+
+Invariants:
+- The held-back tail is a proper prefix of some stop string, so it is shorter than the
+  longest one, and the cost of a ``feed`` depends on ``delta`` and the stop strings only,
+  never on the length of the text so far.
+- Concatenating everything returned (by ``feed`` and ``flush``) gives the full text cut
+  at the earliest match of any stop string (the match itself excluded), or the full text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class StopStringMatcher:
+    """Cuts one request's text at its first stop string; empty strings in ``stop`` are ignored."""
+
+    def __init__(self, stop: Iterable[str]) -> None:
+        self._stop = [s for s in dict.fromkeys(stop) if s]
+        self._held = ""
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string matched; everything after it is dropped."""
+        return self._stopped
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add ``delta``; return the text that is now safe to show, and whether a stop string matched."""
+        if self._stopped:
+            return "", True
+        if not self._stop:
+            return delta, False
+        text = self._held + delta
+        match = self._earliest_match(text)
+        candidate = self._earliest_candidate(text)
+        if match is not None and match <= candidate:
+            self._held = ""
+            self._stopped = True
+            return text[:match], True
+        self._held = text[candidate:]
+        return text[:candidate], False
+
+    def flush(self) -> str:
+        """At the end of the stream: release the held-back text (cut at a match that was waiting)."""
+        if self._stopped:
+            return ""
+        text, self._held = self._held, ""
+        match = self._earliest_match(text)
+        if match is not None:
+            self._stopped = True
+            return text[:match]
+        return text
+
+    def _earliest_match(self, text: str) -> int | None:
+        found = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        return min(found) if found else None
+
+    def _earliest_candidate(self, text: str) -> int:
+        """Start of the longest tail of ``text`` that is a proper prefix of a stop string (``len(text)`` if none)."""
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return len(text) - longest

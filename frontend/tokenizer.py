@@ -1,0 +1,434 @@
+"""The frontend's tokenizer: HF ``tokenizer.json`` plus ``tokenizer_config.json``, without transformers.
+
+transformers' tokenizer classes import torch whenever torch is installed, and the frontend
+process must never import torch (it would cost seconds of startup and hundreds of MB in a
+process that only handles text). So this module rebuilds the part of transformers 5 that
+serving needs on top of the ``tokenizers`` library and jinja2, and matches it exactly:
+
+- ``encode`` is the backend pipeline of ``tokenizer.json``. transformers 5 drops
+  ``add_bos_token``/``add_eos_token`` from ``tokenizer_config.json`` whenever a
+  ``tokenizer.json`` exists, so BOS/EOS come from its post-processor alone (none if it has
+  none); truncation and padding saved in the file are turned off as transformers does.
+- Model-specific transformers classes may rebuild part of that pipeline instead of using
+  it as saved. ``LlamaTokenizer`` (Llama 2, Mistral) does, and differs from the older
+  sentencepiece-style files (no ``▁`` is prepended after a special token or to text that
+  starts with a space), so its rebuild is mirrored here; ``Qwen2Tokenizer``'s equals the
+  published files. Other classes are used as ``tokenizer.json`` says.
+- Special tokens named in the config but missing from ``tokenizer.json`` are added as
+  transformers adds them (``added_tokens_decoder`` entries first, then the named ones).
+- Chat templates render in a sandbox configured like transformers' (immutable sandbox,
+  ``trim_blocks``/``lstrip_blocks``, loop controls, the ``{% generation %}`` tag, a
+  ``tojson`` that keeps non-ASCII, ``raise_exception``, ``strftime_now``), with the named
+  special tokens as variables, and the rendered text is encoded without adding special
+  tokens (a template that wants BOS writes it).
+- ``decode`` is the backend decoder. transformers 5 never applies
+  ``clean_up_tokenization_spaces`` to BPE models (the Llama family), so neither do we.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+# Named special tokens, in transformers' order; each is also a chat-template variable.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Names a message's reasoning travels under; templates read the first (gpt-oss reads "thinking").
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# sentencepiece-style byte-fallback pieces: one raw UTF-8 byte each.
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint, and its chat template.
+
+    Invariants: ``encode``/``apply_chat_template``/``decode`` equal transformers 5's
+    ``AutoTokenizer`` on the same directory (for the tokenizer classes the module docstring
+    names); every id this returns is below ``vocab_size``.
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        special_tokens: Mapping[str, str],
+        extra_special_tokens: Sequence[str] = (),
+        chat_templates: Mapping[str, str] | None = None,
+        source: str = "<memory>",
+    ) -> None:
+        self._backend = backend
+        self._special_tokens = dict(special_tokens)
+        self._chat_templates = dict(chat_templates or {})
+        self._source = source
+        names = [*self._special_tokens.values(), *extra_special_tokens]
+        ids = (backend.token_to_id(t) for t in dict.fromkeys(names))
+        self._all_special_ids = [i for i in ids if i is not None]
+        self._skipped_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        model = backend.model
+        byte_fallback = isinstance(model, models.BPE) and model.byte_fallback
+        vocab = backend.get_vocab(with_added_tokens=False) if byte_fallback else {}
+        pieces = {i: int(t[3:5], 16) for t, i in vocab.items() if _BYTE_PIECE.fullmatch(t)}
+        self._byte_pieces = MappingProxyType(pieces)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` (required), ``tokenizer_config.json`` and chat template files from ``path``."""
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {root} does not exist or is not a directory")
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(
+                f"{tok_file} not found: the frontend reads only the fast-tokenizer file. If this checkpoint ships "
+                f"a slow tokenizer (tokenizer.model, or vocab.json + merges.txt), run `bin/convert-tokenizer {root}` "
+                "once to write tokenizer.json from it"
+            )
+        try:
+            backend = BackendTokenizer.from_file(str(tok_file))
+        except Exception as exc:  # the Rust side raises a bare Exception for malformed files
+            raise ValueError(f"cannot load {tok_file}: {exc}") from None
+        config = _read_json(root / "tokenizer_config.json") or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{root / 'tokenizer_config.json'}: expected a JSON object")
+
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        if config.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast"):
+            _rebuild_like_llama_tokenizer(backend, config)
+
+        special = {name: _token_content(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None}
+        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+        if isinstance(extra, dict):  # v5 may name them: {"image_token": "<image>", ...}
+            extra = list(extra.values())
+        extra = [_token_content(t) for t in extra]
+        _add_missing_tokens(backend, config.get("added_tokens_decoder") or {}, [*special.values(), *extra])
+        return cls(backend, special, extra, _chat_templates(root, config), source=str(root))
+
+    # ------------------------------------------------------------------ vocabulary
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct tokens, added tokens included (``len(tokenizer)`` in transformers)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of the named special tokens, then the extra ones, without duplicates."""
+        return list(self._all_special_ids)
+
+    @property
+    def skipped_ids(self) -> frozenset[int]:
+        """Ids that ``decode(..., skip_special_tokens=True)`` drops: the added tokens flagged special."""
+        return self._skipped_ids
+
+    @property
+    def byte_pieces(self) -> Mapping[int, int]:
+        """Id -> byte value of the ``<0xNN>`` pieces, when the model falls back to bytes (empty otherwise).
+
+        The decoder turns a run of them into text all at once, and an invalid run into one
+        U+FFFD per byte, so a run's text is not final until a non-byte token ends it.
+        """
+        return self._byte_pieces
+
+    def _special_id(self, name: str) -> int | None:
+        token = self._special_tokens.get(name)
+        return None if token is None else self._backend.token_to_id(token)
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+        """Vocabulary strings of ``ids`` (byte-level or sentencepiece pieces); None for unknown ids."""
+        if isinstance(ids, int):
+            return self._backend.id_to_token(ids)
+        return [self._backend.id_to_token(int(i)) for i in ids]
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens (e.g. BOS) are added as tokenizer.json's post-processor says."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; ids outside the vocabulary are dropped (as the backend does)."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template ``render_chat`` uses: the only one, or the one named ``default``."""
+        return self._chat_templates.get("default")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages``, as transformers' ``apply_chat_template(..., tokenize=False)``."""
+        template = self.chat_template
+        if template is None:
+            if self._chat_templates:
+                raise ValueError(
+                    f"the tokenizer in {self._source} has several chat templates "
+                    f"({', '.join(sorted(self._chat_templates))}) and none is named 'default'"
+                )
+            raise ValueError(
+                f"the tokenizer in {self._source} has no chat template (no chat_template in tokenizer_config.json, "
+                "no chat_template.jinja): send a text prompt or token ids instead of messages"
+            )
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+        chat = []
+        for message in messages:
+            if not isinstance(message, Mapping):
+                raise ValueError(f"each message must be an object with 'role' and 'content', got {message!r}")
+            chat.append(_alias_reasoning({k: _plain(v) for k, v in message.items() if v is not None}))
+        try:
+            return _compile(template).render(
+                messages=chat,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template error: {exc}") from None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of :meth:`render_chat`'s text; no special tokens beyond those the template writes."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+# ---------------------------------------------------------------------- loading helpers
+
+
+def _read_json(path: Path) -> Any:
+    """Parsed JSON at ``path``, or None when there is no such file."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot parse {path}: {exc}") from None
+
+
+def _token_content(value: Any) -> str:
+    """A special token's text from a config value: a string or a serialized AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"unrecognized special token entry in tokenizer_config.json: {value!r}")
+
+
+def _add_missing_tokens(backend: BackendTokenizer, added_tokens_decoder: dict, special: list[str]) -> None:
+    """Add tokens the config declares but tokenizer.json lacks, in transformers' order.
+
+    They take the next free ids, as in transformers, so ``vocab_size`` and every id agree with it.
+    """
+    tokens: list[AddedToken] = []
+    seen: set[str] = set()
+    for _, entry in sorted(added_tokens_decoder.items(), key=lambda kv: int(kv[0])):
+        content = _token_content(entry)
+        if backend.token_to_id(content) is None and content not in seen:
+            props = entry if isinstance(entry, dict) else {}
+            tokens.append(
+                AddedToken(
+                    content,
+                    single_word=bool(props.get("single_word", False)),
+                    lstrip=bool(props.get("lstrip", False)),
+                    rstrip=bool(props.get("rstrip", False)),
+                    normalized=bool(props.get("normalized", not props.get("special", True))),
+                    special=bool(props.get("special", True)),
+                )
+            )
+            seen.add(content)
+    for content in special:
+        if backend.token_to_id(content) is None and content not in seen:
+            tokens.append(AddedToken(content, special=True, normalized=False))
+            seen.add(content)
+    if tokens:
+        backend.add_tokens(tokens)
+
+
+def _rebuild_like_llama_tokenizer(backend: BackendTokenizer, config: dict) -> None:
+    """Give ``backend`` the normalizer, pre-tokenizer and decoder transformers 5's ``LlamaTokenizer`` builds.
+
+    That class keeps only the vocabulary, merges and post-processor of tokenizer.json: no
+    normalizer, a Metaspace pre-tokenizer over the whole text that prepends ``▁`` only at
+    the very start (or never, without ``add_prefix_space``), and the matching decoder.
+    """
+    if not isinstance(backend.model, models.BPE):
+        return  # that class only knows BPE; anything else is used as saved
+    add_prefix_space = config.get("add_prefix_space")
+    add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
+    scheme = ("always" if config.get("legacy") else "first") if add_prefix_space else "never"
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+
+
+def _chat_templates(root: Path, config: dict) -> dict[str, str]:
+    """Named chat templates, ``default`` being the one used without a name.
+
+    Precedence as in transformers: template files (``chat_template.jinja`` and
+    ``additional_chat_templates/*.jinja``) replace any template in tokenizer_config.json.
+    A processor-style ``chat_template.json`` is the last resort.
+    """
+    files: dict[str, str] = {}
+    default_file = root / "chat_template.jinja"
+    if default_file.is_file():
+        files["default"] = default_file.read_text(encoding="utf-8")
+    extra_dir = root / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for f in sorted(extra_dir.glob("*.jinja")):
+            files[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
+    if files:
+        return files
+    entry = config.get("chat_template")
+    if isinstance(entry, str):
+        return {"default": entry}
+    if isinstance(entry, list):  # [{"name": ..., "template": ...}, ...]
+        return {t["name"]: t["template"] for t in entry}
+    legacy = _read_json(root / "chat_template.json")
+    if isinstance(legacy, dict) and isinstance(legacy.get("chat_template"), str):
+        return {"default": legacy["chat_template"]}
+    return {}
+
+
+# ---------------------------------------------------------------------- message preparation
+
+
+def _plain(value: Any) -> Any:
+    """A fresh copy of ``value`` made of JSON types only.
+
+    Templates are untrusted code run in a sandbox that only knows which methods of the
+    builtin types are safe; anything else (bytes from msgpack, custom objects) becomes an
+    inert ``<typename>`` placeholder, as transformers does.
+    """
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return f"<{type(value).__name__}>"
+
+
+def _alias_reasoning(message: dict) -> dict:
+    """Expose a message's reasoning under the names templates read (``reasoning_content``, ``thinking``)."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+# ---------------------------------------------------------------------- the template sandbox
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; it renders its body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace()`` that refuses underscore attributes, which could reach interpreter internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's own signature trick
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attribute {name!r}")
+
+
+class _TemplateDict:
+    """``dict(...)`` and ``dict.fromkeys`` only: the builtin type itself would expose its attributes."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes HTML characters and non-ASCII; templates expect plain JSON
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template does not compile: {exc}") from None

@@ -1,0 +1,212 @@
+"""Test tokenizers shaped like the three families the frontend must match transformers on.
+
+Each is trained here on a tiny corpus (so nothing is downloaded) and saved as a checkpoint
+directory would ship it: ``tokenizer.json`` plus ``tokenizer_config.json``.
+
+- ``bytelevel``: Llama-3 style byte-level BPE, BOS from the post-processor, no chat template.
+- ``chatml``: Qwen2 style (NFC, Qwen's split regex, byte-level BPE, no BOS), ChatML template.
+- ``spm``: Mistral style sentencepiece BPE with byte fallback (``<0xNN>`` pieces), the
+  Metaspace pre-tokenizer and the decoder transformers' ``LlamaTokenizer`` builds.
+- ``spm_legacy``: the same vocabulary in the older file layout Llama 2 ships (a normalizer
+  that prepends ``▁`` and replaces spaces, no pre-tokenizer), which transformers 5 does not
+  follow as saved.
+
+Training is deterministic, so every run tests the same vocabularies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_DIR = REPO / "common" / "demo"
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It's 2024; we're testing tokenizers!",
+    "Hello, world. Hello again: numbers 12345 and 3.14159, symbols #@$%^&*().",
+    "Le café est déjà prêt. Crème brûlée, naïve façade, garçon, élève, Noël.",
+    "Straße und Größe; Übermäßig schön. ¿Dónde está la niña? Mañana.",
+    "def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]\n",
+    "Streaming detokenization must hold back incomplete characters.\n\nNew paragraph\twith tab.",
+    "日本語のテキスト。你好世界。한국어.",
+    "Emoji 😀 🎉 👍 🚀 and a family 👨‍👩‍👧 and flags 🇫🇷.",
+] * 4
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+INST_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def _added(content: str) -> dict:
+    return {
+        "content": content,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "single_word": False,
+        "special": True,
+    }
+
+
+def _save(path: Path, tok: Tokenizer, config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    added = {str(tok.token_to_id(t.content)): _added(t.content) for t in tok.get_added_tokens_decoder().values()}
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "added_tokens_decoder": added}, indent=1))
+    return path
+
+
+def _byte_level_bpe(split: str, specials: list[str], vocab_size: int, nfc: bool) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in specials],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def build_bytelevel(path: Path) -> Path:
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    tok = _byte_level_bpe(LLAMA3_SPLIT, [bos, eos, "<|eot_id|>"], 420, nfc=False)
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]),
+        ]
+    )
+    return _save(path, tok, {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos})
+
+
+def build_chatml(path: Path) -> Path:
+    tok = _byte_level_bpe(QWEN_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], 400, nfc=True)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "chat_template": CHATML_TEMPLATE,
+    }
+    return _save(path, tok, config)
+
+
+def build_spm(path: Path) -> Path:
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=specials + byte_pieces, show_progress=False)
+    # CJK and emoji stay out of the vocabulary: they must fall back to bytes.
+    tok.train_from_iterator([line for line in CORPUS if max(map(ord, line)) < 0x2000], trainer=trainer)
+    # As shipped by Llama-2/Mistral: byte pieces live in the model vocabulary, not as added tokens,
+    # and the whole input is one piece sequence (split=False), as transformers' LlamaTokenizer builds it.
+    data = json.loads(tok.to_str())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] in specials]
+    data["model"].update(unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    data["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    config = {
+        "tokenizer_class": "LlamaTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "legacy": False,
+        "chat_template": INST_TEMPLATE,
+    }
+    return _save(path, tok, config)
+
+
+def build_spm_legacy(path: Path) -> Path:
+    build_spm(path)
+    data = json.loads((path / "tokenizer.json").read_text())
+    data["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        ],
+    }
+    data["pre_tokenizer"] = None
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    return path
+
+
+BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "bytelevel": build_bytelevel,
+    "chatml": build_chatml,
+    "spm": build_spm,
+    "spm_legacy": build_spm_legacy,
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Name -> checkpoint directory, for the three test tokenizers and the demo one."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    dirs = {name: build(root / name) for name, build in BUILDERS.items()}
+    dirs["demo"] = DEMO_DIR
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def ours(tokenizer_dirs):
+    """Name -> conveyor Tokenizer."""
+    from conveyor.frontend.tokenizer import Tokenizer as ConveyorTokenizer
+
+    return {name: ConveyorTokenizer.from_dir(path) for name, path in tokenizer_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def hf(tokenizer_dirs):
+    """Name -> transformers AutoTokenizer, the reference (skipped where transformers is absent)."""
+    transformers = pytest.importorskip("transformers")
+    return {name: transformers.AutoTokenizer.from_pretrained(str(path)) for name, path in tokenizer_dirs.items()}

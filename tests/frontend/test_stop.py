@@ -1,0 +1,92 @@
+"""StopStringMatcher: a stream never shows any part of a stop string, wherever deltas split it."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.frontend.stop import StopStringMatcher
+
+
+def run(stop: list[str], deltas: list[str]) -> tuple[list[str], bool]:
+    """Feed ``deltas``; return what each feed (and the final flush, unless stopped) released."""
+    matcher = StopStringMatcher(stop)
+    out = []
+    for delta in deltas:
+        text, stopped = matcher.feed(delta)
+        out.append(text)
+        if stopped:
+            return out, True
+    out.append(matcher.flush())
+    return out, matcher.stopped
+
+
+def test_stop_string_split_across_deltas_is_never_shown() -> None:
+    out, stopped = run(["STOP"], ["abc ST", "O", "P and more"])
+    assert out == ["abc ", "", ""] and stopped
+
+
+def test_text_that_only_looked_like_a_stop_string_is_released() -> None:
+    out, stopped = run(["STOP"], ["abc ST", "O", "RM"])
+    assert out == ["abc ", "", "STORM", ""] and not stopped
+
+
+def test_stop_at_the_very_start() -> None:
+    matcher = StopStringMatcher(["Hello"])
+    assert matcher.feed("Hello world") == ("", True)
+    assert matcher.feed("more") == ("", True)
+    assert matcher.flush() == ""
+
+
+def test_held_back_text_is_released_at_flush() -> None:
+    matcher = StopStringMatcher(["END"])
+    assert matcher.feed("the story EN") == ("the story ", False)
+    assert matcher.flush() == "EN"
+    assert not matcher.stopped
+
+
+def test_earliest_match_wins_across_overlapping_stop_strings() -> None:
+    # "bc" matches first in time, but "abcd" starts earlier once it completes
+    assert run(["abcd", "bc"], ["ab", "c", "d"]) == (["", "", ""], True)
+    # ... and if it does not complete, "bc" stands
+    assert run(["abcd", "bc"], ["ab", "c", "x"]) == (["", "", "a"], True)
+    # a match waiting on an earlier candidate is resolved by flush
+    matcher = StopStringMatcher(["abcd", "bc"])
+    assert matcher.feed("xabc") == ("x", False)
+    assert matcher.flush() == "a" and matcher.stopped
+
+
+def test_self_overlapping_stop_string() -> None:
+    assert "".join(run(["aab"], ["a", "a", "a", "b"])[0]) == "a"
+    assert "".join(run(["aab"], ["aaa", "c"])[0]) == "aaac"
+
+
+def test_no_stop_strings_is_pass_through() -> None:
+    matcher = StopStringMatcher([])
+    assert matcher.feed("anything") == ("anything", False)
+    assert matcher.flush() == ""
+    assert run(["", ""], ["abc"]) == (["abc", ""], False)  # empty strings are ignored
+
+
+def test_multibyte_stop_strings() -> None:
+    assert run(["。"], ["你好", "世界。", "再见"]) == (["你好", "世界"], True)
+
+
+def reference(stop: list[str], text: str) -> tuple[str, bool]:
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
+    text=st.text(alphabet="abcd", max_size=30),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+)
+def test_stream_equals_the_text_cut_at_the_earliest_stop(stop, text, cuts) -> None:
+    bounds = [0, *sorted(c for c in cuts if c <= len(text)), len(text)]
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    out, stopped = run(stop, deltas)
+    expected, expect_stop = reference(stop, text)
+    assert "".join(out) == expected
+    assert stopped == expect_stop  # text once released is never taken back, so no part of a match showed

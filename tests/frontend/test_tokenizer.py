@@ -1,0 +1,215 @@
+"""conveyor's Tokenizer against transformers' AutoTokenizer on the same directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conveyor.frontend.tokenizer import Tokenizer
+
+NAMES = ["bytelevel", "chatml", "spm", "spm_legacy", "demo"]
+CHAT_NAMES = ["chatml", "spm", "spm_legacy", "demo"]
+HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Pieces that stress the pipelines: multi-byte characters, combining marks (NFC), runs of
+# spaces and newlines, sentencepiece's own space symbol, and special-token text.
+FRAGMENTS = [
+    "a", "The", " quick", "  ", " ", "\n", "\n\n", "\t", "é", "e\u0301", "ß", "😀", "👨‍👩‍👧", "🇫🇷", "你好", "日本",
+    "▁", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|eot_id|>", "123", "'s", "!?",
+]  # fmt: skip
+texts = st.one_of(st.text(max_size=60), st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vocabulary_matches_transformers(name, ours, hf) -> None:
+    tok, ref = ours[name], hf[name]
+    assert tok.vocab_size == len(ref)
+    assert tok.bos_token_id == ref.bos_token_id
+    assert tok.eos_token_id == ref.eos_token_id
+    assert tok.all_special_ids == ref.all_special_ids
+    ids = list(range(0, tok.vocab_size, 7))
+    assert tok.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+    assert tok.convert_ids_to_tokens(3) == ref.convert_ids_to_tokens(3)
+
+
+@HYPOTHESIS
+@given(text=texts)
+def test_encode_matches_transformers(ours, hf, text) -> None:
+    for name in NAMES:
+        assert ours[name].encode(text) == hf[name].encode(text), name
+        plain = ours[name].encode(text, add_special_tokens=False)
+        assert plain == hf[name].encode(text, add_special_tokens=False), name
+
+
+@pytest.mark.parametrize(("name", "bos"), [("bytelevel", 0), ("demo", 0), ("spm", 1), ("spm_legacy", 1), ("chatml", None)])
+def test_bos_comes_from_the_post_processor(name, bos, ours) -> None:
+    """transformers 5 ignores add_bos_token when tokenizer.json exists (spm's config says True; chatml has no BOS)."""
+    with_special = ours[name].encode("Hello world")
+    plain = ours[name].encode("Hello world", add_special_tokens=False)
+    assert with_special == ([bos] if bos is not None else []) + plain
+
+
+def test_add_bos_token_in_the_config_is_ignored_like_transformers(tmp_path, tokenizer_dirs) -> None:
+    transformers = pytest.importorskip("transformers")
+    root = _copy(tokenizer_dirs["spm"], tmp_path / "tok")
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    (root / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False, "add_eos_token": True}))
+    ids = Tokenizer.from_dir(root).encode("Hello world")
+    assert ids == transformers.AutoTokenizer.from_pretrained(str(root)).encode("Hello world")
+    assert ids[0] == 1 and ids[-1] != 2
+
+
+@HYPOTHESIS
+@given(data=st.data())
+def test_decode_matches_transformers(ours, hf, data) -> None:
+    for name in NAMES:
+        ids = data.draw(st.lists(st.integers(0, ours[name].vocab_size - 1), max_size=40), label=name)
+        for skip in (True, False):
+            assert ours[name].decode(ids, skip_special_tokens=skip) == hf[name].decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_roundtrip_of_multibyte_text(name, ours) -> None:
+    text = "Café déjà vu: 😀 你好世界 👨‍👩‍👧 🇫🇷!"
+    assert ours[name].decode(ours[name].encode(text)) == text
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "  And 3+3?  "},
+    ],
+    [{"role": "user", "content": "Unicode: café 😀 你好 — «quotes»\nsecond line"}],
+    [{"role": "user", "content": "special text in content: <|im_end|> <s> <|eot_id|>"}],
+    [{"role": "user", "content": "tool calls are dropped when None", "tool_calls": None}],
+]
+SYSTEM = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("name", CHAT_NAMES)
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(name, conversation, add_generation_prompt, ours, hf) -> None:
+    messages = CONVERSATIONS[conversation]
+    text = ours[name].render_chat(messages, add_generation_prompt=add_generation_prompt)
+    assert text == hf[name].apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    ids = ours[name].apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    expected = hf[name].apply_chat_template(messages, add_generation_prompt=add_generation_prompt, return_dict=False)
+    assert ids == list(expected)
+
+
+@pytest.mark.parametrize("name", ["chatml", "demo"])
+def test_chat_template_with_system_message(name, ours, hf) -> None:
+    expected = hf[name].apply_chat_template(SYSTEM, add_generation_prompt=True, tokenize=False)
+    assert ours[name].render_chat(SYSTEM) == expected
+
+
+def test_demo_chat_starts_with_one_bos_and_accepts_content_parts(ours, hf) -> None:
+    tok = ours["demo"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
+    ids = tok.apply_chat_template(parts)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert ids == list(hf["demo"].apply_chat_template(parts, add_generation_prompt=True, return_dict=False))
+    assert tok.render_chat(parts) == tok.render_chat([{"role": "user", "content": "Hello there"}])
+
+
+def test_template_exception_is_a_value_error(ours) -> None:
+    with pytest.raises(ValueError, match="Only user and assistant roles"):
+        ours["spm"].render_chat(SYSTEM)
+
+
+def test_no_chat_template_is_a_clear_error(ours) -> None:
+    with pytest.raises(ValueError, match="no chat template"):
+        ours["bytelevel"].apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("messages", [[], "hello", [["role", "user"]]])
+def test_malformed_messages_are_value_errors(messages, ours) -> None:
+    with pytest.raises(ValueError):
+        ours["demo"].render_chat(messages)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# Exercises what transformers' sandbox adds to jinja: loop controls, the generation tag,
+# a tojson that keeps non-ASCII, namespace(), dict(), strftime_now.
+FEATURE_TEMPLATE = (
+    "{% set ns = namespace(n=0) %}"
+    "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+    "{% set ns.n = ns.n + 1 %}"
+    "{% generation %}{{ m['role'] }}={{ m['content'] | tojson }}{% endgeneration %}\n"
+    "{% endfor %}"
+    "{{ dict(a=1) | tojson }} {{ ns.n }} {{ bos_token }}{{ eos_token }}"
+    "{% if strftime_now('%Y') | length == 4 %} year{% endif %}"
+    "{% if add_generation_prompt %}>{% endif %}"
+)
+
+
+def test_template_features_match_transformers(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    root = _copy(Path(__file__).resolve().parents[2] / "common" / "demo", tmp_path / "tok")
+    (root / "chat_template.jinja").write_text(FEATURE_TEMPLATE)  # overrides tokenizer_config's template
+    messages = [
+        {"role": "user", "content": 'é 你好 "q"'},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "x"},
+    ]
+    ours = Tokenizer.from_dir(root).render_chat(messages)
+    ref = transformers.AutoTokenizer.from_pretrained(str(root)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert ours == ref
+    assert '"é 你好 \\"q\\""' in ours and ours.endswith(" year>")
+
+
+def test_sandbox_refuses_underscore_namespace_attributes(tmp_path) -> None:
+    root = _copy(Path(__file__).resolve().parents[2] / "common" / "demo", tmp_path / "tok")
+    (root / "chat_template.jinja").write_text("{% set ns = namespace(__class__=1) %}x")
+    with pytest.raises(ValueError, match="underscore"):
+        Tokenizer.from_dir(root).render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_processor_style_chat_template_json_is_a_fallback(tmp_path, tokenizer_dirs) -> None:
+    root = _copy(tokenizer_dirs["bytelevel"], tmp_path / "tok")
+    (root / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}!"}))
+    assert Tokenizer.from_dir(root).render_chat([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+def test_special_token_missing_from_tokenizer_json_is_added_like_transformers(tmp_path, tokenizer_dirs) -> None:
+    transformers = pytest.importorskip("transformers")
+    root = _copy(tokenizer_dirs["bytelevel"], tmp_path / "tok")
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    (root / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<pad>"}))
+    tok, ref = Tokenizer.from_dir(root), transformers.AutoTokenizer.from_pretrained(str(root))
+    assert tok.vocab_size == len(ref)
+    assert tok.encode("a<pad>b") == ref.encode("a<pad>b")
+    assert tok.all_special_ids == ref.all_special_ids
+
+
+def test_missing_tokenizer_json_says_how_to_make_one(tmp_path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json.*bin/convert-tokenizer"):
+        Tokenizer.from_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Tokenizer.from_dir(tmp_path / "nowhere")
+
+
+def test_malformed_files_are_named(tmp_path, tokenizer_dirs) -> None:
+    root = _copy(tokenizer_dirs["bytelevel"], tmp_path / "tok")
+    (root / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        Tokenizer.from_dir(root)
+    (root / "tokenizer_config.json").write_text("{}")
+    (root / "tokenizer.json").write_text('{"model": 1}')
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_dir(root)

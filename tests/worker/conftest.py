@@ -1,0 +1,209 @@
+"""Shared fixtures for worker tests: tiny random checkpoints of each supported family, saved
+the way transformers saves real ones, and a scripted scheduler that drives a ModelRunner.
+
+Every parameter is re-drawn (norm weights around 1, biases nonzero) so that a weight loaded
+into the wrong place changes the outputs; stock initialisation leaves biases at zero and
+norms at one, which would hide such mistakes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from conveyor.common.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from conveyor.worker.model_runner import ModelRunner
+
+torch.set_num_threads(2)
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=128,
+    attn_implementation="eager",
+)
+
+# name -> (config class, architecture, overrides of SMALL)
+CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
+    "llama": (LlamaConfig, "LlamaForCausalLM", {}),
+    "llama_mha_bias": (LlamaConfig, "LlamaForCausalLM", {"num_key_value_heads": 4, "attention_bias": True}),
+    "llama3_rope": (
+        LlamaConfig,
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "mistral_window": (MistralConfig, "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2_tied": (Qwen2Config, "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 1}),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+
+
+def make_checkpoint(name: str, directory: Path) -> torch.nn.Module:
+    """Save checkpoint ``name`` into ``directory``; return the HF model, eval mode, EOS disabled."""
+    config_class, architecture, overrides = CHECKPOINTS[name]
+    config = config_class(**{**SMALL, **overrides, "architectures": [architecture]})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    randomize(model, seed=sorted(CHECKPOINTS).index(name))
+    model.save_pretrained(directory)
+    model.generation_config.eos_token_id = None  # the reference must not stop early
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, torch.nn.Module]]:
+    """``factory(name) -> (checkpoint dir, HF model)``, each built once per session."""
+    built: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def factory(name: str) -> tuple[Path, torch.nn.Module]:
+        if name not in built:
+            directory = tmp_path_factory.mktemp(name)
+            built[name] = (directory, make_checkpoint(name, directory))
+        return built[name]
+
+    return factory
+
+
+@pytest.fixture(params=sorted(CHECKPOINTS))
+def checkpoint(request: pytest.FixtureRequest, checkpoint_factory) -> tuple[str, Path, torch.nn.Module]:
+    """Every supported variant in turn: ``(name, dir, hf_model)``."""
+    directory, model = checkpoint_factory(request.param)
+    return request.param, directory, model
+
+
+@pytest.fixture
+def llama_dir(checkpoint_factory) -> Path:
+    return checkpoint_factory("llama")[0]
+
+
+def rewrite_config(directory: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+# ---------------------------------------------------------------- scripted scheduler
+
+
+@dataclass
+class Script:
+    """One request of a scripted run.
+
+    Joins at step ``join``; its prompt (and, after a preemption, its outputs too) is fed
+    ``chunk`` tokens per step (all at once if None); it finishes after ``max_new`` tokens.
+    With ``preempt_after`` set, it is dropped (blocks freed) once it has that many outputs
+    and resumes next step as a new request recomputing everything.
+    """
+
+    request_id: str
+    prompt: list[int]
+    max_new: int
+    join: int = 0
+    chunk: int | None = None
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    preempt_after: int | None = None
+    # state kept by the driver
+    outputs: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    registered: bool = False
+    done: bool = False
+    preempted: bool = False
+
+
+class ScriptedScheduler:
+    """A minimal scheduler: feeds a :class:`ModelRunner` plans for ``scripts`` until all finish.
+
+    Blocks come from a shuffled free list and return to it when a request leaves, so
+    tables are non-contiguous and blocks are reused with stale contents. It asserts the
+    runner samples exactly for the requests whose known tokens are all computed.
+    """
+
+    def __init__(self, runner: ModelRunner, scripts: list[Script], seed: int = 0) -> None:
+        self.runner = runner
+        self.scripts = scripts
+        self.free = torch.randperm(runner.num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.batch_sizes: list[int] = []
+
+    def run(self, max_steps: int = 200) -> dict[str, list[int]]:
+        finished: list[str] = []
+        for step in range(max_steps):
+            if all(s.done for s in self.scripts):
+                result = self.runner.execute(StepPlan(step, [], [], finished))  # retire the last ones
+                assert result.request_ids == [] and result.sampled_token_ids == []
+                return {s.request_id: s.outputs for s in self.scripts}
+            new, cached, scheduled = [], [], {}
+            for s in self.scripts:
+                if s.done or step < s.join:
+                    continue
+                tokens = s.prompt + s.outputs
+                remaining = len(tokens) - s.computed
+                n = remaining if s.chunk is None else min(s.chunk, remaining)
+                needed = -(-(s.computed + n) // self.runner.block_size)
+                fresh = [self.free.pop() for _ in range(needed - len(s.blocks))]
+                s.blocks += fresh
+                if s.registered:
+                    cached.append(CachedRequestData(s.request_id, fresh, s.computed, n))
+                else:
+                    new.append(NewRequestData(s.request_id, list(tokens), s.sampling, list(s.blocks), s.computed, n))
+                    s.registered = True
+                scheduled[s.request_id] = (s, n, s.computed + n == len(tokens))
+            result = self.runner.execute(StepPlan(step, new, cached, finished))
+            finished = []
+            self.batch_sizes.append(len(scheduled))
+            assert result.error is None
+            order = [r.request_id for r in new] + [r.request_id for r in cached]  # the runner's order
+            assert result.request_ids == [rid for rid in order if scheduled[rid][2]]
+            sampled = dict(zip(result.request_ids, result.sampled_token_ids))
+            for rid, (s, n, _) in scheduled.items():
+                s.computed += n
+                if rid in sampled:
+                    s.outputs.append(sampled[rid])
+                leaving = len(s.outputs) == s.max_new
+                preempt = s.preempt_after is not None and not s.preempted and len(s.outputs) == s.preempt_after
+                if leaving or preempt:
+                    finished.append(rid)
+                    self.free += s.blocks
+                    s.blocks, s.registered, s.computed = [], False, 0
+                    s.done, s.preempted = leaving, s.preempted or preempt
+        raise AssertionError("scripted run did not finish")
+
+
+@pytest.fixture
+def scripted() -> type[ScriptedScheduler]:
+    return ScriptedScheduler
+
+
+@pytest.fixture
+def script() -> type[Script]:
+    return Script

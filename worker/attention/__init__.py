@@ -1,0 +1,1 @@
+"""Paged attention behind one interface: :mod:`.backend` defines it, each other module implements it."""

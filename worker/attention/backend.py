@@ -1,0 +1,141 @@
+"""The contract between the model and an attention implementation over the paged KV cache.
+
+The model runs one flattened ragged batch per step: the new tokens of every scheduled
+sequence laid end to end, ``T`` tokens in all, no padding. :class:`AttentionMetadata`
+describes how those tokens split into sequences and where their keys and values live in
+the block pool; every layer of the step reads the same metadata.
+
+KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 keys, 1 values). Token ``p`` of a sequence lives in block ``block_table[p //
+block_size]`` at offset ``p % block_size``, i.e. flat slot ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def token_positions(query_lens: Sequence[int], context_lens: Sequence[int]) -> np.ndarray:
+    """Absolute position of every new token of the flattened batch, int64 ``[sum(query_lens)]``.
+
+    Sequence ``i`` contributes ``context_lens[i] .. context_lens[i] + query_lens[i] - 1``.
+    """
+    query = np.asarray(query_lens, dtype=np.int64)
+    starts = np.cumsum(query) - query
+    offsets = np.asarray(context_lens, dtype=np.int64) - starts
+    return np.arange(int(query.sum()), dtype=np.int64) + np.repeat(offsets, query)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the new tokens of one step come from and go to. Shared by all layers of the step.
+
+    Device tensors (on the model's device):
+      ``query_start_loc`` int32 ``[B+1]``: sequence ``i``'s new tokens are rows
+      ``query_start_loc[i]:query_start_loc[i+1]`` of the flattened batch.
+      ``seq_lens`` int32 ``[B]``: tokens in context after this step (cached + new).
+      ``context_lens`` int32 ``[B]``: tokens already cached before this step.
+      ``block_tables`` int32 ``[B, max_blocks]``: the blocks holding positions
+      ``0..seq_lens[i]-1``; entries past a sequence's last needed block are 0 and never read.
+      ``slot_mapping`` int64 ``[T]``: flat cache slot of each new token, -1 = do not store.
+
+    Host copies (``*_host``) let CPU backends loop over sequences without a device sync.
+    Invariant: ``seq_lens == context_lens + diff(query_start_loc)``, every query length >= 1.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_seq_len: int
+    max_query_len: int
+    block_size: int
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Metadata for sequences with these new-token counts, cached-token counts and block tables.
+
+        Each block table must cover ``context_len + query_len`` tokens; longer tables are
+        cut to the blocks the step needs, so ``max_blocks`` tracks the longest context.
+        """
+        query = np.asarray(query_lens, dtype=np.int64)
+        context = np.asarray(context_lens, dtype=np.int64)
+        seq = context + query
+        blocks_needed = -(-seq // block_size)
+        max_blocks = int(blocks_needed.max()) if len(seq) else 0
+        table = np.zeros((len(seq), max_blocks), dtype=np.int64)
+        for row, (blocks, needed) in enumerate(zip(block_tables, blocks_needed.tolist())):
+            if len(blocks) < needed:
+                raise ValueError(f"sequence {row}: {len(blocks)} blocks cannot hold {int(seq[row])} tokens")
+            table[row, :needed] = blocks[:needed]
+
+        positions = token_positions(query, context)
+        rows = np.repeat(np.arange(len(seq)), query)
+        slots = table[rows, positions // block_size] * block_size + positions % block_size
+        start_loc = np.concatenate([[0], np.cumsum(query)])
+
+        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype, non_blocking=True)
+
+        return cls(
+            query_start_loc=to_device(start_loc, torch.int32),
+            seq_lens=to_device(seq, torch.int32),
+            context_lens=to_device(context, torch.int32),
+            block_tables=to_device(table, torch.int32),
+            slot_mapping=to_device(slots, torch.int64),
+            max_seq_len=int(seq.max()) if len(seq) else 0,
+            max_query_len=int(query.max()) if len(query) else 0,
+            block_size=block_size,
+            query_start_loc_host=start_loc.tolist(),
+            seq_lens_host=seq.tolist(),
+        )
+
+
+class AttentionBackend(abc.ABC):
+    """Attention over the paged KV cache for a flattened ragged batch.
+
+    Per layer the model calls :meth:`store_kv` with the new tokens' keys and values, then
+    :meth:`forward`, which reads every key/value of each sequence (cached prefix and new
+    tokens alike) from the cache. Query heads share kv heads in contiguous groups: query
+    head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+    """
+
+    @abc.abstractmethod
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their slots (-1 slots skipped)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Causal attention of ``query`` ``[T, num_heads, head_dim]``; returns ``[T, num_heads, head_dim]``.
+
+        A new token at position ``p`` attends to positions ``k`` of its own sequence with
+        ``k <= p`` and, given a ``sliding_window`` ``W``, ``k > p - W``.
+        """

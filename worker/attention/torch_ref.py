@@ -1,0 +1,70 @@
+"""Paged attention in plain torch: the CPU backend and the reference the kernels are tested against.
+
+Clarity over speed: one sequence at a time, keys and values gathered through the block
+table into a dense ``[seq_len, kv_heads, head_dim]`` view, scores and softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchPagedAttention(AttentionBackend):
+    """:class:`AttentionBackend` with torch ops only; works on any device, loops on the host."""
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
+        keys = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
+        values = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
+        keep = metadata.slot_mapping >= 0
+        slots = metadata.slot_mapping[keep]
+        keys[slots] = key[keep].to(keys.dtype)
+        values[slots] = value[keep].to(values.dtype)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(query)
+        starts = metadata.query_start_loc_host
+        for i, seq_len in enumerate(metadata.seq_lens_host):
+            start, end = starts[i], starts[i + 1]
+            query_len = end - start
+            num_blocks = -(-seq_len // block_size)
+            blocks = metadata.block_tables[i, :num_blocks].long()
+            # [2, seq_len, kv_heads, head_dim] -> keys/values [kv_heads, seq_len, head_dim]
+            kv = kv_cache_layer[:, blocks].reshape(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]
+            keys = kv[0].transpose(0, 1).float()
+            values = kv[1].transpose(0, 1).float()
+            # [query_len, heads, dim] -> [kv_heads, group, query_len, dim]
+            q = query[start:end].view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).float()
+            scores = torch.einsum("hgqd,hkd->hgqk", q, keys) * scale
+            visible = _visible(seq_len - query_len, query_len, seq_len, sliding_window, query.device)
+            scores.masked_fill_(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            attended = torch.einsum("hgqk,hkd->hgqd", probs, values)
+            out[start:end] = attended.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim).to(out.dtype)
+        return out
+
+
+def _visible(
+    context_len: int, query_len: int, seq_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """``[query_len, seq_len]`` bool: may the new token at row ``r`` (position ``context_len + r``) see key ``k``."""
+    query_pos = torch.arange(context_len, context_len + query_len, device=device)[:, None]
+    key_pos = torch.arange(seq_len, device=device)[None, :]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    return visible

@@ -1,0 +1,28 @@
+"""The paged KV cache tensors: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+
+The scheduler owns which block belongs to whom; these tensors only hold the data. Blocks
+are zero-filled at allocation so a backend that reads a whole block never sees garbage
+(NaN/inf bit patterns) in the slots a sequence has not written yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.common.model_config import ModelConfig
+
+
+def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Device bytes one block costs across all layers (keys and values)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element_size
+
+
+def allocate_kv_cache(
+    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[torch.Tensor]:
+    """One zeroed cache tensor per layer, indexed by layer."""
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+    shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]

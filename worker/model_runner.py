@@ -1,0 +1,205 @@
+"""Executes the scheduler's :class:`StepPlan` on the device: one flattened forward per step.
+
+The runner keeps what the worker must remember between steps, per request: every known
+token (the prompt, then what it sampled), the block table and the sampling parameters.
+The scheduler stays the authority on blocks and on how many tokens run; the runner checks
+that each plan is consistent with what it holds and refuses one that is not, before it
+changes any state.
+
+Per step, the new tokens of every scheduled request are laid end to end (no padding to the
+longest) and run as one batch; a request samples when the step computes its last known
+token, and the sampled token is appended to its tokens here, since the scheduler does not
+send it back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conveyor.common.messages import SamplingParams, StepPlan, StepResult
+from conveyor.worker.attention.backend import AttentionMetadata, token_positions
+from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block
+from conveyor.worker.loader import load_model
+from conveyor.worker.sampler import Sampler
+
+
+@dataclass
+class _RequestState:
+    """Invariant: ``num_computed <= len(token_ids)``, and the KV of tokens
+    ``0..num_computed-1`` is in the cache blocks ``block_ids`` name."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    sampling: SamplingParams
+    num_computed: int
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One request's share of a validated step: run tokens ``num_computed .. num_computed +
+    num_scheduled - 1`` after appending ``new_block_ids`` to its table."""
+
+    request_id: str
+    num_computed: int
+    num_scheduled: int
+    new_block_ids: list[int]
+
+
+class ModelRunner:
+    """The model, its KV cache, the sampler and per-request state of one worker.
+
+    Give exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` (the pool then holds as
+    many blocks as fit in that many bytes).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+    ) -> None:
+        if (num_blocks is None) == (kv_cache_memory_bytes is None):
+            raise ValueError("give exactly one of num_blocks and kv_cache_memory_bytes")
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.model, self.model_config = load_model(model_dir, self.device, dtype)
+        self.dtype = self.model.embed_tokens.weight.dtype
+        if num_blocks is None:
+            per_block = bytes_per_block(self.model_config, block_size, self.dtype)
+            num_blocks = kv_cache_memory_bytes // per_block
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes={kv_cache_memory_bytes} is less than one block ({per_block} bytes)"
+                )
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        self.model.bind_kv_cache(self.kv_caches)
+        self.sampler = Sampler(self.device)
+        self._requests: dict[str, _RequestState] = {}
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests whose state the runner holds."""
+        return list(self._requests)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Raises ValueError, changing nothing, if the plan contradicts the runner's state."""
+        work = self._validate(plan)
+        for request_id in plan.finished_request_ids:
+            self._requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self._requests[new.request_id] = _RequestState(
+                list(new.token_ids), list(new.block_ids), new.sampling, new.num_computed_tokens
+            )
+        states = [self._requests[item.request_id] for item in work]
+        for item, state in zip(work, states):
+            state.block_ids.extend(item.new_block_ids)
+        if not work:
+            return StepResult(plan.step_id, [], [])
+
+        start = time.perf_counter()
+        samples = [item.num_computed + item.num_scheduled == len(state.token_ids) for item, state in zip(work, states)]
+        sampled = self._run(work, states, samples)
+        for item, state in zip(work, states):
+            state.num_computed += item.num_scheduled
+        sampling = [(item, state) for item, state, flag in zip(work, states, samples) if flag]
+        for (_, state), token in zip(sampling, sampled):
+            state.token_ids.append(token)
+        return StepResult(
+            plan.step_id, [item.request_id for item, _ in sampling], sampled, forward_time=time.perf_counter() - start
+        )
+
+    def _run(self, work: list[_Work], states: list[_RequestState], samples: list[bool]) -> list[int]:
+        """Forward the flattened batch and sample; returns the tokens of the rows with ``samples`` set, in order."""
+        query_lens = [item.num_scheduled for item in work]
+        context_lens = [item.num_computed for item in work]
+        input_ids: list[int] = []
+        for item, state in zip(work, states):
+            input_ids += state.token_ids[item.num_computed : item.num_computed + item.num_scheduled]
+        metadata = AttentionMetadata.build(
+            query_lens, context_lens, [state.block_ids for state in states], self.block_size, self.device
+        )
+        positions = torch.from_numpy(token_positions(query_lens, context_lens)).to(self.device, non_blocking=True)
+        tokens = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(tokens, positions, metadata)
+
+        ends = metadata.query_start_loc_host
+        rows = [ends[i + 1] - 1 for i, flag in enumerate(samples) if flag]
+        if not rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        sampling = [state for state, flag in zip(states, samples) if flag]
+        # The position of the token being drawn is fixed for each output index of a request,
+        # so it keys a seeded draw as well as the output index would, across preemptions too.
+        params = [state.sampling for state in sampling]
+        return self.sampler(logits, params, [len(state.token_ids) for state in sampling]).tolist()
+
+    def _validate(self, plan: StepPlan) -> list[_Work]:
+        """The plan's work in order (new requests first), or ValueError naming the first problem.
+
+        Reads state as it will be once ``finished_request_ids`` are dropped; mutates nothing.
+        A finished id the runner does not hold is fine: the request may never have run here.
+        """
+        dropped = set(plan.finished_request_ids)
+        seen: set[str] = set()
+        work: list[_Work] = []
+
+        def check_once(rid: str) -> None:
+            if rid in seen:
+                raise ValueError(f"request {rid!r} appears twice in step {plan.step_id}")
+            seen.add(rid)
+
+        for new in plan.new_requests:
+            rid = new.request_id
+            check_once(rid)
+            if rid in self._requests and rid not in dropped:
+                raise ValueError(f"new request {rid!r} is already running on the worker")
+            self._check_blocks(rid, new.block_ids)
+            self._check_tokens(
+                rid, new.num_computed_tokens, new.num_scheduled_tokens, len(new.token_ids), len(new.block_ids)
+            )
+            work.append(_Work(rid, new.num_computed_tokens, new.num_scheduled_tokens, []))
+        for cached in plan.cached_requests:
+            rid = cached.request_id
+            check_once(rid)
+            state = None if rid in dropped else self._requests.get(rid)
+            if state is None:
+                raise ValueError(f"unknown request {rid!r}: not running on the worker")
+            if cached.num_computed_tokens != state.num_computed:
+                raise ValueError(
+                    f"request {rid!r}: num_computed_tokens mismatch: plan says {cached.num_computed_tokens}, "
+                    f"worker has {state.num_computed}"
+                )
+            self._check_blocks(rid, cached.new_block_ids)
+            num_blocks = len(state.block_ids) + len(cached.new_block_ids)
+            self._check_tokens(
+                rid, cached.num_computed_tokens, cached.num_scheduled_tokens, len(state.token_ids), num_blocks
+            )
+            work.append(_Work(rid, cached.num_computed_tokens, cached.num_scheduled_tokens, list(cached.new_block_ids)))
+        return work
+
+    def _check_tokens(self, rid: str, num_computed: int, num_scheduled: int, num_tokens: int, num_blocks: int) -> None:
+        if num_scheduled < 1 or num_computed < 0:
+            raise ValueError(f"request {rid!r}: invalid counts computed={num_computed} scheduled={num_scheduled}")
+        end = num_computed + num_scheduled
+        if end > num_tokens:
+            raise ValueError(f"request {rid!r}: schedules up to token {end} but only {num_tokens} tokens are known")
+        if num_blocks * self.block_size < end:
+            raise ValueError(
+                f"request {rid!r}: block table too short: "
+                f"{num_blocks} blocks of {self.block_size} tokens for {end} tokens"
+            )
+
+    def _check_blocks(self, rid: str, block_ids: list[int]) -> None:
+        """Only ids new to the runner are checked: the rest were checked when they arrived."""
+        bad = [block for block in block_ids if not 0 <= block < self.num_blocks]
+        if bad:
+            raise ValueError(f"request {rid!r}: block ids {bad} outside the pool of {self.num_blocks} blocks")

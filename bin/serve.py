@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one iteration")
     p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's max_position_embeddings)")
+    p.add_argument(
+        "--batching",
+        default="continuous",
+        choices=["continuous", "static"],
+        help="static: run each batch to completion before forming the next (a baseline for benchmarks)",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
     return p
 
@@ -110,6 +116,7 @@ class Server:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len,
+            batching=args.batching,
         )
         self._spawn(
             "scheduler",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of the continuous batcher.
+    """Limits and mode of the batcher.
 
     ``max_num_batched_tokens`` is the per-iteration token budget: decodes cost one
     token each, prompts are chunked to fit what remains. ``num_blocks`` KV blocks
@@ -24,8 +24,13 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # "continuous": iteration-level batching. "static": form a batch, run it to completion,
+    # then form the next; exists only as the baseline benchmarks compare against.
+    batching: str = "continuous"
 
     def __post_init__(self) -> None:
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks < 1:

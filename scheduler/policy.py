@@ -79,6 +79,16 @@ class FcfsPolicy:
 
     # ------------------------------------------------------------ decisions
 
+    def may_admit_into(self, num_running_at_start: int) -> bool:
+        """Whether this iteration may admit anyone, given how many requests were running."""
+        return True
+
+    def reserve_for_batch(self, req: Request) -> None:
+        """Hook for policies that reserve blocks at admission; FCFS reserves nothing."""
+
+    def batch_started(self) -> None:
+        """Called before an iteration's admissions."""
+
     def can_admit(self, req: Request, num_free_blocks: int) -> bool:
         """Whether the head may start now: all its known tokens must fit in the free blocks."""
         needed = blocks_for(req.num_tokens, self._block_size) - len(req.block_ids)
@@ -91,3 +101,31 @@ class FcfsPolicy:
         their work in this step's plan. The caller guarantees the slice is not empty.
         """
         return len(running) - 1
+
+
+class StaticBatchPolicy(FcfsPolicy):
+    """The static-batching baseline: a batch is formed only when no request is running.
+
+    A batch runs until its last member finishes, so early finishers leave their slots idle:
+    the waste continuous batching removes. Members are admitted only when blocks for their
+    whole prompt + max_tokens are free, so a batch never preempts itself.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self._reserved = 0  # blocks promised to this batch's members beyond what they hold
+
+    def may_admit_into(self, num_running_at_start: int) -> bool:
+        return num_running_at_start == 0
+
+    def can_admit(self, req: Request, num_free_blocks: int) -> bool:
+        total = req.num_prompt_tokens + req.sampling.max_tokens
+        return blocks_for(total, self._block_size) - len(req.block_ids) <= num_free_blocks - self._reserved
+
+    def reserve_for_batch(self, req: Request) -> None:
+        """Hold back blocks the admitted member will grow into, so later members cannot take them."""
+        total = req.num_prompt_tokens + req.sampling.max_tokens
+        self._reserved += blocks_for(total, self._block_size) - blocks_for(req.num_tokens, self._block_size)
+
+    def batch_started(self) -> None:
+        self._reserved = 0

@@ -51,7 +51,7 @@ from conveyor.common.messages import (
     StepResult,
 )
 from conveyor.scheduler.block_pool import BlockPool
-from conveyor.scheduler.policy import FcfsPolicy, blocks_for
+from conveyor.scheduler.policy import FcfsPolicy, StaticBatchPolicy, blocks_for
 from conveyor.scheduler.request import Request, RequestStatus
 
 log = logging.getLogger("conveyor.scheduler")
@@ -81,7 +81,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.pool = BlockPool(config.num_blocks)
-        self.policy = FcfsPolicy(config.block_size)
+        policy_cls = StaticBatchPolicy if config.batching == "static" else FcfsPolicy
+        self.policy = policy_cls(config.block_size)
         self._live: dict[str, Request] = {}
         self._running: list[Request] = []
         # Ids the worker holds state for and must drop; sent with the next plan.
@@ -170,6 +171,7 @@ class Scheduler:
         preempted = False
 
         running = self._running
+        may_admit = self.policy.may_admit_into(len(running))
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -190,8 +192,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        if not preempted:
+        if may_admit and not preempted:
             now = time.time()
+            self.policy.batch_started()
             while budget > 0 and len(running) < cfg.max_num_seqs:
                 req = self.policy.peek()
                 if req is None or not self.policy.can_admit(req, self.pool.num_free):
@@ -199,6 +202,7 @@ class Scheduler:
                 self.policy.pop()
                 n = min(req.num_uncomputed_tokens, budget)
                 self._grow(req, n)
+                self.policy.reserve_for_batch(req)
                 req.status = RUNNING
                 if req.scheduled_time is None:
                     req.scheduled_time = now

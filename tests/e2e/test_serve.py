@@ -280,3 +280,24 @@ def test_bin_client_streams_from_demo_model(serve_factory) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "[length; " in out.stderr and "8 completion tokens" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--device", "cuda"], "no CUDA device"),
+        (["--model", "/nonexistent/checkpoint"], "no config.json"),
+    ],
+)
+def test_startup_failures_are_clear(args, needle, tiny_checkpoint, tmp_path) -> None:
+    if "--device" in args and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    if "--model" not in args:
+        args = ["--model", str(tiny_checkpoint), *args]
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bin" / "serve"), "--host", f"ipc://{tmp_path}/s.sock", *args],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert needle in out.stderr, out.stderr
+    assert "ready on" not in out.stdout

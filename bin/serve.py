@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["continuous", "static"],
         help="static: run each batch to completion before forming the next (a baseline for benchmarks)",
     )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "triton", "torch"],
+        help="attention backend: auto is Triton on CUDA and the torch reference on CPU",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
     return p
 
@@ -101,6 +107,7 @@ class Server:
                 num_blocks=args.num_kv_blocks,
                 kv_cache_memory_bytes=kv_bytes,
                 num_threads=args.threads,
+                attention=args.attention,
             ),
         )
         self._spawn(

@@ -1,1 +1,14 @@
+"""Triton kernels of the worker, each beside a plain-torch float32 reference.
 
+- :mod:`.kv_store`: write new tokens' K/V into their cache slots (``-1`` = skip).
+- :mod:`.paged_decode`: one query token per sequence over the paged cache; GQA-grouped,
+  split-K with a reduce kernel for long contexts.
+- :mod:`.extend_attention`: prefill, chunked prefill and prefix reuse for a ragged batch.
+- :mod:`.block_copy`: copy-on-write block copies in one cache; batched swaps between caches.
+- :mod:`.testing`: paged test inputs and tolerances shared by tests and the benchmark.
+- :mod:`.compile_check`: compile every kernel for sm_90 without a GPU.
+
+Submodules are imported explicitly (``from conveyor.kernels.paged_decode import ...``) and this
+package imports none of them, so importing it never imports Triton: the interpreter switch
+``TRITON_INTERPRET`` is read when kernels are decorated, and must be set before that.
+"""

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from conveyor.common.model_config import ModelConfig
 from conveyor.worker.attention.backend import AttentionBackend
-from conveyor.worker.attention.torch_ref import TorchPagedAttention
+from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.models.llama import LlamaFamilyModel
 
 _DTYPES = {
@@ -65,13 +65,14 @@ def load_model(
 ) -> tuple[LlamaFamilyModel, ModelConfig]:
     """Read ``config.json`` and all safetensors of ``model_dir`` into a model on ``device``.
 
-    ``backend`` defaults to the torch reference attention. The model comes back in eval
-    mode without gradients and with no KV cache bound.
+    ``backend`` defaults to the device's (:func:`backend_for`: Triton on CUDA, the torch
+    reference on CPU). The model comes back in eval mode without gradients and with no KV
+    cache bound.
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, device, config)
-    model = LlamaFamilyModel(config, backend or TorchPagedAttention(), torch_dtype, device)
+    model = LlamaFamilyModel(config, backend or backend_for(device), torch_dtype, device)
     load_weights(model, safetensors_files(model_dir))
     return model.eval(), config
 

@@ -32,6 +32,7 @@ class WorkerConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     num_threads: int | None = None
+    attention: str = "auto"
 
 
 def resolve_device(device: str) -> str:
@@ -67,6 +68,7 @@ def run_worker(config: WorkerConfig) -> None:
             block_size=config.block_size,
             num_blocks=config.num_blocks,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            attention=config.attention,
         )
         plans = transport.socket(ctx, zmq.PULL, config.addresses.plans, bind=False)
         results = transport.socket(ctx, zmq.PUSH, config.addresses.results, bind=False)

@@ -22,6 +22,7 @@ import torch
 
 from conveyor.common.messages import SamplingParams, StepPlan, StepResult
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
+from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import Sampler
@@ -53,7 +54,8 @@ class ModelRunner:
     """The model, its KV cache, the sampler and per-request state of one worker.
 
     Give exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` (the pool then holds as
-    many blocks as fit in that many bytes).
+    many blocks as fit in that many bytes). ``attention`` picks the backend: ``auto`` (Triton
+    on CUDA, torch on CPU), ``triton`` or ``torch``.
     """
 
     def __init__(
@@ -64,12 +66,13 @@ class ModelRunner:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
+        attention: str = "auto",
     ) -> None:
         if (num_blocks is None) == (kv_cache_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory_bytes")
         self.device = torch.device(device)
         self.block_size = block_size
-        self.model, self.model_config = load_model(model_dir, self.device, dtype)
+        self.model, self.model_config = load_model(model_dir, self.device, dtype, backend_for(self.device, attention))
         self.dtype = self.model.embed_tokens.weight.dtype
         if num_blocks is None:
             per_block = bytes_per_block(self.model_config, block_size, self.dtype)

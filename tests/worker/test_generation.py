@@ -40,3 +40,21 @@ def test_greedy_matches_transformers(checkpoint, scripted, script):
     for s in scripts:
         assert outputs[s.request_id] == hf_greedy(hf_model, s.prompt, s.max_new), (name, s.request_id)
     assert runner.request_ids == []
+
+
+def test_triton_backend_greedy_matches_transformers(checkpoint_factory, scripted, script):
+    """The same scheduler-like script through the Triton kernels (interpreted on CPU, compiled
+    on a GPU): decode steps take the split-K decode kernel, the rest the extend kernel."""
+    for name in ("llama", "qwen3", "mistral_window"):
+        directory, hf_model = checkpoint_factory(name)
+        runner = ModelRunner(directory, block_size=BLOCK_SIZE, num_blocks=64, attention="triton")
+        assert type(runner.model.layers[0].self_attn.backend).__name__ == "TritonPagedAttention"
+        p = prompts(runner.model_config.vocab_size, [1, 11, 6])
+        scripts = [
+            script("one-token", p[0], max_new=4),
+            script("chunked", p[1], max_new=4, join=0, chunk=4),
+            script("late", p[2], max_new=3, join=2),
+        ]
+        outputs = scripted(runner, scripts).run()
+        for s in scripts:
+            assert outputs[s.request_id] == hf_greedy(hf_model, s.prompt, s.max_new), (name, s.request_id)

@@ -1,0 +1,79 @@
+"""Helpers shared by the Triton kernels: tile sizing, the dot that stays exact where it must,
+and the checks every launch wrapper makes on a paged KV cache layer.
+
+The KV cache layout is fixed by the worker: one tensor per layer,
+``kv[2, num_blocks, block_size, num_kv_heads, head_dim]`` with index 0 = K and 1 = V.
+Token position ``p`` of a sequence lives in block ``block_table[p // block_size]`` at offset
+``p % block_size``; its flat slot is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+#: Element types the kernels accept. Accumulation is always float32.
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its numpy interpreter (``TRITON_INTERPRET=1``).
+
+    Read at launch time, not import time, so tests can set the variable in a conftest.
+    """
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # older Triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (and >= 1); tile extents must be powers of two."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Whether tile matmuls should run on float32 operands with IEEE precision.
+
+    True for float32 inputs, so a GPU does not silently use TF32 (which would miss the 1e-3
+    tolerance), and always under the interpreter, whose ``tl.dot`` multiplies the raw uint16
+    bit patterns of bfloat16 tensors instead of their values (checked with Triton 3.9).
+    float16/bfloat16 on a GPU keep tensor-core dots with float32 accumulation.
+    """
+    return dtype == torch.float32 or interpreting()
+
+
+@triton.jit
+def tile_dot(a, b, UPCAST: tl.constexpr):
+    """``a @ b`` with a float32 result; see :func:`upcast_dots` for when operands are upcast."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+def check_kv_cache(kv: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate one layer's cache and return ``(num_blocks, block_size, kv_heads, head_dim)``.
+
+    Kernels address the cache through its strides, but the innermost (head_dim) stride must be
+    1 so a head's row is one contiguous, vectorizable load.
+    """
+    if kv.dim() != 5 or kv.shape[0] != 2:
+        raise ValueError(
+            f"kv cache must be [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv.shape)}"
+        )
+    if kv.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported kv cache dtype {kv.dtype}")
+    if kv.stride(-1) != 1:
+        raise ValueError("kv cache head_dim must be contiguous (stride 1)")
+    _, num_blocks, block_size, kv_heads, head_dim = kv.shape
+    return num_blocks, block_size, kv_heads, head_dim
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Return ``x`` itself when its last dim has stride 1 (slices of a fused QKV output keep
+    their other strides), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()

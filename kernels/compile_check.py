@@ -1,0 +1,179 @@
+"""Compile every kernel for an H100 (sm_90) on a machine without a GPU, through the real wrappers.
+
+The interpreter (``TRITON_INTERPRET=1``) checks what the kernels compute but not whether they
+compile: it runs the Python body with numpy, so type errors in loop-carried values, unsupported
+control flow, or tiles that overflow shared memory or spill registers only show up on a GPU.
+Triton's wheel bundles ``ptxas``, so the whole pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin)
+runs on a CPU-only machine. This module swaps ``JITFunction.run`` for a compile-only version that
+specializes the arguments exactly as a launch would (dtypes, 16-byte alignment and divisibility
+of ints) and compiles for ``cuda:90`` instead of launching, then calls each launch wrapper with
+CPU tensors of production shapes. Nothing is executed, so outputs are garbage by design.
+
+    python -m conveyor.kernels.compile_check          # table; exit 1 if a kernel fails to compile
+    python -m conveyor.kernels.compile_check --json   # the same as JSON (the test reads this)
+
+It uses Triton internals (``create_function_from_signature``, ``JITFunction._pack_args``) checked
+against Triton 3.9; when those move, :func:`available` says so and the test skips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+#: Shared memory one block may use on sm_90 (227 KiB, opt-in).
+SM90_MAX_SHARED = 232448
+
+
+@dataclasses.dataclass
+class Compiled:
+    kernel: str
+    constexprs: dict[str, object]
+    num_warps: int
+    shared: int
+    registers: int | None
+    stack: int | None  # bytes of per-thread stack frame: > 0 means spills (or local arrays)
+
+
+def available() -> str | None:
+    """``None`` when compile-only checking can run here, else the reason it cannot."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "TRITON_INTERPRET=1 turns kernels into interpreted functions; unset it"
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import make_backend  # noqa: F401
+        from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: F401
+    except ImportError as exc:
+        return f"Triton internals moved: {exc}"
+    if not hasattr(JITFunction, "_pack_args"):
+        return "Triton internals moved: JITFunction._pack_args"
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")):
+        return "this Triton build bundles no NVIDIA toolchain"
+    return None
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (None, None)
+
+
+def compile_all(capability: int = 90) -> list[Compiled]:
+    """Run the launch wrappers over representative shapes, compiling instead of launching."""
+    import torch
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    results: list[Compiled] = []
+    seen: set[tuple] = set()
+
+    def compile_only_run(self, *args, grid, warmup, **kwargs):
+        kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug
+        for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+            if hasattr(knobs.compilation, name):
+                kwargs[name] = getattr(knobs.compilation, name)
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
+        key = (self.__name__, str(signature), str(sorted(constexprs.items())), str(attrs), str(options))
+        if key in seen:
+            return None
+        seen.add(key)
+        kernel = triton_compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__)
+        regs, stack = _resource_usage(kernel.asm["cubin"])
+        names = {path: self.arg_names[path[0]] for path in constexprs}
+        results.append(
+            Compiled(
+                kernel=self.__name__,
+                constexprs={names[p]: v for p, v in constexprs.items() if names[p].isupper()},
+                num_warps=options.num_warps,
+                shared=kernel.metadata.shared,
+                registers=regs,
+                stack=stack,
+            )
+        )
+        return None
+
+    from conveyor.kernels.block_copy import _launch_copy_blocks
+    from conveyor.kernels.extend_attention import extend_attention
+    from conveyor.kernels.kv_store import kv_store
+    from conveyor.kernels.paged_decode import paged_decode_attention
+
+    original = JITFunction.run
+    JITFunction.run = compile_only_run
+    try:
+        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        for dtype, head_dim, heads, kv_heads, window in (
+            (torch.bfloat16, 128, 32, 8, None),
+            (torch.float16, 64, 32, 32, None),
+            (torch.bfloat16, 256, 16, 2, 4096),
+            (torch.bfloat16, 80, 32, 4, None),
+            (torch.float32, 96, 8, 1, 64),
+            (torch.float32, 256, 8, 2, None),
+        ):
+            kv = torch.empty(2, 64, 16, kv_heads, head_dim, dtype=dtype)
+            tables = torch.zeros(2, 8, dtype=torch.int32)
+            scale = head_dim**-0.5
+            q = torch.empty(2, heads, head_dim, dtype=dtype)
+            for max_seq_len in (100, 32768):  # one partition (direct) and split-K + reduce
+                paged_decode_attention(q, kv, tables, i32([5, 7]), scale, window, max_seq_len=max_seq_len)
+            qx = torch.empty(300, heads, head_dim, dtype=dtype)
+            for max_query_len in (8, 200):  # short extends get short tiles
+                extend_attention(
+                    qx, kv, tables, i32([0, 100, 300]), i32([0, 28]), i32([100, 228]), scale, window,
+                    max_query_len=max_query_len,
+                )
+            kv_store(torch.empty(4, kv_heads, head_dim, dtype=dtype), torch.empty(4, kv_heads, head_dim, dtype=dtype),
+                     kv, torch.zeros(4, dtype=torch.int64))
+        _launch_copy_blocks(torch.empty(2, 8, 16, 8, 128, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64))
+    finally:
+        JITFunction.run = original
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print one line per compiled variant (or JSON with ``--json``); exit 1 when a variant
+    exceeds sm_90 shared memory, 2 when compile-only checking is unavailable here."""
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
+    reason = available()
+    if reason:
+        print(f"compile check unavailable: {reason}", file=sys.stderr)
+        return 2
+    results = compile_all()
+    over = [r for r in results if r.shared > SM90_MAX_SHARED]
+    if as_json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], default=str))
+    else:
+        for r in results:
+            flags = ("SHARED MEMORY OVER LIMIT " if r in over else "") + ("spills" if r.stack else "")
+            print(
+                f"{r.kernel:24s} warps={r.num_warps} smem={r.shared:6d} regs={r.registers} stack={r.stack} "
+                f"{r.constexprs} {flags}"
+            )
+        print(f"{len(results)} variants compiled for sm_90, {len(over)} over the shared-memory limit")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

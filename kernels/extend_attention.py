@@ -1,0 +1,292 @@
+"""Prefill / extend attention over the paged KV cache for a ragged batch of new tokens.
+
+One kernel serves plain prefill (``context_lens == 0``), chunked prefill (the earlier chunks are
+the cached context) and prefix reuse (the shared prefix's blocks are the cached context): in each
+case sequence ``b`` brings ``q_len = query_start_loc[b+1] - query_start_loc[b]`` new tokens whose
+K/V are already stored, and new token ``i`` sits at absolute position ``context_lens[b] + i``.
+It attends to every cached position and causally to the new tokens up to itself, i.e. to
+positions ``[0, context_lens[b] + i]`` (``[pos - window + 1, pos]`` with a sliding window).
+
+Grid ``(query tiles, heads, batch)``: a program owns ``BLOCK_M`` consecutive new tokens of one
+sequence for one query head and streams K/V tiles of ``BLOCK_N`` positions, gathered through the
+block table, from the first position any of its rows can see to the last (so the causal upper
+triangle and positions before the window are never loaded). Online softmax in float32 with
+base-2 exponentials. Query heads of a GQA group map to KV head ``h // (heads // kv_heads)`` and
+reread the same K/V tiles, which then come from L2.
+
+Invariants: ``seq_lens[b] == context_lens[b] + q_len`` and the block table covers
+``seq_lens[b]`` positions. Programs whose tile starts past the sequence's new tokens exit at
+once, so the grid may be sized for an upper bound of ``q_len`` (fixed per captured graph).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from conveyor.kernels._common import (
+    check_kv_cache,
+    last_dim_contiguous,
+    next_pow2,
+    tile_dot,
+    upcast_dots,
+)
+from conveyor.kernels.paged_decode import gather_context
+
+__all__ = ["extend_attention", "extend_attention_ref"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    context_lens_ptr,
+    seq_lens_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kv_kv,
+    stride_kv_block,
+    stride_kv_tok,
+    stride_kv_head,
+    stride_bt,
+    qk_scale_log2,
+    window,
+    head_dim,
+    group_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    first_row = tile * BLOCK_M
+    if first_row >= q_len:
+        return
+    ctx_len = tl.load(context_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    kv_head = h // group_size
+
+    offs_m = first_row + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < head_dim
+    q_pos = ctx_len + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    # Visible span of the tile: through its last row's position (causal), from its first row's
+    # window start.
+    kv_end = tl.minimum(seq_len, ctx_len + first_row + BLOCK_M)
+    if USE_WINDOW:
+        kv_start = tl.maximum(ctx_len + first_row - window + 1, 0)
+    else:
+        kv_start = ctx_len * 0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
+    v_base = k_base + stride_kv_kv
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        block_ids = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        tok = block_ids * stride_kv_block + (offs_n % PAGE) * stride_kv_tok
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tile_dot(q, tl.trans(k), UPCAST) * qk_scale_log2
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        # A row may see nothing in this tile (a sliding window that starts later for it); keep
+        # its statistics finite by measuring against 0 instead of -inf.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def _tiles(head_dim: int, dtype: torch.dtype, max_query_len: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps)`` for an H100-class GPU.
+
+    Q tile <= 32 KiB and each K/V tile <= 16 KiB of shared memory, so Q plus two stages of K and
+    V stay well under the 228 KiB an SM offers even for head_dim 256 in float32. Short extends
+    (speculative tokens, small chunks) get shorter Q tiles instead of mostly-masked 128-row ones;
+    there are at most four heights, so at most four compiled variants per head size.
+    """
+    block_d = next_pow2(head_dim)
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_m = max(16, min(128, (32 * 1024) // (block_d * elem), next_pow2(max_query_len)))
+    if dtype == torch.float32:
+        # IEEE float32 dots run on FMA units with operands in registers: taller tiles spill
+        # heavily (64x128 needs an 8 KiB stack frame per thread; 32 rows need none).
+        block_m = min(block_m, 32)
+    block_n = max(16, min(64, (16 * 1024) // (block_d * elem)))
+    # 8 warps once the tile is large: checked offline (ptxas for sm_90, bf16) that these tiles
+    # compile without register spills, e.g. 128x128 with 8 warps uses ~210 registers per thread
+    # while 4 warps spill.
+    num_warps = 8 if block_m >= 128 or block_d >= 256 else 4
+    return block_m, block_n, block_d, num_warps
+
+
+def extend_attention(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a ragged batch of new tokens over their sequences' paged KV.
+
+    Args:
+        query: ``[T, num_heads, head_dim]`` new tokens of all sequences, concatenated; token and
+            head strides free, head_dim contiguous.
+        kv: one layer's cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` already holding
+            the new tokens' K/V.
+        block_tables: ``[B, max_blocks]`` int32.
+        query_start_loc: ``[B + 1]`` int32 offsets of each sequence's new tokens in ``query``.
+        context_lens: ``[B]`` int32 positions cached before this step.
+        seq_lens: ``[B]`` int32, ``context_lens + new tokens``.
+        scale: softmax scale.
+        sliding_window: each token sees only the last ``sliding_window`` positions up to and
+            including itself (None: all).
+        max_query_len: upper bound on new tokens per sequence; pass it to avoid a device->host
+            sync and to fix the grid. Default: computed from ``query_start_loc``.
+        out: optional ``[T, num_heads, head_dim]`` output buffer.
+    """
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(kv)
+    if query.dim() != 3 or query.shape[2] != head_dim:
+        raise ValueError(f"query must be [T, heads, {head_dim}], got {tuple(query.shape)}")
+    num_tokens, num_heads, _ = query.shape
+    if query.dtype != kv.dtype:
+        raise TypeError(f"query dtype {query.dtype} differs from the kv cache's {kv.dtype}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}")
+    batch = context_lens.shape[0]
+    if query_start_loc.shape != (batch + 1,) or seq_lens.shape != (batch,) or block_tables.shape[0] != batch:
+        raise ValueError("query_start_loc must be [B+1]; context_lens, seq_lens, block_tables [B, ...]")
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError("sliding_window must be positive")
+    query = last_dim_contiguous(query)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    elif out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError("out must match query's shape with a contiguous last dim")
+    if num_tokens == 0 or batch == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    if max_query_len <= 0:
+        return out
+
+    block_m, block_n, block_d, num_warps = _tiles(head_dim, kv.dtype, max_query_len)
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
+    _extend_kernel[grid](
+        query,
+        kv,
+        out,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        seq_lens,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        kv.stride(3),
+        block_tables.stride(0),
+        scale * _LOG2E,
+        sliding_window if sliding_window is not None else 0,
+        head_dim,
+        num_heads // num_kv_heads,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        PAGE=block_size,
+        USE_WINDOW=sliding_window is not None,
+        UPCAST=upcast_dots(kv.dtype),
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    return out
+
+
+def extend_attention_ref(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Reference: per sequence, dense float32 attention of its new tokens over positions
+    ``[0, seq_len)`` with a causal (and optional window) mask; returns ``[T, heads, head_dim]``."""
+    num_tokens, num_heads, head_dim = query.shape
+    group = num_heads // kv.shape[3]
+    out = torch.zeros((num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
+    for b in range(context_lens.shape[0]):
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        ctx, length = int(context_lens[b]), int(seq_lens[b])
+        if end == start:
+            continue
+        assert length == ctx + end - start, "seq_lens must equal context_lens + new tokens"
+        k, v = gather_context(kv, block_tables[b], length)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        q = query[start:end].to(torch.float32)  # [n, heads, D]
+        scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+        q_pos = ctx + torch.arange(end - start, device=query.device)[:, None]
+        k_pos = torch.arange(length, device=query.device)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
+    return out

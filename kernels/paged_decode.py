@@ -1,0 +1,448 @@
+"""Paged decode attention: one new query token per sequence against its paged KV history.
+
+Two kernels, split-K ("flash decoding"):
+
+1. ``_decode_partial_kernel``, grid ``(batch, kv_heads, partitions)``. A program owns one KV
+   head of one sequence and one contiguous range ("partition") of its context. It loads the
+   queries of every head in that KV head's GQA group as one ``[BLOCK_G, head_dim]`` tile, so each
+   K/V tile is read from memory once per group rather than once per query head, and runs an
+   online softmax over its range. It writes the normalized partial output and its log-sum-exp.
+2. ``_decode_reduce_kernel``, grid ``(batch, heads)``, merges the partitions of a sequence with
+   the usual rescaling by ``exp(lse_p - max lse)``.
+
+Splitting the context lets batch 1 with a long context occupy every SM; with a large batch, or a
+short context, the wrapper picks one partition and the first kernel writes the final output
+itself (the reduce kernel is not launched).
+
+Conventions and invariants:
+
+- ``seq_lens[b]`` counts every position including the current token, whose K/V is already in
+  the cache; the query sits at position ``seq_lens[b] - 1``.
+- Sliding window ``w``: the query attends to the last ``w`` positions including itself,
+  ``[seq_len - w, seq_len)``. Partitions tile that attended range, so a windowed sequence never
+  pays for positions it cannot see.
+- Query heads ``[g * G, (g + 1) * G)`` share KV head ``g`` where ``G = heads // kv_heads``
+  (the Hugging Face ``repeat_kv`` order).
+- Partition ``p`` of sequence ``b`` covers ``[start + p * P, min(start + (p + 1) * P, seq_len))``
+  and exists only when that range is non-empty; the reduce reads only existing partitions. So
+  the grid can be sized for an upper bound of the context (fixed across CUDA-graph replays)
+  while shorter sequences' surplus programs write nothing.
+- ``seq_len == 0`` (padding rows of a captured batch) yields an all-zero output, never NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from conveyor.kernels._common import (
+    check_kv_cache,
+    last_dim_contiguous,
+    next_pow2,
+    tile_dot,
+    upcast_dots,
+)
+
+__all__ = [
+    "DecodePlan",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "plan_decode_partitions",
+]
+
+_LOG2E = 1.4426950408889634
+
+#: Upper bound on partitions per sequence; bounds the float32 scratch to
+#: ``batch * heads * MAX_PARTITIONS * head_dim`` elements.
+MAX_PARTITIONS = 128
+#: A partition shorter than this many KV tiles does not amortize its share of the reduce.
+MIN_TILES_PER_PARTITION = 4
+#: Aim for this many waves of programs over the SMs when splitting.
+TARGET_WAVES = 2
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr,
+    kv_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kv_kv,
+    stride_kv_block,
+    stride_kv_tok,
+    stride_kv_head,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_mid_b,
+    stride_mid_h,
+    stride_mid_p,
+    qk_scale_log2,
+    window,
+    partition_size,
+    head_dim,
+    group_size,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    if USE_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    else:
+        start = seq_len * 0
+    part_start = start + part * partition_size
+    # Partitions past the sequence's end have nothing to do; the reduce never reads them.
+    # Partition 0 always runs, so a seq_len == 0 row still gets its (zero) output written.
+    if part_start >= tl.maximum(seq_len, 1):
+        return
+    part_end = tl.minimum(part_start + partition_size, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < group_size
+    d_mask = offs_d < head_dim
+    heads = kv_head * group_size + offs_g
+
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
+    v_base = k_base + stride_kv_kv
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    # Every tile starts inside [part_start, part_end), so it holds at least one valid position
+    # and the running max stays finite: no -inf - -inf below.
+    for n0 in range(part_start, part_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < part_end
+        block_ids = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        tok = block_ids * stride_kv_block + (offs_n % PAGE) * stride_kv_tok
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tile_dot(q, tl.trans(k), UPCAST) * qk_scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT_OUT:
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        mid = b.to(tl.int64) * stride_mid_b + heads * stride_mid_h + part * stride_mid_p
+        tl.store(mid_o_ptr + mid[:, None] + offs_d[None, :], o, mask=out_mask)
+        tl.store(mid_lse_ptr + mid // BLOCK_D, m_i + tl.log2(l_safe), mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_mid_b,
+    stride_mid_h,
+    stride_mid_p,
+    window,
+    partition_size,
+    head_dim,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    if USE_WINDOW:
+        span = tl.minimum(seq_len, window)
+    else:
+        span = seq_len
+    num_parts = tl.cdiv(span, partition_size)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    base = b.to(tl.int64) * stride_mid_b + h * stride_mid_h
+
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    # Each chunk holds at least one existing partition, whose lse is finite.
+    for p0 in range(0, num_parts, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        p_mask = offs_p < num_parts
+        idx = base + offs_p * stride_mid_p
+        lse = tl.load(mid_lse_ptr + idx // BLOCK_D, mask=p_mask, other=float("-inf"))
+        o = tl.load(mid_o_ptr + idx[:, None] + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        l = l * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m = m_new
+    l_safe = tl.where(l > 0.0, l, 1.0)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        (acc / l_safe).to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """Tile sizes and split-K partitioning of one decode launch (host-side, cheap to make)."""
+
+    block_n: int  # KV positions per tile
+    block_d: int  # head_dim padded to a power of two
+    block_g: int  # query heads per GQA group, padded (tl.dot needs >= 16 rows)
+    partition_size: int  # KV positions per split-K partition
+    num_partitions: int  # grid size along the context; 1 = no reduce kernel
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # An H100's count, so CPU/interpreter runs plan the way a GPU would.
+
+
+def plan_decode_partitions(
+    *,
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_context: int,
+    num_sms: int = 132,
+    partition_size: int | None = None,
+) -> DecodePlan:
+    """Choose tiles and the split-K partitioning for a decode launch.
+
+    ``max_context`` is an upper bound on the attended span of any sequence (``seq_len``, or
+    ``min(seq_len, window)``). Without an explicit ``partition_size``, the context is split only
+    as far as needed to give about ``TARGET_WAVES`` waves of programs over ``num_sms``, never into
+    partitions of fewer than ``MIN_TILES_PER_PARTITION`` KV tiles and never into more than
+    ``MAX_PARTITIONS``. The partition size is a multiple of the KV tile so tiles never straddle.
+    """
+    block_d = next_pow2(head_dim)
+    elem = torch.empty((), dtype=dtype).element_size()
+    # One K (or V) tile <= 16 KiB: for bf16 head_dim 128 that is 64 positions, which compiles
+    # for sm_90 with 4 warps in ~120 registers and ~38 KiB shared memory, no spills.
+    block_n = max(16, min(64, (16 * 1024) // (block_d * elem)))
+    block_g = max(16, next_pow2(num_heads // num_kv_heads))  # tl.dot needs M >= 16
+    max_context = max(1, max_context)
+    if partition_size is None:
+        tiles = triton.cdiv(max_context, block_n)
+        wanted = triton.cdiv(TARGET_WAVES * num_sms, max(1, batch * num_kv_heads))
+        by_length = max(1, tiles // MIN_TILES_PER_PARTITION)
+        parts = max(1, min(wanted, by_length, MAX_PARTITIONS))
+        partition_size = triton.cdiv(tiles, parts) * block_n
+    elif partition_size <= 0:
+        raise ValueError("partition_size must be positive")
+    num_partitions = triton.cdiv(max_context, partition_size)
+    return DecodePlan(block_n, block_d, block_g, partition_size, num_partitions)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+    partition_size: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged KV cache.
+
+    Args:
+        query: ``[B, num_heads, head_dim]``; heads and batch may be strided, head_dim contiguous.
+        kv: one layer's cache ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+        block_tables: ``[B, max_blocks]`` int32 block ids; entries past a sequence's end unused.
+        seq_lens: ``[B]`` int32 context lengths including the current token (already stored).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        sliding_window: attend only to the last ``sliding_window`` positions (None: all).
+        max_seq_len: upper bound on ``seq_lens``; pass it to avoid a device->host sync and to
+            keep the grid fixed across CUDA-graph replays. Default: ``seq_lens.max()``.
+        partition_size: force the split-K partition length in tokens (tests, tuning).
+        out: optional ``[B, num_heads, head_dim]`` output buffer.
+
+    Returns ``out`` (allocated with ``query``'s dtype when not given).
+    """
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(kv)
+    if query.dim() != 3 or query.shape[2] != head_dim:
+        raise ValueError(f"query must be [B, heads, {head_dim}], got {tuple(query.shape)}")
+    batch, num_heads, _ = query.shape
+    if query.dtype != kv.dtype:
+        raise TypeError(f"query dtype {query.dtype} differs from the kv cache's {kv.dtype}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError("block_tables must be [B, max_blocks] and seq_lens [B]")
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError("sliding_window must be positive")
+    query = last_dim_contiguous(query)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    elif out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError("out must match query's shape with a contiguous last dim")
+    if batch == 0:
+        return out
+
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    plan = plan_decode_partitions(
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=kv.dtype,
+        max_context=span,
+        num_sms=_num_sms(query.device),
+        partition_size=partition_size,
+    )
+    group = num_heads // num_kv_heads
+    direct = plan.num_partitions == 1
+    # Scratch: normalized partial outputs [B, H, P, BLOCK_D] and their log2-sum-exp [B, H, P],
+    # float32, both contiguous: the lse of (b, h, p) sits at that partial row's offset divided by
+    # BLOCK_D, so the kernels address both with one index.
+    parts = plan.num_partitions
+    if direct:
+        mid_o = mid_lse = out  # unused
+        mid_strides = (0, 0, 0)
+    else:
+        mid_o = torch.empty((batch, num_heads, parts, plan.block_d), dtype=torch.float32, device=query.device)
+        mid_lse = torch.empty((batch, num_heads, parts), dtype=torch.float32, device=query.device)
+        mid_strides = mid_o.stride()[:3]
+    window = sliding_window if sliding_window is not None else 0
+    _decode_partial_kernel[(batch, num_kv_heads, parts)](
+        query,
+        kv,
+        block_tables,
+        seq_lens,
+        out,
+        mid_o,
+        mid_lse,
+        query.stride(0),
+        query.stride(1),
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        kv.stride(3),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *mid_strides,
+        scale * _LOG2E,
+        window,
+        plan.partition_size,
+        head_dim,
+        group,
+        BLOCK_G=plan.block_g,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=plan.block_d,
+        PAGE=block_size,
+        USE_WINDOW=sliding_window is not None,
+        DIRECT_OUT=direct,
+        UPCAST=upcast_dots(kv.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if not direct:
+        _decode_reduce_kernel[(batch, num_heads)](
+            mid_o,
+            mid_lse,
+            seq_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            *mid_strides,
+            window,
+            plan.partition_size,
+            head_dim,
+            BLOCK_P=min(16, next_pow2(parts)),
+            BLOCK_D=plan.block_d,
+            USE_WINDOW=sliding_window is not None,
+            num_warps=4,
+        )
+    return out
+
+
+def gather_context(kv: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float32 K and V ``[length, kv_heads, head_dim]`` of one sequence, read through its
+    block table position by position (the references' single source of truth for paging)."""
+    block_size = kv.shape[2]
+    positions = torch.arange(length, device=kv.device)
+    blocks = block_table.to(device=kv.device, dtype=torch.long)[positions // block_size]
+    offsets = positions % block_size
+    return kv[0, blocks, offsets].to(torch.float32), kv[1, blocks, offsets].to(torch.float32)
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Reference: dense float32 softmax attention per sequence; returns ``[B, heads, head_dim]``."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = kv.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.zeros((batch, num_heads, head_dim), dtype=torch.float32, device=query.device)
+    for b in range(batch):
+        length = int(seq_lens[b])
+        if length == 0:
+            continue
+        k, v = gather_context(kv, block_tables[b], length)
+        k = k.repeat_interleave(group, dim=1)  # [L, heads, D]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[b].to(torch.float32)  # [heads, D]
+        scores = torch.einsum("hd,lhd->hl", q, k) * scale
+        if sliding_window is not None:
+            visible = torch.arange(length, device=query.device) >= length - sliding_window
+            scores = scores.masked_fill(~visible, float("-inf"))
+        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
+    return out

@@ -1,0 +1,89 @@
+"""Input builders and comparison rules shared by the kernel tests and the benchmark.
+
+Paged inputs are made to look like a real, fragmented pool: every sequence gets distinct blocks
+drawn at random from a pool larger than needed, in shuffled order, and the unused tail of each
+block-table row points at other random (valid) blocks, so a kernel that reads past a sequence's
+end or ignores the table gets wrong numbers rather than lucky ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["TOLERANCES", "assert_attention_close", "random_block_tables", "random_kv_cache"]
+
+#: ``dtype -> (rtol, atol)`` for attention outputs, checked elementwise as
+#: ``|out - ref| <= atol + rtol * |ref|`` against a float32 reference fed the same
+#: (already rounded) inputs. Outputs are convex combinations of V rows drawn from N(0, 1), so the
+#: absolute floor is relative to that unit scale; it only matters for outputs near zero.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-3, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (1e-2, 1e-2),
+}
+
+
+def random_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """A layer cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` of N(0, 1) values
+    (drawn on the CPU with ``generator`` so every device sees the same numbers)."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+
+def random_block_tables(
+    seq_lens: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    *,
+    generator: torch.Generator,
+    device: torch.device | str,
+    extra_columns: int = 1,
+) -> torch.Tensor:
+    """``[B, max_blocks]`` int32 tables giving each sequence distinct random blocks of the pool.
+
+    Raises if the pool is too small. Unused entries hold random valid block ids.
+    """
+    needed = [-(-n // block_size) for n in seq_lens]
+    if sum(needed) > num_blocks:
+        raise ValueError(f"pool of {num_blocks} blocks cannot hold {sum(needed)}")
+    width = max(needed, default=0) + extra_columns
+    order = torch.randperm(num_blocks, generator=generator)
+    table = torch.randint(0, num_blocks, (len(seq_lens), width), generator=generator)
+    taken = 0
+    for b, n in enumerate(needed):
+        table[b, :n] = order[taken : taken + n]
+        taken += n
+    return table.to(device=device, dtype=torch.int32)
+
+
+def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """Fail on any NaN/inf in ``out`` or any element outside :data:`TOLERANCES` for ``dtype``
+    (default ``out.dtype``), naming the worst element."""
+    dtype = dtype or out.dtype
+    rtol, atol = TOLERANCES[dtype]
+    got = out.detach().to(device="cpu", dtype=torch.float32)
+    want = ref.detach().to(device="cpu", dtype=torch.float32)
+    assert got.shape == want.shape, f"shape {tuple(got.shape)} != reference {tuple(want.shape)}"
+    bad = ~torch.isfinite(got)
+    if bad.any():
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{int(bad.sum())} non-finite outputs, first at {first}")
+    err = (got - want).abs()
+    excess = err - (atol + rtol * want.abs())
+    if (excess > 0).any():
+        worst = tuple(int(i) for i in (excess == excess.max()).nonzero()[0])
+        raise AssertionError(
+            f"{int((excess > 0).sum())}/{excess.numel()} elements outside rtol={rtol}, atol={atol}; "
+            f"worst at {worst}: got {got[worst].item():.6g}, want {want[worst].item():.6g}"
+        )

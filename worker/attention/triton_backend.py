@@ -1,0 +1,78 @@
+"""Attention through the Triton kernels of :mod:`conveyor.kernels` (the CUDA path).
+
+A step whose every sequence has exactly one new token is a pure decode and goes through the
+split-K paged decode kernel; any other step (prefill, chunked prefill, mixed prefill and
+decode) goes through the extend kernel, which handles one-token sequences too. Both read
+keys and values only from the paged cache, so :meth:`store_kv` runs first.
+
+The kernel modules are imported on first use: importing them decorates Triton functions,
+which must happen after ``TRITON_INTERPRET`` is settled (tests run these kernels on CPU
+tensors through Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TritonPagedAttention(AttentionBackend):
+    def __init__(self) -> None:
+        from conveyor.kernels.extend_attention import extend_attention
+        from conveyor.kernels.kv_store import kv_store
+        from conveyor.kernels.paged_decode import paged_decode_attention
+
+        self._kv_store = kv_store
+        self._decode = paged_decode_attention
+        self._extend = extend_attention
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        self._kv_store(key.to(kv_cache_layer.dtype), value.to(kv_cache_layer.dtype), kv_cache_layer, metadata.slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        query = query.to(kv_cache_layer.dtype)
+        if metadata.max_query_len == 1:
+            return self._decode(
+                query,
+                kv_cache_layer,
+                metadata.block_tables,
+                metadata.seq_lens,
+                scale,
+                sliding_window,
+                max_seq_len=metadata.max_seq_len,
+            )
+        return self._extend(
+            query,
+            kv_cache_layer,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.context_lens,
+            metadata.seq_lens,
+            scale,
+            sliding_window,
+            max_query_len=metadata.max_query_len,
+        )
+
+
+def backend_for(device: torch.device | str, name: str = "auto") -> AttentionBackend:
+    """The attention backend to use: ``auto`` is Triton on CUDA and the torch reference on CPU."""
+    from conveyor.worker.attention.torch_ref import TorchPagedAttention
+
+    kind = torch.device(device).type
+    if name == "auto":
+        name = "triton" if kind == "cuda" else "torch"
+    if name == "triton":
+        return TritonPagedAttention()
+    if name == "torch":
+        return TorchPagedAttention()
+    raise ValueError(f"unknown attention backend {name!r}: use auto, triton or torch")

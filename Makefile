@@ -37,5 +37,10 @@ test-frontend-notorch:
 	@! $(NOTORCH_VENV)/bin/python -c "import torch" 2>/dev/null || (echo "torch leaked into $(NOTORCH_VENV)"; exit 1)
 	$(NOTORCH_VENV)/bin/python -m pytest -q tests/frontend tests/common
 
+# The CI smoke run of the measuring tools (bin/bench offline and online, bin/profile) on a tiny checkpoint.
+# It is part of `make test` too; real benchmark runs are documented in docs/benchmarks.md.
+bench-smoke: install
+	$(PYTHON) -m pytest -q tests/e2e/test_bench_profile.py tests/benchmark tests/common/test_profiling.py
+
 clean:
 	rm -rf $(NOTORCH_VENV) build *.egg-info .pytest_cache

@@ -4,7 +4,8 @@
 msgpack protocol of docs/protocol.md over one ZeroMQ DEALER socket, so many
 requests can be in flight on one client at once. Keyword arguments of
 ``generate``/``stream`` are the request fields of the protocol (max_tokens,
-temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos).
+temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, priority).
+Sending ``request_id`` of a finished request continues it (docs/protocol.md).
 
 A server that goes silent for ``timeout`` seconds raises :class:`TimeoutError`
 instead of hanging the caller; the request is aborted on the way out.
@@ -36,6 +37,7 @@ class ServerError(RuntimeError):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV the server reused (prefix cache, continuation)
 
 
 @dataclass
@@ -67,7 +69,7 @@ def _result(msg: dict[str, Any]) -> CompletionResult:
         text=msg.get("text", ""),
         token_ids=list(msg.get("token_ids", [])),
         finish_reason=msg["finish_reason"],
-        usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)),
+        usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
         timing=msg.get("timing") or {},
         error=msg.get("error"),
     )
@@ -86,7 +88,7 @@ def _generate_message(
     for key, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)):
         if value is not None:
             msg[key] = value
-    unknown = set(fields) - set(cp.SAMPLING_FIELDS) - {"stop"}
+    unknown = set(fields) - set(cp.OPTION_FIELDS)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     msg.update({k: v for k, v in fields.items() if v is not None})
@@ -99,6 +101,21 @@ def _to_delta(msg: dict[str, Any]) -> Delta:
         return Delta(msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])))
     result = _result(msg)
     return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
+
+
+# Replies that answer a command rather than a request are routed by their type.
+_CONTROL_KEYS = {cp.STATS_REPLY: "__stats__", cp.PROFILE_REPLY: "__profile__"}
+
+
+def _reply_key(reply: dict[str, Any]) -> str | None:
+    return _CONTROL_KEYS.get(reply.get("type")) or reply.get("request_id")
+
+
+def _profile_message(window_s: float, trace: bool, series: list[str] | None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": cp.PROFILE, "v": cp.CLIENT_PROTOCOL_VERSION, "window_s": window_s, "trace": trace}
+    if series:
+        msg["series"] = list(series)
+    return msg
 
 
 def _check_error(msg: dict[str, Any]) -> None:
@@ -164,6 +181,16 @@ class Client:
         self._send({"type": cp.STATS, "v": cp.CLIENT_PROTOCOL_VERSION})
         return self._next("__stats__")
 
+    def profile(self, window_s: float = 60.0, *, trace: bool = False, series: list[str] | None = None) -> dict[str, Any]:
+        """Every process's latency profile over the last ``window_s`` s (docs/protocol.md, ``profile``).
+
+        ``trace`` adds each process's recent spans (``conveyor.common.profiling.chrome_trace``
+        turns the reply's ``processes`` into one Chrome/Perfetto trace); ``series`` names value
+        series whose raw samples to include, e.g. ``["batch_seqs"]``.
+        """
+        self._send(_profile_message(window_s, trace, series))
+        return self._next("__profile__")
+
     def close(self) -> None:
         self._sock.close(linger=0)
 
@@ -186,12 +213,12 @@ class Client:
         """The next message for ``key`` (a request id, or "__stats__"), buffering others."""
         while not self._inbox[key]:
             if not self._sock.poll(None if self.timeout is None else int(self.timeout * 1000)):
-                if key != "__stats__":
+                if key not in _CONTROL_KEYS.values():
                     self._abandon(key)
                 raise TimeoutError(f"no reply from {self.address} within {self.timeout} s")
             reply = cp.unpack_map(self._sock.recv())
             _check_error(reply)
-            target = "__stats__" if reply.get("type") == cp.STATS_REPLY else reply.get("request_id")
+            target = _reply_key(reply)
             if target in self._abandoned:
                 if reply.get("type") == cp.FINAL:
                     self._abandoned.discard(target)
@@ -265,6 +292,14 @@ class AsyncClient:
             await self._send({"type": cp.STATS, "v": cp.CLIENT_PROTOCOL_VERSION})
             return await self._next(queue, None)
 
+    async def profile(
+        self, window_s: float = 60.0, *, trace: bool = False, series: list[str] | None = None
+    ) -> dict[str, Any]:
+        """As :meth:`Client.profile`."""
+        async with self._request("__profile__") as queue:
+            await self._send(_profile_message(window_s, trace, series))
+            return await self._next(queue, None)
+
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
@@ -304,8 +339,7 @@ class AsyncClient:
                     for queue in self._queues.values():
                         queue.put_nowait(reply)
                     continue
-                key = "__stats__" if reply.get("type") == cp.STATS_REPLY else reply.get("request_id")
-                queue = self._queues.get(key)
+                queue = self._queues.get(_reply_key(reply))
                 if queue is not None:
                     queue.put_nowait(reply)
         except asyncio.CancelledError:

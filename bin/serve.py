@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["continuous", "static"],
         help="static: run each batch to completion before forming the next (a baseline for benchmarks)",
     )
+    add_scheduling_arguments(p)
     p.add_argument(
         "--attention",
         default="auto",
@@ -70,7 +71,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention backend: auto is Triton on CUDA and the torch reference on CPU",
     )
     p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
+    p.add_argument(
+        "--profile",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)",
+    )
     return p
+
+
+def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """The batcher's policy knobs (SchedulerConfig; docs/architecture.md describes each)."""
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="order of the waiting line")
+    g.add_argument("--aging-rate", type=float, default=1.0, help="priority points a waiting request gains per second")
+    g.add_argument(
+        "--preemption",
+        default="auto",
+        choices=["auto", "swap", "recompute"],
+        help="what a preempted request loses; auto: the cheaper of swap and recompute per victim",
+    )
+    g.add_argument("--num-cpu-blocks", type=int, help="CPU swap space in blocks (instead of --swap-space)")
+    g.add_argument(
+        "--swap-space", type=float, help="CPU swap space in GiB (default: 4 with --device cuda, 0 on CPU)"
+    )
+    g.add_argument("--min-batch-size", type=int, default=1, help="do not start admitting for fewer waiting requests...")
+    g.add_argument("--max-wait-ms", type=float, default=0.0, help="...unless the oldest has waited this long")
+    g.add_argument("--max-bypass", type=int, default=32, help="times a request that does not fit may be passed by smaller ones")
+    g.add_argument("--max-waiting", type=int, default=4096, help="queue bound: new requests past it get 'overloaded' (0: none)")
+    g.add_argument("--max-queue-time", type=float, default=600.0, help="seconds a request may wait to start before 'timeout' (0: none)")
+    g.add_argument(
+        "--offload-evicted",
+        default=False,
+        action=argparse.BooleanOptionalAction,
+        help="copy prefix-cache blocks evicted from the GPU to the CPU swap space",
+    )
+    g.add_argument("--swap-bandwidth", type=float, default=16.0, help="GB/s host<->device, for --preemption auto")
+    g.add_argument("--prefill-rate", type=float, default=20000.0, help="prefill tokens/s, for --preemption auto")
+    g.add_argument("--max-sessions", type=int, default=1024, help="finished requests remembered for continuation")
 
 
 class Server:
@@ -108,27 +146,55 @@ class Server:
                 kv_cache_memory_bytes=kv_bytes,
                 num_threads=args.threads,
                 attention=args.attention,
+                profile=args.profile,
+                num_cpu_blocks=args.num_cpu_blocks,
+                swap_space_bytes=None if args.swap_space is None else int(args.swap_space * 2**30),
             ),
         )
         self._spawn(
             "frontend",
             run_frontend,
-            FrontendConfig(model_dir, self.addresses, max_model_len=max_model_len, vocab_size=model.vocab_size),
+            FrontendConfig(
+                model_dir,
+                self.addresses,
+                max_model_len=max_model_len,
+                vocab_size=model.vocab_size,
+                profile=args.profile,
+                max_sessions=args.max_sessions,
+            ),
         )
         self._wait_ready({"worker", "frontend"})
-        num_blocks = int(self.ready["worker"].info["num_blocks"])
-        sched = SchedulerConfig(
-            num_blocks=num_blocks,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            batching=args.batching,
-        )
+        worker = self.ready["worker"].info
+        try:
+            sched = SchedulerConfig(
+                num_blocks=int(worker["num_blocks"]),
+                block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                batching=args.batching,
+                min_batch_size=args.min_batch_size,
+                max_wait_ms=args.max_wait_ms,
+                policy=args.policy,
+                aging_rate=args.aging_rate,
+                max_bypass=args.max_bypass,
+                preemption=args.preemption,
+                num_cpu_blocks=int(worker.get("num_cpu_blocks", 0)),
+                block_bytes=int(worker.get("block_bytes", 0)),
+                swap_bandwidth=args.swap_bandwidth * 1e9,
+                prefill_rate=args.prefill_rate,
+                offload_evicted=args.offload_evicted,
+                max_waiting=args.max_waiting,
+                max_queue_time=args.max_queue_time,
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         self._spawn(
             "scheduler",
             run_scheduler,
-            SchedulerProcessConfig(sched, self.addresses, list(model.eos_token_ids), model.vocab_size),
+            SchedulerProcessConfig(
+                sched, self.addresses, list(model.eos_token_ids), model.vocab_size, profile=args.profile
+            ),
         )
         self._wait_ready({"scheduler"})
 
@@ -242,11 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     worker = server.ready["worker"].info
     what = "demo model (random weights: output is gibberish)" if is_demo else f"model {model_dir}"
-    print(
-        f"conveyor ready on {server.addresses.client} serving {what} "
-        f"on {worker.get('device')} with {worker['num_blocks']} KV blocks of {args.block_size} tokens",
-        flush=True,
-    )
+    try:
+        print(
+            f"conveyor ready on {server.addresses.client} serving {what} "
+            f"on {worker.get('device')} with {worker['num_blocks']} KV blocks of {args.block_size} tokens",
+            flush=True,
+        )
+    except (BrokenPipeError, OSError):
+        pass  # nobody reads our stdout any more: keep serving, never leave the children behind
     try:
         return server.supervise()
     finally:

@@ -7,7 +7,8 @@ and the validation of incoming requests; the frontend and conveyor.client both
 use it, so they cannot drift apart.
 
 Validation is total: anything a client can send either parses into a
-:class:`GenerateRequest` / :class:`AbortCommand` / :class:`StatsCommand` or
+:class:`GenerateRequest` / :class:`AbortCommand` / :class:`StatsCommand` /
+:class:`ProfileCommand` or
 raises :class:`ProtocolError` whose message names the offending field.
 """
 
@@ -32,16 +33,19 @@ MAX_STOP_STRING_LEN = 256
 GENERATE = "generate"
 ABORT = "abort"
 STATS = "stats"
+PROFILE = "profile"
 # Message types, server -> client
 DELTA = "delta"
 FINAL = "final"
 ERROR = "error"
 STATS_REPLY = "stats"
+PROFILE_REPLY = "profile"
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
-GENERATE_FIELDS = frozenset(
-    {"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", "stop", *SAMPLING_FIELDS}
-)
+# Generate fields besides the input, the id and stream that clients pass as keyword arguments.
+OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority")
+GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
+MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
 
 
 class ProtocolError(ValueError):
@@ -54,7 +58,10 @@ class ProtocolError(ValueError):
 
 @dataclass
 class GenerateRequest:
-    """A validated generate request, before tokenization. Exactly one input is set."""
+    """A validated generate request, before tokenization. Exactly one input is set.
+
+    ``priority``: higher is served sooner when the server runs the ``priority`` policy.
+    """
 
     request_id: str
     sampling: SamplingParams
@@ -63,6 +70,7 @@ class GenerateRequest:
     token_ids: list[int] | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
+    priority: int = 0
 
 
 @dataclass
@@ -73,6 +81,21 @@ class AbortCommand:
 @dataclass
 class StatsCommand:
     pass
+
+
+PROFILE_FIELDS = frozenset({"type", "v", "window_s", "trace", "series"})
+DEFAULT_PROFILE_WINDOW_S = 60.0
+MAX_PROFILE_WINDOW_S = 3600.0
+MAX_PROFILE_SERIES = 32
+
+
+@dataclass
+class ProfileCommand:
+    """Ask every process for its latency profile over the last ``window_s`` seconds."""
+
+    window_s: float = DEFAULT_PROFILE_WINDOW_S
+    trace: bool = False
+    series: list[str] = field(default_factory=list)
 
 
 def pack(obj: dict[str, Any]) -> bytes:
@@ -100,7 +123,7 @@ def _is_number(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def parse_client_message(obj: dict[str, Any]) -> GenerateRequest | AbortCommand | StatsCommand:
+def parse_client_message(obj: dict[str, Any]) -> GenerateRequest | AbortCommand | StatsCommand | ProfileCommand:
     """Validate a decoded client map. Raises ProtocolError naming the problem."""
     rid = obj.get("request_id")
     rid_for_error = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
@@ -116,9 +139,34 @@ def parse_client_message(obj: dict[str, Any]) -> GenerateRequest | AbortCommand 
         return AbortCommand(rid_for_error)
     if kind == STATS:
         return StatsCommand()
+    if kind == PROFILE:
+        return _parse_profile(obj)
     if "type" not in obj:
         raise ProtocolError("missing field 'type'", rid_for_error)
     raise ProtocolError(f"unknown message type {kind!r}", rid_for_error)
+
+
+def _parse_profile(obj: dict[str, Any]) -> ProfileCommand:
+    unknown = set(obj) - PROFILE_FIELDS
+    if unknown:
+        raise ProtocolError(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+    window = obj.get("window_s")
+    window = DEFAULT_PROFILE_WINDOW_S if window is None else window
+    if not _is_number(window) or not 0 < window <= MAX_PROFILE_WINDOW_S:
+        raise ProtocolError(f"'window_s' must be a number in (0, {MAX_PROFILE_WINDOW_S:g}], got {window!r}")
+    trace = obj.get("trace")
+    trace = False if trace is None else trace
+    if not isinstance(trace, bool):
+        raise ProtocolError("'trace' must be a boolean")
+    series = obj.get("series")
+    series = [] if series is None else series
+    if (
+        not isinstance(series, list)
+        or len(series) > MAX_PROFILE_SERIES
+        or not all(isinstance(s, str) and 0 < len(s) <= 64 for s in series)
+    ):
+        raise ProtocolError(f"'series' must be an array of at most {MAX_PROFILE_SERIES} names")
+    return ProfileCommand(float(window), trace, list(series))
 
 
 def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
@@ -182,6 +230,11 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in stop):
         raise fail(f"'stop' allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} characters")
     req.stop = stop
+    priority = obj.get("priority")
+    if priority is not None:
+        if not _is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            raise fail(f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+        req.priority = priority
     req.sampling = parse_sampling(obj, request_id)
     return req
 

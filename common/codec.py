@@ -85,6 +85,12 @@ def _validator_for(hint: Any) -> Validator:
                     if type(v) is not int:
                         raise DecodeError(f"{where}: expected array of int, found {type(v).__name__}")
                 return value
+            if item is _STR_CHECK:
+                # Hot path too: the request ids of a plan's running requests.
+                for v in value:
+                    if type(v) is not str:
+                        raise DecodeError(f"{where}: expected str, found {type(v).__name__} in the array")
+                return value
             return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
 
         return check_list
@@ -119,6 +125,7 @@ def _union(options: list[Any]) -> Validator:
 
 _SCALARS: dict[type, Validator] = {kind: _check_scalar(kind) for kind in (int, float, str, bool, bytes)}
 _INT_CHECK = _SCALARS[int]
+_STR_CHECK = _SCALARS[str]
 _STRUCT_CACHE: dict[type, Validator] = {}
 
 

@@ -15,7 +15,12 @@ Invariants the receivers rely on:
   own copy of the request's tokens, so both sides agree on ``len(token_ids)``.
 - A request the scheduler preempts or retires is listed in
   ``StepPlan.finished_request_ids`` so the worker can drop its state; a resumed
-  request arrives again as :class:`NewRequestData` with all its tokens.
+  request arrives again as :class:`NewRequestData` with all its tokens, and with
+  ``num_computed_tokens > 0`` when its KV is already in the blocks it names
+  (prefix-cache hits, or blocks swapped back in by the same plan).
+- The worker executes a plan in this order: drop ``finished_request_ids``, run
+  every ``swap_out`` copy, then every ``swap_in`` copy, then the forward. See
+  :class:`StepPlan` for why that order makes same-plan block reuse safe.
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ class AddRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
+    # Higher is served sooner under the "priority" policy; ignored under "fcfs".
+    priority: int = 0
 
 
 @message(2)
@@ -114,7 +121,10 @@ class RequestOutput:
 
     Timing fields are absolute time.time() values on the scheduler's clock, set
     once: ``scheduled_time`` when first admitted, ``first_token_time`` when its
-    first token was sampled. ``error`` explains a ``finish_reason == "error"``.
+    first token was sampled. ``error`` explains a ``finish_reason == "error"``; it
+    starts with ``overloaded:`` or ``timeout:`` for a request the bounded queue
+    refused or gave up on. ``num_cached_tokens``: prompt tokens whose KV came from
+    the prefix cache at first admission (set with ``scheduled_time``).
     """
 
     request_id: str
@@ -123,20 +133,43 @@ class RequestOutput:
     error: str | None = None
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    num_cached_tokens: int = 0
 
 
 @message(11)
 @dataclass
 class TokenOutputs:
-    """All request outputs of one scheduler iteration, sent as one message."""
+    """All request outputs of one scheduler iteration, sent as one message.
+
+    The common case travels as two parallel columns: ``request_ids[i]`` got the one new token
+    ``token_ids[i]`` and nothing else about it changed (not its first token, not finished).
+    Everything else (a first token, which carries the timing fields; a finish; an error or
+    rejection) is a full :class:`RequestOutput` in ``outputs``. A request in the columns has
+    no entry in ``outputs`` of the same message, so the order of the two does not matter;
+    receivers apply ``outputs`` first, then the columns. Columns because
+    one small object per decoding request per iteration was most of the scheduler's update
+    cost (and of the codec's).
+    """
 
     outputs: list[RequestOutput]
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def expanded(self) -> list[RequestOutput]:
+        """Every output as a :class:`RequestOutput` (column rows without timing fields)."""
+        return self.outputs + [RequestOutput(rid, [t]) for rid, t in zip(self.request_ids, self.token_ids)]
 
 
 @message(12)
 @dataclass
 class SchedulerStats:
-    """Block-pool and queue state; ``free_blocks + held_blocks == total_blocks`` always."""
+    """Block-pool and queue state, counters since start, and the most recent iterations.
+
+    ``free_blocks + cached_blocks + held_blocks == total_blocks`` always (cached: holds a
+    prefix-cache entry, referenced by no request, reusable or evictable); the CPU swap
+    space likewise with ``swapped_blocks`` for the held ones. ``recent_iterations`` rows
+    are ordered as ``iteration_fields`` names them (see docs/protocol.md).
+    """
 
     query_id: str
     total_blocks: int
@@ -146,6 +179,22 @@ class SchedulerStats:
     num_waiting: int
     num_steps: int
     num_preemptions: int
+    cached_blocks: int = 0
+    total_cpu_blocks: int = 0
+    free_cpu_blocks: int = 0
+    cached_cpu_blocks: int = 0
+    swapped_blocks: int = 0
+    num_swapped: int = 0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_overloaded: int = 0
+    num_timed_out: int = 0
+    iteration_fields: list[str] = field(default_factory=list)
+    recent_iterations: list[list[int | float]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- scheduler -> worker
@@ -173,7 +222,9 @@ class NewRequestData:
 class CachedRequestData:
     """A request the worker already holds: run ``num_scheduled_tokens`` more of its tokens.
 
-    ``new_block_ids`` are appended to its block table before the step runs.
+    ``new_block_ids`` are appended to its block table before the step runs. This is one
+    row of :class:`CachedRequests`, the form plans carry; it exists for code and tests that
+    read or write plans a request at a time.
     """
 
     request_id: str
@@ -182,16 +233,79 @@ class CachedRequestData:
     num_scheduled_tokens: int
 
 
+@dataclass
+class CachedRequests:
+    """Every request of a plan that the worker already holds, as parallel columns.
+
+    Columns, not one object per request: a decode-heavy step names hundreds of running
+    requests, and building, encoding and decoding one small object for each was most of
+    the scheduler's per-iteration cost. Row ``i`` is ``request_ids[i]``; the rows that get
+    new blocks are listed in ``new_block_rows`` (increasing) with their blocks at the same
+    index of ``new_block_ids``, since most steps give most requests none.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    new_block_rows: list[int] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def rows(self) -> list[CachedRequestData]:
+        """One :class:`CachedRequestData` per row, in order."""
+        blocks = dict(zip(self.new_block_rows, self.new_block_ids))
+        return [
+            CachedRequestData(rid, list(blocks.get(i, [])), computed, scheduled)
+            for i, (rid, computed, scheduled) in enumerate(
+                zip(self.request_ids, self.num_computed_tokens, self.num_scheduled_tokens)
+            )
+        ]
+
+    @classmethod
+    def from_rows(cls, rows: list[CachedRequestData]) -> CachedRequests:
+        out = cls()
+        for i, row in enumerate(rows):
+            out.request_ids.append(row.request_id)
+            out.num_computed_tokens.append(row.num_computed_tokens)
+            out.num_scheduled_tokens.append(row.num_scheduled_tokens)
+            if row.new_block_ids:
+                out.new_block_rows.append(i)
+                out.new_block_ids.append(list(row.new_block_ids))
+        return out
+
+
 @message(22)
 @dataclass
 class StepPlan:
     """One iteration's work. The worker samples a token for every scheduled request whose
-    tokens are all computed after this step (``num_computed + num_scheduled == len(tokens)``)."""
+    tokens are all computed after this step (``num_computed + num_scheduled == len(tokens)``).
+
+    ``swap_out`` lists ``[gpu_block, cpu_block]`` copies into the CPU swap space and
+    ``swap_in`` ``[cpu_block, gpu_block]`` copies back; the worker batches each list. Order
+    of execution: drop finished requests, all swap-outs, all swap-ins, then the forward.
+    The scheduler frees a GPU block the moment it decides to swap it out, and may hand it
+    to another request in the same plan (as a swap-in destination or for new KV): the
+    copies out run first, so they read the old contents. A CPU block is given one content
+    per plan: destinations within each list are distinct, and a CPU block that is both a
+    swap-out destination and a swap-in source (a block evicted to the CPU tier and hit again
+    by the same plan) is read after it was written.
+
+    ``cached_requests`` may be given as a list of :class:`CachedRequestData` (handy in
+    hand-written plans); it is converted to the columnar form on construction.
+    """
 
     step_id: int
     new_requests: list[NewRequestData]
-    cached_requests: list[CachedRequestData]
+    cached_requests: CachedRequests
     finished_request_ids: list[str]
+    swap_out: list[list[int]] = field(default_factory=list)
+    swap_in: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cached_requests, list):
+            self.cached_requests = CachedRequests.from_rows(self.cached_requests)
 
 
 @message(23)
@@ -240,3 +354,110 @@ class ProcessFailed:
     process: str
     reason: str
 
+
+
+# ---------------------------------------------------------------- profiling (tags 50-59)
+# A `profile` client call travels frontend -> scheduler -> worker as ProfileQuery; the worker
+# answers the scheduler between steps with a ProfileReport of its own snapshot, and the
+# scheduler forwards it to the frontend with its own snapshot added. Snapshots are built by
+# conveyor.common.profiling; timestamps are CLOCK_MONOTONIC nanoseconds, one clock for every
+# process of a server (they share a host).
+
+
+@dataclass
+class MetricSummary:
+    """One timer or value series over a profile's window.
+
+    Timers are in milliseconds (``unit == "ms"``); value series name their own unit.
+    ``count`` samples fell in the window and cover ``span_s`` seconds, which is shorter than
+    the window when the bounded ring wrapped (the figures then describe the newest samples).
+    """
+
+    name: str
+    unit: str
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    total: float
+    span_s: float
+
+
+@dataclass
+class CounterSummary:
+    """A monotone count: ``total`` since the process started, ``rate`` per second over the window."""
+
+    name: str
+    total: int
+    rate: float
+
+
+@dataclass
+class SeriesSamples:
+    """Raw samples of one value series inside the window, oldest first (for timelines)."""
+
+    name: str
+    unit: str
+    ts_ns: list[int]
+    values: list[float]
+
+
+@dataclass
+class TraceEvents:
+    """Complete spans inside the window, oldest first, as parallel columns.
+
+    Span ``i`` is named ``names[name_index[i]]``, started at ``start_ns[i]`` and lasted
+    ``dur_ns[i]``; ``arg[i]`` (-1 for none) is the value of ``arg_names[name_index[i]]``,
+    e.g. the step id that links a scheduler span to the worker's spans of the same step.
+    """
+
+    names: list[str]
+    arg_names: list[str]
+    name_index: list[int]
+    start_ns: list[int]
+    dur_ns: list[int]
+    arg: list[int]
+
+
+@dataclass
+class ProcessProfile:
+    """One process's snapshot. ``now_ns`` is its CLOCK_MONOTONIC when taken;
+    ``wall_offset_ns`` is ``time.time_ns() - now_ns`` then, to place the trace in wall time."""
+
+    process: str
+    pid: int
+    tid: int
+    enabled: bool
+    now_ns: int
+    wall_offset_ns: int
+    uptime_s: float
+    window_s: float
+    metrics: list[MetricSummary]
+    counters: list[CounterSummary]
+    values: dict[str, float]
+    series: list[SeriesSamples]
+    trace: TraceEvents | None = None
+
+
+@message(50)
+@dataclass
+class ProfileQuery:
+    """Ask for profile snapshots over the last ``window_s`` seconds; ``trace`` adds the spans,
+    ``series`` names the value series whose raw samples to include."""
+
+    query_id: str
+    window_s: float
+    trace: bool = False
+    series: list[str] = field(default_factory=list)
+
+
+@message(51)
+@dataclass
+class ProfileReport:
+    """Snapshots answering the ProfileQuery ``query_id``: the worker's alone, or the
+    scheduler's followed by the worker's."""
+
+    query_id: str
+    profiles: list[ProcessProfile]

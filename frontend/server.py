@@ -13,6 +13,19 @@ Invariants:
   (client abort, disconnect, stop string) is also aborted at the scheduler, so
   its KV blocks are freed at the next iteration.
 - This process never imports torch.
+- Continuation: a request that finished (stop, length or abort) leaves its context (prompt
+  + the tokens returned to the client) in a bounded LRU of sessions under its id; a new
+  request with that id continues it: its input is appended to that context, only the new
+  output is detokenized and returned. The scheduler's prefix cache makes the earlier turns
+  cost nothing to recompute when their KV is still cached. A continuation that fails
+  (error) leaves the earlier context in place, so the client can retry.
+
+Profiling (:mod:`conveyor.common.profiling`): tokenize, detokenize, client sends, the
+handling of each scheduler message and the event loop's lag are timed here, and each
+request's queue time, TTFT, TPOT and inter-token latencies are recorded when it finishes.
+A ``profile`` request is relayed to the scheduler (which adds the worker's snapshot); the
+reply carries all three processes, or this one alone with an error if the scheduler does
+not answer within :data:`PROFILE_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import errno
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import zmq
@@ -29,11 +43,13 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from conveyor.common import client_protocol as cp
-from conveyor.common import codec, transport
+from conveyor.common import codec, profiling, transport
 from conveyor.common.messages import (
     AbortRequests,
     AddRequest,
     FinishReason,
+    ProfileQuery,
+    ProfileReport,
     RequestOutput,
     SchedulerStats,
     Shutdown,
@@ -47,6 +63,10 @@ from conveyor.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("conveyor.frontend")
 
+PROFILE_TIMEOUT_S = 10.0
+# How often the event-loop lag probe wakes: its lag is how late that wake-up comes.
+LOOP_LAG_PROBE_S = 0.02
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
@@ -54,6 +74,9 @@ class FrontendConfig:
     addresses: ServerAddresses
     max_model_len: int
     vocab_size: int  # rows of the model's embedding: token ids must be below it
+    # Finished requests remembered for continuation (their token ids, up to max_model_len each).
+    max_sessions: int = 1024
+    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
 
 
 @dataclass
@@ -72,6 +95,10 @@ class RequestState:
     text: list[str] = field(default_factory=list)
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_output_ns: int = 0  # CLOCK_MONOTONIC of the last output with tokens (inter-token latency)
+    prompt_ids: list[int] = field(default_factory=list)  # the whole context, earlier turns included
+    history_len: int = 0  # how much of prompt_ids a continued request's earlier turns make up
+    cached_tokens: int = 0  # prompt tokens whose KV the scheduler reused
 
 
 class Frontend:
@@ -81,7 +108,11 @@ class Frontend:
         self.requests: dict[str, RequestState] = {}
         self._identities_by_fd: dict[int, set[bytes]] = {}
         self._stats_waiters: dict[str, bytes] = {}
+        # request id -> context (prompt + returned tokens) of its last finished turn, LRU first.
+        self._sessions: OrderedDict[str, list[int]] = OrderedDict()
+        self._profile_waiters: dict[str, tuple[bytes, cp.ProfileCommand, asyncio.TimerHandle]] = {}
         self._running = True
+        self._init_profiling(config.profile)
 
         self.ctx = zmq.asyncio.Context()
         addrs = config.addresses
@@ -99,9 +130,37 @@ class Frontend:
         self.from_scheduler = transport.socket(self.ctx, zmq.PULL, addrs.to_frontend, bind=True)
         self.control = transport.socket(self.ctx, zmq.PULL, addrs.frontend_control, bind=True)
 
+    def _init_profiling(self, enabled: bool) -> None:
+        prof = self.profiler = profiling.Profiler("frontend", enabled=enabled)
+        self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
+        self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
+        # Per token of each request: kept out of the bounded trace, which would fill at once.
+        self._t_detokenize = prof.timer("detokenize", trace=False)
+        self._t_send = prof.timer("client_send", trace=False)
+        self._s_loop_lag = prof.series("event_loop_lag", "ms")
+        self._s_queue = prof.series("request_queue_time", "ms")
+        self._s_ttft = prof.series("request_ttft", "ms")
+        self._s_tpot = prof.series("request_tpot", "ms")
+        self._s_e2e = prof.series("request_e2e", "ms")
+        self._s_itl = prof.series("request_itl", "ms", capacity=4 * prof.capacity)
+        self._c_client = prof.counter("client_messages")
+        self._c_sched = prof.counter("scheduler_messages")
+        self._c_tokens = prof.counter("output_tokens")
+        self._c_finished = prof.counter("finished_requests")
+
+    async def _probe_loop_lag(self) -> None:
+        """How late a timer wakes up: the time any handler holds the loop shows up here."""
+        interval_ns = int(LOOP_LAG_PROBE_S * 1e9)
+        while self._running:
+            start = profiling.now_ns()
+            await asyncio.sleep(LOOP_LAG_PROBE_S)
+            self._s_loop_lag.add(max(0, profiling.now_ns() - start - interval_ns) / 1e6)
+
     # ------------------------------------------------------------------ main loop
 
     async def run(self) -> None:
+        if self.profiler.enabled:  # ends with the loop (it checks _running; the runner cancels it)
+            self._lag_probe = asyncio.ensure_future(self._probe_loop_lag())
         poller = zmq.asyncio.Poller()
         for sock in (self.monitor, self.control, self.clients, self.from_scheduler):
             poller.register(sock, zmq.POLLIN)
@@ -155,12 +214,15 @@ class Frontend:
         payload = frames[1]
         fd = payload.get(zmq.SRCFD)
         self._identities_by_fd.setdefault(fd, set()).add(identity)
+        self._c_client.add()
         try:
             cmd = cp.parse_client_message(cp.unpack_map(payload.bytes))
             if isinstance(cmd, cp.GenerateRequest):
                 await self._on_generate(identity, fd, cmd)
             elif isinstance(cmd, cp.AbortCommand):
                 await self._on_abort(cmd.request_id)
+            elif isinstance(cmd, cp.ProfileCommand):
+                await self._on_profile(identity, cmd)
             else:
                 query_id = uuid.uuid4().hex
                 self._stats_waiters[query_id] = identity
@@ -172,18 +234,20 @@ class Frontend:
         arrival = time.time()
         if req.request_id in self.requests:
             raise cp.ProtocolError(f"request id {req.request_id!r} is already in flight", req.request_id)
+        history = self._sessions.get(req.request_id)
+        tokenize_start = profiling.now_ns()
         try:
-            if req.prompt is not None:
-                prompt_ids = self.tokenizer.encode(req.prompt)
-            elif req.messages is not None:
-                prompt_ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-            else:
-                prompt_ids = req.token_ids
+            prompt_ids = self._encode_input(req, continuing=history is not None)
         except cp.ProtocolError:
             raise
         except Exception as exc:  # a template error is the client's input, not a server crash
             raise cp.ProtocolError(f"cannot tokenize input: {exc}", req.request_id) from None
+        self._t_tokenize.record(tokenize_start, arg=len(prompt_ids))
+        if history is not None:
+            prompt_ids = history + prompt_ids
         self._check_lengths(req, prompt_ids)
+        if history is not None:
+            del self._sessions[req.request_id]  # back (extended) when this turn finishes
         state = RequestState(
             request_id=req.request_id,
             identity=identity,
@@ -193,9 +257,39 @@ class Frontend:
             arrival_time=arrival,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stop=StopStringMatcher(req.stop),
+            prompt_ids=prompt_ids,
+            history_len=len(history) if history is not None else 0,
         )
         self.requests[req.request_id] = state
-        await self._send_scheduler(AddRequest(req.request_id, prompt_ids, req.sampling, arrival))
+        await self._send_scheduler(AddRequest(req.request_id, prompt_ids, req.sampling, arrival, req.priority))
+
+    def _encode_input(self, req: cp.GenerateRequest, continuing: bool) -> list[int]:
+        """The request's input as token ids. A continuation's input follows earlier tokens, so
+        no BOS is added to text, and a chat template's leading BOS is dropped."""
+        if req.prompt is not None:
+            return self.tokenizer.encode(req.prompt, add_special_tokens=not continuing)
+        if req.messages is not None:
+            ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            bos = self.tokenizer.bos_token_id
+            if continuing and ids and bos is not None and ids[0] == bos:
+                ids = ids[1:]
+            return ids
+        return list(req.token_ids)
+
+    def _remember(self, state: RequestState, reason: str) -> None:
+        """Keep a finished request's context for a continuation (or, if this turn failed, the
+        context it continued)."""
+        if reason == FinishReason.ERROR:
+            context = state.prompt_ids[: state.history_len] if state.history_len else None
+        else:
+            context = state.prompt_ids + state.token_ids
+        if not context:
+            return
+        sessions = self._sessions
+        sessions[state.request_id] = context
+        sessions.move_to_end(state.request_id)
+        while len(sessions) > self.config.max_sessions:
+            sessions.popitem(last=False)
 
     def _check_lengths(self, req: cp.GenerateRequest, prompt_ids: list[int]) -> None:
         max_len = self.config.max_model_len
@@ -235,13 +329,21 @@ class Frontend:
         except codec.DecodeError as exc:
             log.error("dropping malformed message from scheduler: %s", exc)
             return
+        self._c_sched.add()
         if isinstance(msg, TokenOutputs):
+            start = profiling.now_ns()
             for out in msg.outputs:
                 await self._on_output(out)
+            for request_id, token in zip(msg.request_ids, msg.token_ids):  # plain next tokens
+                await self._on_output(RequestOutput(request_id, [token]))
+            self._t_outputs.record(start, arg=len(msg.outputs) + len(msg.request_ids))
+        elif isinstance(msg, ProfileReport):
+            await self._reply_profile(msg.query_id, msg.profiles)
         elif isinstance(msg, SchedulerStats):
             identity = self._stats_waiters.pop(msg.query_id, None)
             if identity is not None:
-                reply = {k: v for k, v in vars(msg).items() if k != "query_id"}
+                reply = {k: v for k, v in vars(msg).items() if k not in ("query_id", "iteration_fields", "recent_iterations")}
+                reply["iterations"] = [dict(zip(msg.iteration_fields, row)) for row in msg.recent_iterations]
                 reply.update(type=cp.STATS_REPLY, v=cp.CLIENT_PROTOCOL_VERSION, in_flight=len(self.requests))
                 await self._send_client(identity, reply)
 
@@ -251,12 +353,19 @@ class Frontend:
             return  # finalized here already (abort, disconnect, stop string)
         if out.scheduled_time is not None:
             state.scheduled_time = out.scheduled_time
+            state.cached_tokens = out.num_cached_tokens
         if out.first_token_time is not None:
             state.first_token_time = out.first_token_time
         emit, stopped = "", False
         if out.new_token_ids:
+            start = profiling.now_ns()
+            if state.last_output_ns:
+                self._s_itl.add((start - state.last_output_ns) / 1e6, start)
+            state.last_output_ns = start
+            self._c_tokens.add(len(out.new_token_ids))
             state.token_ids.extend(out.new_token_ids)
             emit, stopped = state.stop.feed(state.detokenizer.push(out.new_token_ids))
+            self._t_detokenize.record(start)
         if stopped:
             state.text.append(emit)
             del self.requests[out.request_id]
@@ -300,6 +409,8 @@ class Frontend:
             "ttft": _since(state.arrival_time, state.first_token_time),
             "total": now - state.arrival_time,
         }
+        self._record_request(timing, len(state.token_ids))
+        self._remember(state, reason)
         await self._send_client(
             state.identity,
             {
@@ -310,8 +421,59 @@ class Frontend:
                 "token_ids": state.token_ids,
                 "finish_reason": reason,
                 "error": error,
-                "usage": {"prompt_tokens": state.prompt_len, "completion_tokens": len(state.token_ids)},
+                "usage": {
+                    "prompt_tokens": state.prompt_len,
+                    "completion_tokens": len(state.token_ids),
+                    "cached_tokens": state.cached_tokens,
+                },
                 "timing": timing,
+            },
+        )
+
+    def _record_request(self, timing: dict[str, float | None], num_tokens: int) -> None:
+        """Per-request latencies (ms): queue, time to first token, time per output token, end to end."""
+        self._c_finished.add()
+        queue, ttft, total = timing["queue_time"], timing["ttft"], timing["total"]
+        if queue is not None:
+            self._s_queue.add(queue * 1e3)
+        if ttft is not None:
+            self._s_ttft.add(ttft * 1e3)
+            if num_tokens > 1 and total is not None:
+                self._s_tpot.add((total - ttft) * 1e3 / (num_tokens - 1))
+        if total is not None:
+            self._s_e2e.add(total * 1e3)
+
+    # ------------------------------------------------------------------ profile
+
+    async def _on_profile(self, identity: bytes, cmd: cp.ProfileCommand) -> None:
+        """Relay to the scheduler, which answers with its and the worker's snapshots."""
+        query_id = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        timeout = loop.call_later(
+            PROFILE_TIMEOUT_S,
+            lambda: asyncio.ensure_future(
+                self._reply_profile(query_id, [], error=f"the scheduler did not answer within {PROFILE_TIMEOUT_S:g} s")
+            ),
+        )
+        self._profile_waiters[query_id] = (identity, cmd, timeout)
+        await self._send_scheduler(ProfileQuery(query_id, cmd.window_s, cmd.trace, list(cmd.series)))
+
+    async def _reply_profile(self, query_id: str, others: list, error: str | None = None) -> None:
+        waiter = self._profile_waiters.pop(query_id, None)
+        if waiter is None:
+            return  # answered already (a late report after the timeout, or the reverse)
+        identity, cmd, timeout = waiter
+        timeout.cancel()
+        own = self.profiler.snapshot(cmd.window_s, trace=cmd.trace, series=cmd.series)
+        await self._send_client(
+            identity,
+            {
+                "type": cp.PROFILE_REPLY,
+                "v": cp.CLIENT_PROTOCOL_VERSION,
+                "clock": profiling.CLOCK_NAME,
+                "window_s": cmd.window_s,
+                "processes": [profiling.profile_to_map(p) for p in (own, *others)],
+                "error": error,
             },
         )
 
@@ -353,15 +515,17 @@ class Frontend:
                 "token_ids": [],
                 "finish_reason": FinishReason.ERROR,
                 "error": message,
-                "usage": {"prompt_tokens": 0, "completion_tokens": 0},
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0},
                 "timing": {"queue_time": None, "ttft": None, "total": 0.0},
             }
         await self._send_client(identity, reply)
 
     async def _send_client(self, identity: bytes, obj: dict) -> None:
         """Send to one client; a client that is gone has its in-flight requests aborted."""
+        start = profiling.now_ns()
         try:
             await self.clients.send_multipart([identity, cp.pack(obj)], copy=False)
+            self._t_send.record(start)
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise

@@ -1,23 +1,35 @@
-"""The KV block pool: which of the worker's fixed-size cache blocks are free, and who holds them.
+"""A pool of fixed-size KV blocks: free list, reference counts, and the prefix cache.
 
-The scheduler owns the truth about blocks; the worker only writes into the block ids a
-plan gives it. A block is either on the free list (reference count 0) or held (reference
-count >= 1), never both, so ``num_free + num_held == total`` at all times.
+The scheduler owns the truth about blocks; the worker only writes into the block ids a plan
+gives it. The same class serves the GPU cache and the CPU swap space.
 
-Reference counts exist so that one block can later be shared by several requests with a
-common prompt prefix. Prefix reuse is not built yet; when it is, a full block will also
-carry a content hash (chained: hash of the previous block's hash and this block's token
-ids), a hash -> block map will let a new request ``retain`` an existing block instead of
-allocating one, and a freed block will keep its hash while it sits on the free list so it
-can be revived until ``allocate`` hands it out again (evicting the hash). The free list is
-a deque with freed blocks appended at the tail and allocations taken from the head, which
-is already the least-recently-freed-first order that eviction will want.
+Every block is in exactly one of three states:
+
+- **free**: reference count 0, no content worth keeping, on the free list;
+- **cached**: reference count 0 but its contents are a known prefix (a full block under its
+  content id from :class:`~conveyor.scheduler.prefix_index.PrefixIndex`, or a *partial*
+  block: the first tokens of a block after a known parent), kept in an LRU so a later request with the same prefix can reuse it instead of
+  recomputing it; evicted (oldest first) when nothing is free;
+- **held**: reference count >= 1, one per request whose block table names it. A held full
+  block may carry a content id too: other requests then share it by taking a reference.
+
+so ``num_free + num_cached + num_held == total`` always. Only a held block can gain an id
+(:meth:`register`, once its tokens are computed); an id names at most one block. Partial
+entries exist only for cached blocks: a partial block is reused by *taking it over*
+(:meth:`take`), since its new owner goes on writing into it; it is never shared.
+
+Allocation takes the free list first (head: least recently freed), then evicts the least
+recently cached block; ``on_evict`` hears about every full block evicted with its id (the
+scheduler may copy it to the CPU tier before it is overwritten). Ids are registered in the
+shared :class:`PrefixIndex`, which forgets an id once no pool holds it.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Iterable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+
+from conveyor.scheduler.prefix_index import PrefixIndex
 
 
 class BlockPoolError(RuntimeError):
@@ -25,19 +37,35 @@ class BlockPoolError(RuntimeError):
 
 
 class BlockPool:
-    """Free list plus per-block reference counts over blocks ``0 .. total - 1``.
+    """Blocks ``0 .. total - 1`` in the three states of the module docstring.
 
     ``allocate`` is all-or-nothing and *raises* :class:`BlockPoolError` when fewer than
-    ``n`` blocks are free: the scheduler always checks :attr:`num_free` before it
-    allocates, so running out here is a bug in the caller, not a policy signal.
+    ``n`` blocks are free or cached: the scheduler checks :attr:`num_available` first, so
+    running out here is a bug in the caller, not a policy signal.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        index: PrefixIndex | None = None,
+        on_evict: Callable[[int, int], None] | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self._total = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._refcount: list[int] = [0] * num_blocks
+        # Cached blocks, least recently released first.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.index = index if index is not None else PrefixIndex()
+        self._hash_of: list[int | None] = [None] * num_blocks  # content id of a full block
+        self._block_of: dict[int, int] = {}
+        # Partial blocks: block -> (parent id, its computed tokens); parent -> blocks.
+        self._partial_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._partials: dict[int, set[int]] = {}
+        self.on_evict = on_evict
+
+    # ------------------------------------------------------------------ counts
 
     @property
     def total(self) -> int:
@@ -48,39 +76,88 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks :meth:`allocate` can hand out: free plus cached (evictable)."""
+        return len(self._free) + len(self._lru)
+
+    @property
     def num_held(self) -> int:
-        return self._total - len(self._free)
+        return self._total - len(self._free) - len(self._lru)
 
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]
 
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hash_of[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._lru
+
+    # ------------------------------------------------------------------ allocation
+
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks, each with reference count 1. All or nothing."""
+        """Take ``n`` blocks, each with reference count 1: free ones first, then evict. All or nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise BlockPoolError(f"asked for {n} blocks, only {len(self._free)} free")
-        free, refcount = self._free, self._refcount
-        blocks = [free.popleft() for _ in range(n)]
+        free = self._free
+        if n > len(free) + len(self._lru):
+            raise BlockPoolError(f"asked for {n} blocks, only {len(free) + len(self._lru)} free or cached")
+        refcount = self._refcount
+        if n <= len(free):
+            blocks = [free.popleft() for _ in range(n)]
+        else:
+            blocks = list(free)
+            free.clear()
+            self._evict(n - len(blocks), blocks)
         for b in blocks:
             refcount[b] = 1
         return blocks
 
+    def _evict(self, n: int, into: list[int]) -> None:
+        """Evict the ``n`` least recently cached blocks into ``into`` (one loop: a prefill-heavy
+        iteration evicts a block per 16 tokens it admits)."""
+        lru, hash_of, block_of, on_evict, release = self._lru, self._hash_of, self._block_of, self.on_evict, self.index.release
+        for _ in range(n):
+            block, _ = lru.popitem(last=False)
+            h = hash_of[block]
+            if h is not None:
+                hash_of[block] = None
+                del block_of[h]
+                if on_evict is not None:
+                    on_evict(block, h)  # first: a copy elsewhere keeps the id alive
+                release(h)
+            else:
+                self._drop_partial(block)
+            into.append(block)
+
+    def acquire(self, block_id: int) -> None:
+        """Add a reference to a held or cached full block (a prefix-cache hit revives a cached one)."""
+        self._check_id(block_id)
+        if self._refcount[block_id] == 0:
+            if block_id not in self._lru or self._hash_of[block_id] is None:
+                raise BlockPoolError(f"cannot acquire block {block_id}: it is neither held nor a cached full block")
+            del self._lru[block_id]
+        self._refcount[block_id] += 1
+
     def retain(self, block_ids: Iterable[int]) -> None:
-        """Add a reference to blocks that are already held (for sharing a prefix later)."""
+        """Add a reference to blocks that are already held. Validated before anything changes."""
         ids = list(block_ids)
         for b in ids:
             self._check_id(b)
             if self._refcount[b] == 0:
-                raise BlockPoolError(f"cannot retain free block {b}")
+                raise BlockPoolError(f"cannot retain unreferenced block {b}")
         for b in ids:
             self._refcount[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference to each block; a block back at 0 returns to the free list.
+        """Drop one reference to each block; one back at 0 becomes cached if it has a hash, else free.
 
-        Validated before anything changes, so a bad call (a double free, or the same
-        block listed more times than it is referenced) raises and leaves the pool intact.
+        Validated before anything changes, so a bad call (a double free, or the same block
+        listed more times than it is referenced) raises and leaves the pool intact.
         """
         ids = list(block_ids)
         refcount = self._refcount
@@ -93,24 +170,133 @@ class BlockPool:
             self._check_id(ids[0])
             if refcount[ids[0]] < 1:
                 raise BlockPoolError(f"double free of block {ids[0]}")
+        hash_of = self._hash_of
         for b in ids:
             refcount[b] -= 1
             if refcount[b] == 0:
-                self._free.append(b)
+                if hash_of[b] is not None:
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
 
-    def check_invariants(self) -> None:
-        """Assert the pool's invariants; O(total), meant for tests and debugging."""
+    # ------------------------------------------------------------------ prefix cache
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The block holding this full-block content id (held or cached), or None."""
+        return self._block_of.get(block_hash)
+
+    def registered_ids(self) -> list[int]:
+        """Content ids this pool holds a block under (for index consistency checks)."""
+        return list(self._block_of)
+
+    def register(self, block_id: int, block_hash: int) -> bool:
+        """Record that held block ``block_id`` now holds the full block of content id ``block_hash``.
+
+        False (and nothing changes) when another block already holds that id, e.g. two
+        requests computed the same prefix side by side: the later copy stays anonymous and
+        is freed, not cached, when released; likewise when the id is dead (forgotten by
+        the index). A block keeps the first id it gets.
+        """
+        if self._refcount[block_id] < 1:
+            raise BlockPoolError(f"cannot register unreferenced block {block_id}")
+        if self._hash_of[block_id] is not None:
+            return self._hash_of[block_id] == block_hash
+        if block_hash in self._block_of or not self.index.retain(block_hash):
+            return False
+        self._hash_of[block_id] = block_hash
+        self._block_of[block_hash] = block_id
+        return True
+
+    def unregister(self, block_id: int) -> None:
+        """Forget what a block holds (its contents are not what its id says, e.g. the copy
+        that was to fill it never ran). A cached block becomes free; a held one anonymous."""
+        h = self._hash_of[block_id]
+        if h is None:
+            return
+        self._hash_of[block_id] = None
+        del self._block_of[h]
+        self.index.release(h)
+        if self._refcount[block_id] == 0:
+            del self._lru[block_id]
+            self._free.append(block_id)
+
+    def free_partial(self, block_id: int, parent: int, tokens: Sequence[int]) -> None:
+        """Release the last reference to a partly filled, unhashed block, keeping it cached as
+        "the first ``len(tokens)`` tokens ``tokens`` after prefix ``parent``"."""
+        if self._refcount[block_id] != 1 or self._hash_of[block_id] is not None or not tokens:
+            self.free([block_id])
+            return
+        self._refcount[block_id] = 0
+        self._partial_of[block_id] = (parent, tuple(tokens))
+        self._partials.setdefault(parent, set()).add(block_id)
+        self._lru[block_id] = None
+
+    def match_partial(self, parent: int, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """The cached partial block after ``parent`` sharing the longest prefix with ``tokens``
+        (``(block, matched token count)``, count >= 1), or None."""
+        candidates = self._partials.get(parent)
+        if not candidates:
+            return None
+        best: tuple[int, int] | None = None
+        for block in candidates:
+            stored = self._partial_of[block][1]
+            n = 0
+            for a, b in zip(stored, tokens):
+                if a != b:
+                    break
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (block, n)
+        return best
+
+    def take(self, block_id: int) -> None:
+        """Take over a cached partial block: it leaves the cache held once, to be written on."""
+        if block_id not in self._partial_of or self._refcount[block_id] != 0:
+            raise BlockPoolError(f"block {block_id} is not a cached partial block")
+        self._drop_partial(block_id)
+        del self._lru[block_id]
+        self._refcount[block_id] = 1
+
+    def _drop_partial(self, block_id: int) -> None:
+        parent, _ = self._partial_of.pop(block_id)
+        siblings = self._partials[parent]
+        siblings.discard(block_id)
+        if not siblings:
+            del self._partials[parent]
+
+    # ------------------------------------------------------------------ checking
+
+    def check_invariants(self, expected_refcounts: dict[int, int] | None = None) -> None:
+        """Assert the three-state invariant; with ``expected_refcounts`` (block -> count, as
+        the callers' tables say), also that every held block has exactly that many
+        references. O(total), meant for tests and debugging."""
         free = list(self._free)
         free_set = set(free)
+        lru = set(self._lru)
         assert len(free_set) == len(free), "a block is on the free list twice"
-        held = [b for b in range(self._total) if self._refcount[b] > 0]
-        assert not free_set.intersection(held), "a block is both free and held"
-        assert all(self._refcount[b] == 0 for b in free), "a free block has references"
-        assert all(self._refcount[b] >= 0 for b in range(self._total)), "negative reference count"
-        assert len(free) + len(held) == self._total, (
-            f"free {len(free)} + held {len(held)} != total {self._total}"
-        )
-        assert self.num_free + self.num_held == self._total
+        assert not free_set & lru, "a block is both free and cached"
+        for b in range(self._total):
+            ref = self._refcount[b]
+            assert ref >= 0, f"negative reference count on block {b}"
+            if b in free_set:
+                assert ref == 0 and self._hash_of[b] is None and b not in self._partial_of, f"free block {b} has state"
+            elif b in lru:
+                assert ref == 0, f"cached block {b} has references"
+                assert (self._hash_of[b] is None) != (b not in self._partial_of), f"cached block {b}: hash xor partial"
+            else:
+                assert ref > 0, f"block {b} is neither free, cached nor held"
+                assert b not in self._partial_of, f"held block {b} has a partial entry"
+            if expected_refcounts is not None:
+                assert ref == expected_refcounts.get(b, 0), (
+                    f"block {b}: refcount {ref}, but {expected_refcounts.get(b, 0)} holders"
+                )
+        for h, b in self._block_of.items():
+            assert self._hash_of[b] == h, f"hash index out of sync at block {b}"
+        assert sum(h is not None for h in self._hash_of) == len(self._block_of)
+        for parent, blocks in self._partials.items():
+            assert blocks and all(self._partial_of[b][0] == parent for b in blocks)
+        assert sum(len(v) for v in self._partials.values()) == len(self._partial_of)
+        assert self.num_free + self.num_cached + self.num_held == self._total
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self._total:

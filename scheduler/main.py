@@ -8,21 +8,32 @@ nothing to run it blocks on the frontend socket instead of spinning.
 The worker is never waited on blindly: the wait polls in slices and gives up
 when bin/serve says to stop (Shutdown) or the worker stops answering for
 ``worker_timeout_s`` (bin/serve notices a dead worker process and stops us).
+
+Profiling: each iteration's schedule, update and output flush are timed, and so is the plan
+round trip (send to result); the round trip minus the worker's own execute time is the
+transport cost. Batch shape per step (sequences, tokens, waiting) is kept as series, the
+occupancy timeline bin/bench plots. A ProfileQuery is forwarded to the worker on the plan
+socket, so the worker answers between steps and never mid-step; its report comes back on
+the result socket (while a plan is in flight, or in the idle wait, which polls both
+sockets) and goes to the frontend with this process's snapshot in front.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import zmq
 
-from conveyor.common import codec, transport
+from conveyor.common import codec, profiling, transport
 from conveyor.common.config import SchedulerConfig
 from conveyor.common.messages import (
     AbortRequests,
     AddRequest,
+    ProfileQuery,
+    ProfileReport,
     RequestOutput,
     SchedulerStats,
     Shutdown,
@@ -46,6 +57,7 @@ class SchedulerProcessConfig:
     addresses: ServerAddresses
     eos_token_ids: list[int]
     vocab_size: int
+    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
 
 
 class SchedulerLoop:
@@ -58,38 +70,113 @@ class SchedulerLoop:
         self.from_worker = transport.socket(ctx, zmq.PULL, addrs.results, bind=True)
         self.running = True
         self._pending: list[RequestOutput] = []
+        # Plain next tokens of the iteration, as TokenOutputs columns (see TokenOutputs).
+        self._column_ids: list[str] = []
+        self._column_tokens: list[int] = []
         self._poller = zmq.Poller()
         self._poller.register(self.from_frontend, zmq.POLLIN)
         self._poller.register(self.from_worker, zmq.POLLIN)
+        self._profile_queries: dict[str, ProfileQuery] = {}
+        self._init_profiling(config.profile)
+
+    def _init_profiling(self, enabled: bool) -> None:
+        prof = self.profiler = profiling.Profiler("scheduler", enabled=enabled)
+        self._t_intake = prof.timer("intake", arg_name="messages")
+        self._t_schedule = prof.timer("schedule", arg_name="step")
+        self._t_round_trip = prof.timer("plan_round_trip", arg_name="step")
+        self._t_update = prof.timer("update", arg_name="step")
+        self._t_flush = prof.timer("send_outputs", arg_name="outputs")
+        self._s_transport = prof.series("transport_overhead", "ms")
+        steps = 1 << 16  # per-step series feed timelines: keep more of them
+        self._s_seqs = prof.series("batch_seqs", "seqs", capacity=steps)
+        self._s_tokens = prof.series("batch_tokens", "tokens", capacity=steps)
+        self._s_waiting = prof.series("num_waiting", "requests", capacity=steps)
+        self._c_frontend = prof.counter("frontend_messages")
+        self._c_steps = prof.counter("steps")
+
+    def _record_plan(self, plan: StepPlan) -> None:
+        cached = plan.cached_requests
+        self._s_seqs.add(len(plan.new_requests) + len(cached))
+        self._s_tokens.add(sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(cached.num_scheduled_tokens))
+        self._s_waiting.add(self.scheduler.num_waiting)
+        self._c_steps.add()
 
     def run(self) -> None:
+        wait_ms = 0
         while self.running:
             block = not self.scheduler.has_work() and not self._pending
-            self._take_frontend_messages(timeout_ms=IDLE_POLL_MS if block else 0)
+            self._take_frontend_messages(timeout_ms=IDLE_POLL_MS if block else wait_ms)
             if not self.running:
                 break
+            start = profiling.now_ns()
             plan = self.scheduler.schedule()
+            self._pending.extend(self.scheduler.take_outputs())  # queue timeouts
+            wait_ms = 0
             if plan is not None:
+                self._t_schedule.record(start, arg=plan.step_id)
+                self._record_plan(plan)
                 result = self._execute(plan)
                 if result is None:
                     break
-                self._pending.extend(self.scheduler.update(plan, result))
+                start = profiling.now_ns()
+                outputs = self.scheduler.update(plan, result)
+                self._pending.extend(outputs.outputs)
+                self._column_ids.extend(outputs.request_ids)
+                self._column_tokens.extend(outputs.token_ids)
+                self._t_update.record(start, arg=plan.step_id)
+            elif self.scheduler.has_work():
+                # Live requests but nothing to run yet (the admission gate waits for company,
+                # min_batch_size / max_wait_ms): sleep on the sockets until then, not spin.
+                ready_in = self.scheduler.seconds_until_ready()
+                wait_ms = IDLE_POLL_MS if ready_in is None else max(1, min(IDLE_POLL_MS, math.ceil(ready_in * 1000)))
             self._flush_outputs()
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:
-        if timeout_ms and not self.from_frontend.poll(timeout_ms):
-            return
+        if timeout_ms:
+            # Idle: no plan is in flight, so the worker speaks only to answer a profile query.
+            ready = dict(self._poller.poll(timeout_ms))
+            if self.from_worker in ready:
+                self._take_worker_reports()
+            if self.from_frontend not in ready:
+                return
+        start, count = profiling.now_ns(), 0
         while self.running:
             try:
                 frame = self.from_frontend.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                break
+            count += 1
             try:
                 msg = codec.decode(frame.buffer)
             except codec.DecodeError as exc:
                 log.error("dropping malformed message from frontend: %s", exc)
                 continue
             self._handle(msg)
+        if count:
+            self._t_intake.record(start, arg=count)
+            self._c_frontend.add(count)
+
+    def _take_worker_reports(self) -> None:
+        """Drain the worker's socket while no plan is in flight: only profile reports belong there."""
+        while True:
+            try:
+                msg = transport.recv(self.from_worker) if self.from_worker.poll(0) else None
+            except codec.DecodeError as exc:
+                log.error("malformed message from worker: %s", exc)
+                continue
+            if msg is None:
+                return
+            if isinstance(msg, ProfileReport):
+                self._on_worker_profile(msg)
+            else:
+                log.error("unexpected worker message %s with no plan in flight", type(msg).__name__)
+
+    def _on_worker_profile(self, report: ProfileReport) -> None:
+        query = self._profile_queries.pop(report.query_id, None)
+        if query is None:
+            return
+        own = self.profiler.snapshot(query.window_s, trace=query.trace, series=query.series)
+        transport.send(self.to_frontend, ProfileReport(query.query_id, [own, *report.profiles]))
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -99,20 +186,11 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequests):
             self._pending.extend(self.scheduler.abort(msg.request_ids))
         elif isinstance(msg, StatsQuery):
-            s = self.scheduler.stats()
-            transport.send(
-                self.to_frontend,
-                SchedulerStats(
-                    query_id=msg.query_id,
-                    total_blocks=s["total_blocks"],
-                    free_blocks=s["free_blocks"],
-                    held_blocks=s["held_blocks"],
-                    num_running=s["num_running"],
-                    num_waiting=s["num_waiting"],
-                    num_steps=s["num_steps"],
-                    num_preemptions=s["num_preemptions"],
-                ),
-            )
+            transport.send(self.to_frontend, SchedulerStats(query_id=msg.query_id, **self.scheduler.stats()))
+        elif isinstance(msg, ProfileQuery):
+            # On the plan socket, behind any plan in flight: the worker answers between steps.
+            self._profile_queries[msg.query_id] = msg
+            transport.send(self.to_worker, msg)
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
@@ -120,6 +198,7 @@ class SchedulerLoop:
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         """Send a plan and wait for its result, still serving the frontend meanwhile."""
+        start = profiling.now_ns()
         transport.send(self.to_worker, plan)
         while True:
             events = dict(self._poller.poll(IDLE_POLL_MS))
@@ -129,9 +208,14 @@ class SchedulerLoop:
                 except codec.DecodeError as exc:
                     log.error("malformed result from worker: %s", exc)
                     return StepResult(plan.step_id, [], [], error=f"malformed worker result: {exc}")
+                if isinstance(result, ProfileReport):
+                    self._on_worker_profile(result)
+                    continue
                 if not isinstance(result, StepResult) or result.step_id != plan.step_id:
                     log.error("unexpected worker message %r", result)
                     continue
+                end = self._t_round_trip.record(start, arg=plan.step_id)
+                self._s_transport.add(max(0.0, (end - start) / 1e6 - result.forward_time * 1e3))
                 return result
             if self.from_frontend in events:
                 # Aborts and new requests queue up in the scheduler; aborts of requests in
@@ -141,9 +225,13 @@ class SchedulerLoop:
                     return None
 
     def _flush_outputs(self) -> None:
-        if self._pending:
-            transport.send(self.to_frontend, TokenOutputs(self._pending))
+        if self._pending or self._column_ids:
+            start = profiling.now_ns()
+            transport.send(self.to_frontend, TokenOutputs(self._pending, self._column_ids, self._column_tokens))
+            self._t_flush.record(start, arg=len(self._pending) + len(self._column_ids))
             self._pending = []
+            self._column_ids = []
+            self._column_tokens = []
 
     def close(self) -> None:
         for sock in (self.from_frontend, self.to_frontend, self.to_worker, self.from_worker):

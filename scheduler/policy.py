@@ -1,29 +1,49 @@
-"""Scheduling policy: who waits in what order, who may be admitted, who is preempted.
+"""Scheduling policy: the order of the line, when a wave may start, who yields, and how.
 
-Kept apart from :mod:`conveyor.scheduler.scheduler`, which does the bookkeeping (token
-budget, block allocation, plans, stop conditions) and asks this module only for decisions.
-A priority policy with aging, or a head-of-line fix, replaces this class without touching
-the bookkeeping.
+Kept apart from :mod:`conveyor.scheduler.scheduler`, which does the bookkeeping (budget,
+blocks, plans, stop conditions) and asks this module only for decisions.
 
-FCFS as implemented here:
-- Waiting requests are served in arrival order; a preempted request goes back to the
-  *front*, since it is older than anything still waiting.
-- Admission is strictly in order: when the head does not fit, nothing behind it is
-  admitted (no skipping; requests that could never fit were rejected at arrival, so the
-  head always fits eventually, once running requests finish).
-- The head is admitted only when blocks for *all* its known tokens are free, not just
-  for its first chunk. Admitting a long prompt into a nearly full pool would let it start
-  a chunk and then, being the newest, preempt itself on the next chunk: wasted work.
-- The victim of a preemption is the most recently admitted running request; the oldest
-  running request is therefore never preempted and always progresses.
+**Rank.** Every request gets a rank when it is first queued; smaller goes first, and the
+rank orders the waiting queue and the running batch alike (a preempted request goes back
+under the same rank, so it keeps its place in line).
+
+- ``fcfs``: arrival order.
+- ``priority``: effective priority ``p + aging_rate * waited`` (higher first). For two
+  waiting requests the difference of their effective priorities never changes with time,
+  so ordering by ``p - aging_rate * arrival`` is the same order at every instant and a
+  heap keyed on it never needs re-sorting. The aging bound follows: a request that
+  arrived ``w`` seconds after request ``R`` is ranked ahead of ``R`` only if its priority
+  exceeds ``R``'s by more than ``aging_rate * w``; so after ``(p_max - p_R) / aging_rate``
+  seconds no newcomer can pass ``R`` any more (only the bounded bypass below can).
+  Ties go to the earlier arrival.
+
+**Who yields.** Under memory pressure the worst-ranked running request is preempted first
+(so the best-ranked one always progresses). Under ``priority`` a waiting request also
+preempts worse-ranked running ones when it lacks a slot (``max_num_seqs``) or blocks, but
+only if preempting all of them would make it fit: nobody is preempted for nothing.
+
+**Head-of-line blocking.** A request that does not fit in the free blocks now may be passed
+by smaller ones behind it, each such admission counting against it; once passed
+``max_bypass`` times nobody passes it any more, and it starts when running requests have
+freed enough (any accepted request fits the whole pool). At most :data:`BYPASS_LOOKAHEAD`
+blocked requests are stepped over per iteration, so that search stays cheap.
+
+**Batch formation.** No admission while fewer than ``min_batch_size`` requests wait, unless
+the oldest has waited ``max_wait_ms``. Running requests never wait for this.
+
+**Swap or recompute.** A victim's KV is either copied to the CPU swap space and back
+(``swap``) or dropped and prefilled again (``recompute``); ``auto`` compares
+``2 * bytes to move / swap_bandwidth`` with ``tokens to recompute / prefill_rate``. Both
+``swap`` and ``auto`` fall back to recompute when the swap space lacks room.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from conveyor.common.config import SchedulerConfig
 
-from conveyor.scheduler.request import Request
+SWAP = "swap"
+RECOMPUTE = "recompute"
+BYPASS_LOOKAHEAD = 8
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -31,101 +51,69 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class FcfsPolicy:
-    """First come, first served over a waiting queue keyed by request id.
+class SchedulingPolicy:
+    """The decisions of the module docstring, for one :class:`SchedulerConfig`."""
 
-    The queue is an OrderedDict so that removing an aborted request from the middle is
-    O(1) and a preempted one can be put back at the front in O(1). Live request ids are
-    unique (the scheduler rejects duplicates), so the id is a safe key.
-    """
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.by_priority = config.policy == "priority"
+        self.static = config.batching == "static"
+        self.aging_rate = config.aging_rate
+        self.max_bypass = 0 if self.static else config.max_bypass
+        self.min_batch_size = config.min_batch_size
+        self.max_wait_s = config.max_wait_ms / 1000.0
 
-    def __init__(self, block_size: int) -> None:
-        self._block_size = block_size
-        self._waiting: OrderedDict[str, Request] = OrderedDict()
+    # ------------------------------------------------------------ order
 
-    # ------------------------------------------------------------ waiting queue
+    def rank(self, priority: int, seq: int, arrival: float) -> tuple[float, int]:
+        """The fixed sort key of a request; ``arrival`` in seconds since the scheduler started."""
+        if self.by_priority:
+            return (self.aging_rate * arrival - priority, seq)
+        return (0.0, seq)
 
-    def __len__(self) -> int:
-        return len(self._waiting)
+    @property
+    def preempts_for_admission(self) -> bool:
+        """Whether a waiting request may preempt worse-ranked running ones to start."""
+        return self.by_priority and not self.static
 
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._waiting.values())
+    # ------------------------------------------------------------ admission
 
-    def enqueue(self, req: Request) -> None:
-        """A new arrival: behind everyone."""
-        self._waiting[req.request_id] = req
+    def may_admit_into(self, num_running_at_start: int) -> bool:
+        """Static batching forms a batch only when the previous one has finished."""
+        return num_running_at_start == 0 if self.static else True
 
-    def requeue_preempted(self, req: Request) -> None:
-        """A preempted request: ahead of everyone (it arrived before all of them)."""
-        self._waiting[req.request_id] = req
-        self._waiting.move_to_end(req.request_id, last=False)
-
-    def peek(self) -> Request | None:
-        """The request to admit next, or None."""
-        if not self._waiting:
-            return None
-        return next(iter(self._waiting.values()))
-
-    def pop(self) -> Request:
-        """Remove and return the head (being admitted). The queue must not be empty."""
-        return self._waiting.popitem(last=False)[1]
-
-    def remove(self, req: Request) -> bool:
-        """Remove a waiting request (aborted); False if it was not queued."""
-        if self._waiting.get(req.request_id) is req:
-            del self._waiting[req.request_id]
+    def admission_open(self, num_waiting: int, oldest_arrival: float | None, now: float) -> bool:
+        """Whether a wave may start: enough waiting, or the oldest has waited long enough."""
+        if num_waiting >= self.min_batch_size:
             return True
-        return False
+        return oldest_arrival is not None and now - oldest_arrival >= self.max_wait_s
 
-    # ------------------------------------------------------------ decisions
+    def admission_opens_at(self, num_waiting: int, oldest_arrival: float | None) -> float | None:
+        """When :meth:`admission_open` turns true with no new arrival (None: it already is, or never)."""
+        if num_waiting >= self.min_batch_size or oldest_arrival is None:
+            return None
+        return oldest_arrival + self.max_wait_s
 
-    def may_admit_into(self, num_running_at_start: int) -> bool:
-        """Whether this iteration may admit anyone, given how many requests were running."""
-        return True
+    def growth_reserve(self, num_prompt_tokens: int, max_tokens: int, num_tokens: int) -> int:
+        """Blocks an admitted request must leave free for its later growth: its whole output
+        under static batching (so a batch never preempts itself), none otherwise."""
+        if not self.static:
+            return 0
+        bs = self.config.block_size
+        return blocks_for(num_prompt_tokens + max_tokens, bs) - blocks_for(num_tokens, bs)
 
-    def reserve_for_batch(self, req: Request) -> None:
-        """Hook for policies that reserve blocks at admission; FCFS reserves nothing."""
+    # ------------------------------------------------------------ preemption
 
-    def batch_started(self) -> None:
-        """Called before an iteration's admissions."""
-
-    def can_admit(self, req: Request, num_free_blocks: int) -> bool:
-        """Whether the head may start now: all its known tokens must fit in the free blocks."""
-        needed = blocks_for(req.num_tokens, self._block_size) - len(req.block_ids)
-        return needed <= num_free_blocks
-
-    def pick_victim(self, running: Sequence[Request], first_candidate: int) -> int:
-        """Index in ``running`` (admission order) of the request to preempt.
-
-        Only ``running[first_candidate:]`` may be chosen: those before it already have
-        their work in this step's plan. The caller guarantees the slice is not empty.
-        """
-        return len(running) - 1
-
-
-class StaticBatchPolicy(FcfsPolicy):
-    """The static-batching baseline: a batch is formed only when no request is running.
-
-    A batch runs until its last member finishes, so early finishers leave their slots idle:
-    the waste continuous batching removes. Members are admitted only when blocks for their
-    whole prompt + max_tokens are free, so a batch never preempts itself.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        super().__init__(block_size)
-        self._reserved = 0  # blocks promised to this batch's members beyond what they hold
-
-    def may_admit_into(self, num_running_at_start: int) -> bool:
-        return num_running_at_start == 0
-
-    def can_admit(self, req: Request, num_free_blocks: int) -> bool:
-        total = req.num_prompt_tokens + req.sampling.max_tokens
-        return blocks_for(total, self._block_size) - len(req.block_ids) <= num_free_blocks - self._reserved
-
-    def reserve_for_batch(self, req: Request) -> None:
-        """Hold back blocks the admitted member will grow into, so later members cannot take them."""
-        total = req.num_prompt_tokens + req.sampling.max_tokens
-        self._reserved += blocks_for(total, self._block_size) - blocks_for(req.num_tokens, self._block_size)
-
-    def batch_started(self) -> None:
-        self._reserved = 0
+    def preemption_mode(self, blocks_to_move: int, tokens_to_recompute: int, cpu_available: int) -> str:
+        """``SWAP`` or ``RECOMPUTE`` for one victim."""
+        mode = self.config.preemption
+        if mode == RECOMPUTE or not self.config.num_cpu_blocks or tokens_to_recompute == 0:
+            return RECOMPUTE
+        if blocks_to_move > cpu_available:
+            return RECOMPUTE
+        if mode == SWAP or blocks_to_move == 0:
+            return SWAP
+        cfg = self.config
+        swap_s = 2 * blocks_to_move * cfg.block_bytes / cfg.swap_bandwidth
+        recompute_s = tokens_to_recompute / cfg.prefill_rate
+        return SWAP if swap_s < recompute_s else RECOMPUTE

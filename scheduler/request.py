@@ -3,16 +3,22 @@
 Token-centric: a request is a token list (prompt, then the outputs sampled so far) and
 ``num_computed_tokens``, how many of those tokens have their KV in the cache. Whatever
 lies between is what the next steps must run: the rest of a prompt (prefill, maybe in
-chunks), or the single last-sampled token (decode). A preempted request keeps its outputs
-and drops to ``num_computed_tokens == 0``, so resuming it is just a longer prefill.
+chunks), or the single last-sampled token (decode). Resuming a preempted request is
+just a longer prefill; a prefix-cache hit or a swap-in starts it with
+``num_computed_tokens > 0``.
 
 Invariants the scheduler keeps:
-- RUNNING: holds blocks covering at least ``num_computed_tokens`` tokens, and
+- RUNNING: ``block_ids`` covers at least ``num_computed_tokens`` tokens, and
   ``num_computed_tokens < num_tokens`` between steps (there is always a token to run).
-- WAITING / PREEMPTED / FINISHED: holds no blocks and ``num_computed_tokens == 0``
-  (FINISHED keeps whatever count it had; nothing reads it).
+- WAITING / PREEMPTED: holds no blocks and ``num_computed_tokens == 0``.
+- SWAPPED: its computed KV lives in ``cpu_blocks`` (``(index in the block table, CPU
+  block)``, one per computed block); ``block_ids`` is all -1 (it holds no GPU block);
+  ``num_computed_tokens`` is kept.
+- FINISHED: holds nothing; nothing reads its counts.
 - ``worker_has_state`` is true from the plan that sends the request as NewRequestData
   until its id is queued for ``finished_request_ids``.
+- ``rank`` is fixed when the request is queued the first time: a preempted request keeps
+  its place in line. Smaller ranks go first.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from conveyor.common.messages import AddRequest, SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, never admitted
     RUNNING = "running"  # in the batch: prefilling or decoding
-    PREEMPTED = "preempted"  # was running, blocks dropped, queued again for recompute
+    PREEMPTED = "preempted"  # was running, KV dropped, queued again for recompute
+    SWAPPED = "swapped"  # was running, KV in the CPU swap space, queued to be swapped back
     FINISHED = "finished"  # retired; blocks freed
 
 
@@ -35,47 +42,71 @@ class Request:
     """Mutable per-request state. Compared by identity: ids can be reused after a request ends."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    token_ids: list[int]  # the prompt, then every output token
+    num_prompt_tokens: int
     sampling: SamplingParams
     arrival_time: float
-    output_token_ids: list[int] = field(default_factory=list)
+    priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    scheduled_time: float | None = None  # time.time() of first admission
-    first_token_time: float | None = None  # time.time() when the first output arrived
+    cpu_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Content ids (PrefixIndex) of its computed full blocks, in order: the chain a
+    # continuation of its blocks is keyed on. len == num_registered_blocks.
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    rank: tuple = ()
+    enqueue_time: float = 0.0  # scheduler clock when it arrived
+    num_bypassed: int = 0  # admissions that passed it while it could not fit
+    queue_entry: list | None = None  # its live entry in the waiting heap
+    scheduled_time: float | None = None  # time of first admission
+    first_token_time: float | None = None  # time when the first output arrived
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
     worker_has_state: bool = False
     finish_reason: str | None = None
+    # Stop conditions, precomputed: a sampled id in stop_ids stops it; so does reaching stop_len tokens.
+    stop_ids: frozenset[int] = frozenset()
+    stop_len: int = 0
 
     @classmethod
-    def from_message(cls, msg: AddRequest) -> Request:
+    def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:
+        sp = msg.sampling
+        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos_token_ids)
         return cls(
             request_id=msg.request_id,
-            prompt_token_ids=list(msg.prompt_token_ids),
-            sampling=msg.sampling,
+            token_ids=list(msg.prompt_token_ids),
+            num_prompt_tokens=len(msg.prompt_token_ids),
+            sampling=sp,
             arrival_time=msg.arrival_time,
+            priority=msg.priority,
+            stop_ids=stop_ids,
+            stop_len=min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
         )
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
         """A fresh list of prompt + outputs (a copy: plans must not alias live state)."""
-        return self.prompt_token_ids + self.output_token_ids
+        return list(self.token_ids)
 
     @property
     def is_live(self) -> bool:

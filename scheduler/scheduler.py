@@ -1,72 +1,173 @@
 """The continuous batcher: forms each iteration's plan and applies the worker's result.
 
 Pure logic, no I/O and no torch: :mod:`conveyor.scheduler.main` feeds it messages and
-moves plans and results over sockets; tests drive it with a fake worker.
+moves plans and results over sockets; tests drive it with a fake worker. Decisions come
+from :mod:`~conveyor.scheduler.policy`; blocks, prefix cache and swaps are bookkept by
+:mod:`~conveyor.scheduler.kv_manager`; the waiting line is :mod:`~conveyor.scheduler.queue`.
 
 Protocol with the caller, one plan in flight at a time::
 
     add_request(...) / abort(...)        any time, also between schedule() and update()
     plan = schedule()                    None when nothing can run
+    take_outputs()                       outputs produced outside update() (queue timeouts)
     result = <worker executes plan>
     outputs = update(plan, result)
 
-Each iteration (token-centric, iteration-level batching):
+Each iteration, within the token budget ``max_num_batched_tokens``:
 
-1. Running requests, oldest admission first, get their next tokens within the token
-   budget ``max_num_batched_tokens``: one for a decode, the rest of the prompt (cut to the
-   budget) for an unfinished prefill. Each one's block table grows to cover
-   ``num_computed + num_scheduled`` tokens. When not even one more token fits, the policy's
-   victim (the newest running request) is preempted: its blocks are freed, it forgets its
-   computed tokens but keeps its outputs, and goes back to the front of the waiting
-   queue; if the victim is the request that needed the block, it simply stops there.
-   A prefill chunk that fits only partly is shrunk to the blocks available rather than
-   preempting anyone.
-2. If nobody was preempted, waiting requests are admitted in policy order while
-   ``max_num_seqs``, the budget and the free blocks allow; a prompt longer than the
-   remaining budget is chunked. The first one that may not start stops admission.
+1. **Decodes first.** Every running request with one token to run gets it, best rank first.
+   One that needs a new block and finds none preempts the worst-ranked running request
+   (itself, if it is the worst). So however long the prompts being prefilled, running
+   decodes advance every iteration.
+2. **Then prompts, by rank.** Running requests still prefilling, and waiting requests, take
+   the rest of the budget in rank order: whichever of the next prefilling request and the
+   head of the waiting queue ranks better goes next. A prefill chunk is cut to the budget
+   and to the blocks available (preempting worse-ranked requests only if not one token fits).
+   A waiting request is admitted when a slot (``max_num_seqs``) and blocks for all its known
+   tokens are free, after its prefix-cache hit; under the priority policy it may preempt
+   worse-ranked running requests to get them. One that does not fit is stepped over a
+   bounded number of times (see the policy), and admissions stop when no slot is left.
+
+Preempting a request drops or swaps out its KV (policy), lists it in the plan's
+``finished_request_ids``, and requeues it under its old rank. A swapped request comes back
+as NewRequestData with its computed count intact and its blocks swapped in by the same plan.
 
 Blocks are freed the moment a request ends (finish, abort, error, preemption). That is
 safe while the worker runs a step because the next plan, the only thing that can hand
 those blocks to someone else, is formed after that step's result has come back; its
-``finished_request_ids`` tell the worker to drop the old owner first.
+``finished_request_ids`` tell the worker to drop the old owner first, and its swap-outs run
+before anything writes.
 
-Cost per iteration is O(running requests + tokens of newly admitted requests); nothing
-iterates over waiting requests beyond the ones admitted, nor over finished ones.
+Cost per iteration is O(running requests + tokens of newly admitted requests) plus
+O(log waiting) per admission; nothing iterates over the waiting queue beyond the requests
+considered for admission, nor over finished ones.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from conveyor.common.config import SchedulerConfig
 from conveyor.common.messages import (
     AddRequest,
-    CachedRequestData,
+    CachedRequests,
     FinishReason,
     NewRequestData,
     RequestOutput,
     StepPlan,
     StepResult,
+    TokenOutputs,
 )
-from conveyor.scheduler.block_pool import BlockPool
-from conveyor.scheduler.policy import FcfsPolicy, StaticBatchPolicy, blocks_for
+from conveyor.scheduler.kv_manager import KVCacheManager
+from conveyor.scheduler.metrics import ITERATION_FIELDS, IterationLog
+from conveyor.scheduler.policy import BYPASS_LOOKAHEAD, SWAP, SchedulingPolicy, blocks_for
+from conveyor.scheduler.queue import WaitingQueue
 from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request_table import RequestTable
 
 log = logging.getLogger("conveyor.scheduler")
 
 RUNNING = RequestStatus.RUNNING
+SWAPPED = RequestStatus.SWAPPED
+
+# Outcomes of an admission attempt that scheduled nothing.
+_NO_SLOT = -1
+_NO_BLOCKS = -2
+_HOLD = -3  # the head was preempted in this very iteration: let it wait for the next one
+# What a sampled token made of its request's output.
+_PLAIN, _FIRST, _FINISHED = 0, 1, 2
+
+
+class _Step:
+    """What one schedule() call has planned so far.
+
+    ``decodes`` are the phase-1 requests, one token each: rows ``0 .. len(decodes) - 1`` of
+    the plan's cached columns, in that order. ``scheduled`` is everything else (prefill
+    chunks, admissions) with its token counts.
+    """
+
+    __slots__ = (
+        "budget", "decodes", "scheduled", "new", "ids", "computed", "counts", "block_rows", "block_ids",
+        "preempted", "num_swap", "num_recompute", "num_admitted", "wait_sum", "wait_max", "hit_tokens",
+        "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out",
+    )
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.decodes: list[Request] = []
+        self.scheduled: list[tuple[Request, int]] = []
+        self.new: list[NewRequestData] = []
+        self.ids: list[str] = []
+        self.computed: list[int] = []
+        self.counts: list[int] = []
+        self.block_rows: list[int] = []
+        self.block_ids: list[list[int]] = []
+        self.preempted: set[int] = set()  # id() of requests preempted in this iteration
+        self.swapped_out: list[Request] = []  # of those, the ones swapped out
+        self.num_swap = self.num_recompute = self.num_admitted = self.hit_tokens = 0
+        self.decode_tokens = self.prefill_tokens = self.context_tokens = 0
+        self.wait_sum = self.wait_max = 0.0
+
+    def add_cached(self, req: Request, n: int, new_blocks: list[int]) -> None:
+        """A request the worker holds runs ``n`` more tokens (phase 1 inlines this for decodes)."""
+        if new_blocks:
+            self.block_rows.append(len(self.ids))
+            self.block_ids.append(new_blocks)
+        self.ids.append(req.request_id)
+        self.computed.append(req.num_computed_tokens)
+        self.counts.append(n)
+        self.scheduled.append((req, n))
+        self.count(req, n, +1)
+        self.budget -= n
+
+    def count(self, req: Request, n: int, sign: int) -> None:
+        """Keep the iteration's token counters (for the iteration log) in step with the plan."""
+        if n == 1 and len(req.token_ids) - req.num_computed_tokens == 1:
+            self.decode_tokens += sign
+        else:
+            self.prefill_tokens += sign * n
+        self.context_tokens += sign * (req.num_computed_tokens + n)
+
+    def unschedule(self, req: Request) -> None:
+        """Take a request preempted after it was planned back out of the plan (rare path)."""
+        for k, r in enumerate(self.decodes):
+            if r is req:
+                del self.decodes[k]
+                self.budget += 1
+                self.count(req, 1, -1)
+                break
+        else:
+            for k, (r, n) in enumerate(self.scheduled):
+                if r is req:
+                    del self.scheduled[k]
+                    self.budget += n
+                    self.count(req, n, -1)
+                    break
+            else:
+                return
+        assert req.request_id not in {d.request_id for d in self.new}, "a request admitted this step was preempted"
+        row = self.ids.index(req.request_id)
+        del self.ids[row], self.computed[row], self.counts[row]
+        rows, blocks = [], []
+        for r, b in zip(self.block_rows, self.block_ids):
+            if r != row:
+                rows.append(r - (r > row))
+                blocks.append(b)
+        self.block_rows, self.block_ids = rows, blocks
 
 
 class Scheduler:
-    """Owns every live request, the block pool, and the order in which work runs.
+    """Owns every live request, the KV block bookkeeping, and the order in which work runs.
 
     Invariants between calls (checked by :meth:`check_invariants`):
-    - every live request is either in ``_running`` (RUNNING) or in the policy's waiting
-      queue (WAITING/PREEMPTED), never both; ``_live`` maps their ids to them;
-    - only running requests hold blocks, and the pool's held count is the sum of theirs;
-    - ``len(_running) <= max_num_seqs``; ``_running`` is in admission order;
+    - every live request is either in the running batch (RUNNING) or in the waiting queue
+      (WAITING / PREEMPTED / SWAPPED), never both; the table maps their ids to them;
+    - GPU block reference counts equal the number of block tables (running requests, and
+      swapped ones for the shared blocks they kept) naming each block; CPU ones the
+      swapped requests plus the plan's step holds; every block is free, cached or held;
+    - the running batch has at most ``max_num_seqs`` members, in rank order;
     - each running request's blocks cover its computed tokens, and it has at least one
       uncomputed token (``num_computed_tokens`` only advances in :meth:`update`).
     """
@@ -76,40 +177,62 @@ class Scheduler:
         config: SchedulerConfig,
         eos_token_ids: Iterable[int],
         vocab_size: int | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
-        self.pool = BlockPool(config.num_blocks)
-        policy_cls = StaticBatchPolicy if config.batching == "static" else FcfsPolicy
-        self.policy = policy_cls(config.block_size)
-        self._live: dict[str, Request] = {}
-        self._running: list[Request] = []
+        self.clock = clock
+        self._t0 = clock()
+        self.policy = SchedulingPolicy(config)
+        self.kv = KVCacheManager(config)
+        self.pool = self.kv.gpu
+        self.queue = WaitingQueue()
+        self.table = RequestTable()
+        self.iterations = IterationLog(config.iteration_log_size)
+        self._seq = 0
         # Ids the worker holds state for and must drop; sent with the next plan.
         self._finished_ids: list[str] = []
-        # The plan in flight and what it scheduled, in plan order.
+        # Outputs made outside update() (timeouts), collected by take_outputs().
+        self._outbox: list[RequestOutput] = []
+        # The plan in flight and what it scheduled, in scheduling order.
         self._inflight_plan: StepPlan | None = None
-        self._inflight: list[tuple[Request, int]] = []
+        self._inflight: _Step | None = None
         self._num_steps = 0
-        self._num_preemptions = 0
+        self._num_preemptions = {SWAP: 0, "recompute": 0}
+        self._num_overloaded = 0
+        self._num_timed_out = 0
 
     # ------------------------------------------------------------------ intake
 
     def add_request(self, msg: AddRequest) -> RequestOutput | None:
-        """Queue a request, or return its error output if it could never be served."""
+        """Queue a request, or return its error output if it cannot be served."""
         problem = self._rejection_reason(msg)
         if problem is not None:
             return RequestOutput(msg.request_id, [], FinishReason.ERROR, error=problem)
-        req = Request.from_message(msg)
-        self._live[req.request_id] = req
-        self.policy.enqueue(req)
+        cfg = self.config
+        if cfg.max_waiting and len(self.queue) >= cfg.max_waiting:
+            self._num_overloaded += 1
+            return RequestOutput(
+                msg.request_id,
+                [],
+                FinishReason.ERROR,
+                error=f"overloaded: {len(self.queue)} requests are waiting (max_waiting {cfg.max_waiting}); retry later",
+            )
+        req = Request.from_message(msg, self.eos_token_ids, cfg.max_model_len)
+        now = self.clock()
+        req.enqueue_time = now
+        self._seq += 1
+        req.rank = self.policy.rank(msg.priority, self._seq, now - self._t0)
+        self.table.add(req)
+        self.queue.push(req, track_timeout=cfg.max_queue_time > 0)
         return None
 
     def _rejection_reason(self, msg: AddRequest) -> str | None:
         cfg = self.config
         prompt = msg.prompt_token_ids
         max_tokens = msg.sampling.max_tokens
-        if msg.request_id in self._live:
+        if msg.request_id in self.table.live:
             return f"request id {msg.request_id!r} is already in use by a live request"
         if not prompt:
             return "prompt is empty"
@@ -143,134 +266,361 @@ class Scheduler:
         """
         outputs = []
         for rid in request_ids:
-            req = self._live.get(rid)
+            req = self.table.get(rid)
             if req is None:
                 continue
             if req.status is RUNNING:
-                self._running.remove(req)
+                self.table.stop_running(req)
             else:
-                self.policy.remove(req)
+                self.queue.remove(req)
             outputs.append(self._finish(req, FinishReason.ABORT))
         return outputs
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs produced by :meth:`schedule` (requests that timed out in the queue)."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def _expire(self, now: float) -> None:
+        limit = self.config.max_queue_time
+        if not limit:
+            return
+        for req in self.queue.pop_expired(now - limit):
+            self._num_timed_out += 1
+            self._outbox.append(
+                self._finish(
+                    req,
+                    FinishReason.ERROR,
+                    error=f"timeout: not scheduled within max_queue_time ({limit:g} s)",
+                )
+            )
 
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> StepPlan | None:
         """Form the next iteration's plan; None when nothing can run.
 
-        ``finished_request_ids`` pending when None is returned stay pending for the next
-        plan (the worker's leftover state is harmless until then).
+        ``finished_request_ids`` and swap copies pending when None is returned stay pending
+        for the next plan (the worker's leftover state is harmless until then).
         """
         if self._inflight_plan is not None:
             raise RuntimeError("schedule() called again before update() of the plan in flight")
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted = False
+        started = time.perf_counter()
+        now = self.clock()
+        self._expire(now)
+        step = _Step(self.config.max_num_batched_tokens)
+        running = self.table.running
+        num_running_at_start = len(running)
 
-        running = self._running
-        may_admit = self.policy.may_admit_into(len(running))
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            want = min(req.num_uncomputed_tokens, budget)
-            n = self._tokens_that_fit(req, want)
-            while n < 1:
-                victim = running.pop(self.policy.pick_victim(running, i))
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
+        # 1. Decodes, best rank first; prefilling requests are set aside for phase 2.
+        prefills: list[Request] = []
+        if not self._plan_all_decodes(step, prefills):
+            self._plan_decodes(step, prefills)
+
+        # 2. Prefill chunks of running requests and admissions, merged by rank.
+        policy = self.policy
+        queue = self.queue
+        admit_open = policy.may_admit_into(num_running_at_start) and self._admission_open(now)
+        skipped: list[Request] = []
+        reserved = 0
+        k = 0
+        while step.budget > 0:
+            cand = None
+            while k < len(prefills):
+                cand = prefills[k]
+                if cand.status is RUNNING:
                     break
-                n = self._tokens_that_fit(req, want)
-            if req.status is not RUNNING:
-                break  # it was the newest and preempted itself; nothing after it
-            new_blocks = self._grow(req, n)
-            cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens, n))
-            scheduled.append((req, n))
-            budget -= n
-            i += 1
+                k += 1
+                cand = None
+            head = queue.peek() if admit_open else None
+            if cand is None and head is None:
+                break
+            if head is None or (cand is not None and cand.rank < head.rank):
+                k += 1
+                self._schedule_prefill(step, cand)
+                continue
+            outcome = self._try_admit(step, head, now, reserved)
+            if outcome >= 0:
+                reserved += outcome
+                for blocked in skipped:  # each admission behind a blocked request counts against it
+                    blocked.num_bypassed += 1
+                    if blocked.num_bypassed >= policy.max_bypass:
+                        admit_open = False  # bound reached: nobody passes it any more
+                continue
+            if outcome == _NO_BLOCKS and head.num_bypassed < policy.max_bypass and len(skipped) < BYPASS_LOOKAHEAD:
+                queue.pop()  # set it aside for this iteration; smaller ones behind it may start
+                skipped.append(head)
+            else:
+                admit_open = False
+        for blocked in skipped:
+            queue.push(blocked)
 
-        if may_admit and not preempted:
-            now = time.time()
-            self.policy.batch_started()
-            while budget > 0 and len(running) < cfg.max_num_seqs:
-                req = self.policy.peek()
-                if req is None or not self.policy.can_admit(req, self.pool.num_free):
-                    break
-                self.policy.pop()
-                n = min(req.num_uncomputed_tokens, budget)
-                self._grow(req, n)
-                self.policy.reserve_for_batch(req)
-                req.status = RUNNING
-                if req.scheduled_time is None:
-                    req.scheduled_time = now
-                running.append(req)
-                req.worker_has_state = True
-                new_reqs.append(
-                    NewRequestData(
-                        req.request_id,
-                        req.all_token_ids,
-                        req.sampling,
-                        list(req.block_ids),
-                        req.num_computed_tokens,
-                        n,
-                    )
-                )
-                scheduled.append((req, n))
-                budget -= n
-
-        if not scheduled:
+        if not step.decodes and not step.scheduled:
+            self.kv.swap.settle()
             return None
         self._num_steps += 1
-        plan = StepPlan(self._num_steps, new_reqs, cached_reqs, self._finished_ids)
+        swap_out, swap_in = self.kv.swap.take_transfers()
+        cached = CachedRequests(step.ids, step.computed, step.counts, step.block_rows, step.block_ids)
+        plan = StepPlan(self._num_steps, step.new, cached, self._finished_ids, swap_out, swap_in)
         self._finished_ids = []
         self._inflight_plan = plan
-        self._inflight = scheduled
+        self._inflight = step
+        self._record(step, plan, now, started)
         return plan
 
-    def _tokens_that_fit(self, req: Request, want: int) -> int:
-        """How many of ``want`` tokens fit in ``req``'s blocks plus the free ones."""
-        capacity = (len(req.block_ids) + self.pool.num_free) * self.config.block_size
-        return min(want, capacity - req.num_computed_tokens)
+    def _plan_all_decodes(self, step: _Step, prefills: list[Request]) -> bool:
+        """Phase 1 when every decode fits the budget and the available blocks: nobody is
+        preempted, so the columns are built in bulk. False (nothing changed) otherwise.
 
-    def _grow(self, req: Request, n: int) -> list[int]:
-        """Extend ``req``'s block table to cover ``num_computed + n`` tokens; the new blocks."""
-        needed = blocks_for(req.num_computed_tokens + n, self.config.block_size) - len(req.block_ids)
-        if needed <= 0:
-            return []
-        new_blocks = self.pool.allocate(needed)
-        req.block_ids.extend(new_blocks)
-        return new_blocks
+        This is the steady state of a busy server and the scheduler's hottest code: one
+        lean pass over the running requests, then list comprehensions for the columns.
+        """
+        bs = self.config.block_size
+        decodes = step.decodes
+        need_rows: list[int] = []
+        for req in self.table.running:
+            computed = req.num_computed_tokens
+            if len(req.token_ids) - computed > 1:
+                prefills.append(req)
+            else:
+                if computed >= len(req.block_ids) * bs:
+                    need_rows.append(len(decodes))
+                decodes.append(req)
+        gpu = self.kv.gpu
+        if len(decodes) > step.budget or len(need_rows) > gpu.num_available:
+            decodes.clear()
+            prefills.clear()
+            return False
+        if need_rows:
+            fresh = gpu.allocate(len(need_rows))
+            for row, block in zip(need_rows, fresh):
+                decodes[row].block_ids.append(block)
+            step.block_rows = need_rows
+            step.block_ids = [[block] for block in fresh]
+        step.ids = [r.request_id for r in decodes]
+        step.computed = computed = [r.num_computed_tokens for r in decodes]
+        step.counts = [1] * len(decodes)
+        step.decode_tokens = len(decodes)
+        step.context_tokens = sum(computed) + len(decodes)
+        step.budget -= len(decodes)
+        return True
 
-    def _preempt(self, req: Request) -> None:
-        """Drop ``req``'s KV (recompute later from prompt + outputs); caller removed it from running."""
-        self._release(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        self.policy.requeue_preempted(req)
-        self._num_preemptions += 1
+    def _plan_decodes(self, step: _Step, prefills: list[Request]) -> None:
+        """Phase 1, one request at a time: a decode that needs a block and finds none
+        preempts the worst-ranked running request (itself, if it is the worst)."""
+        bs = self.config.block_size
+        gpu = self.kv.gpu
+        running = self.table.running
+        i = 0
+        while i < len(running) and step.budget:
+            req = running[i]
+            if len(req.token_ids) - req.num_computed_tokens > 1:
+                prefills.append(req)
+                i += 1
+                continue
+            new_blocks: list[int] = []
+            if req.num_computed_tokens >= len(req.block_ids) * bs:
+                if gpu.num_available == 0 and not self._make_room(step, req, self_preempt=True):
+                    continue  # it was the worst-ranked and yielded; running[i] is the next one
+                new_blocks = gpu.allocate(1)
+                req.block_ids.append(new_blocks[0])
+            if new_blocks:
+                step.block_rows.append(len(step.ids))
+                step.block_ids.append(new_blocks)
+            step.ids.append(req.request_id)
+            step.computed.append(req.num_computed_tokens)
+            step.counts.append(1)
+            step.decodes.append(req)
+            step.count(req, 1, +1)
+            step.budget -= 1
+            i += 1
+
+    def _admission_open(self, now: float) -> bool:
+        queue = self.queue
+        n = len(queue)
+        if not n:
+            return False
+        oldest = queue.oldest_enqueue_time(self.policy.min_batch_size)
+        return self.policy.admission_open(n, oldest, now)
+
+    def _schedule_prefill(self, step: _Step, req: Request) -> None:
+        """Give a running, still-prefilling request its next chunk, if one token fits."""
+        want = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
+        n = self.kv.tokens_that_fit(req, want)
+        while n < 1:
+            victim = self.table.running[-1]
+            if victim is req or victim.rank <= req.rank:
+                return  # nobody below it to take blocks from: it waits, keeping its KV
+            self._preempt(step, victim)
+            n = self.kv.tokens_that_fit(req, want)
+        new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
+        step.add_cached(req, n, new_blocks)
+
+    def _make_room(self, step: _Step, req: Request, self_preempt: bool) -> bool:
+        """Preempt worst-ranked running requests until a block is available for ``req``.
+
+        False when ``req`` itself is the worst-ranked: with ``self_preempt`` it is then
+        preempted (it yields rather than stall everyone), else it just does not run.
+        """
+        gpu = self.kv.gpu
+        running = self.table.running
+        while gpu.num_available == 0:
+            victim = running[-1]
+            if victim is req:
+                if self_preempt:
+                    self._preempt(step, req)
+                return False
+            self._preempt(step, victim)
+        return True
+
+    def _try_admit(self, step: _Step, req: Request, now: float, reserved: int) -> int:
+        """Admit the queue head ``req`` if it can start: the blocks it reserves for later
+        growth (>= 0), or why not (``_NO_SLOT``, ``_NO_BLOCKS``, ``_HOLD``)."""
+        if id(req) in step.preempted:
+            return _HOLD
+        cfg = self.config
+        kv = self.kv
+        running = self.table.running
+        reserve = self.policy.growth_reserve(req.num_prompt_tokens, req.sampling.max_tokens, len(req.token_ids))
+
+        def need() -> tuple[int, int, object]:
+            if req.status is SWAPPED:
+                n, avail = kv.resume_need(req)
+                return n + reserve, avail - reserved, None
+            match = kv.match(req)
+            n, avail = kv.admission_need(req, match)
+            return n + reserve, avail - reserved, match
+
+        needed, available, match = need()
+        no_slot = len(running) >= cfg.max_num_seqs
+        if no_slot or needed > available:
+            if not self.policy.preempts_for_admission:
+                return _NO_SLOT if no_slot else _NO_BLOCKS
+            # Preempt only if all worse-ranked running requests together make it fit.
+            freeable, count = 0, 0
+            for victim in reversed(running):
+                if victim.rank <= req.rank or (count >= no_slot and available + freeable >= needed):
+                    break
+                freeable += kv.exclusive_blocks(victim)
+                count += 1
+            if count < no_slot or available + freeable < needed:
+                return _NO_SLOT if no_slot and count == 0 else _NO_BLOCKS
+            while len(running) >= cfg.max_num_seqs or needed > available:
+                victim = running[-1]
+                if victim.rank <= req.rank:
+                    return _NO_BLOCKS  # the estimate counted blocks the request itself shares
+                self._preempt(step, victim)
+                needed, available, match = need()
+
+        self.queue.pop()
+        if req.status is SWAPPED:
+            kv.resume(req)
+        else:
+            kv.admit(req, match)
+            step.hit_tokens += req.num_computed_tokens
+        n = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
+        kv.grow(req, req.num_computed_tokens + n)
+        req.status = RUNNING
+        req.num_bypassed = 0
+        self.table.start_running(req)
+        if req.scheduled_time is None:
+            req.scheduled_time = now
+            req.num_cached_tokens = req.num_computed_tokens
+            waited = now - req.enqueue_time
+            step.num_admitted += 1
+            step.wait_sum += waited
+            step.wait_max = max(step.wait_max, waited)
+        req.worker_has_state = True
+        step.new.append(
+            NewRequestData(
+                req.request_id, req.all_token_ids, req.sampling, list(req.block_ids), req.num_computed_tokens, n
+            )
+        )
+        step.scheduled.append((req, n))
+        step.count(req, n, +1)
+        step.budget -= n
+        return reserve
+
+    def _preempt(self, step: _Step, req: Request) -> None:
+        """Swap out or drop ``req``'s KV and requeue it under its rank (it is running)."""
+        self.table.stop_running(req)
+        step.unschedule(req)
+        kv = self.kv
+        mode = self.policy.preemption_mode(kv.blocks_to_swap(req), req.num_computed_tokens, kv.swap.num_available)
+        if mode == SWAP:
+            kv.swap_out(req)
+            req.status = SWAPPED
+            step.num_swap += 1
+            step.swapped_out.append(req)
+        else:
+            kv.free(req)
+            req.num_computed_tokens = 0
+            req.num_registered_blocks = 0
+            req.block_hashes = []
+            req.status = RequestStatus.PREEMPTED
+            step.num_recompute += 1
+        self._num_preemptions[mode] += 1
+        if req.worker_has_state:
+            self._finished_ids.append(req.request_id)
+            req.worker_has_state = False
+        step.preempted.add(id(req))
+        self.queue.push(req)
+
+    def _record(self, step: _Step, plan: StepPlan, now: float, started: float) -> None:
+        prefill, decode, context = step.prefill_tokens, step.decode_tokens, step.context_tokens
+        gpu, swap = self.kv.gpu, self.kv.swap
+        admitted = step.num_admitted
+        self.iterations.record(
+            (
+                plan.step_id,
+                now,
+                len(step.decodes) + len(step.scheduled),
+                len(step.new),
+                prefill,
+                decode,
+                prefill + decode,
+                context,
+                admitted,
+                step.wait_sum / admitted if admitted else 0.0,
+                step.wait_max,
+                gpu.num_free,
+                gpu.num_held,
+                gpu.num_cached,
+                swap.num_held_by_requests,
+                step.num_swap,
+                step.num_recompute,
+                len(plan.swap_out),
+                len(plan.swap_in),
+                step.hit_tokens,
+                round((time.perf_counter() - started) * 1e6),
+            )
+        )
 
     # ------------------------------------------------------------------ results
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    def update(self, plan: StepPlan, result: StepResult) -> TokenOutputs:
         """Apply the worker's result for ``plan``: advance, append tokens, retire finished ones.
 
-        Returns one output per request that got a token or finished. Every output of a
-        request repeats its timing fields (each set once), so a consumer may read them
-        from whichever output it sees first. A result with ``error`` set, or malformed,
-        fails every still-live request of the plan; a request due a token that the
-        result lacks fails alone. Tokens for requests aborted during the step are dropped.
+        Returns the iteration's outputs: a request's plain next token in the columns, its
+        first token (with the timing fields, each set once) and its last output (repeating
+        them) as :class:`RequestOutput`. A result with ``error`` set, or malformed, fails
+        every still-live request of the plan; a request due a token that the result lacks
+        fails alone. Tokens for requests aborted during the step are dropped.
         """
         if plan is not self._inflight_plan:
             raise ValueError(f"update() for step {plan.step_id}, which is not the plan in flight")
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} for plan of step {plan.step_id}")
-        scheduled = self._inflight
+        step = self._inflight
+        assert step is not None
         self._inflight_plan = None
-        self._inflight = []
+        self._inflight = None
+        try:
+            return self._apply(plan, step, result)
+        finally:
+            self.kv.swap.end_step()
 
+    def _apply(self, plan: StepPlan, step: _Step, result: StepResult) -> TokenOutputs:
         error = result.error
         if error is None and len(result.request_ids) != len(result.sampled_token_ids):
             error = (
@@ -279,66 +629,135 @@ class Scheduler:
             )
         outputs: list[RequestOutput] = []
         if error is not None:
-            for req, _ in scheduled:
+            for req in step.decodes + [r for r, _ in step.scheduled]:
                 if req.status is RUNNING:  # not aborted while the step ran
                     outputs.append(self._finish(req, FinishReason.ERROR, error=error))
-            self._running = [r for r in self._running if r.status is RUNNING]
-            return outputs
+            self.table.prune_running()
+            # The worker may have failed before the plan's copies ran: nothing they were to
+            # fill can be trusted. Victims swapped out by this plan fall back to recompute.
+            self.kv.invalidate_transfers(plan.swap_out, plan.swap_in)
+            for req in step.swapped_out:
+                if req.status is SWAPPED:
+                    self.kv.free(req)
+                    req.num_computed_tokens = req.num_registered_blocks = 0
+                    req.block_hashes = []
+                    req.status = RequestStatus.PREEMPTED
+            return TokenOutputs(outputs)
 
-        sampled = dict(zip(result.request_ids, result.sampled_token_ids))
-        now = time.time()
-        any_finished = False
-        for req, n in scheduled:
-            if req.status is not RUNNING:
-                continue  # aborted while the step ran: its blocks are already free
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk that does not end the prompt samples nothing
-            token = sampled.get(req.request_id)
-            if token is None:
-                any_finished = True
-                outputs.append(
-                    self._finish(req, FinishReason.ERROR, error=f"worker sampled no token for {req.request_id!r}")
-                )
+        # The worker answers in plan order: new requests that sample, then the cached rows,
+        # decodes first. So the decodes' tokens are one slice (checked, in C, by comparing
+        # the ids); a worker answering in another order just takes the general path.
+        decodes = step.decodes
+        others = step.scheduled
+        first = sum(1 for d in plan.new_requests if d.num_computed_tokens + d.num_scheduled_tokens == len(d.token_ids))
+        last = first + len(decodes)
+        if decodes and result.request_ids[first:last] != plan.cached_requests.request_ids[: len(decodes)]:
+            others = [(r, 1) for r in decodes] + others
+            decodes = []
+        now = self.clock()
+        finished: list[Request] = []  # running requests this update retires
+        column_ids, column_tokens = self._apply_decodes(
+            decodes, plan.cached_requests.request_ids[: len(decodes)], result.sampled_token_ids[first:last], outputs,
+            finished, now,
+        )
+        if others:
+            sampled = dict(zip(result.request_ids, result.sampled_token_ids)).get
+            for req, n in others:
+                if req.status is not RUNNING:
+                    continue  # aborted while the step ran: its blocks are already free
+                req.num_computed_tokens += n
+                self.kv.register_full_blocks(req)
+                if req.num_computed_tokens < len(req.token_ids):
+                    continue  # a prefill chunk that does not end the prompt samples nothing
+                token = sampled(req.request_id)
+                if token is None:
+                    finished.append(req)
+                    outputs.append(
+                        self._finish(req, FinishReason.ERROR, error=f"worker sampled no token for {req.request_id!r}")
+                    )
+                    continue
+                req.token_ids.append(token)
+                kind = self._output(req, token, outputs, now)
+                if kind == _FINISHED:
+                    finished.append(req)
+                elif kind == _PLAIN:
+                    column_ids.append(req.request_id)
+                    column_tokens.append(token)
+        if finished:
+            self.table.prune_running(finished)
+        return TokenOutputs(outputs, column_ids, column_tokens)
+
+    def _apply_decodes(
+        self,
+        decodes: list[Request],
+        ids: list[str],
+        tokens: list[int],
+        outputs: list[RequestOutput],
+        finished: list[Request],
+        now: float,
+    ) -> tuple[list[str], list[int]]:
+        """The decodes' share of :meth:`update`: one token each, in plan order (``ids``).
+
+        The hottest loop of a busy server, so it does the minimum per request and leaves
+        anything unusual (a first or last token, an abort during the step) to a second pass
+        over just those: in the common case the output columns are the inputs. Blocks that
+        decoding fills are registered in the prefix index only when the request releases
+        them (:meth:`KVCacheManager.free`): nobody else could share generated tokens while
+        it runs, and hashing them every step was a third of this loop.
+        """
+        running = RUNNING
+        unusual: list[Request] = []
+        for req, token in zip(decodes, tokens):
+            if req.status is not running:
+                unusual.append(req)
                 continue
-            req.output_token_ids.append(token)
+            req.num_computed_tokens += 1
+            all_tokens = req.token_ids
+            all_tokens.append(token)
+            if token in req.stop_ids or len(all_tokens) >= req.stop_len or req.first_token_time is None:
+                unusual.append(req)
+        if not unusual:
+            return ids, tokens
+        if len(unusual) <= 16:
+            ids, tokens = list(ids), list(tokens)
+            for row in sorted((decodes.index(req) for req in unusual), reverse=True):
+                del ids[row], tokens[row]  # a few C-speed deletions beat rebuilding the columns
+        else:
+            skip = {id(req) for req in unusual}
+            keep = [row for row, req in enumerate(decodes) if id(req) not in skip]
+            ids, tokens = [ids[row] for row in keep], [tokens[row] for row in keep]
+        for req in unusual:
+            if req.status is RUNNING and self._output(req, req.token_ids[-1], outputs, now) == _FINISHED:
+                finished.append(req)
+        return ids, tokens
+
+    def _output(self, req: Request, token: int, outputs: list[RequestOutput], now: float) -> int:
+        """After ``token`` was appended: finish the request (``_FINISHED``), or give its first
+        token a full output (``_FIRST``); a plain later token (``_PLAIN``) is left to the
+        caller's columns."""
+        if token in req.stop_ids or len(req.token_ids) >= req.stop_len:
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = self._stop_reason(req, token)
-            if reason is None:
-                outputs.append(
-                    RequestOutput(req.request_id, [token], None, None, req.scheduled_time, req.first_token_time)
-                )
-            else:
-                any_finished = True
-                outputs.append(self._finish(req, reason, new_token_ids=[token]))
-        if any_finished:
-            self._running = [r for r in self._running if r.status is RUNNING]
-        return outputs
+            reason = FinishReason.STOP if token in req.stop_ids else FinishReason.LENGTH
+            outputs.append(self._finish(req, reason, new_token_ids=[token]))
+            return _FINISHED
+        if req.first_token_time is None:
+            req.first_token_time = now
+            outputs.append(
+                RequestOutput(req.request_id, [token], None, None, req.scheduled_time, now, req.num_cached_tokens)
+            )
+            return _FIRST
+        return _PLAIN
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        """Stop conditions after appending ``token``, in order of precedence."""
-        sp = req.sampling
-        if token in self.eos_token_ids and not sp.ignore_eos:
+    def stop_reason(self, req: Request, token: int) -> str | None:
+        """Stop conditions after appending ``token``, in order of precedence (as :meth:`update` applies them)."""
+        if token in req.stop_ids:
             return FinishReason.STOP
-        if token in sp.stop_token_ids:
-            return FinishReason.STOP
-        if req.num_output_tokens >= sp.max_tokens:
-            return FinishReason.LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if len(req.token_ids) >= req.stop_len:
             return FinishReason.LENGTH
         return None
 
     # ------------------------------------------------------------------ retirement
-
-    def _release(self, req: Request) -> None:
-        """Free ``req``'s blocks and tell the worker to forget it."""
-        if req.block_ids:
-            self.pool.free(req.block_ids)
-            req.block_ids = []
-        if req.worker_has_state:
-            self._finished_ids.append(req.request_id)
-            req.worker_has_state = False
 
     def _finish(
         self,
@@ -349,10 +768,13 @@ class Scheduler:
         new_token_ids: list[int] | None = None,
     ) -> RequestOutput:
         """Retire ``req`` (caller removes it from running/waiting) and build its last output."""
-        self._release(req)
+        self.kv.free(req)
+        if req.worker_has_state:
+            self._finished_ids.append(req.request_id)
+            req.worker_has_state = False
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        del self._live[req.request_id]
+        self.table.forget(req)
         return RequestOutput(
             req.request_id,
             new_token_ids if new_token_ids is not None else [],
@@ -360,64 +782,129 @@ class Scheduler:
             error,
             req.scheduled_time,
             req.first_token_time,
+            req.num_cached_tokens,
         )
 
     # ------------------------------------------------------------------ introspection
 
     def has_work(self) -> bool:
-        """Whether any request is live; then :meth:`schedule` returns a plan."""
-        return bool(self._live)
+        """Whether any request is live (:meth:`schedule` may still return None while the
+        admission gate waits; :meth:`seconds_until_ready` says how long)."""
+        return bool(self.table.live)
+
+    def seconds_until_ready(self) -> float | None:
+        """With live requests but nothing schedulable, when the admission gate or a queue
+        timeout will change that (seconds from now, >= 0); None if nothing is pending."""
+        now = self.clock()
+        times = []
+        queue = self.queue
+        opens = self.policy.admission_opens_at(len(queue), queue.oldest_enqueue_time(self.policy.min_batch_size))
+        if opens is not None:
+            times.append(opens)
+        if self.config.max_queue_time:
+            arrival = queue.next_timeout_arrival()
+            if arrival is not None:
+                times.append(arrival + self.config.max_queue_time)
+        return max(0.0, min(times) - now) if times else None
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.table.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.policy)
+        return len(self.queue)
 
     def get_request(self, request_id: str) -> Request | None:
         """The live request with this id (for tests and debugging)."""
-        return self._live.get(request_id)
+        return self.table.get(request_id)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         """The fields of :class:`SchedulerStats` except ``query_id``."""
+        gpu, swap, kv = self.kv.gpu, self.kv.swap, self.kv
+        cpu = swap.pool
         return {
-            "total_blocks": self.pool.total,
-            "free_blocks": self.pool.num_free,
-            "held_blocks": self.pool.num_held,
-            "num_running": len(self._running),
-            "num_waiting": len(self.policy),
+            "total_blocks": gpu.total,
+            "free_blocks": gpu.num_free,
+            "held_blocks": gpu.num_held,
+            "num_running": len(self.table.running),
+            "num_waiting": len(self.queue),
             "num_steps": self._num_steps,
-            "num_preemptions": self._num_preemptions,
+            "num_preemptions": sum(self._num_preemptions.values()),
+            "cached_blocks": gpu.num_cached,
+            "total_cpu_blocks": swap.total,
+            "free_cpu_blocks": cpu.num_free if cpu else 0,
+            "cached_cpu_blocks": cpu.num_cached if cpu else 0,
+            "swapped_blocks": swap.num_held_by_requests,
+            "num_swapped": sum(1 for r in self.queue if r.status is SWAPPED),
+            "num_preemptions_swap": self._num_preemptions[SWAP],
+            "num_preemptions_recompute": self._num_preemptions["recompute"],
+            "num_swapped_out_blocks": swap.num_swapped_out,
+            "num_swapped_in_blocks": swap.num_swapped_in,
+            "prefix_cache_queried_tokens": kv.num_queried_tokens,
+            "prefix_cache_hit_tokens": kv.num_hit_tokens,
+            "num_overloaded": self._num_overloaded,
+            "num_timed_out": self._num_timed_out,
+            "iteration_fields": list(ITERATION_FIELDS),
+            "recent_iterations": self.iterations.rows(),
         }
 
     def check_invariants(self) -> None:
-        """Assert the invariants in the class docstring; O(all live requests), for tests."""
-        self.pool.check_invariants()
+        """Assert the invariants in the class docstring; O(all live requests + blocks), for tests."""
         cfg = self.config
-        running_ids = [r.request_id for r in self._running]
-        waiting = list(self.policy)
+        bs = cfg.block_size
+        running = self.table.running
+        waiting = list(self.queue)
+        running_ids = [r.request_id for r in running]
         waiting_ids = [r.request_id for r in waiting]
         assert len(set(running_ids)) == len(running_ids), "a request is running twice"
+        assert len(set(waiting_ids)) == len(waiting_ids), "a request is queued twice"
         assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
-        assert set(running_ids) | set(waiting_ids) == set(self._live), "live map out of sync"
-        assert len(self._running) <= cfg.max_num_seqs
-        held = 0
-        seen_blocks: set[int] = set()
-        for r in self._running:
-            assert r.status is RUNNING and self._live[r.request_id] is r
-            assert r.worker_has_state
-            assert len(r.block_ids) * cfg.block_size >= r.num_computed_tokens
+        assert set(running_ids) | set(waiting_ids) == set(self.table.live), "live map out of sync"
+        assert len(running) <= cfg.max_num_seqs
+        assert all(a.rank < b.rank for a, b in zip(running, running[1:])), "running batch out of rank order"
+        gpu_refs: dict[int, int] = {}
+        cpu_refs: dict[int, int] = {}
+        for r in running:
+            assert r.status is RUNNING and self.table.live[r.request_id] is r
+            assert r.worker_has_state and not r.cpu_blocks
+            assert len(r.block_ids) * bs >= r.num_computed_tokens
+            assert len(r.block_ids) <= blocks_for(r.num_tokens, bs)
             assert r.num_computed_tokens < r.num_tokens, f"{r.request_id} has nothing to run"
-            assert not seen_blocks.intersection(r.block_ids), "a block is held by two requests"
-            seen_blocks.update(r.block_ids)
-            held += len(r.block_ids)
+            assert len(set(r.block_ids)) == len(r.block_ids) and min(r.block_ids, default=0) >= 0
+            for i in range(r.num_registered_blocks):
+                h = self.pool.block_hash(r.block_ids[i])
+                assert h is None or h == r.block_hashes[i], f"{r.request_id}: block {i} holds another prefix"
         for r in waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert self._live[r.request_id] is r
-            assert not r.block_ids and r.num_computed_tokens == 0 and not r.worker_has_state
-        assert held == self.pool.num_held, f"requests hold {held} blocks, pool says {self.pool.num_held}"
+            assert self.table.live[r.request_id] is r and not r.worker_has_state
+            if r.status is SWAPPED:
+                assert r.cpu_blocks, f"swapped {r.request_id} holds no KV"
+                assert len(r.block_ids) == len(r.cpu_blocks) == blocks_for(r.num_computed_tokens, bs)
+                assert all(b == -1 for b in r.block_ids) and [i for i, _ in r.cpu_blocks] == list(range(len(r.block_ids)))
+                for _, c in r.cpu_blocks:
+                    cpu_refs[c] = cpu_refs.get(c, 0) + 1
+            else:
+                assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                assert not r.block_ids and r.num_computed_tokens == 0 and not r.cpu_blocks
+        for r in running + waiting:
+            for b in r.block_ids:
+                if b >= 0:
+                    gpu_refs[b] = gpu_refs.get(b, 0) + 1
+        self.pool.check_invariants(gpu_refs)
+        swap = self.kv.swap
+        registered = self.pool.registered_ids()
+        if swap.pool is not None:
+            for c in swap.holds():
+                cpu_refs[c] = cpu_refs.get(c, 0) + 1
+            swap.pool.check_invariants(cpu_refs)
+            registered += swap.pool.registered_ids()
+        held_ids: dict[int, int] = {}
+        for content in registered:
+            held_ids[content] = held_ids.get(content, 0) + 1
+        self.kv.index.check(held_ids)
+        for r in running:
+            assert len(r.block_hashes) == r.num_registered_blocks <= r.num_computed_tokens // bs, r.request_id
+        assert swap.num_held_by_requests == sum(len(r.cpu_blocks) for r in waiting)
         for rid in self._finished_ids:
-            live = self._live.get(rid)
+            live = self.table.get(rid)
             assert live is None or not live.worker_has_state, f"{rid} both finished and held"

@@ -26,3 +26,17 @@ def allocate_kv_cache(
         raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
     shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
+
+
+def allocate_swap_space(
+    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[torch.Tensor]:
+    """The CPU swap space: per layer, ``num_blocks`` blocks shaped like the GPU cache's.
+
+    Pinned (page-locked) when the cache is on a CUDA device, so the copies between the two
+    run at full bus bandwidth; plain memory otherwise (a CPU worker "swaps" within RAM).
+    Empty (zero blocks) when swapping is off.
+    """
+    shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    pin = torch.device(device).type == "cuda"
+    return [torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=pin) for _ in range(model_config.num_layers)]

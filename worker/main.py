@@ -3,6 +3,13 @@
 A failing step (an exception from the model runner) is reported as a StepResult
 with ``error`` set, so the scheduler fails just that step's requests and frees
 their blocks; the process itself only exits when told to or when its parent dies.
+
+Profiling: the time blocked waiting for the next plan (``idle``), decoding it, executing it
+(with the runner's swaps, input preparation, forward and sampling inside) and sending the result
+are timed per step; ``idle_fraction`` over the window says how much of the time the device
+waited for the scheduler and the transport. A ProfileQuery is answered on the result socket
+as soon as it is read: it arrives on the plan socket, so always between two steps, and
+piggybacks on nothing (StepResult stays as small as it was).
 """
 
 from __future__ import annotations
@@ -14,8 +21,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from conveyor.common import codec, transport
-from conveyor.common.messages import Shutdown, StepPlan, StepResult
+from conveyor.common import codec, profiling, transport
+from conveyor.common.messages import ProfileQuery, ProfileReport, Shutdown, StepPlan, StepResult
 from conveyor.common.process import ControlChannel, die_with_parent, setup_logging
 from conveyor.common.transport import ServerAddresses
 
@@ -33,6 +40,19 @@ class WorkerConfig:
     kv_cache_memory_bytes: int | None = None
     num_threads: int | None = None
     attention: str = "auto"
+    # CPU swap space: a block count, or bytes (None for both: no swap space).
+    num_cpu_blocks: int | None = None
+    swap_space_bytes: int | None = None
+    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
+
+
+DEFAULT_CUDA_SWAP_SPACE = 4 << 30
+
+
+def default_swap_space(device: str) -> int:
+    """Bytes of CPU swap space when none is asked for: 4 GiB of pinned memory beside a GPU;
+    none on a CPU device, where "swapping" would only copy within the same RAM."""
+    return DEFAULT_CUDA_SWAP_SPACE if device.startswith("cuda") else 0
 
 
 def resolve_device(device: str) -> str:
@@ -53,6 +73,18 @@ def run_worker(config: WorkerConfig) -> None:
     log = setup_logging("worker")
     ctx = zmq.Context()
     control = ControlChannel(ctx, config.addresses.control, "worker")
+    prof = profiling.Profiler("worker", enabled=config.profile)
+    t_idle = prof.timer("idle", arg_name="step")
+    t_decode = prof.timer("plan_decode", arg_name="step")
+    t_execute = prof.timer("execute", arg_name="step")
+    t_send = prof.timer("send_result", arg_name="step")
+
+    def idle_fraction(since_ns: int) -> float:
+        idle = prof.window_total("idle", since_ns)
+        busy = sum(prof.window_total(name, since_ns) for name in ("plan_decode", "execute", "send_result"))
+        return idle / (idle + busy) if idle + busy > 0 else 1.0
+
+    prof.derive("idle_fraction", idle_fraction)
     try:
         import torch
 
@@ -69,6 +101,9 @@ def run_worker(config: WorkerConfig) -> None:
             num_blocks=config.num_blocks,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             attention=config.attention,
+            num_cpu_blocks=config.num_cpu_blocks,
+            swap_space_bytes=default_swap_space(device) if config.swap_space_bytes is None else config.swap_space_bytes,
+            profiler=prof,
         )
         plans = transport.socket(ctx, zmq.PULL, config.addresses.plans, bind=False)
         results = transport.socket(ctx, zmq.PUSH, config.addresses.results, bind=False)
@@ -76,19 +111,30 @@ def run_worker(config: WorkerConfig) -> None:
         log.exception("worker failed to start")
         control.failed(f"worker: {exc}")
         return
-    control.ready(num_blocks=runner.num_blocks, device=device)
+    control.ready(
+        num_blocks=runner.num_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_bytes=runner.block_bytes, device=device
+    )
     try:
+        idle_start = profiling.now_ns()
         while True:
+            frame = plans.recv(copy=False)
+            received = profiling.now_ns()
             try:
-                msg = transport.recv(plans)
+                msg = codec.decode(frame.buffer)
             except codec.DecodeError as exc:
                 log.error("dropping malformed plan: %s", exc)
                 continue
             if isinstance(msg, Shutdown):
                 break
+            if isinstance(msg, ProfileQuery):
+                snapshot = prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
+                transport.send(results, ProfileReport(msg.query_id, [snapshot]))
+                continue
             if not isinstance(msg, StepPlan):
                 log.error("unexpected message %s", type(msg).__name__)
                 continue
+            t_idle.record(idle_start, received, arg=msg.step_id)
+            exec_start = t_decode.record(received, arg=msg.step_id)
             start = time.perf_counter()
             try:
                 result = runner.execute(msg)
@@ -96,7 +142,9 @@ def run_worker(config: WorkerConfig) -> None:
                 log.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
                 result = StepResult(msg.step_id, [], [], error=f"worker step failed: {exc}")
             result.forward_time = time.perf_counter() - start
+            send_start = t_execute.record(exec_start, arg=msg.step_id)
             transport.send(results, result)
+            idle_start = t_send.record(send_start, arg=msg.step_id)
     finally:
         plans.close()
         results.close()

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
+from conveyor.common import profiling
 from conveyor.common.messages import SamplingParams, StepPlan, StepResult
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.triton_backend import backend_for
-from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block
+from conveyor.worker.block_transfer import transfer_blocks
+from conveyor.worker.kv_cache import allocate_kv_cache, allocate_swap_space, bytes_per_block
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import Sampler
 
@@ -55,7 +57,8 @@ class ModelRunner:
 
     Give exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` (the pool then holds as
     many blocks as fit in that many bytes). ``attention`` picks the backend: ``auto`` (Triton
-    on CUDA, torch on CPU), ``triton`` or ``torch``.
+    on CUDA, torch on CPU), ``triton`` or ``torch``. ``num_cpu_blocks`` (or
+    ``swap_space_bytes``) sizes the CPU swap space that plans' swap-outs and swap-ins use.
     """
 
     def __init__(
@@ -67,6 +70,9 @@ class ModelRunner:
         num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         attention: str = "auto",
+        profiler: profiling.Profiler | None = None,
+        num_cpu_blocks: int | None = None,
+        swap_space_bytes: int | None = None,
     ) -> None:
         if (num_blocks is None) == (kv_cache_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory_bytes")
@@ -84,8 +90,20 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
+        self.block_bytes = bytes_per_block(self.model_config, block_size, self.dtype)
+        if num_cpu_blocks is None:
+            num_cpu_blocks = (swap_space_bytes or 0) // self.block_bytes
+        self.num_cpu_blocks = num_cpu_blocks
+        self.swap_caches = allocate_swap_space(self.model_config, num_cpu_blocks, block_size, self.dtype, self.device)
         self.sampler = Sampler(self.device)
         self._requests: dict[str, _RequestState] = {}
+        # Stage timers of a step. On CUDA, kernels run asynchronously: "forward" is then the
+        # host's launch time and the device's wait lands in "sample" (its .tolist() syncs).
+        prof = profiler or profiling.Profiler("worker", enabled=False)
+        self._t_prepare = prof.timer("prepare_inputs")
+        self._t_forward = prof.timer("forward")
+        self._t_sample = prof.timer("sample")  # LM head on the sampled rows + the sampler
+        self._t_swap = prof.timer("swap", arg_name="blocks")  # only steps that copy blocks
 
     @property
     def request_ids(self) -> list[str]:
@@ -98,6 +116,13 @@ class ModelRunner:
         work = self._validate(plan)
         for request_id in plan.finished_request_ids:
             self._requests.pop(request_id, None)
+        # Copies out before copies in, both before the forward: a GPU block swapped out may
+        # be the destination of a swap-in or of new KV in this same plan (see StepPlan).
+        if plan.swap_out or plan.swap_in:
+            swap_start = profiling.now_ns()
+            transfer_blocks(self.kv_caches, self.swap_caches, plan.swap_out)
+            transfer_blocks(self.swap_caches, self.kv_caches, plan.swap_in)
+            self._t_swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
         for new in plan.new_requests:
             self._requests[new.request_id] = _RequestState(
                 list(new.token_ids), list(new.block_ids), new.sampling, new.num_computed_tokens
@@ -122,6 +147,7 @@ class ModelRunner:
 
     def _run(self, work: list[_Work], states: list[_RequestState], samples: list[bool]) -> list[int]:
         """Forward the flattened batch and sample; returns the tokens of the rows with ``samples`` set, in order."""
+        start = profiling.now_ns()
         query_lens = [item.num_scheduled for item in work]
         context_lens = [item.num_computed for item in work]
         input_ids: list[int] = []
@@ -132,7 +158,9 @@ class ModelRunner:
         )
         positions = torch.from_numpy(token_positions(query_lens, context_lens)).to(self.device, non_blocking=True)
         tokens = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        start = self._t_prepare.record(start)
         hidden = self.model(tokens, positions, metadata)
+        start = self._t_forward.record(start)
 
         ends = metadata.query_start_loc_host
         rows = [ends[i + 1] - 1 for i, flag in enumerate(samples) if flag]
@@ -143,7 +171,9 @@ class ModelRunner:
         # The position of the token being drawn is fixed for each output index of a request,
         # so it keys a seeded draw as well as the output index would, across preemptions too.
         params = [state.sampling for state in sampling]
-        return self.sampler(logits, params, [len(state.token_ids) for state in sampling]).tolist()
+        sampled = self.sampler(logits, params, [len(state.token_ids) for state in sampling]).tolist()
+        self._t_sample.record(start)
+        return sampled
 
     def _validate(self, plan: StepPlan) -> list[_Work]:
         """The plan's work in order (new requests first), or ValueError naming the first problem.
@@ -170,24 +200,38 @@ class ModelRunner:
                 rid, new.num_computed_tokens, new.num_scheduled_tokens, len(new.token_ids), len(new.block_ids)
             )
             work.append(_Work(rid, new.num_computed_tokens, new.num_scheduled_tokens, []))
-        for cached in plan.cached_requests:
-            rid = cached.request_id
+        cached = plan.cached_requests
+        new_blocks = dict(zip(cached.new_block_rows, cached.new_block_ids))
+        for row, (rid, num_computed, num_scheduled) in enumerate(
+            zip(cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens)
+        ):
             check_once(rid)
             state = None if rid in dropped else self._requests.get(rid)
             if state is None:
                 raise ValueError(f"unknown request {rid!r}: not running on the worker")
-            if cached.num_computed_tokens != state.num_computed:
+            if num_computed != state.num_computed:
                 raise ValueError(
-                    f"request {rid!r}: num_computed_tokens mismatch: plan says {cached.num_computed_tokens}, "
+                    f"request {rid!r}: num_computed_tokens mismatch: plan says {num_computed}, "
                     f"worker has {state.num_computed}"
                 )
-            self._check_blocks(rid, cached.new_block_ids)
-            num_blocks = len(state.block_ids) + len(cached.new_block_ids)
-            self._check_tokens(
-                rid, cached.num_computed_tokens, cached.num_scheduled_tokens, len(state.token_ids), num_blocks
-            )
-            work.append(_Work(rid, cached.num_computed_tokens, cached.num_scheduled_tokens, list(cached.new_block_ids)))
+            blocks = new_blocks.get(row, [])
+            if blocks:
+                self._check_blocks(rid, blocks)
+            self._check_tokens(rid, num_computed, num_scheduled, len(state.token_ids), len(state.block_ids) + len(blocks))
+            work.append(_Work(rid, num_computed, num_scheduled, list(blocks)))
+        self._check_transfers(plan)
         return work
+
+    def _check_transfers(self, plan: StepPlan) -> None:
+        for name, pairs, src_limit, dst_limit in (
+            ("swap_out", plan.swap_out, self.num_blocks, self.num_cpu_blocks),
+            ("swap_in", plan.swap_in, self.num_cpu_blocks, self.num_blocks),
+        ):
+            for pair in pairs:
+                if len(pair) != 2 or not (0 <= pair[0] < src_limit and 0 <= pair[1] < dst_limit):
+                    raise ValueError(f"{name} pair {pair} outside the caches ({src_limit} -> {dst_limit} blocks)")
+            if len({pair[1] for pair in pairs}) != len(pairs):
+                raise ValueError(f"{name} writes a block twice")
 
     def _check_tokens(self, rid: str, num_computed: int, num_scheduled: int, num_tokens: int, num_blocks: int) -> None:
         if num_scheduled < 1 or num_computed < 0:

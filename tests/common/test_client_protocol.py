@@ -35,6 +35,14 @@ def test_stop_accepts_single_string() -> None:
     assert cp.parse_client_message(gen(stop="END")).stop == ["END"]
 
 
+def test_priority_is_an_optional_integer() -> None:
+    assert cp.parse_client_message(gen()).priority == 0
+    assert cp.parse_client_message(gen(priority=-3)).priority == -3
+    for bad in ("high", 1.5, True, 2**40):
+        with pytest.raises(cp.ProtocolError, match="'priority'"):
+            cp.parse_client_message(gen(priority=bad))
+
+
 @pytest.mark.parametrize(
     "msg, needle",
     [
@@ -89,3 +97,28 @@ def test_unpack_rejects_non_maps(data, needle) -> None:
 def test_unpack_rejects_oversized() -> None:
     with pytest.raises(cp.ProtocolError, match="exceeds"):
         cp.unpack_map(b"\x00" * (cp.MAX_CLIENT_MESSAGE_BYTES + 1))
+
+
+def test_profile_defaults_and_fields() -> None:
+    cmd = cp.parse_client_message({"type": "profile", "v": 1})
+    assert isinstance(cmd, cp.ProfileCommand)
+    assert (cmd.window_s, cmd.trace, cmd.series) == (cp.DEFAULT_PROFILE_WINDOW_S, False, [])
+    cmd = cp.parse_client_message({"type": "profile", "window_s": 5, "trace": True, "series": ["batch_seqs"]})
+    assert (cmd.window_s, cmd.trace, cmd.series) == (5.0, True, ["batch_seqs"])
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"window_s": 0}, "window_s"),
+        ({"window_s": 1e9}, "window_s"),
+        ({"window_s": True}, "window_s"),
+        ({"trace": 1}, "trace"),
+        ({"series": "batch_seqs"}, "series"),
+        ({"series": [1]}, "series"),
+        ({"trace_path": "x"}, "unknown field"),
+    ],
+)
+def test_profile_bad_fields_are_named(fields, needle) -> None:
+    with pytest.raises(cp.ProtocolError, match=needle):
+        cp.parse_client_message({"type": "profile", "v": 1, **fields})

@@ -31,7 +31,7 @@ def wait_for_free_blocks(client: Client, timeout: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = client.stats()
-        assert stats["free_blocks"] + stats["held_blocks"] == stats["total_blocks"]
+        assert stats["free_blocks"] + stats["cached_blocks"] + stats["held_blocks"] == stats["total_blocks"]
         if stats["held_blocks"] == 0 or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)

@@ -56,6 +56,11 @@ def test_random_ids_stream_to_the_full_decode(name, ours, data) -> None:
     skip = data.draw(st.booleans(), label="skip")
     final = reference(tok, prompt, output, skip)
     assume(final is not None)
+    if name not in BYTE_LEVEL:
+        # A byte-fallback prompt whose last complete character lies more than one character's
+        # bytes (3 pieces) back holds invalid bytes of its own: the reference would count their
+        # U+FFFDs as output, while the stream rightly shows only what the output adds.
+        assume(len(prompt) - len(complete_prefix(tok, prompt, skip)) <= 3)
     detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
     for k, token in enumerate(output, 1):
         detok.push([token])

@@ -2,9 +2,18 @@
 
 It keeps what the real model runner keeps per request (token list, block table, computed
 count) and asserts every rule of the plan protocol in ``conveyor.common.messages``, so a
-scheduler bug shows up as an AssertionError at the step that broke the rule. Sampled
-tokens are a pure function of (request id, position), so a request produces the same
-tokens whatever it is batched with and however often it is preempted and recomputed.
+scheduler bug shows up as an AssertionError at the step that broke the rule.
+
+It also models the KV cache's *contents*: every slot of every GPU and CPU block holds the
+identity of the prefix whose KV it would contain (a chained hash of the tokens up to that
+position), written when a step computes a token and copied by swaps. Before a request runs,
+every slot it relies on (its first ``num_computed`` positions) must hold exactly its own
+prefix: that checks prefix-cache hits, partial-block takeovers, swap-outs and swap-ins the
+way wrong KV would show in real outputs. A write into a slot another live request relies on
+is refused (sharing is read-only), as is a swap-in over a block someone holds.
+
+Sampled tokens are a pure function of (request id, position), so a request produces the
+same tokens whatever it is batched with and however often it is preempted or resumed.
 """
 
 from __future__ import annotations
@@ -26,6 +35,14 @@ class _State:
     tokens: list[int]
     blocks: list[int]
     computed: int
+    idents: list[int] = field(default_factory=list)
+
+    def ident(self, position: int) -> int:
+        """The identity of the prefix ``tokens[:position + 1]`` (what its KV slot must hold)."""
+        while len(self.idents) <= position:
+            prev = self.idents[-1] if self.idents else 0
+            self.idents.append(hash((prev, self.tokens[len(self.idents)])))
+        return self.idents[position]
 
 
 @dataclass
@@ -47,14 +64,19 @@ class FakeWorker:
     fail_steps: set[int] = field(default_factory=set)
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    num_cpu_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.state: dict[str, _State] = {}
-        self.block_owner: dict[int, str] = {}
+        self.holders: dict[int, set[str]] = {}  # GPU block -> requests whose table names it
+        self.gpu: dict[int, list[int | None]] = {}  # block -> slot contents
+        self.cpu: dict[int, list[int | None]] = {}
         self.last_step_id = 0
         self.plans: list[StepPlan] = []
         # step id -> {request id: tokens scheduled}
         self.scheduled: list[dict[str, int]] = []
+        self.num_computed_at_arrival: dict[str, list[int]] = {}  # request id -> per NewRequestData
+        self.num_tokens_computed = 0
 
     def token_for(self, request_id: str, position: int) -> int:
         if self.eos_at.get(request_id) == position:
@@ -71,19 +93,38 @@ class FakeWorker:
         assert plan.step_id > self.last_step_id, f"step id {plan.step_id} not increasing"
         self.last_step_id = plan.step_id
         self.plans.append(plan)
+        bs = self.block_size
 
         for rid in plan.finished_request_ids:
             assert rid in self.state, f"finished id {rid!r} is not held by the worker"
             self._drop(rid)
 
-        ids_in_plan = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.cached_requests]
+        # Copies: all swap-outs, then all swap-ins, before anything is computed. A failing
+        # step fails before them: the scheduler must not trust what they were to copy.
+        failing = plan.step_id in self.fail_steps
+        outs = [d for _, d in plan.swap_out]
+        assert len(set(outs)) == len(outs), f"swap-out destinations repeat: {plan.swap_out}"
+        ins = [d for _, d in plan.swap_in]
+        assert len(set(ins)) == len(ins), f"swap-in destinations repeat: {plan.swap_in}"
+        for g, c in plan.swap_out:
+            self._check_gpu_id(g)
+            assert 0 <= c < self.num_cpu_blocks, f"CPU block {c} outside the swap space"
+            if not failing:
+                self.cpu[c] = list(self.gpu.get(g, [None] * bs))
+        for c, g in plan.swap_in:
+            self._check_gpu_id(g)
+            assert failing or c in self.cpu, f"swap-in from CPU block {c}, which was never written"
+            assert not self.holders.get(g), f"swap-in over block {g}, held by {self.holders.get(g)}"
+            self.gpu[g] = [None] * bs if failing else list(self.cpu[c])
+
+        new_ids = [r.request_id for r in plan.new_requests]
+        cached = plan.cached_requests.rows()
+        ids_in_plan = new_ids + [r.request_id for r in cached]
         assert ids_in_plan, "empty plan"
         assert len(set(ids_in_plan)) == len(ids_in_plan), f"a request appears twice in step {plan.step_id}"
         if self.max_num_seqs is not None:
             assert len(ids_in_plan) <= self.max_num_seqs
-        total = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(
-            r.num_scheduled_tokens for r in plan.cached_requests
-        )
+        total = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(r.num_scheduled_tokens for r in cached)
         if self.max_num_batched_tokens is not None:
             assert total <= self.max_num_batched_tokens, f"{total} tokens over budget"
 
@@ -91,27 +132,31 @@ class FakeWorker:
         for new in plan.new_requests:
             rid = new.request_id
             assert rid not in self.state, f"new request {rid!r} is already held"
-            assert new.num_computed_tokens == 0, "no prefix caching yet: new requests start at 0"
             assert new.token_ids, f"{rid!r} has no tokens"
+            assert 0 <= new.num_computed_tokens < len(new.token_ids)
+            assert len(new.block_ids) * bs >= new.num_computed_tokens
             self._claim(rid, new.block_ids)
             self.state[rid] = _State(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            self.num_computed_at_arrival.setdefault(rid, []).append(new.num_computed_tokens)
             work.append((rid, new.num_scheduled_tokens))
-        for cached in plan.cached_requests:
-            rid = cached.request_id
+        for row in cached:
+            rid = row.request_id
             assert rid in self.state, f"cached request {rid!r} is not held"
             st = self.state[rid]
-            assert cached.num_computed_tokens == st.computed, (
-                f"{rid!r}: plan says {cached.num_computed_tokens} computed, worker has {st.computed}"
+            assert row.num_computed_tokens == st.computed, (
+                f"{rid!r}: plan says {row.num_computed_tokens} computed, worker has {st.computed}"
             )
-            self._claim(rid, cached.new_block_ids)
-            st.blocks.extend(cached.new_block_ids)
-            work.append((rid, cached.num_scheduled_tokens))
+            self._claim(rid, row.new_block_ids)
+            st.blocks.extend(row.new_block_ids)
+            work.append((rid, row.num_scheduled_tokens))
 
         self.scheduled.append(dict(work))
         if plan.step_id in self.fail_steps:
             # Fails after taking the plan's requests in (so the scheduler's later
             # finished_request_ids name requests it holds) but before advancing any.
             return StepResult(plan.step_id, [], [], error=f"injected failure at step {plan.step_id}")
+        for rid, n in work:  # every request reads its cached prefix before anyone writes
+            self._check_prefix(rid)
         request_ids: list[str] = []
         sampled: list[int] = []
         for rid, n in work:
@@ -120,10 +165,13 @@ class FakeWorker:
             assert st.computed + n <= len(st.tokens), (
                 f"{rid!r}: {st.computed} + {n} scheduled > {len(st.tokens)} known tokens"
             )
-            assert len(st.blocks) * self.block_size >= st.computed + n, (
+            assert len(st.blocks) * bs >= st.computed + n, (
                 f"{rid!r}: {len(st.blocks)} blocks do not cover {st.computed + n} tokens"
             )
+            for p in range(st.computed, st.computed + n):
+                self._write(rid, st, p)
             st.computed += n
+            self.num_tokens_computed += n
             if st.computed == len(st.tokens):
                 token = self.token_for(rid, len(st.tokens))
                 st.tokens.append(token)
@@ -131,15 +179,45 @@ class FakeWorker:
                 sampled.append(token)
         return StepResult(plan.step_id, request_ids, sampled)
 
+    # -------------------------------------------------------------- KV contents
+
+    def _check_prefix(self, rid: str) -> None:
+        st = self.state[rid]
+        bs = self.block_size
+        for p in range(st.computed):
+            got = self.gpu.get(st.blocks[p // bs], [None] * bs)[p % bs]
+            assert got == st.ident(p), (
+                f"{rid!r}: KV slot of position {p} (block {st.blocks[p // bs]}) holds another prefix"
+            )
+
+    def _write(self, rid: str, st: _State, position: int) -> None:
+        bs = self.block_size
+        block = st.blocks[position // bs]
+        for other in self.holders.get(block, ()):
+            if other == rid:
+                continue
+            ost = self.state[other]
+            index = ost.blocks.index(block)
+            assert index * bs + position % bs >= ost.computed, (
+                f"{rid!r} writes slot {position % bs} of block {block}, which {other!r} relies on"
+            )
+        self.gpu.setdefault(block, [None] * bs)[position % bs] = st.ident(position)
+
+    # -------------------------------------------------------------- ownership
+
+    def _check_gpu_id(self, block: int) -> None:
+        if self.num_blocks is not None:
+            assert 0 <= block < self.num_blocks, f"block {block} outside the cache"
+
     def _claim(self, rid: str, blocks: list[int]) -> None:
         assert len(set(blocks)) == len(blocks), f"{rid!r} given a block twice: {blocks}"
         for b in blocks:
-            if self.num_blocks is not None:
-                assert 0 <= b < self.num_blocks, f"block {b} outside the cache"
-            owner = self.block_owner.get(b)
-            assert owner is None, f"block {b} given to {rid!r} while {owner!r} holds it"
-            self.block_owner[b] = rid
+            self._check_gpu_id(b)
+            self.holders.setdefault(b, set()).add(rid)
 
     def _drop(self, rid: str) -> None:
         for b in self.state.pop(rid).blocks:
-            del self.block_owner[b]
+            holders = self.holders[b]
+            holders.discard(rid)
+            if not holders:
+                del self.holders[b]

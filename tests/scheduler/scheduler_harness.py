@@ -1,5 +1,11 @@
 """Drives a Scheduler against a FakeWorker the way the scheduler process loop does,
-recording every output and checking the invariants around every call."""
+recording every output and checking the invariants around every call.
+
+Time is a :class:`FakeClock` the test advances, so waits, aging and timeouts are exact.
+A request id can be submitted again once its previous submission finished (a
+continuation, or plain reuse); each submission is recorded under its own *key*: the id
+for the first, ``"<id>#<n>"`` for the n-th resubmission.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,17 @@ def make_prompt(request_id: str, n: int) -> list[int]:
     return [1 + (seed * 31 + 7 * i) % 999 for i in range(n)]
 
 
+class FakeClock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @dataclass
 class Harness:
     config: SchedulerConfig
@@ -27,20 +44,28 @@ class Harness:
     vocab_size: int | None = 1000
 
     def __post_init__(self) -> None:
-        self.scheduler = Scheduler(self.config, [EOS], self.vocab_size)
+        self.clock = FakeClock()
+        self.scheduler = Scheduler(self.config, [EOS], self.vocab_size, clock=self.clock)
         self.worker = FakeWorker(
             self.config.block_size,
             self.config.num_blocks,
             eos_token_id=EOS,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            num_cpu_blocks=self.config.num_cpu_blocks,
             **self.worker_kwargs,
         )
+        # Per submission key:
+        self.rid_of: dict[str, str] = {}
         self.prompts: dict[str, list[int]] = {}
         self.sampling: dict[str, SamplingParams] = {}
+        self.priority: dict[str, int] = {}
+        self.arrival: dict[str, float] = {}
         self.tokens: dict[str, list[int]] = {}
         self.final: dict[str, RequestOutput] = {}
         self.outputs: dict[str, list[RequestOutput]] = {}
+        self.live_key: dict[str, str] = {}  # request id -> key of its live submission
+        self.submissions: dict[str, int] = {}  # request id -> times submitted
         self.plans: list[StepPlan] = []
 
     # -------------------------------------------------------------- intake
@@ -51,16 +76,28 @@ class Harness:
         prompt_len: int = 4,
         max_tokens: int = 4,
         prompt: list[int] | None = None,
+        priority: int = 0,
         **sampling,
     ) -> RequestOutput | None:
         prompt = make_prompt(request_id, prompt_len) if prompt is None else prompt
-        msg = AddRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, **sampling), 1000.0)
+        msg = AddRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, **sampling), 1000.0, priority)
         rejected = self.scheduler.add_request(msg)
         if rejected is None:
-            self.prompts[request_id] = list(prompt)
-            self.sampling[request_id] = msg.sampling
+            n = self.submissions.get(request_id, 0)
+            key = request_id if n == 0 else f"{request_id}#{n}"
+            self.submissions[request_id] = n + 1
+            self.rid_of[key] = request_id
+            self.prompts[key] = list(prompt)
+            self.sampling[key] = msg.sampling
+            self.priority[key] = priority
+            self.arrival[key] = self.clock.now
+            self.live_key[request_id] = key
         self.check()
         return rejected
+
+    def context(self, key: str) -> list[int]:
+        """Prompt + outputs of a finished submission: what a continuation extends."""
+        return self.prompts[key] + self.tokens.get(key, [])
 
     def abort(self, *request_ids: str) -> list[RequestOutput]:
         outs = self.scheduler.abort(list(request_ids))
@@ -72,6 +109,7 @@ class Harness:
 
     def schedule(self) -> StepPlan | None:
         plan = self.scheduler.schedule()
+        self.record(self.scheduler.take_outputs())
         self.check()
         if plan is not None:
             self.plans.append(plan)
@@ -80,7 +118,7 @@ class Harness:
     def finish_step(self, plan: StepPlan, result: StepResult | None = None) -> list[RequestOutput]:
         if result is None:
             result = self.worker.execute(plan)
-        outs = self.scheduler.update(plan, result)
+        outs = self.scheduler.update(plan, result).expanded()
         self.record(outs)
         self.check()
         return outs
@@ -92,13 +130,21 @@ class Harness:
         return plan
 
     def run(self, max_steps: int = 10_000) -> int:
-        """Step until no request is live; the number of steps taken."""
+        """Step until no request is live (advancing the clock when only the admission gate
+        or a queue timeout can make progress); the number of steps taken."""
         steps = 0
         while self.scheduler.has_work():
-            assert self.step() is not None, "live requests but no plan"
+            if self.step() is None and self.scheduler.has_work():  # (a queue timeout may have ended the last one)
+                wait = self.scheduler.seconds_until_ready()
+                assert wait is not None, "live requests but no plan and nothing to wait for: " + "; ".join(
+                    f"{r.request_id} {r.status.name} computed={r.num_computed_tokens}/{r.num_tokens} "
+                    f"blocks={r.block_ids} cpu={r.cpu_blocks}"
+                    for r in list(self.scheduler.table.running) + list(self.scheduler.queue)
+                ) + f" pool available={self.scheduler.pool.num_available}"
+                self.clock.advance(wait + 1e-6)
             steps += 1
             assert steps <= max_steps, "no progress"
-        assert self.scheduler.schedule() is None
+        assert self.schedule() is None
         self.check_idle()
         return steps
 
@@ -106,32 +152,39 @@ class Harness:
 
     def record(self, outs: list[RequestOutput]) -> None:
         for o in outs:
-            assert o.request_id not in self.final, f"{o.request_id} got output after finishing"
-            self.outputs.setdefault(o.request_id, []).append(o)
-            self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            key = self.live_key.get(o.request_id)
+            if key is None:  # rejected at arrival: never had a key
+                continue
+            assert key not in self.final, f"{key} got output after finishing"
+            self.outputs.setdefault(key, []).append(o)
+            self.tokens.setdefault(key, []).extend(o.new_token_ids)
             if o.finish_reason is not None:
-                self.final[o.request_id] = o
+                self.final[key] = o
+                del self.live_key[o.request_id]
 
     def check(self) -> None:
         self.scheduler.check_invariants()
         pool = self.scheduler.pool
-        assert pool.num_free + pool.num_held == pool.total
+        assert pool.num_free + pool.num_cached + pool.num_held == pool.total
 
     def check_idle(self) -> None:
         pool = self.scheduler.pool
-        assert pool.num_free == pool.total, f"{pool.num_held} blocks still held"
+        assert pool.num_held == 0, f"{pool.num_held} blocks still held"
+        cpu = self.scheduler.kv.swap.pool
+        assert cpu is None or cpu.num_held == 0, f"{cpu.num_held} CPU blocks still held"
         assert self.scheduler.num_running == 0 and self.scheduler.num_waiting == 0
 
-    def expected_tokens(self, request_id: str, n: int) -> list[int]:
-        return self.worker.expected_outputs(request_id, len(self.prompts[request_id]), n)
+    def expected_tokens(self, key: str, n: int) -> list[int]:
+        return self.worker.expected_outputs(self.rid_of[key], len(self.prompts[key]), n)
 
-    def alone(self, request_id: str) -> tuple[list[int], str]:
-        """The outputs and finish reason of a request run alone to its natural end."""
-        sp = self.sampling[request_id]
-        plen = len(self.prompts[request_id])
+    def alone(self, key: str) -> tuple[list[int], str]:
+        """The outputs and finish reason of a submission run alone to its natural end."""
+        sp = self.sampling[key]
+        rid = self.rid_of[key]
+        plen = len(self.prompts[key])
         out: list[int] = []
         while True:
-            t = self.worker.token_for(request_id, plen + len(out))
+            t = self.worker.token_for(rid, plen + len(out))
             out.append(t)
             if (t == EOS and not sp.ignore_eos) or t in sp.stop_token_ids:
                 return out, "stop"
@@ -139,18 +192,18 @@ class Harness:
                 return out, "length"
 
     def check_outcomes(self) -> None:
-        """Every accepted request finished once, with the tokens it would have had alone
+        """Every accepted submission finished once, with the tokens it would have had alone
         (a prefix of them when aborted or failed)."""
         assert set(self.final) >= set(self.prompts)
-        for rid in self.prompts:
-            expected, reason = self.alone(rid)
-            got, final = self.tokens.get(rid, []), self.final[rid]
+        for key in self.prompts:
+            expected, reason = self.alone(key)
+            got, final = self.tokens.get(key, []), self.final[key]
             if final.finish_reason in ("abort", "error"):
-                assert got == expected[: len(got)], rid
+                assert got == expected[: len(got)], key
             else:
-                assert (got, final.finish_reason) == (expected, reason), rid
+                assert (got, final.finish_reason) == (expected, reason), key
 
     def scheduled_in(self, plan: StepPlan) -> dict[str, int]:
         out = {r.request_id: r.num_scheduled_tokens for r in plan.new_requests}
-        out.update({r.request_id: r.num_scheduled_tokens for r in plan.cached_requests})
+        out.update(zip(plan.cached_requests.request_ids, plan.cached_requests.num_scheduled_tokens))
         return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.scheduler.block_pool import BlockPool, BlockPoolError
+from conveyor.scheduler.prefix_index import ROOT, PrefixIndex
 
 
 def test_allocate_and_free_round_trip():
@@ -63,3 +64,69 @@ def test_freed_blocks_are_reused_last():
     pool.free([0])
     assert pool.allocate(2) == [1, 2]  # the freed block went to the tail of the free list
     assert pool.allocate(1) == [0]
+
+
+# ---------------------------------------------------------------- prefix cache states
+
+
+def test_registered_blocks_are_cached_when_released_and_revived_by_a_hit():
+    index = PrefixIndex()
+    pool = BlockPool(4, index)
+    a, b = pool.allocate(2)
+    content = index.intern(ROOT, [1, 2])
+    assert pool.register(a, content) and pool.lookup(content) == a
+    pool.free([a, b])
+    assert (pool.num_free, pool.num_cached, pool.num_held) == (3, 1, 0)
+    assert pool.is_cached(a) and index.refs(content) == 1
+    pool.acquire(a)  # a prefix-cache hit
+    assert pool.refcount(a) == 1 and pool.num_cached == 0
+    pool.acquire(a)  # shared by a second request
+    assert pool.refcount(a) == 2
+    pool.check_invariants({a: 2})
+    pool.free([a, a])
+    pool.check_invariants({})
+
+
+def test_an_id_names_one_block_and_dead_ids_never_come_back():
+    index = PrefixIndex()
+    pool = BlockPool(2, index)
+    a, b = pool.allocate(2)
+    content = index.intern(ROOT, [7])
+    assert pool.register(a, content)
+    assert not pool.register(b, content)  # the same content computed twice: b stays anonymous
+    pool.free([a, b])
+    assert pool.num_cached == 1 and pool.num_free == 1
+    pool.allocate(2)  # evicts a: the index forgets the id
+    assert index.refs(content) == 0 and index.find(ROOT, [7]) is None
+    assert not index.retain(content)
+    assert index.intern(ROOT, [7]) != content
+
+
+def test_eviction_takes_free_blocks_first_then_the_least_recently_cached():
+    index = PrefixIndex()
+    evicted = []
+    pool = BlockPool(3, index, on_evict=lambda block, content: evicted.append(block))
+    blocks = pool.allocate(3)
+    for i, blk in enumerate(blocks):
+        pool.register(blk, index.intern(ROOT, [i]))
+    pool.free([blocks[1]])
+    pool.free([blocks[0]])
+    pool.free([blocks[2]])
+    assert pool.allocate(2) == [blocks[1], blocks[0]] and evicted == [blocks[1], blocks[0]]
+    assert pool.lookup(index.find(ROOT, [2])) == blocks[2]
+    with pytest.raises(BlockPoolError):
+        pool.allocate(2)
+
+
+def test_partial_blocks_are_taken_over_not_shared():
+    pool = BlockPool(2)
+    (blk,) = pool.allocate(1)
+    pool.free_partial(blk, ROOT, [5, 6, 7])
+    assert pool.num_cached == 1
+    assert pool.match_partial(ROOT, [5, 6, 9, 9]) == (blk, 2)
+    assert pool.match_partial(ROOT, [4]) is None and pool.match_partial(99, [5]) is None
+    with pytest.raises(BlockPoolError):
+        pool.acquire(blk)
+    pool.take(blk)
+    assert pool.refcount(blk) == 1 and pool.match_partial(ROOT, [5]) is None
+    pool.check_invariants({blk: 1})

@@ -1,0 +1,55 @@
+"""Per-iteration metadata of the scheduler: a small ring of recent iterations plus counters.
+
+One tuple per iteration into a bounded deque: cheap enough to record always (a fraction of a
+microsecond against the iteration's tens of microseconds), and bounded, so memory never grows
+with uptime. Readers (the stats reply, the profiler) get rows in :data:`ITERATION_FIELDS`
+order, oldest first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+ITERATION_FIELDS: tuple[str, ...] = (
+    "step",  # plan step id
+    "time",  # scheduler clock (time.time() in the server) when the plan was formed
+    "batch_size",  # requests in the plan
+    "num_new",  # of those, sent as NewRequestData (admitted or resumed)
+    "prefill_tokens",  # tokens of requests with more than one token to run
+    "decode_tokens",  # requests running exactly one token
+    "input_tokens",  # prefill_tokens + decode_tokens: the forward's batch size in tokens
+    "context_tokens",  # sum over the plan of (computed + scheduled): the attention's reach
+    "admitted",  # requests admitted for the first time
+    "avg_wait",  # seconds from arrival to this admission, averaged over those (0 if none)
+    "max_wait",
+    "free_blocks",  # GPU block states after planning
+    "held_blocks",
+    "cached_blocks",
+    "swapped_blocks",  # CPU blocks held by swapped-out requests
+    "preempted_swap",  # preemptions in this iteration, by kind
+    "preempted_recompute",
+    "swap_out_blocks",  # copies the plan carries
+    "swap_in_blocks",
+    "prefix_hit_tokens",  # tokens admissions took from the prefix cache
+    "schedule_us",  # microseconds schedule() took
+)
+
+
+class IterationLog:
+    """The last ``size`` iterations, one tuple each (fields as :data:`ITERATION_FIELDS`)."""
+
+    def __init__(self, size: int) -> None:
+        self._rows: deque[tuple] = deque(maxlen=size)
+
+    def record(self, row: tuple) -> None:
+        self._rows.append(row)
+
+    def rows(self) -> list[list[int | float]]:
+        return [list(r) for r in self._rows]
+
+    def last(self) -> dict[str, int | float] | None:
+        """The most recent iteration as a map, or None (for tests and debugging)."""
+        return dict(zip(ITERATION_FIELDS, self._rows[-1])) if self._rows else None
+
+    def __len__(self) -> int:
+        return len(self._rows)

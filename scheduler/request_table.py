@@ -1,0 +1,65 @@
+"""The request table: every live request by id, and the running batch in rank order.
+
+Keeping the running batch sorted by rank (best first) is what lets the scheduler give
+running requests their tokens in priority order and take preemption victims from the
+tail in O(1). New members usually rank below everyone running (they arrived later), so
+insertion is an append; otherwise a bisect.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from conveyor.scheduler.request import Request, RequestStatus
+
+
+def _rank(req: Request) -> tuple:
+    return req.rank
+
+
+class RequestTable:
+    """``live``: id -> request for every request not finished. ``running``: the batch, by rank."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, Request] = {}
+        self.running: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def get(self, request_id: str) -> Request | None:
+        return self.live.get(request_id)
+
+    def add(self, req: Request) -> None:
+        assert req.request_id not in self.live, f"{req.request_id} is already live"
+        self.live[req.request_id] = req
+
+    def forget(self, req: Request) -> None:
+        """Drop a finished request (the caller took it out of the batch or the queue)."""
+        if self.live.get(req.request_id) is req:
+            del self.live[req.request_id]
+
+    def start_running(self, req: Request) -> None:
+        running = self.running
+        if not running or running[-1].rank < req.rank:
+            running.append(req)
+        else:
+            bisect.insort(running, req, key=_rank)
+
+    def stop_running(self, req: Request) -> None:
+        running = self.running
+        if running and running[-1] is req:
+            running.pop()
+        else:
+            running.remove(req)
+
+    def prune_running(self, finished: list[Request] | None = None) -> None:
+        """Drop members that finished during an update: given as ``finished`` when there are
+        a few (C-speed removals), else found in one pass."""
+        if finished is not None and len(finished) <= 8:
+            running = self.running
+            for req in finished:
+                if req in running:  # identity first: Request compares by identity
+                    running.remove(req)
+            return
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]

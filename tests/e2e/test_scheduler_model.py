@@ -1,0 +1,161 @@
+"""The real Scheduler driving the real ModelRunner in one process, on the tiny checkpoint (CPU).
+
+Requests that were swapped out and back in, preempted and recomputed, prefilled in chunks,
+served partly from the prefix cache (a shared system prompt), or continued (a second turn
+under the same id) must produce exactly the greedy tokens they produce served alone. Each
+scenario also checks, through the plans and the scheduler's stats, that the mechanism it is
+about really happened.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.common.config import SchedulerConfig
+from conveyor.common.messages import AddRequest, SamplingParams
+from conveyor.scheduler.scheduler import Scheduler
+
+BLOCK_SIZE = 4
+SYSTEM = [5, 17, 29, 41, 53, 65, 77, 89]  # two full blocks shared by several prompts
+
+
+def prompts() -> dict[str, list[int]]:
+    out = {}
+    for i in range(6):
+        own = [(31 * i + 7 * j) % 150 + 3 for j in range(3 + 5 * i)]
+        out[f"r{i}"] = (SYSTEM + own) if i % 2 == 0 else own
+    return out
+
+
+@pytest.fixture(scope="module")
+def runner_factory(tiny_checkpoint):
+    import torch
+
+    from conveyor.worker.model_runner import ModelRunner
+
+    torch.set_num_threads(2)
+
+    def make(num_blocks: int = 256, num_cpu_blocks: int = 0) -> ModelRunner:
+        return ModelRunner(tiny_checkpoint, block_size=BLOCK_SIZE, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks)
+
+    return make
+
+
+class Driver:
+    """The scheduler process loop without sockets: schedule, execute, update."""
+
+    def __init__(self, runner, **config) -> None:
+        cfg = dict(num_blocks=runner.num_blocks, block_size=BLOCK_SIZE, max_model_len=256, num_cpu_blocks=runner.num_cpu_blocks)
+        cfg.update(config)
+        self.scheduler = Scheduler(SchedulerConfig(**cfg), eos_token_ids=[], vocab_size=runner.model_config.vocab_size)
+        self.runner = runner
+        self.tokens: dict[str, list[int]] = {}
+        self.plans = []
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, priority: int = 0) -> None:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        assert self.scheduler.add_request(AddRequest(rid, prompt, sampling, 0.0, priority)) is None
+        self.tokens[rid] = []
+
+    def step(self) -> bool:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return False
+        self.plans.append(plan)
+        result = self.runner.execute(plan)
+        assert result.error is None
+        for out in self.scheduler.update(plan, result).expanded():
+            assert out.finish_reason in (None, "length"), out
+            self.tokens[out.request_id] += out.new_token_ids
+        self.scheduler.check_invariants()
+        return True
+
+    def run(self) -> dict[str, list[int]]:
+        while self.scheduler.has_work():
+            assert self.step(), "live requests but nothing to run"
+        return self.tokens
+
+    def new_requests(self, rid: str):
+        return [r for p in self.plans for r in p.new_requests if r.request_id == rid]
+
+
+@pytest.fixture(scope="module")
+def alone(runner_factory):
+    """Greedy tokens of one request served alone: a fresh scheduler, an empty cache."""
+    runner = runner_factory()
+    memo: dict[tuple, list[int]] = {}
+    count = [0]
+
+    def run(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in memo:
+            count[0] += 1
+            driver = Driver(runner)  # a new scheduler: nothing cached; the runner's blocks are reused
+            rid = f"alone-{count[0]}"
+            driver.add(rid, prompt, max_tokens)
+            memo[key] = driver.run()[rid]
+        return memo[key]
+
+    return run
+
+
+def check_all_alone(driver: Driver, prompts: dict[str, list[int]], max_tokens: dict[str, int], alone) -> None:
+    for rid, prompt in prompts.items():
+        assert driver.tokens[rid] == alone(prompt, max_tokens[rid]), rid
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_and_chunked_requests_match_served_alone(runner_factory, alone, mode):
+    runner = runner_factory(num_blocks=18, num_cpu_blocks=64)
+    driver = Driver(runner, max_num_seqs=6, max_num_batched_tokens=12, preemption=mode)
+    ps = prompts()
+    max_tokens = {rid: 14 + 2 * i for i, rid in enumerate(ps)}
+    for rid, prompt in ps.items():
+        driver.add(rid, prompt, max_tokens[rid])
+    driver.run()
+    check_all_alone(driver, ps, max_tokens, alone)
+    stats = driver.scheduler.stats()
+    assert stats[f"num_preemptions_{mode}"] > 0, stats
+    chunked = [
+        r for p in driver.plans for r in p.new_requests if r.num_computed_tokens + r.num_scheduled_tokens < len(r.token_ids)
+    ]
+    assert chunked, "no prompt was prefilled in chunks"
+    if mode == "swap":
+        assert stats["num_swapped_in_blocks"] > 0
+        resumed = [r for p in driver.plans if p.swap_in for r in p.new_requests if r.num_computed_tokens > 0]
+        assert resumed, "no request resumed from swapped-in blocks"
+    else:
+        assert stats["num_swapped_out_blocks"] == 0
+
+
+def test_prefix_cached_and_continued_requests_match_served_alone(runner_factory, alone):
+    runner = runner_factory(num_blocks=128)
+    driver = Driver(runner, max_num_seqs=8, max_num_batched_tokens=64)
+    ps = prompts()
+    max_tokens = {rid: 9 for rid in ps}
+    first = "r0"
+    driver.add(first, ps[first], max_tokens[first])
+    driver.step()  # r0's system prompt is computed and registered
+    for rid, prompt in ps.items():
+        if rid != first:
+            driver.add(rid, prompt, max_tokens[rid])
+    driver.run()
+    check_all_alone(driver, ps, max_tokens, alone)
+    for rid in ("r2", "r4"):  # the others that start with the system prompt
+        (new,) = driver.new_requests(rid)
+        assert new.num_computed_tokens == len(SYSTEM), rid
+    assert driver.scheduler.stats()["prefix_cache_hit_tokens"] >= 2 * len(SYSTEM)
+
+    # Second turns: the same ids, their whole context plus new input.
+    turn2 = {}
+    for rid in ("r1", "r4"):
+        context = ps[rid] + driver.tokens[rid]
+        turn2[rid] = context + [11, 12, 13]
+        driver.tokens[rid] = []
+        driver.add(rid, turn2[rid], 7)
+    driver.run()
+    for rid, prompt in turn2.items():
+        new = driver.new_requests(rid)[-1]
+        context_len = len(prompt) - 3
+        assert new.num_computed_tokens == context_len - 1, rid  # only the new tokens (and the last output) run
+        assert driver.tokens[rid] == alone(prompt, 7), rid

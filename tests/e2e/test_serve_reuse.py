@@ -1,0 +1,79 @@
+"""bin/serve end to end: prefix reuse across requests and continuation of a finished request.
+
+The second request with the same system prompt reports the reused tokens in
+``usage.cached_tokens``; a continuation (same request id, more input) costs only its new
+tokens, returns only its new output, and equals HF greedy on the whole conversation.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.client import Client
+
+SERVE_ARGS = ("--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "--policy", "priority")
+SYSTEM = [(13 * i) % 200 + 10 for i in range(16)]  # two full blocks of 8
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_checkpoint):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+    def run(prompt_ids: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt_ids])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                pad_token_id=0,
+            )
+        return out[0, len(prompt_ids):].tolist()
+
+    return run
+
+
+def test_prefix_reuse_and_continuation(serve_factory, tiny_checkpoint, hf_greedy) -> None:
+    from conveyor.frontend.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
+    greedy = dict(temperature=0, ignore_eos=True)
+    with Client(server.address, timeout=60) as client:
+        first_prompt = SYSTEM + [3, 4, 5]
+        first = client.generate(token_ids=first_prompt, max_tokens=6, request_id="conv", priority=2, **greedy)
+        assert first.finish_reason == "length" and first.usage.cached_tokens == 0
+        assert first.token_ids == hf_greedy(first_prompt, 6)
+
+        other = client.generate(token_ids=SYSTEM + [7, 8], max_tokens=3, **greedy)
+        assert other.usage.cached_tokens == len(SYSTEM)  # the shared system prompt was not recomputed
+        assert other.token_ids == hf_greedy(SYSTEM + [7, 8], 3)
+
+        # The next turn of "conv": only the new input is sent; the server remembers the rest.
+        context = first_prompt + first.token_ids
+        second = client.generate(token_ids=[9, 10, 11], max_tokens=5, request_id="conv", **greedy)
+        assert second.finish_reason == "length"
+        assert second.usage.prompt_tokens == len(context) + 3
+        assert second.usage.cached_tokens == len(context) - 1  # the last output token and the new input run
+        assert second.token_ids == hf_greedy(context + [9, 10, 11], 5)
+        assert second.text == tok.decode(context + [9, 10, 11] + second.token_ids)[len(tok.decode(context + [9, 10, 11])):]
+
+        # A third turn streams just as well.
+        context += [9, 10, 11] + second.token_ids
+        deltas = list(client.stream(token_ids=[12], max_tokens=3, request_id="conv", **greedy))
+        third = deltas[-1].result
+        assert third.usage.cached_tokens == len(context) - 1
+        assert sum((d.token_ids for d in deltas), []) == third.token_ids == hf_greedy(context + [12], 3)
+
+        stats = client.stats()
+        assert stats["prefix_cache_hit_tokens"] >= len(SYSTEM) + 2 * (len(context) - 1) - len(second.token_ids) - 3
+        assert stats["free_blocks"] + stats["cached_blocks"] + stats["held_blocks"] == stats["total_blocks"]
+        assert stats["cached_blocks"] > 0 and stats["held_blocks"] == 0
+        rows = stats["iterations"]
+        assert rows and {"batch_size", "prefill_tokens", "decode_tokens", "prefix_hit_tokens"} <= set(rows[-1])
+        assert sum(r["prefix_hit_tokens"] for r in rows) == stats["prefix_cache_hit_tokens"]
+
+        bad = client.generate(token_ids=[1, 2], max_tokens=1, priority="high")
+        assert bad.finish_reason == "error" and "priority" in bad.error
+

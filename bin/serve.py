@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import multiprocessing.connection
-import os
 import shutil
 import signal
 import sys

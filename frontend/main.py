@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import zmq
 
 from conveyor.common.process import ControlChannel, die_with_parent, setup_logging

@@ -67,3 +67,24 @@ def serve_factory(tmp_path):
         if left:
             server.kill()
         assert not left, f"orphaned processes after shutdown: {left}"
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_checkpoint):
+    """Greedy continuation by HF transformers, one prompt at a time (the reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+    def run(prompt_ids: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt_ids])
+            # An explicit mask: BOS is id 0 here, and generate() would take it for padding.
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                pad_token_id=0,
+            )
+        return out[0, len(prompt_ids):].tolist()
+
+    return run

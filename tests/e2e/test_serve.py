@@ -37,27 +37,6 @@ def wait_for_free_blocks(client: Client, timeout: float = 5.0) -> dict:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(tiny_checkpoint):
-    """Greedy continuation by HF transformers, one prompt at a time (the reference)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-
-    def run(prompt_ids: list[int], n: int) -> list[int]:
-        with torch.inference_mode():
-            ids = torch.tensor([prompt_ids])
-            # An explicit mask: BOS is id 0 here, and generate() would take it for padding.
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                pad_token_id=0,
-            )
-        return out[0, len(prompt_ids):].tolist()
-
-    return run
-
-
 @pytest.fixture
 def server(serve_factory, tiny_checkpoint):
     return serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)

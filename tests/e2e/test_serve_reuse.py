@@ -7,31 +7,10 @@ tokens, returns only its new output, and equals HF greedy on the whole conversat
 
 from __future__ import annotations
 
-import pytest
-
 from conveyor.client import Client
 
 SERVE_ARGS = ("--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "--policy", "priority")
 SYSTEM = [(13 * i) % 200 + 10 for i in range(16)]  # two full blocks of 8
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(tiny_checkpoint):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-
-    def run(prompt_ids: list[int], n: int) -> list[int]:
-        with torch.inference_mode():
-            ids = torch.tensor([prompt_ids])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                pad_token_id=0,
-            )
-        return out[0, len(prompt_ids):].tolist()
-
-    return run
 
 
 def test_prefix_reuse_and_continuation(serve_factory, tiny_checkpoint, hf_greedy) -> None:

@@ -99,7 +99,13 @@ def aggregate(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, An
     return out
 
 
-OFFLINE_KEYS = ("output_tok_s", "total_tok_s", "req_s", "wall_s", "mean_batch_occupancy")
+OFFLINE_KEYS = ("output_tok_s", "total_tok_s", "req_s", "wall_s", "mean_batch_occupancy", "worker_idle_fraction")
+
+
+def worker_idle_fraction(server_profile: dict[str, Any] | None) -> float | None:
+    """The worker's idle fraction over the run (time waiting for a plan / wall time), from
+    the server profile a served run saves; None without one (in-process systems, --no-profile)."""
+    return ((server_profile or {}).get("worker") or {}).get("values", {}).get("idle_fraction")
 
 
 def offline_table(systems: dict[str, dict[str, Any]], reference: str = "conveyor") -> tuple[str, dict[str, Any]]:
@@ -107,7 +113,8 @@ def offline_table(systems: dict[str, dict[str, Any]], reference: str = "conveyor
     ref = systems.get(reference, {}).get("median", {}).get("output_tok_s")
     header = (
         f"{'system':<16} {'out tok/s':>10} {'total tok/s':>11} {'req/s':>7} {'wall s':>8} "
-        f"{'lat p50 s':>9} {'lat p99 s':>9} {'occupancy':>9} {'x ' + reference:>11} {reference + ' speedup':>16}"
+        f"{'lat p50 s':>9} {'lat p99 s':>9} {'occupancy':>9} {'x ' + reference:>11} {reference + ' speedup':>16} "
+        f"{'worker idle':>11}"
     )
     lines = [header, "-" * len(header)]
     ratios: dict[str, Any] = {}
@@ -125,10 +132,12 @@ def offline_table(systems: dict[str, dict[str, Any]], reference: str = "conveyor
         if len(result["runs"]) > 1:
             spread = f" ({med['output_tok_s_min']:.0f}-{med['output_tok_s_max']:.0f})"
         occupancy = med.get("mean_batch_occupancy")
+        idle = med.get("worker_idle_fraction")
         lines.append(
             f"{name:<16} {tok:>10.1f} {med['total_tok_s']:>11.1f} {med['req_s']:>7.2f} {med['wall_s']:>8.2f} "
             f"{_opt(last['latency_s']['p50'])} {_opt(last['latency_s']['p99'])} "
-            f"{_opt(occupancy, 9, 1)} {_opt(ratio, 10, 2)}x {_opt(speedup, 15, 2)}x{spread}"
+            f"{_opt(occupancy, 9, 1)} {_opt(ratio, 10, 2)}x {_opt(speedup, 15, 2)}x "
+            f"{_opt(None if idle is None else 100 * idle, 10, 1)}%{spread}"
         )
     return "\n".join(lines), ratios
 

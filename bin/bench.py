@@ -7,7 +7,9 @@
 
 Systems: ``conveyor`` (bin/serve, continuous batching, started by the benchmark),
 ``static`` (bin/serve --batching static), ``conveyor-noprof`` (bin/serve --no-profile: with
-``conveyor`` it measures what profiling costs), ``hf`` (transformers ``generate`` on padded
+``conveyor`` it measures what profiling costs), ``conveyor-nooverlap`` (bin/serve
+--no-overlap: with ``conveyor`` it measures what planning ahead buys; the table's worker
+idle column is the worker's idle fraction from the server profile), ``hf`` (transformers ``generate`` on padded
 batches) and ``hf-cb`` (transformers continuous batching). Every system gets the same
 concurrency cap, ``--batch-size``: the server's --max-num-seqs, the padded batch size, and
 hf-cb's max requests per batch. A system that cannot run here is reported as such, with
@@ -35,6 +37,7 @@ SERVED = {
     "conveyor": [],
     "static": ["--batching", "static"],
     "conveyor-noprof": ["--no-profile"],
+    "conveyor-nooverlap": ["--no-overlap"],
 }
 IN_PROCESS = ("hf", "hf-cb")
 ALL_SYSTEMS = (*SERVED, *IN_PROCESS)
@@ -153,6 +156,9 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                     results[name] = {"unavailable": reason.splitlines()[0][:300], "detail": reason[:4000]}
                     continue
             record = _run_record(run)
+            idle = report.worker_idle_fraction(run.extra.get("server_profile"))
+            if idle is not None:
+                record["summary"]["worker_idle_fraction"] = idle
             results[name]["runs"].append(record["summary"])
             results[name].update({k: v for k, v in record.items() if k != "summary"})
     for name, result in results.items():

@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_scheduling_arguments(p)
     p.add_argument(
+        "--overlap",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="form step N+1's plan while the worker runs step N (--no-overlap: one plan at a time, for comparison)",
+    )
+    p.add_argument(
         "--attention",
         default="auto",
         choices=["auto", "triton", "torch"],
@@ -192,7 +198,12 @@ class Server:
             "scheduler",
             run_scheduler,
             SchedulerProcessConfig(
-                sched, self.addresses, list(model.eos_token_ids), model.vocab_size, profile=args.profile
+                sched,
+                self.addresses,
+                list(model.eos_token_ids),
+                model.vocab_size,
+                profile=args.profile,
+                overlap=args.overlap,
             ),
         )
         self._wait_ready({"scheduler"})

@@ -193,6 +193,7 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     num_overloaded: int = 0
     num_timed_out: int = 0
+    num_planned_ahead: int = 0
     iteration_fields: list[str] = field(default_factory=list)
     recent_iterations: list[list[int | float]] = field(default_factory=list)
 
@@ -292,6 +293,11 @@ class StepPlan:
     swap-out destination and a swap-in source (a block evicted to the CPU tier and hit again
     by the same plan) is read after it was written.
 
+    ``planned_ahead``: the plan was formed while the previous one was in flight, assuming
+    it succeeds (its requests' sampled tokens are the inputs of this plan's decodes). If the
+    previous step failed, the worker fails this one too without running it: it only drops
+    the finished requests.
+
     ``cached_requests`` may be given as a list of :class:`CachedRequestData` (handy in
     hand-written plans); it is converted to the columnar form on construction.
     """
@@ -302,6 +308,7 @@ class StepPlan:
     finished_request_ids: list[str]
     swap_out: list[list[int]] = field(default_factory=list)
     swap_in: list[list[int]] = field(default_factory=list)
+    planned_ahead: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.cached_requests, list):

@@ -209,9 +209,14 @@ class BlockPool:
 
     def unregister(self, block_id: int) -> None:
         """Forget what a block holds (its contents are not what its id says, e.g. the copy
-        that was to fill it never ran). A cached block becomes free; a held one anonymous."""
+        that was to fill it never ran). A cached block becomes free, also a cached partial
+        one; a held one anonymous."""
         h = self._hash_of[block_id]
         if h is None:
+            if block_id in self._partial_of:  # cached partial: its first tokens are not there either
+                self._drop_partial(block_id)
+                del self._lru[block_id]
+                self._free.append(block_id)
             return
         self._hash_of[block_id] = None
         del self._block_of[h]

@@ -194,10 +194,12 @@ class KVCacheManager:
         req.block_ids.extend(new_blocks)
         return new_blocks
 
-    def register_full_blocks(self, req: Request) -> None:
-        """Make the request's newly completed blocks findable by their content id."""
+    def register_full_blocks(self, req: Request, upto: int | None = None) -> None:
+        """Make the request's newly completed blocks findable by their content id: those
+        within its first ``upto`` tokens (default: its computed ones), which the caller
+        knows to be written (not just planned)."""
         bs = self.block_size
-        full = req.num_computed_tokens // bs
+        full = (req.num_computed_tokens if upto is None else upto) // bs
         start = req.num_registered_blocks
         if full <= start:
             return

@@ -1,17 +1,25 @@
 """The scheduler process: one synchronous loop around :class:`Scheduler`.
 
 Each iteration: take everything the frontend sent (new requests, aborts, stats
-queries) without blocking, form a plan, send it to the worker, wait for its
-result, and send the iteration's outputs to the frontend in one message. With
-nothing to run it blocks on the frontend socket instead of spinning.
+queries) without blocking, form a plan and send it to the worker, wait for the result
+of the oldest plan in flight, apply it, and send the iteration's outputs to the frontend
+in one message. With nothing to run it blocks on the frontend socket instead of spinning.
+
+**Overlap** (on by default, ``--no-overlap`` turns it off for comparison): with a plan in
+flight the loop forms and sends the next one *before* waiting for the result, so the
+worker finds plan N+1 queued when it finishes step N and never waits for this process;
+applying N's result, flushing outputs and planning N+2 all happen while the worker runs
+N+1. The scheduler plans ahead conservatively (see :mod:`conveyor.scheduler.scheduler`):
+when it cannot, the next plan is formed after the result, as without overlap.
 
 The worker is never waited on blindly: the wait polls in slices and gives up
 when bin/serve says to stop (Shutdown) or the worker stops answering for
 ``worker_timeout_s`` (bin/serve notices a dead worker process and stops us).
 
 Profiling: each iteration's schedule, update and output flush are timed, and so is the plan
-round trip (send to result); the round trip minus the worker's own execute time is the
-transport cost. Batch shape per step (sequences, tokens, waiting) is kept as series, the
+round trip (send to result); for a plan sent while none was in flight, the round trip minus
+the worker's own execute time is the transport cost (a plan sent ahead also waits for the
+step before it, so it says nothing about transport). Batch shape per step (sequences, tokens, waiting) is kept as series, the
 occupancy timeline bin/bench plots. A ProfileQuery is forwarded to the worker on the plan
 socket, so the worker answers between steps and never mid-step; its report comes back on
 the result socket (while a plan is in flight, or in the idle wait, which polls both
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -57,6 +66,7 @@ class SchedulerProcessConfig:
     eos_token_ids: list[int]
     vocab_size: int
     profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
+    overlap: bool = True  # plan step N+1 while the worker runs step N (bin/serve --no-overlap)
 
 
 class SchedulerLoop:
@@ -68,6 +78,10 @@ class SchedulerLoop:
         self.to_worker = transport.socket(ctx, zmq.PUSH, addrs.plans, bind=True)
         self.from_worker = transport.socket(ctx, zmq.PULL, addrs.results, bind=True)
         self.running = True
+        self.overlap = config.overlap
+        # Plans sent and not yet applied, oldest first, with their send time (ns) and
+        # whether they were sent while nothing else was in flight (their round trip is clean).
+        self._inflight: deque[tuple[StepPlan, int, bool]] = deque()
         self._pending: list[RequestOutput] = []
         # Plain next tokens of the iteration, as TokenOutputs columns (see TokenOutputs).
         self._column_ids: list[str] = []
@@ -102,33 +116,48 @@ class SchedulerLoop:
 
     def run(self) -> None:
         wait_ms = 0
+        sched = self.scheduler
+        inflight = self._inflight
         while self.running:
-            block = not self.scheduler.has_work() and not self._pending
+            block = not inflight and not sched.has_work() and not self._pending
             self._take_frontend_messages(timeout_ms=IDLE_POLL_MS if block else wait_ms)
             if not self.running:
                 break
-            start = profiling.now_ns()
-            plan = self.scheduler.schedule()
-            self._pending.extend(self.scheduler.take_outputs())  # queue timeouts
             wait_ms = 0
-            if plan is not None:
-                self._t_schedule.record(start, arg=plan.step_id)
-                self._record_plan(plan)
-                result = self._execute(plan)
+            if not inflight:
+                self._schedule_and_send()
+            if inflight and self.overlap and sched.can_plan_ahead:
+                self._schedule_and_send()  # plan N+1 while the worker runs N
+            if inflight:
+                plan, sent, clean = inflight.popleft()
+                result = self._await_result(plan, sent, clean)
                 if result is None:
                     break
                 start = profiling.now_ns()
-                outputs = self.scheduler.update(plan, result)
+                outputs = sched.update(plan, result)
                 self._pending.extend(outputs.outputs)
                 self._column_ids.extend(outputs.request_ids)
                 self._column_tokens.extend(outputs.token_ids)
                 self._t_update.record(start, arg=plan.step_id)
-            elif self.scheduler.has_work():
+            elif sched.has_work():
                 # Live requests but nothing to run yet (the admission gate waits for company,
                 # min_batch_size / max_wait_ms): sleep on the sockets until then, not spin.
-                ready_in = self.scheduler.seconds_until_ready()
+                ready_in = sched.seconds_until_ready()
                 wait_ms = IDLE_POLL_MS if ready_in is None else max(1, min(IDLE_POLL_MS, math.ceil(ready_in * 1000)))
             self._flush_outputs()
+
+    def _schedule_and_send(self) -> None:
+        start = profiling.now_ns()
+        plan = self.scheduler.schedule()
+        self._pending.extend(self.scheduler.take_outputs())  # queue timeouts
+        if plan is None:
+            return
+        self._t_schedule.record(start, arg=plan.step_id)
+        self._record_plan(plan)
+        clean = not self._inflight
+        sent = profiling.now_ns()
+        transport.send(self.to_worker, plan)
+        self._inflight.append((plan, sent, clean))
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:
         if timeout_ms:
@@ -195,10 +224,9 @@ class SchedulerLoop:
         else:
             log.error("unexpected message %s from frontend", type(msg).__name__)
 
-    def _execute(self, plan: StepPlan) -> StepResult | None:
-        """Send a plan and wait for its result, still serving the frontend meanwhile."""
-        start = profiling.now_ns()
-        transport.send(self.to_worker, plan)
+    def _await_result(self, plan: StepPlan, sent: int, clean: bool) -> StepResult | None:
+        """Wait for the result of ``plan`` (the oldest in flight), still serving the frontend
+        meanwhile; None when told to stop."""
         while True:
             events = dict(self._poller.poll(IDLE_POLL_MS))
             if self.from_worker in events:
@@ -213,8 +241,9 @@ class SchedulerLoop:
                 if not isinstance(result, StepResult) or result.step_id != plan.step_id:
                     log.error("unexpected worker message %r", result)
                     continue
-                end = self._t_round_trip.record(start, arg=plan.step_id)
-                self._s_transport.add(max(0.0, (end - start) / 1e6 - result.forward_time * 1e3))
+                end = self._t_round_trip.record(sent, arg=plan.step_id)
+                if clean:
+                    self._s_transport.add(max(0.0, (end - sent) / 1e6 - result.forward_time * 1e3))
                 return result
             if self.from_frontend in events:
                 # Aborts and new requests queue up in the scheduler; aborts of requests in

@@ -32,6 +32,7 @@ ITERATION_FIELDS: tuple[str, ...] = (
     "swap_in_blocks",
     "prefix_hit_tokens",  # tokens admissions took from the prefix cache
     "schedule_us",  # microseconds schedule() took
+    "planned_ahead",  # 1 if formed while the previous plan was in flight (overlap), else 0
 )
 
 

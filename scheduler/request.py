@@ -15,6 +15,9 @@ Invariants the scheduler keeps:
   block)``, one per computed block); ``block_ids`` is all -1 (it holds no GPU block);
   ``num_computed_tokens`` is kept.
 - FINISHED: holds nothing; nothing reads its counts.
+- RUNNING with plans in flight: ``num_computed_tokens`` counts what those plans compute,
+  and may reach past the known tokens by the tokens they sample (pending: their values
+  are appended when the results come back).
 - ``worker_has_state`` is true from the plan that sends the request as NewRequestData
   until its id is queued for ``finished_request_ids``.
 - ``rank`` is fixed when the request is queued the first time: a preempted request keeps
@@ -98,10 +101,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

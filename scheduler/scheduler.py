@@ -5,13 +5,28 @@ moves plans and results over sockets; tests drive it with a fake worker. Decisio
 from :mod:`~conveyor.scheduler.policy`; blocks, prefix cache and swaps are bookkept by
 :mod:`~conveyor.scheduler.kv_manager`; the waiting line is :mod:`~conveyor.scheduler.queue`.
 
-Protocol with the caller, one plan in flight at a time::
+Protocol with the caller, at most two plans in flight::
 
     add_request(...) / abort(...)        any time, also between schedule() and update()
     plan = schedule()                    None when nothing can run
     take_outputs()                       outputs produced outside update() (queue timeouts)
     result = <worker executes plan>
-    outputs = update(plan, result)
+    outputs = update(plan, result)       results are applied in plan order
+
+**Planning ahead (overlap).** A plan counts as run the moment it is formed: each of its
+requests advances ``num_computed_tokens`` by what it scheduled, and :meth:`update` later
+appends the tokens sampled. So a request's token count may run ahead of its known tokens:
+``num_computed_tokens + 1 - len(token_ids)`` (when positive) tokens are *pending*, sampled by
+plans in flight and not back yet. With plan N in flight, :meth:`schedule` can already form
+plan N+1, the worker running it right after N (the worker keeps every request's tokens and
+feeds the token it sampled at N as the input of N+1). Such a plan *ahead* never preempts (the victim's token from N would be lost) and never
+schedules a request that will end by length at N; when it would have to preempt it stops
+there and :attr:`can_plan_ahead` turns false, so the caller applies N and plans the next step
+with everything known. A request that turns out to finish at N (a stop token) was
+still scheduled in N+1: its blocks are freed when N is applied, the worker drops it with the
+next plan's ``finished_request_ids``, and the token N+1 sampled for it is discarded. Outputs
+are the same as without planning ahead; only decisions that depend on N's tokens (who
+finished, freeing slots and blocks) come one step later.
 
 Each iteration, within the token budget ``max_num_batched_tokens``:
 
@@ -32,11 +47,13 @@ Preempting a request drops or swaps out its KV (policy), lists it in the plan's
 ``finished_request_ids``, and requeues it under its old rank. A swapped request comes back
 as NewRequestData with its computed count intact and its blocks swapped in by the same plan.
 
-Blocks are freed the moment a request ends (finish, abort, error, preemption). That is
-safe while the worker runs a step because the next plan, the only thing that can hand
-those blocks to someone else, is formed after that step's result has come back; its
-``finished_request_ids`` tell the worker to drop the old owner first, and its swap-outs run
-before anything writes.
+Blocks are freed the moment a request ends (finish, abort, error, preemption), also while
+plans that use them are in flight. That is safe because the worker runs plans strictly in
+order: a freed block can only be handed to someone else by a plan formed after the free,
+which runs after every plan that still writes or reads it; its ``finished_request_ids``
+tell the worker to drop the old owner first, and its swap-outs run before anything writes.
+The same order makes a block registered in the prefix cache while the plan computing it is
+in flight safe to share: whoever reads it runs later.
 
 Cost per iteration is O(running requests + tokens of newly admitted requests) plus
 O(log waiting) per admission; nothing iterates over the waiting queue beyond the requests
@@ -47,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from conveyor.common.config import SchedulerConfig
@@ -78,6 +96,8 @@ _NO_BLOCKS = -2
 _HOLD = -3  # the head was preempted in this very iteration: let it wait for the next one
 # What a sampled token made of its request's output.
 _PLAIN, _FIRST, _FINISHED = 0, 1, 2
+# Plans in flight at once: the one the worker runs and the one planned ahead.
+MAX_PLANS_IN_FLIGHT = 2
 
 
 class _Step:
@@ -91,7 +111,8 @@ class _Step:
     __slots__ = (
         "budget", "decodes", "scheduled", "new", "ids", "computed", "counts", "block_rows", "block_ids",
         "preempted", "num_swap", "num_recompute", "num_admitted", "wait_sum", "wait_max", "hit_tokens",
-        "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out",
+        "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out", "samplers",
+        "_tokens_by_request", "failed",
     )
 
     def __init__(self, budget: int) -> None:
@@ -106,6 +127,9 @@ class _Step:
         self.block_ids: list[list[int]] = []
         self.preempted: set[int] = set()  # id() of requests preempted in this iteration
         self.swapped_out: list[Request] = []  # of those, the ones swapped out
+        self.samplers: set[int] = set()  # id() of ``scheduled`` requests whose chunk ends the prompt
+        self._tokens_by_request: dict[int, int] | None = None
+        self.failed = False  # planned ahead of a plan that failed: failed with it, its result is moot
         self.num_swap = self.num_recompute = self.num_admitted = self.hit_tokens = 0
         self.decode_tokens = self.prefill_tokens = self.context_tokens = 0
         self.wait_sum = self.wait_max = 0.0
@@ -124,11 +148,20 @@ class _Step:
 
     def count(self, req: Request, n: int, sign: int) -> None:
         """Keep the iteration's token counters (for the iteration log) in step with the plan."""
-        if n == 1 and len(req.token_ids) - req.num_computed_tokens == 1:
+        if n == 1 and len(req.token_ids) - req.num_computed_tokens <= 1:  # (< 1: its input is pending)
             self.decode_tokens += sign
         else:
             self.prefill_tokens += sign * n
         self.context_tokens += sign * (req.num_computed_tokens + n)
+
+    def tokens_of(self, req: Request) -> int:
+        """Tokens this (formed) plan computes for ``req``; 0 if it is not in it."""
+        by_request = self._tokens_by_request
+        if by_request is None:
+            by_request = {id(r): 1 for r in self.decodes}
+            by_request.update((id(r), n) for r, n in self.scheduled)
+            self._tokens_by_request = by_request
+        return by_request.get(id(req), 0)
 
     def unschedule(self, req: Request) -> None:
         """Take a request preempted after it was planned back out of the plan (rare path)."""
@@ -168,8 +201,11 @@ class Scheduler:
       swapped ones for the shared blocks they kept) naming each block; CPU ones the
       swapped requests plus the plan's step holds; every block is free, cached or held;
     - the running batch has at most ``max_num_seqs`` members, in rank order;
-    - each running request's blocks cover its computed tokens, and it has at least one
-      uncomputed token (``num_computed_tokens`` only advances in :meth:`update`).
+    - each running request's blocks cover its computed tokens, and it has a token to run
+      (``num_computed_tokens`` advances when a plan is formed): with no plan in flight,
+      ``num_computed_tokens < len(token_ids)``; a plan in flight may compute one more
+      (a pending token, see the module docstring), so at most ``len(token_ids) - 1 +``
+      the number of plans in flight.
     """
 
     def __init__(
@@ -195,10 +231,12 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # Outputs made outside update() (timeouts), collected by take_outputs().
         self._outbox: list[RequestOutput] = []
-        # The plan in flight and what it scheduled, in scheduling order.
-        self._inflight_plan: StepPlan | None = None
-        self._inflight: _Step | None = None
+        # The plans in flight, oldest first, with what each scheduled.
+        self._inflight: deque[tuple[StepPlan, _Step]] = deque()
+        self._ahead = False  # the plan being formed is planned ahead of one in flight
+        self._declined = False  # the last plan ahead stopped short of something only a plan in sync may do
         self._num_steps = 0
+        self._num_planned_ahead = 0
         self._num_preemptions = {SWAP: 0, "recompute": 0}
         self._num_overloaded = 0
         self._num_timed_out = 0
@@ -300,11 +338,15 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Form the next iteration's plan; None when nothing can run.
 
-        ``finished_request_ids`` and swap copies pending when None is returned stay pending
-        for the next plan (the worker's leftover state is harmless until then).
+        With a plan in flight this plans ahead (module docstring): call it only while
+        :attr:`can_plan_ahead`. ``finished_request_ids`` and swap copies pending when None
+        is returned stay pending for the next plan (the worker's leftover state is harmless
+        until then).
         """
-        if self._inflight_plan is not None:
-            raise RuntimeError("schedule() called again before update() of the plan in flight")
+        if len(self._inflight) >= MAX_PLANS_IN_FLIGHT:
+            raise RuntimeError(f"schedule() with {len(self._inflight)} plans in flight: update() the oldest first")
+        self._ahead = bool(self._inflight)
+        self._declined = False
         started = time.perf_counter()
         now = self.clock()
         self._expire(now)
@@ -315,6 +357,9 @@ class Scheduler:
         # 1. Decodes, best rank first; prefilling requests are set aside for phase 2.
         prefills: list[Request] = []
         if not self._plan_all_decodes(step, prefills):
+            if self._ahead:  # someone would have to yield a block: only a plan in sync may decide who
+                self._declined = True
+                return None
             self._plan_decodes(step, prefills)
 
         # 2. Prefill chunks of running requests and admissions, merged by rank.
@@ -361,12 +406,45 @@ class Scheduler:
         self._num_steps += 1
         swap_out, swap_in = self.kv.swap.take_transfers()
         cached = CachedRequests(step.ids, step.computed, step.counts, step.block_rows, step.block_ids)
-        plan = StepPlan(self._num_steps, step.new, cached, self._finished_ids, swap_out, swap_in)
+        plan = StepPlan(self._num_steps, step.new, cached, self._finished_ids, swap_out, swap_in, self._ahead)
+        self._num_planned_ahead += self._ahead
         self._finished_ids = []
-        self._inflight_plan = plan
-        self._inflight = step
+        self._commit(step)
+        self._inflight.append((plan, step))
         self._record(step, plan, now, started)
         return plan
+
+    @property
+    def can_plan_ahead(self) -> bool:
+        """Whether :meth:`schedule` may form the next plan now: exactly one plan is in
+        flight, it is not doomed by the failure of the plan before it (the worker would fail
+        a plan planned ahead of it too), and the last plan ahead did not stop short of a
+        preemption."""
+        return len(self._inflight) == 1 and not self._declined and not self._inflight[0][1].failed
+
+    def _done_tokens(self, req: Request) -> int:
+        """``num_computed_tokens`` minus what the plans still in flight compute for ``req``:
+        the tokens whose KV is known to be written."""
+        done = req.num_computed_tokens
+        for _, step in self._inflight:
+            done -= step.tokens_of(req)
+        return done
+
+    @property
+    def num_plans_in_flight(self) -> int:
+        return len(self._inflight)
+
+    @staticmethod
+    def _commit(step: _Step) -> None:
+        """Count the plan as run: advance what it scheduled (the tokens it samples are
+        pending until :meth:`update` appends them)."""
+        for req in step.decodes:
+            req.num_computed_tokens += 1
+        samplers = step.samplers
+        for req, n in step.scheduled:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == len(req.token_ids):  # the chunk ends the prompt: it samples
+                samplers.add(id(req))
 
     def _plan_all_decodes(self, step: _Step, prefills: list[Request]) -> bool:
         """Phase 1 when every decode fits the budget and the available blocks: nobody is
@@ -382,6 +460,8 @@ class Scheduler:
             computed = req.num_computed_tokens
             if len(req.token_ids) - computed > 1:
                 prefills.append(req)
+            elif computed >= req.stop_len - 1:
+                continue  # planning ahead: the token pending is its last (by length)
             else:
                 if computed >= len(req.block_ids) * bs:
                     need_rows.append(len(decodes))
@@ -451,6 +531,9 @@ class Scheduler:
             victim = self.table.running[-1]
             if victim is req or victim.rank <= req.rank:
                 return  # nobody below it to take blocks from: it waits, keeping its KV
+            if self._ahead:
+                self._declined = True
+                return
             self._preempt(step, victim)
             n = self.kv.tokens_that_fit(req, want)
         new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
@@ -505,6 +588,9 @@ class Scheduler:
                 count += 1
             if count < no_slot or available + freeable < needed:
                 return _NO_SLOT if no_slot and count == 0 else _NO_BLOCKS
+            if self._ahead:
+                self._declined = True
+                return _HOLD  # it would preempt: only a plan formed in sync may
             while len(running) >= cfg.max_num_seqs or needed > available:
                 victim = running[-1]
                 if victim.rank <= req.rank:
@@ -542,7 +628,9 @@ class Scheduler:
         return reserve
 
     def _preempt(self, step: _Step, req: Request) -> None:
-        """Swap out or drop ``req``'s KV and requeue it under its rank (it is running)."""
+        """Swap out or drop ``req``'s KV and requeue it under its rank (it is running; only a
+        plan formed in sync preempts, so no token of it is pending)."""
+        assert req.num_computed_tokens < len(req.token_ids), f"{req.request_id} preempted with tokens pending"
         self.table.stop_running(req)
         step.unschedule(req)
         kv = self.kv
@@ -593,13 +681,15 @@ class Scheduler:
                 len(plan.swap_in),
                 step.hit_tokens,
                 round((time.perf_counter() - started) * 1e6),
+                int(plan.planned_ahead),
             )
         )
 
     # ------------------------------------------------------------------ results
 
     def update(self, plan: StepPlan, result: StepResult) -> TokenOutputs:
-        """Apply the worker's result for ``plan``: advance, append tokens, retire finished ones.
+        """Apply the worker's result for ``plan`` (the oldest in flight): fill in its sampled
+        tokens, retire finished requests.
 
         Returns the iteration's outputs: a request's plain next token in the columns, its
         first token (with the timing fields, each set once) and its last output (repeating
@@ -607,14 +697,11 @@ class Scheduler:
         every still-live request of the plan; a request due a token that the result lacks
         fails alone. Tokens for requests aborted during the step are dropped.
         """
-        if plan is not self._inflight_plan:
-            raise ValueError(f"update() for step {plan.step_id}, which is not the plan in flight")
+        if not self._inflight or plan is not self._inflight[0][0]:
+            raise ValueError(f"update() for step {plan.step_id}, which is not the oldest plan in flight")
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} for plan of step {plan.step_id}")
-        step = self._inflight
-        assert step is not None
-        self._inflight_plan = None
-        self._inflight = None
+        _, step = self._inflight.popleft()
         try:
             return self._apply(plan, step, result)
         finally:
@@ -628,14 +715,27 @@ class Scheduler:
                 f"{len(result.sampled_token_ids)} tokens"
             )
         outputs: list[RequestOutput] = []
+        if step.failed:
+            return TokenOutputs(outputs)  # failed with the plan it was planned ahead of
         if error is not None:
-            for req in step.decodes + [r for r, _ in step.scheduled]:
-                if req.status is RUNNING:  # not aborted while the step ran
-                    outputs.append(self._finish(req, FinishReason.ERROR, error=error))
+            # A plan planned ahead of this one was built on it: the worker finds it does not
+            # match its state and fails it too (changing nothing but dropping finished ids).
+            # Its requests fail now, and its copies are as untrustworthy as this plan's.
+            failed = step.decodes + [r for r, _ in step.scheduled]
+            for _, later in self._inflight:
+                later.failed = True
+                failed += later.decodes + [r for r, _ in later.scheduled]
+            for req in failed:
+                if req.status is RUNNING:  # not aborted while the step ran (nor failed just above)
+                    # Nothing this plan was to compute can be trusted, nor what later ones build on it.
+                    done = self._done_tokens(req) - step.tokens_of(req)
+                    outputs.append(self._finish(req, FinishReason.ERROR, error=error, done=done))
             self.table.prune_running()
             # The worker may have failed before the plan's copies ran: nothing they were to
-            # fill can be trusted. Victims swapped out by this plan fall back to recompute.
-            self.kv.invalidate_transfers(plan.swap_out, plan.swap_in)
+            # fill can be trusted (also where the finishes above cached those blocks).
+            # Victims swapped out by this plan fall back to recompute.
+            for failed_plan in [plan] + [later_plan for later_plan, _ in self._inflight]:
+                self.kv.invalidate_transfers(failed_plan.swap_out, failed_plan.swap_in)
             for req in step.swapped_out:
                 if req.status is SWAPPED:
                     self.kv.free(req)
@@ -649,10 +749,12 @@ class Scheduler:
         # the ids); a worker answering in another order just takes the general path.
         decodes = step.decodes
         others = step.scheduled
+        samplers = step.samplers
         first = sum(1 for d in plan.new_requests if d.num_computed_tokens + d.num_scheduled_tokens == len(d.token_ids))
         last = first + len(decodes)
         if decodes and result.request_ids[first:last] != plan.cached_requests.request_ids[: len(decodes)]:
             others = [(r, 1) for r in decodes] + others
+            samplers = samplers | {id(r) for r in decodes}
             decodes = []
         now = self.clock()
         finished: list[Request] = []  # running requests this update retires
@@ -662,12 +764,11 @@ class Scheduler:
         )
         if others:
             sampled = dict(zip(result.request_ids, result.sampled_token_ids)).get
-            for req, n in others:
+            for req, _ in others:
                 if req.status is not RUNNING:
-                    continue  # aborted while the step ran: its blocks are already free
-                req.num_computed_tokens += n
-                self.kv.register_full_blocks(req)
-                if req.num_computed_tokens < len(req.token_ids):
+                    continue  # ended while the step ran: its blocks are already free
+                self.kv.register_full_blocks(req, self._done_tokens(req))
+                if id(req) not in samplers:
                     continue  # a prefill chunk that does not end the prompt samples nothing
                 token = sampled(req.request_id)
                 if token is None:
@@ -711,7 +812,6 @@ class Scheduler:
             if req.status is not running:
                 unusual.append(req)
                 continue
-            req.num_computed_tokens += 1
             all_tokens = req.token_ids
             all_tokens.append(token)
             if token in req.stop_ids or len(all_tokens) >= req.stop_len or req.first_token_time is None:
@@ -766,8 +866,15 @@ class Scheduler:
         *,
         error: str | None = None,
         new_token_ids: list[int] | None = None,
+        done: int | None = None,
     ) -> RequestOutput:
-        """Retire ``req`` (caller removes it from running/waiting) and build its last output."""
+        """Retire ``req`` (caller removes it from running/waiting) and build its last output.
+
+        With plans in flight, its computed count is first cut back to ``done`` (default: what
+        the plans already applied computed), so that only KV known to be written goes to the
+        prefix cache (and no pending token is counted)."""
+        if done is not None or self._inflight:
+            req.num_computed_tokens = self._done_tokens(req) if done is None else done
         self.kv.free(req)
         if req.worker_has_state:
             self._finished_ids.append(req.request_id)
@@ -830,6 +937,7 @@ class Scheduler:
             "num_running": len(self.table.running),
             "num_waiting": len(self.queue),
             "num_steps": self._num_steps,
+            "num_planned_ahead": self._num_planned_ahead,
             "num_preemptions": sum(self._num_preemptions.values()),
             "cached_blocks": gpu.num_cached,
             "total_cpu_blocks": swap.total,
@@ -869,8 +977,10 @@ class Scheduler:
             assert r.status is RUNNING and self.table.live[r.request_id] is r
             assert r.worker_has_state and not r.cpu_blocks
             assert len(r.block_ids) * bs >= r.num_computed_tokens
-            assert len(r.block_ids) <= blocks_for(r.num_tokens, bs)
-            assert r.num_computed_tokens < r.num_tokens, f"{r.request_id} has nothing to run"
+            pending = max(0, r.num_computed_tokens + 1 - r.num_tokens)
+            assert pending <= len(self._inflight), f"{r.request_id}: {pending} tokens pending, or nothing to run"
+            assert len(r.block_ids) <= blocks_for(r.num_tokens + pending, bs)
+            assert self._done_tokens(r) <= r.num_tokens, f"{r.request_id}: KV of unknown tokens counted as done"
             assert len(set(r.block_ids)) == len(r.block_ids) and min(r.block_ids, default=0) >= 0
             for i in range(r.num_registered_blocks):
                 h = self.pool.block_hash(r.block_ids[i])

@@ -97,6 +97,7 @@ class ModelRunner:
         self.swap_caches = allocate_swap_space(self.model_config, num_cpu_blocks, block_size, self.dtype, self.device)
         self.sampler = Sampler(self.device)
         self._requests: dict[str, _RequestState] = {}
+        self._failed = False  # the last step raised: a plan planned ahead of it fails too
         # Stage timers of a step. On CUDA, kernels run asynchronously: "forward" is then the
         # host's launch time and the device's wait lands in "sample" (its .tolist() syncs).
         prof = profiler or profiling.Profiler("worker", enabled=False)
@@ -112,10 +113,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step. Raises ValueError, changing nothing, if the plan contradicts the runner's state."""
-        work = self._validate(plan)
+        """Run one step. Raises ValueError, changing nothing but dropping the finished requests,
+        if the plan contradicts the runner's state, or was planned ahead of a step that failed."""
+        failed_before, self._failed = self._failed, True  # cleared once this step succeeds
         for request_id in plan.finished_request_ids:
             self._requests.pop(request_id, None)
+        if plan.planned_ahead and failed_before:
+            raise ValueError(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
+        work = self._validate(plan)
         # Copies out before copies in, both before the forward: a GPU block swapped out may
         # be the destination of a swap-in or of new KV in this same plan (see StepPlan).
         if plan.swap_out or plan.swap_in:
@@ -131,6 +136,7 @@ class ModelRunner:
         for item, state in zip(work, states):
             state.block_ids.extend(item.new_block_ids)
         if not work:
+            self._failed = False
             return StepResult(plan.step_id, [], [])
 
         start = time.perf_counter()
@@ -141,6 +147,7 @@ class ModelRunner:
         sampling = [(item, state) for item, state, flag in zip(work, states, samples) if flag]
         for (_, state), token in zip(sampling, sampled):
             state.token_ids.append(token)
+        self._failed = False
         return StepResult(
             plan.step_id, [item.request_id for item, _ in sampling], sampled, forward_time=time.perf_counter() - start
         )
@@ -178,7 +185,7 @@ class ModelRunner:
     def _validate(self, plan: StepPlan) -> list[_Work]:
         """The plan's work in order (new requests first), or ValueError naming the first problem.
 
-        Reads state as it will be once ``finished_request_ids`` are dropped; mutates nothing.
+        Runs after ``finished_request_ids`` are dropped; mutates nothing.
         A finished id the runner does not hold is fine: the request may never have run here.
         """
         dropped = set(plan.finished_request_ids)

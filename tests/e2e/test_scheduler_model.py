@@ -9,6 +9,8 @@ about really happened.
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from conveyor.common.config import SchedulerConfig
@@ -42,13 +44,15 @@ def runner_factory(tiny_checkpoint):
 
 
 class Driver:
-    """The scheduler process loop without sockets: schedule, execute, update."""
+    """The scheduler process loop without sockets: schedule (ahead, with ``overlap``), execute, update."""
 
-    def __init__(self, runner, **config) -> None:
+    def __init__(self, runner, overlap: bool = False, **config) -> None:
         cfg = dict(num_blocks=runner.num_blocks, block_size=BLOCK_SIZE, max_model_len=256, num_cpu_blocks=runner.num_cpu_blocks)
         cfg.update(config)
         self.scheduler = Scheduler(SchedulerConfig(**cfg), eos_token_ids=[], vocab_size=runner.model_config.vocab_size)
         self.runner = runner
+        self.overlap = overlap
+        self.inflight = deque()
         self.tokens: dict[str, list[int]] = {}
         self.plans = []
 
@@ -57,11 +61,19 @@ class Driver:
         assert self.scheduler.add_request(AddRequest(rid, prompt, sampling, 0.0, priority)) is None
         self.tokens[rid] = []
 
-    def step(self) -> bool:
+    def _schedule(self) -> bool:
         plan = self.scheduler.schedule()
-        if plan is None:
+        if plan is not None:
+            self.plans.append(plan)
+            self.inflight.append(plan)
+        return plan is not None
+
+    def step(self) -> bool:
+        if not self.inflight and not self._schedule():
             return False
-        self.plans.append(plan)
+        if self.overlap and self.scheduler.can_plan_ahead:
+            self._schedule()
+        plan = self.inflight.popleft()
         result = self.runner.execute(plan)
         assert result.error is None
         for out in self.scheduler.update(plan, result).expanded():
@@ -71,7 +83,7 @@ class Driver:
         return True
 
     def run(self) -> dict[str, list[int]]:
-        while self.scheduler.has_work():
+        while self.scheduler.has_work() or self.inflight:
             assert self.step(), "live requests but nothing to run"
         return self.tokens
 
@@ -104,16 +116,23 @@ def check_all_alone(driver: Driver, prompts: dict[str, list[int]], max_tokens: d
         assert driver.tokens[rid] == alone(prompt, max_tokens[rid]), rid
 
 
+def check_planned_ahead(driver: Driver) -> None:
+    ahead = sum(p.planned_ahead for p in driver.plans)
+    assert (ahead > 0) == driver.overlap, f"{ahead} of {len(driver.plans)} plans planned ahead"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preempted_and_chunked_requests_match_served_alone(runner_factory, alone, mode):
+def test_preempted_and_chunked_requests_match_served_alone(runner_factory, alone, mode, overlap):
     runner = runner_factory(num_blocks=18, num_cpu_blocks=64)
-    driver = Driver(runner, max_num_seqs=6, max_num_batched_tokens=12, preemption=mode)
+    driver = Driver(runner, overlap, max_num_seqs=6, max_num_batched_tokens=12, preemption=mode)
     ps = prompts()
     max_tokens = {rid: 14 + 2 * i for i, rid in enumerate(ps)}
     for rid, prompt in ps.items():
         driver.add(rid, prompt, max_tokens[rid])
     driver.run()
     check_all_alone(driver, ps, max_tokens, alone)
+    check_planned_ahead(driver)
     stats = driver.scheduler.stats()
     assert stats[f"num_preemptions_{mode}"] > 0, stats
     chunked = [
@@ -128,9 +147,10 @@ def test_preempted_and_chunked_requests_match_served_alone(runner_factory, alone
         assert stats["num_swapped_out_blocks"] == 0
 
 
-def test_prefix_cached_and_continued_requests_match_served_alone(runner_factory, alone):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_prefix_cached_and_continued_requests_match_served_alone(runner_factory, alone, overlap):
     runner = runner_factory(num_blocks=128)
-    driver = Driver(runner, max_num_seqs=8, max_num_batched_tokens=64)
+    driver = Driver(runner, overlap, max_num_seqs=8, max_num_batched_tokens=64)
     ps = prompts()
     max_tokens = {rid: 9 for rid in ps}
     first = "r0"
@@ -159,3 +179,4 @@ def test_prefix_cached_and_continued_requests_match_served_alone(runner_factory,
         context_len = len(prompt) - 3
         assert new.num_computed_tokens == context_len - 1, rid  # only the new tokens (and the last output) run
         assert driver.tokens[rid] == alone(prompt, 7), rid
+    check_planned_ahead(driver)

@@ -77,6 +77,8 @@ class FakeWorker:
         self.scheduled: list[dict[str, int]] = []
         self.num_computed_at_arrival: dict[str, list[int]] = {}  # request id -> per NewRequestData
         self.num_tokens_computed = 0
+        self.last_failed = False  # the last step failed: a plan planned ahead of it fails too
+        self.never_taken: set[str] = set()
 
     def token_for(self, request_id: str, position: int) -> int:
         if self.eos_at.get(request_id) == position:
@@ -96,8 +98,17 @@ class FakeWorker:
         bs = self.block_size
 
         for rid in plan.finished_request_ids:
-            assert rid in self.state, f"finished id {rid!r} is not held by the worker"
-            self._drop(rid)
+            # A request first sent in a plan that failed unrun (below) was never taken in.
+            assert rid in self.state or rid in self.never_taken, f"finished id {rid!r} is not held by the worker"
+            if rid in self.state:
+                self._drop(rid)
+            self.never_taken.discard(rid)
+        failed_before, self.last_failed = self.last_failed, plan.step_id in self.fail_steps
+        if plan.planned_ahead and failed_before:
+            # Built on a step that failed: the real worker fails it unrun, as here.
+            self.last_failed = True
+            self.never_taken |= {r.request_id for r in plan.new_requests}
+            return StepResult(plan.step_id, [], [], error=f"step {plan.step_id} was planned ahead of a failed step")
 
         # Copies: all swap-outs, then all swap-ins, before anything is computed. A failing
         # step fails before them: the scheduler must not trust what they were to copy.

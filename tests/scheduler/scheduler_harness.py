@@ -1,6 +1,10 @@
 """Drives a Scheduler against a FakeWorker the way the scheduler process loop does,
 recording every output and checking the invariants around every call.
 
+With ``overlap`` it plans ahead like the process loop does with overlap on: each
+:meth:`Harness.step` applies the oldest plan in flight after forming the next one, so a plan
+usually stays in flight between steps (arrivals and aborts then land while it runs).
+
 Time is a :class:`FakeClock` the test advances, so waits, aging and timeouts are exact.
 A request id can be submitted again once its previous submission finished (a
 continuation, or plain reuse); each submission is recorded under its own *key*: the id
@@ -9,6 +13,7 @@ for the first, ``"<id>#<n>"`` for the n-th resubmission.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from fake_worker import FakeWorker
@@ -42,6 +47,7 @@ class Harness:
     config: SchedulerConfig
     worker_kwargs: dict = field(default_factory=dict)
     vocab_size: int | None = 1000
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         self.clock = FakeClock()
@@ -67,6 +73,9 @@ class Harness:
         self.live_key: dict[str, str] = {}  # request id -> key of its live submission
         self.submissions: dict[str, int] = {}  # request id -> times submitted
         self.plans: list[StepPlan] = []
+        self.inflight: deque[StepPlan] = deque()
+        # step id -> {request id: key of the submission the plan scheduled}
+        self.keys_in_plan: dict[int, dict[str, str]] = {}
 
     # -------------------------------------------------------------- intake
 
@@ -113,27 +122,47 @@ class Harness:
         self.check()
         if plan is not None:
             self.plans.append(plan)
+            self.inflight.append(plan)
+            self.keys_in_plan[plan.step_id] = {rid: self.live_key[rid] for rid in self.scheduled_in(plan)}
         return plan
 
-    def finish_step(self, plan: StepPlan, result: StepResult | None = None) -> list[RequestOutput]:
+    def plan_ahead(self) -> StepPlan | None:
+        """In overlap mode, form the next plan while one is in flight (if the scheduler may)."""
+        if self.overlap and self.scheduler.can_plan_ahead:
+            return self.schedule()
+        return None
+
+    def finish_step(self, plan: StepPlan | None = None, result: StepResult | None = None) -> list[RequestOutput]:
+        """Run and apply the oldest plan in flight (``plan``, if given, must be it)."""
+        oldest = self.inflight[0]
+        assert plan is None or plan is oldest, "plans finish in the order they were formed"
         if result is None:
-            result = self.worker.execute(plan)
-        outs = self.scheduler.update(plan, result).expanded()
+            result = self.worker.execute(oldest)
+        outs = self.scheduler.update(oldest, result).expanded()
+        self.inflight.popleft()
         self.record(outs)
         self.check()
         return outs
 
     def step(self) -> StepPlan | None:
-        plan = self.schedule()
-        if plan is not None:
-            self.finish_step(plan)
+        """One iteration: plan (ahead, in overlap mode) and apply the oldest plan; the plan
+        applied, or None when nothing was in flight and nothing could be planned."""
+        if not self.inflight and self.schedule() is None:
+            return None
+        self.plan_ahead()
+        plan = self.inflight[0]
+        self.finish_step(plan)
         return plan
+
+    def live_in_plan(self, plan: StepPlan) -> set[str]:
+        """Ids the plan scheduled whose submission is still live (not ended since)."""
+        return {rid for rid, key in self.keys_in_plan[plan.step_id].items() if self.live_key.get(rid) == key}
 
     def run(self, max_steps: int = 10_000) -> int:
         """Step until no request is live (advancing the clock when only the admission gate
         or a queue timeout can make progress); the number of steps taken."""
         steps = 0
-        while self.scheduler.has_work():
+        while self.scheduler.has_work() or self.inflight:
             if self.step() is None and self.scheduler.has_work():  # (a queue timeout may have ended the last one)
                 wait = self.scheduler.seconds_until_ready()
                 assert wait is not None, "live requests but no plan and nothing to wait for: " + "; ".join(

@@ -441,13 +441,18 @@ def test_protocol_misuse_raises():
     h = Harness(cfg())
     h.add("a")
     plan = h.schedule()
+    ahead = h.schedule()  # planned ahead: the decode of the token plan 1 samples
+    assert ahead is not None and ahead.cached_requests.request_ids == ["a"]
     with pytest.raises(RuntimeError):
-        h.scheduler.schedule()
+        h.scheduler.schedule()  # a third plan in flight
+    with pytest.raises(ValueError):
+        h.scheduler.update(ahead, StepResult(ahead.step_id, [], []))  # not the oldest
     with pytest.raises(ValueError):
         h.scheduler.update(plan, StepResult(plan.step_id + 1, [], []))
     h.finish_step(plan)
     with pytest.raises(ValueError):
         h.scheduler.update(plan, StepResult(plan.step_id, [], []))
+    h.finish_step(ahead)
     h.run()
 
 

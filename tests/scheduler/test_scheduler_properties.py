@@ -58,10 +58,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_wait_ms=st.sampled_from([0.0, 300.0]),
         block_bytes=st.sampled_from([0, 100, 10**9]),
         static=st.booleans(),
+        overlap=st.booleans(),
     )
     def setup(self, block_size, num_blocks, max_num_seqs, budget, max_model_len, policy, aging_rate, preemption,
               num_cpu_blocks, offload, max_bypass, max_waiting, max_queue_time, min_batch_size, max_wait_ms,
-              block_bytes, static) -> None:
+              block_bytes, static, overlap) -> None:
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -83,7 +84,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefill_rate=1000.0,
             swap_bandwidth=1e6,
         )
-        self.h = Harness(self.config)
+        self.h = Harness(self.config, overlap=overlap)
         self.capacity = min(max_model_len, num_blocks * block_size)
 
     # ------------------------------------------------------------ arrivals
@@ -193,35 +194,44 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
     def step_with_abort_during_it(self, data) -> None:
-        plan = self._checked_schedule()
-        if plan is None:
+        if not self._fill_pipeline():
             return
-        in_plan = sorted(self.h.scheduled_in(plan))
-        victims = data.draw(st.lists(st.sampled_from(in_plan), max_size=len(in_plan), unique=True))
+        in_plan = sorted(set().union(*(self.h.live_in_plan(p) for p in self.h.inflight)))
+        victims = data.draw(st.lists(st.sampled_from(in_plan), max_size=len(in_plan), unique=True)) if in_plan else []
         self.h.abort(*victims)
-        outs = self.h.finish_step(plan)
+        outs = self.h.finish_step()
         assert not {o.request_id for o in outs} & set(victims)
 
     @precondition(lambda self: self.h is not None)
     @rule(fail=st.integers(0, 3))
     def failing_step(self, fail) -> None:
-        """Usually a plain step; a quarter of the time the worker fails it."""
+        """Usually a plain step; a quarter of the time the worker fails it (and the plan
+        planned ahead of it, if any: its requests fail at once)."""
         if fail:
             self._checked_step()
             return
-        plan = self._checked_schedule()
-        if plan is None:
+        if not self._fill_pipeline():
             return
+        plan = self.h.inflight[0]
         self.h.worker.fail_steps.add(plan.step_id)
+        # A plan planned ahead of the failing one fails with it (its requests at once).
+        expected = set().union(*(self.h.live_in_plan(p) for p in self.h.inflight))
         outs = self.h.finish_step(plan)
-        assert {o.request_id for o in outs} == set(self.h.scheduled_in(plan))
+        assert {o.request_id for o in outs} == expected
         assert all(o.finish_reason == FinishReason.ERROR for o in outs)
+
+    def _fill_pipeline(self) -> bool:
+        """Plan (and, in overlap mode, plan ahead) as the process loop would; whether a plan is in flight."""
+        if not self.h.inflight and self._checked_schedule() is None:
+            return False
+        if self.h.overlap and self.h.scheduler.can_plan_ahead:
+            self._checked_schedule()
+        return True
 
     def _checked_step(self) -> None:
         had_work = self.h.scheduler.has_work()
-        plan = self._checked_schedule()
-        if plan is not None:
-            self.h.finish_step(plan)
+        if self._fill_pipeline():
+            self.h.finish_step()
         elif had_work and self.h.scheduler.has_work():  # (a queue timeout may have ended the last one)
             assert self.h.scheduler.seconds_until_ready() is not None, "live requests, no plan, nothing to wait for"
 
@@ -294,7 +304,7 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 
 
 def _random_load(seed: int) -> dict:
-    """Heavy random load on a tight pool; returns the scheduler's stats."""
+    """Heavy random load on a tight pool (odd seeds plan ahead); returns the scheduler's stats."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4])
     num_blocks = rng.randint(2, 12)
@@ -312,7 +322,7 @@ def _random_load(seed: int) -> dict:
         block_bytes=rng.choice([0, 10**9]),
     )
     capacity = min(config.max_model_len, num_blocks * block_size)
-    h = Harness(config)
+    h = Harness(config, overlap=seed % 2 == 1)
     n = 0
     for _ in range(300):
         for _ in range(rng.choice([0, 0, 1, 2])):
@@ -332,9 +342,10 @@ def _random_load(seed: int) -> dict:
         if n and rng.random() < 0.05:
             h.abort(f"q{rng.randrange(n)}")
         h.clock.advance(rng.choice([0.0, 0.1, 1.0]))
-        plan = h.schedule()
+        plan = h.inflight[0] if h.inflight else h.schedule()
         if plan is None:
             continue
+        h.plan_ahead()
         if rng.random() < 0.05:
             h.abort(rng.choice(sorted(h.scheduled_in(plan))))
         if rng.random() < 0.02:

@@ -56,12 +56,34 @@ def test_hand_written_steps(runner):
     ],
 )
 def test_invalid_plans_are_refused_without_side_effects(runner, bad_plan, message):
+    """A refused plan changes nothing but dropping its finished requests (retired by the
+    scheduler whatever else is wrong: keeping them would only leak their state)."""
     first = runner.execute(plan(0, [new("a", [5, 6, 7, 8, 9, 10, 11, 12], [3, 4])]))  # 8 tokens + 1 sampled
     with pytest.raises(ValueError, match=message):
         runner.execute(bad_plan)
+    if "a" in bad_plan.finished_request_ids:
+        assert runner.request_ids == []
+        return
     assert runner.request_ids == ["a"]
     again = runner.execute(plan(2, cached=[CachedRequestData("a", [5], 8, 1)]))
     assert again.request_ids == ["a"] and first.request_ids == ["a"]
+
+
+def test_plan_ahead_of_a_failed_step_fails_unrun(runner):
+    """A plan formed while the previous one was in flight assumes it succeeded; after a
+    failed step the worker refuses it (dropping only its finished requests), and runs the
+    next plan formed in sync as usual."""
+    runner.execute(plan(0, [new("a", [5, 6, 7], [3])]))
+    with pytest.raises(ValueError, match="already running"):
+        runner.execute(plan(1, [new("a", [1], [1])]))
+    ahead = StepPlan(2, [new("b", [1, 2], [1])], [CachedRequestData("a", [], 3, 1)], ["x"], planned_ahead=True)
+    with pytest.raises(ValueError, match="planned ahead of step 1, which failed"):
+        runner.execute(ahead)
+    assert runner.request_ids == ["a"]  # b was not taken in
+    assert runner.execute(plan(3, cached=[CachedRequestData("a", [], 3, 1)])).request_ids == ["a"]
+    # A plan planned ahead of a step that succeeded runs.
+    ok = StepPlan(4, [], [CachedRequestData("a", [4], 4, 1)], [], planned_ahead=True)
+    assert runner.execute(ok).request_ids == ["a"]
 
 
 def test_pool_sized_from_memory_budget(llama_dir):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import zmq
 
-from conveyor.common import codec, transport
+from conveyor.common import codec, step_channel, transport
 from conveyor.common.config import SchedulerConfig
 from conveyor.common.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.common.model_config import ModelConfig
@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         action=argparse.BooleanOptionalAction,
         help="form step N+1's plan while the worker runs step N (--no-overlap: one plan at a time, for comparison)",
+    )
+    p.add_argument(
+        "--plan-transport",
+        default="shm",
+        choices=list(step_channel.TRANSPORTS),
+        help="scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)",
     )
     p.add_argument(
         "--attention",
@@ -123,6 +129,9 @@ class Server:
         self.args = args
         self.run_dir = transport.make_run_dir()
         self.addresses = ServerAddresses.in_run_dir(self.run_dir, transport.client_address(args.host, args.port))
+        self.channels = step_channel.StepChannels.for_server(
+            self.run_dir, self.addresses.plans, self.addresses.results, args.plan_transport
+        )
         self.ctx = zmq.Context()
         self.control = transport.socket(self.ctx, zmq.PULL, self.addresses.control, bind=True)
         self.frontend_control = transport.socket(self.ctx, zmq.PUSH, self.addresses.frontend_control, bind=False)
@@ -138,12 +147,17 @@ class Server:
         if max_model_len > model.max_position_embeddings:
             raise StartupError(f"--max-model-len {max_model_len} exceeds the model's {model.max_position_embeddings}")
         kv_bytes = None if args.num_kv_blocks else int(args.kv_cache_memory * 2**30)
+        try:
+            step_channel.create_rings(self.channels)
+        except OSError as exc:
+            raise StartupError(f"cannot create the shared-memory plan rings ({exc}); --plan-transport zmq avoids them") from None
         self._spawn(
             "worker",
             run_worker,
             WorkerConfig(
                 model_dir=model_dir,
                 addresses=self.addresses,
+                channels=self.channels,
                 device=args.device,
                 dtype=args.dtype,
                 block_size=args.block_size,
@@ -200,6 +214,7 @@ class Server:
             SchedulerProcessConfig(
                 sched,
                 self.addresses,
+                self.channels,
                 list(model.eos_token_ids),
                 model.vocab_size,
                 profile=args.profile,
@@ -276,6 +291,7 @@ class Server:
         self.control.close(linger=0)
         self.frontend_control.close(linger=0)
         self.ctx.term()
+        step_channel.remove_rings(self.channels)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 

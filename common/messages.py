@@ -27,7 +27,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+import numpy as np
+
+PROTOCOL_VERSION = 2
+
+# A 1-D int32 column (token ids, block ids, per-request counts). It travels as raw
+# little-endian bytes beside the msgpack header and arrives as a read-only numpy view over
+# the received buffer (see conveyor.common.codec). Senders may fill it with any sequence of
+# ints; receivers must treat it as a numpy array, and copy what they keep.
+Int32Array = np.ndarray
 
 # tag -> class; filled by @message. Tags are part of the wire format: never reuse one.
 MESSAGE_TYPES: dict[int, type] = {}
@@ -211,9 +219,9 @@ class NewRequestData:
     """
 
     request_id: str
-    token_ids: list[int]
+    token_ids: Int32Array
     sampling: SamplingParams
-    block_ids: list[int]
+    block_ids: Int32Array
     num_computed_tokens: int
     num_scheduled_tokens: int
 
@@ -246,8 +254,8 @@ class CachedRequests:
     """
 
     request_ids: list[str] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: Int32Array = field(default_factory=list)
+    num_scheduled_tokens: Int32Array = field(default_factory=list)
     new_block_rows: list[int] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
 
@@ -334,7 +342,7 @@ class StepResult:
 
     step_id: int
     request_ids: list[str]
-    sampled_token_ids: list[int]
+    sampled_token_ids: Int32Array
     error: str | None = None
     forward_time: float = 0.0
 

@@ -12,9 +12,13 @@ applying N's result, flushing outputs and planning N+2 all happen while the work
 N+1. The scheduler plans ahead conservatively (see :mod:`conveyor.scheduler.scheduler`):
 when it cannot, the next plan is formed after the result, as without overlap.
 
-The worker is never waited on blindly: the wait polls in slices and gives up
-when bin/serve says to stop (Shutdown) or the worker stops answering for
-``worker_timeout_s`` (bin/serve notices a dead worker process and stops us).
+Plans and results travel on the step channel (:mod:`conveyor.common.step_channel`): a
+shared-memory ring each way by default, ZeroMQ with ``--plan-transport zmq``. A result is
+decoded in place; its sampled tokens are copied out before the next result is asked for.
+
+The worker is never waited on blindly: the wait polls in slices, serving the frontend
+meanwhile, and gives up when bin/serve says to stop (Shutdown) or the worker's process is
+gone (the ring's writer pid; on ZeroMQ, bin/serve notices a dead worker and stops us).
 
 Profiling: each iteration's schedule, update and output flush are timed, and so is the plan
 round trip (send to result); for a plan sent while none was in flight, the round trip minus
@@ -51,6 +55,7 @@ from conveyor.common.messages import (
     TokenOutputs,
 )
 from conveyor.common.process import ControlChannel, die_with_parent, setup_logging
+from conveyor.common.step_channel import PeerGone, StepChannels, StepReceiver, StepSender
 from conveyor.common.transport import ServerAddresses
 from conveyor.scheduler.scheduler import Scheduler
 
@@ -63,6 +68,7 @@ IDLE_POLL_MS = 100
 class SchedulerProcessConfig:
     scheduler: SchedulerConfig
     addresses: ServerAddresses
+    channels: StepChannels  # plans to the worker, results back
     eos_token_ids: list[int]
     vocab_size: int
     profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
@@ -75,8 +81,8 @@ class SchedulerLoop:
         addrs = config.addresses
         self.from_frontend = transport.socket(ctx, zmq.PULL, addrs.to_scheduler, bind=True)
         self.to_frontend = transport.socket(ctx, zmq.PUSH, addrs.to_frontend, bind=False)
-        self.to_worker = transport.socket(ctx, zmq.PUSH, addrs.plans, bind=True)
-        self.from_worker = transport.socket(ctx, zmq.PULL, addrs.results, bind=True)
+        self.to_worker = StepSender(ctx, config.channels.plans, bind=True)
+        self.from_worker = StepReceiver(ctx, config.channels.results, bind=True)
         self.running = True
         self.overlap = config.overlap
         # Plans sent and not yet applied, oldest first, with their send time (ns) and
@@ -88,7 +94,7 @@ class SchedulerLoop:
         self._column_tokens: list[int] = []
         self._poller = zmq.Poller()
         self._poller.register(self.from_frontend, zmq.POLLIN)
-        self._poller.register(self.from_worker, zmq.POLLIN)
+        self._poller.register(self.from_worker.pollable(), zmq.POLLIN)
         self._profile_queries: dict[str, ProfileQuery] = {}
         self._init_profiling(config.profile)
 
@@ -156,16 +162,16 @@ class SchedulerLoop:
         self._record_plan(plan)
         clean = not self._inflight
         sent = profiling.now_ns()
-        transport.send(self.to_worker, plan)
+        self.to_worker.send(plan)
         self._inflight.append((plan, sent, clean))
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:
         if timeout_ms:
             # Idle: no plan is in flight, so the worker speaks only to answer a profile query.
-            ready = dict(self._poller.poll(timeout_ms))
-            if self.from_worker in ready:
+            frontend_ready, worker_ready = self._poll(timeout_ms)
+            if worker_ready:
                 self._take_worker_reports()
-            if self.from_frontend not in ready:
+            if not frontend_ready:
                 return
         start, count = profiling.now_ns(), 0
         while self.running:
@@ -184,11 +190,25 @@ class SchedulerLoop:
             self._t_intake.record(start, arg=count)
             self._c_frontend.add(count)
 
+    def _poll(self, timeout_ms: int) -> tuple[bool, bool]:
+        """Sleep until the frontend or the worker has a message, or ``timeout_ms`` passes;
+        returns (frontend ready, worker ready). Raises PeerGone if the worker's process is gone."""
+        worker = self.from_worker
+        if worker.spin() or worker.arm():
+            worker.disarm()
+            return bool(self.from_frontend.poll(0)), True
+        events = dict(self._poller.poll(timeout_ms))
+        worker.disarm()
+        worker_ready = worker.ready()
+        if not events and not worker_ready and not worker.peer_alive():
+            raise PeerGone("the worker process is gone")
+        return self.from_frontend in events, worker_ready
+
     def _take_worker_reports(self) -> None:
-        """Drain the worker's socket while no plan is in flight: only profile reports belong there."""
+        """Drain the worker's channel while no plan is in flight: only profile reports belong there."""
         while True:
             try:
-                msg = transport.recv(self.from_worker) if self.from_worker.poll(0) else None
+                msg = self.from_worker.recv(0)
             except codec.DecodeError as exc:
                 log.error("malformed message from worker: %s", exc)
                 continue
@@ -218,7 +238,7 @@ class SchedulerLoop:
         elif isinstance(msg, ProfileQuery):
             # On the plan socket, behind any plan in flight: the worker answers between steps.
             self._profile_queries[msg.query_id] = msg
-            transport.send(self.to_worker, msg)
+            self.to_worker.send(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
@@ -228,10 +248,10 @@ class SchedulerLoop:
         """Wait for the result of ``plan`` (the oldest in flight), still serving the frontend
         meanwhile; None when told to stop."""
         while True:
-            events = dict(self._poller.poll(IDLE_POLL_MS))
-            if self.from_worker in events:
+            frontend_ready, worker_ready = self._poll(IDLE_POLL_MS)
+            if worker_ready:
                 try:
-                    result = transport.recv(self.from_worker)
+                    result = self.from_worker.recv(0)
                 except codec.DecodeError as exc:
                     log.error("malformed result from worker: %s", exc)
                     return StepResult(plan.step_id, [], [], error=f"malformed worker result: {exc}")
@@ -244,8 +264,10 @@ class SchedulerLoop:
                 end = self._t_round_trip.record(sent, arg=plan.step_id)
                 if clean:
                     self._s_transport.add(max(0.0, (end - sent) / 1e6 - result.forward_time * 1e3))
+                # Out of the ring slot (released at the next receive) into the scheduler's ints.
+                result.sampled_token_ids = result.sampled_token_ids.tolist()
                 return result
-            if self.from_frontend in events:
+            if frontend_ready:
                 # Aborts and new requests queue up in the scheduler; aborts of requests in
                 # this step are reconciled by update().
                 self._take_frontend_messages(timeout_ms=0)
@@ -262,8 +284,10 @@ class SchedulerLoop:
             self._column_tokens = []
 
     def close(self) -> None:
-        for sock in (self.from_frontend, self.to_frontend, self.to_worker, self.from_worker):
+        for sock in (self.from_frontend, self.to_frontend):
             sock.close(linger=0)
+        self.to_worker.close()
+        self.from_worker.close()
 
 
 def run_scheduler(config: SchedulerProcessConfig) -> None:
@@ -280,6 +304,9 @@ def run_scheduler(config: SchedulerProcessConfig) -> None:
     control.ready(num_blocks=config.scheduler.num_blocks)
     try:
         loop.run()
+    except PeerGone as exc:
+        log.error("stopping: %s", exc)
+        raise SystemExit(1) from None
     finally:
         loop.close()
         control.close()

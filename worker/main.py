@@ -10,6 +10,12 @@ are timed per step; ``idle_fraction`` over the window says how much of the time 
 waited for the scheduler and the transport. A ProfileQuery is answered on the result socket
 as soon as it is read: it arrives on the plan socket, so always between two steps, and
 piggybacks on nothing (StepResult stays as small as it was).
+
+Plans arrive on the step channel (:mod:`conveyor.common.step_channel`; a shared-memory ring
+by default): a plan is decoded in place and its arrays view the ring slot, which is released
+when the next plan is asked for, after the step has run and its result was sent. The runner
+copies what it keeps. If the scheduler's process is gone, the wait for a plan ends
+(PeerGone) and the worker exits.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from conveyor.common import codec, profiling, transport
+from conveyor.common import codec, profiling
 from conveyor.common.messages import ProfileQuery, ProfileReport, Shutdown, StepPlan, StepResult
 from conveyor.common.process import ControlChannel, die_with_parent, setup_logging
+from conveyor.common.step_channel import PeerGone, StepChannels, StepReceiver, StepSender
 from conveyor.common.transport import ServerAddresses
 
 log = logging.getLogger("conveyor.worker")
@@ -33,6 +40,7 @@ log = logging.getLogger("conveyor.worker")
 class WorkerConfig:
     model_dir: str
     addresses: ServerAddresses
+    channels: StepChannels  # plans from the scheduler, results back
     device: str = "cpu"
     dtype: str = "auto"
     block_size: int = 16
@@ -105,8 +113,8 @@ def run_worker(config: WorkerConfig) -> None:
             swap_space_bytes=default_swap_space(device) if config.swap_space_bytes is None else config.swap_space_bytes,
             profiler=prof,
         )
-        plans = transport.socket(ctx, zmq.PULL, config.addresses.plans, bind=False)
-        results = transport.socket(ctx, zmq.PUSH, config.addresses.results, bind=False)
+        plans = StepReceiver(ctx, config.channels.plans, bind=False)
+        results = StepSender(ctx, config.channels.results, bind=False)
     except Exception as exc:
         log.exception("worker failed to start")
         control.failed(f"worker: {exc}")
@@ -117,18 +125,21 @@ def run_worker(config: WorkerConfig) -> None:
     try:
         idle_start = profiling.now_ns()
         while True:
-            frame = plans.recv(copy=False)
-            received = profiling.now_ns()
             try:
-                msg = codec.decode(frame.buffer)
+                plans.wait()
+                received = profiling.now_ns()
+                msg = plans.recv(0)
             except codec.DecodeError as exc:
                 log.error("dropping malformed plan: %s", exc)
                 continue
+            except PeerGone as exc:
+                log.error("stopping: the scheduler is gone (%s)", exc)
+                break
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, ProfileQuery):
                 snapshot = prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
-                transport.send(results, ProfileReport(msg.query_id, [snapshot]))
+                results.send(ProfileReport(msg.query_id, [snapshot]))
                 continue
             if not isinstance(msg, StepPlan):
                 log.error("unexpected message %s", type(msg).__name__)
@@ -143,7 +154,7 @@ def run_worker(config: WorkerConfig) -> None:
                 result = StepResult(msg.step_id, [], [], error=f"worker step failed: {exc}")
             result.forward_time = time.perf_counter() - start
             send_start = t_execute.record(exec_start, arg=msg.step_id)
-            transport.send(results, result)
+            results.send(result)
             idle_start = t_send.record(send_start, arg=msg.step_id)
     finally:
         plans.close()

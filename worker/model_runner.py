@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from conveyor.common import profiling
@@ -28,6 +29,12 @@ from conveyor.worker.block_transfer import transfer_blocks
 from conveyor.worker.kv_cache import allocate_kv_cache, allocate_swap_space, bytes_per_block
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import Sampler
+
+
+def _int_list(values: np.ndarray | list[int]) -> list[int]:
+    """Python ints of an Int32Array field: a numpy view over the received message (which the
+    runner must not keep: its buffer is reused), or a list when the plan was built in-process."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 @dataclass
@@ -130,7 +137,7 @@ class ModelRunner:
             self._t_swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
         for new in plan.new_requests:
             self._requests[new.request_id] = _RequestState(
-                list(new.token_ids), list(new.block_ids), new.sampling, new.num_computed_tokens
+                _int_list(new.token_ids), _int_list(new.block_ids), new.sampling, new.num_computed_tokens
             )
         states = [self._requests[item.request_id] for item in work]
         for item, state in zip(work, states):
@@ -210,7 +217,7 @@ class ModelRunner:
         cached = plan.cached_requests
         new_blocks = dict(zip(cached.new_block_rows, cached.new_block_ids))
         for row, (rid, num_computed, num_scheduled) in enumerate(
-            zip(cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens)
+            zip(cached.request_ids, _int_list(cached.num_computed_tokens), _int_list(cached.num_scheduled_tokens))
         ):
             check_once(rid)
             state = None if rid in dropped else self._requests.get(rid)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import struct
+
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,6 +26,29 @@ from conveyor.common.messages import (
     StepResult,
     TokenOutputs,
 )
+
+def plain(obj):
+    """A message as nested plain values: Int32Array fields (numpy views after decode) as lists."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if dataclasses.is_dataclass(obj):
+        return (type(obj).__name__, {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
+def round_trip(msg):
+    decoded = codec.decode(codec.encode(msg))
+    assert plain(decoded) == plain(msg)
+    return decoded
+
+
+def framed(header: bytes, data: bytes = b"") -> bytes:
+    """A message buffer with a hand-made header: length prefix, header, padding, array data."""
+    head = struct.pack("<I", len(header)) + header
+    return head + bytes(-len(head) % 8) + data
+
 
 token_lists = st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=50)
 sampling = st.builds(
@@ -51,18 +78,41 @@ def test_round_trip_plan_and_request(rid, prompt, params, blocks, n) -> None:
         cached_requests=[CachedRequestData(rid + "x", blocks, n, 1)],
         finished_request_ids=[rid] * n,
     )
-    assert codec.decode(codec.encode(plan)) == plan
-    add = AddRequest(rid, prompt, params, 1.5)
-    assert codec.decode(codec.encode(add)) == add
+    decoded = round_trip(plan)
+    new = decoded.new_requests[0]
+    assert new.token_ids.dtype == np.int32 and new.token_ids.tolist() == prompt
+    round_trip(AddRequest(rid, prompt, params, 1.5))
 
 
 def test_round_trip_outputs_and_results() -> None:
     out = TokenOutputs([RequestOutput("a", [1], None), RequestOutput("b", [], "error", "boom", 1.0, 2.0)])
-    assert codec.decode(codec.encode(out)) == out
-    res = StepResult(3, ["a", "b"], [5, 6], None, 0.25)
-    assert codec.decode(codec.encode(res)) == res
-    ready = ProcessReady("worker", 12, {"num_blocks": 7, "device": "cpu"})
-    assert codec.decode(codec.encode(ready)) == ready
+    round_trip(out)
+    round_trip(StepResult(3, ["a", "b"], [5, 6], None, 0.25))
+    round_trip(ProcessReady("worker", 12, {"num_blocks": 7, "device": "cpu"}))
+
+
+def test_arrays_travel_raw_and_decode_as_views() -> None:
+    """An Int32Array field is raw int32 bytes after the header, and decodes with no copy."""
+    tokens = np.arange(1000, dtype=np.int32)
+    parts = codec.encode_parts(StepResult(1, ["a"], tokens))
+    assert len(parts) == 2 and bytes(parts[1]) == tokens.tobytes()  # handed out uncopied, no msgpack ints
+    buf = bytearray(b"".join(parts))
+    res = codec.decode(memoryview(buf))
+    assert res.sampled_token_ids.tolist() == tokens.tolist()
+    buf[-4:] = (77).to_bytes(4, "little")  # a view: the buffer's bytes are the array's
+    assert res.sampled_token_ids[-1] == 77
+
+
+@pytest.mark.parametrize("values", [[1, 2, 3], np.array([1, 2, 3], dtype=np.int64), np.array([], dtype=np.float32)])
+def test_array_fields_take_any_int_sequence(values) -> None:
+    res = codec.decode(codec.encode(StepResult(1, ["a"] * len(values), values)))
+    assert res.sampled_token_ids.tolist() == list(values)
+
+
+@pytest.mark.parametrize("values", [[2**31], np.array([2**40]), np.array([1.5]), np.zeros((2, 2), dtype=np.int32)])
+def test_array_fields_refuse_what_int32_cannot_hold(values) -> None:
+    with pytest.raises((TypeError, OverflowError)):
+        codec.encode(StepResult(1, [], values))
 
 
 def test_every_registered_message_has_distinct_tag() -> None:
@@ -79,19 +129,26 @@ def test_encode_rejects_unregistered_objects() -> None:
 @pytest.mark.parametrize(
     "payload, needle",
     [
-        (b"\xc1", "malformed msgpack"),
-        (msgpack.packb({"a": 1}), "array"),
-        (msgpack.packb([999, PROTOCOL_VERSION]), "unknown message tag"),
-        (msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION + 1, ["a"]]), "version"),
-        (msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION]), "1 fields, got 0"),
-        (msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION, "a"]), "request_ids: expected array"),
-        (msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION, [1]]), "expected str"),
-        (msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, True], [], 0.0, 0]), "array of int"),
-        (msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, "x"], [], 0.0, 0]), "array of int"),
-        (msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1], [1, 2], 0.0, 0]), "SamplingParams has"),
-        (msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1.5, [], [], None, 0.0]), "expected int"),
-        (msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [], 3, 0.0]), "error"),
-        (msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [], None, True]), "expected float"),
+        (b"", "shorter than its length prefix"),
+        (struct.pack("<I", 100) + b"\x90", "overruns"),
+        (framed(b"\xc1"), "malformed msgpack"),
+        (framed(msgpack.packb({"a": 1})), "array"),
+        (framed(msgpack.packb([999, PROTOCOL_VERSION])), "unknown message tag"),
+        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION + 1, ["a"]])), "version"),
+        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION])), "1 fields, got 0"),
+        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION, "a"])), "request_ids: expected array"),
+        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION, [1]])), "expected str"),
+        (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, True], [], 0.0, 0])), "array of int"),
+        (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, "x"], [], 0.0, 0])), "array of int"),
+        (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1], [1, 2], 0.0, 0])), "SamplingParams has"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1.5, [], [0, 0], None, 0.0])), "expected int"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [0, 0], 3, 0.0])), "error"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [0, 0], None, True])), "expected float"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [0, 1], None, 0.0])), "outside the message"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [2, 1], None, 0.0]), bytes(8)), "outside"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [-4, 1], None, 0.0]), bytes(8)), "outside"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [5, 0], None, 0.0]), bytes(8)), "outside"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [1, 2, 3], None, 0.0])), "array reference"),
     ],
 )
 def test_decode_names_the_problem(payload: bytes, needle: str) -> None:

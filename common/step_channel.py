@@ -84,8 +84,8 @@ class StepChannels:
             raise ValueError(f"unknown plan transport {transport_name!r}: use one of {', '.join(TRANSPORTS)}")
         shm = transport_name == "shm"
         return cls(
-            ChannelSpec(plans_address, shm_ring.ring_path(run_dir, "plans") if shm else None, PLAN_SLOT_BYTES),
-            ChannelSpec(results_address, shm_ring.ring_path(run_dir, "results") if shm else None, RESULT_SLOT_BYTES),
+            ChannelSpec(plans_address, shm_ring.ring_path(run_dir, "plans.ring") if shm else None, PLAN_SLOT_BYTES),
+            ChannelSpec(results_address, shm_ring.ring_path(run_dir, "results.ring") if shm else None, RESULT_SLOT_BYTES),
         )
 
     @property

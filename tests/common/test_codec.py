@@ -137,7 +137,7 @@ def test_encode_rejects_unregistered_objects() -> None:
         (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION + 1, ["a"]])), "version"),
         (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION])), "1 fields, got 0"),
         (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION, "a"])), "request_ids: expected array"),
-        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION, [1]])), "expected str"),
+        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION, [1]])), "expected array of str, found int"),
         (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, True], [], 0.0, 0])), "array of int"),
         (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, "x"], [], 0.0, 0])), "array of int"),
         (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1], [1, 2], 0.0, 0])), "SamplingParams has"),

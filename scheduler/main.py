@@ -95,7 +95,9 @@ class SchedulerLoop:
         self._poller = zmq.Poller()
         self._poller.register(self.from_frontend, zmq.POLLIN)
         self._poller.register(self.from_worker.pollable(), zmq.POLLIN)
-        self._profile_queries: dict[str, ProfileQuery] = {}
+        # Profile queries relayed to the worker one at a time: with at most two plans and one
+        # query in flight, neither ring can fill while both ends wait on each other.
+        self._profile_queries: deque[ProfileQuery] = deque()
         self._init_profiling(config.profile)
 
     def _init_profiling(self, enabled: bool) -> None:
@@ -220,11 +222,15 @@ class SchedulerLoop:
                 log.error("unexpected worker message %s with no plan in flight", type(msg).__name__)
 
     def _on_worker_profile(self, report: ProfileReport) -> None:
-        query = self._profile_queries.pop(report.query_id, None)
-        if query is None:
+        queries = self._profile_queries
+        if not queries or queries[0].query_id != report.query_id:
+            log.error("profile report %r answers no outstanding query", report.query_id)
             return
+        query = queries.popleft()
         own = self.profiler.snapshot(query.window_s, trace=query.trace, series=query.series)
         transport.send(self.to_frontend, ProfileReport(query.query_id, [own, *report.profiles]))
+        if queries:
+            self.to_worker.send(queries[0])
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -236,9 +242,10 @@ class SchedulerLoop:
         elif isinstance(msg, StatsQuery):
             transport.send(self.to_frontend, SchedulerStats(query_id=msg.query_id, **self.scheduler.stats()))
         elif isinstance(msg, ProfileQuery):
-            # On the plan socket, behind any plan in flight: the worker answers between steps.
-            self._profile_queries[msg.query_id] = msg
-            self.to_worker.send(msg)
+            # On the plan channel, behind any plan in flight: the worker answers between steps.
+            self._profile_queries.append(msg)
+            if len(self._profile_queries) == 1:
+                self.to_worker.send(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
         else:

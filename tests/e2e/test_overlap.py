@@ -1,4 +1,5 @@
-"""bin/serve with and without overlap (planning step N+1 while the worker runs step N).
+"""bin/serve with and without overlap (planning step N+1 while the worker runs step N), and
+over both plan transports (the plain loop on ZeroMQ, the overlapped one on shared memory).
 
 The same mixed workload (concurrent streams of different lengths, stop token ids, stop
 strings, aborts mid-stream, a KV pool small enough to force preemption) must give the same
@@ -68,10 +69,13 @@ def run_workload(address: str, base: dict[int, tuple[list[int], str]] | None):
     return dict(enumerate(asyncio.run(main())))
 
 
+MODES = {"--no-overlap": ("--plan-transport", "zmq"), "--overlap": ("--plan-transport", "shm")}
+
+
 def test_overlap_and_plain_loops_give_identical_outputs(serve_factory, tiny_checkpoint, hf_greedy) -> None:
     outputs = {}
-    for mode in ("--no-overlap", "--overlap"):
-        server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, mode)
+    for mode, transport in MODES.items():
+        server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, mode, *transport)
         free = run_workload(server.address, None)
         for i in (0, 5, 13):
             assert free[i][0] == hf_greedy(prompt(i), max_tokens(i)), (mode, i)

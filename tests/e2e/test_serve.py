@@ -214,7 +214,13 @@ def test_bad_inputs_get_errors_while_others_are_served(server) -> None:
         assert stats["held_blocks"] == 0
 
 
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 def test_sigterm_leaves_no_process(serve_factory, tiny_checkpoint) -> None:
+    """Nor any file: the shared-memory plan rings go with the run directory."""
+    before = shm_entries()
     server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
     kids = list(server.pids.values())
     assert all(alive(p) for p in kids)
@@ -225,6 +231,7 @@ def test_sigterm_leaves_no_process(serve_factory, tiny_checkpoint) -> None:
     while any(alive(p) for p in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(p) for p in kids)
+    assert not {e for e in shm_entries() - before if e.startswith("conveyor-")}
 
 
 def test_killed_worker_fails_in_flight_requests(serve_factory, tiny_checkpoint) -> None:

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Plan round trip scheduler -> worker -> scheduler with an empty forward (a script, not a test).
+
+This process plays the scheduler: it sends a decode-step :class:`StepPlan` naming ``N``
+running requests (32-character ids, as the frontend makes them) on the real step channel
+(:mod:`conveyor.common.step_channel`) and waits for the :class:`StepResult`. A ``spawn``ed
+stand-in worker does what the worker process does around the model: receive and decode the
+plan, read its columns into Python ints (as the model runner does), build a result with
+one sampled token per request and send it. The time from before ``send`` (encoding
+included) to the decoded result with its tokens read out is one round trip: everything
+the hop costs a step apart from the forward itself. Both transports, same messages:
+
+- ``shm``: a shared-memory ring each way (the default of bin/serve);
+- ``zmq``: ZeroMQ PUSH/PULL over ``ipc://`` (``--plan-transport zmq``).
+
+The scheduler side waits the way scheduler/main.py does (spin, then the doorbell in a
+poller); the stand-in worker blocks in ``recv`` as worker/main.py does. Runs of the two
+transports are interleaved (``--rounds``) so that load from elsewhere on the machine hits
+both alike; p50/p99 are over all rounds.
+
+    python bench/plan_roundtrip.py                          # N = 1, 64, 256; both transports
+    python bench/plan_roundtrip.py --sizes 256 --iters 20000 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import numpy as np
+import zmq
+
+from conveyor.common import step_channel
+from conveyor.common.messages import CachedRequests, Shutdown, StepPlan, StepResult
+from conveyor.common.step_channel import StepChannels, StepReceiver, StepSender
+
+
+def stand_in_worker(channels: StepChannels) -> None:
+    ctx = zmq.Context()
+    plans = StepReceiver(ctx, channels.plans, bind=False)
+    results = StepSender(ctx, channels.results, bind=False)
+    try:
+        while True:
+            plan = plans.recv()
+            if isinstance(plan, Shutdown):
+                return
+            cached = plan.cached_requests
+            computed = cached.num_computed_tokens.tolist()  # what the runner reads out of a plan
+            cached.num_scheduled_tokens.tolist()
+            sampled = np.full(len(computed), 11, dtype=np.int32)
+            results.send(StepResult(plan.step_id, cached.request_ids, sampled))
+    finally:
+        plans.close()
+        results.close()
+        ctx.term()
+
+
+def decode_plan(step: int, ids: list[str]) -> StepPlan:
+    n = len(ids)
+    return StepPlan(step, [], CachedRequests(ids, np.arange(100, 100 + n, dtype=np.int32), np.ones(n, np.int32)), [])
+
+
+def run(transport: str, n: int, iters: int, warmup: int) -> list[int]:
+    run_dir = tempfile.mkdtemp(prefix="cv-rt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    channels = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", transport)
+    step_channel.create_rings(channels)
+    ctx = zmq.Context()
+    plans = StepSender(ctx, channels.plans, bind=True)
+    results = StepReceiver(ctx, channels.results, bind=True)
+    poller = zmq.Poller()
+    poller.register(results.pollable(), zmq.POLLIN)
+    worker = mp.get_context("spawn").Process(target=stand_in_worker, args=(channels,), daemon=True)
+    worker.start()
+    ids = [f"{i:032x}" for i in range(n)]
+    samples: list[int] = []
+    try:
+        for step in range(warmup + iters):
+            plan = decode_plan(step, ids)
+            start = time.perf_counter_ns()
+            plans.send(plan)
+            while not (results.spin() or results.arm()):  # as the scheduler loop waits
+                poller.poll(100)
+                results.disarm()
+            results.disarm()
+            result = results.recv(0)
+            tokens = result.sampled_token_ids.tolist()
+            end = time.perf_counter_ns()
+            assert result.step_id == step and len(tokens) == n
+            if step >= warmup:
+                samples.append(end - start)
+        plans.send(Shutdown("done"))
+        worker.join(10)
+    finally:
+        if worker.is_alive():
+            worker.kill()
+        plans.close()
+        results.close()
+        ctx.term()
+        step_channel.remove_rings(channels)
+        os.rmdir(run_dir) if not os.listdir(run_dir) else None
+    return samples
+
+
+def summary(samples_ns: list[int]) -> dict[str, float]:
+    a = np.array(samples_ns) / 1e3
+    return {
+        "p50_us": float(np.percentile(a, 50)),
+        "p90_us": float(np.percentile(a, 90)),
+        "p99_us": float(np.percentile(a, 99)),
+        "mean_us": float(a.mean()),
+        "count": int(a.size),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 64, 256], help="requests per plan")
+    p.add_argument("--transports", nargs="+", default=["shm", "zmq"], choices=list(step_channel.TRANSPORTS))
+    p.add_argument("--iters", type=int, default=5000, help="round trips per size and transport (over all rounds)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved runs per size and transport")
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--json", help="write raw percentiles and machine info here")
+    args = p.parse_args()
+
+    report = {
+        "machine": {
+            "nproc": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(),
+            "load_avg": os.getloadavg(),
+        },
+        "args": vars(args),
+        "results": [],
+    }
+    print(f"{'requests':>8} {'transport':>9} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8} {'mean us':>8}")
+    for n in args.sizes:
+        samples: dict[str, list[int]] = {t: [] for t in args.transports}
+        for _ in range(args.rounds):
+            for t in args.transports:
+                samples[t] += run(t, n, args.iters // args.rounds, args.warmup)
+        for t in args.transports:
+            s = summary(samples[t])
+            report["results"].append({"requests": n, "transport": t, **s})
+            print(f"{n:>8} {t:>9} {s['p50_us']:>8.1f} {s['p90_us']:>8.1f} {s['p99_us']:>8.1f} {s['mean_us']:>8.1f}")
+    report["machine"]["load_avg_after"] = os.getloadavg()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,7 +9,8 @@ Systems: ``conveyor`` (bin/serve, continuous batching, started by the benchmark)
 ``static`` (bin/serve --batching static), ``conveyor-noprof`` (bin/serve --no-profile: with
 ``conveyor`` it measures what profiling costs), ``conveyor-nooverlap`` (bin/serve
 --no-overlap: with ``conveyor`` it measures what planning ahead buys; the table's worker
-idle column is the worker's idle fraction from the server profile), ``hf`` (transformers ``generate`` on padded
+idle column is the worker's idle fraction from the server profile), ``conveyor-zmq``
+(bin/serve --plan-transport zmq: plans and results on ZeroMQ instead of shared memory), ``hf`` (transformers ``generate`` on padded
 batches) and ``hf-cb`` (transformers continuous batching). Every system gets the same
 concurrency cap, ``--batch-size``: the server's --max-num-seqs, the padded batch size, and
 hf-cb's max requests per batch. A system that cannot run here is reported as such, with
@@ -38,6 +39,7 @@ SERVED = {
     "static": ["--batching", "static"],
     "conveyor-noprof": ["--no-profile"],
     "conveyor-nooverlap": ["--no-overlap"],
+    "conveyor-zmq": ["--plan-transport", "zmq"],
 }
 IN_PROCESS = ("hf", "hf-cb")
 ALL_SYSTEMS = (*SERVED, *IN_PROCESS)

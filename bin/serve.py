@@ -83,12 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
     p.add_argument(
+        "--tokenizer-threads",
+        type=_non_negative_int,
+        default=2,
+        help="frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)",
+    )
+    p.add_argument(
         "--profile",
         default=True,
         action=argparse.BooleanOptionalAction,
         help="record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)",
     )
     return p
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
@@ -180,6 +193,7 @@ class Server:
                 vocab_size=model.vocab_size,
                 profile=args.profile,
                 max_sessions=args.max_sessions,
+                tokenizer_threads=args.tokenizer_threads,
             ),
         )
         self._wait_ready({"worker", "frontend"})

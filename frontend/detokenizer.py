@@ -103,9 +103,13 @@ class IncrementalDetokenizer:
     def _emit(self, text: str) -> str:
         """Return what ``text`` (the window's decode) adds to the context, and make the new tokens the context."""
         delta = text[len(self._prefix_text) :]
-        if any(self._visible(t) for t in self._ids[self._read :]):
-            del self._ids[: self._read]
-            self._prefix_text = self._decode(self._ids)
+        new = self._ids[self._read :]
+        if len(new) == 1 and self._visible(new[0]):  # the common case: one token, its text memoized
+            self._ids = new
+            self._prefix_text = self._tokenizer.decode_one(new[0], self._skip_special_tokens)
+        elif any(self._visible(t) for t in new):
+            self._ids = new
+            self._prefix_text = self._decode(new)
         else:  # nothing visible among them: keep the old context in front
             self._prefix_text = text
         self._read = len(self._ids)

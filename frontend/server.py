@@ -13,12 +13,37 @@ Invariants:
   (client abort, disconnect, stop string) is also aborted at the scheduler, so
   its KV blocks are freed at the next iteration.
 - This process never imports torch.
+- A request id is in :attr:`Frontend.requests` from the moment its ``generate`` arrives,
+  also while its prompt is still being tokenized, so a duplicate is refused at once.
+- A request whose prompt is still tokenizing in the pool (``pending``) has sent nothing to
+  the scheduler. An abort, disconnect or shutdown meanwhile finalizes it here alone (an
+  abort or shutdown sends its one ``final``; a gone client gets none) and nothing about it
+  ever reaches the scheduler: its tokens are dropped when the pool hands them back. When
+  they are ready it is admitted (``pending`` cleared, ``AddRequest`` queued on the socket)
+  with no await in between, so any abort that comes after reaches the scheduler after it.
 - Continuation: a request that finished (stop, length or abort) leaves its context (prompt
   + the tokens returned to the client) in a bounded LRU of sessions under its id; a new
   request with that id continues it: its input is appended to that context, only the new
   output is detokenized and returned. The scheduler's prefix cache makes the earlier turns
   cost nothing to recompute when their KV is still cached. A continuation that fails
-  (error) leaves the earlier context in place, so the client can retry.
+  (error), or is aborted while its input is still tokenizing, leaves the earlier context in
+  place, so the client can retry.
+
+Tokenization: an input shorter than ``tokenize_inline_chars`` characters (a prompt, or the
+contents of all messages) is tokenized on the loop, since handing it to a thread costs more
+(~0.1 ms) than encoding it. A longer one goes to a pool of ``tokenizer_threads`` threads,
+where the Rust tokenizer runs with the GIL released (:meth:`Tokenizer.encode` with
+``release_gil``), so a 100k-token prompt does not stall every other stream; its request is
+sent to the scheduler when its tokens are ready, possibly after shorter requests that came
+later (its ``arrival_time`` is still when it came). ``tokenizer_threads=0`` tokenizes
+everything on the loop.
+
+Streaming hot path: one scheduler message (a token for every running stream) is handled
+synchronously, each delta sent on the raw ROUTER socket (see ``_clients_raw`` for why that
+is safe only from the handlers :meth:`Frontend.run` calls). Scheduler messages that queued
+up while the loop was busy are handled as one pass: each stream gets one delta with all its
+new tokens (a stop string still ends the output at the token that completes it), so a
+frontend that fell behind catches up instead of falling further behind.
 
 Profiling (:mod:`conveyor.common.profiling`): tokenize, detokenize, client sends, the
 handling of each scheduler message and the event loop's lag are timed here, and each
@@ -36,8 +61,10 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgpack
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -66,6 +93,10 @@ log = logging.getLogger("conveyor.frontend")
 PROFILE_TIMEOUT_S = 10.0
 # How often the event-loop lag probe wakes: its lag is how late that wake-up comes.
 LOOP_LAG_PROBE_S = 0.02
+# Scheduler messages handled per wake-up (queued TokenOutputs among them merged into one
+# pass) before clients get their turn again: bounds how long a frontend that fell behind
+# holds the loop.
+SCHEDULER_DRAIN_LIMIT = 16
 
 
 @dataclass(frozen=True)
@@ -77,6 +108,16 @@ class FrontendConfig:
     # Finished requests remembered for continuation (their token ids, up to max_model_len each).
     max_sessions: int = 1024
     profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
+    # Threads that tokenize long inputs off the event loop (0: everything on the loop).
+    tokenizer_threads: int = 2
+    # Inputs shorter than this many characters are tokenized on the loop (a thread hop costs more).
+    tokenize_inline_chars: int = 512
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_threads < 0:
+            raise ValueError(f"tokenizer_threads must be >= 0, got {self.tokenizer_threads}")
+        if self.tokenize_inline_chars < 0:
+            raise ValueError(f"tokenize_inline_chars must be >= 0, got {self.tokenize_inline_chars}")
 
 
 @dataclass
@@ -89,7 +130,7 @@ class RequestState:
     stream: bool
     prompt_len: int
     arrival_time: float
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None while pending
     stop: StopStringMatcher
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -99,12 +140,15 @@ class RequestState:
     prompt_ids: list[int] = field(default_factory=list)  # the whole context, earlier turns included
     history_len: int = 0  # how much of prompt_ids a continued request's earlier turns make up
     cached_tokens: int = 0  # prompt tokens whose KV the scheduler reused
+    pending: bool = False  # prompt still tokenizing in the pool: the scheduler has not seen it
 
 
 class Frontend:
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # Ids from the tokenizer need no vocabulary check unless the model has fewer rows than it has tokens.
+        self._tokenizer_exceeds_model = tokenizer.vocab_size > config.vocab_size
         self.requests: dict[str, RequestState] = {}
         self._identities_by_fd: dict[int, set[bytes]] = {}
         self._stats_waiters: dict[str, bytes] = {}
@@ -113,6 +157,12 @@ class Frontend:
         self._profile_waiters: dict[str, tuple[bytes, cp.ProfileCommand, asyncio.TimerHandle]] = {}
         self._running = True
         self._init_profiling(config.profile)
+        self._pool = (
+            ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+            if config.tokenizer_threads
+            else None
+        )
+        self._tokenizing: set[asyncio.Future] = set()  # pool jobs in flight (kept referenced)
 
         self.ctx = zmq.asyncio.Context()
         addrs = config.addresses
@@ -129,6 +179,15 @@ class Frontend:
         self.to_scheduler = transport.socket(self.ctx, zmq.PUSH, addrs.to_scheduler, bind=False)
         self.from_scheduler = transport.socket(self.ctx, zmq.PULL, addrs.to_frontend, bind=True)
         self.control = transport.socket(self.ctx, zmq.PULL, addrs.frontend_control, bind=True)
+        # Synchronous views of two sockets for the hot path (an awaited send of the asyncio
+        # wrapper costs several times a raw one). A raw send on ``clients`` can consume the
+        # edge-triggered wake-up of client messages that arrive meanwhile; :meth:`run`
+        # re-checks every socket each time it polls, so raw sends from the handlers it calls
+        # are safe, but anything else (tasks, timers) sends through :meth:`_send_client`,
+        # whose asyncio socket re-checks. ``to_scheduler`` is never polled: raw is safe anywhere.
+        self._clients_raw = zmq.Socket.shadow(self.clients.underlying)
+        self._to_scheduler_raw = zmq.Socket.shadow(self.to_scheduler.underlying)
+        self._packer = msgpack.Packer(use_bin_type=True)  # cp.pack's format, without a Packer per call
 
     def _init_profiling(self, enabled: bool) -> None:
         prof = self.profiler = profiling.Profiler("frontend", enabled=enabled)
@@ -138,6 +197,7 @@ class Frontend:
         self._t_detokenize = prof.timer("detokenize", trace=False)
         self._t_send = prof.timer("client_send", trace=False)
         self._s_loop_lag = prof.series("event_loop_lag", "ms")
+        self._s_merged = prof.series("merged_steps", "steps")  # behind: steps handled as one
         self._s_queue = prof.series("request_queue_time", "ms")
         self._s_ttft = prof.series("request_ttft", "ms")
         self._s_tpot = prof.series("request_tpot", "ms")
@@ -147,6 +207,7 @@ class Frontend:
         self._c_sched = prof.counter("scheduler_messages")
         self._c_tokens = prof.counter("output_tokens")
         self._c_finished = prof.counter("finished_requests")
+        self._c_pooled = prof.counter("pooled_tokenizations")
 
     async def _probe_loop_lag(self) -> None:
         """How late a timer wakes up: the time any handler holds the loop shows up here."""
@@ -173,7 +234,7 @@ class Frontend:
             if self.clients in ready:
                 await self._drain(self.clients, self._on_client_frames, multipart=True, limit=256)
             if self.from_scheduler in ready:
-                await self._drain(self.from_scheduler, self._on_scheduler_message)
+                await self._drain_scheduler()
 
     async def _drain(self, sock: zmq.asyncio.Socket, handler, *, multipart: bool = False, limit: int = 1024) -> None:
         for _ in range(limit):
@@ -189,6 +250,8 @@ class Frontend:
                 return
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         for sock in (self.clients, self.monitor, self.to_scheduler, self.from_scheduler, self.control):
             sock.close(linger=0)
         self.ctx.term()
@@ -200,12 +263,10 @@ class Frontend:
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return
         gone = self._identities_by_fd.pop(event["value"], set())
-        victims = [s.request_id for s in self.requests.values() if s.identity in gone]
+        victims = [s for s in self.requests.values() if s.identity in gone]
         if victims:
             log.info("client disconnected; aborting %d request(s)", len(victims))
-            for rid in victims:
-                self.requests.pop(rid)
-            await self._abort_at_scheduler(victims)
+            self._drop(victims)
 
     async def _on_client_frames(self, frames) -> None:
         if len(frames) != 2:
@@ -226,7 +287,7 @@ class Frontend:
             else:
                 query_id = uuid.uuid4().hex
                 self._stats_waiters[query_id] = identity
-                await self._send_scheduler(StatsQuery(query_id))
+                self._send_scheduler(StatsQuery(query_id))
         except cp.ProtocolError as exc:
             await self._reply_error(identity, exc.request_id, str(exc))
 
@@ -235,41 +296,91 @@ class Frontend:
         if req.request_id in self.requests:
             raise cp.ProtocolError(f"request id {req.request_id!r} is already in flight", req.request_id)
         history = self._sessions.get(req.request_id)
-        tokenize_start = profiling.now_ns()
-        try:
-            prompt_ids = self._encode_input(req, continuing=history is not None)
-        except cp.ProtocolError:
-            raise
-        except Exception as exc:  # a template error is the client's input, not a server crash
-            raise cp.ProtocolError(f"cannot tokenize input: {exc}", req.request_id) from None
-        self._t_tokenize.record(tokenize_start, arg=len(prompt_ids))
-        if history is not None:
-            prompt_ids = history + prompt_ids
-        self._check_lengths(req, prompt_ids)
-        if history is not None:
-            del self._sessions[req.request_id]  # back (extended) when this turn finishes
         state = RequestState(
             request_id=req.request_id,
             identity=identity,
             fd=fd,
             stream=req.stream,
-            prompt_len=len(prompt_ids),
+            prompt_len=0,
             arrival_time=arrival,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            detokenizer=None,
             stop=StopStringMatcher(req.stop),
-            prompt_ids=prompt_ids,
-            history_len=len(history) if history is not None else 0,
         )
+        if self._pool is None or _input_chars(req) < self.config.tokenize_inline_chars:
+            prompt_ids, start, end = self._prepare_prompt(req, history, False)
+            self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
+            self.requests[req.request_id] = state
+            self._admit(state, req, history, prompt_ids)
+            return
+        state.pending = True
         self.requests[req.request_id] = state
-        await self._send_scheduler(AddRequest(req.request_id, prompt_ids, req.sampling, arrival, req.priority))
+        self._c_pooled.add()
+        job = asyncio.ensure_future(self._tokenize_in_pool(state, req, history))
+        self._tokenizing.add(job)
+        job.add_done_callback(self._tokenizing.discard)
 
-    def _encode_input(self, req: cp.GenerateRequest, continuing: bool) -> list[int]:
+    async def _tokenize_in_pool(self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None) -> None:
+        """Tokenize ``req`` on a pool thread, then admit it unless it was finalized meanwhile."""
+        loop = asyncio.get_running_loop()
+        error = None
+        try:
+            prompt_ids, start, end = await loop.run_in_executor(self._pool, self._prepare_prompt, req, history, True)
+            self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
+        except cp.ProtocolError as exc:
+            error = str(exc)
+        except Exception as exc:  # a bug, not the client's input: still exactly one final
+            log.exception("tokenizing request %r failed", req.request_id)
+            error = f"internal error while tokenizing: {exc}"
+        if self.requests.get(req.request_id) is not state:
+            return  # aborted, disconnected or failed meanwhile: the scheduler never heard of it
+        if error is not None:
+            del self.requests[req.request_id]
+            await self._reply_error(state.identity, req.request_id, error)
+            return
+        self._admit(state, req, history, prompt_ids)
+
+    def _prepare_prompt(
+        self, req: cp.GenerateRequest, history: list[int] | None, release_gil: bool
+    ) -> tuple[list[int], int, int]:
+        """The whole context to send (earlier turns + this input), checked against the model's
+        limits, and when its tokenization started and ended (ns). Touches no mutable state of
+        the frontend, so it runs on the loop or on a pool thread."""
+        start = profiling.now_ns()
+        try:
+            prompt_ids = self._encode_input(req, continuing=history is not None, release_gil=release_gil)
+        except cp.ProtocolError:
+            raise
+        except Exception as exc:  # a template error is the client's input, not a server crash
+            raise cp.ProtocolError(f"cannot tokenize input: {exc}", req.request_id) from None
+        end = profiling.now_ns()
+        text_input = req.token_ids is None  # the tokenizer's ids are below its vocabulary
+        if history is not None:
+            prompt_ids = history + prompt_ids
+        self._check_lengths(req, prompt_ids, check_vocab=not text_input or self._tokenizer_exceeds_model)
+        return prompt_ids, start, end
+
+    def _admit(
+        self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None, prompt_ids: list[int]
+    ) -> None:
+        """Complete ``state`` (tracked already) with its prompt and send it to the scheduler.
+
+        Synchronous: an abort handled later is queued after the AddRequest."""
+        if history is not None:
+            self._sessions.pop(req.request_id, None)  # back (extended) when this turn finishes
+        state.prompt_ids = prompt_ids
+        state.prompt_len = len(prompt_ids)
+        state.history_len = len(history) if history is not None else 0
+        state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        state.pending = False
+        self._send_scheduler(AddRequest(req.request_id, prompt_ids, req.sampling, state.arrival_time, req.priority))
+
+    def _encode_input(self, req: cp.GenerateRequest, continuing: bool, release_gil: bool = False) -> list[int]:
         """The request's input as token ids. A continuation's input follows earlier tokens, so
         no BOS is added to text, and a chat template's leading BOS is dropped."""
         if req.prompt is not None:
-            return self.tokenizer.encode(req.prompt, add_special_tokens=not continuing)
+            return self.tokenizer.encode(req.prompt, add_special_tokens=not continuing, release_gil=release_gil)
         if req.messages is not None:
-            ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, release_gil=release_gil)
             bos = self.tokenizer.bos_token_id
             if continuing and ids and bos is not None and ids[0] == bos:
                 ids = ids[1:]
@@ -291,13 +402,13 @@ class Frontend:
         while len(sessions) > self.config.max_sessions:
             sessions.popitem(last=False)
 
-    def _check_lengths(self, req: cp.GenerateRequest, prompt_ids: list[int]) -> None:
+    def _check_lengths(self, req: cp.GenerateRequest, prompt_ids: list[int], check_vocab: bool = True) -> None:
         max_len = self.config.max_model_len
         vocab = self.config.vocab_size
         if not prompt_ids:
             raise cp.ProtocolError("prompt tokenizes to zero tokens", req.request_id)
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if check_vocab and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):  # min/max: C speed on long prompts
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise cp.ProtocolError(f"token id {bad} is outside the vocabulary [0, {vocab})", req.request_id)
         bad = next((t for t in req.sampling.stop_token_ids if t >= vocab), None)
         if bad is not None:
@@ -318,26 +429,82 @@ class Frontend:
         state = self.requests.pop(request_id, None)
         if state is None:
             return  # already finished (its final is on the way) or never existed: aborts are idempotent
-        await self._abort_at_scheduler([request_id])
-        await self._finish(state, FinishReason.ABORT)
+        if not state.pending:  # a pending one never reached the scheduler
+            self._abort_at_scheduler([request_id])
+        self._finish(state, FinishReason.ABORT)
+
+    def _drop(self, states: list[RequestState]) -> None:
+        """Untrack the requests of a client that is gone (no final) and abort those the scheduler has."""
+        for state in states:
+            del self.requests[state.request_id]
+        admitted = [s.request_id for s in states if not s.pending]
+        if admitted:
+            self._abort_at_scheduler(admitted)
 
     # ------------------------------------------------------------------ scheduler side
 
-    async def _on_scheduler_message(self, frame) -> None:
-        try:
-            msg = codec.decode(frame.buffer)
-        except codec.DecodeError as exc:
-            log.error("dropping malformed message from scheduler: %s", exc)
-            return
-        self._c_sched.add()
-        if isinstance(msg, TokenOutputs):
-            start = profiling.now_ns()
-            for out in msg.outputs:
-                await self._on_output(out)
-            for request_id, token in zip(msg.request_ids, msg.token_ids):  # plain next tokens
-                await self._on_output(RequestOutput(request_id, [token]))
-            self._t_outputs.record(start, arg=len(msg.outputs) + len(msg.request_ids))
-        elif isinstance(msg, ProfileReport):
+    async def _drain_scheduler(self) -> None:
+        """Handle what the scheduler has queued (at most :data:`SCHEDULER_DRAIN_LIMIT` messages
+        per wake-up, so clients are served in between), in order. Consecutive TokenOutputs are
+        handled as one: a frontend that fell behind sends each stream one delta for all its
+        new tokens instead of one per step, so its cost per step drops and it catches up."""
+        batch: list[TokenOutputs] = []
+        for _ in range(SCHEDULER_DRAIN_LIMIT):
+            try:
+                frame = await self.from_scheduler.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                msg = codec.decode(frame.buffer)
+            except codec.DecodeError as exc:
+                log.error("dropping malformed message from scheduler: %s", exc)
+                continue
+            self._c_sched.add()
+            if isinstance(msg, TokenOutputs):
+                batch.append(msg)
+                continue
+            if batch:
+                self._on_token_outputs(batch)
+                batch = []
+            await self._on_scheduler_message(msg)
+            if not self._running:
+                return
+        if batch:
+            self._on_token_outputs(batch)
+
+    def _on_token_outputs(self, batch: list[TokenOutputs]) -> None:
+        """Steps' outputs, oldest first: for each tracked stream, detokenize its new tokens and
+        send one delta (or the last delta and the final). Synchronous from first to last stream."""
+        start = profiling.now_ns()
+        requests = self.requests
+        outputs = batch[0].outputs if len(batch) == 1 else _merge(batch)
+        num_tokens = 0
+        for out in outputs:
+            num_tokens += len(out.new_token_ids)
+            state = requests.get(out.request_id)
+            if state is None or state.pending:
+                continue  # finalized here already (abort, disconnect, stop string), or a new request with its id
+            if out.scheduled_time is not None:
+                state.scheduled_time = out.scheduled_time
+                state.cached_tokens = out.num_cached_tokens
+            if out.first_token_time is not None:
+                state.first_token_time = out.first_token_time
+            self._on_tokens(state, out.new_token_ids, out.finish_reason, out.error)
+        if len(batch) == 1:  # plain next tokens, one per stream: the hot path
+            msg = batch[0]
+            num_tokens += len(msg.token_ids)
+            for request_id, token in zip(msg.request_ids, msg.token_ids):
+                state = requests.get(request_id)
+                if state is not None and not state.pending:
+                    self._on_tokens(state, [token])
+        self._c_tokens.add(num_tokens)
+        self._t_outputs.record(start, arg=len(outputs) + (len(batch[0].request_ids) if len(batch) == 1 else 0))
+        if len(batch) > 1:
+            self._s_merged.add(len(batch))
+
+    async def _on_scheduler_message(self, msg) -> None:
+        """A scheduler message other than TokenOutputs."""
+        if isinstance(msg, ProfileReport):
             await self._reply_profile(msg.query_id, msg.profiles)
         elif isinstance(msg, SchedulerStats):
             identity = self._stats_waiters.pop(msg.query_id, None)
@@ -347,51 +514,50 @@ class Frontend:
                 reply.update(type=cp.STATS_REPLY, v=cp.CLIENT_PROTOCOL_VERSION, in_flight=len(self.requests))
                 await self._send_client(identity, reply)
 
-    async def _on_output(self, out: RequestOutput) -> None:
-        state = self.requests.get(out.request_id)
-        if state is None:
-            return  # finalized here already (abort, disconnect, stop string)
-        if out.scheduled_time is not None:
-            state.scheduled_time = out.scheduled_time
-            state.cached_tokens = out.num_cached_tokens
-        if out.first_token_time is not None:
-            state.first_token_time = out.first_token_time
+    def _on_tokens(
+        self, state: RequestState, new_token_ids: list[int], finish_reason: str | None = None, error: str | None = None
+    ) -> None:
+        """One step's output of a tracked, admitted request: detokenize, stop strings, then a
+        delta, or the last delta and the final. Synchronous: one step's outputs for every
+        stream are handled without yielding to the loop."""
         emit, stopped = "", False
-        if out.new_token_ids:
+        if new_token_ids:
             start = profiling.now_ns()
             if state.last_output_ns:
                 self._s_itl.add((start - state.last_output_ns) / 1e6, start)
             state.last_output_ns = start
-            self._c_tokens.add(len(out.new_token_ids))
-            state.token_ids.extend(out.new_token_ids)
-            emit, stopped = state.stop.feed(state.detokenizer.push(out.new_token_ids))
+            if len(new_token_ids) > 1 and state.stop.active:  # steps merged: stop at the very token
+                new_token_ids, emit, stopped = _feed_each(state, new_token_ids)
+            else:
+                state.token_ids.extend(new_token_ids)
+                emit, stopped = state.stop.feed(state.detokenizer.push(new_token_ids))
             self._t_detokenize.record(start)
         if stopped:
             state.text.append(emit)
-            del self.requests[out.request_id]
-            if out.finish_reason is None:
-                await self._abort_at_scheduler([out.request_id])
-            await self._finish(state, FinishReason.STOP, delta=emit, delta_ids=out.new_token_ids)
+            del self.requests[state.request_id]
+            if finish_reason is None:
+                self._abort_at_scheduler([state.request_id])
+            self._finish(state, FinishReason.STOP, delta=emit, delta_ids=new_token_ids)
             return
-        if out.finish_reason is not None:
+        if finish_reason is not None:
             tail, stopped = state.stop.feed(state.detokenizer.flush())
             emit += tail if stopped else tail + state.stop.flush()
             state.text.append(emit)
-            del self.requests[out.request_id]
-            reason = FinishReason.STOP if state.stop.stopped else out.finish_reason
-            await self._finish(state, reason, delta=emit, delta_ids=out.new_token_ids, error=out.error)
+            del self.requests[state.request_id]
+            reason = FinishReason.STOP if state.stop.stopped else finish_reason
+            self._finish(state, reason, delta=emit, delta_ids=new_token_ids, error=error)
             return
         state.text.append(emit)
-        if state.stream and (emit or out.new_token_ids):
-            await self._send_delta(state, emit, out.new_token_ids)
+        if state.stream and (emit or new_token_ids):
+            self._send_delta(state, emit, new_token_ids)
 
-    async def _send_delta(self, state: RequestState, text: str, token_ids: list[int]) -> None:
-        await self._send_client(
+    def _send_delta(self, state: RequestState, text: str, token_ids: list[int]) -> None:
+        self._push_client(
             state.identity,
             {"type": cp.DELTA, "v": 1, "request_id": state.request_id, "text": text, "token_ids": token_ids},
         )
 
-    async def _finish(
+    def _finish(
         self,
         state: RequestState,
         reason: str,
@@ -400,10 +566,12 @@ class Frontend:
         delta_ids: list[int] | None = None,
         error: str | None = None,
     ) -> None:
-        """Send a streamed request's last delta (if any), then the final; the caller untracked it."""
+        """Send a streamed request's last delta (if any), then the final; the caller untracked it.
+
+        Raw sends: only from the handlers :meth:`run` calls (see :meth:`_push_client`)."""
         now = time.time()
         if state.stream and (delta or delta_ids):
-            await self._send_delta(state, delta, delta_ids or [])
+            self._send_delta(state, delta, delta_ids or [])
         timing = {
             "queue_time": _since(state.arrival_time, state.scheduled_time),
             "ttft": _since(state.arrival_time, state.first_token_time),
@@ -411,7 +579,7 @@ class Frontend:
         }
         self._record_request(timing, len(state.token_ids))
         self._remember(state, reason)
-        await self._send_client(
+        self._push_client(
             state.identity,
             {
                 "type": cp.FINAL,
@@ -456,7 +624,7 @@ class Frontend:
             ),
         )
         self._profile_waiters[query_id] = (identity, cmd, timeout)
-        await self._send_scheduler(ProfileQuery(query_id, cmd.window_s, cmd.trace, list(cmd.series)))
+        self._send_scheduler(ProfileQuery(query_id, cmd.window_s, cmd.trace, list(cmd.series)))
 
     async def _reply_profile(self, query_id: str, others: list, error: str | None = None) -> None:
         waiter = self._profile_waiters.pop(query_id, None)
@@ -482,7 +650,7 @@ class Frontend:
         states = list(self.requests.values())
         self.requests.clear()
         for state in states:
-            await self._finish(state, FinishReason.ERROR, error=reason)
+            self._finish(state, FinishReason.ERROR, error=reason)
 
     async def _on_control(self, frame) -> None:
         try:
@@ -497,11 +665,11 @@ class Frontend:
 
     # ------------------------------------------------------------------ sending
 
-    async def _abort_at_scheduler(self, request_ids: list[str]) -> None:
-        await self._send_scheduler(AbortRequests(request_ids))
+    def _abort_at_scheduler(self, request_ids: list[str]) -> None:
+        self._send_scheduler(AbortRequests(request_ids))
 
-    async def _send_scheduler(self, msg) -> None:
-        await self.to_scheduler.send(codec.encode(msg), copy=False)
+    def _send_scheduler(self, msg) -> None:
+        self._to_scheduler_raw.send(codec.encode(msg), copy=False)
 
     async def _reply_error(self, identity: bytes, request_id: str | None, message: str) -> None:
         if request_id is None:
@@ -520,8 +688,23 @@ class Frontend:
             }
         await self._send_client(identity, reply)
 
+    def _push_client(self, identity: bytes, obj: dict) -> None:
+        """Send to one client now on the raw socket: the streaming hot path. Only from the
+        handlers :meth:`run` calls (anywhere else: :meth:`_send_client`)."""
+        start = profiling.now_ns()
+        raw = self._clients_raw
+        try:
+            raw.send(identity, zmq.SNDMORE)  # a gone client fails here, before any frame is queued
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            self._client_gone(identity)
+            return
+        raw.send(self._packer.pack(obj))
+        self._t_send.record(start)
+
     async def _send_client(self, identity: bytes, obj: dict) -> None:
-        """Send to one client; a client that is gone has its in-flight requests aborted."""
+        """Send to one client through the asyncio socket: safe from tasks and timers too."""
         start = profiling.now_ns()
         try:
             await self.clients.send_multipart([identity, cp.pack(obj)], copy=False)
@@ -529,13 +712,82 @@ class Frontend:
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
-            victims = [s.request_id for s in self.requests.values() if s.identity == identity]
-            for rid in victims:
-                self.requests.pop(rid)
-            if victims:
-                log.info("client gone; aborting %d request(s)", len(victims))
-                await self._abort_at_scheduler(victims)
+            self._client_gone(identity)
+
+    def _client_gone(self, identity: bytes) -> None:
+        """A send found the client gone: abort its in-flight requests."""
+        victims = [s for s in self.requests.values() if s.identity == identity]
+        if victims:
+            log.info("client gone; aborting %d request(s)", len(victims))
+            self._drop(victims)
+
+
+def _merge(batch: list[TokenOutputs]) -> list[RequestOutput]:
+    """Several steps' outputs as one list with one RequestOutput per request: its tokens in
+    step order, its first timing fields, and its finish (nothing follows a finish)."""
+    merged: dict[str, RequestOutput] = {}
+    for msg in batch:
+        for out in msg.outputs:
+            acc = merged.get(out.request_id)
+            if acc is None:
+                merged[out.request_id] = RequestOutput(
+                    out.request_id,
+                    list(out.new_token_ids),
+                    out.finish_reason,
+                    out.error,
+                    out.scheduled_time,
+                    out.first_token_time,
+                    out.num_cached_tokens,
+                )
+            elif acc.finish_reason is None:
+                acc.new_token_ids.extend(out.new_token_ids)
+                acc.finish_reason, acc.error = out.finish_reason, out.error
+                if acc.scheduled_time is None and out.scheduled_time is not None:
+                    acc.scheduled_time, acc.num_cached_tokens = out.scheduled_time, out.num_cached_tokens
+                if acc.first_token_time is None:
+                    acc.first_token_time = out.first_token_time
+        for request_id, token in zip(msg.request_ids, msg.token_ids):
+            acc = merged.get(request_id)
+            if acc is None:
+                merged[request_id] = RequestOutput(request_id, [token])
+            elif acc.finish_reason is None:
+                acc.new_token_ids.append(token)
+    return list(merged.values())
+
+
+def _feed_each(state: RequestState, token_ids: list[int]) -> tuple[list[int], str, bool]:
+    """Feed merged tokens one at a time, up to the one that completes a stop string, as if
+    they had come step by step: the tokens taken, the text released, and whether it stopped."""
+    parts: list[str] = []
+    for i, token in enumerate(token_ids):
+        state.token_ids.append(token)
+        emit, stopped = state.stop.feed(state.detokenizer.push([token]))
+        parts.append(emit)
+        if stopped:
+            return token_ids[: i + 1], "".join(parts), True
+    return token_ids, "".join(parts), False
 
 
 def _since(start: float, end: float | None) -> float | None:
     return None if end is None else max(0.0, end - start)
+
+
+def _input_chars(req: cp.GenerateRequest) -> int:
+    """Characters to tokenize: the prompt, or every string in the messages (0 for token ids)."""
+    if req.prompt is not None:
+        return len(req.prompt)
+    return _text_len(req.messages) if req.messages is not None else 0
+
+
+def _text_len(value, depth: int = 4) -> int:
+    """Total length of the strings in ``value`` down to ``depth`` levels (messages, their
+    fields, parts of a content list, ...): an estimate, deep enough for any chat template."""
+    if isinstance(value, str):
+        return len(value)
+    if depth == 0:
+        return 0
+    if isinstance(value, dict):
+        return sum(_text_len(v, depth - 1) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_len(v, depth - 1) for v in value)
+    return 0

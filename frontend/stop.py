@@ -28,6 +28,11 @@ class StopStringMatcher:
         self._stopped = False
 
     @property
+    def active(self) -> bool:
+        """True when there is any stop string to look for."""
+        return bool(self._stop)
+
+    @property
     def stopped(self) -> bool:
         """True once a stop string matched; everything after it is dropped."""
         return self._stopped

@@ -17,6 +17,9 @@ Training is deterministic, so every run tests the same vocabularies.
 from __future__ import annotations
 
 import json
+import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -210,3 +213,170 @@ def hf(tokenizer_dirs):
     """Name -> transformers AutoTokenizer, the reference (skipped where transformers is absent)."""
     transformers = pytest.importorskip("transformers")
     return {name: transformers.AutoTokenizer.from_pretrained(str(path)) for name, path in tokenizer_dirs.items()}
+
+
+# ---------------------------------------------------------------------- a live frontend
+
+
+class GatedTokenizer:
+    """Wraps a conveyor Tokenizer; its pooled encodes (``release_gil=True``, the frontend's
+    thread pool), and with ``gate_inline`` also those on the event loop, wait for ``gate``, so a
+    test decides exactly when a prompt is tokenized. ``entered`` is set once such an encode has
+    started."""
+
+    def __init__(self, base, gate_inline: bool = False) -> None:
+        self._base = base
+        self.gate_inline = gate_inline
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._base, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True, *, release_gil: bool = False) -> list[int]:
+        if release_gil or self.gate_inline:
+            self.entered.set()
+            if not self.gate.wait(30):
+                raise TimeoutError("the test never opened the tokenizer gate")
+        return self._base.encode(text, add_special_tokens, release_gil=release_gil)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *, release_gil: bool = False):
+        text = self._base.render_chat(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False, release_gil=release_gil)
+
+
+class LiveFrontend:
+    """The frontend's asyncio loop on a thread, with a stand-in scheduler (two plain sockets on
+    the frontend's internal addresses) and DEALER clients speaking the client protocol."""
+
+    def __init__(self, tokenizer, **config) -> None:
+        import uvloop
+        import zmq
+
+        from conveyor.common.transport import ServerAddresses, make_run_dir
+        from conveyor.frontend.server import Frontend, FrontendConfig
+
+        self.zmq = zmq
+        self.run_dir = make_run_dir()  # short: ipc paths are limited to ~100 characters
+        self.addresses = ServerAddresses.in_run_dir(self.run_dir, f"ipc://{self.run_dir}/client")
+        config = {"max_model_len": 4096, "vocab_size": tokenizer.vocab_size, **config}
+        self.config = FrontendConfig(str(DEMO_DIR), self.addresses, **config)
+        self.ctx = zmq.Context()
+        self.from_frontend = self._socket(zmq.PULL, self.addresses.to_scheduler, bind=True)
+        self.to_frontend = self._socket(zmq.PUSH, self.addresses.to_frontend, bind=False)
+        self.control = self._socket(zmq.PUSH, self.addresses.frontend_control, bind=False)
+        self.frontend = None
+        started = threading.Event()
+        self.error: list[BaseException] = []
+
+        async def main() -> None:
+            self.frontend = Frontend(self.config, tokenizer)
+            started.set()
+            try:
+                await self.frontend.run()
+            finally:
+                self.frontend.close()
+
+        def run() -> None:
+            try:
+                uvloop.run(main())
+            except BaseException as exc:  # surfaced by stop()
+                self.error.append(exc)
+                started.set()
+
+        self.thread = threading.Thread(target=run, name="frontend-loop", daemon=True)
+        self.thread.start()
+        assert started.wait(10) and not self.error, self.error
+
+    def _socket(self, kind: int, address: str, *, bind: bool):
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(self.zmq.LINGER, 0)
+        sock.bind(address) if bind else sock.connect(address)
+        return sock
+
+    def client(self):
+        """A DEALER socket connected to the client address."""
+        import uuid
+
+        sock = self.ctx.socket(self.zmq.DEALER)
+        sock.setsockopt(self.zmq.LINGER, 0)
+        sock.setsockopt(self.zmq.ROUTING_ID, uuid.uuid4().bytes)
+        sock.connect(self.addresses.client)
+        return sock
+
+    @staticmethod
+    def send(sock, **fields) -> None:
+        import msgpack
+
+        sock.send(msgpack.packb({"v": 1, **fields}))
+
+    @staticmethod
+    def recv(sock, timeout: float = 5.0) -> dict | None:
+        """The next message on a client socket, or None after ``timeout`` seconds."""
+        import msgpack
+
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        return msgpack.unpackb(sock.recv())
+
+    def scheduler_recv(self, timeout: float = 5.0):
+        """The next message the frontend sent the scheduler (decoded), or None after ``timeout`` s."""
+        from conveyor.common import codec
+
+        if not self.from_frontend.poll(int(timeout * 1000)):
+            return None
+        return codec.decode(self.from_frontend.recv())
+
+    def scheduler_send(self, msg) -> None:
+        from conveyor.common import codec
+
+        self.to_frontend.send(codec.encode(msg))
+
+    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.005)
+        return predicate()
+
+    def shutdown(self) -> None:
+        """What bin/serve does on exit: Shutdown on the control line (every in-flight request
+        gets an error final), then the loop ends; the test's sockets stay open."""
+        from conveyor.common import codec
+        from conveyor.common.messages import Shutdown
+
+        if self.thread.is_alive():
+            self.control.send(codec.encode(Shutdown("test over")))
+            self.thread.join(10)
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        assert not self.thread.is_alive(), "the frontend loop did not stop"
+        assert not self.error, self.error
+
+
+@pytest.fixture
+def live_frontend(ours):
+    """``start(tokenizer=None, **FrontendConfig fields) -> LiveFrontend`` on the demo tokenizer
+    (or ``tokenizer``); every frontend started is shut down and checked afterwards."""
+    started: list[LiveFrontend] = []
+
+    def start(tokenizer=None, **config) -> LiveFrontend:
+        fe = LiveFrontend(tokenizer or ours["demo"], **config)
+        started.append(fe)
+        return fe
+
+    yield start
+    for fe in started:
+        fe.stop()
+
+
+@pytest.fixture
+def gated(ours) -> GatedTokenizer:
+    """The demo tokenizer, its pooled encodes held until ``gated.gate`` is set (set at teardown)."""
+    tok = GatedTokenizer(ours["demo"])
+    yield tok
+    tok.gate.set()

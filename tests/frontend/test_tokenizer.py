@@ -213,3 +213,57 @@ def test_malformed_files_are_named(tmp_path, tokenizer_dirs) -> None:
     (root / "tokenizer.json").write_text('{"model": 1}')
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer.from_dir(root)
+
+
+# ---------------------------------------------------------------------- the frontend's pooled path
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_release_gil_encodes_the_same_ids(ours, data) -> None:
+    for name in NAMES:
+        text = data.draw(texts, label=name)
+        for special in (True, False):
+            assert ours[name].encode(text, special, release_gil=True) == ours[name].encode(text, special)
+        for i in range(ours[name].vocab_size + 2):
+            if i % 97 == 0:
+                assert ours[name].decode_one(i) == ours[name].decode([i])
+                assert ours[name].decode_one(i, False) == ours[name].decode([i], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("name", CHAT_NAMES)
+def test_release_gil_chat_template_gives_the_same_ids(name, ours) -> None:
+    for messages in CONVERSATIONS:
+        assert ours[name].apply_chat_template(messages, release_gil=True) == ours[name].apply_chat_template(messages)
+
+
+def test_release_gil_lets_other_threads_run_during_a_long_encode(ours) -> None:
+    """The reason the frontend's pool uses ``release_gil``: while one thread encodes a long
+    prompt, another (the event loop) keeps running. Measured as the longest stretch during
+    the encode in which this thread could not execute Python: with the GIL held for the whole
+    encode that stretch is the encode's duration."""
+    import threading
+    import time
+
+    tok = ours["demo"]
+    text = "The lighthouse keeper wrote in his log, café 😀 你好, every night. " * 5000  # ~330k characters
+    done = threading.Event()
+    timing: dict[str, float] = {}
+
+    def work() -> None:
+        start = time.perf_counter()
+        tok.encode(text, release_gil=True)
+        timing["encode_s"] = time.perf_counter() - start
+        done.set()
+
+    worker = threading.Thread(target=work)
+    last = time.perf_counter()
+    longest = 0.0
+    worker.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest = max(longest, now - last)
+        last = now
+    worker.join()
+    assert timing["encode_s"] > 0.05, "too fast to tell: lengthen the text"
+    assert longest < timing["encode_s"] / 2, (longest, timing)

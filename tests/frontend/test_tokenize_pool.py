@@ -1,0 +1,324 @@
+"""The frontend's tokenizer pool: long prompts are tokenized off the event loop, and a request
+whose prompt is still tokenizing keeps every invariant of frontend/server.py (one final per
+request, nothing reaches the scheduler for a request finalized meanwhile, unique ids,
+continuation sessions). A live frontend loop runs on a thread against a stand-in scheduler
+(conftest.py: ``live_frontend``); ``GatedTokenizer`` holds pooled encodes until the test opens
+its gate, so every ordering below is forced, not raced."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conveyor.common.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
+from conveyor.frontend.server import FrontendConfig
+
+LONG = "The lighthouse keeper wrote in his log every night. " * 8  # 416 characters: pooled at 100
+SHORT = "Hello there"
+
+
+def generate(fe, sock, rid: str, prompt: str, **fields) -> None:
+    fe.send(sock, type="generate", request_id=rid, prompt=prompt, max_tokens=1000, stream=True, **fields)
+
+
+def first_step(rid: str, token: int) -> TokenOutputs:
+    now = time.time()
+    return TokenOutputs([RequestOutput(rid, [token], scheduled_time=now, first_token_time=now)])
+
+
+def finish(rid: str, token: int) -> TokenOutputs:
+    return TokenOutputs([RequestOutput(rid, [token], finish_reason="length")])
+
+
+def messages_until_final(fe, sock, timeout: float = 5.0) -> list[dict]:
+    out = []
+    while (msg := fe.recv(sock, timeout)) is not None:
+        out.append(msg)
+        if msg["type"] == "final":
+            break
+    return out
+
+
+def admit(fe, sock, rid: str, prompt: str = SHORT) -> AddRequest:
+    generate(fe, sock, rid, prompt)
+    add = fe.scheduler_recv()
+    assert isinstance(add, AddRequest) and add.request_id == rid
+    return add
+
+
+@pytest.mark.parametrize("threads", [0, 2], ids=["inline", "pool"])
+def test_streams_in_both_modes(live_frontend, ours, threads) -> None:
+    # tokenize_inline_chars=0 sends every prompt through the pool's GIL-releasing encode
+    fe = live_frontend(tokenizer_threads=threads, tokenize_inline_chars=0)
+    sock = fe.client()
+    add = admit(fe, sock, "a", LONG)
+    assert add.prompt_token_ids == ours["demo"].encode(LONG)
+    fe.scheduler_send(first_step("a", 300))
+    assert fe.recv(sock)["token_ids"] == [300]
+    fe.scheduler_send(TokenOutputs([], ["a"], [301]))
+    assert fe.recv(sock)["token_ids"] == [301]
+    fe.scheduler_send(finish("a", 302))
+    msgs = messages_until_final(fe, sock)
+    assert [m["type"] for m in msgs] == ["delta", "final"]
+    assert msgs[-1]["token_ids"] == [300, 301, 302] and msgs[-1]["finish_reason"] == "length"
+    assert msgs[-1]["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
+    assert msgs[-1]["text"] == ours["demo"].decode([300, 301, 302])
+
+
+def test_other_streams_flow_while_a_long_prompt_tokenizes(live_frontend, gated, ours) -> None:
+    fe = live_frontend(gated, tokenize_inline_chars=100)
+    streaming, waiting = fe.client(), fe.client()
+    admit(fe, streaming, "s")
+    generate(fe, waiting, "long", LONG)
+    assert gated.entered.wait(5)  # "long" is now stuck in the pool, mid-tokenization
+    fe.scheduler_send(first_step("s", 300))
+    gaps = []
+    for i in range(20):
+        sent = time.monotonic()
+        if i:
+            fe.scheduler_send(TokenOutputs([], ["s"], [300 + i]))
+        msg = fe.recv(streaming)
+        assert msg is not None and msg["type"] == "delta" and msg["token_ids"] == [300 + i]
+        gaps.append(time.monotonic() - sent)
+    # Inline, the loop would be stuck in encode() until the gate opened: no delta at all.
+    assert max(gaps) < 2.0
+    assert fe.scheduler_recv(timeout=0.05) is None  # nothing about "long" before its tokens exist
+    assert fe.frontend.requests["long"].pending
+    gated.gate.set()
+    add = fe.scheduler_recv()
+    assert isinstance(add, AddRequest) and add.request_id == "long"
+    assert add.prompt_token_ids == ours["demo"].encode(LONG)
+    fe.scheduler_send(finish("long", 400))
+    msgs = messages_until_final(fe, waiting)
+    assert [m["type"] for m in msgs] == ["delta", "final"] and msgs[-1]["token_ids"] == [400]
+    assert msgs[-1]["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
+
+
+def test_abort_while_tokenizing_sends_nothing_to_the_scheduler_and_one_final(live_frontend, gated, ours) -> None:
+    fe = live_frontend(gated, tokenize_inline_chars=100)
+    sock = fe.client()
+    generate(fe, sock, "x", LONG)
+    assert gated.entered.wait(5)
+    fe.send(sock, type="abort", request_id="x")
+    msgs = messages_until_final(fe, sock)
+    assert [m["type"] for m in msgs] == ["final"]
+    assert msgs[0]["finish_reason"] == "abort" and msgs[0]["token_ids"] == [] and msgs[0]["usage"]["prompt_tokens"] == 0
+    fe.send(sock, type="abort", request_id="x")  # idempotent: nothing more
+    gated.gate.set()
+    assert fe.wait_for(lambda: not fe.frontend._tokenizing)  # the pool handed its tokens back
+    assert fe.scheduler_recv(timeout=0.3) is None  # neither an AddRequest nor an AbortRequests
+    assert fe.recv(sock, timeout=0.3) is None  # and no second final
+    assert not fe.frontend.requests
+    # the id is free again, and the next request under it is served normally
+    admit(fe, sock, "x")
+    fe.scheduler_send(finish("x", 300))
+    assert [m["type"] for m in messages_until_final(fe, sock)] == ["delta", "final"]
+
+
+def test_disconnect_while_tokenizing_sends_nothing_to_the_scheduler(live_frontend, gated, ours) -> None:
+    fe = live_frontend(gated, tokenize_inline_chars=100)
+    other = fe.client()
+    admit(fe, other, "stays")
+    gone = fe.client()
+    generate(fe, gone, "gone", LONG)
+    assert gated.entered.wait(5)
+    gone.close(linger=0)
+    assert fe.wait_for(lambda: "gone" not in fe.frontend.requests)  # the disconnect was handled
+    gated.gate.set()
+    assert fe.wait_for(lambda: not fe.frontend._tokenizing)
+    assert fe.scheduler_recv(timeout=0.3) is None
+    assert list(fe.frontend.requests) == ["stays"]
+
+
+def test_disconnect_after_admission_aborts_at_the_scheduler(live_frontend) -> None:
+    fe = live_frontend(tokenize_inline_chars=100)
+    gone = fe.client()
+    admit(fe, gone, "pooled", LONG)
+    admit(fe, gone, "inline", SHORT)
+    gone.close(linger=0)
+    abort = fe.scheduler_recv()
+    assert isinstance(abort, AbortRequests) and sorted(abort.request_ids) == ["inline", "pooled"]
+
+
+def test_duplicate_id_is_refused_while_its_prompt_tokenizes(live_frontend, gated, ours) -> None:
+    fe = live_frontend(gated, tokenize_inline_chars=100)
+    sock = fe.client()
+    generate(fe, sock, "d", LONG)
+    assert gated.entered.wait(5)
+    generate(fe, sock, "d", SHORT)
+    refused = fe.recv(sock)
+    assert refused["type"] == "final" and refused["finish_reason"] == "error" and "already in flight" in refused["error"]
+    gated.gate.set()
+    add = fe.scheduler_recv()
+    assert isinstance(add, AddRequest) and add.prompt_token_ids == ours["demo"].encode(LONG)
+    assert fe.scheduler_recv(timeout=0.2) is None  # the duplicate never went anywhere
+    fe.scheduler_send(finish("d", 300))
+    assert [m["type"] for m in messages_until_final(fe, sock)] == ["delta", "final"]
+
+
+def test_outputs_for_an_id_still_tokenizing_are_ignored(live_frontend, gated) -> None:
+    """Late outputs of an earlier request under the same id cannot reach a pending one."""
+    fe = live_frontend(gated, tokenize_inline_chars=100)
+    sock = fe.client()
+    generate(fe, sock, "p", LONG)
+    assert gated.entered.wait(5)
+    fe.scheduler_send(TokenOutputs([], ["p"], [300]))
+    fe.scheduler_send(finish("p", 301))
+    assert fe.recv(sock, timeout=0.3) is None
+    gated.gate.set()
+    assert isinstance(fe.scheduler_recv(), AddRequest)
+    fe.scheduler_send(finish("p", 302))
+    msgs = messages_until_final(fe, sock)
+    assert msgs[-1]["token_ids"] == [302]
+
+
+def test_shutdown_while_tokenizing_sends_one_error_final(live_frontend, gated, ours) -> None:
+    fe = live_frontend(gated, tokenize_inline_chars=100)
+    sock = fe.client()
+    generate(fe, sock, "z", LONG)
+    assert gated.entered.wait(5)
+    fe.shutdown()
+    msgs = messages_until_final(fe, sock)
+    assert [m["type"] for m in msgs] == ["final"]
+    assert msgs[0]["finish_reason"] == "error" and msgs[0]["error"] == "test over"
+    gated.gate.set()  # the pool thread finishes; its tokens go nowhere
+    assert fe.scheduler_recv(timeout=0.3) is None
+    assert fe.recv(sock, timeout=0.2) is None
+
+
+def test_tokenize_error_in_the_pool_is_one_error_final(live_frontend) -> None:
+    fe = live_frontend(tokenize_inline_chars=100, max_model_len=64)
+    sock = fe.client()
+    generate(fe, sock, "big", LONG)
+    msgs = messages_until_final(fe, sock)
+    assert [m["type"] for m in msgs] == ["final"]
+    assert msgs[0]["finish_reason"] == "error" and "the model's limit is 64" in msgs[0]["error"]
+    assert fe.scheduler_recv(timeout=0.2) is None and not fe.frontend.requests
+
+
+def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live_frontend, gated, ours) -> None:
+    tok = ours["demo"]
+    fe = live_frontend(gated, tokenize_inline_chars=100)
+    sock = fe.client()
+    first = admit(fe, sock, "chat")
+    fe.scheduler_send(finish("chat", 300))
+    assert messages_until_final(fe, sock)[-1]["finish_reason"] == "length"
+    context = first.prompt_token_ids + [300]
+    # a long continuation, aborted while it tokenizes: the earlier context stays as it was
+    generate(fe, sock, "chat", LONG)
+    assert gated.entered.wait(5)
+    fe.send(sock, type="abort", request_id="chat")
+    assert messages_until_final(fe, sock)[-1]["finish_reason"] == "abort"
+    assert fe.frontend._sessions["chat"] == context
+    gated.gate.set()
+    assert fe.wait_for(lambda: not fe.frontend._tokenizing)
+    assert fe.scheduler_recv(timeout=0.2) is None
+    # the retry continues the same context, its text without BOS
+    generate(fe, sock, "chat", LONG)
+    add = fe.scheduler_recv()
+    assert isinstance(add, AddRequest)
+    assert add.prompt_token_ids == context + tok.encode(LONG, add_special_tokens=False)
+    assert "chat" not in fe.frontend._sessions  # back, extended, when this turn finishes
+    fe.scheduler_send(finish("chat", 301))
+    final = messages_until_final(fe, sock)[-1]
+    assert final["token_ids"] == [301] and final["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
+    assert fe.frontend._sessions["chat"] == add.prompt_token_ids + [301]
+
+
+def test_chat_messages_over_the_threshold_are_pooled(live_frontend, gated, ours) -> None:
+    fe = live_frontend(gated, tokenize_inline_chars=100)
+    sock = fe.client()
+    messages = [{"role": "user", "content": LONG}]
+    fe.send(sock, type="generate", request_id="m", messages=messages, max_tokens=4)
+    assert gated.entered.wait(5)
+    gated.gate.set()
+    add = fe.scheduler_recv()
+    assert add.prompt_token_ids == ours["demo"].apply_chat_template(messages)
+    counters = {c.name: c.total for c in fe.frontend.profiler.snapshot(60).counters}
+    assert counters["pooled_tokenizations"] == 1
+
+
+def test_config_rejects_negative_pool_settings() -> None:
+    from conveyor.common.transport import ServerAddresses
+
+    addrs = ServerAddresses.in_run_dir("/tmp/x", "ipc:///tmp/x/c")
+    with pytest.raises(ValueError, match="tokenizer_threads"):
+        FrontendConfig("d", addrs, max_model_len=8, vocab_size=8, tokenizer_threads=-1)
+    with pytest.raises(ValueError, match="tokenize_inline_chars"):
+        FrontendConfig("d", addrs, max_model_len=8, vocab_size=8, tokenize_inline_chars=-1)
+
+
+# ---------------------------------------------------------------------- a frontend that fell behind
+
+WORDS = " one two three four on a"  # one token per word in the demo vocabulary
+
+
+def test_inline_tokenization_stalls_streams_and_queued_steps_are_merged(live_frontend, gated, ours) -> None:
+    """tokenizer_threads=0 (everything on the loop): a prompt being tokenized holds every
+    stream. The steps that queued up meanwhile then go out as one delta per stream."""
+    tok = ours["demo"]
+    words = tok.encode(WORDS, add_special_tokens=False)
+    assert len(words) == 6 and tok.decode(words) == WORDS
+    gated.gate_inline = False
+    fe = live_frontend(gated, tokenizer_threads=0)
+    streaming, blocking = fe.client(), fe.client()
+    admit(fe, streaming, "s")
+    fe.scheduler_send(first_step("s", words[0]))
+    assert fe.recv(streaming)["token_ids"] == words[:1]
+    gated.gate_inline = True
+    generate(fe, blocking, "b", SHORT)
+    assert gated.entered.wait(5)  # the event loop itself is now inside encode()
+    for token in words[1:5]:
+        fe.scheduler_send(TokenOutputs([], ["s"], [token]))
+    assert fe.recv(streaming, timeout=0.3) is None  # stalled: nothing moves while it tokenizes
+    gated.gate.set()
+    assert isinstance(fe.scheduler_recv(), AddRequest)
+    merged = fe.recv(streaming)
+    assert merged["type"] == "delta" and merged["token_ids"] == words[1:5]
+    assert merged["text"] == tok.decode(words[1:5])
+    fe.scheduler_send(finish("s", words[5]))
+    msgs = messages_until_final(fe, streaming)
+    assert msgs[-1]["token_ids"] == words and msgs[-1]["text"] == WORDS
+    series = {s.name: s.values for s in fe.frontend.profiler.snapshot(60, series=["merged_steps"]).series}
+    assert series["merged_steps"] == [4]
+
+
+def test_merged_steps_stop_at_the_token_that_completes_a_stop_string(live_frontend, gated, ours) -> None:
+    tok = ours["demo"]
+    words = tok.encode(WORDS, add_special_tokens=False)
+    fe = live_frontend(gated, tokenizer_threads=0)
+    streaming, blocking = fe.client(), fe.client()
+    generate(fe, streaming, "s", SHORT, stop=" four")
+    assert isinstance(fe.scheduler_recv(), AddRequest)
+    gated.gate_inline = True
+    generate(fe, blocking, "b", SHORT)
+    assert gated.entered.wait(5)
+    fe.scheduler_send(first_step("s", words[0]))
+    for token in words[1:]:
+        fe.scheduler_send(TokenOutputs([], ["s"], [token]))
+    gated.gate.set()
+    assert isinstance(fe.scheduler_recv(), AddRequest)  # "b"
+    abort = fe.scheduler_recv()  # the stop string ended "s" here: the scheduler is told
+    assert isinstance(abort, AbortRequests) and abort.request_ids == ["s"]
+    msgs = messages_until_final(fe, streaming)
+    final = msgs[-1]
+    assert final["finish_reason"] == "stop" and final["text"] == " one two three"
+    assert final["token_ids"] == words[:4]  # up to the token that completed " four", not beyond
+    assert "".join(m["text"] for m in msgs[:-1]) == final["text"]
+    assert [t for m in msgs[:-1] for t in m["token_ids"]] == words[:4]
+
+
+def test_merge_keeps_step_order_first_timings_and_stops_at_a_finish() -> None:
+    from conveyor.frontend.server import _merge
+
+    batch = [
+        TokenOutputs([RequestOutput("a", [1], scheduled_time=5.0, first_token_time=6.0, num_cached_tokens=3)], ["b"], [10]),
+        TokenOutputs([], ["a", "b"], [2, 11]),
+        TokenOutputs([RequestOutput("b", [12], finish_reason="length"), RequestOutput("c", [20], first_token_time=7.0)], ["a"], [3]),
+    ]
+    merged = {out.request_id: out for out in _merge(batch)}
+    assert merged["a"].new_token_ids == [1, 2, 3] and merged["a"].finish_reason is None
+    assert (merged["a"].scheduled_time, merged["a"].first_token_time, merged["a"].num_cached_tokens) == (5.0, 6.0, 3)
+    assert merged["b"].new_token_ids == [10, 11, 12] and merged["b"].finish_reason == "length"
+    assert merged["c"].new_token_ids == [20] and merged["c"].first_token_time == 7.0

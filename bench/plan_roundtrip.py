@@ -25,6 +25,7 @@ both alike; p50/p99 are over all rounds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -66,9 +67,13 @@ def decode_plan(step: int, ids: list[str]) -> StepPlan:
     return StepPlan(step, [], CachedRequests(ids, np.arange(100, 100 + n, dtype=np.int32), np.ones(n, np.int32)), [])
 
 
-def run(transport: str, n: int, iters: int, warmup: int) -> list[int]:
+def run(transport: str, n: int, iters: int, warmup: int, spin_us: float | None) -> list[int]:
     run_dir = tempfile.mkdtemp(prefix="cv-rt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     channels = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", transport)
+    if spin_us is not None:
+        channels = StepChannels(
+            dataclasses.replace(channels.plans, spin_us=spin_us), dataclasses.replace(channels.results, spin_us=spin_us)
+        )
     step_channel.create_rings(channels)
     ctx = zmq.Context()
     plans = StepSender(ctx, channels.plans, bind=True)
@@ -125,6 +130,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=5000, help="round trips per size and transport (over all rounds)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved runs per size and transport")
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--spin-us", type=float, help="ring readers' spin before sleeping (default: bin/serve's)")
     p.add_argument("--json", help="write raw percentiles and machine info here")
     args = p.parse_args()
 
@@ -145,7 +151,7 @@ def main() -> int:
         samples: dict[str, list[int]] = {t: [] for t in args.transports}
         for _ in range(args.rounds):
             for t in args.transports:
-                samples[t] += run(t, n, args.iters // args.rounds, args.warmup)
+                samples[t] += run(t, n, args.iters // args.rounds, args.warmup, args.spin_us)
         for t in args.transports:
             s = summary(samples[t])
             report["results"].append({"requests": n, "transport": t, **s})

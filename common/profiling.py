@@ -148,6 +148,13 @@ class Timer(_Ring):
             self._trace.add(self._trace_id, start_ns, end_ns - start_ns, arg)
         return end_ns
 
+    def window_total(self, since_ns: int) -> float:
+        """Time spent in this stage inside the window (ms): a span that began before it counts
+        only from ``since_ns`` on, so a long wait that merely ends in the window (the worker's
+        idle wait for the first plan after a quiet spell) does not count as if it were in it."""
+        ts, values = self.samples(since_ns)
+        return float(np.minimum(values, ts - since_ns).sum()) * self._scale()
+
     @contextmanager
     def span(self, arg: int = -1) -> Iterator[None]:
         """``with timer.span(): ...`` records the block; prefer :meth:`record` in hot loops."""

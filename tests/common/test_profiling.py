@@ -67,6 +67,18 @@ def test_derived_values_and_window_total() -> None:
     assert prof.snapshot(60.0).values["idle_fraction"] == pytest.approx(0.25)
 
 
+def test_window_total_counts_only_the_part_of_a_span_inside_the_window() -> None:
+    """A 10 s idle wait that ends inside a 1 s window adds 1 s to it, not 10 (else a quiet
+    spell before a benchmark run would show up as the worker waiting during the run)."""
+    prof = Profiler("worker")
+    idle = prof.timer("idle")
+    now = profiling.now_ns()
+    idle.record(now - 10 * NS_PER_S, now - 500 * NS_PER_MS)  # began long before the window
+    idle.record(now - 200 * NS_PER_MS, now - 100 * NS_PER_MS)
+    total = prof.window_total("idle", now - NS_PER_S)
+    assert total == pytest.approx(500 + 100, rel=1e-6)
+
+
 def test_disabled_profiler_records_nothing() -> None:
     prof = Profiler("worker", enabled=False)
     timer, series, counter = prof.timer("forward"), prof.series("s", "x"), prof.counter("c")

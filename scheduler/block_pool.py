@@ -22,11 +22,17 @@ Allocation takes the free list first (head: least recently freed), then evicts t
 recently cached block; ``on_evict`` hears about every full block evicted with its id (the
 scheduler may copy it to the CPU tier before it is overwritten). Ids are registered in the
 shared :class:`PrefixIndex`, which forgets an id once no pool holds it.
+
+Cost: in a busy server every block a prefill computes is registered, and every block an
+admission is given evicts a cached one, so these paths run once per ``block_size`` tokens.
+They take a request's blocks in one call (:meth:`register_blocks`, :meth:`acquire_all`,
+:meth:`lookup_prefix`, :meth:`free`, eviction), so the per-block work is a few list and
+dict operations rather than a method call each.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 from conveyor.scheduler.prefix_index import PrefixIndex
@@ -118,30 +124,43 @@ class BlockPool:
         return blocks
 
     def _evict(self, n: int, into: list[int]) -> None:
-        """Evict the ``n`` least recently cached blocks into ``into`` (one loop: a prefill-heavy
-        iteration evicts a block per 16 tokens it admits)."""
-        lru, hash_of, block_of, on_evict, release = self._lru, self._hash_of, self._block_of, self.on_evict, self.index.release
+        """Evict the ``n`` least recently cached blocks into ``into``; the ids they held are
+        released in one call."""
+        lru, hash_of, block_of, on_evict = self._lru, self._hash_of, self._block_of, self.on_evict
+        dropped = []
         for _ in range(n):
-            block, _ = lru.popitem(last=False)
+            block = lru.popitem(last=False)[0]
             h = hash_of[block]
             if h is not None:
                 hash_of[block] = None
                 del block_of[h]
                 if on_evict is not None:
-                    on_evict(block, h)  # first: a copy elsewhere keeps the id alive
-                release(h)
+                    on_evict(block, h)  # before the release: a copy elsewhere keeps the id alive
+                dropped.append(h)
             else:
                 self._drop_partial(block)
             into.append(block)
+        self.index.release(dropped)
 
     def acquire(self, block_id: int) -> None:
         """Add a reference to a held or cached full block (a prefix-cache hit revives a cached one)."""
-        self._check_id(block_id)
-        if self._refcount[block_id] == 0:
-            if block_id not in self._lru or self._hash_of[block_id] is None:
-                raise BlockPoolError(f"cannot acquire block {block_id}: it is neither held nor a cached full block")
-            del self._lru[block_id]
-        self._refcount[block_id] += 1
+        self.acquire_all((block_id,))
+
+    def acquire_all(self, block_ids: Iterable[int]) -> None:
+        """:meth:`acquire` each block (a request's prefix-cache hit, in one call). Validated
+        before anything changes."""
+        ids = list(block_ids)
+        if not ids:
+            return
+        self._check_range(ids)
+        refcount, lru, hash_of = self._refcount, self._lru, self._hash_of
+        for b in ids:
+            if not refcount[b] and (b not in lru or hash_of[b] is None):
+                raise BlockPoolError(f"cannot acquire block {b}: it is neither held nor a cached full block")
+        for b in ids:
+            if not refcount[b]:
+                del lru[b]
+            refcount[b] += 1
 
     def retain(self, block_ids: Iterable[int]) -> None:
         """Add a reference to blocks that are already held. Validated before anything changes."""
@@ -156,34 +175,55 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; one back at 0 becomes cached if it has a hash, else free.
 
-        Validated before anything changes, so a bad call (a double free, or the same block
-        listed more times than it is referenced) raises and leaves the pool intact.
+        A bad call (a double free, or the same block listed more times than it is
+        referenced) raises and leaves the pool intact: references dropped before the bad
+        one are restored, and no block changes state until all of them are dropped.
         """
         ids = list(block_ids)
+        if not ids:
+            return
+        self._check_range(ids)
         refcount = self._refcount
-        if len(ids) > 1:
-            for b, times in Counter(ids).items():
-                self._check_id(b)
-                if refcount[b] < times:
-                    raise BlockPoolError(f"double free of block {b} (refcount {refcount[b]}, freed {times}x)")
-        elif ids:
-            self._check_id(ids[0])
-            if refcount[ids[0]] < 1:
-                raise BlockPoolError(f"double free of block {ids[0]}")
+        released = []
+        for k, b in enumerate(ids):
+            refs = refcount[b] - 1
+            if refs < 0:
+                for undo in ids[:k]:
+                    refcount[undo] += 1
+                raise BlockPoolError(f"double free of block {b} (listed {ids.count(b)}x)")
+            refcount[b] = refs
+            if not refs:
+                released.append(b)
         hash_of = self._hash_of
-        for b in ids:
-            refcount[b] -= 1
-            if refcount[b] == 0:
-                if hash_of[b] is not None:
-                    self._lru[b] = None
-                else:
-                    self._free.append(b)
+        lru, free = self._lru, self._free
+        for b in released:
+            if hash_of[b] is not None:
+                lru[b] = None
+            else:
+                free.append(b)
 
     # ------------------------------------------------------------------ prefix cache
 
     def lookup(self, block_hash: int) -> int | None:
         """The block holding this full-block content id (held or cached), or None."""
         return self._block_of.get(block_hash)
+
+    def lookup_prefix(self, block_hashes: Sequence[int]) -> list[int]:
+        """The blocks holding the first ids of ``block_hashes``, up to the first this pool
+        does not hold: :meth:`lookup` along a chain, in one call."""
+        block_of = self._block_of
+        blocks: list[int] = []
+        for h in block_hashes:
+            b = block_of.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def count_cached(self, block_ids: Iterable[int]) -> int:
+        """How many of these blocks are cached (taking them uses up available blocks)."""
+        lru = self._lru
+        return sum(b in lru for b in block_ids)
 
     def registered_ids(self) -> list[int]:
         """Content ids this pool holds a block under (for index consistency checks)."""
@@ -207,6 +247,20 @@ class BlockPool:
         self._block_of[block_hash] = block_id
         return True
 
+    def register_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """:meth:`register` each block under the id at the same index (a chunk's full blocks,
+        in one call). An id that no block took and nothing else holds is given back to the
+        index (:meth:`PrefixIndex.discard`): it was made up for content cached elsewhere."""
+        refcount, hash_of, block_of, index = self._refcount, self._hash_of, self._block_of, self.index
+        for block_id, block_hash in zip(block_ids, block_hashes):
+            if refcount[block_id] < 1:
+                raise BlockPoolError(f"cannot register unreferenced block {block_id}")
+            if hash_of[block_id] is None and block_hash not in block_of and index.retain(block_hash):
+                hash_of[block_id] = block_hash
+                block_of[block_hash] = block_id
+            elif hash_of[block_id] != block_hash:
+                index.discard(block_hash)
+
     def unregister(self, block_id: int) -> None:
         """Forget what a block holds (its contents are not what its id says, e.g. the copy
         that was to fill it never ran). A cached block becomes free, also a cached partial
@@ -220,7 +274,7 @@ class BlockPool:
             return
         self._hash_of[block_id] = None
         del self._block_of[h]
-        self.index.release(h)
+        self.index.release((h,))
         if self._refcount[block_id] == 0:
             del self._lru[block_id]
             self._free.append(block_id)
@@ -302,6 +356,12 @@ class BlockPool:
             assert blocks and all(self._partial_of[b][0] == parent for b in blocks)
         assert sum(len(v) for v in self._partials.values()) == len(self._partial_of)
         assert self.num_free + self.num_cached + self.num_held == self._total
+
+    def _check_range(self, block_ids: list[int]) -> None:
+        """:meth:`_check_id` for a non-empty list, in two C-speed passes."""
+        lo, hi = min(block_ids), max(block_ids)
+        if lo < 0 or hi >= self._total:
+            raise BlockPoolError(f"block id {lo if lo < 0 else hi} outside the pool of {self._total}")
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self._total:

@@ -69,32 +69,12 @@ class KVCacheManager:
         tokens = req.token_ids
         limit = len(tokens) - 1
         full = limit // bs
-        find = self.index.find
-        gpu_lookup, is_cached = self.gpu.lookup, self.gpu.is_cached
-        cpu_lookup = self.swap.lookup if self.swap.pool is not None else None
-        ids: list[int] = []
-        gpu: list[int] = []
-        cpu: list[int] = []
-        num_revived = 0
-        parent = ROOT
-        for i in range(full):
-            content = find(parent, tokens[i * bs : (i + 1) * bs])
-            if content is None:
-                break
-            if not cpu:
-                block = gpu_lookup(content)
-                if block is not None:
-                    gpu.append(block)
-                    num_revived += is_cached(block)
-                    ids.append(content)
-                    parent = content
-                    continue
-            block = cpu_lookup(content) if cpu_lookup is not None else None
-            if block is None:
-                break
-            cpu.append(block)
-            ids.append(content)
-            parent = content
+        ids = self.index.find_blocks(tokens, full, bs)
+        gpu = self.gpu.lookup_prefix(ids)  # shared (or revived) ...
+        cpu = self.swap.pool.lookup_prefix(ids[len(gpu) :]) if self.swap.pool is not None else []  # ... then swapped in
+        del ids[len(gpu) + len(cpu) :]
+        num_revived = self.gpu.count_cached(gpu)
+        parent = ids[-1] if ids else ROOT
         matched = len(ids)
         partial = None
         start = matched * bs
@@ -117,8 +97,7 @@ class KVCacheManager:
         swap, gpu = self.swap, self.gpu
         for c in match.cpu_blocks:  # first: nothing allocated below may evict them
             swap.hold_for_step(c)
-        for b in match.gpu_blocks:
-            gpu.acquire(b)
+        gpu.acquire_all(match.gpu_blocks)
         if match.partial is not None:
             gpu.take(match.partial[0])
         fresh = gpu.allocate(len(match.cpu_blocks))
@@ -203,14 +182,10 @@ class KVCacheManager:
         start = req.num_registered_blocks
         if full <= start:
             return
-        intern, register = self.index.intern, self.gpu.register
-        chain, table, tokens = req.block_hashes, req.block_ids, req.token_ids
-        parent = chain[start - 1] if start else ROOT
-        for i in range(start, full):
-            parent = intern(parent, tokens[i * bs : (i + 1) * bs])
-            if not register(table[i], parent):
-                self.index.discard(parent)  # the same content is cached elsewhere (or it was new and is not kept)
-            chain.append(parent)
+        chain = req.block_hashes
+        ids = self.index.intern_blocks(chain[start - 1] if start else ROOT, req.token_ids, start, full, bs)
+        self.gpu.register_blocks(req.block_ids[start:full], ids)
+        chain.extend(ids)
         req.num_registered_blocks = full
 
     def invalidate_transfers(self, swap_out: list[list[int]], swap_in: list[list[int]]) -> None:
@@ -238,9 +213,11 @@ class KVCacheManager:
         if req.cpu_blocks:
             self.swap.release_after_step([c for _, c in req.cpu_blocks])
             req.cpu_blocks = []
-        if req.status is not RequestStatus.SWAPPED:
+        if req.status is RequestStatus.SWAPPED:
+            table = []  # its table is all -1: it holds no GPU block
+        else:
             self.register_full_blocks(req)
-        table = [b for b in req.block_ids if b >= 0]  # none while swapped out
+            table = req.block_ids
         req.block_ids = []
         if not table:
             return

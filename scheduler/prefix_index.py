@@ -20,13 +20,18 @@ keys nobody else computes, i.e. no sharing, never a wrong match.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 ROOT = 0  # the "previous block" of block 0
 
 
 class PrefixIndex:
-    """Interns ``(parent id, block tokens)`` pairs into ids, reference counted by the pools."""
+    """Interns ``(parent id, block tokens)`` pairs into ids, reference counted by the pools.
+
+    A prefill-heavy iteration interns a block and forgets one per ``block_size`` tokens, so
+    a request's blocks go through in one call (:meth:`intern_blocks`, :meth:`find_blocks`,
+    :meth:`release`), and interning hashes each key once.
+    """
 
     def __init__(self) -> None:
         self._ids: dict[tuple[int, tuple[int, ...]], int] = {}
@@ -41,18 +46,40 @@ class PrefixIndex:
         """The id of this block content if some pool holds it, else None."""
         return self._ids.get((parent, tuple(tokens)))
 
+    def find_blocks(self, tokens: Sequence[int], num_blocks: int, block_size: int) -> list[int]:
+        """The ids of the first full blocks of ``tokens`` (at most ``num_blocks``), up to the
+        first whose content no pool holds: :meth:`find` along the chain, in one call."""
+        ids = self._ids
+        chain: list[int] = []
+        parent = ROOT
+        for k in range(num_blocks):  # block by block, no copy up front: a lookup often ends at the first
+            parent = ids.get((parent, tuple(tokens[k * block_size : (k + 1) * block_size])))
+            if parent is None:
+                break
+            chain.append(parent)
+        return chain
+
     def intern(self, parent: int, tokens: Sequence[int]) -> int:
         """The id of this block content, made up if new. A new id must be retained by the
         caller at once (a pool registering a block under it), or given back with :meth:`discard`."""
-        key = (parent, tuple(tokens))
-        block_id = self._ids.get(key)
-        if block_id is None:
-            block_id = self._next
-            self._next += 1
-            self._ids[key] = block_id
-            self._keys[block_id] = key
-            self._refs[block_id] = 0
-        return block_id
+        return self.intern_blocks(parent, tokens, 0, 1, len(tokens))[0]
+
+    def intern_blocks(self, parent: int, tokens: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+        """The chained ids of full blocks ``start .. end - 1`` of ``tokens``, block ``start``
+        following the block of id ``parent``: :meth:`intern` for each, in one call."""
+        ids, keys, refs = self._ids, self._keys, self._refs
+        chain = []
+        span = tuple(tokens[start * block_size : end * block_size])  # one copy; each block is then a tuple slice
+        for k in range(end - start):
+            key = (parent, span[k * block_size : (k + 1) * block_size])
+            new = self._next
+            parent = ids.setdefault(key, new)  # one hash of the key, found or inserted
+            if parent == new:
+                self._next = new + 1
+                keys[new] = key
+                refs[new] = 0
+            chain.append(parent)
+        return chain
 
     def retain(self, block_id: int) -> bool:
         """One more pool holds a block under this id; False (nothing changes) if the id is
@@ -63,21 +90,22 @@ class PrefixIndex:
         self._refs[block_id] = refs + 1
         return True
 
-    def release(self, block_id: int) -> None:
-        refs = self._refs[block_id] - 1
-        if refs:
-            self._refs[block_id] = refs
-        else:
-            self._forget(block_id)
+    def release(self, block_ids: Iterable[int]) -> None:
+        """One pool fewer holds a block under each of these ids; an id nobody holds is forgotten."""
+        all_refs, ids, keys = self._refs, self._ids, self._keys
+        for block_id in block_ids:
+            refs = all_refs[block_id] - 1
+            if refs:
+                all_refs[block_id] = refs
+            else:
+                del all_refs[block_id]
+                del ids[keys.pop(block_id)]
 
     def discard(self, block_id: int) -> None:
         """Forget an id that :meth:`intern` made up and nobody retained."""
         if self._refs.get(block_id) == 0:
-            self._forget(block_id)
-
-    def _forget(self, block_id: int) -> None:
-        del self._refs[block_id]
-        del self._ids[self._keys.pop(block_id)]
+            del self._refs[block_id]
+            del self._ids[self._keys.pop(block_id)]
 
     def refs(self, block_id: int) -> int:
         """How many pools hold a block under this id (0 if it is not known)."""

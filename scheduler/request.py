@@ -32,6 +32,11 @@ from dataclasses import dataclass, field
 from conveyor.common.messages import AddRequest, SamplingParams
 
 
+# Requests without stop tokens of their own share one stop set (the EOS set, or this empty
+# one) instead of each building a copy: the decode loop reads it for every token.
+_NO_STOP_IDS: frozenset[int] = frozenset()
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, never admitted
     RUNNING = "running"  # in the batch: prefilling or decoding
@@ -74,7 +79,9 @@ class Request:
     @classmethod
     def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:
         sp = msg.sampling
-        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos_token_ids)
+        stop_ids = _NO_STOP_IDS if sp.ignore_eos else eos_token_ids
+        if sp.stop_token_ids:
+            stop_ids = stop_ids | frozenset(sp.stop_token_ids)
         return cls(
             request_id=msg.request_id,
             token_ids=list(msg.prompt_token_ids),

@@ -54,12 +54,18 @@ class RequestTable:
             running.remove(req)
 
     def prune_running(self, finished: list[Request] | None = None) -> None:
-        """Drop members that finished during an update: given as ``finished`` when there are
-        a few (C-speed removals), else found in one pass."""
-        if finished is not None and len(finished) <= 8:
+        """Drop members that finished during an update, given as ``finished`` or found by status.
+
+        A removal scans the batch up to the member (about 15 ns a member passed, even in C:
+        every comparison falls back from ``__eq__`` to identity); the filter costs about
+        30 ns a member, all of them. So up to three removals beat one filter.
+        """
+        if finished is not None and len(finished) <= 3:
             running = self.running
             for req in finished:
-                if req in running:  # identity first: Request compares by identity
+                try:
                     running.remove(req)
+                except ValueError:
+                    pass  # not (or no longer) a member
             return
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]

@@ -66,6 +66,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import chain
 
 from conveyor.common.config import SchedulerConfig
 from conveyor.common.messages import (
@@ -128,7 +129,7 @@ class _Step:
         self.preempted: set[int] = set()  # id() of requests preempted in this iteration
         self.swapped_out: list[Request] = []  # of those, the ones swapped out
         self.samplers: set[int] = set()  # id() of ``scheduled`` requests whose chunk ends the prompt
-        self._tokens_by_request: dict[int, int] | None = None
+        self._tokens_by_request: dict[Request, int] | None = None
         self.failed = False  # planned ahead of a plan that failed: failed with it, its result is moot
         self.num_swap = self.num_recompute = self.num_admitted = self.hit_tokens = 0
         self.decode_tokens = self.prefill_tokens = self.context_tokens = 0
@@ -158,10 +159,10 @@ class _Step:
         """Tokens this (formed) plan computes for ``req``; 0 if it is not in it."""
         by_request = self._tokens_by_request
         if by_request is None:
-            by_request = {id(r): 1 for r in self.decodes}
-            by_request.update((id(r), n) for r, n in self.scheduled)
+            by_request = dict.fromkeys(self.decodes, 1)  # keyed by the requests: they hash by identity
+            by_request.update(self.scheduled)
             self._tokens_by_request = by_request
-        return by_request.get(id(req), 0)
+        return by_request.get(req, 0)
 
     def unschedule(self, req: Request) -> None:
         """Take a request preempted after it was planned back out of the plan (rare path)."""
@@ -454,16 +455,19 @@ class Scheduler:
         lean pass over the running requests, then list comprehensions for the columns.
         """
         bs = self.config.block_size
+        ahead = self._ahead
         decodes = step.decodes
         need_rows: list[int] = []
         for req in self.table.running:
             computed = req.num_computed_tokens
             if len(req.token_ids) - computed > 1:
                 prefills.append(req)
-            elif computed >= req.stop_len - 1:
-                continue  # planning ahead: the token pending is its last (by length)
+            elif ahead and computed >= req.stop_len - 1:
+                continue  # the token pending is its last (by length); in sync none is pending
             else:
-                if computed >= len(req.block_ids) * bs:
+                # Its blocks cover its computed tokens, so it needs one only at a block
+                # boundary: the cheap test first, the table only every block_size steps.
+                if not computed % bs and computed >= len(req.block_ids) * bs:
                     need_rows.append(len(decodes))
                 decodes.append(req)
         gpu = self.kv.gpu
@@ -763,7 +767,12 @@ class Scheduler:
             finished, now,
         )
         if others:
-            sampled = dict(zip(result.request_ids, result.sampled_token_ids)).get
+            ids, tokens = result.request_ids, result.sampled_token_ids
+            if decodes:  # the decodes' slice is taken: map only the rows around it
+                pairs = chain(zip(ids[:first], tokens[:first]), zip(ids[last:], tokens[last:]))
+            else:
+                pairs = zip(ids, tokens)
+            sampled = dict(pairs).get
             for req, _ in others:
                 if req.status is not RUNNING:
                     continue  # ended while the step ran: its blocks are already free
@@ -820,7 +829,11 @@ class Scheduler:
             return ids, tokens
         if len(unusual) <= 16:
             ids, tokens = list(ids), list(tokens)
-            for row in sorted((decodes.index(req) for req in unusual), reverse=True):
+            rows, row = [], -1
+            for req in unusual:  # in row order: each search starts after the last, one scan in all
+                row = decodes.index(req, row + 1)
+                rows.append(row)
+            for row in reversed(rows):
                 del ids[row], tokens[row]  # a few C-speed deletions beat rebuilding the columns
         else:
             skip = {id(req) for req in unusual}

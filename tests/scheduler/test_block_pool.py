@@ -130,3 +130,56 @@ def test_partial_blocks_are_taken_over_not_shared():
     pool.take(blk)
     assert pool.refcount(blk) == 1 and pool.match_partial(ROOT, [5]) is None
     pool.check_invariants({blk: 1})
+
+
+def test_a_bad_free_restores_the_references_it_dropped():
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    pool.retain([a])
+    with pytest.raises(BlockPoolError):
+        pool.free([a, b, c, c])  # c is referenced once
+    assert [pool.refcount(x) for x in (a, b, c)] == [2, 1, 1]
+    pool.check_invariants({a: 2, b: 1, c: 1})
+
+
+def test_a_revived_block_takes_its_place_in_the_lru_from_its_last_release():
+    index = PrefixIndex()
+    pool = BlockPool(3, index)
+    blocks = pool.allocate(3)
+    pool.register_blocks(blocks, index.intern_blocks(ROOT, [1, 2, 3], 0, 3, 1))
+    pool.free(blocks)  # cached, oldest first: blocks[0], blocks[1], blocks[2]
+    pool.acquire_all([blocks[0]])  # a prefix hit revives it...
+    pool.free([blocks[0]])  # ...and its release makes it the youngest
+    pool.check_invariants()
+    assert pool.allocate(2) == [blocks[1], blocks[2]]
+    assert pool.is_cached(blocks[0]) and pool.num_cached == 1
+    pool.check_invariants({blocks[1]: 1, blocks[2]: 1})
+
+
+def test_acquire_all_is_validated_before_anything_changes():
+    index = PrefixIndex()
+    pool = BlockPool(3, index)
+    a, b = pool.allocate(2)
+    assert pool.register(a, index.intern(ROOT, [1]))
+    pool.free([a, b])  # a cached, b free
+    with pytest.raises(BlockPoolError):
+        pool.acquire_all([a, b])
+    assert pool.is_cached(a) and pool.refcount(a) == 0
+    pool.check_invariants()
+
+
+def test_chains_are_interned_and_found_a_request_at_a_time():
+    index = PrefixIndex()
+    tokens = list(range(10))
+    chain = index.intern_blocks(ROOT, tokens, 0, 3, 3)  # blocks [0 1 2] [3 4 5] [6 7 8]
+    one_by_one = [index.intern(ROOT, tokens[0:3])]
+    for i in (1, 2):
+        one_by_one.append(index.intern(one_by_one[-1], tokens[3 * i : 3 * i + 3]))
+    assert chain == one_by_one and len(set(chain)) == 3
+    assert index.intern_blocks(chain[0], tokens, 1, 3, 3) == chain[1:]
+    assert index.find_blocks(tokens, 3, 3) == chain
+    assert index.find_blocks([0, 1, 2, 3, 4, 9, 6, 7, 8], 3, 3) == chain[:1]  # stops at the first unknown block
+    pool = BlockPool(4, index)
+    blocks = pool.allocate(2)
+    pool.register_blocks(blocks, chain[:2])
+    assert pool.lookup_prefix(chain) == blocks  # the third is held by no block

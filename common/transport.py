@@ -1,9 +1,11 @@
-"""ZeroMQ plumbing shared by the processes: addresses, sockets, typed send/recv.
+"""ZeroMQ plumbing shared by the processes: addresses, sockets, typed send.
 
 Inside one server every hop is an ``ipc://`` socket in a private run directory
 (mode 0700, so other users cannot connect). Hops are PUSH/PULL pairs: each
 direction has one writer and one reader, so no routing is needed and a slow
-reader applies back-pressure instead of dropping messages.
+reader applies back-pressure instead of dropping messages. The scheduler <-> worker
+hop goes through :mod:`conveyor.common.step_channel`, which uses the ``plans`` and
+``results`` sockets alone (``--plan-transport zmq``) or beside its shared-memory rings.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ class ServerAddresses:
     client: str
     to_scheduler: str  # frontend -> scheduler (AddRequest, AbortRequests, StatsQuery)
     to_frontend: str  # scheduler -> frontend (TokenOutputs, SchedulerStats)
-    plans: str  # scheduler -> worker (StepPlan, Shutdown)
-    results: str  # worker -> scheduler (StepResult)
+    plans: str  # scheduler -> worker: the step channel's ZeroMQ side (StepPlan, ProfileQuery, Shutdown)
+    results: str  # worker -> scheduler: the step channel's ZeroMQ side (StepResult, ProfileReport)
     control: str  # children -> bin/serve (ProcessReady, ProcessFailed)
     frontend_control: str  # bin/serve -> frontend (Shutdown)
 
@@ -79,7 +81,3 @@ def socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq.Sock
 def send(sock: zmq.Socket, msg: Any) -> None:
     sock.send(codec.encode(msg), copy=False)
 
-
-def recv(sock: zmq.Socket) -> Any:
-    """Receive and decode one message; raises codec.DecodeError for a malformed one."""
-    return codec.decode(sock.recv(copy=False).buffer)

@@ -112,45 +112,45 @@ def test_plans_and_results_in_order_also_when_oversize(channels) -> None:
         ctx.term()
 
 
-def test_received_arrays_view_the_ring_until_the_next_receive(channels) -> None:
+@pytest.fixture
+def results_pair(channels):
+    """Both ends of the results direction, in this process."""
     ctx = zmq.Context()
     tx = StepSender(ctx, channels.results, bind=True)
     rx = StepReceiver(ctx, channels.results, bind=False)
     try:
-        tx.send(StepResult(1, ["a", "b"], [7, 8]))
-        tx.send(StepResult(2, ["c"], [9]))
-        first = rx.recv(timeout_s=5)
-        assert first.sampled_token_ids.tolist() == [7, 8]
-        if channels.transport == "shm":
-            assert not first.sampled_token_ids.flags.owndata  # a view over the slot, not a copy
-        second = rx.recv(timeout_s=5)
-        assert second.step_id == 2 and second.sampled_token_ids.tolist() == [9]
-        assert rx.recv(timeout_s=0) is None
+        yield tx, rx
     finally:
         tx.close()
         rx.close()
         ctx.term()
 
 
-def test_arm_and_poll_wake_on_a_message(channels) -> None:
-    ctx = zmq.Context()
-    tx = StepSender(ctx, channels.results, bind=True)
-    rx = StepReceiver(ctx, channels.results, bind=False)
+def test_received_arrays_view_the_ring_until_the_next_receive(channels, results_pair) -> None:
+    tx, rx = results_pair
+    tx.send(StepResult(1, ["a", "b"], [7, 8]))
+    tx.send(StepResult(2, ["c"], [9]))
+    first = rx.recv(timeout_s=5)
+    assert first.sampled_token_ids.tolist() == [7, 8]
+    if channels.transport == "shm":
+        assert not first.sampled_token_ids.flags.owndata  # a view over the slot, not a copy
+    second = rx.recv(timeout_s=5)
+    assert second.step_id == 2 and second.sampled_token_ids.tolist() == [9]
+    assert rx.recv(timeout_s=0) is None
+
+
+def test_arm_and_poll_wake_on_a_message(results_pair) -> None:
+    tx, rx = results_pair
     poller = zmq.Poller()
     poller.register(rx.pollable(), zmq.POLLIN)
-    try:
-        assert not rx.arm()
-        assert not poller.poll(50)  # nothing sent: no wake-up
-        tx.send(StepResult(5, [], []))
-        start = time.monotonic()
-        assert poller.poll(5000) and time.monotonic() - start < 5
-        rx.disarm()
-        assert rx.ready() and rx.recv(0).step_id == 5
-        assert not rx.ready()
-    finally:
-        tx.close()
-        rx.close()
-        ctx.term()
+    assert not rx.arm()
+    assert not poller.poll(50)  # nothing sent: no wake-up
+    tx.send(StepResult(5, [], []))
+    start = time.monotonic()
+    assert poller.poll(5000) and time.monotonic() - start < 5
+    rx.disarm()
+    assert rx.ready() and rx.recv(0).step_id == 5
+    assert not rx.ready()
 
 
 def sender_that_sleeps(channels: StepChannels) -> None:

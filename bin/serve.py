@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention",
         default="auto",
-        choices=["auto", "triton", "torch"],
-        help="attention backend: auto is Triton on CUDA and the torch reference on CPU",
+        choices=["auto", "triton", "torch", "torch-ref"],
+        help="attention backend: auto is Triton on CUDA and batched torch on CPU; "
+        "torch-ref is the per-sequence torch reference (slow, for comparisons)",
     )
     p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
     p.add_argument(

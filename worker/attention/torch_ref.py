@@ -1,7 +1,9 @@
-"""Paged attention in plain torch: the CPU backend and the reference the kernels are tested against.
+"""Paged attention in plain torch, one sequence at a time: the reference.
 
 Clarity over speed: one sequence at a time, keys and values gathered through the block
 table into a dense ``[seq_len, kv_heads, head_dim]`` view, scores and softmax in float32.
+The fast CPU backend (:mod:`.torch_batched`) is tested against this one; ``backend_for(...,
+"torch-ref")`` serves with it.
 """
 
 from __future__ import annotations
@@ -11,19 +13,24 @@ import torch
 from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
 
 
-class TorchPagedAttention(AttentionBackend):
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their flat slots, skipping -1 slots."""
+    num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
+    keys = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
+    values = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    keys[slots] = key[keep].to(keys.dtype)
+    values[slots] = value[keep].to(values.dtype)
+
+
+class TorchReferenceAttention(AttentionBackend):
     """:class:`AttentionBackend` with torch ops only; works on any device, loops on the host."""
 
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
     ) -> None:
-        num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
-        keys = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
-        values = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
-        keep = metadata.slot_mapping >= 0
-        slots = metadata.slot_mapping[keep]
-        keys[slots] = key[keep].to(keys.dtype)
-        values[slots] = value[keep].to(values.dtype)
+        store_kv(key, value, kv_cache_layer, metadata.slot_mapping)
 
     def forward(
         self,

@@ -65,8 +65,13 @@ class TritonPagedAttention(AttentionBackend):
 
 
 def backend_for(device: torch.device | str, name: str = "auto") -> AttentionBackend:
-    """The attention backend to use: ``auto`` is Triton on CUDA and the torch reference on CPU."""
-    from conveyor.worker.attention.torch_ref import TorchPagedAttention
+    """The attention backend to use: ``auto`` is Triton on CUDA and batched torch on CPU.
+
+    ``torch`` is the batched torch backend on any device; ``torch-ref`` the per-sequence
+    torch reference (slow, for comparisons).
+    """
+    from conveyor.worker.attention.torch_batched import TorchBatchedAttention
+    from conveyor.worker.attention.torch_ref import TorchReferenceAttention
 
     kind = torch.device(device).type
     if name == "auto":
@@ -74,5 +79,7 @@ def backend_for(device: torch.device | str, name: str = "auto") -> AttentionBack
     if name == "triton":
         return TritonPagedAttention()
     if name == "torch":
-        return TorchPagedAttention()
-    raise ValueError(f"unknown attention backend {name!r}: use auto, triton or torch")
+        return TorchBatchedAttention()
+    if name == "torch-ref":
+        return TorchReferenceAttention()
+    raise ValueError(f"unknown attention backend {name!r}: use auto, triton, torch or torch-ref")

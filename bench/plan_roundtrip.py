@@ -2,7 +2,7 @@
 """Plan round trip scheduler -> worker -> scheduler with an empty forward (a script, not a test).
 
 This process plays the scheduler: it sends a decode-step :class:`StepPlan` naming ``N``
-running requests (32-character ids, as the frontend makes them) on the real step channel
+running requests (by slot, ``0 .. N - 1``, as the scheduler does) on the real step channel
 (:mod:`conveyor.common.step_channel`) and waits for the :class:`StepResult`. A ``spawn``ed
 stand-in worker does what the worker process does around the model: receive and decode the
 plan, read its columns into Python ints (as the model runner does), build a result with
@@ -52,19 +52,20 @@ def stand_in_worker(channels: StepChannels) -> None:
             if isinstance(plan, Shutdown):
                 return
             cached = plan.cached_requests
-            computed = cached.num_computed_tokens.tolist()  # what the runner reads out of a plan
+            slots = cached.slots.tolist()  # what the runner reads out of a plan
+            computed = cached.num_computed_tokens.tolist()
             cached.num_scheduled_tokens.tolist()
             sampled = np.full(len(computed), 11, dtype=np.int32)
-            results.send(StepResult(plan.step_id, cached.request_ids, sampled))
+            results.send(StepResult(plan.step_id, slots, sampled))
     finally:
         plans.close()
         results.close()
         ctx.term()
 
 
-def decode_plan(step: int, ids: list[str]) -> StepPlan:
-    n = len(ids)
-    return StepPlan(step, [], CachedRequests(ids, np.arange(100, 100 + n, dtype=np.int32), np.ones(n, np.int32)), [])
+def decode_plan(step: int, slots: list[int]) -> StepPlan:
+    n = len(slots)
+    return StepPlan(step, [], CachedRequests(slots, np.arange(100, 100 + n, dtype=np.int32), np.ones(n, np.int32)), [])
 
 
 def run(transport: str, n: int, iters: int, warmup: int, spin_us: float | None) -> list[int]:
@@ -82,11 +83,11 @@ def run(transport: str, n: int, iters: int, warmup: int, spin_us: float | None) 
     poller.register(results.pollable(), zmq.POLLIN)
     worker = mp.get_context("spawn").Process(target=stand_in_worker, args=(channels,), daemon=True)
     worker.start()
-    ids = [f"{i:032x}" for i in range(n)]
+    slots = list(range(n))
     samples: list[int] = []
     try:
         for step in range(warmup + iters):
-            plan = decode_plan(step, ids)
+            plan = decode_plan(step, slots)
             start = time.perf_counter_ns()
             plans.send(plan)
             while not (results.spin() or results.arm()):  # as the scheduler loop waits
@@ -94,6 +95,7 @@ def run(transport: str, n: int, iters: int, warmup: int, spin_us: float | None) 
                 results.disarm()
             results.disarm()
             result = results.recv(0)
+            result.slots.tolist()  # what scheduler/main.py reads out of a result
             tokens = result.sampled_token_ids.tolist()
             end = time.perf_counter_ns()
             assert result.step_id == step and len(tokens) == n

@@ -53,25 +53,24 @@ class SamplingStub:
     """Samples token 11 for every request whose known tokens are all computed after the step."""
 
     def __init__(self) -> None:
-        self.known: dict[str, int] = {}  # request id -> tokens known
-        self.computed: dict[str, int] = {}
+        self.known: dict[int, int] = {}  # slot -> tokens known
 
     def execute(self, plan: StepPlan) -> StepResult:
-        for rid in plan.finished_request_ids:
-            self.known.pop(rid, None)
-        ids: list[str] = []
+        for slot in plan.finished_slots:
+            self.known.pop(slot, None)
+        slots: list[int] = []
         for new in plan.new_requests:
-            self.known[new.request_id] = len(new.token_ids)
+            self.known[new.slot] = len(new.token_ids)
             if new.num_computed_tokens + new.num_scheduled_tokens == len(new.token_ids):
-                ids.append(new.request_id)
+                slots.append(new.slot)
         cached = plan.cached_requests
         known = self.known
-        for rid, computed, n in zip(cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens):
-            if computed + n == known[rid]:
-                ids.append(rid)
-        for rid in ids:
-            known[rid] += 1
-        return StepResult(plan.step_id, ids, [11] * len(ids))
+        for slot, computed, n in zip(cached.slots, cached.num_computed_tokens, cached.num_scheduled_tokens):
+            if computed + n == known[slot]:
+                slots.append(slot)
+        for slot in slots:
+            known[slot] += 1
+        return StepResult(plan.step_id, slots, [11] * len(slots))
 
 
 class Load:

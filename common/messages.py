@@ -9,18 +9,25 @@ messages can stay positional and compact.
 
 Invariants the receivers rely on:
 - A request's prompt and sampling parameters travel to the worker exactly once
-  (in :class:`NewRequestData`); later steps name it by id (:class:`CachedRequestData`)
-  with only its newly allocated blocks.
+  (in :class:`NewRequestData`); later steps name it by its *slot* (a row of
+  :class:`CachedRequests`) with only its newly allocated blocks.
+- Slots: on the scheduler <-> worker hop a request is named by a small integer, its slot
+  (``0 .. max_num_seqs - 1``), given by the scheduler when it sends the request as
+  NewRequestData and taken back when it lists the slot in ``StepPlan.finished_slots``. The
+  request id travels only in NewRequestData (for the worker's error messages). A slot
+  names at most one request at a time; it may be given to a new request in the very plan
+  that drops it, since the worker drops before it adds (below).
 - Token ids the worker sampled are not sent back to it: it appends them to its
   own copy of the request's tokens, so both sides agree on ``len(token_ids)``.
-- A request the scheduler preempts or retires is listed in
-  ``StepPlan.finished_request_ids`` so the worker can drop its state; a resumed
-  request arrives again as :class:`NewRequestData` with all its tokens, and with
-  ``num_computed_tokens > 0`` when its KV is already in the blocks it names
-  (prefix-cache hits, or blocks swapped back in by the same plan).
-- The worker executes a plan in this order: drop ``finished_request_ids``, run
-  every ``swap_out`` copy, then every ``swap_in`` copy, then the forward. See
-  :class:`StepPlan` for why that order makes same-plan block reuse safe.
+- A request the scheduler preempts or retires has its slot listed in
+  ``StepPlan.finished_slots`` so the worker can drop its state; a resumed
+  request arrives again as :class:`NewRequestData` (maybe on another slot) with all its
+  tokens, and with ``num_computed_tokens > 0`` when its KV is already in the blocks it
+  names (prefix-cache hits, or blocks swapped back in by the same plan).
+- The worker executes a plan in this order: drop ``finished_slots``, run every
+  ``swap_out`` copy, then every ``swap_in`` copy, then the forward; ``new_requests`` are
+  taken in after the drop. See :class:`StepPlan` for why that order makes same-plan block
+  and slot reuse safe.
 """
 
 from __future__ import annotations
@@ -29,7 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+
+# Slots a scheduler may hand out (its max_num_seqs is at most this); a worker refuses any
+# other, so a corrupt plan cannot make it grow its slot table without bound.
+MAX_SLOTS = 1 << 20
 
 # A 1-D int32 column (token ids, block ids, per-request counts). It travels as raw
 # little-endian bytes beside the msgpack header and arrives as a read-only numpy view over
@@ -214,11 +225,14 @@ class SchedulerStats:
 class NewRequestData:
     """First appearance of a request at the worker (or after a preemption).
 
-    ``token_ids`` is every token known so far (prompt, then outputs for a resumed
-    request); ``block_ids`` its whole block table.
+    ``slot`` is the name later plans give it (their cached rows, ``finished_slots``): free on
+    the worker once this plan's ``finished_slots`` are dropped. ``request_id`` travels only
+    here, for the worker's messages. ``token_ids`` is every token known so far (prompt, then
+    outputs for a resumed request); ``block_ids`` its whole block table.
     """
 
     request_id: str
+    slot: int
     token_ids: Int32Array
     sampling: SamplingParams
     block_ids: Int32Array
@@ -229,17 +243,23 @@ class NewRequestData:
 @message(21)
 @dataclass
 class CachedRequestData:
-    """A request the worker already holds: run ``num_scheduled_tokens`` more of its tokens.
+    """A request the worker already holds (on ``slot``): run ``num_scheduled_tokens`` more
+    of its tokens.
 
     ``new_block_ids`` are appended to its block table before the step runs. This is one
     row of :class:`CachedRequests`, the form plans carry; it exists for code and tests that
     read or write plans a request at a time.
     """
 
-    request_id: str
+    slot: int
     new_block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+
+
+def _ints(values: Int32Array | list[int]) -> list[int]:
+    """Python ints of an Int32Array field (a numpy array when decoded, any sequence when built)."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 @dataclass
@@ -248,27 +268,27 @@ class CachedRequests:
 
     Columns, not one object per request: a decode-heavy step names hundreds of running
     requests, and building, encoding and decoding one small object for each was most of
-    the scheduler's per-iteration cost. Row ``i`` is ``request_ids[i]``; the rows that get
-    new blocks are listed in ``new_block_rows`` (increasing) with their blocks at the same
-    index of ``new_block_ids``, since most steps give most requests none.
+    the scheduler's per-iteration cost. Row ``i`` is the request on slot ``slots[i]``; the
+    rows that get new blocks are listed in ``new_block_rows`` (increasing) with their blocks
+    at the same index of ``new_block_ids``, since most steps give most requests none.
     """
 
-    request_ids: list[str] = field(default_factory=list)
+    slots: Int32Array = field(default_factory=list)
     num_computed_tokens: Int32Array = field(default_factory=list)
     num_scheduled_tokens: Int32Array = field(default_factory=list)
     new_block_rows: list[int] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.request_ids)
+        return len(self.slots)
 
     def rows(self) -> list[CachedRequestData]:
         """One :class:`CachedRequestData` per row, in order."""
         blocks = dict(zip(self.new_block_rows, self.new_block_ids))
         return [
-            CachedRequestData(rid, list(blocks.get(i, [])), computed, scheduled)
-            for i, (rid, computed, scheduled) in enumerate(
-                zip(self.request_ids, self.num_computed_tokens, self.num_scheduled_tokens)
+            CachedRequestData(slot, list(blocks.get(i, [])), computed, scheduled)
+            for i, (slot, computed, scheduled) in enumerate(
+                zip(_ints(self.slots), _ints(self.num_computed_tokens), _ints(self.num_scheduled_tokens))
             )
         ]
 
@@ -276,7 +296,7 @@ class CachedRequests:
     def from_rows(cls, rows: list[CachedRequestData]) -> CachedRequests:
         out = cls()
         for i, row in enumerate(rows):
-            out.request_ids.append(row.request_id)
+            out.slots.append(row.slot)
             out.num_computed_tokens.append(row.num_computed_tokens)
             out.num_scheduled_tokens.append(row.num_scheduled_tokens)
             if row.new_block_ids:
@@ -291,10 +311,16 @@ class StepPlan:
     """One iteration's work. The worker samples a token for every scheduled request whose
     tokens are all computed after this step (``num_computed + num_scheduled == len(tokens)``).
 
+    Requests are named by slot (see the module docstring). Order of execution: drop the
+    requests on ``finished_slots``, all swap-outs, all swap-ins, then the forward;
+    ``new_requests`` are taken in after the drop. Dropping first is what lets the scheduler
+    give a slot freed since the last plan (a finish, an abort, a preemption in this very
+    plan) to a request this plan admits; plans before it, already sent, still name the
+    slot's old owner, and the worker runs them first.
+
     ``swap_out`` lists ``[gpu_block, cpu_block]`` copies into the CPU swap space and
-    ``swap_in`` ``[cpu_block, gpu_block]`` copies back; the worker batches each list. Order
-    of execution: drop finished requests, all swap-outs, all swap-ins, then the forward.
-    The scheduler frees a GPU block the moment it decides to swap it out, and may hand it
+    ``swap_in`` ``[cpu_block, gpu_block]`` copies back; the worker batches each list. The
+    scheduler frees a GPU block the moment it decides to swap it out, and may hand it
     to another request in the same plan (as a swap-in destination or for new KV): the
     copies out run first, so they read the old contents. A CPU block is given one content
     per plan: destinations within each list are distinct, and a CPU block that is both a
@@ -304,7 +330,7 @@ class StepPlan:
     ``planned_ahead``: the plan was formed while the previous one was in flight, assuming
     it succeeds (its requests' sampled tokens are the inputs of this plan's decodes). If the
     previous step failed, the worker fails this one too without running it: it only drops
-    the finished requests.
+    the finished slots.
 
     ``cached_requests`` may be given as a list of :class:`CachedRequestData` (handy in
     hand-written plans); it is converted to the columnar form on construction.
@@ -313,7 +339,7 @@ class StepPlan:
     step_id: int
     new_requests: list[NewRequestData]
     cached_requests: CachedRequests
-    finished_request_ids: list[str]
+    finished_slots: Int32Array
     swap_out: list[list[int]] = field(default_factory=list)
     swap_in: list[list[int]] = field(default_factory=list)
     planned_ahead: bool = False
@@ -337,11 +363,13 @@ class Shutdown:
 @message(30)
 @dataclass
 class StepResult:
-    """Sampled tokens of one step, parallel lists. ``error`` set means the step failed and
-    none of its requests advanced."""
+    """Sampled tokens of one step as parallel columns: the request on ``slots[i]`` sampled
+    ``sampled_token_ids[i]``. Rows come in plan order: the new requests that sample, then
+    the cached rows that do. ``error`` set means the step failed and none of its requests
+    advanced."""
 
     step_id: int
-    request_ids: list[str]
+    slots: Int32Array
     sampled_token_ids: Int32Array
     error: str | None = None
     forward_time: float = 0.0

@@ -14,7 +14,8 @@ when it cannot, the next plan is formed after the result, as without overlap.
 
 Plans and results travel on the step channel (:mod:`conveyor.common.step_channel`): a
 shared-memory ring each way by default, ZeroMQ with ``--plan-transport zmq``. A result is
-decoded in place; its sampled tokens are copied out before the next result is asked for.
+decoded in place; its slots and sampled tokens are copied out before the next result is
+asked for. Plans and results name requests by slot (see :mod:`conveyor.scheduler.scheduler`).
 
 The worker is never waited on blindly: the wait polls in slices, serving the frontend
 meanwhile, and gives up when bin/serve says to stop (Shutdown) or the worker's process is
@@ -272,6 +273,7 @@ class SchedulerLoop:
                 if clean:
                     self._s_transport.add(max(0.0, (end - sent) / 1e6 - result.forward_time * 1e3))
                 # Out of the ring slot (released at the next receive) into the scheduler's ints.
+                result.slots = result.slots.tolist()
                 result.sampled_token_ids = result.sampled_token_ids.tolist()
                 return result
             if frontend_ready:

@@ -18,8 +18,11 @@ Invariants the scheduler keeps:
 - RUNNING with plans in flight: ``num_computed_tokens`` counts what those plans compute,
   and may reach past the known tokens by the tokens they sample (pending: their values
   are appended when the results come back).
-- ``worker_has_state`` is true from the plan that sends the request as NewRequestData
-  until its id is queued for ``finished_request_ids``.
+- ``slot`` (``>= 0``: the worker holds its state, under that slot) is given by the plan
+  that sends the request as NewRequestData and taken back (``-1``) when the slot is queued
+  for ``finished_slots`` (finish, abort, error, preemption). So RUNNING requests hold a
+  slot each, all distinct, and nobody else holds one; a slot given back may go to another
+  request at once (the worker drops before it takes in, see the scheduler's docstring).
 - ``rank`` is fixed when the request is queued the first time: a preempted request keeps
   its place in line. Smaller ranks go first.
 """
@@ -70,7 +73,7 @@ class Request:
     scheduled_time: float | None = None  # time of first admission
     first_token_time: float | None = None  # time when the first output arrived
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
-    worker_has_state: bool = False
+    slot: int = -1  # its name on the worker while it holds the request's state; -1: none
     finish_reason: str | None = None
     # Stop conditions, precomputed: a sampled id in stop_ids stops it; so does reaching stop_len tokens.
     stop_ids: frozenset[int] = frozenset()

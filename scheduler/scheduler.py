@@ -23,8 +23,8 @@ feeds the token it sampled at N as the input of N+1). Such a plan *ahead* never 
 schedules a request that will end by length at N; when it would have to preempt it stops
 there and :attr:`can_plan_ahead` turns false, so the caller applies N and plans the next step
 with everything known. A request that turns out to finish at N (a stop token) was
-still scheduled in N+1: its blocks are freed when N is applied, the worker drops it with the
-next plan's ``finished_request_ids``, and the token N+1 sampled for it is discarded. Outputs
+still scheduled in N+1: its blocks and slot are freed when N is applied, the worker drops it
+with the next plan's ``finished_slots``, and the token N+1 sampled for it is discarded. Outputs
 are the same as without planning ahead; only decisions that depend on N's tokens (who
 finished, freeing slots and blocks) come one step later.
 
@@ -43,17 +43,49 @@ Each iteration, within the token budget ``max_num_batched_tokens``:
    worse-ranked running requests to get them. One that does not fit is stepped over a
    bounded number of times (see the policy), and admissions stop when no slot is left.
 
-Preempting a request drops or swaps out its KV (policy), lists it in the plan's
-``finished_request_ids``, and requeues it under its old rank. A swapped request comes back
+Preempting a request drops or swaps out its KV (policy), lists its slot in the plan's
+``finished_slots``, and requeues it under its old rank. A swapped request comes back
 as NewRequestData with its computed count intact and its blocks swapped in by the same plan.
 
 Blocks are freed the moment a request ends (finish, abort, error, preemption), also while
 plans that use them are in flight. That is safe because the worker runs plans strictly in
 order: a freed block can only be handed to someone else by a plan formed after the free,
-which runs after every plan that still writes or reads it; its ``finished_request_ids``
+which runs after every plan that still writes or reads it; its ``finished_slots``
 tell the worker to drop the old owner first, and its swap-outs run before anything writes.
 The same order makes a block registered in the prefix cache while the plan computing it is
 in flight safe to share: whoever reads it runs later.
+
+**Slots.** Plans and results name requests by *slot*, a small integer in
+``0 .. max_num_seqs - 1``, not by id: a plan's per-request columns and the result are then
+int32 arrays the codec carries as raw bytes. The scheduler keeps the free slots. A request
+takes one when it is sent as NewRequestData (admission, or resumption after a preemption) and
+gives it back when it is queued for the worker to drop (finish, abort, error, preemption):
+at that moment the slot joins both the free list and ``_finished_slots``, which the next plan
+formed carries as ``finished_slots``. Only running requests hold slots, so ``max_num_seqs``
+slots always suffice. Reuse is safe for the same reason block reuse is, plus one rule of the
+worker: within a plan it drops ``finished_slots`` before it takes in ``new_requests``.
+
+- A slot given back is handed out again only by a plan formed after that, which is the
+  plan that carries the drop or a later one; so the worker always drops the old owner
+  before it takes in the new one (in the same plan, by the rule above).
+- Plans formed before the give-back and still in flight (at most two: a retirement by
+  plan N's result leaves the plan formed ahead of N in flight; an abort may come while
+  both are) run before the plan carrying the drop, and name the old owner on that slot,
+  which the worker still holds then. What they sample for it is
+  dropped: the old owner is no longer running when their results are applied, and a
+  result is matched to the requests *its* plan scheduled, never to the slot's later owner.
+- Preemption happens only in a plan formed with nothing in flight, and takes the victim
+  out of that plan's rows before giving its slot back; a request admitted in the plan may
+  take the slot, the worker dropping the victim first. A request admitted in a plan is
+  never preempted by the same plan, so a plan never both adds and drops one slot's owner
+  in that order.
+- So a request running when a plan's result is applied has the slot it had when the plan
+  was formed (no preemption happens in between, and a finished request never runs again):
+  :meth:`update` reads the result by the plan's requests' slots.
+- If a step fails, the plan formed ahead of it is failed by the worker unrun, having only
+  dropped its ``finished_slots``: the slots it would have given to new requests stay
+  empty there, the scheduler fails those requests, and their slots, given back, reach the
+  worker as drops of slots it does not hold, which it ignores.
 
 Cost per iteration is O(running requests + tokens of newly admitted requests) plus
 O(log waiting) per admission; nothing iterates over the waiting queue beyond the requests
@@ -70,6 +102,7 @@ from itertools import chain
 
 from conveyor.common.config import SchedulerConfig
 from conveyor.common.messages import (
+    MAX_SLOTS,
     AddRequest,
     CachedRequests,
     FinishReason,
@@ -105,12 +138,12 @@ class _Step:
     """What one schedule() call has planned so far.
 
     ``decodes`` are the phase-1 requests, one token each: rows ``0 .. len(decodes) - 1`` of
-    the plan's cached columns, in that order. ``scheduled`` is everything else (prefill
-    chunks, admissions) with its token counts.
+    the plan's cached columns (``slots``, ``computed``, ``counts``), in that order.
+    ``scheduled`` is everything else (prefill chunks, admissions) with its token counts.
     """
 
     __slots__ = (
-        "budget", "decodes", "scheduled", "new", "ids", "computed", "counts", "block_rows", "block_ids",
+        "budget", "decodes", "scheduled", "new", "slots", "computed", "counts", "block_rows", "block_ids",
         "preempted", "num_swap", "num_recompute", "num_admitted", "wait_sum", "wait_max", "hit_tokens",
         "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out", "samplers",
         "_tokens_by_request", "failed",
@@ -121,7 +154,7 @@ class _Step:
         self.decodes: list[Request] = []
         self.scheduled: list[tuple[Request, int]] = []
         self.new: list[NewRequestData] = []
-        self.ids: list[str] = []
+        self.slots: list[int] = []
         self.computed: list[int] = []
         self.counts: list[int] = []
         self.block_rows: list[int] = []
@@ -138,9 +171,9 @@ class _Step:
     def add_cached(self, req: Request, n: int, new_blocks: list[int]) -> None:
         """A request the worker holds runs ``n`` more tokens (phase 1 inlines this for decodes)."""
         if new_blocks:
-            self.block_rows.append(len(self.ids))
+            self.block_rows.append(len(self.slots))
             self.block_ids.append(new_blocks)
-        self.ids.append(req.request_id)
+        self.slots.append(req.slot)
         self.computed.append(req.num_computed_tokens)
         self.counts.append(n)
         self.scheduled.append((req, n))
@@ -181,9 +214,9 @@ class _Step:
                     break
             else:
                 return
-        assert req.request_id not in {d.request_id for d in self.new}, "a request admitted this step was preempted"
-        row = self.ids.index(req.request_id)
-        del self.ids[row], self.computed[row], self.counts[row]
+        assert req.slot not in {d.slot for d in self.new}, "a request admitted this step was preempted"
+        row = self.slots.index(req.slot)
+        del self.slots[row], self.computed[row], self.counts[row]
         rows, blocks = [], []
         for r, b in zip(self.block_rows, self.block_ids):
             if r != row:
@@ -202,6 +235,11 @@ class Scheduler:
       swapped ones for the shared blocks they kept) naming each block; CPU ones the
       swapped requests plus the plan's step holds; every block is free, cached or held;
     - the running batch has at most ``max_num_seqs`` members, in rank order;
+    - slots (module docstring): each running request holds one, all distinct, nobody else
+      holds one; the free slots are exactly the others, so held + free = ``max_num_seqs``;
+      the slots queued for the next plan's ``finished_slots`` are free (only a plan formed
+      later, after the worker has dropped them, may hand them out again); a request still
+      running in a plan in flight has the slot that plan names it by;
     - each running request's blocks cover its computed tokens, and it has a token to run
       (``num_computed_tokens`` advances when a plan is formed): with no plan in flight,
       ``num_computed_tokens < len(token_ids)``; a plan in flight may compute one more
@@ -228,8 +266,13 @@ class Scheduler:
         self.table = RequestTable()
         self.iterations = IterationLog(config.iteration_log_size)
         self._seq = 0
-        # Ids the worker holds state for and must drop; sent with the next plan.
-        self._finished_ids: list[str] = []
+        if config.max_num_seqs > MAX_SLOTS:
+            raise ValueError(f"max_num_seqs {config.max_num_seqs} exceeds the {MAX_SLOTS} slots a worker accepts")
+        # Free slots (module docstring), popped from the end: the lowest first, and the one
+        # given back last is reused first, which keeps the worker's slot table short.
+        self._free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
+        # Slots given back whose request the worker holds and must drop; sent with the next plan.
+        self._finished_slots: list[int] = []
         # Outputs made outside update() (timeouts), collected by take_outputs().
         self._outbox: list[RequestOutput] = []
         # The plans in flight, oldest first, with what each scheduled.
@@ -340,7 +383,7 @@ class Scheduler:
         """Form the next iteration's plan; None when nothing can run.
 
         With a plan in flight this plans ahead (module docstring): call it only while
-        :attr:`can_plan_ahead`. ``finished_request_ids`` and swap copies pending when None
+        :attr:`can_plan_ahead`. ``finished_slots`` and swap copies pending when None
         is returned stay pending for the next plan (the worker's leftover state is harmless
         until then).
         """
@@ -406,10 +449,10 @@ class Scheduler:
             return None
         self._num_steps += 1
         swap_out, swap_in = self.kv.swap.take_transfers()
-        cached = CachedRequests(step.ids, step.computed, step.counts, step.block_rows, step.block_ids)
-        plan = StepPlan(self._num_steps, step.new, cached, self._finished_ids, swap_out, swap_in, self._ahead)
+        cached = CachedRequests(step.slots, step.computed, step.counts, step.block_rows, step.block_ids)
+        plan = StepPlan(self._num_steps, step.new, cached, self._finished_slots, swap_out, swap_in, self._ahead)
         self._num_planned_ahead += self._ahead
-        self._finished_ids = []
+        self._finished_slots = []
         self._commit(step)
         self._inflight.append((plan, step))
         self._record(step, plan, now, started)
@@ -481,7 +524,7 @@ class Scheduler:
                 decodes[row].block_ids.append(block)
             step.block_rows = need_rows
             step.block_ids = [[block] for block in fresh]
-        step.ids = [r.request_id for r in decodes]
+        step.slots = [r.slot for r in decodes]
         step.computed = computed = [r.num_computed_tokens for r in decodes]
         step.counts = [1] * len(decodes)
         step.decode_tokens = len(decodes)
@@ -509,9 +552,9 @@ class Scheduler:
                 new_blocks = gpu.allocate(1)
                 req.block_ids.append(new_blocks[0])
             if new_blocks:
-                step.block_rows.append(len(step.ids))
+                step.block_rows.append(len(step.slots))
                 step.block_ids.append(new_blocks)
-            step.ids.append(req.request_id)
+            step.slots.append(req.slot)
             step.computed.append(req.num_computed_tokens)
             step.counts.append(1)
             step.decodes.append(req)
@@ -620,10 +663,16 @@ class Scheduler:
             step.num_admitted += 1
             step.wait_sum += waited
             step.wait_max = max(step.wait_max, waited)
-        req.worker_has_state = True
+        req.slot = self._free_slots.pop()  # a free one exists: it is not running, and fewer than max_num_seqs are
         step.new.append(
             NewRequestData(
-                req.request_id, req.all_token_ids, req.sampling, list(req.block_ids), req.num_computed_tokens, n
+                req.request_id,
+                req.slot,
+                req.all_token_ids,
+                req.sampling,
+                list(req.block_ids),
+                req.num_computed_tokens,
+                n,
             )
         )
         step.scheduled.append((req, n))
@@ -652,9 +701,7 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
             step.num_recompute += 1
         self._num_preemptions[mode] += 1
-        if req.worker_has_state:
-            self._finished_ids.append(req.request_id)
-            req.worker_has_state = False
+        self._release_slot(req)  # after it left the plan's rows (unschedule above)
         step.preempted.add(id(req))
         self.queue.push(req)
 
@@ -713,11 +760,13 @@ class Scheduler:
 
     def _apply(self, plan: StepPlan, step: _Step, result: StepResult) -> TokenOutputs:
         error = result.error
-        if error is None and len(result.request_ids) != len(result.sampled_token_ids):
-            error = (
-                f"malformed step result: {len(result.request_ids)} request ids but "
-                f"{len(result.sampled_token_ids)} tokens"
-            )
+        slots, tokens = result.slots, result.sampled_token_ids
+        if type(slots) is not list:  # a numpy array when decoded (scheduler/main.py gives lists)
+            slots = slots.tolist() if hasattr(slots, "tolist") else list(slots)
+        if type(tokens) is not list:
+            tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        if error is None and len(slots) != len(tokens):
+            error = f"malformed step result: {len(slots)} slots but {len(tokens)} tokens"
         outputs: list[RequestOutput] = []
         if step.failed:
             return TokenOutputs(outputs)  # failed with the plan it was planned ahead of
@@ -750,28 +799,26 @@ class Scheduler:
 
         # The worker answers in plan order: new requests that sample, then the cached rows,
         # decodes first. So the decodes' tokens are one slice (checked, in C, by comparing
-        # the ids); a worker answering in another order just takes the general path.
+        # the slots); a worker answering in another order just takes the general path.
+        # Requests still running have the slots this plan gave them (module docstring).
         decodes = step.decodes
         others = step.scheduled
         samplers = step.samplers
         first = sum(1 for d in plan.new_requests if d.num_computed_tokens + d.num_scheduled_tokens == len(d.token_ids))
         last = first + len(decodes)
-        if decodes and result.request_ids[first:last] != plan.cached_requests.request_ids[: len(decodes)]:
+        if decodes and slots[first:last] != step.slots[: len(decodes)]:
             others = [(r, 1) for r in decodes] + others
             samplers = samplers | {id(r) for r in decodes}
             decodes = []
+            last = first  # no slice is taken: every row is mapped by slot below
         now = self.clock()
         finished: list[Request] = []  # running requests this update retires
-        column_ids, column_tokens = self._apply_decodes(
-            decodes, plan.cached_requests.request_ids[: len(decodes)], result.sampled_token_ids[first:last], outputs,
-            finished, now,
-        )
+        column_ids, column_tokens = self._apply_decodes(decodes, tokens[first:last], outputs, finished, now)
         if others:
-            ids, tokens = result.request_ids, result.sampled_token_ids
             if decodes:  # the decodes' slice is taken: map only the rows around it
-                pairs = chain(zip(ids[:first], tokens[:first]), zip(ids[last:], tokens[last:]))
+                pairs = chain(zip(slots[:first], tokens[:first]), zip(slots[last:], tokens[last:]))
             else:
-                pairs = zip(ids, tokens)
+                pairs = zip(slots, tokens)
             sampled = dict(pairs).get
             for req, _ in others:
                 if req.status is not RUNNING:
@@ -779,11 +826,15 @@ class Scheduler:
                 self.kv.register_full_blocks(req, self._done_tokens(req))
                 if id(req) not in samplers:
                     continue  # a prefill chunk that does not end the prompt samples nothing
-                token = sampled(req.request_id)
+                token = sampled(req.slot)
                 if token is None:
                     finished.append(req)
                     outputs.append(
-                        self._finish(req, FinishReason.ERROR, error=f"worker sampled no token for {req.request_id!r}")
+                        self._finish(
+                            req,
+                            FinishReason.ERROR,
+                            error=f"worker sampled no token for {req.request_id!r} (slot {req.slot})",
+                        )
                     )
                     continue
                 req.token_ids.append(token)
@@ -800,17 +851,18 @@ class Scheduler:
     def _apply_decodes(
         self,
         decodes: list[Request],
-        ids: list[str],
         tokens: list[int],
         outputs: list[RequestOutput],
         finished: list[Request],
         now: float,
     ) -> tuple[list[str], list[int]]:
-        """The decodes' share of :meth:`update`: one token each, in plan order (``ids``).
+        """The decodes' share of :meth:`update`: one token each, in plan order; returns the
+        output columns (request ids, tokens) of the plain ones.
 
         The hottest loop of a busy server, so it does the minimum per request and leaves
         anything unusual (a first or last token, an abort during the step) to a second pass
-        over just those: in the common case the output columns are the inputs. Blocks that
+        over just those: in the common case the output columns are the decodes' ids and the
+        ``tokens`` given (a fresh list, which this may edit). Blocks that
         decoding fills are registered in the prefix index only when the request releases
         them (:meth:`KVCacheManager.free`): nobody else could share generated tokens while
         it runs, and hashing them every step was a third of this loop.
@@ -826,9 +878,9 @@ class Scheduler:
             if token in req.stop_ids or len(all_tokens) >= req.stop_len or req.first_token_time is None:
                 unusual.append(req)
         if not unusual:
-            return ids, tokens
+            return [req.request_id for req in decodes], tokens
         if len(unusual) <= 16:
-            ids, tokens = list(ids), list(tokens)
+            ids = [req.request_id for req in decodes]
             rows, row = [], -1
             for req in unusual:  # in row order: each search starts after the last, one scan in all
                 row = decodes.index(req, row + 1)
@@ -838,7 +890,7 @@ class Scheduler:
         else:
             skip = {id(req) for req in unusual}
             keep = [row for row, req in enumerate(decodes) if id(req) not in skip]
-            ids, tokens = [ids[row] for row in keep], [tokens[row] for row in keep]
+            ids, tokens = [decodes[row].request_id for row in keep], [tokens[row] for row in keep]
         for req in unusual:
             if req.status is RUNNING and self._output(req, req.token_ids[-1], outputs, now) == _FINISHED:
                 finished.append(req)
@@ -889,9 +941,7 @@ class Scheduler:
         if done is not None or self._inflight:
             req.num_computed_tokens = self._done_tokens(req) if done is None else done
         self.kv.free(req)
-        if req.worker_has_state:
-            self._finished_ids.append(req.request_id)
-            req.worker_has_state = False
+        self._release_slot(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.table.forget(req)
@@ -904,6 +954,15 @@ class Scheduler:
             req.first_token_time,
             req.num_cached_tokens,
         )
+
+    def _release_slot(self, req: Request) -> None:
+        """Give ``req``'s slot back, if it holds one: free for the next admission at once, and
+        queued for the worker to drop with the next plan (which drops before it adds)."""
+        slot = req.slot
+        if slot >= 0:
+            self._finished_slots.append(slot)
+            self._free_slots.append(slot)
+            req.slot = -1
 
     # ------------------------------------------------------------------ introspection
 
@@ -988,7 +1047,7 @@ class Scheduler:
         cpu_refs: dict[int, int] = {}
         for r in running:
             assert r.status is RUNNING and self.table.live[r.request_id] is r
-            assert r.worker_has_state and not r.cpu_blocks
+            assert r.slot >= 0 and not r.cpu_blocks, f"{r.request_id}: running without a slot, or with CPU blocks"
             assert len(r.block_ids) * bs >= r.num_computed_tokens
             pending = max(0, r.num_computed_tokens + 1 - r.num_tokens)
             assert pending <= len(self._inflight), f"{r.request_id}: {pending} tokens pending, or nothing to run"
@@ -999,7 +1058,7 @@ class Scheduler:
                 h = self.pool.block_hash(r.block_ids[i])
                 assert h is None or h == r.block_hashes[i], f"{r.request_id}: block {i} holds another prefix"
         for r in waiting:
-            assert self.table.live[r.request_id] is r and not r.worker_has_state
+            assert self.table.live[r.request_id] is r and r.slot == -1, f"{r.request_id} waits holding a slot"
             if r.status is SWAPPED:
                 assert r.cpu_blocks, f"swapped {r.request_id} holds no KV"
                 assert len(r.block_ids) == len(r.cpu_blocks) == blocks_for(r.num_computed_tokens, bs)
@@ -1028,6 +1087,34 @@ class Scheduler:
         for r in running:
             assert len(r.block_hashes) == r.num_registered_blocks <= r.num_computed_tokens // bs, r.request_id
         assert swap.num_held_by_requests == sum(len(r.cpu_blocks) for r in waiting)
-        for rid in self._finished_ids:
-            live = self.table.get(rid)
-            assert live is None or not live.worker_has_state, f"{rid} both finished and held"
+        self._check_slots()
+
+    def _check_slots(self) -> None:
+        """The slot invariants of the class docstring, and that every request still running in
+        a plan in flight has the slot that plan names it by (what :meth:`update` relies on)."""
+        n = self.config.max_num_seqs
+        held = [r.slot for r in self.table.running]
+        free = self._free_slots
+        assert len(set(held)) == len(held), f"two running requests share a slot: {sorted(held)}"
+        assert len(set(free)) == len(free), f"a slot is free twice: {sorted(free)}"
+        assert not set(held) & set(free), f"slots both held and free: {sorted(set(held) & set(free))}"
+        assert set(held) | set(free) == set(range(n)), "slots lost or out of range"
+        # Slots given back since the last plan: no plan formed since could hand them out again.
+        pending = self._finished_slots
+        assert len(set(pending)) == len(pending), f"a slot is queued to be dropped twice: {pending}"
+        assert set(pending) <= set(free), f"slots queued to be dropped but held: {sorted(set(pending) - set(free))}"
+        for plan, step in self._inflight:
+            new_slots = [d.slot for d in plan.new_requests]
+            cached_slots = list(plan.cached_requests.slots)
+            named = new_slots + cached_slots
+            assert len(set(named)) == len(named), f"step {plan.step_id} names a slot twice"
+            assert not set(cached_slots) & set(plan.finished_slots), f"step {plan.step_id} drops a slot it runs"
+            slot_of_new = {d.request_id: d.slot for d in plan.new_requests}
+            rows = iter(cached_slots)
+            expected = [(r, next(rows)) for r in step.decodes]
+            for r, _ in step.scheduled:
+                expected.append((r, slot_of_new[r.request_id] if r.request_id in slot_of_new else next(rows)))
+            assert next(rows, None) is None, f"step {plan.step_id}: more cached rows than requests"
+            for r, slot in expected:
+                if r.status is RUNNING:
+                    assert r.slot == slot, f"{r.request_id} holds slot {r.slot}, step {plan.step_id} names it {slot}"

@@ -2,9 +2,11 @@
 
 The runner keeps what the worker must remember between steps, per request: every known
 token (the prompt, then what it sampled), the block table and the sampling parameters.
-The scheduler stays the authority on blocks and on how many tokens run; the runner checks
-that each plan is consistent with what it holds and refuses one that is not, before it
-changes any state.
+Plans name requests by *slot* (see :mod:`conveyor.common.messages`), so that state lives
+in a list indexed by slot, as long as the largest slot seen. The scheduler stays the
+authority on blocks, slots and how many tokens run; the runner checks that each plan is
+consistent with what it holds and refuses one that is not, before it changes any state
+(apart from dropping the plan's finished slots, which comes first).
 
 Per step, the new tokens of every scheduled request are laid end to end (no padding to the
 longest) and run as one batch; a request samples when the step computes its last known
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from conveyor.common import profiling
-from conveyor.common.messages import SamplingParams, StepPlan, StepResult
+from conveyor.common.messages import MAX_SLOTS, SamplingParams, StepPlan, StepResult
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.block_transfer import transfer_blocks
@@ -40,8 +42,10 @@ def _int_list(values: np.ndarray | list[int]) -> list[int]:
 @dataclass
 class _RequestState:
     """Invariant: ``num_computed <= len(token_ids)``, and the KV of tokens
-    ``0..num_computed-1`` is in the cache blocks ``block_ids`` name."""
+    ``0..num_computed-1`` is in the cache blocks ``block_ids`` name. ``request_id`` is only
+    for messages: plans name the request by its slot."""
 
+    request_id: str
     token_ids: list[int]
     block_ids: list[int]
     sampling: SamplingParams
@@ -53,7 +57,7 @@ class _Work:
     """One request's share of a validated step: run tokens ``num_computed .. num_computed +
     num_scheduled - 1`` after appending ``new_block_ids`` to its table."""
 
-    request_id: str
+    slot: int
     num_computed: int
     num_scheduled: int
     new_block_ids: list[int]
@@ -103,7 +107,9 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self.swap_caches = allocate_swap_space(self.model_config, num_cpu_blocks, block_size, self.dtype, self.device)
         self.sampler = Sampler(self.device)
-        self._requests: dict[str, _RequestState] = {}
+        # Request state by slot; None: a free slot. Grows to the largest slot seen (at most the
+        # scheduler's max_num_seqs), never shrinks.
+        self._states: list[_RequestState | None] = []
         self._failed = False  # the last step raised: a plan planned ahead of it fails too
         # Stage timers of a step. On CUDA, kernels run asynchronously: "forward" is then the
         # host's launch time and the device's wait lands in "sample" (its .tolist() syncs).
@@ -114,17 +120,21 @@ class ModelRunner:
         self._t_swap = prof.timer("swap", arg_name="blocks")  # only steps that copy blocks
 
     @property
+    def slots(self) -> list[int]:
+        """The slots whose request state the runner holds, in increasing order."""
+        return [slot for slot, state in enumerate(self._states) if state is not None]
+
+    @property
     def request_ids(self) -> list[str]:
-        """The requests whose state the runner holds."""
-        return list(self._requests)
+        """The ids of the requests whose state the runner holds, in slot order."""
+        return [state.request_id for state in self._states if state is not None]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step. Raises ValueError, changing nothing but dropping the finished requests,
+        """Run one step. Raises ValueError, changing nothing but dropping the finished slots,
         if the plan contradicts the runner's state, or was planned ahead of a step that failed."""
         failed_before, self._failed = self._failed, True  # cleared once this step succeeds
-        for request_id in plan.finished_request_ids:
-            self._requests.pop(request_id, None)
+        self._drop(_int_list(plan.finished_slots))
         if plan.planned_ahead and failed_before:
             raise ValueError(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._validate(plan)
@@ -135,11 +145,13 @@ class ModelRunner:
             transfer_blocks(self.kv_caches, self.swap_caches, plan.swap_out)
             transfer_blocks(self.swap_caches, self.kv_caches, plan.swap_in)
             self._t_swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
-        for new in plan.new_requests:
-            self._requests[new.request_id] = _RequestState(
-                _int_list(new.token_ids), _int_list(new.block_ids), new.sampling, new.num_computed_tokens
-            )
-        states = [self._requests[item.request_id] for item in work]
+        table = self._states
+        for new in plan.new_requests:  # on free slots (checked), the finished ones dropped above
+            if new.slot >= len(table):
+                table.extend([None] * (new.slot + 1 - len(table)))
+            tokens, blocks = _int_list(new.token_ids), _int_list(new.block_ids)
+            table[new.slot] = _RequestState(new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens)
+        states = [table[item.slot] for item in work]
         for item, state in zip(work, states):
             state.block_ids.extend(item.new_block_ids)
         if not work:
@@ -156,7 +168,7 @@ class ModelRunner:
             state.token_ids.append(token)
         self._failed = False
         return StepResult(
-            plan.step_id, [item.request_id for item, _ in sampling], sampled, forward_time=time.perf_counter() - start
+            plan.step_id, [item.slot for item, _ in sampling], sampled, forward_time=time.perf_counter() - start
         )
 
     def _run(self, work: list[_Work], states: list[_RequestState], samples: list[bool]) -> list[int]:
@@ -189,50 +201,76 @@ class ModelRunner:
         self._t_sample.record(start)
         return sampled
 
-    def _validate(self, plan: StepPlan) -> list[_Work]:
-        """The plan's work in order (new requests first), or ValueError naming the first problem.
+    def _drop(self, slots: list[int]) -> None:
+        """Forget the requests on ``slots`` (a plan's ``finished_slots``). A free slot is fine:
+        its request may never have been taken in (its plan failed unrun). A slot outside the
+        range a scheduler hands out is refused, dropping nothing."""
+        bad = [slot for slot in slots if not 0 <= slot < MAX_SLOTS]
+        if bad:
+            raise ValueError(f"finished slots {bad} outside 0..{MAX_SLOTS - 1}")
+        table = self._states
+        for slot in slots:
+            if slot < len(table):
+                table[slot] = None
 
-        Runs after ``finished_request_ids`` are dropped; mutates nothing.
-        A finished id the runner does not hold is fine: the request may never have run here.
+    def _validate(self, plan: StepPlan) -> list[_Work]:
+        """The plan's work in order (new requests first), or ValueError naming the first problem
+        (the slot, and the request id where known).
+
+        Runs after ``finished_slots`` are dropped (so a new request may take a slot this plan
+        frees, and a cached row may not name one); mutates nothing.
         """
-        dropped = set(plan.finished_request_ids)
-        seen: set[str] = set()
+        table = self._states
+        size = len(table)
+        seen: dict[int, str] = {}  # slot -> request id, of the rows so far
         work: list[_Work] = []
 
-        def check_once(rid: str) -> None:
-            if rid in seen:
-                raise ValueError(f"request {rid!r} appears twice in step {plan.step_id}")
-            seen.add(rid)
+        def twice(slot: int, rid: str) -> ValueError:
+            return ValueError(
+                f"slot {slot} appears twice in step {plan.step_id} (request {seen[slot]!r}, then {rid!r})"
+            )
 
         for new in plan.new_requests:
-            rid = new.request_id
-            check_once(rid)
-            if rid in self._requests and rid not in dropped:
-                raise ValueError(f"new request {rid!r} is already running on the worker")
-            self._check_blocks(rid, new.block_ids)
+            rid, slot = new.request_id, new.slot
+            if not 0 <= slot < MAX_SLOTS:
+                raise ValueError(f"new request {rid!r}: slot {slot} outside 0..{MAX_SLOTS - 1}")
+            if slot in seen:
+                raise twice(slot, rid)
+            seen[slot] = rid
+            holder = table[slot] if slot < size else None
+            if holder is not None:
+                raise ValueError(
+                    f"new request {rid!r} on slot {slot}, which request {holder.request_id!r} still holds on the worker"
+                )
+            self._check_blocks(rid, slot, new.block_ids)
             self._check_tokens(
-                rid, new.num_computed_tokens, new.num_scheduled_tokens, len(new.token_ids), len(new.block_ids)
+                rid, slot, new.num_computed_tokens, new.num_scheduled_tokens, len(new.token_ids), len(new.block_ids)
             )
-            work.append(_Work(rid, new.num_computed_tokens, new.num_scheduled_tokens, []))
+            work.append(_Work(slot, new.num_computed_tokens, new.num_scheduled_tokens, []))
         cached = plan.cached_requests
         new_blocks = dict(zip(cached.new_block_rows, cached.new_block_ids))
-        for row, (rid, num_computed, num_scheduled) in enumerate(
-            zip(cached.request_ids, _int_list(cached.num_computed_tokens), _int_list(cached.num_scheduled_tokens))
+        for row, (slot, num_computed, num_scheduled) in enumerate(
+            zip(_int_list(cached.slots), _int_list(cached.num_computed_tokens), _int_list(cached.num_scheduled_tokens))
         ):
-            check_once(rid)
-            state = None if rid in dropped else self._requests.get(rid)
+            state = table[slot] if 0 <= slot < size else None
+            if slot in seen:
+                raise twice(slot, state.request_id if state is not None else "?")
             if state is None:
-                raise ValueError(f"unknown request {rid!r}: not running on the worker")
+                raise ValueError(f"unknown slot {slot} (row {row}): no request on it is running on the worker")
+            rid = state.request_id
+            seen[slot] = rid
             if num_computed != state.num_computed:
                 raise ValueError(
-                    f"request {rid!r}: num_computed_tokens mismatch: plan says {num_computed}, "
+                    f"request {rid!r} (slot {slot}): num_computed_tokens mismatch: plan says {num_computed}, "
                     f"worker has {state.num_computed}"
                 )
             blocks = new_blocks.get(row, [])
             if blocks:
-                self._check_blocks(rid, blocks)
-            self._check_tokens(rid, num_computed, num_scheduled, len(state.token_ids), len(state.block_ids) + len(blocks))
-            work.append(_Work(rid, num_computed, num_scheduled, list(blocks)))
+                self._check_blocks(rid, slot, blocks)
+            self._check_tokens(
+                rid, slot, num_computed, num_scheduled, len(state.token_ids), len(state.block_ids) + len(blocks)
+            )
+            work.append(_Work(slot, num_computed, num_scheduled, list(blocks)))
         self._check_transfers(plan)
         return work
 
@@ -247,20 +285,28 @@ class ModelRunner:
             if len({pair[1] for pair in pairs}) != len(pairs):
                 raise ValueError(f"{name} writes a block twice")
 
-    def _check_tokens(self, rid: str, num_computed: int, num_scheduled: int, num_tokens: int, num_blocks: int) -> None:
+    def _check_tokens(
+        self, rid: str, slot: int, num_computed: int, num_scheduled: int, num_tokens: int, num_blocks: int
+    ) -> None:
         if num_scheduled < 1 or num_computed < 0:
-            raise ValueError(f"request {rid!r}: invalid counts computed={num_computed} scheduled={num_scheduled}")
+            raise ValueError(
+                f"request {rid!r} (slot {slot}): invalid counts computed={num_computed} scheduled={num_scheduled}"
+            )
         end = num_computed + num_scheduled
         if end > num_tokens:
-            raise ValueError(f"request {rid!r}: schedules up to token {end} but only {num_tokens} tokens are known")
+            raise ValueError(
+                f"request {rid!r} (slot {slot}): schedules up to token {end} but only {num_tokens} tokens are known"
+            )
         if num_blocks * self.block_size < end:
             raise ValueError(
-                f"request {rid!r}: block table too short: "
+                f"request {rid!r} (slot {slot}): block table too short: "
                 f"{num_blocks} blocks of {self.block_size} tokens for {end} tokens"
             )
 
-    def _check_blocks(self, rid: str, block_ids: list[int]) -> None:
+    def _check_blocks(self, rid: str, slot: int, block_ids: list[int]) -> None:
         """Only ids new to the runner are checked: the rest were checked when they arrived."""
         bad = [block for block in block_ids if not 0 <= block < self.num_blocks]
         if bad:
-            raise ValueError(f"request {rid!r}: block ids {bad} outside the pool of {self.num_blocks} blocks")
+            raise ValueError(
+                f"request {rid!r} (slot {slot}): block ids {bad} outside the pool of {self.num_blocks} blocks"
+            )

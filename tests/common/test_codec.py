@@ -17,7 +17,9 @@ from conveyor.common.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
     AddRequest,
+    MAX_SLOTS,
     CachedRequestData,
+    CachedRequests,
     NewRequestData,
     ProcessReady,
     RequestOutput,
@@ -64,37 +66,59 @@ sampling = st.builds(
 )
 
 
+slot_lists = st.lists(st.integers(min_value=0, max_value=MAX_SLOTS - 1), max_size=20)
+
+
 @given(
     rid=st.text(min_size=1, max_size=20),
     prompt=token_lists,
     params=sampling,
     blocks=token_lists,
     n=st.integers(0, 10),
+    slots=slot_lists,
 )
-def test_round_trip_plan_and_request(rid, prompt, params, blocks, n) -> None:
+def test_round_trip_plan_and_request(rid, prompt, params, blocks, n, slots) -> None:
     plan = StepPlan(
         step_id=n,
-        new_requests=[NewRequestData(rid, prompt, params, blocks, 0, len(prompt))],
-        cached_requests=[CachedRequestData(rid + "x", blocks, n, 1)],
-        finished_request_ids=[rid] * n,
+        new_requests=[NewRequestData(rid, n, prompt, params, blocks, 0, len(prompt))],
+        cached_requests=[CachedRequestData(slot, blocks, n, 1) for slot in slots],
+        finished_slots=slots[::-1],
     )
     decoded = round_trip(plan)
     new = decoded.new_requests[0]
     assert new.token_ids.dtype == np.int32 and new.token_ids.tolist() == prompt
+    assert new.request_id == rid and new.slot == n
+    # The per-request columns and the drops are raw int32 arrays.
+    cached = decoded.cached_requests
+    for column in (cached.slots, cached.num_computed_tokens, cached.num_scheduled_tokens, decoded.finished_slots):
+        assert type(column) is np.ndarray and column.dtype == np.int32
+    assert cached.slots.tolist() == slots and decoded.finished_slots.tolist() == slots[::-1]
+    assert [row.slot for row in cached.rows()] == slots and all(type(row.slot) is int for row in cached.rows())
     round_trip(AddRequest(rid, prompt, params, 1.5))
+
+
+def test_plan_header_carries_no_per_request_strings() -> None:
+    """With slots, a decode step's header is the same size whatever the request ids: the
+    per-request columns, drops and result rows are all int32 arrays."""
+    n = 256
+    cached = CachedRequests(list(range(n)), list(range(100, 100 + n)), [1] * n)
+    head = codec.encode_parts(StepPlan(7, [], cached, list(range(8))))[0]
+    assert len(head) < 64
+    head = codec.encode_parts(StepResult(7, list(range(n)), [11] * n))[0]
+    assert len(head) < 64
 
 
 def test_round_trip_outputs_and_results() -> None:
     out = TokenOutputs([RequestOutput("a", [1], None), RequestOutput("b", [], "error", "boom", 1.0, 2.0)])
     round_trip(out)
-    round_trip(StepResult(3, ["a", "b"], [5, 6], None, 0.25))
+    round_trip(StepResult(3, [4, 0], [5, 6], None, 0.25))
     round_trip(ProcessReady("worker", 12, {"num_blocks": 7, "device": "cpu"}))
 
 
 def test_arrays_travel_raw_and_decode_as_views() -> None:
     """An Int32Array field is raw int32 bytes after the header, and decodes with no copy."""
     tokens = np.arange(1000, dtype=np.int32)
-    parts = codec.encode_parts(StepResult(1, ["a"], tokens))
+    parts = codec.encode_parts(StepResult(1, [], tokens))
     assert len(parts) == 2 and bytes(parts[1]) == tokens.tobytes()  # handed out uncopied, no msgpack ints
     buf = bytearray(b"".join(parts))
     res = codec.decode(memoryview(buf))
@@ -105,7 +129,7 @@ def test_arrays_travel_raw_and_decode_as_views() -> None:
 
 @pytest.mark.parametrize("values", [[1, 2, 3], np.array([1, 2, 3], dtype=np.int64), np.array([], dtype=np.float32)])
 def test_array_fields_take_any_int_sequence(values) -> None:
-    res = codec.decode(codec.encode(StepResult(1, ["a"] * len(values), values)))
+    res = codec.decode(codec.encode(StepResult(1, list(range(len(values))), values)))
     assert res.sampled_token_ids.tolist() == list(values)
 
 
@@ -141,14 +165,16 @@ def test_encode_rejects_unregistered_objects() -> None:
         (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, True], [], 0.0, 0])), "array of int"),
         (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, "x"], [], 0.0, 0])), "array of int"),
         (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1], [1, 2], 0.0, 0])), "SamplingParams has"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1.5, [], [0, 0], None, 0.0])), "expected int"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [0, 0], 3, 0.0])), "error"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [0, 0], None, True])), "expected float"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [0, 1], None, 0.0])), "outside the message"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [2, 1], None, 0.0]), bytes(8)), "outside"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [-4, 1], None, 0.0]), bytes(8)), "outside"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [5, 0], None, 0.0]), bytes(8)), "outside"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [], [1, 2, 3], None, 0.0])), "array reference"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1.5, [0, 0], [0, 0], None, 0.0])), "expected int"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [0, 0], 3, 0.0])), "error"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [0, 0], None, True])), "expected float"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [0, 1], None, 0.0])), "outside the message"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [2, 1], None, 0.0]), bytes(8)), "outside"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [-4, 1], None, 0.0]), bytes(8)), "outside"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [5, 0], None, 0.0]), bytes(8)), "outside"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [1, 2, 3], None, 0.0])), "array reference"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, ["a"], [0, 0], None, 0.0])), "StepResult.slots"),
+        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 1], [0, 0], None, 0.0])), "slots.*outside"),
     ],
 )
 def test_decode_names_the_problem(payload: bytes, needle: str) -> None:

@@ -50,9 +50,9 @@ def plan(step: int, n: int, prompt_len: int = 0) -> StepPlan:
     new = []
     if prompt_len:
         tokens = np.arange(prompt_len, dtype=np.int32) % 5000
-        new = [NewRequestData(f"new-{step}", tokens, SamplingParams(), list(range(prompt_len // 16 + 1)), 0, 8)]
-    ids = [f"r{step}-{i}" for i in range(n)]
-    return StepPlan(step, new, CachedRequests(ids, np.full(n, step, np.int32), np.ones(n, np.int32)), [])
+        new = [NewRequestData(f"new-{step}", 0, tokens, SamplingParams(), list(range(prompt_len // 16 + 1)), 0, 8)]
+    slots = [1 + (step + 3 * i) % 97 for i in range(n)]
+    return StepPlan(step, new, CachedRequests(slots, np.full(n, step, np.int32), np.ones(n, np.int32)), [0])
 
 
 def echo_worker(channels: StepChannels) -> None:
@@ -66,8 +66,9 @@ def echo_worker(channels: StepChannels) -> None:
             if isinstance(msg, Shutdown):
                 return
             sums = [int(new.token_ids.sum()) for new in msg.new_requests]
-            ids = msg.cached_requests.request_ids
-            results.send(StepResult(msg.step_id, ids, np.array(sums + [msg.step_id] * len(ids), np.int32)))
+            slots = [new.slot for new in msg.new_requests] + msg.cached_requests.slots.tolist()
+            tokens = np.array(sums + [msg.step_id] * len(msg.cached_requests), np.int32)
+            results.send(StepResult(msg.step_id, slots, tokens))
     finally:
         plans.close()
         results.close()
@@ -97,7 +98,7 @@ def test_plans_and_results_in_order_also_when_oversize(channels) -> None:
             assert res is not None and res.step_id == p.step_id
             expected = [int(n.token_ids.sum()) for n in p.new_requests] + [p.step_id] * len(p.cached_requests)
             assert res.sampled_token_ids.tolist() == expected
-            assert res.request_ids == p.cached_requests.request_ids
+            assert res.slots.tolist() == [n.slot for n in p.new_requests] + list(p.cached_requests.slots)
         for p in sent:
             res = rx.recv(timeout_s=20)
             assert res is not None and res.step_id == p.step_id
@@ -128,12 +129,13 @@ def results_pair(channels):
 
 def test_received_arrays_view_the_ring_until_the_next_receive(channels, results_pair) -> None:
     tx, rx = results_pair
-    tx.send(StepResult(1, ["a", "b"], [7, 8]))
-    tx.send(StepResult(2, ["c"], [9]))
+    tx.send(StepResult(1, [3, 0], [7, 8]))
+    tx.send(StepResult(2, [5], [9]))
     first = rx.recv(timeout_s=5)
-    assert first.sampled_token_ids.tolist() == [7, 8]
+    assert first.sampled_token_ids.tolist() == [7, 8] and first.slots.tolist() == [3, 0]
     if channels.transport == "shm":
         assert not first.sampled_token_ids.flags.owndata  # a view over the slot, not a copy
+        assert not first.slots.flags.owndata
     second = rx.recv(timeout_s=5)
     assert second.step_id == 2 and second.sampled_token_ids.tolist() == [9]
     assert rx.recv(timeout_s=0) is None

@@ -14,7 +14,7 @@ from collections import deque
 import pytest
 
 from conveyor.common.config import SchedulerConfig
-from conveyor.common.messages import AddRequest, SamplingParams
+from conveyor.common.messages import AddRequest, SamplingParams, StepPlan
 from conveyor.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 4
@@ -102,7 +102,11 @@ def alone(runner_factory):
         key = (tuple(prompt), max_tokens)
         if key not in memo:
             count[0] += 1
-            driver = Driver(runner)  # a new scheduler: nothing cached; the runner's blocks are reused
+            # A new scheduler: nothing cached; the runner's blocks are reused, and so are its
+            # slots, which the last scheduler's final retirements still hold (no plan followed
+            # them to drop them): drop them as that plan would have.
+            runner.execute(StepPlan(0, [], [], runner.slots))
+            driver = Driver(runner)
             rid = f"alone-{count[0]}"
             driver.add(rid, prompt, max_tokens)
             memo[key] = driver.run()[rid]

@@ -1,8 +1,10 @@
 """A worker stand-in that executes StepPlans the way the real worker must, and checks them.
 
 It keeps what the real model runner keeps per request (token list, block table, computed
-count) and asserts every rule of the plan protocol in ``conveyor.common.messages``, so a
-scheduler bug shows up as an AssertionError at the step that broke the rule.
+count), by slot as the real one does, and asserts every rule of the plan protocol in
+``conveyor.common.messages`` (slots included: a new request only on a free slot, after the
+plan's drops; cached rows only on held slots), so a scheduler bug shows up as an
+AssertionError at the step that broke the rule.
 
 It also models the KV cache's *contents*: every slot of every GPU and CPU block holds the
 identity of the prefix whose KV it would contain (a chained hash of the tokens up to that
@@ -32,6 +34,7 @@ def default_token(request_id: str, position: int, low: int = 1, high: int = 1000
 
 @dataclass
 class _State:
+    request_id: str
     tokens: list[int]
     blocks: list[int]
     computed: int
@@ -67,8 +70,8 @@ class FakeWorker:
     num_cpu_blocks: int = 0
 
     def __post_init__(self) -> None:
-        self.state: dict[str, _State] = {}
-        self.holders: dict[int, set[str]] = {}  # GPU block -> requests whose table names it
+        self.state: dict[int, _State] = {}  # slot -> the request on it
+        self.holders: dict[int, set[int]] = {}  # GPU block -> slots whose table names it
         self.gpu: dict[int, list[int | None]] = {}  # block -> slot contents
         self.cpu: dict[int, list[int | None]] = {}
         self.last_step_id = 0
@@ -78,7 +81,7 @@ class FakeWorker:
         self.num_computed_at_arrival: dict[str, list[int]] = {}  # request id -> per NewRequestData
         self.num_tokens_computed = 0
         self.last_failed = False  # the last step failed: a plan planned ahead of it fails too
-        self.never_taken: set[str] = set()
+        self.never_taken: set[int] = set()  # slots given in plans failed unrun, not dropped since
 
     def token_for(self, request_id: str, position: int) -> int:
         if self.eos_at.get(request_id) == position:
@@ -97,17 +100,21 @@ class FakeWorker:
         self.plans.append(plan)
         bs = self.block_size
 
-        for rid in plan.finished_request_ids:
+        finished = list(plan.finished_slots)
+        assert len(set(finished)) == len(finished), f"step {plan.step_id} drops a slot twice: {finished}"
+        for slot in finished:
             # A request first sent in a plan that failed unrun (below) was never taken in.
-            assert rid in self.state or rid in self.never_taken, f"finished id {rid!r} is not held by the worker"
-            if rid in self.state:
-                self._drop(rid)
-            self.never_taken.discard(rid)
+            assert slot in self.state or slot in self.never_taken, f"finished slot {slot} is not held by the worker"
+            if slot in self.state:
+                self._drop(slot)
+            self.never_taken.discard(slot)
         failed_before, self.last_failed = self.last_failed, plan.step_id in self.fail_steps
         if plan.planned_ahead and failed_before:
             # Built on a step that failed: the real worker fails it unrun, as here.
             self.last_failed = True
-            self.never_taken |= {r.request_id for r in plan.new_requests}
+            for new in plan.new_requests:
+                assert new.slot not in self.state, f"new request {new.request_id!r} on held slot {new.slot}"
+                self.never_taken.add(new.slot)
             return StepResult(plan.step_id, [], [], error=f"step {plan.step_id} was planned ahead of a failed step")
 
         # Copies: all swap-outs, then all swap-ins, before anything is computed. A failing
@@ -125,53 +132,56 @@ class FakeWorker:
         for c, g in plan.swap_in:
             self._check_gpu_id(g)
             assert failing or c in self.cpu, f"swap-in from CPU block {c}, which was never written"
-            assert not self.holders.get(g), f"swap-in over block {g}, held by {self.holders.get(g)}"
+            assert not self.holders.get(g), f"swap-in over block {g}, held by slots {self.holders.get(g)}"
             self.gpu[g] = [None] * bs if failing else list(self.cpu[c])
 
-        new_ids = [r.request_id for r in plan.new_requests]
         cached = plan.cached_requests.rows()
-        ids_in_plan = new_ids + [r.request_id for r in cached]
-        assert ids_in_plan, "empty plan"
-        assert len(set(ids_in_plan)) == len(ids_in_plan), f"a request appears twice in step {plan.step_id}"
+        slots_in_plan = [r.slot for r in plan.new_requests] + [r.slot for r in cached]
+        assert slots_in_plan, "empty plan"
+        assert len(set(slots_in_plan)) == len(slots_in_plan), f"a slot appears twice in step {plan.step_id}"
         if self.max_num_seqs is not None:
-            assert len(ids_in_plan) <= self.max_num_seqs
+            assert len(slots_in_plan) <= self.max_num_seqs
+            assert all(0 <= slot < self.max_num_seqs for slot in slots_in_plan), f"slots out of range: {slots_in_plan}"
         total = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(r.num_scheduled_tokens for r in cached)
         if self.max_num_batched_tokens is not None:
             assert total <= self.max_num_batched_tokens, f"{total} tokens over budget"
 
-        work: list[tuple[str, int]] = []
+        work: list[tuple[int, int]] = []  # (slot, tokens scheduled)
         for new in plan.new_requests:
-            rid = new.request_id
-            assert rid not in self.state, f"new request {rid!r} is already held"
+            rid, slot = new.request_id, new.slot
+            held = self.state.get(slot)
+            assert held is None, f"new request {rid!r} on slot {slot}, held by {held.request_id!r}"
+            assert rid not in {st.request_id for st in self.state.values()}, f"request {rid!r} is already held"
             assert new.token_ids, f"{rid!r} has no tokens"
             assert 0 <= new.num_computed_tokens < len(new.token_ids)
             assert len(new.block_ids) * bs >= new.num_computed_tokens
-            self._claim(rid, new.block_ids)
-            self.state[rid] = _State(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            self._claim(slot, new.block_ids)
+            self.state[slot] = _State(rid, list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
             self.num_computed_at_arrival.setdefault(rid, []).append(new.num_computed_tokens)
-            work.append((rid, new.num_scheduled_tokens))
+            work.append((slot, new.num_scheduled_tokens))
         for row in cached:
-            rid = row.request_id
-            assert rid in self.state, f"cached request {rid!r} is not held"
-            st = self.state[rid]
+            slot = row.slot
+            assert slot in self.state, f"cached row on slot {slot}, which holds no request"
+            st = self.state[slot]
             assert row.num_computed_tokens == st.computed, (
-                f"{rid!r}: plan says {row.num_computed_tokens} computed, worker has {st.computed}"
+                f"{st.request_id!r}: plan says {row.num_computed_tokens} computed, worker has {st.computed}"
             )
-            self._claim(rid, row.new_block_ids)
+            self._claim(slot, row.new_block_ids)
             st.blocks.extend(row.new_block_ids)
-            work.append((rid, row.num_scheduled_tokens))
+            work.append((slot, row.num_scheduled_tokens))
 
-        self.scheduled.append(dict(work))
+        self.scheduled.append({self.state[slot].request_id: n for slot, n in work})
         if plan.step_id in self.fail_steps:
             # Fails after taking the plan's requests in (so the scheduler's later
-            # finished_request_ids name requests it holds) but before advancing any.
+            # finished_slots name requests it holds) but before advancing any.
             return StepResult(plan.step_id, [], [], error=f"injected failure at step {plan.step_id}")
-        for rid, n in work:  # every request reads its cached prefix before anyone writes
-            self._check_prefix(rid)
-        request_ids: list[str] = []
+        for slot, n in work:  # every request reads its cached prefix before anyone writes
+            self._check_prefix(slot)
+        slots: list[int] = []
         sampled: list[int] = []
-        for rid, n in work:
-            st = self.state[rid]
+        for slot, n in work:
+            st = self.state[slot]
+            rid = st.request_id
             assert n >= 1, f"{rid!r}: {n} tokens scheduled"
             assert st.computed + n <= len(st.tokens), (
                 f"{rid!r}: {st.computed} + {n} scheduled > {len(st.tokens)} known tokens"
@@ -180,37 +190,37 @@ class FakeWorker:
                 f"{rid!r}: {len(st.blocks)} blocks do not cover {st.computed + n} tokens"
             )
             for p in range(st.computed, st.computed + n):
-                self._write(rid, st, p)
+                self._write(slot, st, p)
             st.computed += n
             self.num_tokens_computed += n
             if st.computed == len(st.tokens):
                 token = self.token_for(rid, len(st.tokens))
                 st.tokens.append(token)
-                request_ids.append(rid)
+                slots.append(slot)
                 sampled.append(token)
-        return StepResult(plan.step_id, request_ids, sampled)
+        return StepResult(plan.step_id, slots, sampled)
 
     # -------------------------------------------------------------- KV contents
 
-    def _check_prefix(self, rid: str) -> None:
-        st = self.state[rid]
+    def _check_prefix(self, slot: int) -> None:
+        st = self.state[slot]
         bs = self.block_size
         for p in range(st.computed):
             got = self.gpu.get(st.blocks[p // bs], [None] * bs)[p % bs]
             assert got == st.ident(p), (
-                f"{rid!r}: KV slot of position {p} (block {st.blocks[p // bs]}) holds another prefix"
+                f"{st.request_id!r}: KV slot of position {p} (block {st.blocks[p // bs]}) holds another prefix"
             )
 
-    def _write(self, rid: str, st: _State, position: int) -> None:
+    def _write(self, slot: int, st: _State, position: int) -> None:
         bs = self.block_size
         block = st.blocks[position // bs]
         for other in self.holders.get(block, ()):
-            if other == rid:
+            if other == slot:
                 continue
             ost = self.state[other]
             index = ost.blocks.index(block)
             assert index * bs + position % bs >= ost.computed, (
-                f"{rid!r} writes slot {position % bs} of block {block}, which {other!r} relies on"
+                f"{st.request_id!r} writes slot {position % bs} of block {block}, which {ost.request_id!r} relies on"
             )
         self.gpu.setdefault(block, [None] * bs)[position % bs] = st.ident(position)
 
@@ -220,15 +230,15 @@ class FakeWorker:
         if self.num_blocks is not None:
             assert 0 <= block < self.num_blocks, f"block {block} outside the cache"
 
-    def _claim(self, rid: str, blocks: list[int]) -> None:
-        assert len(set(blocks)) == len(blocks), f"{rid!r} given a block twice: {blocks}"
+    def _claim(self, slot: int, blocks: list[int]) -> None:
+        assert len(set(blocks)) == len(blocks), f"slot {slot} given a block twice: {blocks}"
         for b in blocks:
             self._check_gpu_id(b)
-            self.holders.setdefault(b, set()).add(rid)
+            self.holders.setdefault(b, set()).add(slot)
 
-    def _drop(self, rid: str) -> None:
-        for b in self.state.pop(rid).blocks:
+    def _drop(self, slot: int) -> None:
+        for b in self.state.pop(slot).blocks:
             holders = self.holders[b]
-            holders.discard(rid)
+            holders.discard(slot)
             if not holders:
                 del self.holders[b]

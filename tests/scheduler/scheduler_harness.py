@@ -6,6 +6,9 @@ With ``overlap`` it plans ahead like the process loop does with overlap on: each
 usually stays in flight between steps (arrivals and aborts then land while it runs).
 
 Time is a :class:`FakeClock` the test advances, so waits, aging and timeouts are exact.
+Plans name requests by slot; the harness follows which request holds each slot, plan by
+plan as the worker does (drops, then new requests), so that tests can read a plan by
+request id (:meth:`Harness.finished_ids`, :meth:`Harness.cached_ids`).
 A request id can be submitted again once its previous submission finished (a
 continuation, or plain reuse); each submission is recorded under its own *key*: the id
 for the first, ``"<id>#<n>"`` for the n-th resubmission.
@@ -19,7 +22,14 @@ from dataclasses import dataclass, field
 from fake_worker import FakeWorker
 
 from conveyor.common.config import SchedulerConfig
-from conveyor.common.messages import AddRequest, RequestOutput, SamplingParams, StepPlan, StepResult
+from conveyor.common.messages import (
+    AddRequest,
+    CachedRequestData,
+    RequestOutput,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 from conveyor.scheduler.scheduler import Scheduler
 
 EOS = 0
@@ -76,6 +86,11 @@ class Harness:
         self.inflight: deque[StepPlan] = deque()
         # step id -> {request id: key of the submission the plan scheduled}
         self.keys_in_plan: dict[int, dict[str, str]] = {}
+        # slot -> request id holding it, as of the last plan formed (drops, then new requests)
+        self.slot_owner: dict[int, str] = {}
+        # step id -> request ids of the plan's finished_slots / cached rows, in order
+        self._finished_ids: dict[int, list[str]] = {}
+        self._cached_ids: dict[int, list[str]] = {}
 
     # -------------------------------------------------------------- intake
 
@@ -121,10 +136,33 @@ class Harness:
         self.record(self.scheduler.take_outputs())
         self.check()
         if plan is not None:
+            self._follow_slots(plan)
             self.plans.append(plan)
             self.inflight.append(plan)
             self.keys_in_plan[plan.step_id] = {rid: self.live_key[rid] for rid in self.scheduled_in(plan)}
         return plan
+
+    def _follow_slots(self, plan: StepPlan) -> None:
+        owner = self.slot_owner
+        for slot in plan.finished_slots:
+            assert slot in owner, f"step {plan.step_id} drops slot {slot}, which no request was given"
+        self._finished_ids[plan.step_id] = [owner.pop(slot) for slot in plan.finished_slots]
+        for new in plan.new_requests:
+            assert new.slot not in owner, f"{new.request_id} given slot {new.slot}, held by {owner[new.slot]}"
+            owner[new.slot] = new.request_id
+        self._cached_ids[plan.step_id] = [owner[slot] for slot in plan.cached_requests.slots]
+
+    def finished_ids(self, plan: StepPlan) -> list[str]:
+        """The ids of the requests whose slots ``plan`` drops, in its order."""
+        return self._finished_ids[plan.step_id]
+
+    def cached_ids(self, plan: StepPlan) -> list[str]:
+        """The ids of the requests of ``plan``'s cached rows, in row order."""
+        return self._cached_ids[plan.step_id]
+
+    def cached_rows(self, plan: StepPlan) -> dict[str, CachedRequestData]:
+        """``plan``'s cached rows by request id."""
+        return dict(zip(self.cached_ids(plan), plan.cached_requests.rows()))
 
     def plan_ahead(self) -> StepPlan | None:
         """In overlap mode, form the next plan while one is in flight (if the scheduler may)."""
@@ -234,5 +272,5 @@ class Harness:
 
     def scheduled_in(self, plan: StepPlan) -> dict[str, int]:
         out = {r.request_id: r.num_scheduled_tokens for r in plan.new_requests}
-        out.update(zip(plan.cached_requests.request_ids, plan.cached_requests.num_scheduled_tokens))
+        out.update(zip(self.cached_ids(plan), plan.cached_requests.num_scheduled_tokens))
         return out

@@ -15,8 +15,8 @@ from scheduler_harness import EOS, Harness
 
 from conveyor.common.config import SchedulerConfig
 from conveyor.common.messages import (
+    MAX_SLOTS,
     AddRequest,
-    CachedRequests,
     FinishReason,
     SamplingParams,
     SchedulerStats,
@@ -33,8 +33,6 @@ def cfg(**overrides) -> SchedulerConfig:
 
 
 def ids(reqs) -> list[str]:
-    if isinstance(reqs, CachedRequests):
-        return list(reqs.request_ids)
     return [r.request_id for r in reqs]
 
 
@@ -57,11 +55,11 @@ def test_admission_respects_max_num_seqs():
     assert h.scheduler.num_running == 2 and h.scheduler.num_waiting == 2
     h.step()
     plan = h.step()
-    assert ids(plan.cached_requests) == ["r0", "r1"] and not plan.new_requests
+    assert h.cached_ids(plan) == ["r0", "r1"] and not plan.new_requests
     assert h.final["r0"].finish_reason == h.final["r1"].finish_reason == FinishReason.LENGTH
     plan = h.step()
     assert ids(plan.new_requests) == ["r2", "r3"]
-    assert plan.finished_request_ids == ["r0", "r1"]
+    assert h.finished_ids(plan) == ["r0", "r1"]
     h.run()
     assert_alone_tokens(h, "r0", "r1", "r2", "r3")
     assert all(len(h.tokens[f"r{i}"]) == 3 for i in range(4))
@@ -78,7 +76,7 @@ def test_token_budget_chunks_the_prompt_that_does_not_fit():
     assert set(h.tokens) == {"a", "b"}  # c's prompt is unfinished: no token yet
     plan = h.step()
     assert h.scheduled_in(plan) == {"a": 1, "b": 1, "c": 2}
-    assert plan.cached_requests.rows()[2].num_computed_tokens == 2
+    assert h.cached_rows(plan)["c"].num_computed_tokens == 2
     assert h.final["a"].finish_reason == FinishReason.LENGTH and len(h.tokens["c"]) == 1
     h.run()
     assert_alone_tokens(h, "a", "b", "c")
@@ -98,7 +96,7 @@ def test_waiting_head_that_lacks_blocks_is_not_skipped_without_bypass():
     assert h.scheduler.get_request("a") is None
     plan = h.step()
     assert ids(plan.new_requests) == ["c", "d"]
-    assert plan.finished_request_ids == ["a", "b"]
+    assert h.finished_ids(plan) == ["a", "b"]
     h.run()
 
 
@@ -115,7 +113,7 @@ def test_retired_request_frees_blocks_in_the_same_iteration():
     assert h.scheduler.pool.num_held == held_before - a_blocks
     assert h.scheduler.num_running == 1
     plan = h.step()
-    assert plan.finished_request_ids == ["a"] and ids(plan.cached_requests) == ["b"]
+    assert h.finished_ids(plan) == ["a"] and h.cached_ids(plan) == ["b"]
     h.run()
 
 
@@ -139,8 +137,7 @@ def test_long_prompt_is_chunked_while_decodes_run_every_iteration():
     (new,) = [r for r in first.new_requests if r.request_id == "long"]
     assert len(new.token_ids) == 30 and len(new.block_ids) == 2  # covers the 6-token chunk
     for i, plan in enumerate(rest, start=1):
-        (c,) = [r for r in plan.cached_requests.rows() if r.request_id == "long"]
-        assert c.num_computed_tokens == 6 * i
+        assert h.cached_rows(plan)["long"].num_computed_tokens == 6 * i
     h.run()
     assert_alone_tokens(h, "d0", "d1", "long")
 
@@ -216,9 +213,9 @@ def test_preemption_evicts_the_newest_and_requeues_it_first():
     preempt_plan = None
     while preempt_plan is None:
         plan = h.step()
-        if plan.finished_request_ids:
+        if h.finished_ids(plan):
             preempt_plan = plan
-    assert preempt_plan.finished_request_ids == ["C"]
+    assert h.finished_ids(preempt_plan) == ["C"]
     assert "C" not in h.scheduled_in(preempt_plan)
     assert h.scheduler.stats()["num_preemptions"] == 1
     c = h.scheduler.get_request("C")
@@ -250,11 +247,130 @@ def test_newest_request_needing_a_block_preempts_itself():
         assert set(h.scheduled_in(plan)) == {"A", "B"}
     plan = h.step()  # both need a third block, one is free: A gets it, B yields
     assert h.scheduled_in(plan) == {"A": 1}
-    assert plan.finished_request_ids == ["B"]
+    assert h.finished_ids(plan) == ["B"]
     assert h.scheduler.get_request("B").status is RequestStatus.PREEMPTED
     h.run()
     assert_alone_tokens(h, "A", "B")
     assert len(h.tokens["A"]) == len(h.tokens["B"]) == 8
+
+
+# ---------------------------------------------------------------- slots
+
+
+def test_slot_of_a_finished_request_goes_to_the_next_admission_in_the_plan_that_drops_it():
+    h = Harness(cfg(max_num_seqs=2))
+    h.add("a", prompt_len=4, max_tokens=1)
+    h.add("b", prompt_len=4, max_tokens=5)
+    h.add("c", prompt_len=4, max_tokens=2)
+    first = h.step()
+    slot_of = {r.request_id: r.slot for r in first.new_requests}
+    assert sorted(slot_of.values()) == [0, 1] and "a" in h.final  # a finished with its first token
+    plan = h.step()
+    # The worker drops a's slot, then takes c in on it; b keeps its slot.
+    assert plan.finished_slots == [slot_of["a"]] and h.finished_ids(plan) == ["a"]
+    assert [(r.request_id, r.slot) for r in plan.new_requests] == [("c", slot_of["a"])]
+    assert list(plan.cached_requests.slots) == [slot_of["b"]]
+    h.run()
+    assert_alone_tokens(h, "a", "b", "c")
+
+
+def test_slot_of_a_preempted_request_goes_to_the_request_that_preempted_it():
+    h = Harness(cfg(policy="priority", aging_rate=0.0, max_num_seqs=2, preemption="recompute"))
+    h.add("low", prompt_len=3, max_tokens=20, priority=0)
+    h.add("mid", prompt_len=3, max_tokens=20, priority=1)
+    h.step()
+    low = h.scheduler.get_request("low")
+    low_slot = low.slot
+    h.add("vip", prompt_len=3, max_tokens=2, priority=9)
+    plan = h.step()
+    assert plan.finished_slots == [low_slot]
+    assert [(r.request_id, r.slot) for r in plan.new_requests] == [("vip", low_slot)]
+    assert low.slot == -1 and low.status is RequestStatus.PREEMPTED
+    assert low_slot not in list(plan.cached_requests.slots)  # taken out of the plan's rows
+    h.run()
+    h.check_outcomes()
+    resumed = [r for p in h.plans for r in p.new_requests if r.request_id == "low"]
+    assert len(resumed) == 2  # came back as a new request, on whatever slot was free
+
+
+def test_slot_freed_while_a_plan_ahead_still_names_it_is_reused_after_that_plan():
+    """With overlap, a request ending at step N is still in plan N+1 (formed ahead): its slot
+    is dropped and reused by N+2, and N+1's token for it, on that slot, is discarded."""
+    h = Harness(cfg(max_num_seqs=1), worker_kwargs={"eos_at": {"a": 4 + 1}}, overlap=True)
+    h.add("a", prompt_len=4, max_tokens=10)
+    h.add("b", prompt_len=4, max_tokens=3)
+    plans = []
+    while "b" not in h.final:
+        plans.append(h.step())
+    (a_slot,) = {r.slot for p in plans for r in p.new_requests if r.request_id == "a"}
+    ended = next(p for p in plans if "a" in h.cached_ids(p) and p.planned_ahead)  # the decode after a's EOS
+    reuse = next(p for p in plans if any(r.request_id == "b" for r in p.new_requests))
+    assert reuse.step_id > ended.step_id
+    assert list(reuse.finished_slots) == [a_slot] and reuse.new_requests[0].slot == a_slot
+    assert h.tokens["a"][-1] == EOS and len(h.tokens["a"]) == 2  # nothing from the plan ahead
+    h.run()
+    h.check_outcomes()
+
+
+def test_abort_frees_the_slot_for_the_next_plan():
+    h = Harness(cfg(max_num_seqs=1))
+    h.add("a", max_tokens=10)
+    h.add("b", max_tokens=2)
+    plan = h.step()
+    slot = plan.new_requests[0].slot
+    h.abort("a")
+    plan = h.step()
+    assert list(plan.finished_slots) == [slot] and [(r.request_id, r.slot) for r in plan.new_requests] == [("b", slot)]
+    h.run()
+
+
+def test_check_invariants_catches_slot_bookkeeping_errors():
+    def running_pair() -> Harness:
+        h = Harness(cfg(max_num_seqs=3))
+        h.add("a", max_tokens=10)
+        h.add("b", max_tokens=10)
+        h.step()
+        return h
+
+    h = running_pair()
+    a, b = h.scheduler.get_request("a"), h.scheduler.get_request("b")
+    b.slot = a.slot
+    with pytest.raises(AssertionError, match="share a slot"):
+        h.scheduler.check_invariants()
+
+    h = running_pair()
+    h.scheduler._free_slots.pop()  # a slot lost: neither free nor held
+    with pytest.raises(AssertionError, match="lost"):
+        h.scheduler.check_invariants()
+
+    h = running_pair()
+    h.scheduler._free_slots.append(h.scheduler.get_request("a").slot)
+    with pytest.raises(AssertionError, match="free twice|both held and free"):
+        h.scheduler.check_invariants()
+
+    h = running_pair()
+    h.scheduler._finished_slots.append(h.scheduler.get_request("b").slot)  # dropped while held
+    with pytest.raises(AssertionError, match="queued to be dropped but held"):
+        h.scheduler.check_invariants()
+
+    h = running_pair()
+    plan = h.schedule()  # in flight, naming a and b by their slots
+    a, b = h.scheduler.get_request("a"), h.scheduler.get_request("b")
+    a.slot, b.slot = b.slot, a.slot  # still distinct, but not what the plan in flight says
+    with pytest.raises(AssertionError, match="names it"):
+        h.scheduler.check_invariants()
+    assert plan is not None
+
+    h = Harness(cfg())
+    h.add("w")
+    h.scheduler.get_request("w").slot = 5  # waiting with a slot
+    with pytest.raises(AssertionError, match="waits holding a slot"):
+        h.scheduler.check_invariants()
+
+
+def test_max_num_seqs_is_bounded_by_the_slots_a_worker_accepts():
+    with pytest.raises(ValueError, match="slots"):
+        Scheduler(cfg(max_num_seqs=MAX_SLOTS + 1), [EOS])
 
 
 # ---------------------------------------------------------------- abort
@@ -275,7 +391,7 @@ def test_abort_waiting_and_running():
     assert not h.scheduler.has_work() and h.schedule() is None
     h.add("c")
     plan = h.step()
-    assert plan.finished_request_ids == ["a"]  # b never reached the worker
+    assert h.finished_ids(plan) == ["a"]  # b never reached the worker
     h.run()
 
 
@@ -292,7 +408,7 @@ def test_abort_between_schedule_and_update_drops_tokens():
     assert h.scheduler.pool.num_available == free_after_abort
     assert h.tokens["a"] == []
     plan = h.step()
-    assert plan.finished_request_ids == ["a"]
+    assert h.finished_ids(plan) == ["a"]
     h.run()
     assert_alone_tokens(h, "b")
 
@@ -306,7 +422,7 @@ def test_reused_id_during_the_step_is_not_confused_with_the_aborted_one():
     assert h.add("a", prompt_len=3, max_tokens=2) is None  # recorded as "a#1"
     assert h.finish_step(plan) == []
     plan = h.step()
-    assert plan.finished_request_ids == ["a"] and ids(plan.new_requests) == ["a"]
+    assert h.finished_ids(plan) == ["a"] and ids(plan.new_requests) == ["a"]
     assert plan.new_requests[0].token_ids == h.prompts["a#1"]
     h.run()
     assert len(h.tokens["a#1"]) == 2
@@ -374,7 +490,7 @@ def test_worker_error_fails_the_plans_requests_only():
     assert h.scheduler.pool.num_held == 0
     assert h.scheduler.num_waiting == 1
     plan = h.step()
-    assert sorted(plan.finished_request_ids) == ["a", "b"] and ids(plan.new_requests) == ["c"]
+    assert sorted(h.finished_ids(plan)) == ["a", "b"] and ids(plan.new_requests) == ["c"]
     h.run()
     assert h.final["c"].finish_reason == FinishReason.LENGTH
     assert_alone_tokens(h, "a", "b", "c")
@@ -385,11 +501,29 @@ def test_malformed_result_is_treated_as_an_error():
     h.add("a")
     plan = h.schedule()
     good = h.worker.execute(plan)
-    (out,) = h.finish_step(plan, StepResult(plan.step_id, good.request_ids, []))
+    (out,) = h.finish_step(plan, StepResult(plan.step_id, good.slots, []))
     assert out.finish_reason == FinishReason.ERROR and "malformed" in out.error
     h.add("b")
     h.step()  # tells the worker to drop "a"
     h.run()
+
+
+def test_result_rows_in_another_order_are_matched_by_slot():
+    """The decodes' tokens are read as one slice when the result lists them in plan order; in
+    any other order each row is matched by its slot, with the same outputs."""
+    h = Harness(cfg())
+    for rid in "abc":
+        h.add(rid, max_tokens=6)
+    h.step()
+    h.step()  # all three decoding, past their first token
+    plan = h.schedule()
+    assert len(plan.cached_requests) == 3 and not plan.new_requests
+    good = h.worker.execute(plan)
+    shuffled = StepResult(plan.step_id, good.slots[::-1], good.sampled_token_ids[::-1])
+    outs = {o.request_id: o.new_token_ids for o in h.finish_step(plan, shuffled)}
+    assert outs == {h.cached_ids(plan)[i]: [t] for i, t in enumerate(good.sampled_token_ids)}
+    h.run()
+    assert_alone_tokens(h, *"abc")
 
 
 def test_missing_token_fails_that_request():
@@ -398,8 +532,9 @@ def test_missing_token_fails_that_request():
     h.add("b")
     plan = h.schedule()
     good = h.worker.execute(plan)
-    i = good.request_ids.index("a")
-    result = StepResult(plan.step_id, good.request_ids[i + 1 :], good.sampled_token_ids[i + 1 :])
+    i = good.slots.index(plan.new_requests[0].slot)
+    assert plan.new_requests[0].request_id == "a"
+    result = StepResult(plan.step_id, good.slots[i + 1 :], good.sampled_token_ids[i + 1 :])
     outs = {o.request_id: o for o in h.finish_step(plan, result)}
     assert outs["a"].finish_reason == FinishReason.ERROR and outs["b"].finish_reason is None
     h.run()
@@ -442,7 +577,7 @@ def test_protocol_misuse_raises():
     h.add("a")
     plan = h.schedule()
     ahead = h.schedule()  # planned ahead: the decode of the token plan 1 samples
-    assert ahead is not None and ahead.cached_requests.request_ids == ["a"]
+    assert ahead is not None and h.cached_ids(ahead) == ["a"]
     with pytest.raises(RuntimeError):
         h.scheduler.schedule()  # a third plan in flight
     with pytest.raises(ValueError):

@@ -104,7 +104,7 @@ def test_higher_priority_preempts_when_no_slot_is_free():
     h.add("vip", prompt_len=3, max_tokens=2, priority=9)
     plan = h.step()
     assert new_ids(plan) == ["vip"]
-    assert plan.finished_request_ids == ["a"]  # the lowest-ranked running request yields
+    assert h.finished_ids(plan) == ["a"]  # the lowest-ranked running request yields
     assert "a" not in h.scheduled_in(plan) and h.scheduled_in(plan)["b"] == 1
     assert h.scheduler.get_request("a").status is RequestStatus.PREEMPTED
     h.run()
@@ -118,7 +118,7 @@ def test_higher_priority_preempts_when_blocks_run_out():
     h.step()
     h.add("vip", prompt_len=12, max_tokens=2, priority=3)  # needs 3 blocks, 2 are free
     plan = h.step()
-    assert new_ids(plan) == ["vip"] and plan.finished_request_ids == ["low"]
+    assert new_ids(plan) == ["vip"] and h.finished_ids(plan) == ["low"]
     h.run()
     h.check_outcomes()
 
@@ -131,7 +131,7 @@ def test_priority_preemption_happens_only_if_it_makes_room():
     h.step()
     h.add("big", prompt_len=16, max_tokens=4, priority=3)  # 4 blocks: only 2 free + 1 from "low"
     plan = h.step()
-    assert not plan.finished_request_ids and not plan.new_requests
+    assert not plan.finished_slots and not plan.new_requests
     assert h.scheduler.stats()["num_preemptions"] == 0
     h.run()
     h.check_outcomes()
@@ -173,7 +173,7 @@ def test_a_preempted_request_keeps_its_place_in_line():
     h.step()
     h.add("vip", prompt_len=3, max_tokens=5, priority=9)
     plan = h.step()
-    assert plan.finished_request_ids == ["b"]
+    assert h.finished_ids(plan) == ["b"]
     h.add("later", prompt_len=3, max_tokens=2, priority=0)  # same priority as b, but later
     admitted = []
     while h.scheduler.has_work():
@@ -196,7 +196,7 @@ def _pressure(mode: str, **extra) -> Harness:
 def test_swap_preemption_moves_blocks_out_and_back_without_recompute():
     h = _pressure("swap", num_cpu_blocks=16)
     plan = run_until(h, lambda p: p.swap_out)
-    assert plan.finished_request_ids == ["B"]
+    assert h.finished_ids(plan) == ["B"]
     b = h.scheduler.get_request("B")
     assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens > 0
     computed_at_swap = b.num_computed_tokens
@@ -215,7 +215,7 @@ def test_swap_preemption_moves_blocks_out_and_back_without_recompute():
 
 def test_recompute_preemption_drops_the_kv():
     h = _pressure("recompute", num_cpu_blocks=16)
-    plan = run_until(h, lambda p: p.finished_request_ids)
+    plan = run_until(h, lambda p: p.finished_slots)
     assert not plan.swap_out
     assert h.scheduler.get_request("B").status is RequestStatus.PREEMPTED
     h.run()
@@ -225,7 +225,7 @@ def test_recompute_preemption_drops_the_kv():
 
 def test_swap_falls_back_to_recompute_when_the_cpu_space_is_full():
     h = _pressure("swap", num_cpu_blocks=2)  # B's KV needs more than 2 CPU blocks by then
-    plan = run_until(h, lambda p: p.finished_request_ids)
+    plan = run_until(h, lambda p: p.finished_slots)
     assert not plan.swap_out
     h.run()
     h.check_outcomes()
@@ -238,7 +238,7 @@ def test_swap_falls_back_to_recompute_when_the_cpu_space_is_full():
 )
 def test_auto_preemption_compares_moving_with_recomputing(block_bytes, expected):
     h = _pressure("auto", num_cpu_blocks=16, block_bytes=block_bytes, swap_bandwidth=1e9, prefill_rate=1000.0)
-    run_until(h, lambda p: p.finished_request_ids)
+    run_until(h, lambda p: p.finished_slots)
     stats = h.scheduler.stats()
     assert stats[f"num_preemptions_{expected}"] == 1 and stats["num_preemptions"] == 1
     h.run()
@@ -328,7 +328,7 @@ def test_timeout_for_requests_that_wait_too_long_but_not_for_running_or_preempte
 
 def test_preempted_requests_are_not_timed_out():
     h = _pressure("recompute", max_queue_time=1.0)
-    run_until(h, lambda p: p.finished_request_ids)
+    run_until(h, lambda p: p.finished_slots)
     h.clock.advance(50.0)
     h.run()
     h.check_outcomes()

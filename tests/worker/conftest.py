@@ -137,6 +137,7 @@ class Script:
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
     registered: bool = False
+    slot: int = -1  # while registered
     done: bool = False
     preempted: bool = False
 
@@ -145,8 +146,10 @@ class ScriptedScheduler:
     """A minimal scheduler: feeds a :class:`ModelRunner` plans for ``scripts`` until all finish.
 
     Blocks come from a shuffled free list and return to it when a request leaves, so
-    tables are non-contiguous and blocks are reused with stale contents. It asserts the
-    runner samples exactly for the requests whose known tokens are all computed.
+    tables are non-contiguous and blocks are reused with stale contents. Slots likewise: the
+    one given back last is given first, so a request (re)joining takes the slot of one that
+    left the step before, in the plan that drops it. It asserts the runner samples exactly
+    for the requests whose known tokens are all computed.
     """
 
     def __init__(self, runner: ModelRunner, scripts: list[Script], seed: int = 0) -> None:
@@ -154,13 +157,15 @@ class ScriptedScheduler:
         self.scripts = scripts
         self.free = torch.randperm(runner.num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.batch_sizes: list[int] = []
+        self.free_slots = list(range(len(scripts) - 1, -1, -1))
 
     def run(self, max_steps: int = 200) -> dict[str, list[int]]:
-        finished: list[str] = []
+        finished: list[int] = []
         for step in range(max_steps):
             if all(s.done for s in self.scripts):
                 result = self.runner.execute(StepPlan(step, [], [], finished))  # retire the last ones
-                assert result.request_ids == [] and result.sampled_token_ids == []
+                assert result.slots == [] and result.sampled_token_ids == []
+                assert self.runner.slots == []
                 return {s.request_id: s.outputs for s in self.scripts}
             new, cached, scheduled = [], [], {}
             for s in self.scripts:
@@ -173,28 +178,32 @@ class ScriptedScheduler:
                 fresh = [self.free.pop() for _ in range(needed - len(s.blocks))]
                 s.blocks += fresh
                 if s.registered:
-                    cached.append(CachedRequestData(s.request_id, fresh, s.computed, n))
+                    cached.append(CachedRequestData(s.slot, fresh, s.computed, n))
                 else:
-                    new.append(NewRequestData(s.request_id, list(tokens), s.sampling, list(s.blocks), s.computed, n))
+                    s.slot = self.free_slots.pop()
+                    new.append(
+                        NewRequestData(s.request_id, s.slot, list(tokens), s.sampling, list(s.blocks), s.computed, n)
+                    )
                     s.registered = True
-                scheduled[s.request_id] = (s, n, s.computed + n == len(tokens))
+                scheduled[s.slot] = (s, n, s.computed + n == len(tokens))
             result = self.runner.execute(StepPlan(step, new, cached, finished))
             finished = []
             self.batch_sizes.append(len(scheduled))
             assert result.error is None
-            order = [r.request_id for r in new] + [r.request_id for r in cached]  # the runner's order
-            assert result.request_ids == [rid for rid in order if scheduled[rid][2]]
-            sampled = dict(zip(result.request_ids, result.sampled_token_ids))
-            for rid, (s, n, _) in scheduled.items():
+            order = [r.slot for r in new] + [r.slot for r in cached]  # the runner's order
+            assert result.slots == [slot for slot in order if scheduled[slot][2]]
+            sampled = dict(zip(result.slots, result.sampled_token_ids))
+            for slot, (s, n, _) in scheduled.items():
                 s.computed += n
-                if rid in sampled:
-                    s.outputs.append(sampled[rid])
+                if slot in sampled:
+                    s.outputs.append(sampled[slot])
                 leaving = len(s.outputs) == s.max_new
                 preempt = s.preempt_after is not None and not s.preempted and len(s.outputs) == s.preempt_after
                 if leaving or preempt:
-                    finished.append(rid)
+                    finished.append(slot)
+                    self.free_slots.append(slot)
                     self.free += s.blocks
-                    s.blocks, s.registered, s.computed = [], False, 0
+                    s.blocks, s.registered, s.computed, s.slot = [], False, 0, -1
                     s.done, s.preempted = leaving, s.preempted or preempt
         raise AssertionError("scripted run did not finish")
 

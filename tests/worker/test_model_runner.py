@@ -18,9 +18,9 @@ def runner(llama_dir) -> ModelRunner:
     return ModelRunner(llama_dir, block_size=4, num_blocks=16)
 
 
-def new(rid: str, tokens: list[int], blocks: list[int], computed: int = 0, scheduled: int | None = None):
+def new(rid: str, slot: int, tokens: list[int], blocks: list[int], computed: int = 0, scheduled: int | None = None):
     scheduled = len(tokens) - computed if scheduled is None else scheduled
-    return NewRequestData(rid, tokens, GREEDY, blocks, computed, scheduled)
+    return NewRequestData(rid, slot, tokens, GREEDY, blocks, computed, scheduled)
 
 
 def plan(step: int, new_requests=(), cached=(), finished=()) -> StepPlan:
@@ -28,62 +28,92 @@ def plan(step: int, new_requests=(), cached=(), finished=()) -> StepPlan:
 
 
 def test_hand_written_steps(runner):
-    # a: 6-token prompt in two chunks; b: 1-token prompt joining at step 1; both then decode.
-    first = runner.execute(plan(0, [new("a", [5, 6, 7, 8, 9, 10], [3], scheduled=4)]))
-    assert first.request_ids == [] and first.forward_time > 0
-    second = runner.execute(plan(1, [new("b", [11], [0])], [CachedRequestData("a", [8], 4, 2)]))
-    assert second.request_ids == ["b", "a"]
-    third = runner.execute(plan(2, cached=[CachedRequestData("a", [], 6, 1), CachedRequestData("b", [], 1, 1)]))
-    assert third.request_ids == ["a", "b"]
-    assert runner.execute(plan(3, finished=["a", "b", "never-ran"])).request_ids == []
-    assert runner.request_ids == []
+    # a (slot 0): 6-token prompt in two chunks; b (slot 3): 1-token prompt joining at step 1;
+    # both then decode.
+    first = runner.execute(plan(0, [new("a", 0, [5, 6, 7, 8, 9, 10], [3], scheduled=4)]))
+    assert first.slots == [] and first.forward_time > 0
+    second = runner.execute(plan(1, [new("b", 3, [11], [0])], [CachedRequestData(0, [8], 4, 2)]))
+    assert second.slots == [3, 0]
+    assert runner.slots == [0, 3] and runner.request_ids == ["a", "b"]
+    third = runner.execute(plan(2, cached=[CachedRequestData(0, [], 6, 1), CachedRequestData(3, [], 1, 1)]))
+    assert third.slots == [0, 3]
+    assert runner.execute(plan(3, finished=[0, 3, 7])).slots == []  # 7: never held, fine
+    assert runner.slots == [] and runner.request_ids == []
+
+
+def test_slot_is_reused_in_the_plan_that_drops_it(runner, llama_dir):
+    """A slot freed by a finish or a preemption may be given to a new request in the very plan
+    that drops it: the runner drops first, and the new owner starts from its own state."""
+    step0 = runner.execute(plan(0, [new("a", 0, [5, 6, 7, 8], [0]), new("b", 1, [9, 10], [1])]))
+    assert step0.slots == [0, 1]
+    # a finishes; c takes its slot in the same plan, b runs on.
+    step1 = runner.execute(plan(1, [new("c", 0, [1, 2, 3], [2])], [CachedRequestData(1, [], 2, 1)], finished=[0]))
+    assert step1.slots == [0, 1] and runner.request_ids == ["c", "b"]
+    # b is preempted and resumes on another slot, recomputing its tokens; its old slot 1 goes
+    # to d in the same plan.
+    b_tokens = [9, 10, step0.sampled_token_ids[1], step1.sampled_token_ids[1]]
+    step2 = runner.execute(
+        plan(2, [new("d", 1, [4, 4], [4]), new("b", 2, b_tokens, [5])], [CachedRequestData(0, [], 3, 1)], finished=[1])
+    )
+    assert step2.slots == [1, 2, 0] and runner.slots == [0, 1, 2]
+    assert runner.request_ids == ["c", "d", "b"]
+    # c's tokens are those of a runner that never saw its slot change hands.
+    alone = ModelRunner(llama_dir, block_size=4, num_blocks=16)
+    first = alone.execute(plan(0, [new("c", 5, [1, 2, 3], [2])]))
+    second = alone.execute(plan(1, cached=[CachedRequestData(5, [], 3, 1)]))
+    assert [step1.sampled_token_ids[0], step2.sampled_token_ids[2]] == first.sampled_token_ids + second.sampled_token_ids
 
 
 @pytest.mark.parametrize(
     "bad_plan,message",
     [
-        (plan(1, cached=[CachedRequestData("ghost", [], 0, 1)]), "unknown request 'ghost'"),
-        (plan(1, cached=[CachedRequestData("a", [5], 8, 1)], finished=["a"]), "unknown request 'a'"),
-        (plan(1, cached=[CachedRequestData("a", [5], 7, 1)]), "num_computed_tokens mismatch"),
-        (plan(1, cached=[CachedRequestData("a", [], 8, 1)]), "block table too short"),
-        (plan(1, [new("b", [1, 2, 3, 4, 5], [1])]), "block table too short"),
-        (plan(1, [new("b", [1], [1]), new("b", [2], [2])]), "appears twice"),
-        (plan(1, [new("c", [1], [1])], [CachedRequestData("c", [], 0, 1)]), "appears twice"),
-        (plan(1, [new("a", [1], [1])]), "already running"),
-        (plan(1, [new("b", [1, 2], [1], computed=1, scheduled=2)]), "only 2 tokens are known"),
-        (plan(1, [new("b", [1], [99])]), r"block ids \[99\] outside"),
-        (plan(1, [new("b", [1], [1], scheduled=0)]), "invalid counts"),
+        (plan(1, cached=[CachedRequestData(5, [], 0, 1)]), "unknown slot 5"),
+        (plan(1, cached=[CachedRequestData(-1, [], 0, 1)]), "unknown slot -1"),
+        (plan(1, cached=[CachedRequestData(0, [5], 8, 1)], finished=[0]), "unknown slot 0"),
+        (plan(1, cached=[CachedRequestData(0, [5], 7, 1)]), r"request 'a' \(slot 0\): num_computed_tokens mismatch"),
+        (plan(1, cached=[CachedRequestData(0, [], 8, 1)]), "block table too short"),
+        (plan(1, [new("b", 1, [1, 2, 3, 4, 5], [1])]), "block table too short"),
+        (plan(1, [new("b", 1, [1], [1]), new("c", 1, [2], [2])]), r"slot 1 appears twice .*'b', then 'c'"),
+        (plan(1, [new("c", 2, [1], [1])], [CachedRequestData(2, [], 0, 1)]), "slot 2 appears twice"),
+        (plan(1, cached=[CachedRequestData(0, [5], 8, 1), CachedRequestData(0, [], 9, 1)]), "slot 0 appears twice"),
+        (plan(1, [new("b", 0, [1], [1])]), "new request 'b' on slot 0, which request 'a' still holds"),
+        (plan(1, [new("b", -1, [1], [1])]), "slot -1 outside"),
+        (plan(1, [new("b", 1 << 20, [1], [1])]), "outside"),
+        (plan(1, finished=[-2]), r"finished slots \[-2\] outside"),
+        (plan(1, [new("b", 1, [1, 2], [1], computed=1, scheduled=2)]), "only 2 tokens are known"),
+        (plan(1, [new("b", 1, [1], [99])]), r"block ids \[99\] outside"),
+        (plan(1, [new("b", 1, [1], [1], scheduled=0)]), "invalid counts"),
     ],
 )
 def test_invalid_plans_are_refused_without_side_effects(runner, bad_plan, message):
-    """A refused plan changes nothing but dropping its finished requests (retired by the
+    """A refused plan changes nothing but dropping its finished slots (retired by the
     scheduler whatever else is wrong: keeping them would only leak their state)."""
-    first = runner.execute(plan(0, [new("a", [5, 6, 7, 8, 9, 10, 11, 12], [3, 4])]))  # 8 tokens + 1 sampled
+    first = runner.execute(plan(0, [new("a", 0, [5, 6, 7, 8, 9, 10, 11, 12], [3, 4])]))  # 8 tokens + 1 sampled
     with pytest.raises(ValueError, match=message):
         runner.execute(bad_plan)
-    if "a" in bad_plan.finished_request_ids:
-        assert runner.request_ids == []
+    if 0 in bad_plan.finished_slots:
+        assert runner.slots == []
         return
-    assert runner.request_ids == ["a"]
-    again = runner.execute(plan(2, cached=[CachedRequestData("a", [5], 8, 1)]))
-    assert again.request_ids == ["a"] and first.request_ids == ["a"]
+    assert runner.slots == [0] and runner.request_ids == ["a"]
+    again = runner.execute(plan(2, cached=[CachedRequestData(0, [5], 8, 1)]))
+    assert again.slots == [0] and first.slots == [0]
 
 
 def test_plan_ahead_of_a_failed_step_fails_unrun(runner):
     """A plan formed while the previous one was in flight assumes it succeeded; after a
-    failed step the worker refuses it (dropping only its finished requests), and runs the
+    failed step the worker refuses it (dropping only its finished slots), and runs the
     next plan formed in sync as usual."""
-    runner.execute(plan(0, [new("a", [5, 6, 7], [3])]))
-    with pytest.raises(ValueError, match="already running"):
-        runner.execute(plan(1, [new("a", [1], [1])]))
-    ahead = StepPlan(2, [new("b", [1, 2], [1])], [CachedRequestData("a", [], 3, 1)], ["x"], planned_ahead=True)
+    runner.execute(plan(0, [new("a", 0, [5, 6, 7], [3]), new("x", 2, [1], [2])]))
+    with pytest.raises(ValueError, match="still holds"):
+        runner.execute(plan(1, [new("a2", 0, [1], [1])]))
+    ahead = StepPlan(2, [new("b", 1, [1, 2], [1])], [CachedRequestData(0, [], 3, 1)], [2], planned_ahead=True)
     with pytest.raises(ValueError, match="planned ahead of step 1, which failed"):
         runner.execute(ahead)
-    assert runner.request_ids == ["a"]  # b was not taken in
-    assert runner.execute(plan(3, cached=[CachedRequestData("a", [], 3, 1)])).request_ids == ["a"]
+    assert runner.slots == [0] and runner.request_ids == ["a"]  # x dropped, b not taken in
+    assert runner.execute(plan(3, cached=[CachedRequestData(0, [], 3, 1)])).slots == [0]
     # A plan planned ahead of a step that succeeded runs.
-    ok = StepPlan(4, [], [CachedRequestData("a", [4], 4, 1)], [], planned_ahead=True)
-    assert runner.execute(ok).request_ids == ["a"]
+    ok = StepPlan(4, [], [CachedRequestData(0, [4], 4, 1)], [], planned_ahead=True)
+    assert runner.execute(ok).slots == [0]
 
 
 def test_pool_sized_from_memory_budget(llama_dir):

@@ -214,16 +214,20 @@ def test_bad_inputs_get_errors_while_others_are_served(server) -> None:
         assert stats["held_blocks"] == 0
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def mapped_rings(pid: int) -> set[str]:
+    """The shared-memory ring files process ``pid`` has mapped (its own server's, whatever
+    else runs on this host)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5 and line.rstrip().endswith(".ring")}
 
 
 def test_sigterm_leaves_no_process(serve_factory, tiny_checkpoint) -> None:
     """Nor any file: the shared-memory plan rings go with the run directory."""
-    before = shm_entries()
     server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
     kids = list(server.pids.values())
     assert all(alive(p) for p in kids)
+    rings = mapped_rings(server.pids["worker"])
+    assert len(rings) == 2, rings  # plans and results
     start = time.monotonic()
     assert server.terminate() == 0
     assert time.monotonic() - start < 10
@@ -231,7 +235,7 @@ def test_sigterm_leaves_no_process(serve_factory, tiny_checkpoint) -> None:
     while any(alive(p) for p in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(p) for p in kids)
-    assert not {e for e in shm_entries() - before if e.startswith("conveyor-")}
+    assert not [path for path in rings if os.path.exists(path)]
 
 
 def test_killed_worker_fails_in_flight_requests(serve_factory, tiny_checkpoint) -> None:
@@ -239,14 +243,19 @@ def test_killed_worker_fails_in_flight_requests(serve_factory, tiny_checkpoint) 
 
     async def scenario():
         async with AsyncClient(server.address, timeout=30) as client:
+            streaming = asyncio.Semaphore(0)
+
             async def long_request(i: int):
                 last = None
                 async for d in client.stream(token_ids=[4 + i] * 10, max_tokens=240, ignore_eos=True, temperature=0):
+                    if last is None:
+                        streaming.release()
                     last = d
                 return last
 
             tasks = [asyncio.ensure_future(long_request(i)) for i in range(4)]
-            await asyncio.sleep(1.0)
+            for _ in tasks:  # every request is in flight (a first token, far from its 240th) before the kill
+                await streaming.acquire()
             os.kill(server.pids["worker"], signal.SIGKILL)
             return await asyncio.gather(*tasks)
 

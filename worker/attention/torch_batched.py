@@ -47,8 +47,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
-from conveyor.worker.attention.torch_ref import store_kv
+from conveyor.worker.attention.backend import AttentionMetadata
+from conveyor.worker.attention.torch_ref import TorchStoreKV
 
 #: Default scratch budget per group (bytes of keys+values, scores, probabilities). Between
 #: 4 and 16 MiB made no measurable difference for demo-model decodes on a 2-core CPU; 1-2 MiB
@@ -83,7 +83,7 @@ class _Group:
     value_offsets: torch.Tensor | None = None
 
 
-class TorchBatchedAttention(AttentionBackend):
+class TorchBatchedAttention(TorchStoreKV):
     """:class:`AttentionBackend` in torch ops over whole groups of sequences (the CPU default).
 
     Keeps its scratch tensors (each at most ``scratch_bytes``; about that much in all for the
@@ -98,11 +98,6 @@ class TorchBatchedAttention(AttentionBackend):
         self._plans_for: tuple | None = None
         self._plans: dict[tuple, list[_Group]] = {}
         self._scratch: dict[tuple, torch.Tensor] = {}
-
-    def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
-    ) -> None:
-        store_kv(key, value, kv_cache_layer, metadata.slot_mapping)
 
     def forward(
         self,

@@ -13,24 +13,24 @@ import torch
 from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their flat slots, skipping -1 slots."""
-    num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
-    keys = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
-    values = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    keys[slots] = key[keep].to(keys.dtype)
-    values[slots] = value[keep].to(values.dtype)
-
-
-class TorchReferenceAttention(AttentionBackend):
-    """:class:`AttentionBackend` with torch ops only; works on any device, loops on the host."""
+class TorchStoreKV(AttentionBackend):
+    """The torch backends' shared half: writing new keys and values into the paged cache."""
 
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
     ) -> None:
-        store_kv(key, value, kv_cache_layer, metadata.slot_mapping)
+        """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their flat slots, skipping -1 slots."""
+        num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
+        keys = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
+        values = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
+        keep = metadata.slot_mapping >= 0
+        slots = metadata.slot_mapping[keep]
+        keys[slots] = key[keep].to(keys.dtype)
+        values[slots] = value[keep].to(values.dtype)
+
+
+class TorchReferenceAttention(TorchStoreKV):
+    """:class:`AttentionBackend` with torch ops only; works on any device, loops on the host."""
 
     def forward(
         self,

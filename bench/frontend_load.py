@@ -183,20 +183,25 @@ def _generate(rid: str, prompt: str, max_tokens: int) -> bytes:
     )
 
 
-def client_proc(address: str, num_sockets: int, conn) -> None:
-    """``num_sockets`` streaming clients, one DEALER socket and one request each per phase."""
-    ctx = zmq.Context()
+def dealer_sockets(ctx: zmq.Context, address: str, identities: list[bytes]) -> tuple[list[zmq.Socket], zmq.Poller]:
+    """One connected DEALER socket per routing identity (no receive limit), and a poller over them."""
     socks = []
-    for _ in range(num_sockets):
+    poller = zmq.Poller()
+    for ident in identities:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        s.setsockopt(zmq.ROUTING_ID, ident)
         s.setsockopt(zmq.RCVHWM, 0)
         s.connect(address)
         socks.append(s)
-    poller = zmq.Poller()
-    for s in socks:
         poller.register(s, zmq.POLLIN)
+    return socks, poller
+
+
+def client_proc(address: str, num_sockets: int, conn) -> None:
+    """``num_sockets`` streaming clients, one DEALER socket and one request each per phase."""
+    ctx = zmq.Context()
+    socks, poller = dealer_sockets(ctx, address, [uuid.uuid4().bytes for _ in range(num_sockets)])
     conn.send("ready")
     while True:
         cmd = conn.recv()

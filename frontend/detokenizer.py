@@ -15,6 +15,28 @@ token is a byte-fallback piece (the decoder turns a run of those into text as a 
 and an invalid run into one U+FFFD per byte). After an emission the emitted tokens become
 the context, so the window stays a few tokens long: O(window) work per token.
 
+That is the reference behaviour (``fast_paths=False``); two fast paths give exactly the same
+deltas without a decode for almost every token. Both apply only while the context is
+*clean*: everything is emitted, and the context ends at a character (its text does not end
+in U+FFFD), outside a byte-fallback run.
+
+- **Pieces** (``Tokenizer.stream_piece``): with a decoder whose text is the concatenation of
+  per-token texts (byte-level BPE; the sentencepiece chain ``Replace, ByteFallback, Fuse,
+  Strip``), a token that is a whole text of its own (not a byte piece, not skipped, no
+  U+FFFD) adds a fixed piece after a clean context. The piece comes from a memo, and the
+  token alone becomes the context, as the window decode would leave it. Most tokens of
+  most text are such tokens.
+- **Byte mode** (byte-level BPE only, ``Tokenizer.stream_token_bytes``): the text of any ids
+  is the lossy UTF-8 decode of their bytes concatenated, so once the context is clean the
+  window is replaced by the bytes held back since the last emission; a token adds its bytes,
+  and the held bytes are emitted (Python's ``decode("utf-8", "replace")``, which replaces
+  exactly as the Rust decoder does) as soon as their decode does not end in U+FFFD. A
+  character split over several tokens costs a few bytes operations instead of decodes.
+
+``tests/frontend/test_detokenizer.py`` checks delta for delta that both paths give what the
+window decode gives, on random ids (partial characters, special and unknown ids, every test
+tokenizer) and real text.
+
 Invariants:
 - The context holds a visible token (one that decodes to something: inside the vocabulary,
   not skipped) unless the prompt has none, so both decodes apply a decoder's first-token
@@ -45,12 +67,21 @@ PROMPT_CONTEXT_TOKENS = 5
 # the next), so a run of such tokens can leave every boundary inside a character.
 MAX_PROMPT_TAIL_TOKENS = 16
 REPLACEMENT_CHAR = "\ufffd"
+_UNKNOWN = object()  # a token not in the piece memo yet
+_NO_PIECES: dict = {}  # stands for the piece memo of a tokenizer that has none (the fast path is never taken)
 
 
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        *,
+        fast_paths: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._vocab_size = tokenizer.vocab_size
@@ -73,6 +104,16 @@ class IncrementalDetokenizer:
         last_visible = next((t for t in reversed(self._ids) if self._visible(t)), None)
         self._in_byte_run = last_visible in self._byte_pieces
         self._parts: list[str] = []
+        # Fast paths (see the module docstring): tokens whose text does not depend on what
+        # precedes them come from a memo, and byte-level tokenizers decode held-back bytes
+        # themselves; both only once the context is clean.
+        self._pieces = (
+            tokenizer.stream_pieces(skip_special_tokens) if fast_paths and tokenizer.streams_by_piece else _NO_PIECES
+        )
+        self._bytes = tokenizer.stream_bytes(skip_special_tokens) if fast_paths and tokenizer.streams_by_bytes else None
+        self._pending: bytes | None = None  # byte mode: the bytes not emitted yet; None: window mode
+        self._clean = False
+        self._check_clean()
 
     @property
     def text(self) -> str:
@@ -81,20 +122,79 @@ class IncrementalDetokenizer:
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add output tokens; return the text that became final with them (possibly "")."""
-        out = []
-        for token_id in new_token_ids:
-            self._ids.append(token_id)
-            if self._visible(token_id):
-                self._in_byte_run = token_id in self._byte_pieces
-            if self._in_byte_run:
-                continue
+        if len(new_token_ids) == 1:
+            return self.push_one(new_token_ids[0])
+        return "".join([self.push_one(token_id) for token_id in new_token_ids])
+
+    def push_one(self, token_id: int) -> str:
+        """``push([token_id])``: one token, the streaming hot path."""
+        if self._clean:  # nothing held back: a token with a piece adds just that
+            entry = self._pieces.get(token_id, _UNKNOWN)
+            if entry is _UNKNOWN:
+                entry = self._tokenizer.stream_piece(token_id, self._skip_special_tokens)
+            if entry is not None:
+                piece = entry[0]
+                if self._pending is None:  # window mode: the token alone becomes the context
+                    self._ids = [token_id]
+                    self._read = 1
+                    self._prefix_text = alone = entry[1]
+                    self._in_byte_run = False
+                    self._clean = alone != "" and alone[-1] != REPLACEMENT_CHAR
+                self._parts.append(piece)
+                return piece
+        if self._pending is not None:
+            return self._push_bytes(token_id)
+        return self._push_window(token_id)
+
+    def _push_bytes(self, token_id: int) -> str:
+        """Byte mode: hold the token's bytes back until they end at a character."""
+        data = self._bytes.get(token_id)
+        if data is None:
+            data = self._tokenizer.stream_token_bytes(token_id, self._skip_special_tokens)
+        pending = self._pending + data
+        if not pending:  # an invisible token: nothing changes
+            return ""
+        text = pending.decode("utf-8", "replace")  # exactly the backend's lossy UTF-8 decode
+        if text[-1] == REPLACEMENT_CHAR:  # an incomplete character (or a real U+FFFD: held one token, as before)
+            self._pending = pending
+            self._clean = False
+            return ""
+        self._pending = b""
+        self._clean = True
+        self._parts.append(text)
+        return text
+
+    def _push_window(self, token_id: int) -> str:
+        """Window mode: decode the context and the tokens not emitted yet."""
+        self._ids.append(token_id)
+        if self._visible(token_id):
+            self._in_byte_run = token_id in self._byte_pieces
+        delta = ""
+        if not self._in_byte_run:
             text = self._decode(self._ids)
             if len(text) > len(self._prefix_text) and not text.endswith(REPLACEMENT_CHAR):
-                out.append(self._emit(text))
-        return self._record("".join(out))
+                delta = self._record(self._emit(text))
+        self._check_clean()
+        return delta
+
+    def _check_clean(self) -> None:
+        """Window mode: whether the context is clean, i.e. everything is emitted and the context
+        ends at a character, outside a byte run, with text. A byte-level tokenizer then
+        switches to byte mode for good (there a context without text is clean too)."""
+        if self._read != len(self._ids) or self._prefix_text.endswith(REPLACEMENT_CHAR):
+            self._clean = False
+        elif self._bytes is not None:
+            self._pending = b""
+            self._clean = True
+        else:
+            self._clean = self._pieces is not _NO_PIECES and not self._in_byte_run and self._prefix_text != ""
 
     def flush(self) -> str:
         """At end of stream: return the held-back text, incomplete characters as U+FFFD like the full decode."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, b""
+            self._clean = True
+            return self._record(pending.decode("utf-8", "replace"))
         if self._read == len(self._ids):
             return ""
         self._in_byte_run = False

@@ -40,14 +40,22 @@ everything on the loop.
 
 Streaming hot path: one scheduler message (a token for every running stream) is handled
 synchronously, each delta sent on the raw ROUTER socket (see ``_clients_raw`` for why that
-is safe only from the handlers :meth:`Frontend.run` calls). Scheduler messages that queued
-up while the loop was busy are handled as one pass: each stream gets one delta with all its
-new tokens (a stop string still ends the output at the token that completes it), so a
-frontend that fell behind catches up instead of falling further behind.
+is safe only from the handlers :meth:`Frontend.run` calls). The plain next tokens of a step
+(its columns) go through :meth:`Frontend._on_next_tokens` in two passes, every stream's text
+and delta bytes first, then the sends back to back; a token costs a memo lookup in the
+detokenizer for most text (``IncrementalDetokenizer``'s fast paths), no stop-string scan
+unless the request has stop strings, a delta assembled from bytes packed once per request
+and once per token, and two calls of the backend's send. Docs: docs/benchmarks.md,
+"Frontend under load"; ``bench/frontend_step.py`` measures this path alone. Scheduler
+messages that queued up while the loop was busy are handled as one pass: each stream gets
+one delta with all its new tokens (a stop string still ends the output at the token that
+completes it), so a frontend that fell behind catches up instead of falling further behind.
 
 Profiling (:mod:`conveyor.common.profiling`): tokenize, detokenize, client sends, the
 handling of each scheduler message and the event loop's lag are timed here, and each
 request's queue time, TTFT, TPOT and inter-token latencies are recorded when it finishes.
+On the hot path detokenize and the inter-token latency are taken for one stream in
+:data:`PROFILE_SAMPLE_EVERY`, and client_send once per step (the mean send of its burst).
 A ``profile`` request is relayed to the scheduler (which adds the worker's snapshot); the
 reply carries all three processes, or this one alone with an error if the scheduler does
 not answer within :data:`PROFILE_TIMEOUT_S`.
@@ -97,6 +105,27 @@ LOOP_LAG_PROBE_S = 0.02
 # pass) before clients get their turn again: bounds how long a frontend that fell behind
 # holds the loop.
 SCHEDULER_DRAIN_LIMIT = 16
+# Streaming hot path: one stream in this many gets its detokenize and client_send timed and
+# its inter-token latency recorded (timing every stream cost more than a microsecond per token).
+PROFILE_SAMPLE_EVERY = 16
+
+# A delta is the map {type, v, request_id, text, token_ids}, packed by msgpack in that order.
+# Its bytes up to the text's value are fixed per request (RequestState.delta_head), so a delta
+# is that head + the packed text + _DELTA_IDS_KEY + the packed ids: the same bytes as
+# cp.pack of the map, without building the map.
+_DELTA_PREFIX = b"\x85" + b"".join(
+    msgpack.packb(x) for x in ("type", cp.DELTA, "v", cp.CLIENT_PROTOCOL_VERSION, "request_id")
+)
+_DELTA_TEXT_KEY = msgpack.packb("text")
+_DELTA_IDS_KEY = msgpack.packb("token_ids")
+# The backend's send, without pyzmq's pure-Python wrapper around it (same call for bytes with
+# copy=True; that wrapper cost about a microsecond per call on the hot path).
+_zmq_send = zmq.backend.Socket.send
+
+
+def delta_head(request_id: str) -> bytes:
+    """The packed bytes of a delta for ``request_id`` up to its text's value."""
+    return _DELTA_PREFIX + msgpack.packb(request_id, use_bin_type=True) + _DELTA_TEXT_KEY
 
 
 @dataclass(frozen=True)
@@ -141,6 +170,12 @@ class RequestState:
     history_len: int = 0  # how much of prompt_ids a continued request's earlier turns make up
     cached_tokens: int = 0  # prompt tokens whose KV the scheduler reused
     pending: bool = False  # prompt still tokenizing in the pool: the scheduler has not seen it
+    delta_head: bytes = b""  # set from request_id: every delta's bytes up to its text
+    has_stop: bool = False  # set from stop: the request has stop strings to look for
+
+    def __post_init__(self) -> None:
+        self.delta_head = delta_head(self.request_id)
+        self.has_stop = self.stop.active
 
 
 class Frontend:
@@ -188,6 +223,10 @@ class Frontend:
         self._clients_raw = zmq.Socket.shadow(self.clients.underlying)
         self._to_scheduler_raw = zmq.Socket.shadow(self.to_scheduler.underlying)
         self._packer = msgpack.Packer(use_bin_type=True)  # cp.pack's format, without a Packer per call
+        # token id -> (text, packed text + ids key + packed [id]): the tail of a one-token delta
+        # whose text is ``text`` (bounded by the vocabulary; the text is mostly the token's own)
+        self._delta_tails: dict[int, tuple[str, bytes]] = {}
+        self._sample_countdown = 1  # streams until the hot path times one (PROFILE_SAMPLE_EVERY)
 
     def _init_profiling(self, enabled: bool) -> None:
         prof = self.profiler = profiling.Profiler("frontend", enabled=enabled)
@@ -493,10 +532,7 @@ class Frontend:
         if len(batch) == 1:  # plain next tokens, one per stream: the hot path
             msg = batch[0]
             num_tokens += len(msg.token_ids)
-            for request_id, token in zip(msg.request_ids, msg.token_ids):
-                state = requests.get(request_id)
-                if state is not None and not state.pending:
-                    self._on_tokens(state, [token])
+            self._on_next_tokens(msg.request_ids, msg.token_ids)
         self._c_tokens.add(num_tokens)
         self._t_outputs.record(start, arg=len(outputs) + (len(batch[0].request_ids) if len(batch) == 1 else 0))
         if len(batch) > 1:
@@ -513,6 +549,82 @@ class Frontend:
                 reply["iterations"] = [dict(zip(msg.iteration_fields, row)) for row in msg.recent_iterations]
                 reply.update(type=cp.STATS_REPLY, v=cp.CLIENT_PROTOCOL_VERSION, in_flight=len(self.requests))
                 await self._send_client(identity, reply)
+
+    def _on_next_tokens(self, request_ids: list[str], token_ids: list[int]) -> None:
+        """The streaming hot path: one plain next token for each of these requests (a step's
+        columns), each handled as :meth:`_on_tokens` would, in the order given.
+
+        Two passes: first every stream's text and delta bytes, then the sends, back to back
+        (measured: about 10 % less CPU per token than sending each delta as soon as it is
+        made, presumably because ZeroMQ's I/O thread, busy with the burst, needs waking less
+        often; the first stream's delta leaves after the first pass, ~1-2 ms at 1,000 streams).
+        A request that a stop string ends gets its last delta and final in the second pass, in
+        its place among the others. Cheaper per token than :meth:`_on_tokens` besides: the
+        detokenizer's fast paths, the stop-string scan only for requests that have stop
+        strings, the delta's bytes put together from the request's head and a per-token tail,
+        the backend's send, and the per-token timers and inter-token latency taken for one
+        stream in :data:`PROFILE_SAMPLE_EVERY` (its inter-token latency measured from the start
+        of this call, as every stream's last output time is)."""
+        get = self.requests.get
+        tails = self._delta_tails
+        pack = self._packer.pack
+        countdown = self._sample_countdown
+        now = profiling.now_ns()
+        out: list = []  # (identity, delta bytes), or (None, state, text, token) for a stop string's finish
+        for request_id, token in zip(request_ids, token_ids):
+            state = get(request_id)
+            if state is None or state.pending:
+                continue  # finalized here already (abort, disconnect, stop string), or a new request with its id
+            countdown -= 1
+            timed = countdown == 0
+            if timed:
+                countdown = PROFILE_SAMPLE_EVERY
+                t0 = profiling.now_ns()
+                if state.last_output_ns:
+                    self._s_itl.add((now - state.last_output_ns) / 1e6, now)
+            state.last_output_ns = now
+            state.token_ids.append(token)
+            text = state.detokenizer.push_one(token)
+            if state.has_stop:
+                text, stopped = state.stop.feed(text)
+                if stopped:
+                    state.text.append(text)
+                    del self.requests[request_id]
+                    out.append((None, state, text, token))
+                    continue
+            state.text.append(text)
+            if timed:
+                self._t_detokenize.record(t0)
+            if not state.stream:
+                continue
+            tail = tails.get(token)
+            if tail is None or tail[0] != text:
+                tail = tails[token] = (text, pack(text) + _DELTA_IDS_KEY + pack([token]))
+            out.append((state.identity, state.delta_head + tail[1]))
+        self._sample_countdown = countdown
+
+        send = _zmq_send
+        raw = self._clients_raw
+        sndmore = zmq.SNDMORE
+        start = profiling.now_ns()
+        for item in out:
+            identity = item[0]
+            if identity is None:
+                _, state, text, token = item
+                self._abort_at_scheduler([state.request_id])
+                self._finish(state, FinishReason.STOP, delta=text, delta_ids=[token])
+                continue
+            try:
+                send(raw, identity, sndmore)  # a gone client fails here, before any frame is queued
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EHOSTUNREACH:
+                    raise
+                self._client_gone(identity)
+                continue
+            send(raw, item[1])
+        if out:  # one sample: the mean send of the burst
+            end = profiling.now_ns()
+            self._t_send.record(end - (end - start) // len(out), end)
 
     def _on_tokens(
         self, state: RequestState, new_token_ids: list[int], finish_reason: str | None = None, error: str | None = None
@@ -552,10 +664,9 @@ class Frontend:
             self._send_delta(state, emit, new_token_ids)
 
     def _send_delta(self, state: RequestState, text: str, token_ids: list[int]) -> None:
-        self._push_client(
-            state.identity,
-            {"type": cp.DELTA, "v": 1, "request_id": state.request_id, "text": text, "token_ids": token_ids},
-        )
+        """``{type: delta, v, request_id, text, token_ids}``, packed from the request's head."""
+        pack = self._packer.pack
+        self._push_bytes(state.identity, state.delta_head + pack(text) + _DELTA_IDS_KEY + pack(token_ids))
 
     def _finish(
         self,
@@ -691,16 +802,20 @@ class Frontend:
     def _push_client(self, identity: bytes, obj: dict) -> None:
         """Send to one client now on the raw socket: the streaming hot path. Only from the
         handlers :meth:`run` calls (anywhere else: :meth:`_send_client`)."""
+        self._push_bytes(identity, self._packer.pack(obj))
+
+    def _push_bytes(self, identity: bytes, payload: bytes) -> None:
+        """:meth:`_push_client` for a message packed already."""
         start = profiling.now_ns()
         raw = self._clients_raw
         try:
-            raw.send(identity, zmq.SNDMORE)  # a gone client fails here, before any frame is queued
+            _zmq_send(raw, identity, zmq.SNDMORE)  # a gone client fails here, before any frame is queued
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
             self._client_gone(identity)
             return
-        raw.send(self._packer.pack(obj))
+        _zmq_send(raw, payload)
         self._t_send.record(start)
 
     async def _send_client(self, identity: bytes, obj: dict) -> None:

@@ -26,6 +26,9 @@ class StopStringMatcher:
         self._stop = [s for s in dict.fromkeys(stop) if s]
         self._held = ""
         self._stopped = False
+        # Every match and every held-back tail starts with the first character of a stop string:
+        # text holding none of these needs no scan (the common case, checked in C).
+        self._firsts = frozenset(s[0] for s in self._stop)
 
     @property
     def active(self) -> bool:
@@ -43,7 +46,10 @@ class StopStringMatcher:
             return "", True
         if not self._stop:
             return delta, False
-        text = self._held + delta
+        text = self._held + delta if self._held else delta
+        if self._firsts.isdisjoint(text):  # no match and nothing to hold back
+            self._held = ""
+            return text, False
         match = self._earliest_match(text)
         candidate = self._earliest_candidate(text)
         if match is not None and match <= candidate:
@@ -65,15 +71,23 @@ class StopStringMatcher:
         return text
 
     def _earliest_match(self, text: str) -> int | None:
-        found = [i for i in (text.find(s) for s in self._stop) if i >= 0]
-        return min(found) if found else None
+        best = None
+        for s in self._stop:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best):
+                best = i
+        return best
 
     def _earliest_candidate(self, text: str) -> int:
         """Start of the longest tail of ``text`` that is a proper prefix of a stop string (``len(text)`` if none)."""
-        longest = 0
+        n = len(text)
+        best = n
         for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
+            first = s[0]
+            i = text.find(first, max(0, n - len(s) + 1))  # a proper prefix of s is shorter than s
+            while 0 <= i < best:
+                if s.startswith(text[i:]):
+                    best = i
                     break
-        return len(text) - longest
+                i = text.find(first, i + 1)
+        return best

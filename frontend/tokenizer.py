@@ -51,6 +51,32 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # sentencepiece-style byte-fallback pieces: one raw UTF-8 byte each.
 _BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's ``bytes_to_unicode``, as tokenizers' ByteLevel
+    uses it): printable bytes stand for themselves, the others for characters from U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
+# The decoders after which a token adds the same text whatever precedes it (Tokenizer.stream_piece),
+# as tokenizer.json spells them: byte-level BPE (GPT-2, Llama 3, Qwen) and the sentencepiece
+# chain of Llama 2 / Mistral files and of transformers' LlamaTokenizer (see _piece_decoder).
+_SPM_CHAIN = [
+    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+    {"type": "ByteFallback"},
+    {"type": "Fuse"},
+]
+_SPM_STRIP = {"type": "Strip", "content": " ", "start": 1, "stop": 0}
 
 
 class Tokenizer:
@@ -60,7 +86,9 @@ class Tokenizer:
     ``AutoTokenizer`` on the same directory (for the tokenizer classes the module docstring
     names); every id this returns is below ``vocab_size``. Nothing mutates the backend after
     loading, so any method may be called from several threads at once (the frontend encodes
-    long prompts in a thread pool while its event loop decodes).
+    long prompts in a thread pool while its event loop decodes). The streaming memos
+    (``decode_one``, ``stream_piece``, ``stream_token_bytes``) only ever gain entries, each
+    a pure function of its key, so concurrent fills are harmless too.
     """
 
     def __init__(
@@ -85,6 +113,13 @@ class Tokenizer:
         pieces = {i: int(t[3:5], 16) for t, i in vocab.items() if _BYTE_PIECE.fullmatch(t)}
         self._byte_pieces = MappingProxyType(pieces)
         self._decoded_one: dict[tuple[int, bool], str] = {}  # decode_one's memo, at most 2 x vocabulary
+        # stream_piece's memo per skip_special_tokens, at most the vocabulary each
+        self._pieces: dict[bool, dict[int, tuple[str, str] | None]] = {True: {}, False: {}}
+        self._piece_decoder = _piece_decoder(backend)
+        self._anchors: list[tuple[int, str]] | None = None  # stream_piece's plain context tokens, found on first use
+        # stream_token_bytes' memo per skip_special_tokens (byte-level decoders only), at most the vocabulary each
+        self._token_bytes: dict[bool, dict[int, bytes]] = {True: {}, False: {}}
+        self._bytes_ok = self._piece_decoder == "byte_level" and self._check_token_bytes()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -192,6 +227,119 @@ class Tokenizer:
             text = self._decoded_one[key] = self.decode([token_id], skip_special_tokens)
         return text
 
+    @property
+    def streams_by_piece(self) -> bool:
+        """True when :meth:`stream_piece` can name any token's text: the decoder is one whose
+        output is the concatenation of per-token pieces (see :func:`_piece_decoder`)."""
+        return self._piece_decoder is not None
+
+    def stream_piece(self, token_id: int, skip_special_tokens: bool = True) -> tuple[str, str] | None:
+        """``(piece, alone)`` for a token whose text does not depend on what comes before it,
+        or None. Memoized; :meth:`stream_pieces` hands out the memo for lookups in hot loops.
+
+        ``piece`` is what the token adds to ``decode(context)``: ``decode(context + [token_id])
+        == decode(context) + piece`` for every context whose decode is not empty and does not
+        end in U+FFFD and whose last visible token is not a byte-fallback piece. ``alone`` is
+        ``decode([token_id])`` (sentencepiece decoders drop the leading space of the first
+        token, so it can differ from ``piece``). None for the tokens where no such piece exists
+        or it is not worth the trouble: ids outside the vocabulary, skipped special tokens,
+        byte-fallback pieces, tokens whose text is empty or holds U+FFFD (an incomplete
+        character), and every token when the decoder is not one :func:`_piece_decoder` knows.
+        """
+        memo = self._pieces[skip_special_tokens]
+        if token_id in memo:
+            return memo[token_id]
+        value = self._find_piece(token_id, skip_special_tokens)
+        if 0 <= token_id < self.vocab_size:  # the memo stays bounded by the vocabulary
+            memo[token_id] = value
+        return value
+
+    def stream_pieces(self, skip_special_tokens: bool = True) -> Mapping[int, tuple[str, str] | None]:
+        """The memo of :meth:`stream_piece` (a token missing from it: ask :meth:`stream_piece`)."""
+        return self._pieces[skip_special_tokens]
+
+    @property
+    def streams_by_bytes(self) -> bool:
+        """True when the decoder is byte-level: the text of any ids is the lossy UTF-8 decode of
+        the concatenation of their :meth:`stream_token_bytes` (checked on loading)."""
+        return self._bytes_ok
+
+    def stream_token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """The bytes a byte-level decoder turns ``token_id`` into (empty for ids it drops:
+        outside the vocabulary, or skipped). Memoized; :meth:`stream_bytes` hands out the memo."""
+        memo = self._token_bytes[skip_special_tokens]
+        data = memo.get(token_id)
+        if data is None:
+            data = self._find_token_bytes(token_id, skip_special_tokens)
+            if 0 <= token_id < self.vocab_size:
+                memo[token_id] = data
+        return data
+
+    def stream_bytes(self, skip_special_tokens: bool = True) -> Mapping[int, bytes]:
+        """The memo of :meth:`stream_token_bytes` (a token missing from it: ask :meth:`stream_token_bytes`)."""
+        return self._token_bytes[skip_special_tokens]
+
+    def _find_token_bytes(self, token_id: int, skip: bool) -> bytes:
+        if not 0 <= token_id < self.vocab_size or (skip and token_id in self._skipped_ids):
+            return b""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        try:  # as tokenizers' ByteLevel decoder: each character is one byte, else the token is its own UTF-8
+            return bytes([_BYTE_LEVEL_CHARS[c] for c in token])
+        except KeyError:
+            return token.encode("utf-8")
+
+    def _check_token_bytes(self) -> bool:
+        """Whether :meth:`stream_token_bytes` agrees with the backend's decode, on every added
+        token and on a spread of ordinary ones (the check costs a few milliseconds)."""
+        size = self.vocab_size
+        ids = {*self._backend.get_added_tokens_decoder(), *range(0, size, max(1, size // 512))}
+        for skip in (False, True):
+            for i in ids:
+                if self._find_token_bytes(i, skip).decode("utf-8", "replace") != self.decode([i], skip):
+                    return False
+        return True
+
+    def _find_piece(self, token_id: int, skip: bool) -> tuple[str, str] | None:
+        if self._piece_decoder is None or not 0 <= token_id < self.vocab_size or token_id in self._byte_pieces:
+            return None
+        if skip and token_id in self._skipped_ids:
+            return None
+        anchors = self._piece_anchors()
+        if not anchors:
+            return None
+        piece = None
+        for anchor, anchor_text in anchors:  # after two different plain tokens it must add the same text
+            both = self.decode([anchor, token_id], skip)
+            if not both.startswith(anchor_text):
+                return None
+            added = both[len(anchor_text) :]
+            if piece is not None and added != piece:
+                return None
+            piece = added
+        if not piece or REPLACEMENT_CHAR in piece:
+            return None
+        alone = self.decode_one(token_id, skip)
+        return (alone if alone == piece else piece), alone
+
+    def _piece_anchors(self) -> list[tuple[int, str]]:
+        """Two ordinary tokens (one ASCII character or word each, no byte pieces, no specials) to
+        measure a piece after; empty when the vocabulary has none (no token is then streamed by piece)."""
+        if self._anchors is None:
+            found: dict[int, str] = {}
+            for word in ("a", "b", "e", "t", "x", "the", "1", "2", "."):
+                ids = self._backend.encode(word, add_special_tokens=False).ids
+                if len(ids) != 1 or ids[0] in self._byte_pieces or ids[0] in self._skipped_ids or ids[0] in found:
+                    continue
+                text = self.decode(ids)
+                if text and text == self.decode(ids, skip_special_tokens=False) and text.isascii():
+                    found[ids[0]] = text
+                if len(found) == 2:
+                    break
+            self._anchors = list(found.items()) if len(found) == 2 else []
+        return self._anchors
+
     # ------------------------------------------------------------------ chat
 
     @property
@@ -242,6 +390,38 @@ class Tokenizer:
 
 
 # ---------------------------------------------------------------------- loading helpers
+
+
+def _piece_decoder(backend: BackendTokenizer) -> str | None:
+    """Which known piecewise decoder ``backend`` has, or None.
+
+    - ``ByteLevel``: each token maps to its own bytes, and the text is the UTF-8 decode (lossy)
+      of their concatenation. After bytes that end at a character (a decode that does not
+      end in U+FFFD), a token whose bytes are valid UTF-8 by themselves adds exactly its own
+      text.
+    - ``Replace("▁", " "), ByteFallback, Fuse`` and optionally ``Strip(" ", 1, 0)``: the text
+      is the concatenation of each token with ``▁`` as a space (a run of byte pieces
+      becomes its UTF-8 text), then one leading space is cut from the whole. After a context
+      whose text is not empty (so the cut falls inside it) and that does not end in a byte
+      run, a non-byte token adds exactly its own text, leading space included.
+
+    Anything else (WordPiece's joining and clean-up, Metaspace's per-token rules, custom
+    chains) is not piecewise, or not known to be: every token then goes through the window
+    decode of :class:`conveyor.frontend.detokenizer.IncrementalDetokenizer`.
+    """
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder")
+    except ValueError:  # pragma: no cover - the backend always serializes
+        return None
+    if not isinstance(decoder, dict):
+        return None
+    if decoder.get("type") == "ByteLevel":
+        return "byte_level"
+    if decoder.get("type") == "Sequence":
+        steps = decoder.get("decoders")
+        if steps == _SPM_CHAIN or steps == [*_SPM_CHAIN, _SPM_STRIP]:
+            return "sentencepiece"
+    return None
 
 
 def _read_json(path: Path) -> Any:

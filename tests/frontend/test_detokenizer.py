@@ -191,3 +191,85 @@ def test_cost_per_token_is_a_window_not_the_whole_output(name, ours, monkeypatch
         assert detok.text == reference(tok, tok.encode("prompt " * 50), output)
     assert len(output) > 1000
     assert windows[0] == windows[1] <= 40
+
+
+class CountingTokenizer:
+    """A conveyor Tokenizer that counts the window decodes a detokenizer asks it for."""
+
+    def __init__(self, base) -> None:
+        self._base = base
+        self.decodes = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._base, name)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decodes += 1
+        return self._base.decode(ids, skip_special_tokens)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fast_paths_give_the_window_decodes_deltas(name, ours, data) -> None:
+    """Delta for delta, push for push: the pieces and byte mode give exactly what decoding the
+    window gives, on random ids mixing real text, partial characters (byte-level tokens of
+    part of a character, byte-fallback pieces), special and unknown ids, in random chunks."""
+    tok = ours[name]
+    real = tok.encode(TEXT, add_special_tokens=False)
+    odd = sorted(tok.skipped_ids) + sorted(tok.byte_pieces)[:40] + [tok.vocab_size, tok.vocab_size + 2]
+    ids = st.one_of(
+        st.sampled_from(real), st.sampled_from(real), st.integers(0, tok.vocab_size - 1), st.sampled_from(odd)
+    )
+    prompt = data.draw(st.one_of(st.sampled_from(PROMPTS).map(tok.encode), st.lists(ids, max_size=8)), label="prompt")
+    if data.draw(st.booleans(), label="real run"):
+        start = data.draw(st.integers(0, len(real) - 1), label="start")
+        output = real[start : start + data.draw(st.integers(1, 40), label="length")]
+    else:
+        output = data.draw(st.lists(ids, min_size=1, max_size=40), label="output")
+    skip = data.draw(st.booleans(), label="skip")
+    fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    window = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, fast_paths=False)
+    i = 0
+    while i < len(output):
+        n = data.draw(st.integers(1, 3), label="chunk")
+        chunk = output[i : i + n]
+        i += n
+        got = fast.push_one(chunk[0]) if len(chunk) == 1 else fast.push(chunk)
+        assert got == window.push(chunk), (chunk, fast.text, window.text)
+    assert fast.flush() == window.flush()
+    assert fast.text == window.text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plain_text_streams_without_window_decodes(name, ours) -> None:
+    """Once each token's piece is known, ordinary text costs no decode at all; with byte-level
+    BPE, neither do characters split over several tokens (byte mode)."""
+    tok = CountingTokenizer(ours[name])
+    text = "The quick brown fox jumps over the lazy dog. "
+    if name in BYTE_LEVEL:
+        text += "Le café est déjà prêt. 你好世界 😀 🎉"
+    output = tok.encode(text, add_special_tokens=False)
+    IncrementalDetokenizer(tok, tok.encode("x")).push(output)  # fills the memos
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    before = tok.decodes
+    deltas = [detok.push_one(t) for t in output] + [detok.flush()]
+    assert tok.decodes == before
+    assert "".join(deltas) == reference(tok, tok.encode("x"), output)
+
+
+def test_window_mode_without_a_piecewise_decoder(ours, tokenizer_dirs) -> None:
+    """A decoder the fast paths do not know (here Metaspace's own) streams by the window alone."""
+    from tokenizers import decoders
+
+    from conveyor.frontend.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tokenizer_dirs["spm"])
+    tok._backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok = Tokenizer(tok._backend, {"bos_token": "<s>", "eos_token": "</s>"})
+    assert not tok.streams_by_piece and not tok.streams_by_bytes
+    output = tok.encode("Hello world, déjà vu", add_special_tokens=False)
+    counting = CountingTokenizer(tok)
+    deltas, detok = stream(counting, tok.encode("Say:"), [[t] for t in output])
+    assert counting.decodes >= len(output)
+    assert "".join(deltas) == reference(tok, tok.encode("Say:"), output)

@@ -90,3 +90,37 @@ def test_stream_equals_the_text_cut_at_the_earliest_stop(stop, text, cuts) -> No
     expected, expect_stop = reference(stop, text)
     assert "".join(out) == expected
     assert stopped == expect_stop  # text once released is never taken back, so no part of a match showed
+
+
+def released_after(stop: list[str], text: str) -> tuple[str, bool]:
+    """What a stream may show of ``text`` so far, by definition: the text cut at the earliest
+    match if no stop string can still match earlier, else the text up to the longest tail
+    that could still grow into a stop string (a proper prefix of one)."""
+    stop = [s for s in stop if s]
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    n = len(text)
+    tail = next((i for i in range(n) if any(len(s) > n - i and s.startswith(text[i:]) for s in stop)), n)
+    if hits and min(hits) <= tail:
+        return text[: min(hits)], True
+    return text[:tail], False
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    stop=st.lists(st.text(alphabet="ab\n😀", min_size=1, max_size=5), max_size=4),
+    deltas=st.lists(st.text(alphabet="ab\nc😀 ", max_size=6), max_size=10),
+)
+def test_every_feed_releases_exactly_what_may_be_shown(stop, deltas) -> None:
+    """Feed by feed (not just in total): no held-back text is shown early, none is held for nothing.
+    Covers the quick path (a delta without any stop string's first character)."""
+    matcher = StopStringMatcher(stop)
+    shown, text = "", ""
+    for delta in deltas:
+        text += delta
+        out, stopped = matcher.feed(delta)
+        shown += out
+        assert (shown, stopped) == released_after(stop, text)
+        if stopped:
+            return
+    shown += matcher.flush()
+    assert shown == reference(stop, text)[0]

@@ -267,3 +267,74 @@ def test_release_gil_lets_other_threads_run_during_a_long_encode(ours) -> None:
     worker.join()
     assert timing["encode_s"] > 0.05, "too fast to tell: lengthen the text"
     assert longest < timing["encode_s"] / 2, (longest, timing)
+
+
+# ---------------------------------------------------------------------- streaming fast paths
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("bytelevel", "byte_level"),
+        ("chatml", "byte_level"),
+        ("demo", "byte_level"),
+        ("spm", "sentencepiece"),
+        ("spm_legacy", "sentencepiece"),
+    ],
+)
+def test_piecewise_decoders_are_recognized(name, kind, ours) -> None:
+    tok = ours[name]
+    assert tok.streams_by_piece
+    assert tok.streams_by_bytes == (kind == "byte_level")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@HYPOTHESIS
+@given(data=st.data())
+def test_a_piece_is_what_its_token_adds_after_any_clean_context(name, ours, data) -> None:
+    """decode(context + [t]) == decode(context) + piece for every context with text that does not
+    end in U+FFFD or inside a byte-fallback run, and alone == decode([t])."""
+    tok = ours[name]
+    ids = st.integers(0, tok.vocab_size + 2)
+    skip = data.draw(st.booleans(), label="skip")
+    encoded = texts.map(lambda t: tok.encode(t, add_special_tokens=False))
+    context = data.draw(st.one_of(encoded, st.lists(ids, max_size=6)), label="context")
+    before = tok.decode(context, skip_special_tokens=skip)
+    visible = [i for i in context if 0 <= i < tok.vocab_size and not (skip and i in tok.skipped_ids)]
+    if not before or before.endswith("\ufffd") or (visible and visible[-1] in tok.byte_pieces):
+        return
+    for token in data.draw(st.lists(ids, min_size=1, max_size=8), label="tokens"):
+        entry = tok.stream_piece(token, skip)
+        if entry is None:
+            continue
+        piece, alone = entry
+        assert piece and "\ufffd" not in piece and alone == tok.decode([token], skip_special_tokens=skip)
+        assert tok.decode(context + [token], skip_special_tokens=skip) == before + piece
+
+
+@pytest.mark.parametrize("name", ["bytelevel", "chatml", "demo"])
+@HYPOTHESIS
+@given(data=st.data())
+def test_token_bytes_decode_like_the_backend(name, ours, data) -> None:
+    """Byte-level BPE: the lossy UTF-8 decode of the tokens' bytes concatenated is the decode."""
+    tok = ours[name]
+    skip = data.draw(st.booleans(), label="skip")
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size + 2), max_size=20), label="ids")
+    data_bytes = b"".join(tok.stream_token_bytes(i, skip) for i in ids)
+    assert data_bytes.decode("utf-8", "replace") == tok.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    raw=st.lists(
+        st.one_of(st.integers(0, 255), st.integers(0x80, 0xBF), st.sampled_from([0xC0, 0xC2, 0xE0, 0xED, 0xF0, 0xF4, 0xF5])),
+        max_size=16,
+    )
+)
+def test_python_replaces_invalid_utf8_as_the_backend_does(ours, raw) -> None:
+    """Byte mode decodes held bytes with Python's "replace": one U+FFFD per maximal invalid part,
+    exactly as the Rust decoder's lossy UTF-8 (checked through the demo's one-byte tokens)."""
+    tok = ours["demo"]
+    one_byte = {tok.stream_token_bytes(i): i for i in range(tok.vocab_size) if len(tok.stream_token_bytes(i)) == 1}
+    assert len(one_byte) == 256
+    assert tok.decode([one_byte[bytes([b])] for b in raw]) == bytes(raw).decode("utf-8", "replace")

@@ -257,8 +257,10 @@ class CachedRequestData:
     num_scheduled_tokens: int
 
 
-def _ints(values: Int32Array | list[int]) -> list[int]:
-    """Python ints of an Int32Array field (a numpy array when decoded, any sequence when built)."""
+def int_list(values: Int32Array | list[int]) -> list[int]:
+    """A fresh list of the Python ints of an Int32Array field: a numpy view over a received
+    message when decoded (which must not be kept: its buffer is reused), any sequence of ints
+    when the message was built in-process."""
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
@@ -288,7 +290,7 @@ class CachedRequests:
         return [
             CachedRequestData(slot, list(blocks.get(i, [])), computed, scheduled)
             for i, (slot, computed, scheduled) in enumerate(
-                zip(_ints(self.slots), _ints(self.num_computed_tokens), _ints(self.num_scheduled_tokens))
+                zip(int_list(self.slots), int_list(self.num_computed_tokens), int_list(self.num_scheduled_tokens))
             )
         ]
 

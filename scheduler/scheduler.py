@@ -111,6 +111,7 @@ from conveyor.common.messages import (
     StepPlan,
     StepResult,
     TokenOutputs,
+    int_list,
 )
 from conveyor.scheduler.kv_manager import KVCacheManager
 from conveyor.scheduler.metrics import ITERATION_FIELDS, IterationLog
@@ -761,10 +762,8 @@ class Scheduler:
     def _apply(self, plan: StepPlan, step: _Step, result: StepResult) -> TokenOutputs:
         error = result.error
         slots, tokens = result.slots, result.sampled_token_ids
-        if type(slots) is not list:  # a numpy array when decoded (scheduler/main.py gives lists)
-            slots = slots.tolist() if hasattr(slots, "tolist") else list(slots)
-        if type(tokens) is not list:
-            tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        if type(slots) is not list or type(tokens) is not list:  # numpy when decoded (scheduler/main.py gives lists)
+            slots, tokens = int_list(slots), int_list(tokens)
         if error is None and len(slots) != len(tokens):
             error = f"malformed step result: {len(slots)} slots but {len(tokens)} tokens"
         outputs: list[RequestOutput] = []

@@ -20,23 +20,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from conveyor.common import profiling
-from conveyor.common.messages import MAX_SLOTS, SamplingParams, StepPlan, StepResult
+from conveyor.common.messages import MAX_SLOTS, SamplingParams, StepPlan, StepResult, int_list
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.block_transfer import transfer_blocks
 from conveyor.worker.kv_cache import allocate_kv_cache, allocate_swap_space, bytes_per_block
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import Sampler
-
-
-def _int_list(values: np.ndarray | list[int]) -> list[int]:
-    """Python ints of an Int32Array field: a numpy view over the received message (which the
-    runner must not keep: its buffer is reused), or a list when the plan was built in-process."""
-    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 @dataclass
@@ -134,7 +127,7 @@ class ModelRunner:
         """Run one step. Raises ValueError, changing nothing but dropping the finished slots,
         if the plan contradicts the runner's state, or was planned ahead of a step that failed."""
         failed_before, self._failed = self._failed, True  # cleared once this step succeeds
-        self._drop(_int_list(plan.finished_slots))
+        self._drop(int_list(plan.finished_slots))
         if plan.planned_ahead and failed_before:
             raise ValueError(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._validate(plan)
@@ -149,7 +142,7 @@ class ModelRunner:
         for new in plan.new_requests:  # on free slots (checked), the finished ones dropped above
             if new.slot >= len(table):
                 table.extend([None] * (new.slot + 1 - len(table)))
-            tokens, blocks = _int_list(new.token_ids), _int_list(new.block_ids)
+            tokens, blocks = int_list(new.token_ids), int_list(new.block_ids)
             table[new.slot] = _RequestState(new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens)
         states = [table[item.slot] for item in work]
         for item, state in zip(work, states):
@@ -250,7 +243,7 @@ class ModelRunner:
         cached = plan.cached_requests
         new_blocks = dict(zip(cached.new_block_rows, cached.new_block_ids))
         for row, (slot, num_computed, num_scheduled) in enumerate(
-            zip(_int_list(cached.slots), _int_list(cached.num_computed_tokens), _int_list(cached.num_scheduled_tokens))
+            zip(int_list(cached.slots), int_list(cached.num_computed_tokens), int_list(cached.num_scheduled_tokens))
         ):
             state = table[slot] if 0 <= slot < size else None
             if slot in seen:

@@ -41,8 +41,10 @@ import sys
 import time
 from collections import deque
 
+import numpy as np
+
 from conveyor.common.config import SchedulerConfig
-from conveyor.common.messages import AddRequest, SamplingParams, StepPlan, StepResult
+from conveyor.common.messages import AddRequest, SamplingParams, StepPlan, StepResult, int_list
 from conveyor.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 16
@@ -56,7 +58,7 @@ class SamplingStub:
         self.known: dict[int, int] = {}  # slot -> tokens known
 
     def execute(self, plan: StepPlan) -> StepResult:
-        for slot in plan.finished_slots:
+        for slot in int_list(plan.finished_slots):
             self.known.pop(slot, None)
         slots: list[int] = []
         for new in plan.new_requests:
@@ -65,12 +67,15 @@ class SamplingStub:
                 slots.append(new.slot)
         cached = plan.cached_requests
         known = self.known
-        for slot, computed, n in zip(cached.slots, cached.num_computed_tokens, cached.num_scheduled_tokens):
+        for slot, computed, n in zip(
+            int_list(cached.slots), int_list(cached.num_computed_tokens), int_list(cached.num_scheduled_tokens)
+        ):
             if computed + n == known[slot]:
                 slots.append(slot)
         for slot in slots:
             known[slot] += 1
-        return StepResult(plan.step_id, slots, [11] * len(slots))
+        # int32 arrays, as the scheduler process hands a decoded result to update().
+        return StepResult(plan.step_id, np.array(slots, np.int32), np.full(len(slots), 11, np.int32))
 
 
 class Load:

@@ -38,6 +38,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import zmq
 
 from conveyor.common import codec, profiling, transport
@@ -272,9 +273,10 @@ class SchedulerLoop:
                 end = self._t_round_trip.record(sent, arg=plan.step_id)
                 if clean:
                     self._s_transport.add(max(0.0, (end - sent) / 1e6 - result.forward_time * 1e3))
-                # Out of the ring slot (released at the next receive) into the scheduler's ints.
-                result.slots = result.slots.tolist()
-                result.sampled_token_ids = result.sampled_token_ids.tolist()
+                # Out of the ring slot (released at the next receive): update() reads the
+                # columns with numpy, so a copy of each array is all it takes.
+                result.slots = np.array(result.slots)
+                result.sampled_token_ids = np.array(result.sampled_token_ids)
                 return result
             if frontend_ready:
                 # Aborts and new requests queue up in the scheduler; aborts of requests in

@@ -32,7 +32,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from conveyor.common.messages import AddRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.scheduler.slot_columns import SlotColumns
 
 
 # Requests without stop tokens of their own share one stop set (the EOS set, or this empty
@@ -59,7 +64,8 @@ class Request:
     arrival_time: float
     priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
+    # num_computed_tokens while it holds no slot (see the property)
+    _computed: int = 0
     block_ids: list[int] = field(default_factory=list)
     cpu_blocks: list[tuple[int, int]] = field(default_factory=list)
     # Content ids (PrefixIndex) of its computed full blocks, in order: the chain a
@@ -78,6 +84,9 @@ class Request:
     # Stop conditions, precomputed: a sampled id in stop_ids stops it; so does reaching stop_len tokens.
     stop_ids: frozenset[int] = frozenset()
     stop_len: int = 0
+    has_own_stop_ids: bool = False  # stop ids beyond the EOS set (the decode columns check only EOS)
+    # The scheduler's per-slot columns, which hold num_computed_tokens while it holds a slot.
+    columns: SlotColumns | None = None
 
     @classmethod
     def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:
@@ -93,8 +102,25 @@ class Request:
             arrival_time=msg.arrival_time,
             priority=msg.priority,
             stop_ids=stop_ids,
+            has_own_stop_ids=bool(sp.stop_token_ids),
             stop_len=min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
         )
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens of ``token_ids`` whose KV is in the cache (or planned to be, see the
+        invariants). While the request holds a slot the value lives in the scheduler's
+        :class:`~conveyor.scheduler.slot_columns.SlotColumns`, where decodes advance it in bulk."""
+        slot = self.slot
+        return self._computed if slot < 0 else self.columns.flat[slot]  # (COMPUTED is field 0)
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        slot = self.slot
+        if slot < 0:
+            self._computed = value
+        else:
+            self.columns.flat[slot] = value
 
     @property
     def prompt_token_ids(self) -> list[int]:

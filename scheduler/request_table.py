@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
+
 from conveyor.scheduler.request import Request, RequestStatus
 
 
@@ -23,6 +25,20 @@ class RequestTable:
     def __init__(self) -> None:
         self.live: dict[str, Request] = {}
         self.running: list[Request] = []
+        self._slots: np.ndarray | None = None  # the running requests' slots, until the batch changes
+
+    def running_slots(self) -> np.ndarray:
+        """The running requests' slots in rank order (read-only; rebuilt after the batch changed).
+
+        A running request's slot changes only when it leaves the batch or joins it, so the
+        array stays valid until one of the methods below changes the batch.
+        """
+        slots = self._slots
+        if slots is None:
+            running = self.running
+            slots = self._slots = np.fromiter([r.slot for r in running], np.int64, len(running))
+            slots.flags.writeable = False
+        return slots
 
     def __len__(self) -> int:
         return len(self.live)
@@ -40,6 +56,7 @@ class RequestTable:
             del self.live[req.request_id]
 
     def start_running(self, req: Request) -> None:
+        self._slots = None
         running = self.running
         if not running or running[-1].rank < req.rank:
             running.append(req)
@@ -47,6 +64,7 @@ class RequestTable:
             bisect.insort(running, req, key=_rank)
 
     def stop_running(self, req: Request) -> None:
+        self._slots = None
         running = self.running
         if running and running[-1] is req:
             running.pop()
@@ -60,6 +78,7 @@ class RequestTable:
         every comparison falls back from ``__eq__`` to identity); the filter costs about
         30 ns a member, all of them. So up to three removals beat one filter.
         """
+        self._slots = None
         if finished is not None and len(finished) <= 3:
             running = self.running
             for req in finished:

@@ -89,7 +89,10 @@ worker: within a plan it drops ``finished_slots`` before it takes in ``new_reque
 
 Cost per iteration is O(running requests + tokens of newly admitted requests) plus
 O(log waiting) per admission; nothing iterates over the waiting queue beyond the requests
-considered for admission, nor over finished ones.
+considered for admission, nor over finished ones. The O(running requests) part is numpy
+work over the slots (:mod:`~conveyor.scheduler.slot_columns`): phase 1 plans every decode
+with a few vector operations when all of them fit, and :meth:`update` applies their tokens
+the same way; Python visits only the requests that need a decision.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import chain
+
+import numpy as np
 
 from conveyor.common.config import SchedulerConfig
 from conveyor.common.messages import (
@@ -119,6 +124,7 @@ from conveyor.scheduler.policy import BYPASS_LOOKAHEAD, SWAP, SchedulingPolicy, 
 from conveyor.scheduler.queue import WaitingQueue
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.request_table import RequestTable
+from conveyor.scheduler.slot_columns import ALARM, COMPUTED, EOS, GEN, KNOWN, STOP_LEN, SlotColumns
 
 log = logging.getLogger("conveyor.scheduler")
 
@@ -133,18 +139,25 @@ _HOLD = -3  # the head was preempted in this very iteration: let it wait for the
 _PLAIN, _FIRST, _FINISHED = 0, 1, 2
 # Plans in flight at once: the one the worker runs and the one planned ahead.
 MAX_PLANS_IN_FLIGHT = 2
+_NO_ROWS = np.empty(0, np.int64)
+_NO_ROWS.flags.writeable = False
 
 
 class _Step:
     """What one schedule() call has planned so far.
 
-    ``decodes`` are the phase-1 requests, one token each: rows ``0 .. len(decodes) - 1`` of
-    the plan's cached columns (``slots``, ``computed``, ``counts``), in that order.
-    ``scheduled`` is everything else (prefill chunks, admissions) with its token counts.
+    The plan's cached rows are the phase-1 decodes (one token each), then everything else
+    that the worker already holds (prefill chunks of running requests), in that order. The
+    decodes are numpy columns by slot (``dslots``, ``dcomputed``; :mod:`slot_columns`), with
+    ``dgens``, the slots' generations when planned: a row whose slot's generation has
+    changed by the time the result comes back no longer names the request it was planned
+    for. The other rows are lists (``slots``, ``computed``, ``counts``). ``scheduled`` holds
+    every request other than the decodes (prefill chunks, admissions) with its token count.
     """
 
     __slots__ = (
-        "budget", "decodes", "scheduled", "new", "slots", "computed", "counts", "block_rows", "block_ids",
+        "budget", "dslots", "dcomputed", "dgens", "_owners", "_decodes", "_row_gen", "scheduled", "new",
+        "slots", "computed", "counts", "block_rows", "block_ids",
         "preempted", "num_swap", "num_recompute", "num_admitted", "wait_sum", "wait_max", "hit_tokens",
         "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out", "samplers",
         "_tokens_by_request", "failed",
@@ -152,7 +165,10 @@ class _Step:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.decodes: list[Request] = []
+        self.dslots = self.dcomputed = self.dgens = _NO_ROWS
+        self._owners: list[Request | None] | None = None  # slot -> request, when the plan was formed
+        self._decodes: list[Request] | None = None
+        self._row_gen: np.ndarray | None = None
         self.scheduled: list[tuple[Request, int]] = []
         self.new: list[NewRequestData] = []
         self.slots: list[int] = []
@@ -169,10 +185,23 @@ class _Step:
         self.decode_tokens = self.prefill_tokens = self.context_tokens = 0
         self.wait_sum = self.wait_max = 0.0
 
+    @property
+    def decodes(self) -> list[Request]:
+        """The decodes' requests, in row order (built on demand: the hot paths use the columns)."""
+        if self._decodes is None:
+            owners = self._owners
+            assert owners is not None, "decodes asked for before the plan was formed"
+            self._decodes = [owners[s] for s in self.dslots.tolist()]
+        return self._decodes
+
+    def seal(self, cols: SlotColumns) -> None:
+        """The plan is formed: remember who holds the decodes' slots."""
+        self._owners = cols.owner.copy()
+
     def add_cached(self, req: Request, n: int, new_blocks: list[int]) -> None:
-        """A request the worker holds runs ``n`` more tokens (phase 1 inlines this for decodes)."""
+        """A request the worker holds runs ``n`` more tokens (not a phase-1 decode)."""
         if new_blocks:
-            self.block_rows.append(len(self.slots))
+            self.block_rows.append(len(self.dslots) + len(self.slots))
             self.block_ids.append(new_blocks)
         self.slots.append(req.slot)
         self.computed.append(req.num_computed_tokens)
@@ -189,23 +218,32 @@ class _Step:
             self.prefill_tokens += sign * n
         self.context_tokens += sign * (req.num_computed_tokens + n)
 
-    def tokens_of(self, req: Request) -> int:
-        """Tokens this (formed) plan computes for ``req``; 0 if it is not in it."""
+    def tokens_of(self, req: Request, cols: SlotColumns) -> int:
+        """Tokens this (formed) plan computes for ``req``, a live request; 0 if it is not in it."""
+        slot = req.slot
+        if slot >= 0 and len(self.dslots):
+            row_gen = self._row_gen
+            if row_gen is None:
+                row_gen = self._row_gen = np.full(cols.num_slots, -1, np.int64)
+                row_gen[self.dslots] = self.dgens
+            if row_gen[slot] == cols.flat[GEN * cols.num_slots + slot]:  # planned as a decode on the slot it still holds
+                return 1
         by_request = self._tokens_by_request
         if by_request is None:
-            by_request = dict.fromkeys(self.decodes, 1)  # keyed by the requests: they hash by identity
-            by_request.update(self.scheduled)
-            self._tokens_by_request = by_request
+            by_request = self._tokens_by_request = dict(self.scheduled)  # keyed by identity
         return by_request.get(req, 0)
 
     def unschedule(self, req: Request) -> None:
-        """Take a request preempted after it was planned back out of the plan (rare path)."""
-        for k, r in enumerate(self.decodes):
-            if r is req:
-                del self.decodes[k]
-                self.budget += 1
-                self.count(req, 1, -1)
-                break
+        """Take a request preempted after it was planned back out of the plan (rare path;
+        only a plan being formed, before :meth:`seal`)."""
+        hits = np.flatnonzero(self.dslots == req.slot)
+        if len(hits):
+            row = int(hits[0])
+            self.dslots = np.delete(self.dslots, row)
+            self.dcomputed = np.delete(self.dcomputed, row)
+            self.dgens = np.delete(self.dgens, row)
+            self.budget += 1
+            self.count(req, 1, -1)
         else:
             for k, (r, n) in enumerate(self.scheduled):
                 if r is req:
@@ -215,9 +253,10 @@ class _Step:
                     break
             else:
                 return
-        assert req.slot not in {d.slot for d in self.new}, "a request admitted this step was preempted"
-        row = self.slots.index(req.slot)
-        del self.slots[row], self.computed[row], self.counts[row]
+            assert req.slot not in {d.slot for d in self.new}, "a request admitted this step was preempted"
+            row = len(self.dslots) + self.slots.index(req.slot)
+            k = row - len(self.dslots)
+            del self.slots[k], self.computed[k], self.counts[k]
         rows, blocks = [], []
         for r, b in zip(self.block_rows, self.block_ids):
             if r != row:
@@ -272,6 +311,7 @@ class Scheduler:
         # Free slots (module docstring), popped from the end: the lowest first, and the one
         # given back last is reused first, which keeps the worker's slot table short.
         self._free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
+        self._cols = SlotColumns(config.max_num_seqs, self.eos_token_ids)
         # Slots given back whose request the worker holds and must drop; sent with the next plan.
         self._finished_slots: list[int] = []
         # Outputs made outside update() (timeouts), collected by take_outputs().
@@ -445,12 +485,13 @@ class Scheduler:
         for blocked in skipped:
             queue.push(blocked)
 
-        if not step.decodes and not step.scheduled:
+        if not len(step.dslots) and not step.scheduled:
             self.kv.swap.settle()
             return None
         self._num_steps += 1
         swap_out, swap_in = self.kv.swap.take_transfers()
-        cached = CachedRequests(step.slots, step.computed, step.counts, step.block_rows, step.block_ids)
+        step.seal(self._cols)
+        cached = self._cached_columns(step)
         plan = StepPlan(self._num_steps, step.new, cached, self._finished_slots, swap_out, swap_in, self._ahead)
         self._num_planned_ahead += self._ahead
         self._finished_slots = []
@@ -472,19 +513,33 @@ class Scheduler:
         the tokens whose KV is known to be written."""
         done = req.num_computed_tokens
         for _, step in self._inflight:
-            done -= step.tokens_of(req)
+            done -= step.tokens_of(req, self._cols)
         return done
+
+    def _cached_columns(self, step: _Step) -> CachedRequests:
+        """The plan's cached rows as int32 columns: the decodes, then the other rows."""
+        n = len(step.dslots)
+        if not step.slots:
+            return CachedRequests(
+                step.dslots.astype(np.int32), step.dcomputed.astype(np.int32), self._cols.ones[:n],
+                step.block_rows, step.block_ids,
+            )
+        return CachedRequests(
+            np.concatenate((step.dslots, step.slots)).astype(np.int32),
+            np.concatenate((step.dcomputed, step.computed)).astype(np.int32),
+            np.concatenate((np.ones(n, np.int64), step.counts)).astype(np.int32),
+            step.block_rows,
+            step.block_ids,
+        )
 
     @property
     def num_plans_in_flight(self) -> int:
         return len(self._inflight)
 
-    @staticmethod
-    def _commit(step: _Step) -> None:
+    def _commit(self, step: _Step) -> None:
         """Count the plan as run: advance what it scheduled (the tokens it samples are
         pending until :meth:`update` appends them)."""
-        for req in step.decodes:
-            req.num_computed_tokens += 1
+        self._cols.computed[step.dslots] += 1  # (slots are distinct within a plan)
         samplers = step.samplers
         for req, n in step.scheduled:
             req.num_computed_tokens += n
@@ -493,44 +548,52 @@ class Scheduler:
 
     def _plan_all_decodes(self, step: _Step, prefills: list[Request]) -> bool:
         """Phase 1 when every decode fits the budget and the available blocks: nobody is
-        preempted, so the columns are built in bulk. False (nothing changed) otherwise.
+        preempted, so the rows are planned in bulk. False (nothing changed) otherwise.
 
-        This is the steady state of a busy server and the scheduler's hottest code: one
-        lean pass over the running requests, then list comprehensions for the columns.
+        This is the steady state of a busy server and the scheduler's hottest code: numpy
+        operations over the running requests' slots (:mod:`slot_columns`); Python touches
+        only the requests still prefilling and those at a block boundary.
         """
+        running = self.table.running
+        if not running:
+            return True
+        cols = self._cols
         bs = self.config.block_size
-        ahead = self._ahead
-        decodes = step.decodes
-        need_rows: list[int] = []
-        for req in self.table.running:
-            computed = req.num_computed_tokens
-            if len(req.token_ids) - computed > 1:
-                prefills.append(req)
-            elif ahead and computed >= req.stop_len - 1:
-                continue  # the token pending is its last (by length); in sync none is pending
-            else:
-                # Its blocks cover its computed tokens, so it needs one only at a block
-                # boundary: the cheap test first, the table only every block_size steps.
-                if not computed % bs and computed >= len(req.block_ids) * bs:
-                    need_rows.append(len(decodes))
-                decodes.append(req)
+        slots = self.table.running_slots()
+        rows = cols.state.take(slots, axis=1)
+        computed = rows[COMPUTED]
+        prefilling = rows[KNOWN] - computed > 1
+        if self._ahead:
+            # The token pending is its last (by length): nothing more to run. In sync none is pending.
+            decoding = ~prefilling & (computed < rows[STOP_LEN] - 1)
+        else:
+            decoding = ~prefilling
+        if np.count_nonzero(prefilling):
+            prefills.extend([running[i] for i in prefilling.nonzero()[0].tolist()])
+            slots, rows = slots[decoding], rows[:, decoding]
+        elif np.count_nonzero(decoding) < len(decoding):
+            slots, rows = slots[decoding], rows[:, decoding]
+        computed = rows[COMPUTED]
+        # Its blocks cover its computed tokens, so it needs one only at a block boundary:
+        # the cheap test in bulk, the block table only every block_size steps.
+        owner = cols.owner
+        boundary = (computed % bs == 0).nonzero()[0].tolist()
+        need_rows = [row for row in boundary if len(owner[slots[row]].block_ids) * bs <= computed[row]]
         gpu = self.kv.gpu
-        if len(decodes) > step.budget or len(need_rows) > gpu.num_available:
-            decodes.clear()
+        if len(slots) > step.budget or len(need_rows) > gpu.num_available:
             prefills.clear()
             return False
         if need_rows:
             fresh = gpu.allocate(len(need_rows))
             for row, block in zip(need_rows, fresh):
-                decodes[row].block_ids.append(block)
+                owner[slots[row]].block_ids.append(block)
             step.block_rows = need_rows
             step.block_ids = [[block] for block in fresh]
-        step.slots = [r.slot for r in decodes]
-        step.computed = computed = [r.num_computed_tokens for r in decodes]
-        step.counts = [1] * len(decodes)
-        step.decode_tokens = len(decodes)
-        step.context_tokens = sum(computed) + len(decodes)
-        step.budget -= len(decodes)
+        n = len(slots)
+        step.dslots, step.dcomputed, step.dgens = slots, computed, rows[GEN]
+        step.decode_tokens = n
+        step.context_tokens = int(np.add.reduce(computed)) + n
+        step.budget -= n
         return True
 
     def _plan_decodes(self, step: _Step, prefills: list[Request]) -> None:
@@ -539,6 +602,7 @@ class Scheduler:
         bs = self.config.block_size
         gpu = self.kv.gpu
         running = self.table.running
+        decodes: list[Request] = []
         i = 0
         while i < len(running) and step.budget:
             req = running[i]
@@ -546,22 +610,21 @@ class Scheduler:
                 prefills.append(req)
                 i += 1
                 continue
-            new_blocks: list[int] = []
             if req.num_computed_tokens >= len(req.block_ids) * bs:
                 if gpu.num_available == 0 and not self._make_room(step, req, self_preempt=True):
                     continue  # it was the worst-ranked and yielded; running[i] is the next one
-                new_blocks = gpu.allocate(1)
-                req.block_ids.append(new_blocks[0])
-            if new_blocks:
-                step.block_rows.append(len(step.slots))
-                step.block_ids.append(new_blocks)
-            step.slots.append(req.slot)
-            step.computed.append(req.num_computed_tokens)
-            step.counts.append(1)
-            step.decodes.append(req)
+                block = gpu.allocate(1)[0]
+                req.block_ids.append(block)
+                step.block_rows.append(len(decodes))
+                step.block_ids.append([block])
+            decodes.append(req)
             step.count(req, 1, +1)
             step.budget -= 1
             i += 1
+        if decodes:
+            step.dslots = np.fromiter([r.slot for r in decodes], np.int64, len(decodes))
+            rows = self._cols.state.take(step.dslots, axis=1)
+            step.dcomputed, step.dgens = rows[COMPUTED], rows[GEN]
 
     def _admission_open(self, now: float) -> bool:
         queue = self.queue
@@ -664,7 +727,7 @@ class Scheduler:
             step.num_admitted += 1
             step.wait_sum += waited
             step.wait_max = max(step.wait_max, waited)
-        req.slot = self._free_slots.pop()  # a free one exists: it is not running, and fewer than max_num_seqs are
+        self._take_slot(req)
         step.new.append(
             NewRequestData(
                 req.request_id,
@@ -714,7 +777,7 @@ class Scheduler:
             (
                 plan.step_id,
                 now,
-                len(step.decodes) + len(step.scheduled),
+                len(step.dslots) + len(step.scheduled),
                 len(step.new),
                 prefill,
                 decode,
@@ -761,11 +824,10 @@ class Scheduler:
 
     def _apply(self, plan: StepPlan, step: _Step, result: StepResult) -> TokenOutputs:
         error = result.error
-        slots, tokens = result.slots, result.sampled_token_ids
-        if type(slots) is not list or type(tokens) is not list:  # numpy when decoded (scheduler/main.py gives lists)
-            slots, tokens = int_list(slots), int_list(tokens)
-        if error is None and len(slots) != len(tokens):
-            error = f"malformed step result: {len(slots)} slots but {len(tokens)} tokens"
+        slots = np.asarray(result.slots, np.int64)  # numpy when decoded (scheduler/main.py copies them)
+        tokens = np.asarray(result.sampled_token_ids, np.int64)
+        if error is None and (slots.ndim != 1 or slots.shape != tokens.shape):
+            error = f"malformed step result: {slots.size} slots but {tokens.size} tokens"
         outputs: list[RequestOutput] = []
         if step.failed:
             return TokenOutputs(outputs)  # failed with the plan it was planned ahead of
@@ -780,7 +842,7 @@ class Scheduler:
             for req in failed:
                 if req.status is RUNNING:  # not aborted while the step ran (nor failed just above)
                     # Nothing this plan was to compute can be trusted, nor what later ones build on it.
-                    done = self._done_tokens(req) - step.tokens_of(req)
+                    done = self._done_tokens(req) - step.tokens_of(req, self._cols)
                     outputs.append(self._finish(req, FinishReason.ERROR, error=error, done=done))
             self.table.prune_running()
             # The worker may have failed before the plan's copies ran: nothing they were to
@@ -797,28 +859,34 @@ class Scheduler:
             return TokenOutputs(outputs)
 
         # The worker answers in plan order: new requests that sample, then the cached rows,
-        # decodes first. So the decodes' tokens are one slice (checked, in C, by comparing
-        # the slots); a worker answering in another order just takes the general path.
+        # decodes first. So the decodes' tokens are one slice (checked by comparing the
+        # slots); a worker answering in another order just takes the general path.
         # Requests still running have the slots this plan gave them (module docstring).
-        decodes = step.decodes
         others = step.scheduled
         samplers = step.samplers
         first = sum(1 for d in plan.new_requests if d.num_computed_tokens + d.num_scheduled_tokens == len(d.token_ids))
-        last = first + len(decodes)
-        if decodes and slots[first:last] != step.slots[: len(decodes)]:
-            others = [(r, 1) for r in decodes] + others
-            samplers = samplers | {id(r) for r in decodes}
-            decodes = []
+        last = first + len(step.dslots)
+        answered = slots[first:last]
+        in_order = len(answered) == len(step.dslots) and not np.count_nonzero(answered != step.dslots)
+        if len(step.dslots) and not in_order:
+            others = [(r, 1) for r in step.decodes] + others
+            samplers = samplers | {id(r) for r in step.decodes}
             last = first  # no slice is taken: every row is mapped by slot below
         now = self.clock()
         finished: list[Request] = []  # running requests this update retires
-        column_ids, column_tokens = self._apply_decodes(decodes, tokens[first:last], outputs, finished, now)
+        if last > first:
+            column_ids, column_tokens = self._apply_decodes(step, tokens[first:last], outputs, finished, now)
+        else:
+            column_ids, column_tokens = [], []
         if others:
-            if decodes:  # the decodes' slice is taken: map only the rows around it
-                pairs = chain(zip(slots[:first], tokens[:first]), zip(slots[last:], tokens[last:]))
+            if last > first:  # the decodes' slice is taken: map only the rows around it
+                slot_list, token_list = slots.tolist(), tokens.tolist()
+                pairs = chain(zip(slot_list[:first], token_list[:first]), zip(slot_list[last:], token_list[last:]))
             else:
-                pairs = zip(slots, tokens)
+                pairs = zip(slots.tolist(), tokens.tolist())
             sampled = dict(pairs).get
+            flat = self._cols.flat
+            known_base = KNOWN * self._cols.num_slots
             for req, _ in others:
                 if req.status is not RUNNING:
                     continue  # ended while the step ran: its blocks are already free
@@ -837,6 +905,7 @@ class Scheduler:
                     )
                     continue
                 req.token_ids.append(token)
+                flat[known_base + req.slot] += 1
                 kind = self._output(req, token, outputs, now)
                 if kind == _FINISHED:
                     finished.append(req)
@@ -849,8 +918,8 @@ class Scheduler:
 
     def _apply_decodes(
         self,
-        decodes: list[Request],
-        tokens: list[int],
+        step: _Step,
+        tokens: np.ndarray,
         outputs: list[RequestOutput],
         finished: list[Request],
         now: float,
@@ -858,42 +927,40 @@ class Scheduler:
         """The decodes' share of :meth:`update`: one token each, in plan order; returns the
         output columns (request ids, tokens) of the plain ones.
 
-        The hottest loop of a busy server, so it does the minimum per request and leaves
-        anything unusual (a first or last token, an abort during the step) to a second pass
-        over just those: in the common case the output columns are the decodes' ids and the
-        ``tokens`` given (a fresh list, which this may edit). Blocks that
+        The hottest code of a busy server, so it works on the slot columns: the tokens are
+        appended to the requests' lists in one C-level pass, and the stop tests run in bulk.
+        Only rows that need a decision (a stop, a first token, a request with stop ids of
+        its own, or one that ended while the step ran) go through Python. Blocks that
         decoding fills are registered in the prefix index only when the request releases
         them (:meth:`KVCacheManager.free`): nobody else could share generated tokens while
         it runs, and hashing them every step was a third of this loop.
         """
-        running = RUNNING
-        unusual: list[Request] = []
-        for req, token in zip(decodes, tokens):
-            if req.status is not running:
-                unusual.append(req)
-                continue
-            all_tokens = req.token_ids
-            all_tokens.append(token)
-            if token in req.stop_ids or len(all_tokens) >= req.stop_len or req.first_token_time is None:
-                unusual.append(req)
-        if not unusual:
-            return [req.request_id for req in decodes], tokens
-        if len(unusual) <= 16:
-            ids = [req.request_id for req in decodes]
-            rows, row = [], -1
-            for req in unusual:  # in row order: each search starts after the last, one scan in all
-                row = decodes.index(req, row + 1)
-                rows.append(row)
-            for row in reversed(rows):
-                del ids[row], tokens[row]  # a few C-speed deletions beat rebuilding the columns
-        else:
-            skip = {id(req) for req in unusual}
-            keep = [row for row, req in enumerate(decodes) if id(req) not in skip]
-            ids, tokens = [decodes[row].request_id for row in keep], [tokens[row] for row in keep]
-        for req in unusual:
-            if req.status is RUNNING and self._output(req, req.token_ids[-1], outputs, now) == _FINISHED:
+        cols = self._cols
+        slots = step.dslots
+        rows = cols.state.take(slots, axis=1)
+        live = rows[GEN] == step.dgens  # still held by the request planned on it
+        if np.count_nonzero(live) < len(live):
+            slots, tokens, rows = slots[live], tokens[live], rows[:, live]
+        slot_list, token_list = slots.tolist(), tokens.tolist()
+        token_lists = cols.token_lists
+        deque(map(list.append, map(token_lists.__getitem__, slot_list), token_list), maxlen=0)
+        cols.known[slots] += 1
+        unusual = rows[KNOWN] >= rows[ALARM] - 1  # (rows were read before the append)
+        eos_rows = rows[EOS]
+        if np.count_nonzero(eos_rows):
+            unusual |= (eos_rows != 0) & cols.is_eos(tokens)
+        if not np.count_nonzero(unusual):
+            return cols.ids[slots].tolist(), token_list
+        plain = ~unusual
+        owner = cols.owner
+        for row in unusual.nonzero()[0].tolist():
+            req = owner[slot_list[row]]
+            kind = self._output(req, token_list[row], outputs, now)
+            if kind == _FINISHED:
                 finished.append(req)
-        return ids, tokens
+            elif kind == _PLAIN:  # stop ids of its own, none of them sampled
+                plain[row] = True
+        return cols.ids[slots[plain]].tolist(), tokens[plain].tolist()
 
     def _output(self, req: Request, token: int, outputs: list[RequestOutput], now: float) -> int:
         """After ``token`` was appended: finish the request (``_FINISHED``), or give its first
@@ -907,6 +974,7 @@ class Scheduler:
             return _FINISHED
         if req.first_token_time is None:
             req.first_token_time = now
+            self._cols.first_token_done(req)
             outputs.append(
                 RequestOutput(req.request_id, [token], None, None, req.scheduled_time, now, req.num_cached_tokens)
             )
@@ -954,11 +1022,20 @@ class Scheduler:
             req.num_cached_tokens,
         )
 
+    def _take_slot(self, req: Request) -> None:
+        """Give ``req`` a free slot (one exists: it is not running, and fewer than
+        ``max_num_seqs`` are); its hot counters move into the slot columns."""
+        slot = self._free_slots.pop()
+        self._cols.assign(req, slot, eos_stops=not req.sampling.ignore_eos)
+        req.columns = self._cols
+        req.slot = slot
+
     def _release_slot(self, req: Request) -> None:
         """Give ``req``'s slot back, if it holds one: free for the next admission at once, and
         queued for the worker to drop with the next plan (which drops before it adds)."""
         slot = req.slot
         if slot >= 0:
+            self._cols.release(req, slot)
             self._finished_slots.append(slot)
             self._free_slots.append(slot)
             req.slot = -1
@@ -1087,6 +1164,8 @@ class Scheduler:
             assert len(r.block_hashes) == r.num_registered_blocks <= r.num_computed_tokens // bs, r.request_id
         assert swap.num_held_by_requests == sum(len(r.cpu_blocks) for r in waiting)
         self._check_slots()
+        self._cols.check(running)
+        assert self.table.running_slots().tolist() == [r.slot for r in running], "cached running slots are stale"
 
     def _check_slots(self) -> None:
         """The slot invariants of the class docstring, and that every request still running in

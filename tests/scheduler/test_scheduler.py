@@ -18,9 +18,11 @@ from conveyor.common.messages import (
     MAX_SLOTS,
     AddRequest,
     FinishReason,
+    RequestOutput,
     SamplingParams,
     SchedulerStats,
     StepResult,
+    int_list,
 )
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.scheduler import Scheduler
@@ -172,6 +174,53 @@ def test_stop_token_id_stops():
     assert h.final["r"].finish_reason == FinishReason.STOP and h.tokens["r"][-1] == 777
     assert len(h.tokens["r"]) == 2
     assert h.final["other"].finish_reason == FinishReason.LENGTH and h.tokens["other"][1] == 777
+
+
+def test_decode_columns_apply_each_requests_own_stop_rules():
+    """The decode step applies tokens in bulk (scheduler/slot_columns.py): a model with two
+    EOS ids, a request ignoring them and one with stop ids of its own must each stop by their
+    own rules, and every plain token must reach the output columns in order."""
+    sched = Scheduler(cfg(), eos_token_ids=[5, 9], vocab_size=None)
+    script = {
+        "eos2": [1, 2, 9, 3], "ignore": [9, 5, 9, 9], "own": [3, 4, 77, 2], "own_only": [3, 5, 9, 77, 2],
+        "long": [6, 7, 8, 6, 7],
+    }
+    sched.add_request(AddRequest("eos2", [11, 12], SamplingParams(max_tokens=8), 0.0))
+    sched.add_request(AddRequest("ignore", [11, 13], SamplingParams(max_tokens=4, ignore_eos=True), 0.0))
+    sched.add_request(AddRequest("own", [11, 14], SamplingParams(max_tokens=8, stop_token_ids=[77]), 0.0))
+    own_only = SamplingParams(max_tokens=8, stop_token_ids=[77], ignore_eos=True)
+    sched.add_request(AddRequest("own_only", [11, 16], own_only, 0.0))
+    sched.add_request(AddRequest("long", [11, 15], SamplingParams(max_tokens=5, ignore_eos=True), 0.0))
+    on_slot: dict[int, str] = {}
+    sampled: dict[str, int] = {}
+    streamed: dict[str, list[int]] = {rid: [] for rid in script}
+    finals: dict[str, RequestOutput] = {}
+    while (plan := sched.schedule()) is not None:
+        for slot in int_list(plan.finished_slots):
+            on_slot.pop(slot, None)
+        for new in plan.new_requests:
+            on_slot[new.slot] = new.request_id
+        slots = [new.slot for new in plan.new_requests] + int_list(plan.cached_requests.slots)
+        tokens = []
+        for slot in slots:  # every prompt fits one step: every row samples
+            rid = on_slot[slot]
+            tokens.append(script[rid][sampled.get(rid, 0)])
+            sampled[rid] = sampled.get(rid, 0) + 1
+        out = sched.update(plan, StepResult(plan.step_id, slots, tokens))
+        for rid, token in zip(out.request_ids, out.token_ids):
+            streamed[rid].append(token)
+        for o in out.outputs:
+            streamed[o.request_id] += o.new_token_ids
+            if o.finish_reason is not None:
+                finals[o.request_id] = o
+        sched.check_invariants()
+    assert streamed == {
+        "eos2": [1, 2, 9], "ignore": [9, 5, 9, 9], "own": [3, 4, 77], "own_only": [3, 5, 9, 77], "long": [6, 7, 8, 6, 7],
+    }
+    stop, length = FinishReason.STOP, FinishReason.LENGTH
+    assert {rid: o.finish_reason for rid, o in finals.items()} == {
+        "eos2": stop, "ignore": length, "own": stop, "own_only": stop, "long": length,
+    }
 
 
 def test_max_tokens_gives_length_and_eos_takes_precedence():

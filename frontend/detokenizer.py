@@ -23,9 +23,10 @@ in U+FFFD), outside a byte-fallback run.
 - **Pieces** (``Tokenizer.stream_piece``): with a decoder whose text is the concatenation of
   per-token texts (byte-level BPE; the sentencepiece chain ``Replace, ByteFallback, Fuse,
   Strip``), a token that is a whole text of its own (not a byte piece, not skipped, no
-  U+FFFD) adds a fixed piece after a clean context. The piece comes from a memo, and the
-  token alone becomes the context, as the window decode would leave it. Most tokens of
-  most text are such tokens.
+  U+FFFD) adds a fixed piece after a clean context. The piece comes from the tokenizer's
+  memo (bounded: a token dropped from it is asked for again), and the token alone becomes
+  the context, as the window decode would leave it. Most tokens of most text are such
+  tokens.
 - **Byte mode** (byte-level BPE only, ``Tokenizer.stream_token_bytes``): the text of any ids
   is the lossy UTF-8 decode of their bytes concatenated, so once the context is clean the
   window is replaced by the bytes held back since the last emission; a token adds its bytes,

@@ -6,28 +6,43 @@ control line, then client messages, then scheduler outputs. Handling a client's
 disconnect before any message that arrived after it keeps the fd -> client map
 honest when the kernel reuses a file descriptor.
 
+Request ids: a client names its requests (``request_id``); the scheduler knows each
+submission by an id of its own, the next value of a per-frontend counter (``"1"``, ``"2"``,
+...), so no two submissions share one, however the client reuses its ids. A client may
+reuse an id as soon as its final was sent (a retry after an abort, a continuation after a
+stop string), while the scheduler may still send outputs of the earlier request under that
+id: the tokens of steps it ran before it read the abort, then the abort's own output. Those
+name the earlier scheduler id, find nothing and are dropped, never attributed to the new
+request. :attr:`Frontend.in_flight` maps client ids to requests, :attr:`Frontend.requests`
+scheduler ids to the admitted ones (the one lookup a streamed token costs); every message
+to the client carries the client's id (``RequestState.request_id``), every message to the
+scheduler the scheduler's (``RequestState.scheduler_id``).
+
 Invariants:
-- Every request that reached :attr:`Frontend.requests` gets exactly one ``final``
-  message (or its client is gone), and leaves the table when it does.
+- Every request that reached :attr:`Frontend.in_flight` gets exactly one ``final``
+  message (or its client is gone), and leaves both tables when it does.
 - A request finalized here for any reason other than a scheduler-reported finish
   (client abort, disconnect, stop string) is also aborted at the scheduler, so
   its KV blocks are freed at the next iteration.
 - This process never imports torch.
-- A request id is in :attr:`Frontend.requests` from the moment its ``generate`` arrives,
-  also while its prompt is still being tokenized, so a duplicate is refused at once.
+- A client's request id is in :attr:`Frontend.in_flight` from the moment its ``generate``
+  arrives, also while its prompt is still being tokenized, so a duplicate is refused at
+  once; it is in :attr:`Frontend.requests` (under its scheduler id) from its admission on.
 - A request whose prompt is still tokenizing in the pool (``pending``) has sent nothing to
   the scheduler. An abort, disconnect or shutdown meanwhile finalizes it here alone (an
   abort or shutdown sends its one ``final``; a gone client gets none) and nothing about it
   ever reaches the scheduler: its tokens are dropped when the pool hands them back. When
-  they are ready it is admitted (``pending`` cleared, ``AddRequest`` queued on the socket)
-  with no await in between, so any abort that comes after reaches the scheduler after it.
+  they are ready it is admitted (``pending`` cleared, put in :attr:`Frontend.requests`,
+  ``AddRequest`` queued on the socket) with no await in between, so any abort that comes
+  after reaches the scheduler after it.
 - Continuation: a request that finished (stop, length or abort) leaves its context (prompt
-  + the tokens returned to the client) in a bounded LRU of sessions under its id; a new
-  request with that id continues it: its input is appended to that context, only the new
-  output is detokenized and returned. The scheduler's prefix cache makes the earlier turns
-  cost nothing to recompute when their KV is still cached. A continuation that fails
-  (error), or is aborted while its input is still tokenizing, leaves the earlier context in
-  place, so the client can retry.
+  + the tokens returned to the client) in a bounded LRU of sessions under its client id; a
+  new request with that id continues it (under a scheduler id of its own, as every
+  submission): its input is appended to that context, only the new output is detokenized
+  and returned. The scheduler's prefix cache makes the earlier turns cost nothing to
+  recompute when their KV is still cached. A continuation that fails (error), or is aborted
+  while its input is still tokenizing, leaves the earlier context in place, so the client
+  can retry.
 
 Tokenization: an input shorter than ``tokenize_inline_chars`` characters (a prompt, or the
 contents of all messages) is tokenized on the loop, since handing it to a thread costs more
@@ -65,6 +80,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import time
 import uuid
@@ -108,6 +124,11 @@ SCHEDULER_DRAIN_LIMIT = 16
 # Streaming hot path: one stream in this many gets its detokenize and client_send timed and
 # its inter-token latency recorded (timing every stream cost more than a microsecond per token).
 PROFILE_SAMPLE_EVERY = 16
+# Entries of the per-token delta tails memo (Frontend._delta_tails). Bounded by the vocabulary
+# alone it grew to ~27 MB for a 151k vocabulary once every token had been streamed (~180 bytes a
+# token: int key, tuple, packed tail); 32768 entries (~6 MB) hold the tokens of ordinary text. Past
+# the cap the older half is dropped (_drop_older_half); a miss costs a few hundred nanoseconds.
+DELTA_TAILS_MAX = 32768
 
 # A delta is the map {type, v, request_id, text, token_ids}, packed by msgpack in that order.
 # Its bytes up to the text's value are fixed per request (RequestState.delta_head), so a delta
@@ -151,7 +172,12 @@ class FrontendConfig:
 
 @dataclass
 class RequestState:
-    """What the frontend tracks for one in-flight request."""
+    """What the frontend tracks for one in-flight request.
+
+    ``request_id`` is the client's id (every message the client gets carries it);
+    ``scheduler_id`` the id this submission has at the scheduler, unique per submission
+    (see :class:`Frontend`). A state built without one (``bench/frontend_step.py`` fills
+    :attr:`Frontend.requests` by hand) is known to the scheduler by its client id."""
 
     request_id: str
     identity: bytes
@@ -172,8 +198,11 @@ class RequestState:
     pending: bool = False  # prompt still tokenizing in the pool: the scheduler has not seen it
     delta_head: bytes = b""  # set from request_id: every delta's bytes up to its text
     has_stop: bool = False  # set from stop: the request has stop strings to look for
+    scheduler_id: str = ""  # its id at the scheduler ("" in a hand-built state: request_id)
 
     def __post_init__(self) -> None:
+        if not self.scheduler_id:
+            self.scheduler_id = self.request_id
         self.delta_head = delta_head(self.request_id)
         self.has_stop = self.stop.active
 
@@ -184,10 +213,15 @@ class Frontend:
         self.tokenizer = tokenizer
         # Ids from the tokenizer need no vocabulary check unless the model has fewer rows than it has tokens.
         self._tokenizer_exceeds_model = tokenizer.vocab_size > config.vocab_size
+        # Two views of the requests in flight (module docstring, "Request ids"): by the client's
+        # id, every one from its generate on (a pending one too); by its id at the scheduler,
+        # those admitted (sent to the scheduler), which is where scheduler outputs look.
+        self.in_flight: dict[str, RequestState] = {}
         self.requests: dict[str, RequestState] = {}
+        self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
         self._identities_by_fd: dict[int, set[bytes]] = {}
         self._stats_waiters: dict[str, bytes] = {}
-        # request id -> context (prompt + returned tokens) of its last finished turn, LRU first.
+        # client request id -> context (prompt + returned tokens) of its last finished turn, LRU first.
         self._sessions: OrderedDict[str, list[int]] = OrderedDict()
         self._profile_waiters: dict[str, tuple[bytes, cp.ProfileCommand, asyncio.TimerHandle]] = {}
         self._running = True
@@ -224,7 +258,8 @@ class Frontend:
         self._to_scheduler_raw = zmq.Socket.shadow(self.to_scheduler.underlying)
         self._packer = msgpack.Packer(use_bin_type=True)  # cp.pack's format, without a Packer per call
         # token id -> (text, packed text + ids key + packed [id]): the tail of a one-token delta
-        # whose text is ``text`` (bounded by the vocabulary; the text is mostly the token's own)
+        # whose text is ``text`` (the text is mostly the token's own). At most DELTA_TAILS_MAX
+        # entries: a hit is one dict lookup, as before; only a miss past the cap drops entries.
         self._delta_tails: dict[int, tuple[str, bytes]] = {}
         self._sample_countdown = 1  # streams until the hot path times one (PROFILE_SAMPLE_EVERY)
 
@@ -302,7 +337,7 @@ class Frontend:
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return
         gone = self._identities_by_fd.pop(event["value"], set())
-        victims = [s for s in self.requests.values() if s.identity in gone]
+        victims = [s for s in self.in_flight.values() if s.identity in gone]
         if victims:
             log.info("client disconnected; aborting %d request(s)", len(victims))
             self._drop(victims)
@@ -332,11 +367,12 @@ class Frontend:
 
     async def _on_generate(self, identity: bytes, fd: int, req: cp.GenerateRequest) -> None:
         arrival = time.time()
-        if req.request_id in self.requests:
+        if req.request_id in self.in_flight:
             raise cp.ProtocolError(f"request id {req.request_id!r} is already in flight", req.request_id)
         history = self._sessions.get(req.request_id)
         state = RequestState(
             request_id=req.request_id,
+            scheduler_id=str(next(self._scheduler_ids)),
             identity=identity,
             fd=fd,
             stream=req.stream,
@@ -348,11 +384,11 @@ class Frontend:
         if self._pool is None or _input_chars(req) < self.config.tokenize_inline_chars:
             prompt_ids, start, end = self._prepare_prompt(req, history, False)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
-            self.requests[req.request_id] = state
+            self.in_flight[req.request_id] = state
             self._admit(state, req, history, prompt_ids)
             return
         state.pending = True
-        self.requests[req.request_id] = state
+        self.in_flight[req.request_id] = state
         self._c_pooled.add()
         job = asyncio.ensure_future(self._tokenize_in_pool(state, req, history))
         self._tokenizing.add(job)
@@ -370,10 +406,10 @@ class Frontend:
         except Exception as exc:  # a bug, not the client's input: still exactly one final
             log.exception("tokenizing request %r failed", req.request_id)
             error = f"internal error while tokenizing: {exc}"
-        if self.requests.get(req.request_id) is not state:
+        if self.in_flight.get(req.request_id) is not state:
             return  # aborted, disconnected or failed meanwhile: the scheduler never heard of it
         if error is not None:
-            del self.requests[req.request_id]
+            del self.in_flight[req.request_id]
             await self._reply_error(state.identity, req.request_id, error)
             return
         self._admit(state, req, history, prompt_ids)
@@ -401,7 +437,8 @@ class Frontend:
     def _admit(
         self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None, prompt_ids: list[int]
     ) -> None:
-        """Complete ``state`` (tracked already) with its prompt and send it to the scheduler.
+        """Complete ``state`` (in flight already) with its prompt and send it to the scheduler
+        under its scheduler id; from then on the scheduler's outputs find it in :attr:`requests`.
 
         Synchronous: an abort handled later is queued after the AddRequest."""
         if history is not None:
@@ -411,7 +448,9 @@ class Frontend:
         state.history_len = len(history) if history is not None else 0
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         state.pending = False
-        self._send_scheduler(AddRequest(req.request_id, prompt_ids, req.sampling, state.arrival_time, req.priority))
+        self.requests[state.scheduler_id] = state
+        log.debug("request %r is %s at the scheduler", state.request_id, state.scheduler_id)
+        self._send_scheduler(AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority))
 
     def _encode_input(self, req: cp.GenerateRequest, continuing: bool, release_gil: bool = False) -> list[int]:
         """The request's input as token ids. A continuation's input follows earlier tokens, so
@@ -465,20 +504,28 @@ class Frontend:
             )
 
     async def _on_abort(self, request_id: str) -> None:
-        state = self.requests.pop(request_id, None)
+        state = self.in_flight.get(request_id)
         if state is None:
             return  # already finished (its final is on the way) or never existed: aborts are idempotent
+        self._untrack(state)
         if not state.pending:  # a pending one never reached the scheduler
-            self._abort_at_scheduler([request_id])
+            self._abort_at_scheduler([state.scheduler_id])
         self._finish(state, FinishReason.ABORT)
 
     def _drop(self, states: list[RequestState]) -> None:
         """Untrack the requests of a client that is gone (no final) and abort those the scheduler has."""
         for state in states:
-            del self.requests[state.request_id]
-        admitted = [s.request_id for s in states if not s.pending]
+            self._untrack(state)
+        admitted = [s.scheduler_id for s in states if not s.pending]
         if admitted:
             self._abort_at_scheduler(admitted)
+
+    def _untrack(self, state: RequestState) -> None:
+        """Forget a request that is being finalized: from here on its client id may be used
+        again, and whatever the scheduler still sends under its scheduler id is dropped."""
+        self.requests.pop(state.scheduler_id, None)  # absent while pending
+        if self.in_flight.get(state.request_id) is state:  # absent in a hand-built table (bench)
+            del self.in_flight[state.request_id]
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -521,8 +568,8 @@ class Frontend:
         for out in outputs:
             num_tokens += len(out.new_token_ids)
             state = requests.get(out.request_id)
-            if state is None or state.pending:
-                continue  # finalized here already (abort, disconnect, stop string), or a new request with its id
+            if state is None:
+                continue  # finalized here already (abort, disconnect, stop string): its late outputs
             if out.scheduled_time is not None:
                 state.scheduled_time = out.scheduled_time
                 state.cached_tokens = out.num_cached_tokens
@@ -547,7 +594,7 @@ class Frontend:
             if identity is not None:
                 reply = {k: v for k, v in vars(msg).items() if k not in ("query_id", "iteration_fields", "recent_iterations")}
                 reply["iterations"] = [dict(zip(msg.iteration_fields, row)) for row in msg.recent_iterations]
-                reply.update(type=cp.STATS_REPLY, v=cp.CLIENT_PROTOCOL_VERSION, in_flight=len(self.requests))
+                reply.update(type=cp.STATS_REPLY, v=cp.CLIENT_PROTOCOL_VERSION, in_flight=len(self.in_flight))
                 await self._send_client(identity, reply)
 
     def _on_next_tokens(self, request_ids: list[str], token_ids: list[int]) -> None:
@@ -573,8 +620,8 @@ class Frontend:
         out: list = []  # (identity, delta bytes), or (None, state, text, token) for a stop string's finish
         for request_id, token in zip(request_ids, token_ids):
             state = get(request_id)
-            if state is None or state.pending:
-                continue  # finalized here already (abort, disconnect, stop string), or a new request with its id
+            if state is None:
+                continue  # finalized here already (abort, disconnect, stop string): its late outputs
             countdown -= 1
             timed = countdown == 0
             if timed:
@@ -589,7 +636,7 @@ class Frontend:
                 text, stopped = state.stop.feed(text)
                 if stopped:
                     state.text.append(text)
-                    del self.requests[request_id]
+                    self._untrack(state)
                     out.append((None, state, text, token))
                     continue
             state.text.append(text)
@@ -600,6 +647,8 @@ class Frontend:
             tail = tails.get(token)
             if tail is None or tail[0] != text:
                 tail = tails[token] = (text, pack(text) + _DELTA_IDS_KEY + pack([token]))
+                if len(tails) > DELTA_TAILS_MAX:
+                    _drop_older_half(tails)
             out.append((state.identity, state.delta_head + tail[1]))
         self._sample_countdown = countdown
 
@@ -611,7 +660,7 @@ class Frontend:
             identity = item[0]
             if identity is None:
                 _, state, text, token = item
-                self._abort_at_scheduler([state.request_id])
+                self._abort_at_scheduler([state.scheduler_id])
                 self._finish(state, FinishReason.STOP, delta=text, delta_ids=[token])
                 continue
             try:
@@ -646,16 +695,16 @@ class Frontend:
             self._t_detokenize.record(start)
         if stopped:
             state.text.append(emit)
-            del self.requests[state.request_id]
+            self._untrack(state)
             if finish_reason is None:
-                self._abort_at_scheduler([state.request_id])
+                self._abort_at_scheduler([state.scheduler_id])
             self._finish(state, FinishReason.STOP, delta=emit, delta_ids=new_token_ids)
             return
         if finish_reason is not None:
             tail, stopped = state.stop.feed(state.detokenizer.flush())
             emit += tail if stopped else tail + state.stop.flush()
             state.text.append(emit)
-            del self.requests[state.request_id]
+            self._untrack(state)
             reason = FinishReason.STOP if state.stop.stopped else finish_reason
             self._finish(state, reason, delta=emit, delta_ids=new_token_ids, error=error)
             return
@@ -758,7 +807,8 @@ class Frontend:
 
     async def fail_all(self, reason: str) -> None:
         """Give every in-flight request an error (a peer process died or we are shutting down)."""
-        states = list(self.requests.values())
+        states = list(self.in_flight.values())
+        self.in_flight.clear()
         self.requests.clear()
         for state in states:
             self._finish(state, FinishReason.ERROR, error=reason)
@@ -831,10 +881,19 @@ class Frontend:
 
     def _client_gone(self, identity: bytes) -> None:
         """A send found the client gone: abort its in-flight requests."""
-        victims = [s for s in self.requests.values() if s.identity == identity]
+        victims = [s for s in self.in_flight.values() if s.identity == identity]
         if victims:
             log.info("client gone; aborting %d request(s)", len(victims))
             self._drop(victims)
+
+
+def _drop_older_half(memo: dict) -> None:
+    """Drop the older half of a memo's entries (by insertion), in place: what a memo does past its
+    cap. Amortized over the misses that filled it (~1 ms for 32768 entries, once per 16384
+    misses), and unlike dropping one entry per miss it needs no ordered structure (an
+    OrderedDict costs ~50 more bytes an entry) nor a scan over a plain dict's deleted slots."""
+    for key in list(itertools.islice(memo, len(memo) // 2)):
+        del memo[key]
 
 
 def _merge(batch: list[TokenOutputs]) -> list[RequestOutput]:

@@ -27,6 +27,7 @@ serving needs on top of the ``tokenizers`` library and jinja2, and matches it ex
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -52,6 +53,23 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # sentencepiece-style byte-fallback pieces: one raw UTF-8 byte each.
 _BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 REPLACEMENT_CHAR = "\ufffd"
+# Entries each streaming memo keeps (decode_one, stream_piece, stream_token_bytes; one memo per
+# skip_special_tokens value). Bounded by the vocabulary alone, the piece and decode_one memos
+# grew to ~44 MB together for a 151k vocabulary once every token had been seen (~270 bytes a
+# token in all); 32768 entries (~9 MB for both) hold the tokens of ordinary text. Past the cap a
+# memo drops its older half (_memoize); a miss recomputes (three decodes: ~6 us).
+STREAM_MEMO_MAX = 32768
+_MISSING = object()
+
+
+def _memoize(memo: dict, key, value, max_entries: int) -> None:
+    """``memo[key] = value``; past ``max_entries`` the older half of the entries (by insertion)
+    is dropped, in place (~1 ms for 32768, once per 16384 misses). The memo stays the same dict,
+    so a reference handed out (``stream_pieces``) stays valid, and a hit stays one lookup."""
+    memo[key] = value
+    if len(memo) > max_entries:
+        for old in list(itertools.islice(memo, len(memo) // 2)):
+            del memo[old]
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -87,8 +105,11 @@ class Tokenizer:
     names); every id this returns is below ``vocab_size``. Nothing mutates the backend after
     loading, so any method may be called from several threads at once (the frontend encodes
     long prompts in a thread pool while its event loop decodes). The streaming memos
-    (``decode_one``, ``stream_piece``, ``stream_token_bytes``) only ever gain entries, each
-    a pure function of its key, so concurrent fills are harmless too.
+    (``decode_one``, ``stream_piece``, ``stream_token_bytes``) hold entries that are each a
+    pure function of their key, at most ``memo_max`` per memo (:data:`STREAM_MEMO_MAX`; the
+    older half is dropped past it); a memo is read with one lookup (never a test, then a
+    read), so a concurrent fill or drop is harmless too: a token dropped meanwhile is computed
+    again.
     """
 
     def __init__(
@@ -98,8 +119,12 @@ class Tokenizer:
         extra_special_tokens: Sequence[str] = (),
         chat_templates: Mapping[str, str] | None = None,
         source: str = "<memory>",
+        memo_max: int = STREAM_MEMO_MAX,
     ) -> None:
+        if memo_max < 1:
+            raise ValueError(f"memo_max must be at least 1, got {memo_max}")
         self._backend = backend
+        self._memo_max = memo_max
         self._special_tokens = dict(special_tokens)
         self._chat_templates = dict(chat_templates or {})
         self._source = source
@@ -112,17 +137,16 @@ class Tokenizer:
         vocab = backend.get_vocab(with_added_tokens=False) if byte_fallback else {}
         pieces = {i: int(t[3:5], 16) for t, i in vocab.items() if _BYTE_PIECE.fullmatch(t)}
         self._byte_pieces = MappingProxyType(pieces)
-        self._decoded_one: dict[tuple[int, bool], str] = {}  # decode_one's memo, at most 2 x vocabulary
-        # stream_piece's memo per skip_special_tokens, at most the vocabulary each
+        # The streaming memos, one per skip_special_tokens value, at most memo_max entries each.
+        self._decoded_one: dict[bool, dict[int, str]] = {True: {}, False: {}}
         self._pieces: dict[bool, dict[int, tuple[str, str] | None]] = {True: {}, False: {}}
         self._piece_decoder = _piece_decoder(backend)
         self._anchors: list[tuple[int, str]] | None = None  # stream_piece's plain context tokens, found on first use
-        # stream_token_bytes' memo per skip_special_tokens (byte-level decoders only), at most the vocabulary each
-        self._token_bytes: dict[bool, dict[int, bytes]] = {True: {}, False: {}}
+        self._token_bytes: dict[bool, dict[int, bytes]] = {True: {}, False: {}}  # byte-level decoders only
         self._bytes_ok = self._piece_decoder == "byte_level" and self._check_token_bytes()
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
+    def from_dir(cls, path: str | Path, *, memo_max: int = STREAM_MEMO_MAX) -> Tokenizer:
         """Load ``tokenizer.json`` (required), ``tokenizer_config.json`` and chat template files from ``path``."""
         root = Path(path).expanduser()
         if not root.is_dir():
@@ -154,7 +178,7 @@ class Tokenizer:
             extra = list(extra.values())
         extra = [_token_content(t) for t in extra]
         _add_missing_tokens(backend, config.get("added_tokens_decoder") or {}, [*special.values(), *extra])
-        return cls(backend, special, extra, _chat_templates(root, config), source=str(root))
+        return cls(backend, special, extra, _chat_templates(root, config), source=str(root), memo_max=memo_max)
 
     # ------------------------------------------------------------------ vocabulary
 
@@ -221,10 +245,12 @@ class Tokenizer:
 
     def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
         """``decode([token_id], skip_special_tokens)``, memoized: streaming decodes it once per token."""
-        key = (token_id, skip_special_tokens)
-        text = self._decoded_one.get(key)
+        memo = self._decoded_one[skip_special_tokens]
+        text = memo.get(token_id)
         if text is None:
-            text = self._decoded_one[key] = self.decode([token_id], skip_special_tokens)
+            text = self.decode([token_id], skip_special_tokens)
+            if 0 <= token_id < self.vocab_size:
+                _memoize(memo, token_id, text, self._memo_max)
         return text
 
     @property
@@ -247,15 +273,16 @@ class Tokenizer:
         character), and every token when the decoder is not one :func:`_piece_decoder` knows.
         """
         memo = self._pieces[skip_special_tokens]
-        if token_id in memo:
-            return memo[token_id]
-        value = self._find_piece(token_id, skip_special_tokens)
-        if 0 <= token_id < self.vocab_size:  # the memo stays bounded by the vocabulary
-            memo[token_id] = value
+        value = memo.get(token_id, _MISSING)
+        if value is _MISSING:
+            value = self._find_piece(token_id, skip_special_tokens)
+            if 0 <= token_id < self.vocab_size:  # ids outside it would be no use to remember
+                _memoize(memo, token_id, value, self._memo_max)
         return value
 
     def stream_pieces(self, skip_special_tokens: bool = True) -> Mapping[int, tuple[str, str] | None]:
-        """The memo of :meth:`stream_piece` (a token missing from it: ask :meth:`stream_piece`)."""
+        """The memo of :meth:`stream_piece` (a token missing from it: ask :meth:`stream_piece`,
+        which puts it back). The same object for the tokenizer's life."""
         return self._pieces[skip_special_tokens]
 
     @property
@@ -272,7 +299,7 @@ class Tokenizer:
         if data is None:
             data = self._find_token_bytes(token_id, skip_special_tokens)
             if 0 <= token_id < self.vocab_size:
-                memo[token_id] = data
+                _memoize(memo, token_id, data, self._memo_max)
         return data
 
     def stream_bytes(self, skip_special_tokens: bool = True) -> Mapping[int, bytes]:

@@ -2,10 +2,14 @@
 
 The second request with the same system prompt reports the reused tokens in
 ``usage.cached_tokens``; a continuation (same request id, more input) costs only its new
-tokens, returns only its new output, and equals HF greedy on the whole conversation.
+tokens, returns only its new output, and equals HF greedy on the whole conversation. An id
+reused the moment its request was aborted gets its own whole output, untouched by what the
+scheduler still sent about the aborted one.
 """
 
 from __future__ import annotations
+
+import time
 
 from conveyor.client import Client
 
@@ -56,3 +60,35 @@ def test_prefix_reuse_and_continuation(serve_factory, tiny_checkpoint, hf_greedy
         bad = client.generate(token_ids=[1, 2], max_tokens=1, priority="high")
         assert bad.finish_reason == "error" and "priority" in bad.error
 
+
+def test_an_id_reused_right_after_its_abort_gets_its_own_output(serve_factory, tiny_checkpoint, hf_greedy) -> None:
+    """Abort a running stream and at once send a request with its id (a continuation of the
+    aborted turn). The scheduler reads the abort after the stream's last steps and answers it
+    with an ``abort`` output; none of that may reach the new request, which must finish with
+    its own tokens, as HF greedy on the whole context has them."""
+    server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
+    head = {"type": "generate", "v": 1, "temperature": 0, "ignore_eos": True}
+    old_prompt = list(range(10, 40))
+    with Client(server.address, timeout=60) as client:
+        for round_ in range(3):
+            rid = f"again-{round_}"
+            client._send({**head, "request_id": rid, "token_ids": old_prompt, "max_tokens": 150, "stream": True})
+            assert client._next(rid)["type"] == "delta"  # running at the scheduler
+            client.abort(rid)
+            new_input = [9, 10, 11 + round_]
+            client._send({**head, "request_id": rid, "token_ids": new_input, "max_tokens": 5})
+            while (msg := client._next(rid))["type"] != "final":
+                assert msg["type"] == "delta"
+            assert msg["finish_reason"] == "abort"
+            aborted_ids = msg["token_ids"]
+            assert aborted_ids == hf_greedy(old_prompt, len(aborted_ids))
+            new = client._next(rid)  # not streamed: its final is all it gets
+            assert new["type"] == "final", new
+            assert new["finish_reason"] == "length" and new["error"] is None, new
+            context = old_prompt + aborted_ids + new_input
+            assert new["usage"]["prompt_tokens"] == len(context)
+            assert new["token_ids"] == hf_greedy(context, 5)
+        deadline = time.monotonic() + 5
+        while (stats := client.stats())["held_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats["held_blocks"] == 0 and stats["in_flight"] == 0 and stats["num_running"] == 0

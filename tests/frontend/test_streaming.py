@@ -34,9 +34,10 @@ def test_delta_bytes_are_the_packed_map(rid, text, ids) -> None:
 
 
 def admit(fe, sock, rid: str, **fields) -> AddRequest:
+    """Submit ``rid``; the AddRequest the scheduler got (its ``request_id`` is the scheduler's id)."""
     fe.send(sock, type="generate", request_id=rid, prompt="Say:", max_tokens=1000, **fields)
     add = fe.scheduler_recv()
-    assert isinstance(add, AddRequest) and add.request_id == rid
+    assert isinstance(add, AddRequest) and add.request_id != rid
     return add
 
 
@@ -56,9 +57,11 @@ def test_every_delta_is_what_the_window_decode_gives(live_frontend, ours) -> Non
         "split": dict(stream=True),
     }
     socks, refs, starts = {}, {}, {"plain": 0, "stops": 0, "quiet": 3, "split": 17}
+    sid = {}  # client id -> id at the scheduler
     for rid, fields in specs.items():
         socks[rid] = fe.client()
         add = admit(fe, socks[rid], rid, **fields)
+        sid[rid] = add.request_id
         refs[rid] = (
             IncrementalDetokenizer(tok, add.prompt_token_ids, fast_paths=False),
             StopStringMatcher(fields.get("stop", [])),
@@ -73,10 +76,10 @@ def test_every_delta_is_what_the_window_decode_gives(live_frontend, ours) -> Non
         tokens = [text_ids[(starts[rid] + step) % len(text_ids)] for rid in rids]
         if step == 0:  # first tokens come as outputs, then the columns
             now = time.time()
-            first = [RequestOutput(r, [t], scheduled_time=now, first_token_time=now) for r, t in zip(rids, tokens)]
+            first = [RequestOutput(sid[r], [t], scheduled_time=now, first_token_time=now) for r, t in zip(rids, tokens)]
             fe.scheduler_send(TokenOutputs(first))
         else:
-            fe.scheduler_send(TokenOutputs([], rids, tokens))
+            fe.scheduler_send(TokenOutputs([], [sid[r] for r in rids], tokens))
         for rid, token in zip(rids, tokens):
             detok, stop = refs[rid]
             sent[rid].append(token)
@@ -95,10 +98,10 @@ def test_every_delta_is_what_the_window_decode_gives(live_frontend, ours) -> Non
             assert final["type"] == "final" and final["finish_reason"] == "stop"
             assert final["text"] == TEXT[:stop_at] and final["token_ids"] == sent["stops"]
             abort = fe.scheduler_recv()
-            assert isinstance(abort, AbortRequests) and abort.request_ids == ["stops"]
+            assert isinstance(abort, AbortRequests) and abort.request_ids == [sid["stops"]]
     assert stopped_at is not None
     rids = sorted(live)
-    fe.scheduler_send(TokenOutputs([RequestOutput(r, [text_ids[0]], finish_reason="length") for r in rids]))
+    fe.scheduler_send(TokenOutputs([RequestOutput(sid[r], [text_ids[0]], finish_reason="length") for r in rids]))
     for rid in rids:
         detok, stop = refs[rid]
         sent[rid].append(text_ids[0])
@@ -125,21 +128,20 @@ def test_a_client_gone_mid_step_leaves_the_other_streams_flowing(live_frontend, 
     words = tok.encode(" one two three four five", add_special_tokens=False)
     fe = live_frontend()
     stays, goes = fe.client(), fe.client()
-    admit(fe, stays, "stays", stream=True)
-    admit(fe, goes, "goes", stream=True)
+    sid = {rid: admit(fe, sock, rid, stream=True).request_id for rid, sock in (("stays", stays), ("goes", goes))}
     now = time.time()
-    first = [RequestOutput(r, [words[0]], scheduled_time=now, first_token_time=now) for r in ("goes", "stays")]
+    first = [RequestOutput(sid[r], [words[0]], scheduled_time=now, first_token_time=now) for r in ("goes", "stays")]
     fe.scheduler_send(TokenOutputs(first))
     assert fe.recv(stays)["token_ids"] == words[:1] and fe.recv(goes)["token_ids"] == words[:1]
     goes.close(linger=0)
     aborted = False
     for token in words[1:]:
-        fe.scheduler_send(TokenOutputs([], ["goes", "stays"], [token, token]))
+        fe.scheduler_send(TokenOutputs([], [sid["goes"], sid["stays"]], [token, token]))
         assert fe.recv(stays)["token_ids"] == [token]
     while (msg := fe.scheduler_recv(timeout=2)) is not None:  # by the disconnect event or the failed send
-        aborted = aborted or isinstance(msg, AbortRequests) and msg.request_ids == ["goes"]
+        aborted = aborted or isinstance(msg, AbortRequests) and msg.request_ids == [sid["goes"]]
     assert aborted
-    assert fe.wait_for(lambda: set(fe.frontend.requests) == {"stays"})
+    assert fe.wait_for(lambda: set(fe.frontend.in_flight) == {"stays"} and set(fe.frontend.requests) == {sid["stays"]})
 
 
 def test_profile_timers_sample_the_hot_path(live_frontend, ours) -> None:
@@ -148,9 +150,7 @@ def test_profile_timers_sample_the_hot_path(live_frontend, ours) -> None:
     words = tok.encode(" one two three four five six seven eight", add_special_tokens=False)
     fe = live_frontend()
     socks = [fe.client() for _ in range(4)]
-    rids = [f"r{i}" for i in range(len(socks))]
-    for sock, rid in zip(socks, rids):
-        admit(fe, sock, rid, stream=True)
+    rids = [admit(fe, sock, f"r{i}", stream=True).request_id for i, sock in enumerate(socks)]
     fe.scheduler_send(TokenOutputs([RequestOutput(r, [words[0]], first_token_time=time.time()) for r in rids]))
     steps = PROFILE_SAMPLE_EVERY  # 4 streams x 16 steps: 64 column tokens, 4 of them timed
     for step in range(steps + 1):

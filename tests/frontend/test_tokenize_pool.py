@@ -22,13 +22,14 @@ def generate(fe, sock, rid: str, prompt: str, **fields) -> None:
     fe.send(sock, type="generate", request_id=rid, prompt=prompt, max_tokens=1000, stream=True, **fields)
 
 
-def first_step(rid: str, token: int) -> TokenOutputs:
+def first_step(sid: str, token: int) -> TokenOutputs:
+    """A request's first token, from the scheduler (``sid``: its id there)."""
     now = time.time()
-    return TokenOutputs([RequestOutput(rid, [token], scheduled_time=now, first_token_time=now)])
+    return TokenOutputs([RequestOutput(sid, [token], scheduled_time=now, first_token_time=now)])
 
 
-def finish(rid: str, token: int) -> TokenOutputs:
-    return TokenOutputs([RequestOutput(rid, [token], finish_reason="length")])
+def finish(sid: str, token: int) -> TokenOutputs:
+    return TokenOutputs([RequestOutput(sid, [token], finish_reason="length")])
 
 
 def messages_until_final(fe, sock, timeout: float = 5.0) -> list[dict]:
@@ -41,9 +42,10 @@ def messages_until_final(fe, sock, timeout: float = 5.0) -> list[dict]:
 
 
 def admit(fe, sock, rid: str, prompt: str = SHORT) -> AddRequest:
+    """Submit ``rid``; the AddRequest the scheduler got (its ``request_id`` is the scheduler's id)."""
     generate(fe, sock, rid, prompt)
     add = fe.scheduler_recv()
-    assert isinstance(add, AddRequest) and add.request_id == rid
+    assert isinstance(add, AddRequest) and add.request_id != rid
     return add
 
 
@@ -54,11 +56,11 @@ def test_streams_in_both_modes(live_frontend, ours, threads) -> None:
     sock = fe.client()
     add = admit(fe, sock, "a", LONG)
     assert add.prompt_token_ids == ours["demo"].encode(LONG)
-    fe.scheduler_send(first_step("a", 300))
+    fe.scheduler_send(first_step(add.request_id, 300))
     assert fe.recv(sock)["token_ids"] == [300]
-    fe.scheduler_send(TokenOutputs([], ["a"], [301]))
+    fe.scheduler_send(TokenOutputs([], [add.request_id], [301]))
     assert fe.recv(sock)["token_ids"] == [301]
-    fe.scheduler_send(finish("a", 302))
+    fe.scheduler_send(finish(add.request_id, 302))
     msgs = messages_until_final(fe, sock)
     assert [m["type"] for m in msgs] == ["delta", "final"]
     assert msgs[-1]["token_ids"] == [300, 301, 302] and msgs[-1]["finish_reason"] == "length"
@@ -69,27 +71,27 @@ def test_streams_in_both_modes(live_frontend, ours, threads) -> None:
 def test_other_streams_flow_while_a_long_prompt_tokenizes(live_frontend, gated, ours) -> None:
     fe = live_frontend(gated, tokenize_inline_chars=100)
     streaming, waiting = fe.client(), fe.client()
-    admit(fe, streaming, "s")
+    s = admit(fe, streaming, "s").request_id
     generate(fe, waiting, "long", LONG)
     assert gated.entered.wait(5)  # "long" is now stuck in the pool, mid-tokenization
-    fe.scheduler_send(first_step("s", 300))
+    fe.scheduler_send(first_step(s, 300))
     gaps = []
     for i in range(20):
         sent = time.monotonic()
         if i:
-            fe.scheduler_send(TokenOutputs([], ["s"], [300 + i]))
+            fe.scheduler_send(TokenOutputs([], [s], [300 + i]))
         msg = fe.recv(streaming)
         assert msg is not None and msg["type"] == "delta" and msg["token_ids"] == [300 + i]
         gaps.append(time.monotonic() - sent)
     # Inline, the loop would be stuck in encode() until the gate opened: no delta at all.
     assert max(gaps) < 2.0
     assert fe.scheduler_recv(timeout=0.05) is None  # nothing about "long" before its tokens exist
-    assert fe.frontend.requests["long"].pending
+    assert fe.frontend.in_flight["long"].pending and set(fe.frontend.requests) == {s}  # admitted ones only
     gated.gate.set()
     add = fe.scheduler_recv()
-    assert isinstance(add, AddRequest) and add.request_id == "long"
+    assert isinstance(add, AddRequest) and add.request_id not in ("long", s)
     assert add.prompt_token_ids == ours["demo"].encode(LONG)
-    fe.scheduler_send(finish("long", 400))
+    fe.scheduler_send(finish(add.request_id, 400))
     msgs = messages_until_final(fe, waiting)
     assert [m["type"] for m in msgs] == ["delta", "final"] and msgs[-1]["token_ids"] == [400]
     assert msgs[-1]["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
@@ -109,10 +111,10 @@ def test_abort_while_tokenizing_sends_nothing_to_the_scheduler_and_one_final(liv
     assert fe.wait_for(lambda: not fe.frontend._tokenizing)  # the pool handed its tokens back
     assert fe.scheduler_recv(timeout=0.3) is None  # neither an AddRequest nor an AbortRequests
     assert fe.recv(sock, timeout=0.3) is None  # and no second final
-    assert not fe.frontend.requests
+    assert not fe.frontend.requests and not fe.frontend.in_flight
     # the id is free again, and the next request under it is served normally
-    admit(fe, sock, "x")
-    fe.scheduler_send(finish("x", 300))
+    add = admit(fe, sock, "x")
+    fe.scheduler_send(finish(add.request_id, 300))
     assert [m["type"] for m in messages_until_final(fe, sock)] == ["delta", "final"]
 
 
@@ -124,21 +126,20 @@ def test_disconnect_while_tokenizing_sends_nothing_to_the_scheduler(live_fronten
     generate(fe, gone, "gone", LONG)
     assert gated.entered.wait(5)
     gone.close(linger=0)
-    assert fe.wait_for(lambda: "gone" not in fe.frontend.requests)  # the disconnect was handled
+    assert fe.wait_for(lambda: "gone" not in fe.frontend.in_flight)  # the disconnect was handled
     gated.gate.set()
     assert fe.wait_for(lambda: not fe.frontend._tokenizing)
     assert fe.scheduler_recv(timeout=0.3) is None
-    assert list(fe.frontend.requests) == ["stays"]
+    assert list(fe.frontend.in_flight) == ["stays"] and len(fe.frontend.requests) == 1
 
 
 def test_disconnect_after_admission_aborts_at_the_scheduler(live_frontend) -> None:
     fe = live_frontend(tokenize_inline_chars=100)
     gone = fe.client()
-    admit(fe, gone, "pooled", LONG)
-    admit(fe, gone, "inline", SHORT)
+    adds = [admit(fe, gone, "pooled", LONG), admit(fe, gone, "inline", SHORT)]
     gone.close(linger=0)
     abort = fe.scheduler_recv()
-    assert isinstance(abort, AbortRequests) and sorted(abort.request_ids) == ["inline", "pooled"]
+    assert isinstance(abort, AbortRequests) and sorted(abort.request_ids) == sorted(a.request_id for a in adds)
 
 
 def test_duplicate_id_is_refused_while_its_prompt_tokenizes(live_frontend, gated, ours) -> None:
@@ -153,22 +154,26 @@ def test_duplicate_id_is_refused_while_its_prompt_tokenizes(live_frontend, gated
     add = fe.scheduler_recv()
     assert isinstance(add, AddRequest) and add.prompt_token_ids == ours["demo"].encode(LONG)
     assert fe.scheduler_recv(timeout=0.2) is None  # the duplicate never went anywhere
-    fe.scheduler_send(finish("d", 300))
+    fe.scheduler_send(finish(add.request_id, 300))
     assert [m["type"] for m in messages_until_final(fe, sock)] == ["delta", "final"]
 
 
 def test_outputs_for_an_id_still_tokenizing_are_ignored(live_frontend, gated) -> None:
-    """Late outputs of an earlier request under the same id cannot reach a pending one."""
+    """Outputs under the client's id, or the id its request will have at the scheduler, cannot
+    reach a pending one (tests/frontend/test_request_ids.py: late outputs of an earlier request)."""
     fe = live_frontend(gated, tokenize_inline_chars=100)
     sock = fe.client()
     generate(fe, sock, "p", LONG)
     assert gated.entered.wait(5)
-    fe.scheduler_send(TokenOutputs([], ["p"], [300]))
-    fe.scheduler_send(finish("p", 301))
+    pending = fe.frontend.in_flight["p"]
+    for rid in ("p", pending.scheduler_id):
+        fe.scheduler_send(TokenOutputs([], [rid], [300]))
+        fe.scheduler_send(finish(rid, 301))
     assert fe.recv(sock, timeout=0.3) is None
     gated.gate.set()
-    assert isinstance(fe.scheduler_recv(), AddRequest)
-    fe.scheduler_send(finish("p", 302))
+    add = fe.scheduler_recv()
+    assert isinstance(add, AddRequest) and add.request_id == pending.scheduler_id
+    fe.scheduler_send(finish(add.request_id, 302))
     msgs = messages_until_final(fe, sock)
     assert msgs[-1]["token_ids"] == [302]
 
@@ -202,7 +207,7 @@ def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live
     fe = live_frontend(gated, tokenize_inline_chars=100)
     sock = fe.client()
     first = admit(fe, sock, "chat")
-    fe.scheduler_send(finish("chat", 300))
+    fe.scheduler_send(finish(first.request_id, 300))
     assert messages_until_final(fe, sock)[-1]["finish_reason"] == "length"
     context = first.prompt_token_ids + [300]
     # a long continuation, aborted while it tokenizes: the earlier context stays as it was
@@ -220,7 +225,8 @@ def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live
     assert isinstance(add, AddRequest)
     assert add.prompt_token_ids == context + tok.encode(LONG, add_special_tokens=False)
     assert "chat" not in fe.frontend._sessions  # back, extended, when this turn finishes
-    fe.scheduler_send(finish("chat", 301))
+    assert add.request_id != first.request_id
+    fe.scheduler_send(finish(add.request_id, 301))
     final = messages_until_final(fe, sock)[-1]
     assert final["token_ids"] == [301] and final["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
     assert fe.frontend._sessions["chat"] == add.prompt_token_ids + [301]
@@ -263,21 +269,21 @@ def test_inline_tokenization_stalls_streams_and_queued_steps_are_merged(live_fro
     gated.gate_inline = False
     fe = live_frontend(gated, tokenizer_threads=0)
     streaming, blocking = fe.client(), fe.client()
-    admit(fe, streaming, "s")
-    fe.scheduler_send(first_step("s", words[0]))
+    s = admit(fe, streaming, "s").request_id
+    fe.scheduler_send(first_step(s, words[0]))
     assert fe.recv(streaming)["token_ids"] == words[:1]
     gated.gate_inline = True
     generate(fe, blocking, "b", SHORT)
     assert gated.entered.wait(5)  # the event loop itself is now inside encode()
     for token in words[1:5]:
-        fe.scheduler_send(TokenOutputs([], ["s"], [token]))
+        fe.scheduler_send(TokenOutputs([], [s], [token]))
     assert fe.recv(streaming, timeout=0.3) is None  # stalled: nothing moves while it tokenizes
     gated.gate.set()
     assert isinstance(fe.scheduler_recv(), AddRequest)
     merged = fe.recv(streaming)
     assert merged["type"] == "delta" and merged["token_ids"] == words[1:5]
     assert merged["text"] == tok.decode(words[1:5])
-    fe.scheduler_send(finish("s", words[5]))
+    fe.scheduler_send(finish(s, words[5]))
     msgs = messages_until_final(fe, streaming)
     assert msgs[-1]["token_ids"] == words and msgs[-1]["text"] == WORDS
     series = {s.name: s.values for s in fe.frontend.profiler.snapshot(60, series=["merged_steps"]).series}
@@ -290,17 +296,19 @@ def test_merged_steps_stop_at_the_token_that_completes_a_stop_string(live_fronte
     fe = live_frontend(gated, tokenizer_threads=0)
     streaming, blocking = fe.client(), fe.client()
     generate(fe, streaming, "s", SHORT, stop=" four")
-    assert isinstance(fe.scheduler_recv(), AddRequest)
+    add = fe.scheduler_recv()
+    assert isinstance(add, AddRequest)
+    s = add.request_id
     gated.gate_inline = True
     generate(fe, blocking, "b", SHORT)
     assert gated.entered.wait(5)
-    fe.scheduler_send(first_step("s", words[0]))
+    fe.scheduler_send(first_step(s, words[0]))
     for token in words[1:]:
-        fe.scheduler_send(TokenOutputs([], ["s"], [token]))
+        fe.scheduler_send(TokenOutputs([], [s], [token]))
     gated.gate.set()
     assert isinstance(fe.scheduler_recv(), AddRequest)  # "b"
     abort = fe.scheduler_recv()  # the stop string ended "s" here: the scheduler is told
-    assert isinstance(abort, AbortRequests) and abort.request_ids == ["s"]
+    assert isinstance(abort, AbortRequests) and abort.request_ids == [s]
     msgs = messages_until_final(fe, streaming)
     final = msgs[-1]
     assert final["finish_reason"] == "stop" and final["text"] == " one two three"

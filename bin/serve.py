@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention backend: auto is Triton on CUDA and batched torch on CPU; "
         "torch-ref is the per-sequence torch reference (slow, for comparisons)",
     )
+    p.add_argument(
+        "--pipeline-steps",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="worker: launch step N+1 on the device before waiting for step N's tokens "
+        "(auto: on with CUDA, where launches are asynchronous; off on CPU, where it would only delay results)",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
     p.add_argument(
         "--tokenizer-threads",
@@ -179,6 +186,7 @@ class Server:
                 kv_cache_memory_bytes=kv_bytes,
                 num_threads=args.threads,
                 attention=args.attention,
+                pipeline=args.pipeline_steps,
                 profile=args.profile,
                 num_cpu_blocks=args.num_cpu_blocks,
                 swap_space_bytes=None if args.swap_space is None else int(args.swap_space * 2**30),

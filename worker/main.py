@@ -4,18 +4,29 @@ A failing step (an exception from the model runner) is reported as a StepResult
 with ``error`` set, so the scheduler fails just that step's requests and frees
 their blocks; the process itself only exits when told to or when its parent dies.
 
-Profiling: the time blocked waiting for the next plan (``idle``), decoding it, executing it
-(with the runner's swaps, input preparation, forward and sampling inside) and sending the result
-are timed per step; ``idle_fraction`` over the window says how much of the time the device
+Profiling: the time blocked waiting for the next plan with nothing launched (``idle``),
+decoding it, launching it (``execute``: the runner's swaps, input preparation, forward and
+sampling inside; on a CPU the whole step), waiting for its sampled ids (``wait_tokens``: on a
+GPU, where the device time shows) and sending the result are timed per step; ``idle_fraction`` over the window says how much of the time the device
 waited for the scheduler and the transport. A ProfileQuery is answered on the result socket
 as soon as it is read: it arrives on the plan socket, so always between two steps, and
 piggybacks on nothing (StepResult stays as small as it was).
 
 Plans arrive on the step channel (:mod:`conveyor.common.step_channel`; a shared-memory ring
 by default): a plan is decoded in place and its arrays view the ring slot, which is released
-when the next plan is asked for, after the step has run and its result was sent. The runner
-copies what it keeps. If the scheduler's process is gone, the wait for a plan ends
-(PeerGone) and the worker exits.
+when the next plan is asked for. The runner copies what it keeps while launching the step.
+If the scheduler's process is gone, the wait for a plan ends (PeerGone) and the worker exits.
+
+**Pipelined steps** (``pipeline``, on by default with CUDA): a step is launched (inputs
+prepared, kernels queued) and finished (its sampled ids awaited, the result sent) in two
+calls of the runner. With a launched step unfinished, the worker launches the next plan as
+soon as it is there, *then* finishes the earlier step: the scheduler plans one step ahead,
+so the device finds step N+1 queued behind step N and never waits for the host to read N's
+tokens, send them and prepare N+1. While the launched step runs and no plan is there, the
+worker polls both (the step's completion event and the plan ring) rather than block in
+either. Results still leave in step order, each as soon as its tokens are read. Off on a
+CPU, where a launch computes the whole step: launching N+1 first would only hold N's
+result back by a step.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ class WorkerConfig:
     kv_cache_memory_bytes: int | None = None
     num_threads: int | None = None
     attention: str = "auto"
+    pipeline: str = "auto"  # launch step N+1 before finishing step N: "auto" (CUDA only), "on", "off"
     # CPU swap space: a block count, or bytes (None for both: no swap space).
     num_cpu_blocks: int | None = None
     swap_space_bytes: int | None = None
@@ -76,20 +88,22 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def resolve_pipeline(pipeline: str, device: str) -> bool:
+    if pipeline not in ("auto", "on", "off"):
+        raise ValueError(f"pipeline must be auto, on or off, got {pipeline!r}")
+    return device.startswith("cuda") if pipeline == "auto" else pipeline == "on"
+
+
 def run_worker(config: WorkerConfig) -> None:
     die_with_parent()
     log = setup_logging("worker")
     ctx = zmq.Context()
     control = ControlChannel(ctx, config.addresses.control, "worker")
     prof = profiling.Profiler("worker", enabled=config.profile)
-    t_idle = prof.timer("idle", arg_name="step")
-    t_decode = prof.timer("plan_decode", arg_name="step")
-    t_execute = prof.timer("execute", arg_name="step")
-    t_send = prof.timer("send_result", arg_name="step")
 
     def idle_fraction(since_ns: int) -> float:
         idle = prof.window_total("idle", since_ns)
-        busy = sum(prof.window_total(name, since_ns) for name in ("plan_decode", "execute", "send_result"))
+        busy = sum(prof.window_total(name, since_ns) for name in ("plan_decode", "execute", "wait_tokens", "send_result"))
         return idle / (idle + busy) if idle + busy > 0 else 1.0
 
     prof.derive("idle_fraction", idle_fraction)
@@ -101,6 +115,7 @@ def run_worker(config: WorkerConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
+        pipeline = resolve_pipeline(config.pipeline, device)
         runner = ModelRunner(
             config.model_dir,
             device=device,
@@ -123,12 +138,42 @@ def run_worker(config: WorkerConfig) -> None:
         num_blocks=runner.num_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_bytes=runner.block_bytes, device=device
     )
     try:
+        StepLoop(runner, plans, results, prof, pipeline).run()
+    finally:
+        plans.close()
+        results.close()
+        control.close()
+        ctx.term()
+
+
+class StepLoop:
+    """Receives plans, launches and finishes steps on the runner, sends results (pipelined or not)."""
+
+    def __init__(self, runner, plans: StepReceiver, results: StepSender, prof: profiling.Profiler, pipeline: bool) -> None:
+        self.runner = runner
+        self.plans = plans
+        self.results = results
+        self.prof = prof
+        self.pipeline = pipeline
+        self.t_idle = prof.timer("idle", arg_name="step")
+        self.t_decode = prof.timer("plan_decode", arg_name="step")
+        self.t_execute = prof.timer("execute", arg_name="step")  # launch, and finish when not pipelined
+        self.t_wait = prof.timer("wait_tokens", arg_name="step")  # finishing a launched step
+        self.t_send = prof.timer("send_result", arg_name="step")
+        self.pending = None  # (launched step, or the StepResult of a launch that failed)
+        self.failed = False  # the last finished step failed: a plan launched ahead of it fails too
+
+    def run(self) -> None:
         idle_start = profiling.now_ns()
         while True:
+            if self.pending is not None and not self._next_plan_or_done():
+                self._finish_pending()
+                idle_start = profiling.now_ns()
+                continue
             try:
-                plans.wait()
+                self.plans.wait()
                 received = profiling.now_ns()
-                msg = plans.recv(0)
+                msg = self.plans.recv(0)
             except codec.DecodeError as exc:
                 log.error("dropping malformed plan: %s", exc)
                 continue
@@ -136,28 +181,63 @@ def run_worker(config: WorkerConfig) -> None:
                 log.error("stopping: the scheduler is gone (%s)", exc)
                 break
             if isinstance(msg, Shutdown):
+                if self.pending is not None:
+                    self._finish_pending()
                 break
             if isinstance(msg, ProfileQuery):
-                snapshot = prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
-                results.send(ProfileReport(msg.query_id, [snapshot]))
+                snapshot = self.prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
+                self.results.send(ProfileReport(msg.query_id, [snapshot]))
                 continue
             if not isinstance(msg, StepPlan):
                 log.error("unexpected message %s", type(msg).__name__)
                 continue
-            t_idle.record(idle_start, received, arg=msg.step_id)
-            exec_start = t_decode.record(received, arg=msg.step_id)
-            start = time.perf_counter()
+            if self.pending is None:
+                self.t_idle.record(idle_start, received, arg=msg.step_id)
+            launch_start = self.t_decode.record(received, arg=msg.step_id)
             try:
-                result = runner.execute(msg)
+                launched = self.runner.launch(msg)
             except Exception as exc:
                 log.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
-                result = StepResult(msg.step_id, [], [], error=f"worker step failed: {exc}")
-            result.forward_time = time.perf_counter() - start
-            send_start = t_execute.record(exec_start, arg=msg.step_id)
-            results.send(result)
-            idle_start = t_send.record(send_start, arg=msg.step_id)
-    finally:
-        plans.close()
-        results.close()
-        control.close()
-        ctx.term()
+                launched = StepResult(msg.step_id, [], [], error=f"worker step failed: {exc}")
+            self.t_execute.record(launch_start, arg=msg.step_id)
+            if self.pending is not None:  # step N+1 is queued on the device: now wait for N
+                self._finish_pending()
+            self.pending = launched
+            if not self.pipeline or isinstance(launched, StepResult):
+                self._finish_pending()
+                idle_start = profiling.now_ns()
+
+    def _next_plan_or_done(self) -> bool:
+        """With a step launched: wait until the next message is there (True) or the step is
+        done on the device (False), whichever comes first."""
+        pending, runner, plans = self.pending, self.runner, self.plans
+        if isinstance(pending, StepResult):
+            return False
+        while True:
+            if plans.ready():
+                return True
+            if runner.step_done(pending):
+                return False
+            time.sleep(0)  # let other threads run; a GPU step takes milliseconds, this loop microseconds
+
+    def _finish_pending(self) -> None:
+        """Finish the launched step (or take the failed launch's result) and send its result."""
+        pending, self.pending = self.pending, None
+        start = profiling.now_ns()
+        if isinstance(pending, StepResult):
+            result = pending
+        else:
+            try:
+                result = self.runner.finish(pending)
+            except Exception as exc:
+                log.error("step %d failed:\n%s", pending.step_id, traceback.format_exc())
+                result = StepResult(pending.step_id, [], [], error=f"worker step failed: {exc}")
+            if self.failed and pending.planned_ahead and result.error is None:
+                # Launched before the step it was planned ahead of failed at the finish.
+                result = StepResult(
+                    pending.step_id, [], [], error=f"step {pending.step_id} was planned ahead of a step that failed"
+                )
+        self.failed = result.error is not None
+        send_start = self.t_wait.record(start, arg=result.step_id)
+        self.results.send(result)
+        self.t_send.record(send_start, arg=result.step_id)

@@ -12,6 +12,19 @@ Per step, the new tokens of every scheduled request are laid end to end (no padd
 longest) and run as one batch; a request samples when the step computes its last known
 token, and the sampled token is appended to its tokens here, since the scheduler does not
 send it back.
+
+**Launch and finish.** A step is two calls: :meth:`ModelRunner.launch` checks the plan,
+prepares its inputs and enqueues the forward and the sampling on the device;
+:meth:`ModelRunner.finish` waits for that step's sampled tokens and builds the result
+(:meth:`execute` is the two in a row). Between them the worker may launch the next plan, so
+that on a GPU the next step is queued before the host waits for this one's tokens and the
+device never idles while Python handles a result. The next step's decode inputs are tokens
+the device has sampled but the host has not seen yet: every step scatters its samples into
+a per-slot buffer on the device (``_last_tokens``), and a launch reads a row's last input
+from there when the host does not have it (the row's state counts it in ``pending``). The
+sampled ids come back through a host buffer copied without blocking the stream (pinned on
+CUDA) and an event, not through a ``.tolist()`` that would wait for the next step too.
+At most one step is launched and not finished when another is launched.
 """
 
 from __future__ import annotations
@@ -43,6 +56,11 @@ class _RequestState:
     block_ids: list[int]
     sampling: SamplingParams
     num_computed: int
+    pending: int = 0  # tokens sampled by a launched step, not yet appended (0 or 1)
+
+    @property
+    def num_known(self) -> int:
+        return len(self.token_ids) + self.pending
 
 
 @dataclass(frozen=True)
@@ -54,6 +72,19 @@ class _Work:
     num_computed: int
     num_scheduled: int
     new_block_ids: list[int]
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device, waiting for :meth:`ModelRunner.finish`."""
+
+    step_id: int
+    planned_ahead: bool
+    slots: list[int]  # the slots that sample, in result order
+    states: list[_RequestState]  # their states (held here: a later plan may drop the slots)
+    sampled: torch.Tensor | None  # host buffer the sampled ids are copied into
+    done: torch.cuda.Event | None  # recorded after that copy (CUDA only)
+    start: float  # perf_counter at launch
 
 
 class ModelRunner:
@@ -101,11 +132,17 @@ class ModelRunner:
         self.swap_caches = allocate_swap_space(self.model_config, num_cpu_blocks, block_size, self.dtype, self.device)
         self.sampler = Sampler(self.device)
         # Request state by slot; None: a free slot. Grows to the largest slot seen (at most the
-        # scheduler's max_num_seqs), never shrinks.
+        # scheduler's max_num_seqs), never shrinks. _last_tokens (on the device) grows with it.
         self._states: list[_RequestState | None] = []
+        self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._failed = False  # the last step raised: a plan planned ahead of it fails too
-        # Stage timers of a step. On CUDA, kernels run asynchronously: "forward" is then the
-        # host's launch time and the device's wait lands in "sample" (its .tolist() syncs).
+        self._cuda = self.device.type == "cuda"
+        # Host buffers the sampled ids land in, two so that a step can be launched while the
+        # previous one's are still unread (pinned on CUDA, so the copy does not block).
+        self._sampled_host: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in range(2)]
+        self._next_buffer = 0
+        # Stage timers of a step's launch. On CUDA, kernels run asynchronously: these are
+        # then host (launch) times, and the device's time shows in the worker's "wait_tokens".
         prof = profiler or profiling.Profiler("worker", enabled=False)
         self._t_prepare = prof.timer("prepare_inputs")
         self._t_forward = prof.timer("forward")
@@ -122,11 +159,19 @@ class ModelRunner:
         """The ids of the requests whose state the runner holds, in slot order."""
         return [state.request_id for state in self._states if state is not None]
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step. Raises ValueError, changing nothing but dropping the finished slots,
-        if the plan contradicts the runner's state, or was planned ahead of a step that failed."""
-        failed_before, self._failed = self._failed, True  # cleared once this step succeeds
+        """Run one step: :meth:`launch` then :meth:`finish`. Raises like :meth:`launch`."""
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Check the plan, update the requests' state and enqueue the step on the device.
+
+        Raises ValueError, changing nothing but dropping the finished slots, if the plan
+        contradicts the runner's state, or was planned ahead of a step that failed. At most one
+        launched step may be unfinished when this is called.
+        """
+        failed_before, self._failed = self._failed, True  # cleared once this step is launched
         self._drop(int_list(plan.finished_slots))
         if plan.planned_ahead and failed_before:
             raise ValueError(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
@@ -144,39 +189,96 @@ class ModelRunner:
                 table.extend([None] * (new.slot + 1 - len(table)))
             tokens, blocks = int_list(new.token_ids), int_list(new.block_ids)
             table[new.slot] = _RequestState(new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens)
+        if len(self._last_tokens) < len(table):
+            grown = torch.zeros(len(table), dtype=torch.int64, device=self.device)
+            grown[: len(self._last_tokens)] = self._last_tokens
+            self._last_tokens = grown
+        start = time.perf_counter()
         states = [table[item.slot] for item in work]
         for item, state in zip(work, states):
             state.block_ids.extend(item.new_block_ids)
-        if not work:
-            self._failed = False
-            return StepResult(plan.step_id, [], [])
-
-        start = time.perf_counter()
-        samples = [item.num_computed + item.num_scheduled == len(state.token_ids) for item, state in zip(work, states)]
-        sampled = self._run(work, states, samples)
+        samples = [item.num_computed + item.num_scheduled == state.num_known for item, state in zip(work, states)]
+        sampled = self._run(work, states, samples) if work else None
         for item, state in zip(work, states):
             state.num_computed += item.num_scheduled
-        sampling = [(item, state) for item, state, flag in zip(work, states, samples) if flag]
-        for (_, state), token in zip(sampling, sampled):
-            state.token_ids.append(token)
+        sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
+        launched = LaunchedStep(
+            plan.step_id, plan.planned_ahead, [slot for slot, _ in sampling], [state for _, state in sampling],
+            None, None, start,
+        )
+        if sampling:
+            for _, state in sampling:
+                state.pending += 1
+            slots = torch.tensor(launched.slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            self._last_tokens[slots] = sampled  # the next step's inputs, without a host round trip
+            launched.sampled = self._copy_to_host(sampled)
+            if self._cuda:
+                launched.done = torch.cuda.Event()
+                launched.done.record()
         self._failed = False
+        return launched
+
+    def _copy_to_host(self, sampled: torch.Tensor) -> torch.Tensor:
+        """Start copying the sampled ids into the next host buffer (pinned on CUDA: the copy is
+        queued behind the step and does not wait for what is launched after it)."""
+        n = sampled.shape[0]
+        k = self._next_buffer
+        self._next_buffer = 1 - k
+        buffer = self._sampled_host[k]
+        if buffer.shape[0] < n:
+            size = max(n, 2 * buffer.shape[0], 64)
+            buffer = torch.zeros(size, dtype=torch.int64, pin_memory=self._cuda)
+            self._sampled_host[k] = buffer
+        out = buffer[:n]
+        out.copy_(sampled, non_blocking=self._cuda)
+        return out
+
+    def step_done(self, launched: LaunchedStep) -> bool:
+        """Whether :meth:`finish` would return at once (the device has sampled the step)."""
+        return launched.done is None or launched.done.query()
+
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's sampled ids, append them to the requests' tokens and
+        return the step's result. Launched steps are finished in launch order."""
+        try:
+            if launched.done is not None:
+                launched.done.synchronize()
+            tokens = launched.sampled.tolist() if launched.sampled is not None else []
+        except Exception:
+            self._failed = True  # (a device error) a plan planned ahead of this step fails too
+            raise
+        for state, token in zip(launched.states, tokens):
+            state.token_ids.append(token)
+            state.pending -= 1
         return StepResult(
-            plan.step_id, [item.slot for item, _ in sampling], sampled, forward_time=time.perf_counter() - start
+            launched.step_id, launched.slots, tokens, forward_time=time.perf_counter() - launched.start
         )
 
-    def _run(self, work: list[_Work], states: list[_RequestState], samples: list[bool]) -> list[int]:
-        """Forward the flattened batch and sample; returns the tokens of the rows with ``samples`` set, in order."""
+    def _run(self, work: list[_Work], states: list[_RequestState], samples: list[bool]) -> torch.Tensor:
+        """Forward the flattened batch and sample; returns the ids sampled for the rows with
+        ``samples`` set, in order, on the device (nothing here waits for the device)."""
         start = profiling.now_ns()
         query_lens = [item.num_scheduled for item in work]
         context_lens = [item.num_computed for item in work]
         input_ids: list[int] = []
+        on_device: list[tuple[int, int]] = []  # (flat index, slot): inputs sampled by the step in flight
         for item, state in zip(work, states):
-            input_ids += state.token_ids[item.num_computed : item.num_computed + item.num_scheduled]
+            end = item.num_computed + item.num_scheduled
+            known = state.token_ids
+            if end > len(known):  # its last input is the pending token: only the device has it
+                on_device.append((len(input_ids) + item.num_scheduled - 1, item.slot))
+                input_ids += known[item.num_computed : end]
+                input_ids.append(0)
+            else:
+                input_ids += known[item.num_computed : end]
         metadata = AttentionMetadata.build(
             query_lens, context_lens, [state.block_ids for state in states], self.block_size, self.device
         )
         positions = torch.from_numpy(token_positions(query_lens, context_lens)).to(self.device, non_blocking=True)
         tokens = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if on_device:
+            index, slots = torch.tensor(on_device, dtype=torch.int64).to(self.device, non_blocking=True).unbind(1)
+            tokens[index] = self._last_tokens[slots]
         start = self._t_prepare.record(start)
         hidden = self.model(tokens, positions, metadata)
         start = self._t_forward.record(start)
@@ -184,13 +286,13 @@ class ModelRunner:
         ends = metadata.query_start_loc_host
         rows = [ends[i + 1] - 1 for i, flag in enumerate(samples) if flag]
         if not rows:
-            return []
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        sampling = [state for state, flag in zip(states, samples) if flag]
+        sampling = [(item, state) for item, state, flag in zip(work, states, samples) if flag]
         # The position of the token being drawn is fixed for each output index of a request,
         # so it keys a seeded draw as well as the output index would, across preemptions too.
-        params = [state.sampling for state in sampling]
-        sampled = self.sampler(logits, params, [len(state.token_ids) for state in sampling]).tolist()
+        params = [state.sampling for _, state in sampling]
+        sampled = self.sampler(logits, params, [item.num_computed + item.num_scheduled for item, _ in sampling])
         self._t_sample.record(start)
         return sampled
 
@@ -261,7 +363,7 @@ class ModelRunner:
             if blocks:
                 self._check_blocks(rid, slot, blocks)
             self._check_tokens(
-                rid, slot, num_computed, num_scheduled, len(state.token_ids), len(state.block_ids) + len(blocks)
+                rid, slot, num_computed, num_scheduled, state.num_known, len(state.block_ids) + len(blocks)
             )
             work.append(_Work(slot, num_computed, num_scheduled, list(blocks)))
         self._check_transfers(plan)

@@ -1,5 +1,6 @@
 """bin/serve with and without overlap (planning step N+1 while the worker runs step N), and
-over both plan transports (the plain loop on ZeroMQ, the overlapped one on shared memory).
+over both plan transports (the plain loop on ZeroMQ, the overlapped one on shared memory),
+and with the worker's pipelined steps (step N+1 launched before step N's tokens are read).
 
 The same mixed workload (concurrent streams of different lengths, stop token ids, stop
 strings, aborts mid-stream, a KV pool small enough to force preemption) must give the same
@@ -69,13 +70,19 @@ def run_workload(address: str, base: dict[int, tuple[list[int], str]] | None):
     return dict(enumerate(asyncio.run(main())))
 
 
-MODES = {"--no-overlap": ("--plan-transport", "zmq"), "--overlap": ("--plan-transport", "shm")}
+MODES = {
+    "--no-overlap": ("--no-overlap", "--plan-transport", "zmq"),
+    "--overlap": ("--overlap", "--plan-transport", "shm"),
+    # The worker's pipelined loop (on by default only with CUDA): step N+1 launched before
+    # N's tokens are read back, its decode inputs taken from the device-side buffer.
+    "--pipeline-steps": ("--overlap", "--plan-transport", "shm", "--pipeline-steps", "on"),
+}
 
 
 def test_overlap_and_plain_loops_give_identical_outputs(serve_factory, tiny_checkpoint, hf_greedy) -> None:
     outputs = {}
-    for mode, transport in MODES.items():
-        server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, mode, *transport)
+    for mode, args in MODES.items():
+        server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, *args)
         free = run_workload(server.address, None)
         for i in (0, 5, 13):
             assert free[i][0] == hf_greedy(prompt(i), max_tokens(i)), (mode, i)
@@ -84,18 +91,20 @@ def test_overlap_and_plain_loops_give_identical_outputs(serve_factory, tiny_chec
             stats = wait_for_free_blocks(client)
         assert stats["held_blocks"] == 0, (mode, stats)
         assert stats["num_preemptions"] > 0, (mode, stats)
-        assert (stats["num_planned_ahead"] > 0) == (mode == "--overlap"), (mode, stats["num_planned_ahead"])
+        assert (stats["num_planned_ahead"] > 0) == (mode != "--no-overlap"), (mode, stats["num_planned_ahead"])
         outputs[mode] = (free, mixed)
         server.terminate()
 
-    (free_a, mixed_a), (free_b, mixed_b) = outputs["--no-overlap"], outputs["--overlap"]
-    assert free_a == free_b
-    for i in range(N):
-        ids, text, reason = mixed_b[i]
-        if i % 4 == 3:  # aborted after two deltas: a prefix of the free run, however far it got
-            assert reason == "abort" and ids == free_b[i][0][: len(ids)], i
-            assert mixed_a[i][2] == "abort"
-        else:
-            assert mixed_a[i] == mixed_b[i], i
-            if i % 4 == 1:
-                assert reason == "stop" and ids[-1] == free_b[i][0][len(free_b[i][0]) // 2], i
+    free_a, mixed_a = outputs["--no-overlap"]
+    for mode in ("--overlap", "--pipeline-steps"):
+        free_b, mixed_b = outputs[mode]
+        assert free_a == free_b, mode
+        for i in range(N):
+            ids, text, reason = mixed_b[i]
+            if i % 4 == 3:  # aborted after two deltas: a prefix of the free run, however far it got
+                assert reason == "abort" and ids == free_b[i][0][: len(ids)], (mode, i)
+                assert mixed_a[i][2] == "abort"
+            else:
+                assert mixed_a[i] == mixed_b[i], (mode, i)
+                if i % 4 == 1:
+                    assert reason == "stop" and ids[-1] == free_b[i][0][len(free_b[i][0]) // 2], (mode, i)

@@ -44,15 +44,23 @@ def runner_factory(tiny_checkpoint):
 
 
 class Driver:
-    """The scheduler process loop without sockets: schedule (ahead, with ``overlap``), execute, update."""
+    """The scheduler process loop without sockets: schedule (ahead, with ``overlap``), execute, update.
 
-    def __init__(self, runner, overlap: bool = False, **config) -> None:
+    ``pipelined`` drives the runner as the worker's pipelined loop does (worker/main.py): a
+    plan formed ahead is launched before the step it was planned ahead of is finished, so
+    its decode inputs are tokens only the device has seen. It implies ``overlap``.
+    """
+
+    def __init__(self, runner, overlap: bool = False, pipelined: bool = False, **config) -> None:
         cfg = dict(num_blocks=runner.num_blocks, block_size=BLOCK_SIZE, max_model_len=256, num_cpu_blocks=runner.num_cpu_blocks)
         cfg.update(config)
         self.scheduler = Scheduler(SchedulerConfig(**cfg), eos_token_ids=[], vocab_size=runner.model_config.vocab_size)
         self.runner = runner
-        self.overlap = overlap
+        self.overlap = overlap or pipelined
+        self.pipelined = pipelined
         self.inflight = deque()
+        self.unlaunched = deque()  # pipelined: plans formed, not launched yet
+        self.launched = deque()  # pipelined: (plan, launched step) not finished yet
         self.tokens: dict[str, list[int]] = {}
         self.plans = []
 
@@ -66,21 +74,47 @@ class Driver:
         if plan is not None:
             self.plans.append(plan)
             self.inflight.append(plan)
+            self.unlaunched.append(plan)
         return plan is not None
 
     def step(self) -> bool:
+        if self.pipelined:
+            return self._step_pipelined()
         if not self.inflight and not self._schedule():
             return False
         if self.overlap and self.scheduler.can_plan_ahead:
             self._schedule()
         plan = self.inflight.popleft()
-        result = self.runner.execute(plan)
+        self.unlaunched.popleft()
+        self._apply(plan, self.runner.execute(plan))
+        return True
+
+    def _step_pipelined(self) -> bool:
+        formed = self._schedule() if not self.inflight or self.scheduler.can_plan_ahead else False
+        if self.unlaunched:
+            plan = self.unlaunched.popleft()
+            self.launched.append((plan, self.runner.launch(plan)))
+        if not self.launched:
+            return False
+        if len(self.launched) == 2 or not formed:  # the next step is queued, or none can be formed yet
+            plan, launched = self.launched.popleft()
+            assert self.inflight.popleft() is plan
+            self._apply(plan, self.runner.finish(launched))
+        return True
+
+    def settle(self) -> None:
+        """Finish every launched step (pipelined), as the worker does when no plan follows."""
+        while self.launched:
+            plan, launched = self.launched.popleft()
+            assert self.inflight.popleft() is plan
+            self._apply(plan, self.runner.finish(launched))
+
+    def _apply(self, plan, result) -> None:
         assert result.error is None
         for out in self.scheduler.update(plan, result).expanded():
             assert out.finish_reason in (None, "length"), out
             self.tokens[out.request_id] += out.new_token_ids
         self.scheduler.check_invariants()
-        return True
 
     def run(self) -> dict[str, list[int]]:
         while self.scheduler.has_work() or self.inflight:
@@ -125,11 +159,14 @@ def check_planned_ahead(driver: Driver) -> None:
     assert (ahead > 0) == driver.overlap, f"{ahead} of {len(driver.plans)} plans planned ahead"
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+LOOPS = {"sync": {}, "overlap": {"overlap": True}, "pipelined": {"pipelined": True}}
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preempted_and_chunked_requests_match_served_alone(runner_factory, alone, mode, overlap):
+def test_preempted_and_chunked_requests_match_served_alone(runner_factory, alone, mode, loop):
     runner = runner_factory(num_blocks=18, num_cpu_blocks=64)
-    driver = Driver(runner, overlap, max_num_seqs=6, max_num_batched_tokens=12, preemption=mode)
+    driver = Driver(runner, **LOOPS[loop], max_num_seqs=6, max_num_batched_tokens=12, preemption=mode)
     ps = prompts()
     max_tokens = {rid: 14 + 2 * i for i, rid in enumerate(ps)}
     for rid, prompt in ps.items():
@@ -151,15 +188,16 @@ def test_preempted_and_chunked_requests_match_served_alone(runner_factory, alone
         assert stats["num_swapped_out_blocks"] == 0
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_prefix_cached_and_continued_requests_match_served_alone(runner_factory, alone, overlap):
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_prefix_cached_and_continued_requests_match_served_alone(runner_factory, alone, loop):
     runner = runner_factory(num_blocks=128)
-    driver = Driver(runner, overlap, max_num_seqs=8, max_num_batched_tokens=64)
+    driver = Driver(runner, **LOOPS[loop], max_num_seqs=8, max_num_batched_tokens=64)
     ps = prompts()
     max_tokens = {rid: 9 for rid in ps}
     first = "r0"
     driver.add(first, ps[first], max_tokens[first])
     driver.step()  # r0's system prompt is computed and registered
+    driver.settle()
     for rid, prompt in ps.items():
         if rid != first:
             driver.add(rid, prompt, max_tokens[rid])

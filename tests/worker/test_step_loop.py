@@ -1,0 +1,118 @@
+"""The worker's step loop (worker/main.py StepLoop) with a scripted runner and channels.
+
+What matters is the order of launches, finishes and results: pipelined, the next plan is
+launched before the earlier step is finished, results still leave in step order, and a
+failure (at launch or at finish) fails the plan launched ahead of it too. No torch: the
+runner is a stand-in that records its calls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from conveyor.common import profiling
+from conveyor.common.messages import Shutdown, StepPlan, StepResult
+from conveyor.common.step_channel import PeerGone
+from conveyor.worker.main import StepLoop, resolve_pipeline
+
+
+class ScriptedRunner:
+    def __init__(self, fail_launch=(), fail_finish=()) -> None:
+        self.calls: list[str] = []
+        self.fail_launch, self.fail_finish = set(fail_launch), set(fail_finish)
+
+    def launch(self, plan: StepPlan):
+        self.calls.append(f"launch {plan.step_id}")
+        if plan.step_id in self.fail_launch:
+            raise ValueError(f"bad plan {plan.step_id}")
+        return plan
+
+    def step_done(self, launched) -> bool:
+        return True  # (asked only when no plan is waiting: every plan is there from the start)
+
+    def finish(self, launched) -> StepResult:
+        self.calls.append(f"finish {launched.step_id}")
+        if launched.step_id in self.fail_finish:
+            raise RuntimeError("device error")
+        return StepResult(launched.step_id, [0], [launched.step_id])
+
+
+class ScriptedPlans:
+    """Every message is there from the start; once they are consumed, the scheduler is gone."""
+
+    def __init__(self, messages) -> None:
+        self.messages = deque(messages)
+
+    def ready(self) -> bool:
+        return bool(self.messages)
+
+    def wait(self, timeout=None) -> bool:
+        if not self.messages:
+            raise PeerGone("no more plans")
+        return True
+
+    def recv(self, timeout=None):
+        return self.messages.popleft()
+
+
+class Results:
+    def __init__(self) -> None:
+        self.sent: list[StepResult] = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+def plan(step: int, ahead: bool = True) -> StepPlan:
+    return StepPlan(step, [], [], [], planned_ahead=ahead)
+
+
+def run(messages, pipeline: bool, **failures):
+    runner, results = ScriptedRunner(**failures), Results()
+    StepLoop(runner, ScriptedPlans(messages), results, profiling.Profiler("worker", enabled=False), pipeline).run()
+    return runner.calls, [(r.step_id, r.error is None) for r in results.sent]
+
+
+def test_pipelined_loop_launches_the_next_step_before_finishing_the_last():
+    calls, sent = run([plan(1, False), plan(2), plan(3)], pipeline=True)
+    assert calls == ["launch 1", "launch 2", "finish 1", "launch 3", "finish 2", "finish 3"]
+    assert sent == [(1, True), (2, True), (3, True)]
+
+
+def test_plain_loop_finishes_each_step_before_the_next():
+    calls, sent = run([plan(1, False), plan(2), plan(3)], pipeline=False)
+    assert calls == ["launch 1", "finish 1", "launch 2", "finish 2", "launch 3", "finish 3"]
+    assert sent == [(1, True), (2, True), (3, True)]
+
+
+def test_failed_launch_reports_after_the_step_before_it():
+    calls, sent = run([plan(1, False), plan(2), plan(3), plan(4, False)], pipeline=True, fail_launch={2})
+    assert calls == ["launch 1", "launch 2", "finish 1", "launch 3", "launch 4", "finish 3", "finish 4"]
+    # 3 was planned ahead of the failed 2: it fails too; 4, planned in sync again, runs.
+    assert sent == [(1, True), (2, False), (3, False), (4, True)]
+
+
+def test_failed_finish_fails_the_step_launched_ahead_of_it():
+    calls, sent = run([plan(1, False), plan(2), plan(3, False)], pipeline=True, fail_finish={1})
+    assert calls == ["launch 1", "launch 2", "finish 1", "launch 3", "finish 2", "finish 3"]
+    # 2 was planned ahead of 1 and launched before 1 failed: its result is an error too;
+    # 3 was planned in sync with the scheduler's knowledge of the failure: it runs.
+    assert sent == [(1, False), (2, False), (3, True)]
+
+
+def test_shutdown_finishes_the_launched_step_first():
+    calls, sent = run([plan(1, False), Shutdown("bye"), plan(2)], pipeline=True)
+    assert calls == ["launch 1", "finish 1"]
+    assert sent == [(1, True)]
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "expected"),
+    [("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False), ("on", "cpu", True), ("off", "cuda", False)],
+)
+def test_pipeline_setting(setting, device, expected):
+    assert resolve_pipeline(setting, device) is expected
+    with pytest.raises(ValueError):
+        resolve_pipeline("sometimes", device)

@@ -116,7 +116,6 @@ from conveyor.common.messages import (
     StepPlan,
     StepResult,
     TokenOutputs,
-    int_list,
 )
 from conveyor.scheduler.kv_manager import KVCacheManager
 from conveyor.scheduler.metrics import ITERATION_FIELDS, IterationLog

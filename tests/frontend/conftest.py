@@ -319,6 +319,23 @@ class LiveFrontend:
             return None
         return msgpack.unpackb(sock.recv())
 
+    def until_final(self, sock, timeout: float = 5.0) -> list[dict]:
+        """Client messages up to and including the next ``final`` (fewer if ``timeout`` passes)."""
+        out = []
+        while (msg := self.recv(sock, timeout)) is not None:
+            out.append(msg)
+            if msg["type"] == "final":
+                break
+        return out
+
+    @staticmethod
+    def first_token(sid: str, token: int):
+        """The scheduler's output of a request's first token (``sid``: its id at the scheduler)."""
+        from conveyor.common.messages import RequestOutput, TokenOutputs
+
+        now = time.time()
+        return TokenOutputs([RequestOutput(sid, [token], scheduled_time=now, first_token_time=now)])
+
     def scheduler_recv(self, timeout: float = 5.0):
         """The next message the frontend sent the scheduler (decoded), or None after ``timeout`` s."""
         from conveyor.common import codec

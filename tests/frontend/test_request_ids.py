@@ -8,8 +8,6 @@ real one would: the tokens of steps it ran before it read the abort, then the ab
 
 from __future__ import annotations
 
-import time
-
 from conveyor.common.messages import AbortRequests, AddRequest, RequestOutput, SchedulerStats, TokenOutputs
 
 WORDS = " one two three four the and of on"  # one token per word in the demo vocabulary
@@ -29,18 +27,8 @@ def submit(fe, sock, rid: str, prompt: str = "Say:", **fields) -> AddRequest:
     return add
 
 
-def first_step(sid: str, token: int) -> TokenOutputs:
-    now = time.time()
-    return TokenOutputs([RequestOutput(sid, [token], scheduled_time=now, first_token_time=now)])
 
 
-def until_final(fe, sock, timeout: float = 5.0) -> list[dict]:
-    out = []
-    while (msg := fe.recv(sock, timeout)) is not None:
-        out.append(msg)
-        if msg["type"] == "final":
-            break
-    return out
 
 
 def late_outputs_of(fe, sid: str, stray: int) -> None:
@@ -55,10 +43,10 @@ def test_late_outputs_of_an_aborted_request_do_not_reach_a_new_one_with_its_id(l
     fe = live_frontend()
     sock = fe.client()
     old = submit(fe, sock, "x")
-    fe.scheduler_send(first_step(old.request_id, ids[0]))
+    fe.scheduler_send(fe.first_token(old.request_id, ids[0]))
     assert fe.recv(sock)["token_ids"] == ids[:1]
     fe.send(sock, type="abort", request_id="x")
-    aborted = until_final(fe, sock)
+    aborted = fe.until_final(sock)
     assert aborted[-1]["request_id"] == "x" and aborted[-1]["finish_reason"] == "abort"
     assert aborted[-1]["token_ids"] == ids[:1]
     abort = fe.scheduler_recv()
@@ -68,10 +56,10 @@ def test_late_outputs_of_an_aborted_request_do_not_reach_a_new_one_with_its_id(l
     # The scheduler read the abort only now: a token of the old request, then its abort output.
     late_outputs_of(fe, old.request_id, stray=ids[7])
     assert fe.recv(sock, timeout=0.3) is None  # nothing about the old request reaches the client
-    fe.scheduler_send(first_step(new.request_id, ids[1]))
+    fe.scheduler_send(fe.first_token(new.request_id, ids[1]))
     fe.scheduler_send(TokenOutputs([], [new.request_id], [ids[2]]))
     fe.scheduler_send(TokenOutputs([RequestOutput(new.request_id, [ids[3]], finish_reason="length")]))
-    msgs = until_final(fe, sock)  # steps that queued up may come as one delta: compare what they add up to
+    msgs = fe.until_final(sock)  # steps that queued up may come as one delta: compare what they add up to
     assert msgs[-1]["type"] == "final" and all(m["type"] == "delta" for m in msgs[:-1])
     assert all(m["request_id"] == "x" for m in msgs)
     assert [t for m in msgs[:-1] for t in m["token_ids"]] == ids[1:4]
@@ -90,18 +78,18 @@ def test_late_outputs_after_a_stop_string_do_not_reach_the_continuation(live_fro
     fe = live_frontend()
     sock = fe.client()
     old = submit(fe, sock, "chat", stop=[" two"])
-    fe.scheduler_send(first_step(old.request_id, ids[0]))
+    fe.scheduler_send(fe.first_token(old.request_id, ids[0]))
     fe.scheduler_send(TokenOutputs([], [old.request_id], [ids[1]]))
-    msgs = until_final(fe, sock)
+    msgs = fe.until_final(sock)
     assert msgs[-1]["finish_reason"] == "stop" and msgs[-1]["text"] == " one"
     abort = fe.scheduler_recv()
     assert isinstance(abort, AbortRequests) and abort.request_ids == [old.request_id]
     new = submit(fe, sock, "chat", prompt="Hello there")
     assert new.prompt_token_ids[: len(old.prompt_token_ids) + 2] == old.prompt_token_ids + ids[:2]
     late_outputs_of(fe, old.request_id, stray=ids[2])
-    fe.scheduler_send(first_step(new.request_id, ids[5]))
+    fe.scheduler_send(fe.first_token(new.request_id, ids[5]))
     fe.scheduler_send(TokenOutputs([RequestOutput(new.request_id, [ids[6]], finish_reason="length")]))
-    msgs = until_final(fe, sock)
+    msgs = fe.until_final(sock)
     assert [t for m in msgs[:-1] for t in m["token_ids"]] == ids[5:7]
     assert msgs[-1]["finish_reason"] == "length" and msgs[-1]["token_ids"] == ids[5:7]
     assert msgs[-1]["text"] == " and of" and msgs[-1]["request_id"] == "chat"
@@ -116,7 +104,7 @@ def test_late_outputs_do_not_reach_a_reuse_tokenized_in_the_pool(live_frontend, 
     sock = fe.client()
     old = submit(fe, sock, "p")
     fe.send(sock, type="abort", request_id="p")
-    assert until_final(fe, sock)[-1]["finish_reason"] == "abort"
+    assert fe.until_final(sock)[-1]["finish_reason"] == "abort"
     assert isinstance(fe.scheduler_recv(), AbortRequests)
     fe.send(sock, type="generate", request_id="p", prompt="word " * 30, max_tokens=10, stream=True)
     assert gated.entered.wait(5)
@@ -127,7 +115,7 @@ def test_late_outputs_do_not_reach_a_reuse_tokenized_in_the_pool(live_frontend, 
     assert isinstance(new, AddRequest)
     late_outputs_of(fe, old.request_id, stray=ids[1])  # after it was admitted
     fe.scheduler_send(TokenOutputs([RequestOutput(new.request_id, [ids[2]], finish_reason="length")]))
-    msgs = until_final(fe, sock)
+    msgs = fe.until_final(sock)
     assert [m["type"] for m in msgs] == ["delta", "final"]
     assert msgs[-1]["token_ids"] == ids[2:3] and msgs[-1]["finish_reason"] == "length"
     assert new.request_id != old.request_id
@@ -144,7 +132,7 @@ def test_every_submission_has_its_own_scheduler_id_and_the_client_sees_its_own(l
         add = submit(fe, a, "same")
         seen.append(add.request_id)
         fe.scheduler_send(TokenOutputs([RequestOutput(add.request_id, [ids[turn]], finish_reason="length")]))
-        msgs = until_final(fe, a)
+        msgs = fe.until_final(a)
         assert [m["request_id"] for m in msgs] == ["same", "same"] and msgs[-1]["token_ids"] == [ids[turn]]
     other = submit(fe, b, "same-too")  # another client's id, while "same" is idle
     seen.append(other.request_id)
@@ -157,7 +145,7 @@ def test_every_submission_has_its_own_scheduler_id_and_the_client_sees_its_own(l
     fe.scheduler_send(
         TokenOutputs([RequestOutput(add.request_id, [], finish_reason="error", error="overloaded: try later")])
     )
-    error = until_final(fe, a)[-1]
+    error = fe.until_final(a)[-1]
     assert (error["request_id"], error["finish_reason"], error["error"]) == ("same", "error", "overloaded: try later")
     assert len(set(seen)) == len(seen) == 5
     assert set(fe.frontend.requests) == {other.request_id} and set(fe.frontend.in_flight) == {"same-too"}

@@ -22,23 +22,12 @@ def generate(fe, sock, rid: str, prompt: str, **fields) -> None:
     fe.send(sock, type="generate", request_id=rid, prompt=prompt, max_tokens=1000, stream=True, **fields)
 
 
-def first_step(sid: str, token: int) -> TokenOutputs:
-    """A request's first token, from the scheduler (``sid``: its id there)."""
-    now = time.time()
-    return TokenOutputs([RequestOutput(sid, [token], scheduled_time=now, first_token_time=now)])
 
 
 def finish(sid: str, token: int) -> TokenOutputs:
     return TokenOutputs([RequestOutput(sid, [token], finish_reason="length")])
 
 
-def messages_until_final(fe, sock, timeout: float = 5.0) -> list[dict]:
-    out = []
-    while (msg := fe.recv(sock, timeout)) is not None:
-        out.append(msg)
-        if msg["type"] == "final":
-            break
-    return out
 
 
 def admit(fe, sock, rid: str, prompt: str = SHORT) -> AddRequest:
@@ -56,12 +45,12 @@ def test_streams_in_both_modes(live_frontend, ours, threads) -> None:
     sock = fe.client()
     add = admit(fe, sock, "a", LONG)
     assert add.prompt_token_ids == ours["demo"].encode(LONG)
-    fe.scheduler_send(first_step(add.request_id, 300))
+    fe.scheduler_send(fe.first_token(add.request_id, 300))
     assert fe.recv(sock)["token_ids"] == [300]
     fe.scheduler_send(TokenOutputs([], [add.request_id], [301]))
     assert fe.recv(sock)["token_ids"] == [301]
     fe.scheduler_send(finish(add.request_id, 302))
-    msgs = messages_until_final(fe, sock)
+    msgs = fe.until_final(sock)
     assert [m["type"] for m in msgs] == ["delta", "final"]
     assert msgs[-1]["token_ids"] == [300, 301, 302] and msgs[-1]["finish_reason"] == "length"
     assert msgs[-1]["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
@@ -74,7 +63,7 @@ def test_other_streams_flow_while_a_long_prompt_tokenizes(live_frontend, gated, 
     s = admit(fe, streaming, "s").request_id
     generate(fe, waiting, "long", LONG)
     assert gated.entered.wait(5)  # "long" is now stuck in the pool, mid-tokenization
-    fe.scheduler_send(first_step(s, 300))
+    fe.scheduler_send(fe.first_token(s, 300))
     gaps = []
     for i in range(20):
         sent = time.monotonic()
@@ -92,7 +81,7 @@ def test_other_streams_flow_while_a_long_prompt_tokenizes(live_frontend, gated, 
     assert isinstance(add, AddRequest) and add.request_id not in ("long", s)
     assert add.prompt_token_ids == ours["demo"].encode(LONG)
     fe.scheduler_send(finish(add.request_id, 400))
-    msgs = messages_until_final(fe, waiting)
+    msgs = fe.until_final(waiting)
     assert [m["type"] for m in msgs] == ["delta", "final"] and msgs[-1]["token_ids"] == [400]
     assert msgs[-1]["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
 
@@ -103,7 +92,7 @@ def test_abort_while_tokenizing_sends_nothing_to_the_scheduler_and_one_final(liv
     generate(fe, sock, "x", LONG)
     assert gated.entered.wait(5)
     fe.send(sock, type="abort", request_id="x")
-    msgs = messages_until_final(fe, sock)
+    msgs = fe.until_final(sock)
     assert [m["type"] for m in msgs] == ["final"]
     assert msgs[0]["finish_reason"] == "abort" and msgs[0]["token_ids"] == [] and msgs[0]["usage"]["prompt_tokens"] == 0
     fe.send(sock, type="abort", request_id="x")  # idempotent: nothing more
@@ -115,7 +104,7 @@ def test_abort_while_tokenizing_sends_nothing_to_the_scheduler_and_one_final(liv
     # the id is free again, and the next request under it is served normally
     add = admit(fe, sock, "x")
     fe.scheduler_send(finish(add.request_id, 300))
-    assert [m["type"] for m in messages_until_final(fe, sock)] == ["delta", "final"]
+    assert [m["type"] for m in fe.until_final(sock)] == ["delta", "final"]
 
 
 def test_disconnect_while_tokenizing_sends_nothing_to_the_scheduler(live_frontend, gated, ours) -> None:
@@ -155,7 +144,7 @@ def test_duplicate_id_is_refused_while_its_prompt_tokenizes(live_frontend, gated
     assert isinstance(add, AddRequest) and add.prompt_token_ids == ours["demo"].encode(LONG)
     assert fe.scheduler_recv(timeout=0.2) is None  # the duplicate never went anywhere
     fe.scheduler_send(finish(add.request_id, 300))
-    assert [m["type"] for m in messages_until_final(fe, sock)] == ["delta", "final"]
+    assert [m["type"] for m in fe.until_final(sock)] == ["delta", "final"]
 
 
 def test_outputs_for_an_id_still_tokenizing_are_ignored(live_frontend, gated) -> None:
@@ -174,7 +163,7 @@ def test_outputs_for_an_id_still_tokenizing_are_ignored(live_frontend, gated) ->
     add = fe.scheduler_recv()
     assert isinstance(add, AddRequest) and add.request_id == pending.scheduler_id
     fe.scheduler_send(finish(add.request_id, 302))
-    msgs = messages_until_final(fe, sock)
+    msgs = fe.until_final(sock)
     assert msgs[-1]["token_ids"] == [302]
 
 
@@ -184,7 +173,7 @@ def test_shutdown_while_tokenizing_sends_one_error_final(live_frontend, gated, o
     generate(fe, sock, "z", LONG)
     assert gated.entered.wait(5)
     fe.shutdown()
-    msgs = messages_until_final(fe, sock)
+    msgs = fe.until_final(sock)
     assert [m["type"] for m in msgs] == ["final"]
     assert msgs[0]["finish_reason"] == "error" and msgs[0]["error"] == "test over"
     gated.gate.set()  # the pool thread finishes; its tokens go nowhere
@@ -196,7 +185,7 @@ def test_tokenize_error_in_the_pool_is_one_error_final(live_frontend) -> None:
     fe = live_frontend(tokenize_inline_chars=100, max_model_len=64)
     sock = fe.client()
     generate(fe, sock, "big", LONG)
-    msgs = messages_until_final(fe, sock)
+    msgs = fe.until_final(sock)
     assert [m["type"] for m in msgs] == ["final"]
     assert msgs[0]["finish_reason"] == "error" and "the model's limit is 64" in msgs[0]["error"]
     assert fe.scheduler_recv(timeout=0.2) is None and not fe.frontend.requests
@@ -208,13 +197,13 @@ def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live
     sock = fe.client()
     first = admit(fe, sock, "chat")
     fe.scheduler_send(finish(first.request_id, 300))
-    assert messages_until_final(fe, sock)[-1]["finish_reason"] == "length"
+    assert fe.until_final(sock)[-1]["finish_reason"] == "length"
     context = first.prompt_token_ids + [300]
     # a long continuation, aborted while it tokenizes: the earlier context stays as it was
     generate(fe, sock, "chat", LONG)
     assert gated.entered.wait(5)
     fe.send(sock, type="abort", request_id="chat")
-    assert messages_until_final(fe, sock)[-1]["finish_reason"] == "abort"
+    assert fe.until_final(sock)[-1]["finish_reason"] == "abort"
     assert fe.frontend._sessions["chat"] == context
     gated.gate.set()
     assert fe.wait_for(lambda: not fe.frontend._tokenizing)
@@ -227,7 +216,7 @@ def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live
     assert "chat" not in fe.frontend._sessions  # back, extended, when this turn finishes
     assert add.request_id != first.request_id
     fe.scheduler_send(finish(add.request_id, 301))
-    final = messages_until_final(fe, sock)[-1]
+    final = fe.until_final(sock)[-1]
     assert final["token_ids"] == [301] and final["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
     assert fe.frontend._sessions["chat"] == add.prompt_token_ids + [301]
 
@@ -270,7 +259,7 @@ def test_inline_tokenization_stalls_streams_and_queued_steps_are_merged(live_fro
     fe = live_frontend(gated, tokenizer_threads=0)
     streaming, blocking = fe.client(), fe.client()
     s = admit(fe, streaming, "s").request_id
-    fe.scheduler_send(first_step(s, words[0]))
+    fe.scheduler_send(fe.first_token(s, words[0]))
     assert fe.recv(streaming)["token_ids"] == words[:1]
     gated.gate_inline = True
     generate(fe, blocking, "b", SHORT)
@@ -284,7 +273,7 @@ def test_inline_tokenization_stalls_streams_and_queued_steps_are_merged(live_fro
     assert merged["type"] == "delta" and merged["token_ids"] == words[1:5]
     assert merged["text"] == tok.decode(words[1:5])
     fe.scheduler_send(finish(s, words[5]))
-    msgs = messages_until_final(fe, streaming)
+    msgs = fe.until_final(streaming)
     assert msgs[-1]["token_ids"] == words and msgs[-1]["text"] == WORDS
     series = {s.name: s.values for s in fe.frontend.profiler.snapshot(60, series=["merged_steps"]).series}
     assert series["merged_steps"] == [4]
@@ -302,14 +291,14 @@ def test_merged_steps_stop_at_the_token_that_completes_a_stop_string(live_fronte
     gated.gate_inline = True
     generate(fe, blocking, "b", SHORT)
     assert gated.entered.wait(5)
-    fe.scheduler_send(first_step(s, words[0]))
+    fe.scheduler_send(fe.first_token(s, words[0]))
     for token in words[1:]:
         fe.scheduler_send(TokenOutputs([], [s], [token]))
     gated.gate.set()
     assert isinstance(fe.scheduler_recv(), AddRequest)  # "b"
     abort = fe.scheduler_recv()  # the stop string ended "s" here: the scheduler is told
     assert isinstance(abort, AbortRequests) and abort.request_ids == [s]
-    msgs = messages_until_final(fe, streaming)
+    msgs = fe.until_final(streaming)
     final = msgs[-1]
     assert final["finish_reason"] == "stop" and final["text"] == " one two three"
     assert final["token_ids"] == words[:4]  # up to the token that completed " four", not beyond

@@ -899,7 +899,7 @@ class Scheduler:
                         self._finish(
                             req,
                             FinishReason.ERROR,
-                            error=f"worker sampled no token for {req.request_id!r} (slot {req.slot})",
+                            error=f"worker sampled no token for this request (slot {req.slot}, step {plan.step_id})",
                         )
                     )
                     continue

@@ -586,6 +586,8 @@ def test_missing_token_fails_that_request():
     result = StepResult(plan.step_id, good.slots[i + 1 :], good.sampled_token_ids[i + 1 :])
     outs = {o.request_id: o for o in h.finish_step(plan, result)}
     assert outs["a"].finish_reason == FinishReason.ERROR and outs["b"].finish_reason is None
+    # The output is the request's own: its text names no id (the frontend's ids are internal).
+    assert outs["a"].error.startswith("worker sampled no token for this request") and "'a'" not in outs["a"].error
     h.run()
 
 

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from conveyor.common import profiling
@@ -135,6 +136,9 @@ class ModelRunner:
         # scheduler's max_num_seqs), never shrinks. _last_tokens (on the device) grows with it.
         self._states: list[_RequestState | None] = []
         self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
+        # Every held slot's block table, row = slot (a copy of its state's block_ids, zero
+        # past them): a step's tables are then one gather of its rows, not a copy per row.
+        self._tables = np.zeros((0, 0), dtype=np.int64)
         self._failed = False  # the last step raised: a plan planned ahead of it fails too
         self._cuda = self.device.type == "cuda"
         # Host buffers the sampled ids land in, two so that a step can be launched while the
@@ -189,6 +193,7 @@ class ModelRunner:
                 table.extend([None] * (new.slot + 1 - len(table)))
             tokens, blocks = int_list(new.token_ids), int_list(new.block_ids)
             table[new.slot] = _RequestState(new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens)
+            self._set_table(new.slot, 0, blocks, clear=True)
         if len(self._last_tokens) < len(table):
             grown = torch.zeros(len(table), dtype=torch.int64, device=self.device)
             grown[: len(self._last_tokens)] = self._last_tokens
@@ -196,7 +201,9 @@ class ModelRunner:
         start = time.perf_counter()
         states = [table[item.slot] for item in work]
         for item, state in zip(work, states):
-            state.block_ids.extend(item.new_block_ids)
+            if item.new_block_ids:
+                self._set_table(item.slot, len(state.block_ids), item.new_block_ids)
+                state.block_ids.extend(item.new_block_ids)
         samples = [item.num_computed + item.num_scheduled == state.num_known for item, state in zip(work, states)]
         sampled = self._run(work, states, samples) if work else None
         for item, state in zip(work, states):
@@ -217,6 +224,22 @@ class ModelRunner:
                 launched.done.record()
         self._failed = False
         return launched
+
+    def _set_table(self, slot: int, start: int, blocks: list[int], clear: bool = False) -> None:
+        """Write ``blocks`` into slot's block table row from column ``start`` (growing the
+        table as needed); ``clear`` zeroes the rest of the row (a new request on the slot)."""
+        tables = self._tables
+        rows, cols = tables.shape
+        end = start + len(blocks)
+        if slot >= rows or end > cols:
+            new_rows = rows if slot < rows else max(slot + 1, 2 * rows)
+            new_cols = cols if end <= cols else max(end, 2 * cols)
+            grown = np.zeros((new_rows, new_cols), dtype=np.int64)
+            grown[:rows, :cols] = tables
+            self._tables = tables = grown
+        if clear:
+            tables[slot, end:] = 0
+        tables[slot, start:end] = blocks
 
     def _copy_to_host(self, sampled: torch.Tensor) -> torch.Tensor:
         """Start copying the sampled ids into the next host buffer (pinned on CUDA: the copy is
@@ -271,9 +294,8 @@ class ModelRunner:
                 input_ids.append(0)
             else:
                 input_ids += known[item.num_computed : end]
-        metadata = AttentionMetadata.build(
-            query_lens, context_lens, [state.block_ids for state in states], self.block_size, self.device
-        )
+        tables = self._tables[np.fromiter([item.slot for item in work], np.int64, len(work))]
+        metadata = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
         positions = torch.from_numpy(token_positions(query_lens, context_lens)).to(self.device, non_blocking=True)
         tokens = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         if on_device:

@@ -41,6 +41,19 @@ def test_hand_written_steps(runner):
     assert runner.slots == [] and runner.request_ids == []
 
 
+def test_block_tables_follow_the_requests_and_stay_small(llama_dir):
+    """The runner's persistent block tables (a row per slot, gathered per step) hold each
+    request's blocks and nothing of a slot's earlier owner, and grow with the largest slot
+    and table seen, not beyond."""
+    runner = ModelRunner(llama_dir, block_size=4, num_blocks=64)
+    runner.execute(plan(0, [new(f"r{i}", i, [5, 6, 7], [2 * i, 2 * i + 1]) for i in range(9)]))
+    assert runner._tables.shape[0] <= 2 * 9 and runner._tables.shape[1] <= 2 * 2
+    runner.execute(plan(1, [new("x", 3, [9], [40])], [CachedRequestData(0, [30, 31, 32], 3, 1)], finished=[3]))
+    assert runner._tables[0, :5].tolist() == [0, 1, 30, 31, 32]
+    assert runner._tables[3].tolist()[:2] == [40, 0] and not runner._tables[3, 1:].any()
+    assert runner._tables.shape[1] <= 2 * 5
+
+
 def test_slot_is_reused_in_the_plan_that_drops_it(runner, llama_dir):
     """A slot freed by a finish or a preemption may be given to a new request in the very plan
     that drops it: the runner drops first, and the new owner starts from its own state."""

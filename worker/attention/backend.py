@@ -41,7 +41,7 @@ class AttentionMetadata:
       ``seq_lens`` int32 ``[B]``: tokens in context after this step (cached + new).
       ``context_lens`` int32 ``[B]``: tokens already cached before this step.
       ``block_tables`` int32 ``[B, max_blocks]``: the blocks holding positions
-      ``0..seq_lens[i]-1``; entries past a sequence's last needed block are 0 and never read.
+      ``0..seq_lens[i]-1``; entries past a sequence's last needed block are never read.
       ``slot_mapping`` int64 ``[T]``: flat cache slot of each new token, -1 = do not store.
 
     Host copies (``*_host``) let CPU backends loop over sequences without a device sync.
@@ -68,7 +68,7 @@ class AttentionMetadata:
         cls,
         query_lens: Sequence[int],
         context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]] | np.ndarray,
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
@@ -76,17 +76,25 @@ class AttentionMetadata:
 
         Each block table must cover ``context_len + query_len`` tokens; longer tables are
         cut to the blocks the step needs, so ``max_blocks`` tracks the longest context.
+        ``block_tables`` is one list per sequence, or a 2-D integer array with a row per
+        sequence (the model runner's persistent tables): the caller vouches that each row's
+        first blocks cover its sequence.
         """
         query = np.asarray(query_lens, dtype=np.int64)
         context = np.asarray(context_lens, dtype=np.int64)
         seq = context + query
         blocks_needed = -(-seq // block_size)
         max_blocks = int(blocks_needed.max()) if len(seq) else 0
-        table = np.zeros((len(seq), max_blocks), dtype=np.int64)
-        for row, (blocks, needed) in enumerate(zip(block_tables, blocks_needed.tolist())):
-            if len(blocks) < needed:
-                raise ValueError(f"sequence {row}: {len(blocks)} blocks cannot hold {int(seq[row])} tokens")
-            table[row, :needed] = blocks[:needed]
+        if isinstance(block_tables, np.ndarray):
+            if block_tables.shape[0] != len(seq) or block_tables.shape[1] < max_blocks:
+                raise ValueError(f"block tables of shape {block_tables.shape} for {len(seq)} sequences of up to {max_blocks} blocks")
+            table = block_tables[:, :max_blocks]
+        else:
+            table = np.zeros((len(seq), max_blocks), dtype=np.int64)
+            for row, (blocks, needed) in enumerate(zip(block_tables, blocks_needed.tolist())):
+                if len(blocks) < needed:
+                    raise ValueError(f"sequence {row}: {len(blocks)} blocks cannot hold {int(seq[row])} tokens")
+                table[row, :needed] = blocks[:needed]
 
         positions = token_positions(query, context)
         rows = np.repeat(np.arange(len(seq)), query)

@@ -9,5 +9,5 @@ export PYTHONUNBUFFERED=1
 pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
-python -m pytest -q tests/kernels tests/worker/test_cuda_worker.py 2>&1 | tee "$OUT/gpu_tests.log"
+python -m pytest -q tests/kernels tests/worker/test_cuda_worker.py tests/e2e/test_scheduler_model.py 2>&1 | tee "$OUT/gpu_tests.log"
 python bench/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
+import torch
 
 from conveyor.common.config import SchedulerConfig
 from conveyor.common.messages import AddRequest, SamplingParams, StepPlan
@@ -31,8 +32,6 @@ def prompts() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def runner_factory(tiny_checkpoint):
-    import torch
-
     from conveyor.worker.model_runner import ModelRunner
 
     torch.set_num_threads(2)
@@ -97,17 +96,18 @@ class Driver:
         if not self.launched:
             return False
         if len(self.launched) == 2 or not formed:  # the next step is queued, or none can be formed yet
-            plan, launched = self.launched.popleft()
-            assert self.inflight.popleft() is plan
-            self._apply(plan, self.runner.finish(launched))
+            self._finish_oldest()
         return True
 
     def settle(self) -> None:
         """Finish every launched step (pipelined), as the worker does when no plan follows."""
         while self.launched:
-            plan, launched = self.launched.popleft()
-            assert self.inflight.popleft() is plan
-            self._apply(plan, self.runner.finish(launched))
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        plan, launched = self.launched.popleft()
+        assert self.inflight.popleft() is plan
+        self._apply(plan, self.runner.finish(launched))
 
     def _apply(self, plan, result) -> None:
         assert result.error is None
@@ -222,3 +222,21 @@ def test_prefix_cached_and_continued_requests_match_served_alone(runner_factory,
         assert new.num_computed_tokens == context_len - 1, rid  # only the new tokens (and the last output) run
         assert driver.tokens[rid] == alone(prompt, 7), rid
     check_planned_ahead(driver)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pipelined_steps_give_the_same_tokens(tiny_checkpoint):
+    """On CUDA, where a launch only queues the step: decode inputs taken from the device-side
+    buffer of the step still running give the tokens the plain loop gives (which
+    tests/worker/test_cuda_worker.py checks against transformers)."""
+    from conveyor.worker.model_runner import ModelRunner
+
+    def serve(pipelined: bool) -> dict[str, list[int]]:
+        runner = ModelRunner(tiny_checkpoint, device="cuda", block_size=BLOCK_SIZE, num_blocks=256)
+        driver = Driver(runner, overlap=True, pipelined=pipelined, max_num_seqs=6, max_num_batched_tokens=24)
+        for rid, prompt in prompts().items():
+            driver.add(rid, prompt, 12)
+        return driver.run()
+
+    assert serve(pipelined=True) == serve(pipelined=False)

@@ -225,7 +225,7 @@ class _Step:
             if row_gen is None:
                 row_gen = self._row_gen = np.full(cols.num_slots, -1, np.int64)
                 row_gen[self.dslots] = self.dgens
-            if row_gen[slot] == cols.flat[GEN * cols.num_slots + slot]:  # planned as a decode on the slot it still holds
+            if row_gen[slot] == cols.generation(slot):  # planned as a decode on the slot it still holds
                 return 1
         by_request = self._tokens_by_request
         if by_request is None:
@@ -884,8 +884,7 @@ class Scheduler:
             else:
                 pairs = zip(slots.tolist(), tokens.tolist())
             sampled = dict(pairs).get
-            flat = self._cols.flat
-            known_base = KNOWN * self._cols.num_slots
+            cols = self._cols
             for req, _ in others:
                 if req.status is not RUNNING:
                     continue  # ended while the step ran: its blocks are already free
@@ -904,7 +903,7 @@ class Scheduler:
                     )
                     continue
                 req.token_ids.append(token)
-                flat[known_base + req.slot] += 1
+                cols.token_appended(req.slot)
                 kind = self._output(req, token, outputs, now)
                 if kind == _FINISHED:
                     finished.append(req)

@@ -84,6 +84,14 @@ class SlotColumns:
         self.token_lists[slot] = None
         self.ids[slot] = None
 
+    def token_appended(self, slot: int) -> None:
+        """One token was appended to the slot holder's list (the per-request path; the decode
+        step adds to ``known`` in bulk)."""
+        self.flat[KNOWN * self.num_slots + slot] += 1
+
+    def generation(self, slot: int) -> int:
+        return self.flat[GEN * self.num_slots + slot]
+
     def first_token_done(self, req: Request) -> None:
         """The request's first token was applied: its later tokens may take the vector path."""
         self.flat[ALARM * self.num_slots + req.slot] = _alarm(req)

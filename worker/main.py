@@ -157,7 +157,7 @@ class StepLoop:
         self.pipeline = pipeline
         self.t_idle = prof.timer("idle", arg_name="step")
         self.t_decode = prof.timer("plan_decode", arg_name="step")
-        self.t_execute = prof.timer("execute", arg_name="step")  # launch, and finish when not pipelined
+        self.t_execute = prof.timer("execute", arg_name="step")  # launching a step (on a CPU, the whole step)
         self.t_wait = prof.timer("wait_tokens", arg_name="step")  # finishing a launched step
         self.t_send = prof.timer("send_result", arg_name="step")
         self.pending = None  # (launched step, or the StepResult of a launch that failed)

@@ -148,10 +148,14 @@ class Client:
     ) -> CompletionResult:
         msg = _generate_message(prompt, messages, token_ids, request_id, False, fields)
         self._send(msg)
-        while True:
-            reply = self._next(msg["request_id"])
-            if reply["type"] == cp.FINAL:
-                return _result(reply)
+        try:
+            while True:
+                reply = self._next(msg["request_id"])
+                if reply["type"] == cp.FINAL:
+                    return _result(reply)
+        except KeyboardInterrupt:  # nobody waits for it any more: free the server's work
+            self._abandon(msg["request_id"])
+            raise
 
     def stream(
         self,
@@ -204,10 +208,15 @@ class Client:
         self._sock.send(cp.pack(msg))
 
     def _abandon(self, request_id: str) -> None:
-        """Abort a request nobody will read any more; its late replies are dropped on arrival."""
+        """Abort a request nobody will read any more; its late replies are dropped on arrival.
+
+        The server sends every request exactly one final, and all of it before anything of a
+        later request of this client that reuses the id, so "drop up to its final" is exact;
+        a final already buffered means there is nothing left to drop.
+        """
         self.abort(request_id)
-        self._inbox.pop(request_id, None)
-        self._abandoned.add(request_id)
+        if not any(reply["type"] == cp.FINAL for reply in self._inbox.pop(request_id, ())):
+            self._abandoned.add(request_id)
 
     def _next(self, key: str) -> dict[str, Any]:
         """The next message for ``key`` (a request id, or "__stats__"), buffering others."""
@@ -242,6 +251,7 @@ class AsyncClient:
         self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
         self._sock.connect(address)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._abandoned: set[str] = set()  # ids whose final is still to come, for nobody
         self._reader: asyncio.Task | None = None
         self._failure: BaseException | None = None
 
@@ -257,10 +267,14 @@ class AsyncClient:
         msg = _generate_message(prompt, messages, token_ids, request_id, False, fields)
         async with self._request(msg["request_id"]) as queue:
             await self._send(msg)
-            while True:
-                reply = await self._next(queue, msg["request_id"])
-                if reply["type"] == cp.FINAL:
-                    return _result(reply)
+            try:
+                while True:
+                    reply = await self._next(queue, msg["request_id"])
+                    if reply["type"] == cp.FINAL:
+                        return _result(reply)
+            except asyncio.CancelledError:  # e.g. wait_for() gave up on it: free the server's work
+                await self._abandon(msg["request_id"], queue)
+                raise
 
     async def stream(
         self,
@@ -281,8 +295,8 @@ class AsyncClient:
                     finished = delta.finish_reason is not None
                     yield delta
             finally:
-                if not finished:
-                    await self.abort(msg["request_id"])
+                if not finished:  # the caller stopped iterating early: free the server's work
+                    await self._abandon(msg["request_id"], queue)
 
     async def abort(self, request_id: str) -> None:
         await self._send({"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id})
@@ -339,7 +353,12 @@ class AsyncClient:
                     for queue in self._queues.values():
                         queue.put_nowait(reply)
                     continue
-                queue = self._queues.get(_reply_key(reply))
+                key = _reply_key(reply)
+                if key in self._abandoned:
+                    if reply.get("type") == cp.FINAL:
+                        self._abandoned.discard(key)
+                    continue
+                queue = self._queues.get(key)
                 if queue is not None:
                     queue.put_nowait(reply)
         except asyncio.CancelledError:
@@ -354,7 +373,17 @@ class AsyncClient:
             reply = await asyncio.wait_for(queue.get(), self.timeout)
         except asyncio.TimeoutError:
             if request_id is not None:
-                await self.abort(request_id)
+                await self._abandon(request_id, queue)
             raise TimeoutError(f"no reply from {self.address} within {self.timeout} s") from None
         _check_error(reply)
         return reply
+
+    async def _abandon(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Abort a request nobody will read any more (as :meth:`Client._abandon`): the reader
+        drops its replies up to its final, so a later request reusing the id never gets them."""
+        ended = False
+        while not queue.empty():  # a final already received: nothing more will come
+            ended = queue.get_nowait().get("type") == cp.FINAL or ended
+        if not ended:
+            self._abandoned.add(request_id)  # (no await since the check: the reader cannot interleave)
+        await self.abort(request_id)

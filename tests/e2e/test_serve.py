@@ -160,6 +160,55 @@ def test_client_disconnect_frees_blocks(server) -> None:
             assert stats["held_blocks"] == 0 and stats["in_flight"] == 0, stats
 
 
+def test_generate_given_up_aborts_its_request(server) -> None:
+    """A request the caller stops waiting for (an asyncio ``generate`` cancelled, a stream
+    left early, Ctrl-C in the sync client) is aborted, and its id can be sent again at once:
+    the new turn continues the aborted one and gets its own result, never the old turn's
+    abort final (nor an "already in flight" error)."""
+    long = {"token_ids": list(range(10, 40)), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    async def cancelled() -> None:
+        async with AsyncClient(server.address, timeout=60) as client:
+            task = asyncio.ensure_future(client.generate(request_id="given-up", **long))
+            deadline = time.monotonic() + 10
+            while (await client.stats())["held_blocks"] == 0:  # the request is running
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            again = await client.generate(request_id="given-up", token_ids=[7], max_tokens=2, temperature=0)
+            assert again.finish_reason == "length" and len(again.token_ids) == 2, again
+            # A stream left early, its id reused at once: the new turn gets none of the old one's replies.
+            stream = client.stream(request_id="left", **long)
+            async for _ in stream:
+                break
+            await stream.aclose()
+            again = await client.generate(request_id="left", token_ids=[7], max_tokens=2, temperature=0)
+            assert again.finish_reason == "length" and len(again.token_ids) == 2, again
+
+    asyncio.run(cancelled())
+
+    with Client(server.address, timeout=60) as client:
+        real_next = client._next
+
+        def interrupted(key: str) -> dict:  # Ctrl-C while the request runs
+            with Client(server.address, timeout=60) as watcher:
+                deadline = time.monotonic() + 10
+                while watcher.stats()["held_blocks"] == 0:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            raise KeyboardInterrupt
+
+        client._next = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            client.generate(request_id="interrupted", **long)
+        client._next = real_next
+        again = client.generate(request_id="interrupted", token_ids=[7], max_tokens=2, temperature=0)
+        assert again.finish_reason == "length" and len(again.token_ids) == 2, again
+        assert wait_for_free_blocks(client)["held_blocks"] == 0
+
+
 BAD_INPUTS = [
     ({"token_ids": [1, 2], "top_p": 0}, "top_p"),
     ({"token_ids": [1, 2], "temperature": -1}, "temperature"),

@@ -4,7 +4,9 @@ One asyncio loop (uvloop) owns every socket of this process and serves them from
 a single poller, in a fixed order per wake-up: disconnect events first, then the
 control line, then client messages, then scheduler outputs. Handling a client's
 disconnect before any message that arrived after it keeps the fd -> client map
-honest when the kernel reuses a file descriptor.
+honest when the kernel reuses a file descriptor: ZeroMQ queues the disconnect event
+before it closes the fd, so before any message of a later connection on that fd, and
+pending disconnect events are also handled before each client message of a drain.
 
 Request ids: a client names its requests (``request_id``); the scheduler knows each
 submission by an id of its own, the next value of a per-frontend counter (``"1"``, ``"2"``,
@@ -343,6 +345,11 @@ class Frontend:
             self._drop(victims)
 
     async def _on_client_frames(self, frames) -> None:
+        if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            # A disconnect queued before this message must be handled first, not after the rest
+            # of this drain: its fd may be this message's (closed, then reused by a new client's
+            # connection), and the disconnect would then drop the new client's requests too.
+            await self._drain(self.monitor, self._on_monitor_event, multipart=True)
         if len(frames) != 2:
             return  # DEALER clients send exactly one frame; anything else has no reply path
         identity = frames[0].bytes

@@ -160,6 +160,42 @@ def test_client_disconnect_frees_blocks(server) -> None:
             assert stats["held_blocks"] == 0 and stats["in_flight"] == 0, stats
 
 
+def test_new_client_on_a_reused_fd_is_not_taken_for_the_gone_one(server) -> None:
+    """A client that disconnects while the frontend drains a burst of messages, and a new
+    client that connects (the server's fd of the old connection reused for the new one)
+    and sends at once: the disconnect drops the old client's request only. Before the
+    frontend handled pending disconnects ahead of each client message, about half of the
+    new clients here never got a reply."""
+    ctx = zmq.Context.instance()
+    busy = ctx.socket(zmq.DEALER)
+    busy.connect(server.address)
+    n = 0
+    try:
+        for i in range(8):
+            gone = ctx.socket(zmq.DEALER)
+            gone.connect(server.address)
+            gone.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"gone{i}", "token_ids": [5] * 8, "max_tokens": 100, "ignore_eos": True, "stream": True}))
+            assert gone.poll(30_000), "no first token"
+            for _ in range(200):  # a burst the frontend drains in one pass
+                n += 1
+                busy.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"busy{n}", "token_ids": [7] * 4, "max_tokens": 1}))
+            time.sleep(0.002)
+            gone.close(linger=0)
+            new = ctx.socket(zmq.DEALER)
+            new.connect(server.address)
+            new.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"new{i}", "token_ids": [6] * 8, "max_tokens": 2}))
+            assert new.poll(30_000), f"round {i}: the new client's request was dropped with the gone one's"
+            reply = msgpack.unpackb(new.recv())
+            assert reply["request_id"] == f"new{i}" and reply["finish_reason"] == "length", reply
+            new.close(linger=0)
+            while busy.poll(0):
+                busy.recv()
+    finally:
+        busy.close(linger=0)
+    with Client(server.address, timeout=60) as client:
+        assert wait_for_free_blocks(client, timeout=30)["held_blocks"] == 0
+
+
 def test_generate_given_up_aborts_its_request(server) -> None:
     """A request the caller stops waiting for (an asyncio ``generate`` cancelled, a stream
     left early, Ctrl-C in the sync client) is aborted, and its id can be sent again at once:

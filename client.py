@@ -75,7 +75,7 @@ def _result(msg: dict[str, Any]) -> CompletionResult:
     )
 
 
-def _generate_message(
+def generate_message(
     prompt: str | None,
     messages: list[dict[str, str]] | None,
     token_ids: list[int] | None,
@@ -83,6 +83,9 @@ def _generate_message(
     stream: bool,
     fields: dict[str, Any],
 ) -> dict[str, Any]:
+    """The ``generate`` map of the client protocol (docs/protocol.md) for these inputs and
+    request fields; a uuid names the request when ``request_id`` is None. For callers that
+    drive a socket of their own (tests, bin/soak's disconnecting clients)."""
     msg: dict[str, Any] = {"type": cp.GENERATE, "v": cp.CLIENT_PROTOCOL_VERSION, "stream": stream}
     msg["request_id"] = request_id or uuid.uuid4().hex
     for key, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)):
@@ -146,7 +149,7 @@ class Client:
         request_id: str | None = None,
         **fields: Any,
     ) -> CompletionResult:
-        msg = _generate_message(prompt, messages, token_ids, request_id, False, fields)
+        msg = generate_message(prompt, messages, token_ids, request_id, False, fields)
         self._send(msg)
         try:
             while True:
@@ -166,7 +169,7 @@ class Client:
         request_id: str | None = None,
         **fields: Any,
     ) -> Iterator[Delta]:
-        msg = _generate_message(prompt, messages, token_ids, request_id, True, fields)
+        msg = generate_message(prompt, messages, token_ids, request_id, True, fields)
         self._send(msg)
         finished = False
         try:
@@ -264,7 +267,7 @@ class AsyncClient:
         request_id: str | None = None,
         **fields: Any,
     ) -> CompletionResult:
-        msg = _generate_message(prompt, messages, token_ids, request_id, False, fields)
+        msg = generate_message(prompt, messages, token_ids, request_id, False, fields)
         async with self._request(msg["request_id"]) as queue:
             await self._send(msg)
             try:
@@ -285,7 +288,7 @@ class AsyncClient:
         request_id: str | None = None,
         **fields: Any,
     ) -> AsyncIterator[Delta]:
-        msg = _generate_message(prompt, messages, token_ids, request_id, True, fields)
+        msg = generate_message(prompt, messages, token_ids, request_id, True, fields)
         finished = False
         async with self._request(msg["request_id"]) as queue:
             await self._send(msg)

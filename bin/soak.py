@@ -9,7 +9,8 @@ long for the model; streamed or not; greedy, or sampled with a seed, top-k, top-
 strings, ``ignore_eos``, priorities; an invalid field now and then. One request in five is
 given up on (a stream left after a few deltas, a ``generate`` cancelled after a random
 wait), and one in five reuses the id of one of the client's finished or given-up requests,
-i.e. continues that conversation. Run it against a server with a small KV cache
+i.e. continues that conversation. Now and then a client sends a request on a connection of
+its own and closes it mid-request, or asks for the stats and the latency profile. Run it against a server with a small KV cache
 (``--num-kv-blocks``) and token budget to force chunked prefills and preemptions.
 
 What is checked (each failure is listed, and the exit status is 1):
@@ -38,7 +39,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.client import AsyncClient, CompletionResult
+import zmq
+import zmq.asyncio
+
+from conveyor.client import AsyncClient, CompletionResult, generate_message
+from conveyor.common import client_protocol as cp
 from conveyor.common.transport import client_address
 
 WORDS = (
@@ -58,6 +63,8 @@ class Report:
     requests: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     given_up: int = 0
+    vanished: int = 0  # requests whose client closed its connection mid-request
+    probes: int = 0  # stats + profile calls made under load
     continued: int = 0
     streamed: int = 0
     replayed: int = 0
@@ -142,9 +149,47 @@ class _Soak:
             if stop in text:
                 report.fail(f"{result.request_id}: stop string {stop!r} in its text {text[:80]!r}")
 
+    async def vanish(self, rng: random.Random, drawn: _Drawn, request_id: str) -> None:
+        """A client that sends a streamed request, reads a reply or two and closes its connection
+        without a word: the server must abort the request and free its blocks on its own."""
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        try:
+            msg = generate_message(drawn.prompt, drawn.messages, drawn.token_ids, request_id, True, drawn.fields)
+            await sock.send(cp.pack(msg))
+            for _ in range(rng.randint(0, 2)):
+                if not await sock.poll(self.timeout * 1000):
+                    self.report.fail(f"{request_id}: no reply within {self.timeout} s")
+                    break
+                await sock.recv()
+        finally:
+            sock.close(linger=0)
+        self.report.vanished += 1
+
+    async def probe(self, client: AsyncClient) -> None:
+        """Stats and the latency profile, asked for under load."""
+        stats = await client.stats()
+        if stats["free_blocks"] + stats["cached_blocks"] + stats["held_blocks"] != stats["total_blocks"]:
+            self.report.fail(f"block counts do not add up under load: {stats}")
+        processes = (await client.profile(5.0))["processes"]
+        if sorted(p["process"] for p in processes) != ["frontend", "scheduler", "worker"]:
+            self.report.fail(f"profile names {[p['process'] for p in processes]}")
+        self.report.probes += 1
+
     async def one(self, client: AsyncClient, rng: random.Random, ids: list[str], prefix: str) -> None:
         report = self.report
         drawn = draw(rng)
+        action = rng.random()
+        if action < 0.05:
+            try:
+                if action < 0.03:
+                    await self.vanish(rng, drawn, f"{prefix}{report.requests}-gone")
+                else:
+                    await self.probe(client)
+            except Exception as exc:  # noqa: BLE001
+                report.fail(f"{'vanishing client' if action < 0.03 else 'probe'} raised {exc!r:.200}")
+            return
         continued = bool(ids) and rng.random() < 0.2
         request_id = rng.choice(ids) if continued else f"{prefix}{self.report.requests}"
         give_up = rng.random() < 0.2

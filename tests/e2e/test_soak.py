@@ -1,7 +1,8 @@
 """bin/soak against a live server with a KV cache small enough to force preemptions.
 
 Random traffic (streams, chats, token ids, stop strings, priorities, seeded sampling, bad
-input, requests given up on and ids reused as continuations) for a few seconds; then the
+input, requests given up on, ids reused as continuations, clients closing their connection
+mid-request, stats and profile calls) for a few seconds; then the
 server must have drained with no block held, and greedy and seeded requests replayed alone
 must give the tokens they got under load, where they were chunked, preempted (swapped or
 recomputed) and served from the prefix cache.
@@ -28,5 +29,6 @@ def test_soak_under_preemption_drains_and_replays(serve_factory, tiny_checkpoint
     # The traffic did reach the paths it is meant to cover.
     assert stats["num_preemptions_swap"] and stats["num_preemptions_recompute"], stats
     assert stats["prefix_cache_hit_tokens"] and stats["num_planned_ahead"], stats
-    assert report.given_up and report.continued and report.finish_reasons.get("error"), report
+    assert report.given_up and report.continued and report.vanished and report.probes, report
+    assert report.finish_reasons.get("error"), report  # bad input and prompts too long: error finals
     assert report.replayed >= 10, report

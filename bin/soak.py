@@ -162,7 +162,8 @@ class _Soak:
                 if not await sock.poll(self.timeout * 1000):
                     self.report.fail(f"{request_id}: no reply within {self.timeout} s")
                     break
-                await sock.recv()
+                if cp.unpack_map(await sock.recv())["type"] == cp.FINAL:
+                    break  # nothing follows a final
         finally:
             sock.close(linger=0)
         self.report.vanished += 1

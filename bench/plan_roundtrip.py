@@ -20,6 +20,8 @@ both alike; p50/p99 are over all rounds.
 
     python bench/plan_roundtrip.py                          # N = 1, 64, 256; both transports
     python bench/plan_roundtrip.py --sizes 256 --iters 20000 --json out.json
+    python bench/plan_roundtrip.py --spin-us 5000       # both ends spin instead of sleeping
+    python bench/plan_roundtrip.py --in-process         # both ends in one process: CPU cost only
 """
 
 from __future__ import annotations
@@ -114,6 +116,45 @@ def run(transport: str, n: int, iters: int, warmup: int, spin_us: float | None) 
     return samples
 
 
+def run_in_process(transport: str, n: int, iters: int, warmup: int) -> list[int]:
+    """The same round trip with both ends in this process (``--in-process``): every encode,
+    ring or socket operation and decode of the two hops, and no process wake-up at all;
+    what the hop costs in CPU, the floor of the two-process figure."""
+    run_dir = tempfile.mkdtemp(prefix="cv-rt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    channels = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", transport)
+    step_channel.create_rings(channels)
+    ctx = zmq.Context()
+    plans_tx, results_rx = StepSender(ctx, channels.plans, bind=True), StepReceiver(ctx, channels.results, bind=True)
+    plans_rx, results_tx = StepReceiver(ctx, channels.plans, bind=False), StepSender(ctx, channels.results, bind=False)
+    slots = list(range(n))
+    samples: list[int] = []
+    try:
+        for step in range(warmup + iters):
+            plan = decode_plan(step, slots)
+            start = time.perf_counter_ns()
+            plans_tx.send(plan)
+            got = plans_rx.recv()  # the stand-in worker's side, as in stand_in_worker()
+            cached = got.cached_requests
+            worker_slots = cached.slots.tolist()
+            computed = cached.num_computed_tokens.tolist()
+            cached.num_scheduled_tokens.tolist()
+            results_tx.send(StepResult(got.step_id, worker_slots, np.full(len(computed), 11, dtype=np.int32)))
+            result = results_rx.recv()
+            result.slots.tolist()
+            tokens = result.sampled_token_ids.tolist()
+            end = time.perf_counter_ns()
+            assert result.step_id == step and len(tokens) == n
+            if step >= warmup:
+                samples.append(end - start)
+    finally:
+        for end_ in (plans_tx, results_rx, plans_rx, results_tx):
+            end_.close()
+        ctx.term()
+        step_channel.remove_rings(channels)
+        os.rmdir(run_dir) if not os.listdir(run_dir) else None
+    return samples
+
+
 def summary(samples_ns: list[int]) -> dict[str, float]:
     a = np.array(samples_ns) / 1e3
     return {
@@ -133,6 +174,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved runs per size and transport")
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--spin-us", type=float, help="ring readers' spin before sleeping (default: bin/serve's)")
+    p.add_argument("--in-process", action="store_true", help="both ends in this process: the hop's CPU cost alone")
     p.add_argument("--json", help="write raw percentiles and machine info here")
     args = p.parse_args()
 
@@ -153,7 +195,10 @@ def main() -> int:
         samples: dict[str, list[int]] = {t: [] for t in args.transports}
         for _ in range(args.rounds):
             for t in args.transports:
-                samples[t] += run(t, n, args.iters // args.rounds, args.warmup, args.spin_us)
+                if args.in_process:
+                    samples[t] += run_in_process(t, n, args.iters // args.rounds, args.warmup)
+                else:
+                    samples[t] += run(t, n, args.iters // args.rounds, args.warmup, args.spin_us)
         for t in args.transports:
             s = summary(samples[t])
             report["results"].append({"requests": n, "transport": t, **s})

@@ -21,10 +21,11 @@ What is checked (each failure is listed, and the exit status is 1):
 - no result has more tokens than its ``max_tokens``, and no stop string shows in its text;
 - afterwards the server drains: nothing running, waiting or in flight, no KV block held or
   swapped out, every GPU block free or cached;
+- a stream's deltas add up to its final (text and token ids);
 - ``--replay`` of the greedy and seeded requests that were neither continuations nor given
-  up on are sent again one at a time on the idle server and must produce the same token
-  ids and finish reason as under load (where they were chunked, preempted, swapped,
-  recomputed or served from the prefix cache).
+  up on (streamed or not) are sent again, unstreamed, one at a time on the idle server and
+  must produce the same token ids, finish reason and text as under load (where they were
+  chunked, preempted, swapped, recomputed or served from the prefix cache).
 """
 
 from __future__ import annotations
@@ -199,11 +200,12 @@ class _Soak:
         try:
             if rng.random() < 0.5:
                 report.streamed += 1
-                text, final, seen, limit = [], None, 0, rng.randint(0, 5)
+                text, tokens, final, seen, limit = [], [], None, 0, rng.randint(0, 5)
                 stream = client.stream(request_id=request_id, **drawn.kwargs())
                 async for delta in stream:
                     seen += 1
                     text.append(delta.text)
+                    tokens += delta.token_ids
                     if delta.result is not None:
                         final = delta.result
                     elif give_up and seen > limit:
@@ -214,6 +216,11 @@ class _Soak:
                     report.given_up += 1
                     return
                 self._check_result(drawn, final, "".join(text))
+                if final.finish_reason != "error":
+                    if "".join(text) != final.text or tokens != final.token_ids:
+                        report.fail(f"{request_id}: its deltas ({tokens}) do not add up to its final ({final.token_ids})")
+                    if not continued:
+                        self.replayable.append((drawn, final))
             else:
                 pending = client.generate(request_id=request_id, **drawn.kwargs())
                 try:
@@ -258,7 +265,10 @@ class _Soak:
         for drawn, under_load in rng.sample(self.replayable, min(n, len(self.replayable))):
             alone = await client.generate(**drawn.kwargs())
             self.report.replayed += 1
-            if alone.token_ids != under_load.token_ids or alone.finish_reason != under_load.finish_reason:
+            same = (alone.token_ids, alone.finish_reason, alone.text) == (
+                under_load.token_ids, under_load.finish_reason, under_load.text
+            )
+            if not same:
                 self.report.fail(
                     f"replay of {under_load.request_id} ({drawn.fields}) differs: under load {under_load.token_ids} "
                     f"({under_load.finish_reason}), alone {alone.token_ids} ({alone.finish_reason})"

@@ -27,6 +27,7 @@ both alike; p50/p99 are over all rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
@@ -35,6 +36,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import zmq
@@ -42,6 +44,16 @@ import zmq
 from conveyor.common import step_channel
 from conveyor.common.messages import CachedRequests, Shutdown, StepPlan, StepResult
 from conveyor.common.step_channel import StepChannels, StepReceiver, StepSender
+
+
+def answer(plan: StepPlan) -> StepResult:
+    """The stand-in worker's part of a step: read the plan's columns into Python ints (as the
+    model runner does) and sample token 11 for every request."""
+    cached = plan.cached_requests
+    slots = cached.slots.tolist()
+    computed = cached.num_computed_tokens.tolist()
+    cached.num_scheduled_tokens.tolist()
+    return StepResult(plan.step_id, slots, np.full(len(computed), 11, dtype=np.int32))
 
 
 def stand_in_worker(channels: StepChannels) -> None:
@@ -53,12 +65,7 @@ def stand_in_worker(channels: StepChannels) -> None:
             plan = plans.recv()
             if isinstance(plan, Shutdown):
                 return
-            cached = plan.cached_requests
-            slots = cached.slots.tolist()  # what the runner reads out of a plan
-            computed = cached.num_computed_tokens.tolist()
-            cached.num_scheduled_tokens.tolist()
-            sampled = np.full(len(computed), 11, dtype=np.int32)
-            results.send(StepResult(plan.step_id, slots, sampled))
+            results.send(answer(plan))
     finally:
         plans.close()
         results.close()
@@ -70,7 +77,9 @@ def decode_plan(step: int, slots: list[int]) -> StepPlan:
     return StepPlan(step, [], CachedRequests(slots, np.arange(100, 100 + n, dtype=np.int32), np.ones(n, np.int32)), [])
 
 
-def run(transport: str, n: int, iters: int, warmup: int, spin_us: float | None) -> list[int]:
+@contextlib.contextmanager
+def server_channels(transport: str, spin_us: float | None = None) -> Iterator[StepChannels]:
+    """The step channels bin/serve would make (rings created), removed again on exit."""
     run_dir = tempfile.mkdtemp(prefix="cv-rt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     channels = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", transport)
     if spin_us is not None:
@@ -78,41 +87,59 @@ def run(transport: str, n: int, iters: int, warmup: int, spin_us: float | None) 
             dataclasses.replace(channels.plans, spin_us=spin_us), dataclasses.replace(channels.results, spin_us=spin_us)
         )
     step_channel.create_rings(channels)
-    ctx = zmq.Context()
-    plans = StepSender(ctx, channels.plans, bind=True)
-    results = StepReceiver(ctx, channels.results, bind=True)
-    poller = zmq.Poller()
-    poller.register(results.pollable(), zmq.POLLIN)
-    worker = mp.get_context("spawn").Process(target=stand_in_worker, args=(channels,), daemon=True)
-    worker.start()
+    try:
+        yield channels
+    finally:
+        step_channel.remove_rings(channels)
+        os.rmdir(run_dir) if not os.listdir(run_dir) else None
+
+
+def time_round_trips(n: int, iters: int, warmup: int, hop: Callable[[StepPlan], StepResult]) -> list[int]:
+    """ns per ``hop`` (plan sent, result back and decoded) of decode plans of ``n`` requests,
+    the result's columns read out as scheduler/main.py does; the first ``warmup`` not kept."""
     slots = list(range(n))
     samples: list[int] = []
-    try:
-        for step in range(warmup + iters):
-            plan = decode_plan(step, slots)
-            start = time.perf_counter_ns()
+    for step in range(warmup + iters):
+        plan = decode_plan(step, slots)
+        start = time.perf_counter_ns()
+        result = hop(plan)
+        result.slots.tolist()
+        tokens = result.sampled_token_ids.tolist()
+        end = time.perf_counter_ns()
+        assert result.step_id == step and len(tokens) == n
+        if step >= warmup:
+            samples.append(end - start)
+    return samples
+
+
+def run(transport: str, n: int, iters: int, warmup: int, spin_us: float | None) -> list[int]:
+    with server_channels(transport, spin_us) as channels:
+        ctx = zmq.Context()
+        plans = StepSender(ctx, channels.plans, bind=True)
+        results = StepReceiver(ctx, channels.results, bind=True)
+        poller = zmq.Poller()
+        poller.register(results.pollable(), zmq.POLLIN)
+        worker = mp.get_context("spawn").Process(target=stand_in_worker, args=(channels,), daemon=True)
+        worker.start()
+
+        def hop(plan: StepPlan) -> StepResult:
             plans.send(plan)
             while not (results.spin() or results.arm()):  # as the scheduler loop waits
                 poller.poll(100)
                 results.disarm()
             results.disarm()
-            result = results.recv(0)
-            result.slots.tolist()  # what scheduler/main.py reads out of a result
-            tokens = result.sampled_token_ids.tolist()
-            end = time.perf_counter_ns()
-            assert result.step_id == step and len(tokens) == n
-            if step >= warmup:
-                samples.append(end - start)
-        plans.send(Shutdown("done"))
-        worker.join(10)
-    finally:
-        if worker.is_alive():
-            worker.kill()
-        plans.close()
-        results.close()
-        ctx.term()
-        step_channel.remove_rings(channels)
-        os.rmdir(run_dir) if not os.listdir(run_dir) else None
+            return results.recv(0)
+
+        try:
+            samples = time_round_trips(n, iters, warmup, hop)
+            plans.send(Shutdown("done"))
+            worker.join(10)
+        finally:
+            if worker.is_alive():
+                worker.kill()
+            plans.close()
+            results.close()
+            ctx.term()
     return samples
 
 
@@ -120,38 +147,27 @@ def run_in_process(transport: str, n: int, iters: int, warmup: int) -> list[int]
     """The same round trip with both ends in this process (``--in-process``): every encode,
     ring or socket operation and decode of the two hops, and no process wake-up at all;
     what the hop costs in CPU, the floor of the two-process figure."""
-    run_dir = tempfile.mkdtemp(prefix="cv-rt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    channels = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", transport)
-    step_channel.create_rings(channels)
-    ctx = zmq.Context()
-    plans_tx, results_rx = StepSender(ctx, channels.plans, bind=True), StepReceiver(ctx, channels.results, bind=True)
-    plans_rx, results_tx = StepReceiver(ctx, channels.plans, bind=False), StepSender(ctx, channels.results, bind=False)
-    slots = list(range(n))
-    samples: list[int] = []
-    try:
-        for step in range(warmup + iters):
-            plan = decode_plan(step, slots)
-            start = time.perf_counter_ns()
+    with server_channels(transport) as channels:
+        ctx = zmq.Context()
+        ends = (
+            StepSender(ctx, channels.plans, bind=True),
+            StepReceiver(ctx, channels.results, bind=True),
+            StepReceiver(ctx, channels.plans, bind=False),
+            StepSender(ctx, channels.results, bind=False),
+        )
+        plans_tx, results_rx, plans_rx, results_tx = ends
+
+        def hop(plan: StepPlan) -> StepResult:
             plans_tx.send(plan)
-            got = plans_rx.recv()  # the stand-in worker's side, as in stand_in_worker()
-            cached = got.cached_requests
-            worker_slots = cached.slots.tolist()
-            computed = cached.num_computed_tokens.tolist()
-            cached.num_scheduled_tokens.tolist()
-            results_tx.send(StepResult(got.step_id, worker_slots, np.full(len(computed), 11, dtype=np.int32)))
-            result = results_rx.recv()
-            result.slots.tolist()
-            tokens = result.sampled_token_ids.tolist()
-            end = time.perf_counter_ns()
-            assert result.step_id == step and len(tokens) == n
-            if step >= warmup:
-                samples.append(end - start)
-    finally:
-        for end_ in (plans_tx, results_rx, plans_rx, results_tx):
-            end_.close()
-        ctx.term()
-        step_channel.remove_rings(channels)
-        os.rmdir(run_dir) if not os.listdir(run_dir) else None
+            results_tx.send(answer(plans_rx.recv()))
+            return results_rx.recv()
+
+        try:
+            samples = time_round_trips(n, iters, warmup, hop)
+        finally:
+            for end_ in ends:
+                end_.close()
+            ctx.term()
     return samples
 
 

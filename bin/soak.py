@@ -193,51 +193,62 @@ class _Soak:
                 report.fail(f"{'vanishing client' if action < 0.03 else 'probe'} raised {exc!r:.200}")
             return
         continued = bool(ids) and rng.random() < 0.2
-        request_id = rng.choice(ids) if continued else f"{prefix}{self.report.requests}"
+        request_id = rng.choice(ids) if continued else f"{prefix}{report.requests}"
         give_up = rng.random() < 0.2
         report.requests += 1
         report.continued += continued
         try:
             if rng.random() < 0.5:
-                report.streamed += 1
-                text, tokens, final, seen, limit = [], [], None, 0, rng.randint(0, 5)
-                stream = client.stream(request_id=request_id, **drawn.kwargs())
-                async for delta in stream:
-                    seen += 1
-                    text.append(delta.text)
-                    tokens += delta.token_ids
-                    if delta.result is not None:
-                        final = delta.result
-                    elif give_up and seen > limit:
-                        await stream.aclose()
-                        break
-                ids.append(request_id)
-                if final is None:  # given up
-                    report.given_up += 1
-                    return
-                self._check_result(drawn, final, "".join(text))
-                if final.finish_reason != "error":
-                    if "".join(text) != final.text or tokens != final.token_ids:
-                        report.fail(f"{request_id}: its deltas ({tokens}) do not add up to its final ({final.token_ids})")
-                    if not continued:
-                        self.replayable.append((drawn, final))
+                final = await self._streamed(client, rng, drawn, request_id, give_up)
             else:
-                pending = client.generate(request_id=request_id, **drawn.kwargs())
-                try:
-                    result = await asyncio.wait_for(pending, rng.uniform(0, 0.3) if give_up else None)
-                except asyncio.TimeoutError:
-                    if not give_up:
-                        raise  # the client's own timeout: a hung request
-                    report.given_up += 1  # cancelled: the client aborts it
-                    ids.append(request_id)
-                    return
-                ids.append(request_id)
-                self._check_result(drawn, result, result.text)
-                if not continued and result.finish_reason != "error":
-                    self.replayable.append((drawn, result))
+                final = await self._unstreamed(client, rng, drawn, request_id, give_up)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, none stops the soak
             report.fail(f"client call raised {exc!r:.200}")
-        del ids[:-64]  # a client remembers its recent ids only
+            return
+        finally:
+            del ids[:-63]  # a client remembers its recent ids only
+        ids.append(request_id)
+        if final is None:
+            report.given_up += 1
+        elif not continued and final.finish_reason != "error":
+            self.replayable.append((drawn, final))
+
+    async def _streamed(
+        self, client: AsyncClient, rng: random.Random, drawn: _Drawn, request_id: str, give_up: bool
+    ) -> CompletionResult | None:
+        """The request as a stream, checked; None if given up (left after a few deltas)."""
+        self.report.streamed += 1
+        text, tokens, final, seen, limit = [], [], None, 0, rng.randint(0, 5)
+        stream = client.stream(request_id=request_id, **drawn.kwargs())
+        async for delta in stream:  # (run to its end after the final: that ends the request on the client)
+            seen += 1
+            text.append(delta.text)
+            tokens += delta.token_ids
+            if delta.result is not None:
+                final = delta.result
+            elif give_up and seen > limit:
+                await stream.aclose()
+                return None
+        if final is None:
+            raise AssertionError(f"{request_id}: the stream ended without a final")
+        self._check_result(drawn, final, "".join(text))
+        if final.finish_reason != "error" and ("".join(text) != final.text or tokens != final.token_ids):
+            self.report.fail(f"{request_id}: its deltas ({tokens}) do not add up to its final ({final.token_ids})")
+        return final
+
+    async def _unstreamed(
+        self, client: AsyncClient, rng: random.Random, drawn: _Drawn, request_id: str, give_up: bool
+    ) -> CompletionResult | None:
+        """The request unstreamed, checked; None if given up (cancelled after a random wait)."""
+        pending = client.generate(request_id=request_id, **drawn.kwargs())
+        try:
+            result = await asyncio.wait_for(pending, rng.uniform(0, 0.3) if give_up else None)
+        except asyncio.TimeoutError:
+            if not give_up:
+                raise  # the client's own timeout: a hung request
+            return None  # cancelled: the client aborts it
+        self._check_result(drawn, result, result.text)
+        return result
 
     async def client_loop(self, index: int, seed: int, deadline: float) -> None:
         rng = random.Random(seed * 1_000_003 + index)

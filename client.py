@@ -293,13 +293,18 @@ class AsyncClient:
         async with self._request(msg["request_id"]) as queue:
             await self._send(msg)
             try:
-                while not finished:
+                while True:
                     delta = _to_delta(await self._next(queue, msg["request_id"]))
-                    finished = delta.finish_reason is not None
+                    if delta.finish_reason is not None:
+                        finished = True
+                        break
                     yield delta
             finally:
                 if not finished:  # the caller stopped iterating early: free the server's work
                     await self._abandon(msg["request_id"], queue)
+        # The final is handed over once its id is free on this client, so a caller that stops
+        # at it (without iterating to the end or closing the stream) may reuse the id at once.
+        yield delta
 
     async def abort(self, request_id: str) -> None:
         await self._send({"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id})

@@ -222,6 +222,13 @@ def test_generate_given_up_aborts_its_request(server) -> None:
             await stream.aclose()
             again = await client.generate(request_id="left", token_ids=[7], max_tokens=2, temperature=0)
             assert again.finish_reason == "length" and len(again.token_ids) == 2, again
+            # A stream read up to its final and left there (neither iterated to the end nor
+            # closed): its id is free on the client at once.
+            async for delta in client.stream(request_id="done", token_ids=[7], max_tokens=2, temperature=0):
+                if delta.finish_reason is not None:
+                    break
+            again = await client.generate(request_id="done", token_ids=[8], max_tokens=2, temperature=0)
+            assert again.finish_reason == "length" and len(again.token_ids) == 2, again
 
     asyncio.run(cancelled())
 

@@ -35,12 +35,12 @@ test-frontend-notorch:
 	$(NOTORCH_VENV)/bin/pip install -q pyzmq msgpack uvloop tokenizers jinja2 numpy transformers pytest hypothesis pytest-timeout
 	$(NOTORCH_VENV)/bin/pip install -q --no-deps -e .
 	@! $(NOTORCH_VENV)/bin/python -c "import torch" 2>/dev/null || (echo "torch leaked into $(NOTORCH_VENV)"; exit 1)
-	$(NOTORCH_VENV)/bin/python -m pytest -q tests/frontend tests/common
+	$(NOTORCH_VENV)/bin/python -m pytest -q tests/frontend tests/ipc tests/protocol tests/test_profiling.py
 
 # The CI smoke run of the measuring tools (bin/bench offline and online, bin/profile) on a tiny checkpoint.
 # It is part of `make test` too; real benchmark runs are documented in docs/benchmarks.md.
 bench-smoke: install
-	$(PYTHON) -m pytest -q tests/e2e/test_bench_profile.py tests/benchmark tests/common/test_profiling.py
+	$(PYTHON) -m pytest -q tests/e2e/test_bench_profile.py tests/bench tests/test_profiling.py
 
 clean:
 	rm -rf $(NOTORCH_VENV) build *.egg-info .pytest_cache

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.common.demo.checkpoint import ARCHITECTURE
+from conveyor.checkpoints.demo.checkpoint import ARCHITECTURE
 from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
 from conveyor.worker.attention.torch_batched import TorchBatchedAttention
 from conveyor.worker.attention.torch_ref import TorchReferenceAttention
@@ -131,7 +131,7 @@ def bench_attention(rounds: int, seed: int) -> list[str]:
 
 
 def bench_model_step(rounds: int, seed: int, batch: int = 256) -> list[str]:
-    from conveyor.common.demo.checkpoint import demo_checkpoint_dir
+    from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
     from conveyor.worker.kv_cache import allocate_kv_cache
     from conveyor.worker.loader import load_model
 

@@ -54,9 +54,9 @@ import msgpack
 import numpy as np
 import zmq
 
-from conveyor.common import codec, transport
-from conveyor.common.demo.checkpoint import TOKENIZER_DIR
-from conveyor.common.messages import (
+from conveyor.ipc import codec, transport
+from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
+from conveyor.ipc.messages import (
     AbortRequests,
     AddRequest,
     ProcessReady,
@@ -68,7 +68,7 @@ from conveyor.common.messages import (
     StatsQuery,
     TokenOutputs,
 )
-from conveyor.common.transport import ServerAddresses
+from conveyor.ipc.transport import ServerAddresses
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = REPO / "bench" / "results" / "frontend-load.json"
@@ -458,7 +458,7 @@ class Harness:
 
 
 def environment() -> dict:
-    from conveyor.benchmark.report import environment as bench_environment
+    from conveyor.bench.report import environment as bench_environment
 
     env = bench_environment("cpu")
     env["machine"]["nproc"] = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip() or 0)

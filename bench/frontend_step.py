@@ -45,10 +45,10 @@ import uuid
 import msgpack
 import zmq
 
-from conveyor.common import codec, transport
-from conveyor.common.demo.checkpoint import TOKENIZER_DIR
-from conveyor.common.messages import RequestOutput, TokenOutputs
-from conveyor.common.transport import ServerAddresses
+from conveyor.ipc import codec, transport
+from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
+from conveyor.ipc.messages import RequestOutput, TokenOutputs
+from conveyor.ipc.transport import ServerAddresses
 from frontend_load import dealer_sockets  # bench/ is this script's directory
 
 TEXT = (

@@ -3,7 +3,7 @@
 
 This process plays the scheduler: it sends a decode-step :class:`StepPlan` naming ``N``
 running requests (by slot, ``0 .. N - 1``, as the scheduler does) on the real step channel
-(:mod:`conveyor.common.step_channel`) and waits for the :class:`StepResult`. A ``spawn``ed
+(:mod:`conveyor.ipc.step_channel`) and waits for the :class:`StepResult`. A ``spawn``ed
 stand-in worker does what the worker process does around the model: receive and decode the
 plan, read its columns into Python ints (as the model runner does), build a result with
 one sampled token per request and send it. The time from before ``send`` (encoding
@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import zmq
 
-from conveyor.common import step_channel
-from conveyor.common.messages import CachedRequests, Shutdown, StepPlan, StepResult
-from conveyor.common.step_channel import StepChannels, StepReceiver, StepSender
+from conveyor.ipc import step_channel
+from conveyor.ipc.messages import CachedRequests, Shutdown, StepPlan, StepResult
+from conveyor.ipc.step_channel import StepChannels, StepReceiver, StepSender
 
 
 def answer(plan: StepPlan) -> StepResult:

@@ -5,7 +5,7 @@ One round trip: this process sends a payload, a ``spawn``ed echo process receive
 sends it back, this process receives the echo. The ring case uses two rings (one each way);
 the echo writes the payload straight from the incoming slot into the outgoing one (one copy),
 and this process reads the echo in place (``view``/``advance``). The ZeroMQ case uses a
-PUSH/PULL pair each way over ``ipc://`` with ``copy=False`` frames, as common/transport.py
+PUSH/PULL pair each way over ``ipc://`` with ``copy=False`` frames, as ipc/transport.py
 does. Times are wall-clock per round trip, p50/p99 over ``--iters`` after a warm-up.
 
 The reader's spin budget decides most of the ring's latency: with spinning, a reader that is
@@ -30,8 +30,8 @@ import time
 
 import zmq
 
-from conveyor.common import shm_ring
-from conveyor.common.shm_ring import RingClosed, RingReader, RingWriter
+from conveyor.ipc import shm_ring
+from conveyor.ipc.shm_ring import RingClosed, RingReader, RingWriter
 
 STOP = b"stop"
 

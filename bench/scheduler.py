@@ -43,8 +43,8 @@ from collections import deque
 
 import numpy as np
 
-from conveyor.common.config import SchedulerConfig
-from conveyor.common.messages import AddRequest, SamplingParams, StepPlan, StepResult, int_list
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.ipc.messages import AddRequest, SamplingParams, StepPlan, StepResult, int_list
 from conveyor.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 16

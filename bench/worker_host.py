@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from conveyor.common.demo.checkpoint import demo_checkpoint_dir
-from conveyor.common.messages import CachedRequests, NewRequestData, SamplingParams, StepPlan
+from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
+from conveyor.ipc.messages import CachedRequests, NewRequestData, SamplingParams, StepPlan
 from conveyor.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16

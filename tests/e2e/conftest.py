@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from serve_harness import ServeProcess, alive  # noqa: E402
+from tests.e2e.serve_harness import ServeProcess, alive
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +17,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from conveyor.common.demo import checkpoint as demo
+    from conveyor.checkpoints.demo import checkpoint as demo
 
     path = tmp_path_factory.mktemp("tiny-llama")
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -13,7 +13,7 @@ import sys
 
 from conveyor.client import Client
 
-from serve_harness import REPO
+from tests.e2e.serve_harness import REPO
 
 SERVE_ARGS = ("--num-kv-blocks", "64", "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "128")
 STAGES = {

@@ -13,7 +13,7 @@ import asyncio
 
 from conveyor.client import AsyncClient, Client
 
-from test_serve import wait_for_free_blocks
+from tests.e2e.test_serve import wait_for_free_blocks
 
 # 40 blocks of 8 tokens for 20 concurrent requests of up to ~95 tokens: preemption happens.
 SERVE_ARGS = ("--num-kv-blocks", "40", "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "64")

@@ -14,8 +14,8 @@ from collections import deque
 import pytest
 import torch
 
-from conveyor.common.config import SchedulerConfig
-from conveyor.common.messages import AddRequest, SamplingParams, StepPlan
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.ipc.messages import AddRequest, SamplingParams, StepPlan
 from conveyor.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 4

@@ -20,7 +20,7 @@ import zmq
 
 from conveyor.client import AsyncClient, Client
 
-from serve_harness import REPO, alive
+from tests.e2e.serve_harness import REPO, alive
 
 NUM_BLOCKS = 96
 SERVE_ARGS = ("--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")

@@ -26,8 +26,7 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO_DIR = REPO / "common" / "demo"
+from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR as DEMO_DIR
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. It's 2024; we're testing tokenizers!",
@@ -253,7 +252,7 @@ class LiveFrontend:
         import uvloop
         import zmq
 
-        from conveyor.common.transport import ServerAddresses, make_run_dir
+        from conveyor.ipc.transport import ServerAddresses, make_run_dir
         from conveyor.frontend.server import Frontend, FrontendConfig
 
         self.zmq = zmq
@@ -331,21 +330,21 @@ class LiveFrontend:
     @staticmethod
     def first_token(sid: str, token: int):
         """The scheduler's output of a request's first token (``sid``: its id at the scheduler)."""
-        from conveyor.common.messages import RequestOutput, TokenOutputs
+        from conveyor.ipc.messages import RequestOutput, TokenOutputs
 
         now = time.time()
         return TokenOutputs([RequestOutput(sid, [token], scheduled_time=now, first_token_time=now)])
 
     def scheduler_recv(self, timeout: float = 5.0):
         """The next message the frontend sent the scheduler (decoded), or None after ``timeout`` s."""
-        from conveyor.common import codec
+        from conveyor.ipc import codec
 
         if not self.from_frontend.poll(int(timeout * 1000)):
             return None
         return codec.decode(self.from_frontend.recv())
 
     def scheduler_send(self, msg) -> None:
-        from conveyor.common import codec
+        from conveyor.ipc import codec
 
         self.to_frontend.send(codec.encode(msg))
 
@@ -360,8 +359,8 @@ class LiveFrontend:
     def shutdown(self) -> None:
         """What bin/serve does on exit: Shutdown on the control line (every in-flight request
         gets an error final), then the loop ends; the test's sockets stay open."""
-        from conveyor.common import codec
-        from conveyor.common.messages import Shutdown
+        from conveyor.ipc import codec
+        from conveyor.ipc.messages import Shutdown
 
         if self.thread.is_alive():
             self.control.send(codec.encode(Shutdown("test over")))

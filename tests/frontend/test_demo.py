@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from conveyor.common.demo import checkpoint as demo
+from conveyor.checkpoints.demo import checkpoint as demo
 from conveyor.frontend.tokenizer import Tokenizer
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conveyor.common.messages import AddRequest, RequestOutput, TokenOutputs
+from conveyor.ipc.messages import AddRequest, RequestOutput, TokenOutputs
 from conveyor.frontend import server
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.tokenizer import STREAM_MEMO_MAX, Tokenizer

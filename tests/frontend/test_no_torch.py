@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
 
     sys.meta_path.insert(0, NoTorch())
 
-    from conveyor.common.demo.checkpoint import demo_checkpoint_dir
+    from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
     from conveyor.frontend.detokenizer import IncrementalDetokenizer
     from conveyor.frontend.stop import StopStringMatcher
     from conveyor.frontend.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ real one would: the tokens of steps it ran before it read the abort, then the ab
 
 from __future__ import annotations
 
-from conveyor.common.messages import AbortRequests, AddRequest, RequestOutput, SchedulerStats, TokenOutputs
+from conveyor.ipc.messages import AbortRequests, AddRequest, RequestOutput, SchedulerStats, TokenOutputs
 
 WORDS = " one two three four the and of on"  # one token per word in the demo vocabulary
 

@@ -13,8 +13,8 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.common import client_protocol as cp
-from conveyor.common.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
+from conveyor.protocol import messages as cp
+from conveyor.ipc.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.server import PROFILE_SAMPLE_EVERY, _DELTA_IDS_KEY, delta_head
 from conveyor.frontend.stop import StopStringMatcher

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conveyor.common.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
+from conveyor.ipc.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
 from conveyor.frontend.server import FrontendConfig
 
 LONG = "The lighthouse keeper wrote in his log every night. " * 8  # 416 characters: pooled at 100
@@ -235,7 +235,7 @@ def test_chat_messages_over_the_threshold_are_pooled(live_frontend, gated, ours)
 
 
 def test_config_rejects_negative_pool_settings() -> None:
-    from conveyor.common.transport import ServerAddresses
+    from conveyor.ipc.transport import ServerAddresses
 
     addrs = ServerAddresses.in_run_dir("/tmp/x", "ipc:///tmp/x/c")
     with pytest.raises(ValueError, match="tokenizer_threads"):

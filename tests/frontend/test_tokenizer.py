@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
 from conveyor.frontend.tokenizer import Tokenizer
 
 NAMES = ["bytelevel", "chatml", "spm", "spm_legacy", "demo"]
@@ -157,7 +158,7 @@ FEATURE_TEMPLATE = (
 
 def test_template_features_match_transformers(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
-    root = _copy(Path(__file__).resolve().parents[2] / "common" / "demo", tmp_path / "tok")
+    root = _copy(TOKENIZER_DIR, tmp_path / "tok")
     (root / "chat_template.jinja").write_text(FEATURE_TEMPLATE)  # overrides tokenizer_config's template
     messages = [
         {"role": "user", "content": 'é 你好 "q"'},
@@ -173,7 +174,7 @@ def test_template_features_match_transformers(tmp_path) -> None:
 
 
 def test_sandbox_refuses_underscore_namespace_attributes(tmp_path) -> None:
-    root = _copy(Path(__file__).resolve().parents[2] / "common" / "demo", tmp_path / "tok")
+    root = _copy(TOKENIZER_DIR, tmp_path / "tok")
     (root / "chat_template.jinja").write_text("{% set ns = namespace(__class__=1) %}x")
     with pytest.raises(ValueError, match="underscore"):
         Tokenizer.from_dir(root).render_chat([{"role": "user", "content": "hi"}])

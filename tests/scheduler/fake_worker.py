@@ -2,7 +2,7 @@
 
 It keeps what the real model runner keeps per request (token list, block table, computed
 count), by slot as the real one does, and asserts every rule of the plan protocol in
-``conveyor.common.messages`` (slots included: a new request only on a free slot, after the
+``conveyor.ipc.messages`` (slots included: a new request only on a free slot, after the
 plan's drops; cached rows only on held slots), so a scheduler bug shows up as an
 AssertionError at the step that broke the rule.
 
@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conveyor.common.messages import StepPlan, StepResult
+from conveyor.ipc.messages import StepPlan, StepResult
 
 
 def default_token(request_id: str, position: int, low: int = 1, high: int = 1000) -> int:

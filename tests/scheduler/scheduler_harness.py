@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fake_worker import FakeWorker
+from tests.scheduler.fake_worker import FakeWorker
 
-from conveyor.common.config import SchedulerConfig
-from conveyor.common.messages import (
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.ipc.messages import (
     AddRequest,
     CachedRequestData,
     RequestOutput,

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from fake_worker import default_token
-from scheduler_harness import EOS, Harness
+from tests.scheduler.fake_worker import default_token
+from tests.scheduler.scheduler_harness import EOS, Harness
 
-from conveyor.common.config import SchedulerConfig
-from conveyor.common.messages import (
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.ipc.messages import (
     MAX_SLOTS,
     AddRequest,
     FinishReason,

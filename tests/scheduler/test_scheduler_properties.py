@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import random
 
-from fake_worker import default_token
+from tests.scheduler.fake_worker import default_token
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from scheduler_harness import Harness
+from tests.scheduler.scheduler_harness import Harness
 
-from conveyor.common.config import SchedulerConfig
-from conveyor.common.messages import FinishReason
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.ipc.messages import FinishReason
 from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.request import RequestStatus
 

@@ -12,10 +12,10 @@ min_batch_size / max_wait_ms; the per-iteration log.
 from __future__ import annotations
 
 import pytest
-from scheduler_harness import Harness
+from tests.scheduler.scheduler_harness import Harness
 
-from conveyor.common.config import SchedulerConfig
-from conveyor.common.messages import FinishReason
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.ipc.messages import FinishReason
 from conveyor.scheduler.metrics import ITERATION_FIELDS
 from conveyor.scheduler.request import RequestStatus
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from conveyor.common.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from conveyor.ipc.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from conveyor.worker.model_runner import ModelRunner
 
 torch.set_num_threads(2)

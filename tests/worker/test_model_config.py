@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conveyor.common.model_config import ModelConfig
+from conveyor.checkpoints.model_config import ModelConfig
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -30,7 +30,7 @@ def parse(overrides: dict, generation: dict | None = None) -> ModelConfig:
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, conveyor.common.model_config; assert 'torch' not in sys.modules"
+    code = "import sys, conveyor.checkpoints.model_config; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

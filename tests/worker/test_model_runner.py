@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.common.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from conveyor.ipc.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from conveyor.worker.kv_cache import bytes_per_block
 from conveyor.worker.model_runner import ModelRunner
 

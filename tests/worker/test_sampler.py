@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conveyor.common.messages import SamplingParams
+from conveyor.ipc.messages import SamplingParams
 from conveyor.worker.sampler import Sampler, step_seed
 
 GREEDY = SamplingParams(temperature=0.0)

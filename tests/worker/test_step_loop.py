@@ -12,9 +12,9 @@ from collections import deque
 
 import pytest
 
-from conveyor.common import profiling
-from conveyor.common.messages import Shutdown, StepPlan, StepResult
-from conveyor.common.step_channel import PeerGone
+from conveyor import profiling
+from conveyor.ipc.messages import Shutdown, StepPlan, StepResult
+from conveyor.ipc.step_channel import PeerGone
 from conveyor.worker.main import StepLoop, resolve_pipeline
 
 

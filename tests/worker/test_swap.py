@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.common.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from conveyor.ipc.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from conveyor.worker.block_transfer import transfer_blocks
 from conveyor.worker.model_runner import ModelRunner
 

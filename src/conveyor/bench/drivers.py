@@ -1,0 +1,157 @@
+"""Load generators for a running Conveyor server, through the real ZeroMQ client.
+
+Offline: every request is submitted at once and the clock stops when the last completes.
+Online: requests are streamed, each sent at its Poisson arrival time, and every token's
+arrival is stamped on the client's clock.
+
+After an offline run the server's own profile is read back (window = the run) for the
+scheduler's per-step batch sizes, the occupancy timeline, measured where the batch is
+formed. The server shares this host, so its CLOCK_MONOTONIC stamps and this process's
+are one clock and the timeline aligns with the run without any offset guessing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from conveyor.bench.metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
+from conveyor.bench.workloads import Workload
+from conveyor.client import AsyncClient
+
+WARMUP_REQUESTS = 4
+TIMELINE_SERIES = ["batch_seqs", "batch_tokens", "num_waiting"]
+PROFILE_SLACK_S = 0.05
+
+
+class RunFailed(RuntimeError):
+    """A request came back wrong (error, or not exactly the tokens asked for)."""
+
+
+async def _warmup(client: AsyncClient) -> None:
+    """First forwards allocate and initialize; keep them out of the measured window."""
+    await asyncio.gather(
+        *[client.generate(token_ids=[11, 12, 13, 14], max_tokens=8, temperature=0, ignore_eos=True) for _ in range(WARMUP_REQUESTS)]
+    )
+
+
+def _check(result: Any, expected: int) -> None:
+    if result.finish_reason != "length" or len(result.token_ids) != expected:
+        raise RunFailed(
+            f"request {result.request_id}: finish_reason={result.finish_reason} with {len(result.token_ids)} "
+            f"of {expected} tokens ({result.error})"
+        )
+
+
+async def run_offline(system: str, address: str, workload: Workload, progress: Any, timeout: float) -> OfflineRun:
+    async with AsyncClient(address, timeout=timeout) as client:
+        await _warmup(client)
+        start = time.perf_counter()
+        start_mono = time.monotonic_ns()
+        latencies = [0.0] * len(workload.requests)
+        ttfts: list[float] = []
+
+        async def one(i: int) -> None:
+            req = workload.requests[i]
+            result = await client.generate(
+                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True
+            )
+            latencies[i] = time.perf_counter() - start
+            _check(result, req.output_len)
+            if result.timing.get("ttft") is not None:
+                ttfts.append(result.timing["ttft"])
+            progress.update(1)
+
+        await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
+        wall = time.perf_counter() - start
+        # The window is the run (plus the query's own trip): time-based values such as the
+        # worker's idle fraction then describe the run, not the quiet spell before it.
+        profile = await client.profile(wall + PROFILE_SLACK_S, series=TIMELINE_SERIES)
+    return OfflineRun(
+        system=system,
+        wall_s=wall,
+        num_requests=len(workload.requests),
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=workload.output_tokens,
+        latencies_s=latencies,
+        ttft_s=ttfts,
+        timeline=_server_timeline(profile, start_mono, wall),
+        extra={"server_profile": _profile_summary(profile)},
+    )
+
+
+def _server_timeline(profile: dict[str, Any], start_mono_ns: int, wall_s: float) -> Timeline:
+    """Per-step batch sizes from the scheduler's profile, as seconds since the run started."""
+    sched = next((p for p in profile["processes"] if p["process"] == "scheduler"), None)
+    series = (sched or {}).get("series", {}).get("batch_seqs")
+    if not series:
+        return Timeline(source="unavailable: the server was started with --no-profile")
+    t, running = [], []
+    for ts, value in zip(series["ts_ns"], series["values"]):
+        offset = (ts - start_mono_ns) / 1e9
+        if 0.0 <= offset <= wall_s:
+            t.append(offset)
+            running.append(value)
+    return Timeline(t, running, "scheduler profile: sequences in each step's plan (batch_seqs)")
+
+
+def _profile_summary(profile: dict[str, Any]) -> dict[str, Any]:
+    """The profile without raw series or spans: p50/p90/p99 per process and stage."""
+    return {
+        p["process"]: {"metrics": p["metrics"], "counters": p["counters"], "values": p["values"]}
+        for p in profile["processes"]
+    }
+
+
+async def run_online(
+    system: str,
+    address: str,
+    workload: Workload,
+    arrivals: list[float],
+    rate: float,
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+    progress: Any,
+    timeout: float,
+) -> OnlineRun:
+    async with AsyncClient(address, timeout=timeout) as client:
+        await _warmup(client)
+        start = time.perf_counter()
+        timings: list[StreamTiming] = []
+
+        async def one(i: int) -> None:
+            req = workload.requests[i]
+            delay = start + arrivals[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            timing = StreamTiming(sent=time.perf_counter())
+            timings.append(timing)
+            last = None
+            async for delta in client.stream(
+                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True
+            ):
+                now = time.perf_counter()
+                if delta.token_ids:
+                    timing.token_times.append(now)
+                    timing.token_counts.append(len(delta.token_ids))
+                    timing.num_tokens += len(delta.token_ids)
+                last = delta
+            timing.finished = time.perf_counter()
+            result = last.result if last is not None else None
+            timing.ok = result is not None and result.finish_reason == "length" and timing.num_tokens == req.output_len
+            progress.update(1)
+
+        await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
+        wall = time.perf_counter() - start
+        profile = await client.profile(wall + PROFILE_SLACK_S)
+    return OnlineRun(
+        system=system,
+        rate=rate,
+        wall_s=wall,
+        requests=timings,
+        output_tokens=sum(t.num_tokens for t in timings if t.ok),
+        slo_ttft_s=slo_ttft_s,
+        slo_tpot_s=slo_tpot_s,
+        extra={"server_profile": _profile_summary(profile)},
+    )

@@ -1,0 +1,205 @@
+"""Where a benchmark ran and what it found: environment facts, text tables, the JSON file.
+
+A number without its machine is not a result: the JSON always carries the CPU, core count,
+memory, device, library versions, the git commit (and whether the tree was dirty) and the
+load average when the run began, since on a shared machine that explains much variance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _git() -> dict[str, Any]:
+    def run(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        return {"commit": run("rev-parse", "HEAD") or None, "dirty": bool(run("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: str) -> dict[str, Any]:
+    device_name = "cpu"
+    if device.startswith("cuda"):
+        import torch
+
+        device_name = torch.cuda.get_device_name(0)
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": _cpu_model(),
+            "logical_cpus": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "memory_gib": _memory_gib(),
+            "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        },
+        "device": {"kind": device, "name": device_name},
+        "versions": {
+            "python": sys.version.split()[0],
+            "conveyor": _version("conveyor"),
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "numpy": _version("numpy"),
+            "pyzmq": _version("pyzmq"),
+        },
+        "git": _git(),
+    }
+
+
+def aggregate(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
+    """Median (and min, max) over repeats of each scalar figure in ``keys``."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        if values:
+            out[key] = statistics.median(values)
+            out[f"{key}_min"] = min(values)
+            out[f"{key}_max"] = max(values)
+    return out
+
+
+OFFLINE_KEYS = ("output_tok_s", "total_tok_s", "req_s", "wall_s", "mean_batch_occupancy", "worker_idle_fraction")
+
+
+def worker_idle_fraction(server_profile: dict[str, Any] | None) -> float | None:
+    """The worker's idle fraction over the run (time waiting for a plan / wall time), from
+    the server profile a served run saves; None without one (in-process systems, --no-profile)."""
+    return ((server_profile or {}).get("worker") or {}).get("values", {}).get("idle_fraction")
+
+
+def offline_table(systems: dict[str, dict[str, Any]], reference: str = "conveyor") -> tuple[str, dict[str, Any]]:
+    """The offline table and the ratios of each system's output throughput to ``reference``'s."""
+    ref = systems.get(reference, {}).get("median", {}).get("output_tok_s")
+    header = (
+        f"{'system':<16} {'out tok/s':>10} {'total tok/s':>11} {'req/s':>7} {'wall s':>8} "
+        f"{'lat p50 s':>9} {'lat p99 s':>9} {'occupancy':>9} {'x ' + reference:>11} {reference + ' speedup':>16} "
+        f"{'worker idle':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    ratios: dict[str, Any] = {}
+    for name, result in systems.items():
+        if "unavailable" in result:
+            lines.append(f"{name:<16} n/a: {result['unavailable']}")
+            continue
+        med = result["median"]
+        last = result["runs"][-1]
+        tok = med["output_tok_s"]
+        ratio = tok / ref if ref else None
+        speedup = ref / tok if ref and tok else None
+        ratios[name] = {"throughput_vs_" + reference: ratio, reference + "_speedup": speedup}
+        spread = ""
+        if len(result["runs"]) > 1:
+            spread = f" ({med['output_tok_s_min']:.0f}-{med['output_tok_s_max']:.0f})"
+        occupancy = med.get("mean_batch_occupancy")
+        idle = med.get("worker_idle_fraction")
+        lines.append(
+            f"{name:<16} {tok:>10.1f} {med['total_tok_s']:>11.1f} {med['req_s']:>7.2f} {med['wall_s']:>8.2f} "
+            f"{_opt(last['latency_s']['p50'])} {_opt(last['latency_s']['p99'])} "
+            f"{_opt(occupancy, 9, 1)} {_opt(ratio, 10, 2)}x {_opt(speedup, 15, 2)}x "
+            f"{_opt(None if idle is None else 100 * idle, 10, 1)}%{spread}"
+        )
+    return "\n".join(lines), ratios
+
+
+def online_table(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    header = (
+        f"{'system':<16} {'rate':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p90/p99 ms':>22} "
+        f"{'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 s':>15} {'goodput':>8} {'SLO':>5}"
+    )
+    lines = [header, "-" * len(header)]
+    for name, s in rows:
+        if "unavailable" in s:
+            lines.append(f"{name:<16} n/a: {s['unavailable']}")
+            continue
+        ttft, tpot, itl, e2e = s["ttft_s"], s["tpot_s"], s["itl_s"], s["e2e_s"]
+        rate = s["rate"] if isinstance(s["rate"], str) else f"{s['rate']:g}"
+        attain = s["slo_attainment"]
+        lines.append(
+            f"{name:<16} {rate:>6} {s['req_s']:>7.2f} {s['output_tok_s']:>10.1f} "
+            f"{_ms(ttft['p50'])}/{_ms(ttft['p90'])}/{_ms(ttft['p99'])} {'':>2}"
+            f"{_ms(tpot['p50'])}/{_ms(tpot['p99'])} {'':>2}{_ms(itl['p50'])}/{_ms(itl['p99'])} "
+            f"{_opt(e2e['p50'], 7, 2)}/{_opt(e2e['p99'], 7, 2)} {s['goodput_req_s']:>8.2f} "
+            f"{'' if attain is None else f'{attain:.0%}':>5}"
+        )
+    return "\n".join(lines)
+
+
+def _opt(value: float | None, width: int = 9, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"{'-':>{width}}"
+    return f"{value:>{width}.{digits}f}"
+
+
+def _ms(value: float | None) -> str:
+    return f"{'-':>6}" if value is None else f"{value * 1e3:>6.1f}"
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Floats keep 6 significant digits (microseconds on a 100 s run): the files are committed."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_rounded(payload), indent=1, default=_jsonable)
+    # Arrays of scalars (latencies, timelines) on one line each: indented, they triple the size.
+    # JSON strings hold no raw newline, so only separators between elements are rewritten.
+    text = _SCALAR_ARRAY.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1).strip()) + "]", text)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+
+
+_SCALAR_ARRAY = re.compile(r"\[([^\[\]{}]*)\]")
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")

@@ -1,0 +1,329 @@
+"""bin/bench: Conveyor against static batching and HF transformers, same model, same requests.
+
+    bin/bench offline --workload high-variance --num-requests 128 --systems conveyor,static,hf,hf-cb \\
+        --json bench/results/offline.json --plot bench/results/offline
+    bin/bench online --rate 1,2,4 --num-requests 64 --systems conveyor,static
+    bin/bench online --address tcp://127.0.0.1:7700 --rate 2        # a server you started
+
+Systems: ``conveyor`` (bin/serve, continuous batching, started by the benchmark),
+``static`` (bin/serve --batching static), ``conveyor-noprof`` (bin/serve --no-profile: with
+``conveyor`` it measures what profiling costs), ``conveyor-nooverlap`` (bin/serve
+--no-overlap: with ``conveyor`` it measures what planning ahead buys; the table's worker
+idle column is the worker's idle fraction from the server profile), ``conveyor-zmq``
+(bin/serve --plan-transport zmq: plans and results on ZeroMQ instead of shared memory), ``hf`` (transformers ``generate`` on padded
+batches) and ``hf-cb`` (transformers continuous batching). Every system gets the same
+concurrency cap, ``--batch-size``: the server's --max-num-seqs, the padded batch size, and
+hf-cb's max requests per batch. A system that cannot run here is reported as such, with
+the reason; no number is ever invented for it. docs/benchmarks.md has the method and results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import sys
+from typing import Any
+
+from conveyor.bench import report
+from conveyor.bench.drivers import run_offline, run_online
+from conveyor.bench.metrics import OfflineRun
+from conveyor.bench.server import BenchServer
+from conveyor.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
+from conveyor.checkpoints.model_config import ModelConfig
+
+SERVED = {
+    "conveyor": [],
+    "static": ["--batching", "static"],
+    "conveyor-noprof": ["--no-profile"],
+    "conveyor-nooverlap": ["--no-overlap"],
+    "conveyor-zmq": ["--plan-transport", "zmq"],
+}
+IN_PROCESS = ("hf", "hf-cb")
+ALL_SYSTEMS = (*SERVED, *IN_PROCESS)
+TIMEOUT_S = 3600.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(ALL_SYSTEMS)}")
+    common.add_argument("--model", help="HF checkpoint directory (default: the built-in demo model)")
+    common.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    common.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    common.add_argument("--workload", default="high-variance", choices=WORKLOADS)
+    common.add_argument("--num-requests", type=int, default=64)
+    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--prompt-len", type=int, default=128, help="fixed workload")
+    common.add_argument("--output-len", type=int, default=128, help="fixed workload")
+    common.add_argument("--min-len", type=int, default=100, help="uniform workload")
+    common.add_argument("--max-len", type=int, default=1024, help="uniform workload")
+    common.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
+    common.add_argument("--batch-size", type=int, default=32, help="concurrency cap of every system")
+    common.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (conveyor, hf-cb)")
+    common.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache (conveyor, hf-cb)")
+    common.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
+    common.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")
+    common.add_argument("--json", metavar="PATH", help="write the results, machine and versions as JSON")
+    common.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: the bench extra)")
+    common.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    common.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds a server may stay silent")
+
+    p = argparse.ArgumentParser(prog="bench", description="Benchmark Conveyor against baselines.")
+    sub = p.add_subparsers(dest="mode", required=True)
+    off = sub.add_parser("offline", parents=[common], help="all requests at once: throughput")
+    off.add_argument("--repeat", type=int, default=1, help="runs per system, interleaved; the median is reported")
+    on = sub.add_parser("online", parents=[common], help="Poisson arrivals: latency and goodput")
+    on.add_argument("--rate", default="4", help="requests/s; a comma-separated sweep; 'inf' for all at once")
+    on.add_argument("--address", help="benchmark this running server instead of starting one")
+    on.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput target: time to first token")
+    on.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target: time per output token")
+    return p
+
+
+def _progress(args: argparse.Namespace, total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=args.no_progress, file=sys.stderr, leave=True)
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _serve_args(args: argparse.Namespace, model_dir: str, device: str, extra: list[str]) -> list[str]:
+    out = [
+        "--model", model_dir,
+        "--device", device,
+        "--dtype", args.dtype,
+        "--max-num-seqs", str(args.batch_size),
+        "--max-num-batched-tokens", str(args.max_batched_tokens),
+        "--kv-cache-memory", str(args.kv_cache_memory),
+    ]  # fmt: skip
+    if args.threads:
+        out += ["--threads", str(args.threads)]
+    if args.max_model_len:
+        out += ["--max-model-len", str(args.max_model_len)]
+    return out + extra + list(args.serve_arg)
+
+
+def _run_record(run: OfflineRun) -> dict[str, Any]:
+    return {
+        "summary": run.summary(),
+        "latencies_s": run.latencies_s,
+        "timeline": run.timeline.to_json(),
+        "extra": run.extra,
+    }
+
+
+def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+    workload, systems, device, model_dir = ctx["workload"], ctx["systems"], ctx["device"], ctx["model_dir"]
+    results: dict[str, dict[str, Any]] = {name: {"runs": []} for name in systems}
+    hf_model = None
+    for rep in range(args.repeat):
+        for name in systems:
+            if "unavailable" in results[name]:
+                continue
+            desc = name if args.repeat == 1 else f"{name} [{rep + 1}/{args.repeat}]"
+            with _progress(args, len(workload.requests), desc) as bar:
+                try:
+                    if name in SERVED:
+                        with BenchServer(_serve_args(args, model_dir, device, SERVED[name])) as server:
+                            run = asyncio.run(run_offline(name, server.address, workload, bar, args.timeout))
+                    else:
+                        from conveyor.bench import hf
+
+                        if hf_model is None:
+                            if args.threads:
+                                import torch
+
+                                torch.set_num_threads(args.threads)
+                            hf_model = hf.load_model(model_dir, device, args.dtype)
+                        if name == "hf":
+                            run = hf.run_hf_generate(hf_model, workload, args.batch_size, bar)
+                        else:
+                            run = hf.run_hf_cb(
+                                hf_model, workload, args.batch_size, args.max_batched_tokens, args.kv_cache_memory, bar
+                            )
+                except KeyboardInterrupt:
+                    raise
+                except Exception as exc:  # report, never invent a number
+                    reason = f"{type(exc).__name__}: {exc}".strip()
+                    print(f"\n{name} could not run: {reason}", file=sys.stderr)
+                    results[name] = {"unavailable": reason.splitlines()[0][:300], "detail": reason[:4000]}
+                    continue
+            record = _run_record(run)
+            idle = report.worker_idle_fraction(run.extra.get("server_profile"))
+            if idle is not None:
+                record["summary"]["worker_idle_fraction"] = idle
+            results[name]["runs"].append(record["summary"])
+            results[name].update({k: v for k, v in record.items() if k != "summary"})
+    for name, result in results.items():
+        if "unavailable" not in result:
+            result["median"] = report.aggregate(result["runs"], report.OFFLINE_KEYS)
+    table, ratios = report.offline_table(results)
+    print()
+    print(table)
+    return {"systems": results, "ratios": ratios, "table": table}
+
+
+def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+    workload, systems, device, model_dir = ctx["workload"], ctx["systems"], ctx["device"], ctx["model_dir"]
+    rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rate.split(",")]
+    targets: list[tuple[str, list[str] | None]] = []
+    if args.address:
+        targets.append(("server", None))
+    else:
+        targets += [(name, SERVED[name]) for name in systems if name in SERVED]
+    runs: list[dict[str, Any]] = []
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for name in systems:
+        if name in IN_PROCESS:
+            note = "no server: online runs go through the ZeroMQ client to a bin/serve"
+            rows.append((name, {"unavailable": note}))
+    for name, extra in targets:
+        server = None if extra is None else BenchServer(_serve_args(args, model_dir, device, extra))
+        try:
+            if server is not None:
+                server.start()
+            address = args.address if server is None else server.address
+            for rate in rates:
+                arrivals = poisson_arrivals(len(workload.requests), rate, args.seed)
+                with _progress(args, len(workload.requests), f"{name} @ {rate:g}/s") as bar:
+                    run = asyncio.run(
+                        run_online(
+                            name, address, workload, arrivals, rate,
+                            args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, bar, args.timeout,
+                        )  # fmt: skip
+                    )
+                summary = run.summary()
+                done = [r for r in run.requests if r.ok]
+                raw = {
+                    "ttft_s": [r.ttft for r in done if r.ttft is not None],
+                    "e2e_s": [r.e2e for r in done],
+                    "tpot_s": [r.tpot for r in done if r.tpot is not None],
+                }
+                runs.append({"system": name, "summary": summary, "raw": raw, "extra": run.extra})
+                rows.append((name, summary))
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            print(f"\n{name} could not run: {reason}", file=sys.stderr)
+            rows.append((name, {"unavailable": reason.splitlines()[0][:300]}))
+        finally:
+            if server is not None:
+                server.stop()
+    table = report.online_table(rows)
+    print()
+    print(table)
+    return {"runs": runs, "table": table, "unavailable": {n: s["unavailable"] for n, s in rows if "unavailable" in s}}
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # Unwinds like Ctrl-C, so every server this benchmark started is stopped on the way out.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
+    default = "conveyor,static,hf,hf-cb" if args.mode == "offline" else "conveyor"
+    systems = [s.strip() for s in (args.systems or default).split(",") if s.strip()]
+    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    if unknown:
+        print(f"bench: unknown system(s) {', '.join(unknown)}; choose from {', '.join(ALL_SYSTEMS)}", file=sys.stderr)
+        return 2
+    if args.mode == "offline" and args.repeat < 1:
+        print("bench: --repeat must be at least 1", file=sys.stderr)
+        return 2
+    if args.model:
+        model_dir = args.model
+    else:
+        from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
+
+        model_dir = str(demo_checkpoint_dir())
+    model = ModelConfig.from_dir(model_dir)
+    device = _resolve_device(args.device)
+    max_model_len = args.max_model_len or model.max_position_embeddings
+    workload = make_workload(
+        args.workload,
+        args.num_requests,
+        seed=args.seed,
+        vocab_size=model.vocab_size,
+        max_model_len=max_model_len,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        min_len=args.min_len,
+        max_len=args.max_len,
+    )
+    described = workload.describe()
+    print(
+        f"bench {args.mode}: {described['num_requests']} {workload.name} requests (seed {workload.seed}), "
+        f"{described['prompt_tokens']} prompt + {described['output_tokens']} output tokens; "
+        f"model {'demo' if not args.model else model_dir} ({model.architecture}, {model.num_layers} layers, "
+        f"hidden {model.hidden_size}) on {device}; batch size {args.batch_size}",
+        file=sys.stderr,
+    )
+    if workload.num_clamped:
+        print(f"note: {workload.num_clamped} requests clamped to max_model_len {max_model_len}", file=sys.stderr)
+    env = report.environment(device)
+    ctx = {"workload": workload, "systems": systems, "device": device, "model_dir": model_dir}
+    result = offline(args, ctx) if args.mode == "offline" else online(args, ctx)
+    if hasattr(os, "getloadavg"):
+        env["machine"]["load_average_at_end"] = list(os.getloadavg())
+    payload = {
+        "benchmark": args.mode,
+        "command": " ".join(["bin/bench", *(argv if argv is not None else sys.argv[1:])]),
+        "workload": described,
+        "settings": {
+            "systems": systems,
+            "model": "demo" if not args.model else model_dir,
+            "model_config": {
+                "architecture": model.architecture,
+                "num_layers": model.num_layers,
+                "hidden_size": model.hidden_size,
+                "num_heads": model.num_heads,
+                "num_kv_heads": model.num_kv_heads,
+                "vocab_size": model.vocab_size,
+            },
+            "device": device,
+            "dtype": args.dtype,
+            "batch_size": args.batch_size,
+            "max_batched_tokens": args.max_batched_tokens,
+            "kv_cache_memory_gib": args.kv_cache_memory,
+            "threads": args.threads,
+            "max_model_len": max_model_len,
+            "repeat": getattr(args, "repeat", 1),
+        },
+        "environment": env,
+        **result,
+    }
+    if args.json:
+        report.write_json(args.json, payload)
+        print(f"results written to {args.json}", file=sys.stderr)
+    if args.plot:
+        from conveyor.bench import plots
+
+        title = f"{workload.name}, {len(workload.requests)} requests, {device}"
+        if args.mode == "offline":
+            written = plots.plot_offline(args.plot, title, result["systems"])
+        else:
+            written = plots.plot_online(args.plot, title, result["runs"])
+        print(f"plots written: {', '.join(written)}", file=sys.stderr)
+    failed = (
+        [n for n, r in result["systems"].items() if "unavailable" in r and n in SERVED]
+        if args.mode == "offline"
+        else [n for n in result["unavailable"] if n not in IN_PROCESS]
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""bin/client: stream a completion for a prompt from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from conveyor.client import Client
+from conveyor.ipc.transport import client_address
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="client", description="Stream a completion from a running Conveyor server.")
+    p.add_argument("prompt", nargs="?", help="prompt text (default: read from stdin)")
+    p.add_argument("--host", default="127.0.0.1", help="server host, or a full tcp:// / ipc:// address")
+    p.add_argument("--port", type=int, default=7700)
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message through the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--no-stream", action="store_true", help="wait for the whole completion")
+    p.add_argument("--json", action="store_true", help="print the final result as JSON")
+    p.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    fields = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos or None,
+    )
+    inputs = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
+    with Client(client_address(args.host, args.port), timeout=args.timeout) as client:
+        if args.no_stream:
+            result = client.generate(**inputs, **fields)
+        else:
+            result = None
+            for delta in client.stream(**inputs, **fields):
+                if not args.json:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                result = delta.result or result
+    if args.json:
+        print(json.dumps({**vars(result), "usage": vars(result.usage)}))
+    elif args.no_stream:
+        print(result.text)
+    else:
+        print()
+    if result.finish_reason == "error":
+        print(f"error: {result.error}", file=sys.stderr)
+        return 1
+    print(
+        f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + {result.usage.completion_tokens} completion tokens]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""bin/serve: start the worker, scheduler and frontend processes and keep them honest.
+
+Startup: the worker loads the model and sizes the KV pool while the frontend
+loads the tokenizer; the scheduler starts once the worker has reported its
+block count. One line with the client address and ``ready`` is printed when
+all three have said ready.
+
+Supervision: if any child exits, every in-flight request gets an error (the
+frontend is told to fail them before it exits), the other children are
+stopped, and serve exits non-zero. SIGINT/SIGTERM stop everything within a few
+seconds. Children also get SIGTERM from the kernel if serve itself is killed
+(PR_SET_PDEATHSIG), so no process is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import multiprocessing.connection
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from conveyor.ipc import codec, step_channel, transport
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
+from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.ipc.transport import ServerAddresses
+from conveyor.frontend.main import run_frontend
+from conveyor.frontend.server import FrontendConfig
+from conveyor.scheduler.main import SchedulerProcessConfig, run_scheduler
+from conveyor.worker.main import WorkerConfig, run_worker
+
+STARTUP_TIMEOUT_S = 600.0
+SHUTDOWN_GRACE_S = 3.0
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="serve", description="Serve a Llama-family model with continuous batching.")
+    p.add_argument("--model", help="local HF checkpoint directory (config.json + safetensors); default: the built-in demo model")
+    p.add_argument("--host", default="127.0.0.1", help="client address host, or a full ipc:// / tcp:// address")
+    p.add_argument("--port", type=int, default=7700)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache when --num-kv-blocks is not given")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one iteration")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one iteration")
+    p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's max_position_embeddings)")
+    p.add_argument(
+        "--batching",
+        default="continuous",
+        choices=["continuous", "static"],
+        help="static: run each batch to completion before forming the next (a baseline for benchmarks)",
+    )
+    add_scheduling_arguments(p)
+    p.add_argument(
+        "--overlap",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="form step N+1's plan while the worker runs step N (--no-overlap: one plan at a time, for comparison)",
+    )
+    p.add_argument(
+        "--plan-transport",
+        default="shm",
+        choices=list(step_channel.TRANSPORTS),
+        help="scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)",
+    )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "triton", "torch", "torch-ref"],
+        help="attention backend: auto is Triton on CUDA and batched torch on CPU; "
+        "torch-ref is the per-sequence torch reference (slow, for comparisons)",
+    )
+    p.add_argument(
+        "--pipeline-steps",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="worker: launch step N+1 on the device before waiting for step N's tokens "
+        "(auto: on with CUDA, where launches are asynchronous; off on CPU, where it would only delay results)",
+    )
+    p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
+    p.add_argument(
+        "--tokenizer-threads",
+        type=_non_negative_int,
+        default=2,
+        help="frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)",
+    )
+    p.add_argument(
+        "--profile",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)",
+    )
+    return p
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """The batcher's policy knobs (SchedulerConfig; docs/architecture.md describes each)."""
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="order of the waiting line")
+    g.add_argument("--aging-rate", type=float, default=1.0, help="priority points a waiting request gains per second")
+    g.add_argument(
+        "--preemption",
+        default="auto",
+        choices=["auto", "swap", "recompute"],
+        help="what a preempted request loses; auto: the cheaper of swap and recompute per victim",
+    )
+    g.add_argument("--num-cpu-blocks", type=int, help="CPU swap space in blocks (instead of --swap-space)")
+    g.add_argument(
+        "--swap-space", type=float, help="CPU swap space in GiB (default: 4 with --device cuda, 0 on CPU)"
+    )
+    g.add_argument("--min-batch-size", type=int, default=1, help="do not start admitting for fewer waiting requests...")
+    g.add_argument("--max-wait-ms", type=float, default=0.0, help="...unless the oldest has waited this long")
+    g.add_argument("--max-bypass", type=int, default=32, help="times a request that does not fit may be passed by smaller ones")
+    g.add_argument("--max-waiting", type=int, default=4096, help="queue bound: new requests past it get 'overloaded' (0: none)")
+    g.add_argument("--max-queue-time", type=float, default=600.0, help="seconds a request may wait to start before 'timeout' (0: none)")
+    g.add_argument(
+        "--offload-evicted",
+        default=False,
+        action=argparse.BooleanOptionalAction,
+        help="copy prefix-cache blocks evicted from the GPU to the CPU swap space",
+    )
+    g.add_argument("--swap-bandwidth", type=float, default=16.0, help="GB/s host<->device, for --preemption auto")
+    g.add_argument("--prefill-rate", type=float, default=20000.0, help="prefill tokens/s, for --preemption auto")
+    g.add_argument("--max-sessions", type=int, default=1024, help="finished requests remembered for continuation")
+
+
+class Server:
+    """The three children and the sockets serve uses to talk to them."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run_dir = transport.make_run_dir()
+        self.addresses = ServerAddresses.in_run_dir(self.run_dir, transport.client_address(args.host, args.port))
+        self.channels = step_channel.StepChannels.for_server(
+            self.run_dir, self.addresses.plans, self.addresses.results, args.plan_transport
+        )
+        self.ctx = zmq.Context()
+        self.control = transport.socket(self.ctx, zmq.PULL, self.addresses.control, bind=True)
+        self.frontend_control = transport.socket(self.ctx, zmq.PUSH, self.addresses.frontend_control, bind=False)
+        self.mp = mp.get_context("spawn")
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.ready: dict[str, ProcessReady] = {}
+
+    # ------------------------------------------------------------------ startup
+
+    def start(self, model_dir: str, model: ModelConfig) -> None:
+        args = self.args
+        max_model_len = args.max_model_len or model.max_position_embeddings
+        if max_model_len > model.max_position_embeddings:
+            raise StartupError(f"--max-model-len {max_model_len} exceeds the model's {model.max_position_embeddings}")
+        kv_bytes = None if args.num_kv_blocks else int(args.kv_cache_memory * 2**30)
+        try:
+            step_channel.create_rings(self.channels)
+        except OSError as exc:
+            raise StartupError(f"cannot create the shared-memory plan rings ({exc}); --plan-transport zmq avoids them") from None
+        self._spawn(
+            "worker",
+            run_worker,
+            WorkerConfig(
+                model_dir=model_dir,
+                addresses=self.addresses,
+                channels=self.channels,
+                device=args.device,
+                dtype=args.dtype,
+                block_size=args.block_size,
+                num_blocks=args.num_kv_blocks,
+                kv_cache_memory_bytes=kv_bytes,
+                num_threads=args.threads,
+                attention=args.attention,
+                pipeline=args.pipeline_steps,
+                profile=args.profile,
+                num_cpu_blocks=args.num_cpu_blocks,
+                swap_space_bytes=None if args.swap_space is None else int(args.swap_space * 2**30),
+            ),
+        )
+        self._spawn(
+            "frontend",
+            run_frontend,
+            FrontendConfig(
+                model_dir,
+                self.addresses,
+                max_model_len=max_model_len,
+                vocab_size=model.vocab_size,
+                profile=args.profile,
+                max_sessions=args.max_sessions,
+                tokenizer_threads=args.tokenizer_threads,
+            ),
+        )
+        self._wait_ready({"worker", "frontend"})
+        worker = self.ready["worker"].info
+        try:
+            sched = SchedulerConfig(
+                num_blocks=int(worker["num_blocks"]),
+                block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                batching=args.batching,
+                min_batch_size=args.min_batch_size,
+                max_wait_ms=args.max_wait_ms,
+                policy=args.policy,
+                aging_rate=args.aging_rate,
+                max_bypass=args.max_bypass,
+                preemption=args.preemption,
+                num_cpu_blocks=int(worker.get("num_cpu_blocks", 0)),
+                block_bytes=int(worker.get("block_bytes", 0)),
+                swap_bandwidth=args.swap_bandwidth * 1e9,
+                prefill_rate=args.prefill_rate,
+                offload_evicted=args.offload_evicted,
+                max_waiting=args.max_waiting,
+                max_queue_time=args.max_queue_time,
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        self._spawn(
+            "scheduler",
+            run_scheduler,
+            SchedulerProcessConfig(
+                sched,
+                self.addresses,
+                self.channels,
+                list(model.eos_token_ids),
+                model.vocab_size,
+                profile=args.profile,
+                overlap=args.overlap,
+            ),
+        )
+        self._wait_ready({"scheduler"})
+
+    def _spawn(self, name: str, target, config) -> None:
+        proc = self.mp.Process(target=target, args=(config,), name=f"conveyor-{name}")
+        proc.start()
+        self.procs[name] = proc
+
+    def _wait_ready(self, names: set[str]) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = set(names)
+        while waiting:
+            if _STOP_SIGNAL:
+                raise StartupError("interrupted during startup")
+            for name in waiting:
+                if not self.procs[name].is_alive():
+                    raise StartupError(f"{name} process exited during startup (exit code {self.procs[name].exitcode})")
+            if time.monotonic() > deadline:
+                raise StartupError(f"timed out waiting for {', '.join(sorted(waiting))} to start")
+            if not self.control.poll(200):
+                continue
+            msg = codec.decode(self.control.recv())
+            if isinstance(msg, ProcessFailed):
+                raise StartupError(msg.reason)
+            if isinstance(msg, ProcessReady):
+                self.ready[msg.process] = msg
+                waiting.discard(msg.process)
+                print(f"conveyor: {msg.process} ready (pid {msg.pid})", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ supervision
+
+    def supervise(self) -> int:
+        """Block until a signal or a child's death; return serve's exit code."""
+        sentinels = {p.sentinel: name for name, p in self.procs.items()}
+        while True:
+            if _STOP_SIGNAL:
+                self.stop("server shutting down")
+                return 0
+            done = mp.connection.wait(list(sentinels), timeout=0.2)
+            if done:
+                name = sentinels[done[0]]
+                self.procs[name].join(1.0)
+                code = self.procs[name].exitcode
+                time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
+                if _STOP_SIGNAL:
+                    self.stop("server shutting down")
+                    return 0
+                print(f"conveyor: {name} process died (exit code {code}); stopping", file=sys.stderr, flush=True)
+                self.stop(f"{name} process died (exit code {code})")
+                return 1
+
+    def stop(self, reason: str) -> None:
+        """Fail in-flight requests through the frontend, then stop every child."""
+        frontend = self.procs.get("frontend")
+        if frontend is not None and frontend.is_alive():
+            transport.send(self.frontend_control, Shutdown(reason))
+            frontend.join(SHUTDOWN_GRACE_S)
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+
+    def close(self) -> None:
+        self.control.close(linger=0)
+        self.frontend_control.close(linger=0)
+        self.ctx.term()
+        step_channel.remove_rings(self.channels)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+_STOP_SIGNAL: list[int] = []
+
+
+def _on_signal(signum, frame) -> None:
+    _STOP_SIGNAL.append(signum)
+
+
+def resolve_model(model: str | None) -> tuple[str, bool]:
+    """The checkpoint directory to serve and whether it is the demo model."""
+    if model is None:
+        from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
+
+        return str(demo_checkpoint_dir()), True
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise StartupError(f"--model {model}: no config.json there (a local HF checkpoint directory is required)")
+    return str(path), False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        model_dir, is_demo = resolve_model(args.model)
+        model = ModelConfig.from_dir(model_dir)
+    except (StartupError, ValueError, OSError) as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 2
+    server = Server(args)
+    try:
+        server.start(model_dir, model)
+    except StartupError as exc:
+        print(f"conveyor: startup failed: {exc}", file=sys.stderr, flush=True)
+        server.stop("startup failed")
+        server.close()
+        return 1
+    worker = server.ready["worker"].info
+    what = "demo model (random weights: output is gibberish)" if is_demo else f"model {model_dir}"
+    try:
+        print(
+            f"conveyor ready on {server.addresses.client} serving {what} "
+            f"on {worker.get('device')} with {worker['num_blocks']} KV blocks of {args.block_size} tokens",
+            flush=True,
+        )
+    except (BrokenPipeError, OSError):
+        pass  # nobody reads our stdout any more: keep serving, never leave the children behind
+    try:
+        return server.supervise()
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

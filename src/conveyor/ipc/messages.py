@@ -1,0 +1,508 @@
+"""Typed messages that cross the process seams inside Conveyor.
+
+Every message is a dataclass registered with :func:`message` under a stable
+one-byte-ish integer tag. :mod:`conveyor.ipc.codec` is the only code that
+turns them into bytes and back. The client-facing protocol (maps sent by
+clients in any language) is documented in docs/protocol.md and parsed by the
+frontend; it is deliberately not made of these classes, so that internal
+messages can stay positional and compact.
+
+Invariants the receivers rely on:
+- A request's prompt and sampling parameters travel to the worker exactly once
+  (in :class:`NewRequestData`); later steps name it by its *slot* (a row of
+  :class:`CachedRequests`) with only its newly allocated blocks.
+- Slots: on the scheduler <-> worker hop a request is named by a small integer, its slot
+  (``0 .. max_num_seqs - 1``), given by the scheduler when it sends the request as
+  NewRequestData and taken back when it lists the slot in ``StepPlan.finished_slots``. The
+  request id travels only in NewRequestData (for the worker's error messages). A slot
+  names at most one request at a time; it may be given to a new request in the very plan
+  that drops it, since the worker drops before it adds (below).
+- Token ids the worker sampled are not sent back to it: it appends them to its
+  own copy of the request's tokens, so both sides agree on ``len(token_ids)``.
+- A request the scheduler preempts or retires has its slot listed in
+  ``StepPlan.finished_slots`` so the worker can drop its state; a resumed
+  request arrives again as :class:`NewRequestData` (maybe on another slot) with all its
+  tokens, and with ``num_computed_tokens > 0`` when its KV is already in the blocks it
+  names (prefix-cache hits, or blocks swapped back in by the same plan).
+- The worker executes a plan in this order: drop ``finished_slots``, run every
+  ``swap_out`` copy, then every ``swap_in`` copy, then the forward; ``new_requests`` are
+  taken in after the drop. See :class:`StepPlan` for why that order makes same-plan block
+  and slot reuse safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PROTOCOL_VERSION = 3
+
+# Slots a scheduler may hand out (its max_num_seqs is at most this); a worker refuses any
+# other, so a corrupt plan cannot make it grow its slot table without bound.
+MAX_SLOTS = 1 << 20
+
+# A 1-D int32 column (token ids, block ids, per-request counts). It travels as raw
+# little-endian bytes beside the msgpack header and arrives as a read-only numpy view over
+# the received buffer (see conveyor.ipc.codec). Senders may fill it with any sequence of
+# ints; receivers must treat it as a numpy array, and copy what they keep.
+Int32Array = np.ndarray
+
+# tag -> class; filled by @message. Tags are part of the wire format: never reuse one.
+MESSAGE_TYPES: dict[int, type] = {}
+
+
+def message(tag: int):
+    """Class decorator registering a dataclass as a wire message under ``tag``."""
+
+    def register(cls: type) -> type:
+        if tag in MESSAGE_TYPES:
+            raise ValueError(f"message tag {tag} already used by {MESSAGE_TYPES[tag].__name__}")
+        cls.TAG = tag
+        MESSAGE_TYPES[tag] = cls
+        return cls
+
+    return register
+
+
+class FinishReason:
+    """Why a request ended. Strings, because they are shown to clients as they are."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model length
+    ABORT = "abort"  # the client aborted or went away
+    ERROR = "error"  # rejected or failed; the output carries the message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters, validated by the frontend before they travel.
+
+    ``top_k == 0`` and ``top_p == 1.0`` and ``min_p == 0.0`` disable those filters;
+    ``temperature == 0`` means greedy. With a ``seed``, the randomness of each
+    output position is derived from (seed, position), so a request samples the
+    same tokens whatever it is batched with and even after a preemption.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---------------------------------------------------------------- frontend -> scheduler
+
+
+@message(1)
+@dataclass
+class AddRequest:
+    """A tokenized request. ``arrival_time`` is the frontend's time.time() at receipt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    # Higher is served sooner under the "priority" policy; ignored under "fcfs".
+    priority: int = 0
+
+
+@message(2)
+@dataclass
+class AbortRequests:
+    """Stop these requests now and free their blocks (client abort, disconnect, stop string)."""
+
+    request_ids: list[str]
+
+
+@message(3)
+@dataclass
+class StatsQuery:
+    """Ask the scheduler for a :class:`SchedulerStats` snapshot, tagged with ``query_id``."""
+
+    query_id: str
+
+
+# ---------------------------------------------------------------- scheduler -> frontend
+
+
+@message(10)
+@dataclass
+class RequestOutput:
+    """New tokens of one request from one iteration; ``finish_reason`` set on its last one.
+
+    Timing fields are absolute time.time() values on the scheduler's clock, set
+    once: ``scheduled_time`` when first admitted, ``first_token_time`` when its
+    first token was sampled. ``error`` explains a ``finish_reason == "error"``; it
+    starts with ``overloaded:`` or ``timeout:`` for a request the bounded queue
+    refused or gave up on. ``num_cached_tokens``: prompt tokens whose KV came from
+    the prefix cache at first admission (set with ``scheduled_time``).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@message(11)
+@dataclass
+class TokenOutputs:
+    """All request outputs of one scheduler iteration, sent as one message.
+
+    The common case travels as two parallel columns: ``request_ids[i]`` got the one new token
+    ``token_ids[i]`` and nothing else about it changed (not its first token, not finished).
+    Everything else (a first token, which carries the timing fields; a finish; an error or
+    rejection) is a full :class:`RequestOutput` in ``outputs``. A request in the columns has
+    no entry in ``outputs`` of the same message, so the order of the two does not matter;
+    receivers apply ``outputs`` first, then the columns. Columns because
+    one small object per decoding request per iteration was most of the scheduler's update
+    cost (and of the codec's).
+    """
+
+    outputs: list[RequestOutput]
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def expanded(self) -> list[RequestOutput]:
+        """Every output as a :class:`RequestOutput` (column rows without timing fields)."""
+        return self.outputs + [RequestOutput(rid, [t]) for rid, t in zip(self.request_ids, self.token_ids)]
+
+
+@message(12)
+@dataclass
+class SchedulerStats:
+    """Block-pool and queue state, counters since start, and the most recent iterations.
+
+    ``free_blocks + cached_blocks + held_blocks == total_blocks`` always (cached: holds a
+    prefix-cache entry, referenced by no request, reusable or evictable); the CPU swap
+    space likewise with ``swapped_blocks`` for the held ones. ``recent_iterations`` rows
+    are ordered as ``iteration_fields`` names them (see docs/protocol.md).
+    """
+
+    query_id: str
+    total_blocks: int
+    free_blocks: int
+    held_blocks: int
+    num_running: int
+    num_waiting: int
+    num_steps: int
+    num_preemptions: int
+    cached_blocks: int = 0
+    total_cpu_blocks: int = 0
+    free_cpu_blocks: int = 0
+    cached_cpu_blocks: int = 0
+    swapped_blocks: int = 0
+    num_swapped: int = 0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_overloaded: int = 0
+    num_timed_out: int = 0
+    num_planned_ahead: int = 0
+    iteration_fields: list[str] = field(default_factory=list)
+    recent_iterations: list[list[int | float]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- scheduler -> worker
+
+
+@message(20)
+@dataclass
+class NewRequestData:
+    """First appearance of a request at the worker (or after a preemption).
+
+    ``slot`` is the name later plans give it (their cached rows, ``finished_slots``): free on
+    the worker once this plan's ``finished_slots`` are dropped. ``request_id`` travels only
+    here, for the worker's messages. ``token_ids`` is every token known so far (prompt, then
+    outputs for a resumed request); ``block_ids`` its whole block table.
+    """
+
+    request_id: str
+    slot: int
+    token_ids: Int32Array
+    sampling: SamplingParams
+    block_ids: Int32Array
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@message(21)
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds (on ``slot``): run ``num_scheduled_tokens`` more
+    of its tokens.
+
+    ``new_block_ids`` are appended to its block table before the step runs. This is one
+    row of :class:`CachedRequests`, the form plans carry; it exists for code and tests that
+    read or write plans a request at a time.
+    """
+
+    slot: int
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+def int_list(values: Int32Array | list[int]) -> list[int]:
+    """A fresh list of the Python ints of an Int32Array field: a numpy view over a received
+    message when decoded (which must not be kept: its buffer is reused), any sequence of ints
+    when the message was built in-process."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+@dataclass
+class CachedRequests:
+    """Every request of a plan that the worker already holds, as parallel columns.
+
+    Columns, not one object per request: a decode-heavy step names hundreds of running
+    requests, and building, encoding and decoding one small object for each was most of
+    the scheduler's per-iteration cost. Row ``i`` is the request on slot ``slots[i]``; the
+    rows that get new blocks are listed in ``new_block_rows`` (increasing) with their blocks
+    at the same index of ``new_block_ids``, since most steps give most requests none.
+    """
+
+    slots: Int32Array = field(default_factory=list)
+    num_computed_tokens: Int32Array = field(default_factory=list)
+    num_scheduled_tokens: Int32Array = field(default_factory=list)
+    new_block_rows: list[int] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def rows(self) -> list[CachedRequestData]:
+        """One :class:`CachedRequestData` per row, in order."""
+        blocks = dict(zip(self.new_block_rows, self.new_block_ids))
+        return [
+            CachedRequestData(slot, list(blocks.get(i, [])), computed, scheduled)
+            for i, (slot, computed, scheduled) in enumerate(
+                zip(int_list(self.slots), int_list(self.num_computed_tokens), int_list(self.num_scheduled_tokens))
+            )
+        ]
+
+    @classmethod
+    def from_rows(cls, rows: list[CachedRequestData]) -> CachedRequests:
+        out = cls()
+        for i, row in enumerate(rows):
+            out.slots.append(row.slot)
+            out.num_computed_tokens.append(row.num_computed_tokens)
+            out.num_scheduled_tokens.append(row.num_scheduled_tokens)
+            if row.new_block_ids:
+                out.new_block_rows.append(i)
+                out.new_block_ids.append(list(row.new_block_ids))
+        return out
+
+
+@message(22)
+@dataclass
+class StepPlan:
+    """One iteration's work. The worker samples a token for every scheduled request whose
+    tokens are all computed after this step (``num_computed + num_scheduled == len(tokens)``).
+
+    Requests are named by slot (see the module docstring). Order of execution: drop the
+    requests on ``finished_slots``, all swap-outs, all swap-ins, then the forward;
+    ``new_requests`` are taken in after the drop. Dropping first is what lets the scheduler
+    give a slot freed since the last plan (a finish, an abort, a preemption in this very
+    plan) to a request this plan admits; plans before it, already sent, still name the
+    slot's old owner, and the worker runs them first.
+
+    ``swap_out`` lists ``[gpu_block, cpu_block]`` copies into the CPU swap space and
+    ``swap_in`` ``[cpu_block, gpu_block]`` copies back; the worker batches each list. The
+    scheduler frees a GPU block the moment it decides to swap it out, and may hand it
+    to another request in the same plan (as a swap-in destination or for new KV): the
+    copies out run first, so they read the old contents. A CPU block is given one content
+    per plan: destinations within each list are distinct, and a CPU block that is both a
+    swap-out destination and a swap-in source (a block evicted to the CPU tier and hit again
+    by the same plan) is read after it was written.
+
+    ``planned_ahead``: the plan was formed while the previous one was in flight, assuming
+    it succeeds (its requests' sampled tokens are the inputs of this plan's decodes). If the
+    previous step failed, the worker fails this one too without running it: it only drops
+    the finished slots.
+
+    ``cached_requests`` may be given as a list of :class:`CachedRequestData` (handy in
+    hand-written plans); it is converted to the columnar form on construction.
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: CachedRequests
+    finished_slots: Int32Array
+    swap_out: list[list[int]] = field(default_factory=list)
+    swap_in: list[list[int]] = field(default_factory=list)
+    planned_ahead: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cached_requests, list):
+            self.cached_requests = CachedRequests.from_rows(self.cached_requests)
+
+
+@message(23)
+@dataclass
+class Shutdown:
+    """Ask a process to exit its loop cleanly; ``reason`` is logged and relayed to clients."""
+
+    reason: str
+
+
+# ---------------------------------------------------------------- worker -> scheduler
+
+
+@message(30)
+@dataclass
+class StepResult:
+    """Sampled tokens of one step as parallel columns: the request on ``slots[i]`` sampled
+    ``sampled_token_ids[i]``. Rows come in plan order: the new requests that sample, then
+    the cached rows that do. ``error`` set means the step failed and none of its requests
+    advanced."""
+
+    step_id: int
+    slots: Int32Array
+    sampled_token_ids: Int32Array
+    error: str | None = None
+    forward_time: float = 0.0
+
+
+# ---------------------------------------------------------------- any child -> bin/serve
+
+
+@message(40)
+@dataclass
+class ProcessReady:
+    """Sent once by each child when it can take work. ``info`` carries what others need
+    from it (the worker reports its KV block count)."""
+
+    process: str
+    pid: int
+    info: dict[str, int | str | float | bool] = field(default_factory=dict)
+
+
+@message(41)
+@dataclass
+class ProcessFailed:
+    """Sent by a child that cannot start (bad model directory, no GPU): ``reason`` is shown."""
+
+    process: str
+    reason: str
+
+
+
+# ---------------------------------------------------------------- profiling (tags 50-59)
+# A `profile` client call travels frontend -> scheduler -> worker as ProfileQuery; the worker
+# answers the scheduler between steps with a ProfileReport of its own snapshot, and the
+# scheduler forwards it to the frontend with its own snapshot added. Snapshots are built by
+# conveyor.profiling; timestamps are CLOCK_MONOTONIC nanoseconds, one clock for every
+# process of a server (they share a host).
+
+
+@dataclass
+class MetricSummary:
+    """One timer or value series over a profile's window.
+
+    Timers are in milliseconds (``unit == "ms"``); value series name their own unit.
+    ``count`` samples fell in the window and cover ``span_s`` seconds, which is shorter than
+    the window when the bounded ring wrapped (the figures then describe the newest samples).
+    """
+
+    name: str
+    unit: str
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    total: float
+    span_s: float
+
+
+@dataclass
+class CounterSummary:
+    """A monotone count: ``total`` since the process started, ``rate`` per second over the window."""
+
+    name: str
+    total: int
+    rate: float
+
+
+@dataclass
+class SeriesSamples:
+    """Raw samples of one value series inside the window, oldest first (for timelines)."""
+
+    name: str
+    unit: str
+    ts_ns: list[int]
+    values: list[float]
+
+
+@dataclass
+class TraceEvents:
+    """Complete spans inside the window, oldest first, as parallel columns.
+
+    Span ``i`` is named ``names[name_index[i]]``, started at ``start_ns[i]`` and lasted
+    ``dur_ns[i]``; ``arg[i]`` (-1 for none) is the value of ``arg_names[name_index[i]]``,
+    e.g. the step id that links a scheduler span to the worker's spans of the same step.
+    """
+
+    names: list[str]
+    arg_names: list[str]
+    name_index: list[int]
+    start_ns: list[int]
+    dur_ns: list[int]
+    arg: list[int]
+
+
+@dataclass
+class ProcessProfile:
+    """One process's snapshot. ``now_ns`` is its CLOCK_MONOTONIC when taken;
+    ``wall_offset_ns`` is ``time.time_ns() - now_ns`` then, to place the trace in wall time."""
+
+    process: str
+    pid: int
+    tid: int
+    enabled: bool
+    now_ns: int
+    wall_offset_ns: int
+    uptime_s: float
+    window_s: float
+    metrics: list[MetricSummary]
+    counters: list[CounterSummary]
+    values: dict[str, float]
+    series: list[SeriesSamples]
+    trace: TraceEvents | None = None
+
+
+@message(50)
+@dataclass
+class ProfileQuery:
+    """Ask for profile snapshots over the last ``window_s`` seconds; ``trace`` adds the spans,
+    ``series`` names the value series whose raw samples to include."""
+
+    query_id: str
+    window_s: float
+    trace: bool = False
+    series: list[str] = field(default_factory=list)
+
+
+@message(51)
+@dataclass
+class ProfileReport:
+    """Snapshots answering the ProfileQuery ``query_id``: the worker's alone, or the
+    scheduler's followed by the worker's."""
+
+    query_id: str
+    profiles: list[ProcessProfile]

@@ -1,0 +1,255 @@
+"""The scheduler <-> worker hop: plans one way, results the other, one message per step.
+
+Each direction is a :class:`StepSender` in one process and a :class:`StepReceiver` in the
+other, over one of two transports chosen by ``bin/serve --plan-transport``:
+
+``shm`` (the default)
+    A shared-memory ring (:mod:`conveyor.ipc.shm_ring`) per direction. The sender writes
+    the encoded message (header and raw array parts, :func:`codec.encode_parts`) straight
+    into a slot; the receiver decodes it in place, so the plan's arrays are numpy views over
+    shared memory: no socket, no I/O thread, no copy on either side. The receiver wakes by
+    spinning briefly, then on the ring's doorbell FIFO, which also goes into the caller's own
+    poller (:meth:`StepReceiver.pollable`, :meth:`StepReceiver.arm`). A message larger than a
+    slot (a plan carrying long prompts) travels on the direction's ZeroMQ PUSH/PULL pair
+    instead, with a marker in the ring keeping its place in line, so receivers see one order.
+``zmq``
+    The same ZeroMQ PUSH/PULL pair carries everything (one frame per message, ``ipc://``).
+    For processes on different hosts, and for comparison.
+
+Same codec and message types either way.
+
+Lifetime of a received message: with ``shm`` its Int32Array fields view the ring slot,
+which stays reserved until the next :meth:`StepReceiver.recv` (or :meth:`release`). A
+receiver therefore handles a message completely, copying anything it keeps, before it
+asks for the next one. (With ``zmq`` the arrays view the ZeroMQ frame and live as long as
+they are referenced; the rule costs nothing there.)
+
+A crashed peer is never waited on forever: a ring reader checks the writer's pid while it
+sleeps (:class:`PeerGone` once the writer is gone and nothing is left), and a ring writer
+drops a reader whose process is gone instead of waiting for its slot. On ZeroMQ, bin/serve's
+process watch is what notices (it stops every process when one dies).
+
+The rings are created by bin/serve before it starts the processes (:func:`create_rings`)
+and removed with its run directory (:func:`remove_rings`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from conveyor.ipc import codec, shm_ring, transport
+from conveyor.ipc.shm_ring import Diverted, RingClosed, RingReader, RingWriter, WriterDied
+
+TRANSPORTS = ("shm", "zmq")
+# Plans carry new requests' whole token lists: a slot holds about 60k tokens of them;
+# a bigger plan is diverted to ZeroMQ. Results are small (one token per request).
+PLAN_SLOT_BYTES = 256 * 1024
+RESULT_SLOT_BYTES = 64 * 1024
+NUM_SLOTS = 8
+# A diverted message was sent on ZeroMQ before its marker was published: it is in flight.
+DIVERTED_TIMEOUT_MS = 10_000
+
+
+class PeerGone(ConnectionError):
+    """The process at the other end of a ring is gone (or closed it) and nothing is left to read."""
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """One direction of the hop, as both processes need to know it (it travels to ``spawn``ed
+    children inside their configs).
+
+    ``zmq_address``: the direction's PUSH/PULL pair (the whole channel with ``zmq``, the
+    fallback for oversize messages with ``shm``); ``ring_path``: the ring (None with ``zmq``).
+    """
+
+    zmq_address: str
+    ring_path: str | None = None
+    slot_bytes: int = PLAN_SLOT_BYTES
+    spin_us: float = shm_ring.DEFAULT_SPIN_US
+
+
+@dataclass(frozen=True)
+class StepChannels:
+    plans: ChannelSpec  # scheduler -> worker: StepPlan, ProfileQuery, Shutdown
+    results: ChannelSpec  # worker -> scheduler: StepResult, ProfileReport
+
+    @classmethod
+    def for_server(cls, run_dir: str, plans_address: str, results_address: str, transport_name: str) -> StepChannels:
+        if transport_name not in TRANSPORTS:
+            raise ValueError(f"unknown plan transport {transport_name!r}: use one of {', '.join(TRANSPORTS)}")
+        shm = transport_name == "shm"
+        return cls(
+            ChannelSpec(plans_address, shm_ring.ring_path(run_dir, "plans.ring") if shm else None, PLAN_SLOT_BYTES),
+            ChannelSpec(results_address, shm_ring.ring_path(run_dir, "results.ring") if shm else None, RESULT_SLOT_BYTES),
+        )
+
+    @property
+    def transport(self) -> str:
+        return "zmq" if self.plans.ring_path is None else "shm"
+
+
+def create_rings(channels: StepChannels) -> None:
+    """Create the rings of ``channels`` (nothing for ZeroMQ); raises OSError with the reason."""
+    made: list[str] = []
+    try:
+        for spec in (channels.plans, channels.results):
+            if spec.ring_path is not None:
+                shm_ring.create_ring(spec.ring_path, slot_bytes=spec.slot_bytes, num_slots=NUM_SLOTS, num_readers=1)
+                made.append(spec.ring_path)
+    except BaseException:
+        for path in made:
+            shm_ring.unlink_ring(path)
+        raise
+
+
+def remove_rings(channels: StepChannels) -> None:
+    for spec in (channels.plans, channels.results):
+        if spec.ring_path is not None:
+            shm_ring.unlink_ring(spec.ring_path)
+
+
+class StepSender:
+    """The writing end of one direction. ``bind``: this end binds the ZeroMQ socket."""
+
+    def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
+        self._sock = transport.socket(ctx, zmq.PUSH, spec.zmq_address, bind=bind)
+        try:
+            self._ring = None if spec.ring_path is None else RingWriter(spec.ring_path, spin_us=spec.spin_us)
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
+
+    def send(self, msg: Any) -> None:
+        """Encode and send ``msg``. On a ring, waits for a free slot as long as the reader lives."""
+        if self._ring is None:
+            self._sock.send(codec.encode(msg), copy=False)
+        else:
+            self._ring.send(codec.encode_parts(msg), divert=self._divert)
+
+    def _divert(self, payload: Any) -> None:
+        self._sock.send(payload, copy=True)
+
+    def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()  # readers drain what is left, then see the ring closed
+        self._sock.close(linger=0)
+
+
+class StepReceiver:
+    """The reading end of one direction: ``recv`` in a loop, or wait in the caller's poller::
+
+        poller.register(rx.pollable(), zmq.POLLIN)
+        if not rx.arm():          # nothing there yet: sleep until rung (or something else)
+            poller.poll(timeout)
+        rx.disarm()
+        msg = rx.recv(0)          # None if nothing came
+    """
+
+    def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
+        self._sock = transport.socket(ctx, zmq.PULL, spec.zmq_address, bind=bind)
+        try:
+            self._ring = None if spec.ring_path is None else RingReader(spec.ring_path, 0, spin_us=spec.spin_us)
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
+        self._holding = False  # a message's slot is reserved until the next recv
+        self._spin_s = spec.spin_us / 1e6
+
+    def recv(self, timeout_s: float | None = None) -> Any | None:
+        """The next message, decoded (None if none came within ``timeout_s``; None waits forever).
+
+        Releases the previous message's slot first. Raises codec.DecodeError for a malformed
+        message (it is consumed), PeerGone when the sending process is gone or closed the ring.
+        """
+        ring = self._ring
+        if ring is None:
+            if timeout_s is not None and not self._sock.poll(int(timeout_s * 1000)):
+                return None
+            return codec.decode(self._sock.recv(copy=False).buffer)
+        self.release()
+        try:
+            item = ring.view(timeout_s)
+        except (RingClosed, WriterDied) as exc:
+            raise PeerGone(str(exc)) from None
+        if item is None:
+            return None
+        if isinstance(item, Diverted):
+            ring.advance()
+            if not self._sock.poll(DIVERTED_TIMEOUT_MS):
+                raise codec.DecodeError(f"diverted message {item.index} never arrived on {self._sock.LAST_ENDPOINT!r}")
+            return codec.decode(self._sock.recv(copy=False).buffer)
+        self._holding = True
+        try:
+            return codec.decode(item)
+        except codec.DecodeError:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Free the slot of the message last received (its array views must no longer be used)."""
+        if self._holding:
+            self._holding = False
+            self._ring.advance()
+
+    def pollable(self) -> zmq.Socket | int:
+        """What to register in a zmq.Poller to wake on a message (after :meth:`arm`)."""
+        return self._sock if self._ring is None else self._ring.fileno()
+
+    def arm(self) -> bool:
+        """Ask to be woken through :meth:`pollable`; True if a message is already there."""
+        if self._ring is None:
+            return bool(self._sock.poll(0))
+        self.release()
+        return self._ring.arm()
+
+    def disarm(self) -> None:
+        if self._ring is not None:
+            self._ring.disarm()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (None: forever) for a message without taking it; True if
+        one is there. Releases the previous message. Raises PeerGone like :meth:`recv`."""
+        if self._ring is None:
+            return bool(self._sock.poll(None if timeout_s is None else int(timeout_s * 1000)))
+        self.release()
+        try:
+            return self._ring.view(timeout_s) is not None
+        except (RingClosed, WriterDied) as exc:
+            raise PeerGone(str(exc)) from None
+
+    def spin(self) -> bool:
+        """Wait for a message by spinning only (``spin_us``, no system call); True if one came.
+        A step's result often follows within microseconds: cheaper than a doorbell wake-up."""
+        return self.wait(self._spin_s) if self._ring is not None else self.ready()
+
+    def ready(self) -> bool:
+        """Whether a message is waiting (never blocks). Like :meth:`arm`, it releases the
+        previous message: asking for the next one means being done with the last."""
+        if self._ring is None:
+            return bool(self._sock.poll(0))
+        self.release()
+        return self._ring.ready()
+
+    def peer_alive(self) -> bool:
+        """False once the sending process is known to be gone (ZeroMQ cannot tell: always True)."""
+        return self._ring is None or self._ring.writer_alive()
+
+    def close(self) -> None:
+        if self._ring is not None:
+            self.release()
+            self._ring.close()
+        self._sock.close(linger=0)
+
+
+def ring_files(channels: StepChannels) -> list[str]:
+    """The files the rings of ``channels`` occupy (for tests and clean-up checks)."""
+    paths = []
+    for spec in (channels.plans, channels.results):
+        if spec.ring_path is not None:
+            paths += [spec.ring_path, shm_ring.bell_path(spec.ring_path, 0)]
+    return [p for p in paths if os.path.exists(p)]

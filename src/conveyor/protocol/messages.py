@@ -1,0 +1,285 @@
+"""The client-facing wire protocol: msgpack maps between clients and the frontend.
+
+Maps with named fields (not the positional arrays of internal messages) so a
+client in any language can be written from docs/protocol.md alone. Every map
+has ``type`` and ``v`` (the protocol version). This module owns the field names
+and the validation of incoming requests; the frontend and conveyor.client both
+use it, so they cannot drift apart.
+
+Validation is total: anything a client can send either parses into a
+:class:`GenerateRequest` / :class:`AbortCommand` / :class:`StatsCommand` /
+:class:`ProfileCommand` or
+raises :class:`ProtocolError` whose message names the offending field.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from conveyor.ipc.messages import SamplingParams
+
+CLIENT_PROTOCOL_VERSION = 1
+MAX_CLIENT_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_REQUEST_ID_LEN = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+# Message types, client -> server
+GENERATE = "generate"
+ABORT = "abort"
+STATS = "stats"
+PROFILE = "profile"
+# Message types, server -> client
+DELTA = "delta"
+FINAL = "final"
+ERROR = "error"
+STATS_REPLY = "stats"
+PROFILE_REPLY = "profile"
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
+# Generate fields besides the input, the id and stream that clients pass as keyword arguments.
+OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority")
+GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
+MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
+
+
+class ProtocolError(ValueError):
+    """A client message that cannot be served; ``request_id`` is set when it was readable."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@dataclass
+class GenerateRequest:
+    """A validated generate request, before tokenization. Exactly one input is set.
+
+    ``priority``: higher is served sooner when the server runs the ``priority`` policy.
+    """
+
+    request_id: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    priority: int = 0
+
+
+@dataclass
+class AbortCommand:
+    request_id: str
+
+
+@dataclass
+class StatsCommand:
+    pass
+
+
+PROFILE_FIELDS = frozenset({"type", "v", "window_s", "trace", "series"})
+DEFAULT_PROFILE_WINDOW_S = 60.0
+MAX_PROFILE_WINDOW_S = 3600.0
+MAX_PROFILE_SERIES = 32
+
+
+@dataclass
+class ProfileCommand:
+    """Ask every process for its latency profile over the last ``window_s`` seconds."""
+
+    window_s: float = DEFAULT_PROFILE_WINDOW_S
+    trace: bool = False
+    series: list[str] = field(default_factory=list)
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack_map(data: bytes) -> dict[str, Any]:
+    """Decode one client frame into a map; ProtocolError for anything else."""
+    if len(data) > MAX_CLIENT_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_CLIENT_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"malformed msgpack: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"message must be a map, got {type(obj).__name__}")
+    return obj
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def parse_client_message(obj: dict[str, Any]) -> GenerateRequest | AbortCommand | StatsCommand | ProfileCommand:
+    """Validate a decoded client map. Raises ProtocolError naming the problem."""
+    rid = obj.get("request_id")
+    rid_for_error = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
+    kind = obj.get("type")
+    version = obj.get("v", CLIENT_PROTOCOL_VERSION)
+    if version != CLIENT_PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r} (this server speaks {CLIENT_PROTOCOL_VERSION})", rid_for_error)
+    if kind == GENERATE:
+        return _parse_generate(obj, rid_for_error)
+    if kind == ABORT:
+        if rid_for_error is None:
+            raise ProtocolError("abort needs 'request_id': a non-empty string")
+        return AbortCommand(rid_for_error)
+    if kind == STATS:
+        return StatsCommand()
+    if kind == PROFILE:
+        return _parse_profile(obj)
+    if "type" not in obj:
+        raise ProtocolError("missing field 'type'", rid_for_error)
+    raise ProtocolError(f"unknown message type {kind!r}", rid_for_error)
+
+
+def _parse_profile(obj: dict[str, Any]) -> ProfileCommand:
+    unknown = set(obj) - PROFILE_FIELDS
+    if unknown:
+        raise ProtocolError(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+    window = obj.get("window_s")
+    window = DEFAULT_PROFILE_WINDOW_S if window is None else window
+    if not _is_number(window) or not 0 < window <= MAX_PROFILE_WINDOW_S:
+        raise ProtocolError(f"'window_s' must be a number in (0, {MAX_PROFILE_WINDOW_S:g}], got {window!r}")
+    trace = obj.get("trace")
+    trace = False if trace is None else trace
+    if not isinstance(trace, bool):
+        raise ProtocolError("'trace' must be a boolean")
+    series = obj.get("series")
+    series = [] if series is None else series
+    if (
+        not isinstance(series, list)
+        or len(series) > MAX_PROFILE_SERIES
+        or not all(isinstance(s, str) and 0 < len(s) <= 64 for s in series)
+    ):
+        raise ProtocolError(f"'series' must be an array of at most {MAX_PROFILE_SERIES} names")
+    return ProfileCommand(float(window), trace, list(series))
+
+
+def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
+    def fail(msg: str) -> ProtocolError:
+        return ProtocolError(msg, rid)
+
+    unknown = set(obj) - GENERATE_FIELDS
+    if unknown:
+        raise fail(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+    if "request_id" in obj and obj["request_id"] is not None:
+        if rid is None:
+            raise fail(f"'request_id' must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters")
+        request_id = rid
+    else:
+        request_id = uuid.uuid4().hex
+
+    inputs = [k for k in ("prompt", "messages", "token_ids") if obj.get(k) is not None]
+    if len(inputs) != 1:
+        raise ProtocolError(
+            "exactly one of 'prompt', 'messages' or 'token_ids' is required"
+            + (f" (got {', '.join(inputs)})" if inputs else ""),
+            request_id,
+        )
+    req = GenerateRequest(request_id=request_id, sampling=SamplingParams())
+    fail = lambda msg: ProtocolError(msg, request_id)  # noqa: E731 - errors now carry the id
+
+    if "prompt" in inputs:
+        if not isinstance(obj["prompt"], str):
+            raise fail(f"'prompt' must be a string, got {type(obj['prompt']).__name__}")
+        if not obj["prompt"]:
+            raise fail("'prompt' is empty")
+        req.prompt = obj["prompt"]
+    elif "messages" in inputs:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise fail("'messages' must be a non-empty array of {role, content} maps")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise fail(f"'messages'[{i}] must be a map with string 'role' and 'content'")
+        req.messages = msgs
+    else:
+        ids = obj["token_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise fail("'token_ids' must be a non-empty array of integers")
+        if not all(_is_int(t) for t in ids):
+            raise fail("'token_ids' must contain only integers")
+        req.token_ids = ids
+
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        raise fail("'stream' must be a boolean")
+    req.stream = stream
+
+    stop = obj.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise fail("'stop' must be a non-empty string or an array of non-empty strings")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in stop):
+        raise fail(f"'stop' allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} characters")
+    req.stop = stop
+    priority = obj.get("priority")
+    if priority is not None:
+        if not _is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            raise fail(f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+        req.priority = priority
+    req.sampling = parse_sampling(obj, request_id)
+    return req
+
+
+def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> SamplingParams:
+    """Sampling fields of a generate map, each checked for type and range."""
+
+    def get(name: str, default: Any) -> Any:
+        value = obj.get(name)
+        return default if value is None else value
+
+    def fail(msg: str) -> ProtocolError:
+        return ProtocolError(msg, request_id)
+
+    max_tokens = get("max_tokens", 16)
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise fail(f"'max_tokens' must be an integer >= 1, got {max_tokens!r}")
+    temperature = get("temperature", 1.0)
+    if not _is_number(temperature) or temperature < 0:
+        raise fail(f"'temperature' must be a number >= 0, got {temperature!r}")
+    top_p = get("top_p", 1.0)
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise fail(f"'top_p' must be in (0, 1], got {top_p!r}")
+    top_k = get("top_k", 0)
+    if not _is_int(top_k) or top_k < 0:
+        raise fail(f"'top_k' must be an integer >= 0 (0 disables it), got {top_k!r}")
+    min_p = get("min_p", 0.0)
+    if not _is_number(min_p) or not 0 <= min_p <= 1:
+        raise fail(f"'min_p' must be in [0, 1], got {min_p!r}")
+    seed = obj.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise fail(f"'seed' must be an integer in [0, 2**63), got {seed!r}")
+    stop_token_ids = get("stop_token_ids", [])
+    if not isinstance(stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_token_ids):
+        raise fail("'stop_token_ids' must be an array of non-negative integers")
+    ignore_eos = get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise fail("'ignore_eos' must be a boolean")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        min_p=float(min_p),
+        seed=seed,
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+    )

@@ -1,0 +1,325 @@
+"""The scheduler process: one synchronous loop around :class:`Scheduler`.
+
+Each iteration: take everything the frontend sent (new requests, aborts, stats
+queries) without blocking, form a plan and send it to the worker, wait for the result
+of the oldest plan in flight, apply it, and send the iteration's outputs to the frontend
+in one message. With nothing to run it blocks on the frontend socket instead of spinning.
+
+**Overlap** (on by default, ``--no-overlap`` turns it off for comparison): with a plan in
+flight the loop forms and sends the next one *before* waiting for the result, so the
+worker finds plan N+1 queued when it finishes step N and never waits for this process;
+applying N's result, flushing outputs and planning N+2 all happen while the worker runs
+N+1. The scheduler plans ahead conservatively (see :mod:`conveyor.scheduler.scheduler`):
+when it cannot, the next plan is formed after the result, as without overlap.
+
+Plans and results travel on the step channel (:mod:`conveyor.ipc.step_channel`): a
+shared-memory ring each way by default, ZeroMQ with ``--plan-transport zmq``. A result is
+decoded in place; its slots and sampled tokens are copied out before the next result is
+asked for. Plans and results name requests by slot (see :mod:`conveyor.scheduler.scheduler`).
+
+The worker is never waited on blindly: the wait polls in slices, serving the frontend
+meanwhile, and gives up when bin/serve says to stop (Shutdown) or the worker's process is
+gone (the ring's writer pid; on ZeroMQ, bin/serve notices a dead worker and stops us).
+
+Profiling: each iteration's schedule, update and output flush are timed, and so is the plan
+round trip (send to result); for a plan sent while none was in flight, the round trip minus
+the worker's own execute time is the transport cost (a plan sent ahead also waits for the
+step before it, so it says nothing about transport). Batch shape per step (sequences, tokens, waiting) is kept as series, the
+occupancy timeline bin/bench plots. A ProfileQuery is forwarded to the worker on the plan
+socket, so the worker answers between steps and never mid-step; its report comes back on
+the result socket (while a plan is in flight, or in the idle wait, which polls both
+sockets) and goes to the frontend with this process's snapshot in front.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from conveyor import profiling
+from conveyor.ipc import codec, transport
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    ProfileQuery,
+    ProfileReport,
+    RequestOutput,
+    SchedulerStats,
+    Shutdown,
+    StatsQuery,
+    StepPlan,
+    StepResult,
+    TokenOutputs,
+)
+from conveyor.runtime.process import ControlChannel, die_with_parent, setup_logging
+from conveyor.ipc.step_channel import PeerGone, StepChannels, StepReceiver, StepSender
+from conveyor.ipc.transport import ServerAddresses
+from conveyor.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("conveyor.scheduler")
+
+IDLE_POLL_MS = 100
+
+
+@dataclass(frozen=True)
+class SchedulerProcessConfig:
+    scheduler: SchedulerConfig
+    addresses: ServerAddresses
+    channels: StepChannels  # plans to the worker, results back
+    eos_token_ids: list[int]
+    vocab_size: int
+    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
+    overlap: bool = True  # plan step N+1 while the worker runs step N (bin/serve --no-overlap)
+
+
+class SchedulerLoop:
+    def __init__(self, config: SchedulerProcessConfig, ctx: zmq.Context) -> None:
+        self.scheduler = Scheduler(config.scheduler, config.eos_token_ids, config.vocab_size)
+        addrs = config.addresses
+        self.from_frontend = transport.socket(ctx, zmq.PULL, addrs.to_scheduler, bind=True)
+        self.to_frontend = transport.socket(ctx, zmq.PUSH, addrs.to_frontend, bind=False)
+        self.to_worker = StepSender(ctx, config.channels.plans, bind=True)
+        self.from_worker = StepReceiver(ctx, config.channels.results, bind=True)
+        self.running = True
+        self.overlap = config.overlap
+        # Plans sent and not yet applied, oldest first, with their send time (ns) and
+        # whether they were sent while nothing else was in flight (their round trip is clean).
+        self._inflight: deque[tuple[StepPlan, int, bool]] = deque()
+        self._pending: list[RequestOutput] = []
+        # Plain next tokens of the iteration, as TokenOutputs columns (see TokenOutputs).
+        self._column_ids: list[str] = []
+        self._column_tokens: list[int] = []
+        self._poller = zmq.Poller()
+        self._poller.register(self.from_frontend, zmq.POLLIN)
+        self._poller.register(self.from_worker.pollable(), zmq.POLLIN)
+        # Profile queries relayed to the worker one at a time: with at most two plans and one
+        # query in flight, neither ring can fill while both ends wait on each other.
+        self._profile_queries: deque[ProfileQuery] = deque()
+        self._init_profiling(config.profile)
+
+    def _init_profiling(self, enabled: bool) -> None:
+        prof = self.profiler = profiling.Profiler("scheduler", enabled=enabled)
+        self._t_intake = prof.timer("intake", arg_name="messages")
+        self._t_schedule = prof.timer("schedule", arg_name="step")
+        self._t_round_trip = prof.timer("plan_round_trip", arg_name="step")
+        self._t_update = prof.timer("update", arg_name="step")
+        self._t_flush = prof.timer("send_outputs", arg_name="outputs")
+        self._s_transport = prof.series("transport_overhead", "ms")
+        steps = 1 << 16  # per-step series feed timelines: keep more of them
+        self._s_seqs = prof.series("batch_seqs", "seqs", capacity=steps)
+        self._s_tokens = prof.series("batch_tokens", "tokens", capacity=steps)
+        self._s_waiting = prof.series("num_waiting", "requests", capacity=steps)
+        self._c_frontend = prof.counter("frontend_messages")
+        self._c_steps = prof.counter("steps")
+
+    def _record_plan(self, plan: StepPlan) -> None:
+        cached = plan.cached_requests
+        self._s_seqs.add(len(plan.new_requests) + len(cached))
+        self._s_tokens.add(sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(cached.num_scheduled_tokens))
+        self._s_waiting.add(self.scheduler.num_waiting)
+        self._c_steps.add()
+
+    def run(self) -> None:
+        wait_ms = 0
+        sched = self.scheduler
+        inflight = self._inflight
+        while self.running:
+            block = not inflight and not sched.has_work() and not self._pending
+            self._take_frontend_messages(timeout_ms=IDLE_POLL_MS if block else wait_ms)
+            if not self.running:
+                break
+            wait_ms = 0
+            if not inflight:
+                self._schedule_and_send()
+            if inflight and self.overlap and sched.can_plan_ahead:
+                self._schedule_and_send()  # plan N+1 while the worker runs N
+            if inflight:
+                plan, sent, clean = inflight.popleft()
+                result = self._await_result(plan, sent, clean)
+                if result is None:
+                    break
+                start = profiling.now_ns()
+                outputs = sched.update(plan, result)
+                self._pending.extend(outputs.outputs)
+                self._column_ids.extend(outputs.request_ids)
+                self._column_tokens.extend(outputs.token_ids)
+                self._t_update.record(start, arg=plan.step_id)
+            elif sched.has_work():
+                # Live requests but nothing to run yet (the admission gate waits for company,
+                # min_batch_size / max_wait_ms): sleep on the sockets until then, not spin.
+                ready_in = sched.seconds_until_ready()
+                wait_ms = IDLE_POLL_MS if ready_in is None else max(1, min(IDLE_POLL_MS, math.ceil(ready_in * 1000)))
+            self._flush_outputs()
+
+    def _schedule_and_send(self) -> None:
+        start = profiling.now_ns()
+        plan = self.scheduler.schedule()
+        self._pending.extend(self.scheduler.take_outputs())  # queue timeouts
+        if plan is None:
+            return
+        self._t_schedule.record(start, arg=plan.step_id)
+        self._record_plan(plan)
+        clean = not self._inflight
+        sent = profiling.now_ns()
+        self.to_worker.send(plan)
+        self._inflight.append((plan, sent, clean))
+
+    def _take_frontend_messages(self, timeout_ms: int) -> None:
+        if timeout_ms:
+            # Idle: no plan is in flight, so the worker speaks only to answer a profile query.
+            frontend_ready, worker_ready = self._poll(timeout_ms)
+            if worker_ready:
+                self._take_worker_reports()
+            if not frontend_ready:
+                return
+        start, count = profiling.now_ns(), 0
+        while self.running:
+            try:
+                frame = self.from_frontend.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            count += 1
+            try:
+                msg = codec.decode(frame.buffer)
+            except codec.DecodeError as exc:
+                log.error("dropping malformed message from frontend: %s", exc)
+                continue
+            self._handle(msg)
+        if count:
+            self._t_intake.record(start, arg=count)
+            self._c_frontend.add(count)
+
+    def _poll(self, timeout_ms: int) -> tuple[bool, bool]:
+        """Sleep until the frontend or the worker has a message, or ``timeout_ms`` passes;
+        returns (frontend ready, worker ready). Raises PeerGone if the worker's process is gone."""
+        worker = self.from_worker
+        if worker.spin() or worker.arm():
+            worker.disarm()
+            return bool(self.from_frontend.poll(0)), True
+        events = dict(self._poller.poll(timeout_ms))
+        worker.disarm()
+        worker_ready = worker.ready()
+        if not events and not worker_ready and not worker.peer_alive():
+            raise PeerGone("the worker process is gone")
+        return self.from_frontend in events, worker_ready
+
+    def _take_worker_reports(self) -> None:
+        """Drain the worker's channel while no plan is in flight: only profile reports belong there."""
+        while True:
+            try:
+                msg = self.from_worker.recv(0)
+            except codec.DecodeError as exc:
+                log.error("malformed message from worker: %s", exc)
+                continue
+            if msg is None:
+                return
+            if isinstance(msg, ProfileReport):
+                self._on_worker_profile(msg)
+            else:
+                log.error("unexpected worker message %s with no plan in flight", type(msg).__name__)
+
+    def _on_worker_profile(self, report: ProfileReport) -> None:
+        queries = self._profile_queries
+        if not queries or queries[0].query_id != report.query_id:
+            log.error("profile report %r answers no outstanding query", report.query_id)
+            return
+        query = queries.popleft()
+        own = self.profiler.snapshot(query.window_s, trace=query.trace, series=query.series)
+        transport.send(self.to_frontend, ProfileReport(query.query_id, [own, *report.profiles]))
+        if queries:
+            self.to_worker.send(queries[0])
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            rejected = self.scheduler.add_request(msg)
+            if rejected is not None:
+                self._pending.append(rejected)
+        elif isinstance(msg, AbortRequests):
+            self._pending.extend(self.scheduler.abort(msg.request_ids))
+        elif isinstance(msg, StatsQuery):
+            transport.send(self.to_frontend, SchedulerStats(query_id=msg.query_id, **self.scheduler.stats()))
+        elif isinstance(msg, ProfileQuery):
+            # On the plan channel, behind any plan in flight: the worker answers between steps.
+            self._profile_queries.append(msg)
+            if len(self._profile_queries) == 1:
+                self.to_worker.send(msg)
+        elif isinstance(msg, Shutdown):
+            self.running = False
+        else:
+            log.error("unexpected message %s from frontend", type(msg).__name__)
+
+    def _await_result(self, plan: StepPlan, sent: int, clean: bool) -> StepResult | None:
+        """Wait for the result of ``plan`` (the oldest in flight), still serving the frontend
+        meanwhile; None when told to stop."""
+        while True:
+            frontend_ready, worker_ready = self._poll(IDLE_POLL_MS)
+            if worker_ready:
+                try:
+                    result = self.from_worker.recv(0)
+                except codec.DecodeError as exc:
+                    log.error("malformed result from worker: %s", exc)
+                    return StepResult(plan.step_id, [], [], error=f"malformed worker result: {exc}")
+                if isinstance(result, ProfileReport):
+                    self._on_worker_profile(result)
+                    continue
+                if not isinstance(result, StepResult) or result.step_id != plan.step_id:
+                    log.error("unexpected worker message %r", result)
+                    continue
+                end = self._t_round_trip.record(sent, arg=plan.step_id)
+                if clean:
+                    self._s_transport.add(max(0.0, (end - sent) / 1e6 - result.forward_time * 1e3))
+                # Out of the ring slot (released at the next receive): update() reads the
+                # columns with numpy, so a copy of each array is all it takes.
+                result.slots = np.array(result.slots)
+                result.sampled_token_ids = np.array(result.sampled_token_ids)
+                return result
+            if frontend_ready:
+                # Aborts and new requests queue up in the scheduler; aborts of requests in
+                # this step are reconciled by update().
+                self._take_frontend_messages(timeout_ms=0)
+                if not self.running:
+                    return None
+
+    def _flush_outputs(self) -> None:
+        if self._pending or self._column_ids:
+            start = profiling.now_ns()
+            transport.send(self.to_frontend, TokenOutputs(self._pending, self._column_ids, self._column_tokens))
+            self._t_flush.record(start, arg=len(self._pending) + len(self._column_ids))
+            self._pending = []
+            self._column_ids = []
+            self._column_tokens = []
+
+    def close(self) -> None:
+        for sock in (self.from_frontend, self.to_frontend):
+            sock.close(linger=0)
+        self.to_worker.close()
+        self.from_worker.close()
+
+
+def run_scheduler(config: SchedulerProcessConfig) -> None:
+    die_with_parent()
+    log = setup_logging("scheduler")
+    ctx = zmq.Context()
+    control = ControlChannel(ctx, config.addresses.control, "scheduler")
+    try:
+        loop = SchedulerLoop(config, ctx)
+    except Exception as exc:
+        log.exception("scheduler failed to start")
+        control.failed(f"scheduler: {exc}")
+        return
+    control.ready(num_blocks=config.scheduler.num_blocks)
+    try:
+        loop.run()
+    except PeerGone as exc:
+        log.error("stopping: %s", exc)
+        raise SystemExit(1) from None
+    finally:
+        loop.close()
+        control.close()
+        ctx.term()

@@ -1,0 +1,119 @@
+"""Scheduling policy: the order of the line, when a wave may start, who yields, and how.
+
+Kept apart from :mod:`conveyor.scheduler.scheduler`, which does the bookkeeping (budget,
+blocks, plans, stop conditions) and asks this module only for decisions.
+
+**Rank.** Every request gets a rank when it is first queued; smaller goes first, and the
+rank orders the waiting queue and the running batch alike (a preempted request goes back
+under the same rank, so it keeps its place in line).
+
+- ``fcfs``: arrival order.
+- ``priority``: effective priority ``p + aging_rate * waited`` (higher first). For two
+  waiting requests the difference of their effective priorities never changes with time,
+  so ordering by ``p - aging_rate * arrival`` is the same order at every instant and a
+  heap keyed on it never needs re-sorting. The aging bound follows: a request that
+  arrived ``w`` seconds after request ``R`` is ranked ahead of ``R`` only if its priority
+  exceeds ``R``'s by more than ``aging_rate * w``; so after ``(p_max - p_R) / aging_rate``
+  seconds no newcomer can pass ``R`` any more (only the bounded bypass below can).
+  Ties go to the earlier arrival.
+
+**Who yields.** Under memory pressure the worst-ranked running request is preempted first
+(so the best-ranked one always progresses). Under ``priority`` a waiting request also
+preempts worse-ranked running ones when it lacks a slot (``max_num_seqs``) or blocks, but
+only if preempting all of them would make it fit: nobody is preempted for nothing.
+
+**Head-of-line blocking.** A request that does not fit in the free blocks now may be passed
+by smaller ones behind it, each such admission counting against it; once passed
+``max_bypass`` times nobody passes it any more, and it starts when running requests have
+freed enough (any accepted request fits the whole pool). At most :data:`BYPASS_LOOKAHEAD`
+blocked requests are stepped over per iteration, so that search stays cheap.
+
+**Batch formation.** No admission while fewer than ``min_batch_size`` requests wait, unless
+the oldest has waited ``max_wait_ms``. Running requests never wait for this.
+
+**Swap or recompute.** A victim's KV is either copied to the CPU swap space and back
+(``swap``) or dropped and prefilled again (``recompute``); ``auto`` compares
+``2 * bytes to move / swap_bandwidth`` with ``tokens to recompute / prefill_rate``. Both
+``swap`` and ``auto`` fall back to recompute when the swap space lacks room.
+"""
+
+from __future__ import annotations
+
+from conveyor.runtime.config import SchedulerConfig
+
+SWAP = "swap"
+RECOMPUTE = "recompute"
+BYPASS_LOOKAHEAD = 8
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold the KV of ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class SchedulingPolicy:
+    """The decisions of the module docstring, for one :class:`SchedulerConfig`."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.by_priority = config.policy == "priority"
+        self.static = config.batching == "static"
+        self.aging_rate = config.aging_rate
+        self.max_bypass = 0 if self.static else config.max_bypass
+        self.min_batch_size = config.min_batch_size
+        self.max_wait_s = config.max_wait_ms / 1000.0
+
+    # ------------------------------------------------------------ order
+
+    def rank(self, priority: int, seq: int, arrival: float) -> tuple[float, int]:
+        """The fixed sort key of a request; ``arrival`` in seconds since the scheduler started."""
+        if self.by_priority:
+            return (self.aging_rate * arrival - priority, seq)
+        return (0.0, seq)
+
+    @property
+    def preempts_for_admission(self) -> bool:
+        """Whether a waiting request may preempt worse-ranked running ones to start."""
+        return self.by_priority and not self.static
+
+    # ------------------------------------------------------------ admission
+
+    def may_admit_into(self, num_running_at_start: int) -> bool:
+        """Static batching forms a batch only when the previous one has finished."""
+        return num_running_at_start == 0 if self.static else True
+
+    def admission_open(self, num_waiting: int, oldest_arrival: float | None, now: float) -> bool:
+        """Whether a wave may start: enough waiting, or the oldest has waited long enough."""
+        if num_waiting >= self.min_batch_size:
+            return True
+        return oldest_arrival is not None and now - oldest_arrival >= self.max_wait_s
+
+    def admission_opens_at(self, num_waiting: int, oldest_arrival: float | None) -> float | None:
+        """When :meth:`admission_open` turns true with no new arrival (None: it already is, or never)."""
+        if num_waiting >= self.min_batch_size or oldest_arrival is None:
+            return None
+        return oldest_arrival + self.max_wait_s
+
+    def growth_reserve(self, num_prompt_tokens: int, max_tokens: int, num_tokens: int) -> int:
+        """Blocks an admitted request must leave free for its later growth: its whole output
+        under static batching (so a batch never preempts itself), none otherwise."""
+        if not self.static:
+            return 0
+        bs = self.config.block_size
+        return blocks_for(num_prompt_tokens + max_tokens, bs) - blocks_for(num_tokens, bs)
+
+    # ------------------------------------------------------------ preemption
+
+    def preemption_mode(self, blocks_to_move: int, tokens_to_recompute: int, cpu_available: int) -> str:
+        """``SWAP`` or ``RECOMPUTE`` for one victim."""
+        mode = self.config.preemption
+        if mode == RECOMPUTE or not self.config.num_cpu_blocks or tokens_to_recompute == 0:
+            return RECOMPUTE
+        if blocks_to_move > cpu_available:
+            return RECOMPUTE
+        if mode == SWAP or blocks_to_move == 0:
+            return SWAP
+        cfg = self.config
+        swap_s = 2 * blocks_to_move * cfg.block_bytes / cfg.swap_bandwidth
+        recompute_s = tokens_to_recompute / cfg.prefill_rate
+        return SWAP if swap_s < recompute_s else RECOMPUTE

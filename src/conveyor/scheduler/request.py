@@ -1,0 +1,148 @@
+"""One request's state as the scheduler sees it.
+
+Token-centric: a request is a token list (prompt, then the outputs sampled so far) and
+``num_computed_tokens``, how many of those tokens have their KV in the cache. Whatever
+lies between is what the next steps must run: the rest of a prompt (prefill, maybe in
+chunks), or the single last-sampled token (decode). Resuming a preempted request is
+just a longer prefill; a prefix-cache hit or a swap-in starts it with
+``num_computed_tokens > 0``.
+
+Invariants the scheduler keeps:
+- RUNNING: ``block_ids`` covers at least ``num_computed_tokens`` tokens, and
+  ``num_computed_tokens < num_tokens`` between steps (there is always a token to run).
+- WAITING / PREEMPTED: holds no blocks and ``num_computed_tokens == 0``.
+- SWAPPED: its computed KV lives in ``cpu_blocks`` (``(index in the block table, CPU
+  block)``, one per computed block); ``block_ids`` is all -1 (it holds no GPU block);
+  ``num_computed_tokens`` is kept.
+- FINISHED: holds nothing; nothing reads its counts.
+- RUNNING with plans in flight: ``num_computed_tokens`` counts what those plans compute,
+  and may reach past the known tokens by the tokens they sample (pending: their values
+  are appended when the results come back).
+- ``slot`` (``>= 0``: the worker holds its state, under that slot) is given by the plan
+  that sends the request as NewRequestData and taken back (``-1``) when the slot is queued
+  for ``finished_slots`` (finish, abort, error, preemption). So RUNNING requests hold a
+  slot each, all distinct, and nobody else holds one; a slot given back may go to another
+  request at once (the worker drops before it takes in, see the scheduler's docstring).
+- ``rank`` is fixed when the request is queued the first time: a preempted request keeps
+  its place in line. Smaller ranks go first.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from typing import TYPE_CHECKING
+
+from conveyor.ipc.messages import AddRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.scheduler.slot_columns import SlotColumns
+
+
+# Requests without stop tokens of their own share one stop set (the EOS set, or this empty
+# one) instead of each building a copy: the decode loop reads it for every token.
+_NO_STOP_IDS: frozenset[int] = frozenset()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, never admitted
+    RUNNING = "running"  # in the batch: prefilling or decoding
+    PREEMPTED = "preempted"  # was running, KV dropped, queued again for recompute
+    SWAPPED = "swapped"  # was running, KV in the CPU swap space, queued to be swapped back
+    FINISHED = "finished"  # retired; blocks freed
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """Mutable per-request state. Compared by identity: ids can be reused after a request ends."""
+
+    request_id: str
+    token_ids: list[int]  # the prompt, then every output token
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # num_computed_tokens while it holds no slot (see the property)
+    _computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    cpu_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Content ids (PrefixIndex) of its computed full blocks, in order: the chain a
+    # continuation of its blocks is keyed on. len == num_registered_blocks.
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    rank: tuple = ()
+    enqueue_time: float = 0.0  # scheduler clock when it arrived
+    num_bypassed: int = 0  # admissions that passed it while it could not fit
+    queue_entry: list | None = None  # its live entry in the waiting heap
+    scheduled_time: float | None = None  # time of first admission
+    first_token_time: float | None = None  # time when the first output arrived
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    slot: int = -1  # its name on the worker while it holds the request's state; -1: none
+    finish_reason: str | None = None
+    # Stop conditions, precomputed: a sampled id in stop_ids stops it; so does reaching stop_len tokens.
+    stop_ids: frozenset[int] = frozenset()
+    stop_len: int = 0
+    has_own_stop_ids: bool = False  # stop ids beyond the EOS set (the decode columns check only EOS)
+    # The scheduler's per-slot columns, which hold num_computed_tokens while it holds a slot.
+    columns: SlotColumns | None = None
+
+    @classmethod
+    def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:
+        sp = msg.sampling
+        stop_ids = _NO_STOP_IDS if sp.ignore_eos else eos_token_ids
+        if sp.stop_token_ids:
+            stop_ids = stop_ids | frozenset(sp.stop_token_ids)
+        return cls(
+            request_id=msg.request_id,
+            token_ids=list(msg.prompt_token_ids),
+            num_prompt_tokens=len(msg.prompt_token_ids),
+            sampling=sp,
+            arrival_time=msg.arrival_time,
+            priority=msg.priority,
+            stop_ids=stop_ids,
+            has_own_stop_ids=bool(sp.stop_token_ids),
+            stop_len=min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
+        )
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens of ``token_ids`` whose KV is in the cache (or planned to be, see the
+        invariants). While the request holds a slot the value lives in the scheduler's
+        :class:`~conveyor.scheduler.slot_columns.SlotColumns`, where decodes advance it in bulk."""
+        slot = self.slot
+        return self._computed if slot < 0 else self.columns.flat[slot]  # (COMPUTED is field 0)
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        slot = self.slot
+        if slot < 0:
+            self._computed = value
+        else:
+            self.columns.flat[slot] = value
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """A fresh list of prompt + outputs (a copy: plans must not alias live state)."""
+        return list(self.token_ids)
+
+    @property
+    def is_live(self) -> bool:
+        return self.status is not RequestStatus.FINISHED

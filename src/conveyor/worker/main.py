@@ -1,0 +1,244 @@
+"""The worker process: receives StepPlans, runs them on the device, returns StepResults.
+
+A failing step (an exception from the model runner) is reported as a StepResult
+with ``error`` set, so the scheduler fails just that step's requests and frees
+their blocks; the process itself only exits when told to or when its parent dies.
+
+Profiling: the time blocked waiting for the next plan with nothing launched (``idle``),
+decoding it, launching it (``execute``: the runner's swaps, input preparation, forward and
+sampling inside; on a CPU the whole step), waiting for its sampled ids (``wait_tokens``: on a
+GPU, where the device time shows) and sending the result are timed per step; ``idle_fraction`` over the window says how much of the time the device
+waited for the scheduler and the transport. A ProfileQuery is answered on the result socket
+as soon as it is read: it arrives on the plan socket, so always between two steps, and
+piggybacks on nothing (StepResult stays as small as it was).
+
+Plans arrive on the step channel (:mod:`conveyor.ipc.step_channel`; a shared-memory ring
+by default): a plan is decoded in place and its arrays view the ring slot, which is released
+when the next plan is asked for. The runner copies what it keeps while launching the step.
+If the scheduler's process is gone, the wait for a plan ends (PeerGone) and the worker exits.
+
+**Pipelined steps** (``pipeline``, on by default with CUDA): a step is launched (inputs
+prepared, kernels queued) and finished (its sampled ids awaited, the result sent) in two
+calls of the runner. With a launched step unfinished, the worker launches the next plan as
+soon as it is there, *then* finishes the earlier step: the scheduler plans one step ahead,
+so the device finds step N+1 queued behind step N and never waits for the host to read N's
+tokens, send them and prepare N+1. While the launched step runs and no plan is there, the
+worker polls both (the step's completion event and the plan ring) rather than block in
+either. Results still leave in step order, each as soon as its tokens are read. Off on a
+CPU, where a launch computes the whole step: launching N+1 first would only hold N's
+result back by a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from conveyor import profiling
+from conveyor.ipc import codec
+from conveyor.ipc.messages import ProfileQuery, ProfileReport, Shutdown, StepPlan, StepResult
+from conveyor.runtime.process import ControlChannel, die_with_parent, setup_logging
+from conveyor.ipc.step_channel import PeerGone, StepChannels, StepReceiver, StepSender
+from conveyor.ipc.transport import ServerAddresses
+
+log = logging.getLogger("conveyor.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_dir: str
+    addresses: ServerAddresses
+    channels: StepChannels  # plans from the scheduler, results back
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_threads: int | None = None
+    attention: str = "auto"
+    pipeline: str = "auto"  # launch step N+1 before finishing step N: "auto" (CUDA only), "on", "off"
+    # CPU swap space: a block count, or bytes (None for both: no swap space).
+    num_cpu_blocks: int | None = None
+    swap_space_bytes: int | None = None
+    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
+
+
+DEFAULT_CUDA_SWAP_SPACE = 4 << 30
+
+
+def default_swap_space(device: str) -> int:
+    """Bytes of CPU swap space when none is asked for: 4 GiB of pinned memory beside a GPU;
+    none on a CPU device, where "swapping" would only copy within the same RAM."""
+    return DEFAULT_CUDA_SWAP_SPACE if device.startswith("cuda") else 0
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` picks cuda when available; asking for cuda without one is an error, never a fallback."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but no CUDA device is available (torch.cuda.is_available() is False)")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"unsupported device {device!r}: use cpu, cuda or auto")
+    return device
+
+
+def resolve_pipeline(pipeline: str, device: str) -> bool:
+    if pipeline not in ("auto", "on", "off"):
+        raise ValueError(f"pipeline must be auto, on or off, got {pipeline!r}")
+    return device.startswith("cuda") if pipeline == "auto" else pipeline == "on"
+
+
+def run_worker(config: WorkerConfig) -> None:
+    die_with_parent()
+    log = setup_logging("worker")
+    ctx = zmq.Context()
+    control = ControlChannel(ctx, config.addresses.control, "worker")
+    prof = profiling.Profiler("worker", enabled=config.profile)
+
+    def idle_fraction(since_ns: int) -> float:
+        idle = prof.window_total("idle", since_ns)
+        busy = sum(prof.window_total(name, since_ns) for name in ("plan_decode", "execute", "wait_tokens", "send_result"))
+        return idle / (idle + busy) if idle + busy > 0 else 1.0
+
+    prof.derive("idle_fraction", idle_fraction)
+    try:
+        import torch
+
+        from conveyor.worker.model_runner import ModelRunner
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = resolve_device(config.device)
+        pipeline = resolve_pipeline(config.pipeline, device)
+        runner = ModelRunner(
+            config.model_dir,
+            device=device,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            attention=config.attention,
+            num_cpu_blocks=config.num_cpu_blocks,
+            swap_space_bytes=default_swap_space(device) if config.swap_space_bytes is None else config.swap_space_bytes,
+            profiler=prof,
+        )
+        plans = StepReceiver(ctx, config.channels.plans, bind=False)
+        results = StepSender(ctx, config.channels.results, bind=False)
+    except Exception as exc:
+        log.exception("worker failed to start")
+        control.failed(f"worker: {exc}")
+        return
+    control.ready(
+        num_blocks=runner.num_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_bytes=runner.block_bytes, device=device
+    )
+    try:
+        StepLoop(runner, plans, results, prof, pipeline).run()
+    finally:
+        plans.close()
+        results.close()
+        control.close()
+        ctx.term()
+
+
+class StepLoop:
+    """Receives plans, launches and finishes steps on the runner, sends results (pipelined or not)."""
+
+    def __init__(self, runner, plans: StepReceiver, results: StepSender, prof: profiling.Profiler, pipeline: bool) -> None:
+        self.runner = runner
+        self.plans = plans
+        self.results = results
+        self.prof = prof
+        self.pipeline = pipeline
+        self.t_idle = prof.timer("idle", arg_name="step")
+        self.t_decode = prof.timer("plan_decode", arg_name="step")
+        self.t_execute = prof.timer("execute", arg_name="step")  # launching a step (on a CPU, the whole step)
+        self.t_wait = prof.timer("wait_tokens", arg_name="step")  # finishing a launched step
+        self.t_send = prof.timer("send_result", arg_name="step")
+        self.pending = None  # (launched step, or the StepResult of a launch that failed)
+        self.failed = False  # the last finished step failed: a plan launched ahead of it fails too
+
+    def run(self) -> None:
+        idle_start = profiling.now_ns()
+        while True:
+            if self.pending is not None and not self._next_plan_or_done():
+                self._finish_pending()
+                idle_start = profiling.now_ns()
+                continue
+            try:
+                self.plans.wait()
+                received = profiling.now_ns()
+                msg = self.plans.recv(0)
+            except codec.DecodeError as exc:
+                log.error("dropping malformed plan: %s", exc)
+                continue
+            except PeerGone as exc:
+                log.error("stopping: the scheduler is gone (%s)", exc)
+                break
+            if isinstance(msg, Shutdown):
+                if self.pending is not None:
+                    self._finish_pending()
+                break
+            if isinstance(msg, ProfileQuery):
+                snapshot = self.prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
+                self.results.send(ProfileReport(msg.query_id, [snapshot]))
+                continue
+            if not isinstance(msg, StepPlan):
+                log.error("unexpected message %s", type(msg).__name__)
+                continue
+            if self.pending is None:
+                self.t_idle.record(idle_start, received, arg=msg.step_id)
+            launch_start = self.t_decode.record(received, arg=msg.step_id)
+            try:
+                launched = self.runner.launch(msg)
+            except Exception as exc:
+                log.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
+                launched = StepResult(msg.step_id, [], [], error=f"worker step failed: {exc}")
+            self.t_execute.record(launch_start, arg=msg.step_id)
+            if self.pending is not None:  # step N+1 is queued on the device: now wait for N
+                self._finish_pending()
+            self.pending = launched
+            if not self.pipeline or isinstance(launched, StepResult):
+                self._finish_pending()
+                idle_start = profiling.now_ns()
+
+    def _next_plan_or_done(self) -> bool:
+        """With a step launched: wait until the next message is there (True) or the step is
+        done on the device (False), whichever comes first."""
+        pending, runner, plans = self.pending, self.runner, self.plans
+        if isinstance(pending, StepResult):
+            return False
+        while True:
+            if plans.ready():
+                return True
+            if runner.step_done(pending):
+                return False
+            time.sleep(0)  # let other threads run; a GPU step takes milliseconds, this loop microseconds
+
+    def _finish_pending(self) -> None:
+        """Finish the launched step (or take the failed launch's result) and send its result."""
+        pending, self.pending = self.pending, None
+        start = profiling.now_ns()
+        if isinstance(pending, StepResult):
+            result = pending
+        else:
+            try:
+                result = self.runner.finish(pending)
+            except Exception as exc:
+                log.error("step %d failed:\n%s", pending.step_id, traceback.format_exc())
+                result = StepResult(pending.step_id, [], [], error=f"worker step failed: {exc}")
+            if self.failed and pending.planned_ahead and result.error is None:
+                # Launched before the step it was planned ahead of failed at the finish.
+                result = StepResult(
+                    pending.step_id, [], [], error=f"step {pending.step_id} was planned ahead of a step that failed"
+                )
+        self.failed = result.error is not None
+        send_start = self.t_wait.record(start, arg=result.step_id)
+        self.results.send(result)
+        self.t_send.record(send_start, arg=result.step_id)

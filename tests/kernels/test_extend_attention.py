@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conveyor.kernels.extend_attention import extend_attention, extend_attention_ref
-from conveyor.kernels.testing import assert_attention_close, random_block_tables, random_kv_cache
+from conveyor.kernels.testing import assert_attention_close, random_paged_kv, random_query
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 RATIOS = (1, 4, 8)
@@ -76,20 +76,11 @@ def _run(
     ctx = [c for c, _ in batch]
     new = [n for _, n in batch]
     seq_lens = [c + n for c, n in batch]
-    needed = sum(-(-n // block_size) for n in seq_lens)
-    num_blocks = 2 * needed + 5
-    kv = random_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=gen)
-    tables = random_block_tables(seq_lens, block_size, num_blocks, generator=gen, device=device)
+    kv, tables = random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=gen)
     starts = [0]
     for n in new:
         starts.append(starts[-1] + n)
-    total = starts[-1]
-    if strided_query:
-        fused = torch.randn(total, num_heads + 2, head_dim, generator=gen).to(device=device, dtype=dtype)
-        query = fused[:, 2:]
-        assert not query.is_contiguous()
-    else:
-        query = torch.randn(total, num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    query = random_query(starts[-1], num_heads, head_dim, dtype=dtype, device=device, generator=gen, strided=strided_query)
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
     args = (query, kv, tables, as_i32(starts), as_i32(ctx), as_i32(seq_lens), head_dim**-0.5, window)
     out = torch.full_like(query, float("nan"), memory_format=torch.contiguous_format)

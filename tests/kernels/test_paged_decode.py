@@ -21,7 +21,7 @@ from conveyor.kernels.paged_decode import (
     paged_decode_attention_ref,
     plan_decode_partitions,
 )
-from conveyor.kernels.testing import assert_attention_close, random_block_tables, random_kv_cache
+from conveyor.kernels.testing import assert_attention_close, random_paged_kv, random_query
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 RATIOS = (1, 4, 8)
@@ -61,19 +61,9 @@ def _run(
     strided_query: bool = False,
 ) -> None:
     num_heads = num_kv_heads * ratio
-    needed = sum(-(-n // block_size) for n in seq_lens)
-    num_blocks = 2 * needed + 5
-    kv = random_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=gen)
-    tables = random_block_tables(seq_lens, block_size, num_blocks, generator=gen, device=device)
+    kv, tables = random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    batch = len(seq_lens)
-    if strided_query:
-        # A slice of a fused projection: token stride > heads * head_dim.
-        fused = torch.randn(batch, num_heads + 3, head_dim, generator=gen).to(device=device, dtype=dtype)
-        query = fused[:, 1 : num_heads + 1]
-        assert not query.is_contiguous()
-    else:
-        query = torch.randn(batch, num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    query = random_query(len(seq_lens), num_heads, head_dim, dtype=dtype, device=device, generator=gen, strided=strided_query)
     scale = head_dim**-0.5
     out = torch.full_like(query, float("nan"), memory_format=torch.contiguous_format)
 

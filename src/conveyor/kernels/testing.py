@@ -12,7 +12,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["TOLERANCES", "assert_attention_close", "random_block_tables", "random_kv_cache"]
+__all__ = [
+    "TOLERANCES",
+    "assert_attention_close",
+    "random_block_tables",
+    "random_kv_cache",
+    "random_paged_kv",
+    "random_query",
+]
 
 #: ``dtype -> (rtol, atol)`` for attention outputs, checked elementwise as
 #: ``|out - ref| <= atol + rtol * |ref|`` against a float32 reference fed the same
@@ -65,6 +72,44 @@ def random_block_tables(
         table[b, :n] = order[taken : taken + n]
         taken += n
     return table.to(device=device, dtype=torch.int32)
+
+
+def random_paged_kv(
+    seq_lens: Sequence[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer cache and block tables for ``seq_lens``: the pool holds about twice the blocks the
+    sequences need, so tables are scattered over it and unused blocks hold other numbers."""
+    needed = sum(-(-n // block_size) for n in seq_lens)
+    num_blocks = 2 * needed + 5
+    kv = random_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=generator)
+    return kv, random_block_tables(seq_lens, block_size, num_blocks, generator=generator, device=device)
+
+
+def random_query(
+    num_tokens: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    generator: torch.Generator,
+    strided: bool = False,
+) -> torch.Tensor:
+    """``[num_tokens, num_heads, head_dim]`` N(0, 1) queries; ``strided``: a slice of a wider,
+    fused projection (token stride > heads * head_dim), as a merged q/k/v output gives."""
+    if not strided:
+        return torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(device=device, dtype=dtype)
+    fused = torch.randn(num_tokens, num_heads + 3, head_dim, generator=generator).to(device=device, dtype=dtype)
+    query = fused[:, 1 : num_heads + 1]
+    assert not query.is_contiguous()
+    return query
 
 
 def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None) -> None:

@@ -37,7 +37,7 @@ STOP = b"stop"
 
 
 def ring_echo(ping_path: str, pong_path: str, spin_us: float) -> None:
-    reader = RingReader(ping_path, 0, spin_us=spin_us)
+    reader = RingReader(ping_path, spin_us=spin_us)
     writer = RingWriter(pong_path, spin_us=spin_us)
     try:
         while True:
@@ -83,7 +83,7 @@ def bench_ring(run_dir: str, size: int, iters: int, warmup: int, spin_us: float)
     shm_ring.create_ring(ping_path, slot_bytes=slot, num_slots=8)
     shm_ring.create_ring(pong_path, slot_bytes=slot, num_slots=8)
     writer = RingWriter(ping_path, spin_us=spin_us)
-    reader = RingReader(pong_path, 0, spin_us=spin_us)
+    reader = RingReader(pong_path, spin_us=spin_us)
     echo = mp.get_context("spawn").Process(target=ring_echo, args=(ping_path, pong_path, spin_us))
     echo.start()
     payload = os.urandom(size)

@@ -1,5 +1,5 @@
-"""The shared-memory ring: round trips, wrap-around, oversize diversion order, readers in
-spawned processes, back-pressure, a SIGKILLed reader, a dead writer, and clean-up.
+"""The shared-memory ring: round trips, wrap-around, oversize diversion order, a reader in a
+spawned process, back-pressure, a SIGKILLed reader, a dead writer, and clean-up.
 
 No torch: these run in the torch-free venv too. Children are ``spawn``ed, as bin/serve does.
 """
@@ -68,11 +68,11 @@ def check_stamped(data: bytes | memoryview, seq: int) -> None:
 # ---------------------------------------------------------------------------- children
 
 
-def _read_all(path: str, index: int, zero_copy: bool, delay_s: float, out) -> None:
+def _read_all(path: str, zero_copy: bool, delay_s: float, out) -> None:
     """Read until the ring closes; report (count, digest of the ordered messages, error)."""
     digest, count = hashlib.sha256(), 0
     try:
-        with RingReader(path, index, liveness_interval_s=0.05) as reader:
+        with RingReader(path, liveness_interval_s=0.05) as reader:
             while True:
                 try:
                     if zero_copy:
@@ -93,13 +93,13 @@ def _read_all(path: str, index: int, zero_copy: bool, delay_s: float, out) -> No
                 count += 1
                 if delay_s:
                     time.sleep(delay_s)
-        out.put((index, count, digest.hexdigest(), None))
+        out.put((count, digest.hexdigest(), None))
     except BaseException as exc:
-        out.put((index, count, digest.hexdigest(), repr(exc)))
+        out.put((count, digest.hexdigest(), repr(exc)))
 
 
-def _read_some_then_hang(path: str, index: int, n: int, done) -> None:
-    reader = RingReader(path, index)
+def _read_some_then_hang(path: str, n: int, done) -> None:
+    reader = RingReader(path)
     for i in range(n):
         check_stamped(reader.recv(timeout=CHILD_TIMEOUT_S), i)
     done.set()
@@ -123,7 +123,7 @@ def _write_some_then_hang(path: str, n: int, done) -> None:
 def test_round_trip_random_sizes(sizes: list[int], rng: random.Random) -> None:
     with tempfile.TemporaryDirectory(dir=_base_dir()) as d:
         path = os.path.join(d, "ring")
-        with RingWriter.create(path, slot_bytes=4096, num_slots=8) as writer, RingReader(path, 0) as reader:
+        with RingWriter.create(path, slot_bytes=4096, num_slots=8) as writer, RingReader(path) as reader:
             for i, size in enumerate(sizes):
                 payload = rng.randbytes(size)
                 assert writer.send(payload) == i
@@ -136,37 +136,35 @@ def test_round_trip_random_sizes(sizes: list[int], rng: random.Random) -> None:
             assert reader.recv(timeout=0) is None
 
 
-def test_wrap_around_many_times_in_order(ring_dir: str) -> None:
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copying", "zero_copy"])
+def test_wrap_around_many_times_in_order(ring_dir: str, zero_copy: bool) -> None:
     path = os.path.join(ring_dir, "ring")
     rng = random.Random(0)
     num_messages, num_slots = 20_000, 4
-    with RingWriter.create(path, slot_bytes=512, num_slots=num_slots, num_readers=2) as writer:
-        copying, zero_copy = RingReader(path, 0), RingReader(path, 1)
+    with RingWriter.create(path, slot_bytes=512, num_slots=num_slots) as writer, RingReader(path) as reader:
         seq = 0
         while seq < num_messages:
             burst = rng.randint(1, num_slots)  # never more than the ring holds
             for _ in range(min(burst, num_messages - seq)):
                 assert writer.send(stamped(seq, rng.randint(12, 512), rng), timeout=0) == seq
                 seq += 1
-            while copying.position < seq:
-                position = copying.position
-                check_stamped(copying.recv(timeout=0), position)
-                assert copying.position == position + 1
-            while zero_copy.position < seq:
-                view = zero_copy.view(timeout=0)
-                check_stamped(view, zero_copy.position)
-                zero_copy.advance()
-        assert copying.recv(timeout=0) is None and zero_copy.recv(timeout=0) is None
-        assert writer.position == num_messages == copying.position == zero_copy.position
-        copying.close()
-        zero_copy.close()
+            while reader.position < seq:
+                position = reader.position
+                if zero_copy:
+                    check_stamped(reader.view(timeout=0), position)
+                    reader.advance()
+                else:
+                    check_stamped(reader.recv(timeout=0), position)
+                assert reader.position == position + 1
+        assert reader.recv(timeout=0) is None
+        assert writer.position == num_messages == reader.position
 
 
 def test_parts_are_written_back_to_back(ring_dir: str) -> None:
     import array
 
     path = os.path.join(ring_dir, "ring")
-    with RingWriter.create(path, slot_bytes=256) as writer, RingReader(path, 0) as reader:
+    with RingWriter.create(path, slot_bytes=256) as writer, RingReader(path) as reader:
         ids = array.array("i", [1, 2, 3, 70000])  # a non-byte buffer: written as its raw bytes
         writer.send([b"head", memoryview(b"--"), ids])
         assert reader.recv(timeout=0) == b"head--" + ids.tobytes()
@@ -174,7 +172,7 @@ def test_parts_are_written_back_to_back(ring_dir: str) -> None:
 
 def test_view_is_released_on_advance(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
-    with RingWriter.create(path, slot_bytes=64) as writer, RingReader(path, 0) as reader:
+    with RingWriter.create(path, slot_bytes=64) as writer, RingReader(path) as reader:
         writer.send(b"hello")
         view = reader.view(timeout=0)
         assert reader.view(timeout=0) is view  # not consumed until advance
@@ -188,7 +186,7 @@ def test_view_is_released_on_advance(ring_dir: str) -> None:
 
 def test_oversize_is_refused_and_publishes_nothing(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
-    with RingWriter.create(path, slot_bytes=100) as writer, RingReader(path, 0) as reader:
+    with RingWriter.create(path, slot_bytes=100) as writer, RingReader(path) as reader:
         assert writer.max_payload == 100
         writer.send(b"a" * 100)  # exactly one slot fits
         with pytest.raises(MessageTooLarge):
@@ -212,7 +210,7 @@ def test_diverted_messages_keep_their_place_in_order(ring_dir: str) -> None:
     sent = [stamped(i, rng.choice([20, 200, 300, 5000]), rng) for i in range(300)]
     received: list[bytes] = []
     num_diverted = 0
-    with RingWriter.create(path, slot_bytes=256, num_slots=4) as writer, RingReader(path, 0) as reader:
+    with RingWriter.create(path, slot_bytes=256, num_slots=4) as writer, RingReader(path) as reader:
 
         def take_available() -> None:
             nonlocal num_diverted
@@ -244,7 +242,7 @@ def test_diverted_messages_keep_their_place_in_order(ring_dir: str) -> None:
 def test_divert_waits_for_a_slot_first_and_a_failed_divert_publishes_nothing(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
     diverted: list[bytes] = []
-    with RingWriter.create(path, slot_bytes=16, num_slots=2) as writer, RingReader(path, 0) as reader:
+    with RingWriter.create(path, slot_bytes=16, num_slots=2) as writer, RingReader(path) as reader:
         writer.send(b"1")
         writer.send(b"2")
         with pytest.raises(RingFull):  # no slot for the marker: the big message must not leave either
@@ -265,46 +263,40 @@ def test_divert_waits_for_a_slot_first_and_a_failed_divert_publishes_nothing(rin
 
 def test_full_ring_applies_back_pressure_in_process(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
-    with RingWriter.create(path, slot_bytes=64, num_slots=4, num_readers=2) as writer:
-        fast, slow = RingReader(path, 0), RingReader(path, 1)
+    with RingWriter.create(path, slot_bytes=64, num_slots=4) as writer:
+        reader = RingReader(path)
         for i in range(4):
             writer.send(bytes([i]))
-        for i in range(4):
-            assert fast.recv(timeout=0) == bytes([i])
         start = time.monotonic()
         with pytest.raises(RingFull):
-            writer.send(b"\x04", timeout=0.05)  # the slow reader still holds message 0
+            writer.send(b"\x04", timeout=0.05)  # the reader still holds message 0
         assert time.monotonic() - start >= 0.05
         assert writer.position == 4
-        assert slow.recv(timeout=0) == b"\x00"
+        assert reader.recv(timeout=0) == b"\x00"
         writer.send(b"\x04", timeout=0)
-        assert fast.recv(timeout=0) == b"\x04"
-        assert [slow.recv(timeout=0) for _ in range(5)] == [b"\x01", b"\x02", b"\x03", b"\x04", None]
-        slow.close()  # a closed reader holds nothing
+        with pytest.raises(RingFull):
+            writer.send(b"\x05", timeout=0)  # one slot freed, one message let through
+        assert [reader.recv(timeout=0) for _ in range(5)] == [b"\x01", b"\x02", b"\x03", b"\x04", None]
+        reader.close()  # a closed reader holds nothing
         for i in range(5, 12):
             writer.send(bytes([i]), timeout=0)
-            assert fast.recv(timeout=0) == bytes([i])
-        fast.close()
+        assert writer.reader_status().state == "detached"
 
 
-def test_a_dropped_reader_never_returns_overwritten_data(ring_dir: str) -> None:
+def test_a_dropped_reader_never_returns_overwritten_data(ring_dir: str, monkeypatch) -> None:
     path = os.path.join(ring_dir, "ring")
-    with RingWriter.create(path, slot_bytes=64, num_slots=2, num_readers=2) as writer:
-        dropped, reader = RingReader(path, 0), RingReader(path, 1)
+    with RingWriter.create(path, slot_bytes=64, num_slots=2) as writer, RingReader(path) as dropped:
         writer.send(b"kept")
         view = dropped.view(timeout=0)
         assert bytes(view) == b"kept"
-        writer.drop_reader(0)  # e.g. wrongly presumed dead: its slots are free for reuse
-        assert reader.recv(timeout=0) == b"kept"
+        # Wrongly presumed dead: the writer's liveness check, reached on a full ring, drops it.
+        monkeypatch.setattr(shm_ring, "pid_alive", lambda pid, start_time=0: False)
         for i in range(3):
-            writer.send(bytes([i]), timeout=0)
-            assert reader.recv(timeout=0) == bytes([i])
+            writer.send(bytes([i]), timeout=0)  # its slots are free for reuse
+        assert writer.reader_status().state == "dropped"
         dropped.advance()
         with pytest.raises(ReaderDropped):
             dropped.recv(timeout=0)  # its next slot holds a later message
-        assert writer.readers()[0].state == "dropped"
-        dropped.close()
-        reader.close()
 
 
 def test_pending_reader_holds_messages_until_it_attaches(ring_dir: str) -> None:
@@ -314,17 +306,16 @@ def test_pending_reader_holds_messages_until_it_attaches(ring_dir: str) -> None:
             writer.send(bytes([i]))  # nobody attached yet: the declared reader's slots wait for it
         with pytest.raises(RingFull):
             writer.send(b"late", timeout=0)
-        assert [r.state for r in writer.readers()] == ["pending"]
-        with RingReader(path, 0) as reader:
+        assert writer.reader_status().state == "pending"
+        with RingReader(path) as reader:
             assert [reader.recv(timeout=0) for _ in range(3)] == [b"\x00", b"\x01", b"\x02"]
-        writer.drop_reader(0)
 
 
 def test_blocked_reader_is_woken_by_its_doorbell(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
     with RingWriter.create(path, slot_bytes=64) as writer:
         # spin 0 and a 30 s liveness slice: only the doorbell can end this wait early.
-        with RingReader(path, 0, spin_us=0, liveness_interval_s=30) as reader:
+        with RingReader(path, spin_us=0, liveness_interval_s=30) as reader:
             timer = threading.Timer(0.1, writer.send, args=(b"ding",))
             start = time.monotonic()
             timer.start()
@@ -335,7 +326,7 @@ def test_blocked_reader_is_woken_by_its_doorbell(ring_dir: str) -> None:
 
 def test_arm_and_fileno_for_an_external_poller(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
-    with RingWriter.create(path, slot_bytes=64) as writer, RingReader(path, 0) as reader:
+    with RingWriter.create(path, slot_bytes=64) as writer, RingReader(path) as reader:
         assert reader.arm() is False
         assert select.select([reader], [], [], 0)[0] == []
         writer.send(b"a")
@@ -349,7 +340,7 @@ def test_arm_and_fileno_for_an_external_poller(ring_dir: str) -> None:
 
 def test_timed_wait_returns_none_while_the_writer_lives(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
-    with RingWriter.create(path, slot_bytes=64), RingReader(path, 0, liveness_interval_s=0.02) as reader:
+    with RingWriter.create(path, slot_bytes=64), RingReader(path, liveness_interval_s=0.02) as reader:
         start = time.monotonic()
         assert reader.recv(timeout=0.1) is None
         assert 0.1 <= time.monotonic() - start < 2
@@ -358,9 +349,9 @@ def test_timed_wait_returns_none_while_the_writer_lives(ring_dir: str) -> None:
 
 def test_close_drains_then_ends_and_everything_is_idempotent(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
-    writer = RingWriter.create(path, slot_bytes=64, num_readers=2)
-    reader = RingReader(path, 0)
-    assert sorted(os.listdir(ring_dir)) == ["ring", "ring.bell0", "ring.bell1"]
+    writer = RingWriter.create(path, slot_bytes=64)
+    reader = RingReader(path)
+    assert sorted(os.listdir(ring_dir)) == ["ring", "ring.bell"]
     writer.send(b"last")
     writer.close()
     writer.close()
@@ -377,22 +368,26 @@ def test_close_drains_then_ends_and_everything_is_idempotent(ring_dir: str) -> N
     shm_ring.unlink_ring(path)
     shm_ring.unlink_ring(path)
     with pytest.raises(FileNotFoundError):
-        RingReader(path, 1)
+        RingReader(path)
 
 
 def test_endpoints_dropped_without_close_are_finalized(ring_dir: str) -> None:
+    with RingWriter.create(os.path.join(ring_dir, "forgotten-reader"), slot_bytes=64, num_slots=2) as writer:
+        forgotten = RingReader(writer.path)
+        assert writer.reader_status().state == "attached"
+        del forgotten
+        gc.collect()
+        assert writer.reader_status().state == "detached"
+        for i in range(5):  # the forgotten reader holds nothing
+            writer.send(bytes([i]), timeout=0)
     path = os.path.join(ring_dir, "ring")
-    writer = RingWriter.create(path, slot_bytes=64, num_slots=2, num_readers=2)
-    forgotten, reader = RingReader(path, 0), RingReader(path, 1)
-    del forgotten
-    gc.collect()
-    assert [r.state for r in writer.readers()] == ["detached", "attached"]
-    for i in range(5):  # the forgotten reader holds nothing
-        writer.send(bytes([i]), timeout=0)
-        assert reader.recv(timeout=0) == bytes([i])
+    writer = RingWriter.create(path, slot_bytes=64, num_slots=2)
+    reader = RingReader(path)
+    writer.send(b"last")
     del writer
     gc.collect()
     assert os.listdir(ring_dir) == []  # the owner's finalizer unlinked the ring
+    assert reader.recv(timeout=5) == b"last"
     with pytest.raises(RingClosed):
         reader.recv(timeout=5)
     reader.close()
@@ -407,26 +402,39 @@ def test_non_owner_writer_leaves_the_files(ring_dir: str) -> None:
     with pytest.raises(RingError, match="already has a writer"):
         RingWriter(path)
     writer.close()
-    assert sorted(os.listdir(ring_dir)) == ["ring", "ring.bell0"]
+    assert sorted(os.listdir(ring_dir)) == ["ring", "ring.bell"]
     shm_ring.unlink_ring(path)
     assert os.listdir(ring_dir) == []
 
 
 def test_attach_errors(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
-    with RingWriter.create(path, slot_bytes=64, num_readers=1):
-        with pytest.raises(RingError, match="out of range"):
-            RingReader(path, 1)
-        with RingReader(path, 0):
+    with RingWriter.create(path, slot_bytes=64):
+        with RingReader(path):
             with pytest.raises(RingError, match="attaches once"):
-                RingReader(path, 0)
+                RingReader(path)
+        with pytest.raises(RingError, match="attaches once"):
+            RingReader(path)  # detached: a ring has one reader in its life
     junk = os.path.join(ring_dir, "junk")
     with open(junk, "wb") as f:
         f.write(b"\0" * 4096)
     with pytest.raises(RingError, match="not a conveyor ring"):
-        RingReader(junk, 0)
+        RingReader(junk)
     with pytest.raises(ValueError):
         shm_ring.create_ring(os.path.join(ring_dir, "bad"), slot_bytes=4)
+
+
+def test_a_ring_of_another_layout_version_is_refused(ring_dir: str) -> None:
+    path = os.path.join(ring_dir, "ring")
+    shm_ring.create_ring(path, slot_bytes=64)
+    with open(path, "r+b") as f:
+        f.seek(8)  # the version word
+        f.write((shm_ring.VERSION - 1).to_bytes(8, "little"))
+    with pytest.raises(RingError, match=f"ring version {shm_ring.VERSION - 1}, expected {shm_ring.VERSION}"):
+        RingReader(path)
+    with pytest.raises(RingError, match="ring version"):
+        RingWriter(path)
+    shm_ring.unlink_ring(path)
 
 
 def test_ring_path_prefers_a_memory_filesystem(tmp_path) -> None:
@@ -447,32 +455,22 @@ def test_pid_alive() -> None:
 # ---------------------------------------------------------------------------- spawned processes
 
 
-def _collect(out, n: int) -> dict[int, tuple[int, str, str | None]]:
-    results = {}
-    for _ in range(n):
-        index, count, digest, error = out.get(timeout=CHILD_TIMEOUT_S)
-        results[index] = (count, digest, error)
-    return results
-
-
-def test_spawned_readers_each_see_every_message_in_order(ring_dir: str) -> None:
+def test_spawned_zero_copy_reader_sees_every_message_in_order(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
     rng = random.Random(5)
-    num_readers, num_messages = 3, 3000
+    num_messages = 3000
     out = SPAWN.Queue()
-    with RingWriter.create(path, slot_bytes=2048, num_slots=8, num_readers=num_readers) as writer:
-        procs = [SPAWN.Process(target=_read_all, args=(path, i, i == 0, 0.0, out)) for i in range(num_readers)]
-        for p in procs:
-            p.start()  # readers attach whenever they are up; until then their slots wait for them
+    with RingWriter.create(path, slot_bytes=2048, num_slots=8) as writer:
+        proc = SPAWN.Process(target=_read_all, args=(path, True, 0.0, out))
+        proc.start()  # the reader attaches whenever it is up; until then its slots wait for it
         digest = hashlib.sha256()
         for seq in range(num_messages):
             payload = stamped(seq, rng.randint(12, 2048), rng)
             writer.send(payload, timeout=CHILD_TIMEOUT_S)
             digest.update(payload)
-    results = _collect(out, num_readers)
-    for p in procs:
-        p.join(CHILD_TIMEOUT_S)
-    assert results == {i: (num_messages, digest.hexdigest(), None) for i in range(num_readers)}
+    result = out.get(timeout=CHILD_TIMEOUT_S)
+    proc.join(CHILD_TIMEOUT_S)
+    assert result == (num_messages, digest.hexdigest(), None)
 
 
 def test_slow_spawned_reader_holds_the_writer_back(ring_dir: str) -> None:
@@ -481,7 +479,7 @@ def test_slow_spawned_reader_holds_the_writer_back(ring_dir: str) -> None:
     num_slots, num_messages, delay_s = 4, 40, 0.005
     out = SPAWN.Queue()
     with RingWriter.create(path, slot_bytes=1024, num_slots=num_slots) as writer:
-        proc = SPAWN.Process(target=_read_all, args=(path, 0, False, delay_s, out))
+        proc = SPAWN.Process(target=_read_all, args=(path, False, delay_s, out))
         proc.start()
         digest = hashlib.sha256()
         waited = 0.0
@@ -491,8 +489,8 @@ def test_slow_spawned_reader_holds_the_writer_back(ring_dir: str) -> None:
             writer.send(payload, timeout=CHILD_TIMEOUT_S)
             waited += time.monotonic() - start
             digest.update(payload)
-            assert writer.position - writer.readers()[0].position <= num_slots
-    assert _collect(out, 1) == {0: (num_messages, digest.hexdigest(), None)}
+            assert writer.position - writer.reader_status().position <= num_slots
+    assert out.get(timeout=CHILD_TIMEOUT_S) == (num_messages, digest.hexdigest(), None)
     proc.join(CHILD_TIMEOUT_S)
     # The reader sleeps 5 ms per message: the writer waited for most of them.
     assert waited >= (num_messages - num_slots) * delay_s * 0.8
@@ -503,34 +501,31 @@ def test_sigkilled_reader_is_dropped_and_the_writer_proceeds(ring_dir: str) -> N
     rng = random.Random(7)
     num_slots = 4
     done = SPAWN.Event()
-    writer = RingWriter.create(path, slot_bytes=256, num_slots=num_slots, num_readers=2, liveness_interval_s=0.05)
+    writer = RingWriter.create(path, slot_bytes=256, num_slots=num_slots, liveness_interval_s=0.05)
     with writer:
-        survivor = RingReader(path, 1)
-        victim = SPAWN.Process(target=_read_some_then_hang, args=(path, 0, 2, done))
+        victim = SPAWN.Process(target=_read_some_then_hang, args=(path, 2, done))
         victim.start()
         seq = 0
 
-        def send_and_follow(timeout: float) -> None:
+        def send(timeout: float) -> None:
             nonlocal seq
-            writer.send(stamped(seq, 100, rng), timeout=timeout)
-            check_stamped(survivor.recv(timeout=0), seq)
+            assert writer.send(stamped(seq, 100, rng), timeout=timeout) == seq
             seq += 1
 
         for _ in range(2):
-            send_and_follow(CHILD_TIMEOUT_S)
+            send(CHILD_TIMEOUT_S)
         assert done.wait(CHILD_TIMEOUT_S)
         for _ in range(num_slots):  # the victim has read 2: 4 more fill the ring
-            send_and_follow(0)
+            send(0)
         with pytest.raises(RingFull):
             writer.send(b"blocked", timeout=0.2)  # alive and not reading: it holds the writer
         os.kill(victim.pid, signal.SIGKILL)  # not reaped yet: a zombie must count as dead too
         start = time.monotonic()
-        send_and_follow(CHILD_TIMEOUT_S)
+        send(CHILD_TIMEOUT_S)
         assert time.monotonic() - start < 2
-        assert [r.state for r in writer.readers()] == ["dropped", "attached"]
+        assert writer.reader_status().state == "dropped"
         for _ in range(3 * num_slots):  # nothing holds it back any more
-            send_and_follow(0)
-        survivor.close()
+            send(0)
     victim.join(CHILD_TIMEOUT_S)
     assert victim.exitcode == -signal.SIGKILL
 
@@ -541,7 +536,7 @@ def test_reader_notices_a_dead_writer(ring_dir: str) -> None:
     done = SPAWN.Event()
     proc = SPAWN.Process(target=_write_some_then_hang, args=(path, 3, done))
     try:
-        with RingReader(path, 0, liveness_interval_s=0.05) as reader:
+        with RingReader(path, liveness_interval_s=0.05) as reader:
             proc.start()
             assert done.wait(CHILD_TIMEOUT_S)
             for i in range(3):
@@ -558,8 +553,8 @@ def test_reader_notices_a_dead_writer(ring_dir: str) -> None:
         shm_ring.unlink_ring(path)
 
 
-def test_exit_with_spawned_readers_is_silent(tmp_path) -> None:
-    """No resource-tracker or leak warnings, and no files left, when children attach and exit."""
+def test_exit_with_a_spawned_reader_is_silent(tmp_path) -> None:
+    """No resource-tracker or leak warnings, and no files left, when a child attaches and exits."""
     script = tmp_path / "ring_exit.py"
     script.write_text(
         textwrap.dedent(
@@ -567,21 +562,19 @@ def test_exit_with_spawned_readers_is_silent(tmp_path) -> None:
             import multiprocessing as mp, os, sys, tempfile
             from conveyor.ipc.shm_ring import RingReader, RingWriter
 
-            def child(path, index):
-                reader = RingReader(path, index)
+            def child(path):
+                reader = RingReader(path)
                 assert reader.recv(timeout=20) == b"hi"
                 # exits without close(): the attach must not leave anything behind either
 
             if __name__ == "__main__":
                 d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-                writer = RingWriter.create(os.path.join(d, "ring"), slot_bytes=64, num_readers=2)
-                procs = [mp.get_context("spawn").Process(target=child, args=(writer.path, i)) for i in range(2)]
-                for p in procs:
-                    p.start()
+                writer = RingWriter.create(os.path.join(d, "ring"), slot_bytes=64)
+                proc = mp.get_context("spawn").Process(target=child, args=(writer.path,))
+                proc.start()
                 writer.send(b"hi")
-                for p in procs:
-                    p.join(20)
-                    assert p.exitcode == 0, p.exitcode
+                proc.join(20)
+                assert proc.exitcode == 0, proc.exitcode
                 # no close(): the owner's finalizer unlinks at exit
                 print(d)
             """

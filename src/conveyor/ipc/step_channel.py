@@ -99,7 +99,7 @@ def create_rings(channels: StepChannels) -> None:
     try:
         for spec in (channels.plans, channels.results):
             if spec.ring_path is not None:
-                shm_ring.create_ring(spec.ring_path, slot_bytes=spec.slot_bytes, num_slots=NUM_SLOTS, num_readers=1)
+                shm_ring.create_ring(spec.ring_path, slot_bytes=spec.slot_bytes, num_slots=NUM_SLOTS)
                 made.append(spec.ring_path)
     except BaseException:
         for path in made:
@@ -114,30 +114,57 @@ def remove_rings(channels: StepChannels) -> None:
 
 
 class StepSender:
-    """The writing end of one direction. ``bind``: this end binds the ZeroMQ socket."""
+    """The writing end of one direction. ``bind``: this end binds the ZeroMQ socket.
+
+    ``StepSender(ctx, spec, bind=...)`` builds the transport ``spec`` names, once: a
+    :class:`RingSender` when it has a ring, else a :class:`ZmqSender`.
+    """
+
+    def __new__(cls, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> StepSender:
+        if cls is StepSender:
+            cls = ZmqSender if spec.ring_path is None else RingSender
+        return super().__new__(cls)
 
     def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
         self._sock = transport.socket(ctx, zmq.PUSH, spec.zmq_address, bind=bind)
+
+    def send(self, msg: Any) -> None:
+        """Encode and send ``msg``."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ZmqSender(StepSender):
+    """Every message is one frame on the PUSH socket."""
+
+    def send(self, msg: Any) -> None:
+        self._sock.send(codec.encode(msg), copy=False)
+
+
+class RingSender(StepSender):
+    """Messages go into the ring's slots; one larger than a slot goes on the PUSH socket,
+    with a marker keeping its place in the ring."""
+
+    def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
+        super().__init__(ctx, spec, bind=bind)
         try:
-            self._ring = None if spec.ring_path is None else RingWriter(spec.ring_path, spin_us=spec.spin_us)
+            self._ring = RingWriter(spec.ring_path, spin_us=spec.spin_us)
         except BaseException:
             self._sock.close(linger=0)
             raise
 
     def send(self, msg: Any) -> None:
-        """Encode and send ``msg``. On a ring, waits for a free slot as long as the reader lives."""
-        if self._ring is None:
-            self._sock.send(codec.encode(msg), copy=False)
-        else:
-            self._ring.send(codec.encode_parts(msg), divert=self._divert)
+        """Waits for a free slot as long as the reader lives."""
+        self._ring.send(codec.encode_parts(msg), divert=self._divert)
 
     def _divert(self, payload: Any) -> None:
         self._sock.send(payload, copy=True)
 
     def close(self) -> None:
-        if self._ring is not None:
-            self._ring.close()  # readers drain what is left, then see the ring closed
-        self._sock.close(linger=0)
+        self._ring.close()  # the reader drains what is left, then sees the ring closed
+        super().close()
 
 
 class StepReceiver:
@@ -148,12 +175,97 @@ class StepReceiver:
             poller.poll(timeout)
         rx.disarm()
         msg = rx.recv(0)          # None if nothing came
+
+    ``StepReceiver(ctx, spec, bind=...)`` builds the transport ``spec`` names, once: a
+    :class:`RingReceiver` when it has a ring, else a :class:`ZmqReceiver`. Every method
+    that asks for the next message (``recv``, ``arm``, ``wait``, ``spin``, ``ready``)
+    first releases the previous one: asking for the next means being done with the last.
     """
+
+    def __new__(cls, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> StepReceiver:
+        if cls is StepReceiver:
+            cls = ZmqReceiver if spec.ring_path is None else RingReceiver
+        return super().__new__(cls)
 
     def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
         self._sock = transport.socket(ctx, zmq.PULL, spec.zmq_address, bind=bind)
+
+    def recv(self, timeout_s: float | None = None) -> Any | None:
+        """The next message, decoded (None if none came within ``timeout_s``; None waits forever).
+
+        Raises codec.DecodeError for a malformed message (it is consumed), PeerGone when the
+        sending process is gone or closed the ring.
+        """
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Free the slot of the message last received (its array views must no longer be used)."""
+
+    def pollable(self) -> zmq.Socket | int:
+        """What to register in a zmq.Poller to wake on a message (after :meth:`arm`)."""
+        raise NotImplementedError
+
+    def arm(self) -> bool:
+        """Ask to be woken through :meth:`pollable`; True if a message is already there."""
+        raise NotImplementedError
+
+    def disarm(self) -> None:
+        """Stop asking to be woken (after :meth:`arm`)."""
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (None: forever) for a message without taking it; True if
+        one is there. Raises PeerGone like :meth:`recv`."""
+        raise NotImplementedError
+
+    def spin(self) -> bool:
+        """Wait for a message by spinning only (``spin_us``, no system call); True if one came.
+        A step's result often follows within microseconds: cheaper than a doorbell wake-up."""
+        return self.ready()
+
+    def ready(self) -> bool:
+        """Whether a message is waiting (never blocks)."""
+        raise NotImplementedError
+
+    def peer_alive(self) -> bool:
+        """False once the sending process is known to be gone."""
+        return True
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ZmqReceiver(StepReceiver):
+    """Messages are frames on the PULL socket; their arrays view the frame, which lives as
+    long as they are referenced (releasing costs nothing). ZeroMQ cannot tell whether the
+    sender lives: :meth:`peer_alive` stays True and bin/serve's process watch notices."""
+
+    def recv(self, timeout_s: float | None = None) -> Any | None:
+        if timeout_s is not None and not self._sock.poll(int(timeout_s * 1000)):
+            return None
+        return codec.decode(self._sock.recv(copy=False).buffer)
+
+    def pollable(self) -> zmq.Socket:
+        return self._sock
+
+    def arm(self) -> bool:
+        return self.ready()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return bool(self._sock.poll(None if timeout_s is None else int(timeout_s * 1000)))
+
+    def ready(self) -> bool:
+        return bool(self._sock.poll(0))
+
+
+class RingReceiver(StepReceiver):
+    """Messages are read in place in the ring's slots; a diverted one (its marker in the
+    ring) is taken from the PULL socket. A message's slot stays reserved until the next
+    request for a message (or :meth:`release`)."""
+
+    def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
+        super().__init__(ctx, spec, bind=bind)
         try:
-            self._ring = None if spec.ring_path is None else RingReader(spec.ring_path, 0, spin_us=spec.spin_us)
+            self._ring = RingReader(spec.ring_path, spin_us=spec.spin_us)
         except BaseException:
             self._sock.close(linger=0)
             raise
@@ -161,17 +273,8 @@ class StepReceiver:
         self._spin_s = spec.spin_us / 1e6
 
     def recv(self, timeout_s: float | None = None) -> Any | None:
-        """The next message, decoded (None if none came within ``timeout_s``; None waits forever).
-
-        Releases the previous message's slot first. Raises codec.DecodeError for a malformed
-        message (it is consumed), PeerGone when the sending process is gone or closed the ring.
-        """
-        ring = self._ring
-        if ring is None:
-            if timeout_s is not None and not self._sock.poll(int(timeout_s * 1000)):
-                return None
-            return codec.decode(self._sock.recv(copy=False).buffer)
         self.release()
+        ring = self._ring
         try:
             item = ring.view(timeout_s)
         except (RingClosed, WriterDied) as exc:
@@ -191,31 +294,21 @@ class StepReceiver:
             raise
 
     def release(self) -> None:
-        """Free the slot of the message last received (its array views must no longer be used)."""
         if self._holding:
             self._holding = False
             self._ring.advance()
 
-    def pollable(self) -> zmq.Socket | int:
-        """What to register in a zmq.Poller to wake on a message (after :meth:`arm`)."""
-        return self._sock if self._ring is None else self._ring.fileno()
+    def pollable(self) -> int:
+        return self._ring.fileno()
 
     def arm(self) -> bool:
-        """Ask to be woken through :meth:`pollable`; True if a message is already there."""
-        if self._ring is None:
-            return bool(self._sock.poll(0))
         self.release()
         return self._ring.arm()
 
     def disarm(self) -> None:
-        if self._ring is not None:
-            self._ring.disarm()
+        self._ring.disarm()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait up to ``timeout_s`` (None: forever) for a message without taking it; True if
-        one is there. Releases the previous message. Raises PeerGone like :meth:`recv`."""
-        if self._ring is None:
-            return bool(self._sock.poll(None if timeout_s is None else int(timeout_s * 1000)))
         self.release()
         try:
             return self._ring.view(timeout_s) is not None
@@ -223,27 +316,19 @@ class StepReceiver:
             raise PeerGone(str(exc)) from None
 
     def spin(self) -> bool:
-        """Wait for a message by spinning only (``spin_us``, no system call); True if one came.
-        A step's result often follows within microseconds: cheaper than a doorbell wake-up."""
-        return self.wait(self._spin_s) if self._ring is not None else self.ready()
+        return self.wait(self._spin_s)
 
     def ready(self) -> bool:
-        """Whether a message is waiting (never blocks). Like :meth:`arm`, it releases the
-        previous message: asking for the next one means being done with the last."""
-        if self._ring is None:
-            return bool(self._sock.poll(0))
         self.release()
         return self._ring.ready()
 
     def peer_alive(self) -> bool:
-        """False once the sending process is known to be gone (ZeroMQ cannot tell: always True)."""
-        return self._ring is None or self._ring.writer_alive()
+        return self._ring.writer_alive()
 
     def close(self) -> None:
-        if self._ring is not None:
-            self.release()
-            self._ring.close()
-        self._sock.close(linger=0)
+        self.release()
+        self._ring.close()
+        super().close()
 
 
 def ring_files(channels: StepChannels) -> list[str]:
@@ -251,5 +336,5 @@ def ring_files(channels: StepChannels) -> list[str]:
     paths = []
     for spec in (channels.plans, channels.results):
         if spec.ring_path is not None:
-            paths += [spec.ring_path, shm_ring.bell_path(spec.ring_path, 0)]
+            paths += [spec.ring_path, shm_ring.bell_path(spec.ring_path)]
     return [p for p in paths if os.path.exists(p)]

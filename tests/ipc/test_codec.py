@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-import struct
-
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
@@ -33,8 +30,8 @@ def plain(obj):
     """A message as nested plain values: Int32Array fields (numpy views after decode) as lists."""
     if isinstance(obj, np.ndarray):
         return obj.tolist()
-    if dataclasses.is_dataclass(obj):
-        return (type(obj).__name__, {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    if isinstance(obj, msgspec.Struct):
+        return (type(obj).__name__, {f.name: plain(getattr(obj, f.name)) for f in msgspec.structs.fields(obj)})
     if isinstance(obj, (list, tuple)):
         return [plain(v) for v in obj]
     return obj
@@ -46,10 +43,17 @@ def round_trip(msg):
     return decoded
 
 
-def framed(header: bytes, data: bytes = b"") -> bytes:
-    """A message buffer with a hand-made header: length prefix, header, padding, array data."""
-    head = struct.pack("<I", len(header)) + header
-    return head + bytes(-len(head) % 8) + data
+def framed(body, version: int = PROTOCOL_VERSION) -> bytes:
+    """A message buffer with a hand-made body: the version byte, then ``body`` as msgpack."""
+    return bytes([version]) + msgspec.msgpack.encode(body)
+
+
+def ints(*values: int, code: int = codec.INT32_EXT) -> msgspec.msgpack.Ext:
+    """A hand-made Int32Array on the wire."""
+    return msgspec.msgpack.Ext(code, np.array(values, dtype="<i4").tobytes())
+
+
+NO_INTS = ints()
 
 
 token_lists = st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=50)
@@ -94,7 +98,8 @@ def test_round_trip_plan_and_request(rid, prompt, params, blocks, n, slots) -> N
         assert type(column) is np.ndarray and column.dtype == np.int32
     assert cached.slots.tolist() == slots and decoded.finished_slots.tolist() == slots[::-1]
     assert [row.slot for row in cached.rows()] == slots and all(type(row.slot) is int for row in cached.rows())
-    round_trip(AddRequest(rid, prompt, params, 1.5))
+    add = round_trip(AddRequest(rid, prompt, params, 1.5))
+    assert add.prompt_token_ids.dtype == np.int32  # the prompt travels raw, like the plan's arrays
 
 
 def test_plan_header_carries_no_per_request_strings() -> None:
@@ -102,10 +107,8 @@ def test_plan_header_carries_no_per_request_strings() -> None:
     per-request columns, drops and result rows are all int32 arrays."""
     n = 256
     cached = CachedRequests(list(range(n)), list(range(100, 100 + n)), [1] * n)
-    head = codec.encode_parts(StepPlan(7, [], cached, list(range(8))))[0]
-    assert len(head) < 64
-    head = codec.encode_parts(StepResult(7, list(range(n)), [11] * n))[0]
-    assert len(head) < 64
+    assert len(codec.encode(StepPlan(7, [], cached, list(range(8))))) - 4 * (3 * n + 8) < 64
+    assert len(codec.encode(StepResult(7, list(range(n)), [11] * n))) - 4 * 2 * n < 64
 
 
 def test_round_trip_outputs_and_results() -> None:
@@ -116,15 +119,26 @@ def test_round_trip_outputs_and_results() -> None:
 
 
 def test_arrays_travel_raw_and_decode_as_views() -> None:
-    """An Int32Array field is raw int32 bytes after the header, and decodes with no copy."""
+    """An Int32Array field is raw int32 bytes in the message, and decodes with no copy."""
     tokens = np.arange(1000, dtype=np.int32)
-    parts = codec.encode_parts(StepResult(1, [], tokens))
-    assert len(parts) == 2 and bytes(parts[1]) == tokens.tobytes()  # handed out uncopied, no msgpack ints
-    buf = bytearray(b"".join(parts))
+    data = codec.encode(StepResult(1, [], tokens))
+    start = data.find(tokens.tobytes())
+    assert start > 0 and len(data) - len(tokens.tobytes()) < 32  # raw bytes, no msgpack ints
+    assert codec.encode_parts(StepResult(1, [], tokens)) == [data]
+    buf = bytearray(data)
     res = codec.decode(memoryview(buf))
     assert res.sampled_token_ids.tolist() == tokens.tolist()
-    buf[-4:] = (77).to_bytes(4, "little")  # a view: the buffer's bytes are the array's
+    end = start + tokens.nbytes
+    buf[end - 4 : end] = (77).to_bytes(4, "little")  # a view: the buffer's bytes are the array's
     assert res.sampled_token_ids[-1] == 77
+
+
+def test_encode_leaves_the_message_as_it_was() -> None:
+    """Lists in Int32Array fields are packed in a copy: the sender's message keeps its lists."""
+    plan = StepPlan(1, [NewRequestData("a", 0, [1, 2], SamplingParams(), [3], 0, 2)], [CachedRequestData(0, [], 2, 1)], [4])
+    before = plain(plan)
+    codec.encode(plan)
+    assert plain(plan) == before and type(plan.finished_slots) is list and type(plan.new_requests[0].token_ids) is list
 
 
 @pytest.mark.parametrize("values", [[1, 2, 3], np.array([1, 2, 3], dtype=np.int64), np.array([], dtype=np.float32)])
@@ -153,28 +167,33 @@ def test_encode_rejects_unregistered_objects() -> None:
 @pytest.mark.parametrize(
     "payload, needle",
     [
-        (b"", "shorter than its length prefix"),
-        (struct.pack("<I", 100) + b"\x90", "overruns"),
-        (framed(b"\xc1"), "malformed msgpack"),
-        (framed(msgpack.packb({"a": 1})), "array"),
-        (framed(msgpack.packb([999, PROTOCOL_VERSION])), "unknown message tag"),
-        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION + 1, ["a"]])), "version"),
-        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION])), "1 fields, got 0"),
-        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION, "a"])), "request_ids: expected array"),
-        (framed(msgpack.packb([AbortRequests.TAG, PROTOCOL_VERSION, [1]])), "expected array of str, found int"),
-        (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, True], [], 0.0, 0])), "array of int"),
-        (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1, "x"], [], 0.0, 0])), "array of int"),
-        (framed(msgpack.packb([AddRequest.TAG, PROTOCOL_VERSION, "r", [1], [1, 2], 0.0, 0])), "SamplingParams has"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1.5, [0, 0], [0, 0], None, 0.0])), "expected int"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [0, 0], 3, 0.0])), "error"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [0, 0], None, True])), "expected float"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [0, 1], None, 0.0])), "outside the message"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [2, 1], None, 0.0]), bytes(8)), "outside"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [-4, 1], None, 0.0]), bytes(8)), "outside"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [5, 0], None, 0.0]), bytes(8)), "outside"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 0], [1, 2, 3], None, 0.0])), "array reference"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, ["a"], [0, 0], None, 0.0])), "StepResult.slots"),
-        (framed(msgpack.packb([StepResult.TAG, PROTOCOL_VERSION, 1, [0, 1], [0, 0], None, 0.0])), "slots.*outside"),
+        (b"", "empty message"),
+        (framed([AbortRequests.TAG, ["abc"]])[:-1], "malformed msgpack.*truncated"),
+        (bytes([PROTOCOL_VERSION]) + b"\xc1", "malformed msgpack"),
+        (framed({"a": 1}), "array"),
+        (framed([999]), "unknown message tag 999"),
+        (framed(["x", ["a"]]), "unknown message tag 'x'"),
+        (framed([AbortRequests.TAG, ["a"]], version=PROTOCOL_VERSION + 1), "version"),
+        (framed([AbortRequests.TAG]), "AbortRequests: expected array of at least length"),
+        (framed([AbortRequests.TAG, ["a"], 1]), "AbortRequests: expected array of at most length"),
+        (framed([AbortRequests.TAG, "a"]), r"AbortRequests.request_ids: expected array, got str"),
+        (framed([AbortRequests.TAG, [1]]), r"AbortRequests.request_ids\[0\]: expected str, got int"),
+        (framed([RequestOutput.TAG, "r", [1, True], None, None, None, None, 0]), r"new_token_ids\[1\]: expected int, got bool"),
+        (framed([RequestOutput.TAG, "r", [1, "x"], None, None, None, None, 0]), r"new_token_ids\[1\]: expected int, got str"),
+        (framed([AddRequest.TAG, "r", NO_INTS, [1, 2, 0.5, 0, 0.0, None, [], False, 9], 0.0, 0]), "AddRequest.sampling: expected array of at most length 8"),
+        (framed([AddRequest.TAG, "r", NO_INTS, [1, "x"], 0.0, 0]), r"AddRequest.sampling.temperature: expected float, got str"),
+        (framed([AddRequest.TAG, "r", [1, 2], [], 0.0, 0]), "AddRequest.prompt_token_ids: expected int32 array, got list"),
+        (framed([StepResult.TAG, 1.5, NO_INTS, NO_INTS, None, 0.0]), "StepResult.step_id: expected int, got float"),
+        (framed([StepResult.TAG, 1, NO_INTS, NO_INTS, 3, 0.0]), r"StepResult.error: expected str \| null, got int"),
+        (framed([StepResult.TAG, 1, NO_INTS, NO_INTS, None, True]), "StepResult.forward_time: expected float, got bool"),
+        (framed([StepResult.TAG, ints(1), NO_INTS, NO_INTS, None, 0.0]), "StepResult.step_id: expected int, got ext"),
+        (framed([StepResult.TAG, 1, NO_INTS, msgspec.msgpack.Ext(codec.INT32_EXT, b"\0\0\0"), None, 0.0]), "sampled_token_ids: int32 array of 3 bytes is not a whole number"),
+        (framed([StepResult.TAG, 1, ints(1, code=7), NO_INTS, None, 0.0]), "StepResult.slots: unknown msgpack ext type 7"),
+        (framed([StepResult.TAG, 1, [1, 2, 3], NO_INTS, None, 0.0]), "StepResult.slots: expected int32 array, got list"),
+        (framed([StepResult.TAG, 1, ["a"], NO_INTS, None, 0.0]), "StepResult.slots"),
+        (framed([StepPlan.TAG, 1, [[NewRequestData.TAG, "a", 0, ints(1), [], ints(1, code=2), 0, 1]], [NO_INTS, NO_INTS, NO_INTS], NO_INTS]),
+         r"StepPlan.new_requests\[0\].block_ids: unknown msgpack ext type 2"),
+        (framed([ProcessReady.TAG, "worker", 1, {3: 1}]), "ProcessReady.info key: expected str, got int"),
     ],
 )
 def test_decode_names_the_problem(payload: bytes, needle: str) -> None:

@@ -1,8 +1,14 @@
 """Typed messages that cross the process seams inside Conveyor.
 
-Every message is a dataclass registered with :func:`message` under a stable
-one-byte-ish integer tag. :mod:`conveyor.ipc.codec` is the only code that
-turns them into bytes and back. The client-facing protocol (maps sent by
+Every message is a :class:`Message`, a ``msgspec.Struct`` that travels as a positional
+msgpack array led by its stable integer tag (the class keyword ``tag=``), registered
+with :func:`message`; the structs nested in messages are :class:`Positional`.
+:mod:`conveyor.ipc.codec` is the only code that turns them into bytes and back. Structs,
+not dataclasses: msgspec encodes and validates them in C, which bench/codec.py measured
+faster than the hand-built codec over dataclasses it replaced, for every message
+(bench/results/codec.json). They have no ``__dict__``: list fields with
+``msgspec.structs.fields``, copy with ``msgspec.structs.replace``, map with
+``msgspec.structs.asdict``. The client-facing protocol (maps sent by
 clients in any language) is documented in docs/protocol.md and parsed by the
 frontend; it is deliberately not made of these classes, so that internal
 messages can stay positional and compact.
@@ -32,37 +38,52 @@ Invariants the receivers rely on:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import ClassVar
 
+import msgspec
 import numpy as np
+from msgspec import field
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: msgspec Structs, Int32Array as msgpack ext
 
 # Slots a scheduler may hand out (its max_num_seqs is at most this); a worker refuses any
 # other, so a corrupt plan cannot make it grow its slot table without bound.
 MAX_SLOTS = 1 << 20
 
 # A 1-D int32 column (token ids, block ids, per-request counts). It travels as raw
-# little-endian bytes beside the msgpack header and arrives as a read-only numpy view over
-# the received buffer (see conveyor.ipc.codec). Senders may fill it with any sequence of
-# ints; receivers must treat it as a numpy array, and copy what they keep.
+# little-endian bytes (a msgpack ext) and arrives as a numpy view over the received buffer
+# (see conveyor.ipc.codec). Senders may fill it with any sequence of ints; receivers must
+# treat it as a numpy array, and copy what they keep.
 Int32Array = np.ndarray
 
-# tag -> class; filled by @message. Tags are part of the wire format: never reuse one.
-MESSAGE_TYPES: dict[int, type] = {}
+
+class Positional(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A struct nested in messages: encoded as the array of its fields, in order. Decoding
+    refuses an array longer than the fields; a shorter one is completed by the defaults
+    of the missing trailing fields (msgspec's rule for array_like structs)."""
 
 
-def message(tag: int):
-    """Class decorator registering a dataclass as a wire message under ``tag``."""
+class Message(Positional):
+    """A wire message: a :class:`Positional` whose class keyword ``tag=`` (an int, part of
+    the wire format: never reuse one) leads its array. Register it with :func:`message`."""
 
-    def register(cls: type) -> type:
-        if tag in MESSAGE_TYPES:
-            raise ValueError(f"message tag {tag} already used by {MESSAGE_TYPES[tag].__name__}")
-        cls.TAG = tag
-        MESSAGE_TYPES[tag] = cls
-        return cls
+    TAG: ClassVar[int]
 
-    return register
+
+# tag -> class; filled by @message.
+MESSAGE_TYPES: dict[int, type[Message]] = {}
+
+
+def message(cls: type[Message]) -> type[Message]:
+    """Class decorator registering a Message under its tag (also set as ``cls.TAG``)."""
+    tag = cls.__struct_config__.tag
+    if type(tag) is not int:
+        raise TypeError(f"message {cls.__name__} needs an int tag=, got {tag!r}")
+    if tag in MESSAGE_TYPES:
+        raise ValueError(f"message tag {tag} already used by {MESSAGE_TYPES[tag].__name__}")
+    cls.TAG = tag
+    MESSAGE_TYPES[tag] = cls
+    return cls
 
 
 class FinishReason:
@@ -74,8 +95,7 @@ class FinishReason:
     ERROR = "error"  # rejected or failed; the output carries the message
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(Positional, frozen=True):
     """Per-request sampling parameters, validated by the frontend before they travel.
 
     ``top_k == 0`` and ``top_p == 1.0`` and ``min_p == 0.0`` disable those filters;
@@ -101,30 +121,30 @@ class SamplingParams:
 # ---------------------------------------------------------------- frontend -> scheduler
 
 
-@message(1)
-@dataclass
-class AddRequest:
-    """A tokenized request. ``arrival_time`` is the frontend's time.time() at receipt."""
+@message
+class AddRequest(Message, tag=1):
+    """A tokenized request. ``arrival_time`` is the frontend's time.time() at receipt.
+
+    ``prompt_token_ids``, the largest payload of the hop, travels as a raw int32 array like
+    the plan's columns: the scheduler copies it into its request state on receipt."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Int32Array
     sampling: SamplingParams
     arrival_time: float
     # Higher is served sooner under the "priority" policy; ignored under "fcfs".
     priority: int = 0
 
 
-@message(2)
-@dataclass
-class AbortRequests:
+@message
+class AbortRequests(Message, tag=2):
     """Stop these requests now and free their blocks (client abort, disconnect, stop string)."""
 
     request_ids: list[str]
 
 
-@message(3)
-@dataclass
-class StatsQuery:
+@message
+class StatsQuery(Message, tag=3):
     """Ask the scheduler for a :class:`SchedulerStats` snapshot, tagged with ``query_id``."""
 
     query_id: str
@@ -133,9 +153,8 @@ class StatsQuery:
 # ---------------------------------------------------------------- scheduler -> frontend
 
 
-@message(10)
-@dataclass
-class RequestOutput:
+@message
+class RequestOutput(Message, tag=10):
     """New tokens of one request from one iteration; ``finish_reason`` set on its last one.
 
     Timing fields are absolute time.time() values on the scheduler's clock, set
@@ -155,9 +174,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-@message(11)
-@dataclass
-class TokenOutputs:
+@message
+class TokenOutputs(Message, tag=11):
     """All request outputs of one scheduler iteration, sent as one message.
 
     The common case travels as two parallel columns: ``request_ids[i]`` got the one new token
@@ -179,9 +197,8 @@ class TokenOutputs:
         return self.outputs + [RequestOutput(rid, [t]) for rid, t in zip(self.request_ids, self.token_ids)]
 
 
-@message(12)
-@dataclass
-class SchedulerStats:
+@message
+class SchedulerStats(Message, tag=12):
     """Block-pool and queue state, counters since start, and the most recent iterations.
 
     ``free_blocks + cached_blocks + held_blocks == total_blocks`` always (cached: holds a
@@ -220,9 +237,8 @@ class SchedulerStats:
 # ---------------------------------------------------------------- scheduler -> worker
 
 
-@message(20)
-@dataclass
-class NewRequestData:
+@message
+class NewRequestData(Message, tag=20):
     """First appearance of a request at the worker (or after a preemption).
 
     ``slot`` is the name later plans give it (their cached rows, ``finished_slots``): free on
@@ -240,9 +256,8 @@ class NewRequestData:
     num_scheduled_tokens: int
 
 
-@message(21)
-@dataclass
-class CachedRequestData:
+@message
+class CachedRequestData(Message, tag=21):
     """A request the worker already holds (on ``slot``): run ``num_scheduled_tokens`` more
     of its tokens.
 
@@ -264,8 +279,7 @@ def int_list(values: Int32Array | list[int]) -> list[int]:
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
-@dataclass
-class CachedRequests:
+class CachedRequests(Positional):
     """Every request of a plan that the worker already holds, as parallel columns.
 
     Columns, not one object per request: a decode-heavy step names hundreds of running
@@ -307,9 +321,8 @@ class CachedRequests:
         return out
 
 
-@message(22)
-@dataclass
-class StepPlan:
+@message
+class StepPlan(Message, tag=22):
     """One iteration's work. The worker samples a token for every scheduled request whose
     tokens are all computed after this step (``num_computed + num_scheduled == len(tokens)``).
 
@@ -351,9 +364,8 @@ class StepPlan:
             self.cached_requests = CachedRequests.from_rows(self.cached_requests)
 
 
-@message(23)
-@dataclass
-class Shutdown:
+@message
+class Shutdown(Message, tag=23):
     """Ask a process to exit its loop cleanly; ``reason`` is logged and relayed to clients."""
 
     reason: str
@@ -362,9 +374,8 @@ class Shutdown:
 # ---------------------------------------------------------------- worker -> scheduler
 
 
-@message(30)
-@dataclass
-class StepResult:
+@message
+class StepResult(Message, tag=30):
     """Sampled tokens of one step as parallel columns: the request on ``slots[i]`` sampled
     ``sampled_token_ids[i]``. Rows come in plan order: the new requests that sample, then
     the cached rows that do. ``error`` set means the step failed and none of its requests
@@ -380,9 +391,8 @@ class StepResult:
 # ---------------------------------------------------------------- any child -> bin/serve
 
 
-@message(40)
-@dataclass
-class ProcessReady:
+@message
+class ProcessReady(Message, tag=40):
     """Sent once by each child when it can take work. ``info`` carries what others need
     from it (the worker reports its KV block count)."""
 
@@ -391,9 +401,8 @@ class ProcessReady:
     info: dict[str, int | str | float | bool] = field(default_factory=dict)
 
 
-@message(41)
-@dataclass
-class ProcessFailed:
+@message
+class ProcessFailed(Message, tag=41):
     """Sent by a child that cannot start (bad model directory, no GPU): ``reason`` is shown."""
 
     process: str
@@ -409,8 +418,7 @@ class ProcessFailed:
 # process of a server (they share a host).
 
 
-@dataclass
-class MetricSummary:
+class MetricSummary(Positional):
     """One timer or value series over a profile's window.
 
     Timers are in milliseconds (``unit == "ms"``); value series name their own unit.
@@ -430,8 +438,7 @@ class MetricSummary:
     span_s: float
 
 
-@dataclass
-class CounterSummary:
+class CounterSummary(Positional):
     """A monotone count: ``total`` since the process started, ``rate`` per second over the window."""
 
     name: str
@@ -439,8 +446,7 @@ class CounterSummary:
     rate: float
 
 
-@dataclass
-class SeriesSamples:
+class SeriesSamples(Positional):
     """Raw samples of one value series inside the window, oldest first (for timelines)."""
 
     name: str
@@ -449,8 +455,7 @@ class SeriesSamples:
     values: list[float]
 
 
-@dataclass
-class TraceEvents:
+class TraceEvents(Positional):
     """Complete spans inside the window, oldest first, as parallel columns.
 
     Span ``i`` is named ``names[name_index[i]]``, started at ``start_ns[i]`` and lasted
@@ -466,8 +471,7 @@ class TraceEvents:
     arg: list[int]
 
 
-@dataclass
-class ProcessProfile:
+class ProcessProfile(Positional):
     """One process's snapshot. ``now_ns`` is its CLOCK_MONOTONIC when taken;
     ``wall_offset_ns`` is ``time.time_ns() - now_ns`` then, to place the trace in wall time."""
 
@@ -486,9 +490,8 @@ class ProcessProfile:
     trace: TraceEvents | None = None
 
 
-@message(50)
-@dataclass
-class ProfileQuery:
+@message
+class ProfileQuery(Message, tag=50):
     """Ask for profile snapshots over the last ``window_s`` seconds; ``trace`` adds the spans,
     ``series`` names the value series whose raw samples to include."""
 
@@ -498,9 +501,8 @@ class ProfileQuery:
     series: list[str] = field(default_factory=list)
 
 
-@message(51)
-@dataclass
-class ProfileReport:
+@message
+class ProfileReport(Message, tag=51):
     """Snapshots answering the ProfileQuery ``query_id``: the worker's alone, or the
     scheduler's followed by the worker's."""
 

@@ -7,6 +7,9 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 NOTORCH_VENV ?= .venv-notorch
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
+# The interpreter conveyor was installed with, read by bin/* when the one running them lacks conveyor.
+RECORDED_PYTHON := .conveyor-python
 
 .PHONY: install install-torch serve test test-all test-frontend-notorch bench-smoke clean
 
@@ -21,9 +24,11 @@ install-torch:
 
 install: install-torch
 	$(PIP) install -e ".[test]"
+	$(PYTHON) -c "import sys; print(sys.executable)" > $(RECORDED_PYTHON)
 
+# Under the interpreter it was installed with: PYTHON=/path/to/venv/python serves from that venv.
 serve: install
-	./bin/serve
+	$(PYTHON) -m conveyor.cli.serve $(SERVE_ARGS)
 
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
@@ -32,7 +37,7 @@ test: install
 # The tokenizer process must work where torch is not installed at all: prove it in a venv without torch.
 test-frontend-notorch:
 	$(PYTHON) -m venv $(NOTORCH_VENV)
-	$(NOTORCH_VENV)/bin/pip install -q pyzmq msgpack uvloop tokenizers jinja2 numpy transformers pytest hypothesis pytest-timeout
+	$(NOTORCH_VENV)/bin/pip install -q pyzmq msgpack msgspec uvloop tokenizers jinja2 numpy transformers pytest hypothesis pytest-timeout
 	$(NOTORCH_VENV)/bin/pip install -q --no-deps -e .
 	@! $(NOTORCH_VENV)/bin/python -c "import torch" 2>/dev/null || (echo "torch leaked into $(NOTORCH_VENV)"; exit 1)
 	$(NOTORCH_VENV)/bin/python -m pytest -q tests/frontend tests/ipc tests/protocol tests/test_profiling.py
@@ -43,4 +48,4 @@ bench-smoke: install
 	$(PYTHON) -m pytest -q tests/e2e/test_bench_profile.py tests/bench tests/test_profiling.py
 
 clean:
-	rm -rf $(NOTORCH_VENV) build *.egg-info .pytest_cache
+	rm -rf $(NOTORCH_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON)

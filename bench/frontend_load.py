@@ -331,7 +331,7 @@ class Harness:
 
     def __init__(self, args: argparse.Namespace, mode: str, num_clients: int, step_ms: float) -> None:
         from conveyor.frontend.main import run_frontend
-        from conveyor.frontend.server import FrontendConfig
+        from conveyor.runtime.config import FrontendConfig
 
         self.mp = mp.get_context("spawn")
         self.run_dir = transport.make_run_dir()

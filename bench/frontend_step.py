@@ -101,7 +101,9 @@ def drain_clients(address: str, identities: list[bytes], conn) -> None:
 
 async def run(args: argparse.Namespace) -> dict:
     from conveyor.frontend.detokenizer import IncrementalDetokenizer
-    from conveyor.frontend.server import Frontend, FrontendConfig, RequestState
+    from conveyor.frontend.request_state import RequestState
+    from conveyor.frontend.server import Frontend
+    from conveyor.runtime.config import FrontendConfig
     from conveyor.frontend.stop import StopStringMatcher
     from conveyor.frontend.tokenizer import Tokenizer
 

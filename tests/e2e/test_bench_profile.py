@@ -63,6 +63,8 @@ def test_bench_offline_all_systems(tiny_checkpoint, tmp_path) -> None:
     # The server's own profile came back with the run.
     assert systems["conveyor"]["extra"]["server_profile"]["worker"]["metrics"]["forward"]["count"] > 0
     assert "conveyor speedup" in proc.stdout and "hf-cb" in proc.stdout
+    # transformers' own weight-loading bar and psutil notices stay out of the benchmark's output.
+    assert "Loading weights" not in proc.stderr and "psutil" not in proc.stderr, proc.stderr
     if plots:
         for name in ("throughput.png", "latency_cdf.png", "batch_occupancy.png"):
             assert (tmp_path / "plots" / name).stat().st_size > 1000

@@ -68,16 +68,14 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
         # The window is the run (plus the query's own trip): time-based values such as the
         # worker's idle fraction then describe the run, not the quiet spell before it.
         profile = await client.profile(wall + PROFILE_SLACK_S, series=TIMELINE_SERIES)
-    return OfflineRun(
-        system=system,
-        wall_s=wall,
-        num_requests=len(workload.requests),
-        prompt_tokens=workload.prompt_tokens,
-        output_tokens=workload.output_tokens,
-        latencies_s=latencies,
-        ttft_s=ttfts,
-        timeline=_server_timeline(profile, start_mono, wall),
-        extra={"server_profile": _profile_summary(profile)},
+    return OfflineRun.of(
+        system,
+        workload,
+        wall,
+        latencies,
+        ttfts,
+        _server_timeline(profile, start_mono, wall),
+        {"server_profile": _profile_summary(profile)},
     )
 
 

@@ -18,6 +18,7 @@ EOS never ends a request early: ``min_new_tokens`` for ``hf``, ``eos_token_id=-1
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -42,9 +43,27 @@ def resolve_dtype(dtype: str, device: str, checkpoint_dtype: Any) -> Any:
     return checkpoint_dtype if checkpoint_dtype is not None else torch.bfloat16
 
 
+def quiet_transformers() -> None:
+    """Keep transformers' chatter out of the benchmark's own output (its table and progress
+    bars): the "Loading weights" bar, warnings, and the continuous-batching engine's notices
+    that psutil is missing (it would size memory we size ourselves: the cache is explicit).
+    Errors other than those still show."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").addFilter(_not_about_psutil)
+
+
+def _not_about_psutil(record: logging.LogRecord) -> bool:
+    return "psutil" not in record.getMessage()
+
+
 def load_model(model_dir: str, device: str, dtype: str) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    quiet_transformers()
 
     config = AutoConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, device, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
@@ -113,17 +132,8 @@ def run_hf_generate(model: Any, workload: Workload, batch_size: int, progress: A
             ttfts[i] = first_token[-1]
         progress.update(len(batch))
     wall = time.perf_counter() - start
-    return OfflineRun(
-        system="hf",
-        wall_s=wall,
-        num_requests=len(workload.requests),
-        prompt_tokens=workload.prompt_tokens,
-        output_tokens=workload.output_tokens,
-        latencies_s=latencies,
-        ttft_s=ttfts,
-        timeline=timeline,
-        extra={"batch_size": batch_size, "padded_output_tokens": _padded_tokens(workload, batch_size)},
-    )
+    extra = {"batch_size": batch_size, "padded_output_tokens": _padded_tokens(workload, batch_size)}
+    return OfflineRun.of("hf", workload, wall, latencies, ttfts, timeline, extra)
 
 
 def _padded_tokens(workload: Workload, batch_size: int) -> int:
@@ -207,17 +217,8 @@ def run_hf_cb(
         if out.timestamps:
             ttfts.append(out.timestamps[0] - start)
         spans.append((out.lifespan[0] - start, out.lifespan[1] - start))
-    return OfflineRun(
-        system="hf-cb",
-        wall_s=wall,
-        num_requests=len(reqs),
-        prompt_tokens=workload.prompt_tokens,
-        output_tokens=workload.output_tokens,
-        latencies_s=latencies,
-        ttft_s=ttfts,
-        timeline=_active_timeline(spans),
-        extra={"batch_size": batch_size, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens},
-    )
+    extra = {"batch_size": batch_size, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens}
+    return OfflineRun.of("hf-cb", workload, wall, latencies, ttfts, _active_timeline(spans), extra)
 
 
 def _active_timeline(spans: list[tuple[float, float]]) -> Timeline:

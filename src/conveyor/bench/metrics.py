@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from conveyor.bench.workloads import Workload
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -68,6 +70,30 @@ class OfflineRun:
     ttft_s: list[float] = field(default_factory=list)
     timeline: Timeline = field(default_factory=Timeline)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        system: str,
+        workload: Workload,
+        wall_s: float,
+        latencies_s: list[float],
+        ttft_s: list[float],
+        timeline: Timeline,
+        extra: dict[str, Any],
+    ) -> OfflineRun:
+        """A complete run of ``workload``: its request and token counts are the workload's."""
+        return cls(
+            system=system,
+            wall_s=wall_s,
+            num_requests=len(workload.requests),
+            prompt_tokens=workload.prompt_tokens,
+            output_tokens=workload.output_tokens,
+            latencies_s=latencies_s,
+            ttft_s=ttft_s,
+            timeline=timeline,
+            extra=extra,
+        )
 
     def summary(self) -> dict[str, Any]:
         return {

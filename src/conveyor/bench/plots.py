@@ -8,6 +8,7 @@ Online: TTFT and end-to-end latency CDFs per system and rate, and throughput vs 
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -16,23 +17,35 @@ import numpy as np
 DPI = 80  # small PNGs: they are committed under bench/results/
 
 
+def missing_requirement() -> str | None:
+    """Why plots cannot be drawn here (bin/bench asks before it runs anything), or None."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return 'plots need matplotlib, which is not installed: pip install -e ".[bench]"'
+    return None
+
+
 def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def _cdf(ax, values: list[float], label: str) -> None:
-    if not values:
-        return
-    x = np.sort(np.asarray(values))
-    y = np.arange(1, len(x) + 1) / len(x)
-    ax.step(x, y, where="post", label=label)
+def _cdf_figure(plt, curves: list[tuple[list[float], str]], xlabel: str, title: str, legend_size: int, path: Path) -> str:
+    """One figure of empirical CDFs, one step curve per (values, label); an empty curve is left out."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for values, label in curves:
+        if values:
+            x = np.sort(np.asarray(values))
+            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    return _save(fig, path, plt)
 
 
 def plot_offline(out_dir: str, title: str, systems: dict[str, dict[str, Any]]) -> list[str]:
@@ -53,15 +66,16 @@ def plot_offline(out_dir: str, title: str, systems: dict[str, dict[str, Any]]) -
     fig.tight_layout()
     written.append(_save(fig, out / "throughput.png", plt))
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, r in ran.items():
-        _cdf(ax, r["latencies_s"], name)
-    ax.set_xlabel("request completion time since submission (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"Latency CDF: {title}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(_save(fig, out / "latency_cdf.png", plt))
+    written.append(
+        _cdf_figure(
+            plt,
+            [(r["latencies_s"], name) for name, r in ran.items()],
+            "request completion time since submission (s)",
+            f"Latency CDF: {title}",
+            8,
+            out / "latency_cdf.png",
+        )
+    )
 
     with_timeline = {n: r for n, r in ran.items() if r["timeline"]["t_s"]}
     if with_timeline:
@@ -72,7 +86,8 @@ def plot_offline(out_dir: str, title: str, systems: dict[str, dict[str, Any]]) -
                 ax.step(tl["t_s"], tl["running"], where="post", lw=0.8)
             else:
                 ax.plot(tl["t_s"], tl["running"], lw=0.6, marker=".", ms=1.5)
-            ax.set_ylabel(name, fontsize=8)
+            # Horizontal: rotated at this DPI, the hyphen of "hf-cb" is lost.
+            ax.set_ylabel(name, fontsize=8, rotation=0, ha="right", va="center")
             ax.set_ylim(bottom=0)
         axes[-1, 0].set_xlabel("time since the run started (s)")
         axes[0, 0].set_title(f"Sequences in the batch per step: {title}", fontsize=9)
@@ -87,15 +102,8 @@ def plot_online(out_dir: str, title: str, runs: list[dict[str, Any]]) -> list[st
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for key, label, fname in (("ttft_s", "time to first token (s)", "ttft_cdf.png"), ("e2e_s", "end-to-end latency (s)", "e2e_cdf.png")):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for run in runs:
-            _cdf(ax, run["raw"][key], f"{run['system']} @ {run['summary']['rate']}/s")
-        ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{label}: {title}", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(_save(fig, out / fname, plt))
+        curves = [(run["raw"][key], f"{run['system']} @ {run['summary']['rate']}/s") for run in runs]
+        written.append(_cdf_figure(plt, curves, label, f"{label}: {title}", 7, out / fname))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     systems = sorted({run["system"] for run in runs})
     for name in systems:

@@ -27,12 +27,14 @@ import signal
 import sys
 from typing import Any
 
-from conveyor.bench import report
+from conveyor.bench import plots, report
 from conveyor.bench.drivers import run_offline, run_online
 from conveyor.bench.metrics import OfflineRun
 from conveyor.bench.server import BenchServer
 from conveyor.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
 from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.runtime.config import Device, Dtype
+from conveyor.worker.main import resolve_device
 
 SERVED = {
     "conveyor": [],
@@ -50,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(ALL_SYSTEMS)}")
     common.add_argument("--model", help="HF checkpoint directory (default: the built-in demo model)")
-    common.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    common.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    common.add_argument("--device", default="auto", choices=Device.names())
+    common.add_argument("--dtype", default="auto", choices=Dtype.names())
     common.add_argument("--workload", default="high-variance", choices=WORKLOADS)
     common.add_argument("--num-requests", type=int, default=64)
     common.add_argument("--seed", type=int, default=0)
@@ -86,14 +88,6 @@ def _progress(args: argparse.Namespace, total: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="req", disable=args.no_progress, file=sys.stderr, leave=True)
-
-
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _serve_args(args: argparse.Namespace, model_dir: str, device: str, extra: list[str]) -> list[str]:
@@ -243,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "offline" and args.repeat < 1:
         print("bench: --repeat must be at least 1", file=sys.stderr)
         return 2
+    if args.plot and (missing := plots.missing_requirement()):
+        print(f"bench: --plot: {missing}", file=sys.stderr)
+        return 2
     if args.model:
         model_dir = args.model
     else:
@@ -250,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir = str(demo_checkpoint_dir())
     model = ModelConfig.from_dir(model_dir)
-    device = _resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)  # bin/serve's rule, so every system runs on the same device
+    except (RuntimeError, ValueError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
     max_model_len = args.max_model_len or model.max_position_embeddings
     workload = make_workload(
         args.workload,
@@ -309,8 +310,6 @@ def main(argv: list[str] | None = None) -> int:
         report.write_json(args.json, payload)
         print(f"results written to {args.json}", file=sys.stderr)
     if args.plot:
-        from conveyor.bench import plots
-
         title = f"{workload.name}, {len(workload.requests)} requests, {device}"
         if args.mode == "offline":
             written = plots.plot_offline(args.plot, title, result["systems"])

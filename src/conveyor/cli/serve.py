@@ -15,6 +15,7 @@ seconds. Children also get SIGTERM from the kernel if serve itself is killed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
 import shutil
@@ -22,18 +23,34 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
-from conveyor.ipc import codec, step_channel, transport
-from conveyor.runtime.config import SchedulerConfig
-from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.ipc.transport import ServerAddresses
 from conveyor.frontend.main import run_frontend
-from conveyor.frontend.server import FrontendConfig
-from conveyor.scheduler.main import SchedulerProcessConfig, run_scheduler
-from conveyor.worker.main import WorkerConfig, run_worker
+from conveyor.ipc import codec, step_channel, transport
+from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
+from conveyor.ipc.transport import ServerAddresses
+from conveyor.runtime.config import (
+    Attention,
+    Batching,
+    Device,
+    Dtype,
+    FrontendConfig,
+    PipelineSteps,
+    PlanTransport,
+    Policy,
+    Preemption,
+    SchedulerConfig,
+    SchedulerProcessConfig,
+    ServerConfig,
+    WorkerConfig,
+)
+from conveyor.scheduler.main import run_scheduler
+from conveyor.worker.main import run_worker
+
+T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 3.0
@@ -44,22 +61,24 @@ class StartupError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """bin/serve's flags. Their defaults are the config classes' own (``SchedulerConfig.max_num_seqs``
+    ...) and their choices the mode enums' names, so neither is written twice."""
     p = argparse.ArgumentParser(prog="serve", description="Serve a Llama-family model with continuous batching.")
     p.add_argument("--model", help="local HF checkpoint directory (config.json + safetensors); default: the built-in demo model")
     p.add_argument("--host", default="127.0.0.1", help="client address host, or a full ipc:// / tcp:// address")
     p.add_argument("--port", type=int, default=7700)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--device", default=Device.AUTO, choices=Device.names(), help="auto: cuda when available")
+    p.add_argument("--dtype", default=Dtype.AUTO, choices=Dtype.names())
+    p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")
     p.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache when --num-kv-blocks is not given")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one iteration")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one iteration")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="most sequences in one iteration")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens, help="token budget of one iteration")
     p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's max_position_embeddings)")
     p.add_argument(
         "--batching",
-        default="continuous",
-        choices=["continuous", "static"],
+        default=SchedulerConfig.batching,
+        choices=Batching.names(),
         help="static: run each batch to completion before forming the next (a baseline for benchmarks)",
     )
     add_scheduling_arguments(p)
@@ -71,21 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--plan-transport",
-        default="shm",
-        choices=list(step_channel.TRANSPORTS),
+        default=PlanTransport.SHM,
+        choices=PlanTransport.names(),
         help="scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)",
     )
     p.add_argument(
         "--attention",
-        default="auto",
-        choices=["auto", "triton", "torch", "torch-ref"],
+        default=Attention.AUTO,
+        choices=Attention.names(),
         help="attention backend: auto is Triton on CUDA and batched torch on CPU; "
         "torch-ref is the per-sequence torch reference (slow, for comparisons)",
     )
     p.add_argument(
         "--pipeline-steps",
-        default="auto",
-        choices=["auto", "on", "off"],
+        default=PipelineSteps.AUTO,
+        choices=PipelineSteps.names(),
         help="worker: launch step N+1 on the device before waiting for step N's tokens "
         "(auto: on with CUDA, where launches are asynchronous; off on CPU, where it would only delay results)",
     )
@@ -93,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer-threads",
         type=_non_negative_int,
-        default=2,
+        default=FrontendConfig.tokenizer_threads,
         help="frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)",
     )
     p.add_argument(
@@ -115,135 +134,130 @@ def _non_negative_int(text: str) -> int:
 def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     """The batcher's policy knobs (SchedulerConfig; docs/architecture.md describes each)."""
     g = p.add_argument_group("scheduling")
-    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="order of the waiting line")
-    g.add_argument("--aging-rate", type=float, default=1.0, help="priority points a waiting request gains per second")
+    g.add_argument("--policy", default=SchedulerConfig.policy, choices=Policy.names(), help="order of the waiting line")
+    g.add_argument("--aging-rate", type=float, default=SchedulerConfig.aging_rate, help="priority points a waiting request gains per second")
     g.add_argument(
         "--preemption",
-        default="auto",
-        choices=["auto", "swap", "recompute"],
+        default=SchedulerConfig.preemption,
+        choices=Preemption.names(),
         help="what a preempted request loses; auto: the cheaper of swap and recompute per victim",
     )
     g.add_argument("--num-cpu-blocks", type=int, help="CPU swap space in blocks (instead of --swap-space)")
     g.add_argument(
         "--swap-space", type=float, help="CPU swap space in GiB (default: 4 with --device cuda, 0 on CPU)"
     )
-    g.add_argument("--min-batch-size", type=int, default=1, help="do not start admitting for fewer waiting requests...")
-    g.add_argument("--max-wait-ms", type=float, default=0.0, help="...unless the oldest has waited this long")
-    g.add_argument("--max-bypass", type=int, default=32, help="times a request that does not fit may be passed by smaller ones")
-    g.add_argument("--max-waiting", type=int, default=4096, help="queue bound: new requests past it get 'overloaded' (0: none)")
-    g.add_argument("--max-queue-time", type=float, default=600.0, help="seconds a request may wait to start before 'timeout' (0: none)")
+    g.add_argument("--min-batch-size", type=int, default=SchedulerConfig.min_batch_size, help="do not start admitting for fewer waiting requests...")
+    g.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_ms, help="...unless the oldest has waited this long")
+    g.add_argument("--max-bypass", type=int, default=SchedulerConfig.max_bypass, help="times a request that does not fit may be passed by smaller ones")
+    g.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting, help="queue bound: new requests past it get 'overloaded' (0: none)")
+    g.add_argument("--max-queue-time", type=float, default=SchedulerConfig.max_queue_time, help="seconds a request may wait to start before 'timeout' (0: none)")
     g.add_argument(
         "--offload-evicted",
-        default=False,
+        default=SchedulerConfig.offload_evicted,
         action=argparse.BooleanOptionalAction,
         help="copy prefix-cache blocks evicted from the GPU to the CPU swap space",
     )
-    g.add_argument("--swap-bandwidth", type=float, default=16.0, help="GB/s host<->device, for --preemption auto")
-    g.add_argument("--prefill-rate", type=float, default=20000.0, help="prefill tokens/s, for --preemption auto")
-    g.add_argument("--max-sessions", type=int, default=1024, help="finished requests remembered for continuation")
+    g.add_argument("--swap-bandwidth", type=float, default=SchedulerConfig.swap_bandwidth / 1e9, help="GB/s host<->device, for --preemption auto")
+    g.add_argument("--prefill-rate", type=float, default=SchedulerConfig.prefill_rate, help="prefill tokens/s, for --preemption auto")
+    g.add_argument("--max-sessions", type=int, default=FrontendConfig.max_sessions, help="finished requests remembered for continuation")
+
+
+def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
+    """The one place flags become configuration; ValueError or OSError when they do not make one.
+
+    A flag whose name is a field of a view sets that field wherever it appears (``--profile``
+    in all three views, ``--block-size`` in the worker's and the scheduler's); the others
+    (``--model``, ``--host``, ``--threads``, sizes in GiB or GB/s ...) are converted here. The
+    scheduler's pool fields wait for the worker (ServerConfig.sized_scheduler).
+    """
+    model_dir, demo = resolve_model(args.model)
+    model = ModelConfig.from_dir(model_dir)
+    max_model_len = args.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {model.max_position_embeddings}")
+    addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(args.host, args.port))
+    channels = step_channel.StepChannels.for_server(
+        run_dir, addresses.plans, addresses.results, args.plan_transport
+    )
+    worker = _view(
+        WorkerConfig,
+        args,
+        model_dir=model_dir,
+        addresses=addresses,
+        channels=channels,
+        num_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=None if args.num_kv_blocks else _gib(args.kv_cache_memory),
+        num_threads=args.threads,
+        pipeline=args.pipeline_steps,
+        swap_space_bytes=None if args.swap_space is None else _gib(args.swap_space),
+    )
+    frontend = _view(
+        FrontendConfig, args, model_dir=model_dir, addresses=addresses, max_model_len=max_model_len, vocab_size=model.vocab_size
+    )
+    batcher = _view(
+        SchedulerConfig,
+        args,
+        num_blocks=args.num_kv_blocks or 1,
+        num_cpu_blocks=args.num_cpu_blocks or 0,
+        max_model_len=max_model_len,
+        swap_bandwidth=args.swap_bandwidth * 1e9,
+    )
+    scheduler = _view(
+        SchedulerProcessConfig,
+        args,
+        scheduler=batcher,
+        addresses=addresses,
+        channels=channels,
+        eos_token_ids=list(model.eos_token_ids),
+        vocab_size=model.vocab_size,
+    )
+    return ServerConfig(model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler)
+
+
+def _view(view: type[T], args: argparse.Namespace, **fields: object) -> T:
+    """``view`` (a config dataclass) from the flags named as its fields, and ``fields``, which
+    win over a flag of the same name (its value converted: a length resolved, GB/s to bytes/s)."""
+    named = {f.name: getattr(args, f.name) for f in dataclasses.fields(view) if hasattr(args, f.name)}
+    return view(**{**named, **fields})
+
+
+def _gib(gib: float) -> int:
+    return int(gib * 2**30)
 
 
 class Server:
     """The three children and the sockets serve uses to talk to them."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.run_dir = transport.make_run_dir()
-        self.addresses = ServerAddresses.in_run_dir(self.run_dir, transport.client_address(args.host, args.port))
-        self.channels = step_channel.StepChannels.for_server(
-            self.run_dir, self.addresses.plans, self.addresses.results, args.plan_transport
-        )
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
         self.ctx = zmq.Context()
-        self.control = transport.socket(self.ctx, zmq.PULL, self.addresses.control, bind=True)
-        self.frontend_control = transport.socket(self.ctx, zmq.PUSH, self.addresses.frontend_control, bind=False)
+        self.control = transport.socket(self.ctx, zmq.PULL, config.addresses.control, bind=True)
+        self.frontend_control = transport.socket(self.ctx, zmq.PUSH, config.addresses.frontend_control, bind=False)
         self.mp = mp.get_context("spawn")
         self.procs: dict[str, mp.process.BaseProcess] = {}
         self.ready: dict[str, ProcessReady] = {}
 
     # ------------------------------------------------------------------ startup
 
-    def start(self, model_dir: str, model: ModelConfig) -> None:
-        args = self.args
-        max_model_len = args.max_model_len or model.max_position_embeddings
-        if max_model_len > model.max_position_embeddings:
-            raise StartupError(f"--max-model-len {max_model_len} exceeds the model's {model.max_position_embeddings}")
-        kv_bytes = None if args.num_kv_blocks else int(args.kv_cache_memory * 2**30)
+    def start(self) -> None:
+        config = self.config
         try:
-            step_channel.create_rings(self.channels)
+            step_channel.create_rings(config.channels)
         except OSError as exc:
             raise StartupError(f"cannot create the shared-memory plan rings ({exc}); --plan-transport zmq avoids them") from None
-        self._spawn(
-            "worker",
-            run_worker,
-            WorkerConfig(
-                model_dir=model_dir,
-                addresses=self.addresses,
-                channels=self.channels,
-                device=args.device,
-                dtype=args.dtype,
-                block_size=args.block_size,
-                num_blocks=args.num_kv_blocks,
-                kv_cache_memory_bytes=kv_bytes,
-                num_threads=args.threads,
-                attention=args.attention,
-                pipeline=args.pipeline_steps,
-                profile=args.profile,
-                num_cpu_blocks=args.num_cpu_blocks,
-                swap_space_bytes=None if args.swap_space is None else int(args.swap_space * 2**30),
-            ),
-        )
-        self._spawn(
-            "frontend",
-            run_frontend,
-            FrontendConfig(
-                model_dir,
-                self.addresses,
-                max_model_len=max_model_len,
-                vocab_size=model.vocab_size,
-                profile=args.profile,
-                max_sessions=args.max_sessions,
-                tokenizer_threads=args.tokenizer_threads,
-            ),
-        )
+        self._spawn("worker", run_worker, config.worker)
+        self._spawn("frontend", run_frontend, config.frontend)
         self._wait_ready({"worker", "frontend"})
         worker = self.ready["worker"].info
         try:
-            sched = SchedulerConfig(
+            scheduler = config.sized_scheduler(
                 num_blocks=int(worker["num_blocks"]),
-                block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=max_model_len,
-                batching=args.batching,
-                min_batch_size=args.min_batch_size,
-                max_wait_ms=args.max_wait_ms,
-                policy=args.policy,
-                aging_rate=args.aging_rate,
-                max_bypass=args.max_bypass,
-                preemption=args.preemption,
                 num_cpu_blocks=int(worker.get("num_cpu_blocks", 0)),
                 block_bytes=int(worker.get("block_bytes", 0)),
-                swap_bandwidth=args.swap_bandwidth * 1e9,
-                prefill_rate=args.prefill_rate,
-                offload_evicted=args.offload_evicted,
-                max_waiting=args.max_waiting,
-                max_queue_time=args.max_queue_time,
             )
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-        self._spawn(
-            "scheduler",
-            run_scheduler,
-            SchedulerProcessConfig(
-                sched,
-                self.addresses,
-                self.channels,
-                list(model.eos_token_ids),
-                model.vocab_size,
-                profile=args.profile,
-                overlap=args.overlap,
-            ),
-        )
+        self._spawn("scheduler", run_scheduler, scheduler)
         self._wait_ready({"scheduler"})
 
     def _spawn(self, name: str, target, config) -> None:
@@ -314,8 +328,8 @@ class Server:
         self.control.close(linger=0)
         self.frontend_control.close(linger=0)
         self.ctx.term()
-        step_channel.remove_rings(self.channels)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        step_channel.remove_rings(self.config.channels)
+        shutil.rmtree(self.config.run_dir, ignore_errors=True)
 
 
 _STOP_SIGNAL: list[int] = []
@@ -341,26 +355,27 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    run_dir = transport.make_run_dir()
     try:
-        model_dir, is_demo = resolve_model(args.model)
-        model = ModelConfig.from_dir(model_dir)
+        config = server_config(args, run_dir)
     except (StartupError, ValueError, OSError) as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2
-    server = Server(args)
+    server = Server(config)
     try:
-        server.start(model_dir, model)
+        server.start()
     except StartupError as exc:
         print(f"conveyor: startup failed: {exc}", file=sys.stderr, flush=True)
         server.stop("startup failed")
         server.close()
         return 1
     worker = server.ready["worker"].info
-    what = "demo model (random weights: output is gibberish)" if is_demo else f"model {model_dir}"
+    what = "demo model (random weights: output is gibberish)" if config.demo else f"model {config.model_dir}"
     try:
         print(
-            f"conveyor ready on {server.addresses.client} serving {what} "
-            f"on {worker.get('device')} with {worker['num_blocks']} KV blocks of {args.block_size} tokens",
+            f"conveyor ready on {config.addresses.client} serving {what} "
+            f"on {worker.get('device')} with {worker['num_blocks']} KV blocks of {config.worker.block_size} tokens",
             flush=True,
         )
     except (BrokenPipeError, OSError):

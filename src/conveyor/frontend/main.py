@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-import zmq
-
-from conveyor.runtime.process import ControlChannel, die_with_parent, setup_logging
-from conveyor.frontend.server import Frontend, FrontendConfig
+from conveyor.frontend.server import Frontend
 from conveyor.frontend.tokenizer import Tokenizer
+from conveyor.runtime.config import FrontendConfig
+from conveyor.runtime.process import Started, run_process
 
 
 def run_frontend(config: FrontendConfig) -> None:
-    die_with_parent()
-    log = setup_logging("frontend")
-    control = ControlChannel(zmq.Context.instance(), config.addresses.control, "frontend")
-    try:
-        import uvloop
+    # The frontend's sockets live in an asyncio context of its own: the harness's context
+    # serves only the control line.
+    run_process("frontend", config.addresses.control, lambda ctx: _start(config))
 
-        tokenizer = Tokenizer.from_dir(config.model_dir)
-        frontend = Frontend(config, tokenizer)
-    except Exception as exc:
-        log.exception("frontend failed to start")
-        control.failed(f"frontend: {exc}")
-        return
-    control.ready(address=config.addresses.client)
-    try:
-        uvloop.run(frontend.run())
-    finally:
-        frontend.close()
-        control.close()
+
+def _start(config: FrontendConfig) -> Started:
+    import uvloop
+
+    frontend = Frontend(config, Tokenizer.from_dir(config.model_dir))
+    return Started(
+        run=lambda: uvloop.run(frontend.run()), close=frontend.close, ready_info={"address": config.addresses.client}
+    )

@@ -1,12 +1,102 @@
-"""Frozen configuration shared by the processes.
+"""Frozen configuration: the server's, built once from bin/serve's flags, and each process's view.
 
-bin/serve builds these from its flags and hands each child the part it needs;
-nothing reads environment variables behind the user's back.
+:class:`ServerConfig` is everything the flags say, checked when it is built, before any
+process starts. Each child is handed its own part of it (:class:`FrontendConfig`,
+:class:`WorkerConfig`, :class:`SchedulerProcessConfig`) and reads nothing else: no field is
+forwarded by hand from process to process, and nothing reads environment variables behind
+the user's back. A view crosses to its process once, pickled by multiprocessing's spawn.
+
+Modes are :class:`Choice` enums: a member compares equal to (and hashes as) its name on the
+command line, so ``config.policy == "priority"`` reads as it always did, and a config built
+with a plain string holds the member after construction (an unknown name is a ValueError).
+
+This module imports neither torch nor anything that does: the frontend and the scheduler
+load it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, replace
+
+from conveyor.ipc.step_channel import StepChannels
+from conveyor.ipc.transport import ServerAddresses
+
+
+class Choice(str, enum.Enum):
+    """A mode named on the command line; prints and formats as that name."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The names a flag accepts, in declaration order (argparse ``choices``)."""
+        return [member.value for member in cls]
+
+    @classmethod
+    def parse(cls, value: str, what: str) -> Choice:
+        """The member named ``value``; a ValueError naming ``what`` and the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{what} must be one of {', '.join(cls.names())}, got {value!r}") from None
+
+
+class Batching(Choice):
+    CONTINUOUS = "continuous"  # iteration-level batching
+    STATIC = "static"  # form a batch, run it to completion: the baseline benchmarks compare against
+
+
+class Policy(Choice):
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # AddRequest.priority, aged; preempts lower-ranked running requests
+
+
+class Preemption(Choice):
+    AUTO = "auto"  # the cheaper of swap and recompute, per victim
+    SWAP = "swap"  # KV to the CPU swap space
+    RECOMPUTE = "recompute"  # KV dropped, prefilled again
+
+
+class PlanTransport(Choice):
+    SHM = "shm"  # shared-memory rings
+    ZMQ = "zmq"  # ZeroMQ ipc sockets
+
+
+class Device(Choice):
+    AUTO = "auto"  # cuda when available
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Dtype(Choice):
+    AUTO = "auto"  # the checkpoint's on CUDA, float32 on CPU
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Attention(Choice):
+    AUTO = "auto"  # Triton on CUDA, batched torch on CPU
+    TRITON = "triton"
+    TORCH = "torch"
+    TORCH_REF = "torch-ref"  # the per-sequence torch reference (slow, for comparisons)
+
+
+class PipelineSteps(Choice):
+    AUTO = "auto"  # on with CUDA, off on CPU
+    ON = "on"
+    OFF = "off"
+
+
+def _parse_choices(config: object, **kinds: type[Choice]) -> None:
+    """Turn the named fields of a frozen dataclass into their Choice members, in place."""
+    for name, kind in kinds.items():
+        object.__setattr__(config, name, kind.parse(getattr(config, name), name))
 
 
 @dataclass(frozen=True)
@@ -28,24 +118,19 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    # "continuous": iteration-level batching. "static": form a batch, run it to completion,
-    # then form the next; exists only as the baseline benchmarks compare against.
-    batching: str = "continuous"
+    batching: Batching = Batching.CONTINUOUS
     # Do not start admitting for fewer than min_batch_size waiting requests unless the
     # oldest has waited max_wait_ms; running requests are never delayed by this.
     min_batch_size: int = 1
     max_wait_ms: float = 0.0
-    # "fcfs": arrival order. "priority": higher AddRequest.priority first, raised by
-    # aging_rate per second waited, and preempting lower-ranked running requests.
-    policy: str = "fcfs"
+    # PRIORITY: higher AddRequest.priority first, raised by aging_rate per second waited.
+    policy: Policy = Policy.FCFS
     aging_rate: float = 1.0
     # A request that does not fit now may be passed by at most this many smaller ones.
     max_bypass: int = 32
-    # What a preempted request loses: "swap" (KV to the CPU swap space), "recompute"
-    # (KV dropped, prefilled again), "auto" (cheaper of the two by the cost model below).
-    preemption: str = "auto"
+    preemption: Preemption = Preemption.AUTO
     num_cpu_blocks: int = 0
-    # Cost model of "auto": bytes of one block (all layers; 0 = unknown, swap deemed
+    # Cost model of Preemption.AUTO: bytes of one block (all layers; 0 = unknown, swap deemed
     # free), host<->device copy bandwidth in bytes/s, and prefill throughput in tokens/s.
     block_bytes: int = 0
     swap_bandwidth: float = 16e9
@@ -61,12 +146,7 @@ class SchedulerConfig:
     iteration_log_size: int = 256
 
     def __post_init__(self) -> None:
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.preemption not in ("swap", "recompute", "auto"):
-            raise ValueError(f"preemption must be 'swap', 'recompute' or 'auto', got {self.preemption!r}")
+        _parse_choices(self, batching=Batching, policy=Policy, preemption=Preemption)
         for name in ("num_cpu_blocks", "max_waiting", "block_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -91,3 +171,92 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """The frontend process's view."""
+
+    model_dir: str
+    addresses: ServerAddresses
+    max_model_len: int
+    vocab_size: int  # rows of the model's embedding: token ids must be below it
+    # Finished requests remembered for continuation (their token ids, up to max_model_len each).
+    max_sessions: int = 1024
+    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
+    # Threads that tokenize long inputs off the event loop (0: everything on the loop).
+    tokenizer_threads: int = 2
+    # Inputs shorter than this many characters are tokenized on the loop (a thread hop costs more).
+    tokenize_inline_chars: int = 512
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_threads < 0:
+            raise ValueError(f"tokenizer_threads must be >= 0, got {self.tokenizer_threads}")
+        if self.tokenize_inline_chars < 0:
+            raise ValueError(f"tokenize_inline_chars must be >= 0, got {self.tokenize_inline_chars}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """The worker process's view. The KV pool is ``num_blocks`` blocks, or as many as fit in
+    ``kv_cache_memory_bytes``; the CPU swap space ``num_cpu_blocks`` blocks, or
+    ``swap_space_bytes`` (None for both: the device's default, see worker/main.py)."""
+
+    model_dir: str
+    addresses: ServerAddresses
+    channels: StepChannels  # plans from the scheduler, results back
+    device: Device = Device.CPU
+    dtype: Dtype = Dtype.AUTO
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_threads: int | None = None
+    attention: Attention = Attention.AUTO
+    pipeline: PipelineSteps = PipelineSteps.AUTO  # launch step N+1 before finishing step N
+    num_cpu_blocks: int | None = None
+    swap_space_bytes: int | None = None
+    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
+
+    def __post_init__(self) -> None:
+        _parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
+
+
+@dataclass(frozen=True)
+class SchedulerProcessConfig:
+    """The scheduler process's view: the batcher's config and what the loop around it needs."""
+
+    scheduler: SchedulerConfig
+    addresses: ServerAddresses
+    channels: StepChannels  # plans to the worker, results back
+    eos_token_ids: list[int]
+    vocab_size: int
+    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
+    overlap: bool = True  # plan step N+1 while the worker runs step N (bin/serve --no-overlap)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server: where it listens, what it serves, and each process's view of it.
+
+    The views share ``addresses`` and ``channels``. The scheduler's pool fields
+    (``num_blocks``, ``num_cpu_blocks``, ``block_bytes``) are the worker's to tell, since it
+    sizes the pool from device memory: in :attr:`scheduler` they are what the flags say, or
+    the least valid value, and :meth:`sized_scheduler` returns the view with what the worker
+    reported.
+    """
+
+    model_dir: str
+    demo: bool  # the built-in demo checkpoint (random weights)
+    run_dir: str  # private directory of the internal ipc sockets and plan rings (bin/serve removes it)
+    addresses: ServerAddresses
+    channels: StepChannels
+    frontend: FrontendConfig
+    worker: WorkerConfig
+    scheduler: SchedulerProcessConfig
+
+    def sized_scheduler(self, num_blocks: int, num_cpu_blocks: int, block_bytes: int) -> SchedulerProcessConfig:
+        """The scheduler's view with the KV pool the worker reported (ValueError if it is unusable)."""
+        sized = replace(
+            self.scheduler.scheduler, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_bytes=block_bytes
+        )
+        return replace(self.scheduler, scheduler=sized)

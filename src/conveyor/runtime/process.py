@@ -1,4 +1,8 @@
-"""Helpers every child process calls first: die with the parent, report ready or failed."""
+"""The harness of a child process: die with the parent, log, report ready or failed, clean up.
+
+:func:`run_process` is every child's main (frontend, scheduler, worker); the process itself
+supplies only how it starts (:class:`Started`: what to run, what to close, what to report).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,14 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import zmq
 
 from conveyor.ipc import transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady
+from conveyor.ipc.step_channel import PeerGone
 
 _PR_SET_PDEATHSIG = 1
 
@@ -57,3 +64,48 @@ class ControlChannel:
 
     def close(self) -> None:
         self._sock.close()
+
+
+ReadyInfo = dict[str, int | str | float | bool]
+
+
+@dataclass(frozen=True)
+class Started:
+    """A process that started: ``run`` serves until told to stop, ``close`` then releases
+    what the start-up opened; ``ready_info`` goes to bin/serve with the ready message."""
+
+    run: Callable[[], None]
+    close: Callable[[], None]
+    ready_info: ReadyInfo = field(default_factory=dict)
+
+
+def run_process(name: str, control_address: str, start: Callable[[zmq.Context], Started]) -> None:
+    """Run one child process from start-up to exit.
+
+    Start-up (``start``, given the process's ZeroMQ context) either reports ready to bin/serve
+    with its ``ready_info``, or fails: then the reason goes to bin/serve, which stops the server
+    and prints it, and the process returns without closing anything (it is exiting, and a
+    context with a half-built socket open would block its term). After ready, ``close`` and
+    the context's term always run; a peer process that went away (:class:`PeerGone`) ends the
+    process with status 1 and one log line, any other exception with its traceback.
+    """
+    die_with_parent()
+    log = setup_logging(name)
+    ctx = zmq.Context()
+    control = ControlChannel(ctx, control_address, name)
+    try:
+        started = start(ctx)
+    except Exception as exc:
+        log.exception("%s failed to start", name)
+        control.failed(f"{name}: {exc}")
+        return
+    control.ready(**started.ready_info)
+    try:
+        started.run()
+    except PeerGone as exc:
+        log.error("stopping: %s", exc)
+        raise SystemExit(1) from None
+    finally:
+        started.close()
+        control.close()
+        ctx.term()

@@ -36,14 +36,13 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
 from conveyor import profiling
 from conveyor.ipc import codec, transport
-from conveyor.runtime.config import SchedulerConfig
+from conveyor.runtime.config import SchedulerProcessConfig
 from conveyor.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -57,25 +56,13 @@ from conveyor.ipc.messages import (
     StepResult,
     TokenOutputs,
 )
-from conveyor.runtime.process import ControlChannel, die_with_parent, setup_logging
-from conveyor.ipc.step_channel import PeerGone, StepChannels, StepReceiver, StepSender
-from conveyor.ipc.transport import ServerAddresses
+from conveyor.runtime.process import Started, run_process
+from conveyor.ipc.step_channel import PeerGone, StepReceiver, StepSender
 from conveyor.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("conveyor.scheduler")
 
 IDLE_POLL_MS = 100
-
-
-@dataclass(frozen=True)
-class SchedulerProcessConfig:
-    scheduler: SchedulerConfig
-    addresses: ServerAddresses
-    channels: StepChannels  # plans to the worker, results back
-    eos_token_ids: list[int]
-    vocab_size: int
-    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
-    overlap: bool = True  # plan step N+1 while the worker runs step N (bin/serve --no-overlap)
 
 
 class SchedulerLoop:
@@ -303,23 +290,8 @@ class SchedulerLoop:
 
 
 def run_scheduler(config: SchedulerProcessConfig) -> None:
-    die_with_parent()
-    log = setup_logging("scheduler")
-    ctx = zmq.Context()
-    control = ControlChannel(ctx, config.addresses.control, "scheduler")
-    try:
+    def start(ctx: zmq.Context) -> Started:
         loop = SchedulerLoop(config, ctx)
-    except Exception as exc:
-        log.exception("scheduler failed to start")
-        control.failed(f"scheduler: {exc}")
-        return
-    control.ready(num_blocks=config.scheduler.num_blocks)
-    try:
-        loop.run()
-    except PeerGone as exc:
-        log.error("stopping: %s", exc)
-        raise SystemExit(1) from None
-    finally:
-        loop.close()
-        control.close()
-        ctx.term()
+        return Started(run=loop.run, close=loop.close, ready_info={"num_blocks": config.scheduler.num_blocks})
+
+    run_process("scheduler", config.addresses.control, start)

@@ -34,37 +34,17 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from dataclasses import dataclass
 
 import zmq
 
 from conveyor import profiling
 from conveyor.ipc import codec
 from conveyor.ipc.messages import ProfileQuery, ProfileReport, Shutdown, StepPlan, StepResult
-from conveyor.runtime.process import ControlChannel, die_with_parent, setup_logging
-from conveyor.ipc.step_channel import PeerGone, StepChannels, StepReceiver, StepSender
-from conveyor.ipc.transport import ServerAddresses
+from conveyor.ipc.step_channel import PeerGone, StepReceiver, StepSender
+from conveyor.runtime.config import Device, PipelineSteps, WorkerConfig
+from conveyor.runtime.process import Started, run_process
 
 log = logging.getLogger("conveyor.worker")
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    model_dir: str
-    addresses: ServerAddresses
-    channels: StepChannels  # plans from the scheduler, results back
-    device: str = "cpu"
-    dtype: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    num_threads: int | None = None
-    attention: str = "auto"
-    pipeline: str = "auto"  # launch step N+1 before finishing step N: "auto" (CUDA only), "on", "off"
-    # CPU swap space: a block count, or bytes (None for both: no swap space).
-    num_cpu_blocks: int | None = None
-    swap_space_bytes: int | None = None
-    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
 
 
 DEFAULT_CUDA_SWAP_SPACE = 4 << 30
@@ -77,10 +57,12 @@ def default_swap_space(device: str) -> int:
 
 
 def resolve_device(device: str) -> str:
-    """``auto`` picks cuda when available; asking for cuda without one is an error, never a fallback."""
+    """The torch device to run on: ``auto`` picks cuda when available; asking for cuda
+    without one is an error, never a fallback."""
     import torch
 
-    if device == "auto":
+    device = str(device)  # a plain str (from a Device member too): torch and the ready message take it
+    if device == Device.AUTO:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was requested but no CUDA device is available (torch.cuda.is_available() is False)")
@@ -90,16 +72,20 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_pipeline(pipeline: str, device: str) -> bool:
-    if pipeline not in ("auto", "on", "off"):
-        raise ValueError(f"pipeline must be auto, on or off, got {pipeline!r}")
-    return device.startswith("cuda") if pipeline == "auto" else pipeline == "on"
+    setting = PipelineSteps.parse(pipeline, "pipeline")
+    return device.startswith("cuda") if setting == PipelineSteps.AUTO else setting == PipelineSteps.ON
 
 
 def run_worker(config: WorkerConfig) -> None:
-    die_with_parent()
-    log = setup_logging("worker")
-    ctx = zmq.Context()
-    control = ControlChannel(ctx, config.addresses.control, "worker")
+    run_process("worker", config.addresses.control, lambda ctx: _start(config, ctx))
+
+
+def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
+    """Load the model, size the KV pool and the swap space, connect the step channel."""
+    import torch
+
+    from conveyor.worker.model_runner import ModelRunner
+
     prof = profiling.Profiler("worker", enabled=config.profile)
 
     def idle_fraction(since_ns: int) -> float:
@@ -108,43 +94,35 @@ def run_worker(config: WorkerConfig) -> None:
         return idle / (idle + busy) if idle + busy > 0 else 1.0
 
     prof.derive("idle_fraction", idle_fraction)
-    try:
-        import torch
-
-        from conveyor.worker.model_runner import ModelRunner
-
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        device = resolve_device(config.device)
-        pipeline = resolve_pipeline(config.pipeline, device)
-        runner = ModelRunner(
-            config.model_dir,
-            device=device,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            num_blocks=config.num_blocks,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            attention=config.attention,
-            num_cpu_blocks=config.num_cpu_blocks,
-            swap_space_bytes=default_swap_space(device) if config.swap_space_bytes is None else config.swap_space_bytes,
-            profiler=prof,
-        )
-        plans = StepReceiver(ctx, config.channels.plans, bind=False)
-        results = StepSender(ctx, config.channels.results, bind=False)
-    except Exception as exc:
-        log.exception("worker failed to start")
-        control.failed(f"worker: {exc}")
-        return
-    control.ready(
-        num_blocks=runner.num_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_bytes=runner.block_bytes, device=device
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    runner = ModelRunner(
+        config.model_dir,
+        device=device,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        attention=config.attention,
+        num_cpu_blocks=config.num_cpu_blocks,
+        swap_space_bytes=default_swap_space(device) if config.swap_space_bytes is None else config.swap_space_bytes,
+        profiler=prof,
     )
-    try:
-        StepLoop(runner, plans, results, prof, pipeline).run()
-    finally:
-        plans.close()
-        results.close()
-        control.close()
-        ctx.term()
+    loop = StepLoop(
+        runner,
+        StepReceiver(ctx, config.channels.plans, bind=False),
+        StepSender(ctx, config.channels.results, bind=False),
+        prof,
+        resolve_pipeline(config.pipeline, device),
+    )
+    ready = {
+        "num_blocks": runner.num_blocks,
+        "num_cpu_blocks": runner.num_cpu_blocks,
+        "block_bytes": runner.block_bytes,
+        "device": device,
+    }
+    return Started(run=loop.run, close=loop.close, ready_info=ready)
 
 
 class StepLoop:
@@ -207,6 +185,10 @@ class StepLoop:
             if not self.pipeline or isinstance(launched, StepResult):
                 self._finish_pending()
                 idle_start = profiling.now_ns()
+
+    def close(self) -> None:
+        self.plans.close()
+        self.results.close()
 
     def _next_plan_or_done(self) -> bool:
         """With a step launched: wait until the next message is there (True) or the step is

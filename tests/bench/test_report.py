@@ -1,0 +1,43 @@
+"""bin/bench's own output: the offline table's columns, and --plot refused before a run when it cannot work."""
+
+from __future__ import annotations
+
+import sys
+
+from conveyor.bench import report
+from conveyor.cli import bench
+
+
+def offline_result(output_tok_s: float) -> dict:
+    summary = {
+        "output_tok_s": output_tok_s,
+        "total_tok_s": 2 * output_tok_s,
+        "req_s": 1.0,
+        "wall_s": 10.0,
+        "latency_s": {"p50": 1.0, "p99": 2.0},
+        "mean_batch_occupancy": 4.0,
+    }
+    return {"runs": [summary], "median": report.aggregate([summary], report.OFFLINE_KEYS)}
+
+
+def test_offline_table_states_each_ratio_once() -> None:
+    table, ratios = report.offline_table({"conveyor": offline_result(300.0), "hf": offline_result(100.0)})
+    header, _, conveyor_row, hf_row = table.splitlines()
+    assert "conveyor speedup" in header and "x conveyor" not in header
+    assert conveyor_row.split()[-2:] == ["1.00x", "-%"]
+    assert hf_row.split()[-2:] == ["3.00x", "-%"]
+    assert ratios["hf"] == {"throughput_vs_conveyor": 100.0 / 300.0, "conveyor_speedup": 3.0}
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec says: not installed
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran although its plots could not be drawn")
+
+    monkeypatch.setattr(bench, "offline", no_run)
+    monkeypatch.setattr(bench, "online", no_run)
+    assert bench.main(["offline", "--systems", "conveyor", "--plot", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err
+    assert 'pip install -e ".[bench]"' in err
+    assert not (tmp_path / "plots").exists()

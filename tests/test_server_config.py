@@ -1,0 +1,79 @@
+"""bin/serve's flags become one ServerConfig, each process's view built once from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from conveyor.cli import serve
+from conveyor.runtime.config import (
+    FrontendConfig,
+    Policy,
+    Preemption,
+    SchedulerConfig,
+    SchedulerProcessConfig,
+    WorkerConfig,
+)
+
+# Flags that name no field of a view: server_config converts each of them by hand.
+CONVERTED = {"model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space", "plan_transport"}
+
+
+def build(*flags: str, run_dir: str = "/tmp/conveyor-test-run"):
+    return serve.server_config(serve.build_parser().parse_args(list(flags)), run_dir)
+
+
+def test_every_flag_reaches_a_view() -> None:
+    fields = {f.name for view in (FrontendConfig, WorkerConfig, SchedulerConfig, SchedulerProcessConfig) for f in dataclasses.fields(view)}
+    dests = {a.dest for a in serve.build_parser()._actions if a.dest != "help"}
+    assert dests - fields - CONVERTED == set()
+
+
+def test_flags_land_in_every_view_that_has_them() -> None:
+    config = build(
+        "--no-profile", "--block-size", "8", "--num-kv-blocks", "64", "--policy", "priority",
+        "--swap-bandwidth", "2", "--preemption", "swap", "--threads", "3", "--tokenizer-threads", "0",
+    )  # fmt: skip
+    assert not config.frontend.profile and not config.worker.profile and not config.scheduler.profile
+    assert config.worker.block_size == config.scheduler.scheduler.block_size == 8
+    batcher = config.scheduler.scheduler
+    assert batcher.policy is Policy.PRIORITY and batcher.policy == "priority"
+    assert batcher.preemption is Preemption.SWAP and batcher.swap_bandwidth == 2e9
+    assert config.worker.num_blocks == 64 and config.worker.kv_cache_memory_bytes is None
+    assert config.worker.num_threads == 3 and config.frontend.tokenizer_threads == 0
+    assert config.frontend.addresses is config.worker.addresses is config.scheduler.addresses
+    assert config.frontend.max_model_len == batcher.max_model_len
+
+
+def test_defaults_are_the_config_classes_own() -> None:
+    config = build()
+    assert config.scheduler.scheduler == dataclasses.replace(
+        SchedulerConfig(num_blocks=1), max_model_len=config.frontend.max_model_len
+    )
+    assert config.worker.kv_cache_memory_bytes == 2**30 and config.scheduler.overlap and config.frontend.profile
+
+
+def test_the_scheduler_view_is_sized_by_the_worker_and_crosses_a_spawn() -> None:
+    config = build()
+    sized = config.sized_scheduler(num_blocks=100, num_cpu_blocks=7, block_bytes=4096)
+    assert (sized.scheduler.num_blocks, sized.scheduler.num_cpu_blocks, sized.scheduler.block_bytes) == (100, 7, 4096)
+    assert pickle.loads(pickle.dumps(sized)) == sized
+    assert pickle.loads(pickle.dumps(config)) == config
+    with pytest.raises(ValueError, match="num_blocks"):
+        config.sized_scheduler(num_blocks=0, num_cpu_blocks=0, block_bytes=0)
+
+
+def test_a_bad_value_is_refused_before_any_process_starts() -> None:
+    with pytest.raises(ValueError, match="max_model_len|max-model-len"):
+        build("--max-model-len", "1000000")
+    with pytest.raises(ValueError, match="min_batch_size"):
+        build("--min-batch-size", "0")
+
+
+def test_a_mode_given_as_a_string_becomes_its_enum_member() -> None:
+    config = SchedulerConfig(num_blocks=4, policy="priority", preemption="recompute")
+    assert config.policy is Policy.PRIORITY and f"{config.policy}" == "priority"
+    with pytest.raises(ValueError, match="batching must be one of continuous, static"):
+        SchedulerConfig(num_blocks=4, batching="dynamic")

@@ -7,8 +7,7 @@ invariants (free + held == total among them) after it; every scenario ends with
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 from tests.scheduler.fake_worker import default_token
 from tests.scheduler.scheduler_harness import EOS, Harness
@@ -25,6 +24,7 @@ from conveyor.ipc.messages import (
     int_list,
 )
 from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.results import stop_reason
 from conveyor.scheduler.scheduler import Scheduler
 
 
@@ -242,13 +242,12 @@ def test_request_filling_max_model_len_ends_with_length():
 def test_model_length_stop_is_checked_after_max_tokens():
     # Unreachable through add_request (prompt + max_tokens <= max_model_len is enforced
     # there), so check the defensive condition on the stop check itself.
-    sched = Scheduler(cfg(max_model_len=8), [EOS])
     req = Request.from_message(AddRequest("r", [1] * 7, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8)
     req.token_ids.append(5)
-    assert sched.stop_reason(req, 5) == FinishReason.LENGTH
+    assert stop_reason(req, 5) == FinishReason.LENGTH
     req = Request.from_message(AddRequest("r", [1] * 6, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8)
     req.token_ids.append(5)
-    assert sched.stop_reason(req, 5) is None
+    assert stop_reason(req, 5) is None
 
 
 # ---------------------------------------------------------------- preemption
@@ -388,17 +387,17 @@ def test_check_invariants_catches_slot_bookkeeping_errors():
         h.scheduler.check_invariants()
 
     h = running_pair()
-    h.scheduler._free_slots.pop()  # a slot lost: neither free nor held
+    h.scheduler.free_slots.pop()  # a slot lost: neither free nor held
     with pytest.raises(AssertionError, match="lost"):
         h.scheduler.check_invariants()
 
     h = running_pair()
-    h.scheduler._free_slots.append(h.scheduler.get_request("a").slot)
+    h.scheduler.free_slots.append(h.scheduler.get_request("a").slot)
     with pytest.raises(AssertionError, match="free twice|both held and free"):
         h.scheduler.check_invariants()
 
     h = running_pair()
-    h.scheduler._finished_slots.append(h.scheduler.get_request("b").slot)  # dropped while held
+    h.scheduler.finished_slots.append(h.scheduler.get_request("b").slot)  # dropped while held
     with pytest.raises(AssertionError, match="queued to be dropped but held"):
         h.scheduler.check_invariants()
 
@@ -558,8 +557,8 @@ def test_malformed_result_is_treated_as_an_error():
 
 
 def test_result_rows_in_another_order_are_matched_by_slot():
-    """The decodes' tokens are read as one slice when the result lists them in plan order; in
-    any other order each row is matched by its slot, with the same outputs."""
+    """Each row of a result is matched by its slot: a result listing the rows in another
+    order than the plan's gives the same outputs."""
     h = Harness(cfg())
     for rid in "abc":
         h.add(rid, max_tokens=6)
@@ -591,6 +590,27 @@ def test_missing_token_fails_that_request():
     h.run()
 
 
+def test_result_rows_naming_no_slot_are_ignored():
+    """A row whose slot is outside ``0 .. max_num_seqs - 1`` answers nobody (a negative one
+    is not read from the end): the request due that token fails alone, the others get theirs."""
+    for past_the_end in (False, True):
+        h = Harness(cfg(max_num_seqs=4))
+        h.add("a")
+        h.add("b")
+        plan = h.schedule()
+        good = h.worker.execute(plan)
+        a_slot, b_slot = (d.slot for d in plan.new_requests)
+        token = dict(zip(good.slots, good.sampled_token_ids))
+        assert token[a_slot] != token[b_slot]
+        bad_slot = 4 if past_the_end else b_slot - 4  # (read from the end, -4 + b_slot is b's)
+        result = StepResult(plan.step_id, [b_slot, bad_slot], [token[b_slot], token[a_slot]])
+        outs = {o.request_id: o for o in h.finish_step(plan, result)}
+        assert outs["a"].finish_reason == FinishReason.ERROR, bad_slot
+        assert outs["a"].error.startswith("worker sampled no token"), outs["a"].error
+        assert outs["b"].finish_reason is None and outs["b"].new_token_ids == [token[b_slot]]
+        h.run()
+
+
 # ---------------------------------------------------------------- bookkeeping
 
 
@@ -615,7 +635,7 @@ def test_stats_match_scheduler_stats_fields():
     h.add("b", max_tokens=2)
     h.step()
     stats = h.scheduler.stats()
-    fields = {f.name for f in dataclasses.fields(SchedulerStats)} - {"query_id"}
+    fields = {f.name for f in msgspec.structs.fields(SchedulerStats)} - {"query_id"}
     assert set(stats) == fields
     assert stats["num_running"] == 1 and stats["num_waiting"] == 1 and stats["num_steps"] == 1
     assert stats["free_blocks"] + stats["held_blocks"] == stats["total_blocks"] == 64

@@ -1,7 +1,8 @@
 """Scheduling policy: the order of the line, when a wave may start, who yields, and how.
 
-Kept apart from :mod:`conveyor.scheduler.scheduler`, which does the bookkeeping (budget,
-blocks, plans, stop conditions) and asks this module only for decisions.
+Kept apart from the scheduler's bookkeeping (budget, blocks, plans, stop conditions:
+:mod:`conveyor.scheduler.scheduler` and the modules of its phases), which asks this module
+only for decisions.
 
 **Rank.** Every request gets a rank when it is first queued; smaller goes first, and the
 rank orders the waiting queue and the running batch alike (a preempted request goes back
@@ -39,10 +40,14 @@ the oldest has waited ``max_wait_ms``. Running requests never wait for this.
 
 from __future__ import annotations
 
-from conveyor.runtime.config import SchedulerConfig
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-SWAP = "swap"
-RECOMPUTE = "recompute"
+from conveyor.runtime.config import Batching, Policy, Preemption, SchedulerConfig
+
+if TYPE_CHECKING:
+    from conveyor.scheduler.request import Request
+
 BYPASS_LOOKAHEAD = 8
 
 
@@ -56,8 +61,8 @@ class SchedulingPolicy:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.by_priority = config.policy == "priority"
-        self.static = config.batching == "static"
+        self.by_priority = config.policy == Policy.PRIORITY
+        self.static = config.batching == Batching.STATIC
         self.aging_rate = config.aging_rate
         self.max_bypass = 0 if self.static else config.max_bypass
         self.min_batch_size = config.min_batch_size
@@ -104,16 +109,28 @@ class SchedulingPolicy:
 
     # ------------------------------------------------------------ preemption
 
-    def preemption_mode(self, blocks_to_move: int, tokens_to_recompute: int, cpu_available: int) -> str:
-        """``SWAP`` or ``RECOMPUTE`` for one victim."""
+    @staticmethod
+    def choose_victim(running: Sequence[Request], req: Request, yields: bool) -> Request | None:
+        """Who gives up its KV so that ``req`` can run: the worst-ranked running request, if it
+        ranks below ``req``. When ``req`` is itself the worst-ranked, it yields (returned) if
+        ``yields`` (a decode: rather than stall everyone), else nobody does (None: it waits)."""
+        if not running:
+            return None
+        victim = running[-1]
+        if victim is req:
+            return req if yields else None
+        return victim if victim.rank > req.rank else None
+
+    def preemption_mode(self, blocks_to_move: int, tokens_to_recompute: int, cpu_available: int) -> Preemption:
+        """``Preemption.SWAP`` or ``Preemption.RECOMPUTE`` for one victim."""
         mode = self.config.preemption
-        if mode == RECOMPUTE or not self.config.num_cpu_blocks or tokens_to_recompute == 0:
-            return RECOMPUTE
+        if mode == Preemption.RECOMPUTE or not self.config.num_cpu_blocks or tokens_to_recompute == 0:
+            return Preemption.RECOMPUTE
         if blocks_to_move > cpu_available:
-            return RECOMPUTE
-        if mode == SWAP or blocks_to_move == 0:
-            return SWAP
+            return Preemption.RECOMPUTE
+        if mode == Preemption.SWAP or blocks_to_move == 0:
+            return Preemption.SWAP
         cfg = self.config
         swap_s = 2 * blocks_to_move * cfg.block_bytes / cfg.swap_bandwidth
         recompute_s = tokens_to_recompute / cfg.prefill_rate
-        return SWAP if swap_s < recompute_s else RECOMPUTE
+        return Preemption.SWAP if swap_s < recompute_s else Preemption.RECOMPUTE

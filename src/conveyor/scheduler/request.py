@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
-from conveyor.ipc.messages import AddRequest, SamplingParams
+from conveyor.ipc.messages import AddRequest, SamplingParams, int_list
 
 if TYPE_CHECKING:
     from conveyor.scheduler.slot_columns import SlotColumns
@@ -96,7 +96,7 @@ class Request:
             stop_ids = stop_ids | frozenset(sp.stop_token_ids)
         return cls(
             request_id=msg.request_id,
-            token_ids=list(msg.prompt_token_ids),
+            token_ids=int_list(msg.prompt_token_ids),  # a copy: a received prompt views the message
             num_prompt_tokens=len(msg.prompt_token_ids),
             sampling=sp,
             arrival_time=msg.arrival_time,
@@ -123,18 +123,6 @@ class Request:
             self.columns.flat[slot] = value
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -142,7 +130,3 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """A fresh list of prompt + outputs (a copy: plans must not alias live state)."""
         return list(self.token_ids)
-
-    @property
-    def is_live(self) -> bool:
-        return self.status is not RequestStatus.FINISHED

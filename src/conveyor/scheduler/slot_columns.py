@@ -17,7 +17,8 @@ row). Its fields, for a slot held by a running request:
   request holds a slot (:class:`~conveyor.scheduler.request.Request` reads and writes it
   through its property); :meth:`assign` copies it in, :meth:`release` copies it back out.
 - ``KNOWN``: ``len(token_ids)``. A mirror: the token list stays the truth, and every append
-  to a slot holder's tokens adds one here (the scheduler's two append sites do).
+  to a slot holder's tokens adds one here (applying a result appends them all in bulk,
+  :mod:`~conveyor.scheduler.results`).
 - ``GEN``: bumped on every assignment and release, so a plan can tell whether the request it
   planned on a slot still holds it when the result comes back (an abort may free the slot,
   and a later plan may give it to someone else, while the plan is in flight).
@@ -31,7 +32,7 @@ row). Its fields, for a slot held by a running request:
 Python ints at list speed (the property's path), where numpy would box each one.
 ``owner``, ``token_lists`` and ``ids`` hold each slot's request, its ``token_ids`` list (the
 decode step appends to them in one C-level pass) and its id (output columns are gathered
-from it).
+from it). ``sampled`` is scratch space where a result's tokens are laid out by slot.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class SlotColumns:
         self.eos_ids = sorted(set(eos_token_ids))
         self.ones = np.ones(num_slots, np.int32)  # a plan's decode counts: a slice of it
         self.ones.flags.writeable = False
+        self.sampled = np.empty(num_slots, np.int64)  # scratch: a result's tokens by slot
 
     def assign(self, req: Request, slot: int, eos_stops: bool) -> None:
         """``req`` takes ``slot``: its counters move into the columns (before ``req.slot`` is set)."""
@@ -83,11 +85,6 @@ class SlotColumns:
         self.owner[slot] = None
         self.token_lists[slot] = None
         self.ids[slot] = None
-
-    def token_appended(self, slot: int) -> None:
-        """One token was appended to the slot holder's list (the per-request path; the decode
-        step adds to ``known`` in bulk)."""
-        self.flat[KNOWN * self.num_slots + slot] += 1
 
     def generation(self, slot: int) -> int:
         return self.flat[GEN * self.num_slots + slot]

@@ -1,0 +1,162 @@
+"""Admission: who may enter the waiting line, and who leaves it for the running batch.
+
+At arrival (:func:`rejection_reason`) a request is refused with an error output when it
+could never be served here: its id is live already, it could never fit the KV pool, or a
+field the frontend validates (:mod:`conveyor.protocol.messages` and the frontend's length
+checks) is out of range. The frontend refuses such requests before they get here; the
+scheduler checks them again because it also takes :class:`AddRequest` messages from other
+callers (tests, benchmarks) and must never let one break its invariants.
+
+Each iteration, phase 2 (:func:`~conveyor.scheduler.planning.plan_prompts`) offers the head
+of the waiting queue to :func:`try_admit` while the admission gate
+(:func:`admission_open`) is open: it starts when a slot (``max_num_seqs``) and blocks for
+all its known tokens are free, after its prefix-cache hit; a swapped-out request comes back
+with its blocks swapped in by the same plan. Under the priority policy it may preempt
+worse-ranked running requests to get them, but only if preempting all of them would make
+it fit: nobody is preempted for nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from conveyor.ipc.messages import NewRequestData
+from conveyor.scheduler.kv_manager import PrefixMatch
+from conveyor.scheduler.policy import blocks_for
+from conveyor.scheduler.preemption import make_room
+from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.step import Step
+
+if TYPE_CHECKING:
+    from conveyor.scheduler.scheduler import Scheduler
+
+# Outcomes of an admission attempt that scheduled nothing (>= 0: it was admitted).
+NO_SLOT = -1
+NO_BLOCKS = -2
+HOLD = -3  # preempted in this very iteration, or it would preempt ahead: it waits for the next plan
+
+SWAPPED = RequestStatus.SWAPPED
+
+
+def rejection_reason(sched: Scheduler, req: Request) -> str | None:
+    """Why a request just arrived (not queued yet) can never be served (the error text), or None."""
+    cfg = sched.config
+    prompt = req.token_ids
+    max_tokens = req.sampling.max_tokens
+    if req.request_id in sched.table.live:
+        return f"request id {req.request_id!r} is already in use by a live request"
+    if not prompt:
+        return "prompt is empty"
+    if max_tokens < 1:
+        return f"max_tokens must be at least 1, got {max_tokens}"
+    vocab_size = sched.vocab_size
+    lo, hi = min(prompt), max(prompt)
+    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+        bad = lo if lo < 0 else hi
+        return f"prompt token id {bad} is outside the vocabulary (size {vocab_size})"
+    total = len(prompt) + max_tokens
+    if total > cfg.max_model_len:
+        return (
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} "
+            f"exceeds max_model_len ({cfg.max_model_len})"
+        )
+    # Conservative by one token (the last sampled token never needs a KV slot), so
+    # that "fits" reads simply as "its whole length fits in the pool".
+    needed = blocks_for(total, cfg.block_size)
+    if needed > sched.pool.total:
+        return (
+            f"prompt + max_tokens = {total} tokens need {needed} KV blocks of "
+            f"{cfg.block_size}, but the pool has only {sched.pool.total}"
+        )
+    return None
+
+
+def admission_open(sched: Scheduler, num_running_at_start: int, now: float) -> bool:
+    """Whether this iteration may admit at all (static batching: only into an empty batch;
+    batch formation: enough waiting, or the oldest has waited long enough)."""
+    policy, queue = sched.policy, sched.queue
+    n = len(queue)
+    if not n or not policy.may_admit_into(num_running_at_start):
+        return False
+    return policy.admission_open(n, queue.oldest_enqueue_time(policy.min_batch_size), now)
+
+
+def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: int) -> int:
+    """Admit the queue head ``req`` if it can start: the blocks it reserves for later growth
+    (>= 0; ``reserved`` is what earlier admissions of this plan reserved), or why not
+    (:data:`NO_SLOT`, :data:`NO_BLOCKS`, :data:`HOLD`)."""
+    if id(req) in step.preempted:
+        return HOLD
+    max_num_seqs = sched.config.max_num_seqs
+    kv = sched.kv
+    running = sched.table.running
+    reserve = sched.policy.growth_reserve(req.num_prompt_tokens, req.sampling.max_tokens, len(req.token_ids))
+    match: PrefixMatch | None = None
+
+    def need() -> tuple[int, int]:
+        """(blocks it needs, blocks available to it); the prefix match it would take in ``match``."""
+        nonlocal match
+        if req.status is SWAPPED:
+            n, avail = kv.resume_need(req)
+        else:
+            match = kv.match(req)
+            n, avail = kv.admission_need(req, match)
+        return n + reserve, avail - reserved
+
+    needed, available = need()
+    no_slot = len(running) >= max_num_seqs
+    if no_slot or needed > available:
+        if not sched.policy.preempts_for_admission:
+            return NO_SLOT if no_slot else NO_BLOCKS
+        # Preempt only if all worse-ranked running requests together make it fit.
+        freeable, count = 0, 0
+        for victim in reversed(running):
+            if victim.rank <= req.rank or (count >= no_slot and available + freeable >= needed):
+                break
+            freeable += kv.exclusive_blocks(victim)
+            count += 1
+        if count < no_slot or available + freeable < needed:
+            return NO_SLOT if no_slot and count == 0 else NO_BLOCKS
+
+        def fits() -> bool:
+            nonlocal needed, available
+            needed, available = need()  # (each preemption changes it)
+            return len(running) < max_num_seqs and needed <= available
+
+        if not make_room(sched, step, req, fits, yields=False):
+            # Planned ahead it would preempt: only a plan formed in sync may. Else the
+            # estimate counted blocks the request itself shares.
+            return HOLD if sched.ahead else NO_BLOCKS
+
+    sched.queue.pop()
+    if req.status is SWAPPED:
+        kv.resume(req)
+    else:
+        kv.admit(req, match)
+        step.hit_tokens += req.num_computed_tokens
+    n = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
+    kv.grow(req, req.num_computed_tokens + n)
+    req.status = RequestStatus.RUNNING
+    req.num_bypassed = 0
+    sched.table.start_running(req)
+    if req.scheduled_time is None:
+        req.scheduled_time = now
+        req.num_cached_tokens = req.num_computed_tokens
+        waited = now - req.enqueue_time
+        step.num_admitted += 1
+        step.wait_sum += waited
+        step.wait_max = max(step.wait_max, waited)
+    sched.take_slot(req)
+    step.new.append(
+        NewRequestData(
+            req.request_id,
+            req.slot,
+            req.all_token_ids,
+            req.sampling,
+            list(req.block_ids),
+            req.num_computed_tokens,
+            n,
+        )
+    )
+    step.add_scheduled(req, n)
+    return reserve

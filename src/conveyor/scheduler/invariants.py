@@ -1,0 +1,137 @@
+"""The scheduler's invariants, asserted (for tests: O(all live requests + blocks)).
+
+What :class:`~conveyor.scheduler.scheduler.Scheduler` keeps true between calls (its class
+docstring lists them): every live request is running or waiting, never both; block
+reference counts match the block tables and step holds, on the GPU and in the swap space;
+the prefix index holds exactly the registered ids; slots are held by running requests
+only, each once, and every request still running in a plan in flight has the slot that
+plan names it by; the slot columns mirror the running requests.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from conveyor.scheduler.policy import blocks_for
+from conveyor.scheduler.request import RequestStatus
+
+if TYPE_CHECKING:
+    from conveyor.scheduler.scheduler import Scheduler
+
+RUNNING = RequestStatus.RUNNING
+SWAPPED = RequestStatus.SWAPPED
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Assert every invariant of the module docstring."""
+    cfg = sched.config
+    bs = cfg.block_size
+    running = sched.table.running
+    waiting = list(sched.queue)
+    running_ids = [r.request_id for r in running]
+    waiting_ids = [r.request_id for r in waiting]
+    assert len(set(running_ids)) == len(running_ids), "a request is running twice"
+    assert len(set(waiting_ids)) == len(waiting_ids), "a request is queued twice"
+    assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
+    assert set(running_ids) | set(waiting_ids) == set(sched.table.live), "live map out of sync"
+    assert len(running) <= cfg.max_num_seqs
+    assert all(a.rank < b.rank for a, b in zip(running, running[1:])), "running batch out of rank order"
+    gpu_refs: dict[int, int] = {}
+    cpu_refs: dict[int, int] = {}
+    for r in running:
+        assert r.status is RUNNING and sched.table.live[r.request_id] is r
+        assert r.slot >= 0 and not r.cpu_blocks, f"{r.request_id}: running without a slot, or with CPU blocks"
+        assert len(r.block_ids) * bs >= r.num_computed_tokens
+        pending = max(0, r.num_computed_tokens + 1 - r.num_tokens)
+        assert pending <= len(sched.inflight), f"{r.request_id}: {pending} tokens pending, or nothing to run"
+        assert len(r.block_ids) <= blocks_for(r.num_tokens + pending, bs)
+        assert sched.done_tokens(r) <= r.num_tokens, f"{r.request_id}: KV of unknown tokens counted as done"
+        assert len(set(r.block_ids)) == len(r.block_ids) and min(r.block_ids, default=0) >= 0
+        for i in range(r.num_registered_blocks):
+            h = sched.pool.block_hash(r.block_ids[i])
+            assert h is None or h == r.block_hashes[i], f"{r.request_id}: block {i} holds another prefix"
+    for r in waiting:
+        assert sched.table.live[r.request_id] is r and r.slot == -1, f"{r.request_id} waits holding a slot"
+        if r.status is SWAPPED:
+            assert r.cpu_blocks, f"swapped {r.request_id} holds no KV"
+            assert len(r.block_ids) == len(r.cpu_blocks) == blocks_for(r.num_computed_tokens, bs)
+            assert all(b == -1 for b in r.block_ids) and [i for i, _ in r.cpu_blocks] == list(range(len(r.block_ids)))
+            for _, c in r.cpu_blocks:
+                cpu_refs[c] = cpu_refs.get(c, 0) + 1
+        else:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not r.block_ids and r.num_computed_tokens == 0 and not r.cpu_blocks
+    for r in running + waiting:
+        for b in r.block_ids:
+            if b >= 0:
+                gpu_refs[b] = gpu_refs.get(b, 0) + 1
+    sched.pool.check_invariants(gpu_refs)
+    swap = sched.kv.swap
+    registered = sched.pool.registered_ids()
+    if swap.pool is not None:
+        for c in swap.holds():
+            cpu_refs[c] = cpu_refs.get(c, 0) + 1
+        swap.pool.check_invariants(cpu_refs)
+        registered += swap.pool.registered_ids()
+    held_ids: dict[int, int] = {}
+    for content in registered:
+        held_ids[content] = held_ids.get(content, 0) + 1
+    sched.kv.index.check(held_ids)
+    for r in running:
+        assert len(r.block_hashes) == r.num_registered_blocks <= r.num_computed_tokens // bs, r.request_id
+    assert swap.num_held_by_requests == sum(len(r.cpu_blocks) for r in waiting)
+    check_slots(sched)
+    sched.cols.check(running)
+    assert sched.table.running_slots().tolist() == [r.slot for r in running], "cached running slots are stale"
+
+
+def check_slots(sched: Scheduler) -> None:
+    """The slot invariants (the scheduler's docstrings), and that every request still running
+    in a plan in flight has the slot that plan names it by, and the slot generation its
+    sampling row was noted with (what applying the result relies on)."""
+    n = sched.config.max_num_seqs
+    held = [r.slot for r in sched.table.running]
+    free = sched.free_slots
+    assert len(set(held)) == len(held), f"two running requests share a slot: {sorted(held)}"
+    assert len(set(free)) == len(free), f"a slot is free twice: {sorted(free)}"
+    assert not set(held) & set(free), f"slots both held and free: {sorted(set(held) & set(free))}"
+    assert set(held) | set(free) == set(range(n)), "slots lost or out of range"
+    # Slots given back since the last plan: no plan formed since could hand them out again.
+    pending = sched.finished_slots
+    assert len(set(pending)) == len(pending), f"a slot is queued to be dropped twice: {pending}"
+    assert set(pending) <= set(free), f"slots queued to be dropped but held: {sorted(set(pending) - set(free))}"
+    for plan, step in sched.inflight:
+        new_slots = [d.slot for d in plan.new_requests]
+        cached_slots = list(plan.cached_requests.slots)
+        named = new_slots + cached_slots
+        assert len(set(named)) == len(named), f"step {plan.step_id} names a slot twice"
+        assert not set(cached_slots) & set(plan.finished_slots), f"step {plan.step_id} drops a slot it runs"
+        slot_of_new = {d.request_id: d.slot for d in plan.new_requests}
+        rows = iter(cached_slots)
+        expected = [(r, next(rows)) for r in step.decodes]
+        for r, _ in step.scheduled:
+            expected.append((r, slot_of_new[r.request_id] if r.request_id in slot_of_new else next(rows)))
+        assert next(rows, None) is None, f"step {plan.step_id}: more cached rows than requests"
+        for r, slot in expected:
+            if r.status is RUNNING:
+                assert r.slot == slot, f"{r.request_id} holds slot {r.slot}, step {plan.step_id} names it {slot}"
+        # The rows that sample: every decode, and other rows, each once; a row whose slot
+        # still has the generation it was planned with names a running request of this plan.
+        sampling = step.sample_slots.tolist()
+        assert len(set(sampling)) == len(sampling), f"step {plan.step_id} samples a slot twice"
+        assert set(step.dslots.tolist()) <= set(sampling), f"step {plan.step_id}: a decode does not sample"
+        # The worker answers in plan order: new requests that sample, then cached rows that do.
+        sampling_set = set(sampling)
+        answer_order = [d.slot for d in plan.new_requests if d.slot in sampling_set]
+        answer_order += [slot for slot in cached_slots if slot in sampling_set]
+        assert step.answer_slots.tolist() == answer_order, f"step {plan.step_id}: answer order is not plan order"
+        answer = step.answer_slots if step.answer_rows is None else step.answer_slots[step.answer_rows]
+        assert answer.tolist() == sampling, f"step {plan.step_id}: the worker's answer order is mapped wrong"
+        planned = {id(r) for r in step.decodes} | {id(r) for r, _ in step.scheduled}
+        cols = sched.cols
+        for slot, gen in zip(step.sample_slots.tolist(), step.sample_gens.tolist()):
+            if cols.generation(slot) == gen:
+                owner = cols.owner[slot]
+                assert owner is not None and owner.status is RUNNING and id(owner) in planned, (
+                    f"step {plan.step_id}: slot {slot} of generation {gen} is held by another request"
+                )

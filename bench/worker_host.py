@@ -46,7 +46,7 @@ def measure(n: int, steps: int) -> dict[str, float]:
         )
         for i in range(n)
     ]
-    runner.execute(StepPlan(1, news, [], []))
+    runner.execute(StepPlan(1, news, CachedRequests(), []))
     computed = PROMPT
     times = []
     for step in range(2, steps + 2):

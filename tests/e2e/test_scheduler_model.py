@@ -14,8 +14,9 @@ from collections import deque
 import pytest
 import torch
 
+from tests import plans
 from conveyor.runtime.config import SchedulerConfig
-from conveyor.ipc.messages import AddRequest, SamplingParams, StepPlan
+from conveyor.ipc.messages import AddRequest, SamplingParams
 from conveyor.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 4
@@ -111,7 +112,7 @@ class Driver:
 
     def _apply(self, plan, result) -> None:
         assert result.error is None
-        for out in self.scheduler.update(plan, result).expanded():
+        for out in plans.expanded(self.scheduler.update(plan, result)):
             assert out.finish_reason in (None, "length"), out
             self.tokens[out.request_id] += out.new_token_ids
         self.scheduler.check_invariants()
@@ -139,7 +140,7 @@ def alone(runner_factory):
             # A new scheduler: nothing cached; the runner's blocks are reused, and so are its
             # slots, which the last scheduler's final retirements still hold (no plan followed
             # them to drop them): drop them as that plan would have.
-            runner.execute(StepPlan(0, [], [], runner.slots))
+            runner.execute(plans.plan(0, finished=runner.slots))
             driver = Driver(runner)
             rid = f"alone-{count[0]}"
             driver.add(rid, prompt, max_tokens)

@@ -9,13 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conveyor.ipc import codec
+from tests.plans import CachedRow, columns, rows
 from conveyor.ipc.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     AbortRequests,
     AddRequest,
     MAX_SLOTS,
-    CachedRequestData,
     CachedRequests,
     NewRequestData,
     ProcessReady,
@@ -85,7 +85,7 @@ def test_round_trip_plan_and_request(rid, prompt, params, blocks, n, slots) -> N
     plan = StepPlan(
         step_id=n,
         new_requests=[NewRequestData(rid, n, prompt, params, blocks, 0, len(prompt))],
-        cached_requests=[CachedRequestData(slot, blocks, n, 1) for slot in slots],
+        cached_requests=columns(CachedRow(slot, blocks, n, 1) for slot in slots),
         finished_slots=slots[::-1],
     )
     decoded = round_trip(plan)
@@ -97,7 +97,7 @@ def test_round_trip_plan_and_request(rid, prompt, params, blocks, n, slots) -> N
     for column in (cached.slots, cached.num_computed_tokens, cached.num_scheduled_tokens, decoded.finished_slots):
         assert type(column) is np.ndarray and column.dtype == np.int32
     assert cached.slots.tolist() == slots and decoded.finished_slots.tolist() == slots[::-1]
-    assert [row.slot for row in cached.rows()] == slots and all(type(row.slot) is int for row in cached.rows())
+    assert [row.slot for row in rows(cached)] == slots and all(type(row.slot) is int for row in rows(cached))
     add = round_trip(AddRequest(rid, prompt, params, 1.5))
     assert add.prompt_token_ids.dtype == np.int32  # the prompt travels raw, like the plan's arrays
 
@@ -135,7 +135,7 @@ def test_arrays_travel_raw_and_decode_as_views() -> None:
 
 def test_encode_leaves_the_message_as_it_was() -> None:
     """Lists in Int32Array fields are packed in a copy: the sender's message keeps its lists."""
-    plan = StepPlan(1, [NewRequestData("a", 0, [1, 2], SamplingParams(), [3], 0, 2)], [CachedRequestData(0, [], 2, 1)], [4])
+    plan = StepPlan(1, [NewRequestData("a", 0, [1, 2], SamplingParams(), [3], 0, 2)], columns([CachedRow(0, [], 2, 1)]), [4])
     before = plain(plan)
     codec.encode(plan)
     assert plain(plan) == before and type(plan.finished_slots) is list and type(plan.new_requests[0].token_ids) is list

@@ -24,6 +24,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tests import plans
 from conveyor.ipc.messages import StepPlan, StepResult
 
 
@@ -135,7 +136,7 @@ class FakeWorker:
             assert not self.holders.get(g), f"swap-in over block {g}, held by slots {self.holders.get(g)}"
             self.gpu[g] = [None] * bs if failing else list(self.cpu[c])
 
-        cached = plan.cached_requests.rows()
+        cached = plans.rows(plan.cached_requests)
         slots_in_plan = [r.slot for r in plan.new_requests] + [r.slot for r in cached]
         assert slots_in_plan, "empty plan"
         assert len(set(slots_in_plan)) == len(slots_in_plan), f"a slot appears twice in step {plan.step_id}"

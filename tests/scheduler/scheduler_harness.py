@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 from tests.scheduler.fake_worker import FakeWorker
 
+from tests import plans
 from conveyor.runtime.config import SchedulerConfig
 from conveyor.ipc.messages import (
     AddRequest,
-    CachedRequestData,
     RequestOutput,
     SamplingParams,
     StepPlan,
@@ -160,9 +160,9 @@ class Harness:
         """The ids of the requests of ``plan``'s cached rows, in row order."""
         return self._cached_ids[plan.step_id]
 
-    def cached_rows(self, plan: StepPlan) -> dict[str, CachedRequestData]:
+    def cached_rows(self, plan: StepPlan) -> dict[str, plans.CachedRow]:
         """``plan``'s cached rows by request id."""
-        return dict(zip(self.cached_ids(plan), plan.cached_requests.rows()))
+        return dict(zip(self.cached_ids(plan), plans.rows(plan.cached_requests)))
 
     def plan_ahead(self) -> StepPlan | None:
         """In overlap mode, form the next plan while one is in flight (if the scheduler may)."""
@@ -176,7 +176,7 @@ class Harness:
         assert plan is None or plan is oldest, "plans finish in the order they were formed"
         if result is None:
             result = self.worker.execute(oldest)
-        outs = self.scheduler.update(oldest, result).expanded()
+        outs = plans.expanded(self.scheduler.update(oldest, result))
         self.inflight.popleft()
         self.record(outs)
         self.check()

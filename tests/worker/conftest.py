@@ -18,7 +18,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from conveyor.ipc.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from conveyor.ipc.messages import NewRequestData, SamplingParams
+from tests.plans import CachedRow, plan
 from conveyor.worker.model_runner import ModelRunner
 
 torch.set_num_threads(2)
@@ -163,7 +164,7 @@ class ScriptedScheduler:
         finished: list[int] = []
         for step in range(max_steps):
             if all(s.done for s in self.scripts):
-                result = self.runner.execute(StepPlan(step, [], [], finished))  # retire the last ones
+                result = self.runner.execute(plan(step, [], [], finished))  # retire the last ones
                 assert result.slots == [] and result.sampled_token_ids == []
                 assert self.runner.slots == []
                 return {s.request_id: s.outputs for s in self.scripts}
@@ -178,7 +179,7 @@ class ScriptedScheduler:
                 fresh = [self.free.pop() for _ in range(needed - len(s.blocks))]
                 s.blocks += fresh
                 if s.registered:
-                    cached.append(CachedRequestData(s.slot, fresh, s.computed, n))
+                    cached.append(CachedRow(s.slot, fresh, s.computed, n))
                 else:
                     s.slot = self.free_slots.pop()
                     new.append(
@@ -186,7 +187,7 @@ class ScriptedScheduler:
                     )
                     s.registered = True
                 scheduled[s.slot] = (s, n, s.computed + n == len(tokens))
-            result = self.runner.execute(StepPlan(step, new, cached, finished))
+            result = self.runner.execute(plan(step, new, cached, finished))
             finished = []
             self.batch_sizes.append(len(scheduled))
             assert result.error is None

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.ipc.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from conveyor.ipc.messages import NewRequestData, SamplingParams
+from tests.plans import CachedRow, plan
 from conveyor.worker.kv_cache import bytes_per_block
 from conveyor.worker.model_runner import ModelRunner
 
@@ -23,19 +24,15 @@ def new(rid: str, slot: int, tokens: list[int], blocks: list[int], computed: int
     return NewRequestData(rid, slot, tokens, GREEDY, blocks, computed, scheduled)
 
 
-def plan(step: int, new_requests=(), cached=(), finished=()) -> StepPlan:
-    return StepPlan(step, list(new_requests), list(cached), list(finished))
-
-
 def test_hand_written_steps(runner):
     # a (slot 0): 6-token prompt in two chunks; b (slot 3): 1-token prompt joining at step 1;
     # both then decode.
     first = runner.execute(plan(0, [new("a", 0, [5, 6, 7, 8, 9, 10], [3], scheduled=4)]))
     assert first.slots == [] and first.forward_time > 0
-    second = runner.execute(plan(1, [new("b", 3, [11], [0])], [CachedRequestData(0, [8], 4, 2)]))
+    second = runner.execute(plan(1, [new("b", 3, [11], [0])], [CachedRow(0, [8], 4, 2)]))
     assert second.slots == [3, 0]
     assert runner.slots == [0, 3] and runner.request_ids == ["a", "b"]
-    third = runner.execute(plan(2, cached=[CachedRequestData(0, [], 6, 1), CachedRequestData(3, [], 1, 1)]))
+    third = runner.execute(plan(2, cached=[CachedRow(0, [], 6, 1), CachedRow(3, [], 1, 1)]))
     assert third.slots == [0, 3]
     assert runner.execute(plan(3, finished=[0, 3, 7])).slots == []  # 7: never held, fine
     assert runner.slots == [] and runner.request_ids == []
@@ -48,7 +45,7 @@ def test_block_tables_follow_the_requests_and_stay_small(llama_dir):
     runner = ModelRunner(llama_dir, block_size=4, num_blocks=64)
     runner.execute(plan(0, [new(f"r{i}", i, [5, 6, 7], [2 * i, 2 * i + 1]) for i in range(9)]))
     assert runner._tables.shape[0] <= 2 * 9 and runner._tables.shape[1] <= 2 * 2
-    runner.execute(plan(1, [new("x", 3, [9], [40])], [CachedRequestData(0, [30, 31, 32], 3, 1)], finished=[3]))
+    runner.execute(plan(1, [new("x", 3, [9], [40])], [CachedRow(0, [30, 31, 32], 3, 1)], finished=[3]))
     assert runner._tables[0, :5].tolist() == [0, 1, 30, 31, 32]
     assert runner._tables[3].tolist()[:2] == [40, 0] and not runner._tables[3, 1:].any()
     assert runner._tables.shape[1] <= 2 * 5
@@ -60,35 +57,35 @@ def test_slot_is_reused_in_the_plan_that_drops_it(runner, llama_dir):
     step0 = runner.execute(plan(0, [new("a", 0, [5, 6, 7, 8], [0]), new("b", 1, [9, 10], [1])]))
     assert step0.slots == [0, 1]
     # a finishes; c takes its slot in the same plan, b runs on.
-    step1 = runner.execute(plan(1, [new("c", 0, [1, 2, 3], [2])], [CachedRequestData(1, [], 2, 1)], finished=[0]))
+    step1 = runner.execute(plan(1, [new("c", 0, [1, 2, 3], [2])], [CachedRow(1, [], 2, 1)], finished=[0]))
     assert step1.slots == [0, 1] and runner.request_ids == ["c", "b"]
     # b is preempted and resumes on another slot, recomputing its tokens; its old slot 1 goes
     # to d in the same plan.
     b_tokens = [9, 10, step0.sampled_token_ids[1], step1.sampled_token_ids[1]]
     step2 = runner.execute(
-        plan(2, [new("d", 1, [4, 4], [4]), new("b", 2, b_tokens, [5])], [CachedRequestData(0, [], 3, 1)], finished=[1])
+        plan(2, [new("d", 1, [4, 4], [4]), new("b", 2, b_tokens, [5])], [CachedRow(0, [], 3, 1)], finished=[1])
     )
     assert step2.slots == [1, 2, 0] and runner.slots == [0, 1, 2]
     assert runner.request_ids == ["c", "d", "b"]
     # c's tokens are those of a runner that never saw its slot change hands.
     alone = ModelRunner(llama_dir, block_size=4, num_blocks=16)
     first = alone.execute(plan(0, [new("c", 5, [1, 2, 3], [2])]))
-    second = alone.execute(plan(1, cached=[CachedRequestData(5, [], 3, 1)]))
+    second = alone.execute(plan(1, cached=[CachedRow(5, [], 3, 1)]))
     assert [step1.sampled_token_ids[0], step2.sampled_token_ids[2]] == first.sampled_token_ids + second.sampled_token_ids
 
 
 @pytest.mark.parametrize(
     "bad_plan,message",
     [
-        (plan(1, cached=[CachedRequestData(5, [], 0, 1)]), "unknown slot 5"),
-        (plan(1, cached=[CachedRequestData(-1, [], 0, 1)]), "unknown slot -1"),
-        (plan(1, cached=[CachedRequestData(0, [5], 8, 1)], finished=[0]), "unknown slot 0"),
-        (plan(1, cached=[CachedRequestData(0, [5], 7, 1)]), r"request 'a' \(slot 0\): num_computed_tokens mismatch"),
-        (plan(1, cached=[CachedRequestData(0, [], 8, 1)]), "block table too short"),
+        (plan(1, cached=[CachedRow(5, [], 0, 1)]), "unknown slot 5"),
+        (plan(1, cached=[CachedRow(-1, [], 0, 1)]), "unknown slot -1"),
+        (plan(1, cached=[CachedRow(0, [5], 8, 1)], finished=[0]), "unknown slot 0"),
+        (plan(1, cached=[CachedRow(0, [5], 7, 1)]), r"request 'a' \(slot 0\): num_computed_tokens mismatch"),
+        (plan(1, cached=[CachedRow(0, [], 8, 1)]), "block table too short"),
         (plan(1, [new("b", 1, [1, 2, 3, 4, 5], [1])]), "block table too short"),
         (plan(1, [new("b", 1, [1], [1]), new("c", 1, [2], [2])]), r"slot 1 appears twice .*'b', then 'c'"),
-        (plan(1, [new("c", 2, [1], [1])], [CachedRequestData(2, [], 0, 1)]), "slot 2 appears twice"),
-        (plan(1, cached=[CachedRequestData(0, [5], 8, 1), CachedRequestData(0, [], 9, 1)]), "slot 0 appears twice"),
+        (plan(1, [new("c", 2, [1], [1])], [CachedRow(2, [], 0, 1)]), "slot 2 appears twice"),
+        (plan(1, cached=[CachedRow(0, [5], 8, 1), CachedRow(0, [], 9, 1)]), "slot 0 appears twice"),
         (plan(1, [new("b", 0, [1], [1])]), "new request 'b' on slot 0, which request 'a' still holds"),
         (plan(1, [new("b", -1, [1], [1])]), "slot -1 outside"),
         (plan(1, [new("b", 1 << 20, [1], [1])]), "outside"),
@@ -108,7 +105,7 @@ def test_invalid_plans_are_refused_without_side_effects(runner, bad_plan, messag
         assert runner.slots == []
         return
     assert runner.slots == [0] and runner.request_ids == ["a"]
-    again = runner.execute(plan(2, cached=[CachedRequestData(0, [5], 8, 1)]))
+    again = runner.execute(plan(2, cached=[CachedRow(0, [5], 8, 1)]))
     assert again.slots == [0] and first.slots == [0]
 
 
@@ -119,13 +116,13 @@ def test_plan_ahead_of_a_failed_step_fails_unrun(runner):
     runner.execute(plan(0, [new("a", 0, [5, 6, 7], [3]), new("x", 2, [1], [2])]))
     with pytest.raises(ValueError, match="still holds"):
         runner.execute(plan(1, [new("a2", 0, [1], [1])]))
-    ahead = StepPlan(2, [new("b", 1, [1, 2], [1])], [CachedRequestData(0, [], 3, 1)], [2], planned_ahead=True)
+    ahead = plan(2, [new("b", 1, [1, 2], [1])], [CachedRow(0, [], 3, 1)], [2], planned_ahead=True)
     with pytest.raises(ValueError, match="planned ahead of step 1, which failed"):
         runner.execute(ahead)
     assert runner.slots == [0] and runner.request_ids == ["a"]  # x dropped, b not taken in
-    assert runner.execute(plan(3, cached=[CachedRequestData(0, [], 3, 1)])).slots == [0]
+    assert runner.execute(plan(3, cached=[CachedRow(0, [], 3, 1)])).slots == [0]
     # A plan planned ahead of a step that succeeded runs.
-    ok = StepPlan(4, [], [CachedRequestData(0, [4], 4, 1)], [], planned_ahead=True)
+    ok = plan(4, [], [CachedRow(0, [4], 4, 1)], [], planned_ahead=True)
     assert runner.execute(ok).slots == [0]
 
 

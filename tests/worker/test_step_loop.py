@@ -14,6 +14,7 @@ import pytest
 
 from conveyor import profiling
 from conveyor.ipc.messages import Shutdown, StepPlan, StepResult
+from tests import plans
 from conveyor.ipc.step_channel import PeerGone
 from conveyor.worker.main import StepLoop, resolve_pipeline
 
@@ -66,7 +67,7 @@ class Results:
 
 
 def plan(step: int, ahead: bool = True) -> StepPlan:
-    return StepPlan(step, [], [], [], planned_ahead=ahead)
+    return plans.plan(step, planned_ahead=ahead)
 
 
 def run(messages, pipeline: bool, **failures):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.ipc.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from conveyor.ipc.messages import NewRequestData, SamplingParams
+from tests.plans import CachedRow, plan
 from conveyor.worker.block_transfer import transfer_blocks
 from conveyor.worker.model_runner import ModelRunner
 
@@ -28,11 +29,11 @@ def test_transfer_blocks_moves_whole_blocks_of_every_layer():
 
 
 def alone(runner: ModelRunner, steps: int) -> list[int]:
-    out = [runner.execute(StepPlan(1, [NewRequestData("a", 0, PROMPT, GREEDY, [0, 1, 2, 3, 4], 0, len(PROMPT))], [], [])).sampled_token_ids[0]]
+    out = [runner.execute(plan(1, [NewRequestData("a", 0, PROMPT, GREEDY, [0, 1, 2, 3, 4], 0, len(PROMPT))], [], [])).sampled_token_ids[0]]
     for step in range(2, steps + 1):
         computed = len(PROMPT) + len(out) - 1
-        out += runner.execute(StepPlan(step, [], [CachedRequestData(0, [], computed, 1)], [])).sampled_token_ids
-    runner.execute(StepPlan(steps + 1, [], [], [0]))
+        out += runner.execute(plan(step, [], [CachedRow(0, [], computed, 1)], [])).sampled_token_ids
+    runner.execute(plan(steps + 1, [], [], [0]))
     return out
 
 
@@ -41,37 +42,37 @@ def test_a_request_swapped_out_and_back_in_continues_unchanged(llama_dir):
     assert runner.swap_caches[0].shape[1] == 8 and runner.swap_caches[0].device.type == "cpu"
     reference = alone(runner, 8)
 
-    out = [runner.execute(StepPlan(10, [NewRequestData("a", 0, PROMPT, GREEDY, [0, 1, 2], 0, len(PROMPT))], [], [])).sampled_token_ids[0]]
+    out = [runner.execute(plan(10, [NewRequestData("a", 0, PROMPT, GREEDY, [0, 1, 2], 0, len(PROMPT))], [], [])).sampled_token_ids[0]]
     for step in (11, 12):
         computed = len(PROMPT) + len(out) - 1
-        out += runner.execute(StepPlan(step, [], [CachedRequestData(0, [], computed, 1)], [])).sampled_token_ids
+        out += runner.execute(plan(step, [], [CachedRow(0, [], computed, 1)], [])).sampled_token_ids
     computed = len(PROMPT) + len(out) - 1  # 12 tokens in blocks 0, 1, 2
     # Swap out into CPU blocks 5, 6, 7; another request, on a's slot and GPU blocks,
     # overwrites them meanwhile.
-    runner.execute(StepPlan(13, [NewRequestData("b", 0, [1] * 12, GREEDY, [0, 1, 2], 0, 12)], [], [0], swap_out=[[0, 5], [1, 6], [2, 7]]))
-    runner.execute(StepPlan(14, [], [], [0]))
+    runner.execute(plan(13, [NewRequestData("b", 0, [1] * 12, GREEDY, [0, 1, 2], 0, 12)], [], [0], swap_out=[[0, 5], [1, 6], [2, 7]]))
+    runner.execute(plan(14, [], [], [0]))
     # Resume in other GPU blocks (and another slot), swapped in by the same plan: no recompute.
     resumed = NewRequestData("a", 3, PROMPT + out, GREEDY, [9, 10, 11, 12], computed, 1)
-    result = runner.execute(StepPlan(15, [resumed], [], [], swap_in=[[5, 9], [6, 10], [7, 11]]))
+    result = runner.execute(plan(15, [resumed], [], [], swap_in=[[5, 9], [6, 10], [7, 11]]))
     out += result.sampled_token_ids
     for step in range(16, 16 + 4):
         computed = len(PROMPT) + len(out) - 1
         new_blocks = [13] if computed == 16 else []
-        out += runner.execute(StepPlan(step, [], [CachedRequestData(3, new_blocks, computed, 1)], [])).sampled_token_ids
+        out += runner.execute(plan(step, [], [CachedRow(3, new_blocks, computed, 1)], [])).sampled_token_ids
     assert out == reference
 
 
 def test_a_second_request_starts_from_blocks_another_computed(llama_dir):
     runner = ModelRunner(llama_dir, block_size=4, num_blocks=16)
     reference = alone(runner, 3)
-    runner.execute(StepPlan(10, [NewRequestData("first", 1, PROMPT, GREEDY, [4, 5, 6], 0, len(PROMPT))], [], []))
+    runner.execute(plan(10, [NewRequestData("first", 1, PROMPT, GREEDY, [4, 5, 6], 0, len(PROMPT))], [], []))
     # Blocks 4 and 5 hold the KV of PROMPT[:8]; the second request (on the first's slot)
     # shares them read-only.
     second = NewRequestData("second", 1, PROMPT, GREEDY, [4, 5, 7], 8, 2)
-    out = runner.execute(StepPlan(11, [second], [], [1])).sampled_token_ids
+    out = runner.execute(plan(11, [second], [], [1])).sampled_token_ids
     for step in (12, 13):
         computed = len(PROMPT) + len(out) - 1
-        out += runner.execute(StepPlan(step, [], [CachedRequestData(1, [], computed, 1)], [])).sampled_token_ids
+        out += runner.execute(plan(step, [], [CachedRow(1, [], computed, 1)], [])).sampled_token_ids
     assert out == reference
 
 
@@ -86,4 +87,4 @@ def test_a_second_request_starts_from_blocks_another_computed(llama_dir):
 def test_bad_transfers_are_refused(llama_dir, swap_out, swap_in, message):
     runner = ModelRunner(llama_dir, block_size=4, num_blocks=16, num_cpu_blocks=8)
     with pytest.raises(ValueError, match=message):
-        runner.execute(StepPlan(1, [], [], [], swap_out=swap_out, swap_in=swap_in))
+        runner.execute(plan(1, [], [], [], swap_out=swap_out, swap_in=swap_in))

@@ -192,10 +192,6 @@ class TokenOutputs(Message, tag=11):
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
 
-    def expanded(self) -> list[RequestOutput]:
-        """Every output as a :class:`RequestOutput` (column rows without timing fields)."""
-        return self.outputs + [RequestOutput(rid, [t]) for rid, t in zip(self.request_ids, self.token_ids)]
-
 
 @message
 class SchedulerStats(Message, tag=12):
@@ -256,22 +252,6 @@ class NewRequestData(Message, tag=20):
     num_scheduled_tokens: int
 
 
-@message
-class CachedRequestData(Message, tag=21):
-    """A request the worker already holds (on ``slot``): run ``num_scheduled_tokens`` more
-    of its tokens.
-
-    ``new_block_ids`` are appended to its block table before the step runs. This is one
-    row of :class:`CachedRequests`, the form plans carry; it exists for code and tests that
-    read or write plans a request at a time.
-    """
-
-    slot: int
-    new_block_ids: list[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-
-
 def int_list(values: Int32Array | list[int]) -> list[int]:
     """A fresh list of the Python ints of an Int32Array field: a numpy view over a received
     message when decoded (which must not be kept: its buffer is reused), any sequence of ints
@@ -297,28 +277,6 @@ class CachedRequests(Positional):
 
     def __len__(self) -> int:
         return len(self.slots)
-
-    def rows(self) -> list[CachedRequestData]:
-        """One :class:`CachedRequestData` per row, in order."""
-        blocks = dict(zip(self.new_block_rows, self.new_block_ids))
-        return [
-            CachedRequestData(slot, list(blocks.get(i, [])), computed, scheduled)
-            for i, (slot, computed, scheduled) in enumerate(
-                zip(int_list(self.slots), int_list(self.num_computed_tokens), int_list(self.num_scheduled_tokens))
-            )
-        ]
-
-    @classmethod
-    def from_rows(cls, rows: list[CachedRequestData]) -> CachedRequests:
-        out = cls()
-        for i, row in enumerate(rows):
-            out.slots.append(row.slot)
-            out.num_computed_tokens.append(row.num_computed_tokens)
-            out.num_scheduled_tokens.append(row.num_scheduled_tokens)
-            if row.new_block_ids:
-                out.new_block_rows.append(i)
-                out.new_block_ids.append(list(row.new_block_ids))
-        return out
 
 
 @message
@@ -346,9 +304,6 @@ class StepPlan(Message, tag=22):
     it succeeds (its requests' sampled tokens are the inputs of this plan's decodes). If the
     previous step failed, the worker fails this one too without running it: it only drops
     the finished slots.
-
-    ``cached_requests`` may be given as a list of :class:`CachedRequestData` (handy in
-    hand-written plans); it is converted to the columnar form on construction.
     """
 
     step_id: int
@@ -358,10 +313,6 @@ class StepPlan(Message, tag=22):
     swap_out: list[list[int]] = field(default_factory=list)
     swap_in: list[list[int]] = field(default_factory=list)
     planned_ahead: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.cached_requests, list):
-            self.cached_requests = CachedRequests.from_rows(self.cached_requests)
 
 
 @message

@@ -44,6 +44,7 @@ import zmq
 from conveyor.ipc import step_channel
 from conveyor.ipc.messages import CachedRequests, Shutdown, StepPlan, StepResult
 from conveyor.ipc.step_channel import StepChannels, StepReceiver, StepSender
+from conveyor.runtime.config import PlanTransport
 
 
 def answer(plan: StepPlan) -> StepResult:
@@ -81,7 +82,7 @@ def decode_plan(step: int, slots: list[int]) -> StepPlan:
 def server_channels(transport: str, spin_us: float | None = None) -> Iterator[StepChannels]:
     """The step channels bin/serve would make (rings created), removed again on exit."""
     run_dir = tempfile.mkdtemp(prefix="cv-rt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    channels = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", transport)
+    channels = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", shm=transport == "shm")
     if spin_us is not None:
         channels = StepChannels(
             dataclasses.replace(channels.plans, spin_us=spin_us), dataclasses.replace(channels.results, spin_us=spin_us)
@@ -185,7 +186,7 @@ def summary(samples_ns: list[int]) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 64, 256], help="requests per plan")
-    p.add_argument("--transports", nargs="+", default=["shm", "zmq"], choices=list(step_channel.TRANSPORTS))
+    p.add_argument("--transports", nargs="+", default=["shm", "zmq"], choices=PlanTransport.names())
     p.add_argument("--iters", type=int, default=5000, help="round trips per size and transport (over all rounds)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved runs per size and transport")
     p.add_argument("--warmup", type=int, default=200)

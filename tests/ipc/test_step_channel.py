@@ -24,7 +24,7 @@ SPAWN = mp.get_context("spawn")
 def _channels(transport: str):
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="cv-chan-", dir=base) as run_dir:
-        chans = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", transport)
+        chans = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", shm=transport == "shm")
         step_channel.create_rings(chans)
         try:
             yield chans
@@ -133,7 +133,7 @@ def test_received_arrays_view_the_ring_until_the_next_receive(channels, results_
     tx.send(StepResult(2, [5], [9]))
     first = rx.recv(timeout_s=5)
     assert first.sampled_token_ids.tolist() == [7, 8] and first.slots.tolist() == [3, 0]
-    if channels.transport == "shm":
+    if channels.plans.ring_path is not None:
         assert not first.sampled_token_ids.flags.owndata  # a view over the slot, not a copy
         assert not first.slots.flags.owndata
     second = rx.recv(timeout_s=5)
@@ -202,5 +202,8 @@ def test_a_closed_sender_ends_the_stream(shm_channels) -> None:
 
 
 def test_unknown_transport_is_refused() -> None:
-    with pytest.raises(ValueError, match="plan transport"):
-        StepChannels.for_server("/tmp", "ipc://a", "ipc://b", "tcp")
+    """The transport is chosen by name once, where the config is built; the channels take a flag."""
+    from conveyor.runtime.config import PlanTransport
+
+    with pytest.raises(ValueError, match="plan transport must be one of shm, zmq"):
+        PlanTransport.parse("tcp", "plan transport")

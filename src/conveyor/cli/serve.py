@@ -177,7 +177,7 @@ def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {model.max_position_embeddings}")
     addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(args.host, args.port))
     channels = step_channel.StepChannels.for_server(
-        run_dir, addresses.plans, addresses.results, args.plan_transport
+        run_dir, addresses.plans, addresses.results, shm=args.plan_transport == PlanTransport.SHM
     )
     worker = _view(
         WorkerConfig,

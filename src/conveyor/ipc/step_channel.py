@@ -44,7 +44,6 @@ import zmq
 from conveyor.ipc import codec, shm_ring, transport
 from conveyor.ipc.shm_ring import Diverted, RingClosed, RingReader, RingWriter, WriterDied
 
-TRANSPORTS = ("shm", "zmq")
 # Plans carry new requests' whole token lists: a slot holds about 60k tokens of them;
 # a bigger plan is diverted to ZeroMQ. Results are small (one token per request).
 PLAN_SLOT_BYTES = 256 * 1024
@@ -79,18 +78,12 @@ class StepChannels:
     results: ChannelSpec  # worker -> scheduler: StepResult, ProfileReport
 
     @classmethod
-    def for_server(cls, run_dir: str, plans_address: str, results_address: str, transport_name: str) -> StepChannels:
-        if transport_name not in TRANSPORTS:
-            raise ValueError(f"unknown plan transport {transport_name!r}: use one of {', '.join(TRANSPORTS)}")
-        shm = transport_name == "shm"
+    def for_server(cls, run_dir: str, plans_address: str, results_address: str, *, shm: bool) -> StepChannels:
+        """Both directions on their ZeroMQ sockets, with a ring each in ``run_dir`` when ``shm``."""
         return cls(
             ChannelSpec(plans_address, shm_ring.ring_path(run_dir, "plans.ring") if shm else None, PLAN_SLOT_BYTES),
             ChannelSpec(results_address, shm_ring.ring_path(run_dir, "results.ring") if shm else None, RESULT_SLOT_BYTES),
         )
-
-    @property
-    def transport(self) -> str:
-        return "zmq" if self.plans.ring_path is None else "shm"
 
 
 def create_rings(channels: StepChannels) -> None:

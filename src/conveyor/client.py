@@ -8,7 +8,14 @@ temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, priori
 Sending ``request_id`` of a finished request continues it (docs/protocol.md).
 
 A server that goes silent for ``timeout`` seconds raises :class:`TimeoutError`
-instead of hanging the caller; the request is aborted on the way out.
+instead of hanging the caller; the request is aborted on the way out. An address where no
+server answers at all raises :class:`NoServerError` within ``connect_timeout`` seconds
+instead: a ZeroMQ connect never fails by itself (it retries in the background), so a
+client's first send waits at most that long for the ZeroMQ handshake with the server (seen
+on a socket monitor), which the server's I/O thread completes at once however busy its loop
+is. This is about the server answering at all, never about how long a reply takes: a slow
+first token (a long prompt's prefill) is still waited for up to ``timeout``. Once the
+handshake is seen the monitor is gone and a send costs what it did before.
 A zmq socket is not thread-safe: use one ``Client`` per thread.
 """
 
@@ -27,10 +34,21 @@ from conveyor.protocol import messages as cp
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
 DEFAULT_TIMEOUT_S = 300.0
+# How long a send waits for a connection to the server (a local one completes in about a
+# millisecond; a server still starting has this long to bind its socket).
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
 
 
 class ServerError(RuntimeError):
     """The server answered with a protocol-level error that names no request."""
+
+
+class NoServerError(ConnectionError):
+    """Nothing answered at the client's address: no server is listening there (or it died)."""
+
+    def __init__(self, address: str, connect_timeout: float) -> None:
+        super().__init__(f"no server at {address} (no connection within {connect_timeout:g} s)")
+        self.address = address
 
 
 @dataclass
@@ -121,22 +139,55 @@ def _profile_message(window_s: float, trace: bool, series: list[str] | None) -> 
     return msg
 
 
+def _stats_message(iterations: bool) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": cp.STATS, "v": cp.CLIENT_PROTOCOL_VERSION}
+    if iterations:
+        msg["iterations"] = True
+    return msg
+
+
+def _abort_message(request_id: str) -> dict[str, Any]:
+    return {"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id}
+
+
 def _check_error(msg: dict[str, Any]) -> None:
     if msg.get("type") == cp.ERROR:
         raise ServerError(msg.get("message", "unknown server error"))
 
 
+def _connect(ctx: zmq.Context, address: str, connect_timeout: float | None) -> tuple[zmq.Socket, zmq.Socket | None]:
+    """The DEALER socket of a client, connected to ``address``, and with ``connect_timeout`` a
+    monitor socket that reports the handshake with the server (None: the first send queues
+    for a server that may come later, as long as it takes). The monitor starts before the
+    connect, so the event cannot be missed."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+    monitor = None if connect_timeout is None else sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(address)
+    return sock, monitor
+
+
+def _stop_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+
+
 class Client:
     """Synchronous client. Replies for other requests of this client are buffered, not lost."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
         self.address = address
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        self._sock.connect(address)
+        self._sock, self._monitor = _connect(self._ctx, address, connect_timeout)
         self._inbox: dict[str | None, collections.deque] = collections.defaultdict(collections.deque)
         self._abandoned: set[str] = set()
 
@@ -182,10 +233,13 @@ class Client:
                 self._abandon(msg["request_id"])
 
     def abort(self, request_id: str) -> None:
-        self._send({"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id})
+        self._send(_abort_message(request_id))
 
-    def stats(self) -> dict[str, Any]:
-        self._send({"type": cp.STATS, "v": cp.CLIENT_PROTOCOL_VERSION})
+    def stats(self, *, iterations: bool = False) -> dict[str, Any]:
+        """The server's block pool, queues and counters (docs/protocol.md, ``stats``);
+        ``iterations`` adds ``iterations``, the log of the most recent iterations (up to 256
+        maps: batch, tokens, blocks and waits of each)."""
+        self._send(_stats_message(iterations))
         return self._next("__stats__")
 
     def profile(self, window_s: float = 60.0, *, trace: bool = False, series: list[str] | None = None) -> dict[str, Any]:
@@ -199,6 +253,9 @@ class Client:
         return self._next("__profile__")
 
     def close(self) -> None:
+        if self._monitor is not None:
+            _stop_monitor(self._sock, self._monitor)
+            self._monitor = None
         self._sock.close(linger=0)
 
     def __enter__(self) -> Client:
@@ -208,7 +265,16 @@ class Client:
         self.close()
 
     def _send(self, msg: dict[str, Any]) -> None:
+        if self._monitor is not None:
+            self._await_server()
         self._sock.send(cp.pack(msg))
+
+    def _await_server(self) -> None:
+        """Wait up to ``connect_timeout`` for the handshake with the server, once per client."""
+        if not self._monitor.poll(int(self.connect_timeout * 1000)):
+            raise NoServerError(self.address, self.connect_timeout)
+        _stop_monitor(self._sock, self._monitor)
+        self._monitor = None
 
     def _abandon(self, request_id: str) -> None:
         """Abort a request nobody will read any more; its late replies are dropped on arrival.
@@ -245,18 +311,22 @@ class Client:
 class AsyncClient:
     """asyncio client: one reader task routes replies to the awaiting request."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
         self.address = address
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        self._sock.connect(address)
+        self._sock, self._monitor = _connect(self._ctx, address, connect_timeout)
+        self._awaiting_server = asyncio.Lock()  # one waiter reads the monitor; the others find it gone
         self._queues: dict[str, asyncio.Queue] = {}
         self._abandoned: set[str] = set()  # ids whose final is still to come, for nobody
         self._reader: asyncio.Task | None = None
-        self._failure: BaseException | None = None
 
     async def generate(
         self,
@@ -307,11 +377,12 @@ class AsyncClient:
         yield delta
 
     async def abort(self, request_id: str) -> None:
-        await self._send({"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id})
+        await self._send(_abort_message(request_id))
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, *, iterations: bool = False) -> dict[str, Any]:
+        """As :meth:`Client.stats`."""
         async with self._request("__stats__") as queue:
-            await self._send({"type": cp.STATS, "v": cp.CLIENT_PROTOCOL_VERSION})
+            await self._send(_stats_message(iterations))
             return await self._next(queue, None)
 
     async def profile(
@@ -325,6 +396,9 @@ class AsyncClient:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        if self._monitor is not None:
+            _stop_monitor(self._sock, self._monitor)
+            self._monitor = None
         self._sock.close(linger=0)
 
     async def __aenter__(self) -> AsyncClient:
@@ -351,7 +425,19 @@ class AsyncClient:
         return _Registration()
 
     async def _send(self, msg: dict[str, Any]) -> None:
+        if self._monitor is not None:
+            await self._await_server()
         await self._sock.send(cp.pack(msg))
+
+    async def _await_server(self) -> None:
+        """As :meth:`Client._await_server`; requests sent at once wait for the one handshake."""
+        async with self._awaiting_server:
+            if self._monitor is None:
+                return  # seen while this one waited for the lock
+            if not await self._monitor.poll(int(self.connect_timeout * 1000)):
+                raise NoServerError(self.address, self.connect_timeout)
+            _stop_monitor(self._sock, self._monitor)
+            self._monitor = None
 
     async def _read_loop(self) -> None:
         try:
@@ -372,7 +458,6 @@ class AsyncClient:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # surface a dead reader to every waiter
-            self._failure = exc
             for queue in self._queues.values():
                 queue.put_nowait({"type": cp.ERROR, "message": f"client reader failed: {exc}"})
 

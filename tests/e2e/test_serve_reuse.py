@@ -49,7 +49,7 @@ def test_prefix_reuse_and_continuation(serve_factory, tiny_checkpoint, hf_greedy
         assert third.usage.cached_tokens == len(context) - 1
         assert sum((d.token_ids for d in deltas), []) == third.token_ids == hf_greedy(context + [12], 3)
 
-        stats = client.stats()
+        stats = client.stats(iterations=True)
         assert stats["prefix_cache_hit_tokens"] >= len(SYSTEM) + 2 * (len(context) - 1) - len(second.token_ids) - 3
         assert stats["free_blocks"] + stats["cached_blocks"] + stats["held_blocks"] == stats["total_blocks"]
         assert stats["cached_blocks"] > 0 and stats["held_blocks"] == 0

@@ -253,7 +253,8 @@ class LiveFrontend:
         import zmq
 
         from conveyor.ipc.transport import ServerAddresses, make_run_dir
-        from conveyor.frontend.server import Frontend, FrontendConfig
+        from conveyor.frontend.server import Frontend
+        from conveyor.runtime.config import FrontendConfig
 
         self.zmq = zmq
         self.run_dir = make_run_dir()  # short: ipc paths are limited to ~100 characters
@@ -336,12 +337,18 @@ class LiveFrontend:
         return TokenOutputs([RequestOutput(sid, [token], scheduled_time=now, first_token_time=now)])
 
     def scheduler_recv(self, timeout: float = 5.0):
-        """The next message the frontend sent the scheduler (decoded), or None after ``timeout`` s."""
+        """The next message the frontend sent the scheduler (decoded), or None after ``timeout`` s.
+        An AddRequest's prompt (an int32 array on the wire) is read out as a list, as the
+        scheduler does."""
         from conveyor.ipc import codec
+        from conveyor.ipc.messages import AddRequest
 
         if not self.from_frontend.poll(int(timeout * 1000)):
             return None
-        return codec.decode(self.from_frontend.recv())
+        msg = codec.decode(self.from_frontend.recv())
+        if isinstance(msg, AddRequest):
+            msg.prompt_token_ids = msg.prompt_token_ids.tolist()
+        return msg
 
     def scheduler_send(self, msg) -> None:
         from conveyor.ipc import codec

@@ -2,7 +2,7 @@
 that overflows (its older half dropped) changes no delta: the tokenizer's streaming memos
 (``decode_one``, ``stream_piece``, ``stream_token_bytes``: at most ``memo_max`` entries each)
 under ``IncrementalDetokenizer`` for every test tokenizer, and the frontend's delta tails
-(``Frontend._delta_tails``, at most ``DELTA_TAILS_MAX`` entries) on a live frontend
+(``OutputPath._delta_tails``, at most ``DELTA_TAILS_MAX`` entries) on a live frontend
 (conftest.py: ``live_frontend``) against a stand-in scheduler."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conveyor.ipc.messages import AddRequest, RequestOutput, TokenOutputs
-from conveyor.frontend import server
+from conveyor.frontend import output
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.tokenizer import STREAM_MEMO_MAX, Tokenizer
 
@@ -61,7 +61,7 @@ def test_delta_tails_stay_bounded_and_deltas_stay_right(live_frontend, ours, mon
     """Every token of the vocabulary streamed, then text: the hot path keeps at most
     DELTA_TAILS_MAX tails, and every delta is the reference detokenizer's."""
     tok = ours["demo"]
-    monkeypatch.setattr(server, "DELTA_TAILS_MAX", 64)
+    monkeypatch.setattr(output, "DELTA_TAILS_MAX", 64)
     fe = live_frontend()
     socks, sids, refs = [], [], []
     for i in range(STREAMS):
@@ -87,7 +87,7 @@ def test_delta_tails_stay_bounded_and_deltas_stay_right(live_frontend, ours, mon
             assert msg["type"] == "delta" and msg["token_ids"] == [token]
             assert msg["text"] == ref.push([token]), (n, token)
             text.append(msg["text"])
-        sizes.append(len(fe.frontend._delta_tails))
+        sizes.append(len(fe.frontend.output._delta_tails))
     assert 32 < max(sizes) <= 64 and sizes[-1] <= 64  # filled up, and no further
     fe.scheduler_send(TokenOutputs([RequestOutput(s, [], finish_reason="length") for s in sids]))
     for sock, ref, text in zip(socks, refs, texts):

@@ -1,4 +1,4 @@
-"""The streaming hot path of frontend/server.py (``Frontend._on_next_tokens``): what each client
+"""The streaming hot path of frontend/output.py (``OutputPath``, a step's columns): what each client
 receives, delta by delta, is what the reference path gives (the window decode of
 ``IncrementalDetokenizer(fast_paths=False)``, the stop-string matcher, one packed map per
 delta); stop strings, non-streamed requests, gone clients and the sampled profile timers
@@ -9,28 +9,12 @@ from __future__ import annotations
 
 import time
 
-import msgpack
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from conveyor.protocol import messages as cp
 from conveyor.ipc.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.server import PROFILE_SAMPLE_EVERY, _DELTA_IDS_KEY, delta_head
+from conveyor.frontend.output import PROFILE_SAMPLE_EVERY
 from conveyor.frontend.stop import StopStringMatcher
 
 TEXT = "Café déjà vu — naïve Straße! 😀 你好世界 👨‍👩‍👧 🇫🇷 日本語. The lighthouse keeper wrote in his log."
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    rid=st.text(min_size=1, max_size=300),
-    text=st.text(max_size=300),
-    ids=st.lists(st.integers(0, 2**31 - 1), max_size=40),
-)
-def test_delta_bytes_are_the_packed_map(rid, text, ids) -> None:
-    packed = delta_head(rid) + msgpack.packb(text, use_bin_type=True) + _DELTA_IDS_KEY + msgpack.packb(ids)
-    assert packed == cp.pack({"type": cp.DELTA, "v": 1, "request_id": rid, "text": text, "token_ids": ids})
 
 
 def admit(fe, sock, rid: str, **fields) -> AddRequest:

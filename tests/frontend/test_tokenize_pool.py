@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conveyor.ipc.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
-from conveyor.frontend.server import FrontendConfig
+from conveyor.runtime.config import FrontendConfig
 
 LONG = "The lighthouse keeper wrote in his log every night. " * 8  # 416 characters: pooled at 100
 SHORT = "Hello there"
@@ -204,7 +204,7 @@ def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live
     assert gated.entered.wait(5)
     fe.send(sock, type="abort", request_id="chat")
     assert fe.until_final(sock)[-1]["finish_reason"] == "abort"
-    assert fe.frontend._sessions["chat"] == context
+    assert fe.frontend.sessions.context("chat") == context
     gated.gate.set()
     assert fe.wait_for(lambda: not fe.frontend._tokenizing)
     assert fe.scheduler_recv(timeout=0.2) is None
@@ -213,12 +213,12 @@ def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live
     add = fe.scheduler_recv()
     assert isinstance(add, AddRequest)
     assert add.prompt_token_ids == context + tok.encode(LONG, add_special_tokens=False)
-    assert "chat" not in fe.frontend._sessions  # back, extended, when this turn finishes
+    assert fe.frontend.sessions.context("chat") is None  # back, extended, when this turn finishes
     assert add.request_id != first.request_id
     fe.scheduler_send(finish(add.request_id, 301))
     final = fe.until_final(sock)[-1]
     assert final["token_ids"] == [301] and final["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
-    assert fe.frontend._sessions["chat"] == add.prompt_token_ids + [301]
+    assert fe.frontend.sessions.context("chat") == add.prompt_token_ids + [301]
 
 
 def test_chat_messages_over_the_threshold_are_pooled(live_frontend, gated, ours) -> None:
@@ -307,14 +307,14 @@ def test_merged_steps_stop_at_the_token_that_completes_a_stop_string(live_fronte
 
 
 def test_merge_keeps_step_order_first_timings_and_stops_at_a_finish() -> None:
-    from conveyor.frontend.server import _merge
+    from conveyor.frontend.output import merge
 
     batch = [
         TokenOutputs([RequestOutput("a", [1], scheduled_time=5.0, first_token_time=6.0, num_cached_tokens=3)], ["b"], [10]),
         TokenOutputs([], ["a", "b"], [2, 11]),
         TokenOutputs([RequestOutput("b", [12], finish_reason="length"), RequestOutput("c", [20], first_token_time=7.0)], ["a"], [3]),
     ]
-    merged = {out.request_id: out for out in _merge(batch)}
+    merged = {out.request_id: out for out in merge(batch)}
     assert merged["a"].new_token_ids == [1, 2, 3] and merged["a"].finish_reason is None
     assert (merged["a"].scheduled_time, merged["a"].first_token_time, merged["a"].num_cached_tokens) == (5.0, 6.0, 3)
     assert merged["b"].new_token_ids == [10, 11, 12] and merged["b"].finish_reason == "length"

@@ -122,3 +122,42 @@ def test_profile_defaults_and_fields() -> None:
 def test_profile_bad_fields_are_named(fields, needle) -> None:
     with pytest.raises(cp.ProtocolError, match=needle):
         cp.parse_client_message({"type": "profile", "v": 1, **fields})
+
+
+def test_stats_leaves_the_iteration_log_out_unless_asked() -> None:
+    assert cp.parse_client_message({"type": "stats", "v": 1}) == cp.StatsCommand(iterations=False)
+    assert cp.parse_client_message({"type": "stats", "v": 1, "iterations": True}) == cp.StatsCommand(iterations=True)
+    with pytest.raises(cp.ProtocolError, match="'iterations'"):
+        cp.parse_client_message({"type": "stats", "v": 1, "iterations": 1})
+
+
+VOCAB, MAX_LEN = 100, 32
+
+
+def tokenized(prompt_ids, check_ids=True, **fields):
+    req = cp.parse_client_message(gen(**fields))
+    cp.check_tokenized(req, prompt_ids, VOCAB, MAX_LEN, check_ids=check_ids)
+
+
+@pytest.mark.parametrize(
+    "prompt_ids, fields, needle",
+    [
+        ([], {}, "prompt tokenizes to zero tokens"),
+        ([1, VOCAB], {}, f"token id {VOCAB} is outside the vocabulary \\[0, {VOCAB}\\)"),
+        ([-1, 2], {}, "token id -1 is outside the vocabulary"),
+        ([1, 2], {"stop_token_ids": [3, VOCAB + 5]}, f"stop token id {VOCAB + 5} is outside the vocabulary"),
+        ([1] * MAX_LEN, {}, f"prompt has {MAX_LEN} tokens; the model's limit is {MAX_LEN} including output"),
+        ([1] * 20, {"max_tokens": 13}, "max_tokens=13 with a 20-token prompt exceeds the model length 32; at most 12"),
+    ],
+)
+def test_tokenized_requests_are_checked_against_the_model(prompt_ids, fields, needle) -> None:
+    """What needs the token ids and the model: each refusal carries the request's id."""
+    with pytest.raises(cp.ProtocolError, match=needle) as info:
+        tokenized(prompt_ids, **fields)
+    assert info.value.request_id == "r1"
+
+
+def test_tokenized_requests_that_fit_pass() -> None:
+    tokenized([0, VOCAB - 1], stop_token_ids=[VOCAB - 1])
+    tokenized([1] * 20, max_tokens=12)  # exactly the model length
+    tokenized([VOCAB + 7], check_ids=False)  # ids the tokenizer made are not checked again

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from conveyor.client import Client
+from conveyor.client import DEFAULT_CONNECT_TIMEOUT_S, Client, NoServerError, ServerError
 from conveyor.ipc.transport import client_address
 
 
@@ -26,7 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-stream", action="store_true", help="wait for the whole completion")
     p.add_argument("--json", action="store_true", help="print the final result as JSON")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each reply")
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        help="seconds to wait for a server to answer at all",
+    )
     args = p.parse_args(argv)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     fields = dict(
@@ -40,16 +46,21 @@ def main(argv: list[str] | None = None) -> int:
         ignore_eos=args.ignore_eos or None,
     )
     inputs = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
-    with Client(client_address(args.host, args.port), timeout=args.timeout) as client:
-        if args.no_stream:
-            result = client.generate(**inputs, **fields)
-        else:
-            result = None
-            for delta in client.stream(**inputs, **fields):
-                if not args.json:
-                    sys.stdout.write(delta.text)
-                    sys.stdout.flush()
-                result = delta.result or result
+    try:
+        address = client_address(args.host, args.port)
+        with Client(address, timeout=args.timeout, connect_timeout=args.connect_timeout) as client:
+            if args.no_stream:
+                result = client.generate(**inputs, **fields)
+            else:
+                result = None
+                for delta in client.stream(**inputs, **fields):
+                    if not args.json:
+                        sys.stdout.write(delta.text)
+                        sys.stdout.flush()
+                    result = delta.result or result
+    except (NoServerError, TimeoutError, ServerError) as exc:
+        print(f"client: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({**vars(result), "usage": vars(result.usage)}))
     elif args.no_stream:

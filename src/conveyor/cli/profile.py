@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from conveyor.client import Client
+from conveyor.client import DEFAULT_CONNECT_TIMEOUT_S, Client, NoServerError, ServerError
 from conveyor.profiling import chrome_trace
 from conveyor.ipc.transport import client_address
 
@@ -65,13 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=60.0, help="seconds of recent history to summarize")
     p.add_argument("--trace", metavar="PATH", help="write one Chrome/Perfetto JSON trace spanning all processes")
     p.add_argument("--json", metavar="PATH", help="write the raw profile reply as JSON")
-    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply")
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        help="seconds to wait for a server to answer at all",
+    )
     args = p.parse_args(argv)
     address = client_address(args.host, args.port)
     try:
-        with Client(address, timeout=args.timeout) as client:
+        with Client(address, timeout=args.timeout, connect_timeout=args.connect_timeout) as client:
             reply = client.profile(args.window, trace=bool(args.trace))
-    except (TimeoutError, OSError) as exc:
+    except (NoServerError, TimeoutError, ServerError, OSError) as exc:
         print(f"profile: {exc}", file=sys.stderr)
         return 1
     print(format_profile(reply))

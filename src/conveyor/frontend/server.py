@@ -38,7 +38,8 @@ Invariants:
   ``AddRequest`` queued on the socket) with no await in between, so any abort that comes
   after reaches the scheduler after it.
 - Continuation: a request that finished (stop, length or abort) leaves its context (prompt
-  + the tokens returned to the client) in a bounded LRU of sessions under its client id; a
+  + the tokens returned to the client) in a bounded LRU of sessions under its client id
+  (:mod:`conveyor.frontend.sessions`); a
   new request with that id continues it (under a scheduler id of its own, as every
   submission): its input is appended to that context, only the new output is detokenized
   and returned. The scheduler's prefix cache makes the earlier turns cost nothing to
@@ -55,48 +56,49 @@ sent to the scheduler when its tokens are ready, possibly after shorter requests
 later (its ``arrival_time`` is still when it came). ``tokenizer_threads=0`` tokenizes
 everything on the loop.
 
-Streaming hot path: one scheduler message (a token for every running stream) is handled
-synchronously, each delta sent on the raw ROUTER socket (see ``_clients_raw`` for why that
-is safe only from the handlers :meth:`Frontend.run` calls). The plain next tokens of a step
-(its columns) go through :meth:`Frontend._on_next_tokens` in two passes, every stream's text
-and delta bytes first, then the sends back to back; a token costs a memo lookup in the
-detokenizer for most text (``IncrementalDetokenizer``'s fast paths), no stop-string scan
-unless the request has stop strings, a delta assembled from bytes packed once per request
-and once per token, and two calls of the backend's send. Docs: docs/benchmarks.md,
-"Frontend under load"; ``bench/frontend_step.py`` measures this path alone. Scheduler
-messages that queued up while the loop was busy are handled as one pass: each stream gets
-one delta with all its new tokens (a stop string still ends the output at the token that
-completes it), so a frontend that fell behind catches up instead of falling further behind.
+Outputs: scheduler messages are handled synchronously, each delta sent on the raw ROUTER
+socket (:mod:`conveyor.frontend.sending` says why that is safe only from the handlers
+:meth:`Frontend.run` calls); :mod:`conveyor.frontend.output` turns them into deltas and
+finals, one rule for every stream, the streaming hot path included. Scheduler messages that
+queued up while the loop was busy are handled as one pass: each stream gets one delta with
+all its new tokens, so a frontend that fell behind catches up instead of falling further
+behind. Replies are built by :mod:`conveyor.protocol.replies`; requests are validated by
+:mod:`conveyor.protocol.messages` (its fields on arrival, its token ids and lengths once
+tokenized, :func:`~conveyor.protocol.messages.check_tokenized`).
 
 Profiling (:mod:`conveyor.profiling`): tokenize, detokenize, client sends, the
 handling of each scheduler message and the event loop's lag are timed here, and each
 request's queue time, TTFT, TPOT and inter-token latencies are recorded when it finishes.
 On the hot path detokenize and the inter-token latency are taken for one stream in
-:data:`PROFILE_SAMPLE_EVERY`, and client_send once per step (the mean send of its burst).
+:data:`~conveyor.frontend.output.PROFILE_SAMPLE_EVERY`, and client_send once per step (the
+mean send of its burst).
 A ``profile`` request is relayed to the scheduler (which adds the worker's snapshot); the
 reply carries all three processes, or this one alone with an error if the scheduler does
 not answer within :data:`PROFILE_TIMEOUT_S`.
 """
 
+
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-import msgpack
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from conveyor.protocol import messages as cp
 from conveyor import profiling
+from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.output import OutputPath
+from conveyor.frontend.request_state import RequestState
+from conveyor.frontend.sending import ClientSender
+from conveyor.frontend.sessions import Sessions
+from conveyor.frontend.stop import StopStringMatcher
+from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import codec, transport
 from conveyor.ipc.messages import (
     AbortRequests,
@@ -104,16 +106,14 @@ from conveyor.ipc.messages import (
     FinishReason,
     ProfileQuery,
     ProfileReport,
-    RequestOutput,
     SchedulerStats,
     Shutdown,
     StatsQuery,
     TokenOutputs,
 )
-from conveyor.ipc.transport import ServerAddresses
-from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.stop import StopStringMatcher
-from conveyor.frontend.tokenizer import Tokenizer
+from conveyor.protocol import messages as cp
+from conveyor.protocol import replies
+from conveyor.runtime.config import FrontendConfig
 
 log = logging.getLogger("conveyor.frontend")
 
@@ -124,93 +124,12 @@ LOOP_LAG_PROBE_S = 0.02
 # pass) before clients get their turn again: bounds how long a frontend that fell behind
 # holds the loop.
 SCHEDULER_DRAIN_LIMIT = 16
-# Streaming hot path: one stream in this many gets its detokenize and client_send timed and
-# its inter-token latency recorded (timing every stream cost more than a microsecond per token).
-PROFILE_SAMPLE_EVERY = 16
-# Entries of the per-token delta tails memo (Frontend._delta_tails). Bounded by the vocabulary
-# alone it grew to ~27 MB for a 151k vocabulary once every token had been streamed (~180 bytes a
-# token: int key, tuple, packed tail); 32768 entries (~6 MB) hold the tokens of ordinary text. Past
-# the cap the older half is dropped (_drop_older_half); a miss costs a few hundred nanoseconds.
-DELTA_TAILS_MAX = 32768
-
-# A delta is the map {type, v, request_id, text, token_ids}, packed by msgpack in that order.
-# Its bytes up to the text's value are fixed per request (RequestState.delta_head), so a delta
-# is that head + the packed text + _DELTA_IDS_KEY + the packed ids: the same bytes as
-# cp.pack of the map, without building the map.
-_DELTA_PREFIX = b"\x85" + b"".join(
-    msgpack.packb(x) for x in ("type", cp.DELTA, "v", cp.CLIENT_PROTOCOL_VERSION, "request_id")
-)
-_DELTA_TEXT_KEY = msgpack.packb("text")
-_DELTA_IDS_KEY = msgpack.packb("token_ids")
-# The backend's send, without pyzmq's pure-Python wrapper around it (same call for bytes with
-# copy=True; that wrapper cost about a microsecond per call on the hot path).
-_zmq_send = zmq.backend.Socket.send
-
-
-def delta_head(request_id: str) -> bytes:
-    """The packed bytes of a delta for ``request_id`` up to its text's value."""
-    return _DELTA_PREFIX + msgpack.packb(request_id, use_bin_type=True) + _DELTA_TEXT_KEY
-
-
-@dataclass(frozen=True)
-class FrontendConfig:
-    model_dir: str
-    addresses: ServerAddresses
-    max_model_len: int
-    vocab_size: int  # rows of the model's embedding: token ids must be below it
-    # Finished requests remembered for continuation (their token ids, up to max_model_len each).
-    max_sessions: int = 1024
-    profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
-    # Threads that tokenize long inputs off the event loop (0: everything on the loop).
-    tokenizer_threads: int = 2
-    # Inputs shorter than this many characters are tokenized on the loop (a thread hop costs more).
-    tokenize_inline_chars: int = 512
-
-    def __post_init__(self) -> None:
-        if self.tokenizer_threads < 0:
-            raise ValueError(f"tokenizer_threads must be >= 0, got {self.tokenizer_threads}")
-        if self.tokenize_inline_chars < 0:
-            raise ValueError(f"tokenize_inline_chars must be >= 0, got {self.tokenize_inline_chars}")
-
-
-@dataclass
-class RequestState:
-    """What the frontend tracks for one in-flight request.
-
-    ``request_id`` is the client's id (every message the client gets carries it);
-    ``scheduler_id`` the id this submission has at the scheduler, unique per submission
-    (see :class:`Frontend`). A state built without one (``bench/frontend_step.py`` fills
-    :attr:`Frontend.requests` by hand) is known to the scheduler by its client id."""
-
-    request_id: str
-    identity: bytes
-    fd: int
-    stream: bool
-    prompt_len: int
-    arrival_time: float
-    detokenizer: IncrementalDetokenizer | None  # None while pending
-    stop: StopStringMatcher
-    token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_output_ns: int = 0  # CLOCK_MONOTONIC of the last output with tokens (inter-token latency)
-    prompt_ids: list[int] = field(default_factory=list)  # the whole context, earlier turns included
-    history_len: int = 0  # how much of prompt_ids a continued request's earlier turns make up
-    cached_tokens: int = 0  # prompt tokens whose KV the scheduler reused
-    pending: bool = False  # prompt still tokenizing in the pool: the scheduler has not seen it
-    delta_head: bytes = b""  # set from request_id: every delta's bytes up to its text
-    has_stop: bool = False  # set from stop: the request has stop strings to look for
-    scheduler_id: str = ""  # its id at the scheduler ("" in a hand-built state: request_id)
-
-    def __post_init__(self) -> None:
-        if not self.scheduler_id:
-            self.scheduler_id = self.request_id
-        self.delta_head = delta_head(self.request_id)
-        self.has_stop = self.stop.active
 
 
 class Frontend:
+    """The frontend process's loop: sockets, request intake, and the relays of stats and
+    profile queries; the output path is :class:`OutputPath` (see the module docstring)."""
+
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -223,12 +142,10 @@ class Frontend:
         self.requests: dict[str, RequestState] = {}
         self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
         self._identities_by_fd: dict[int, set[bytes]] = {}
-        self._stats_waiters: dict[str, bytes] = {}
-        # client request id -> context (prompt + returned tokens) of its last finished turn, LRU first.
-        self._sessions: OrderedDict[str, list[int]] = OrderedDict()
+        self._stats_waiters: dict[str, tuple[bytes, bool]] = {}  # query id -> (client, iterations asked for)
+        self.sessions = Sessions(config.max_sessions)
         self._profile_waiters: dict[str, tuple[bytes, cp.ProfileCommand, asyncio.TimerHandle]] = {}
         self._running = True
-        self._init_profiling(config.profile)
         self._pool = (
             ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
             if config.tokenizer_threads
@@ -251,39 +168,22 @@ class Frontend:
         self.to_scheduler = transport.socket(self.ctx, zmq.PUSH, addrs.to_scheduler, bind=False)
         self.from_scheduler = transport.socket(self.ctx, zmq.PULL, addrs.to_frontend, bind=True)
         self.control = transport.socket(self.ctx, zmq.PULL, addrs.frontend_control, bind=True)
-        # Synchronous views of two sockets for the hot path (an awaited send of the asyncio
-        # wrapper costs several times a raw one). A raw send on ``clients`` can consume the
-        # edge-triggered wake-up of client messages that arrive meanwhile; :meth:`run`
-        # re-checks every socket each time it polls, so raw sends from the handlers it calls
-        # are safe, but anything else (tasks, timers) sends through :meth:`_send_client`,
-        # whose asyncio socket re-checks. ``to_scheduler`` is never polled: raw is safe anywhere.
-        self._clients_raw = zmq.Socket.shadow(self.clients.underlying)
+        # A synchronous view: an awaited send of the asyncio wrapper costs several times a raw
+        # one, and ``to_scheduler`` is never polled, so a raw send is safe from anywhere.
         self._to_scheduler_raw = zmq.Socket.shadow(self.to_scheduler.underlying)
-        self._packer = msgpack.Packer(use_bin_type=True)  # cp.pack's format, without a Packer per call
-        # token id -> (text, packed text + ids key + packed [id]): the tail of a one-token delta
-        # whose text is ``text`` (the text is mostly the token's own). At most DELTA_TAILS_MAX
-        # entries: a hit is one dict lookup, as before; only a miss past the cap drops entries.
-        self._delta_tails: dict[int, tuple[str, bytes]] = {}
-        self._sample_countdown = 1  # streams until the hot path times one (PROFILE_SAMPLE_EVERY)
 
-    def _init_profiling(self, enabled: bool) -> None:
-        prof = self.profiler = profiling.Profiler("frontend", enabled=enabled)
+        prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
         self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
         self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
-        # Per token of each request: kept out of the bounded trace, which would fill at once.
-        self._t_detokenize = prof.timer("detokenize", trace=False)
-        self._t_send = prof.timer("client_send", trace=False)
+        self.sender = ClientSender(self.clients, self._client_gone, prof)
+        self.output = OutputPath(
+            self.requests, self.sender, self.sessions, prof, untrack=self._untrack, abort=self._abort_at_scheduler
+        )
         self._s_loop_lag = prof.series("event_loop_lag", "ms")
         self._s_merged = prof.series("merged_steps", "steps")  # behind: steps handled as one
-        self._s_queue = prof.series("request_queue_time", "ms")
-        self._s_ttft = prof.series("request_ttft", "ms")
-        self._s_tpot = prof.series("request_tpot", "ms")
-        self._s_e2e = prof.series("request_e2e", "ms")
-        self._s_itl = prof.series("request_itl", "ms", capacity=4 * prof.capacity)
         self._c_client = prof.counter("client_messages")
         self._c_sched = prof.counter("scheduler_messages")
         self._c_tokens = prof.counter("output_tokens")
-        self._c_finished = prof.counter("finished_requests")
         self._c_pooled = prof.counter("pooled_tokenizations")
 
     async def _probe_loop_lag(self) -> None:
@@ -368,7 +268,7 @@ class Frontend:
                 await self._on_profile(identity, cmd)
             else:
                 query_id = uuid.uuid4().hex
-                self._stats_waiters[query_id] = identity
+                self._stats_waiters[query_id] = (identity, cmd.iterations)
                 self._send_scheduler(StatsQuery(query_id))
         except cp.ProtocolError as exc:
             await self._reply_error(identity, exc.request_id, str(exc))
@@ -377,7 +277,7 @@ class Frontend:
         arrival = time.time()
         if req.request_id in self.in_flight:
             raise cp.ProtocolError(f"request id {req.request_id!r} is already in flight", req.request_id)
-        history = self._sessions.get(req.request_id)
+        history = self.sessions.context(req.request_id)
         state = RequestState(
             request_id=req.request_id,
             scheduler_id=str(next(self._scheduler_ids)),
@@ -439,7 +339,13 @@ class Frontend:
         text_input = req.token_ids is None  # the tokenizer's ids are below its vocabulary
         if history is not None:
             prompt_ids = history + prompt_ids
-        self._check_lengths(req, prompt_ids, check_vocab=not text_input or self._tokenizer_exceeds_model)
+        cp.check_tokenized(
+            req,
+            prompt_ids,
+            self.config.vocab_size,
+            self.config.max_model_len,
+            check_ids=not text_input or self._tokenizer_exceeds_model,
+        )
         return prompt_ids, start, end
 
     def _admit(
@@ -450,7 +356,7 @@ class Frontend:
 
         Synchronous: an abort handled later is queued after the AddRequest."""
         if history is not None:
-            self._sessions.pop(req.request_id, None)  # back (extended) when this turn finishes
+            self.sessions.take(req.request_id)  # back (extended) when this turn finishes
         state.prompt_ids = prompt_ids
         state.prompt_len = len(prompt_ids)
         state.history_len = len(history) if history is not None else 0
@@ -473,44 +379,6 @@ class Frontend:
             return ids
         return list(req.token_ids)
 
-    def _remember(self, state: RequestState, reason: str) -> None:
-        """Keep a finished request's context for a continuation (or, if this turn failed, the
-        context it continued)."""
-        if reason == FinishReason.ERROR:
-            context = state.prompt_ids[: state.history_len] if state.history_len else None
-        else:
-            context = state.prompt_ids + state.token_ids
-        if not context:
-            return
-        sessions = self._sessions
-        sessions[state.request_id] = context
-        sessions.move_to_end(state.request_id)
-        while len(sessions) > self.config.max_sessions:
-            sessions.popitem(last=False)
-
-    def _check_lengths(self, req: cp.GenerateRequest, prompt_ids: list[int], check_vocab: bool = True) -> None:
-        max_len = self.config.max_model_len
-        vocab = self.config.vocab_size
-        if not prompt_ids:
-            raise cp.ProtocolError("prompt tokenizes to zero tokens", req.request_id)
-        if check_vocab and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):  # min/max: C speed on long prompts
-            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
-            raise cp.ProtocolError(f"token id {bad} is outside the vocabulary [0, {vocab})", req.request_id)
-        bad = next((t for t in req.sampling.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise cp.ProtocolError(f"stop token id {bad} is outside the vocabulary [0, {vocab})", req.request_id)
-        if len(prompt_ids) >= max_len:
-            raise cp.ProtocolError(
-                f"prompt has {len(prompt_ids)} tokens; the model's limit is {max_len} including output",
-                req.request_id,
-            )
-        if len(prompt_ids) + req.sampling.max_tokens > max_len:
-            raise cp.ProtocolError(
-                f"max_tokens={req.sampling.max_tokens} with a {len(prompt_ids)}-token prompt exceeds "
-                f"the model length {max_len}; at most {max_len - len(prompt_ids)} new tokens fit",
-                req.request_id,
-            )
-
     async def _on_abort(self, request_id: str) -> None:
         state = self.in_flight.get(request_id)
         if state is None:
@@ -518,7 +386,7 @@ class Frontend:
         self._untrack(state)
         if not state.pending:  # a pending one never reached the scheduler
             self._abort_at_scheduler([state.scheduler_id])
-        self._finish(state, FinishReason.ABORT)
+        self.output.finish(state, FinishReason.ABORT)
 
     def _drop(self, states: list[RequestState]) -> None:
         """Untrack the requests of a client that is gone (no final) and abort those the scheduler has."""
@@ -567,29 +435,11 @@ class Frontend:
             self._on_token_outputs(batch)
 
     def _on_token_outputs(self, batch: list[TokenOutputs]) -> None:
-        """Steps' outputs, oldest first: for each tracked stream, detokenize its new tokens and
-        send one delta (or the last delta and the final). Synchronous from first to last stream."""
+        """Steps' outputs, oldest first, through the output path (one pass for all of them)."""
         start = profiling.now_ns()
-        requests = self.requests
-        outputs = batch[0].outputs if len(batch) == 1 else _merge(batch)
-        num_tokens = 0
-        for out in outputs:
-            num_tokens += len(out.new_token_ids)
-            state = requests.get(out.request_id)
-            if state is None:
-                continue  # finalized here already (abort, disconnect, stop string): its late outputs
-            if out.scheduled_time is not None:
-                state.scheduled_time = out.scheduled_time
-                state.cached_tokens = out.num_cached_tokens
-            if out.first_token_time is not None:
-                state.first_token_time = out.first_token_time
-            self._on_tokens(state, out.new_token_ids, out.finish_reason, out.error)
-        if len(batch) == 1:  # plain next tokens, one per stream: the hot path
-            msg = batch[0]
-            num_tokens += len(msg.token_ids)
-            self._on_next_tokens(msg.request_ids, msg.token_ids)
+        num_tokens, num_outputs = self.output.on_token_outputs(batch)
         self._c_tokens.add(num_tokens)
-        self._t_outputs.record(start, arg=len(outputs) + (len(batch[0].request_ids) if len(batch) == 1 else 0))
+        self._t_outputs.record(start, arg=num_outputs)
         if len(batch) > 1:
             self._s_merged.add(len(batch))
 
@@ -598,188 +448,10 @@ class Frontend:
         if isinstance(msg, ProfileReport):
             await self._reply_profile(msg.query_id, msg.profiles)
         elif isinstance(msg, SchedulerStats):
-            identity = self._stats_waiters.pop(msg.query_id, None)
-            if identity is not None:
-                reply = {k: v for k, v in vars(msg).items() if k not in ("query_id", "iteration_fields", "recent_iterations")}
-                reply["iterations"] = [dict(zip(msg.iteration_fields, row)) for row in msg.recent_iterations]
-                reply.update(type=cp.STATS_REPLY, v=cp.CLIENT_PROTOCOL_VERSION, in_flight=len(self.in_flight))
-                await self._send_client(identity, reply)
-
-    def _on_next_tokens(self, request_ids: list[str], token_ids: list[int]) -> None:
-        """The streaming hot path: one plain next token for each of these requests (a step's
-        columns), each handled as :meth:`_on_tokens` would, in the order given.
-
-        Two passes: first every stream's text and delta bytes, then the sends, back to back
-        (measured: about 10 % less CPU per token than sending each delta as soon as it is
-        made, presumably because ZeroMQ's I/O thread, busy with the burst, needs waking less
-        often; the first stream's delta leaves after the first pass, ~1-2 ms at 1,000 streams).
-        A request that a stop string ends gets its last delta and final in the second pass, in
-        its place among the others. Cheaper per token than :meth:`_on_tokens` besides: the
-        detokenizer's fast paths, the stop-string scan only for requests that have stop
-        strings, the delta's bytes put together from the request's head and a per-token tail,
-        the backend's send, and the per-token timers and inter-token latency taken for one
-        stream in :data:`PROFILE_SAMPLE_EVERY` (its inter-token latency measured from the start
-        of this call, as every stream's last output time is)."""
-        get = self.requests.get
-        tails = self._delta_tails
-        pack = self._packer.pack
-        countdown = self._sample_countdown
-        now = profiling.now_ns()
-        out: list = []  # (identity, delta bytes), or (None, state, text, token) for a stop string's finish
-        for request_id, token in zip(request_ids, token_ids):
-            state = get(request_id)
-            if state is None:
-                continue  # finalized here already (abort, disconnect, stop string): its late outputs
-            countdown -= 1
-            timed = countdown == 0
-            if timed:
-                countdown = PROFILE_SAMPLE_EVERY
-                t0 = profiling.now_ns()
-                if state.last_output_ns:
-                    self._s_itl.add((now - state.last_output_ns) / 1e6, now)
-            state.last_output_ns = now
-            state.token_ids.append(token)
-            text = state.detokenizer.push_one(token)
-            if state.has_stop:
-                text, stopped = state.stop.feed(text)
-                if stopped:
-                    state.text.append(text)
-                    self._untrack(state)
-                    out.append((None, state, text, token))
-                    continue
-            state.text.append(text)
-            if timed:
-                self._t_detokenize.record(t0)
-            if not state.stream:
-                continue
-            tail = tails.get(token)
-            if tail is None or tail[0] != text:
-                tail = tails[token] = (text, pack(text) + _DELTA_IDS_KEY + pack([token]))
-                if len(tails) > DELTA_TAILS_MAX:
-                    _drop_older_half(tails)
-            out.append((state.identity, state.delta_head + tail[1]))
-        self._sample_countdown = countdown
-
-        send = _zmq_send
-        raw = self._clients_raw
-        sndmore = zmq.SNDMORE
-        start = profiling.now_ns()
-        for item in out:
-            identity = item[0]
-            if identity is None:
-                _, state, text, token = item
-                self._abort_at_scheduler([state.scheduler_id])
-                self._finish(state, FinishReason.STOP, delta=text, delta_ids=[token])
-                continue
-            try:
-                send(raw, identity, sndmore)  # a gone client fails here, before any frame is queued
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EHOSTUNREACH:
-                    raise
-                self._client_gone(identity)
-                continue
-            send(raw, item[1])
-        if out:  # one sample: the mean send of the burst
-            end = profiling.now_ns()
-            self._t_send.record(end - (end - start) // len(out), end)
-
-    def _on_tokens(
-        self, state: RequestState, new_token_ids: list[int], finish_reason: str | None = None, error: str | None = None
-    ) -> None:
-        """One step's output of a tracked, admitted request: detokenize, stop strings, then a
-        delta, or the last delta and the final. Synchronous: one step's outputs for every
-        stream are handled without yielding to the loop."""
-        emit, stopped = "", False
-        if new_token_ids:
-            start = profiling.now_ns()
-            if state.last_output_ns:
-                self._s_itl.add((start - state.last_output_ns) / 1e6, start)
-            state.last_output_ns = start
-            if len(new_token_ids) > 1 and state.stop.active:  # steps merged: stop at the very token
-                new_token_ids, emit, stopped = _feed_each(state, new_token_ids)
-            else:
-                state.token_ids.extend(new_token_ids)
-                emit, stopped = state.stop.feed(state.detokenizer.push(new_token_ids))
-            self._t_detokenize.record(start)
-        if stopped:
-            state.text.append(emit)
-            self._untrack(state)
-            if finish_reason is None:
-                self._abort_at_scheduler([state.scheduler_id])
-            self._finish(state, FinishReason.STOP, delta=emit, delta_ids=new_token_ids)
-            return
-        if finish_reason is not None:
-            tail, stopped = state.stop.feed(state.detokenizer.flush())
-            emit += tail if stopped else tail + state.stop.flush()
-            state.text.append(emit)
-            self._untrack(state)
-            reason = FinishReason.STOP if state.stop.stopped else finish_reason
-            self._finish(state, reason, delta=emit, delta_ids=new_token_ids, error=error)
-            return
-        state.text.append(emit)
-        if state.stream and (emit or new_token_ids):
-            self._send_delta(state, emit, new_token_ids)
-
-    def _send_delta(self, state: RequestState, text: str, token_ids: list[int]) -> None:
-        """``{type: delta, v, request_id, text, token_ids}``, packed from the request's head."""
-        pack = self._packer.pack
-        self._push_bytes(state.identity, state.delta_head + pack(text) + _DELTA_IDS_KEY + pack(token_ids))
-
-    def _finish(
-        self,
-        state: RequestState,
-        reason: str,
-        *,
-        delta: str = "",
-        delta_ids: list[int] | None = None,
-        error: str | None = None,
-    ) -> None:
-        """Send a streamed request's last delta (if any), then the final; the caller untracked it.
-
-        Raw sends: only from the handlers :meth:`run` calls (see :meth:`_push_client`)."""
-        now = time.time()
-        if state.stream and (delta or delta_ids):
-            self._send_delta(state, delta, delta_ids or [])
-        timing = {
-            "queue_time": _since(state.arrival_time, state.scheduled_time),
-            "ttft": _since(state.arrival_time, state.first_token_time),
-            "total": now - state.arrival_time,
-        }
-        self._record_request(timing, len(state.token_ids))
-        self._remember(state, reason)
-        self._push_client(
-            state.identity,
-            {
-                "type": cp.FINAL,
-                "v": 1,
-                "request_id": state.request_id,
-                "text": "".join(state.text),
-                "token_ids": state.token_ids,
-                "finish_reason": reason,
-                "error": error,
-                "usage": {
-                    "prompt_tokens": state.prompt_len,
-                    "completion_tokens": len(state.token_ids),
-                    "cached_tokens": state.cached_tokens,
-                },
-                "timing": timing,
-            },
-        )
-
-    def _record_request(self, timing: dict[str, float | None], num_tokens: int) -> None:
-        """Per-request latencies (ms): queue, time to first token, time per output token, end to end."""
-        self._c_finished.add()
-        queue, ttft, total = timing["queue_time"], timing["ttft"], timing["total"]
-        if queue is not None:
-            self._s_queue.add(queue * 1e3)
-        if ttft is not None:
-            self._s_ttft.add(ttft * 1e3)
-            if num_tokens > 1 and total is not None:
-                self._s_tpot.add((total - ttft) * 1e3 / (num_tokens - 1))
-        if total is not None:
-            self._s_e2e.add(total * 1e3)
-
-    # ------------------------------------------------------------------ profile
+            waiter = self._stats_waiters.pop(msg.query_id, None)
+            if waiter is not None:
+                identity, iterations = waiter
+                await self.sender.send(identity, replies.stats_reply(msg, len(self.in_flight), iterations=iterations))
 
     async def _on_profile(self, identity: bytes, cmd: cp.ProfileCommand) -> None:
         """Relay to the scheduler, which answers with its and the worker's snapshots."""
@@ -801,17 +473,8 @@ class Frontend:
         identity, cmd, timeout = waiter
         timeout.cancel()
         own = self.profiler.snapshot(cmd.window_s, trace=cmd.trace, series=cmd.series)
-        await self._send_client(
-            identity,
-            {
-                "type": cp.PROFILE_REPLY,
-                "v": cp.CLIENT_PROTOCOL_VERSION,
-                "clock": profiling.CLOCK_NAME,
-                "window_s": cmd.window_s,
-                "processes": [profiling.profile_to_map(p) for p in (own, *others)],
-                "error": error,
-            },
-        )
+        processes = [profiling.profile_to_map(p) for p in (own, *others)]
+        await self.sender.send(identity, replies.profile_reply(profiling.CLOCK_NAME, cmd.window_s, processes, error))
 
     async def fail_all(self, reason: str) -> None:
         """Give every in-flight request an error (a peer process died or we are shutting down)."""
@@ -819,7 +482,7 @@ class Frontend:
         self.in_flight.clear()
         self.requests.clear()
         for state in states:
-            self._finish(state, FinishReason.ERROR, error=reason)
+            self.output.finish(state, FinishReason.ERROR, error=reason)
 
     async def _on_control(self, frame) -> None:
         try:
@@ -841,51 +504,7 @@ class Frontend:
         self._to_scheduler_raw.send(codec.encode(msg), copy=False)
 
     async def _reply_error(self, identity: bytes, request_id: str | None, message: str) -> None:
-        if request_id is None:
-            reply = {"type": cp.ERROR, "v": 1, "request_id": None, "message": message}
-        else:
-            reply = {
-                "type": cp.FINAL,
-                "v": 1,
-                "request_id": request_id,
-                "text": "",
-                "token_ids": [],
-                "finish_reason": FinishReason.ERROR,
-                "error": message,
-                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0},
-                "timing": {"queue_time": None, "ttft": None, "total": 0.0},
-            }
-        await self._send_client(identity, reply)
-
-    def _push_client(self, identity: bytes, obj: dict) -> None:
-        """Send to one client now on the raw socket: the streaming hot path. Only from the
-        handlers :meth:`run` calls (anywhere else: :meth:`_send_client`)."""
-        self._push_bytes(identity, self._packer.pack(obj))
-
-    def _push_bytes(self, identity: bytes, payload: bytes) -> None:
-        """:meth:`_push_client` for a message packed already."""
-        start = profiling.now_ns()
-        raw = self._clients_raw
-        try:
-            _zmq_send(raw, identity, zmq.SNDMORE)  # a gone client fails here, before any frame is queued
-        except zmq.ZMQError as exc:
-            if exc.errno != errno.EHOSTUNREACH:
-                raise
-            self._client_gone(identity)
-            return
-        _zmq_send(raw, payload)
-        self._t_send.record(start)
-
-    async def _send_client(self, identity: bytes, obj: dict) -> None:
-        """Send to one client through the asyncio socket: safe from tasks and timers too."""
-        start = profiling.now_ns()
-        try:
-            await self.clients.send_multipart([identity, cp.pack(obj)], copy=False)
-            self._t_send.record(start)
-        except zmq.ZMQError as exc:
-            if exc.errno != errno.EHOSTUNREACH:
-                raise
-            self._client_gone(identity)
+        await self.sender.send(identity, replies.error_reply(request_id, message))
 
     def _client_gone(self, identity: bytes) -> None:
         """A send found the client gone: abort its in-flight requests."""
@@ -893,65 +512,6 @@ class Frontend:
         if victims:
             log.info("client gone; aborting %d request(s)", len(victims))
             self._drop(victims)
-
-
-def _drop_older_half(memo: dict) -> None:
-    """Drop the older half of a memo's entries (by insertion), in place: what a memo does past its
-    cap. Amortized over the misses that filled it (~1 ms for 32768 entries, once per 16384
-    misses), and unlike dropping one entry per miss it needs no ordered structure (an
-    OrderedDict costs ~50 more bytes an entry) nor a scan over a plain dict's deleted slots."""
-    for key in list(itertools.islice(memo, len(memo) // 2)):
-        del memo[key]
-
-
-def _merge(batch: list[TokenOutputs]) -> list[RequestOutput]:
-    """Several steps' outputs as one list with one RequestOutput per request: its tokens in
-    step order, its first timing fields, and its finish (nothing follows a finish)."""
-    merged: dict[str, RequestOutput] = {}
-    for msg in batch:
-        for out in msg.outputs:
-            acc = merged.get(out.request_id)
-            if acc is None:
-                merged[out.request_id] = RequestOutput(
-                    out.request_id,
-                    list(out.new_token_ids),
-                    out.finish_reason,
-                    out.error,
-                    out.scheduled_time,
-                    out.first_token_time,
-                    out.num_cached_tokens,
-                )
-            elif acc.finish_reason is None:
-                acc.new_token_ids.extend(out.new_token_ids)
-                acc.finish_reason, acc.error = out.finish_reason, out.error
-                if acc.scheduled_time is None and out.scheduled_time is not None:
-                    acc.scheduled_time, acc.num_cached_tokens = out.scheduled_time, out.num_cached_tokens
-                if acc.first_token_time is None:
-                    acc.first_token_time = out.first_token_time
-        for request_id, token in zip(msg.request_ids, msg.token_ids):
-            acc = merged.get(request_id)
-            if acc is None:
-                merged[request_id] = RequestOutput(request_id, [token])
-            elif acc.finish_reason is None:
-                acc.new_token_ids.append(token)
-    return list(merged.values())
-
-
-def _feed_each(state: RequestState, token_ids: list[int]) -> tuple[list[int], str, bool]:
-    """Feed merged tokens one at a time, up to the one that completes a stop string, as if
-    they had come step by step: the tokens taken, the text released, and whether it stopped."""
-    parts: list[str] = []
-    for i, token in enumerate(token_ids):
-        state.token_ids.append(token)
-        emit, stopped = state.stop.feed(state.detokenizer.push([token]))
-        parts.append(emit)
-        if stopped:
-            return token_ids[: i + 1], "".join(parts), True
-    return token_ids, "".join(parts), False
-
-
-def _since(start: float, end: float | None) -> float | None:
-    return None if end is None else max(0.0, end - start)
 
 
 def _input_chars(req: cp.GenerateRequest) -> int:
@@ -973,3 +533,4 @@ def _text_len(value, depth: int = 4) -> int:
     if isinstance(value, list):
         return sum(_text_len(v, depth - 1) for v in value)
     return 0
+

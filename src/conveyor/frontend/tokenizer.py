@@ -16,11 +16,9 @@ serving needs on top of the ``tokenizers`` library and jinja2, and matches it ex
   published files. Other classes are used as ``tokenizer.json`` says.
 - Special tokens named in the config but missing from ``tokenizer.json`` are added as
   transformers adds them (``added_tokens_decoder`` entries first, then the named ones).
-- Chat templates render in a sandbox configured like transformers' (immutable sandbox,
-  ``trim_blocks``/``lstrip_blocks``, loop controls, the ``{% generation %}`` tag, a
-  ``tojson`` that keeps non-ASCII, ``raise_exception``, ``strftime_now``), with the named
-  special tokens as variables, and the rendered text is encoded without adding special
-  tokens (a template that wants BOS writes it).
+- Chat templates render in the sandbox of :mod:`conveyor.frontend.chat_template`, with the
+  named special tokens as variables, and the rendered text is encoded without adding
+  special tokens (a template that wants BOS writes it).
 - ``decode`` is the backend decoder. transformers 5 never applies
   ``clean_up_tokenization_spaces`` to BPE models (the Llama family), so neither do we.
 """
@@ -31,25 +29,18 @@ import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from conveyor.frontend import chat_template
+
 # Named special tokens, in transformers' order; each is also a chat-template variable.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# Names a message's reasoning travels under; templates read the first (gpt-oss reads "thinking").
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # sentencepiece-style byte-fallback pieces: one raw UTF-8 byte each.
 _BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 REPLACEMENT_CHAR = "\ufffd"
@@ -387,23 +378,7 @@ class Tokenizer:
                 f"the tokenizer in {self._source} has no chat template (no chat_template in tokenizer_config.json, "
                 "no chat_template.jinja): send a text prompt or token ids instead of messages"
             )
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
-        chat = []
-        for message in messages:
-            if not isinstance(message, Mapping):
-                raise ValueError(f"each message must be an object with 'role' and 'content', got {message!r}")
-            chat.append(_alias_reasoning({k: _plain(v) for k, v in message.items() if v is not None}))
-        try:
-            return _compile(template).render(
-                messages=chat,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
-            )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template error: {exc}") from None
+        return chat_template.render(template, messages, add_generation_prompt, self._special_tokens)
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, *, release_gil: bool = False
@@ -546,122 +521,3 @@ def _chat_templates(root: Path, config: dict) -> dict[str, str]:
     if isinstance(legacy, dict) and isinstance(legacy.get("chat_template"), str):
         return {"default": legacy["chat_template"]}
     return {}
-
-
-# ---------------------------------------------------------------------- message preparation
-
-
-def _plain(value: Any) -> Any:
-    """A fresh copy of ``value`` made of JSON types only.
-
-    Templates are untrusted code run in a sandbox that only knows which methods of the
-    builtin types are safe; anything else (bytes from msgpack, custom objects) becomes an
-    inert ``<typename>`` placeholder, as transformers does.
-    """
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    return f"<{type(value).__name__}>"
-
-
-def _alias_reasoning(message: dict) -> dict:
-    """Expose a message's reasoning under the names templates read (``reasoning_content``, ``thinking``)."""
-    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is None:
-        return message
-    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
-
-
-# ---------------------------------------------------------------------- the template sandbox
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; it renders its body as is."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """``namespace()`` that refuses underscore attributes, which could reach interpreter internals."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's own signature trick
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attribute {name!r}")
-
-
-class _TemplateDict:
-    """``dict(...)`` and ``dict.fromkeys`` only: the builtin type itself would expose its attributes."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja's own tojson escapes HTML characters and non-ASCII; templates expect plain JSON
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-@lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    try:
-        return _environment().from_string(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"the chat template does not compile: {exc}") from None

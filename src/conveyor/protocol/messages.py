@@ -9,7 +9,11 @@ use it, so they cannot drift apart.
 Validation is total: anything a client can send either parses into a
 :class:`GenerateRequest` / :class:`AbortCommand` / :class:`StatsCommand` /
 :class:`ProfileCommand` or
-raises :class:`ProtocolError` whose message names the offending field.
+raises :class:`ProtocolError` whose message names the offending field. A generate request
+is validated in two steps, both here: :func:`parse_client_message` checks every field of the
+map, :func:`check_tokenized` what needs the tokenized prompt and the model (vocabulary, model
+length) once the frontend has it. The scheduler and the worker take what passed as valid.
+The replies the server sends are built in :mod:`conveyor.protocol.replies`.
 """
 
 from __future__ import annotations
@@ -80,7 +84,10 @@ class AbortCommand:
 
 @dataclass
 class StatsCommand:
-    pass
+    """Ask for the server's block pool, queues and counters; ``iterations`` adds the log of
+    the recent iterations (up to 256 maps, so it is left out unless asked for)."""
+
+    iterations: bool = False
 
 
 PROFILE_FIELDS = frozenset({"type", "v", "window_s", "trace", "series"})
@@ -138,7 +145,10 @@ def parse_client_message(obj: dict[str, Any]) -> GenerateRequest | AbortCommand 
             raise ProtocolError("abort needs 'request_id': a non-empty string")
         return AbortCommand(rid_for_error)
     if kind == STATS:
-        return StatsCommand()
+        iterations = obj.get("iterations")
+        if iterations is not None and not isinstance(iterations, bool):
+            raise ProtocolError("'iterations' must be a boolean")
+        return StatsCommand(iterations=bool(iterations))
     if kind == PROFILE:
         return _parse_profile(obj)
     if "type" not in obj:
@@ -283,3 +293,33 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
     )
+
+
+def check_tokenized(
+    req: GenerateRequest, prompt_ids: list[int], vocab_size: int, max_model_len: int, *, check_ids: bool = True
+) -> None:
+    """The checks of a generate request that need its whole context as token ids (a
+    continuation's earlier turns included) and the model's limits: the prompt is not empty,
+    its ids (unless ``check_ids`` is False: ids the tokenizer made are known to be in range)
+    and the stop token ids are below ``vocab_size``, and the prompt leaves room for
+    ``max_tokens`` (at least 1, :func:`parse_sampling`) within ``max_model_len``. Raises
+    :class:`ProtocolError` naming the problem."""
+    rid = req.request_id
+    if not prompt_ids:
+        raise ProtocolError("prompt tokenizes to zero tokens", rid)
+    if check_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size):  # min/max: C speed on long prompts
+        bad = next(t for t in prompt_ids if not 0 <= t < vocab_size)
+        raise ProtocolError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", rid)
+    bad = next((t for t in req.sampling.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ProtocolError(f"stop token id {bad} is outside the vocabulary [0, {vocab_size})", rid)
+    if len(prompt_ids) >= max_model_len:
+        raise ProtocolError(
+            f"prompt has {len(prompt_ids)} tokens; the model's limit is {max_model_len} including output", rid
+        )
+    if len(prompt_ids) + req.sampling.max_tokens > max_model_len:
+        raise ProtocolError(
+            f"max_tokens={req.sampling.max_tokens} with a {len(prompt_ids)}-token prompt exceeds "
+            f"the model length {max_model_len}; at most {max_model_len - len(prompt_ids)} new tokens fit",
+            rid,
+        )

@@ -1,0 +1,335 @@
+"""The output path: the scheduler's TokenOutputs turned into each client's deltas and final.
+
+One rule per stream and handler call, in one loop (:meth:`OutputPath._advance`): the
+stream's new tokens are detokenized and fed to its stop strings one at a time (so a stop
+string ends the output at the very token that completes it, also when several steps' tokens
+come at once), then the stream gets one delta with all of them, or, when a stop string
+matched or the scheduler finished it, its last delta and its final. The same loop serves
+every shape a message has: the plain next tokens of a step (its columns, one token per
+stream: the streaming hot path), the first tokens and finishes of a step (its
+RequestOutputs, with timing fields), and the steps that queued up while the loop was busy,
+merged into one pass (:func:`merge`) so a frontend that fell behind catches up instead of
+falling further behind.
+
+What makes the hot path fast is inside that loop, not beside it: no call per stream (a
+method call per stream measured ~100 ns a token more; the tests that pick the one-token form
+cost ~40 ns over a loop that knew only columns), the detokenizer's fast paths
+(``IncrementalDetokenizer``), the stop-string scan only for requests that have stop strings,
+a delta's bytes put together from the request's packed head and a per-token packed tail
+(memoized in :attr:`OutputPath._delta_tails`), and the per-token timers taken for one stream
+in :data:`PROFILE_SAMPLE_EVERY` (outputs with timing fields, rare, are timed every one).
+
+A call has two passes: first every stream's text and delta bytes, then the sends back to back
+on the raw socket (measured: about 10 % less CPU per token than sending each delta as soon as
+it is made, presumably because ZeroMQ's I/O thread, busy with the burst, needs waking less
+often; the first stream's delta leaves after the first pass, ~1-2 ms at 1,000 streams). A
+request that ends gets its last delta and final in the second pass, in its place among the
+others. ``bench/frontend_step.py`` measures this path alone; docs/benchmarks.md, "Frontend
+under load".
+
+Invariants:
+- A request is untracked (the ``untrack`` callback) in the first pass, the moment it ends,
+  so later outputs under its scheduler id find nothing and are dropped.
+- A request ended here by a stop string before the scheduler finished it is aborted at the
+  scheduler (the ``abort`` callback), so its KV blocks are freed at the next iteration.
+- Raw sends only: every method that sends runs inside the handlers ``Frontend.run`` calls
+  (see :mod:`conveyor.frontend.sending`).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import msgpack
+import zmq
+
+from conveyor import profiling
+from conveyor.frontend.request_state import RequestState
+from conveyor.frontend.sending import ClientSender, backend_send
+from conveyor.frontend.sessions import Sessions
+from conveyor.ipc.messages import FinishReason, RequestOutput, TokenOutputs
+from conveyor.protocol.replies import DELTA_IDS_KEY, final_reply
+
+# Streaming hot path: one stream in this many gets its detokenize timed and its inter-token
+# latency recorded (timing every stream cost more than a microsecond per token).
+PROFILE_SAMPLE_EVERY = 16
+# Entries of the per-token delta tails memo (OutputPath._delta_tails). Bounded by the vocabulary
+# alone it grew to ~27 MB for a 151k vocabulary once every token had been streamed (~180 bytes a
+# token: int key, tuple, packed tail); 32768 entries (~6 MB) hold the tokens of ordinary text. Past
+# the cap the older half is dropped (_drop_older_half); a miss costs a few hundred nanoseconds.
+DELTA_TAILS_MAX = 32768
+
+
+class OutputPath:
+    """Deltas and finals for the requests in ``requests`` (scheduler id -> state), shared with
+    the frontend, which adds each request on admission. ``untrack`` forgets a request that
+    ends; ``abort`` tells the scheduler to drop requests by scheduler id."""
+
+    def __init__(
+        self,
+        requests: dict[str, RequestState],
+        sender: ClientSender,
+        sessions: Sessions,
+        profiler: profiling.Profiler,
+        *,
+        untrack: Callable[[RequestState], None],
+        abort: Callable[[list[str]], None],
+    ) -> None:
+        self.requests = requests
+        self._sender = sender
+        self._sessions = sessions
+        self._untrack = untrack
+        self._abort = abort
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        # token id -> (text, packed text + ids key + packed [id]): the tail of a one-token delta
+        # whose text is ``text`` (the text is mostly the token's own). At most DELTA_TAILS_MAX
+        # entries: a hit is one dict lookup; only a miss past the cap drops entries.
+        self._delta_tails: dict[int, tuple[str, bytes]] = {}
+        self._sample_countdown = 1  # column streams until the next timed one (PROFILE_SAMPLE_EVERY)
+        # Per token of each request: kept out of the bounded trace, which would fill at once.
+        self._t_detokenize = profiler.timer("detokenize", trace=False)
+        self._s_queue = profiler.series("request_queue_time", "ms")
+        self._s_ttft = profiler.series("request_ttft", "ms")
+        self._s_tpot = profiler.series("request_tpot", "ms")
+        self._s_e2e = profiler.series("request_e2e", "ms")
+        self._s_itl = profiler.series("request_itl", "ms", capacity=4 * profiler.capacity)
+        self._c_finished = profiler.counter("finished_requests")
+
+    def on_token_outputs(self, batch: list[TokenOutputs]) -> tuple[int, int]:
+        """Steps' outputs, oldest first, for every tracked stream; synchronous from first to
+        last. Returns the tokens and the per-request outputs (a column counts as one) read."""
+        if len(batch) == 1:
+            msg = batch[0]
+            outputs, column_ids, column_tokens = msg.outputs, msg.request_ids, msg.token_ids
+        else:
+            outputs, column_ids, column_tokens = merge(batch), [], []
+        now = profiling.now_ns()  # every stream's output time: its inter-token latency ends here
+        sends: list[tuple] = []
+        if outputs:
+            self._advance([out.request_id for out in outputs], outputs, False, now, sends)
+        if column_ids:
+            self._advance(column_ids, column_tokens, True, now, sends)
+        self._send(sends)
+        num_tokens = len(column_tokens) + sum(len(out.new_token_ids) for out in outputs)
+        return num_tokens, len(outputs) + len(column_ids)
+
+    def _advance(
+        self, request_ids: Sequence[str], news: Sequence, columns: bool, now: int, sends: list[tuple]
+    ) -> None:
+        """The first pass: the rule for each stream's new tokens and the scheduler's finish, if
+        it sent one. ``news[i]`` is what ``request_ids[i]`` got: with ``columns``, one plain
+        next token (a step's column: the hot path), else a RequestOutput (timing fields, any
+        number of tokens, perhaps the finish). What to send is appended to ``sends``:
+        ``(identity, delta bytes)``, or ``(None, (state, reason, text, token_ids, error,
+        abort))`` for a request's last delta and final (``abort``: the scheduler still runs it,
+        a stop string ended it here). The tests on the number of tokens only pick the cheapest
+        equivalent code for one token: ``push_one`` is ``push`` of one token, one ``feed`` is
+        the stop-string loop run once, and a delta's memoized tail is its packed text and ids."""
+        get = self.requests.get
+        tails = self._delta_tails
+        countdown = self._sample_countdown
+        for request_id, new in zip(request_ids, news):
+            state = get(request_id)
+            if state is None:
+                continue  # finalized here already (abort, disconnect, stop string): its late outputs
+            # One new token is ``token`` with ``token_ids`` None; any other number is ``token_ids``.
+            if columns:
+                token = new
+                token_ids = finish_reason = None
+                countdown -= 1
+                if countdown:
+                    timed = False
+                else:
+                    countdown = PROFILE_SAMPLE_EVERY
+                    timed = True
+            else:  # rare (first tokens, finishes, merged steps): each one with tokens is timed
+                if new.scheduled_time is not None:
+                    state.scheduled_time = new.scheduled_time
+                    state.cached_tokens = new.num_cached_tokens
+                if new.first_token_time is not None:
+                    state.first_token_time = new.first_token_time
+                token_ids, finish_reason = new.new_token_ids, new.finish_reason
+                timed = bool(token_ids)
+                if len(token_ids) == 1:
+                    token, token_ids = token_ids[0], None
+            if timed:
+                start = profiling.now_ns()
+                if state.last_output_ns:
+                    self._s_itl.add((now - state.last_output_ns) / 1e6, now)
+            if token_ids is None:
+                state.last_output_ns = now
+                state.token_ids.append(token)
+                text = state.detokenizer.push_one(token)
+                stopped = state.has_stop and state.stop.feed(text)
+                if stopped:
+                    text, stopped = stopped
+            else:
+                text, stopped = "", False
+                if token_ids:
+                    state.last_output_ns = now
+                    if state.has_stop:  # one token at a time: the output ends at the token that completes a stop string
+                        push_one, feed = state.detokenizer.push_one, state.stop.feed
+                        pieces = []
+                        for taken, token in enumerate(token_ids, 1):
+                            piece, stopped = feed(push_one(token))
+                            pieces.append(piece)
+                            if stopped:
+                                token_ids = token_ids[:taken]
+                                break
+                        text = "".join(pieces)
+                    else:
+                        text = state.detokenizer.push(token_ids)
+                    state.token_ids += token_ids
+            if timed:
+                self._t_detokenize.record(start)
+            if stopped or finish_reason is not None:
+                if not stopped:  # what the detokenizer and the stop strings held back, up to a stop string
+                    tail, stopped = state.stop.feed(state.detokenizer.flush())
+                    text += tail if stopped else tail + state.stop.flush()
+                state.text.append(text)
+                self._untrack(state)
+                reason = FinishReason.STOP if state.stop.stopped else finish_reason
+                error = None if columns else new.error
+                taken = [token] if token_ids is None else token_ids
+                sends.append((None, (state, reason, text, taken, error, finish_reason is None)))
+                continue
+            state.text.append(text)
+            if not state.stream:
+                continue
+            if token_ids is None:  # the common delta: its tail memoized per token
+                tail = tails.get(token)
+                if tail is None or tail[0] != text:
+                    tail = tails[token] = (text, self._pack(text) + DELTA_IDS_KEY + self._pack([token]))
+                    if len(tails) > DELTA_TAILS_MAX:
+                        _drop_older_half(tails)
+                sends.append((state.identity, state.delta_head + tail[1]))
+            elif token_ids:  # several steps' tokens at once: one delta for all of them
+                sends.append((state.identity, self._delta_bytes(state, text, token_ids)))
+        self._sample_countdown = countdown
+
+    def _send(self, sends: list[tuple]) -> None:
+        """The second pass: the deltas back to back, each ending request's last delta and final
+        in its place; one client_send sample, the mean send of the burst."""
+        if not sends:
+            return
+        send = backend_send
+        raw = self._sender.raw
+        sndmore = zmq.SNDMORE
+        start = profiling.now_ns()
+        for identity, payload in sends:
+            if identity is None:
+                state, reason, text, token_ids, error, abort = payload
+                if abort:
+                    self._abort([state.scheduler_id])
+                self.finish(state, reason, delta=text, delta_ids=token_ids, error=error)
+                continue
+            try:
+                send(raw, identity, sndmore)  # a gone client fails here, before any frame is queued
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EHOSTUNREACH:
+                    raise
+                self._sender.on_gone(identity)
+                continue
+            send(raw, payload)
+        end = profiling.now_ns()
+        self._sender.timer.record(end - (end - start) // len(sends), end)
+
+    def finish(
+        self,
+        state: RequestState,
+        reason: str,
+        *,
+        delta: str = "",
+        delta_ids: Sequence[int] = (),
+        error: str | None = None,
+    ) -> None:
+        """Send a streamed request's last delta (if any), then the final, record its latencies
+        and remember its context for a continuation; the caller untracked it."""
+        now = time.time()
+        if state.stream and (delta or delta_ids):
+            self._sender.push(state.identity, self._delta_bytes(state, delta, delta_ids))
+        timing = {
+            "queue_time": _since(state.arrival_time, state.scheduled_time),
+            "ttft": _since(state.arrival_time, state.first_token_time),
+            "total": now - state.arrival_time,
+        }
+        self._record_request(timing, len(state.token_ids))
+        self._sessions.remember(state.request_id, state.prompt_ids, state.history_len, state.token_ids, reason)
+        reply = final_reply(
+            state.request_id,
+            "".join(state.text),
+            state.token_ids,
+            reason,
+            error,
+            prompt_tokens=state.prompt_len,
+            cached_tokens=state.cached_tokens,
+            timing=timing,
+        )
+        self._sender.push_map(state.identity, reply)
+
+    def _delta_bytes(self, state: RequestState, text: str, token_ids: Sequence[int]) -> bytes:
+        """``{type: delta, v, request_id, text, token_ids}``, packed from the request's head."""
+        pack = self._pack
+        return state.delta_head + pack(text) + DELTA_IDS_KEY + pack(list(token_ids))
+
+    def _record_request(self, timing: dict[str, float | None], num_tokens: int) -> None:
+        """Per-request latencies (ms): queue, time to first token, time per output token, end to end."""
+        self._c_finished.add()
+        queue, ttft, total = timing["queue_time"], timing["ttft"], timing["total"]
+        if queue is not None:
+            self._s_queue.add(queue * 1e3)
+        if ttft is not None:
+            self._s_ttft.add(ttft * 1e3)
+            if num_tokens > 1 and total is not None:
+                self._s_tpot.add((total - ttft) * 1e3 / (num_tokens - 1))
+        if total is not None:
+            self._s_e2e.add(total * 1e3)
+
+
+def merge(batch: list[TokenOutputs]) -> list[RequestOutput]:
+    """Several steps' outputs as one list with one RequestOutput per request: its tokens in
+    step order, its first timing fields, and its finish (nothing follows a finish)."""
+    merged: dict[str, RequestOutput] = {}
+    for msg in batch:
+        for out in msg.outputs:
+            acc = merged.get(out.request_id)
+            if acc is None:
+                merged[out.request_id] = RequestOutput(
+                    out.request_id,
+                    list(out.new_token_ids),
+                    out.finish_reason,
+                    out.error,
+                    out.scheduled_time,
+                    out.first_token_time,
+                    out.num_cached_tokens,
+                )
+            elif acc.finish_reason is None:
+                acc.new_token_ids.extend(out.new_token_ids)
+                acc.finish_reason, acc.error = out.finish_reason, out.error
+                if acc.scheduled_time is None and out.scheduled_time is not None:
+                    acc.scheduled_time, acc.num_cached_tokens = out.scheduled_time, out.num_cached_tokens
+                if acc.first_token_time is None:
+                    acc.first_token_time = out.first_token_time
+        for request_id, token in zip(msg.request_ids, msg.token_ids):
+            acc = merged.get(request_id)
+            if acc is None:
+                merged[request_id] = RequestOutput(request_id, [token])
+            elif acc.finish_reason is None:
+                acc.new_token_ids.append(token)
+    return list(merged.values())
+
+
+def _drop_older_half(memo: dict) -> None:
+    """Drop the older half of a memo's entries (by insertion), in place: what a memo does past its
+    cap. Amortized over the misses that filled it (~1 ms for 32768 entries, once per 16384
+    misses), and unlike dropping one entry per miss it needs no ordered structure (an
+    OrderedDict costs ~50 more bytes an entry) nor a scan over a plain dict's deleted slots."""
+    for key in list(itertools.islice(memo, len(memo) // 2)):
+        del memo[key]
+
+
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else max(0.0, end - start)

@@ -1,0 +1,48 @@
+"""What the frontend tracks for one request, from its ``generate`` to its ``final``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.stop import StopStringMatcher
+from conveyor.protocol.replies import delta_head
+
+
+@dataclass
+class RequestState:
+    """One in-flight request.
+
+    ``request_id`` is the client's id (every message the client gets carries it);
+    ``scheduler_id`` the id this submission has at the scheduler, unique per submission
+    (see :class:`conveyor.frontend.server.Frontend`). A state built without one
+    (``bench/frontend_step.py`` fills :attr:`Frontend.requests` by hand) is known to the
+    scheduler by its client id. ``text`` holds the pieces of text returned so far (stop
+    strings cut), ``token_ids`` every output token; the final carries both whole."""
+
+    request_id: str
+    identity: bytes
+    fd: int
+    stream: bool
+    prompt_len: int
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer | None  # None while pending
+    stop: StopStringMatcher
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_output_ns: int = 0  # CLOCK_MONOTONIC of the last output with tokens (inter-token latency)
+    prompt_ids: list[int] = field(default_factory=list)  # the whole context, earlier turns included
+    history_len: int = 0  # how much of prompt_ids a continued request's earlier turns make up
+    cached_tokens: int = 0  # prompt tokens whose KV the scheduler reused
+    pending: bool = False  # prompt still tokenizing in the pool: the scheduler has not seen it
+    delta_head: bytes = b""  # set from request_id: every delta's bytes up to its text
+    has_stop: bool = False  # set from stop: the request has stop strings to look for
+    scheduler_id: str = ""  # its id at the scheduler ("" in a hand-built state: request_id)
+
+    def __post_init__(self) -> None:
+        if not self.scheduler_id:
+            self.scheduler_id = self.request_id
+        self.delta_head = delta_head(self.request_id)
+        self.has_stop = self.stop.active

@@ -1,0 +1,74 @@
+"""Sending to clients on the frontend's ROUTER socket, from the hot path and from tasks.
+
+Two views of the one socket. :attr:`ClientSender.raw` is a synchronous shadow of it: a raw
+send costs a fraction of an awaited send of the asyncio wrapper, which matters once per
+streamed token. A raw send can consume the edge-triggered wake-up of client messages that
+arrive meanwhile; :meth:`conveyor.frontend.server.Frontend.run` re-checks every socket each
+time it polls, so raw sends (:meth:`ClientSender.push`) are safe from the handlers it calls,
+and only from those. Anything else (tasks, timers) sends through :meth:`ClientSender.send`,
+whose asyncio socket re-checks.
+
+A send to a client that is gone fails (``ROUTER_MANDATORY``) on the identity frame, before
+any frame is queued; the sender then hands the identity to ``on_gone`` (which aborts that
+client's requests) and goes on.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from conveyor import profiling
+from conveyor.protocol import messages as cp
+
+# The backend's send, without pyzmq's pure-Python wrapper around it (same call for bytes with
+# copy=True; that wrapper cost about a microsecond per call on the hot path).
+backend_send = zmq.backend.Socket.send
+
+
+class ClientSender:
+    """The frontend's sends to clients; ``client_send`` times them."""
+
+    def __init__(
+        self, clients: zmq.asyncio.Socket, on_gone: Callable[[bytes], None], profiler: profiling.Profiler
+    ) -> None:
+        self._clients = clients
+        self.raw = zmq.Socket.shadow(clients.underlying)
+        self.on_gone = on_gone
+        self.timer = profiler.timer("client_send", trace=False)
+        self._packer = msgpack.Packer(use_bin_type=True)  # cp.pack's format, without a Packer per call
+
+    def push(self, identity: bytes, payload: bytes) -> None:
+        """Send packed bytes to one client now, on the raw socket: only from the handlers
+        :meth:`Frontend.run` calls (anywhere else: :meth:`send`)."""
+        start = profiling.now_ns()
+        raw = self.raw
+        try:
+            backend_send(raw, identity, zmq.SNDMORE)  # a gone client fails here, before any frame is queued
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            self.on_gone(identity)
+            return
+        backend_send(raw, payload)
+        self.timer.record(start)
+
+    def push_map(self, identity: bytes, obj: dict[str, Any]) -> None:
+        """:meth:`push` of a protocol map."""
+        self.push(identity, self._packer.pack(obj))
+
+    async def send(self, identity: bytes, obj: dict[str, Any]) -> None:
+        """Send a protocol map to one client through the asyncio socket: safe from tasks and timers too."""
+        start = profiling.now_ns()
+        try:
+            await self._clients.send_multipart([identity, cp.pack(obj)], copy=False)
+            self.timer.record(start)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            self.on_gone(identity)

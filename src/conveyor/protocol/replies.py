@@ -1,0 +1,97 @@
+"""The server's side of the client protocol: the maps the frontend sends (docs/protocol.md).
+
+:mod:`conveyor.protocol.messages` parses and validates what clients send; this module builds
+what they get back, so each reply's fields are named in one place. Every map carries ``type``
+and ``v`` (:data:`CLIENT_PROTOCOL_VERSION`).
+
+A ``delta`` is sent once per token of every stream, so it is not built as a map: its packed
+bytes are :func:`delta_head` (fixed per request, computed once) + the packed text +
+:data:`DELTA_IDS_KEY` + the packed token ids, which are exactly the bytes msgpack gives the
+map ``{type, v, request_id, text, token_ids}`` in that order (a property test holds the two
+together).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import msgspec
+
+from conveyor.ipc.messages import FinishReason, SchedulerStats
+from conveyor.protocol.messages import CLIENT_PROTOCOL_VERSION, DELTA, ERROR, FINAL, PROFILE_REPLY, STATS_REPLY
+
+# A delta's bytes before its request id: a map of 5 entries, then type and v with their values.
+_DELTA_PREFIX = b"\x85" + b"".join(
+    msgpack.packb(x) for x in ("type", DELTA, "v", CLIENT_PROTOCOL_VERSION, "request_id")
+)
+_DELTA_TEXT_KEY = msgpack.packb("text")
+DELTA_IDS_KEY = msgpack.packb("token_ids")
+# SchedulerStats fields that are not stats fields of the reply (the query's id, the iteration
+# log in its compact form: rows under ``iteration_fields``).
+_STATS_INTERNAL = frozenset({"query_id", "iteration_fields", "recent_iterations"})
+
+
+def delta_head(request_id: str) -> bytes:
+    """The packed bytes of a delta for ``request_id`` up to its text's value."""
+    return _DELTA_PREFIX + msgpack.packb(request_id, use_bin_type=True) + _DELTA_TEXT_KEY
+
+
+def final_reply(
+    request_id: str,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str,
+    error: str | None,
+    *,
+    prompt_tokens: int,
+    cached_tokens: int,
+    timing: dict[str, float | None],
+) -> dict[str, Any]:
+    """A request's one ``final``: its whole text and tokens, why it ended, usage and timing."""
+    return {
+        "type": FINAL,
+        "v": CLIENT_PROTOCOL_VERSION,
+        "request_id": request_id,
+        "text": text,
+        "token_ids": token_ids,
+        "finish_reason": finish_reason,
+        "error": error,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(token_ids),
+            "cached_tokens": cached_tokens,
+        },
+        "timing": timing,
+    }
+
+
+def error_reply(request_id: str | None, message: str) -> dict[str, Any]:
+    """The answer to a message that cannot be served: the ``final`` of an ``error`` request
+    when the message named a request, else an ``error`` map."""
+    if request_id is None:
+        return {"type": ERROR, "v": CLIENT_PROTOCOL_VERSION, "request_id": None, "message": message}
+    timing = {"queue_time": None, "ttft": None, "total": 0.0}
+    return final_reply(request_id, "", [], FinishReason.ERROR, message, prompt_tokens=0, cached_tokens=0, timing=timing)
+
+
+def stats_reply(stats: SchedulerStats, in_flight: int, *, iterations: bool) -> dict[str, Any]:
+    """The ``stats`` map: the scheduler's block pool, queues and counters, the frontend's
+    requests in flight, and (``iterations``) the recent iterations as one map each."""
+    reply = {k: v for k, v in msgspec.structs.asdict(stats).items() if k not in _STATS_INTERNAL}
+    if iterations:
+        reply["iterations"] = [dict(zip(stats.iteration_fields, row)) for row in stats.recent_iterations]
+    reply.update(type=STATS_REPLY, v=CLIENT_PROTOCOL_VERSION, in_flight=in_flight)
+    return reply
+
+
+def profile_reply(clock: str, window_s: float, processes: list[dict[str, Any]], error: str | None) -> dict[str, Any]:
+    """The ``profile`` map: each process's profile (``profiling.profile_to_map``) over the window."""
+    return {
+        "type": PROFILE_REPLY,
+        "v": CLIENT_PROTOCOL_VERSION,
+        "clock": clock,
+        "window_s": window_s,
+        "processes": processes,
+        "error": error,
+    }

@@ -1,0 +1,137 @@
+"""conveyor.client against an address with no server, and against a slow one: "no server at
+ADDRESS" within the connect timeout (bin/client and bin/profile say so and exit non-zero,
+without a traceback), while a server that is there but slow to answer is waited for. A
+stand-in server (a bare ROUTER socket) plays the frontend; no real server is started."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from conveyor.cli import client as client_cli
+from conveyor.cli import profile as profile_cli
+from conveyor.client import AsyncClient, Client, NoServerError
+from conveyor.protocol import messages as cp
+from conveyor.protocol.replies import final_reply
+
+CONNECT_TIMEOUT = 0.5
+
+
+@pytest.fixture
+def nowhere(tmp_path) -> str:
+    """An address nothing listens on."""
+    return f"ipc://{tmp_path}/nobody"
+
+
+def test_client_says_no_server_within_the_connect_timeout(nowhere) -> None:
+    with Client(nowhere, timeout=60, connect_timeout=CONNECT_TIMEOUT) as client:
+        start = time.monotonic()
+        with pytest.raises(NoServerError, match=f"no server at {nowhere}"):
+            client.generate("hi", max_tokens=1)
+        with pytest.raises(NoServerError):
+            client.stats()
+    assert time.monotonic() - start < 2 * CONNECT_TIMEOUT + 1
+
+
+def test_async_client_says_no_server_within_the_connect_timeout(nowhere) -> None:
+    async def main() -> None:
+        async with AsyncClient(nowhere, timeout=60, connect_timeout=CONNECT_TIMEOUT) as client:
+            with pytest.raises(NoServerError, match=f"no server at {nowhere}"):
+                await client.generate("hi", max_tokens=1)
+            with pytest.raises(NoServerError):
+                async for _ in client.stream("hi", max_tokens=1):
+                    pass
+
+    start = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - start < 2 * CONNECT_TIMEOUT + 1
+
+
+@pytest.mark.parametrize("cli", [client_cli, profile_cli])
+def test_commands_say_no_server_and_exit_non_zero(cli, nowhere, capsys) -> None:
+    args = ["--host", nowhere, "--connect-timeout", str(CONNECT_TIMEOUT)] + (["hi"] if cli is client_cli else [])
+    start = time.monotonic()
+    assert cli.main(args) == 1
+    assert time.monotonic() - start < CONNECT_TIMEOUT + 1
+    err = capsys.readouterr().err
+    assert f"no server at {nowhere}" in err and "Traceback" not in err
+
+
+class StandIn:
+    """A ROUTER bound at ``address`` that takes ``expect`` messages and records each: it answers
+    a generate with a final after ``delay_s`` (as a long prompt's prefill: nothing at all comes
+    meanwhile), and stats with a stats map."""
+
+    def __init__(self, address: str, delay_s: float, expect: int) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.delay_s = delay_s
+        self.expect = expect
+        self.received: list[dict] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while len(self.received) < self.expect and self.sock.poll(10_000):
+            identity, payload = self.sock.recv_multipart()
+            msg = msgpack.unpackb(payload)
+            self.received.append(msg)
+            if msg["type"] == cp.GENERATE:
+                time.sleep(self.delay_s)
+                timing = {"queue_time": None, "ttft": None, "total": self.delay_s}
+                final = final_reply(
+                    msg["request_id"], "ok", [7], "length", None, prompt_tokens=1, cached_tokens=0, timing=timing
+                )
+                self.sock.send_multipart([identity, cp.pack(final)])
+            elif msg["type"] == cp.STATS:
+                self.sock.send_multipart([identity, cp.pack({"type": cp.STATS_REPLY, "v": 1, "in_flight": 0})])
+
+    def close(self) -> None:
+        self.thread.join(15)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def test_a_slow_first_reply_is_waited_for(tmp_path) -> None:
+    """Three connect timeouts without a byte from the server: the reply still counts."""
+    address = f"ipc://{tmp_path}/slow"
+    server = StandIn(address, delay_s=3 * CONNECT_TIMEOUT, expect=1)
+    try:
+        with Client(address, timeout=30, connect_timeout=CONNECT_TIMEOUT) as client:
+            result = client.generate("hi", max_tokens=1)
+    finally:
+        server.close()
+    assert (result.text, result.token_ids) == ("ok", [7])
+
+
+def test_a_server_that_comes_up_within_the_connect_timeout_is_found(tmp_path) -> None:
+    address = f"ipc://{tmp_path}/late"
+    servers: list[StandIn] = []
+    timer = threading.Timer(0.5, lambda: servers.append(StandIn(address, delay_s=0, expect=1)))
+    with Client(address, timeout=30, connect_timeout=5.0) as client:
+        timer.start()
+        try:
+            assert client.generate("hi", max_tokens=1).text == "ok"
+        finally:
+            timer.join()
+            servers[0].close()
+
+
+def test_stats_asks_for_the_iteration_log_only_when_told(tmp_path) -> None:
+    address = f"ipc://{tmp_path}/stats"
+    server = StandIn(address, delay_s=0, expect=2)
+    try:
+        with Client(address, connect_timeout=CONNECT_TIMEOUT) as client:
+            client.stats()
+            client.stats(iterations=True)
+    finally:
+        server.close()
+    version = cp.CLIENT_PROTOCOL_VERSION
+    assert server.received == [{"type": cp.STATS, "v": version}, {"type": cp.STATS, "v": version, "iterations": True}]

@@ -1,0 +1,58 @@
+"""The server's maps (protocol/replies.py): every reply carries the protocol's version, a
+delta's precomputed bytes are the packed map, and an error names its request when it can."""
+
+from __future__ import annotations
+
+import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.ipc.messages import SchedulerStats
+from conveyor.protocol import messages as cp
+from conveyor.protocol import replies
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rid=st.text(min_size=1, max_size=300),
+    text=st.text(max_size=300),
+    ids=st.lists(st.integers(0, 2**31 - 1), max_size=40),
+)
+def test_delta_bytes_are_the_packed_map(rid, text, ids) -> None:
+    """(Moved from tests/frontend/test_streaming.py with the encoder.)"""
+    text_bytes = msgpack.packb(text, use_bin_type=True)
+    packed = replies.delta_head(rid) + text_bytes + replies.DELTA_IDS_KEY + msgpack.packb(ids)
+    assert packed == cp.pack({"type": cp.DELTA, "v": 1, "request_id": rid, "text": text, "token_ids": ids})
+
+
+def test_error_replies() -> None:
+    unnamed = replies.error_reply(None, "malformed msgpack")
+    version = cp.CLIENT_PROTOCOL_VERSION
+    assert unnamed == {"type": cp.ERROR, "v": version, "request_id": None, "message": "malformed msgpack"}
+    final = replies.error_reply("r1", "prompt tokenizes to zero tokens")
+    assert (final["type"], final["v"], final["request_id"]) == (cp.FINAL, cp.CLIENT_PROTOCOL_VERSION, "r1")
+    assert (final["text"], final["token_ids"], final["finish_reason"]) == ("", [], "error")
+    assert final["error"] == "prompt tokenizes to zero tokens"
+    assert final["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    assert final["timing"] == {"queue_time": None, "ttft": None, "total": 0.0}
+
+
+def test_final_counts_completion_tokens() -> None:
+    timing = {"queue_time": 0.1, "ttft": 0.2, "total": 0.5}
+    final = replies.final_reply("r", "ab", [5, 6], "length", None, prompt_tokens=3, cached_tokens=2, timing=timing)
+    assert final["v"] == cp.CLIENT_PROTOCOL_VERSION and final["timing"] == timing
+    assert final["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 2}
+
+
+def test_stats_reply_has_the_iteration_log_only_when_asked() -> None:
+    stats = SchedulerStats(
+        "q", 8, 5, 3, 1, 2, 10, 0, iteration_fields=["step", "batch_size"], recent_iterations=[[1, 2], [2, 3]]
+    )
+    summary = replies.stats_reply(stats, 4, iterations=False)
+    assert (summary["type"], summary["v"], summary["in_flight"]) == (cp.STATS_REPLY, cp.CLIENT_PROTOCOL_VERSION, 4)
+    blocks = (summary["total_blocks"], summary["free_blocks"], summary["held_blocks"], summary["num_waiting"])
+    assert blocks == (8, 5, 3, 2)
+    assert not {"iterations", "query_id", "iteration_fields", "recent_iterations"} & set(summary)
+    full = replies.stats_reply(stats, 4, iterations=True)
+    assert full["iterations"] == [{"step": 1, "batch_size": 2}, {"step": 2, "batch_size": 3}]
+    assert {k: v for k, v in full.items() if k != "iterations"} == summary

@@ -132,7 +132,6 @@ async def run(args: argparse.Namespace) -> dict:
         fe.requests[rid] = RequestState(
             request_id=rid,
             identity=ident,
-            fd=0,
             stream=True,
             prompt_len=len(prompt_ids),
             arrival_time=time.time(),

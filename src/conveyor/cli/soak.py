@@ -264,7 +264,6 @@ class _Soak:
             if not (stats["num_running"] or stats["num_waiting"] or stats["in_flight"]) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
-        stats.pop("iterations", None)
         self.report.server = stats
         for key in ("num_running", "num_waiting", "in_flight", "held_blocks", "swapped_blocks", "num_swapped"):
             if stats[key]:

@@ -22,7 +22,6 @@ class RequestState:
 
     request_id: str
     identity: bytes
-    fd: int
     stream: bool
     prompt_len: int
     arrival_time: float

@@ -261,7 +261,7 @@ class Frontend:
         try:
             cmd = cp.parse_client_message(cp.unpack_map(payload.bytes))
             if isinstance(cmd, cp.GenerateRequest):
-                await self._on_generate(identity, fd, cmd)
+                await self._on_generate(identity, cmd)
             elif isinstance(cmd, cp.AbortCommand):
                 await self._on_abort(cmd.request_id)
             elif isinstance(cmd, cp.ProfileCommand):
@@ -273,7 +273,7 @@ class Frontend:
         except cp.ProtocolError as exc:
             await self._reply_error(identity, exc.request_id, str(exc))
 
-    async def _on_generate(self, identity: bytes, fd: int, req: cp.GenerateRequest) -> None:
+    async def _on_generate(self, identity: bytes, req: cp.GenerateRequest) -> None:
         arrival = time.time()
         if req.request_id in self.in_flight:
             raise cp.ProtocolError(f"request id {req.request_id!r} is already in flight", req.request_id)
@@ -282,7 +282,6 @@ class Frontend:
             request_id=req.request_id,
             scheduler_id=str(next(self._scheduler_ids)),
             identity=identity,
-            fd=fd,
             stream=req.stream,
             prompt_len=0,
             arrival_time=arrival,

@@ -19,6 +19,7 @@ The replies the server sends are built in :mod:`conveyor.protocol.replies`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -295,31 +296,49 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     )
 
 
+def context_problem(
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    stop_token_ids: Sequence[int],
+    vocab_size: int | None,
+    max_model_len: int,
+    *,
+    check_ids: bool = True,
+) -> str | None:
+    """Why a request with this whole context as token ids (a continuation's earlier turns
+    included) cannot run on this model, or None: the one statement of these rules. The
+    frontend applies it to every tokenized request (:func:`check_tokenized`); the scheduler
+    applies it again to what callers hand it directly (tests, an embedding engine). The prompt
+    is not empty, its ids (unless ``check_ids`` is False: ids the tokenizer made are known to
+    be in range) and the stop token ids are within ``[0, vocab_size)`` (None: vocabulary
+    unknown, only negatives are refused), ``max_tokens`` is at least 1 and the prompt leaves
+    room for it within ``max_model_len``."""
+    if not len(prompt_ids):
+        return "prompt tokenizes to zero tokens: the prompt is empty"
+    if max_tokens < 1:
+        return f"max_tokens must be at least 1, got {max_tokens}"
+    limit = vocab_size if vocab_size is not None else math.inf
+    for what, ids, checked in (("token id", prompt_ids, check_ids), ("stop token id", stop_token_ids, True)):
+        if checked and len(ids) and (min(ids) < 0 or max(ids) >= limit):  # min/max: C speed on long prompts
+            bad = next(t for t in ids if not 0 <= t < limit)
+            return f"{what} {bad} is outside the vocabulary [0, {vocab_size})"
+    n = len(prompt_ids)
+    if n >= max_model_len:
+        return f"prompt has {n} tokens; the model's limit is {max_model_len} including output"
+    if n + max_tokens > max_model_len:
+        return (
+            f"max_tokens={max_tokens} with a {n}-token prompt exceeds the model length {max_model_len}; "
+            f"at most {max_model_len - n} new tokens fit within max_model_len"
+        )
+    return None
+
+
 def check_tokenized(
     req: GenerateRequest, prompt_ids: list[int], vocab_size: int, max_model_len: int, *, check_ids: bool = True
 ) -> None:
-    """The checks of a generate request that need its whole context as token ids (a
-    continuation's earlier turns included) and the model's limits: the prompt is not empty,
-    its ids (unless ``check_ids`` is False: ids the tokenizer made are known to be in range)
-    and the stop token ids are below ``vocab_size``, and the prompt leaves room for
-    ``max_tokens`` (at least 1, :func:`parse_sampling`) within ``max_model_len``. Raises
-    :class:`ProtocolError` naming the problem."""
-    rid = req.request_id
-    if not prompt_ids:
-        raise ProtocolError("prompt tokenizes to zero tokens", rid)
-    if check_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size):  # min/max: C speed on long prompts
-        bad = next(t for t in prompt_ids if not 0 <= t < vocab_size)
-        raise ProtocolError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", rid)
-    bad = next((t for t in req.sampling.stop_token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise ProtocolError(f"stop token id {bad} is outside the vocabulary [0, {vocab_size})", rid)
-    if len(prompt_ids) >= max_model_len:
-        raise ProtocolError(
-            f"prompt has {len(prompt_ids)} tokens; the model's limit is {max_model_len} including output", rid
-        )
-    if len(prompt_ids) + req.sampling.max_tokens > max_model_len:
-        raise ProtocolError(
-            f"max_tokens={req.sampling.max_tokens} with a {len(prompt_ids)}-token prompt exceeds "
-            f"the model length {max_model_len}; at most {max_model_len - len(prompt_ids)} new tokens fit",
-            rid,
-        )
+    """:func:`context_problem` for a parsed generate request, raised as :class:`ProtocolError`."""
+    problem = context_problem(
+        prompt_ids, req.sampling.max_tokens, req.sampling.stop_token_ids, vocab_size, max_model_len, check_ids=check_ids
+    )
+    if problem is not None:
+        raise ProtocolError(problem, req.request_id)

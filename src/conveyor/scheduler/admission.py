@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conveyor.ipc.messages import NewRequestData
+from conveyor.protocol.messages import context_problem
 from conveyor.scheduler.kv_manager import PrefixMatch
 from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.preemption import make_room
@@ -45,21 +46,10 @@ def rejection_reason(sched: Scheduler, req: Request) -> str | None:
     max_tokens = req.sampling.max_tokens
     if req.request_id in sched.table.live:
         return f"request id {req.request_id!r} is already in use by a live request"
-    if not prompt:
-        return "prompt is empty"
-    if max_tokens < 1:
-        return f"max_tokens must be at least 1, got {max_tokens}"
-    vocab_size = sched.vocab_size
-    lo, hi = min(prompt), max(prompt)
-    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
-        bad = lo if lo < 0 else hi
-        return f"prompt token id {bad} is outside the vocabulary (size {vocab_size})"
+    problem = context_problem(prompt, max_tokens, req.sampling.stop_token_ids, sched.vocab_size, cfg.max_model_len)
+    if problem is not None:
+        return problem
     total = len(prompt) + max_tokens
-    if total > cfg.max_model_len:
-        return (
-            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} "
-            f"exceeds max_model_len ({cfg.max_model_len})"
-        )
     # Conservative by one token (the last sampled token never needs a KV slot), so
     # that "fits" reads simply as "its whole length fits in the pool".
     needed = blocks_for(total, cfg.block_size)

@@ -6,15 +6,14 @@ import argparse
 import json
 import sys
 
-from conveyor.client import DEFAULT_CONNECT_TIMEOUT_S, Client, NoServerError, ServerError
-from conveyor.ipc.transport import client_address
+from conveyor.cli.server_address import add_server_arguments, server_address
+from conveyor.client import Client, NoServerError, ServerError
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="client", description="Stream a completion from a running Conveyor server.")
     p.add_argument("prompt", nargs="?", help="prompt text (default: read from stdin)")
-    p.add_argument("--host", default="127.0.0.1", help="server host, or a full tcp:// / ipc:// address")
-    p.add_argument("--port", type=int, default=7700)
+    add_server_arguments(p, timeout_s=300.0, timeout_help="seconds to wait for each reply")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message through the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -26,13 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-stream", action="store_true", help="wait for the whole completion")
     p.add_argument("--json", action="store_true", help="print the final result as JSON")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each reply")
-    p.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=DEFAULT_CONNECT_TIMEOUT_S,
-        help="seconds to wait for a server to answer at all",
-    )
     args = p.parse_args(argv)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     fields = dict(
@@ -47,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     inputs = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
     try:
-        address = client_address(args.host, args.port)
+        address = server_address(args)
         with Client(address, timeout=args.timeout, connect_timeout=args.connect_timeout) as client:
             if args.no_stream:
                 result = client.generate(**inputs, **fields)

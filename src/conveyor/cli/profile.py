@@ -16,9 +16,9 @@ import json
 import sys
 from typing import Any
 
-from conveyor.client import DEFAULT_CONNECT_TIMEOUT_S, Client, NoServerError, ServerError
+from conveyor.cli.server_address import add_server_arguments, server_address
+from conveyor.client import Client, NoServerError, ServerError
 from conveyor.profiling import chrome_trace
-from conveyor.ipc.transport import client_address
 
 
 def format_profile(reply: dict[str, Any]) -> str:
@@ -60,20 +60,12 @@ def _num(value: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="profile", description="Print a running Conveyor server's latency profile.")
-    p.add_argument("--host", default="127.0.0.1", help="server host, or a full tcp:// / ipc:// address")
-    p.add_argument("--port", type=int, default=7700)
     p.add_argument("--window", type=float, default=60.0, help="seconds of recent history to summarize")
     p.add_argument("--trace", metavar="PATH", help="write one Chrome/Perfetto JSON trace spanning all processes")
     p.add_argument("--json", metavar="PATH", help="write the raw profile reply as JSON")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply")
-    p.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=DEFAULT_CONNECT_TIMEOUT_S,
-        help="seconds to wait for a server to answer at all",
-    )
+    add_server_arguments(p, timeout_s=30.0, timeout_help="seconds to wait for the reply")
     args = p.parse_args(argv)
-    address = client_address(args.host, args.port)
+    address = server_address(args)
     try:
         with Client(address, timeout=args.timeout, connect_timeout=args.connect_timeout) as client:
             reply = client.profile(args.window, trace=bool(args.trace))

@@ -45,7 +45,7 @@ import zmq.asyncio
 
 from conveyor.client import AsyncClient, CompletionResult, generate_message
 from conveyor.protocol import messages as cp
-from conveyor.ipc.transport import client_address
+from conveyor.cli.server_address import add_address_arguments, server_address
 
 WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
@@ -300,8 +300,7 @@ async def soak(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1", help="server host, or a full ipc:// / tcp:// address")
-    p.add_argument("--port", type=int, default=7700)
+    add_address_arguments(p)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients")
     p.add_argument("--seed", type=int, default=0)
@@ -310,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     report = asyncio.run(
         soak(
-            client_address(args.host, args.port),
+            server_address(args),
             duration=args.duration,
             clients=args.clients,
             seed=args.seed,

@@ -56,7 +56,7 @@ def test_bos_comes_from_the_post_processor(name, bos, ours) -> None:
 
 
 def test_add_bos_token_in_the_config_is_ignored_like_transformers(tmp_path, tokenizer_dirs) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     root = _copy(tokenizer_dirs["spm"], tmp_path / "tok")
     config = json.loads((root / "tokenizer_config.json").read_text())
     (root / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False, "add_eos_token": True}))
@@ -157,7 +157,7 @@ FEATURE_TEMPLATE = (
 
 
 def test_template_features_match_transformers(tmp_path) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     root = _copy(TOKENIZER_DIR, tmp_path / "tok")
     (root / "chat_template.jinja").write_text(FEATURE_TEMPLATE)  # overrides tokenizer_config's template
     messages = [
@@ -187,7 +187,7 @@ def test_processor_style_chat_template_json_is_a_fallback(tmp_path, tokenizer_di
 
 
 def test_special_token_missing_from_tokenizer_json_is_added_like_transformers(tmp_path, tokenizer_dirs) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     root = _copy(tokenizer_dirs["bytelevel"], tmp_path / "tok")
     config = json.loads((root / "tokenizer_config.json").read_text())
     (root / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<pad>"}))

@@ -34,13 +34,14 @@ test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) test-frontend-notorch
 
-# The tokenizer process must work where torch is not installed at all: prove it in a venv without torch.
+# The tokenizer process and the HTTP process must work where torch is not installed at all:
+# prove it in a venv without torch.
 test-frontend-notorch:
 	$(PYTHON) -m venv $(NOTORCH_VENV)
-	$(NOTORCH_VENV)/bin/pip install -q pyzmq msgpack msgspec uvloop tokenizers jinja2 numpy transformers pytest hypothesis pytest-timeout
+	$(NOTORCH_VENV)/bin/pip install -q pyzmq msgpack msgspec uvloop tokenizers jinja2 numpy transformers aiohttp prometheus_client pytest hypothesis pytest-timeout
 	$(NOTORCH_VENV)/bin/pip install -q --no-deps -e .
 	@! $(NOTORCH_VENV)/bin/python -c "import torch" 2>/dev/null || (echo "torch leaked into $(NOTORCH_VENV)"; exit 1)
-	$(NOTORCH_VENV)/bin/python -m pytest -q tests/frontend tests/ipc tests/protocol tests/test_profiling.py
+	$(NOTORCH_VENV)/bin/python -m pytest -q tests/frontend tests/ipc tests/protocol tests/test_profiling.py tests/http/test_openai_requests.py tests/http/test_http_process.py
 
 # The CI smoke run of the measuring tools (bin/bench offline and online, bin/profile) on a tiny checkpoint.
 # It is part of `make test` too; real benchmark runs are documented in docs/benchmarks.md.

@@ -10,6 +10,7 @@ import pytest
 from conveyor.cli import serve
 from conveyor.runtime.config import (
     FrontendConfig,
+    HttpConfig,
     Policy,
     Preemption,
     SchedulerConfig,
@@ -26,7 +27,7 @@ def build(*flags: str, run_dir: str = "/tmp/conveyor-test-run"):
 
 
 def test_every_flag_reaches_a_view() -> None:
-    fields = {f.name for view in (FrontendConfig, WorkerConfig, SchedulerConfig, SchedulerProcessConfig) for f in dataclasses.fields(view)}
+    fields = {f.name for view in (FrontendConfig, WorkerConfig, SchedulerConfig, SchedulerProcessConfig, HttpConfig) for f in dataclasses.fields(view)}
     dests = {a.dest for a in serve.build_parser()._actions if a.dest != "help"}
     assert dests - fields - CONVERTED == set()
 

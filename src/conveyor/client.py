@@ -124,8 +124,11 @@ def _to_delta(msg: dict[str, Any]) -> Delta:
     return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
 
 
+# Replies the asyncio reader takes per wake-up without awaiting (see AsyncClient._read_loop).
+_DRAIN_MAX = 256
+
 # Replies that answer a command rather than a request are routed by their type.
-_CONTROL_KEYS = {cp.STATS_REPLY: "__stats__", cp.PROFILE_REPLY: "__profile__"}
+_CONTROL_KEYS = {cp.STATS_REPLY: "__stats__", cp.PROFILE_REPLY: "__profile__", cp.METRICS_REPLY: "__metrics__"}
 
 
 def _reply_key(reply: dict[str, Any]) -> str | None:
@@ -144,6 +147,10 @@ def _stats_message(iterations: bool) -> dict[str, Any]:
     if iterations:
         msg["iterations"] = True
     return msg
+
+
+def _metrics_message() -> dict[str, Any]:
+    return {"type": cp.METRICS, "v": cp.CLIENT_PROTOCOL_VERSION}
 
 
 def _abort_message(request_id: str) -> dict[str, Any]:
@@ -251,6 +258,15 @@ class Client:
         """
         self._send(_profile_message(window_s, trace, series))
         return self._next("__profile__")
+
+    def metrics(self) -> dict[str, Any]:
+        """The frontend's request-level metrics (docs/protocol.md, ``metrics``): ``counters``
+        (``prompt_tokens``, ``generation_tokens``, ``request_success`` by finish reason) and
+        ``histograms`` (name -> ``{buckets, counts, sum, count}``, seconds; ``counts`` per
+        bucket, not cumulative, its last entry above every bound), all since the server
+        started. :func:`conveyor.http.prometheus.exposition` renders it with :meth:`stats`."""
+        self._send(_metrics_message())
+        return self._next("__metrics__")
 
     def close(self) -> None:
         if self._monitor is not None:
@@ -393,6 +409,12 @@ class AsyncClient:
             await self._send(_profile_message(window_s, trace, series))
             return await self._next(queue, None)
 
+    async def metrics(self) -> dict[str, Any]:
+        """As :meth:`Client.metrics`."""
+        async with self._request("__metrics__") as queue:
+            await self._send(_metrics_message())
+            return await self._next(queue, None)
+
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
@@ -440,26 +462,43 @@ class AsyncClient:
             self._monitor = None
 
     async def _read_loop(self) -> None:
+        # One asyncio receive per wake-up, then whatever else is queued by plain non-blocking
+        # receives on a synchronous shadow of the socket: a server iteration sends a delta
+        # for every stream at once, and each asyncio receive costs a future and its poller
+        # bookkeeping. (The asyncio socket tries an immediate receive before it waits, so
+        # messages the shadow leaves are never missed.) At most _DRAIN_MAX at a time, so a
+        # flood never keeps the loop from the tasks the replies wake.
+        drain = zmq.Socket.shadow(self._sock.underlying)
         try:
             while True:
-                reply = cp.unpack_map(await self._sock.recv())
-                if reply.get("type") == cp.ERROR and reply.get("request_id") is None:
-                    for queue in self._queues.values():
-                        queue.put_nowait(reply)
-                    continue
-                key = _reply_key(reply)
-                if key in self._abandoned:
-                    if reply.get("type") == cp.FINAL:
-                        self._abandoned.discard(key)
-                    continue
-                queue = self._queues.get(key)
-                if queue is not None:
-                    queue.put_nowait(reply)
+                self._route(cp.unpack_map(await self._sock.recv()))
+                for _ in range(_DRAIN_MAX):
+                    try:
+                        raw = drain.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._route(cp.unpack_map(raw))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # surface a dead reader to every waiter
             for queue in self._queues.values():
                 queue.put_nowait({"type": cp.ERROR, "message": f"client reader failed: {exc}"})
+
+    def _route(self, reply: dict[str, Any]) -> None:
+        """Hand ``reply`` to the queue of its request (or command); an error that names no
+        request to every queue; a reply of an abandoned request is dropped."""
+        if reply.get("type") == cp.ERROR and reply.get("request_id") is None:
+            for queue in self._queues.values():
+                queue.put_nowait(reply)
+            return
+        key = _reply_key(reply)
+        if key in self._abandoned:
+            if reply.get("type") == cp.FINAL:
+                self._abandoned.discard(key)
+            return
+        queue = self._queues.get(key)
+        if queue is not None:
+            queue.put_nowait(reply)
 
     async def _next(self, queue: asyncio.Queue, request_id: str | None) -> dict[str, Any]:
         try:

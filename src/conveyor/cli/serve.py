@@ -1,9 +1,10 @@
 """bin/serve: start the worker, scheduler and frontend processes and keep them honest.
 
 Startup: the worker loads the model and sizes the KV pool while the frontend
-loads the tokenizer; the scheduler starts once the worker has reported its
+loads the tokenizer (and the HTTP process, with ``--http-port`` or ``--metrics-port``,
+binds its ports); the scheduler starts once the worker has reported its
 block count. One line with the client address and ``ready`` is printed when
-all three have said ready.
+all of them have said ready.
 
 Supervision: if any child exits, every in-flight request gets an error (the
 frontend is told to fail them before it exits), the other children are
@@ -29,6 +30,7 @@ import zmq
 
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.frontend.main import run_frontend
+from conveyor.http.main import run_http
 from conveyor.ipc import codec, step_channel, transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.ipc.transport import ServerAddresses
@@ -38,6 +40,7 @@ from conveyor.runtime.config import (
     Device,
     Dtype,
     FrontendConfig,
+    HttpConfig,
     PipelineSteps,
     PlanTransport,
     Policy,
@@ -121,7 +124,27 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)",
     )
+    add_http_arguments(p)
     return p
+
+
+def add_http_arguments(p: argparse.ArgumentParser) -> None:
+    """The HTTP face (HttpConfig): off unless a port is given."""
+    g = p.add_argument_group("HTTP (OpenAI-compatible API and Prometheus metrics)")
+    g.add_argument("--http-port", type=_port, help="serve the OpenAI-compatible API (and /health, /metrics) on this port (0: any free one)")
+    g.add_argument("--http-host", default=HttpConfig.http_host, help="address the HTTP listeners bind (default: loopback only)")
+    g.add_argument("--metrics-port", type=_port, help="serve /metrics and /health on this port (also without --http-port)")
+    g.add_argument(
+        "--served-model-name",
+        help="the model name clients send and /v1/models lists (default: the --model directory's name; conveyor-demo for the demo)",
+    )
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -211,7 +234,11 @@ def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
         eos_token_ids=list(model.eos_token_ids),
         vocab_size=model.vocab_size,
     )
-    return ServerConfig(model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler)
+    http = None
+    if args.http_port is not None or args.metrics_port is not None:
+        name = args.served_model_name or ("conveyor-demo" if demo else Path(model_dir).resolve().name)
+        http = _view(HttpConfig, args, addresses=addresses, served_model_name=name, max_model_len=max_model_len)
+    return ServerConfig(model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http)
 
 
 def _view(view: type[T], args: argparse.Namespace, **fields: object) -> T:
@@ -226,7 +253,8 @@ def _gib(gib: float) -> int:
 
 
 class Server:
-    """The three children and the sockets serve uses to talk to them."""
+    """The children (worker, frontend, scheduler, and the HTTP process when asked for) and
+    the sockets serve uses to talk to them."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -247,7 +275,11 @@ class Server:
             raise StartupError(f"cannot create the shared-memory plan rings ({exc}); --plan-transport zmq avoids them") from None
         self._spawn("worker", run_worker, config.worker)
         self._spawn("frontend", run_frontend, config.frontend)
-        self._wait_ready({"worker", "frontend"})
+        first = {"worker", "frontend"}
+        if config.http is not None:  # it answers 503 until the scheduler is up
+            self._spawn("http", run_http, config.http)
+            first.add("http")
+        self._wait_ready(first)
         worker = self.ready["worker"].info
         try:
             scheduler = config.sized_scheduler(
@@ -339,6 +371,13 @@ def _on_signal(signum, frame) -> None:
     _STOP_SIGNAL.append(signum)
 
 
+def _print_http_addresses(info: dict) -> None:
+    if "api" in info:
+        print(f"conveyor: OpenAI-compatible API on {info['api']}/v1 (and {info['api']}/health, /metrics)", file=sys.stderr, flush=True)
+    if "metrics" in info:
+        print(f"conveyor: Prometheus metrics on {info['metrics']}", file=sys.stderr, flush=True)
+
+
 def resolve_model(model: str | None) -> tuple[str, bool]:
     """The checkpoint directory to serve and whether it is the demo model."""
     if model is None:
@@ -371,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         return 1
     worker = server.ready["worker"].info
+    if "http" in server.ready:
+        _print_http_addresses(server.ready["http"].info)
     what = "demo model (random weights: output is gibberish)" if config.demo else f"model {config.model_dir}"
     try:
         print(

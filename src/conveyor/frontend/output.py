@@ -16,8 +16,10 @@ method call per stream measured ~100 ns a token more; the tests that pick the on
 cost ~40 ns over a loop that knew only columns), the detokenizer's fast paths
 (``IncrementalDetokenizer``), the stop-string scan only for requests that have stop strings,
 a delta's bytes put together from the request's packed head and a per-token packed tail
-(memoized in :attr:`OutputPath._delta_tails`), and the per-token timers taken for one stream
-in :data:`PROFILE_SAMPLE_EVERY` (outputs with timing fields, rare, are timed every one).
+(memoized in :attr:`OutputPath._delta_tails`), the per-token timers taken for one stream
+in :data:`PROFILE_SAMPLE_EVERY` (outputs with timing fields, rare, are timed every one), and
+the metrics' inter-token gaps collected as one list append per stream and bucketed once per
+call (:mod:`conveyor.frontend.metrics`).
 
 A call has two passes: first every stream's text and delta bytes, then the sends back to back
 on the raw socket (measured: about 10 % less CPU per token than sending each delta as soon as
@@ -47,6 +49,7 @@ import msgpack
 import zmq
 
 from conveyor import profiling
+from conveyor.frontend.metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.sending import ClientSender, backend_send
 from conveyor.frontend.sessions import Sessions
@@ -66,7 +69,8 @@ DELTA_TAILS_MAX = 32768
 class OutputPath:
     """Deltas and finals for the requests in ``requests`` (scheduler id -> state), shared with
     the frontend, which adds each request on admission. ``untrack`` forgets a request that
-    ends; ``abort`` tells the scheduler to drop requests by scheduler id."""
+    ends; ``abort`` tells the scheduler to drop requests by scheduler id; ``metrics`` gets
+    every delivered token's gap and every final's latencies."""
 
     def __init__(
         self,
@@ -77,8 +81,10 @@ class OutputPath:
         *,
         untrack: Callable[[RequestState], None],
         abort: Callable[[list[str]], None],
+        metrics: FrontendMetrics,
     ) -> None:
         self.requests = requests
+        self.metrics = metrics
         self._sender = sender
         self._sessions = sessions
         self._untrack = untrack
@@ -108,16 +114,25 @@ class OutputPath:
             outputs, column_ids, column_tokens = merge(batch), [], []
         now = profiling.now_ns()  # every stream's output time: its inter-token latency ends here
         sends: list[tuple] = []
+        previous: list[int] = []  # per output with tokens, its stream's previous output time
         if outputs:
-            self._advance([out.request_id for out in outputs], outputs, False, now, sends)
+            self._advance([out.request_id for out in outputs], outputs, False, now, sends, previous)
         if column_ids:
-            self._advance(column_ids, column_tokens, True, now, sends)
+            self._advance(column_ids, column_tokens, True, now, sends, previous)
+        if previous:  # the inter-token gaps of the whole call, bucketed at once
+            self.metrics.observe_outputs(previous, now)
         self._send(sends)
         num_tokens = len(column_tokens) + sum(len(out.new_token_ids) for out in outputs)
         return num_tokens, len(outputs) + len(column_ids)
 
     def _advance(
-        self, request_ids: Sequence[str], news: Sequence, columns: bool, now: int, sends: list[tuple]
+        self,
+        request_ids: Sequence[str],
+        news: Sequence,
+        columns: bool,
+        now: int,
+        sends: list[tuple],
+        previous: list[int],
     ) -> None:
         """The first pass: the rule for each stream's new tokens and the scheduler's finish, if
         it sent one. ``news[i]`` is what ``request_ids[i]`` got: with ``columns``, one plain
@@ -125,11 +140,16 @@ class OutputPath:
         number of tokens, perhaps the finish). What to send is appended to ``sends``:
         ``(identity, delta bytes)``, or ``(None, (state, reason, text, token_ids, error,
         abort))`` for a request's last delta and final (``abort``: the scheduler still runs it,
-        a stop string ended it here). The tests on the number of tokens only pick the cheapest
-        equivalent code for one token: ``push_one`` is ``push`` of one token, one ``feed`` is
-        the stop-string loop run once, and a delta's memoized tail is its packed text and ids."""
+        a stop string ended it here). Each output that hands a stream tokens appends the
+        stream's previous output time to ``previous`` (the metrics' inter-token gaps, bucketed
+        by the caller once per call); further tokens of the same output are counted here.
+        The tests on the number of tokens only pick the cheapest equivalent code for one
+        token: ``push_one`` is ``push`` of one token, one ``feed`` is the stop-string loop run
+        once, and a delta's memoized tail is its packed text and ids."""
         get = self.requests.get
         tails = self._delta_tails
+        gap_from = previous.append
+        together = 0  # tokens after the first of their output (gaps of 0)
         countdown = self._sample_countdown
         for request_id, new in zip(request_ids, news):
             state = get(request_id)
@@ -160,6 +180,7 @@ class OutputPath:
                 if state.last_output_ns:
                     self._s_itl.add((now - state.last_output_ns) / 1e6, now)
             if token_ids is None:
+                gap_from(state.last_output_ns)
                 state.last_output_ns = now
                 state.token_ids.append(token)
                 text = state.detokenizer.push_one(token)
@@ -169,6 +190,7 @@ class OutputPath:
             else:
                 text, stopped = "", False
                 if token_ids:
+                    gap_from(state.last_output_ns)
                     state.last_output_ns = now
                     if state.has_stop:  # one token at a time: the output ends at the token that completes a stop string
                         push_one, feed = state.detokenizer.push_one, state.stop.feed
@@ -183,6 +205,7 @@ class OutputPath:
                     else:
                         text = state.detokenizer.push(token_ids)
                     state.token_ids += token_ids
+                    together += len(token_ids) - 1
             if timed:
                 self._t_detokenize.record(start)
             if stopped or finish_reason is not None:
@@ -209,6 +232,8 @@ class OutputPath:
             elif token_ids:  # several steps' tokens at once: one delta for all of them
                 sends.append((state.identity, self._delta_bytes(state, text, token_ids)))
         self._sample_countdown = countdown
+        if together:
+            self.metrics.observe_together(together)
 
     def _send(self, sends: list[tuple]) -> None:
         """The second pass: the deltas back to back, each ending request's last delta and final
@@ -257,6 +282,7 @@ class OutputPath:
             "total": now - state.arrival_time,
         }
         self._record_request(timing, len(state.token_ids))
+        self.metrics.request_finished(reason, timing, len(state.token_ids))
         self._sessions.remember(state.request_id, state.prompt_ids, state.history_len, state.token_ids, reason)
         reply = final_reply(
             state.request_id,

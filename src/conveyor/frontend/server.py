@@ -66,6 +66,10 @@ behind. Replies are built by :mod:`conveyor.protocol.replies`; requests are vali
 :mod:`conveyor.protocol.messages` (its fields on arrival, its token ids and lengths once
 tokenized, :func:`~conveyor.protocol.messages.check_tokenized`).
 
+Metrics (:mod:`conveyor.frontend.metrics`): prompt tokens are counted on admission, output
+tokens, inter-token gaps and each request's latencies and finish reason on the output path,
+a gone client's requests as aborts; a ``metrics`` message is answered here from them.
+
 Profiling (:mod:`conveyor.profiling`): tokenize, detokenize, client sends, the
 handling of each scheduler message and the event loop's lag are timed here, and each
 request's queue time, TTFT, TPOT and inter-token latencies are recorded when it finishes.
@@ -93,6 +97,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from conveyor import profiling
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.metrics import FrontendMetrics
 from conveyor.frontend.output import OutputPath
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.sending import ClientSender
@@ -176,8 +181,15 @@ class Frontend:
         self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
         self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
         self.sender = ClientSender(self.clients, self._client_gone, prof)
+        self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
         self.output = OutputPath(
-            self.requests, self.sender, self.sessions, prof, untrack=self._untrack, abort=self._abort_at_scheduler
+            self.requests,
+            self.sender,
+            self.sessions,
+            prof,
+            untrack=self._untrack,
+            abort=self._abort_at_scheduler,
+            metrics=self.metrics,
         )
         self._s_loop_lag = prof.series("event_loop_lag", "ms")
         self._s_merged = prof.series("merged_steps", "steps")  # behind: steps handled as one
@@ -266,6 +278,8 @@ class Frontend:
                 await self._on_abort(cmd.request_id)
             elif isinstance(cmd, cp.ProfileCommand):
                 await self._on_profile(identity, cmd)
+            elif isinstance(cmd, cp.MetricsCommand):
+                await self.sender.send(identity, replies.metrics_reply(**self.metrics.snapshot()))
             else:
                 query_id = uuid.uuid4().hex
                 self._stats_waiters[query_id] = (identity, cmd.iterations)
@@ -362,6 +376,7 @@ class Frontend:
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         state.pending = False
         self.requests[state.scheduler_id] = state
+        self.metrics.add_prompt(state.prompt_len)
         log.debug("request %r is %s at the scheduler", state.request_id, state.scheduler_id)
         self._send_scheduler(AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority))
 
@@ -391,6 +406,7 @@ class Frontend:
         """Untrack the requests of a client that is gone (no final) and abort those the scheduler has."""
         for state in states:
             self._untrack(state)
+            self.metrics.request_finished(FinishReason.ABORT, None, len(state.token_ids))
         admitted = [s.scheduler_id for s in states if not s.pending]
         if admitted:
             self._abort_at_scheduler(admitted)

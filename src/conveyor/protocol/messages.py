@@ -8,7 +8,7 @@ use it, so they cannot drift apart.
 
 Validation is total: anything a client can send either parses into a
 :class:`GenerateRequest` / :class:`AbortCommand` / :class:`StatsCommand` /
-:class:`ProfileCommand` or
+:class:`ProfileCommand` / :class:`MetricsCommand` or
 raises :class:`ProtocolError` whose message names the offending field. A generate request
 is validated in two steps, both here: :func:`parse_client_message` checks every field of the
 map, :func:`check_tokenized` what needs the tokenized prompt and the model (vocabulary, model
@@ -39,12 +39,14 @@ GENERATE = "generate"
 ABORT = "abort"
 STATS = "stats"
 PROFILE = "profile"
+METRICS = "metrics"
 # Message types, server -> client
 DELTA = "delta"
 FINAL = "final"
 ERROR = "error"
 STATS_REPLY = "stats"
 PROFILE_REPLY = "profile"
+METRICS_REPLY = "metrics"
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
@@ -106,6 +108,15 @@ class ProfileCommand:
     series: list[str] = field(default_factory=list)
 
 
+METRICS_FIELDS = frozenset({"type", "v"})
+
+
+@dataclass
+class MetricsCommand:
+    """Ask the frontend for its request-level counters and latency histograms (the reply:
+    :func:`conveyor.protocol.replies.metrics_reply`); it has no fields."""
+
+
 def pack(obj: dict[str, Any]) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -131,7 +142,9 @@ def _is_number(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def parse_client_message(obj: dict[str, Any]) -> GenerateRequest | AbortCommand | StatsCommand | ProfileCommand:
+def parse_client_message(
+    obj: dict[str, Any],
+) -> GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand:
     """Validate a decoded client map. Raises ProtocolError naming the problem."""
     rid = obj.get("request_id")
     rid_for_error = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
@@ -152,6 +165,11 @@ def parse_client_message(obj: dict[str, Any]) -> GenerateRequest | AbortCommand 
         return StatsCommand(iterations=bool(iterations))
     if kind == PROFILE:
         return _parse_profile(obj)
+    if kind == METRICS:
+        unknown = set(obj) - METRICS_FIELDS
+        if unknown:
+            raise ProtocolError(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+        return MetricsCommand()
     if "type" not in obj:
         raise ProtocolError("missing field 'type'", rid_for_error)
     raise ProtocolError(f"unknown message type {kind!r}", rid_for_error)

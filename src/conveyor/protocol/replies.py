@@ -19,7 +19,15 @@ import msgpack
 import msgspec
 
 from conveyor.ipc.messages import FinishReason, SchedulerStats
-from conveyor.protocol.messages import CLIENT_PROTOCOL_VERSION, DELTA, ERROR, FINAL, PROFILE_REPLY, STATS_REPLY
+from conveyor.protocol.messages import (
+    CLIENT_PROTOCOL_VERSION,
+    DELTA,
+    ERROR,
+    FINAL,
+    METRICS_REPLY,
+    PROFILE_REPLY,
+    STATS_REPLY,
+)
 
 # A delta's bytes before its request id: a map of 5 entries, then type and v with their values.
 _DELTA_PREFIX = b"\x85" + b"".join(
@@ -95,3 +103,12 @@ def profile_reply(clock: str, window_s: float, processes: list[dict[str, Any]], 
         "processes": processes,
         "error": error,
     }
+
+
+def metrics_reply(counters: dict[str, Any], histograms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ``metrics`` map: the frontend's request-level counters and latency histograms
+    (:meth:`conveyor.frontend.metrics.FrontendMetrics.snapshot`). ``counters``: name -> count,
+    or reason -> count for ``request_success``; ``histograms``: name -> ``{buckets: [upper
+    bounds, s], counts: [per bucket, not cumulative; one more than buckets, the last above
+    every bound], sum, count}``."""
+    return {"type": METRICS_REPLY, "v": CLIENT_PROTOCOL_VERSION, "counters": counters, "histograms": histograms}

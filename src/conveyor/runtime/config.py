@@ -2,7 +2,8 @@
 
 :class:`ServerConfig` is everything the flags say, checked when it is built, before any
 process starts. Each child is handed its own part of it (:class:`FrontendConfig`,
-:class:`WorkerConfig`, :class:`SchedulerProcessConfig`) and reads nothing else: no field is
+:class:`WorkerConfig`, :class:`SchedulerProcessConfig`, and :class:`HttpConfig` when the
+HTTP face is on) and reads nothing else: no field is
 forwarded by hand from process to process, and nothing reads environment variables behind
 the user's back. A view crosses to its process once, pickled by multiprocessing's spawn.
 
@@ -235,6 +236,36 @@ class SchedulerProcessConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP process's view: the OpenAI-compatible API on ``http_port`` and/or the
+    Prometheus scrape endpoint on ``metrics_port``, both on ``http_host``.
+
+    The HTTP process is a client of the frontend over the client protocol (``addresses.client``);
+    it validates nothing the frontend validates. With only ``metrics_port`` it serves
+    ``/metrics`` and ``/health`` alone. Port 0 binds a free port (reported when ready).
+    """
+
+    addresses: ServerAddresses
+    served_model_name: str  # the one ``model`` requests may name
+    max_model_len: int  # shown by /v1/models
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.http_port is None and self.metrics_port is None:
+            raise ValueError("the HTTP process needs http_port or metrics_port")
+        for name in ("http_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.http_port is not None and self.http_port == self.metrics_port and self.http_port != 0:
+            raise ValueError(f"http_port and metrics_port are both {self.http_port}: /metrics is on the HTTP port already")
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """One server: where it listens, what it serves, and each process's view of it.
 
@@ -253,6 +284,7 @@ class ServerConfig:
     frontend: FrontendConfig
     worker: WorkerConfig
     scheduler: SchedulerProcessConfig
+    http: HttpConfig | None = None  # None: no --http-port nor --metrics-port, no HTTP process
 
     def sized_scheduler(self, num_blocks: int, num_cpu_blocks: int, block_bytes: int) -> SchedulerProcessConfig:
         """The scheduler's view with the KV pool the worker reported (ValueError if it is unusable)."""

@@ -1,0 +1,108 @@
+"""Entry point of the HTTP process (started by bin/serve with ``--http-port`` / ``--metrics-port``).
+
+Start-up binds the listening sockets before reporting ready, so a port in use fails the
+server's start with the reason, and the ready info carries the bound URLs (port 0 picks a
+free one). It needs no other process: bin/serve starts it beside the worker and the
+frontend, and until the server answers it refuses generation with 503 (see
+:mod:`conveyor.http.link`).
+
+Shutdown: SIGTERM (from bin/serve, or the kernel when bin/serve dies) stops listening and
+gives requests in flight :data:`SHUTDOWN_TIMEOUT_S` to end (when a process died the
+frontend has failed them already, so their error reaches the client), then cancels the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+
+from aiohttp import web
+
+from conveyor.http.app import api_app, metrics_app
+from conveyor.http.link import FrontendLink
+from conveyor.runtime.config import HttpConfig
+from conveyor.runtime.process import Started, run_process
+
+# Below bin/serve's grace period (SHUTDOWN_GRACE_S), after which it kills.
+SHUTDOWN_TIMEOUT_S = 2.0
+LISTEN_BACKLOG = 1024
+
+
+def run_http(config: HttpConfig) -> None:
+    run_process("http", config.addresses.control, lambda ctx: _start(config))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6, as ``host`` resolves)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG, reuse_port=False)
+    sock.setblocking(False)
+    return sock
+
+
+def url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class HttpServer:
+    """The listeners and the apps behind them, run on one event loop until SIGTERM."""
+
+    def __init__(self, config: HttpConfig) -> None:
+        self.config = config
+        self.api_socket = None if config.http_port is None else listen(config.http_host, config.http_port)
+        try:
+            self.metrics_socket = None if config.metrics_port is None else listen(config.http_host, config.metrics_port)
+        except OSError:
+            self.close()
+            raise
+
+    def ready_info(self) -> dict[str, str]:
+        info = {}
+        if self.api_socket is not None:
+            info["api"] = url(self.api_socket)
+        if self.metrics_socket is not None:
+            info["metrics"] = url(self.metrics_socket) + "/metrics"
+        return info
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        link = FrontendLink(self.config.addresses.client)
+        created = int(time.time())
+        apps = []
+        if self.api_socket is not None:
+            apps.append((api_app, self.api_socket))
+        if self.metrics_socket is not None:
+            apps.append((metrics_app, self.metrics_socket))
+        runners = []
+        try:
+            for make, sock in apps:
+                runner = web.AppRunner(
+                    make(link, self.config.served_model_name, self.config.max_model_len, created),
+                    handler_cancellation=True,  # a client that goes away cancels its handler, and so its request
+                    shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                    access_log=None,
+                )
+                await runner.setup()
+                runners.append(runner)
+                await web.SockSite(runner, sock).start()
+            await stop.wait()
+        finally:
+            await asyncio.gather(*(runner.cleanup() for runner in runners))  # in parallel: one grace period
+            await link.close()
+
+    def close(self) -> None:
+        for sock in (self.api_socket, getattr(self, "metrics_socket", None)):
+            if sock is not None:
+                sock.close()
+
+
+def _start(config: HttpConfig) -> Started:
+    import uvloop
+
+    server = HttpServer(config)
+    return Started(run=lambda: uvloop.run(server.run()), close=server.close, ready_info=server.ready_info())

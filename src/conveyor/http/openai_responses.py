@@ -1,0 +1,127 @@
+"""OpenAI response objects and server-sent-event chunks, built from client-protocol results.
+
+Unstreamed answers are plain dicts (:func:`completion_body`). A stream is a run of
+``data: <json>\\n\\n`` events ending in ``data: [DONE]``: per choice, content chunks, then
+one chunk with its ``finish_reason``; with ``stream_options.include_usage`` every chunk
+carries ``"usage": null`` and one last chunk with no choices carries the usage.
+:class:`ChunkEncoder` builds the content chunk, the one sent per token batch of every
+stream, from bytes fixed per response and choice plus the JSON-encoded text, so a token
+costs one string encode; :func:`chunk_object` is the same chunk as a dict (tests hold the
+two equal).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from conveyor.client import CompletionResult
+from conveyor.http.errors import ApiError
+from conveyor.http.openai_requests import CHAT, COMPLETION
+
+DONE = b"data: [DONE]\n\n"
+_OBJECT = {COMPLETION: "text_completion", CHAT: "chat.completion"}
+_CHUNK_OBJECT = {COMPLETION: "text_completion", CHAT: "chat.completion.chunk"}
+_ID_PREFIX = {COMPLETION: "cmpl-", CHAT: "chatcmpl-"}
+
+json_encode = msgspec.json.Encoder().encode
+
+
+def response_id(kind: str, request_id: str) -> str:
+    return _ID_PREFIX[kind] + request_id
+
+
+def usage(results: list[CompletionResult]) -> dict[str, Any]:
+    """The OpenAI ``usage`` of one response: every choice's tokens added up."""
+    prompt = sum(r.usage.prompt_tokens for r in results)
+    completion = sum(r.usage.completion_tokens for r in results)
+    cached = sum(r.usage.cached_tokens for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion_body(kind: str, rid: str, created: int, model: str, results: list[CompletionResult]) -> dict[str, Any]:
+    """The unstreamed answer: one choice per result, in order."""
+    if kind == COMPLETION:
+        choices = [
+            {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason} for i, r in enumerate(results)
+        ]
+    else:
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None, "finish_reason": r.finish_reason}
+            for i, r in enumerate(results)
+        ]
+    return {"id": rid, "object": _OBJECT[kind], "created": created, "model": model, "choices": choices, "usage": usage(results)}
+
+
+def chunk_object(
+    kind: str, rid: str, created: int, model: str, index: int, text: str | None, finish_reason: str | None, include_usage: bool
+) -> dict[str, Any]:
+    """One streamed chunk of choice ``index`` as a dict: ``text`` (None: no content; for
+    chat an empty ``delta``) and/or the choice's ``finish_reason``."""
+    if kind == COMPLETION:
+        choice: dict[str, Any] = {"index": index, "text": text or ""}
+    else:
+        choice = {"index": index, "delta": {} if text is None else {"content": text}}
+    choice.update(logprobs=None, finish_reason=finish_reason)
+    chunk = {"id": rid, "object": _CHUNK_OBJECT[kind], "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def event(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json_encode(obj) + b"\n\n"
+
+
+class ChunkEncoder:
+    """The SSE events of one streamed response (its id, time and model fixed)."""
+
+    def __init__(self, kind: str, rid: str, created: int, model: str, include_usage: bool) -> None:
+        self.kind = kind
+        self.rid = rid
+        self.created = created
+        self.model = model
+        self.include_usage = include_usage
+        head = json_encode({"id": rid, "object": _CHUNK_OBJECT[kind], "created": created, "model": model})
+        self._head = b"data: " + head[:-1] + b',"choices":[{"index":'
+        text_key = b',"text":' if kind == COMPLETION else b',"delta":{"content":'
+        self._text_key = text_key
+        self._tail = (b"" if kind == COMPLETION else b"}") + b',"logprobs":null,"finish_reason":null}]' + (
+            b',"usage":null}\n\n' if include_usage else b"}\n\n"
+        )
+        self._prefixes: dict[int, bytes] = {}
+
+    def text(self, index: int, text: str) -> bytes:
+        """The content chunk of choice ``index`` (the per-token path)."""
+        prefix = self._prefixes.get(index)
+        if prefix is None:
+            prefix = self._prefixes[index] = self._head + str(index).encode() + self._text_key
+        return prefix + json_encode(text) + self._tail
+
+    def role(self, index: int) -> bytes:
+        """A chat stream's first chunk of a choice: the assistant role, empty content."""
+        chunk = chunk_object(self.kind, self.rid, self.created, self.model, index, "", None, self.include_usage)
+        chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return event(chunk)
+
+    def finish(self, index: int, finish_reason: str) -> bytes:
+        return event(chunk_object(self.kind, self.rid, self.created, self.model, index, None, finish_reason, self.include_usage))
+
+    def usage(self, results: list[CompletionResult]) -> bytes:
+        """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+        return event(
+            {"id": self.rid, "object": _CHUNK_OBJECT[self.kind], "created": self.created, "model": self.model, "choices": [], "usage": usage(results)}
+        )
+
+    @staticmethod
+    def error(error: ApiError) -> bytes:
+        """A failure after the stream began (its status is sent already): the error object
+        as an event, which the openai client raises as an ``APIError``."""
+        return event(error.body())

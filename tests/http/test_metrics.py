@@ -1,0 +1,201 @@
+"""Prometheus metrics: :func:`conveyor.http.prometheus.exposition` parsed back with
+``prometheus_client``'s own parser, and bin/serve's ``GET /metrics`` (on the API port and on
+the metrics port) scraped during and after a run: counters move by what the requests' finals
+report, and the gauges return to idle."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conveyor.client import Client
+from conveyor.frontend.metrics import FrontendMetrics
+from conveyor.frontend.tokenizer import Tokenizer
+from conveyor.http.prometheus import exposition
+from conveyor.protocol.replies import metrics_reply
+
+STATS = {
+    "num_running": 3,
+    "num_waiting": 2,
+    "num_swapped": 1,
+    "held_blocks": 24,
+    "free_blocks": 60,
+    "cached_blocks": 12,
+    "total_blocks": 96,
+    "prefix_cache_queried_tokens": 500,
+    "prefix_cache_hit_tokens": 128,
+    "num_preemptions_swap": 4,
+    "num_preemptions_recompute": 7,
+}
+
+
+def parse(text: bytes) -> dict[str, dict[tuple, float]]:
+    """Sample name -> {sorted label items: value}; each family's type checked on the way."""
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def family_types(text: bytes) -> dict[str, str]:
+    return {family.name: family.type for family in text_string_to_metric_families(text.decode())}
+
+
+def test_exposition_names_types_and_values() -> None:
+    metrics = FrontendMetrics()
+    metrics.add_prompt(11)
+    metrics.observe_outputs([0, 0], 10**9)
+    metrics.observe_outputs([10**9 - 4_000_000, 10**9 - 30_000_000], 10**9)  # gaps of 4 ms and 30 ms
+    metrics.request_finished("length", {"queue_time": 0.002, "ttft": 0.05, "total": 0.5}, 2)
+    metrics.request_finished("stop", {"queue_time": 0.004, "ttft": 3.0, "total": 3.0}, 1)
+    text = exposition(metrics_reply(**metrics.snapshot()), STATS)
+    types = family_types(text)
+    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+                 "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached"):
+        assert types["conveyor:" + name] == "gauge", name
+    for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+                 "generation_tokens", "request_success"):
+        assert types["conveyor:" + name] == "counter", name
+    for name in ("time_to_first_token", "time_per_output_token", "inter_token_latency", "e2e_request_latency",
+                 "request_queue_time"):
+        assert types[f"conveyor:{name}_seconds"] == "histogram", name
+
+    s = parse(text)
+    one = lambda name: s[name][()]  # noqa: E731 - an unlabelled sample
+    assert (one("conveyor:num_requests_running"), one("conveyor:num_requests_waiting")) == (3, 2)
+    assert one("conveyor:num_requests_swapped") == 1
+    blocks = (one("conveyor:kv_blocks_used"), one("conveyor:kv_blocks_free"), one("conveyor:kv_blocks_cached"))
+    assert blocks == (24, 60, 12)
+    assert one("conveyor:kv_cache_usage_perc") == pytest.approx(0.25)
+    assert (one("conveyor:prefix_cache_queries_total"), one("conveyor:prefix_cache_hits_total")) == (500, 128)
+    assert s["conveyor:num_preemptions_total"] == {(("kind", "swap"),): 4, (("kind", "recompute"),): 7}
+    assert (one("conveyor:prompt_tokens_total"), one("conveyor:generation_tokens_total")) == (11, 4)
+    assert s["conveyor:request_success_total"] == {
+        (("finished_reason", "stop"),): 1,
+        (("finished_reason", "length"),): 1,
+        (("finished_reason", "abort"),): 0,
+        (("finished_reason", "error"),): 0,
+    }
+    itl = {dict(k)["le"]: v for k, v in s["conveyor:inter_token_latency_seconds_bucket"].items()}
+    assert (itl["0.002"], itl["0.005"], itl["0.02"], itl["0.03"], itl["+Inf"]) == (0, 1, 1, 2, 2)  # cumulative
+    assert one("conveyor:inter_token_latency_seconds_count") == 2
+    assert one("conveyor:inter_token_latency_seconds_sum") == pytest.approx(0.034)
+    ttft = {dict(k)["le"]: v for k, v in s["conveyor:time_to_first_token_seconds_bucket"].items()}
+    assert (ttft["0.05"], ttft["2.0"], ttft["5.0"], ttft["+Inf"]) == (1, 1, 2, 2)
+    assert one("conveyor:e2e_request_latency_seconds_sum") == pytest.approx(3.5)
+    assert one("conveyor:time_per_output_token_seconds_count") == 1  # the one-token request has none
+
+
+def test_exposition_without_the_scheduler_keeps_the_frontend_families() -> None:
+    types = family_types(exposition(metrics_reply(**FrontendMetrics().snapshot()), None))
+    assert "conveyor:prompt_tokens" in types and "conveyor:num_requests_running" not in types
+
+
+# ------------------------------------------------------------------ bin/serve, end to end
+
+ABORTED_PROMPT = "An aborted story"
+SERVE_ARGS = ("--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
+
+
+def scrape(base_url: str) -> dict[str, dict[tuple, float]]:
+    """One ``GET /metrics``, parsed."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
+        return parse(response.read())
+
+
+def counters(s: dict[str, dict[tuple, float]]) -> dict[str, float]:
+    """The counters and request counts this test follows, by a short name."""
+    out = {
+        "prompt": s["conveyor:prompt_tokens_total"][()],
+        "generation": s["conveyor:generation_tokens_total"][()],
+        "ttft": s["conveyor:time_to_first_token_seconds_count"][()],
+        "e2e": s["conveyor:e2e_request_latency_seconds_count"][()],
+        "itl": s["conveyor:inter_token_latency_seconds_count"][()],
+    }
+    for labels, value in s["conveyor:request_success_total"].items():
+        out[dict(labels)["finished_reason"]] = value
+    return out
+
+
+def test_a_scrape_follows_a_run(http_factory, tiny_checkpoint) -> None:
+    """Counters move by what the finals report (prompt and completion tokens, finishes by
+    reason: length, stop, abort), scrapes taken while requests run see them in flight, and
+    the gauges are back at idle (nothing running or waiting, no KV block held) after. Both
+    listeners serve the same scrape."""
+    server = http_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0", "--metrics-port", "0")
+    assert server.url and server.metrics_url
+    with Client(server.address, timeout=60) as client:
+        before = counters(scrape(server.url))
+        assert before["prompt"] == before["generation"] == 0
+        probe = client.generate("Once upon a time", max_tokens=6, temperature=0.0, ignore_eos=True)
+        stop_id = probe.token_ids[3]  # greedy: the same request stops at this token
+        expected_stop = probe.token_ids.index(stop_id) + 1
+
+        results: list = []
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                with Client(server.address, timeout=60) as c:
+                    results.append(c.generate(f"Request number {i} tells", max_tokens=48, ignore_eos=True))
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        during = []
+        while any(t.is_alive() for t in threads):
+            during.append(scrape(server.url))
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        stopped = client.generate(
+            "Once upon a time", max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]
+        )
+        stream = client.stream(ABORTED_PROMPT, max_tokens=200, ignore_eos=True)
+        first = next(stream)
+        assert first.token_ids
+        stream.close()  # abandons the request: the client aborts it
+
+        deadline = time.monotonic() + 10
+        while True:
+            after = scrape(server.metrics_url)
+            idle = (
+                after["conveyor:num_requests_running"][()] == 0
+                and after["conveyor:num_requests_waiting"][()] == 0
+                and after["conveyor:kv_blocks_used"][()] == 0
+                and counters(after)["abort"] == 1
+            )
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+
+    assert idle, after
+    assert scrape(server.url) == after  # the API port's /metrics: the same values
+    assert after["conveyor:num_requests_swapped"][()] == 0
+    assert after["conveyor:kv_cache_usage_perc"][()] == 0
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == expected_stop
+    moved = {k: v - before[k] for k, v in counters(after).items()}
+    finals = [probe, *results, stopped]
+    assert moved["length"] == 1 + len(results) == 9 and moved["stop"] == 1 and moved["error"] == 0
+    assert moved["abort"] == 1
+    # The aborted stream's prompt and tokens count too (its final went to nobody).
+    aborted_prompt = len(Tokenizer.from_dir(tiny_checkpoint).encode(ABORTED_PROMPT))
+    assert moved["prompt"] == sum(r.usage.prompt_tokens for r in finals) + aborted_prompt
+    aborted_tokens = moved["generation"] - sum(len(r.token_ids) for r in finals)
+    assert aborted_tokens >= len(first.token_ids)
+    assert moved["ttft"] == moved["e2e"] == len(finals) + 1  # the abort got a final too
+    assert moved["itl"] == moved["generation"] - (len(finals) + 1)  # n - 1 gaps per request
+
+    in_flight = [s["conveyor:num_requests_running"][()] + s["conveyor:num_requests_waiting"][()] for s in during]
+    assert max(in_flight) > 0  # a scrape saw requests in flight
+    generation = [counters(s)["generation"] for s in during]
+    assert generation == sorted(generation) and generation[-1] > generation[0]  # moved during the run

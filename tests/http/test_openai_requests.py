@@ -1,0 +1,145 @@
+"""The HTTP face's pure parts: OpenAI bodies -> generate fields, the SSE chunks, the status
+of each failure. No server, no torch (this file runs in the no-torch venv too)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.client import CompletionResult, Usage
+from conveyor.http import errors
+from conveyor.http.openai_requests import CHAT, COMPLETION, MAX_PROMPTS, parse_request
+from conveyor.http.openai_responses import ChunkEncoder, chunk_object, completion_body
+
+MODEL = "tiny"
+
+
+def parse(kind: str = COMPLETION, **body):
+    body.setdefault("model", MODEL)
+    if kind == COMPLETION:
+        body.setdefault("prompt", "hi")
+    else:
+        body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return parse_request(kind, body, MODEL)
+
+
+def refused(status: int, param: str | None, kind: str = COMPLETION, **body) -> errors.ApiError:
+    with pytest.raises(errors.ApiError) as info:
+        parse(kind, **body)
+    assert (info.value.status, info.value.param) == (status, param), info.value.message
+    return info.value
+
+
+def test_fields_map_onto_the_protocol() -> None:
+    job = parse(
+        prompt="hello", max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=["\n"], top_k=4, min_p=0.1,
+        priority=2, ignore_eos=True, stop_token_ids=[5], user="me", presence_penalty=0, n=1, logprobs=None,
+    )  # fmt: skip
+    assert job.inputs == [{"prompt": "hello"}] and not job.stream
+    assert job.options == {
+        "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"], "top_k": 4, "min_p": 0.1,
+        "priority": 2, "ignore_eos": True, "stop_token_ids": [5],
+    }  # fmt: skip
+    assert parse(max_completion_tokens=9, max_tokens=3).options["max_tokens"] == 9
+    stream = parse(CHAT, stream=True, stream_options={"include_usage": True})
+    assert stream.stream and stream.include_usage and stream.inputs[0]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_prompt_shapes() -> None:
+    assert parse(prompt=["a", "b"]).inputs == [{"prompt": "a"}, {"prompt": "b"}]
+    assert parse(prompt=[1, 2, 3]).inputs == [{"token_ids": [1, 2, 3]}]
+    assert parse(prompt=[[1, 2], [3]]).inputs == [{"token_ids": [1, 2]}, {"token_ids": [3]}]
+    for bad in ([], [1, "a"], [[1], []], [[1.5]], {"a": 1}, 5, [True]):
+        refused(400, "prompt", prompt=bad)
+    refused(400, "prompt", prompt=["a"] * (MAX_PROMPTS + 1))
+    refused(400, "prompt", prompt=[2**70])  # msgpack stops at 64 bits
+
+
+def test_chat_content_parts_are_joined_and_other_content_refused() -> None:
+    job = parse(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert job.inputs[0]["messages"] == [{"role": "user", "content": "ab"}]
+    for bad in ([], "hi", [{"content": "x"}], [{"role": "user", "content": None}], [{"role": "user", "content": [{"type": "image_url"}]}]):
+        refused(400, "messages", CHAT, messages=bad)
+
+
+def test_what_conveyor_cannot_do_is_refused_by_name() -> None:
+    assert "n > 1 is not supported" in refused(400, "n", n=2).message
+    refused(400, "n", n=0)
+    refused(400, "logprobs", logprobs=2)
+    refused(400, "logprobs", CHAT, logprobs=True)
+    parse(CHAT, logprobs=False)
+    refused(400, "echo", echo=True)
+    refused(400, "presence_penalty", presence_penalty=0.5)
+    refused(400, "tools", CHAT, tools=[{"type": "function"}])
+    refused(400, "foo", foo=1)
+    refused(400, "prompt", CHAT, prompt="x")  # a completions field on the chat endpoint
+
+
+def test_model_stream_and_wrong_types() -> None:
+    assert refused(404, "model", model="gpt-4").code == "model_not_found"
+    refused(400, "model", model=None)
+    refused(400, "model", model=3)
+    refused(400, "stream", stream="yes")
+    refused(400, "stream_options", stream_options={"include_usage": True})  # without stream
+    refused(400, "stream_options", stream=True, stream_options={"include_usage": "yes"})
+    refused(400, "stop", stop=[1])
+    refused(400, "temperature", temperature=[1])
+    refused(400, "max_tokens", max_tokens={"a": 1})
+    with pytest.raises(errors.ApiError, match="JSON object"):
+        parse_request(COMPLETION, [1], MODEL)
+    # values of protocol fields travel as they are: the frontend judges them
+    assert parse(temperature="hot").options["temperature"] == "hot"
+
+
+@pytest.mark.parametrize(
+    "message, status, param",
+    [
+        ("overloaded: 3 requests are waiting (max_waiting 1); retry later", 429, None),
+        ("timeout: not scheduled within max_queue_time (1 s)", 503, None),
+        ("scheduler process died (exit code -9)", 503, None),
+        ("server shutting down", 503, None),
+        ("worker sampled no token for this request (slot 1, step 2)", 500, None),
+        ("'temperature' must be a number >= 0, got 'hot'", 400, "temperature"),
+        ("'token_ids' must contain only integers", 400, "prompt"),
+        ("max_tokens=9 with a 4-token prompt exceeds the model length 8; at most 4 new tokens fit", 400, "max_tokens"),
+        ("prompt has 300 tokens; the model's limit is 256 including output", 400, "prompt"),
+        ("token id 99999 is outside the vocabulary [0, 100)", 400, "prompt"),
+        ("stop token id 99999 is outside the vocabulary [0, 100)", 400, "stop_token_ids"),
+    ],
+)
+def test_error_finals_get_their_status(message: str, status: int, param: str | None) -> None:
+    error = errors.from_final_error(message)
+    assert (error.status, error.param) == (status, param)
+    body = error.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"] == message
+
+
+def result(text: str, prompt: int, completion: int, cached: int = 0) -> CompletionResult:
+    return CompletionResult("r", text, list(range(completion)), "length", Usage(prompt, completion, cached))
+
+
+@pytest.mark.parametrize("kind", [COMPLETION, CHAT])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_the_fast_chunk_is_the_chunk_object(kind: str, include_usage: bool) -> None:
+    enc = ChunkEncoder(kind, "id-1", 123, 'mo"del', include_usage)
+    for index, text in ((0, "plain"), (3, 'quote " and \\ and \n and ☃ and \x00')):
+        raw = enc.text(index, text)
+        assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+        assert json.loads(raw[6:]) == chunk_object(kind, "id-1", 123, 'mo"del', index, text, None, include_usage)
+    finish = json.loads(enc.finish(1, "stop")[6:])
+    assert finish["choices"][0]["finish_reason"] == "stop" and ("usage" in finish) == include_usage
+    usage = json.loads(enc.usage([result("a", 3, 2, 1), result("b", 4, 5)])[6:])
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 7, "completion_tokens": 7, "total_tokens": 14, "prompt_tokens_details": {"cached_tokens": 1},
+    }  # fmt: skip
+    if kind == CHAT:
+        assert json.loads(enc.role(0)[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_unstreamed_bodies() -> None:
+    body = completion_body(CHAT, "id", 1, MODEL, [result("hello", 3, 2)])
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
+    assert body["usage"]["total_tokens"] == 5
+    body = completion_body(COMPLETION, "id", 1, MODEL, [result("a", 1, 1), result("b", 1, 1)])
+    assert [c["text"] for c in body["choices"]] == ["a", "b"] and [c["index"] for c in body["choices"]] == [0, 1]

@@ -1,0 +1,146 @@
+"""Raw HTTP against bin/serve --http-port (aiohttp's client): malformed and mistyped bodies,
+an oversized body, unknown model and paths, and clients that go away mid-request, whose
+requests must be aborted at the server (their KV blocks freed within an iteration)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from conveyor.client import Client
+from conveyor.protocol.messages import MAX_CLIENT_MESSAGE_BYTES
+
+
+def request(server, method: str, path: str, body=None, *, raw: bytes | None = None) -> tuple[int, dict]:
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+            async with session.request(method, server.url + path, data=data) as response:
+                return response.status, await response.json(content_type=None)
+
+    return asyncio.run(go())
+
+
+def model_of(server) -> str:
+    return request(server, "GET", "/v1/models")[1]["data"][0]["id"]
+
+
+def assert_error(reply: tuple[int, dict], status: int, param: str | None = None, code: str | None = None) -> None:
+    got, body = reply
+    assert got == status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+
+
+def test_models_and_health(http_server, tiny_checkpoint) -> None:
+    status, body = request(http_server, "GET", "/v1/models")
+    assert status == 200 and body["object"] == "list" and body["data"][0]["id"] == tiny_checkpoint.name
+    assert request(http_server, "GET", "/health") == (200, {"status": "ok"})
+
+
+def test_malformed_json_and_wrong_types_are_400_naming_the_field(http_server) -> None:
+    model = model_of(http_server)
+    assert_error(request(http_server, "POST", "/v1/completions", raw=b'{"model": "x", "prompt": '), 400, code="invalid_json")
+    assert_error(request(http_server, "POST", "/v1/completions", raw=b"\xff\xfe"), 400, code="invalid_json")
+    assert_error(request(http_server, "POST", "/v1/completions", ["not", "an", "object"]), 400)
+    cases = [
+        ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": "hi", "seed": -1}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "ignore_eos": "true"}, "ignore_eos"),
+        ("/v1/completions", {"prompt": "hi", "priority": 1.5}, "priority"),
+        ("/v1/completions", {"prompt": [999999]}, "prompt"),  # outside the vocabulary: the frontend says so
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "bogus": 1}, "bogus"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": -1, "stream": True}, "top_k"),
+    ]
+    for path, body, param in cases:
+        assert_error(request(http_server, "POST", path, {"model": model, **body}), 400, param)
+
+
+def test_unsupported_unknown_and_oversized(http_server) -> None:
+    model = model_of(http_server)
+    assert_error(request(http_server, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404, "model", "model_not_found")
+    assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "n": 2}), 400, "n")
+    assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "logprobs": 1}), 400, "logprobs")
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    assert_error(request(http_server, "POST", "/v1/chat/completions", chat), 400, "logprobs")
+    assert_error(request(http_server, "GET", "/v1/nothing-here"), 404, code="not_found")
+    assert_error(request(http_server, "GET", "/v1/completions"), 405)
+    big = {"model": model, "prompt": "a" * MAX_CLIENT_MESSAGE_BYTES}
+    assert_error(request(http_server, "POST", "/v1/completions", big), 413, code="request_too_large")
+    # just under the limit: the body is taken, and the frontend judges the prompt (too long for the model)
+    fits = json.dumps({"model": model, "prompt": "a"}).encode()
+    near = fits.replace(b'"a"', b'"' + b"a " * ((MAX_CLIENT_MESSAGE_BYTES - 4096 - len(fits)) // 2) + b'"')
+    assert_error(request(http_server, "POST", "/v1/completions", raw=near), 400, "prompt")
+
+
+def wait_for_idle(address: str, timeout: float = 10.0) -> dict:
+    """Poll stats until no request holds a KV block or is in flight at the frontend."""
+    deadline = time.monotonic() + timeout
+    with Client(address) as client:
+        while True:
+            stats = client.stats()
+            if (stats["held_blocks"] == 0 and stats["in_flight"] == 0) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+def busy(address: str) -> bool:
+    with Client(address) as client:
+        return client.stats()["held_blocks"] > 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_dropped_mid_way_frees_its_blocks(http_server, path) -> None:
+    model = model_of(http_server)
+    body = {"model": model, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    body.update({"prompt": [10] * 40} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi " * 20}]})
+
+    async def drop_after_a_few_chunks() -> bool:
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(http_server.url + path, json=body)
+            assert response.status == 200
+            for _ in range(5):
+                line = await response.content.readline()
+                assert line
+            held = await asyncio.to_thread(busy, http_server.address)
+            response.close()  # the connection goes away mid-stream
+            return held
+
+    assert asyncio.run(drop_after_a_few_chunks()), "the request held no blocks while streaming"
+    stats = wait_for_idle(http_server.address)
+    assert stats["held_blocks"] == 0 and stats["in_flight"] == 0, stats
+
+
+def test_an_unstreamed_request_given_up_frees_its_blocks(http_server) -> None:
+    body = {"model": model_of(http_server), "prompt": [11] * 40, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    async def give_up() -> None:
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.ensure_future(session.post(http_server.url + "/v1/completions", json=body))
+            deadline = time.monotonic() + 10
+            while not await asyncio.to_thread(busy, http_server.address):
+                assert time.monotonic() < deadline, "the request never started"
+                await asyncio.sleep(0.02)
+            task.cancel()  # closes the connection
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(give_up())
+    stats = wait_for_idle(http_server.address)
+    assert stats["held_blocks"] == 0 and stats["in_flight"] == 0, stats

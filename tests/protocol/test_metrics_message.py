@@ -1,0 +1,80 @@
+"""The ``metrics`` message of the client protocol: its validation, its reply map, and the
+clients' ``metrics()`` (routed by the reply's type, beside ``stats``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+from conveyor.client import AsyncClient, Client
+from conveyor.frontend.metrics import FrontendMetrics
+from conveyor.protocol import messages as cp
+from conveyor.protocol import replies
+
+
+def test_metrics_parses_and_names_bad_fields() -> None:
+    assert cp.parse_client_message({"type": "metrics", "v": 1}) == cp.MetricsCommand()
+    assert cp.parse_client_message({"type": "metrics"}) == cp.MetricsCommand()
+    with pytest.raises(cp.ProtocolError, match="unknown field.*window_s"):
+        cp.parse_client_message({"type": "metrics", "v": 1, "window_s": 5})
+    with pytest.raises(cp.ProtocolError, match="protocol version"):
+        cp.parse_client_message({"type": "metrics", "v": 2})
+
+
+def test_metrics_reply_carries_counters_and_histograms() -> None:
+    snapshot = FrontendMetrics().snapshot()
+    reply = replies.metrics_reply(**snapshot)
+    assert reply == {"type": "metrics", "v": cp.CLIENT_PROTOCOL_VERSION, **snapshot}
+    assert msgpack.unpackb(cp.pack(reply)) == reply  # plain msgpack types only
+
+
+class MetricsStandIn:
+    """A ROUTER that answers ``metrics`` and ``stats`` with fixed maps, ``expect`` times."""
+
+    METRICS = replies.metrics_reply(**FrontendMetrics().snapshot())
+    STATS = {"type": cp.STATS_REPLY, "v": 1, "in_flight": 0}
+
+    def __init__(self, address: str, expect: int) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.received: list[dict] = []
+        self.thread = threading.Thread(target=self._serve, args=(expect,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, expect: int) -> None:
+        while len(self.received) < expect and self.sock.poll(10_000):
+            identity, payload = self.sock.recv_multipart()
+            msg = msgpack.unpackb(payload)
+            self.received.append(msg)
+            reply = self.METRICS if msg["type"] == cp.METRICS else self.STATS
+            self.sock.send_multipart([identity, cp.pack(reply)])
+
+    def close(self) -> None:
+        self.thread.join(15)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def test_clients_ask_for_metrics(tmp_path) -> None:
+    address = f"ipc://{tmp_path}/metrics"
+    server = MetricsStandIn(address, expect=4)
+    try:
+        with Client(address, connect_timeout=5.0) as client:
+            assert client.metrics() == MetricsStandIn.METRICS
+            assert client.stats() == MetricsStandIn.STATS
+
+        async def both() -> tuple[dict, dict]:
+            async with AsyncClient(address, connect_timeout=5.0) as aclient:
+                return await asyncio.gather(aclient.metrics(), aclient.stats())
+
+        got_metrics, got_stats = asyncio.run(both())
+    finally:
+        server.close()
+    assert (got_metrics, got_stats) == (MetricsStandIn.METRICS, MetricsStandIn.STATS)
+    assert server.received[0] == {"type": cp.METRICS, "v": cp.CLIENT_PROTOCOL_VERSION}

@@ -3,51 +3,27 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
-SCRIPT = textwrap.dedent(
-    """
-    import importlib.abc
-    import sys
+from tests.no_torch import run_without_torch
 
-    class NoTorch(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError(f"torch is blocked in this process ({name})")
-            return None
+SCRIPT = """
+from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
+from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.stop import StopStringMatcher
+from conveyor.frontend.tokenizer import Tokenizer
+import conveyor.frontend.main  # the whole frontend process, server included
 
-    sys.meta_path.insert(0, NoTorch())
-
-    from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
-    from conveyor.frontend.detokenizer import IncrementalDetokenizer
-    from conveyor.frontend.stop import StopStringMatcher
-    from conveyor.frontend.tokenizer import Tokenizer
-    import conveyor.frontend.main  # the whole frontend process, server included
-
-    tok = Tokenizer.from_dir(demo_checkpoint_dir())
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Bonjour ☃ 你好"}])
-    assert prompt[0] == tok.bos_token_id
-    output = tok.encode("Salut 😀, ça va?", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, prompt)
-    stop = StopStringMatcher(["?"])
-    shown = "".join(stop.feed(detok.push([t]))[0] for t in output)
-    assert shown == "Salut 😀, ça va", shown
-    assert tok.decode(output) == "Salut 😀, ça va?"
-    assert not [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
-    assert "transformers" not in sys.modules
-    print("ok")
-    """
-)
+tok = Tokenizer.from_dir(demo_checkpoint_dir())
+prompt = tok.apply_chat_template([{"role": "user", "content": "Bonjour ☃ 你好"}])
+assert prompt[0] == tok.bos_token_id
+output = tok.encode("Salut 😀, ça va?", add_special_tokens=False)
+detok = IncrementalDetokenizer(tok, prompt)
+stop = StopStringMatcher(["?"])
+shown = "".join(stop.feed(detok.push([t]))[0] for t in output)
+assert shown == "Salut 😀, ça va", shown
+assert tok.decode(output) == "Salut 😀, ça va?"
+"""
 
 
 def test_frontend_modules_never_need_torch(tmp_path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "CONVEYOR_CACHE": str(tmp_path / "cache")},
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    run_without_torch(SCRIPT, env={**os.environ, "CONVEYOR_CACHE": str(tmp_path / "cache")})

@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-import textwrap
 
 from aiohttp.test_utils import TestClient, TestServer
 
 from conveyor.http.app import api_app, metrics_app
 from conveyor.http.link import FrontendLink
+from tests.no_torch import run_without_torch
 
 
 def run_app(tmp_path, scenario, make=api_app):
@@ -54,26 +52,5 @@ def test_the_metrics_listener_serves_only_metrics_and_health(tmp_path) -> None:
     assert run_app(tmp_path, scenario, metrics_app) == (404, "not_found", 503)
 
 
-SCRIPT = textwrap.dedent(
-    """
-    import importlib.abc
-    import sys
-
-    class NoTorch(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError(f"torch is blocked in this process ({name})")
-            return None
-
-    sys.meta_path.insert(0, NoTorch())
-    import conveyor.http.main  # the whole HTTP process
-    assert not [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
-    assert "transformers" not in sys.modules
-    print("ok")
-    """
-)
-
-
 def test_the_http_process_never_needs_torch() -> None:
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    run_without_torch("import conveyor.http.main  # the whole HTTP process\n")

@@ -180,7 +180,25 @@ def _stop_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
     monitor.close(linger=0)
 
 
-class Client:
+class _Connection:
+    """What both clients hold: one DEALER socket to ``address`` and, until the server is
+    known to be there, the monitor that tells (see :func:`_connect`)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, timeout: float | None, connect_timeout: float | None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._ctx = ctx
+        self._sock, self._monitor = _connect(ctx, address, connect_timeout)
+
+    def _close_socket(self) -> None:
+        if self._monitor is not None:
+            _stop_monitor(self._sock, self._monitor)
+            self._monitor = None
+        self._sock.close(linger=0)
+
+
+class Client(_Connection):
     """Synchronous client. Replies for other requests of this client are buffered, not lost."""
 
     def __init__(
@@ -190,11 +208,7 @@ class Client:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
     ) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self._ctx = zmq.Context.instance()
-        self._sock, self._monitor = _connect(self._ctx, address, connect_timeout)
+        super().__init__(zmq.Context.instance(), address, timeout, connect_timeout)
         self._inbox: dict[str | None, collections.deque] = collections.defaultdict(collections.deque)
         self._abandoned: set[str] = set()
 
@@ -269,10 +283,7 @@ class Client:
         return self._next("__metrics__")
 
     def close(self) -> None:
-        if self._monitor is not None:
-            _stop_monitor(self._sock, self._monitor)
-            self._monitor = None
-        self._sock.close(linger=0)
+        self._close_socket()
 
     def __enter__(self) -> Client:
         return self
@@ -324,7 +335,7 @@ class Client:
         return reply
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """asyncio client: one reader task routes replies to the awaiting request."""
 
     def __init__(
@@ -334,11 +345,7 @@ class AsyncClient:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
     ) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock, self._monitor = _connect(self._ctx, address, connect_timeout)
+        super().__init__(zmq.asyncio.Context.instance(), address, timeout, connect_timeout)
         self._awaiting_server = asyncio.Lock()  # one waiter reads the monitor; the others find it gone
         self._queues: dict[str, asyncio.Queue] = {}
         self._abandoned: set[str] = set()  # ids whose final is still to come, for nobody
@@ -418,10 +425,7 @@ class AsyncClient:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        if self._monitor is not None:
-            _stop_monitor(self._sock, self._monitor)
-            self._monitor = None
-        self._sock.close(linger=0)
+        self._close_socket()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -41,3 +41,29 @@ def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path
     err = capsys.readouterr().err
     assert 'pip install -e ".[bench]"' in err
     assert not (tmp_path / "plots").exists()
+
+
+def online_summary(output_tok_s: float) -> dict:
+    p = {"p50": 0.01, "p90": 0.02, "p99": 0.03, "mean": 0.01}
+    return {
+        "rate": "inf", "wall_s": 1.0, "num_requests": 4, "num_failed": 0, "output_tokens": 40,
+        "output_tok_s": output_tok_s, "req_s": 4.0, "ttft_s": p, "tpot_s": p, "itl_s": p, "e2e_s": p,
+        "goodput_req_s": 4.0, "slo_attainment": 1.0,
+    }  # fmt: skip
+
+
+def test_online_ratios_pair_runs_of_the_same_repeat() -> None:
+    runs = [
+        {"system": "conveyor", "repeat": 0, "summary": online_summary(100.0)},
+        {"system": "conveyor-http", "repeat": 0, "summary": online_summary(90.0), "extra": {"cpu_us_per_token": {"http": 40.0}}},
+        {"system": "conveyor", "repeat": 1, "summary": online_summary(200.0)},
+        {"system": "conveyor-http", "repeat": 1, "summary": online_summary(190.0)},
+    ]
+    ratios = report.add_online_ratios(runs, "conveyor")
+    assert ratios["conveyor-http"]["inf"]["runs"] == [0.9, 0.95]
+    assert ratios["conveyor-http"]["inf"]["throughput_vs_conveyor"] == 0.925
+    assert ratios["conveyor"]["inf"]["throughput_vs_conveyor"] == 1.0
+    table = report.online_table([(r["system"], r["summary"]) for r in runs], "conveyor")
+    assert "x conveyor" in table.splitlines()[0] and table.splitlines()[3].split()[-1] == "0.900"
+    cpu = report.online_cpu_table(runs).splitlines()
+    assert len(cpu) == 3 and cpu[2].split()[:2] == ["conveyor-http", "inf"] and "40.0" in cpu[2]

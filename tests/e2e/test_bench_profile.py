@@ -132,3 +132,31 @@ def test_no_profile_switches_every_process_off(serve_factory, tiny_checkpoint) -
     assert [p["process"] for p in reply["processes"]] == ["frontend", "scheduler", "worker"]
     for proc in reply["processes"]:
         assert not proc["enabled"] and proc["metrics"] == {} and proc["trace"] is None
+
+
+def test_bench_online_http_gives_a_row_beside_zeromq(tiny_checkpoint, tmp_path) -> None:
+    """--http: the same load through the OpenAI API (conveyor-http) beside ZeroMQ, with the ratio."""
+    out = tmp_path / "online-http.json"
+    proc = run_tool(
+        str(REPO / "bin" / "bench"), "online", "--model", str(tiny_checkpoint), "--http",
+        "--workload", "fixed", "--prompt-len", "8", "--output-len", "6", "--num-requests", "5", "--rate", "inf",
+        "--batch-size", "4", "--kv-cache-memory", "0.01", "--threads", "1", "--max-model-len", "256",
+        "--no-progress", "--json", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["settings"]["systems"] == ["conveyor", "conveyor-http"]
+    runs = {run["system"]: run for run in result["runs"]}
+    assert set(runs) == {"conveyor", "conveyor-http"}
+    for name, run in runs.items():
+        s = run["summary"]
+        assert s["num_failed"] == 0 and s["output_tokens"] == 30, (name, s)
+        assert s["ttft_s"]["p50"] > 0 and s["tpot_s"]["p50"] > 0 and s["e2e_s"]["p99"] >= s["e2e_s"]["p50"] > 0
+        assert s["itl_s"]["p50"] > 0 and s["output_tok_s"] > 0
+        assert run["extra"]["server_profile"]["frontend"]["counters"]["output_tokens"]["total"] > 0
+        assert {"load_generator", "frontend", "scheduler", "worker"} <= set(run["extra"]["cpu_s"])
+    http = runs["conveyor-http"]
+    assert http["extra"]["base_url"].startswith("http://127.0.0.1:") and "http" in http["extra"]["cpu_s"]
+    assert 0 < http["extra"]["content_events_per_token"] <= 1
+    assert result["ratios"]["conveyor"]["inf"]["throughput_vs_conveyor"] == 1.0
+    assert result["ratios"]["conveyor-http"]["inf"]["throughput_vs_conveyor"] > 0
+    assert "conveyor-http" in proc.stdout and "x conveyor" in proc.stdout and "CPU us/token" in proc.stdout

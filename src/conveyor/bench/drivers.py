@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from conveyor.bench.cpu import CpuMeter, CpuProbe, per_token_us
 from conveyor.bench.metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
-from conveyor.bench.workloads import Workload
+from conveyor.bench.workloads import BenchRequest, Workload
 from conveyor.client import AsyncClient
 
 WARMUP_REQUESTS = 4
@@ -102,6 +104,58 @@ def _profile_summary(profile: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+StreamOne = Callable[[BenchRequest, StreamTiming], Awaitable[None]]
+
+
+async def drive_arrivals(
+    workload: Workload, arrivals: list[float], stream_one: StreamOne, progress: Any, cpu_probe: CpuProbe | None
+) -> tuple[list[StreamTiming], float, dict[str, float]]:
+    """Send every request of ``workload`` at its arrival time (seconds after the start) through
+    ``stream_one``, which streams it and fills its timing (token stamps, ``num_tokens``,
+    ``ok``). The one arrival loop of every online driver, whatever face it goes through.
+    Returns the timings, the wall time and the server processes' CPU seconds over the run."""
+    start = time.perf_counter()
+    meter = CpuMeter(cpu_probe)
+    timings: list[StreamTiming] = []
+
+    async def one(i: int) -> None:
+        delay = start + arrivals[i] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        timing = StreamTiming(sent=time.perf_counter())
+        timings.append(timing)
+        await stream_one(workload.requests[i], timing)
+        timing.finished = time.perf_counter()
+        progress.update(1)
+
+    await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
+    return timings, time.perf_counter() - start, meter.stop()
+
+
+def online_run(
+    system: str,
+    rate: float,
+    wall: float,
+    timings: list[StreamTiming],
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+    cpu_s: dict[str, float],
+    extra: dict[str, Any],
+) -> OnlineRun:
+    """An :class:`OnlineRun` of the requests that came back right, with the CPU per token."""
+    output_tokens = sum(t.num_tokens for t in timings if t.ok)
+    return OnlineRun(
+        system=system,
+        rate=rate,
+        wall_s=wall,
+        requests=timings,
+        output_tokens=output_tokens,
+        slo_ttft_s=slo_ttft_s,
+        slo_tpot_s=slo_tpot_s,
+        extra={**extra, "cpu_s": cpu_s, "cpu_us_per_token": per_token_us(cpu_s, output_tokens)},
+    )
+
+
 async def run_online(
     system: str,
     address: str,
@@ -112,19 +166,14 @@ async def run_online(
     slo_tpot_s: float,
     progress: Any,
     timeout: float,
+    cpu_probe: CpuProbe | None = None,
 ) -> OnlineRun:
+    """Stream every request of ``workload`` at its arrival time; ``cpu_probe`` (the server
+    processes' CPU seconds) adds each process's CPU cost of the window to ``extra``."""
     async with AsyncClient(address, timeout=timeout) as client:
         await _warmup(client)
-        start = time.perf_counter()
-        timings: list[StreamTiming] = []
 
-        async def one(i: int) -> None:
-            req = workload.requests[i]
-            delay = start + arrivals[i] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            timing = StreamTiming(sent=time.perf_counter())
-            timings.append(timing)
+        async def stream_one(req: BenchRequest, timing: StreamTiming) -> None:
             last = None
             async for delta in client.stream(
                 token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True
@@ -135,21 +184,11 @@ async def run_online(
                     timing.token_counts.append(len(delta.token_ids))
                     timing.num_tokens += len(delta.token_ids)
                 last = delta
-            timing.finished = time.perf_counter()
             result = last.result if last is not None else None
             timing.ok = result is not None and result.finish_reason == "length" and timing.num_tokens == req.output_len
-            progress.update(1)
 
-        await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
-        wall = time.perf_counter() - start
+        timings, wall, cpu_s = await drive_arrivals(workload, arrivals, stream_one, progress, cpu_probe)
         profile = await client.profile(wall + PROFILE_SLACK_S)
-    return OnlineRun(
-        system=system,
-        rate=rate,
-        wall_s=wall,
-        requests=timings,
-        output_tokens=sum(t.num_tokens for t in timings if t.ok),
-        slo_ttft_s=slo_ttft_s,
-        slo_tpot_s=slo_tpot_s,
-        extra={"server_profile": _profile_summary(profile)},
+    return online_run(
+        system, rate, wall, timings, slo_ttft_s, slo_tpot_s, cpu_s, {"server_profile": _profile_summary(profile)}
     )

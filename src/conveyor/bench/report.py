@@ -145,11 +145,37 @@ def offline_table(systems: dict[str, dict[str, Any]], reference: str = "conveyor
     return "\n".join(lines), ratios
 
 
-def online_table(rows: list[tuple[str, dict[str, Any]]]) -> str:
+def add_online_ratios(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:
+    """Each run's output throughput over ``reference``'s run at the same rate in the same
+    repeat, stored in its summary as ``throughput_vs_<reference>``; returned per system and
+    rate with the median and every run's value (runs alternate, so each pair shares the
+    machine's state of its moment)."""
+    key = f"throughput_vs_{reference}"
+    refs = {(r["repeat"], r["summary"]["rate"]): r["summary"]["output_tok_s"] for r in runs if r["system"] == reference}
+    by: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        ref = refs.get((run["repeat"], run["summary"]["rate"]))
+        if not ref:
+            continue
+        ratio = run["summary"]["output_tok_s"] / ref
+        run["summary"][key] = ratio
+        by.setdefault(run["system"], {}).setdefault(str(run["summary"]["rate"]), []).append(ratio)
+    return {
+        system: {rate: {key: statistics.median(values), "runs": values} for rate, values in rates.items()}
+        for system, rates in by.items()
+    }
+
+
+def online_table(rows: list[tuple[str, dict[str, Any]]], reference: str | None = None) -> str:
+    """One line per run; with ``reference``, a last column of each run's output throughput
+    relative to ``reference``'s (see :func:`add_online_ratios`)."""
+    key = f"throughput_vs_{reference}"
     header = (
         f"{'system':<16} {'rate':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p90/p99 ms':>22} "
         f"{'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 s':>15} {'goodput':>8} {'SLO':>5}"
     )
+    if reference:
+        header += f" {'x ' + reference:>12}"
     lines = [header, "-" * len(header)]
     for name, s in rows:
         if "unavailable" in s:
@@ -158,13 +184,36 @@ def online_table(rows: list[tuple[str, dict[str, Any]]]) -> str:
         ttft, tpot, itl, e2e = s["ttft_s"], s["tpot_s"], s["itl_s"], s["e2e_s"]
         rate = s["rate"] if isinstance(s["rate"], str) else f"{s['rate']:g}"
         attain = s["slo_attainment"]
-        lines.append(
+        line = (
             f"{name:<16} {rate:>6} {s['req_s']:>7.2f} {s['output_tok_s']:>10.1f} "
             f"{_ms(ttft['p50'])}/{_ms(ttft['p90'])}/{_ms(ttft['p99'])} {'':>2}"
             f"{_ms(tpot['p50'])}/{_ms(tpot['p99'])} {'':>2}{_ms(itl['p50'])}/{_ms(itl['p99'])} "
             f"{_opt(e2e['p50'], 7, 2)}/{_opt(e2e['p99'], 7, 2)} {s['goodput_req_s']:>8.2f} "
             f"{'' if attain is None else f'{attain:.0%}':>5}"
         )
+        if reference:
+            line += f" {_opt(s.get(key), 12, 3)}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+CPU_COLUMNS = ("load_generator", "http", "frontend", "scheduler", "worker")
+
+
+def online_cpu_table(runs: list[dict[str, Any]]) -> str:
+    """CPU microseconds per output token of each process in each run (empty when no run
+    measured any): where a difference in throughput between two systems is spent."""
+    measured = [r for r in runs if r.get("extra", {}).get("cpu_us_per_token")]
+    if not measured:
+        return ""
+    header = f"{'CPU us/token':<16} {'rate':>6} " + " ".join(f"{c:>14}" for c in CPU_COLUMNS) + f" {'total':>9}"
+    lines = [header, "-" * len(header)]
+    for run in measured:
+        cpu = run["extra"]["cpu_us_per_token"]
+        rate = run["summary"]["rate"]
+        rate = rate if isinstance(rate, str) else f"{rate:g}"
+        cells = " ".join(_opt(cpu.get(c), 14, 1) for c in CPU_COLUMNS)
+        lines.append(f"{run['system']:<16} {rate:>6} {cells} {sum(cpu.values()):>9.1f}")
     return "\n".join(lines)
 
 

@@ -5,11 +5,17 @@ collides with a server already on the default port, and it is always stopped (SI
 then SIGKILL) when the ``with`` block ends, also on an exception or Ctrl-C. Its stdout and
 stderr go to a log file, never a pipe: a benchmark that dies must not leave a server
 blocked on (or failing at) a write to a pipe nobody reads.
+
+What bin/serve prints there is the server's own account of itself: the pid of each process
+(``conveyor: NAME ready (pid N)``), read for :meth:`BenchServer.cpu_seconds`, and with
+``--http-port`` the URL of its OpenAI API (:attr:`BenchServer.http_url`; ``--http-port 0``
+lets the HTTP process bind a free port, so runs never collide on one).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +25,9 @@ from pathlib import Path
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 20.0
+_PID_LINE = re.compile(r"conveyor: (\w+) ready \(pid (\d+)\)")
+_API_MARKER = "OpenAI-compatible API on "
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class ServeError(RuntimeError):
@@ -35,6 +44,8 @@ class BenchServer:
         self.args = list(args)
         self.proc: subprocess.Popen | None = None
         self.ready_line = ""
+        self.pids: dict[str, int] = {}
+        self.http_url: str | None = None
 
     def __enter__(self) -> BenchServer:
         self.start()
@@ -56,6 +67,24 @@ class BenchServer:
             tail = self.log_tail()
             self.stop()
             raise ServeError(f"bin/serve {' '.join(self.args)} did not become ready:\n{tail}")
+        # Every line before the ready line is written by then (one log, flushed per line).
+        for line in self._log_lines():
+            if (m := _PID_LINE.search(line)) is not None:
+                self.pids[m.group(1)] = int(m.group(2))
+            elif _API_MARKER in line:
+                self.http_url = line.split(_API_MARKER, 1)[1].split("/v1", 1)[0].strip()
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each server process has used so far, by process name,
+        from /proc (empty where there is none); a difference of two readings is a run's cost."""
+        out = {}
+        for name, pid in self.pids.items():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            out[name] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+        return out
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None

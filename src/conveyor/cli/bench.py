@@ -4,13 +4,17 @@
         --json bench/results/offline.json --plot bench/results/offline
     bin/bench online --rate 1,2,4 --num-requests 64 --systems conveyor,static
     bin/bench online --address tcp://127.0.0.1:7700 --rate 2        # a server you started
+    bin/bench online --http --rate inf --batch-size 64 --repeat 3    # conveyor vs conveyor-http
 
 Systems: ``conveyor`` (bin/serve, continuous batching, started by the benchmark),
 ``static`` (bin/serve --batching static), ``conveyor-noprof`` (bin/serve --no-profile: with
 ``conveyor`` it measures what profiling costs), ``conveyor-nooverlap`` (bin/serve
 --no-overlap: with ``conveyor`` it measures what planning ahead buys; the table's worker
 idle column is the worker's idle fraction from the server profile), ``conveyor-zmq``
-(bin/serve --plan-transport zmq: plans and results on ZeroMQ instead of shared memory), ``hf`` (transformers ``generate`` on padded
+(bin/serve --plan-transport zmq: plans and results on ZeroMQ instead of shared memory),
+``conveyor-http`` (online only: bin/serve --http-port on a free port, the same load as
+streamed ``/v1/completions`` through the OpenAI HTTP API; with ``conveyor`` it measures what
+the HTTP face costs; ``--http`` adds it), ``hf`` (transformers ``generate`` on padded
 batches) and ``hf-cb`` (transformers continuous batching). Every system gets the same
 concurrency cap, ``--batch-size``: the server's --max-num-seqs, the padded batch size, and
 hf-cb's max requests per batch. A system that cannot run here is reported as such, with
@@ -29,6 +33,7 @@ from typing import Any
 
 from conveyor.bench import plots, report
 from conveyor.bench.drivers import run_offline, run_online
+from conveyor.bench.http_driver import run_online_http
 from conveyor.bench.metrics import OfflineRun
 from conveyor.bench.server import BenchServer
 from conveyor.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
@@ -43,8 +48,10 @@ SERVED = {
     "conveyor-nooverlap": ["--no-overlap"],
     "conveyor-zmq": ["--plan-transport", "zmq"],
 }
+# Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
+HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}
 IN_PROCESS = ("hf", "hf-cb")
-ALL_SYSTEMS = (*SERVED, *IN_PROCESS)
+ALL_SYSTEMS = (*SERVED, *HTTP_SERVED, *IN_PROCESS)
 TIMEOUT_S = 3600.0
 
 
@@ -79,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     on = sub.add_parser("online", parents=[common], help="Poisson arrivals: latency and goodput")
     on.add_argument("--rate", default="4", help="requests/s; a comma-separated sweep; 'inf' for all at once")
     on.add_argument("--address", help="benchmark this running server instead of starting one")
+    on.add_argument("--http", action="store_true", help="also drive the load through the OpenAI HTTP API (adds conveyor-http)")
+    on.add_argument("--http-url", help="with --address: that server's HTTP API (e.g. http://127.0.0.1:8000), also driven")
+    on.add_argument("--repeat", type=int, default=1, help="runs per system, alternating (a fresh server each)")
     on.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput target: time to first token")
     on.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target: time per output token")
     return p
@@ -118,6 +128,9 @@ def _run_record(run: OfflineRun) -> dict[str, Any]:
 def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     workload, systems, device, model_dir = ctx["workload"], ctx["systems"], ctx["device"], ctx["model_dir"]
     results: dict[str, dict[str, Any]] = {name: {"runs": []} for name in systems}
+    for name in systems:
+        if name in HTTP_SERVED:
+            results[name] = {"unavailable": "online only: bin/bench online drives the HTTP API"}
     hf_model = None
     for rep in range(args.repeat):
         for name in systems:
@@ -166,57 +179,93 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     return {"systems": results, "ratios": ratios, "table": table}
 
 
+def _online_targets(args: argparse.Namespace, systems: list[str]) -> list[tuple[str, list[str] | None, str | None]]:
+    """(system, bin/serve arguments or None for the running server, HTTP URL or None for ZeroMQ)."""
+    if args.address:
+        targets = [("server", None, None)]
+        if args.http_url:
+            targets.append(("server-http", None, args.http_url.rstrip("/")))
+        return targets
+    targets = []
+    for name in systems:
+        if name in SERVED:
+            targets.append((name, SERVED[name], None))
+        elif name in HTTP_SERVED:
+            targets.append((name, HTTP_SERVED[name], ""))  # the URL: what the server prints
+    return targets
+
+
 def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     workload, systems, device, model_dir = ctx["workload"], ctx["systems"], ctx["device"], ctx["model_dir"]
     rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rate.split(",")]
-    targets: list[tuple[str, list[str] | None]] = []
-    if args.address:
-        targets.append(("server", None))
-    else:
-        targets += [(name, SERVED[name]) for name in systems if name in SERVED]
+    targets = _online_targets(args, systems)
     runs: list[dict[str, Any]] = []
     rows: list[tuple[str, dict[str, Any]]] = []
     for name in systems:
         if name in IN_PROCESS:
             note = "no server: online runs go through the ZeroMQ client to a bin/serve"
             rows.append((name, {"unavailable": note}))
-    for name, extra in targets:
-        server = None if extra is None else BenchServer(_serve_args(args, model_dir, device, extra))
-        try:
-            if server is not None:
-                server.start()
-            address = args.address if server is None else server.address
-            for rate in rates:
-                arrivals = poisson_arrivals(len(workload.requests), rate, args.seed)
-                with _progress(args, len(workload.requests), f"{name} @ {rate:g}/s") as bar:
-                    run = asyncio.run(
-                        run_online(
-                            name, address, workload, arrivals, rate,
-                            args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, bar, args.timeout,
-                        )  # fmt: skip
-                    )
-                summary = run.summary()
-                done = [r for r in run.requests if r.ok]
-                raw = {
-                    "ttft_s": [r.ttft for r in done if r.ttft is not None],
-                    "e2e_s": [r.e2e for r in done],
-                    "tpot_s": [r.tpot for r in done if r.tpot is not None],
-                }
-                runs.append({"system": name, "summary": summary, "raw": raw, "extra": run.extra})
-                rows.append((name, summary))
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            print(f"\n{name} could not run: {reason}", file=sys.stderr)
-            rows.append((name, {"unavailable": reason.splitlines()[0][:300]}))
-        finally:
-            if server is not None:
-                server.stop()
-    table = report.online_table(rows)
+    failed: set[str] = set()
+    for rep in range(args.repeat):
+        for name, extra, http_url in targets:
+            if name in failed:
+                continue
+            server = None if extra is None else BenchServer(_serve_args(args, model_dir, device, extra))
+            try:
+                if server is not None:
+                    server.start()
+                address = args.address if server is None else server.address
+                if http_url == "":
+                    http_url = server.http_url
+                    if not http_url:
+                        raise RuntimeError(f"bin/serve printed no HTTP API address:\n{server.log_tail()}")
+                for rate in rates:
+                    arrivals = poisson_arrivals(len(workload.requests), rate, args.seed)
+                    label = f"{name} @ {rate:g}/s" + ("" if args.repeat == 1 else f" [{rep + 1}/{args.repeat}]")
+                    slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+                    probe = None if server is None else server.cpu_seconds
+                    with _progress(args, len(workload.requests), label) as bar:
+                        if http_url is None:
+                            job = run_online(name, address, workload, arrivals, rate, *slo, bar, args.timeout, probe)
+                        else:
+                            job = run_online_http(
+                                name, http_url, address, workload, arrivals, rate, *slo, bar, args.timeout, probe
+                            )
+                        run = asyncio.run(job)
+                    summary = run.summary()
+                    done = [r for r in run.requests if r.ok]
+                    raw = {
+                        "ttft_s": [r.ttft for r in done if r.ttft is not None],
+                        "e2e_s": [r.e2e for r in done],
+                        "tpot_s": [r.tpot for r in done if r.tpot is not None],
+                    }
+                    runs.append({"system": name, "repeat": rep, "summary": summary, "raw": raw, "extra": run.extra})
+                    rows.append((name, summary))
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+                print(f"\n{name} could not run: {reason}", file=sys.stderr)
+                rows.append((name, {"unavailable": reason.splitlines()[0][:300]}))
+                failed.add(name)
+            finally:
+                if server is not None:
+                    server.stop()
+    reference = "server" if args.address else "conveyor"
+    ratios = report.add_online_ratios(runs, reference)
+    table = report.online_table(rows, reference if len(ratios) > 1 else None)
+    cpu = report.online_cpu_table(runs)
     print()
     print(table)
-    return {"runs": runs, "table": table, "unavailable": {n: s["unavailable"] for n, s in rows if "unavailable" in s}}
+    if cpu:
+        print()
+        print(cpu)
+    return {
+        "runs": runs,
+        "table": table,
+        "ratios": ratios,
+        "unavailable": {n: s["unavailable"] for n, s in rows if "unavailable" in s},
+    }
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -230,12 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
     default = "conveyor,static,hf,hf-cb" if args.mode == "offline" else "conveyor"
     systems = [s.strip() for s in (args.systems or default).split(",") if s.strip()]
+    if getattr(args, "http", False) and "conveyor-http" not in systems:
+        systems.append("conveyor-http")
     unknown = [s for s in systems if s not in ALL_SYSTEMS]
     if unknown:
         print(f"bench: unknown system(s) {', '.join(unknown)}; choose from {', '.join(ALL_SYSTEMS)}", file=sys.stderr)
         return 2
-    if args.mode == "offline" and args.repeat < 1:
+    if args.repeat < 1:
         print("bench: --repeat must be at least 1", file=sys.stderr)
+        return 2
+    if args.mode == "online" and args.http_url and not args.address:
+        print("bench: --http-url is for a running server: give its --address too", file=sys.stderr)
         return 2
     if args.plot and (missing := plots.missing_requirement()):
         print(f"bench: --plot: {missing}", file=sys.stderr)

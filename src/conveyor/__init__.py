@@ -7,7 +7,26 @@ the device). What they share: ``conveyor.protocol`` (the client-facing wire form
 ``conveyor.runtime`` (server config, process harness), ``conveyor.checkpoints`` (model config,
 demo checkpoint), ``conveyor.profiling``. Triton kernels live in ``conveyor.kernels``; the
 command-line tools in ``conveyor.cli``; bin/bench's harness in ``conveyor.bench``.
-docs/architecture.md opens with the whole map.
+``conveyor.Engine`` (``conveyor.engine``) is the scheduler and the model runner in one
+process, as a library. docs/architecture.md opens with the whole map.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+__all__ = ["Engine"]
+
+if TYPE_CHECKING:
+    from conveyor.engine import Engine
+
+
+def __getattr__(name: str):
+    """``conveyor.Engine``, imported on first use: the processes that never load torch (the
+    frontend, the scheduler) import ``conveyor`` too, and must not pay for the engine's imports."""
+    if name == "Engine":
+        from conveyor.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

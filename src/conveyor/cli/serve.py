@@ -195,9 +195,7 @@ def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
     """
     model_dir, demo = resolve_model(args.model)
     model = ModelConfig.from_dir(model_dir)
-    max_model_len = args.max_model_len or model.max_position_embeddings
-    if max_model_len > model.max_position_embeddings:
-        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {model.max_position_embeddings}")
+    max_model_len = model_length(model, args.max_model_len)
     addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(args.host, args.port))
     channels = step_channel.StepChannels.for_server(
         run_dir, addresses.plans, addresses.results, shm=args.plan_transport == PlanTransport.SHM
@@ -239,6 +237,16 @@ def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
         name = args.served_model_name or ("conveyor-demo" if demo else Path(model_dir).resolve().name)
         http = _view(HttpConfig, args, addresses=addresses, served_model_name=name, max_model_len=max_model_len)
     return ServerConfig(model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http)
+
+
+def model_length(model: ModelConfig, max_model_len: int | None) -> int:
+    """The prompt + output limit: ``max_model_len`` (--max-model-len), by default the model's
+    ``max_position_embeddings``, which it may not exceed (ValueError). bin/serve and the
+    in-process engine (:mod:`conveyor.engine`) both take it from here."""
+    length = max_model_len or model.max_position_embeddings
+    if length > model.max_position_embeddings:
+        raise ValueError(f"--max-model-len {length} exceeds the model's {model.max_position_embeddings}")
+    return length
 
 
 def _view(view: type[T], args: argparse.Namespace, **fields: object) -> T:

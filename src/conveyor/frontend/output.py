@@ -49,10 +49,12 @@ import msgpack
 import zmq
 
 from conveyor import profiling
+from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.sending import ClientSender, backend_send
 from conveyor.frontend.sessions import Sessions
+from conveyor.frontend.stop import StopStringMatcher
 from conveyor.ipc.messages import FinishReason, RequestOutput, TokenOutputs
 from conveyor.protocol.replies import DELTA_IDS_KEY, final_reply
 
@@ -144,8 +146,8 @@ class OutputPath:
         stream's previous output time to ``previous`` (the metrics' inter-token gaps, bucketed
         by the caller once per call); further tokens of the same output are counted here.
         The tests on the number of tokens only pick the cheapest equivalent code for one
-        token: ``push_one`` is ``push`` of one token, one ``feed`` is the stop-string loop run
-        once, and a delta's memoized tail is its packed text and ids."""
+        token: ``push_one`` then one ``feed`` is :func:`stream_text` of one token, and a
+        delta's memoized tail is its packed text and ids."""
         get = self.requests.get
         tails = self._delta_tails
         gap_from = previous.append
@@ -192,26 +194,16 @@ class OutputPath:
                 if token_ids:
                     gap_from(state.last_output_ns)
                     state.last_output_ns = now
-                    if state.has_stop:  # one token at a time: the output ends at the token that completes a stop string
-                        push_one, feed = state.detokenizer.push_one, state.stop.feed
-                        pieces = []
-                        for taken, token in enumerate(token_ids, 1):
-                            piece, stopped = feed(push_one(token))
-                            pieces.append(piece)
-                            if stopped:
-                                token_ids = token_ids[:taken]
-                                break
-                        text = "".join(pieces)
-                    else:
-                        text = state.detokenizer.push(token_ids)
+                    text, taken, stopped = stream_text(state.detokenizer, state.stop, token_ids)
+                    if stopped:
+                        token_ids = token_ids[:taken]
                     state.token_ids += token_ids
                     together += len(token_ids) - 1
             if timed:
                 self._t_detokenize.record(start)
             if stopped or finish_reason is not None:
-                if not stopped:  # what the detokenizer and the stop strings held back, up to a stop string
-                    tail, stopped = state.stop.feed(state.detokenizer.flush())
-                    text += tail if stopped else tail + state.stop.flush()
+                if not stopped:
+                    text += end_text(state.detokenizer, state.stop)
                 state.text.append(text)
                 self._untrack(state)
                 reason = FinishReason.STOP if state.stop.stopped else finish_reason
@@ -313,6 +305,35 @@ class OutputPath:
                 self._s_tpot.add((total - ttft) * 1e3 / (num_tokens - 1))
         if total is not None:
             self._s_e2e.add(total * 1e3)
+
+
+def stream_text(
+    detokenizer: IncrementalDetokenizer, stop: StopStringMatcher, token_ids: Sequence[int]
+) -> tuple[str, int, bool]:
+    """What ``token_ids`` add to a stream's text: ``(text safe to show, tokens taken, whether
+    a stop string matched)``. With stop strings the tokens are detokenized and fed to them
+    one at a time, so the output ends at the very token that completes a stop string (the
+    tokens after it are not taken); without, all are taken. The rule of every stream: the
+    output path here and the in-process engine (:mod:`conveyor.engine`) apply it."""
+    if not stop.active:
+        return detokenizer.push(token_ids), len(token_ids), False
+    push_one, feed = detokenizer.push_one, stop.feed
+    pieces = []
+    stopped = False
+    taken = 0
+    for taken, token in enumerate(token_ids, 1):
+        piece, stopped = feed(push_one(token))
+        pieces.append(piece)
+        if stopped:
+            break
+    return "".join(pieces), taken, stopped
+
+
+def end_text(detokenizer: IncrementalDetokenizer, stop: StopStringMatcher) -> str:
+    """At the end of a stream no stop string ended: what the detokenizer and the stop strings
+    still held back, cut at a stop string it completes."""
+    tail, stopped = stop.feed(detokenizer.flush())
+    return tail if stopped else tail + stop.flush()
 
 
 def merge(batch: list[TokenOutputs]) -> list[RequestOutput]:

@@ -97,6 +97,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from conveyor import profiling
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.inputs import context_ids, encode_input
 from conveyor.frontend.metrics import FrontendMetrics
 from conveyor.frontend.output import OutputPath
 from conveyor.frontend.request_state import RequestState
@@ -138,8 +139,6 @@ class Frontend:
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        # Ids from the tokenizer need no vocabulary check unless the model has fewer rows than it has tokens.
-        self._tokenizer_exceeds_model = tokenizer.vocab_size > config.vocab_size
         # Two views of the requests in flight (module docstring, "Request ids"): by the client's
         # id, every one from its generate on (a pending one too); by its id at the scheduler,
         # those admitted (sent to the scheduler), which is where scheduler outputs look.
@@ -339,25 +338,18 @@ class Frontend:
         self, req: cp.GenerateRequest, history: list[int] | None, release_gil: bool
     ) -> tuple[list[int], int, int]:
         """The whole context to send (earlier turns + this input), checked against the model's
-        limits, and when its tokenization started and ended (ns). Touches no mutable state of
-        the frontend, so it runs on the loop or on a pool thread."""
+        limits (:mod:`conveyor.frontend.inputs`), and when its tokenization started and ended
+        (ns). Touches no mutable state of the frontend, so it runs on the loop or on a pool thread."""
         start = profiling.now_ns()
-        try:
-            prompt_ids = self._encode_input(req, continuing=history is not None, release_gil=release_gil)
-        except cp.ProtocolError:
-            raise
-        except Exception as exc:  # a template error is the client's input, not a server crash
-            raise cp.ProtocolError(f"cannot tokenize input: {exc}", req.request_id) from None
+        input_ids = encode_input(self.tokenizer, req, continuing=history is not None, release_gil=release_gil)
         end = profiling.now_ns()
-        text_input = req.token_ids is None  # the tokenizer's ids are below its vocabulary
-        if history is not None:
-            prompt_ids = history + prompt_ids
-        cp.check_tokenized(
+        prompt_ids = context_ids(
             req,
-            prompt_ids,
-            self.config.vocab_size,
-            self.config.max_model_len,
-            check_ids=not text_input or self._tokenizer_exceeds_model,
+            history,
+            input_ids,
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.config.max_model_len,
+            tokenizer_vocab_size=self.tokenizer.vocab_size,
         )
         return prompt_ids, start, end
 
@@ -379,19 +371,6 @@ class Frontend:
         self.metrics.add_prompt(state.prompt_len)
         log.debug("request %r is %s at the scheduler", state.request_id, state.scheduler_id)
         self._send_scheduler(AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority))
-
-    def _encode_input(self, req: cp.GenerateRequest, continuing: bool, release_gil: bool = False) -> list[int]:
-        """The request's input as token ids. A continuation's input follows earlier tokens, so
-        no BOS is added to text, and a chat template's leading BOS is dropped."""
-        if req.prompt is not None:
-            return self.tokenizer.encode(req.prompt, add_special_tokens=not continuing, release_gil=release_gil)
-        if req.messages is not None:
-            ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, release_gil=release_gil)
-            bos = self.tokenizer.bos_token_id
-            if continuing and ids and bos is not None and ids[0] == bos:
-                ids = ids[1:]
-            return ids
-        return list(req.token_ids)
 
     async def _on_abort(self, request_id: str) -> None:
         state = self.in_flight.get(request_id)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -41,8 +42,11 @@ from conveyor import profiling
 from conveyor.ipc import codec
 from conveyor.ipc.messages import ProfileQuery, ProfileReport, Shutdown, StepPlan, StepResult
 from conveyor.ipc.step_channel import PeerGone, StepReceiver, StepSender
-from conveyor.runtime.config import Device, PipelineSteps, WorkerConfig
+from conveyor.runtime.config import Attention, Device, Dtype, PipelineSteps, WorkerConfig
 from conveyor.runtime.process import Started, run_process
+
+if TYPE_CHECKING:  # torch is imported when a runner is built, not with this module
+    from conveyor.worker.model_runner import ModelRunner
 
 log = logging.getLogger("conveyor.worker")
 
@@ -80,12 +84,49 @@ def run_worker(config: WorkerConfig) -> None:
     run_process("worker", config.addresses.control, lambda ctx: _start(config, ctx))
 
 
-def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
-    """Load the model, size the KV pool and the swap space, connect the step channel."""
+def build_runner(
+    model_dir: str,
+    *,
+    device: str = Device.AUTO,
+    dtype: str = Dtype.AUTO,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    attention: str = Attention.AUTO,
+    num_cpu_blocks: int | None = None,
+    swap_space_bytes: int | None = None,
+    num_threads: int | None = None,
+    profiler: profiling.Profiler | None = None,
+) -> ModelRunner:
+    """The worker's :class:`~conveyor.worker.model_runner.ModelRunner` as bin/serve's flags
+    describe it (the fields of :class:`WorkerConfig`): torch's CPU threads set when given, the
+    device resolved (:func:`resolve_device`), the KV pool from ``num_blocks`` or
+    ``kv_cache_memory_bytes``, the swap space from ``num_cpu_blocks`` or ``swap_space_bytes``
+    (neither: the device's default, :func:`default_swap_space`). The worker process and the
+    in-process engine (:mod:`conveyor.engine`) both build theirs here."""
     import torch
 
     from conveyor.worker.model_runner import ModelRunner
 
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    device = resolve_device(device)
+    return ModelRunner(
+        model_dir,
+        device=device,
+        dtype=dtype,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        attention=attention,
+        num_cpu_blocks=num_cpu_blocks,
+        swap_space_bytes=default_swap_space(device) if swap_space_bytes is None else swap_space_bytes,
+        profiler=profiler,
+    )
+
+
+def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
+    """Load the model, size the KV pool and the swap space, connect the step channel."""
     prof = profiling.Profiler("worker", enabled=config.profile)
 
     def idle_fraction(since_ns: int) -> float:
@@ -94,21 +135,20 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         return idle / (idle + busy) if idle + busy > 0 else 1.0
 
     prof.derive("idle_fraction", idle_fraction)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    device = resolve_device(config.device)
-    runner = ModelRunner(
+    runner = build_runner(
         config.model_dir,
-        device=device,
+        device=config.device,
         dtype=config.dtype,
         block_size=config.block_size,
         num_blocks=config.num_blocks,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         attention=config.attention,
         num_cpu_blocks=config.num_cpu_blocks,
-        swap_space_bytes=default_swap_space(device) if config.swap_space_bytes is None else config.swap_space_bytes,
+        swap_space_bytes=config.swap_space_bytes,
+        num_threads=config.num_threads,
         profiler=prof,
     )
+    device = str(runner.device)
     loop = StepLoop(
         runner,
         StepReceiver(ctx, config.channels.plans, bind=False),

@@ -1,0 +1,338 @@
+"""The in-process engine: bin/serve's scheduler and model runner in one process, no sockets.
+
+:class:`Engine` builds the same pieces bin/serve starts, through the same functions: the
+checkpoint and the model length (:func:`conveyor.cli.serve.resolve_model`,
+:func:`~conveyor.cli.serve.model_length`), the :class:`~conveyor.worker.model_runner.ModelRunner`
+with its KV pool, device and dtype (:func:`conveyor.worker.main.build_runner`), the
+:class:`~conveyor.scheduler.scheduler.Scheduler` with the model's EOS ids and vocabulary
+(as the scheduler process does), the frontend's :class:`~conveyor.frontend.tokenizer.Tokenizer`.
+What the frontend process does to a request is done by the frontend's own code too: the
+generate fields are parsed and checked by :func:`conveyor.protocol.messages.parse_client_message`,
+the input is tokenized and checked against the model by :mod:`conveyor.frontend.inputs`, the
+text comes from the frontend's detokenizer and stop strings (:mod:`conveyor.engine.request`),
+continuations are kept by :class:`~conveyor.frontend.sessions.Sessions`. So a request gets
+the same tokens, the same text and the same errors here as through bin/serve.
+
+One :meth:`Engine.step` is one iteration of the scheduler process's loop without overlap:
+``schedule()``, the runner's ``execute(plan)``, ``update(plan, result)``, then the outputs
+turned into each request's tokens and text. A plan is formed, run and applied within the
+call (nothing in flight between calls), so requests added, removed or continued between
+steps are seen by the next plan. A step that raises in the runner fails that step's
+requests with an error, as the worker process reports a failed step, and the engine goes on.
+
+Request ids: the caller's id (or a generated one) names a request here; the scheduler knows
+each submission by an id of the engine's own (a counter, as the frontend does), so a
+continuation under the same id never meets the earlier turn at the scheduler.
+
+Continuation (as bin/serve's sessions, docs/protocol.md): a request that finished (stop,
+length or abort) leaves its context (its prompt, earlier turns included, then its output
+tokens) under its id; :meth:`Engine.add_request` with that id appends the new input to that
+context, without a BOS, and the prefix cache supplies the KV of the earlier turns while
+their blocks are cached. :meth:`Request.remove` forgets the context. At most
+``max_sessions`` contexts are kept, least recently finished dropped first.
+
+Not thread-safe: one thread calls the engine. Not done here (bin/serve has them): planning
+one step ahead and pipelined launches (on a GPU they hide the host's time per step), the
+tokenizer thread pool, profiling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.cli.serve import model_length, resolve_model
+from conveyor.engine.options import EngineOptions
+from conveyor.engine.outputs import BatchInfo, Result, StepOutput
+from conveyor.engine.request import Request
+from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.inputs import context_ids, encode_input
+from conveyor.frontend.output import merge
+from conveyor.frontend.sessions import Sessions
+from conveyor.frontend.stop import StopStringMatcher
+from conveyor.frontend.tokenizer import Tokenizer
+from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult
+from conveyor.protocol import messages as cp
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.scheduler.scheduler import Scheduler
+from conveyor.worker.main import build_runner
+
+log = logging.getLogger("conveyor.engine")
+
+# add_request's keyword arguments besides the input, the id and the priority: the generate
+# fields a client passes as options (sampling and stop strings).
+_OPTIONS = frozenset(cp.OPTION_FIELDS) - {"priority"}
+
+
+class Engine:
+    """bin/serve's batching engine as a library: add requests, step, read their tokens and text.
+
+    ``model``: a local HF checkpoint directory (None: the built-in demo model, random
+    weights). ``config``: bin/serve's settings by name (:mod:`conveyor.engine.options`):
+    ``device``, ``dtype``, ``attention``, ``num_kv_blocks`` or ``kv_cache_memory`` (GiB),
+    ``max_model_len``, ``max_sessions``, ... and every scheduler knob by its
+    :class:`~conveyor.runtime.config.SchedulerConfig` name, with TGI's ``max_batch_size``
+    (``max_num_seqs``) and ``max_batch_tokens`` (``max_num_batched_tokens``).
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, **config: Any) -> None:
+        options = EngineOptions.from_kwargs(config)
+        model_dir, self.demo = resolve_model(None if model is None else os.fspath(model))
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.max_model_len = model_length(self.model_config, options.max_model_len)
+        batcher = options.scheduler_config(self.max_model_len)  # bad knobs fail before the model loads
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.runner = build_runner(model_dir, **options.runner_kwargs())
+        runner = self.runner
+        batcher = replace(
+            batcher, num_blocks=runner.num_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_bytes=runner.block_bytes
+        )
+        self.scheduler = Scheduler(batcher, self.model_config.eos_token_ids, self.model_config.vocab_size)
+        self._sessions = Sessions(options.max_sessions)
+        self._scheduler_ids = itertools.count(1)
+        self._running: dict[str, Request] = {}  # by scheduler id: every request not done
+        self._by_id: dict[str, Request] = {}  # the same, by the caller's id
+        # The last request under each id that is not removed (held by the caller: a request
+        # nobody holds cannot be removed; its context stays in the sessions until evicted).
+        self._latest: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
+
+    @property
+    def config(self) -> SchedulerConfig:
+        """The scheduler's :class:`~conveyor.runtime.config.SchedulerConfig` (the KV pool sized)."""
+        return self.scheduler.config
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        **sampling: Any,
+    ) -> Request:
+        """Queue a request; it runs from the next :meth:`step` on.
+
+        Exactly one input: ``prompt`` (text, tokenized with BOS), ``token_ids`` or chat
+        ``messages`` (the checkpoint's chat template). ``sampling``: the generate fields of
+        docs/protocol.md (``max_tokens`` (16), ``temperature`` (1.0), ``top_p``, ``top_k``,
+        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, and ``stop``: stop strings).
+        ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
+        that was not removed continues it (module docstring).
+
+        Raises ValueError (a :class:`~conveyor.protocol.messages.ProtocolError`) with the
+        server's own message when the request cannot be served: a bad field, an id still in
+        flight, a prompt too long for the model, a full queue.
+        """
+        unknown = sorted(set(sampling) - _OPTIONS)
+        if unknown:
+            raise TypeError(f"add_request() got unexpected keyword argument(s): {', '.join(unknown)}")
+        if token_ids is not None and not isinstance(token_ids, list):
+            token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+        fields = {
+            "type": cp.GENERATE,
+            "request_id": request_id,
+            "prompt": prompt,
+            "messages": messages,
+            "token_ids": token_ids,
+            "priority": priority,
+            **sampling,
+        }
+        req = cp.parse_client_message(fields)
+        rid = req.request_id
+        if rid in self._by_id:
+            raise cp.ProtocolError(f"request id {rid!r} is already in flight", rid)
+        history = self._sessions.context(rid)
+        prompt_ids = context_ids(
+            req,
+            history,
+            encode_input(self.tokenizer, req, continuing=history is not None),
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            tokenizer_vocab_size=self.tokenizer.vocab_size,
+        )
+        scheduler_id = str(next(self._scheduler_ids))
+        arrival = time.time()
+        rejected = self.scheduler.add_request(AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority))
+        if rejected is not None:
+            raise cp.ProtocolError(rejected.error, rid)
+        if history is not None:
+            self._sessions.take(rid)  # back, extended, when this turn ends
+        request = Request(
+            self,
+            rid,
+            scheduler_id,
+            prompt_ids,
+            len(history) if history is not None else 0,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            StopStringMatcher(req.stop),
+            arrival,
+        )
+        self._running[scheduler_id] = request
+        self._by_id[rid] = request
+        self._latest[rid] = request
+        return request
+
+    def has_pending_requests(self) -> bool:
+        """Whether any request is not done yet."""
+        return bool(self._running)
+
+    def seconds_until_ready(self) -> float | None:
+        """When a :meth:`step` that ran nothing while requests wait may run something: the
+        admission gate (``min_batch_size`` / ``max_wait_ms``) or a queue timeout; None if
+        nothing is pending."""
+        return self.scheduler.seconds_until_ready()
+
+    def stats(self) -> dict:
+        """The scheduler's stats (the server's ``stats`` reply): blocks, queues, counters,
+        the recent iterations."""
+        return self.scheduler.stats()
+
+    # ------------------------------------------------------------------ iterations
+
+    def step(self) -> StepOutput:
+        """Run one iteration: form the plan, run it on the model, apply its result. Returns
+        the requests that got tokens or finished, and the batch's shape (None if nothing
+        could run: see :meth:`seconds_until_ready`). Never blocks waiting for requests."""
+        sched = self.scheduler
+        plan = sched.schedule()
+        changed: list[Request] = []
+        self._apply(sched.take_outputs(), changed)  # queue timeouts
+        if plan is None:
+            return StepOutput(changed, None)
+        batch = BatchInfo.from_row(sched.iterations.last())
+        assert batch.step == plan.step_id
+        outputs = sched.update(plan, self._execute(plan))
+        self._apply(merge([outputs]), changed)
+        return StepOutput(changed, batch)
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int] | list[dict[str, Any]]],
+        *,
+        progress: bool = True,
+        **sampling: Any,
+    ) -> list[Result]:
+        """Run ``prompts`` to the end (an offline job) and return their results in order.
+
+        Each prompt is text, token ids, or chat messages; ``sampling`` applies to all (as in
+        :meth:`add_request`). Prompts are fed as the queue takes them (a batch's worth
+        waiting at a time, so ``max_waiting`` and queue timeouts concern only those), with a
+        tqdm bar of finished prompts unless ``progress`` is False. Requests added otherwise
+        keep running alongside. The job's requests are removed at the end (no
+        continuation); if anything raises, those still running are aborted.
+        """
+        inputs = [_input_fields(p) for p in prompts]
+        from tqdm import tqdm
+
+        cfg = self.scheduler.config
+        feed_limit = min(cfg.max_num_seqs, cfg.max_waiting) if cfg.max_waiting else cfg.max_num_seqs
+        requests: list[Request] = []
+        ours: set[Request] = set()
+        finished = 0
+        bar = tqdm(total=len(inputs), disable=not progress, desc="generate", unit="prompt")
+        try:
+            while finished < len(inputs):
+                while len(requests) < len(inputs) and self.scheduler.num_waiting < feed_limit:
+                    i = len(requests)
+                    try:
+                        request = self.add_request(**inputs[i], **sampling)
+                    except ValueError as exc:
+                        raise ValueError(f"prompts[{i}]: {exc}") from exc
+                    requests.append(request)
+                    ours.add(request)
+                out = self.step()
+                done = sum(1 for r in out.finished if r in ours)
+                finished += done
+                bar.update(done)
+                if out.batch is None and not out.requests:
+                    self._wait_until_ready()
+        except BaseException:
+            for request in requests:
+                request.remove()
+            raise
+        finally:
+            bar.close()
+        results = [Result.of(r) for r in requests]
+        for request in requests:
+            request.remove()
+        return results
+
+    # ------------------------------------------------------------------ inside
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        """The runner's result for ``plan``; a step that raises fails its requests, as the
+        worker process reports it (worker/main.py), and the engine goes on."""
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:
+            log.exception("step %d failed", plan.step_id)
+            return StepResult(plan.step_id, [], [], error=f"worker step failed: {exc}")
+
+    def _apply(self, outputs: list[RequestOutput], changed: list[Request]) -> None:
+        """The scheduler's outputs (one per request) into each request's tokens and text,
+        as the frontend's output path does: a stop string ends the request here and aborts
+        it at the scheduler (its blocks are freed at once); a finish the scheduler reports
+        releases the text held back."""
+        for out in outputs:
+            request = self._running.get(out.request_id)
+            if request is None:
+                continue
+            if out.scheduled_time is not None:
+                request.scheduled_time = out.scheduled_time
+                request.num_cached_tokens = out.num_cached_tokens
+            if out.first_token_time is not None:
+                request.first_token_time = out.first_token_time
+            stopped = bool(out.new_token_ids) and request._push(out.new_token_ids)
+            if stopped and out.finish_reason is None:
+                self.scheduler.abort([out.request_id])
+            if stopped or out.finish_reason is not None:
+                self._finish(request, out.finish_reason, out.error, flush=not stopped)
+            if out.new_token_ids or request.done:
+                changed.append(request)
+
+    def _finish(self, request: Request, reason: str | None, error: str | None, flush: bool) -> None:
+        """End ``request`` (the scheduler has let it go) and keep its context for a continuation."""
+        reason = request._end(reason or FinishReason.ABORT, error, flush)
+        del self._running[request._scheduler_id]
+        del self._by_id[request.request_id]
+        self._sessions.remember(
+            request.request_id, request.prompt_token_ids, request._history_len, request._tokens, reason
+        )
+
+    def _remove(self, request: Request) -> None:
+        """:meth:`Request.remove`: abort it if it runs, then forget its context (only the last
+        turn under its id owns that context)."""
+        if not request.done:
+            self.scheduler.abort([request._scheduler_id])
+            self._finish(request, FinishReason.ABORT, None, flush=False)  # as a client's abort: no flush
+        if self._latest.get(request.request_id) is request:
+            del self._latest[request.request_id]
+            self._sessions.take(request.request_id)
+
+    def _wait_until_ready(self) -> None:
+        """Nothing could run although requests are pending: sleep until the admission gate
+        opens (``min_batch_size`` / ``max_wait_ms``) or a queue timeout is due."""
+        wait = self.scheduler.seconds_until_ready()
+        if wait is None:
+            raise RuntimeError("requests are pending but the scheduler can run none of them and expects no change")
+        time.sleep(wait)
+
+
+def _input_fields(prompt: str | Sequence[int] | list[dict[str, Any]]) -> dict[str, Any]:
+    """One of :meth:`Engine.generate`'s prompts as add_request's input argument."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        return {"messages": list(prompt)}
+    return {"token_ids": prompt}

@@ -1,0 +1,141 @@
+"""One request of the in-process engine, as its caller sees it: tokens, text, its end.
+
+Its text is made the way the server makes a stream's (:mod:`conveyor.frontend.output`):
+the same :class:`~conveyor.frontend.detokenizer.IncrementalDetokenizer` and
+:class:`~conveyor.frontend.stop.StopStringMatcher`, through the same two functions
+(:func:`~conveyor.frontend.output.stream_text` per step, :func:`~conveyor.frontend.output.end_text`
+at the end), so ``text`` is at every moment what a streaming client would have been sent,
+and at the end what its final says.
+
+Invariants:
+- ``text`` never shows what the final text lacks (held-back tails of a possible stop
+  string or of an incomplete character come out later, or never).
+- Once ``done``, nothing changes but the read marks of :meth:`Request.take_new`.
+- ``tokens`` are this turn's output ids; a stop string cuts them at the token that
+  completed it, and ``text`` before the stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.output import end_text, stream_text
+from conveyor.frontend.stop import StopStringMatcher
+from conveyor.ipc.messages import FinishReason
+
+if TYPE_CHECKING:
+    from conveyor.engine.engine import Engine
+
+
+class Delta(NamedTuple):
+    """What a request produced since the last :meth:`Request.take_new`."""
+
+    token_ids: list[int]
+    text: str
+
+
+class Request:
+    """A request added by :meth:`Engine.add_request`; the engine fills it in as steps run.
+
+    ``request_id`` is the caller's (or a generated) id; adding a request under it once this
+    one is done continues it (the engine's docstring). ``prompt_token_ids`` is the whole
+    context it ran on, earlier turns included; ``num_cached_tokens`` how many of those the
+    prefix cache supplied; ``arrival_time``, ``scheduled_time`` and ``first_token_time`` are
+    ``time.time()`` values (None until they happen).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        scheduler_id: str,
+        prompt_token_ids: list[int],
+        history_len: int,
+        detokenizer: IncrementalDetokenizer,
+        stop: StopStringMatcher,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.arrival_time = arrival_time
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._engine = engine
+        self._scheduler_id = scheduler_id
+        self._history_len = history_len
+        self._detokenizer = detokenizer
+        self._stop = stop
+        self._tokens: list[int] = []
+        self._pieces: list[str] = []
+        self._text_len = 0
+        self._read_tokens = 0  # take_new's marks
+        self._read_chars = 0
+
+    def __repr__(self) -> str:
+        state = f"done: {self.finish_reason}" if self.done else "running"
+        return f"Request({self.request_id!r}, {len(self._tokens)} tokens, {state})"
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        """This turn's output token ids so far (a copy)."""
+        return list(self._tokens)
+
+    @property
+    def text(self) -> str:
+        """This turn's output text so far, as a streaming client has been sent it."""
+        return "".join(self._pieces)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def has_available_tokens(self) -> bool:
+        """Whether tokens (or text) came since the last :meth:`take_new`."""
+        return len(self._tokens) > self._read_tokens or self._text_len > self._read_chars
+
+    def take_new(self) -> Delta:
+        """The tokens and text produced since the last call (both empty if none)."""
+        ids = self._tokens[self._read_tokens :]
+        text = self.text[self._read_chars :] if self._text_len > self._read_chars else ""
+        self._read_tokens, self._read_chars = len(self._tokens), self._text_len
+        return Delta(ids, text)
+
+    def remove(self) -> None:
+        """Abort the request if it still runs (its KV blocks are freed now), and forget it:
+        its id no longer continues it. Idempotent."""
+        self._engine._remove(self)
+
+    # ------------------------------------------------------------------ filled in by the engine
+
+    def _push(self, token_ids: Sequence[int]) -> bool:
+        """Take a step's new tokens; True if a stop string ended the output with them."""
+        text, taken, stopped = stream_text(self._detokenizer, self._stop, token_ids)
+        self._tokens += token_ids[:taken] if stopped else token_ids
+        self._add_text(text)
+        return stopped
+
+    def _end(self, reason: str, error: str | None, flush: bool) -> str:
+        """Mark the request done; ``flush``: release what the detokenizer and the stop
+        strings held back (a finish the scheduler reported), as a final does. Returns the
+        finish reason: ``stop`` whenever a stop string matched."""
+        if flush and not self._stop.stopped:
+            self._add_text(end_text(self._detokenizer, self._stop))
+        self.finish_reason = FinishReason.STOP if self._stop.stopped else reason
+        self.error = error
+        return self.finish_reason
+
+    def _add_text(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+            self._text_len += len(text)

@@ -1,0 +1,55 @@
+"""A generate request's input as the token ids of its whole context, checked against the model.
+
+Two steps, kept apart so the frontend can time the first alone: :func:`encode_input` turns
+the request's input (a prompt, chat messages through the tokenizer's chat template, or token
+ids as given) into ids; :func:`context_ids` puts a continuation's earlier context in front
+and applies the protocol's context rules (:func:`conveyor.protocol.messages.check_tokenized`).
+The frontend's intake (:mod:`conveyor.frontend.server`) and the in-process engine
+(:mod:`conveyor.engine`) both prepare prompts here, so a request is read the same way by
+either. Pure functions of their arguments: safe on a tokenizer pool thread.
+"""
+
+from __future__ import annotations
+
+from conveyor.frontend.tokenizer import Tokenizer
+from conveyor.protocol import messages as cp
+
+
+def encode_input(tokenizer: Tokenizer, req: cp.GenerateRequest, continuing: bool, release_gil: bool = False) -> list[int]:
+    """The request's input as token ids. A continuation's input follows earlier tokens, so
+    no BOS is added to text, and a chat template's leading BOS is dropped. A failure to
+    tokenize (a template error) is the client's input, raised as ProtocolError."""
+    try:
+        if req.prompt is not None:
+            return tokenizer.encode(req.prompt, add_special_tokens=not continuing, release_gil=release_gil)
+        if req.messages is not None:
+            ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, release_gil=release_gil)
+            bos = tokenizer.bos_token_id
+            if continuing and ids and bos is not None and ids[0] == bos:
+                ids = ids[1:]
+            return ids
+        return list(req.token_ids)
+    except cp.ProtocolError:
+        raise
+    except Exception as exc:
+        raise cp.ProtocolError(f"cannot tokenize input: {exc}", req.request_id) from None
+
+
+def context_ids(
+    req: cp.GenerateRequest,
+    history: list[int] | None,
+    input_ids: list[int],
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    tokenizer_vocab_size: int,
+) -> list[int]:
+    """The whole context to run (``history``, a continued request's earlier turns, then
+    ``input_ids``), or ProtocolError when the model cannot run it. Ids the tokenizer made
+    are in the model's vocabulary unless the tokenizer has more tokens than the model has
+    rows (``tokenizer_vocab_size > vocab_size``), so only then, or for ids the client gave,
+    is each id checked."""
+    check_ids = req.token_ids is not None or tokenizer_vocab_size > vocab_size
+    prompt_ids = history + input_ids if history is not None else input_ids
+    cp.check_tokenized(req, prompt_ids, vocab_size, max_model_len, check_ids=check_ids)
+    return prompt_ids

@@ -86,6 +86,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.h = Harness(self.config, overlap=overlap)
         self.capacity = min(max_model_len, num_blocks * block_size)
+        self.batch_cutoff: int | None = None  # static: the last arrival (seq) the batch may take
+        self.batch_members = 0
+        self.batch_complete = False
 
     # ------------------------------------------------------------ arrivals
 
@@ -242,11 +245,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         now = h.clock.now
         waiting = {id(r): r for r in sched.queue}
         bypassed_before = {id(r): r.num_bypassed for r in waiting.values()}
+        running_before = sched.num_running
         plan = h.schedule()
+        static = cfg.batching == "static"
         if plan is None:
+            if static and not sched.declined:  # (declined: it stopped before admitting anything)
+                self._check_static_batch(running_before, list(waiting.values()), [], None)
             return None
         admitted = [sched.get_request(d.request_id) for d in plan.new_requests]
         admitted = [r for r in admitted if r is not None and id(r) in waiting]
+        if static:
+            self._check_static_batch(running_before, list(waiting.values()), admitted, plan)
         still = [r for r in waiting.values() if r.queue_entry is not None]
         for x in admitted:
             for r in still:
@@ -259,6 +268,35 @@ class SchedulerMachine(RuleBasedStateMachine):
             if cfg.max_queue_time and r.status is RequestStatus.WAITING:
                 assert now - r.enqueue_time <= cfg.max_queue_time, f"{r.request_id} waited past max_queue_time"
         return plan
+
+    def _check_static_batch(self, running_before: int, waiting_before: list, admitted: list, plan) -> None:
+        """Static batching from first principles (fcfs): a batch forms only when nobody runs and
+        none of its members still waits; it takes only requests that were waiting when it
+        formed, ``max_num_seqs`` at most over its whole life, and none once an admission
+        stopped short with budget left (a member lacked blocks); nobody is ever preempted."""
+        assert self.h.scheduler.stats()["num_preemptions"] == 0, "a static batch preempted a member"
+        taken = {id(r) for r in admitted}
+        cutoff = self.batch_cutoff
+
+        def members_waiting() -> bool:
+            return cutoff is not None and any(
+                r.rank[1] <= cutoff and (id(r) in taken or r.queue_entry is not None) for r in waiting_before
+            )
+
+        if admitted:
+            if running_before == 0 and (self.batch_complete or not members_waiting()):  # it has left
+                cutoff = self.batch_cutoff = max(r.rank[1] for r in waiting_before)
+                self.batch_members, self.batch_complete = 0, False
+            else:
+                late = [r.request_id for r in admitted if r.rank[1] > cutoff]
+                assert not late and not self.batch_complete, f"{late} joined a static batch that had not left"
+            self.batch_members += len(admitted)
+            assert self.batch_members <= self.config.max_num_seqs, "a static batch took more than max_num_seqs"
+            self.batch_complete = self.batch_members == self.config.max_num_seqs
+        taken = set()
+        used = sum(self.h.scheduled_in(plan).values()) if plan is not None else 0
+        if used < self.config.max_num_batched_tokens and members_waiting():
+            self.batch_complete = True  # admission stopped short of a member with budget left
 
     def _ahead(self, r, x) -> bool:
         """Whether waiting request ``r`` is ahead of ``x`` in line, from first principles."""

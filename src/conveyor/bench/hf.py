@@ -14,18 +14,39 @@
 
 EOS never ends a request early: ``min_new_tokens`` for ``hf``, ``eos_token_id=-1`` for
 ``hf-cb``. Both are checked to return exactly the requested lengths.
+
+transformers has renamed the continuous-batching settings between 5.x releases (the cache's
+page size was ``block_size`` and is ``page_size`` now), so ``hf-cb`` reads the names the
+installed version takes from its signatures (:func:`accepted_names`) and maps each of our
+settings onto the first it knows (:data:`HF_CB_FIELDS`) instead of assuming one release's
+API. A setting it has no name for fails the run with a :class:`HFRunFailed` naming it,
+which bin/bench reports as ``n/a`` with that reason rather than running with a setting
+silently dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from conveyor.bench.metrics import OfflineRun, Timeline
 from conveyor.bench.workloads import BenchRequest, Workload
 
 HF_CB_PAGE_SIZE = 256  # transformers' default page size
+
+# Each of our hf-cb settings -> the ContinuousBatchingConfig field names transformers has
+# given it, newest first (a release that takes both, as 5.24 does with ``block_size``
+# deprecated, gets the newest).
+HF_CB_FIELDS: dict[str, tuple[str, ...]] = {
+    "page_size": ("page_size", "block_size"),
+    "num_blocks": ("num_blocks",),
+    "max_batch_tokens": ("max_batch_tokens",),
+    "max_requests_per_batch": ("max_requests_per_batch",),
+}
 
 
 class HFRunFailed(RuntimeError):
@@ -145,6 +166,69 @@ def _padded_tokens(workload: Workload, batch_size: int) -> int:
     )
 
 
+def accepted_names(target: Callable[..., Any]) -> frozenset[str]:
+    """The keyword names a class (a dataclass: its init fields) or function takes explicitly.
+    Names only a ``**kwargs`` would swallow do not count: such a value may be ignored."""
+    if isinstance(target, type) and dataclasses.is_dataclass(target):
+        return frozenset(f.name for f in dataclasses.fields(target) if f.init)
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = inspect.signature(target).parameters.values()
+    return frozenset(p.name for p in params if p.kind in kinds and p.name != "self")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return f"transformers {transformers.__version__}"
+
+
+def cb_config_kwargs(config_cls: type, settings: dict[str, int]) -> dict[str, int]:
+    """``settings`` (keys of :data:`HF_CB_FIELDS`) under the names ``config_cls`` takes;
+    :class:`HFRunFailed` naming every setting it has no name for."""
+    accepted = accepted_names(config_cls)
+    kwargs: dict[str, int] = {}
+    missing = []
+    for setting, value in settings.items():
+        name = next((n for n in HF_CB_FIELDS[setting] if n in accepted), None)
+        if name is None:
+            missing.append(f"{setting} (tried {', '.join(HF_CB_FIELDS[setting])})")
+        else:
+            kwargs[name] = value
+    if missing:
+        raise HFRunFailed(
+            f"{_transformers_version()}: {config_cls.__name__} has no field for {'; '.join(missing)}; "
+            f"it takes {', '.join(sorted(accepted))}"
+        )
+    return kwargs
+
+
+def continuous_batching_config(num_blocks: int, max_batch_tokens: int, batch_size: int) -> Any:
+    """The installed transformers' ContinuousBatchingConfig with our settings, whatever it
+    calls them (:func:`cb_config_kwargs`)."""
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError as exc:
+        raise HFRunFailed(f"{_transformers_version()} has no ContinuousBatchingConfig") from exc
+    settings = {
+        "page_size": HF_CB_PAGE_SIZE,
+        "num_blocks": num_blocks,
+        "max_batch_tokens": max_batch_tokens,
+        "max_requests_per_batch": batch_size,
+    }
+    return ContinuousBatchingConfig(**cb_config_kwargs(ContinuousBatchingConfig, settings))
+
+
+def call_kwargs(target: Callable[..., Any], required: dict[str, Any], optional: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for ``target``: all of ``required`` (:class:`HFRunFailed` naming
+    those it does not take) and those of ``optional`` it takes."""
+    accepted = accepted_names(target)
+    missing = sorted(set(required) - accepted)
+    if missing:
+        name = getattr(target, "__qualname__", repr(target))
+        raise HFRunFailed(f"{_transformers_version()}: {name} takes no {', '.join(missing)}")
+    return {**required, **{k: v for k, v in optional.items() if k in accepted}}
+
+
 def kv_blocks_for(model: Any, kv_cache_gib: float, dtype_bytes: int) -> int:
     """hf-cb cache blocks (``page_size`` tokens across all layers) in ``kv_cache_gib`` GiB."""
     cfg = model.config
@@ -158,24 +242,29 @@ def run_hf_cb(
     model: Any, workload: Workload, batch_size: int, max_batch_tokens: int, kv_cache_gib: float, progress: Any
 ) -> OfflineRun:
     import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     reqs = workload.requests
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(r.output_len for r in reqs))
     dtype_bytes = torch.empty(0, dtype=model.dtype).element_size()
     num_blocks = kv_blocks_for(model, kv_cache_gib, dtype_bytes)
-    cb = ContinuousBatchingConfig(
-        page_size=HF_CB_PAGE_SIZE,
-        num_blocks=num_blocks,
-        max_batch_tokens=max_batch_tokens,
-        max_requests_per_batch=batch_size,
-    )
+    cb = continuous_batching_config(num_blocks, max_batch_tokens, batch_size)
     on_cuda = model.device.type == "cuda"
     results: dict[str, Any] = {}
     latencies = [0.0] * len(reqs)
-    with model.continuous_batching_context_manager(
-        generation_config=gen, continuous_batching_config=cb, warmup=on_cuda, block=True, timeout=30
-    ) as manager:
+    context = model.continuous_batching_context_manager
+    context_kwargs = call_kwargs(
+        context,
+        {"generation_config": gen, "continuous_batching_config": cb},
+        {"warmup": on_cuda, "block": True, "timeout": 30},
+    )
+    with context(**context_kwargs) as manager:
+        add_optional = set(accepted_names(manager.add_request)) & {"eos_token_id", "record_timestamps"}
+
+        def add(ids: list[int], rid: str, max_new_tokens: int, timestamps: bool) -> None:
+            optional = {"eos_token_id": -1, "record_timestamps": timestamps}  # (gen's eos_token_id is -1 too)
+            extra = {k: v for k, v in optional.items() if k in add_optional}
+            manager.add_request(ids, request_id=rid, max_new_tokens=max_new_tokens, **extra)
 
         def wait_for(count: int, on_result) -> None:
             got = 0
@@ -191,13 +280,11 @@ def run_hf_cb(
                     on_result(result)
 
         for i in range(2):  # warm-up, untimed
-            manager.add_request([11, 12, 13, 14], request_id=f"warmup{i}", max_new_tokens=8, eos_token_id=-1)
+            add([11, 12, 13, 14], f"warmup{i}", 8, False)
         wait_for(2, lambda r: None)
         start = time.perf_counter()
         for i, r in enumerate(reqs):
-            manager.add_request(
-                r.prompt_ids, request_id=f"r{i}", max_new_tokens=r.output_len, record_timestamps=True, eos_token_id=-1
-            )
+            add(r.prompt_ids, f"r{i}", r.output_len, True)
 
         def finished(result: Any) -> None:
             index = int(result.request_id[1:])
@@ -214,9 +301,11 @@ def run_hf_cb(
             raise HFRunFailed(
                 f"hf-cb request {i}: {len(out.generated_tokens)} of {r.output_len} tokens (error: {out.error})"
             )
-        if out.timestamps:
-            ttfts.append(out.timestamps[0] - start)
-        spans.append((out.lifespan[0] - start, out.lifespan[1] - start))
+        stamps, lifespan = getattr(out, "timestamps", None), getattr(out, "lifespan", None)
+        if stamps:
+            ttfts.append(stamps[0] - start)
+        if lifespan:
+            spans.append((lifespan[0] - start, lifespan[1] - start))
     extra = {"batch_size": batch_size, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens}
     return OfflineRun.of("hf-cb", workload, wall, latencies, ttfts, _active_timeline(spans), extra)
 

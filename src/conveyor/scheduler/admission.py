@@ -13,7 +13,9 @@ of the waiting queue to :func:`try_admit` while the admission gate
 all its known tokens are free, after its prefix-cache hit; a swapped-out request comes back
 with its blocks swapped in by the same plan. Under the priority policy it may preempt
 worse-ranked running requests to get them, but only if preempting all of them would make
-it fit: nobody is preempted for nothing.
+it fit: nobody is preempted for nothing. Under static batching the same path forms each
+batch (:mod:`~conveyor.scheduler.policy`): only into an empty batch or one still forming,
+only its members, and each leaving free what the members before it still lack.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 NO_SLOT = -1
 NO_BLOCKS = -2
 HOLD = -3  # preempted in this very iteration, or it would preempt ahead: it waits for the next plan
+NOT_MEMBER = -4  # static batching: it arrived after the batch formed, or the batch is complete
 
 SWAPPED = RequestStatus.SWAPPED
 
@@ -62,21 +65,27 @@ def rejection_reason(sched: Scheduler, req: Request) -> str | None:
 
 
 def admission_open(sched: Scheduler, num_running_at_start: int, now: float) -> bool:
-    """Whether this iteration may admit at all (static batching: only into an empty batch;
-    batch formation: enough waiting, or the oldest has waited long enough)."""
+    """Whether this iteration may admit at all (static batching: only into an empty batch,
+    or the rest of a batch still forming; batch formation: enough waiting, or the oldest has
+    waited long enough, except for the rest of a static batch, let in when it formed)."""
     policy, queue = sched.policy, sched.queue
     n = len(queue)
-    if not n or not policy.may_admit_into(num_running_at_start):
+    if not n or not policy.may_admit_into(num_running_at_start, queue.peek()):
         return False
+    if policy.forming:
+        return True
     return policy.admission_open(n, queue.oldest_enqueue_time(policy.min_batch_size), now)
 
 
 def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: int) -> int:
     """Admit the queue head ``req`` if it can start: the blocks it reserves for later growth
-    (>= 0; ``reserved`` is what earlier admissions of this plan reserved), or why not
-    (:data:`NO_SLOT`, :data:`NO_BLOCKS`, :data:`HOLD`)."""
+    (>= 0, :meth:`~conveyor.scheduler.policy.SchedulingPolicy.blocks_lacking`; ``reserved``
+    is what the running batch, earlier admissions of this plan included, reserves), or why
+    not (:data:`NO_SLOT`, :data:`NO_BLOCKS`, :data:`HOLD`, :data:`NOT_MEMBER`)."""
     if id(req) in step.preempted:
         return HOLD
+    if not sched.policy.may_join(req):
+        return NOT_MEMBER
     max_num_seqs = sched.config.max_num_seqs
     kv = sched.kv
     running = sched.table.running
@@ -137,6 +146,7 @@ def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: 
         step.wait_sum += waited
         step.wait_max = max(step.wait_max, waited)
     sched.take_slot(req)
+    sched.policy.joined()
     step.new.append(
         NewRequestData(
             req.request_id,
@@ -149,4 +159,4 @@ def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: 
         )
     )
     step.add_scheduled(req, n)
-    return reserve
+    return sched.policy.blocks_lacking(req)

@@ -106,7 +106,7 @@ def plan_prompts(sched: Scheduler, step: Step, prefills: list[Request], admit_op
     once the gate closes, admissions stop for this iteration."""
     policy, queue = sched.policy, sched.queue
     skipped: list[Request] = []
-    reserved = 0
+    reserved: int | None = None  # blocks the running batch may still claim (at the first admission)
     k = 0
     while step.budget > 0:
         cand = None
@@ -123,6 +123,8 @@ def plan_prompts(sched: Scheduler, step: Step, prefills: list[Request], admit_op
             k += 1
             plan_prefill_chunk(sched, step, cand)
             continue
+        if reserved is None:  # (the prefill chunks before it, ranked ahead, are planned by now)
+            reserved = policy.blocks_reserved(sched.table.running)
         outcome = try_admit(sched, step, head, now, reserved)
         if outcome >= 0:
             reserved += outcome
@@ -136,6 +138,7 @@ def plan_prompts(sched: Scheduler, step: Step, prefills: list[Request], admit_op
             skipped.append(head)
         else:
             admit_open = False
+            policy.batch_formed()  # (static batching: the batch being formed is complete)
     for blocked in skipped:
         queue.push(blocked)
 

@@ -32,6 +32,22 @@ blocked requests are stepped over per iteration, so that search stays cheap.
 **Batch formation.** No admission while fewer than ``min_batch_size`` requests wait, unless
 the oldest has waited ``max_wait_ms``. Running requests never wait for this.
 
+**Static batching** (``--batching static``, the baseline benchmarks compare against). A batch
+forms only when the last one has left entirely (no request running when a plan starts): its
+members are the requests waiting at that moment, best rank first, taken through the same
+admission path as continuous batching, as long as each finds a slot and blocks for its
+prompt and its whole output beside what the members before it still lack (so a batch never
+preempts itself), up to ``max_num_seqs``. Their prompts run in rank order over as many
+iterations as the token budget needs (a member decodes from the iteration after its last
+chunk, while the prompts after it still run); a member still waiting for its first chunk
+already belongs to the batch, and no newcomer joins while one does. The
+batch takes nobody more once it has ``max_num_seqs`` members, once a member lacks a slot or
+blocks (no bypass: static batching keeps the order of the line), or once the head of the
+line is a request that arrived after the batch formed (under ``priority``, a newcomer that
+outranks the members still waiting: those start with the next batch). It then runs until
+its last member finishes. So only the token budget per iteration, never the size of the
+batch, depends on ``max_num_batched_tokens``.
+
 **Swap or recompute.** A victim's KV is either copied to the CPU swap space and back
 (``swap``) or dropped and prefilled again (``recompute``); ``auto`` compares
 ``2 * bytes to move / swap_bandwidth`` with ``tokens to recompute / prefill_rate``. Both
@@ -67,11 +83,20 @@ class SchedulingPolicy:
         self.max_bypass = 0 if self.static else config.max_bypass
         self.min_batch_size = config.min_batch_size
         self.max_wait_s = config.max_wait_ms / 1000.0
+        # Static batching: the current batch (module docstring). ``_cutoff`` is the last
+        # sequence number ranked when it formed (its members are requests up to it), None
+        # once it has left; ``_forming`` while it may take more members.
+        self._last_seq = 0
+        self._cutoff: int | None = None
+        self._forming = False
+        self._members = 0
 
     # ------------------------------------------------------------ order
 
     def rank(self, priority: int, seq: int, arrival: float) -> tuple[float, int]:
-        """The fixed sort key of a request; ``arrival`` in seconds since the scheduler started."""
+        """The fixed sort key of a request; ``arrival`` in seconds since the scheduler started.
+        ``seq`` numbers requests in arrival order (``rank[1]``, which static batching reads)."""
+        self._last_seq = seq
         if self.by_priority:
             return (self.aging_rate * arrival - priority, seq)
         return (0.0, seq)
@@ -83,9 +108,46 @@ class SchedulingPolicy:
 
     # ------------------------------------------------------------ admission
 
-    def may_admit_into(self, num_running_at_start: int) -> bool:
-        """Static batching forms a batch only when the previous one has finished."""
-        return num_running_at_start == 0 if self.static else True
+    def may_admit_into(self, num_running_at_start: int, head: Request) -> bool:
+        """Whether a plan may admit at all, ``head`` heading the line. Static batching: into
+        the batch still forming (its members only, :meth:`may_join`), or into an empty one.
+        A batch is empty when nobody runs and no member heads the line: members whose
+        first chunk is still to come belong to it, even when every other member has
+        finished already."""
+        if not self.static:
+            return True
+        if num_running_at_start == 0 and not (self._forming and self.may_join(head)):
+            self._cutoff, self._forming = None, False  # the batch has left: the next one forms
+        return self._forming or self._cutoff is None
+
+    @property
+    def forming(self) -> bool:
+        """Static batching: a batch has members and may take more (they passed the gate of
+        :meth:`admission_open` when it formed; the rest of them join without it)."""
+        return self._forming
+
+    def may_join(self, req: Request) -> bool:
+        """Whether ``req`` may join the running batch: always under continuous batching; under
+        static batching, a new batch takes anyone, the batch still forming only requests that
+        were waiting when it formed, a complete one nobody."""
+        cutoff = self._cutoff
+        return cutoff is None or (self._forming and req.rank[1] <= cutoff)
+
+    def joined(self) -> None:
+        """A request was admitted. Static batching: the first forms a batch, and the batch
+        is complete with ``max_num_seqs`` members."""
+        if not self.static:
+            return
+        if self._cutoff is None:
+            self._cutoff, self._forming, self._members = self._last_seq, True, 0
+        self._members += 1
+        if self._members >= self.config.max_num_seqs:
+            self._forming = False
+
+    def batch_formed(self) -> None:
+        """Admission stopped short (no slot, no blocks, not a member): a static batch being
+        formed is complete, it takes nobody more."""
+        self._forming = False
 
     def admission_open(self, num_waiting: int, oldest_arrival: float | None, now: float) -> bool:
         """Whether a wave may start: enough waiting, or the oldest has waited long enough."""
@@ -106,6 +168,22 @@ class SchedulingPolicy:
             return 0
         bs = self.config.block_size
         return blocks_for(num_prompt_tokens + max_tokens, bs) - blocks_for(num_tokens, bs)
+
+    def blocks_lacking(self, req: Request) -> int:
+        """Blocks a running request may still claim without preempting anyone: under static
+        batching what it lacks for its prompt + max_tokens (the rest of its prompt and its
+        whole output), none otherwise (continuous batching preempts under pressure instead)."""
+        if not self.static:
+            return 0
+        total = req.num_prompt_tokens + req.sampling.max_tokens
+        return max(0, blocks_for(total, self.config.block_size) - len(req.block_ids))
+
+    def blocks_reserved(self, running: Sequence[Request]) -> int:
+        """What the running batch may still claim (:meth:`blocks_lacking` summed): blocks an
+        admission must leave free. O(running) under static batching, O(1) otherwise."""
+        if not self.static:
+            return 0
+        return sum(self.blocks_lacking(req) for req in running)
 
     # ------------------------------------------------------------ preemption
 

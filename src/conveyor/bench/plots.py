@@ -4,6 +4,7 @@ Offline: output throughput per system; the CDF of request completion latency; an
 batch-occupancy timeline, sequences in the batch over time, per system: the picture of
 static batching draining to its one long request while continuous batching refills.
 Online: TTFT and end-to-end latency CDFs per system and rate, and throughput vs rate.
+Experiments (bin/bench experiments): one figure per experiment, continuous beside static.
 """
 
 from __future__ import annotations
@@ -123,3 +124,90 @@ def _save(fig, path: Path, plt) -> str:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return str(path)
+
+
+def plot_experiments(out_dir: str, payload: dict[str, Any]) -> list[str]:
+    """The figures of ``bin/bench experiments`` (docs/experiments.md), one per experiment
+    that ran: throughput over batch size, latency percentiles, the occupancy timeline both
+    ways, KV blocks held over time both ways, and the throughput ratio over output spread."""
+    plt = _pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tables, runs = payload["tables"], payload["runs"]
+    device = payload["environment"]["device"]["name"]
+    written = []
+    systems = ("continuous", "static")
+
+    if "1_throughput" in tables:
+        rows = tables["1_throughput"]["rows"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for i, name in enumerate(systems):
+            pts = [(r["batch_size"], r[f"{name}_tok_s"]) for r in rows if r[f"{name}_tok_s"] is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}", label=name)
+        for r in rows:
+            if r["ratio"] is not None:
+                ax.annotate(f"{r['ratio']:.2f}x", (r["batch_size"], r["continuous_tok_s"]), fontsize=7, va="bottom")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["batch_size"] for r in rows], [str(r["batch_size"]) for r in rows])
+        ax.set_xlabel("batch size (max_num_seqs)")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(f"1. Throughput over batch size ({device})", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(_save(fig, out / "1_throughput.png", plt))
+
+    if "2_latency" in tables:
+        rows = tables["2_latency"]["rows"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        x = np.arange(len(rows))
+        for i, name in enumerate(systems):
+            values = [r[f"{name}_s"] or 0.0 for r in rows]
+            ax.bar(x + (i - 0.5) * 0.4, values, 0.4, color=f"C{i}", label=name)
+        ax.set_xticks(x, [f"p{r['percentile']}" for r in rows])
+        ax.set_ylabel("end-to-end latency (s)")
+        rate = tables["2_latency"]["rate_req_s"]
+        ax.set_title(f"2. Latency at {rate or 0:.2f} req/s ({device})", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(_save(fig, out / "2_latency.png", plt))
+
+    focus = payload["settings"]["sizes"]["focus_batch"]
+    focus_runs = {s: runs.get(f"{s}/b{focus}/sharegpt", {}) for s in systems}
+    if "3_occupancy" in tables and all(r.get("timeline", {}).get("t_s") for r in focus_runs.values()):
+        fig, axes = plt.subplots(2, 1, figsize=(7, 3.8), sharex=True)
+        for i, (ax, (name, run)) in enumerate(zip(axes, focus_runs.items())):
+            tl = run["timeline"]
+            ax.step(tl["t_s"], tl["running"], where="post", lw=0.7, color=f"C{i}")
+            ax.axhline(focus, color="grey", lw=0.6, ls="--")
+            ax.set_ylim(0, focus * 1.1)
+            ax.set_ylabel(name, fontsize=8, rotation=0, ha="right", va="center")
+        axes[-1].set_xlabel("time since the run started (s)")
+        axes[0].set_title(f"3. Sequences in the batch per step, max {focus} ({device})", fontsize=9)
+        fig.tight_layout()
+        written.append(_save(fig, out / "3_occupancy.png", plt))
+
+    if "4_kv" in tables and all(r.get("kv", {}).get("available") for r in focus_runs.values()):
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        for i, (name, run) in enumerate(focus_runs.items()):
+            series = run["kv"]["series"]
+            ax.step(series["t_s"], series["held_blocks"], where="post", lw=0.7, color=f"C{i}", label=name)
+        ax.set_xlabel("time since the run started (s)")
+        ax.set_ylabel("KV blocks held")
+        ax.set_title(f"4. KV blocks held, batch {focus} ({device})", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(_save(fig, out / "4_kv_blocks.png", plt))
+
+    if "5_variance" in tables:
+        rows = tables["5_variance"]["rows"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r["ratio"] or 0.0 for r in rows], 0.4, color="C0", label="ours")
+        ax.bar(x + 0.2, [r["published"] for r in rows], 0.4, color="C7", label="published")
+        ax.set_xticks(x, [f"{r['spread']}\ncv {r['output_len_cv'] or 0:.2f}" for r in rows])
+        ax.set_ylabel("continuous / static throughput")
+        ax.set_title(f"5. Output-length spread at one mean ({device})", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(_save(fig, out / "5_variance.png", plt))
+    return written

@@ -9,10 +9,15 @@ Workloads (lengths in tokens; docs/benchmarks.md repeats this with the sources):
   (Kwon et al., SOSP 2023, Fig. 11a: 161.31 input and 337.99 output tokens on average).
   The paper gives no spread; sigma = 1.0 for both is our assumption. Lengths are clipped to
   [4, 1024] like the paper's chatbot experiment, which capped both at 1024, and mu is
-  solved so that the mean *after* clipping is the published one.
+  solved so that the mean *after* clipping is the published one. ``scale`` (default 1)
+  multiplies both means and the upper clip: the same shape, shorter, for small machines.
 - ``high-variance``: prompts uniform on [16, 256]; outputs short (uniform [8, 32]) with
   probability 0.8 and very long (uniform [512, 1024]) otherwise: the mix where a static
   batch idles on its one long member.
+- ``lognormal``: every prompt ``prompt_len`` long; outputs lognormal with mean
+  ``output_len`` (after clipping to [1, 16 x output_len], rounded) and log-space spread
+  ``output_sigma``: the same mean at any spread, for the output-length variance sweep
+  (sigma 0 gives every request exactly ``output_len``).
 
 Every length pair is finally clamped so that prompt + output fits ``max_model_len``; how many
 were clamped is recorded, so a clamped run is never mistaken for the nominal workload.
@@ -26,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-WORKLOADS = ("fixed", "uniform", "sharegpt", "high-variance")
+WORKLOADS = ("fixed", "uniform", "sharegpt", "high-variance", "lognormal")
 
 SHAREGPT_MEAN_PROMPT = 161.31  # vLLM paper, Fig. 11a
 SHAREGPT_MEAN_OUTPUT = 337.99  # vLLM paper, Fig. 11a
@@ -36,6 +41,7 @@ HV_PROMPT = (16, 256)
 HV_SHORT = (8, 32)
 HV_LONG = (512, 1024)
 HV_LONG_FRACTION = 0.2
+LOGNORMAL_CLIP_FACTOR = 16  # lognormal workload: outputs clipped to [1, 16 x the mean]
 
 
 @dataclass(frozen=True)
@@ -118,12 +124,16 @@ def make_workload(
     output_len: int = 128,
     min_len: int = 100,
     max_len: int = 1024,
+    scale: float = 1.0,
+    output_sigma: float = 1.0,
 ) -> Workload:
     """The ``name`` workload's ``num_requests`` requests, the same for a given seed everywhere."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if num_requests < 1:
         raise ValueError("num_requests must be positive")
+    if scale <= 0 or output_sigma < 0:
+        raise ValueError("scale must be positive and output_sigma non-negative")
     rng = np.random.default_rng(seed)
     n = num_requests
     if name == "fixed":
@@ -135,15 +145,25 @@ def make_workload(
         outputs = rng.integers(min_len, max_len + 1, n)
         params = {"min_len": min_len, "max_len": max_len}
     elif name == "sharegpt":
-        prompts = _lognormal(rng, SHAREGPT_MEAN_PROMPT, SHAREGPT_SIGMA, n, SHAREGPT_CLIP)
-        outputs = _lognormal(rng, SHAREGPT_MEAN_OUTPUT, SHAREGPT_SIGMA, n, SHAREGPT_CLIP)
+        clip = (SHAREGPT_CLIP[0], max(SHAREGPT_CLIP[0] + 1, round(SHAREGPT_CLIP[1] * scale)))
+        prompts = _lognormal(rng, SHAREGPT_MEAN_PROMPT * scale, SHAREGPT_SIGMA, n, clip)
+        outputs = _lognormal(rng, SHAREGPT_MEAN_OUTPUT * scale, SHAREGPT_SIGMA, n, clip)
         params = {
-            "mean_prompt": SHAREGPT_MEAN_PROMPT,
-            "mean_output": SHAREGPT_MEAN_OUTPUT,
+            "mean_prompt": SHAREGPT_MEAN_PROMPT * scale,
+            "mean_output": SHAREGPT_MEAN_OUTPUT * scale,
             "sigma": SHAREGPT_SIGMA,
-            "clip": list(SHAREGPT_CLIP),
+            "clip": list(clip),
+            "scale": scale,
             "source": "vLLM paper (Kwon et al., SOSP 2023) Fig. 11a means; sigma assumed",
         }
+    elif name == "lognormal":
+        prompts = np.full(n, prompt_len)
+        if output_sigma == 0:
+            outputs = np.full(n, output_len)
+        else:
+            clip = (1, max(2, LOGNORMAL_CLIP_FACTOR * output_len))
+            outputs = _lognormal(rng, output_len, output_sigma, n, clip)
+        params = {"prompt_len": prompt_len, "mean_output": output_len, "output_sigma": output_sigma}
     else:
         prompts = rng.integers(HV_PROMPT[0], HV_PROMPT[1] + 1, n)
         long = rng.random(n) < HV_LONG_FRACTION

@@ -5,6 +5,7 @@
     bin/bench online --rate 1,2,4 --num-requests 64 --systems conveyor,static
     bin/bench online --address tcp://127.0.0.1:7700 --rate 2        # a server you started
     bin/bench online --http --rate inf --batch-size 64 --repeat 3    # conveyor vs conveyor-http
+    bin/bench experiments --threads 1 --out bench/results/experiments-cpu   # docs/experiments.md
 
 Systems: ``conveyor`` (bin/serve, continuous batching, started by the benchmark),
 ``static`` (bin/serve --batching static), ``conveyor-noprof`` (bin/serve --no-profile: with
@@ -25,13 +26,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
-from conveyor.bench import plots, report
+from conveyor.bench import experiments, plots, report
 from conveyor.bench.drivers import run_offline, run_online
 from conveyor.bench.http_driver import run_online_http
 from conveyor.bench.metrics import OfflineRun
@@ -56,28 +59,33 @@ TIMEOUT_S = 3600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    # What every mode shares: the model, the device and the server's sizes.
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--model", help="HF checkpoint directory (default: the built-in demo model)")
+    engine.add_argument("--device", default="auto", choices=Device.names())
+    engine.add_argument("--dtype", default="auto", choices=Dtype.names())
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
+    engine.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (conveyor, hf-cb)")
+    engine.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache (conveyor, hf-cb)")
+    engine.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
+    engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")
+    engine.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    engine.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds a server may stay silent")
+
+    common = argparse.ArgumentParser(add_help=False, parents=[engine])
     common.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(ALL_SYSTEMS)}")
-    common.add_argument("--model", help="HF checkpoint directory (default: the built-in demo model)")
-    common.add_argument("--device", default="auto", choices=Device.names())
-    common.add_argument("--dtype", default="auto", choices=Dtype.names())
     common.add_argument("--workload", default="high-variance", choices=WORKLOADS)
     common.add_argument("--num-requests", type=int, default=64)
-    common.add_argument("--seed", type=int, default=0)
-    common.add_argument("--prompt-len", type=int, default=128, help="fixed workload")
-    common.add_argument("--output-len", type=int, default=128, help="fixed workload")
+    common.add_argument("--prompt-len", type=int, default=128, help="fixed and lognormal workloads")
+    common.add_argument("--output-len", type=int, default=128, help="fixed workload; lognormal workload's mean")
+    common.add_argument("--output-sigma", type=float, default=1.0, help="lognormal workload: log-space spread of outputs")
+    common.add_argument("--scale", type=float, default=1.0, help="sharegpt workload: lengths times this")
     common.add_argument("--min-len", type=int, default=100, help="uniform workload")
     common.add_argument("--max-len", type=int, default=1024, help="uniform workload")
-    common.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
     common.add_argument("--batch-size", type=int, default=32, help="concurrency cap of every system")
-    common.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (conveyor, hf-cb)")
-    common.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache (conveyor, hf-cb)")
-    common.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
-    common.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")
     common.add_argument("--json", metavar="PATH", help="write the results, machine and versions as JSON")
     common.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: the bench extra)")
-    common.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
-    common.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds a server may stay silent")
 
     p = argparse.ArgumentParser(prog="bench", description="Benchmark Conveyor against baselines.")
     sub = p.add_subparsers(dest="mode", required=True)
@@ -91,6 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
     on.add_argument("--repeat", type=int, default=1, help="runs per system, alternating (a fresh server each)")
     on.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput target: time to first token")
     on.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target: time per output token")
+    exp = sub.add_parser(
+        "experiments", parents=[engine], help="the continuous-batching write-ups' tables: continuous vs static"
+    )
+    exp.add_argument("--out", metavar="DIR", help="write experiments.json, tables.txt and the PNG plots here")
+    exp.add_argument("--only", help="comma-separated experiment numbers, from 1,2,3,4,5 (default: all)")
+    exp.add_argument("--quick", action="store_true", help="small sizes (a smoke run for CI, on a tiny checkpoint)")
+    exp.add_argument("--batch-sizes", help="experiment 1's sweep, comma-separated (default 8,16,32,64,128)")
+    exp.add_argument("--batch-size", type=int, help="batch size of experiments 2-5 (default 32)")
+    exp.add_argument("--batches", type=int, help="experiment 1: requests per run = this x the batch size (default 6)")
+    exp.add_argument("--scale", type=float, help="ShareGPT lengths (means 161/338 tokens, clip 1024) times this (default 0.5)")
+    exp.add_argument("--num-requests", type=int, help="requests of experiment 2 (default 160) and of each spread of experiment 5 (default 512)")
+    exp.add_argument("--rate", type=float, help="experiment 2's arrival rate, req/s (default: --load x continuous capacity)")
+    exp.add_argument("--load", type=float, help="experiment 2's rate as a fraction of continuous capacity (default 0.7)")
+    exp.add_argument("--prompt-len", type=int, help="experiment 5's prompt length (default 32)")
+    exp.add_argument("--mean-output", type=int, help="experiment 5's mean output length (default 96)")
     return p
 
 
@@ -268,6 +291,148 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _model_dir(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
+
+    return str(demo_checkpoint_dir())
+
+
+def _serve_flag(args: argparse.Namespace, flag: str) -> str | None:
+    """The value a --serve-arg gives bin/serve's ``flag`` (``--flag V`` or ``--flag=V``), or None."""
+    extra = list(args.serve_arg)
+    for i, arg in enumerate(extra):
+        if arg == flag and i + 1 < len(extra):
+            return extra[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _experiment_sizes(args: argparse.Namespace) -> experiments.Sizes:
+    """--quick's or the full sizes, with each size flag given replacing its default."""
+    base = experiments.QUICK if args.quick else experiments.FULL
+    changes: dict[str, Any] = {
+        "focus_batch": args.batch_size,
+        "batches_per_run": args.batches,
+        "sharegpt_scale": args.scale,
+        "online_requests": args.num_requests,
+        "spread_requests": args.num_requests,
+        "load": args.load,
+        "spread_prompt_len": args.prompt_len,
+        "spread_mean_output": args.mean_output,
+    }
+    if args.batch_sizes:
+        changes["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))
+    return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
+
+
+def experiments_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """bin/bench experiments: run, print the tables, write JSON, tables and plots to --out."""
+    try:
+        only = {int(x) for x in args.only.split(",")} if args.only else set(experiments.EXPERIMENTS)
+        sizes = _experiment_sizes(args)
+    except ValueError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    if not only <= set(experiments.EXPERIMENTS):
+        print(f"bench: --only takes experiment numbers from 1,2,3,4,5, got {args.only}", file=sys.stderr)
+        return 2
+    if min(sizes.batch_sizes) < 1 or sizes.focus_batch < 1 or sizes.batches_per_run < 1:
+        print("bench: batch sizes and --batches must be positive", file=sys.stderr)
+        return 2
+    model_dir = _model_dir(args)
+    model = ModelConfig.from_dir(model_dir)
+    try:
+        device = resolve_device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    from conveyor.runtime.config import SchedulerConfig
+    from conveyor.worker.loader import resolve_dtype
+
+    block_size = int(_serve_flag(args, "--block-size") or SchedulerConfig.block_size)
+    dtype_bytes = torch.empty((), dtype=resolve_dtype(args.dtype, device, model)).element_size()
+    kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+
+    def serve_args(system: str, batch_size: int) -> list[str]:
+        sized = argparse.Namespace(**{**vars(args), "batch_size": batch_size})
+        return _serve_args(sized, model_dir, device, SERVED["conveyor" if system == "continuous" else "static"])
+
+    def progress(total: int, label: str):
+        return _progress(args, total, label)
+
+    setup = experiments.Setup(
+        serve_args=serve_args,
+        progress=progress,
+        vocab_size=model.vocab_size,
+        max_model_len=args.max_model_len or model.max_position_embeddings,
+        seed=args.seed,
+        timeout=args.timeout,
+        block_size=block_size,
+        kv_bytes_per_token=kv_bytes_per_token,
+        rate=args.rate,
+    )
+    print(
+        f"bench experiments {','.join(map(str, sorted(only)))}: model {'demo' if not args.model else model_dir} "
+        f"({model.architecture}, {model.num_layers} layers, hidden {model.hidden_size}) on {device}",
+        file=sys.stderr,
+    )
+    env = report.environment(device)
+    result = experiments.Experiments(setup, sizes, only).run()
+    if hasattr(os, "getloadavg"):
+        env["machine"]["load_average_at_end"] = list(os.getloadavg())
+    text = experiments.format_tables(result["tables"], env, args.threads)
+    print()
+    print(text)
+    unavailable = {k: r["unavailable"] for k, r in result["runs"].items() if "unavailable" in r}
+    payload = {
+        "benchmark": "experiments",
+        "command": " ".join(["bin/bench", *(argv if argv is not None else sys.argv[1:])]),
+        "settings": {
+            "model": "demo" if not args.model else model_dir,
+            "model_config": {
+                "architecture": model.architecture,
+                "num_layers": model.num_layers,
+                "hidden_size": model.hidden_size,
+                "num_heads": model.num_heads,
+                "num_kv_heads": model.num_kv_heads,
+                "head_dim": model.head_dim,
+                "vocab_size": model.vocab_size,
+            },
+            "device": device,
+            "dtype": args.dtype,
+            "experiments": sorted(only),
+            "sizes": experiments.sizes_json(sizes),
+            "max_batched_tokens": args.max_batched_tokens,
+            "kv_cache_memory_gib": args.kv_cache_memory,
+            "block_size": block_size,
+            "threads": args.threads,
+            "max_model_len": setup.max_model_len,
+            "serve_args": list(args.serve_arg),
+        },
+        "environment": env,
+        "tables_text": text,
+        "unavailable": unavailable,
+        **result,
+    }
+    if args.out:
+        out = Path(args.out)
+        report.write_json(str(out / "experiments.json"), payload)
+        (out / "tables.txt").write_text(text + "\n", encoding="utf-8")
+        written = [str(out / "experiments.json"), str(out / "tables.txt")]
+        missing = plots.missing_requirement()
+        if missing:
+            print(f"no plots: {missing}", file=sys.stderr)
+        else:
+            written += plots.plot_experiments(str(out), payload)
+        print(f"written: {', '.join(written)}", file=sys.stderr)
+    return 1 if unavailable else 0
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     # Unwinds like Ctrl-C, so every server this benchmark started is stopped on the way out.
     raise SystemExit(128 + signum)
@@ -277,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
+    if args.mode == "experiments":
+        return experiments_main(args, argv)
     default = "conveyor,static,hf,hf-cb" if args.mode == "offline" else "conveyor"
     systems = [s.strip() for s in (args.systems or default).split(",") if s.strip()]
     if getattr(args, "http", False) and "conveyor-http" not in systems:
@@ -294,12 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and (missing := plots.missing_requirement()):
         print(f"bench: --plot: {missing}", file=sys.stderr)
         return 2
-    if args.model:
-        model_dir = args.model
-    else:
-        from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
-
-        model_dir = str(demo_checkpoint_dir())
+    model_dir = _model_dir(args)
     model = ModelConfig.from_dir(model_dir)
     try:
         device = resolve_device(args.device)  # bin/serve's rule, so every system runs on the same device
@@ -317,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         output_len=args.output_len,
         min_len=args.min_len,
         max_len=args.max_len,
+        scale=args.scale,
+        output_sigma=args.output_sigma,
     )
     described = workload.describe()
     print(

@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -76,6 +77,21 @@ def percentiles(samples_ns: list[int]) -> tuple[float, float, float]:
     return p50, p99, statistics.fmean(ordered) / 1e3
 
 
+def round_trips(hop: Callable[[bytes], None], size: int, iters: int, warmup: int) -> list[int]:
+    """Nanoseconds of each of ``iters`` round trips of a random ``size``-byte payload through
+    ``hop`` (send, then wait for the echo), after ``warmup`` untimed ones."""
+    payload = os.urandom(size)
+    samples = []
+    clock = time.perf_counter_ns
+    for i in range(warmup + iters):
+        start = clock()
+        hop(payload)
+        end = clock()
+        if i >= warmup:
+            samples.append(end - start)
+    return samples
+
+
 def bench_ring(run_dir: str, size: int, iters: int, warmup: int, spin_us: float) -> list[int]:
     ping_path = os.path.join(run_dir, f"ping-{size}-{spin_us}")
     pong_path = os.path.join(run_dir, f"pong-{size}-{spin_us}")
@@ -86,27 +102,22 @@ def bench_ring(run_dir: str, size: int, iters: int, warmup: int, spin_us: float)
     reader = RingReader(pong_path, spin_us=spin_us)
     echo = mp.get_context("spawn").Process(target=ring_echo, args=(ping_path, pong_path, spin_us))
     echo.start()
-    payload = os.urandom(size)
-    samples = []
-    clock = time.perf_counter_ns
+
+    def hop(payload: bytes) -> None:
+        writer.send(payload)
+        view = reader.view(timeout=10)
+        reader.advance()
+        if view is None:
+            raise RuntimeError("echo timed out")
+
     try:
-        for i in range(warmup + iters):
-            start = clock()
-            writer.send(payload)
-            view = reader.view(timeout=10)
-            reader.advance()
-            end = clock()
-            if view is None:
-                raise RuntimeError("echo timed out")
-            if i >= warmup:
-                samples.append(end - start)
+        return round_trips(hop, size, iters, warmup)
     finally:
         writer.close()
         echo.join(10)
         reader.close()
         shm_ring.unlink_ring(ping_path)
         shm_ring.unlink_ring(pong_path)
-    return samples
 
 
 def bench_zmq(run_dir: str, size: int, iters: int, warmup: int) -> list[int]:
@@ -118,17 +129,13 @@ def bench_zmq(run_dir: str, size: int, iters: int, warmup: int) -> list[int]:
     push.connect(ping_addr)
     echo = mp.get_context("spawn").Process(target=zmq_echo, args=(ping_addr, pong_addr))
     echo.start()
-    payload = os.urandom(size)
-    samples = []
-    clock = time.perf_counter_ns
+
+    def hop(payload: bytes) -> None:
+        push.send(payload, copy=False)
+        pull.recv(copy=False)
+
     try:
-        for i in range(warmup + iters):
-            start = clock()
-            push.send(payload, copy=False)
-            pull.recv(copy=False)
-            end = clock()
-            if i >= warmup:
-                samples.append(end - start)
+        samples = round_trips(hop, size, iters, warmup)
         push.send(STOP)
         echo.join(10)
     finally:

@@ -92,15 +92,7 @@ def _run(
 
 @pytest.mark.parametrize(("head_dim", "ratio", "block_size", "batch"), _grid())
 def test_extend_grid(device, gen, head_dim, ratio, block_size, batch) -> None:
-    _run(
-        device=device,
-        gen=gen,
-        batch=batch,
-        head_dim=head_dim,
-        ratio=ratio,
-        block_size=block_size,
-        num_kv_heads=_kv_heads(ratio),
-    )
+    _run(device=device, gen=gen, batch=batch, head_dim=head_dim, ratio=ratio, block_size=block_size, num_kv_heads=_kv_heads(ratio))
 
 
 def test_grid_covers_every_head_size_ratio_and_block_size() -> None:
@@ -132,15 +124,7 @@ def test_extend_sliding_window(device, gen, batch, window, block_size) -> None:
     ],
 )
 def test_extend_bf16(device, gen, batch, head_dim, ratio, block_size) -> None:
-    _run(
-        device=device,
-        gen=gen,
-        batch=batch,
-        head_dim=head_dim,
-        ratio=ratio,
-        block_size=block_size,
-        dtype=torch.bfloat16,
-    )
+    _run(device=device, gen=gen, batch=batch, head_dim=head_dim, ratio=ratio, block_size=block_size, dtype=torch.bfloat16)
 
 
 def test_extend_float16(device, gen) -> None:

@@ -85,15 +85,7 @@ def _run(
 
 @pytest.mark.parametrize(("head_dim", "ratio", "block_size", "seq_lens", "partition_size"), _grid())
 def test_decode_grid(device, gen, head_dim, ratio, block_size, seq_lens, partition_size) -> None:
-    _run(
-        device=device,
-        gen=gen,
-        seq_lens=seq_lens,
-        head_dim=head_dim,
-        ratio=ratio,
-        block_size=block_size,
-        partition_size=partition_size,
-    )
+    _run(device=device, gen=gen, seq_lens=seq_lens, head_dim=head_dim, ratio=ratio, block_size=block_size, partition_size=partition_size)
 
 
 def test_grid_covers_every_head_size_ratio_and_block_size() -> None:
@@ -152,14 +144,8 @@ def test_decode_sliding_window(device, gen, seq_lens, window, partition_size, bl
 )
 def test_decode_bf16(device, gen, seq_lens, head_dim, ratio, block_size, partition_size) -> None:
     _run(
-        device=device,
-        gen=gen,
-        seq_lens=seq_lens,
-        head_dim=head_dim,
-        ratio=ratio,
-        block_size=block_size,
-        dtype=torch.bfloat16,
-        partition_size=partition_size,
+        device=device, gen=gen, seq_lens=seq_lens, head_dim=head_dim, ratio=ratio, block_size=block_size,
+        dtype=torch.bfloat16, partition_size=partition_size,
     )
 
 

@@ -158,11 +158,14 @@ def test_static_batch_takes_max_num_seqs_members_not_max_num_seqs_at_a_time():
     assert h.final["quick"].finish_reason == "length"  # its slot is free from here on
     plan = h.step()
     assert h.scheduled_in(plan) == {"slow": 4} and not plan.new_requests
-    while "slow" not in h.final:
-        plan = h.step()
-        assert not plan.new_requests
-    plan = h.step()
-    assert [r.request_id for r in plan.new_requests] == ["next"]
+    _next_batch_after(h, "slow", ["next"])
+
+
+def _next_batch_after(h: Harness, last: str, newcomers: list[str]) -> None:
+    """Nobody joins until the batch's ``last`` member finishes; the next plan admits ``newcomers``."""
+    while last not in h.final:
+        assert not h.step().new_requests
+    assert [r.request_id for r in h.step().new_requests] == newcomers
     h.run()
 
 
@@ -178,12 +181,7 @@ def test_static_member_waiting_for_its_first_chunk_keeps_the_batch_closed():
     h.add("newcomer", prompt=distinct_prompt(2, 1), max_tokens=1, ignore_eos=True)
     plan = h.step()
     assert h.scheduled_in(plan) == {"b": 1}  # a slot and budget are left: the newcomer still waits
-    while "b" not in h.final:
-        plan = h.step()
-        assert not plan.new_requests
-    plan = h.step()
-    assert [r.request_id for r in plan.new_requests] == ["newcomer"]
-    h.run()
+    _next_batch_after(h, "b", ["newcomer"])
 
 
 def test_static_formation_over_iterations_leaves_what_earlier_members_lack():

@@ -542,14 +542,11 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
             f"published static {p['static']:.0%}, continuous {p['continuous']:.0%})",
             f"{'system':<11} {'per step':>9} {'over time':>10} {'seqs/step':>10}",
         ]
-        for s in SYSTEMS:
-            o = t[s]
-            if not o.get("available"):
-                lines.append(f"{s:<11} n/a: {o.get('reason')}")
-                continue
-            lines.append(
-                f"{s:<11} {_pct(o['fraction_per_step'], 9)} {_pct(o['fraction_over_time'], 10)} {_f(o['mean_per_step'], 10, 1)}"
-            )
+        lines += _system_rows(
+            t,
+            11,
+            lambda o: f"{_pct(o['fraction_per_step'], 9)} {_pct(o['fraction_over_time'], 10)} {_f(o['mean_per_step'], 10, 1)}",
+        )
         out.append("\n".join(lines))
     if "4_kv" in tables:
         t = tables["4_kv"]
@@ -560,15 +557,12 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
             f"published waste: static {p['static_gb']:g} GB, continuous {p['continuous_gb']:g} GB)",
             f"{'system':<15} {'avg blocks':>10} {'peak blocks':>11} {'avg slack tok':>13} {'peak waste':>11} {'coverage':>9}",
         ]
-        for s in SYSTEMS:
-            kv = t[s]
-            if not kv.get("available"):
-                lines.append(f"{s:<15} n/a: {kv.get('reason')}")
-                continue
-            lines.append(
-                f"{s:<15} {_f(kv['avg_held_blocks'], 10, 1)} {_f(kv['peak_held_blocks'], 11, 0)} "
-                f"{_f(kv['avg_slack_tokens'], 13, 1)} {_bytes(kv['peak_slack_tokens'] * per_token, 11)} {_pct(kv['coverage'], 9)}"
-            )
+        lines += _system_rows(
+            t,
+            15,
+            lambda kv: f"{_f(kv['avg_held_blocks'], 10, 1)} {_f(kv['peak_held_blocks'], 11, 0)} "
+            f"{_f(kv['avg_slack_tokens'], 13, 1)} {_bytes(kv['peak_slack_tokens'] * per_token, 11)} {_pct(kv['coverage'], 9)}",
+        )
         pad = t["padded_static"]
         lines.append(
             f"{'padded static':<15} {'(computed)':>10} {'':>11} {'':>13} {_bytes(pad['peak_waste_tokens'] * per_token, 11)} "
@@ -594,6 +588,14 @@ def _f(value: float | None, width: int, digits: int) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return f"{'-':>{width}}"
     return f"{value:>{width}.{digits}f}"
+
+
+def _system_rows(table: dict[str, Any], width: int, row: Callable[[dict[str, Any]], str]) -> list[str]:
+    """One line per system: its name, then ``row`` of its entry, or n/a and why it did not run."""
+    return [
+        f"{s:<{width}} {row(table[s])}" if table[s].get("available") else f"{s:<{width}} n/a: {table[s].get('reason')}"
+        for s in SYSTEMS
+    ]
 
 
 def _pct(value: float | None, width: int) -> str:

@@ -120,6 +120,14 @@ def plot_online(out_dir: str, title: str, runs: list[dict[str, Any]]) -> list[st
     return written
 
 
+def _titled(fig, ax, title: str, path: Path, plt) -> str:
+    """Title, legend and layout of a one-axes experiment figure, then saved."""
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path, plt)
+
+
 def _save(fig, path: Path, plt) -> str:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -151,10 +159,7 @@ def plot_experiments(out_dir: str, payload: dict[str, Any]) -> list[str]:
         ax.set_xticks([r["batch_size"] for r in rows], [str(r["batch_size"]) for r in rows])
         ax.set_xlabel("batch size (max_num_seqs)")
         ax.set_ylabel("output tokens / s")
-        ax.set_title(f"1. Throughput over batch size ({device})", fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(_save(fig, out / "1_throughput.png", plt))
+        written.append(_titled(fig, ax, f"1. Throughput over batch size ({device})", out / "1_throughput.png", plt))
 
     if "2_latency" in tables:
         rows = tables["2_latency"]["rows"]
@@ -166,10 +171,7 @@ def plot_experiments(out_dir: str, payload: dict[str, Any]) -> list[str]:
         ax.set_xticks(x, [f"p{r['percentile']}" for r in rows])
         ax.set_ylabel("end-to-end latency (s)")
         rate = tables["2_latency"]["rate_req_s"]
-        ax.set_title(f"2. Latency at {rate or 0:.2f} req/s ({device})", fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(_save(fig, out / "2_latency.png", plt))
+        written.append(_titled(fig, ax, f"2. Latency at {rate or 0:.2f} req/s ({device})", out / "2_latency.png", plt))
 
     focus = payload["settings"]["sizes"]["focus_batch"]
     focus_runs = {s: runs.get(f"{s}/b{focus}/sharegpt", {}) for s in systems}
@@ -193,10 +195,7 @@ def plot_experiments(out_dir: str, payload: dict[str, Any]) -> list[str]:
             ax.step(series["t_s"], series["held_blocks"], where="post", lw=0.7, color=f"C{i}", label=name)
         ax.set_xlabel("time since the run started (s)")
         ax.set_ylabel("KV blocks held")
-        ax.set_title(f"4. KV blocks held, batch {focus} ({device})", fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(_save(fig, out / "4_kv_blocks.png", plt))
+        written.append(_titled(fig, ax, f"4. KV blocks held, batch {focus} ({device})", out / "4_kv_blocks.png", plt))
 
     if "5_variance" in tables:
         rows = tables["5_variance"]["rows"]
@@ -206,8 +205,5 @@ def plot_experiments(out_dir: str, payload: dict[str, Any]) -> list[str]:
         ax.bar(x + 0.2, [r["published"] for r in rows], 0.4, color="C7", label="published")
         ax.set_xticks(x, [f"{r['spread']}\ncv {r['output_len_cv'] or 0:.2f}" for r in rows])
         ax.set_ylabel("continuous / static throughput")
-        ax.set_title(f"5. Output-length spread at one mean ({device})", fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(_save(fig, out / "5_variance.png", plt))
+        written.append(_titled(fig, ax, f"5. Output-length spread at one mean ({device})", out / "5_variance.png", plt))
     return written

@@ -394,15 +394,7 @@ def experiments_main(args: argparse.Namespace, argv: list[str] | None) -> int:
         "command": " ".join(["bin/bench", *(argv if argv is not None else sys.argv[1:])]),
         "settings": {
             "model": "demo" if not args.model else model_dir,
-            "model_config": {
-                "architecture": model.architecture,
-                "num_layers": model.num_layers,
-                "hidden_size": model.hidden_size,
-                "num_heads": model.num_heads,
-                "num_kv_heads": model.num_kv_heads,
-                "head_dim": model.head_dim,
-                "vocab_size": model.vocab_size,
-            },
+            "model_config": model_settings(model),
             "device": device,
             "dtype": args.dtype,
             "experiments": sorted(only),
@@ -436,6 +428,19 @@ def experiments_main(args: argparse.Namespace, argv: list[str] | None) -> int:
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     # Unwinds like Ctrl-C, so every server this benchmark started is stopped on the way out.
     raise SystemExit(128 + signum)
+
+
+def model_settings(model: ModelConfig) -> dict[str, Any]:
+    """The model's shape as a result file records it."""
+    return {
+        "architecture": model.architecture,
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_heads": model.num_heads,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "vocab_size": model.vocab_size,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -504,14 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "systems": systems,
             "model": "demo" if not args.model else model_dir,
-            "model_config": {
-                "architecture": model.architecture,
-                "num_layers": model.num_layers,
-                "hidden_size": model.hidden_size,
-                "num_heads": model.num_heads,
-                "num_kv_heads": model.num_kv_heads,
-                "vocab_size": model.vocab_size,
-            },
+            "model_config": model_settings(model),
             "device": device,
             "dtype": args.dtype,
             "batch_size": args.batch_size,

@@ -39,7 +39,6 @@ tokenizer thread pool, profiling.
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import time
 import weakref
@@ -62,9 +61,8 @@ from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepP
 from conveyor.protocol import messages as cp
 from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.scheduler import Scheduler
-from conveyor.worker.main import build_runner
+from conveyor.worker.main import build_runner, failed_step
 
-log = logging.getLogger("conveyor.engine")
 
 # add_request's keyword arguments besides the input, the id and the priority: the generate
 # fields a client passes as options (sampling and stop strings).
@@ -276,8 +274,7 @@ class Engine:
         try:
             return self.runner.execute(plan)
         except Exception as exc:
-            log.exception("step %d failed", plan.step_id)
-            return StepResult(plan.step_id, [], [], error=f"worker step failed: {exc}")
+            return failed_step(plan.step_id, exc)
 
     def _apply(self, outputs: list[RequestOutput], changed: list[Request]) -> None:
         """The scheduler's outputs (one per request) into each request's tokens and text,

@@ -165,6 +165,13 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     return Started(run=loop.run, close=loop.close, ready_info=ready)
 
 
+def failed_step(step_id: int, exc: Exception) -> StepResult:
+    """The result of a step whose launch or finish raised (logged with its traceback): the
+    scheduler fails the step's requests with this text."""
+    log.error("step %d failed:\n%s", step_id, traceback.format_exc())
+    return StepResult(step_id, [], [], error=f"worker step failed: {exc}")
+
+
 class StepLoop:
     """Receives plans, launches and finishes steps on the runner, sends results (pipelined or not)."""
 
@@ -216,8 +223,7 @@ class StepLoop:
             try:
                 launched = self.runner.launch(msg)
             except Exception as exc:
-                log.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
-                launched = StepResult(msg.step_id, [], [], error=f"worker step failed: {exc}")
+                launched = failed_step(msg.step_id, exc)
             self.t_execute.record(launch_start, arg=msg.step_id)
             if self.pending is not None:  # step N+1 is queued on the device: now wait for N
                 self._finish_pending()
@@ -253,8 +259,7 @@ class StepLoop:
             try:
                 result = self.runner.finish(pending)
             except Exception as exc:
-                log.error("step %d failed:\n%s", pending.step_id, traceback.format_exc())
-                result = StepResult(pending.step_id, [], [], error=f"worker step failed: {exc}")
+                result = failed_step(pending.step_id, exc)
             if self.failed and pending.planned_ahead and result.error is None:
                 # Launched before the step it was planned ahead of failed at the finish.
                 result = StepResult(

@@ -262,10 +262,13 @@ def bench_extend(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
 
 
 def _layer_caches(torch, args, num_blocks, dtype, device, pin=False):
-    shape = (2, num_blocks, args.block_size, args.kv_heads, args.head_dim)
+    """Layer caches laid out as the worker allocates them (conveyor.worker.kv_cache): on the
+    device views of one layer-major tensor, on the host (swap space) of one block-major one."""
+    block = (args.block_size, args.kv_heads, args.head_dim)
     if device == "cpu":
-        return [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(args.layers)]
-    return [torch.randn(shape, dtype=dtype, device=device) for _ in range(args.layers)]
+        whole = torch.empty((num_blocks, args.layers, 2, *block), dtype=dtype, pin_memory=pin)
+        return list(whole.movedim(0, 2).unbind(0))
+    return list(torch.randn((args.layers, 2, num_blocks, *block), dtype=dtype, device=device).unbind(0))
 
 
 def bench_copy_blocks(torch, args, timer, dtype, l2, device, bw) -> list[Row]:

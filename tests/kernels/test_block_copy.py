@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.kernels.block_copy import _swap_staged, copy_blocks, copy_blocks_ref, swap_blocks, swap_blocks_ref
+from conveyor.kernels.block_copy import _swap_staged, copy_blocks, copy_blocks_ref, stacked, swap_blocks, swap_blocks_ref
 from conveyor.kernels.testing import random_kv_cache
 
 
@@ -115,3 +115,44 @@ def test_swap_rejects_mismatched_layers(gen) -> None:
     other = _layers(gen, "cpu", 2, 4, head_dim=80)
     with pytest.raises(ValueError):
         swap_blocks(src, other, [0], [1])
+
+
+def _stacked_layers(gen, device, n_layers, num_blocks, block_size=16, kv_heads=2, head_dim=64, dtype=torch.float32):
+    """Layers as views of one [layers, 2, num_blocks, ...] tensor, the worker's layout."""
+    whole = torch.randn((n_layers, 2, num_blocks, block_size, kv_heads, head_dim), generator=gen).to(device, dtype)
+    return list(whole.unbind(0))
+
+
+def test_copy_blocks_moves_every_layer_of_a_stack_in_one_launch(device, gen, monkeypatch) -> None:
+    from conveyor.kernels import block_copy
+
+    layers = _stacked_layers(gen, device, 4, 20, dtype=torch.bfloat16)
+    assert block_copy.stacked(layers).shape == (4, *layers[0].shape)
+    src, dst = _random_pairs(gen, 20, 6)
+    pairs = torch.tensor(list(zip(src, dst)), dtype=torch.int64, device=device)
+    want = copy_blocks_ref(layers, pairs)
+    launches = []
+    launch = block_copy._launch_copy_blocks
+    monkeypatch.setattr(block_copy, "_launch_copy_blocks", lambda *a: (launches.append(a), launch(*a))[1])
+    copy_blocks(layers, pairs)
+    assert len(launches) == (1 if device.type == "cuda" or block_copy.interpreting() else 0)
+    for kv, ref in zip(layers, want):
+        assert torch.equal(kv, ref)
+
+
+def test_swap_between_stacked_caches_moves_runs_and_scattered_blocks(gen) -> None:
+    """Block-major host stack (the swap space's layout) <-> layer-major stack, both directions,
+    with runs of consecutive host ids and lone ones, chunked and not."""
+    device_side = _stacked_layers(gen, "cpu", 3, 24)
+    whole = torch.randn((16, 3, 2, 16, 2, 64), generator=gen)
+    host_side = list(whole.movedim(0, 2).unbind(0))
+    assert stacked(host_side) is not None and stacked(device_side) is not None
+    device_ids, host_ids = [3, 17, 4, 8, 22, 0], [5, 6, 7, 12, 0, 1]  # runs 5-7, 0-1 and a lone 12
+    for cap in (1 << 30, 1):
+        want = swap_blocks_ref(device_side, host_side, device_ids, host_ids)
+        swap_blocks(device_side, host_side, device_ids, host_ids, max_staging_bytes=cap)
+        assert all(torch.equal(h, w) for h, w in zip(host_side, want))
+        back = [1, 2, 10, 11, 20, 23]
+        want = swap_blocks_ref(host_side, device_side, host_ids, back)
+        swap_blocks(host_side, device_side, host_ids, back, max_staging_bytes=cap)
+        assert all(torch.equal(d, w) for d, w in zip(device_side, want))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conveyor.worker.model_runner import ModelRunner
+from tests.worker.parity import assert_greedy_agrees, hf_greedy_with_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,8 +37,8 @@ def test_cuda_greedy_matches_transformers(name, dtype, checkpoint_factory, scrip
     ]
     outputs = scripted(runner, scripts).run()
     for s in scripts:
-        with torch.no_grad():
-            ids = torch.tensor([s.prompt], device="cuda")
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=s.max_new,
-                              pad_token_id=0)
-        assert outputs[s.request_id] == ref[0, len(s.prompt):].tolist(), (name, dtype, s.request_id)
+        # float32: token for token; bf16: up to a divergence at one of HF's own near-ties
+        # (tests/worker/parity.py), after at least two agreeing tokens.
+        reference, logits = hf_greedy_with_logits(hf, s.prompt, s.max_new)
+        assert_greedy_agrees(outputs[s.request_id], reference, logits, dtype, min_compared=2,
+                             label=f"{name} {dtype} {s.request_id}")

@@ -44,6 +44,7 @@ class EngineOptions:
     num_cpu_blocks: int | None = None  # CPU swap space in blocks (instead of swap_space)
     swap_space: float | None = None  # GiB; None: the device's default (4 with cuda, 0 on CPU)
     threads: int | None = None  # torch CPU threads
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (bin/serve --enforce-eager)
     max_model_len: int | None = None  # prompt + output; None: the model's max_position_embeddings
     max_sessions: int = FrontendConfig.max_sessions  # finished requests remembered for continuation
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig knobs by their names
@@ -92,6 +93,8 @@ class EngineOptions:
             num_cpu_blocks=self.num_cpu_blocks,
             swap_space_bytes=None if self.swap_space is None else _gib(self.swap_space),
             num_threads=self.threads,
+            max_num_seqs=self.scheduler.get("max_num_seqs", SchedulerConfig.max_num_seqs),
+            enforce_eager=self.enforce_eager,
         )
 
 

@@ -5,6 +5,11 @@
   split-K with a reduce kernel for long contexts.
 - :mod:`.extend_attention`: prefill, chunked prefill and prefix reuse for a ragged batch.
 - :mod:`.block_copy`: copy-on-write block copies in one cache; batched swaps between caches.
+- :mod:`.rms_norm`: residual add + RMSNorm in one pass (the residual stream updated in place).
+- :mod:`.rope_kv_store`: rotary embedding (after Qwen3's per-head q/k norm) fused with the KV store.
+- :mod:`.silu_mul`: the gated MLP's ``silu(gate) * up`` in one pass.
+- :mod:`.layer_ops`: what the model calls for norms and the MLP activation: those kernels on
+  CUDA, torch's ops elsewhere (imports Triton only on the first CUDA call).
 - :mod:`.testing`: paged test inputs and tolerances shared by tests and the benchmark.
 - :mod:`.compile_check`: compile every kernel for sm_90 without a GPU.
 

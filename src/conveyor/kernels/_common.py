@@ -30,6 +30,13 @@ def interpreting() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch wrappers. Plain Python on purpose: ``triton.cdiv`` is a
+    ``constexpr_function`` whose host call unwraps every argument (microseconds per call, paid
+    on every launch)."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (and >= 1); tile extents must be powers of two."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

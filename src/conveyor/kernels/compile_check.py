@@ -119,6 +119,9 @@ def compile_all(capability: int = 90) -> list[Compiled]:
     from conveyor.kernels.extend_attention import extend_attention
     from conveyor.kernels.kv_store import kv_store
     from conveyor.kernels.paged_decode import paged_decode_attention
+    from conveyor.kernels.rms_norm import add_rms_norm_triton
+    from conveyor.kernels.rope_kv_store import rope_kv_store
+    from conveyor.kernels.silu_mul import silu_mul_triton
 
     original = JITFunction.run
     JITFunction.run = compile_only_run
@@ -146,6 +149,21 @@ def compile_all(capability: int = 90) -> list[Compiled]:
                 )
             kv_store(torch.empty(4, kv_heads, head_dim, dtype=dtype), torch.empty(4, kv_heads, head_dim, dtype=dtype),
                      kv, torch.zeros(4, dtype=torch.int64))
+            # q, k, v as views of one fused projection output, with and without Qwen3's q/k norm.
+            qkv = torch.empty(4, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+            rq, rk, rv = (t.view(4, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                       kv_heads * head_dim], dim=-1))
+            cos_sin = torch.empty(4096, head_dim, dtype=torch.float32)
+            positions, slots = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+            norm_weight = torch.empty(head_dim, dtype=dtype)
+            rope_kv_store(rq, rk, rv, positions, cos_sin, kv, slots)
+            rope_kv_store(rq, rk, rv, positions, cos_sin, kv, slots, norm_weight, norm_weight, 1e-6)
+        for dtype, hidden, intermediate in ((torch.bfloat16, 2048, 8192), (torch.bfloat16, 8192, 28672),
+                                            (torch.float16, 896, 4864), (torch.float32, 4096, 14336)):
+            x = torch.empty(8, hidden, dtype=dtype)
+            add_rms_norm_triton(x, torch.empty_like(x), torch.empty(hidden, dtype=dtype), 1e-5)
+            add_rms_norm_triton(x, None, torch.empty(hidden, dtype=dtype), 1e-5)
+            silu_mul_triton(torch.empty(8, 2 * intermediate, dtype=dtype))
         _launch_copy_blocks(torch.empty(2, 8, 16, 8, 128, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64))
     finally:
         JITFunction.run = original

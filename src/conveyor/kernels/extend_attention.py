@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from conveyor.kernels._common import (
+    cdiv,
     check_kv_cache,
     last_dim_contiguous,
     next_pow2,
@@ -149,7 +150,7 @@ def _tiles(head_dim: int, dtype: torch.dtype, max_query_len: int) -> tuple[int, 
     there are at most four heights, so at most four compiled variants per head size.
     """
     block_d = next_pow2(head_dim)
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     block_m = max(16, min(128, (32 * 1024) // (block_d * elem), next_pow2(max_query_len)))
     if dtype == torch.float32:
         # IEEE float32 dots run on FMA units with operands in registers: taller tiles spill
@@ -222,7 +223,7 @@ def extend_attention(
         return out
 
     block_m, block_n, block_d, num_warps = _tiles(head_dim, kv.dtype, max_query_len)
-    grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
+    grid = (cdiv(max_query_len, block_m), num_heads, batch)
     _extend_kernel[grid](
         query,
         kv,

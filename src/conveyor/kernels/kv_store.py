@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.kernels._common import check_kv_cache, last_dim_contiguous, next_pow2
+from conveyor.kernels._common import cdiv, check_kv_cache, last_dim_contiguous, next_pow2
 
 __all__ = ["kv_store", "kv_store_ref"]
 
@@ -83,7 +83,7 @@ def kv_store(key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor, slot_mapp
     block_d = next_pow2(head_dim)
     # Keep a program's tile near 2K elements: enough bytes in flight per SM, few registers.
     block_h = min(next_pow2(kv_heads), max(1, 2048 // block_d))
-    grid = (num_tokens, triton.cdiv(kv_heads, block_h))
+    grid = (num_tokens, cdiv(kv_heads, block_h))
     _kv_store_kernel[grid](
         key,
         value,

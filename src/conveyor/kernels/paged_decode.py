@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from conveyor.kernels._common import (
+    cdiv,
     check_kv_cache,
     last_dim_contiguous,
     next_pow2,
@@ -241,6 +242,7 @@ def _num_sms(device: torch.device) -> int:
     return 132  # An H100's count, so CPU/interpreter runs plan the way a GPU would.
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_decode_partitions(
     *,
     batch: int,
@@ -259,23 +261,24 @@ def plan_decode_partitions(
     as far as needed to give about ``TARGET_WAVES`` waves of programs over ``num_sms``, never into
     partitions of fewer than ``MIN_TILES_PER_PARTITION`` KV tiles and never into more than
     ``MAX_PARTITIONS``. The partition size is a multiple of the KV tile so tiles never straddle.
+    Cached: every decode launch asks, mostly with the same few shapes.
     """
     block_d = next_pow2(head_dim)
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     # One K (or V) tile <= 16 KiB: for bf16 head_dim 128 that is 64 positions, which compiles
     # for sm_90 with 4 warps in ~120 registers and ~38 KiB shared memory, no spills.
     block_n = max(16, min(64, (16 * 1024) // (block_d * elem)))
     block_g = max(16, next_pow2(num_heads // num_kv_heads))  # tl.dot needs M >= 16
     max_context = max(1, max_context)
     if partition_size is None:
-        tiles = triton.cdiv(max_context, block_n)
-        wanted = triton.cdiv(TARGET_WAVES * num_sms, max(1, batch * num_kv_heads))
+        tiles = cdiv(max_context, block_n)
+        wanted = cdiv(TARGET_WAVES * num_sms, max(1, batch * num_kv_heads))
         by_length = max(1, tiles // MIN_TILES_PER_PARTITION)
         parts = max(1, min(wanted, by_length, MAX_PARTITIONS))
-        partition_size = triton.cdiv(tiles, parts) * block_n
+        partition_size = cdiv(tiles, parts) * block_n
     elif partition_size <= 0:
         raise ValueError("partition_size must be positive")
-    num_partitions = triton.cdiv(max_context, partition_size)
+    num_partitions = cdiv(max_context, partition_size)
     return DecodePlan(block_n, block_d, block_g, partition_size, num_partitions)
 
 

@@ -1,16 +1,17 @@
 """Batched KV block copies between the GPU cache and the CPU swap space: the worker's half of swapping.
 
 The scheduler decides which blocks move (``StepPlan.swap_out`` / ``swap_in``, pairs of
-``[src, dst]`` block ids); this module only moves them. All pairs of one direction move
-together: per layer one gather of the source blocks (``index_select``), one transfer of the
-gathered tensor across the bus, one scatter into the destinations (``index_copy_``),
-instead of ``2 * layers * blocks`` small copies that would each pay launch and DMA setup.
-
-:func:`transfer_blocks` is the one call site; a fused kernel (``kernels/block_copy.py``,
-which also stages through pinned memory) can replace its body without touching the runner.
+``[src, dst]`` block ids); this module only moves them, through
+:func:`conveyor.kernels.block_copy.swap_blocks`: per chunk one gather or scatter of the blocks
+of all layers on the device, and one copy per run of consecutive host block ids between a
+device staging buffer and the pinned, block-major swap space (see :mod:`.kv_cache`), not one
+copy per block and layer.
 
 Invariants the plan guarantees (see ``StepPlan``): destinations within one call are
-distinct, and the runner calls swap-outs before swap-ins, both before the forward.
+distinct, and the runner calls swap-outs before swap-ins, both before the forward. All
+copies are queued on the current stream, in call order, so a swap-in reads what an earlier
+swap-out wrote and a block swapped out is read before a later op overwrites it; nothing here
+waits for the device (the host never reads the swap space itself).
 """
 
 from __future__ import annotations
@@ -29,16 +30,8 @@ def transfer_blocks(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[tor
     """
     if not pairs:
         return
-    src_ids = [p[0] for p in pairs]
-    dst_ids = [p[1] for p in pairs]
-    src_device = src_layers[0].device
-    dst_device = dst_layers[0].device
-    src_index = torch.tensor(src_ids, dtype=torch.int64).to(src_device, non_blocking=True)
-    dst_index = torch.tensor(dst_ids, dtype=torch.int64).to(dst_device, non_blocking=True)
-    # A device -> host copy into pageable memory is synchronous; host -> device from the CPU
-    # gather is ordered before the forward on the same stream, so neither needs a sync here.
-    for src, dst in zip(src_layers, dst_layers):
-        gathered = src.index_select(1, src_index)
-        if gathered.device != dst_device:
-            gathered = gathered.to(dst_device, non_blocking=dst_device.type == "cuda")
-        dst.index_copy_(1, dst_index, gathered)
+    # Imported on first use, like the attention kernels: importing a kernel module decorates
+    # Triton functions, which must wait until TRITON_INTERPRET is settled (tests).
+    from conveyor.kernels.block_copy import swap_blocks
+
+    swap_blocks(src_layers, dst_layers, [p[0] for p in pairs], [p[1] for p in pairs], wait=False)

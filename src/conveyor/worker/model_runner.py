@@ -25,10 +25,18 @@ from there when the host does not have it (the row's state counts it in ``pendin
 sampled ids come back through a host buffer copied without blocking the stream (pinned on
 CUDA) and an event, not through a ``.tolist()`` that would wait for the next step too.
 At most one step is launched and not finished when another is launched.
+
+**The decode step** (every row runs one token) does not build its inputs afresh: it pads the
+batch to a bucket of rows and fills persistent device buffers from one pinned staging buffer
+in one copy (:mod:`conveyor.worker.step_buffers`), then runs the forward over them: replayed
+from a CUDA graph captured at startup (:mod:`conveyor.worker.cuda_graphs`), or eagerly (CPU,
+``enforce_eager``). Prefill, chunked prefill and mixed steps run the flattened ragged batch.
+Sampling is batched over per-row parameter tensors (:mod:`conveyor.worker.sampler`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +46,15 @@ import torch
 
 from conveyor import profiling
 from conveyor.ipc.messages import MAX_SLOTS, SamplingParams, StepPlan, StepResult, int_list
-from conveyor.worker.attention.backend import AttentionMetadata, token_positions
-from conveyor.worker.attention.triton_backend import backend_for
+from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata, token_positions
+from conveyor.worker.attention.triton_backend import TritonPagedAttention, backend_for
 from conveyor.worker.block_transfer import transfer_blocks
+from conveyor.worker.cuda_graphs import DecodeGraphs
 from conveyor.worker.kv_cache import allocate_kv_cache, allocate_swap_space, bytes_per_block
 from conveyor.worker.loader import load_model
-from conveyor.worker.sampler import Sampler
+from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
+from conveyor.worker.sampler import Sampler, SamplingBatch, SamplingColumns, batch_from_rows, host_flags
+from conveyor.worker.step_buffers import DecodeInputs, StepBuffers, context_buckets, decode_buckets, smallest_fitting
 
 
 @dataclass
@@ -95,6 +106,15 @@ class ModelRunner:
     many blocks as fit in that many bytes). ``attention`` picks the backend: ``auto`` (Triton
     on CUDA, torch on CPU), ``triton`` or ``torch``. ``num_cpu_blocks`` (or
     ``swap_space_bytes``) sizes the CPU swap space that plans' swap-outs and swap-ins use.
+    ``max_num_seqs`` (the scheduler's) bounds the rows of a step and sizes the static decode
+    buffers; on CUDA the decode step is captured as CUDA graphs unless ``enforce_eager``.
+    ``pad_decode``: pad decode batches to the graph buckets (default: when graphs are used).
+
+    ``tensor_parallel``: this runner is one rank of a tensor-parallel group
+    (:mod:`conveyor.worker.parallel`). It holds the rank's shard of the model and a cache of
+    its kv heads (``kv_cache_memory_bytes`` is then this rank's budget); only rank 0 computes
+    logits and samples, and broadcasts the ids, so every rank returns the same results and
+    keeps the same request state. Every rank must be given the same plans.
     """
 
     def __init__(
@@ -109,29 +129,38 @@ class ModelRunner:
         profiler: profiling.Profiler | None = None,
         num_cpu_blocks: int | None = None,
         swap_space_bytes: int | None = None,
+        tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL,
+        max_num_seqs: int = 256,
+        enforce_eager: bool = False,
+        pad_decode: bool | None = None,
     ) -> None:
         if (num_blocks is None) == (kv_cache_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory_bytes")
         self.device = torch.device(device)
         self.block_size = block_size
-        self.model, self.model_config = load_model(model_dir, self.device, dtype, backend_for(self.device, attention))
+        self.tensor_parallel = tp = tensor_parallel
+        backend = backend_for(self.device, attention)
+        self.model, self.model_config = load_model(model_dir, self.device, dtype, backend, tp)
         self.dtype = self.model.embed_tokens.weight.dtype
         if num_blocks is None:
-            per_block = bytes_per_block(self.model_config, block_size, self.dtype)
+            per_block = bytes_per_block(self.model_config, block_size, self.dtype, tp)
             num_blocks = kv_cache_memory_bytes // per_block
             if num_blocks < 1:
                 raise ValueError(
                     f"kv_cache_memory_bytes={kv_cache_memory_bytes} is less than one block ({per_block} bytes)"
                 )
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device, tp)
         self.model.bind_kv_cache(self.kv_caches)
-        self.block_bytes = bytes_per_block(self.model_config, block_size, self.dtype)
+        self.block_bytes = bytes_per_block(self.model_config, block_size, self.dtype, tp)
         if num_cpu_blocks is None:
             num_cpu_blocks = (swap_space_bytes or 0) // self.block_bytes
         self.num_cpu_blocks = num_cpu_blocks
-        self.swap_caches = allocate_swap_space(self.model_config, num_cpu_blocks, block_size, self.dtype, self.device)
+        self.swap_caches = allocate_swap_space(
+            self.model_config, num_cpu_blocks, block_size, self.dtype, self.device, tp
+        )
         self.sampler = Sampler(self.device)
+        self._sampling = SamplingColumns()  # per-slot sampling parameters, set when a request arrives
         # Request state by slot; None: a free slot. Grows to the largest slot seen (at most the
         # scheduler's max_num_seqs), never shrinks. _last_tokens (on the device) grows with it.
         self._states: list[_RequestState | None] = []
@@ -152,6 +181,7 @@ class ModelRunner:
         self._t_forward = prof.timer("forward")
         self._t_sample = prof.timer("sample")  # LM head on the sampled rows + the sampler
         self._t_swap = prof.timer("swap", arg_name="blocks")  # only steps that copy blocks
+        self._setup_decode_step(max_num_seqs, enforce_eager, pad_decode, backend)
 
     @property
     def slots(self) -> list[int]:
@@ -193,6 +223,7 @@ class ModelRunner:
                 table.extend([None] * (new.slot + 1 - len(table)))
             tokens, blocks = int_list(new.token_ids), int_list(new.block_ids)
             table[new.slot] = _RequestState(new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens)
+            self._sampling.set(new.slot, new.sampling)
             self._set_table(new.slot, 0, blocks, clear=True)
         if len(self._last_tokens) < len(table):
             grown = torch.zeros(len(table), dtype=torch.int64, device=self.device)
@@ -205,7 +236,7 @@ class ModelRunner:
                 self._set_table(item.slot, len(state.block_ids), item.new_block_ids)
                 state.block_ids.extend(item.new_block_ids)
         samples = [item.num_computed + item.num_scheduled == state.num_known for item, state in zip(work, states)]
-        sampled = self._run(work, states, samples) if work else None
+        sampled, sample_slots = self._run(work, states, samples) if work else (None, None)
         for item, state in zip(work, states):
             state.num_computed += item.num_scheduled
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
@@ -216,8 +247,8 @@ class ModelRunner:
         if sampling:
             for _, state in sampling:
                 state.pending += 1
-            slots = torch.tensor(launched.slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            self._last_tokens[slots] = sampled  # the next step's inputs, without a host round trip
+            # the next steps' inputs, without a host round trip
+            self._last_tokens.index_copy_(0, sample_slots, sampled)
             launched.sampled = self._copy_to_host(sampled)
             if self._cuda:
                 launched.done = torch.cuda.Event()
@@ -277,9 +308,21 @@ class ModelRunner:
             launched.step_id, launched.slots, tokens, forward_time=time.perf_counter() - launched.start
         )
 
-    def _run(self, work: list[_Work], states: list[_RequestState], samples: list[bool]) -> torch.Tensor:
-        """Forward the flattened batch and sample; returns the ids sampled for the rows with
-        ``samples`` set, in order, on the device (nothing here waits for the device)."""
+    def _run(
+        self, work: list[_Work], states: list[_RequestState], samples: list[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward the step and sample; returns, on the device, the ids sampled for the rows with
+        ``samples`` set, in order, and their slots (nothing here waits for the device). A
+        decode-only step (every row runs one token) takes the static-buffer path
+        (:meth:`_run_decode`), any other the flattened ragged one (:meth:`_run_ragged`)."""
+        if all(item.num_scheduled == 1 for item in work):
+            return self._run_decode(work, states, samples)
+        return self._run_ragged(work, states, samples)
+
+    def _run_ragged(
+        self, work: list[_Work], states: list[_RequestState], samples: list[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill, chunked prefill and mixed steps: the new tokens laid end to end, unpadded."""
         start = profiling.now_ns()
         query_lens = [item.num_scheduled for item in work]
         context_lens = [item.num_computed for item in work]
@@ -294,29 +337,187 @@ class ModelRunner:
                 input_ids.append(0)
             else:
                 input_ids += known[item.num_computed : end]
-        tables = self._tables[np.fromiter([item.slot for item in work], np.int64, len(work))]
+        slots = np.fromiter([item.slot for item in work], np.int64, len(work))
+        tables = self._tables[slots]
         metadata = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
         positions = torch.from_numpy(token_positions(query_lens, context_lens)).to(self.device, non_blocking=True)
         tokens = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         if on_device:
-            index, slots = torch.tensor(on_device, dtype=torch.int64).to(self.device, non_blocking=True).unbind(1)
-            tokens[index] = self._last_tokens[slots]
+            index, pending = torch.tensor(on_device, dtype=torch.int64).to(self.device, non_blocking=True).unbind(1)
+            tokens[index] = self._last_tokens[pending]
         start = self._t_prepare.record(start)
         hidden = self.model(tokens, positions, metadata)
         start = self._t_forward.record(start)
 
-        ends = metadata.query_start_loc_host
-        rows = [ends[i + 1] - 1 for i, flag in enumerate(samples) if flag]
-        if not rows:
-            return torch.zeros(0, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        sampling = [(item, state) for item, state, flag in zip(work, states, samples) if flag]
-        # The position of the token being drawn is fixed for each output index of a request,
-        # so it keys a seeded draw as well as the output index would, across preemptions too.
-        params = [state.sampling for _, state in sampling]
-        sampled = self.sampler(logits, params, [item.num_computed + item.num_scheduled for item, _ in sampling])
+        sample_rows = np.flatnonzero(samples)
+        sample_slots = torch.from_numpy(slots[sample_rows]).to(self.device, non_blocking=True)
+        if self.tensor_parallel.rank == 0:
+            ends = np.asarray(metadata.query_start_loc_host[1:], dtype=np.int64)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(ends[sample_rows] - 1).to(self.device)])
+            # The position of the token being drawn is fixed for each output index of a request,
+            # so it keys a seeded draw as well as the output index would, across preemptions too.
+            draw_positions = np.fromiter([item.num_computed + item.num_scheduled for item in work], np.int64, len(work))
+            batch = batch_from_rows(
+                self._sampling.gather(slots[sample_rows]), draw_positions[sample_rows], logits.shape[1], self.device
+            )
+            sampled = self.sampler.sample(logits, batch)
+        else:  # rank 0 holds the LM head and samples; the next steps' inputs need its ids here too
+            sampled = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device)
+        broadcast_from_first_(sampled, self.tensor_parallel)
         self._t_sample.record(start)
-        return sampled
+        return sampled, sample_slots
+
+    def _run_decode(
+        self, work: list[_Work], states: list[_RequestState], samples: list[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step through the static buffers: stage every input on the host, one
+        copy to the device, then the captured graph of the step's bucket (or the same forward
+        run eagerly), then the sampler over the bucket's rows; padded rows are ignored."""
+        start = profiling.now_ns()
+        n = len(work)
+        rows = self._buffers.bucket_for(n)
+        slots = np.fromiter([item.slot for item in work], np.int64, n)
+        computed = np.fromiter([item.num_computed for item in work], np.int64, n)
+        max_seq_len = int(computed.max()) + 1
+        if self._graphs is not None:
+            bound = self._graphs.bound_for(rows, max_seq_len)
+        else:
+            bound = smallest_fitting(self._context_bounds, max_seq_len)
+        width = -(-bound // self.block_size)
+        host = self._buffers.stage(rows, width)
+        pending = np.fromiter(
+            [item.num_computed >= len(state.token_ids) for item, state in zip(work, states)], np.bool_, n
+        )
+        host["input_ids"][:n] = [
+            0 if late else state.token_ids[item.num_computed] for item, state, late in zip(work, states, pending)
+        ]
+        host["from_device"][:n] = pending
+        host["last_slots"][:n] = slots
+        host["positions"][:n] = computed
+        tables = self._tables[slots]
+        columns = min(width, tables.shape[1])
+        host["block_tables"][:n, :columns] = tables[:, :columns]
+        blocks = tables[np.arange(n), computed // self.block_size]
+        host["slot_mapping"][:n] = blocks * self.block_size + computed % self.block_size
+        host["seq_lens"][:n] = computed + 1
+        host["context_lens"][:n] = computed
+        sample_rows = np.flatnonzero(samples)
+        m = len(sample_rows)
+        host["sample_rows"][:m] = sample_rows
+        host["sample_slots"][:m] = slots[sample_rows]
+        params = self._sampling.gather(slots)
+        for name, column in params.items():
+            host[name][:n] = column
+        flags = host_flags({name: column[sample_rows] for name, column in params.items()}, self.model_config.vocab_size)
+        seq_lens_host = host["seq_lens"].tolist()  # the torch backends' host lengths (before the buffer is reused)
+        inputs = self._buffers.upload(rows, width)
+        if pending.any():
+            inputs.input_ids.copy_(
+                torch.where(inputs.from_device, self._last_tokens[inputs.last_slots], inputs.input_ids)
+            )
+        start = self._t_prepare.record(start)
+        if self._graphs is not None:
+            self._graphs.replay(rows, bound)
+        else:
+            self._forward_decode(inputs, bound, seq_lens_host)
+        start = self._t_forward.record(start)
+
+        sample_slots = inputs.sample_slots[:m]
+        if self.tensor_parallel.rank == 0:
+            batch = SamplingBatch(
+                temperature=inputs.temperature,
+                top_k=inputs.top_k,
+                top_p=inputs.top_p,
+                min_p=inputs.min_p,
+                seed=inputs.seed,
+                seeded=inputs.seeded,
+                positions=inputs.positions + 1,  # the position of the token being drawn
+                **flags,
+            )
+            sampled = self.sampler.sample(self._logits[:rows], batch).index_select(0, inputs.sample_rows[:m])
+        else:
+            sampled = torch.empty(m, dtype=torch.int64, device=self.device)
+        broadcast_from_first_(sampled, self.tensor_parallel)
+        self._t_sample.record(start)
+        return sampled, sample_slots
+
+    def _forward_decode(self, inputs: DecodeInputs, bound: int, seq_lens_host: list[int] | None = None) -> None:
+        """Embedding to logits of a decode bucket, reading only ``inputs`` (fixed device views)
+        and writing ``self._logits[:rows]`` (rank 0): what the CUDA graphs capture.
+
+        ``bound`` is an upper bound on every row's context: it fixes the decode kernel's
+        partitioning. ``seq_lens_host`` (the staged lengths) serves the torch backends, which
+        plan on the host; captured graphs never read it (padding's lengths stand in)."""
+        rows = inputs.rows
+        metadata = AttentionMetadata(
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            context_lens=inputs.context_lens,
+            block_tables=inputs.block_tables,
+            slot_mapping=inputs.slot_mapping,
+            max_seq_len=bound,
+            max_query_len=1,
+            block_size=self.block_size,
+            query_start_loc_host=list(range(rows + 1)),
+            seq_lens_host=seq_lens_host if seq_lens_host is not None else [1] * rows,
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, metadata)
+        if self.tensor_parallel.rank == 0:
+            self._logits[:rows].copy_(self.model.compute_logits(hidden))
+
+    def _setup_decode_step(
+        self, max_num_seqs: int, enforce_eager: bool, pad_decode: bool | None, backend: AttentionBackend
+    ) -> None:
+        """Static decode buffers for up to ``max_num_seqs`` rows, and on CUDA (unless
+        ``enforce_eager``, with the Triton backend and no tensor parallelism) their graphs.
+
+        Decode batches pad to the graph buckets (:func:`decode_buckets`) when graphs replay
+        them; run eagerly, padding would only add rows of work (a third more at worst on a
+        CPU, which is compute-bound), so every row count is its own bucket, unless
+        ``pad_decode`` says otherwise (tests exercise padding on CPU with it)."""
+        config = self.model_config
+        # The longest context a decode row can have: the pool, and the model's positions.
+        max_context = min(self.num_blocks, -(-config.max_position_embeddings // self.block_size)) * self.block_size
+        use_graphs = (
+            self._cuda and not enforce_eager and isinstance(backend, TritonPagedAttention) and self.tensor_parallel.size == 1
+        )
+        if pad_decode is None:
+            pad_decode = use_graphs
+        buckets = decode_buckets(max_num_seqs) if pad_decode else list(range(1, max_num_seqs + 1))
+        self.max_num_seqs = max_num_seqs
+        self._context_bounds = context_buckets(max_context)
+        self._buffers = StepBuffers(buckets, -(-max_context // self.block_size), self.device)
+        self._logits = torch.zeros(max_num_seqs, config.vocab_size, dtype=torch.float32, device=self.device)
+        self._graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self._graphs = DecodeGraphs(
+                self._forward_decode, self._buffers, self._context_bounds, self.block_size, self._decode_plan_key
+            )
+            with torch.inference_mode():
+                self._graphs.capture()
+
+    def _decode_plan_key(self, rows: int, bound: int) -> tuple:
+        """The paged decode kernel's launch plans at ``rows`` rows and context bound ``bound``,
+        one per distinct sliding window; a one-partition plan's length is dropped (any length
+        covering the context computes the same)."""
+        from conveyor.kernels.paged_decode import plan_decode_partitions
+
+        config = self.model_config
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        windows = sorted({layer.self_attn.sliding_window or 0 for layer in self.model.layers})
+        plans = []
+        for window in windows:
+            plan = plan_decode_partitions(
+                batch=rows,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                dtype=self.dtype,
+                max_context=min(bound, window) if window else bound,
+                num_sms=num_sms,
+            )
+            plans.append(plan if plan.num_partitions > 1 else dataclasses.replace(plan, partition_size=0))
+        return tuple(plans)
 
     def _drop(self, slots: list[int]) -> None:
         """Forget the requests on ``slots`` (a plan's ``finished_slots``). A free slot is fine:
@@ -388,6 +589,8 @@ class ModelRunner:
                 rid, slot, num_computed, num_scheduled, state.num_known, len(state.block_ids) + len(blocks)
             )
             work.append(_Work(slot, num_computed, num_scheduled, list(blocks)))
+        if len(work) > self.max_num_seqs:
+            raise ValueError(f"step {plan.step_id} runs {len(work)} requests; this runner takes at most {self.max_num_seqs}")
         self._check_transfers(plan)
         return work
 

@@ -1,38 +1,160 @@
-"""Logits -> token ids, one row per sampling request.
+"""Logits -> token ids for a whole batch in a fixed number of torch ops, no per-row Python.
 
 Greedy rows (temperature 0) take the exact argmax of the raw logits. Other rows are
 divided by their temperature, filtered (top-k, then top-p, then min-p; each disabled by
 its neutral value) and sampled with the exponential race: ``argmax(p / E)`` with
-``E ~ Exp(1)`` i.i.d. picks token ``i`` with probability ``p_i``, and lets every row use
-its own noise without a per-row multinomial call.
+``E ~ Exp(1)`` i.i.d. picks token ``i`` with probability ``p_i``.
 
-Reproducibility: a seeded row's noise comes from a generator seeded by (seed, position)
-alone, so its draw depends only on its own logits and not on batch mates, batch order or
-an earlier preemption. Unseeded rows share the sampler's one generator.
+The parameters arrive as one tensor per field (:class:`SamplingBatch`), filled from the
+runner's per-slot host columns (:class:`SamplingColumns`); which filters run at all is
+decided on the host from those columns, so a batch of greedy rows costs one argmax.
+
+Noise is counter-based: ``E[i, j]`` is a pure function of row ``i``'s 64-bit *key* and the
+token index ``j`` (a splitmix64 stream in int64 torch arithmetic, which wraps like the
+unsigned original), so the whole batch's noise is one tensor expression. A seeded row's key
+is a hash of (seed, position of the token being drawn): its draw depends only on its own
+logits, never on batch mates, batch order, padding or an earlier preemption. Unseeded rows
+take their keys from the sampler's one generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from conveyor.ipc.messages import SamplingParams
 
-_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_MUL1 = 0xBF58476D1CE4E5B9
+_MUL2 = 0x94D049BB133111EB
+_NOISE_BITS = 24  # float32 holds 24-bit uniforms exactly
 
 
-def _mix64(value: int) -> int:
-    """splitmix64 finalizer: spreads nearby integers to unrelated 64-bit values."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 torch holds it."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of int64 ``x`` (add the golden gamma, then the finalizer), elementwise:
+    nearby inputs give unrelated 64-bit outputs. int64 multiply and add wrap modulo 2**64, so
+    the bit patterns equal the unsigned algorithm's."""
+    x = x + _signed(_GAMMA)
+    x = (x ^ _shift_right(x, 30)) * _signed(_MUL1)
+    x = (x ^ _shift_right(x, 27)) * _signed(_MUL2)
+    return x ^ _shift_right(x, 31)
+
+
+def draw_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 key of each seeded draw: a hash of (seed, position of the token being drawn)."""
+    return splitmix64(splitmix64(seeds) ^ positions)
 
 
 def step_seed(seed: int, position: int) -> int:
-    """The generator seed of a seeded request's draw at ``position`` (63 bits, as torch wants)."""
-    return _mix64(_mix64(seed & _MASK64) ^ position) >> 1
+    """The key of a seeded request's draw at ``position`` as a non-negative 63-bit int (what
+    logs and tests can print); the sampler uses all 64 bits."""
+    key = draw_keys(torch.tensor([_signed(seed)]), torch.tensor([position]))
+    return int(_shift_right(key, 1)[0])
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 ``[N, vocab]`` Exp(1) draws; entry ``(i, j)`` depends only on ``keys[i]`` and ``j``.
+
+    Token ``j`` of row ``i`` takes element ``j + 1`` of the splitmix64 stream started at the
+    row's key; its top 24 bits give a uniform ``u`` in ``(0, 1)`` (midpoints, never 0 or 1),
+    and ``-log(u)`` is exponential, never 0."""
+    steps = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _signed(_GAMMA)
+    bits = _shift_right(splitmix64(keys[:, None] + steps[None, :]), 64 - _NOISE_BITS)
+    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _NOISE_BITS))
+    return uniform.log_().neg_()
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling parameters, a device tensor per field (``[N]`` rows), and what the
+    host knows of them (which filters any row uses), so that unused filters cost nothing.
+
+    ``temperature`` 0 means greedy; ``top_k`` <= 0 or >= vocab, ``top_p`` >= 1 and ``min_p``
+    <= 0 disable their filter; ``seed`` is read only where ``seeded``; ``positions`` is the
+    sequence position of the token each row draws (keys seeded draws)."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    seed: torch.Tensor  # int64
+    seeded: torch.Tensor  # bool
+    positions: torch.Tensor  # int64
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_unseeded: bool  # a sampling (non-greedy) row without a seed
+
+
+class SamplingColumns:
+    """Per-slot host columns of sampling parameters (numpy), set once when a request takes a
+    slot: a step's rows are then one gather per column, not a loop over requests."""
+
+    FIELDS: tuple[tuple[str, np.dtype], ...] = (
+        ("temperature", np.dtype(np.float32)),
+        ("top_k", np.dtype(np.int64)),
+        ("top_p", np.dtype(np.float32)),
+        ("min_p", np.dtype(np.float32)),
+        ("seed", np.dtype(np.int64)),
+        ("seeded", np.dtype(np.bool_)),
+    )
+
+    def __init__(self) -> None:
+        self.columns = {name: np.zeros(0, dtype) for name, dtype in self.FIELDS}
+
+    def set(self, slot: int, params: SamplingParams) -> None:
+        size = len(self.columns["seed"])
+        if slot >= size:
+            new_size = max(slot + 1, 2 * size, 16)
+            for name, column in self.columns.items():
+                grown = np.zeros(new_size, column.dtype)
+                grown[:size] = column
+                self.columns[name] = grown
+        values = row_values(params)
+        for name, column in self.columns.items():
+            column[slot] = values[name]
+
+    def gather(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: column[slots] for name, column in self.columns.items()}
+
+
+def row_values(params: SamplingParams) -> dict[str, float | int | bool]:
+    """One request's row of :class:`SamplingColumns`."""
+    return {
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "seed": _signed(params.seed) if params.seed is not None else 0,
+        "seeded": params.seed is not None,
+    }
+
+
+def host_flags(rows: dict[str, np.ndarray], vocab: int) -> dict[str, bool]:
+    """The host half of a :class:`SamplingBatch`: which filters the (real) rows use."""
+    sampling = rows["temperature"] > 0
+    return {
+        "all_greedy": not sampling.any(),
+        "any_top_k": bool((sampling & (rows["top_k"] > 0) & (rows["top_k"] < vocab)).any()),
+        "any_top_p": bool((sampling & (rows["top_p"] < 1.0)).any()),
+        "any_min_p": bool((sampling & (rows["min_p"] > 0.0)).any()),
+        "any_unseeded": bool((sampling & ~rows["seeded"]).any()),
+    }
 
 
 class Sampler:
@@ -49,55 +171,73 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
     ) -> torch.Tensor:
-        """``positions[i]`` keys row ``i``'s seeded draw: any per-request index that names this
-        draw the same way every time it is made (the runner passes the sequence position of
-        the token being sampled, which is the output index plus the fixed prompt length)."""
+        """Sample rows given as :class:`SamplingParams` (tests, small callers): builds the
+        :class:`SamplingBatch` and calls :meth:`sample`. ``positions[i]`` keys row ``i``'s
+        seeded draw: any per-request index that names this draw the same way every time it
+        is made (the runner passes the sequence position of the token being sampled)."""
         if len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, {len(positions)} positions")
-        tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not rows:
-            return tokens
-        index = torch.tensor(rows, device=logits.device)
-        tokens[index] = self._sample(logits[index], [params[i] for i in rows], [positions[i] for i in rows])
-        return tokens
+        columns = SamplingColumns()
+        for row, p in enumerate(params):
+            columns.set(row, p)
+        rows = columns.gather(np.arange(len(params)))
+        return self.sample(logits, batch_from_rows(rows, np.asarray(positions, np.int64), logits.shape[1], logits.device))
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
-        device = logits.device
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Token ids ``[N]`` for float32 ``logits`` ``[N, V]``; nothing here waits for the device."""
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
         vocab = logits.shape[-1]
-        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
-        logits = logits / temperature[:, None]
-
-        use_top_k = any(0 < p.top_k < vocab for p in params)
-        use_top_p = any(p.top_p < 1.0 for p in params)
-        if use_top_k or use_top_p:
+        device = logits.device
+        sampling = batch.temperature > 0
+        logits = logits / torch.where(sampling, batch.temperature, 1.0)[:, None]
+        if batch.any_top_k or batch.any_top_p:
             # Both filters act on ranks: mask in descending order, then put tokens back in
             # vocabulary order so a row's draw never depends on whether its batch sorted.
             ranked, order = logits.sort(dim=-1, descending=True)
-            if use_top_k:
-                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+            if batch.any_top_k:
+                top_k = torch.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, vocab)
                 ranks = torch.arange(vocab, device=device)
                 ranked = ranked.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-            if use_top_p:
-                top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+            if batch.any_top_p:
+                top_p = torch.where(batch.top_p < 1.0, batch.top_p, float("inf"))
                 probs = ranked.softmax(dim=-1)
                 # A token stays while the mass ranked before it is below top_p: the first always stays.
                 mass_before = probs.cumsum(dim=-1) - probs
                 ranked = ranked.masked_fill(mass_before >= top_p[:, None], float("-inf"))
             logits = torch.empty_like(ranked).scatter_(-1, order, ranked)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
+        if batch.any_min_p:
             probs = logits.softmax(dim=-1)
-            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            threshold = batch.min_p.clamp_min(0.0)[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-
+        keys = draw_keys(batch.seed, batch.positions)
+        if batch.any_unseeded:
+            drawn = torch.randint(
+                -(1 << 63), (1 << 63) - 1, keys.shape, generator=self._generator, dtype=torch.int64, device=device
+            )
+            keys = torch.where(batch.seeded, keys, drawn)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        if any(p.seed is None for p in params):
-            noise.exponential_(generator=self._generator)
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                generator = torch.Generator(device=device).manual_seed(step_seed(p.seed, positions[i]))
-                noise[i].exponential_(generator=generator)
-        # Clamp keeps a zero-probability token at score 0 even if a draw is exactly 0.
-        return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        sampled = (probs / exponential_noise(keys, vocab)).argmax(dim=-1)
+        return torch.where(sampling, sampled, greedy)
+
+
+def batch_from_rows(
+    rows: dict[str, np.ndarray], positions: np.ndarray, vocab: int, device: torch.device | str
+) -> SamplingBatch:
+    """A :class:`SamplingBatch` from host rows (one copy per column: the dynamic step's way;
+    the static decode step views its columns in its staging buffer instead)."""
+
+    def dev(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+    return SamplingBatch(
+        temperature=dev(rows["temperature"]),
+        top_k=dev(rows["top_k"]),
+        top_p=dev(rows["top_p"]),
+        min_p=dev(rows["min_p"]),
+        seed=dev(rows["seed"]),
+        seeded=dev(rows["seeded"]),
+        positions=dev(positions),
+        **host_flags(rows, vocab),
+    )

@@ -15,9 +15,13 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from conveyor.worker.models.layers import RMSNorm, RotaryEmbedding
 
 
 def token_positions(query_lens: Sequence[int], context_lens: Sequence[int]) -> np.ndarray:
@@ -132,6 +136,30 @@ class AttentionBackend(abc.ABC):
         self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
     ) -> None:
         """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their slots (-1 slots skipped)."""
+
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rotary: RotaryEmbedding,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None,
+        kv_cache_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The step between the q/k/v projection and attention; returns the query to attend with.
+
+        Normalizes ``query``/``key`` per head with ``qk_norm`` = ``(q_norm, k_norm)`` (Qwen3),
+        rotates both by their ``positions`` and stores the rotated keys and ``value`` with
+        :meth:`store_kv`. A backend with a fused kernel for all of it overrides this; the
+        result must be the same up to rounding.
+        """
+        if qk_norm is not None:
+            query, key = qk_norm[0](query), qk_norm[1](key)
+        query, key = rotary(positions, query, key)
+        self.store_kv(key, value, kv_cache_layer, metadata)
+        return query
 
     @abc.abstractmethod
     def forward(

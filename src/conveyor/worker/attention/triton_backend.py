@@ -12,9 +12,14 @@ tensors through Triton's interpreter).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from conveyor.worker.models.layers import RMSNorm, RotaryEmbedding
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -22,8 +27,10 @@ class TritonPagedAttention(AttentionBackend):
         from conveyor.kernels.extend_attention import extend_attention
         from conveyor.kernels.kv_store import kv_store
         from conveyor.kernels.paged_decode import paged_decode_attention
+        from conveyor.kernels.rope_kv_store import rope_kv_store
 
         self._kv_store = kv_store
+        self._rope_kv_store = rope_kv_store
         self._decode = paged_decode_attention
         self._extend = extend_attention
 
@@ -31,6 +38,26 @@ class TritonPagedAttention(AttentionBackend):
         self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
     ) -> None:
         self._kv_store(key.to(kv_cache_layer.dtype), value.to(kv_cache_layer.dtype), kv_cache_layer, metadata.slot_mapping)
+
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rotary: RotaryEmbedding,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None,
+        kv_cache_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One fused launch (:mod:`conveyor.kernels.rope_kv_store`): q/k norm, rotary, K/V
+        store; ``query`` (a view of the projection output) is rotated in place."""
+        norms = {} if qk_norm is None else {
+            "q_norm_weight": qk_norm[0].weight, "k_norm_weight": qk_norm[1].weight, "eps": qk_norm[0].eps
+        }
+        return self._rope_kv_store(
+            query, key, value, positions, rotary.cos_sin, kv_cache_layer, metadata.slot_mapping, **norms
+        )
 
     def forward(
         self,

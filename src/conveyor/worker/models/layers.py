@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.kernels.layer_ops import add_rms_norm, silu_and_mul
+from conveyor.worker.parallel import TensorParallel, all_reduce_
+
 
 def _empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -32,6 +35,32 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """A :class:`Linear` whose input features are split across the tensor-parallel ranks:
+    ``weight`` holds this rank's ``in_features`` columns, each rank's product is partial, and
+    one all-reduce sums them into the full output on every rank.
+
+    The bias (replicated) is added by rank 0 alone, so the sum holds it exactly once; at
+    size 1 this is the plain :class:`Linear`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tensor_parallel: TensorParallel,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype, device)
+        self.tensor_parallel = tensor_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tensor_parallel.rank == 0 else None
+        return all_reduce_(F.linear(x, self.weight, bias), self.tensor_parallel)
+
+
 class Embedding(nn.Module):
     """Token id -> row of ``weight`` ``[vocab_size, hidden_size]``."""
 
@@ -46,7 +75,8 @@ class Embedding(nn.Module):
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32 and cast back
     before the weight is applied (the order the reference implementation uses, which
-    matters for half-precision results)."""
+    matters for half-precision results). One fused kernel on CUDA, torch's ``rms_norm``
+    elsewhere (:func:`conveyor.kernels.layer_ops.add_rms_norm`)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -54,29 +84,35 @@ class RMSNorm(nn.Module):
         self.weight = _empty_parameter(size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps)[0]
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``: the pre-norm residual stream in one call."""
-        summed = x + residual
-        return self.forward(summed), summed
+        """``(norm(x + residual), x + residual)``: the pre-norm residual stream in one call.
+        The sum is written into ``residual`` (in place) and returned as the new stream."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class SiluGatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[2*intermediate, hidden]`` matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[2*intermediate, hidden]`` matmul.
+
+    Tensor-parallel: ``intermediate_size`` is this rank's share of the features (gate/up
+    column-parallel, their rows; down row-parallel, its columns, summed by one all-reduce).
+    """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tensor_parallel: TensorParallel,
     ) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, device, tensor_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -136,5 +172,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``[first * cos - second * sin, second * cos + first * sin]`` in float32, cast back; a
+    multiply-add per half (``addcmul``) keeps it at five operators."""
     first, second = x.float().chunk(2, dim=-1)
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
+    rotated = [torch.addcmul(first * cos, second, sin, value=-1), torch.addcmul(second * cos, first, sin)]
+    return torch.cat(rotated, dim=-1).to(x.dtype)

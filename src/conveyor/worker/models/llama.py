@@ -8,6 +8,11 @@ sequences laid end to end, positions given per token, attention through an
 
 q/k/v and gate/up projections are fused into one matmul each; :meth:`LlamaFamilyModel.
 checkpoint_layout` says which rows of a fused parameter each checkpoint tensor fills.
+
+Tensor parallelism (:mod:`conveyor.worker.parallel`) splits the same modules: a rank's
+qkv_proj holds its query heads and kv heads, its gate_up_proj its share of the intermediate
+features, and o_proj/down_proj the matching input columns (row-parallel, one all-reduce
+each); the checkpoint layout names the slice of each checkpoint tensor a rank reads.
 """
 
 from __future__ import annotations
@@ -19,16 +24,26 @@ from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
-from conveyor.worker.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluGatedMLP
+from conveyor.worker.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluGatedMLP
+from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, shard_heads
 
 
 @dataclass(frozen=True)
 class WeightSlot:
-    """Where one checkpoint tensor goes: rows ``start:end`` (dim 0) of our parameter ``name``."""
+    """Where one checkpoint tensor goes: its part ``rows`` x ``cols`` fills rows ``start:end``
+    (dim 0) of our parameter ``name``.
+
+    ``shape`` is the checkpoint tensor's whole shape, checked before anything is read;
+    ``rows`` and ``cols`` are ``(begin, end)`` ranges of its dims 0 and 1 (``None``: all of
+    it), so a tensor-parallel rank reads only its shard.
+    """
 
     name: str
     start: int
     end: int
+    shape: tuple[int, ...]
+    rows: tuple[int, int] | None = None
+    cols: tuple[int, int] | None = None
 
 
 class LlamaAttention(nn.Module):
@@ -43,17 +58,19 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        tensor_parallel: TensorParallel,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = shard_heads(config.num_heads, config.num_kv_heads, tensor_parallel)  # this rank's
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.layer_sliding_window(layer)
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        q_size, kv_size = heads.num_heads * config.head_dim, heads.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias, dtype, device)
-        self.o_proj = Linear(q_size, config.hidden_size, config.o_proj_bias, dtype, device)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, config.o_proj_bias, dtype, device, tensor_parallel)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
@@ -68,12 +85,12 @@ class LlamaAttention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary(positions, query, key)
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound to the model")
-        self.backend.store_kv(key, value, self.kv_cache, metadata)
+        qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
+        query = self.backend.rotate_and_store(
+            positions, query, key, value, self.rotary, qk_norm, self.kv_cache, metadata
+        )
         out = self.backend.forward(query, self.kv_cache, metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -90,12 +107,14 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        tensor_parallel: TensorParallel,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, layer, rotary, backend, dtype, device)
+        self.self_attn = LlamaAttention(config, layer, rotary, backend, dtype, device, tensor_parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = SiluGatedMLP(config.hidden_size, config.intermediate_size, dtype, device)
+        intermediate = tensor_parallel.split(config.intermediate_size, "intermediate_size")  # this rank's
+        self.mlp = SiluGatedMLP(config.hidden_size, intermediate, dtype, device, tensor_parallel)
 
     def forward(
         self,
@@ -115,24 +134,34 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaFamilyModel(nn.Module):
     """The whole causal LM. Parameter names mirror the checkpoint's, minus the ``model.``
-    prefix and with q/k/v and gate/up fused."""
+    prefix and with q/k/v and gate/up fused.
+
+    With ``tensor_parallel`` of size N, this is rank ``tensor_parallel.rank``'s shard; the
+    embedding and final norm are whole on every rank, and the LM head exists on rank 0 only
+    (the one rank that computes logits)."""
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL,
     ) -> None:
         super().__init__()
         self.config = config
+        self.tensor_parallel = tensor_parallel
         rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device
         )
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer, rotary, backend, dtype, device) for layer in range(config.num_layers)
+            LlamaDecoderLayer(config, layer, rotary, backend, dtype, device, tensor_parallel)
+            for layer in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = (
-            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        )
+        separate_head = not config.tie_word_embeddings and tensor_parallel.rank == 0
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device) if separate_head else None
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Give layer ``i`` the cache tensor ``kv_caches[i]``; later forwards read and write it."""
@@ -151,7 +180,11 @@ class LlamaFamilyModel(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 ``[N, vocab]`` logits of the rows of ``hidden`` the caller selected."""
+        """float32 ``[N, vocab]`` logits of the rows of ``hidden`` the caller selected (on
+        tensor-parallel rank 0 only: the others hold no LM head)."""
+        if self.tensor_parallel.rank != 0:
+            rank = self.tensor_parallel.rank
+            raise RuntimeError(f"tensor-parallel rank {rank} holds no LM head: rank 0 computes logits")
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 
@@ -159,23 +192,31 @@ class LlamaFamilyModel(nn.Module):
         """Every tensor name a checkpoint of this config may hold -> where it goes.
 
         ``None`` marks tensors that may be present and are ignored: rotary ``inv_freq``
-        buffers some old checkpoints saved, and ``lm_head.weight`` when embeddings are tied.
-        Every non-``None`` slot must be filled exactly once.
+        buffers some old checkpoints saved, and ``lm_head.weight`` when embeddings are tied
+        or on a tensor-parallel rank other than 0. Every non-``None`` slot must be filled
+        exactly once. A tensor-parallel rank's slots name the rows (q/k/v by head, gate/up by
+        feature, biases with their rows) or columns (o/down) of its shard; norms, embedding
+        and LM head are read whole.
         """
-        config = self.config
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        qkv_rows = {
-            "q_proj": (0, q_size),
-            "k_proj": (q_size, q_size + kv_size),
-            "v_proj": (q_size + kv_size, q_size + 2 * kv_size),
+        config, tp = self.config, self.tensor_parallel
+        heads = shard_heads(config.num_heads, config.num_kv_heads, tp)
+        head_dim, hidden = config.head_dim, config.hidden_size
+        q_size, kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim  # this rank's
+        q_rows = (heads.q_start * head_dim, heads.q_start * head_dim + q_size)  # of the checkpoint's
+        kv_rows = (heads.kv_start * head_dim, heads.kv_start * head_dim + kv_size)
+        qkv = {  # projection -> (first row in qkv_proj, its checkpoint rows, its checkpoint row count)
+            "q_proj": (0, q_rows, config.num_heads * head_dim),
+            "k_proj": (q_size, kv_rows, config.num_kv_heads * head_dim),
+            "v_proj": (q_size + kv_size, kv_rows, config.num_kv_heads * head_dim),
         }
-        qkv_suffixes = ["weight", "bias"] if config.attention_bias else ["weight"]
         intermediate = config.intermediate_size
-        gate_up_rows = {"gate_proj": (0, intermediate), "up_proj": (intermediate, 2 * intermediate)}
+        features = tp.shard(intermediate, "intermediate_size")
+        share = features[1] - features[0]
         layout: dict[str, WeightSlot | None] = {}
 
         def whole(checkpoint_name: str, name: str) -> None:
-            layout[checkpoint_name] = WeightSlot(name, 0, self.get_parameter(name).shape[0])
+            shape = tuple(self.get_parameter(name).shape)
+            layout[checkpoint_name] = WeightSlot(name, 0, shape[0], shape)
 
         whole("model.embed_tokens.weight", "embed_tokens.weight")
         whole("model.norm.weight", "norm.weight")
@@ -185,20 +226,32 @@ class LlamaFamilyModel(nn.Module):
             whole("lm_head.weight", "lm_head.weight")
         for i in range(config.num_layers):
             ours, theirs = f"layers.{i}", f"model.layers.{i}"
-            for proj, (start, end) in qkv_rows.items():
-                for suffix in qkv_suffixes:
-                    slot = WeightSlot(f"{ours}.self_attn.qkv_proj.{suffix}", start, end)
-                    layout[f"{theirs}.self_attn.{proj}.{suffix}"] = slot
-            for proj, (start, end) in gate_up_rows.items():
-                layout[f"{theirs}.mlp.{proj}.weight"] = WeightSlot(f"{ours}.mlp.gate_up_proj.weight", start, end)
-            whole(f"{theirs}.self_attn.o_proj.weight", f"{ours}.self_attn.o_proj.weight")
+            attn, mlp = f"{ours}.self_attn", f"{ours}.mlp"
+            for proj, (start, rows, total) in qkv.items():
+                end = start + rows[1] - rows[0]
+                layout[f"{theirs}.self_attn.{proj}.weight"] = WeightSlot(
+                    f"{attn}.qkv_proj.weight", start, end, (total, hidden), rows=rows
+                )
+                if config.attention_bias:
+                    layout[f"{theirs}.self_attn.{proj}.bias"] = WeightSlot(
+                        f"{attn}.qkv_proj.bias", start, end, (total,), rows=rows
+                    )
+            for proj, start in (("gate_proj", 0), ("up_proj", share)):
+                layout[f"{theirs}.mlp.{proj}.weight"] = WeightSlot(
+                    f"{mlp}.gate_up_proj.weight", start, start + share, (intermediate, hidden), rows=features
+                )
+            layout[f"{theirs}.self_attn.o_proj.weight"] = WeightSlot(
+                f"{attn}.o_proj.weight", 0, hidden, (hidden, config.num_heads * head_dim), cols=q_rows
+            )
             if config.o_proj_bias:
-                whole(f"{theirs}.self_attn.o_proj.bias", f"{ours}.self_attn.o_proj.bias")
+                whole(f"{theirs}.self_attn.o_proj.bias", f"{attn}.o_proj.bias")
             if config.qk_norm:
-                whole(f"{theirs}.self_attn.q_norm.weight", f"{ours}.self_attn.q_norm.weight")
-                whole(f"{theirs}.self_attn.k_norm.weight", f"{ours}.self_attn.k_norm.weight")
+                whole(f"{theirs}.self_attn.q_norm.weight", f"{attn}.q_norm.weight")
+                whole(f"{theirs}.self_attn.k_norm.weight", f"{attn}.k_norm.weight")
             layout[f"{theirs}.self_attn.rotary_emb.inv_freq"] = None
-            whole(f"{theirs}.mlp.down_proj.weight", f"{ours}.mlp.down_proj.weight")
+            layout[f"{theirs}.mlp.down_proj.weight"] = WeightSlot(
+                f"{mlp}.down_proj.weight", 0, hidden, (hidden, intermediate), cols=features
+            )
             whole(f"{theirs}.input_layernorm.weight", f"{ours}.input_layernorm.weight")
             whole(f"{theirs}.post_attention_layernorm.weight", f"{ours}.post_attention_layernorm.weight")
         return layout

@@ -1,0 +1,71 @@
+"""The decoder layer's elementwise and normalization steps, one function each for every device.
+
+The model calls these and never branches on the device itself: on CUDA they launch the fused
+Triton kernels (:mod:`.rms_norm`, :mod:`.silu_mul`); elsewhere they run torch's own ops with the
+fewest operators that keep the reference's rounding order (each torch operator on a CPU costs a
+dispatch and usually an allocation, which a small decode batch pays per layer). Both paths give
+the same numbers up to reduction order.
+
+The Triton modules are imported on the first CUDA call, never at import time, so importing the
+model neither imports Triton nor fixes ``TRITON_INTERPRET`` (see :mod:`conveyor.kernels`).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["add_rms_norm", "silu_and_mul"]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """Whether ``x``'s op runs the Triton kernel: on CUDA tensors (tests also force it on CPU
+    tensors, with the kernels interpreted)."""
+    return x.is_cuda
+
+
+@functools.cache
+def _triton_module(name: str) -> ModuleType:
+    import importlib
+
+    return importlib.import_module(f"conveyor.kernels.{name}")
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)`` over the last dim.
+
+    With a ``residual`` (same shape and dtype as ``x``, hidden dim contiguous), the sum is
+    written into it in place and it is returned second: the residual stream of a pre-norm
+    decoder is one buffer updated per sublayer. Without one, ``x`` is normalized and returned
+    second. The norm runs in float32 and is rounded to ``x``'s dtype before the weight
+    multiply, as the reference implementation does.
+    """
+    if residual is not None:
+        if _use_triton(x):
+            return _triton_module("rms_norm").add_rms_norm_triton(x, residual, weight, eps)
+        x = residual.add_(x)
+    elif _use_triton(x):
+        flat = x.reshape(-1, x.shape[-1])
+        return _triton_module("rms_norm").add_rms_norm_triton(flat, None, weight, eps)[0].view(x.shape), x
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps), x
+    # Half precision: torch's rms_norm rounds after the weight multiply; the reference rounds
+    # the normed value first and multiplies in the input dtype.
+    return weight * F.rms_norm(x, weight.shape, None, eps), x
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``[..., 2 * I]`` (gate first), shape ``[..., I]``.
+
+    The CPU path computes in place in the gate half of ``gate_up`` and returns that (strided)
+    view, so ``gate_up`` must be a temporary the caller does not read again.
+    """
+    if _use_triton(gate_up):
+        return _triton_module("silu_mul").silu_mul_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)

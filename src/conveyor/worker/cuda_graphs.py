@@ -1,0 +1,113 @@
+"""CUDA graphs of the static-buffer decode forward (embedding to logits), one per bucket.
+
+The runner's decode step (:meth:`ModelRunner._forward_decode`) reads only the fixed device
+views of :class:`~conveyor.worker.step_buffers.StepBuffers` and writes its logits into one
+fixed buffer, so the same call can be captured once per (row bucket, context bound) and
+replayed: one launch instead of hundreds of kernel launches per step. The graphs share one
+memory pool (they never run at the same time, so their intermediates may overlap), captured
+largest first so the pool is sized by the largest graph.
+
+The context bound fixes the split-K partitioning of the paged decode kernel, which sizes
+its grid from the bound (its surplus programs write nothing for shorter contexts). Bounds
+whose partition plans are equal for a row bucket would capture identical work, so they
+share the graph of the largest such bound: :meth:`DecodeGraphs.bound_for` names the bound
+(and so the block-table width) a step must stage with.
+
+Everything here runs only on CUDA; the runner builds it only when the device is CUDA, the
+attention backend is Triton (the torch store's boolean indexing syncs) and graphs are not
+turned off (``--enforce-eager``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+
+import torch
+
+from conveyor.worker.step_buffers import DecodeInputs, StepBuffers, smallest_fitting
+
+log = logging.getLogger("conveyor.worker")
+
+#: Eager runs before a capture: compiles the Triton kernels and settles lazy allocations.
+WARMUP_RUNS = 2
+
+
+class DecodeGraphs:
+    """Captured decode forwards; :meth:`replay` runs the one for a bucket and bound.
+
+    ``forward(inputs, bound)`` is the runner's decode forward over the device views
+    ``inputs`` with context bound ``bound``; ``plan_key(rows, bound)`` is any hashable
+    value equal for bounds whose kernels launch the same grids at ``rows`` rows.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[DecodeInputs, int], torch.Tensor],
+        buffers: StepBuffers,
+        context_bounds: list[int],
+        block_size: int,
+        plan_key: Callable[[int, int], Hashable],
+    ) -> None:
+        self._forward = forward
+        self._buffers = buffers
+        self._block_size = block_size
+        self._bounds = context_bounds
+        # rows -> for each context bound, the bound whose graph serves it
+        self._serving: dict[int, dict[int, int]] = {}
+        for rows in buffers.buckets:
+            serving: dict[int, int] = {}
+            by_key: dict[Hashable, int] = {}
+            for bound in reversed(context_bounds):
+                serving[bound] = by_key.setdefault(plan_key(rows, bound), bound)
+            self._serving[rows] = serving
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+
+    def bound_for(self, rows: int, max_seq_len: int) -> int:
+        """The context bound (captured graph) a step of ``rows`` rows and this longest context uses."""
+        return self._serving[rows][smallest_fitting(self._bounds, max_seq_len)]
+
+    def width(self, bound: int) -> int:
+        return -(-bound // self._block_size)
+
+    def capture(self) -> None:
+        """Capture every distinct graph, largest first, into one pool; log time and memory."""
+        start = time.perf_counter()
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for rows in reversed(self._buffers.buckets):
+            for bound in sorted(set(self._serving[rows].values()), reverse=True):
+                width = self.width(bound)
+                self._buffers.stage(rows, width)  # all rows padding: the warm-up writes no KV
+                inputs = self._buffers.upload(rows, width)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP_RUNS):
+                        self._forward(inputs, bound)
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(inputs, bound)
+                self._graphs[rows, bound] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.memory_bytes = torch.cuda.memory_reserved() - reserved
+        log.info(
+            "captured %d decode CUDA graphs (%d row buckets up to %d, context bounds %s) in %.2f s, "
+            "holding %.1f MiB",
+            len(self._graphs), len(self._buffers.buckets), self._buffers.buckets[-1], self._bounds,
+            self.capture_seconds, self.memory_bytes / 2**20,
+        )
+
+    def replay(self, rows: int, bound: int) -> None:
+        """Run the graph of ``rows`` rows at ``bound`` (from :meth:`bound_for`) on the current stream."""
+        self._graphs[rows, bound].replay()
+
+    def __len__(self) -> int:
+        return len(self._graphs)

@@ -1,0 +1,175 @@
+"""Tensor parallelism on torch.distributed: which rank this worker is, which part of the
+model it holds, and the collectives the model calls.
+
+The model is split Megatron-style across ``N`` ranks (one process each): q/k/v and gate/up
+projections column-parallel (each rank computes its attention heads and its slice of the MLP's
+intermediate features), o and down projections row-parallel (each rank multiplies its input
+slice; one all-reduce sums the partial products). That is two all-reduces per layer and no
+other collective in the forward. Embedding, final norm and LM head are replicated, and only
+rank 0 runs the LM head and samples: the sampler (top-k/top-p/seeded draws) then needs full
+logits on one rank, which a vocab-parallel head would have to gather there anyway, and the
+other ranks skip the head's matmul and, for untied checkpoints, its weights. Rank 0 then
+broadcasts the sampled ids, the one extra collective per step: the next step's decode inputs
+are those ids, and every rank embeds them. Size 1 is exactly the unsplit model: no process
+group, every collective a no-op.
+
+**Interface for the process side** (one worker process per rank):
+
+- Each rank calls :func:`init_tensor_parallel` once (``rank``, ``size``, a shared
+  ``init_method`` such as ``file:///tmp/x`` or ``tcp://127.0.0.1:port``, backend ``gloo`` on
+  CPU or ``nccl`` on CUDA: :func:`default_backend`; ``timeout_s`` bounds every collective) and
+  passes the record to ``ModelRunner(..., device=..., tensor_parallel=tp)``. With NCCL, rank
+  ``r`` runs on ``cuda:r`` (:func:`rank_device` gives the device string to pass).
+- Every rank is given the same plans in the same order and makes the same ``launch`` /
+  ``finish`` calls: each step runs the same collectives on every rank.
+- **Results**: every rank's ``finish`` returns the same :class:`StepResult` (slots and sampled
+  ids: rank 0's ids, broadcast), so every rank's request state stays identical to rank 0's.
+  The process side sends rank 0's result and drops the others'.
+- **Errors**: a plan the runner refuses (ValueError from validation, including one planned
+  ahead of a failed step) is refused identically on every rank before any collective, so the
+  group stays in step and the error is reported like today. Any other exception on any rank
+  (a device error; a collective that timed out or broke because a peer died) leaves the
+  group out of step: stop every rank. A rank blocked in a collective whose peer is gone
+  raises within ``timeout_s`` (gloo; NCCL's watchdog aborts the process), never hangs.
+- **KV capacity** is per rank: a rank caches only its own KV heads
+  (:attr:`HeadShard.num_kv_heads`), and ``ModelRunner.num_blocks`` is what its share of
+  ``kv_cache_memory_bytes`` holds (``kv_cache.bytes_per_block(..., tensor_parallel=tp)``).
+  Ranks must agree on the pool the scheduler plans with: take the minimum across ranks (block
+  ids below it are valid on every rank). Swap-ins, swap-outs and block copies run on every
+  rank, each on its own heads.
+- At exit, :func:`close_tensor_parallel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This worker's place in the tensor-parallel group: rank ``rank`` of ``size``.
+
+    Invariant: ``0 <= rank < size``; ``group`` is the process group the collectives run on
+    (``None`` at size 1, where there is none, and in tests that only build shards).
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside 0..{self.size - 1}")
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of ``total`` items split evenly; ValueError naming ``what`` if
+        ``total`` does not divide by the size."""
+        if total % self.size:
+            raise ValueError(f"{what} {total} does not divide by the tensor-parallel size {self.size}")
+        return total // self.size
+
+    def shard(self, total: int, what: str) -> tuple[int, int]:
+        """The ``[start, end)`` range of ``total`` items this rank holds (see :meth:`split`)."""
+        share = self.split(total, what)
+        return self.rank * share, (self.rank + 1) * share
+
+
+NO_TENSOR_PARALLEL = TensorParallel()
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank computes: checkpoint query heads ``q_start ..
+    q_start + num_heads - 1`` and kv heads ``kv_start .. kv_start + num_kv_heads - 1``.
+
+    Invariant: every query head of the rank attends to a kv head of the rank, as in the
+    unsplit model (query head ``h`` uses kv head ``h // (total heads / total kv heads)``).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadShard:
+    """Split ``num_heads`` query heads evenly over the ranks, with their kv heads.
+
+    With at least as many kv heads as ranks, each rank takes an even share of them. With
+    fewer, each rank holds the one kv head its query heads use, so a kv head is replicated on
+    ``size / num_kv_heads`` ranks (its projection rows are loaded, and its cache kept, on each
+    of them). Refused (ValueError) when the heads cannot be split that way.
+    """
+    local_heads = tp.split(num_heads, "num_attention_heads")
+    if num_kv_heads >= tp.size:
+        local_kv = tp.split(num_kv_heads, "num_key_value_heads")
+        return HeadShard(local_heads, local_kv, tp.rank * local_heads, tp.rank * local_kv)
+    if tp.size % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads {num_kv_heads} is fewer than the tensor-parallel size {tp.size} "
+            "and does not divide it, so kv heads cannot be replicated evenly"
+        )
+    ranks_per_kv_head = tp.size // num_kv_heads
+    return HeadShard(local_heads, 1, tp.rank * local_heads, tp.rank // ranks_per_kv_head)
+
+
+def default_backend(device: str) -> str:
+    """The torch.distributed backend for ranks on ``device``: NCCL between GPUs, gloo on CPU."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, tp: TensorParallel) -> str:
+    """The device rank ``tp.rank`` runs on: ``cuda:<rank>`` when ``device`` is CUDA (one GPU
+    per rank), ``device`` otherwise."""
+    return f"cuda:{tp.rank}" if str(device).startswith("cuda") and tp.size > 1 else str(device)
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, timeout_s: float) -> TensorParallel:
+    """Join the ``size``-rank group as ``rank`` and return its record; every rank must call
+    this with the same ``init_method``, ``backend`` and ``size``. Blocks until all have joined
+    (or ``timeout_s`` passes). Size 1 creates no process group.
+
+    ``timeout_s`` bounds every later collective too, so a rank whose peer died raises instead
+    of waiting forever. With ``nccl``, the rank's CUDA device is ``cuda:<rank>``, made current.
+    """
+    if size == 1:
+        return TensorParallel(rank, 1, None)
+    device_id = None
+    if backend == "nccl":
+        device_id = torch.device("cuda", rank)
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device_id,
+    )
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def close_tensor_parallel(tp: TensorParallel) -> None:
+    """Leave the group (no-op at size 1)."""
+    if tp.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Sum ``tensor`` in place across the ranks (a row-parallel layer's partial products);
+    returns it. No-op at size 1."""
+    if tp.size > 1:
+        dist.all_reduce(tensor, group=tp.group)
+    return tensor
+
+
+def broadcast_from_first_(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with rank 0's (its sampled ids); returns it.
+    No-op at size 1."""
+    if tp.size > 1:
+        dist.broadcast(tensor, group=tp.group, group_src=0)
+    return tensor

@@ -1,0 +1,200 @@
+"""Persistent inputs of the static-buffer decode step: one host staging area, one device copy.
+
+A decode-only step (every scheduled row runs exactly one token) is padded to a *bucket* of
+rows (:func:`decode_buckets` where CUDA graphs replay it; eagerly, the runner makes every
+row count a bucket of its own) and reads all its inputs from views into one device byte
+buffer: token ids, positions, KV slots, the pending-token gather, which rows sample, the
+attention lengths and block tables, and the sampling parameters. The runner fills the same
+fields in a host staging buffer (pinned on CUDA) and :meth:`StepBuffers.upload` moves the
+bucket's bytes in ONE host-to-device copy; nothing on the device is allocated for inputs,
+and nothing waits for the device. Because a bucket's device views never move, a CUDA graph
+captured over them (:mod:`conveyor.worker.cuda_graphs`) replays with each step's inputs.
+
+Padded rows are inert: token 0 at position 0, KV slot -1 (the store skips it), one token of
+context read from block 0 (whatever it holds, finite: blocks are zeroed at allocation and
+only ever written with keys and values), greedy, never sampled from. Their outputs are
+dropped.
+
+Two host staging buffers alternate, each with an event recorded after its copy: the host
+fills one while the previous step's copy from the other may still be queued (pipelined
+launches), and before refilling a buffer it waits for that buffer's last copy, which has
+long finished in steady state.
+
+Layout per bucket of ``B`` rows and ``W`` block-table columns (offsets aligned to 8 bytes):
+the fields of :data:`FIELDS`, each ``B`` rows (``B * W`` for the block table) in that order,
+from byte 0; every bucket's views alias the same device buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+#: (name, dtype, columns per row). int64 first so every field stays naturally aligned.
+FIELDS: tuple[tuple[str, np.dtype, bool], ...] = (
+    ("input_ids", np.dtype(np.int64), False),
+    ("positions", np.dtype(np.int64), False),
+    ("slot_mapping", np.dtype(np.int64), False),
+    ("last_slots", np.dtype(np.int64), False),  # the row's slot in the runner's last-token buffer
+    ("sample_rows", np.dtype(np.int64), False),  # first n: the rows that sample, in result order
+    ("sample_slots", np.dtype(np.int64), False),  # their slots
+    ("seed", np.dtype(np.int64), False),
+    ("top_k", np.dtype(np.int64), False),
+    ("seq_lens", np.dtype(np.int32), False),
+    ("context_lens", np.dtype(np.int32), False),
+    ("block_tables", np.dtype(np.int32), True),
+    ("temperature", np.dtype(np.float32), False),
+    ("top_p", np.dtype(np.float32), False),
+    ("min_p", np.dtype(np.float32), False),
+    ("from_device", np.dtype(np.bool_), False),  # the input is the token the step in flight samples
+    ("seeded", np.dtype(np.bool_), False),
+)
+
+_TORCH = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+def decode_buckets(max_rows: int) -> list[int]:
+    """Row counts decode steps are padded to: 1, 2, 4, 8, 16, 24, 32, then every 16, with
+    ``max_rows`` itself last (so a full batch pads nothing)."""
+    buckets = [b for b in (1, 2, 4, 8, 16, 24, 32) if b < max_rows]
+    size = 48
+    while size < max_rows:
+        buckets.append(size)
+        size += 16
+    return buckets + [max_rows]
+
+
+def context_buckets(max_context: int, smallest: int = 512) -> list[int]:
+    """Upper bounds of a decode step's longest context that fix its split-K partitioning:
+    ``smallest`` times powers of 4, then ``max_context``."""
+    bounds = []
+    bound = smallest
+    while bound < max_context:
+        bounds.append(bound)
+        bound *= 4
+    return bounds + [max_context]
+
+
+def smallest_fitting(buckets: list[int], value: int) -> int:
+    """The first of the increasing ``buckets`` that is at least ``value`` (the last one's
+    caller guarantees it fits)."""
+    for bucket in buckets:
+        if bucket >= value:
+            return bucket
+    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+
+
+def _layout(rows: int, width: int) -> tuple[dict[str, tuple[int, np.dtype, tuple[int, ...]]], int]:
+    fields = {}
+    offset = 0
+    for name, dtype, per_column in FIELDS:
+        shape = (rows, width) if per_column else (rows,)
+        fields[name] = (offset, dtype, shape)
+        offset += -(-int(np.prod(shape)) * dtype.itemsize // 8) * 8
+    return fields, offset
+
+
+@dataclass
+class DecodeInputs:
+    """Device views of one bucket's inputs (field name -> tensor), fixed for the buffers' life."""
+
+    rows: int
+    tensors: dict[str, torch.Tensor]
+    query_start_loc: torch.Tensor  # int32 [rows + 1]: 0..rows (one token per row)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self.__dict__["tensors"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class StepBuffers:
+    """The decode step's device input buffer and its host staging, for steps padded to one of
+    ``buckets`` rows and up to ``width`` block-table columns per row (fixed: the views graphs
+    capture never move).
+    A step's table width is its context bucket's (``ceil(bound / block_size)``), so a short-
+    context step copies a narrow table."""
+
+    def __init__(self, buckets: list[int], width: int, device: torch.device) -> None:
+        self.buckets = buckets  # increasing row counts a step pads to; the last is the most rows
+        self.max_rows = max_rows = buckets[-1]
+        self.width = width
+        self.device = device
+        _, size = _layout(max_rows, width)
+        cuda = device.type == "cuda"
+        self._device_bytes = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        self._copied = [None, None]  # per host buffer: event recorded after its last copy (CUDA)
+        self._next = 0
+        self._inputs: dict[tuple[int, int], DecodeInputs] = {}
+        self._host_views: list[dict[tuple[int, int], dict[str, np.ndarray]]] = [{}, {}]
+        self._cuda = cuda
+
+    def bucket_for(self, rows: int) -> int:
+        return smallest_fitting(self.buckets, rows)
+
+    def inputs(self, rows: int, width: int) -> DecodeInputs:
+        """Device views of bucket ``rows`` with ``width`` block-table columns (made once each)."""
+        inputs = self._inputs.get((rows, width))
+        if inputs is None:
+            fields, _ = _layout(rows, width)
+            tensors = {}
+            for name, (offset, dtype, shape) in fields.items():
+                nbytes = int(np.prod(shape)) * dtype.itemsize
+                tensors[name] = self._device_bytes[offset : offset + nbytes].view(_TORCH[dtype]).view(shape)
+            start_loc = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
+            inputs = self._inputs[rows, width] = DecodeInputs(rows, tensors, start_loc)
+        return inputs
+
+    def stage(self, rows: int, width: int) -> dict[str, np.ndarray]:
+        """Host views of bucket ``rows`` (``width`` table columns) in the next staging buffer,
+        every row set to padding; the caller fills the real rows, then calls :meth:`upload`
+        with the same arguments."""
+        k = self._next
+        if self._copied[k] is not None:
+            self._copied[k].synchronize()  # its previous copy (two steps back) has long run
+        views = self._host_views[k].get((rows, width))
+        if views is None:
+            fields, _ = _layout(rows, width)
+            raw = self._host_bytes[k].numpy()
+            views = {
+                name: raw[offset : offset + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+                for name, (offset, dtype, shape) in fields.items()
+            }
+            self._host_views[k][rows, width] = views
+        _pad(views)
+        return views
+
+    def upload(self, rows: int, width: int) -> DecodeInputs:
+        """Copy the staged bucket to the device (one copy, not waited for) and return its views."""
+        k = self._next
+        self._next = 1 - k
+        _, size = _layout(rows, width)
+        self._device_bytes[:size].copy_(self._host_bytes[k][:size], non_blocking=self._cuda)
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[k] = event
+        return self.inputs(rows, width)
+
+
+def _pad(views: dict[str, np.ndarray]) -> None:
+    """Every row inert (see the module docstring)."""
+    for name in ("input_ids", "positions", "last_slots", "sample_rows", "sample_slots", "seed", "top_k", "context_lens"):
+        views[name].fill(0)
+    views["slot_mapping"].fill(-1)
+    views["seq_lens"].fill(1)
+    views["block_tables"].fill(0)
+    views["temperature"].fill(0.0)
+    views["top_p"].fill(1.0)
+    views["min_p"].fill(0.0)
+    views["from_device"].fill(False)
+    views["seeded"].fill(False)

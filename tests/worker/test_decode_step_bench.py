@@ -1,0 +1,24 @@
+"""bench/decode_step.py runs its tiny --smoke mode on CPU and writes every field the GPU
+report reads (step time, roofline, HF, launches and operators per step)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_decode_step_bench_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("decode_step_bench", REPO / "bench" / "decode_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "decode-step.json"
+    bench.main(["--smoke", "--device", "cpu", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["copy_bandwidth_gbps"] > 0 and result["versions"]["torch"]
+    assert [(r["batch"], r["context"], r["graphs"]) for r in result["rows"]] == [(1, 32, False), (4, 32, False)]
+    for row in result["rows"]:
+        assert row["median_ms"] > 0 and row["roofline_ms"] > 0 and row["hf_ms"] > 0
+        assert row["torch_ops_per_step"] > 0 and row["kernel_launches_per_step"] == 0  # no CUDA here

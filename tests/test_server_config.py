@@ -19,7 +19,11 @@ from conveyor.runtime.config import (
 )
 
 # Flags that name no field of a view: server_config converts each of them by hand.
-CONVERTED = {"model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space", "plan_transport"}
+# serve_on_replica_death: read by bin/serve's supervisor itself, no process view holds it.
+CONVERTED = {
+    "model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space", "plan_transport",
+    "serve_on_replica_death",
+}  # fmt: skip
 
 
 def build(*flags: str, run_dir: str = "/tmp/conveyor-test-run"):

@@ -42,6 +42,33 @@ def alive(pid: int) -> bool:
         return False
 
 
+def run_dir_of(frontend_pid: int) -> str:
+    """The run directory of the server whose frontend is ``frontend_pid``: where the ipc
+    sockets it bound are (its unix sockets, matched by inode in /proc/net/unix)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{frontend_pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{frontend_pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and fields[7].endswith("/to-frontend"):
+                return os.path.dirname(fields[7])
+    raise AssertionError(f"no run directory found for frontend {frontend_pid}")
+
+
+def mapped_ring_files(pid: int) -> set[str]:
+    """The shared-memory ring files process ``pid`` has mapped (its own server's, whatever
+    else runs on this host)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5 and line.rstrip().endswith(".ring")}
+
+
 class ServeProcess:
     """bin/serve in a subprocess; ``address`` is the client address it printed as ready."""
 

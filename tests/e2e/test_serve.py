@@ -134,7 +134,10 @@ def test_abort_mid_stream_frees_blocks(server) -> None:
             other._send({"type": "generate", "v": 1, "request_id": "r-abort", "token_ids": [5] * 30, "max_tokens": 200, "ignore_eos": True, "stream": True})
             first = other._next("r-abort")
             assert first["type"] == "delta"
-            client.abort("r-abort")
+            client.abort("r-abort")  # ids are per client: this names no request of `client`
+            for _ in range(5):  # `other`'s request goes on streaming
+                assert other._next("r-abort")["type"] == "delta"
+            other.abort("r-abort")
             while True:
                 msg = other._next("r-abort")
                 if msg["type"] == "final":
@@ -292,10 +295,19 @@ def test_bad_inputs_get_errors_while_others_are_served(server) -> None:
             sock.send(raw)
             reply = msgpack.unpackb(sock.recv())
             assert reply["type"] in ("error", "final") and needle in (reply.get("message") or reply.get("error")), reply
-        # A client-chosen id already in flight is refused without touching the original.
-        sock.send(msgpack.packb({"type": "generate", "v": 1, "request_id": "good", "prompt": "x"}))
+        # Ids are per client: `good`'s id from this socket is this socket's own request.
+        sock.send(msgpack.packb({"type": "generate", "v": 1, "request_id": "good", "prompt": "x", "max_tokens": 2}))
         reply = msgpack.unpackb(sock.recv())
-        assert reply["finish_reason"] == "error" and "already in flight" in reply["error"]
+        assert reply["type"] == "final" and reply["finish_reason"] != "error", reply
+        # An id already in flight on the same client is refused (an `error`, not a `final`)
+        # without touching the original, which ends with its own final.
+        sock.send(msgpack.packb({"type": "generate", "v": 1, "request_id": "mine", "token_ids": [3] * 20, "max_tokens": 40, "ignore_eos": True}))
+        sock.send(msgpack.packb({"type": "generate", "v": 1, "request_id": "mine", "prompt": "x"}))
+        reply = msgpack.unpackb(sock.recv())
+        assert reply["type"] == "error" and reply["code"] == "duplicate_request_id", reply
+        assert reply["request_id"] == "mine" and "already in flight" in reply["message"]
+        reply = msgpack.unpackb(sock.recv())
+        assert reply["type"] == "final" and reply["finish_reason"] == "length" and len(reply["token_ids"]) == 40
         sock.close(linger=0)
         while True:
             msg = good._next("good")

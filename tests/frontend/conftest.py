@@ -304,6 +304,11 @@ class LiveFrontend:
         sock.connect(self.addresses.client)
         return sock
 
+    def key(self, sock, request_id: str) -> tuple[bytes, str]:
+        """A request's key in the frontend's tables and sessions (:attr:`RequestState.key`):
+        (its client's key, here the socket's routing id; its id)."""
+        return b"id:" + sock.getsockopt(self.zmq.ROUTING_ID), request_id
+
     @staticmethod
     def send(sock, **fields) -> None:
         import msgpack

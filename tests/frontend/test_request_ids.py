@@ -123,7 +123,9 @@ def test_late_outputs_do_not_reach_a_reuse_tokenized_in_the_pool(live_frontend, 
 
 def test_every_submission_has_its_own_scheduler_id_and_the_client_sees_its_own(live_frontend, ours) -> None:
     """Ids at the scheduler never repeat, whatever the client reuses; deltas, finals and error
-    finals (a scheduler error included) carry the client's id; an id still in flight is refused."""
+    finals (a scheduler error included) carry the client's id; an id its client has in flight is
+    refused with an error map (not a final: the running request's one final is still to come),
+    while another client's use of that id is a request of its own."""
     ids = words(ours["demo"])
     fe = live_frontend()
     a, b = fe.client(), fe.client()
@@ -138,17 +140,22 @@ def test_every_submission_has_its_own_scheduler_id_and_the_client_sees_its_own(l
     seen.append(other.request_id)
     add = submit(fe, a, "same")
     seen.append(add.request_id)
-    fe.send(b, type="generate", request_id="same", prompt="Hi", max_tokens=4)  # in flight: refused here
-    refused = fe.recv(b)
-    assert refused["type"] == "final" and refused["request_id"] == "same" and "already in flight" in refused["error"]
+    fe.send(a, type="generate", request_id="same", prompt="Hi", max_tokens=4)  # in flight for a: refused here
+    refused = fe.recv(a)
+    assert (refused["type"], refused["request_id"], refused["code"]) == ("error", "same", "duplicate_request_id")
+    assert "already in flight" in refused["message"]
     assert fe.scheduler_recv(timeout=0.2) is None  # the refused one never reached the scheduler
+    b_same = submit(fe, b, "same")  # b's "same" is b's own request, beside a's
+    seen.append(b_same.request_id)
+    fe.scheduler_send(TokenOutputs([RequestOutput(b_same.request_id, [ids[4]], finish_reason="length")]))
+    assert [(m["request_id"], m["token_ids"]) for m in fe.until_final(b)] == [("same", [ids[4]])] * 2
     fe.scheduler_send(
         TokenOutputs([RequestOutput(add.request_id, [], finish_reason="error", error="overloaded: try later")])
     )
     error = fe.until_final(a)[-1]
     assert (error["request_id"], error["finish_reason"], error["error"]) == ("same", "error", "overloaded: try later")
-    assert len(set(seen)) == len(seen) == 5
-    assert set(fe.frontend.requests) == {other.request_id} and set(fe.frontend.in_flight) == {"same-too"}
+    assert len(set(seen)) == len(seen) == 6
+    assert set(fe.frontend.requests) == {other.request_id} and set(fe.frontend.in_flight) == {fe.key(b, "same-too")}
     stats_sock = fe.client()
     fe.send(stats_sock, type="stats")
     query = fe.scheduler_recv()

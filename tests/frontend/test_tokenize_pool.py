@@ -13,6 +13,7 @@ import pytest
 
 from conveyor.ipc.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
 from conveyor.runtime.config import FrontendConfig
+from tests.frontend.conftest import GatedTokenizer
 
 LONG = "The lighthouse keeper wrote in his log every night. " * 8  # 416 characters: pooled at 100
 SHORT = "Hello there"
@@ -75,7 +76,8 @@ def test_other_streams_flow_while_a_long_prompt_tokenizes(live_frontend, gated, 
     # Inline, the loop would be stuck in encode() until the gate opened: no delta at all.
     assert max(gaps) < 2.0
     assert fe.scheduler_recv(timeout=0.05) is None  # nothing about "long" before its tokens exist
-    assert fe.frontend.in_flight["long"].pending and set(fe.frontend.requests) == {s}  # admitted ones only
+    assert fe.frontend.in_flight[fe.key(waiting, "long")].pending
+    assert set(fe.frontend.requests) == {s}  # admitted ones only
     gated.gate.set()
     add = fe.scheduler_recv()
     assert isinstance(add, AddRequest) and add.request_id not in ("long", s)
@@ -114,12 +116,13 @@ def test_disconnect_while_tokenizing_sends_nothing_to_the_scheduler(live_fronten
     gone = fe.client()
     generate(fe, gone, "gone", LONG)
     assert gated.entered.wait(5)
+    gone_key = fe.key(gone, "gone")
     gone.close(linger=0)
-    assert fe.wait_for(lambda: "gone" not in fe.frontend.in_flight)  # the disconnect was handled
+    assert fe.wait_for(lambda: gone_key not in fe.frontend.in_flight)  # the disconnect was handled
     gated.gate.set()
     assert fe.wait_for(lambda: not fe.frontend._tokenizing)
     assert fe.scheduler_recv(timeout=0.3) is None
-    assert list(fe.frontend.in_flight) == ["stays"] and len(fe.frontend.requests) == 1
+    assert list(fe.frontend.in_flight) == [fe.key(other, "stays")] and len(fe.frontend.requests) == 1
 
 
 def test_disconnect_after_admission_aborts_at_the_scheduler(live_frontend) -> None:
@@ -137,8 +140,9 @@ def test_duplicate_id_is_refused_while_its_prompt_tokenizes(live_frontend, gated
     generate(fe, sock, "d", LONG)
     assert gated.entered.wait(5)
     generate(fe, sock, "d", SHORT)
-    refused = fe.recv(sock)
-    assert refused["type"] == "final" and refused["finish_reason"] == "error" and "already in flight" in refused["error"]
+    refused = fe.recv(sock)  # an error map, not a final: the one final under "d" stays the running request's
+    assert (refused["type"], refused["request_id"], refused["code"]) == ("error", "d", "duplicate_request_id")
+    assert "already in flight" in refused["message"]
     gated.gate.set()
     add = fe.scheduler_recv()
     assert isinstance(add, AddRequest) and add.prompt_token_ids == ours["demo"].encode(LONG)
@@ -154,7 +158,7 @@ def test_outputs_for_an_id_still_tokenizing_are_ignored(live_frontend, gated) ->
     sock = fe.client()
     generate(fe, sock, "p", LONG)
     assert gated.entered.wait(5)
-    pending = fe.frontend.in_flight["p"]
+    pending = fe.frontend.in_flight[fe.key(sock, "p")]
     for rid in ("p", pending.scheduler_id):
         fe.scheduler_send(TokenOutputs([], [rid], [300]))
         fe.scheduler_send(finish(rid, 301))
@@ -204,7 +208,7 @@ def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live
     assert gated.entered.wait(5)
     fe.send(sock, type="abort", request_id="chat")
     assert fe.until_final(sock)[-1]["finish_reason"] == "abort"
-    assert fe.frontend.sessions.context("chat") == context
+    assert fe.frontend.sessions.context(fe.key(sock, "chat")) == context
     gated.gate.set()
     assert fe.wait_for(lambda: not fe.frontend._tokenizing)
     assert fe.scheduler_recv(timeout=0.2) is None
@@ -213,12 +217,12 @@ def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live
     add = fe.scheduler_recv()
     assert isinstance(add, AddRequest)
     assert add.prompt_token_ids == context + tok.encode(LONG, add_special_tokens=False)
-    assert fe.frontend.sessions.context("chat") is None  # back, extended, when this turn finishes
+    assert fe.frontend.sessions.context(fe.key(sock, "chat")) is None  # back, extended, when this turn finishes
     assert add.request_id != first.request_id
     fe.scheduler_send(finish(add.request_id, 301))
     final = fe.until_final(sock)[-1]
     assert final["token_ids"] == [301] and final["usage"]["prompt_tokens"] == len(add.prompt_token_ids)
-    assert fe.frontend.sessions.context("chat") == add.prompt_token_ids + [301]
+    assert fe.frontend.sessions.context(fe.key(sock, "chat")) == add.prompt_token_ids + [301]
 
 
 def test_chat_messages_over_the_threshold_are_pooled(live_frontend, gated, ours) -> None:
@@ -319,3 +323,74 @@ def test_merge_keeps_step_order_first_timings_and_stops_at_a_finish() -> None:
     assert (merged["a"].scheduled_time, merged["a"].first_token_time, merged["a"].num_cached_tokens) == (5.0, 6.0, 3)
     assert merged["b"].new_token_ids == [10, 11, 12] and merged["b"].finish_reason == "length"
     assert merged["c"].new_token_ids == [20] and merged["c"].first_token_time == 7.0
+
+
+class LargeGatedTokenizer(GatedTokenizer):
+    """Holds only the encodes of inputs of LARGE_INPUT_CHARS or more until ``gate`` is set."""
+
+    def encode(self, text: str, add_special_tokens: bool = True, *, release_gil: bool = False) -> list[int]:
+        from conveyor.frontend.server import LARGE_INPUT_CHARS
+
+        if len(text) >= LARGE_INPUT_CHARS:
+            return super().encode(text, add_special_tokens, release_gil=release_gil)
+        return self._base.encode(text, add_special_tokens, release_gil=release_gil)
+
+
+def test_a_large_input_does_not_hold_up_ordinary_pooled_ones(live_frontend, ours) -> None:
+    """With one ordinary pool thread, a large input (its own thread) still tokenizing does not
+    keep a shorter pooled input from being admitted."""
+    from conveyor.frontend.server import LARGE_INPUT_CHARS
+
+    gated = LargeGatedTokenizer(ours["demo"])
+    try:
+        fe = live_frontend(gated, tokenize_inline_chars=100, tokenizer_threads=1, max_model_len=1_000_000)
+        sock = fe.client()
+        large = "word " * (LARGE_INPUT_CHARS // 5 + 1)
+        generate(fe, sock, "large", large)
+        assert gated.entered.wait(5)  # stuck on the large-input thread
+        medium = admit(fe, sock, "medium", LONG)  # pooled (over tokenize_inline_chars), admitted at once
+        assert medium.prompt_token_ids == ours["demo"].encode(LONG)
+        assert fe.frontend.in_flight[fe.key(sock, "large")].pending
+        gated.gate.set()
+        add = fe.scheduler_recv()
+        assert isinstance(add, AddRequest) and add.prompt_token_ids == ours["demo"].encode(large)
+    finally:
+        gated.gate.set()
+
+
+@pytest.mark.parametrize("turn", ["first", "continuation"])
+def test_an_input_too_long_for_the_model_is_refused_before_it_is_tokenized(live_frontend, ours, turn) -> None:
+    """Characters over max_model_len x max_chars_per_token (less the earlier turns' tokens) cannot
+    fit: refused with ``prompt_too_long`` without an encode (every encode here would block)."""
+    tok = ours["demo"]
+    fe = live_frontend(max_model_len=64)
+    sock = fe.client()
+    history = 0
+    if turn == "continuation":
+        fe.send(sock, type="generate", request_id="r", prompt=SHORT, max_tokens=4)
+        first = fe.scheduler_recv()
+        assert isinstance(first, AddRequest)
+        fe.scheduler_send(finish(first.request_id, 300))
+        fe.until_final(sock)
+        history = len(first.prompt_token_ids) + 1
+    gated = GatedTokenizer(tok, gate_inline=True)  # from here on, any encode blocks the frontend
+    fe.frontend.tokenizer = gated
+    limit = (64 - history) * tok.max_chars_per_token
+    fe.send(sock, type="generate", request_id="r", prompt="x" * (limit + 1), max_tokens=4)
+    refused = fe.recv(sock)
+    assert (refused["type"], refused["request_id"], refused["finish_reason"]) == ("final", "r", "error")
+    assert refused["code"] == "prompt_too_long" and f"at most {limit} characters" in refused["error"]
+    assert not gated.entered.is_set() and fe.scheduler_recv(timeout=0.1) is None
+    gated.gate.set()
+
+
+def test_max_chars_per_token_bounds_every_token_of_every_test_vocabulary(ours) -> None:
+    """No token's text (decoded alone, or after another token, where a decoder may add a space)
+    is longer than max_chars_per_token: the premise of refusing long inputs untokenized."""
+    for name, tok in ours.items():
+        bound = tok.max_chars_per_token
+        a = tok.encode("a", add_special_tokens=False)
+        for token in range(tok.vocab_size):
+            alone = tok.decode([token], skip_special_tokens=False)
+            after = tok.decode([*a, token], skip_special_tokens=False)[len(tok.decode(a, skip_special_tokens=False)):]
+            assert max(len(alone), len(after)) <= bound, (name, token, alone, after, bound)

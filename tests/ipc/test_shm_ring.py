@@ -1,5 +1,6 @@
-"""The shared-memory ring: round trips, wrap-around, oversize diversion order, a reader in a
-spawned process, back-pressure, a SIGKILLed reader, a dead writer, and clean-up.
+"""The shared-memory ring: round trips, wrap-around, oversize diversion order, one and several
+readers (in spawned processes too), back-pressure from the slowest, a SIGKILLed reader among
+live ones, a dead writer, and clean-up.
 
 No torch: these run in the torch-free venv too. Children are ``spawn``ed, as bin/serve does.
 """
@@ -68,11 +69,12 @@ def check_stamped(data: bytes | memoryview, seq: int) -> None:
 # ---------------------------------------------------------------------------- children
 
 
-def _read_all(path: str, zero_copy: bool, delay_s: float, out) -> None:
-    """Read until the ring closes; report (count, digest of the ordered messages, error)."""
+def _read_all(path: str, zero_copy: bool, delay_s: float, out, index: int = 0) -> None:
+    """Read as reader ``index`` until the ring closes; report (count, digest of the ordered
+    messages, error)."""
     digest, count = hashlib.sha256(), 0
     try:
-        with RingReader(path, liveness_interval_s=0.05) as reader:
+        with RingReader(path, index, liveness_interval_s=0.05) as reader:
             while True:
                 try:
                     if zero_copy:
@@ -98,8 +100,8 @@ def _read_all(path: str, zero_copy: bool, delay_s: float, out) -> None:
         out.put((count, digest.hexdigest(), repr(exc)))
 
 
-def _read_some_then_hang(path: str, n: int, done) -> None:
-    reader = RingReader(path)
+def _read_some_then_hang(path: str, n: int, done, index: int = 0) -> None:
+    reader = RingReader(path, index)
     for i in range(n):
         check_stamped(reader.recv(timeout=CHILD_TIMEOUT_S), i)
     done.set()
@@ -283,6 +285,85 @@ def test_full_ring_applies_back_pressure_in_process(ring_dir: str) -> None:
         assert writer.reader_status().state == "detached"
 
 
+def test_every_reader_sees_every_message_and_the_slowest_holds_the_writer(ring_dir: str) -> None:
+    """Two readers, one copying and one zero-copy, each at its own pace: both see every message
+    in order, and a slot is reused only once both have consumed it."""
+    path = os.path.join(ring_dir, "ring")
+    rng = random.Random(11)
+    num_messages, num_slots = 5_000, 4
+    with RingWriter.create(path, slot_bytes=512, num_slots=num_slots, num_readers=2) as writer:
+        copying, zero_copy = RingReader(path, 0), RingReader(path, 1)
+        seq = 0
+        while seq < num_messages:
+            while seq < num_messages:
+                try:
+                    writer.send(stamped(seq, rng.randint(12, 512), rng), timeout=0)
+                except RingFull:
+                    assert seq - min(copying.position, zero_copy.position) == num_slots
+                    break
+                seq += 1
+            for _ in range(rng.randint(0, seq - copying.position)):
+                check_stamped(copying.recv(timeout=0), copying.position - 1)
+            for _ in range(rng.randint(0, seq - zero_copy.position)):
+                check_stamped(zero_copy.view(timeout=0), zero_copy.position)
+                zero_copy.advance()
+            assert [r.position for r in writer.readers()] == [copying.position, zero_copy.position]
+        for reader in (copying, zero_copy):
+            while reader.position < seq:
+                check_stamped(reader.recv(timeout=0), reader.position - 1)
+            assert reader.recv(timeout=0) is None
+            reader.close()
+        assert [r.state for r in writer.readers()] == ["detached", "detached"]
+
+
+def test_a_closed_reader_no_longer_holds_the_others_back(ring_dir: str) -> None:
+    path = os.path.join(ring_dir, "ring")
+    with RingWriter.create(path, slot_bytes=64, num_slots=4, num_readers=2) as writer:
+        fast, slow = RingReader(path, 0), RingReader(path, 1)
+        for i in range(4):
+            writer.send(bytes([i]))
+        for i in range(4):
+            assert fast.recv(timeout=0) == bytes([i])
+        with pytest.raises(RingFull, match="waits for"):
+            writer.send(b"\x04", timeout=0.05)  # the slow reader still holds message 0
+        assert writer.position == 4
+        assert slow.recv(timeout=0) == b"\x00"
+        writer.send(b"\x04", timeout=0)
+        assert fast.recv(timeout=0) == b"\x04"
+        assert [slow.recv(timeout=0) for _ in range(5)] == [b"\x01", b"\x02", b"\x03", b"\x04", None]
+        slow.close()  # a closed reader holds nothing
+        for i in range(5, 12):
+            writer.send(bytes([i]), timeout=0)
+            assert fast.recv(timeout=0) == bytes([i])
+        fast.close()
+
+
+def test_diverted_messages_reach_every_reader_in_order(ring_dir: str) -> None:
+    """``divert`` hands a big message to each reader's own fallback queue; both readers pair
+    the k-th marker with their k-th fallback message."""
+    path = os.path.join(ring_dir, "ring")
+    rng = random.Random(13)
+    sent = [stamped(i, rng.choice([20, 300]), rng) for i in range(40)]
+    fallback: list[list[bytes]] = [[], []]
+
+    def divert(payload) -> None:
+        for queue in fallback:
+            queue.append(bytes(payload))
+
+    with RingWriter.create(path, slot_bytes=256, num_slots=64, num_readers=2) as writer:
+        readers = [RingReader(path, 0), RingReader(path, 1)]
+        for payload in sent:
+            writer.send(payload, timeout=0, divert=divert)
+        for index, reader in enumerate(readers):
+            received = []
+            while (msg := reader.recv(timeout=0)) is not None:
+                if isinstance(msg, Diverted):
+                    msg = fallback[index].pop(0)
+                received.append(msg)
+            assert received == sent and fallback[index] == []
+            reader.close()
+
+
 def test_a_dropped_reader_never_returns_overwritten_data(ring_dir: str, monkeypatch) -> None:
     path = os.path.join(ring_dir, "ring")
     with RingWriter.create(path, slot_bytes=64, num_slots=2) as writer, RingReader(path) as dropped:
@@ -349,9 +430,9 @@ def test_timed_wait_returns_none_while_the_writer_lives(ring_dir: str) -> None:
 
 def test_close_drains_then_ends_and_everything_is_idempotent(ring_dir: str) -> None:
     path = os.path.join(ring_dir, "ring")
-    writer = RingWriter.create(path, slot_bytes=64)
-    reader = RingReader(path)
-    assert sorted(os.listdir(ring_dir)) == ["ring", "ring.bell"]
+    writer = RingWriter.create(path, slot_bytes=64, num_readers=2)
+    reader = RingReader(path, 0)
+    assert sorted(os.listdir(ring_dir)) == ["ring", "ring.bell0", "ring.bell1"]
     writer.send(b"last")
     writer.close()
     writer.close()
@@ -368,18 +449,21 @@ def test_close_drains_then_ends_and_everything_is_idempotent(ring_dir: str) -> N
     shm_ring.unlink_ring(path)
     shm_ring.unlink_ring(path)
     with pytest.raises(FileNotFoundError):
-        RingReader(path)
+        RingReader(path, 1)
 
 
 def test_endpoints_dropped_without_close_are_finalized(ring_dir: str) -> None:
-    with RingWriter.create(os.path.join(ring_dir, "forgotten-reader"), slot_bytes=64, num_slots=2) as writer:
-        forgotten = RingReader(writer.path)
+    with RingWriter.create(os.path.join(ring_dir, "forgotten-reader"), slot_bytes=64, num_slots=2, num_readers=2) as writer:
+        forgotten, kept = RingReader(writer.path, 0), RingReader(writer.path, 1)
         assert writer.reader_status().state == "attached"
         del forgotten
         gc.collect()
         assert writer.reader_status().state == "detached"
+        assert [r.state for r in writer.readers()] == ["detached", "attached"]
         for i in range(5):  # the forgotten reader holds nothing
             writer.send(bytes([i]), timeout=0)
+            assert kept.recv(timeout=0) == bytes([i])
+        kept.close()
     path = os.path.join(ring_dir, "ring")
     writer = RingWriter.create(path, slot_bytes=64, num_slots=2)
     reader = RingReader(path)
@@ -402,7 +486,7 @@ def test_non_owner_writer_leaves_the_files(ring_dir: str) -> None:
     with pytest.raises(RingError, match="already has a writer"):
         RingWriter(path)
     writer.close()
-    assert sorted(os.listdir(ring_dir)) == ["ring", "ring.bell"]
+    assert sorted(os.listdir(ring_dir)) == ["ring", "ring.bell0"]
     shm_ring.unlink_ring(path)
     assert os.listdir(ring_dir) == []
 
@@ -414,7 +498,9 @@ def test_attach_errors(ring_dir: str) -> None:
             with pytest.raises(RingError, match="attaches once"):
                 RingReader(path)
         with pytest.raises(RingError, match="attaches once"):
-            RingReader(path)  # detached: a ring has one reader in its life
+            RingReader(path)  # detached: each index attaches once in the ring's life
+        with pytest.raises(RingError, match="out of range"):
+            RingReader(path, 1)
     junk = os.path.join(ring_dir, "junk")
     with open(junk, "wb") as f:
         f.write(b"\0" * 4096)
@@ -455,22 +541,25 @@ def test_pid_alive() -> None:
 # ---------------------------------------------------------------------------- spawned processes
 
 
-def test_spawned_zero_copy_reader_sees_every_message_in_order(ring_dir: str) -> None:
+def test_spawned_readers_each_see_every_message_in_order(ring_dir: str) -> None:
+    """Reader 0 zero-copy, reader 1 copying, each in its own spawned process (two TP ranks)."""
     path = os.path.join(ring_dir, "ring")
     rng = random.Random(5)
     num_messages = 3000
-    out = SPAWN.Queue()
-    with RingWriter.create(path, slot_bytes=2048, num_slots=8) as writer:
-        proc = SPAWN.Process(target=_read_all, args=(path, True, 0.0, out))
-        proc.start()  # the reader attaches whenever it is up; until then its slots wait for it
+    outs = [SPAWN.Queue(), SPAWN.Queue()]
+    with RingWriter.create(path, slot_bytes=2048, num_slots=8, num_readers=2) as writer:
+        procs = [SPAWN.Process(target=_read_all, args=(path, i == 0, 0.0, outs[i], i)) for i in range(2)]
+        for proc in procs:
+            proc.start()  # readers attach whenever they are up; until then their slots wait for them
         digest = hashlib.sha256()
         for seq in range(num_messages):
             payload = stamped(seq, rng.randint(12, 2048), rng)
             writer.send(payload, timeout=CHILD_TIMEOUT_S)
             digest.update(payload)
-    result = out.get(timeout=CHILD_TIMEOUT_S)
-    proc.join(CHILD_TIMEOUT_S)
-    assert result == (num_messages, digest.hexdigest(), None)
+    results = [out.get(timeout=CHILD_TIMEOUT_S) for out in outs]
+    for proc in procs:
+        proc.join(CHILD_TIMEOUT_S)
+    assert results == [(num_messages, digest.hexdigest(), None)] * 2
 
 
 def test_slow_spawned_reader_holds_the_writer_back(ring_dir: str) -> None:
@@ -501,15 +590,17 @@ def test_sigkilled_reader_is_dropped_and_the_writer_proceeds(ring_dir: str) -> N
     rng = random.Random(7)
     num_slots = 4
     done = SPAWN.Event()
-    writer = RingWriter.create(path, slot_bytes=256, num_slots=num_slots, liveness_interval_s=0.05)
+    writer = RingWriter.create(path, slot_bytes=256, num_slots=num_slots, num_readers=2, liveness_interval_s=0.05)
     with writer:
-        victim = SPAWN.Process(target=_read_some_then_hang, args=(path, 2, done))
+        survivor = RingReader(path, 1)  # a live rank keeps reading after another died
+        victim = SPAWN.Process(target=_read_some_then_hang, args=(path, 2, done, 0))
         victim.start()
         seq = 0
 
         def send(timeout: float) -> None:
             nonlocal seq
             assert writer.send(stamped(seq, 100, rng), timeout=timeout) == seq
+            check_stamped(survivor.recv(timeout=0), seq)
             seq += 1
 
         for _ in range(2):
@@ -524,8 +615,10 @@ def test_sigkilled_reader_is_dropped_and_the_writer_proceeds(ring_dir: str) -> N
         send(CHILD_TIMEOUT_S)
         assert time.monotonic() - start < 2
         assert writer.reader_status().state == "dropped"
+        assert [r.state for r in writer.readers()] == ["dropped", "attached"]
         for _ in range(3 * num_slots):  # nothing holds it back any more
             send(0)
+        survivor.close()
     victim.join(CHILD_TIMEOUT_S)
     assert victim.exitcode == -signal.SIGKILL
 
@@ -553,8 +646,8 @@ def test_reader_notices_a_dead_writer(ring_dir: str) -> None:
         shm_ring.unlink_ring(path)
 
 
-def test_exit_with_a_spawned_reader_is_silent(tmp_path) -> None:
-    """No resource-tracker or leak warnings, and no files left, when a child attaches and exits."""
+def test_exit_with_spawned_readers_is_silent(tmp_path) -> None:
+    """No resource-tracker or leak warnings, and no files left, when children attach and exit."""
     script = tmp_path / "ring_exit.py"
     script.write_text(
         textwrap.dedent(
@@ -562,19 +655,21 @@ def test_exit_with_a_spawned_reader_is_silent(tmp_path) -> None:
             import multiprocessing as mp, os, sys, tempfile
             from conveyor.ipc.shm_ring import RingReader, RingWriter
 
-            def child(path):
-                reader = RingReader(path)
+            def child(path, index):
+                reader = RingReader(path, index)
                 assert reader.recv(timeout=20) == b"hi"
                 # exits without close(): the attach must not leave anything behind either
 
             if __name__ == "__main__":
                 d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-                writer = RingWriter.create(os.path.join(d, "ring"), slot_bytes=64)
-                proc = mp.get_context("spawn").Process(target=child, args=(writer.path,))
-                proc.start()
+                writer = RingWriter.create(os.path.join(d, "ring"), slot_bytes=64, num_readers=2)
+                procs = [mp.get_context("spawn").Process(target=child, args=(writer.path, i)) for i in range(2)]
+                for proc in procs:
+                    proc.start()
                 writer.send(b"hi")
-                proc.join(20)
-                assert proc.exitcode == 0, proc.exitcode
+                for proc in procs:
+                    proc.join(20)
+                    assert proc.exitcode == 0, proc.exitcode
                 # no close(): the owner's finalizer unlinks at exit
                 print(d)
             """

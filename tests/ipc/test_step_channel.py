@@ -21,10 +21,12 @@ from conveyor.ipc.step_channel import PeerGone, StepChannels, StepReceiver, Step
 SPAWN = mp.get_context("spawn")
 
 
-def _channels(transport: str):
+def _channels(transport: str, plan_readers: int = 1):
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="cv-chan-", dir=base) as run_dir:
-        chans = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", shm=transport == "shm")
+        chans = StepChannels.for_server(
+            run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", shm=transport == "shm", plan_readers=plan_readers
+        )
         step_channel.create_rings(chans)
         try:
             yield chans
@@ -111,6 +113,42 @@ def test_plans_and_results_in_order_also_when_oversize(channels) -> None:
         tx.close()
         rx.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_every_plan_reaches_every_reader_once_in_order(transport: str) -> None:
+    """Tensor parallelism: the scheduler sends each plan once, every rank receives it, in the
+    sender's order, oversize plans (diverted to ZeroMQ with shm) included."""
+    for channels in _channels(transport, plan_readers=2):
+        assert len(step_channel.ring_files(channels)) == (5 if transport == "shm" else 0)  # 2 rings, 3 doorbells
+        ctx = zmq.Context()
+        tx = StepSender(ctx, channels.plans, bind=True)
+        ranks = [StepReceiver(ctx, channels.plans, bind=False, reader=r) for r in range(2)]
+        try:
+            big = step_channel.PLAN_SLOT_BYTES // 4 + 1000  # int32 tokens: more than one slot
+            sent = [plan(step, step % 4, big if step % 5 == 2 else step * 7) for step in range(12)]
+            received: list[list[int]] = [[], []]
+            for i, p in enumerate(sent):
+                tx.send(p)
+                if i % 3 == 2 or i == len(sent) - 1:  # never more in flight than the ring holds
+                    for rank, rx in enumerate(ranks):
+                        while (msg := rx.recv(timeout_s=5 if len(received[rank]) <= i else 0)) is not None:
+                            expected = sent[len(received[rank])]
+                            assert [n.token_ids.tolist() for n in msg.new_requests] == [
+                                n.token_ids.tolist() for n in expected.new_requests
+                            ]
+                            received[rank].append(msg.step_id)
+                            if len(received[rank]) > i:
+                                break
+            assert received == [list(range(len(sent)))] * 2
+            assert all(rx.recv(timeout_s=0) is None for rx in ranks)
+        finally:
+            tx.close()
+            for rx in ranks:
+                rx.close()
+            ctx.term()
+    with pytest.raises(ValueError, match="reader 2 out of range"):
+        channels.plans.reader_address(2)
 
 
 @pytest.fixture

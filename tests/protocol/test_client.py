@@ -135,3 +135,23 @@ def test_stats_asks_for_the_iteration_log_only_when_told(tmp_path) -> None:
         server.close()
     version = cp.CLIENT_PROTOCOL_VERSION
     assert server.received == [{"type": cp.STATS, "v": version}, {"type": cp.STATS, "v": version, "iterations": True}]
+
+
+def test_an_id_in_flight_is_refused_locally_unless_aborted(tmp_path) -> None:
+    """A second generate under an id the client still awaits never reaches the server (its
+    refusal could not be told from the running request's replies); after the caller's own
+    abort the id is free at once, as the protocol frees it in order."""
+    address = f"ipc://{tmp_path}/dup"
+    server = StandIn(address, delay_s=0.5, expect=3)
+    try:
+        with Client(address, timeout=30, connect_timeout=CONNECT_TIMEOUT) as client:
+            client._send({"type": cp.GENERATE, "v": 1, "request_id": "r", "prompt": "hi"})
+            with pytest.raises(ValueError, match="already in flight"):
+                client._send({"type": cp.GENERATE, "v": 1, "request_id": "r", "prompt": "again"})
+            client.abort("r")
+            client._send({"type": cp.GENERATE, "v": 1, "request_id": "r", "prompt": "reused"})
+    finally:
+        server.close()
+    assert [(m["type"], m.get("prompt")) for m in server.received] == [
+        (cp.GENERATE, "hi"), (cp.ABORT, None), (cp.GENERATE, "reused")
+    ]

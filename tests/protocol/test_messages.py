@@ -161,3 +161,79 @@ def test_tokenized_requests_that_fit_pass() -> None:
     tokenized([0, VOCAB - 1], stop_token_ids=[VOCAB - 1])
     tokenized([1] * 20, max_tokens=12)  # exactly the model length
     tokenized([VOCAB + 7], check_ids=False)  # ids the tokenizer made are not checked again
+
+
+def _with_id(rest: bytes, entries: int = 2) -> bytes:
+    """A map of ``entries`` whose first entry is request_id "r1", then ``rest`` (its other entries)."""
+    return bytes([0x80 | entries]) + msgpack.packb("request_id") + msgpack.packb("r1") + rest
+
+
+@pytest.mark.parametrize(
+    "data, code",
+    [
+        (_with_id(msgpack.packb("prompt") + b"\xa2\xc3\x28"), cp.MALFORMED),  # invalid UTF-8
+        (msgpack.packb({"request_id": "r1", "prompt": "hello"})[:-2], cp.MALFORMED),  # truncated
+        (_with_id(msgpack.packb("prompt") + b"\x91" * 2000 + b"\x00"), cp.TOO_LARGE),  # nested too deep
+        (_with_id(msgpack.packb("prompt") + b"\xdd\xff\xff\xff\xff"), cp.TOO_LARGE),  # a length beyond the limits
+        (_with_id(msgpack.packb("token_ids") + msgpack.packb([1] * (cp.MAX_ARRAY_LEN + 1))), cp.TOO_LARGE),
+        (_with_id(msgpack.packb("p") + b"\x00" * (cp.MAX_CLIENT_MESSAGE_BYTES + 1)), cp.TOO_LARGE),  # oversized
+        (msgpack.packb({"request_id": "r1", "type": "generate"}) + b"\x00", cp.MALFORMED),  # trailing bytes
+    ],
+    ids=["utf8", "truncated", "deep", "huge-length", "long-array", "oversized", "trailing"],
+)
+def test_undecodable_frames_keep_a_readable_request_id(data, code) -> None:
+    with pytest.raises(cp.FrameError) as info:
+        cp.unpack_map(data)
+    assert (info.value.request_id, info.value.code) == ("r1", code)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",  # empty
+        b"\xc1",  # never used in msgpack
+        msgpack.packb([1, 2]),  # not a map
+        msgpack.packb({"prompt": "x"})[:-1] + b"\xff",  # no request_id
+        msgpack.packb({"request_id": 5, "prompt": b"\xff"})[:-1],  # an id that is no string
+        msgpack.packb({"request_id": "", "x": 1})[:-1],  # an empty id
+        msgpack.packb({"request_id": "x" * (cp.MAX_REQUEST_ID_LEN + 1)})[:-1],  # too long an id
+        bytes([0x82]) + msgpack.packb("request_id") + b"\xa2\xc3\x28" + b"\xc1",  # an id that is not UTF-8
+        bytes([0x8F]) + b"".join(msgpack.packb(f"k{i}") + b"\x00" for i in range(cp.RECOVER_SCAN_KEYS + 1)),
+    ],
+    ids=["empty", "reserved", "array", "no-id", "int-id", "empty-id", "long-id", "utf8-id", "id-too-far"],
+)
+def test_undecodable_frames_without_a_readable_id(data) -> None:
+    with pytest.raises(cp.FrameError) as info:
+        cp.unpack_map(data)
+    assert info.value.request_id is None
+    assert cp.recover_request_id(data) is None
+
+
+def test_recovery_reads_past_other_entries_without_decoding_them() -> None:
+    before = msgpack.packb("prompt") + b"\xa2\xc3\x28" + msgpack.packb("x") + msgpack.packb([[[1]]] * 10)
+    data = bytes([0x83]) + before + msgpack.packb("request_id") + msgpack.packb("late") + b"\xc1"
+    assert cp.recover_request_id(data) == "late"
+    with pytest.raises(cp.FrameError) as info:
+        cp.unpack_map(data)
+    assert info.value.request_id == "late" and info.value.code == cp.MALFORMED
+
+
+def test_error_codes_of_parsed_messages() -> None:
+    cases = [
+        ({"type": "generate", "v": 2, "request_id": "r"}, cp.UNSUPPORTED_VERSION),
+        ({"type": "nope", "request_id": "r"}, cp.UNKNOWN_TYPE),
+        ({"request_id": "r"}, cp.UNKNOWN_TYPE),
+        ({"type": "generate", "request_id": "r", "prompt": "x", "top_p": 3}, cp.INVALID_FIELD),
+        ({"type": "generate", "request_id": "r", "prompt": ""}, cp.INVALID_INPUT),
+    ]
+    for msg, code in cases:
+        with pytest.raises(cp.ProtocolError) as info:
+            cp.parse_client_message(msg)
+        assert (info.value.code, info.value.request_id) == (code, "r"), msg
+    req = cp.parse_client_message({"type": "generate", "request_id": "r", "token_ids": [1], "max_tokens": 8})
+    for ids, code in (([1] * 10, cp.PROMPT_TOO_LONG), ([99], cp.INVALID_INPUT), ([1] * 3, None)):
+        try:
+            cp.check_tokenized(req, ids, vocab_size=50, max_model_len=12)
+            assert code is None
+        except cp.ProtocolError as exc:
+            assert exc.code == code, (ids, exc)

@@ -26,13 +26,16 @@ def test_delta_bytes_are_the_packed_map(rid, text, ids) -> None:
 
 
 def test_error_replies() -> None:
-    unnamed = replies.error_reply(None, "malformed msgpack")
+    unnamed = replies.error_reply(None, "malformed msgpack", cp.MALFORMED)
     version = cp.CLIENT_PROTOCOL_VERSION
-    assert unnamed == {"type": cp.ERROR, "v": version, "request_id": None, "message": "malformed msgpack"}
-    final = replies.error_reply("r1", "prompt tokenizes to zero tokens")
+    expected = {"type": cp.ERROR, "v": version, "request_id": None, "code": cp.MALFORMED, "message": "malformed msgpack"}
+    assert unnamed == expected
+    named = replies.error_map("r1", "already in flight", cp.DUPLICATE_REQUEST_ID)
+    assert named == {**expected, "request_id": "r1", "code": cp.DUPLICATE_REQUEST_ID, "message": "already in flight"}
+    final = replies.error_reply("r1", "prompt tokenizes to zero tokens", cp.INVALID_INPUT)
     assert (final["type"], final["v"], final["request_id"]) == (cp.FINAL, cp.CLIENT_PROTOCOL_VERSION, "r1")
     assert (final["text"], final["token_ids"], final["finish_reason"]) == ("", [], "error")
-    assert final["error"] == "prompt tokenizes to zero tokens"
+    assert final["error"] == "prompt tokenizes to zero tokens" and final["code"] == cp.INVALID_INPUT
     assert final["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     assert final["timing"] == {"queue_time": None, "ttft": None, "total": 0.0}
 
@@ -42,6 +45,15 @@ def test_final_counts_completion_tokens() -> None:
     final = replies.final_reply("r", "ab", [5, 6], "length", None, prompt_tokens=3, cached_tokens=2, timing=timing)
     assert final["v"] == cp.CLIENT_PROTOCOL_VERSION and final["timing"] == timing
     assert final["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 2}
+    assert final["code"] is None  # set only on an error final
+
+
+def test_scheduler_errors_get_their_codes() -> None:
+    assert replies.scheduler_error_code("overloaded: 8 requests are waiting") == cp.OVERLOADED
+    assert replies.scheduler_error_code("timeout: not scheduled within max_queue_time (1 s)") == cp.TIMEOUT
+    assert replies.scheduler_error_code("prompt + max_tokens = 900 tokens need 57 KV blocks") == cp.PROMPT_TOO_LONG
+    assert replies.scheduler_error_code("worker process died") == cp.SERVER_ERROR
+    assert replies.scheduler_error_code(None) == cp.SERVER_ERROR
 
 
 def test_stats_reply_has_the_iteration_log_only_when_asked() -> None:

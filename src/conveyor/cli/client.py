@@ -7,7 +7,7 @@ import json
 import sys
 
 from conveyor.cli.server_address import add_server_arguments, server_address
-from conveyor.client import Client, NoServerError, ServerError
+from conveyor.client import DEFAULT_LIVENESS_TIMEOUT_S, Client, ServerError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-stream", action="store_true", help="wait for the whole completion")
     p.add_argument("--json", action="store_true", help="print the final result as JSON")
+    g = p.add_argument_group("connection")
+    g.add_argument("--client-key", metavar="FILE", help="this client's key pair (a NAME.key_secret from bin/keygen), for a server run with --auth-keys")
+    g.add_argument("--server-key", metavar="FILE", help="the server's public key (its DIR/server.key), with --client-key")
+    g.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=DEFAULT_LIVENESS_TIMEOUT_S,
+        help="seconds a connection that answers no heartbeat counts as alive",
+    )
     args = p.parse_args(argv)
+    if (args.client_key is None) != (args.server_key is None):
+        p.error("--client-key and --server-key go together")
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     fields = dict(
         max_tokens=args.max_tokens,
@@ -40,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     inputs = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
     try:
         address = server_address(args)
-        with Client(address, timeout=args.timeout, connect_timeout=args.connect_timeout) as client:
+        with Client(
+            address,
+            timeout=args.timeout,
+            connect_timeout=args.connect_timeout,
+            liveness_timeout=args.liveness_timeout,
+            client_key=args.client_key,
+            server_key=args.server_key,
+        ) as client:
             if args.no_stream:
                 result = client.generate(**inputs, **fields)
             else:
@@ -50,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                         sys.stdout.write(delta.text)
                         sys.stdout.flush()
                     result = delta.result or result
-    except (NoServerError, TimeoutError, ServerError) as exc:
+    except (ConnectionError, TimeoutError, ServerError, ValueError) as exc:  # no server, lost, refused; too large
         print(f"client: {exc}", file=sys.stderr)
         return 1
     if args.json:

@@ -4,11 +4,21 @@ Startup: the worker loads the model and sizes the KV pool while the frontend
 loads the tokenizer (and the HTTP process, with ``--http-port`` or ``--metrics-port``,
 binds its ports); the scheduler starts once the worker has reported its
 block count. One line with the client address and ``ready`` is printed when
-all of them have said ready.
+all of them have said ready. With ``--tensor-parallel-size N`` the worker is N
+processes (ranks, each watched like any child); rank 0 reports the KV pool the
+ranks agreed on (conveyor.worker.main). With ``--data-parallel-size M`` there are M
+such worker + scheduler pairs (replica 0's processes named as a single server's,
+replica i's ``worker.i`` and ``scheduler.i``; each its own internal sockets and
+rings, :meth:`ServerConfig.replica`) behind the one frontend
+(:mod:`conveyor.frontend.replicas`).
 
 Supervision: if any child exits, every in-flight request gets an error (the
 frontend is told to fail them before it exits), the other children are
-stopped, and serve exits non-zero. SIGINT/SIGTERM stop everything within a few
+stopped, and serve exits non-zero. The exception is a replica's death while
+another replica lives (with ``--serve-on-replica-death``, the default): the
+frontend is told (``ProcessFailed``) and fails that replica's requests alone, the
+replica's other processes are stopped, and the others serve on; the server stops
+when its last replica dies. SIGINT/SIGTERM stop everything within a few
 seconds. Children also get SIGTERM from the kernel if serve itself is killed
 (PR_SET_PDEATHSIG), so no process is ever orphaned.
 """
@@ -49,6 +59,9 @@ from conveyor.runtime.config import (
     SchedulerProcessConfig,
     ServerConfig,
     WorkerConfig,
+    rank_process_name,
+    replica_of_process,
+    replica_process_name,
 )
 from conveyor.scheduler.main import run_scheduler
 from conveyor.worker.main import run_worker
@@ -70,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="local HF checkpoint directory (config.json + safetensors); default: the built-in demo model")
     p.add_argument("--host", default="127.0.0.1", help="client address host, or a full ipc:// / tcp:// address")
     p.add_argument("--port", type=int, default=7700)
+    p.add_argument(
+        "--auth-keys",
+        metavar="DIR",
+        help="require CurveZMQ authentication: DIR holds the server key pair and the allowed client keys (make them with bin/keygen)",
+    )
     p.add_argument("--device", default=Device.AUTO, choices=Device.names(), help="auto: cuda when available")
     p.add_argument("--dtype", default=Dtype.AUTO, choices=Dtype.names())
     p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size, help="tokens per KV-cache block")
@@ -98,11 +116,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=WorkerConfig.tensor_parallel_size,
+        help="worker processes the model is split across (rank r on cuda:r; on CPU, processes on gloo)",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        dest="distributed_timeout_s",
+        type=float,
+        default=WorkerConfig.distributed_timeout_s,
+        help="seconds the tensor-parallel ranks wait for each other (start-up, every collective) before failing",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        default=FrontendConfig.data_parallel_size,
+        help="independent scheduler + worker replicas behind the one frontend, each with its own KV cache "
+        "(a new request goes to the least loaded, a continuation to the replica that ran its earlier turn)",
+    )
+    p.add_argument(
+        "--serve-on-replica-death",
+        default=ServerConfig.serve_on_replica_death,
+        action=argparse.BooleanOptionalAction,
+        help="with several replicas, when one replica's scheduler or worker dies, fail only its requests and serve on "
+        "with the others (the server stops when none is left); --no-serve-on-replica-death: stop the whole server",
+    )
+    p.add_argument(
         "--attention",
         default=Attention.AUTO,
         choices=Attention.names(),
         help="attention backend: auto is Triton on CUDA and batched torch on CPU; "
         "torch-ref is the per-sequence torch reference (slow, for comparisons)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps eagerly: no CUDA graphs (for comparison; graphs are captured only on CUDA)",
     )
     p.add_argument(
         "--pipeline-steps",
@@ -144,6 +194,13 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
@@ -195,10 +252,16 @@ def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
     """
     model_dir, demo = resolve_model(args.model)
     model = ModelConfig.from_dir(model_dir)
+    if args.auth_keys is not None:
+        transport.check_auth_keys(args.auth_keys)
     max_model_len = model_length(model, args.max_model_len)
     addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(args.host, args.port))
     channels = step_channel.StepChannels.for_server(
-        run_dir, addresses.plans, addresses.results, shm=args.plan_transport == PlanTransport.SHM
+        run_dir,
+        addresses.plans,
+        addresses.results,
+        shm=args.plan_transport == PlanTransport.SHM,
+        plan_readers=args.tensor_parallel_size,
     )
     worker = _view(
         WorkerConfig,
@@ -236,7 +299,10 @@ def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
     if args.http_port is not None or args.metrics_port is not None:
         name = args.served_model_name or ("conveyor-demo" if demo else Path(model_dir).resolve().name)
         http = _view(HttpConfig, args, addresses=addresses, served_model_name=name, max_model_len=max_model_len)
-    return ServerConfig(model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http)
+    return ServerConfig(
+        model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,
+        serve_on_replica_death=args.serve_on_replica_death,
+    )
 
 
 def model_length(model: ModelConfig, max_model_len: int | None) -> int:
@@ -272,33 +338,44 @@ class Server:
         self.mp = mp.get_context("spawn")
         self.procs: dict[str, mp.process.BaseProcess] = {}
         self.ready: dict[str, ProcessReady] = {}
+        self.dead_replicas: set[int] = set()  # data-parallel replicas stopped while the others serve on
 
     # ------------------------------------------------------------------ startup
 
     def start(self) -> None:
         config = self.config
+        replicas = [config.replica(index) for index in range(config.data_parallel_size)]
         try:
-            step_channel.create_rings(config.channels)
+            for replica in replicas:
+                step_channel.create_rings(replica.channels)
         except OSError as exc:
             raise StartupError(f"cannot create the shared-memory plan rings ({exc}); --plan-transport zmq avoids them") from None
-        self._spawn("worker", run_worker, config.worker)
+        first = {"frontend"}
+        for index, replica in enumerate(replicas):  # every data-parallel replica's workers
+            for rank in replica.worker_ranks():  # every tensor-parallel rank, each watched like any child
+                name = rank_process_name(replica_process_name("worker", index), rank.tensor_parallel_rank)
+                self._spawn(name, run_worker, rank)
+                first.add(name)
         self._spawn("frontend", run_frontend, config.frontend)
-        first = {"worker", "frontend"}
         if config.http is not None:  # it answers 503 until the scheduler is up
             self._spawn("http", run_http, config.http)
             first.add("http")
         self._wait_ready(first)
-        worker = self.ready["worker"].info
-        try:
-            scheduler = config.sized_scheduler(
-                num_blocks=int(worker["num_blocks"]),
-                num_cpu_blocks=int(worker.get("num_cpu_blocks", 0)),
-                block_bytes=int(worker.get("block_bytes", 0)),
-            )
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
-        self._spawn("scheduler", run_scheduler, scheduler)
-        self._wait_ready({"scheduler"})
+        schedulers = set()
+        for index, replica in enumerate(replicas):
+            worker = self.ready[replica_process_name("worker", index)].info
+            try:
+                scheduler = replica.sized_scheduler(
+                    num_blocks=int(worker["num_blocks"]),
+                    num_cpu_blocks=int(worker.get("num_cpu_blocks", 0)),
+                    block_bytes=int(worker.get("block_bytes", 0)),
+                )
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+            name = replica_process_name("scheduler", index)
+            self._spawn(name, run_scheduler, scheduler)
+            schedulers.add(name)
+        self._wait_ready(schedulers)
 
     def _spawn(self, name: str, target, config) -> None:
         proc = self.mp.Process(target=target, args=(config,), name=f"conveyor-{name}")
@@ -322,9 +399,11 @@ class Server:
             if isinstance(msg, ProcessFailed):
                 raise StartupError(msg.reason)
             if isinstance(msg, ProcessReady):
-                self.ready[msg.process] = msg
-                waiting.discard(msg.process)
-                print(f"conveyor: {msg.process} ready (pid {msg.pid})", file=sys.stderr, flush=True)
+                # By pid: every replica's processes report the same names ("worker", "scheduler").
+                name = next((n for n, p in self.procs.items() if p.pid == msg.pid), msg.process)
+                self.ready[name] = msg
+                waiting.discard(name)
+                print(f"conveyor: {name} ready (pid {msg.pid})", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ supervision
 
@@ -344,9 +423,46 @@ class Server:
                 if _STOP_SIGNAL:
                     self.stop("server shutting down")
                     return 0
+                replica = replica_of_process(name)
+                if replica is not None and self._serves_on_without(replica):
+                    print(
+                        f"conveyor: {name} process died (exit code {code}); stopping replica {replica}, serving on the others",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    for gone in self.stop_replica(replica, name, f"{name} process died (exit code {code})"):
+                        sentinels.pop(self.procs[gone].sentinel, None)
+                    continue
                 print(f"conveyor: {name} process died (exit code {code}); stopping", file=sys.stderr, flush=True)
                 self.stop(f"{name} process died (exit code {code})")
                 return 1
+
+    def _serves_on_without(self, replica: int) -> bool:
+        """Whether the server keeps serving when ``replica`` dies: --serve-on-replica-death
+        (the default) and another replica is still alive."""
+        if not self.config.serve_on_replica_death:
+            return False
+        others = set(range(self.config.data_parallel_size)) - self.dead_replicas - {replica}
+        return bool(others)
+
+    def stop_replica(self, replica: int, process: str, reason: str) -> list[str]:
+        """Replica ``replica`` lost ``process``: tell the frontend (which fails that replica's
+        requests alone and routes nothing there again), stop the replica's other processes,
+        and return the names of all of them."""
+        self.dead_replicas.add(replica)
+        transport.send(self.frontend_control, ProcessFailed(process, reason))
+        names = [name for name in self.procs if replica_of_process(name) == replica]
+        for name in names:
+            if self.procs[name].is_alive():
+                self.procs[name].terminate()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for name in names:
+            proc = self.procs[name]
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        return names
 
     def stop(self, reason: str) -> None:
         """Fail in-flight requests through the frontend, then stop every child."""
@@ -368,7 +484,8 @@ class Server:
         self.control.close(linger=0)
         self.frontend_control.close(linger=0)
         self.ctx.term()
-        step_channel.remove_rings(self.config.channels)
+        for index in range(self.config.data_parallel_size):
+            step_channel.remove_rings(self.config.replica(index).channels)
         shutil.rmtree(self.config.run_dir, ignore_errors=True)
 
 
@@ -384,6 +501,25 @@ def _print_http_addresses(info: dict) -> None:
         print(f"conveyor: OpenAI-compatible API on {info['api']}/v1 (and {info['api']}/health, /metrics)", file=sys.stderr, flush=True)
     if "metrics" in info:
         print(f"conveyor: Prometheus metrics on {info['metrics']}", file=sys.stderr, flush=True)
+
+
+def warn_if_exposed(config: ServerConfig) -> None:
+    """One line on stderr for each face reachable from other hosts with nobody checked: the
+    client socket without --auth-keys, and the HTTP listeners (they have no authentication)."""
+    if config.frontend.auth_keys is None and not transport.is_loopback(config.addresses.client):
+        print(
+            f"conveyor: WARNING: {config.addresses.client} is reachable from other hosts and --auth-keys is not set: "
+            "anyone who can connect can use this server",
+            file=sys.stderr,
+            flush=True,
+        )
+    if config.http is not None and not transport.is_loopback_host(config.http.http_host):
+        print(
+            f"conveyor: WARNING: the HTTP listeners on {config.http.http_host} are reachable from other hosts "
+            "and have no authentication (put an authenticating proxy in front of them)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def resolve_model(model: str | None) -> tuple[str, bool]:
@@ -409,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         print(f"conveyor: {exc}", file=sys.stderr)
         return 2
+    warn_if_exposed(config)
     server = Server(config)
     try:
         server.start()
@@ -424,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(
             f"conveyor ready on {config.addresses.client} serving {what} "
-            f"on {worker.get('device')} with {worker['num_blocks']} KV blocks of {config.worker.block_size} tokens",
+            f"on {worker.get('device')} with {worker['num_blocks']} KV blocks of {config.worker.block_size} tokens"
+            + (f" (replica 0 of {config.data_parallel_size})" if config.data_parallel_size > 1 else ""),
             flush=True,
         )
     except (BrokenPipeError, OSError):

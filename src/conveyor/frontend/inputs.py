@@ -32,7 +32,48 @@ def encode_input(tokenizer: Tokenizer, req: cp.GenerateRequest, continuing: bool
     except cp.ProtocolError:
         raise
     except Exception as exc:
-        raise cp.ProtocolError(f"cannot tokenize input: {exc}", req.request_id) from None
+        raise cp.ProtocolError(f"cannot tokenize input: {exc}", req.request_id, cp.INVALID_INPUT) from None
+
+
+def input_chars(req: cp.GenerateRequest) -> int:
+    """Characters to tokenize: the prompt, or every string in the messages (0 for token ids)."""
+    if req.prompt is not None:
+        return len(req.prompt)
+    return _text_len(req.messages) if req.messages is not None else 0
+
+
+def _text_len(value, depth: int = 4) -> int:
+    """Total length of the strings in ``value`` down to ``depth`` levels (messages, their
+    fields, parts of a content list, ...): an estimate, deep enough for any chat template."""
+    if isinstance(value, str):
+        return len(value)
+    if depth == 0:
+        return 0
+    if isinstance(value, dict):
+        return sum(_text_len(v, depth - 1) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_len(v, depth - 1) for v in value)
+    return 0
+
+
+def check_input_chars(
+    req: cp.GenerateRequest, chars: int, history_len: int, max_model_len: int, max_chars_per_token: int
+) -> None:
+    """Refuse, before tokenizing it, an input of ``chars`` characters that cannot fit the
+    model: with ``history_len`` tokens of earlier turns in front, at most ``max_model_len -
+    history_len`` tokens are left, and text longer than that many times
+    :attr:`Tokenizer.max_chars_per_token` has more tokens than that. So the work (and memory)
+    one request's tokenization can take is bounded by the model length, whatever its size;
+    what passes is checked exactly once tokenized (:func:`context_ids`)."""
+    limit = max(0, max_model_len - history_len) * max_chars_per_token
+    if chars > limit:
+        raise cp.ProtocolError(
+            f"{'messages' if req.messages is not None else 'prompt'} of {chars} characters cannot fit the model length {max_model_len}"
+            + (f" after {history_len} tokens of earlier turns" if history_len else "")
+            + f": at most {limit} characters ({max_chars_per_token} per token at most for this tokenizer)",
+            req.request_id,
+            cp.PROMPT_TOO_LONG,
+        )
 
 
 def context_ids(

@@ -56,7 +56,7 @@ from conveyor.frontend.sending import ClientSender, backend_send
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.ipc.messages import FinishReason, RequestOutput, TokenOutputs
-from conveyor.protocol.replies import DELTA_IDS_KEY, final_reply
+from conveyor.protocol.replies import DELTA_IDS_KEY, final_reply, scheduler_error_code
 
 # Streaming hot path: one stream in this many gets its detokenize timed and its inter-token
 # latency recorded (timing every stream cost more than a microsecond per token).
@@ -264,7 +264,8 @@ class OutputPath:
         error: str | None = None,
     ) -> None:
         """Send a streamed request's last delta (if any), then the final, record its latencies
-        and remember its context for a continuation; the caller untracked it."""
+        and remember its context for a continuation; the caller untracked it. An error final
+        carries the code its error text (the scheduler's, or a server failure) calls for."""
         now = time.time()
         if state.stream and (delta or delta_ids):
             self._sender.push(state.identity, self._delta_bytes(state, delta, delta_ids))
@@ -275,7 +276,7 @@ class OutputPath:
         }
         self._record_request(timing, len(state.token_ids))
         self.metrics.request_finished(reason, timing, len(state.token_ids))
-        self._sessions.remember(state.request_id, state.prompt_ids, state.history_len, state.token_ids, reason)
+        self._sessions.remember(state.key, state.prompt_ids, state.history_len, state.token_ids, reason)
         reply = final_reply(
             state.request_id,
             "".join(state.text),
@@ -285,6 +286,7 @@ class OutputPath:
             prompt_tokens=state.prompt_len,
             cached_tokens=state.cached_tokens,
             timing=timing,
+            code=scheduler_error_code(error) if reason == FinishReason.ERROR else None,
         )
         self._sender.push_map(state.identity, reply)
 

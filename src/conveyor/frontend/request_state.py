@@ -17,7 +17,9 @@ class RequestState:
     ``scheduler_id`` the id this submission has at the scheduler, unique per submission
     (see :class:`conveyor.frontend.server.Frontend`). A state built without one
     (``bench/frontend_step.py`` fills :attr:`Frontend.requests` by hand) is known to the
-    scheduler by its client id. ``text`` holds the pieces of text returned so far (stop
+    scheduler by its client id. ``client_key`` names the client that sent it
+    (:func:`conveyor.frontend.server.client_key`): a request id names a request only within
+    its client, so the frontend's tables hold :attr:`key`. ``text`` holds the pieces of text returned so far (stop
     strings cut), ``token_ids`` every output token; the final carries both whole."""
 
     request_id: str
@@ -39,6 +41,13 @@ class RequestState:
     delta_head: bytes = b""  # set from request_id: every delta's bytes up to its text
     has_stop: bool = False  # set from stop: the request has stop strings to look for
     scheduler_id: str = ""  # its id at the scheduler ("" in a hand-built state: request_id)
+    client_key: bytes = b""  # its client (b"" in a hand-built state)
+    fd: int = -1  # the file descriptor of the connection that sent it: its disconnect drops it
+
+    @property
+    def key(self) -> tuple[bytes, str]:
+        """The request's name in the frontend's tables and sessions: (client, client's id)."""
+        return self.client_key, self.request_id
 
     def __post_init__(self) -> None:
         if not self.scheduler_id:

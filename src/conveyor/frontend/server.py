@@ -3,10 +3,19 @@
 One asyncio loop (uvloop) owns every socket of this process and serves them from
 a single poller, in a fixed order per wake-up: disconnect events first, then the
 control line, then client messages, then scheduler outputs. Handling a client's
-disconnect before any message that arrived after it keeps the fd -> client map
-honest when the kernel reuses a file descriptor: ZeroMQ queues the disconnect event
+disconnect before any message that arrived after it keeps the requests' connections
+(:attr:`RequestState.fd`: a disconnect drops the requests its connection sent) honest when
+the kernel reuses a file descriptor: ZeroMQ queues the disconnect event
 before it closes the fd, so before any message of a later connection on that fd, and
 pending disconnect events are also handled before each client message of a drain.
+
+Clients: a request id names a request only within its client. A client is named by
+:func:`client_key`: the authenticated CurveZMQ key when authentication is on, else the
+connection's ROUTER routing identity (a client that wants to continue its requests after a
+reconnect sets a stable one). Every table about requests (:attr:`Frontend.in_flight`, the
+continuation sessions, aborts, the "already in flight" check) is keyed by (client key,
+request id) (:attr:`RequestState.key`), so a client can neither abort, continue nor probe
+another's request, and two clients may use the same id for two requests.
 
 Request ids: a client names its requests (``request_id``); the scheduler knows each
 submission by an id of its own, the next value of a per-frontend counter (``"1"``, ``"2"``,
@@ -15,7 +24,7 @@ reuse an id as soon as its final was sent (a retry after an abort, a continuatio
 stop string), while the scheduler may still send outputs of the earlier request under that
 id: the tokens of steps it ran before it read the abort, then the abort's own output. Those
 name the earlier scheduler id, find nothing and are dropped, never attributed to the new
-request. :attr:`Frontend.in_flight` maps client ids to requests, :attr:`Frontend.requests`
+request. :attr:`Frontend.in_flight` maps (client key, client id) to requests, :attr:`Frontend.requests`
 scheduler ids to the admitted ones (the one lookup a streamed token costs); every message
 to the client carries the client's id (``RequestState.request_id``), every message to the
 scheduler the scheduler's (``RequestState.scheduler_id``).
@@ -28,8 +37,14 @@ Invariants:
   its KV blocks are freed at the next iteration.
 - This process never imports torch.
 - A client's request id is in :attr:`Frontend.in_flight` from the moment its ``generate``
-  arrives, also while its prompt is still being tokenized, so a duplicate is refused at
-  once; it is in :attr:`Frontend.requests` (under its scheduler id) from its admission on.
+  arrives, also while its prompt is still being tokenized, so a duplicate from the same
+  client is refused at once, with an ``error`` map (code ``duplicate_request_id``), never a
+  ``final``: the one final under that id stays the running request's; it is in
+  :attr:`Frontend.requests` (under its scheduler id) from its admission on.
+- Every client message gets an answer or starts a request that gets its one final: a frame
+  that does not decode, a message of other than one frame, a refused duplicate get an
+  ``error`` map carrying the request id that could still be read (None when none could); a
+  ``generate`` that names a request and is refused gets that request's error ``final``.
 - A request whose prompt is still tokenizing in the pool (``pending``) has sent nothing to
   the scheduler. An abort, disconnect or shutdown meanwhile finalizes it here alone (an
   abort or shutdown sends its one ``final``; a gone client gets none) and nothing about it
@@ -43,7 +58,8 @@ Invariants:
   new request with that id continues it (under a scheduler id of its own, as every
   submission): its input is appended to that context, only the new output is detokenized
   and returned. The scheduler's prefix cache makes the earlier turns cost nothing to
-  recompute when their KV is still cached. A continuation that fails (error), or is aborted
+  recompute when their KV is still cached. Sessions are keyed like :attr:`Frontend.in_flight`,
+  so a client continues only its own requests. A continuation that fails (error), or is aborted
   while its input is still tokenizing, leaves the earlier context in place, so the client
   can retry.
 
@@ -54,7 +70,13 @@ where the Rust tokenizer runs with the GIL released (:meth:`Tokenizer.encode` wi
 ``release_gil``), so a 100k-token prompt does not stall every other stream; its request is
 sent to the scheduler when its tokens are ready, possibly after shorter requests that came
 later (its ``arrival_time`` is still when it came). ``tokenizer_threads=0`` tokenizes
-everything on the loop.
+everything on the loop. Bounds: an input longer than the model length times the
+vocabulary's longest token (:attr:`Tokenizer.max_chars_per_token`) is refused before it is
+tokenized (:func:`~conveyor.frontend.inputs.check_input_chars`), so one request's
+tokenization is bounded by the model length; an input of :data:`LARGE_INPUT_CHARS` or more
+is tokenized on a thread of its own, so large inputs queue behind each other, never in front
+of ordinary ones. After a large frame or input the process hands freed heap back to the
+system (:func:`release_freed_memory`).
 
 Outputs: scheduler messages are handled synchronously, each delta sent on the raw ROUTER
 socket (:mod:`conveyor.frontend.sending` says why that is safe only from the handlers
@@ -68,7 +90,8 @@ tokenized, :func:`~conveyor.protocol.messages.check_tokenized`).
 
 Metrics (:mod:`conveyor.frontend.metrics`): prompt tokens are counted on admission, output
 tokens, inter-token gaps and each request's latencies and finish reason on the output path,
-a gone client's requests as aborts; a ``metrics`` message is answered here from them.
+a gone client's requests as aborts; a ``metrics`` message is answered here from them (so
+they cover every replica's requests).
 
 Profiling (:mod:`conveyor.profiling`): tokenize, detokenize, client sends, the
 handling of each scheduler message and the event loop's lag are timed here, and each
@@ -76,15 +99,26 @@ request's queue time, TTFT, TPOT and inter-token latencies are recorded when it 
 On the hot path detokenize and the inter-token latency are taken for one stream in
 :data:`~conveyor.frontend.output.PROFILE_SAMPLE_EVERY`, and client_send once per step (the
 mean send of its burst).
-A ``profile`` request is relayed to the scheduler (which adds the worker's snapshot); the
-reply carries all three processes, or this one alone with an error if the scheduler does
-not answer within :data:`PROFILE_TIMEOUT_S`.
+A ``profile`` request is relayed to every live replica's scheduler (which adds its worker's
+snapshot); the reply carries this process and each replica's two, or those that answered
+with an error naming the schedulers that did not answer within :data:`PROFILE_TIMEOUT_S`.
+
+Replicas (:mod:`conveyor.frontend.replicas`): the frontend talks to ``data_parallel_size``
+schedulers, one :class:`SchedulerLink` each, and :attr:`Frontend.replicas` decides where
+each admitted request goes (a continuation back to its earlier turn's replica), sends its
+aborts to that replica alone, and counts what each one holds. A ``stats`` query goes to
+every live replica and is answered once each answered or died: the sums, and each
+replica's own under ``replicas``. When bin/serve reports a replica dead (``ProcessFailed``
+on the control line) its requests get an error final and the others go on; a metrics
+message needs no replica, the frontend measures every request itself.
 """
 
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import itertools
 import logging
 import time
@@ -97,9 +131,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from conveyor import profiling
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.inputs import context_ids, encode_input
+from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
 from conveyor.frontend.metrics import FrontendMetrics
 from conveyor.frontend.output import OutputPath
+from conveyor.frontend.replicas import Gather, ReplicaSet, SchedulerLink, merge_stats, replica_profiles, replica_stats
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
@@ -107,9 +142,10 @@ from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import codec, transport
 from conveyor.ipc.messages import (
-    AbortRequests,
     AddRequest,
     FinishReason,
+    ProcessFailed,
+    ProcessProfile,
     ProfileQuery,
     ProfileReport,
     SchedulerStats,
@@ -119,7 +155,7 @@ from conveyor.ipc.messages import (
 )
 from conveyor.protocol import messages as cp
 from conveyor.protocol import replies
-from conveyor.runtime.config import FrontendConfig
+from conveyor.runtime.config import FrontendConfig, replica_of_process
 
 log = logging.getLogger("conveyor.frontend")
 
@@ -130,6 +166,41 @@ LOOP_LAG_PROBE_S = 0.02
 # pass) before clients get their turn again: bounds how long a frontend that fell behind
 # holds the loop.
 SCHEDULER_DRAIN_LIMIT = 16
+# Inputs of at least this many characters are tokenized on the one thread of the large-input
+# pool (~30 ms of tokenizing and more), so they never hold up the ordinary pool's inputs.
+LARGE_INPUT_CHARS = 64 * 1024
+# A client frame of at least this many bytes is large: the heap is trimmed after it.
+LARGE_FRAME_BYTES = 1 << 20
+# At most one heap trim per this many seconds (a trim of a large heap takes milliseconds).
+TRIM_INTERVAL_S = 1.0
+
+
+def client_key(identity: bytes, payload: zmq.Frame) -> bytes:
+    """The name of the client that sent ``payload`` with ROUTER routing id ``identity``: a
+    request id names a request only within its client. With authentication (CurveZMQ with a
+    ZAP handler) the frame carries the authenticated user id (the client's public key), which
+    no other client can claim; otherwise the routing identity, which is the connection's own
+    unless the client set one (a stable one to continue its requests after a reconnect). The
+    prefixes keep the two namespaces apart."""
+    try:
+        user = payload.get("User-Id")
+    except zmq.ZMQError:  # no ZAP handler: no user id on the frame
+        user = ""
+    return b"key:" + user.encode() if user else b"id:" + identity
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only
+
+
+def release_freed_memory() -> None:
+    """Hand the heap memory freed since the last call back to the system (glibc's
+    ``malloc_trim``; nothing elsewhere). A large frame or input is decoded, tokenized and
+    dropped in pieces across the loop's and the pool's malloc arenas; freed, those pages stay
+    in the arenas (the process's RSS) until a trim, so without one a burst of large inputs
+    left the frontend at several times its idle RSS for good."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 class Frontend:
@@ -142,39 +213,38 @@ class Frontend:
         # Two views of the requests in flight (module docstring, "Request ids"): by the client's
         # id, every one from its generate on (a pending one too); by its id at the scheduler,
         # those admitted (sent to the scheduler), which is where scheduler outputs look.
-        self.in_flight: dict[str, RequestState] = {}
+        self.in_flight: dict[tuple[bytes, str], RequestState] = {}  # by RequestState.key
         self.requests: dict[str, RequestState] = {}
         self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
-        self._identities_by_fd: dict[int, set[bytes]] = {}
-        self._stats_waiters: dict[str, tuple[bytes, bool]] = {}  # query id -> (client, iterations asked for)
+        # query id -> (client, iterations asked for, the replicas' answers)
+        self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
         self.sessions = Sessions(config.max_sessions)
-        self._profile_waiters: dict[str, tuple[bytes, cp.ProfileCommand, asyncio.TimerHandle]] = {}
+        self._profile_waiters: dict[
+            str, tuple[bytes, cp.ProfileCommand, asyncio.TimerHandle, Gather[list[ProcessProfile]]]
+        ] = {}
         self._running = True
         self._pool = (
             ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
             if config.tokenizer_threads
             else None
         )
+        self._large_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-large") if self._pool else None
         self._tokenizing: set[asyncio.Future] = set()  # pool jobs in flight (kept referenced)
+        self._trim_handle: asyncio.TimerHandle | None = None  # a heap trim scheduled (release_freed_memory)
 
         self.ctx = zmq.asyncio.Context()
         addrs = config.addresses
-        self.clients = self.ctx.socket(zmq.ROUTER)
-        self.clients.setsockopt(zmq.LINGER, 0)
-        self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises
-        self.clients.setsockopt(zmq.SNDHWM, 0)
-        self.clients.setsockopt(zmq.RCVHWM, 0)
         monitor_addr = f"inproc://frontend-monitor-{uuid.uuid4().hex}"
-        self.clients.monitor(monitor_addr, zmq.EVENT_DISCONNECTED)
         self.monitor = self.ctx.socket(zmq.PAIR)
-        self.monitor.connect(monitor_addr)
-        self.clients.bind(addrs.client)
-        self.to_scheduler = transport.socket(self.ctx, zmq.PUSH, addrs.to_scheduler, bind=False)
-        self.from_scheduler = transport.socket(self.ctx, zmq.PULL, addrs.to_frontend, bind=True)
+        self.monitor.connect(monitor_addr)  # (inproc: before the bind is fine)
+        # Limits, heartbeats, handover and --auth-keys: transport.bind_client_socket says which.
+        self.clients, self._authenticator = transport.bind_client_socket(
+            self.ctx, addrs.client, auth_keys=config.auth_keys, monitor=monitor_addr, monitor_events=zmq.EVENT_DISCONNECTED
+        )
+        # One scheduler link per data-parallel replica (conveyor.frontend.replicas).
+        self.links = [SchedulerLink(self.ctx, addrs.replica(i)) for i in range(config.data_parallel_size)]
+        self.replicas = ReplicaSet(self.links, config.max_sessions)
         self.control = transport.socket(self.ctx, zmq.PULL, addrs.frontend_control, bind=True)
-        # A synchronous view: an awaited send of the asyncio wrapper costs several times a raw
-        # one, and ``to_scheduler`` is never polled, so a raw send is safe from anywhere.
-        self._to_scheduler_raw = zmq.Socket.shadow(self.to_scheduler.underlying)
 
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
         self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
@@ -211,7 +281,7 @@ class Frontend:
         if self.profiler.enabled:  # ends with the loop (it checks _running; the runner cancels it)
             self._lag_probe = asyncio.ensure_future(self._probe_loop_lag())
         poller = zmq.asyncio.Poller()
-        for sock in (self.monitor, self.control, self.clients, self.from_scheduler):
+        for sock in (self.monitor, self.control, self.clients, *(link.from_scheduler for link in self.links)):
             poller.register(sock, zmq.POLLIN)
         while self._running:
             ready = dict(await poller.poll())
@@ -221,8 +291,9 @@ class Frontend:
                 await self._drain(self.control, self._on_control)
             if self.clients in ready:
                 await self._drain(self.clients, self._on_client_frames, multipart=True, limit=256)
-            if self.from_scheduler in ready:
-                await self._drain_scheduler()
+            for index, link in enumerate(self.links):
+                if link.from_scheduler in ready and self._running:
+                    await self._drain_scheduler(index, link.from_scheduler)
 
     async def _drain(self, sock: zmq.asyncio.Socket, handler, *, multipart: bool = False, limit: int = 1024) -> None:
         for _ in range(limit):
@@ -238,10 +309,16 @@ class Frontend:
                 return
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        for sock in (self.clients, self.monitor, self.to_scheduler, self.from_scheduler, self.control):
+        for pool in (self._pool, self._large_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self.clients.close()  # its own linger: the finals of a shutdown still go out (transport.CLIENT_LINGER_MS)
+        for sock in (self.monitor, self.control):
             sock.close(linger=0)
+        for link in self.links:
+            link.close()
+        if self._authenticator is not None:  # its ZAP sockets would keep term() waiting
+            self._authenticator.stop()
         self.ctx.term()
 
     # ------------------------------------------------------------------ client side
@@ -250,8 +327,9 @@ class Frontend:
         event = parse_monitor_message([f.bytes for f in frames])
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return
-        gone = self._identities_by_fd.pop(event["value"], set())
-        victims = [s for s in self.in_flight.values() if s.identity in gone]
+        # The requests this connection sent: not every request under its routing id, which a
+        # newer connection may have taken over (ROUTER_HANDOVER) and sent requests under.
+        victims = [s for s in self.in_flight.values() if s.fd == event["value"]]
         if victims:
             log.info("client disconnected; aborting %d request(s)", len(victims))
             self._drop(victims)
@@ -262,35 +340,50 @@ class Frontend:
             # of this drain: its fd may be this message's (closed, then reused by a new client's
             # connection), and the disconnect would then drop the new client's requests too.
             await self._drain(self.monitor, self._on_monitor_event, multipart=True)
-        if len(frames) != 2:
-            return  # DEALER clients send exactly one frame; anything else has no reply path
         identity = frames[0].bytes
-        payload = frames[1]
+        payload = frames[-1]
         fd = payload.get(zmq.SRCFD)
-        self._identities_by_fd.setdefault(fd, set()).add(identity)
         self._c_client.add()
+        key = client_key(identity, payload)
+        size = sum(len(f) for f in frames[1:])
         try:
-            cmd = cp.parse_client_message(cp.unpack_map(payload.bytes))
+            if len(frames) != 2:  # DEALER clients send exactly one frame (an empty delimiter is REQ's)
+                rid = next(filter(None, (cp.recover_request_id(f.buffer) for f in frames[1:])), None)
+                raise cp.FrameError(
+                    f"a message is one frame holding a msgpack map; got {len(frames) - 1} frames", rid, cp.BAD_FRAMES
+                )
+            cmd = cp.parse_client_message(cp.unpack_map(payload.buffer))
             if isinstance(cmd, cp.GenerateRequest):
-                await self._on_generate(identity, cmd)
+                await self._on_generate(identity, fd, key, cmd)
             elif isinstance(cmd, cp.AbortCommand):
-                await self._on_abort(cmd.request_id)
+                await self._on_abort(key, cmd.request_id)
             elif isinstance(cmd, cp.ProfileCommand):
                 await self._on_profile(identity, cmd)
             elif isinstance(cmd, cp.MetricsCommand):
                 await self.sender.send(identity, replies.metrics_reply(**self.metrics.snapshot()))
             else:
                 query_id = uuid.uuid4().hex
-                self._stats_waiters[query_id] = (identity, cmd.iterations)
-                self._send_scheduler(StatsQuery(query_id))
+                asked = self.replicas.broadcast(StatsQuery(query_id))  # every live replica
+                self._stats_waiters[query_id] = (identity, cmd.iterations, Gather(asked))
         except cp.ProtocolError as exc:
-            await self._reply_error(identity, exc.request_id, str(exc))
+            await self._reply_error(identity, key, exc)
+        finally:
+            if size >= LARGE_FRAME_BYTES:  # trimmed a moment later, once the drain let go of the frame
+                self._schedule_trim()
 
-    async def _on_generate(self, identity: bytes, req: cp.GenerateRequest) -> None:
+    async def _on_generate(self, identity: bytes, fd: int, key: bytes, req: cp.GenerateRequest) -> None:
         arrival = time.time()
-        if req.request_id in self.in_flight:
-            raise cp.ProtocolError(f"request id {req.request_id!r} is already in flight", req.request_id)
-        history = self.sessions.context(req.request_id)
+        if (key, req.request_id) in self.in_flight:
+            raise cp.ProtocolError(
+                f"request id {req.request_id!r} is already in flight; this message was refused, the request goes on",
+                req.request_id,
+                cp.DUPLICATE_REQUEST_ID,
+            )
+        history = self.sessions.context((key, req.request_id))
+        chars = input_chars(req)
+        check_input_chars(
+            req, chars, len(history or ()), self.config.max_model_len, self.tokenizer.max_chars_per_token
+        )
         state = RequestState(
             request_id=req.request_id,
             scheduler_id=str(next(self._scheduler_ids)),
@@ -300,37 +393,46 @@ class Frontend:
             arrival_time=arrival,
             detokenizer=None,
             stop=StopStringMatcher(req.stop),
+            client_key=key,
+            fd=fd,
         )
-        if self._pool is None or _input_chars(req) < self.config.tokenize_inline_chars:
+        if self._pool is None or chars < self.config.tokenize_inline_chars:
             prompt_ids, start, end = self._prepare_prompt(req, history, False)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
-            self.in_flight[req.request_id] = state
+            self.in_flight[state.key] = state
             self._admit(state, req, history, prompt_ids)
             return
         state.pending = True
-        self.in_flight[req.request_id] = state
+        self.in_flight[state.key] = state
         self._c_pooled.add()
-        job = asyncio.ensure_future(self._tokenize_in_pool(state, req, history))
+        large = chars >= LARGE_INPUT_CHARS
+        job = asyncio.ensure_future(self._tokenize_in_pool(state, req, history, large))
         self._tokenizing.add(job)
         job.add_done_callback(self._tokenizing.discard)
 
-    async def _tokenize_in_pool(self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None) -> None:
-        """Tokenize ``req`` on a pool thread, then admit it unless it was finalized meanwhile."""
+    async def _tokenize_in_pool(
+        self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None, large: bool
+    ) -> None:
+        """Tokenize ``req`` on a pool thread (``large``: the large-input pool's), then admit it
+        unless it was finalized meanwhile."""
         loop = asyncio.get_running_loop()
+        pool = self._large_pool if large else self._pool
         error = None
         try:
-            prompt_ids, start, end = await loop.run_in_executor(self._pool, self._prepare_prompt, req, history, True)
+            prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
         except cp.ProtocolError as exc:
-            error = str(exc)
+            error = exc
         except Exception as exc:  # a bug, not the client's input: still exactly one final
             log.exception("tokenizing request %r failed", req.request_id)
-            error = f"internal error while tokenizing: {exc}"
-        if self.in_flight.get(req.request_id) is not state:
+            error = cp.ProtocolError(f"internal error while tokenizing: {exc}", req.request_id, cp.SERVER_ERROR)
+        if large:
+            self._schedule_trim()
+        if self.in_flight.get(state.key) is not state:
             return  # aborted, disconnected or failed meanwhile: the scheduler never heard of it
         if error is not None:
-            del self.in_flight[req.request_id]
-            await self._reply_error(state.identity, req.request_id, error)
+            del self.in_flight[state.key]
+            await self._reply_error(state.identity, state.client_key, error)
             return
         self._admit(state, req, history, prompt_ids)
 
@@ -361,7 +463,7 @@ class Frontend:
 
         Synchronous: an abort handled later is queued after the AddRequest."""
         if history is not None:
-            self.sessions.take(req.request_id)  # back (extended) when this turn finishes
+            self.sessions.take(state.key)  # back (extended) when this turn finishes
         state.prompt_ids = prompt_ids
         state.prompt_len = len(prompt_ids)
         state.history_len = len(history) if history is not None else 0
@@ -369,11 +471,12 @@ class Frontend:
         state.pending = False
         self.requests[state.scheduler_id] = state
         self.metrics.add_prompt(state.prompt_len)
-        log.debug("request %r is %s at the scheduler", state.request_id, state.scheduler_id)
-        self._send_scheduler(AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority))
+        add = AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority)
+        replica = self.replicas.submit(add, state.key, continuing=history is not None)
+        log.debug("request %r is %s at replica %s", state.request_id, state.scheduler_id, replica and replica.index)
 
-    async def _on_abort(self, request_id: str) -> None:
-        state = self.in_flight.get(request_id)
+    async def _on_abort(self, key: bytes, request_id: str) -> None:
+        state = self.in_flight.get((key, request_id))
         if state is None:
             return  # already finished (its final is on the way) or never existed: aborts are idempotent
         self._untrack(state)
@@ -394,20 +497,21 @@ class Frontend:
         """Forget a request that is being finalized: from here on its client id may be used
         again, and whatever the scheduler still sends under its scheduler id is dropped."""
         self.requests.pop(state.scheduler_id, None)  # absent while pending
-        if self.in_flight.get(state.request_id) is state:  # absent in a hand-built table (bench)
-            del self.in_flight[state.request_id]
+        if self.in_flight.get(state.key) is state:  # absent in a hand-built table (bench)
+            del self.in_flight[state.key]
 
     # ------------------------------------------------------------------ scheduler side
 
-    async def _drain_scheduler(self) -> None:
-        """Handle what the scheduler has queued (at most :data:`SCHEDULER_DRAIN_LIMIT` messages
-        per wake-up, so clients are served in between), in order. Consecutive TokenOutputs are
-        handled as one: a frontend that fell behind sends each stream one delta for all its
-        new tokens instead of one per step, so its cost per step drops and it catches up."""
+    async def _drain_scheduler(self, replica: int, sock: zmq.asyncio.Socket) -> None:
+        """Handle what replica ``replica``'s scheduler has queued on ``sock`` (at most
+        :data:`SCHEDULER_DRAIN_LIMIT` messages per wake-up, so clients are served in between),
+        in order. Consecutive TokenOutputs are handled as one: a frontend that fell behind sends
+        each stream one delta for all its new tokens instead of one per step, so its cost per
+        step drops and it catches up."""
         batch: list[TokenOutputs] = []
         for _ in range(SCHEDULER_DRAIN_LIMIT):
             try:
-                frame = await self.from_scheduler.recv(flags=zmq.NOBLOCK, copy=False)
+                frame = await sock.recv(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             try:
@@ -417,12 +521,13 @@ class Frontend:
                 continue
             self._c_sched.add()
             if isinstance(msg, TokenOutputs):
+                self.replicas.on_outputs(msg)
                 batch.append(msg)
                 continue
             if batch:
                 self._on_token_outputs(batch)
                 batch = []
-            await self._on_scheduler_message(msg)
+            await self._on_scheduler_message(replica, msg)
             if not self._running:
                 return
         if batch:
@@ -437,38 +542,71 @@ class Frontend:
         if len(batch) > 1:
             self._s_merged.add(len(batch))
 
-    async def _on_scheduler_message(self, msg) -> None:
-        """A scheduler message other than TokenOutputs."""
+    async def _on_scheduler_message(self, replica: int, msg) -> None:
+        """A message of replica ``replica``'s scheduler other than TokenOutputs."""
         if isinstance(msg, ProfileReport):
-            await self._reply_profile(msg.query_id, msg.profiles)
+            waiter = self._profile_waiters.get(msg.query_id)
+            if waiter is not None and waiter[3].add(replica, msg.profiles):
+                await self._reply_profile(msg.query_id)
         elif isinstance(msg, SchedulerStats):
-            waiter = self._stats_waiters.pop(msg.query_id, None)
-            if waiter is not None:
-                identity, iterations = waiter
-                await self.sender.send(identity, replies.stats_reply(msg, len(self.in_flight), iterations=iterations))
+            waiter = self._stats_waiters.get(msg.query_id)
+            if waiter is not None and waiter[2].add(replica, msg):
+                await self._reply_stats(msg.query_id)
+
+    async def _reply_stats(self, query_id: str) -> None:
+        """The ``stats`` reply once every replica asked answered (or died): their stats merged
+        (:func:`merge_stats`), each replica's own under ``replicas``."""
+        identity, iterations, gather = self._stats_waiters.pop(query_id)
+        if not gather.answers:
+            error = replies.error_map(None, "no scheduler is alive to answer stats", cp.SERVER_ERROR)
+            await self.sender.send(identity, error)
+            return
+        reply = replies.stats_reply(merge_stats(gather.answers), len(self.in_flight), iterations=iterations)
+        reply["replicas"] = replica_stats(self.replicas, gather.answers)
+        await self.sender.send(identity, reply)
 
     async def _on_profile(self, identity: bytes, cmd: cp.ProfileCommand) -> None:
-        """Relay to the scheduler, which answers with its and the worker's snapshots."""
+        """Relay to every live replica's scheduler, which answers with its and its worker's snapshots."""
         query_id = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        timeout = loop.call_later(
-            PROFILE_TIMEOUT_S,
-            lambda: asyncio.ensure_future(
-                self._reply_profile(query_id, [], error=f"the scheduler did not answer within {PROFILE_TIMEOUT_S:g} s")
-            ),
-        )
-        self._profile_waiters[query_id] = (identity, cmd, timeout)
-        self._send_scheduler(ProfileQuery(query_id, cmd.window_s, cmd.trace, list(cmd.series)))
+        timeout = loop.call_later(PROFILE_TIMEOUT_S, lambda: asyncio.ensure_future(self._reply_profile(query_id, timed_out=True)))
+        waiting = self.replicas.broadcast(ProfileQuery(query_id, cmd.window_s, cmd.trace, list(cmd.series)))
+        self._profile_waiters[query_id] = (identity, cmd, timeout, Gather(waiting))
 
-    async def _reply_profile(self, query_id: str, others: list, error: str | None = None) -> None:
+    async def _reply_profile(self, query_id: str, timed_out: bool = False) -> None:
+        """This process's snapshot, then each replica's processes that answered; on a timeout,
+        an error naming the schedulers that did not."""
         waiter = self._profile_waiters.pop(query_id, None)
         if waiter is None:
             return  # answered already (a late report after the timeout, or the reverse)
-        identity, cmd, timeout = waiter
+        identity, cmd, timeout, gather = waiter
         timeout.cancel()
+        error = None
+        if timed_out and gather.waiting:
+            which = "the scheduler" if len(self.replicas) == 1 else f"the scheduler of replica(s) {sorted(gather.waiting)}"
+            error = f"{which} did not answer within {PROFILE_TIMEOUT_S:g} s"
         own = self.profiler.snapshot(cmd.window_s, trace=cmd.trace, series=cmd.series)
-        processes = [profiling.profile_to_map(p) for p in (own, *others)]
+        processes = [profiling.profile_to_map(own), *replica_profiles(gather.answers)]
         await self.sender.send(identity, replies.profile_reply(profiling.CLOCK_NAME, cmd.window_s, processes, error))
+
+    async def _on_replica_failed(self, replica: int, reason: str) -> None:
+        """Replica ``replica``'s scheduler or worker died (bin/serve says so, and keeps serving on
+        the others): its requests get an error, nothing goes there again, and queries stop
+        waiting for it. Requests on the other replicas are untouched."""
+        error = f"replica {replica} failed: {reason}"
+        held = self.replicas.fail(replica, error)
+        log.error("%s; failing its %d request(s), serving on %d replica(s)", error, len(held), len(self.replicas.live()))
+        for scheduler_id in held:
+            state = self.requests.get(scheduler_id)
+            if state is not None:
+                self._untrack(state)
+                self.output.finish(state, FinishReason.ERROR, error=error)
+        for query_id, waiter in list(self._stats_waiters.items()):
+            if waiter[2].drop(replica):
+                await self._reply_stats(query_id)
+        for query_id, waiter in list(self._profile_waiters.items()):
+            if waiter[3].drop(replica):
+                await self._reply_profile(query_id)
 
     async def fail_all(self, reason: str) -> None:
         """Give every in-flight request an error (a peer process died or we are shutting down)."""
@@ -488,17 +626,38 @@ class Frontend:
             log.info("shutting down: %s", msg.reason)
             await self.fail_all(msg.reason)
             self._running = False
+        elif isinstance(msg, ProcessFailed):  # bin/serve: a replica died, the others serve on
+            replica = replica_of_process(msg.process)
+            if replica is not None and replica < len(self.replicas) and self.replicas.replicas[replica].alive:
+                await self._on_replica_failed(replica, msg.reason)
 
     # ------------------------------------------------------------------ sending
 
     def _abort_at_scheduler(self, request_ids: list[str]) -> None:
-        self._send_scheduler(AbortRequests(request_ids))
+        """Abort requests at the replicas that hold them (:meth:`ReplicaSet.abort`)."""
+        self.replicas.abort(request_ids)
 
-    def _send_scheduler(self, msg) -> None:
-        self._to_scheduler_raw.send(codec.encode(msg), copy=False)
+    async def _reply_error(self, identity: bytes, key: bytes, exc: cp.ProtocolError) -> None:
+        """Answer a refused message. A refused ``generate`` whose id could be read ends as that
+        request's error ``final``, unless the client has a request in flight under that id (its
+        final is still to come: one final per id at a time); a frame that did not decode, or
+        that refusal, gets an ``error`` map with the id it carried (None if none was readable)."""
+        rid = exc.request_id
+        if isinstance(exc, cp.FrameError) or (rid is not None and (key, rid) in self.in_flight):
+            reply = replies.error_map(rid, str(exc), exc.code)
+        else:
+            reply = replies.error_reply(rid, str(exc), exc.code)
+        await self.sender.send(identity, reply)
 
-    async def _reply_error(self, identity: bytes, request_id: str | None, message: str) -> None:
-        await self.sender.send(identity, replies.error_reply(request_id, message))
+    def _schedule_trim(self) -> None:
+        """Trim the heap soon (:func:`release_freed_memory`), at most once per
+        :data:`TRIM_INTERVAL_S`: after a large frame or input, once what held it is gone."""
+        if self._trim_handle is None:
+            self._trim_handle = asyncio.get_running_loop().call_later(TRIM_INTERVAL_S, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_handle = None
+        release_freed_memory()
 
     def _client_gone(self, identity: bytes) -> None:
         """A send found the client gone: abort its in-flight requests."""
@@ -506,25 +665,3 @@ class Frontend:
         if victims:
             log.info("client gone; aborting %d request(s)", len(victims))
             self._drop(victims)
-
-
-def _input_chars(req: cp.GenerateRequest) -> int:
-    """Characters to tokenize: the prompt, or every string in the messages (0 for token ids)."""
-    if req.prompt is not None:
-        return len(req.prompt)
-    return _text_len(req.messages) if req.messages is not None else 0
-
-
-def _text_len(value, depth: int = 4) -> int:
-    """Total length of the strings in ``value`` down to ``depth`` levels (messages, their
-    fields, parts of a content list, ...): an estimate, deep enough for any chat template."""
-    if isinstance(value, str):
-        return len(value)
-    if depth == 0:
-        return 0
-    if isinstance(value, dict):
-        return sum(_text_len(v, depth - 1) for v in value.values())
-    if isinstance(value, list):
-        return sum(_text_len(v, depth - 1) for v in value)
-    return 0
-

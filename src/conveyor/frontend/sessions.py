@@ -2,8 +2,10 @@
 id of a finished request continues it (docs/protocol.md).
 
 Each entry is a context, the token ids of a finished turn (its prompt, earlier turns
-included, then the tokens returned to the client), under the client's request id. A new
-request under that id takes the context (:meth:`Sessions.take`) and appends its own input;
+included, then the tokens returned to the client), under its key: for the frontend the pair
+(client, client's request id), so a client continues only its own requests (a request id
+names a request only within its client); the in-process engine keys by request id. A new
+request under that key takes the context (:meth:`Sessions.take`) and appends its own input;
 when that turn finishes, the longer context comes back (:meth:`Sessions.remember`).
 
 Invariants:
@@ -17,27 +19,28 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 
 from conveyor.ipc.messages import FinishReason
 
 
 class Sessions:
-    """Bounded LRU of contexts by client request id, least recently finished first."""
+    """Bounded LRU of contexts by request key, least recently finished first."""
 
     def __init__(self, max_sessions: int) -> None:
         self._max_sessions = max_sessions
-        self._contexts: OrderedDict[str, list[int]] = OrderedDict()
+        self._contexts: OrderedDict[Hashable, list[int]] = OrderedDict()
 
-    def context(self, request_id: str) -> list[int] | None:
-        """The context a new request under ``request_id`` would continue, or None."""
-        return self._contexts.get(request_id)
+    def context(self, key: Hashable) -> list[int] | None:
+        """The context a new request under ``key`` would continue, or None."""
+        return self._contexts.get(key)
 
-    def take(self, request_id: str) -> None:
-        """A continuation of ``request_id`` was admitted: its context is in use until it finishes."""
-        self._contexts.pop(request_id, None)
+    def take(self, key: Hashable) -> None:
+        """A continuation of ``key`` was admitted: its context is in use until it finishes."""
+        self._contexts.pop(key, None)
 
     def remember(
-        self, request_id: str, prompt_ids: list[int], history_len: int, token_ids: list[int], reason: str
+        self, key: Hashable, prompt_ids: list[int], history_len: int, token_ids: list[int], reason: str
     ) -> None:
         """A turn finished for ``reason``: keep its whole context (``prompt_ids`` + ``token_ids``),
         or if it failed, the first ``history_len`` ids of its prompt (the context it continued)."""
@@ -48,7 +51,7 @@ class Sessions:
         if not context:
             return
         contexts = self._contexts
-        contexts[request_id] = context
-        contexts.move_to_end(request_id)
+        contexts[key] = context
+        contexts.move_to_end(key)
         while len(contexts) > self._max_sessions:
             contexts.popitem(last=False)

@@ -135,6 +135,7 @@ class Tokenizer:
         self._anchors: list[tuple[int, str]] | None = None  # stream_piece's plain context tokens, found on first use
         self._token_bytes: dict[bool, dict[int, bytes]] = {True: {}, False: {}}  # byte-level decoders only
         self._bytes_ok = self._piece_decoder == "byte_level" and self._check_token_bytes()
+        self._max_chars_per_token = 1 + max(map(len, backend.get_vocab(with_added_tokens=True)), default=0)
 
     @classmethod
     def from_dir(cls, path: str | Path, *, memo_max: int = STREAM_MEMO_MAX) -> Tokenizer:
@@ -177,6 +178,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of distinct tokens, added tokens included (``len(tokenizer)`` in transformers)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """At most how many characters of text one token stands for: the longest vocabulary
+        string, plus one. A vocabulary string has at least as many characters as the text its
+        token covers (byte-level BPE: one character per byte, and a text has no more characters
+        than bytes; sentencepiece: ``▁`` is one space, a ``<0xNN>`` piece one byte; WordPiece:
+        ``##`` is dropped), and the one added covers a space a decoder puts between tokens. So a
+        text longer than ``n * max_chars_per_token`` characters has more than ``n`` tokens and
+        can be refused without tokenizing it (:func:`conveyor.frontend.inputs.check_input_chars`).
+        (A normalizer that drops characters, e.g. whitespace, could make it fewer; no
+        tokenizer served here does, and the bound errs on that side only for such text.)"""
+        return self._max_chars_per_token
 
     @property
     def bos_token_id(self) -> int | None:

@@ -18,8 +18,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from conveyor.client import DEFAULT_TIMEOUT_S, AsyncClient, NoServerError, ServerError
+from conveyor.client import DEFAULT_TIMEOUT_S, AsyncClient, ServerError
 from conveyor.http.errors import ApiError, unavailable
+from conveyor.ipc import transport
 
 HEALTH_TIMEOUT_S = 1.0
 # A shared query gives up after this long (a caller's own deadline is usually shorter).
@@ -31,8 +32,16 @@ CONNECT_TIMEOUT_S = 2.0
 class FrontendLink:
     """The client, the shared queries and the started flag. Create it on the running loop."""
 
-    def __init__(self, address: str) -> None:
-        self.client = AsyncClient(address, timeout=DEFAULT_TIMEOUT_S, connect_timeout=CONNECT_TIMEOUT_S)
+    def __init__(self, address: str, auth_keys: str | None = None) -> None:
+        """``auth_keys``: the server's --auth-keys directory; the link then connects with the
+        server's own key pair, which the frontend allows."""
+        keys = {}
+        if auth_keys is not None:
+            keys = {
+                "client_key": transport.server_secret_key_file(auth_keys),
+                "server_key": transport.server_public_key_file(auth_keys),
+            }
+        self.client = AsyncClient(address, timeout=DEFAULT_TIMEOUT_S, connect_timeout=CONNECT_TIMEOUT_S, **keys)
         self.started = False
         self._queries: dict[str, asyncio.Future] = {}
 
@@ -50,7 +59,7 @@ class FrontendLink:
         """Whether the frontend relayed a ``stats`` query the scheduler answered in time."""
         try:
             await self.stats(HEALTH_TIMEOUT_S)
-        except (asyncio.TimeoutError, TimeoutError, NoServerError, ServerError):
+        except (asyncio.TimeoutError, TimeoutError, ConnectionError, ServerError):  # ConnectionError: none, lost, refused
             return False
         return True
 
@@ -76,7 +85,7 @@ def api_error(exc: BaseException) -> ApiError:
     """The HTTP error for a failure of the client itself (not a request's error final)."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, NoServerError):
+    if isinstance(exc, ConnectionError):  # NoServerError, ServerGoneError, AuthenticationError
         return unavailable(f"the server is not reachable: {exc}", "unreachable")
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return unavailable(f"the server did not answer: {exc}", "timeout")

@@ -71,7 +71,7 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-        link = FrontendLink(self.config.addresses.client)
+        link = FrontendLink(self.config.addresses.client, self.config.auth_keys)
         created = int(time.time())
         apps = []
         if self.api_socket is not None:

@@ -96,6 +96,29 @@ def _scheduler_families(stats: dict[str, Any]) -> Iterator[Metric]:
     preemptions.add_metric(["swap"], stats["num_preemptions_swap"])
     preemptions.add_metric(["recompute"], stats["num_preemptions_recompute"])
     yield preemptions
+    yield from _replica_families(stats.get("replicas", ()))
+
+
+def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Per data-parallel replica (``stats``' ``replicas``; the families above are their sums):
+    whether it is alive, the requests it holds and has been sent, and its KV cache usage."""
+    up = GaugeMetricFamily(PREFIX + "replica_up", "1 while the data-parallel replica serves, 0 once it died.", labels=["replica"])
+    in_flight = GaugeMetricFamily(
+        PREFIX + "replica_requests_in_flight", "Requests the replica holds (sent, not finished).", labels=["replica"]
+    )
+    routed = CounterMetricFamily(PREFIX + "replica_requests_routed", "Requests sent to the replica.", labels=["replica"])
+    usage = GaugeMetricFamily(
+        PREFIX + "replica_kv_cache_usage_perc", "Fraction of the replica's KV cache blocks held by requests.", labels=["replica"]
+    )
+    for replica in replicas:
+        label = [str(replica["replica"])]
+        up.add_metric(label, 1 if replica["alive"] else 0)
+        in_flight.add_metric(label, replica["in_flight"])
+        routed.add_metric(label, replica["routed"])
+        if replica.get("total_blocks"):
+            usage.add_metric(label, replica["held_blocks"] / replica["total_blocks"])
+    if replicas:
+        yield from (up, in_flight, routed, usage)
 
 
 def _frontend_families(metrics: dict[str, Any]) -> Iterator[Metric]:

@@ -1,74 +1,80 @@
-"""A one-writer, one-reader ring of fixed-size slots in shared memory, for hops on one host.
+"""A one-writer, N-reader ring of fixed-size slots in shared memory, for hops on one host.
 
 The scheduler -> worker plan hop and the worker -> scheduler result hop carry one encoded
 message per step. On one host those bytes can be written once into shared memory and read
-in place: no socket, no I/O thread, no copy on the read side. This module is only the ring;
+in place by every reader (each tensor-parallel rank reads every plan): no socket, no I/O
+thread, no copy on the read side. This module is only the ring;
 :mod:`conveyor.ipc.step_channel` decides when to use it.
 
 Segment
-    A plain file on a memory filesystem, mapped ``MAP_SHARED`` by both processes and named by
+    A plain file on a memory filesystem, mapped ``MAP_SHARED`` by every process and named by
     its path, a plain string that passes to a ``spawn`` child in its config. ``ring_path``
     puts it in the private run directory when that is on tmpfs, else in ``/dev/shm`` (a store
     into a mapped disk file's page under writeback can stall). Not
     ``multiprocessing.shared_memory``: before Python 3.13 each attach registers the segment
-    with a resource tracker, which then unlinks it under the other process's feet or fails on
-    the creator's unregister. Whoever created the file unlinks it; mappings outlive the
+    with a resource tracker, which then unlinks it under the other processes' feet or fails
+    on the creator's unregister. Whoever created the file unlinks it; mappings outlive the
     unlink. ``posix_fallocate`` at creation makes a full ``/dev/shm`` fail there, not with
     SIGBUS on a later store.
 
 Layout (int64 words in the host's byte order; each part on a 64-byte line of its own)
-    Header line: magic, version, slot_bytes, num_slots, writer pid, writer start time, closed
-    flag. Reader line: state, pid, start time, cursor (messages consumed), waiting flag. Then
-    ``num_slots`` slots: a 32-byte slot header (seq + 1, length, flags) and ``slot_bytes`` of
-    payload. Message ``s`` (counting from 0) lives in slot ``s % num_slots``.
+    Header line: magic, version, slot_bytes, num_slots, num_readers, writer pid, writer start
+    time, closed flag. One line per reader: state, pid, start time, cursor (messages
+    consumed), waiting flag. Then ``num_slots`` slots: a 32-byte slot header (seq + 1,
+    length, flags) and ``slot_bytes`` of payload. Message ``s`` (counting from 0) lives in
+    slot ``s % num_slots``.
 
-Back-pressure
-    The reader's cursor exists from creation, so a reader not attached yet holds messages
-    like a slow one: the writer runs at most ``num_slots`` messages ahead of the cursor. On a
-    full ring ``send`` waits (spins ``spin_us``, then sleeps with a backoff up to 1 ms) and
-    raises :class:`RingFull` once ``timeout`` passes (``timeout=0``: never wait). It never
-    overwrites a slot the reader has not consumed, unless the reader has closed (DETACHED)
-    or is dead (DROPPED): then it holds nothing.
+Readers and back-pressure
+    Readers are declared at creation (``num_readers``) and attach by index (a tensor-parallel
+    rank), each index once in the ring's life. A declared reader's cursor exists from
+    creation, so a reader not attached yet holds messages like a slow one: the writer runs at
+    most ``num_slots`` messages ahead of its slowest reader that holds messages, i.e. a slot
+    is reused only once every such reader has consumed it. On a full ring ``send`` waits
+    (spins ``spin_us``, then sleeps with a backoff up to 1 ms) and raises :class:`RingFull`
+    once ``timeout`` passes (``timeout=0``: never wait). A reader that has closed (DETACHED)
+    or is dead (DROPPED) holds nothing.
 
 Dead peers
     Each endpoint records its pid and process start time when it attaches. While the writer
-    waits for space it checks the reader every ``liveness_interval_s``: a pid that is gone, a
-    zombie, or a pid reused with another start time (``/proc/<pid>/stat``) marks the reader
-    DROPPED. A dropped reader that still runs finds its state DROPPED or its slot overwritten
-    and raises :class:`ReaderDropped`; it never returns data it has not validated (``recv``
-    re-checks the slot's seq after copying, as a seqlock reader would). A reader that never
+    waits for space it checks the attached readers every ``liveness_interval_s``
+    (``check_readers``): a pid that is gone, a zombie, or a pid reused with another start time
+    (``/proc/<pid>/stat``) marks that reader DROPPED, and its cursor stops counting. A dropped
+    reader that still runs finds its state DROPPED or its slot overwritten and raises
+    :class:`ReaderDropped`; it never returns data it has not validated (``recv`` re-checks the
+    slot's seq after copying, as a seqlock reader would). A declared reader that never
     attaches has no pid to check: it holds the writer until ``timeout`` (bin/serve's process
-    watch stops a server whose process failed to start). The sleeping reader checks the
-    writer likewise (below). Both endpoints must share one pid namespace.
+    watch stops a server whose process failed to start). The sleeping readers check the
+    writer likewise (below). Every endpoint must share one pid namespace.
 
 Wake-up
-    The reader spins on its next slot's seq for ``spin_us`` (default 20 us), then sets its
-    waiting flag and sleeps in ``poll`` on the doorbell, a FIFO beside the ring file
-    (``<path>.bell``). After publishing, the writer writes one byte to the FIFO only if the
-    flag is set, so a reader that keeps up costs it no system call. A FIFO is opened by path
-    like the ring (an eventfd reaches a ``spawn`` child only by inheritance or SCM_RIGHTS),
-    and its write() wakes the reader directly (ZeroMQ goes through I/O threads). Both ends
-    open it read-write and non-blocking: opening never blocks, the writer never gets SIGPIPE,
-    a full FIFO only drops redundant wake-ups. The sleep is cut into ``liveness_interval_s``
-    slices; after an empty one the reader checks the writer's pid and, once the writer is
-    gone and nothing is left, raises :class:`WriterDied` (:class:`RingClosed` if it closed
-    the ring), so ``timeout=None`` never hangs on a crashed writer. ``fileno``/``arm``/
-    ``disarm`` put the doorbell in the caller's own poller.
+    A reader spins on its next slot's seq for ``spin_us`` (default 20 us), then sets its
+    waiting flag and sleeps in ``poll`` on its doorbell, a FIFO beside the ring file
+    (``<path>.bell<index>``). After publishing, the writer writes one byte to the FIFO of
+    each reader whose flag is set, so readers that keep up cost it no system call. A FIFO is
+    opened by path like the ring (an eventfd reaches a ``spawn`` child only by inheritance or
+    SCM_RIGHTS), and its write() wakes the reader directly (ZeroMQ goes through I/O threads).
+    Both ends open it read-write and non-blocking: opening never blocks, the writer never
+    gets SIGPIPE, a full FIFO only drops redundant wake-ups. The sleep is cut into
+    ``liveness_interval_s`` slices; after an empty one the reader checks the writer's pid
+    and, once the writer is gone and nothing is left, raises :class:`WriterDied`
+    (:class:`RingClosed` if it closed the ring), so ``timeout=None`` never hangs on a crashed
+    writer. ``fileno``/``arm``/``disarm`` put the doorbell in the caller's own poller.
 
 Memory ordering
     Python has no atomics or fences; the protocol needs (1) control words read and written
     whole: aligned int64s through ``memoryview.cast("q")``, whose get/set is an 8-byte
     ``memcpy``, one aligned load/store, single-copy atomic on x86-64 and AArch64; (2) the
-    orderings below; (3) one writer per word (the ring's writer, or the reader for its line),
-    except that the writer may set the reader's state to DROPPED while the reader sets it to
-    DETACHED, and either frees its slots. The interpreter keeps program order between the C
-    calls doing loads and stores; the hardware may not:
+    orderings below; (3) one writer per word (the ring's writer, or a reader for its own
+    line), except that the writer may set a reader's state to DROPPED while the reader sets
+    it to DETACHED, and either frees its slots. The interpreter keeps program order between
+    the C calls doing loads and stores; the hardware may not:
 
-    - writer: read the reader's state and cursor, cursor > s - num_slots [A]; write payload,
-      length, flags [B]; write slot seq = s + 1 [C]; read the waiting flag, ring if set.
-    - reader: read slot seq = s + 1 [D]; read length/flags/payload [E]; write cursor = s + 1
-      (the writer may now reuse the slot) [F].
-    - doorbell: the reader writes waiting = 1, re-reads the slot seq, then sleeps; the writer
+    - writer: read the readers' states and cursors, every holding cursor > s - num_slots
+      [A]; write payload, length, flags [B]; write slot seq = s + 1 [C]; read each reader's
+      waiting flag, ring those set.
+    - reader: read slot seq = s + 1 [D]; read length/flags/payload [E]; write its cursor =
+      s + 1 (the writer may reuse the slot once every holding reader has) [F].
+    - doorbell: a reader writes waiting = 1, re-reads the slot seq, then sleeps; the writer
       writes the seq, then reads waiting: the store-buffer litmus test. With a full barrier
       between store and load on both sides, one side sees the other's store: no lost wake-up.
 
@@ -81,7 +87,7 @@ Memory ordering
     later stores; the stores of a fast string copy (``rep movsb``) may land out of order
     among themselves but not after a later ordinary store (Intel: "write to a discrete
     semaphore variable after any string operations"; glibc's non-temporal copies end with
-    ``sfence``). The writer never writes a slot the live reader may be reading, so payload
+    ``sfence``). The writer never writes a slot a live reader may be reading, so payload
     reads are never torn; the seqlock re-check only matters for a reader wrongly presumed
     dead. Each endpoint object is used from one thread.
 
@@ -89,25 +95,27 @@ Oversize messages and ordering
     A payload over ``slot_bytes`` raises :class:`MessageTooLarge` and publishes nothing. Sent
     another way (ZeroMQ) it could overtake or fall behind the ring's messages, so pass
     ``divert=`` to ``send`` instead: it waits for a free slot, calls ``divert(payload)``,
-    then publishes a small marker in that slot, and the reader gets a :class:`Diverted` in
-    the message's place and takes exactly one message from the fallback channel. Markers sit
-    in order in the ring and the fallback channel is FIFO (a PUSH/PULL pair), so the k-th
-    marker pairs with the k-th fallback message (``Diverted.index`` is k, for checking) and
-    the reader sees the writer's order. If ``divert`` raises, no marker is published.
+    then publishes a small marker in that slot, and every reader gets a :class:`Diverted` in
+    the message's place and takes exactly one message from its fallback channel. Markers sit
+    in order in the ring and each reader's fallback channel is FIFO (a PUSH/PULL pair per
+    reader: ``divert`` must reach every reader), so the k-th marker pairs with the k-th
+    fallback message (``Diverted.index`` is k, for checking) and every reader sees the
+    writer's order. If ``divert`` raises, no marker is published.
 
 Zero-copy reads
     ``view`` returns a memoryview over the payload in shared memory, valid until ``advance``,
-    which releases it (using it afterwards raises ValueError) and frees the slot. An object
-    built on that view (``numpy.frombuffer``) keeps it from being released and must not be
-    used after ``advance``. ``recv`` copies and advances.
+    which releases it (using it afterwards raises ValueError) and frees the slot for this
+    reader. An object built on that view (``numpy.frombuffer``) keeps it from being released
+    and must not be used after ``advance``. ``recv`` copies and advances.
 
 Crash and clean-up
     ``close`` is idempotent, and a finalizer does the same for an endpoint collected, or whose
-    process exits, without it. The writer's close sets the closed flag and rings the reader,
-    which drains what is left and then gets :class:`RingClosed`; the reader's close detaches
-    it, so the writer stops holding slots for it. The creator (``RingWriter.create``, or the
-    caller of ``create_ring``) unlinks the file and its FIFO; a process killed outright leaves
-    them to the run directory's owner (``unlink_ring``; ``ring_path`` names them after it).
+    process exits, without it. The writer's close sets the closed flag and rings every
+    reader; each drains what is left and then gets :class:`RingClosed`. A reader's close
+    detaches it, so the writer stops holding slots for it. The creator
+    (``RingWriter.create``, or the caller of ``create_ring``) unlinks the file and its FIFOs;
+    a process killed outright leaves them to the run directory's owner (``unlink_ring``;
+    ``ring_path`` names them after it).
 """
 
 from __future__ import annotations
@@ -131,25 +139,25 @@ log = logging.getLogger("conveyor.shm_ring")
 Buffer = Union[bytes, bytearray, memoryview]
 
 MAGIC = int.from_bytes(b"CNVYRING", "little")
-VERSION = 2  # 1: N readers, declared at creation
+VERSION = 3  # 1: N readers (.bellN), 2: one reader (.bell); 3: N readers again
 DEFAULT_SLOT_BYTES = 256 * 1024
 DEFAULT_NUM_SLOTS = 16
 DEFAULT_SPIN_US = 20.0
 DEFAULT_LIVENESS_INTERVAL_S = 0.05
+MAX_READERS = 64
 
 _LINE = 64
 _WORDS_PER_LINE = _LINE // 8
 _SLOT_HEADER = 32
-# Header words (the first line).
-_H_MAGIC, _H_VERSION, _H_SLOT_BYTES, _H_NUM_SLOTS, _H_WRITER_PID, _H_WRITER_START, _H_CLOSED = range(7)
-# Reader words (the second line).
-_R_STATE, _R_PID, _R_START, _R_CURSOR, _R_WAITING = range(_WORDS_PER_LINE, _WORDS_PER_LINE + 5)
-_SLOTS_OFFSET = 2 * _LINE
+# Header words.
+_H_MAGIC, _H_VERSION, _H_SLOT_BYTES, _H_NUM_SLOTS, _H_NUM_READERS, _H_WRITER_PID, _H_WRITER_START, _H_CLOSED = range(8)
+# Reader line words.
+_R_STATE, _R_PID, _R_START, _R_CURSOR, _R_WAITING = range(5)
 # Slot header words.
 _S_SEQ, _S_LEN, _S_FLAGS = range(3)
 _FLAG_DIVERTED = 1
 
-# Reader states. A PENDING reader (not attached yet) holds messages like an attached one.
+# Reader states. PENDING readers (declared, not attached yet) hold messages like live ones.
 PENDING, ATTACHED, DETACHED, DROPPED = 0, 1, 2, 3
 _STATE_NAMES = {PENDING: "pending", ATTACHED: "attached", DETACHED: "detached", DROPPED: "dropped"}
 _HOLDS_MESSAGES = (PENDING, ATTACHED)
@@ -164,7 +172,7 @@ class MessageTooLarge(ValueError):
 
 
 class RingFull(TimeoutError):
-    """The writer waited ``timeout`` for the reader to free a slot; nothing was published."""
+    """The writer waited ``timeout`` for a reader to free a slot; nothing was published."""
 
 
 class RingClosed(EOFError):
@@ -193,6 +201,7 @@ class Diverted:
 
 @dataclass(frozen=True)
 class ReaderStatus:
+    index: int
     state: str  # pending, attached, detached, dropped
     pid: int
     position: int  # messages consumed
@@ -202,6 +211,11 @@ class ReaderStatus:
 class _Layout:
     slot_bytes: int
     num_slots: int
+    num_readers: int
+
+    @property
+    def slots_offset(self) -> int:
+        return _LINE * (1 + self.num_readers)
 
     @property
     def stride(self) -> int:
@@ -209,21 +223,24 @@ class _Layout:
 
     @property
     def size(self) -> int:
-        return _SLOTS_OFFSET + self.stride * self.num_slots
+        return self.slots_offset + self.stride * self.num_slots
+
+    def reader_word(self, index: int, field: int) -> int:
+        return (1 + index) * _WORDS_PER_LINE + field
 
     def slot_word(self, slot: int) -> int:
-        return (_SLOTS_OFFSET + slot * self.stride) // 8
+        return (self.slots_offset + slot * self.stride) // 8
 
     def payload_offset(self, slot: int) -> int:
-        return _SLOTS_OFFSET + slot * self.stride + _SLOT_HEADER
+        return self.slots_offset + slot * self.stride + _SLOT_HEADER
 
 
 # ---------------------------------------------------------------------------- files
 
 
-def bell_path(path: str) -> str:
-    """The reader's doorbell FIFO."""
-    return f"{path}.bell"
+def bell_path(path: str, index: int) -> str:
+    """The doorbell FIFO of reader ``index``."""
+    return f"{path}.bell{index}"
 
 
 def ring_path(run_dir: str, name: str) -> str:
@@ -258,8 +275,9 @@ def create_ring(
     *,
     slot_bytes: int = DEFAULT_SLOT_BYTES,
     num_slots: int = DEFAULT_NUM_SLOTS,
+    num_readers: int = 1,
 ) -> None:
-    """Create the ring file and its doorbell at ``path`` (which must not exist).
+    """Create the ring file and its doorbells at ``path`` (which must not exist).
 
     The file appears complete or not at all (written under a temporary name, then linked),
     so an attacher racing the creator never sees half a header.
@@ -268,14 +286,17 @@ def create_ring(
         raise ValueError(f"slot_bytes must be at least 8 (a diversion marker), got {slot_bytes}")
     if num_slots < 1:
         raise ValueError(f"num_slots must be positive, got {num_slots}")
-    layout = _Layout(slot_bytes, num_slots)
+    if not 1 <= num_readers <= MAX_READERS:
+        raise ValueError(f"num_readers must be 1..{MAX_READERS}, got {num_readers}")
+    layout = _Layout(slot_bytes, num_slots, num_readers)
     if os.path.lexists(path):
         raise FileExistsError(errno.EEXIST, "ring already exists", path)
     made: list[str] = []
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        os.mkfifo(bell_path(path), 0o600)
-        made.append(bell_path(path))
+        for i in range(num_readers):
+            os.mkfifo(bell_path(path, i), 0o600)
+            made.append(bell_path(path, i))
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         made.append(tmp)
         try:
@@ -285,7 +306,7 @@ def create_ring(
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, layout.size)
-            header = [MAGIC, VERSION, slot_bytes, num_slots, 0, 0, 0]
+            header = [MAGIC, VERSION, slot_bytes, num_slots, num_readers, 0, 0, 0]
             os.pwrite(fd, b"".join(w.to_bytes(8, "little") for w in header), 0)
         finally:
             os.close(fd)
@@ -298,8 +319,16 @@ def create_ring(
 
 
 def unlink_ring(path: str) -> None:
-    """Remove the ring file and its doorbell; idempotent. Open mappings stay valid."""
-    _unlink_quietly(bell_path(path))
+    """Remove the ring file and its doorbells; idempotent. Open mappings stay valid."""
+    directory, base = os.path.split(path)
+    prefix = base + ".bell"
+    try:
+        names = os.listdir(directory or ".")
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            _unlink_quietly(os.path.join(directory, name))
     _unlink_quietly(path)
 
 
@@ -362,11 +391,11 @@ class _Mapping:
         try:
             head = os.pread(self.fd, _LINE, 0)
             words = [int.from_bytes(head[i : i + 8], "little") for i in range(0, len(head), 8)]
-            if len(words) < _WORDS_PER_LINE or words[_H_MAGIC] != MAGIC:
+            if len(words) < 8 or words[_H_MAGIC] != MAGIC:
                 raise RingError(f"{path} is not a conveyor ring")
             if words[_H_VERSION] != VERSION:
                 raise RingError(f"{path} has ring version {words[_H_VERSION]}, expected {VERSION}")
-            self.layout = _Layout(words[_H_SLOT_BYTES], words[_H_NUM_SLOTS])
+            self.layout = _Layout(words[_H_SLOT_BYTES], words[_H_NUM_SLOTS], words[_H_NUM_READERS])
             size = os.fstat(self.fd).st_size
             if size != self.layout.size:
                 raise RingError(f"{path} is {size} bytes, its header says {self.layout.size}")
@@ -420,11 +449,11 @@ class _Barrier:
             self.acquire()
 
 
-def _finish_writer(m: _Mapping, bell: int, unlink_path: str | None, pid: int) -> None:
-    """Close the ring for its reader and release the writer's resources.
+def _finish_writer(m: _Mapping, bell_fds: list[int], unlink_path: str | None, pid: int) -> None:
+    """Close the ring for its readers and release the writer's resources.
 
     Run once: by ``close``, or by the finalizer when the writer is collected or its process
-    exits without closing (then the reader sees RingClosed, not WriterDied). Not in a forked
+    exits without closing (then readers see RingClosed, not WriterDied). Not in a forked
     child, whose copy of the writer never wrote anything.
     """
     if os.getpid() != pid:
@@ -433,17 +462,18 @@ def _finish_writer(m: _Mapping, bell: int, unlink_path: str | None, pid: int) ->
     barrier.order()  # every published message before the closed flag
     m.words[_H_CLOSED] = 1
     barrier.full()
-    try:
-        os.write(bell, b"\x01")
-    except BlockingIOError:
-        pass
-    os.close(bell)
+    for fd in bell_fds:
+        try:
+            os.write(fd, b"\x01")
+        except BlockingIOError:
+            pass
+        os.close(fd)
     m.close()
     if unlink_path is not None:
         unlink_ring(unlink_path)
 
 
-def _finish_reader(m: _Mapping, bell: int, pid: int) -> None:
+def _finish_reader(m: _Mapping, state_word: int, waiting_word: int, bell: int, pid: int) -> None:
     """Detach the reader (the writer stops holding slots for it) and release its resources.
 
     Run once: by ``close``, or by the finalizer when the reader is collected or its process
@@ -452,9 +482,9 @@ def _finish_reader(m: _Mapping, bell: int, pid: int) -> None:
     if os.getpid() != pid:
         return
     words = m.words
-    if words[_R_STATE] == ATTACHED:
-        words[_R_STATE] = DETACHED
-    words[_R_WAITING] = 0
+    if words[state_word] == ATTACHED:
+        words[state_word] = DETACHED
+    words[waiting_word] = 0
     os.close(bell)
     m.close()
 
@@ -487,6 +517,7 @@ class RingWriter:
         self.path = path
         self._m = m = _Mapping(path)
         self._closed = False
+        self._bell_fds: list[int] = []
         try:
             m.lock()
             try:
@@ -499,26 +530,32 @@ class RingWriter:
                 m.words[_H_WRITER_PID] = os.getpid()
             finally:
                 m.unlock()
-            self._bell = os.open(bell_path(path), os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            layout = m.layout
+            for i in range(layout.num_readers):
+                self._bell_fds.append(os.open(bell_path(path, i), os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
         except BaseException:
+            for fd in self._bell_fds:
+                os.close(fd)
             m.close()
             raise
-        layout = m.layout
         self._words = m.words
         self._bytes = m.bytes
         self._n = layout.num_slots
         self.max_payload = layout.slot_bytes
         self._slot_words = [layout.slot_word(s) for s in range(self._n)]
         self._payload_offsets = [layout.payload_offset(s) for s in range(self._n)]
+        self._state_words = [layout.reader_word(i, _R_STATE) for i in range(layout.num_readers)]
+        self._cursor_words = [layout.reader_word(i, _R_CURSOR) for i in range(layout.num_readers)]
+        self._waiting_words = [(i, layout.reader_word(i, _R_WAITING)) for i in range(layout.num_readers)]
         self._next = 0  # seq of the next message
-        self._consumed = 0  # a lower bound on the reader's cursor: refreshed only when the ring looks full
+        self._min_cursor = 0  # a lower bound on every live reader's cursor: refreshed only when needed
         self._diverted = 0
         self._spin_ns = int(spin_us * 1000)
         self._liveness_ns = int(liveness_interval_s * 1e9)
         self._next_liveness_check = 0
         self._barrier = _Barrier()
         unlink_path = path if owner else None
-        self._finalizer = weakref.finalize(self, _finish_writer, m, self._bell, unlink_path, os.getpid())
+        self._finalizer = weakref.finalize(self, _finish_writer, m, self._bell_fds, unlink_path, os.getpid())
 
     @classmethod
     def create(
@@ -527,11 +564,12 @@ class RingWriter:
         *,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         num_slots: int = DEFAULT_NUM_SLOTS,
+        num_readers: int = 1,
         spin_us: float = DEFAULT_SPIN_US,
         liveness_interval_s: float = DEFAULT_LIVENESS_INTERVAL_S,
     ) -> RingWriter:
         """Create a ring at ``path`` and become its writer and owner (it unlinks the ring on close)."""
-        create_ring(path, slot_bytes=slot_bytes, num_slots=num_slots)
+        create_ring(path, slot_bytes=slot_bytes, num_slots=num_slots, num_readers=num_readers)
         try:
             return cls(path, spin_us=spin_us, liveness_interval_s=liveness_interval_s, owner=True)
         except BaseException:
@@ -552,8 +590,8 @@ class RingWriter:
     ) -> int:
         """Publish one message (a buffer, or buffers written back to back); returns its seq.
 
-        Waits for a free slot up to ``timeout`` seconds (None: as long as the reader lives and
-        holds it; 0: not at all), then raises RingFull. A payload over ``max_payload`` raises
+        Waits for a free slot up to ``timeout`` seconds (None: as long as a live reader holds
+        one; 0: not at all), then raises RingFull. A payload over ``max_payload`` raises
         MessageTooLarge, unless ``divert`` is given: see the module doc on ordering.
         """
         if self._closed:
@@ -570,7 +608,7 @@ class RingWriter:
         seq = self._next
         if total > self.max_payload and divert is None:
             raise MessageTooLarge(f"message of {total} bytes exceeds the ring's slot of {self.max_payload} bytes")
-        if seq - self._consumed >= self._n:
+        if seq - self._min_cursor >= self._n:
             self._wait_for_slot(seq, timeout)
         slot = seq % self._n
         pos = self._payload_offsets[slot]
@@ -597,21 +635,30 @@ class RingWriter:
             barrier.acquire()
         words[w] = seq + 1  # publish
         self._next = seq + 1
-        barrier.release()  # full barrier: the seq store before the waiting-flag load
+        barrier.release()  # full barrier: the seq store before the waiting-flag loads
         barrier.acquire()
-        if words[_R_WAITING]:
-            try:
-                os.write(self._bell, b"\x01")
-            except BlockingIOError:
-                pass  # the FIFO is full: the reader has a wake-up pending already
+        for i, ww in self._waiting_words:
+            if words[ww]:
+                self._ring(i)
         return seq
 
-    def _refresh_consumed(self) -> int:
+    def _ring(self, index: int) -> None:
+        try:
+            os.write(self._bell_fds[index], b"\x01")
+        except BlockingIOError:
+            pass  # the FIFO is full: the reader has a wake-up pending already
+
+    def _refresh_min_cursor(self) -> int:
         words = self._words
-        consumed = words[_R_CURSOR] if words[_R_STATE] in _HOLDS_MESSAGES else self._next
-        self._barrier.order()  # the cursor load before the payload stores that follow
-        self._consumed = consumed
-        return consumed
+        low = self._next
+        for sw, cw in zip(self._state_words, self._cursor_words):
+            if words[sw] in _HOLDS_MESSAGES:
+                cursor = words[cw]
+                if cursor < low:
+                    low = cursor
+        self._barrier.order()  # the cursor loads before the payload stores that follow
+        self._min_cursor = low
+        return low
 
     def _wait_for_slot(self, seq: int, timeout: float | None) -> None:
         n = self._n
@@ -619,39 +666,48 @@ class RingWriter:
         deadline = None if timeout is None else now + int(timeout * 1e9)
         spin_until = now + self._spin_ns
         sleep_s = 20e-6
-        while seq - self._refresh_consumed() >= n:
+        while seq - self._refresh_min_cursor() >= n:
             now = time.monotonic_ns()
             if now >= self._next_liveness_check:  # also reached by callers that retry with timeout=0
                 self._next_liveness_check = now + self._liveness_ns
-                if self._drop_dead_reader():
+                if self.check_readers():
                     continue
             if deadline is not None and now >= deadline:
-                raise RingFull(f"ring full for {timeout} s: message {seq} waits for the reader, {self.reader_status()}")
+                lagging = [r for r in self.readers() if r.state in ("pending", "attached") and seq - r.position >= n]
+                raise RingFull(f"ring full for {timeout} s: message {seq} waits for {lagging}")
             if now < spin_until:
                 continue
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, 1e-3)
 
-    def _drop_dead_reader(self) -> bool:
-        """Drop the reader if it attached and its process is gone; True if dropped now."""
-        words = self._words
-        if words[_R_STATE] != ATTACHED:
-            return False
-        pid = words[_R_PID]
-        if pid_alive(pid, words[_R_START]):
-            return False
-        words[_R_STATE] = DROPPED
-        log.warning("ring %s: its reader (pid %d) is gone; dropped", self.path, pid)
-        return True
+    def check_readers(self) -> list[int]:
+        """Drop every attached reader whose process is gone; returns the indices dropped now."""
+        words, layout = self._words, self._m.layout
+        dropped = []
+        for i in range(layout.num_readers):
+            if words[layout.reader_word(i, _R_STATE)] != ATTACHED:
+                continue
+            pid = words[layout.reader_word(i, _R_PID)]
+            if not pid_alive(pid, words[layout.reader_word(i, _R_START)]):
+                words[layout.reader_word(i, _R_STATE)] = DROPPED
+                log.warning("ring %s: reader %d (pid %d) is gone; dropped", self.path, i, pid)
+                dropped.append(i)
+        return dropped
 
-    def reader_status(self) -> ReaderStatus:
-        words = self._words
+    def reader_status(self, index: int = 0) -> ReaderStatus:
+        words, layout = self._words, self._m.layout
         return ReaderStatus(
-            state=_STATE_NAMES.get(words[_R_STATE], "?"), pid=words[_R_PID], position=words[_R_CURSOR]
+            index=index,
+            state=_STATE_NAMES.get(words[layout.reader_word(index, _R_STATE)], "?"),
+            pid=words[layout.reader_word(index, _R_PID)],
+            position=words[layout.reader_word(index, _R_CURSOR)],
         )
 
+    def readers(self) -> list[ReaderStatus]:
+        return [self.reader_status(i) for i in range(self._m.layout.num_readers)]
+
     def close(self) -> None:
-        """Mark the ring closed, wake the reader, unmap; the owner also unlinks. Idempotent."""
+        """Mark the ring closed, wake every reader, unmap; the owner also unlinks. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -659,7 +715,7 @@ class RingWriter:
         self._finalizer()
 
     def unlink(self) -> None:
-        """Remove the ring's names now (a reader already attached keeps working); idempotent."""
+        """Remove the ring's names now (readers already attached keep working); idempotent."""
         unlink_ring(self.path)
 
     def __enter__(self) -> RingWriter:
@@ -673,33 +729,36 @@ class RingWriter:
 
 
 class RingReader:
-    """The one reader of a ring: sees every message from the first, in order. Use from one thread."""
+    """Reader ``index`` of a ring: sees every message from the first, in order. Use from one thread."""
 
     def __init__(
         self,
         path: str,
+        index: int = 0,
         *,
         spin_us: float = DEFAULT_SPIN_US,
         liveness_interval_s: float = DEFAULT_LIVENESS_INTERVAL_S,
     ) -> None:
-        """Attach as the reader of the ring at ``path``; a ring has one reader in its life."""
         self.path = path
+        self.index = index
         self._m = m = _Mapping(path)
         layout = m.layout
         self._closed = False
         try:
+            if not 0 <= index < layout.num_readers:
+                raise RingError(f"reader index {index} out of range: {path} has {layout.num_readers} readers")
             m.lock()
             try:
-                state = m.words[_R_STATE]
+                state = m.words[layout.reader_word(index, _R_STATE)]
                 if state != PENDING:
                     name = _STATE_NAMES.get(state, state)
-                    raise RingError(f"the reader of {path} is {name}; a ring's reader attaches once")
-                m.words[_R_START] = _start_time(os.getpid())
-                m.words[_R_PID] = os.getpid()
-                m.words[_R_STATE] = ATTACHED
+                    raise RingError(f"reader {index} of {path} is {name}; each index attaches once")
+                m.words[layout.reader_word(index, _R_START)] = _start_time(os.getpid())
+                m.words[layout.reader_word(index, _R_PID)] = os.getpid()
+                m.words[layout.reader_word(index, _R_STATE)] = ATTACHED
             finally:
                 m.unlock()
-            self._bell = os.open(bell_path(path), os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            self._bell = os.open(bell_path(path, index), os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         except BaseException:
             m.close()
             raise
@@ -710,12 +769,17 @@ class RingReader:
         self._n = layout.num_slots
         self._slot_words = [layout.slot_word(s) for s in range(self._n)]
         self._payload_offsets = [layout.payload_offset(s) for s in range(self._n)]
-        self._cursor = m.words[_R_CURSOR]
+        self._state_word = layout.reader_word(index, _R_STATE)
+        self._cursor_word = layout.reader_word(index, _R_CURSOR)
+        self._waiting_word = layout.reader_word(index, _R_WAITING)
+        self._cursor = m.words[self._cursor_word]
         self._current: memoryview | Diverted | None = None
         self._spin_ns = int(spin_us * 1000)
         self._liveness_ns = int(liveness_interval_s * 1e9)
         self._barrier = _Barrier()
-        self._finalizer = weakref.finalize(self, _finish_reader, m, self._bell, os.getpid())
+        self._finalizer = weakref.finalize(
+            self, _finish_reader, m, self._state_word, self._waiting_word, self._bell, os.getpid()
+        )
 
     @property
     def position(self) -> int:
@@ -737,12 +801,12 @@ class RingReader:
         ``r.disarm()`` (or leave it armed: a ring per publish costs the writer a write()).
         """
         self._drain()
-        self._words[_R_WAITING] = 1
+        self._words[self._waiting_word] = 1
         self._barrier.full()
         return self.ready()
 
     def disarm(self) -> None:
-        self._words[_R_WAITING] = 0
+        self._words[self._waiting_word] = 0
 
     def view(self, timeout: float | None = None) -> memoryview | Diverted | None:
         """The next message without consuming it: a view over its payload, valid until ``advance``.
@@ -787,7 +851,7 @@ class RingReader:
         if not _TSO:
             self._barrier.order()  # every payload load before the store that frees the slot
         self._cursor += 1
-        self._words[_R_CURSOR] = self._cursor
+        self._words[self._cursor_word] = self._cursor
 
     def recv(self, timeout: float | None = None) -> bytes | Diverted | None:
         """The next message, copied, and consumed; None on timeout. Same errors as ``view``."""
@@ -801,7 +865,7 @@ class RingReader:
             self._barrier.order()  # the copy's loads before the seq re-check
         if self._words[self._slot_words[self._cursor % self._n]] != self._cursor + 1:
             self._current = None
-            raise ReaderDropped(f"{self.path}: message {self._cursor} was overwritten while being read")
+            raise ReaderDropped(f"reader {self.index}: message {self._cursor} was overwritten while being read")
         self.advance()
         return data
 
@@ -817,9 +881,9 @@ class RingReader:
         if seq > c + 1:
             seq = self._words[w]  # re-read: an 8-byte load is whole, but be sure before failing
             if seq > c + 1:
-                if self._words[_R_STATE] == DROPPED:
-                    raise ReaderDropped(f"the reader of {self.path} was dropped by the writer")
-                raise RingError(f"{self.path}: slot holds message {seq - 1}, expected {c}")
+                if self._words[self._state_word] == DROPPED:
+                    raise ReaderDropped(f"reader {self.index} of {self.path} was dropped by the writer")
+                raise RingError(f"reader {self.index}: slot holds message {seq - 1}, expected {c}")
             return seq == c + 1
         return False
 
@@ -838,7 +902,7 @@ class RingReader:
                 return self._check_slot(c, w, words[w])
             now = time.monotonic_ns()
         self._drain()
-        words[_R_WAITING] = 1
+        words[self._waiting_word] = 1
         try:
             while True:
                 self._barrier.full()  # the waiting-flag store before the seq load
@@ -854,7 +918,7 @@ class RingReader:
                 elif not self.writer_alive() and not self._check_slot(c, w, words[w]):
                     raise WriterDied(f"{self.path}: the writer (pid {words[_H_WRITER_PID]}) is gone")
         finally:
-            words[_R_WAITING] = 0
+            words[self._waiting_word] = 0
 
     def _check_ended(self, c: int, w: int) -> None:
         """Raise if no message ``c`` can come: the ring is closed, or this reader was dropped."""
@@ -863,8 +927,8 @@ class RingReader:
             self._barrier.order()  # the closed flag was stored after the last seq
             if not self._check_slot(c, w, words[w]):
                 raise RingClosed(f"{self.path}: the writer closed the ring")
-        if words[_R_STATE] == DROPPED:
-            raise ReaderDropped(f"the reader of {self.path} was dropped by the writer")
+        if words[self._state_word] == DROPPED:
+            raise ReaderDropped(f"reader {self.index} of {self.path} was dropped by the writer")
 
     def _drain(self) -> None:
         try:

@@ -18,6 +18,18 @@ other, over one of two transports chosen by ``bin/serve --plan-transport``:
 
 Same codec and message types either way.
 
+Several readers (tensor parallelism: every rank runs every plan)
+    A direction may have ``readers`` receivers, reader ``r`` being rank ``r``; the sender
+    sends each message once and every reader gets it. The ring is one writer and N readers
+    (a slot is reused once every reader has read it). ZeroMQ, the whole channel with ``zmq``
+    and the diversion path with ``shm``, is one PUSH/PULL pair *per reader*
+    (:meth:`ChannelSpec.reader_address`), the sender writing the same encoded frame to each:
+    a single PUSH would deal messages round-robin, and PUB/SUB drops what is sent before a
+    subscriber has joined or past its high-water mark, silently, where a lost plan would
+    leave one rank a step behind the others. Per-reader pairs keep PUSH/PULL's guarantees
+    (FIFO, nothing dropped, back-pressure) for every reader, which the diversion's pairing
+    of the k-th marker with the k-th fallback message needs.
+
 Lifetime of a received message: with ``shm`` its Int32Array fields view the ring slot,
 which stays reserved until the next :meth:`StepReceiver.recv` (or :meth:`release`). A
 receiver therefore handles a message completely, copying anything it keeps, before it
@@ -63,13 +75,28 @@ class ChannelSpec:
     children inside their configs).
 
     ``zmq_address``: the direction's PUSH/PULL pair (the whole channel with ``zmq``, the
-    fallback for oversize messages with ``shm``); ``ring_path``: the ring (None with ``zmq``).
+    fallback for oversize messages with ``shm``); ``ring_path``: the ring (None with ``zmq``);
+    ``readers``: how many receivers get every message (one per tensor-parallel rank).
     """
 
     zmq_address: str
     ring_path: str | None = None
     slot_bytes: int = PLAN_SLOT_BYTES
     spin_us: float = shm_ring.DEFAULT_SPIN_US
+    readers: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.readers <= shm_ring.MAX_READERS:
+            raise ValueError(f"a step channel has 1..{shm_ring.MAX_READERS} readers, got {self.readers}")
+        if self.readers > 1 and not self.zmq_address.startswith("ipc://"):
+            raise ValueError(f"several readers need an ipc:// address (one socket file per reader), got {self.zmq_address}")
+
+    def reader_address(self, reader: int) -> str:
+        """The PUSH/PULL pair of reader ``reader``: ``zmq_address`` for reader 0, a sibling
+        socket file for the others."""
+        if not 0 <= reader < self.readers:
+            raise ValueError(f"reader {reader} out of range: the channel has {self.readers}")
+        return self.zmq_address if reader == 0 else f"{self.zmq_address}-{reader}"
 
 
 @dataclass(frozen=True)
@@ -78,10 +105,19 @@ class StepChannels:
     results: ChannelSpec  # worker -> scheduler: StepResult, ProfileReport
 
     @classmethod
-    def for_server(cls, run_dir: str, plans_address: str, results_address: str, *, shm: bool) -> StepChannels:
-        """Both directions on their ZeroMQ sockets, with a ring each in ``run_dir`` when ``shm``."""
+    def for_server(
+        cls, run_dir: str, plans_address: str, results_address: str, *, shm: bool, plan_readers: int = 1
+    ) -> StepChannels:
+        """Both directions on their ZeroMQ sockets, with a ring each in ``run_dir`` when ``shm``.
+        Plans go to ``plan_readers`` workers (the tensor-parallel ranks); results come from one
+        (rank 0)."""
         return cls(
-            ChannelSpec(plans_address, shm_ring.ring_path(run_dir, "plans.ring") if shm else None, PLAN_SLOT_BYTES),
+            ChannelSpec(
+                plans_address,
+                shm_ring.ring_path(run_dir, "plans.ring") if shm else None,
+                PLAN_SLOT_BYTES,
+                readers=plan_readers,
+            ),
             ChannelSpec(results_address, shm_ring.ring_path(run_dir, "results.ring") if shm else None, RESULT_SLOT_BYTES),
         )
 
@@ -92,7 +128,9 @@ def create_rings(channels: StepChannels) -> None:
     try:
         for spec in (channels.plans, channels.results):
             if spec.ring_path is not None:
-                shm_ring.create_ring(spec.ring_path, slot_bytes=spec.slot_bytes, num_slots=NUM_SLOTS)
+                shm_ring.create_ring(
+                    spec.ring_path, slot_bytes=spec.slot_bytes, num_slots=NUM_SLOTS, num_readers=spec.readers
+                )
                 made.append(spec.ring_path)
     except BaseException:
         for path in made:
@@ -107,7 +145,8 @@ def remove_rings(channels: StepChannels) -> None:
 
 
 class StepSender:
-    """The writing end of one direction. ``bind``: this end binds the ZeroMQ socket.
+    """The writing end of one direction, to every reader. ``bind``: this end binds the ZeroMQ
+    sockets (one per reader).
 
     ``StepSender(ctx, spec, bind=...)`` builds the transport ``spec`` names, once: a
     :class:`RingSender` when it has a ring, else a :class:`ZmqSender`.
@@ -119,49 +158,63 @@ class StepSender:
         return super().__new__(cls)
 
     def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
-        self._sock = transport.socket(ctx, zmq.PUSH, spec.zmq_address, bind=bind)
+        self._socks: list[zmq.Socket] = []
+        try:
+            for reader in range(spec.readers):
+                self._socks.append(transport.socket(ctx, zmq.PUSH, spec.reader_address(reader), bind=bind))
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, msg: Any) -> None:
-        """Encode and send ``msg``."""
+        """Encode and send ``msg`` (to every reader)."""
         raise NotImplementedError
 
+    def _send_to_every_reader(self, payload: Any) -> None:
+        for sock in self._socks:
+            sock.send(payload, copy=False)
+
     def close(self) -> None:
-        self._sock.close(linger=0)
+        for sock in self._socks:
+            sock.close(linger=0)
 
 
 class ZmqSender(StepSender):
-    """Every message is one frame on the PUSH socket."""
+    """Every message is one frame on each reader's PUSH socket (encoded once)."""
 
     def send(self, msg: Any) -> None:
-        self._sock.send(codec.encode(msg), copy=False)
+        self._send_to_every_reader(codec.encode(msg))
 
 
 class RingSender(StepSender):
-    """Messages go into the ring's slots; one larger than a slot goes on the PUSH socket,
-    with a marker keeping its place in the ring."""
+    """Messages go into the ring's slots; one larger than a slot goes on every reader's PUSH
+    socket, with a marker keeping its place in the ring."""
 
     def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
         super().__init__(ctx, spec, bind=bind)
         try:
             self._ring = RingWriter(spec.ring_path, spin_us=spec.spin_us)
         except BaseException:
-            self._sock.close(linger=0)
+            super().close()
             raise
 
     def send(self, msg: Any) -> None:
-        """Waits for a free slot as long as the reader lives."""
+        """Waits for a free slot as long as a reader that holds it lives."""
         self._ring.send(codec.encode_parts(msg), divert=self._divert)
 
     def _divert(self, payload: Any) -> None:
-        self._sock.send(payload, copy=True)
+        # One copy out of the caller's buffers (a part may view the message's arrays), then
+        # the same bytes to every reader.
+        self._send_to_every_reader(bytes(payload))
 
     def close(self) -> None:
-        self._ring.close()  # the reader drains what is left, then sees the ring closed
+        self._ring.close()  # the readers drain what is left, then see the ring closed
         super().close()
 
 
 class StepReceiver:
-    """The reading end of one direction: ``recv`` in a loop, or wait in the caller's poller::
+    """The reading end of one direction, as reader ``reader`` (a tensor-parallel rank) of the
+    channel's ``readers``: ``recv`` in a loop, or wait in the caller's poller::
 
         poller.register(rx.pollable(), zmq.POLLIN)
         if not rx.arm():          # nothing there yet: sleep until rung (or something else)
@@ -175,13 +228,13 @@ class StepReceiver:
     first releases the previous one: asking for the next means being done with the last.
     """
 
-    def __new__(cls, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> StepReceiver:
+    def __new__(cls, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool, reader: int = 0) -> StepReceiver:
         if cls is StepReceiver:
             cls = ZmqReceiver if spec.ring_path is None else RingReceiver
         return super().__new__(cls)
 
-    def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
-        self._sock = transport.socket(ctx, zmq.PULL, spec.zmq_address, bind=bind)
+    def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool, reader: int = 0) -> None:
+        self._sock = transport.socket(ctx, zmq.PULL, spec.reader_address(reader), bind=bind)
 
     def recv(self, timeout_s: float | None = None) -> Any | None:
         """The next message, decoded (None if none came within ``timeout_s``; None waits forever).
@@ -255,10 +308,10 @@ class RingReceiver(StepReceiver):
     ring) is taken from the PULL socket. A message's slot stays reserved until the next
     request for a message (or :meth:`release`)."""
 
-    def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
-        super().__init__(ctx, spec, bind=bind)
+    def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool, reader: int = 0) -> None:
+        super().__init__(ctx, spec, bind=bind, reader=reader)
         try:
-            self._ring = RingReader(spec.ring_path, spin_us=spec.spin_us)
+            self._ring = RingReader(spec.ring_path, reader, spin_us=spec.spin_us)
         except BaseException:
             self._sock.close(linger=0)
             raise
@@ -329,5 +382,5 @@ def ring_files(channels: StepChannels) -> list[str]:
     paths = []
     for spec in (channels.plans, channels.results):
         if spec.ring_path is not None:
-            paths += [spec.ring_path, shm_ring.bell_path(spec.ring_path)]
+            paths += [spec.ring_path, *(shm_ring.bell_path(spec.ring_path, r) for r in range(spec.readers))]
     return [p for p in paths if os.path.exists(p)]

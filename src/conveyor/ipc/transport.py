@@ -6,18 +6,28 @@ direction has one writer and one reader, so no routing is needed and a slow
 reader applies back-pressure instead of dropping messages. The scheduler <-> worker
 hop goes through :mod:`conveyor.ipc.step_channel`, which uses the ``plans`` and
 ``results`` sockets alone (``--plan-transport zmq``) or beside its shared-memory rings.
+
+The one socket that faces users, the frontend's ROUTER, is made by
+:func:`bind_client_socket` alone, with its limits, heartbeats and (``--auth-keys``)
+CurveZMQ authentication; the key directory's layout is defined here too, for bin/keygen,
+bin/serve and the clients.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from conveyor.ipc import codec
+from conveyor.protocol.messages import MAX_CLIENT_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,21 @@ class ServerAddresses:
             results=ipc("results"),
             control=ipc("control"),
             frontend_control=ipc("frontend-control"),
+        )
+
+    def replica(self, index: int) -> ServerAddresses:
+        """Data-parallel replica ``index``'s endpoints: its own scheduler and worker hops
+        (``to_scheduler``, ``to_frontend``, ``plans``, ``results``, suffixed ``.<index>``); the
+        client, control and frontend-control sockets are the server's. Replica 0's are these,
+        so a server of one replica has exactly the endpoints it had before replicas existed."""
+        if index == 0:
+            return self
+        return replace(
+            self,
+            to_scheduler=f"{self.to_scheduler}.{index}",
+            to_frontend=f"{self.to_frontend}.{index}",
+            plans=f"{self.plans}.{index}",
+            results=f"{self.results}.{index}",
         )
 
 
@@ -81,3 +106,174 @@ def socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq.Sock
 def send(sock: zmq.Socket, msg: Any) -> None:
     sock.send(codec.encode(msg), copy=False)
 
+
+# ---------------------------------------------------------------- the client-facing socket
+
+# libzmq drops a connection whose message exceeds this before reading it in full (a 200 MB
+# frame costs the server nothing). The margin over the protocol's limit lets a message just
+# over it arrive and get a reply that names the limit; conveyor.client refuses to send one.
+CLIENT_MAX_FRAME_BYTES = MAX_CLIENT_MESSAGE_BYTES + 64 * 1024
+# Messages queued from one connection before libzmq stops reading it (TCP back-pressure on
+# that client, nothing dropped): at most CLIENT_RCVHWM x CLIENT_MAX_FRAME_BYTES held per
+# connection, and far less for ordinary requests of a few hundred bytes.
+CLIENT_RCVHWM = 64
+# Replies are never dropped and never block the loop: SNDHWM 0 (unbounded) with
+# ROUTER_MANDATORY. With a finite SNDHWM a send to a client whose queue is full would block
+# the frontend's loop or fail, losing a delta or the final. What bounds the queue of a client
+# that stops reading is the heartbeat: once its own queue and the socket buffers are full it
+# reads nothing, answers no PING, and the server drops the connection
+# CLIENT_HEARTBEAT_TIMEOUT_MS after the first unanswered one; the next send to it fails
+# (EHOSTUNREACH: the frontend's gone-client path aborts its requests) and the queue is freed.
+# Measured: flooded at full speed, a stalled client had 650k replies of 100 bytes (~120 MiB)
+# queued when it was dropped 11 s later; the frontend's output rate is far lower. A client
+# that keeps sending while never reading resets the timeout and is not bounded this way.
+CLIENT_SNDHWM = 0
+# ZMTP heartbeats (handled by libzmq's I/O thread, so a busy event loop never misses one):
+# a PING every CLIENT_HEARTBEAT_IVL_MS; a peer that sends nothing for
+# CLIENT_HEARTBEAT_TIMEOUT_MS after one is disconnected; the TTL asks clients to drop the
+# connection if they hear nothing from the server for that long.
+CLIENT_HEARTBEAT_IVL_MS = 1000
+CLIENT_HEARTBEAT_TIMEOUT_MS = 10_000
+CLIENT_HEARTBEAT_TTL_MS = 10_000
+# On close, replies still queued (the error finals a shutdown or a dead process sends to
+# every request in flight) go out for up to this long; a socket closed at once would drop
+# them, and the clients would see the connection lost instead of each request's error.
+CLIENT_LINGER_MS = 1000
+
+# --auth-keys DIR: the server's key pair, and one public key per allowed client.
+SERVER_KEY_NAME = "server"
+CLIENT_KEYS_DIR = "clients"
+
+
+def server_public_key_file(keys_dir: str) -> str:
+    """DIR/server.key: the server's public key (every client needs it, as ``server_key``)."""
+    return os.path.join(keys_dir, f"{SERVER_KEY_NAME}.key")
+
+
+def server_secret_key_file(keys_dir: str) -> str:
+    """DIR/server.key_secret: the server's key pair (mode 0600; only the server reads it)."""
+    return os.path.join(keys_dir, f"{SERVER_KEY_NAME}.key_secret")
+
+
+def client_keys_dir(keys_dir: str) -> str:
+    """DIR/clients: ``NAME.key`` (public) of every allowed client; deleting one revokes it for
+    new connections. bin/keygen leaves ``NAME.key_secret`` beside it, for that client."""
+    return os.path.join(keys_dir, CLIENT_KEYS_DIR)
+
+
+def check_auth_keys(keys_dir: str) -> None:
+    """ValueError unless ``keys_dir`` holds a server key pair and a client key directory, so a
+    wrong ``--auth-keys`` fails bin/serve before any process starts."""
+    try:
+        _, secret = zmq.auth.load_certificate(server_secret_key_file(keys_dir))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--auth-keys {keys_dir}: no server key pair ({exc}); make one with bin/keygen {keys_dir}") from None
+    if secret is None:
+        raise ValueError(f"--auth-keys {keys_dir}: {server_secret_key_file(keys_dir)} holds no secret key")
+    if not os.path.isdir(client_keys_dir(keys_dir)):
+        raise ValueError(f"--auth-keys {keys_dir}: no {CLIENT_KEYS_DIR}/ directory of allowed client keys")
+
+
+class AllowedClientKeys:
+    """The ZAP credentials check: a client key is allowed when DIR/clients holds it, read at
+    each connection (a key added or deleted counts from the next connection on), or when it
+    is the server's own public key (its own processes, e.g. the HTTP one, connect with the
+    server's key pair, which only the server can read)."""
+
+    def __init__(self, keys_dir: str) -> None:
+        self._clients = client_keys_dir(keys_dir)
+        self._server_public, _ = zmq.auth.load_certificate(server_public_key_file(keys_dir))
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if client_key == self._server_public:
+            return True
+        try:
+            return client_key in zmq.auth.load_certificates(self._clients)
+        except (OSError, ValueError):
+            return False
+
+
+def is_loopback(address: str) -> bool:
+    """Whether only this host can reach ``address`` (a loopback tcp:// host, or ipc://)."""
+    parts = urlsplit(address)
+    if parts.scheme in ("ipc", "inproc"):
+        return True
+    return is_loopback_host(parts.hostname or "")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or an IPv4/IPv6 address) is this host's loopback."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", a hostname, an interface name: reachable from elsewhere
+
+
+def bind_client_socket(
+    ctx: zmq.Context, address: str, *, auth_keys: str | None, monitor: str | None = None, monitor_events: int = 0
+) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
+    """The frontend's ROUTER, bound to ``address``, and its authenticator (None without
+    ``auth_keys``; stop it before terminating ``ctx``).
+
+    Limits, heartbeats and ROUTER_HANDOVER (a new connection with a connected routing id takes
+    it over, so a client that reconnects with its stable identity is served at once instead
+    of being ignored while the old connection lingers) are set here; see the constants above.
+    With ``auth_keys`` the socket is a CurveZMQ server: a client must know the server's public
+    key and hold an allowed key pair, or its handshake is refused (a ZAP thread checks it, off
+    the frontend's loop). The authenticated key, Z85 text, is every message's ``User-Id``
+    property (``frame.get("User-Id")``). ``monitor`` (an inproc address) reports
+    ``monitor_events`` from before the bind, so none is missed; connect its reader first
+    (libzmq blocks the socket on an event until the monitor has a peer).
+    """
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, CLIENT_LINGER_MS)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises instead of vanishing
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
+    sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, CLIENT_HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, CLIENT_HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, CLIENT_HEARTBEAT_TTL_MS)
+    authenticator = None
+    try:
+        if auth_keys is not None:
+            public, secret = zmq.auth.load_certificate(server_secret_key_file(auth_keys))
+            # A synchronous view of the context: the ZAP thread runs its own sockets.
+            authenticator = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
+            authenticator.start()
+            authenticator.configure_curve_callback("*", AllowedClientKeys(auth_keys))
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        if monitor is not None:
+            sock.monitor(monitor, monitor_events)
+        sock.bind(address)
+    except BaseException:
+        if authenticator is not None:
+            authenticator.stop()
+        sock.close(linger=0)
+        raise
+    return sock, authenticator
+
+
+def client_curve_keys(sock: zmq.Socket, client_key: str, server_key: str) -> None:
+    """Make ``sock`` a CurveZMQ client: its key pair from ``client_key`` (a ``.key_secret``
+    file bin/keygen wrote) and the server's public key from ``server_key`` (its ``server.key``).
+    ValueError naming the file when one holds no usable key."""
+    try:
+        public, secret = zmq.auth.load_certificate(client_key)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"client key {client_key}: {exc}") from None
+    if secret is None:
+        raise ValueError(f"client key {client_key} holds no secret key (pass the .key_secret file)")
+    try:
+        server_public, _ = zmq.auth.load_certificate(server_key)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"server key {server_key}: {exc}") from None
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)

@@ -33,6 +33,31 @@ MAX_CLIENT_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+# Decode limits of a client frame (:func:`unpack_map`), besides its size: they bound the
+# objects one frame can make (a valid request needs far less: an array is at most a prompt's
+# token ids, a map a request's fields). Nesting deeper than msgpack's own stack (1024
+# levels) is refused by the decoder itself.
+MAX_ARRAY_LEN = 1 << 20
+MAX_MAP_LEN = 256
+MAX_EXT_LEN = 64
+# How much of an undecodable frame is read for its request id (:func:`recover_request_id`).
+RECOVER_SCAN_BYTES = 1 << 20
+RECOVER_SCAN_KEYS = 64
+
+# Error codes: the ``code`` of an ``error`` map or of an error ``final``, what a client can
+# act on (the text beside it says what exactly was wrong).
+MALFORMED = "malformed"  # not msgpack (truncated, invalid UTF-8, trailing bytes) or not a map
+TOO_LARGE = "too_large"  # over the message size or a decode limit (length, nesting)
+BAD_FRAMES = "bad_frames"  # a message of more than one frame, or an empty one
+UNSUPPORTED_VERSION = "unsupported_version"
+UNKNOWN_TYPE = "unknown_type"  # missing or unknown ``type``
+INVALID_FIELD = "invalid_field"  # an unknown field, or a field of the wrong type or range
+INVALID_INPUT = "invalid_input"  # an input the model cannot take: empty, ids outside the vocabulary, a template error
+PROMPT_TOO_LONG = "prompt_too_long"  # the prompt (or prompt + max_tokens) does not fit the model length
+DUPLICATE_REQUEST_ID = "duplicate_request_id"  # the client already has a request in flight under this id
+OVERLOADED = "overloaded"  # refused by the scheduler's bounded queue: retry later
+TIMEOUT = "timeout"  # waited longer than --max-queue-time: retry later
+SERVER_ERROR = "server_error"  # the server failed the request: a process died, shutdown, an internal error
 
 # Message types, client -> server
 GENERATE = "generate"
@@ -56,11 +81,19 @@ MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
 
 
 class ProtocolError(ValueError):
-    """A client message that cannot be served; ``request_id`` is set when it was readable."""
+    """A client message that cannot be served; ``request_id`` is set when it was readable,
+    ``code`` is one of the error codes above."""
 
-    def __init__(self, message: str, request_id: str | None = None) -> None:
+    def __init__(self, message: str, request_id: str | None = None, code: str = INVALID_FIELD) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.code = code
+
+
+class FrameError(ProtocolError):
+    """A frame that is not a readable map (:func:`unpack_map`), or a message of the wrong
+    frames: it started no request, so it is answered with an ``error`` map, never a
+    ``final``; ``request_id`` is what :func:`recover_request_id` could read from it."""
 
 
 @dataclass
@@ -121,17 +154,67 @@ def pack(obj: dict[str, Any]) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack_map(data: bytes) -> dict[str, Any]:
-    """Decode one client frame into a map; ProtocolError for anything else."""
+def unpack_map(data: bytes | memoryview) -> dict[str, Any]:
+    """Decode one client frame into a map, within the size and decode limits above;
+    :class:`FrameError` (carrying the request id it could still read) for anything else."""
+    if not len(data):
+        raise FrameError("empty message: a message is one frame holding a msgpack map", None, BAD_FRAMES)
     if len(data) > MAX_CLIENT_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_CLIENT_MESSAGE_BYTES}")
+        raise FrameError(
+            f"message of {len(data)} bytes exceeds the limit of {MAX_CLIENT_MESSAGE_BYTES}",
+            recover_request_id(data),
+            TOO_LARGE,
+        )
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"malformed msgpack: {exc}") from None
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=MAX_EXT_LEN,
+        )
+    except msgpack.StackError:
+        raise FrameError("malformed msgpack: nested too deeply", recover_request_id(data), TOO_LARGE) from None
+    except Exception as exc:  # msgpack raises several unrelated exception types, some without text
+        # A length over a limit is a ValueError "... exceeds max_array_len(...)"; the rest
+        # (invalid UTF-8, trailing bytes, truncation, reserved bytes) are malformed frames.
+        text = str(exc) or type(exc).__name__
+        code = TOO_LARGE if isinstance(exc, ValueError) and "exceeds max_" in text else MALFORMED
+        raise FrameError(f"malformed msgpack: {text}", recover_request_id(data), code) from None
     if not isinstance(obj, dict):
-        raise ProtocolError(f"message must be a map, got {type(obj).__name__}")
+        raise FrameError(f"message must be a map, got {type(obj).__name__}", None, MALFORMED)
     return obj
+
+
+def recover_request_id(data: bytes | memoryview) -> str | None:
+    """The ``request_id`` of a frame that does not decode as a whole, when it can still be
+    read: the frame starts with a map, and among its first :data:`RECOVER_SCAN_KEYS` entries
+    (within its first :data:`RECOVER_SCAN_BYTES` bytes) one is ``request_id`` with a valid
+    id as its value; every entry before it is skipped undecoded (so invalid UTF-8, a bad
+    length or deep nesting elsewhere, or a truncation after it, does not hide it). None
+    otherwise. Bounded work: a prefix of the frame, a few keys, C-speed skips."""
+    unpacker = msgpack.Unpacker(
+        raw=True,
+        max_buffer_size=RECOVER_SCAN_BYTES,
+        max_array_len=MAX_ARRAY_LEN,
+        max_map_len=MAX_MAP_LEN,
+        max_ext_len=MAX_EXT_LEN,
+    )
+    try:
+        unpacker.feed(memoryview(data)[:RECOVER_SCAN_BYTES])
+        for _ in range(min(unpacker.read_map_header(), RECOVER_SCAN_KEYS)):
+            if unpacker.unpack() != b"request_id":
+                unpacker.skip()
+                continue
+            value = unpacker.unpack()
+            if not isinstance(value, bytes):
+                return None
+            rid = value.decode("utf-8")
+            return rid if 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
+    except Exception:  # whatever the frame holds: it had no readable id before the problem
+        return None
+    return None
 
 
 def _is_int(v: Any) -> bool:
@@ -151,7 +234,11 @@ def parse_client_message(
     kind = obj.get("type")
     version = obj.get("v", CLIENT_PROTOCOL_VERSION)
     if version != CLIENT_PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r} (this server speaks {CLIENT_PROTOCOL_VERSION})", rid_for_error)
+        raise ProtocolError(
+            f"unsupported protocol version {version!r} (this server speaks {CLIENT_PROTOCOL_VERSION})",
+            rid_for_error,
+            UNSUPPORTED_VERSION,
+        )
     if kind == GENERATE:
         return _parse_generate(obj, rid_for_error)
     if kind == ABORT:
@@ -171,8 +258,8 @@ def parse_client_message(
             raise ProtocolError(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
         return MetricsCommand()
     if "type" not in obj:
-        raise ProtocolError("missing field 'type'", rid_for_error)
-    raise ProtocolError(f"unknown message type {kind!r}", rid_for_error)
+        raise ProtocolError("missing field 'type'", rid_for_error, UNKNOWN_TYPE)
+    raise ProtocolError(f"unknown message type {kind!r}", rid_for_error, UNKNOWN_TYPE)
 
 
 def _parse_profile(obj: dict[str, Any]) -> ProfileCommand:
@@ -226,7 +313,7 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
         if not isinstance(obj["prompt"], str):
             raise fail(f"'prompt' must be a string, got {type(obj['prompt']).__name__}")
         if not obj["prompt"]:
-            raise fail("'prompt' is empty")
+            raise ProtocolError("'prompt' is empty", request_id, INVALID_INPUT)
         req.prompt = obj["prompt"]
     elif "messages" in inputs:
         msgs = obj["messages"]
@@ -340,7 +427,11 @@ def context_problem(
         if checked and len(ids) and (min(ids) < 0 or max(ids) >= limit):  # min/max: C speed on long prompts
             bad = next(t for t in ids if not 0 <= t < limit)
             return f"{what} {bad} is outside the vocabulary [0, {vocab_size})"
-    n = len(prompt_ids)
+    return _length_problem(len(prompt_ids), max_tokens, max_model_len)
+
+
+def _length_problem(n: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why an ``n``-token context with room for ``max_tokens`` does not fit the model, or None."""
     if n >= max_model_len:
         return f"prompt has {n} tokens; the model's limit is {max_model_len} including output"
     if n + max_tokens > max_model_len:
@@ -359,4 +450,6 @@ def check_tokenized(
         prompt_ids, req.sampling.max_tokens, req.sampling.stop_token_ids, vocab_size, max_model_len, check_ids=check_ids
     )
     if problem is not None:
-        raise ProtocolError(problem, req.request_id)
+        too_long = problem == _length_problem(len(prompt_ids), req.sampling.max_tokens, max_model_len)
+        code = PROMPT_TOO_LONG if too_long else INVALID_INPUT
+        raise ProtocolError(problem, req.request_id, code)

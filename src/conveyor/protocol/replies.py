@@ -24,9 +24,14 @@ from conveyor.protocol.messages import (
     DELTA,
     ERROR,
     FINAL,
+    INVALID_FIELD,
     METRICS_REPLY,
+    OVERLOADED,
     PROFILE_REPLY,
+    PROMPT_TOO_LONG,
+    SERVER_ERROR,
     STATS_REPLY,
+    TIMEOUT,
 )
 
 # A delta's bytes before its request id: a map of 5 entries, then type and v with their values.
@@ -55,8 +60,11 @@ def final_reply(
     prompt_tokens: int,
     cached_tokens: int,
     timing: dict[str, float | None],
+    code: str | None = None,
 ) -> dict[str, Any]:
-    """A request's one ``final``: its whole text and tokens, why it ended, usage and timing."""
+    """A request's one ``final``: its whole text and tokens, why it ended, usage and timing;
+    with ``finish_reason`` ``error``, ``error`` says what went wrong and ``code`` which kind of
+    problem it is (an error code of :mod:`conveyor.protocol.messages`; None otherwise)."""
     return {
         "type": FINAL,
         "v": CLIENT_PROTOCOL_VERSION,
@@ -65,6 +73,7 @@ def final_reply(
         "token_ids": token_ids,
         "finish_reason": finish_reason,
         "error": error,
+        "code": code,
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(token_ids),
@@ -74,13 +83,38 @@ def final_reply(
     }
 
 
-def error_reply(request_id: str | None, message: str) -> dict[str, Any]:
+def error_reply(request_id: str | None, message: str, code: str = INVALID_FIELD) -> dict[str, Any]:
     """The answer to a message that cannot be served: the ``final`` of an ``error`` request
-    when the message named a request, else an ``error`` map."""
+    when the message named a request (and no other final is coming under its id), else an
+    ``error`` map (:func:`error_map`)."""
     if request_id is None:
-        return {"type": ERROR, "v": CLIENT_PROTOCOL_VERSION, "request_id": None, "message": message}
+        return error_map(None, message, code)
     timing = {"queue_time": None, "ttft": None, "total": 0.0}
-    return final_reply(request_id, "", [], FinishReason.ERROR, message, prompt_tokens=0, cached_tokens=0, timing=timing)
+    return final_reply(
+        request_id, "", [], FinishReason.ERROR, message, prompt_tokens=0, cached_tokens=0, timing=timing, code=code
+    )
+
+
+def error_map(request_id: str | None, message: str, code: str) -> dict[str, Any]:
+    """An ``error`` map: the answer to a message that started no request and ends none (an
+    undecodable frame, wrong frames, a duplicate in-flight id). ``request_id`` is the id the
+    message carried when it could be read, else None; a client tells it from a request's
+    ``final`` by its ``type``."""
+    return {"type": ERROR, "v": CLIENT_PROTOCOL_VERSION, "request_id": request_id, "code": code, "message": message}
+
+
+def scheduler_error_code(error: str | None) -> str:
+    """The code of an error a request got from the scheduler or the server (its text is
+    the scheduler's): ``overloaded:`` and ``timeout:`` say retry later, a request too large
+    for the KV cache is :data:`PROMPT_TOO_LONG`, anything else is the server's failure."""
+    text = error or ""
+    if text.startswith("overloaded:"):
+        return OVERLOADED
+    if text.startswith("timeout:"):
+        return TIMEOUT
+    if text.startswith("prompt + max_tokens = "):  # scheduler/admission.py: never fits the KV pool
+        return PROMPT_TOO_LONG
+    return SERVER_ERROR
 
 
 def stats_reply(stats: SchedulerStats, in_flight: int, *, iterations: bool) -> dict[str, Any]:

@@ -189,8 +189,16 @@ class FrontendConfig:
     tokenizer_threads: int = 2
     # Inputs shorter than this many characters are tokenized on the loop (a thread hop costs more).
     tokenize_inline_chars: int = 512
+    # bin/serve --auth-keys: the CurveZMQ key directory (conveyor.ipc.transport's layout); None:
+    # no authentication, any client that reaches the address is served.
+    auth_keys: str | None = None
+    # Data-parallel replicas (scheduler + worker pairs) behind this frontend, each reached at
+    # ``addresses.replica(index)`` (conveyor.frontend.replicas).
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be positive, got {self.data_parallel_size}")
         if self.tokenizer_threads < 0:
             raise ValueError(f"tokenizer_threads must be >= 0, got {self.tokenizer_threads}")
         if self.tokenize_inline_chars < 0:
@@ -217,9 +225,39 @@ class WorkerConfig:
     num_cpu_blocks: int | None = None
     swap_space_bytes: int | None = None
     profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
+    # Tensor parallelism (bin/serve --tensor-parallel-size): this worker is rank
+    # ``tensor_parallel_rank`` of ``tensor_parallel_size`` (one process each, every one reading
+    # every plan; only rank 0 sends results). The ranks' process group meets at
+    # ``distributed_init_method`` (a file:// in the run directory, ServerConfig.worker_ranks);
+    # ``distributed_timeout_s`` bounds its start-up and every collective, so a rank whose peer
+    # died raises instead of waiting forever.
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    distributed_init_method: str = ""
+    distributed_timeout_s: float = 300.0
+    # The scheduler's max_num_seqs: bounds a step's rows and sizes the static decode buffers.
+    max_num_seqs: int = 256
+    enforce_eager: bool = False  # bin/serve --enforce-eager: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         _parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_rank {self.tensor_parallel_rank} outside 0..{self.tensor_parallel_size - 1}")
+        if self.channels.plans.readers != self.tensor_parallel_size:
+            raise ValueError(
+                f"the plan channel has {self.channels.plans.readers} readers for {self.tensor_parallel_size} tensor-parallel ranks"
+            )
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+
+
+def rank_process_name(worker: str, rank: int) -> str:
+    """What bin/serve and the logs call tensor-parallel rank ``rank`` of the worker called
+    ``worker``: ``worker`` itself for rank 0 (the rank that reports the pool and sends results,
+    so a server of one rank has the names it had before), ``<worker>-rank<r>`` for the others."""
+    return worker if rank == 0 else f"{worker}-rank{rank}"
 
 
 @dataclass(frozen=True)
@@ -251,6 +289,9 @@ class HttpConfig:
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     metrics_port: int | None = None
+    # bin/serve --auth-keys: the HTTP process is a client of the frontend and connects with
+    # the server's own key pair from this directory (the frontend allows it).
+    auth_keys: str | None = None
 
     def __post_init__(self) -> None:
         if self.http_port is None and self.metrics_port is None:
@@ -285,6 +326,43 @@ class ServerConfig:
     worker: WorkerConfig
     scheduler: SchedulerProcessConfig
     http: HttpConfig | None = None  # None: no --http-port nor --metrics-port, no HTTP process
+    # With several replicas: when one replica's scheduler or worker dies, fail only its requests
+    # and serve on with the others (False: stop the whole server, as a single replica does).
+    serve_on_replica_death: bool = True
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.frontend.data_parallel_size
+
+    def replica(self, index: int) -> ServerConfig:
+        """Data-parallel replica ``index`` as a server of its own: the same flags, with its own
+        internal addresses (:meth:`ServerAddresses.replica`) and plan rings (suffixed
+        ``.<index>``) in its worker's and scheduler's views. Replica 0 is this config."""
+        if index == 0:
+            return self
+        addresses = self.addresses.replica(index)
+        plans, results = self.channels.plans, self.channels.results
+        channels = StepChannels(
+            replace(plans, zmq_address=addresses.plans, ring_path=plans.ring_path and f"{plans.ring_path}.{index}"),
+            replace(results, zmq_address=addresses.results, ring_path=results.ring_path and f"{results.ring_path}.{index}"),
+        )
+        return replace(
+            self,
+            addresses=addresses,
+            channels=channels,
+            worker=replace(self.worker, addresses=addresses, channels=channels),
+            scheduler=replace(self.scheduler, addresses=addresses, channels=channels),
+        )
+
+    def worker_ranks(self) -> list[WorkerConfig]:
+        """The worker view of each tensor-parallel rank, rank 0 first. Their process group
+        meets at a file beside this server's plan socket in the run directory (so each
+        data-parallel replica's ranks meet apart), removed with the run directory."""
+        rendezvous = "file://" + self.worker.addresses.plans.removeprefix("ipc://") + "-tp-rendezvous"
+        return [
+            replace(self.worker, tensor_parallel_rank=rank, distributed_init_method=rendezvous)
+            for rank in range(self.worker.tensor_parallel_size)
+        ]
 
     def sized_scheduler(self, num_blocks: int, num_cpu_blocks: int, block_bytes: int) -> SchedulerProcessConfig:
         """The scheduler's view with the KV pool the worker reported (ValueError if it is unusable)."""
@@ -292,3 +370,20 @@ class ServerConfig:
             self.scheduler.scheduler, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_bytes=block_bytes
         )
         return replace(self.scheduler, scheduler=sized)
+
+
+def replica_process_name(process: str, index: int) -> str:
+    """What bin/serve and the profile call ``process`` ("worker", "scheduler") of replica
+    ``index``: replica 0's keep the plain names a single-replica server has, the others get
+    ``.<index>`` ("worker.1")."""
+    return process if index == 0 else f"{process}.{index}"
+
+
+def replica_of_process(name: str) -> int | None:
+    """The replica whose worker or scheduler :func:`replica_process_name` called ``name`` (a
+    tensor-parallel rank's name, :func:`rank_process_name`, is its worker's); None for the
+    frontend, the HTTP process or any other name."""
+    process, _, index = name.split("-rank", 1)[0].partition(".")
+    if process not in ("worker", "scheduler"):
+        return None
+    return int(index) if index else 0

@@ -13,7 +13,10 @@ N+1. The scheduler plans ahead conservatively (see :mod:`conveyor.scheduler.sche
 when it cannot, the next plan is formed after the result, as without overlap.
 
 Plans and results travel on the step channel (:mod:`conveyor.ipc.step_channel`): a
-shared-memory ring each way by default, ZeroMQ with ``--plan-transport zmq``. A result is
+shared-memory ring each way by default, ZeroMQ with ``--plan-transport zmq``. With tensor
+parallelism the plan channel has a reader per worker rank; this loop still sends each plan
+once and hears from rank 0 alone, so it knows nothing of the ranks beyond the KV pool it was
+sized with (the smallest any rank can hold). A result is
 decoded in place; its slots and sampled tokens are copied out before the next result is
 asked for. Plans and results name requests by slot (see :mod:`conveyor.scheduler.scheduler`).
 

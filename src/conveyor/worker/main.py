@@ -17,6 +17,20 @@ by default): a plan is decoded in place and its arrays view the ring slot, which
 when the next plan is asked for. The runner copies what it keeps while launching the step.
 If the scheduler's process is gone, the wait for a plan ends (PeerGone) and the worker exits.
 
+**Tensor parallelism** (``tensor_parallel_size`` N > 1): bin/serve starts N worker processes,
+rank ``r`` on ``cuda:r`` (or N CPU processes, on gloo). They join one process group
+(:mod:`conveyor.worker.parallel`; rendezvous in the run directory, every collective bounded
+by ``distributed_timeout_s``), each builds the runner of its shard, and they agree on the KV
+pool: every rank computes its capacity and an all-reduce MIN gives the pool rank 0 reports
+(block ids below it are valid on every rank; a rank with room for more leaves it unused), so
+the scheduler sees one worker with that pool and knows nothing of N. Every rank reads every
+plan from the plan channel (reader ``r`` of N) and runs it, swaps and block copies included,
+each on its own kv heads; only rank 0 sends results and answers profile queries (the ranks'
+results are identical: rank 0 broadcasts its sampled ids). A plan the runner refuses
+(ValueError, raised on every rank alike before any collective) fails its step as with one
+rank; any other failure leaves the ranks out of step, so the rank exits: bin/serve watches
+every rank and stops the server, failing in-flight requests, when any of them dies.
+
 **Pipelined steps** (``pipeline``, on by default with CUDA): a step is launched (inputs
 prepared, kernels queued) and finished (its sampled ids awaited, the result sent) in two
 calls of the runner. With a launched step unfinished, the worker launches the next plan as
@@ -32,6 +46,7 @@ result back by a step.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from typing import TYPE_CHECKING
@@ -42,11 +57,12 @@ from conveyor import profiling
 from conveyor.ipc import codec
 from conveyor.ipc.messages import ProfileQuery, ProfileReport, Shutdown, StepPlan, StepResult
 from conveyor.ipc.step_channel import PeerGone, StepReceiver, StepSender
-from conveyor.runtime.config import Attention, Device, Dtype, PipelineSteps, WorkerConfig
+from conveyor.runtime.config import Attention, Device, Dtype, PipelineSteps, WorkerConfig, rank_process_name
 from conveyor.runtime.process import Started, run_process
 
 if TYPE_CHECKING:  # torch is imported when a runner is built, not with this module
     from conveyor.worker.model_runner import ModelRunner
+    from conveyor.worker.parallel import TensorParallel
 
 log = logging.getLogger("conveyor.worker")
 
@@ -81,7 +97,8 @@ def resolve_pipeline(pipeline: str, device: str) -> bool:
 
 
 def run_worker(config: WorkerConfig) -> None:
-    run_process("worker", config.addresses.control, lambda ctx: _start(config, ctx))
+    name = rank_process_name("worker", config.tensor_parallel_rank)
+    run_process(name, config.addresses.control, lambda ctx: _start(config, ctx))
 
 
 def build_runner(
@@ -97,20 +114,26 @@ def build_runner(
     swap_space_bytes: int | None = None,
     num_threads: int | None = None,
     profiler: profiling.Profiler | None = None,
+    tensor_parallel: TensorParallel | None = None,
+    max_num_seqs: int = 256,
+    enforce_eager: bool = False,
 ) -> ModelRunner:
     """The worker's :class:`~conveyor.worker.model_runner.ModelRunner` as bin/serve's flags
     describe it (the fields of :class:`WorkerConfig`): torch's CPU threads set when given, the
     device resolved (:func:`resolve_device`), the KV pool from ``num_blocks`` or
     ``kv_cache_memory_bytes``, the swap space from ``num_cpu_blocks`` or ``swap_space_bytes``
     (neither: the device's default, :func:`default_swap_space`). The worker process and the
-    in-process engine (:mod:`conveyor.engine`) both build theirs here."""
+    in-process engine (:mod:`conveyor.engine`) both build theirs here. ``tensor_parallel``:
+    the runner of one rank (on ``cuda:<rank>`` with CUDA), None for a single process."""
     import torch
 
     from conveyor.worker.model_runner import ModelRunner
+    from conveyor.worker.parallel import NO_TENSOR_PARALLEL, rank_device
 
     if num_threads:
         torch.set_num_threads(num_threads)
-    device = resolve_device(device)
+    tensor_parallel = tensor_parallel or NO_TENSOR_PARALLEL
+    device = rank_device(resolve_device(device), tensor_parallel)
     return ModelRunner(
         model_dir,
         device=device,
@@ -122,11 +145,24 @@ def build_runner(
         num_cpu_blocks=num_cpu_blocks,
         swap_space_bytes=default_swap_space(device) if swap_space_bytes is None else swap_space_bytes,
         profiler=profiler,
+        tensor_parallel=tensor_parallel,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=enforce_eager,
     )
 
 
 def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
-    """Load the model, size the KV pool and the swap space, connect the step channel."""
+    """Join the tensor-parallel group (with more than one rank), load the model (this rank's
+    shard), size the KV pool and the swap space (agreed across ranks), connect the step channel."""
+    from conveyor.worker.parallel import close_tensor_parallel, default_backend, init_tensor_parallel
+
+    rank, size = config.tensor_parallel_rank, config.tensor_parallel_size
+    tp = init_tensor_parallel(
+        rank, size, config.distributed_init_method, default_backend(resolve_device(config.device)), config.distributed_timeout_s
+    )
+    num_threads = config.num_threads
+    if num_threads is None and size > 1:
+        num_threads = max(1, (os.cpu_count() or 1) // size)  # CPU ranks share the cores (unused on CUDA)
     prof = profiling.Profiler("worker", enabled=config.profile)
 
     def idle_fraction(since_ns: int) -> float:
@@ -145,24 +181,52 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         attention=config.attention,
         num_cpu_blocks=config.num_cpu_blocks,
         swap_space_bytes=config.swap_space_bytes,
-        num_threads=config.num_threads,
+        num_threads=num_threads,
         profiler=prof,
+        tensor_parallel=tp,
+        max_num_seqs=config.max_num_seqs,
+        enforce_eager=config.enforce_eager,
     )
+    num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)
     loop = StepLoop(
         runner,
-        StepReceiver(ctx, config.channels.plans, bind=False),
-        StepSender(ctx, config.channels.results, bind=False),
+        StepReceiver(ctx, config.channels.plans, bind=False, reader=rank),
+        StepSender(ctx, config.channels.results, bind=False) if rank == 0 else None,
         prof,
         resolve_pipeline(config.pipeline, device),
+        recoverable=Exception if size == 1 else ValueError,
     )
+
+    def close() -> None:
+        loop.close()
+        close_tensor_parallel(tp)
+
     ready = {
-        "num_blocks": runner.num_blocks,
-        "num_cpu_blocks": runner.num_cpu_blocks,
+        "num_blocks": num_blocks,
+        "num_cpu_blocks": num_cpu_blocks,
         "block_bytes": runner.block_bytes,
         "device": device,
     }
-    return Started(run=loop.run, close=loop.close, ready_info=ready)
+    if size > 1:
+        ready["tensor_parallel"] = f"rank {rank} of {size}"
+    return Started(run=loop.run, close=close, ready_info=ready)
+
+
+def pool_agreed_by_ranks(runner: ModelRunner, tp: TensorParallel) -> tuple[int, int]:
+    """(KV blocks, CPU swap blocks) every rank holds: the minimum over the ranks of each
+    rank's own capacity (its share of the memory budget over its share of the kv heads, which
+    can differ when kv heads are replicated or devices differ). The scheduler plans with these,
+    so every block id it hands out exists on every rank. One rank: the runner's own."""
+    if tp.size == 1:
+        return runner.num_blocks, runner.num_cpu_blocks
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.tensor([runner.num_blocks, runner.num_cpu_blocks], dtype=torch.int64, device=runner.device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp.group)
+    num_blocks, num_cpu_blocks = counts.tolist()
+    return num_blocks, num_cpu_blocks
 
 
 def failed_step(step_id: int, exc: Exception) -> StepResult:
@@ -173,12 +237,27 @@ def failed_step(step_id: int, exc: Exception) -> StepResult:
 
 
 class StepLoop:
-    """Receives plans, launches and finishes steps on the runner, sends results (pipelined or not)."""
+    """Receives plans, launches and finishes steps on the runner, sends results (pipelined or not).
 
-    def __init__(self, runner, plans: StepReceiver, results: StepSender, prof: profiling.Profiler, pipeline: bool) -> None:
+    ``results`` None: a tensor-parallel rank other than 0, which runs every step and sends
+    nothing. A step whose launch or finish raises a ``recoverable`` exception fails alone (its
+    result carries the error); any other exception ends the loop (raised), as a tensor-parallel
+    rank must when its group may be out of step.
+    """
+
+    def __init__(
+        self,
+        runner,
+        plans: StepReceiver,
+        results: StepSender | None,
+        prof: profiling.Profiler,
+        pipeline: bool,
+        recoverable: type[Exception] = Exception,
+    ) -> None:
         self.runner = runner
         self.plans = plans
         self.results = results
+        self.recoverable = recoverable
         self.prof = prof
         self.pipeline = pipeline
         self.t_idle = prof.timer("idle", arg_name="step")
@@ -211,8 +290,9 @@ class StepLoop:
                     self._finish_pending()
                 break
             if isinstance(msg, ProfileQuery):
-                snapshot = self.prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
-                self.results.send(ProfileReport(msg.query_id, [snapshot]))
+                if self.results is not None:
+                    snapshot = self.prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
+                    self.results.send(ProfileReport(msg.query_id, [snapshot]))
                 continue
             if not isinstance(msg, StepPlan):
                 log.error("unexpected message %s", type(msg).__name__)
@@ -222,7 +302,7 @@ class StepLoop:
             launch_start = self.t_decode.record(received, arg=msg.step_id)
             try:
                 launched = self.runner.launch(msg)
-            except Exception as exc:
+            except self.recoverable as exc:
                 launched = failed_step(msg.step_id, exc)
             self.t_execute.record(launch_start, arg=msg.step_id)
             if self.pending is not None:  # step N+1 is queued on the device: now wait for N
@@ -234,7 +314,8 @@ class StepLoop:
 
     def close(self) -> None:
         self.plans.close()
-        self.results.close()
+        if self.results is not None:
+            self.results.close()
 
     def _next_plan_or_done(self) -> bool:
         """With a step launched: wait until the next message is there (True) or the step is
@@ -258,7 +339,7 @@ class StepLoop:
         else:
             try:
                 result = self.runner.finish(pending)
-            except Exception as exc:
+            except self.recoverable as exc:
                 result = failed_step(pending.step_id, exc)
             if self.failed and pending.planned_ahead and result.error is None:
                 # Launched before the step it was planned ahead of failed at the finish.
@@ -267,5 +348,6 @@ class StepLoop:
                 )
         self.failed = result.error is not None
         send_start = self.t_wait.record(start, arg=result.step_id)
-        self.results.send(result)
-        self.t_send.record(send_start, arg=result.step_id)
+        if self.results is not None:
+            self.results.send(result)
+            self.t_send.record(send_start, arg=result.step_id)

@@ -1,0 +1,297 @@
+"""Data-parallel replicas behind one frontend: which scheduler gets each request, and what
+each one still owes.
+
+A server of ``--data-parallel-size M`` runs M independent scheduler + worker pairs (each
+with its own KV cache, internal sockets and plan rings: :meth:`ServerAddresses.replica`);
+the frontend reaches each scheduler through a :class:`SchedulerLink` and keeps the
+:class:`ReplicaSet`, the one place that decides where a request goes and remembers where it
+went. M = 1 is the plain server: one link on the addresses it always had.
+
+Routing (:meth:`ReplicaSet.submit`). A continuation (a ``generate`` that continues a
+finished request's context) goes to the replica that ran the turn before, while it lives:
+that replica's prefix cache holds the conversation's KV, anywhere else the whole context
+would be prefilled again. Every other request goes to the live replica with the least
+outstanding work, counted as requests sent there and not yet finished or aborted, ties
+broken by their prompt tokens, then by which replica was picked least recently (so an idle
+server deals requests round-robin). Why requests and not a token estimate: a step's cost
+and a replica's batch slots grow with the sequences it runs, prompts are prefilled in
+chunks the token budget bounds, and the remaining output is unknown (``max_tokens`` is an
+upper bound that EOS usually cuts short), so an estimate from it would mislead; the prompt
+tokens still separate two replicas with as many requests. The counts change only when a
+request is sent, finishes there or is aborted, never per token, so routing costs nothing on
+the streaming hot path.
+
+Ownership: each request sent to a replica is held under its scheduler id until that
+replica reports its finish (:meth:`ReplicaSet.on_outputs`) or the frontend aborts it there
+(:meth:`ReplicaSet.abort`, which sends the abort to the owner only). An abort of a request
+the replica already finished names nothing and is dropped: the replica has freed it.
+
+Liveness (:meth:`ReplicaSet.fail`): bin/serve tells the frontend when a replica's scheduler
+or worker died (``ProcessFailed`` on the control line, the dead process's name; see
+:func:`conveyor.runtime.config.replica_of_process`). The replica is marked dead, the
+requests it held are handed back for the frontend to fail with an error, and no request is
+routed to it again (a continuation whose KV it held goes to the least loaded live replica
+and is prefilled there). bin/serve stops the server when the last replica dies (or at the
+first death with ``--no-serve-on-replica-death``); the frontend itself never sees every
+replica dead.
+
+Queries to every replica (``stats``, ``profile``) are collected by a :class:`Gather` until
+each live replica answered or died; :func:`merge_stats` sums the stats field by field,
+:func:`replica_stats` gives each replica's own, :func:`replica_profiles` names each
+replica's processes (``scheduler.1``, ``worker.1``; replica 0's keep their plain names).
+
+Invariants:
+- A scheduler id is owned by at most one replica, from its AddRequest until its finish or
+  abort; a dead replica owns nothing.
+- ``Replica.outstanding`` (and ``outstanding_prompt_tokens``) is the count (and prompt
+  length sum) of the requests it owns.
+- Nothing is sent to a dead replica.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from conveyor import profiling
+from conveyor.ipc import codec, transport
+from conveyor.ipc.messages import AbortRequests, AddRequest, ProcessProfile, SchedulerStats, TokenOutputs
+from conveyor.ipc.transport import ServerAddresses
+from conveyor.protocol import replies
+from conveyor.runtime.config import replica_process_name
+
+T = TypeVar("T")
+
+# SchedulerStats fields that are not per-replica quantities to add up.
+_NOT_SUMMED = frozenset({"query_id", "iteration_fields", "recent_iterations"})
+
+
+class Link(Protocol):
+    """What the replica set needs of a scheduler link: a typed send."""
+
+    def send(self, msg: Any) -> None: ...
+
+
+class SchedulerLink:
+    """The frontend's two sockets to one replica's scheduler: a PUSH it connects (requests,
+    aborts, queries) and a PULL it binds (the scheduler's outputs and answers)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addresses: ServerAddresses) -> None:
+        self.to_scheduler = transport.socket(ctx, zmq.PUSH, addresses.to_scheduler, bind=False)
+        self.from_scheduler = transport.socket(ctx, zmq.PULL, addresses.to_frontend, bind=True)
+        # A synchronous view: an awaited send of the asyncio wrapper costs several times a raw
+        # one, and ``to_scheduler`` is never polled, so a raw send is safe from anywhere.
+        self._raw = zmq.Socket.shadow(self.to_scheduler.underlying)
+
+    def send(self, msg: Any) -> None:
+        self._raw.send(codec.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.to_scheduler.close(linger=0)
+        self.from_scheduler.close(linger=0)
+
+
+@dataclass
+class Replica:
+    """One scheduler + worker pair as the frontend sees it."""
+
+    index: int
+    link: Link
+    alive: bool = True
+    death: str | None = None  # why it died (the error its requests got)
+    outstanding: int = 0  # requests it owns: sent, neither finished there nor aborted
+    outstanding_prompt_tokens: int = 0  # their prompt lengths, summed
+    routed: int = 0  # requests sent to it since the start
+    last_pick: int = -1  # when it was last picked (the tie-break: least recently first)
+
+
+class ReplicaSet:
+    """The replicas behind this frontend: routing, ownership and liveness (module docstring).
+
+    ``max_sessions`` bounds the remembered placements of finished requests, as the
+    frontend's sessions bound their contexts."""
+
+    def __init__(self, links: Sequence[Link], max_sessions: int) -> None:
+        if not links:
+            raise ValueError("a replica set needs at least one replica")
+        self.replicas = [Replica(index, link) for index, link in enumerate(links)]
+        self._owners: dict[str, tuple[Replica, int]] = {}  # scheduler id -> (owner, prompt tokens)
+        # session key -> the replica its latest turn went to, least recently routed first
+        self._placements: OrderedDict[Hashable, int] = OrderedDict()
+        self._max_sessions = max_sessions
+        self._picks = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.alive]
+
+    def owner(self, scheduler_id: str) -> Replica | None:
+        """The replica that holds ``scheduler_id`` now (None: finished, aborted or never sent)."""
+        entry = self._owners.get(scheduler_id)
+        return entry[0] if entry is not None else None
+
+    def submit(self, add: AddRequest, session: Hashable, *, continuing: bool) -> Replica | None:
+        """Send ``add`` to the replica it belongs on and record it there; None when no replica
+        is alive (bin/serve is then stopping the server, whose Shutdown fails the request).
+
+        ``session`` names the request's conversation (the key its context is remembered
+        under); ``continuing``: it continues an earlier turn, whose replica it goes back to."""
+        replica = self._route(session, continuing)
+        if replica is None:
+            return None
+        num_tokens = len(add.prompt_token_ids)
+        self._owners[add.request_id] = (replica, num_tokens)
+        replica.outstanding += 1
+        replica.outstanding_prompt_tokens += num_tokens
+        replica.routed += 1
+        replica.last_pick = next(self._picks)
+        placements = self._placements
+        placements[session] = replica.index
+        placements.move_to_end(session)
+        while len(placements) > self._max_sessions:
+            placements.popitem(last=False)
+        replica.link.send(add)
+        return replica
+
+    def _route(self, session: Hashable, continuing: bool) -> Replica | None:
+        if continuing:
+            index = self._placements.get(session)
+            if index is not None and self.replicas[index].alive:
+                return self.replicas[index]
+        live = self.live()
+        if not live:
+            return None
+        return min(live, key=lambda r: (r.outstanding, r.outstanding_prompt_tokens, r.last_pick))
+
+    def abort(self, scheduler_ids: Iterable[str]) -> None:
+        """Abort requests at the replicas that hold them, one AbortRequests per replica; ids
+        no replica holds (finished there already) are dropped."""
+        by_replica: dict[int, list[str]] = {}
+        for scheduler_id in scheduler_ids:
+            entry = self._owners.pop(scheduler_id, None)
+            if entry is None:
+                continue
+            replica, num_tokens = entry
+            self._release(replica, num_tokens)
+            by_replica.setdefault(replica.index, []).append(scheduler_id)
+        for index, ids in by_replica.items():
+            self.replicas[index].link.send(AbortRequests(ids))
+
+    def on_outputs(self, msg: TokenOutputs) -> None:
+        """A replica's step outputs: the requests it finished (their RequestOutputs with a
+        finish reason; the plain next-token columns never finish one) no longer count there."""
+        owners = self._owners
+        for output in msg.outputs:
+            if output.finish_reason is not None:
+                entry = owners.pop(output.request_id, None)
+                if entry is not None:
+                    self._release(*entry)
+
+    def _release(self, replica: Replica, num_tokens: int) -> None:
+        replica.outstanding -= 1
+        replica.outstanding_prompt_tokens -= num_tokens
+
+    def fail(self, index: int, reason: str) -> list[str]:
+        """Replica ``index`` died: mark it dead and return the scheduler ids it held, for the
+        caller to fail (their KV died with the replica; nothing is sent there again)."""
+        replica = self.replicas[index]
+        replica.alive = False
+        replica.death = reason
+        held = [scheduler_id for scheduler_id, (owner, _) in self._owners.items() if owner is replica]
+        for scheduler_id in held:
+            del self._owners[scheduler_id]
+        replica.outstanding = replica.outstanding_prompt_tokens = 0
+        return held
+
+    def broadcast(self, msg: Any) -> set[int]:
+        """Send ``msg`` to every live replica; the indices it went to."""
+        sent = set()
+        for replica in self.live():
+            replica.link.send(msg)
+            sent.add(replica.index)
+        return sent
+
+
+@dataclass
+class Gather(Generic[T]):
+    """One query's answers from the replicas it was sent to, until each answered or died."""
+
+    waiting: set[int]
+    answers: dict[int, T] = field(default_factory=dict)
+
+    def add(self, index: int, answer: T) -> bool:
+        """Record replica ``index``'s answer; True when none is missing any more."""
+        if index in self.waiting:
+            self.waiting.discard(index)
+            self.answers[index] = answer
+        return not self.waiting
+
+    def drop(self, index: int) -> bool:
+        """Replica ``index`` died and will not answer; True when none is missing any more."""
+        self.waiting.discard(index)
+        return not self.waiting
+
+
+def merge_stats(answers: dict[int, SchedulerStats]) -> SchedulerStats:
+    """The server's stats from its live replicas' (replica index -> its stats): every count
+    and block figure summed, the recent iterations of all of them in time order, each row
+    with one more field, ``replica``, the replica whose step it was (its other fields are that
+    replica's own). One replica's stats are returned as they are."""
+    if len(answers) == 1:
+        return next(iter(answers.values()))
+    ordered = [answers[index] for index in sorted(answers)]
+    first = ordered[0]
+    summed = {
+        name: sum(getattr(stats, name) for stats in ordered)
+        for name in first.__struct_fields__
+        if name not in _NOT_SUMMED
+    }
+    rows = [[*row, index] for index in sorted(answers) for row in answers[index].recent_iterations]
+    if "time" in first.iteration_fields:
+        time_column = first.iteration_fields.index("time")
+        rows.sort(key=lambda row: row[time_column])
+    return SchedulerStats(
+        query_id=first.query_id, iteration_fields=[*first.iteration_fields, "replica"], recent_iterations=rows, **summed
+    )
+
+
+def replica_stats(replicas: ReplicaSet, answers: dict[int, SchedulerStats]) -> list[dict[str, Any]]:
+    """Each replica's entry of the ``stats`` reply's ``replicas`` list: its index, whether it
+    is alive, the frontend's count of requests it holds (``in_flight``) and has been sent
+    (``routed``), and its own stats (the fields of the ``stats`` reply; its iterations are in
+    the reply's, tagged with their replica); a dead replica's entry has ``error`` (why it
+    died) instead of stats."""
+    entries = []
+    for replica in replicas.replicas:
+        entry: dict[str, Any] = {"replica": replica.index, "alive": replica.alive, "routed": replica.routed}
+        stats = answers.get(replica.index)
+        if stats is not None:
+            own = replies.stats_reply(stats, replica.outstanding, iterations=False)
+            entry.update((k, v) for k, v in own.items() if k not in ("type", "v"))
+        else:
+            entry["in_flight"] = replica.outstanding
+        if replica.death is not None:
+            entry["error"] = replica.death
+        entries.append(entry)
+    return entries
+
+
+def replica_profiles(answers: dict[int, list[ProcessProfile]]) -> list[dict[str, Any]]:
+    """The replicas' process snapshots as ``profile`` reply entries, replica by replica, each
+    process named as bin/serve names it (``scheduler`` for replica 0, ``scheduler.1`` ...)."""
+    processes = []
+    for index in sorted(answers):
+        for snapshot in answers[index]:
+            entry = profiling.profile_to_map(snapshot)
+            entry["process"] = replica_process_name(snapshot.process, index)
+            processes.append(entry)
+    return processes
+

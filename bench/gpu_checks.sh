@@ -69,6 +69,17 @@ stage offline_sharegpt 70 bin/bench offline "${COMMON[@]}" --workload sharegpt \
 # Worker idle fraction with graphs (the default on CUDA) at batch 1; batch 128 is offline_fixed's conveyor run.
 stage idle_batch1 30 bin/bench offline "${COMMON[@]}" --workload fixed --prompt-len 128 --output-len 128 \
     --num-requests 4 --batch-size 1 --systems conveyor --json "$OUT/idle_batch1.json"
+# Tensor parallelism (issue 19), only where two or more GPUs exist: TP=1 against TP=2 on the
+# 1B model (the NCCL tests ran in gpu_tests above). The all-reduce share of a step needs a
+# trace: nsys profile -t cuda,nvtx --trace-fork-before-exec=true, then nsys stats
+# --report cuda_gpu_kern_sum (ncclDevKernel_AllReduce* over all kernel time).
+if [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ]; then
+    for tp in 1 2; do
+        stage "offline_tp$tp" 60 bin/bench offline "${COMMON[@]}" --workload fixed --prompt-len 128 --output-len 128 \
+            --num-requests 256 --batch-size 128 --systems conveyor --serve-arg=--tensor-parallel-size \
+            --serve-arg=$tp --json "$OUT/offline_tp$tp.json"
+    done
+fi
 
 python3 - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
 import json, sys
@@ -86,10 +97,10 @@ if step:
         for r in step["rows"]
     }
     summary["graph_startup"] = step.get("startup")
-for name in ("offline_fixed", "offline_sharegpt", "idle_batch1"):
+for name in ("offline_fixed", "offline_sharegpt", "idle_batch1", "offline_tp1", "offline_tp2"):
     result = load(f"{name}.json")
     if result is None:
-        summary[name] = "missing (see its log)"
+        summary[name] = "missing (see its log)" if (out / f"{name}.log").exists() else "not run (needs two GPUs)"
         continue
     summary[name] = {
         system: v.get("unavailable") or {k: (v.get("median") or {}).get(k) for k in ("output_tok_s", "worker_idle_fraction")}

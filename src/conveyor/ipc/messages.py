@@ -354,7 +354,10 @@ class ProcessReady(Message, tag=40):
 
 @message
 class ProcessFailed(Message, tag=41):
-    """Sent by a child that cannot start (bad model directory, no GPU): ``reason`` is shown."""
+    """Sent by a child that cannot start (bad model directory, no GPU): ``reason`` is shown.
+    bin/serve also sends it to the frontend's control socket when a data-parallel replica's
+    process dies and the others keep serving: ``process`` names it (``worker.1``), and the
+    frontend fails that replica's requests alone."""
 
     process: str
     reason: str

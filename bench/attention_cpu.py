@@ -132,7 +132,7 @@ def bench_attention(rounds: int, seed: int) -> list[str]:
 
 def bench_model_step(rounds: int, seed: int, batch: int = 256) -> list[str]:
     from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
-    from conveyor.worker.kv_cache import allocate_kv_cache
+    from conveyor.worker.kv_cache import KVCacheShape
     from conveyor.worker.loader import load_model
 
     directory = demo_checkpoint_dir()
@@ -142,7 +142,7 @@ def bench_model_step(rounds: int, seed: int, batch: int = 256) -> list[str]:
     steps = {}
     for name, backend in (("reference", TorchReferenceAttention()), ("batched", TorchBatchedAttention())):
         model, config = load_model(directory, "cpu", "auto", backend)
-        caches = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, model.embed_tokens.weight.dtype, "cpu")
+        caches = KVCacheShape.of(config, BLOCK_SIZE, model.embed_tokens.weight.dtype).allocate(num_blocks, "cpu")
         for cache in caches:  # as if the prompts and earlier tokens had been computed
             cache.normal_(generator=generator)
         model.bind_kv_cache(caches)

@@ -66,6 +66,23 @@ class Row:
     pct_of_peak: float  # of the measured copy bandwidth that applies (device or host link)
     tflops: float | None = None
 
+    @classmethod
+    def measured(
+        cls,
+        kernel: str,
+        config: str,
+        timing: tuple[float, float, float],
+        moved: int,
+        peak_gbps: float,
+        flops: int | None = None,
+    ) -> Row:
+        """The row of a ``timer`` result ``(median, p10, p90)`` in microseconds: bandwidth from
+        the bytes ``moved`` per call, as a share of ``peak_gbps`` (the copy bandwidth that applies)."""
+        med, p10, p90 = timing
+        gbps = moved / med / 1e3
+        tflops = flops / med / 1e6 if flops is not None else None
+        return cls(kernel, config, med, p10, p90, moved, gbps, 100 * gbps / peak_gbps, tflops)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -180,10 +197,9 @@ def bench_kv_store(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
         vals = [torch.randn_like(k) for k in keys]
         perm = torch.randperm(blocks_per_rot * rot * args.block_size, device=device)
         slots = [perm[r * tokens : (r + 1) * tokens].contiguous() for r in range(rot)]
-        med, p10, p90 = timer(lambda i: kv_store(keys[i % rot], vals[i % rot], kv, slots[i % rot]))
+        timing = timer(lambda i: kv_store(keys[i % rot], vals[i % rot], kv, slots[i % rot]))
         moved = 2 * tokens * tok_bytes + tokens * 8
-        gbps = moved / med / 1e3
-        rows.append(Row("kv_store", f"T={tokens}", med, p10, p90, moved, gbps, 100 * gbps / bw["device_copy_gbps"]))
+        rows.append(Row.measured("kv_store", f"T={tokens}", timing, moved, bw["device_copy_gbps"]))
     return rows
 
 
@@ -202,16 +218,13 @@ def bench_decode(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
         qs = [torch.randn(batch, args.heads, args.head_dim, device=device, dtype=dtype) for _ in range(rot)]
         out = torch.empty_like(qs[0])
         scale = args.head_dim**-0.5
-        med, p10, p90 = timer(
+        timing = timer(
             lambda i: paged_decode_attention(
                 qs[i % rot], kv, tables[i % rot], seq_lens, scale, max_seq_len=ctx, out=out
             )
         )
         moved = kv_bytes + 2 * qs[0].numel() * elem + tables[0].numel() * 4
-        gbps = moved / med / 1e3
-        rows.append(
-            Row("decode", f"B={batch} ctx={ctx}", med, p10, p90, moved, gbps, 100 * gbps / bw["device_copy_gbps"])
-        )
+        rows.append(Row.measured("decode", f"B={batch} ctx={ctx}", timing, moved, bw["device_copy_gbps"]))
         del kv, tables, qs
     return rows
 
@@ -234,7 +247,7 @@ def bench_extend(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
         qs = [torch.randn(batch * new, args.heads, args.head_dim, device=device, dtype=dtype) for _ in range(rot)]
         out = torch.empty_like(qs[0])
         scale = args.head_dim**-0.5
-        med, p10, p90 = timer(
+        timing = timer(
             lambda i: extend_attention(
                 qs[i % rot], kv, tables[i % rot], qsl, ctx_t, seq_t, scale, max_query_len=new, out=out
             )
@@ -243,20 +256,8 @@ def bench_extend(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
         pairs = batch * (new * ctx + new * (new + 1) // 2)
         flops = 4 * pairs * args.heads * args.head_dim
         moved = kv_bytes + 2 * q_bytes
-        gbps = moved / med / 1e3
-        rows.append(
-            Row(
-                "extend",
-                f"B={batch} ctx={ctx} new={new}",
-                med,
-                p10,
-                p90,
-                moved,
-                gbps,
-                100 * gbps / bw["device_copy_gbps"],
-                tflops=flops / med / 1e6,
-            )
-        )
+        config = f"B={batch} ctx={ctx} new={new}"
+        rows.append(Row.measured("extend", config, timing, moved, bw["device_copy_gbps"], flops=flops))
         del kv, tables, qs
     return rows
 
@@ -288,21 +289,10 @@ def bench_copy_blocks(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
             .contiguous()
             for r in range(rot // 2)
         ]
-        med, p10, p90 = timer(lambda i: copy_blocks(caches, pairs[i % len(pairs)]))
+        timing = timer(lambda i: copy_blocks(caches, pairs[i % len(pairs)]))
         moved = 2 * n * block_bytes * args.layers
-        gbps = moved / med / 1e3
-        rows.append(
-            Row(
-                "copy_blocks",
-                f"pairs={n} layers={args.layers}",
-                med,
-                p10,
-                p90,
-                moved,
-                gbps,
-                100 * gbps / bw["device_copy_gbps"],
-            )
-        )
+        config = f"pairs={n} layers={args.layers}"
+        rows.append(Row.measured("copy_blocks", config, timing, moved, bw["device_copy_gbps"]))
         del caches
     return rows
 
@@ -323,11 +313,7 @@ def bench_swap(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
             ("swap_out", lambda i: swap_blocks(gpu, cpu, ids, host_ids), "d2h_gbps"),
             ("swap_in", lambda i: swap_blocks(cpu, gpu, host_ids, ids), "h2d_gbps"),
         ):
-            med, p10, p90 = timer(fn)
-            gbps = moved / med / 1e3
-            rows.append(
-                Row(name, f"blocks={n} layers={args.layers}", med, p10, p90, moved, gbps, 100 * gbps / bw[link])
-            )
+            rows.append(Row.measured(name, f"blocks={n} layers={args.layers}", timer(fn), moved, bw[link]))
         del gpu, cpu
     return rows
 

@@ -295,28 +295,82 @@ def _connect(
 
 
 class _Connection:
-    """What both clients hold: one DEALER socket to ``address``, its monitor, and the state
-    the monitor's events keep: whether the server is connected, and why it refused us."""
+    """What both clients hold: one DEALER socket to ``address``, its monitor, the state the
+    monitor's events keep (whether the server is connected, and why it refused us), and the
+    bookkeeping of the requests sent on the connection, which both route replies by.
+
+    A subclass names its ZeroMQ context class (``_CONTEXT``: plain or asyncio), sets up
+    where replies wait for their reader in ``_init_delivery`` and hands a routed reply
+    there in ``_deliver``; everything that decides which reply goes where is here, once."""
+
+    _CONTEXT: type[zmq.Context]
 
     def __init__(
         self,
-        ctx: zmq.Context,
-        address: str,
-        timeout: float | None,
-        connect_timeout: float | None,
-        liveness_timeout: float | None,
-        identity: bytes | None,
-        client_key: str | None,
-        server_key: str | None,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT_S,
+        identity: bytes | None = None,
+        client_key: str | None = None,
+        server_key: str | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.liveness_timeout = liveness_timeout
-        self._ctx = ctx
-        self._sock, self._monitor = _connect(ctx, address, identity, liveness_timeout, client_key, server_key)
+        self._ctx = self._CONTEXT.instance()
+        self._sock, self._monitor = _connect(self._ctx, address, identity, liveness_timeout, client_key, server_key)
         self._connected = False
         self._refusal: str | None = None  # the last handshake failure, until a handshake succeeds
+        self._abandoned: set[str] = set()  # ids whose final is still to come, for nobody
+        self._awaiting: set[str] = set()  # keys sent on this connection whose final (or answer) is to come
+        self._aborted: set[str] = set()  # ids the caller aborted whose final is still to come (free for reuse)
+        self._init_delivery()
+
+    def _init_delivery(self) -> None:
+        """Set up where routed replies wait for their reader (the subclass's own state)."""
+        raise NotImplementedError
+
+    def _deliver(self, key: str | None, reply: dict[str, Any]) -> None:
+        """Hand ``reply`` to whoever reads the replies of ``key`` (a request id or a command's key)."""
+        raise NotImplementedError
+
+    def _route(self, reply: dict[str, Any]) -> None:
+        """Deliver ``reply`` to its request (or command), after noting that a final (or a
+        command's one answer) ends its wait; a reply of an abandoned request is dropped, and
+        its final frees the id."""
+        key = _reply_key(reply)
+        if reply.get("type") != cp.DELTA:  # its final, or a command's one answer
+            self._awaiting.discard(key)
+            self._aborted.discard(key)
+        if key in self._abandoned:
+            if reply.get("type") == cp.FINAL:
+                self._abandoned.discard(key)
+            return
+        self._deliver(key, reply)
+
+    def _fail_awaiting(self) -> None:
+        """On the loss of the server (after the replies received before it are routed): every
+        request still waiting gets the loss (ServerGoneError in its reader), and nothing is
+        awaited any more, since no final will come on the lost connection."""
+        for key in self._awaiting:
+            self._deliver(key, self._lost(f"request {key!r}" if key not in _CONTROL_KEYS.values() else key.strip("_")))
+        self._awaiting.clear()
+        self._abandoned.clear()
+        self._aborted.clear()
+
+    def _mark_abandoned(self, request_id: str) -> bool:
+        """Note that nobody reads ``request_id`` any more; True when its abort is to be sent.
+
+        The server sends every request exactly one final, and all of it before anything of a
+        later request of this client that reuses the id, so "drop up to its final" is exact;
+        a final already routed, or a lost connection, means there is nothing left to drop."""
+        if request_id not in self._awaiting:
+            return False
+        self._abandoned.add(request_id)
+        return True
 
     def _on_event(self, frames: list[bytes]) -> bool:
         """Take one monitor event; True when it is the loss of a connected server."""
@@ -348,27 +402,16 @@ class _Connection:
 class Client(_Connection):
     """Synchronous client. Replies for other requests of this client are buffered, not lost."""
 
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT_S,
-        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
-        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT_S,
-        identity: bytes | None = None,
-        client_key: str | None = None,
-        server_key: str | None = None,
-    ) -> None:
-        super().__init__(
-            zmq.Context.instance(), address, timeout, connect_timeout, liveness_timeout, identity, client_key, server_key
-        )
+    _CONTEXT = zmq.Context
+
+    def _init_delivery(self) -> None:
         self._inbox: dict[str | None, collections.deque] = collections.defaultdict(collections.deque)
-        self._abandoned: set[str] = set()
-        self._awaiting: set[str] = set()  # keys sent on this connection whose final (or answer) is to come
-        self._aborted: set[str] = set()  # ids the caller aborted whose final is still to come (free for reuse)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _deliver(self, key: str | None, reply: dict[str, Any]) -> None:
+        self._inbox[key].append(reply)
 
     def generate(
         self,
@@ -481,11 +524,7 @@ class Client(_Connection):
                 return
             if self._on_event(frames):
                 self._take_replies(limit=None)
-                for key in self._awaiting:
-                    self._inbox[key].append(self._lost(f"request {key!r}" if key not in _CONTROL_KEYS.values() else key.strip("_")))
-                self._awaiting.clear()
-                self._abandoned.clear()  # their finals will never come
-                self._aborted.clear()
+                self._fail_awaiting()
 
     def _take_replies(self, limit: int | None = _DRAIN_MAX) -> None:
         """Buffer the replies already received, at most ``limit`` (None: all); an error that
@@ -497,27 +536,14 @@ class Client(_Connection):
                 return
             reply = cp.unpack_map(raw)
             _check_error(reply)
-            target = _reply_key(reply)
-            if reply.get("type") != cp.DELTA:  # its final, or a command's one answer
-                self._awaiting.discard(target)
-                self._aborted.discard(target)
-            if target in self._abandoned:
-                if reply.get("type") == cp.FINAL:
-                    self._abandoned.discard(target)
-                continue
-            self._inbox[target].append(reply)
+            self._route(reply)
 
     def _abandon(self, request_id: str) -> None:
-        """Abort a request nobody will read any more; its late replies are dropped on arrival.
-
-        The server sends every request exactly one final, and all of it before anything of a
-        later request of this client that reuses the id, so "drop up to its final" is exact;
-        a final already buffered, or a lost connection, means there is nothing left to drop.
-        """
+        """Abort a request nobody will read any more; its late replies are dropped on arrival
+        (see :meth:`_Connection._mark_abandoned`)."""
         self._inbox.pop(request_id, None)
-        if request_id not in self._awaiting:
+        if not self._mark_abandoned(request_id):
             return
-        self._abandoned.add(request_id)
         try:
             self._sock.send(_pack_request(_abort_message(request_id)), zmq.NOBLOCK)
         except zmq.Again:
@@ -547,31 +573,10 @@ class Client(_Connection):
 class AsyncClient(_Connection):
     """asyncio client: one reader task routes replies to the awaiting request."""
 
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT_S,
-        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
-        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT_S,
-        identity: bytes | None = None,
-        client_key: str | None = None,
-        server_key: str | None = None,
-    ) -> None:
-        super().__init__(
-            zmq.asyncio.Context.instance(),
-            address,
-            timeout,
-            connect_timeout,
-            liveness_timeout,
-            identity,
-            client_key,
-            server_key,
-        )
+    _CONTEXT = zmq.asyncio.Context
+
+    def _init_delivery(self) -> None:
         self._queues: dict[str, asyncio.Queue] = {}
-        self._abandoned: set[str] = set()  # ids whose final is still to come, for nobody
-        self._awaiting: set[str] = set()  # keys sent on this connection whose final (or answer) is to come
-        self._aborted: set[str] = set()  # ids the caller aborted whose final is still to come (free for reuse)
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None  # reads the monitor (see _watch_loop)
         self._link_changed: asyncio.Event | None = None  # set by the watcher after each event
@@ -715,13 +720,7 @@ class AsyncClient(_Connection):
             frames = await self._monitor.recv_multipart()
             if self._on_event(frames):
                 self._route_received()
-                for key in self._awaiting:
-                    queue = self._queues.get(key)
-                    if queue is not None:
-                        queue.put_nowait(self._lost(f"request {key!r}" if key not in _CONTROL_KEYS.values() else key.strip("_")))
-                self._awaiting.clear()
-                self._abandoned.clear()  # their finals will never come
-                self._aborted.clear()
+                self._fail_awaiting()
             self._link_changed.set()
 
     def _route_received(self) -> None:
@@ -759,20 +758,15 @@ class AsyncClient(_Connection):
                 queue.put_nowait({"type": cp.ERROR, "message": f"client reader failed: {exc}"})
 
     def _route(self, reply: dict[str, Any]) -> None:
-        """Hand ``reply`` to the queue of its request (or command); an error that names no
-        request to every queue; a reply of an abandoned request is dropped."""
+        """As :meth:`_Connection._route`, but an error that names no request goes to every
+        queue (the synchronous client raises it from its receive instead)."""
         if reply.get("type") == cp.ERROR and reply.get("request_id") is None:
             for queue in self._queues.values():
                 queue.put_nowait(reply)
             return
-        key = _reply_key(reply)
-        if reply.get("type") != cp.DELTA:  # its final, or a command's one answer
-            self._awaiting.discard(key)
-            self._aborted.discard(key)
-        if key in self._abandoned:
-            if reply.get("type") == cp.FINAL:
-                self._abandoned.discard(key)
-            return
+        super()._route(reply)
+
+    def _deliver(self, key: str | None, reply: dict[str, Any]) -> None:
         queue = self._queues.get(key)
         if queue is not None:
             queue.put_nowait(reply)
@@ -792,9 +786,8 @@ class AsyncClient(_Connection):
         drops its replies up to its final, so a later request reusing the id never gets them."""
         while not queue.empty():
             queue.get_nowait()
-        if request_id not in self._awaiting:
+        if not self._mark_abandoned(request_id):  # (no await in it: the reader cannot interleave)
             return  # its final came already, or the connection was lost: nothing more will come
-        self._abandoned.add(request_id)  # (no await since the check: the reader cannot interleave)
         try:
             await self._sock.send(_pack_request(_abort_message(request_id)), zmq.NOBLOCK)
         except zmq.Again:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.serve_harness import ServeProcess, alive
+from tests.e2e.serve_harness import ServeProcess
 
 
 @pytest.fixture(scope="session")
@@ -54,16 +53,7 @@ def serve_factory(tmp_path):
 
     yield start
     for server in started:
-        kids = list(server.pids.values())
-        if server.proc.poll() is None:
-            server.terminate()
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in kids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = [p for p in kids if alive(p)]
-        if left:
-            server.kill()
-        assert not left, f"orphaned processes after shutdown: {left}"
+        server.shut_down(list(server.pids.values()))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
-"""bin/serve in a subprocess, and /proc helpers to prove no process outlives it."""
+"""bin/serve in a subprocess, /proc helpers to prove no process outlives it, and the
+kill-a-process-mid-stream scenario the fault tests share."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -9,6 +11,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import zmq
+
+from conveyor.client import AsyncClient
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE = REPO / "bin" / "serve"
@@ -42,6 +48,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def still_alive_after(pids: list[int], timeout: float) -> list[int]:
+    """The processes of ``pids`` still alive after waiting up to ``timeout`` s for all to exit."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
 def run_dir_of(frontend_pid: int) -> str:
     """The run directory of the server whose frontend is ``frontend_pid``: where the ipc
     sockets it bound are (its unix sockets, matched by inode in /proc/net/unix)."""
@@ -67,6 +81,46 @@ def mapped_ring_files(pid: int) -> set[str]:
     else runs on this host)."""
     with open(f"/proc/{pid}/maps") as maps:
         return {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5 and line.rstrip().endswith(".ring")}
+
+
+def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """A raw DEALER socket connected to a server's client ``address``, for tests that send
+    frames by hand (malformed ones included) rather than through conveyor.client."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+async def kill_during_streams(
+    address: str, pid: int, num_requests: int, max_tokens: int, timeout: float
+) -> list[tuple[object, float]]:
+    """SIGKILL process ``pid`` of the server at ``address`` once each of ``num_requests``
+    greedy streams (of ``max_tokens``, far more than arrive before the kill) has its first
+    token: each request's outcome (its last Delta, or the exception the client raised) and
+    the seconds from the kill to it. ``timeout`` is the client's: a request that hangs fails
+    as TimeoutError."""
+    async with AsyncClient(address, timeout=timeout) as client:
+        in_flight = asyncio.Semaphore(0)
+        killed_at: list[float] = []
+
+        async def long_request(i: int) -> tuple[object, float]:
+            last = None
+            try:
+                async for delta in client.stream(token_ids=[4 + i] * 10, max_tokens=max_tokens, ignore_eos=True, temperature=0):
+                    if last is None:
+                        in_flight.release()
+                    last = delta
+            except Exception as exc:  # what the client raised is the outcome checked
+                last = exc
+            return last, time.monotonic() - killed_at[0]
+
+        tasks = [asyncio.ensure_future(long_request(i)) for i in range(num_requests)]
+        for _ in tasks:  # every request is in flight before the kill
+            await in_flight.acquire()
+        os.kill(pid, signal.SIGKILL)
+        killed_at.append(time.monotonic())
+        return await asyncio.gather(*tasks)
 
 
 class ServeProcess:
@@ -105,6 +159,16 @@ class ServeProcess:
 
     def output(self) -> str:
         return "".join(self.stdout) + "".join(self.stderr)
+
+    def shut_down(self, pids: list[int]) -> None:
+        """Stop the server (SIGTERM, unless it has exited) and assert that none of ``pids``
+        outlives it by 10 s; the tree is SIGKILLed first if any does, so nothing is left."""
+        if self.proc.poll() is None:
+            self.terminate()
+        left = still_alive_after(pids, 10)
+        if left:
+            self.kill()
+        assert not left, f"orphaned processes after shutdown: {left}"
 
     def terminate(self, timeout: float = 15.0) -> int:
         self.proc.send_signal(signal.SIGTERM)

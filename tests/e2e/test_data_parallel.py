@@ -30,15 +30,7 @@ def server(tmp_path_factory):
     served = ServeProcess(list(SERVE_ARGS), tmp_path_factory.mktemp("dp"))
     pids = [*served.pids.values(), served._pid_of("worker.1"), served._pid_of("scheduler.1")]
     yield served
-    if served.proc.poll() is None:
-        served.terminate()
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = [p for p in pids if alive(p)]
-    if left:
-        served.kill()
-    assert not left, f"orphaned processes after shutdown: {left}"
+    served.shut_down(pids)
 
 
 def eventually(predicate, timeout: float = 10.0) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import zmq
 
 from conveyor.client import AsyncClient, Client
 
-from tests.e2e.serve_harness import REPO, alive
+from tests.e2e.serve_harness import REPO, alive, mapped_ring_files, still_alive_after
 
 NUM_BLOCKS = 96
 SERVE_ARGS = ("--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
@@ -318,56 +317,18 @@ def test_bad_inputs_get_errors_while_others_are_served(server) -> None:
         assert stats["held_blocks"] == 0
 
 
-def mapped_rings(pid: int) -> set[str]:
-    """The shared-memory ring files process ``pid`` has mapped (its own server's, whatever
-    else runs on this host)."""
-    with open(f"/proc/{pid}/maps") as maps:
-        return {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5 and line.rstrip().endswith(".ring")}
-
-
 def test_sigterm_leaves_no_process(serve_factory, tiny_checkpoint) -> None:
     """Nor any file: the shared-memory plan rings go with the run directory."""
     server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
     kids = list(server.pids.values())
     assert all(alive(p) for p in kids)
-    rings = mapped_rings(server.pids["worker"])
+    rings = mapped_ring_files(server.pids["worker"])
     assert len(rings) == 2, rings  # plans and results
     start = time.monotonic()
     assert server.terminate() == 0
     assert time.monotonic() - start < 10
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in kids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(alive(p) for p in kids)
+    assert not still_alive_after(kids, 5)
     assert not [path for path in rings if os.path.exists(path)]
-
-
-def test_killed_worker_fails_in_flight_requests(serve_factory, tiny_checkpoint) -> None:
-    server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
-
-    async def scenario():
-        async with AsyncClient(server.address, timeout=30) as client:
-            streaming = asyncio.Semaphore(0)
-
-            async def long_request(i: int):
-                last = None
-                async for d in client.stream(token_ids=[4 + i] * 10, max_tokens=240, ignore_eos=True, temperature=0):
-                    if last is None:
-                        streaming.release()
-                    last = d
-                return last
-
-            tasks = [asyncio.ensure_future(long_request(i)) for i in range(4)]
-            for _ in tasks:  # every request is in flight (a first token, far from its 240th) before the kill
-                await streaming.acquire()
-            os.kill(server.pids["worker"], signal.SIGKILL)
-            return await asyncio.gather(*tasks)
-
-    finals = asyncio.run(scenario())
-    for d in finals:
-        assert d.finish_reason == "error" and "worker" in d.result.error, d
-    assert server.proc.wait(15) != 0
-    assert "worker process died" in server.output()
 
 
 def test_bin_client_streams_from_demo_model(serve_factory) -> None:

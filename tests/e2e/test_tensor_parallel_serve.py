@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import signal
-import time
 
 import pytest
 import torch
@@ -23,8 +21,8 @@ import torch
 from conveyor.client import AsyncClient, Client
 from conveyor.ipc import shm_ring
 
-from tests.e2e.serve_harness import alive
-from tests.e2e.test_serve import mapped_rings, wait_for_free_blocks
+from tests.e2e.serve_harness import alive, kill_during_streams, mapped_ring_files, still_alive_after
+from tests.e2e.test_serve import wait_for_free_blocks
 
 # 40 blocks of 8 tokens for 12 concurrent requests of up to ~70 tokens: preemption happens.
 TP_ARGS = ("--tensor-parallel-size", "2", "--num-kv-blocks", "40", "--block-size", "8", "--threads", "1")
@@ -64,8 +62,8 @@ def test_two_ranks_match_hf_with_swap_and_prefix_reuse_then_a_killed_rank_stops_
     rank1 = server._pid_of("worker-rank1")
     ranks = [server.pids["worker"], rank1]
     assert "with 40 KV blocks" in server.output()  # the pool the ranks agreed on, as asked
-    rings = mapped_rings(server.pids["worker"])
-    assert len(rings) == 2 and mapped_rings(rank1) <= rings  # rank 1 reads the same plan ring
+    rings = mapped_ring_files(server.pids["worker"])
+    assert len(rings) == 2 and mapped_ring_files(rank1) <= rings  # rank 1 reads the same plan ring
 
     outputs = generate_all(server.address)
     for i in range(N):
@@ -81,36 +79,14 @@ def test_two_ranks_match_hf_with_swap_and_prefix_reuse_then_a_killed_rank_stops_
         assert first.token_ids == hf_greedy(SYSTEM + [3, 4, 5], 6)
         assert second.token_ids == hf_greedy(SYSTEM + [7, 8], 6)
 
-    async def kill_rank1_mid_stream():
-        async with AsyncClient(server.address, timeout=30) as client:
-            streaming = asyncio.Semaphore(0)
-
-            async def long_request(i: int):
-                last = None
-                async for d in client.stream(token_ids=[4 + i] * 10, max_tokens=200, ignore_eos=True, temperature=0):
-                    if last is None:
-                        streaming.release()
-                    last = d
-                return last
-
-            tasks = [asyncio.ensure_future(long_request(i)) for i in range(3)]
-            for _ in tasks:  # every request is in flight (a first token, far from its 200th) before the kill
-                await streaming.acquire()
-            os.kill(rank1, signal.SIGKILL)
-            killed = time.monotonic()
-            finals = await asyncio.gather(*tasks)
-            return finals, time.monotonic() - killed
-
-    finals, failed_after = asyncio.run(kill_rank1_mid_stream())
-    for d in finals:
+    outcomes = asyncio.run(kill_during_streams(server.address, rank1, num_requests=3, max_tokens=200, timeout=30))
+    for d, _ in outcomes:
+        assert not isinstance(d, Exception), d
         assert d.finish_reason == "error" and "worker-rank1 process died" in d.result.error, d
+    failed_after = max(seconds for _, seconds in outcomes)
     assert failed_after < 10, failed_after  # the process watch, not a collective's 30 s timeout
     assert server.proc.wait(15) != 0
-    kids = [*server.pids.values(), rank1]
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in kids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in kids if alive(p)]
+    assert not still_alive_after([*server.pids.values(), rank1], 5)
     bells = [shm_ring.bell_path(path, r) for path in rings for r in range(2)]
     assert not [path for path in [*rings, *bells] if os.path.exists(path)]
     assert all(not alive(p) for p in ranks)

@@ -1,6 +1,7 @@
 """Fixtures of the reliability tests: a killable stand-in server (tests.reliability.fake_server),
-and tests/e2e's ``serve_factory`` and ``tiny_checkpoint`` (bin/serve as a user runs it),
-imported so that pytest registers them for this package too."""
+one bin/serve shared by a module's tests (``server``), and tests/e2e's ``serve_factory`` and
+``tiny_checkpoint`` (bin/serve as a user runs it), imported so that pytest registers them for
+this package too."""
 
 from __future__ import annotations
 
@@ -10,7 +11,21 @@ import sys
 import pytest
 
 from tests.e2e.conftest import serve_factory, tiny_checkpoint  # noqa: F401  (fixtures, registered here)
-from tests.e2e.serve_harness import REPO
+from tests.e2e.serve_harness import REPO, ServeProcess, still_alive_after
+
+# The server the reliability tests attack: the tiny checkpoint, a small KV pool, one thread.
+SERVE_ARGS = ("--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    """bin/serve (SERVE_ARGS) for all of a module's tests, since a start costs seconds; after
+    them it must stop cleanly on SIGTERM (exit 0) and leave none of its processes behind."""
+    srv = ServeProcess(["--model", str(tiny_checkpoint), *SERVE_ARGS], tmp_path_factory.mktemp("serve"))
+    yield srv
+    kids = list(srv.pids.values())
+    assert srv.terminate() == 0, srv.output()
+    assert not still_alive_after(kids, 10), "processes left behind"
 
 
 class FakeServer:

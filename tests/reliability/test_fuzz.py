@@ -6,7 +6,7 @@ Every fuzz message gets exactly one reply, an error (an ``error`` map, or the er
 of a generate whose id could be read) with a known ``code``, naming the message's request id
 whenever that id could be read; the well-behaved stream's greedy tokens are those of the same
 request run alone; afterwards the scheduler holds no KV block and the server still serves.
-One server for the module (tests/e2e/serve_harness.py), so the run takes seconds."""
+One server for the module (tests/reliability/conftest.py's ``server``), so the run takes seconds."""
 
 from __future__ import annotations
 
@@ -15,16 +15,13 @@ import threading
 import time
 
 import msgpack
-import pytest
 import zmq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from conveyor.protocol import messages as cp
-from tests.e2e.conftest import tiny_checkpoint  # noqa: F401 - the model the server runs
-from tests.e2e.serve_harness import ServeProcess, alive
+from tests.e2e.serve_harness import dealer
 
-SERVE_ARGS = ("--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
 FUZZ_CASES = 1000
 CODES = {
     cp.MALFORMED,
@@ -38,25 +35,6 @@ CODES = {
 }
 GOOD_PROMPT = [(7 * j) % 200 + 10 for j in range(12)]
 GOOD_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):  # noqa: F811 - the fixture imported above
-    srv = ServeProcess(["--model", str(tiny_checkpoint), *SERVE_ARGS], tmp_path_factory.mktemp("fuzz"))
-    yield srv
-    kids = list(srv.pids.values())
-    assert srv.terminate() == 0, srv.output()
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in kids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in kids if alive(p)], "processes left behind"
-
-
-def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
 
 
 def recv(sock: zmq.Socket, timeout: float = 10.0) -> dict | None:

@@ -12,22 +12,12 @@ import threading
 import time
 
 import msgpack
-import pytest
 import zmq
 
-from tests.e2e.conftest import tiny_checkpoint  # noqa: F401 - the model the server runs
-from tests.e2e.serve_harness import ServeProcess
+from tests.e2e.serve_harness import dealer
 
-SERVE_ARGS = ("--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
 RSS_SLACK_MB = 100
 BIG_PROMPT_CHARS = 5_000_000
-
-
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):  # noqa: F811 - the fixture imported above
-    srv = ServeProcess(["--model", str(tiny_checkpoint), *SERVE_ARGS], tmp_path_factory.mktemp("memory"))
-    yield srv
-    assert srv.terminate() == 0, srv.output()
 
 
 def rss_mb(pid: int) -> float:
@@ -36,13 +26,6 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
-
-
-def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
 
 
 def recv(sock: zmq.Socket, timeout: float = 30.0) -> dict:

@@ -19,7 +19,8 @@ the same 8 units of float16's finer ``2**-11``. float32 gets 0: every token must
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -88,3 +89,32 @@ def hf_greedy_with_logits(
             pad_token_id=0, output_logits=True, return_dict_in_generate=True,
         )
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
+
+
+def parity_scripts(script: Callable[..., Any], vocab: int, *, preempted: bool = False) -> list[Any]:
+    """The scheduler-like script the half-precision parity runs drive (the CPU worker in bf16,
+    the CUDA worker): a one-token prompt, one prefilled 7 tokens a step, a long one joining at
+    step 1 and, with ``preempted``, a fourth dropped after 3 tokens. ``script`` is the worker
+    tests' ``Script`` (the fixture); prompts are seeded, the first three the same either way."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (1, 17, 40, 5)]
+    scripts = [
+        script("one-token", prompts[0], max_new=8),
+        script("chunked", prompts[1], max_new=8, join=0, chunk=7),
+        script("long", prompts[2], max_new=6, join=1),
+    ]
+    if preempted:
+        scripts.append(script("preempted", prompts[3], max_new=8, join=2, preempt_after=3))
+    return scripts
+
+
+def assert_scripts_agree(
+    outputs: Mapping[str, Sequence[int]], scripts: Sequence[Any], hf: torch.nn.Module, dtype: torch.dtype, label: str
+) -> None:
+    """Every script's tokens against HF's greedy continuation of its prompt under
+    :func:`assert_greedy_agrees`: token for token in float32; in half precision up to a
+    divergence at one of HF's own near-ties, after at least two agreeing tokens."""
+    for s in scripts:
+        reference, logits = hf_greedy_with_logits(hf, s.prompt, s.max_new)
+        assert_greedy_agrees(outputs[s.request_id], reference, logits, dtype, min_compared=2,
+                             label=f"{label} {s.request_id}")

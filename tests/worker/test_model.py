@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
-from conveyor.worker.kv_cache import allocate_kv_cache
+from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 
 BLOCK_SIZE = 4
@@ -24,7 +24,7 @@ def test_prefill_logits_match_transformers(checkpoint):
     name, directory, hf_model = checkpoint
     model, config = load_model(directory, "cpu", "auto")
     assert model.embed_tokens.weight.dtype == torch.float32
-    model.bind_kv_cache(allocate_kv_cache(config, 16, BLOCK_SIZE, torch.float32, "cpu"))
+    model.bind_kv_cache(KVCacheShape.of(config, BLOCK_SIZE, torch.float32).allocate(16, "cpu"))
     generator = torch.Generator().manual_seed(1)
     long_prompt = torch.randint(0, config.vocab_size, (14,), generator=generator).tolist()
     short_prompt = torch.randint(0, config.vocab_size, (5,), generator=generator).tolist()

@@ -8,7 +8,7 @@ import torch
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams
 from tests.plans import CachedRow, plan
-from conveyor.worker.kv_cache import bytes_per_block
+from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -128,7 +128,7 @@ def test_plan_ahead_of_a_failed_step_fails_unrun(runner):
 
 def test_pool_sized_from_memory_budget(llama_dir):
     probe = ModelRunner(llama_dir, block_size=8, num_blocks=1)
-    per_block = bytes_per_block(probe.model_config, 8, torch.float32)
+    per_block = KVCacheShape.of(probe.model_config, 8, torch.float32).bytes_per_block
     assert per_block == 2 * 2 * 8 * 2 * 16 * 4  # k/v, layers, block, kv heads, head dim, fp32
     runner = ModelRunner(llama_dir, block_size=8, kv_cache_memory_bytes=10 * per_block + 5)
     assert runner.num_blocks == 10

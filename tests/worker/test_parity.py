@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conveyor.worker.model_runner import ModelRunner
-from tests.worker.parity import assert_greedy_agrees, hf_greedy_with_logits
+from tests.worker.parity import assert_greedy_agrees, assert_scripts_agree, parity_scripts
 
 VOCAB = 50
 
@@ -87,16 +87,5 @@ def test_cpu_bf16_greedy_agrees_with_transformers(checkpoint_factory, scripted, 
     hf = type(hf_fp32).from_pretrained(directory, dtype=torch.bfloat16).eval()
     hf.generation_config.eos_token_id = None
     runner = ModelRunner(directory, dtype=torch.bfloat16, block_size=16, num_blocks=64)
-    generator = torch.Generator().manual_seed(1)
-    vocab = runner.model_config.vocab_size
-    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (1, 17, 40)]
-    scripts = [
-        script("one-token", prompts[0], max_new=8),
-        script("chunked", prompts[1], max_new=8, join=0, chunk=7),
-        script("long", prompts[2], max_new=6, join=1),
-    ]
-    outputs = scripted(runner, scripts).run()
-    for s in scripts:
-        reference, logits = hf_greedy_with_logits(hf, s.prompt, s.max_new)
-        assert_greedy_agrees(outputs[s.request_id], reference, logits, torch.bfloat16, min_compared=2,
-                             label=f"{name} {s.request_id}")
+    scripts = parity_scripts(script, runner.model_config.vocab_size)
+    assert_scripts_agree(scripted(runner, scripts).run(), scripts, hf, torch.bfloat16, label=name)

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.ipc.messages import NewRequestData, SamplingParams
 from conveyor.worker.attention.torch_ref import TorchReferenceAttention
-from conveyor.worker.kv_cache import bytes_per_block
+from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 from conveyor.worker.model_runner import ModelRunner
 from conveyor.worker.models.llama import LlamaFamilyModel
@@ -88,8 +88,8 @@ def test_each_rank_loads_exactly_its_slice(name, size, checkpoint_factory):
         else:  # norms, embedding, o_proj bias: whole on every rank
             assert all(torch.equal(part, full) for part in parts), param
     for tp in ranks:
-        assert bytes_per_block(config, BLOCK_SIZE, torch.float32, tp) == (
-            bytes_per_block(config, BLOCK_SIZE, torch.float32) * max(kv_heads // size, 1) // kv_heads
+        assert KVCacheShape.of(config, BLOCK_SIZE, torch.float32, tp).bytes_per_block == (
+            KVCacheShape.of(config, BLOCK_SIZE, torch.float32).bytes_per_block * max(kv_heads // size, 1) // kv_heads
         )
 
 

@@ -46,15 +46,13 @@ from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.ipc.transport import ServerAddresses
 from conveyor.runtime.config import (
     Attention,
-    Batching,
+    Choice,
     Device,
     Dtype,
     FrontendConfig,
     HttpConfig,
     PipelineSteps,
     PlanTransport,
-    Policy,
-    Preemption,
     SchedulerConfig,
     SchedulerProcessConfig,
     ServerConfig,
@@ -88,33 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="require CurveZMQ authentication: DIR holds the server key pair and the allowed client keys (make them with bin/keygen)",
     )
-    p.add_argument("--device", default=Device.AUTO, choices=Device.names(), help="auto: cuda when available")
-    p.add_argument("--dtype", default=Dtype.AUTO, choices=Dtype.names())
+    _choice(p, "--device", Device.AUTO, "auto: cuda when available")
+    _choice(p, "--dtype", Dtype.AUTO)
     p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")
     p.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache when --num-kv-blocks is not given")
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="most sequences in one iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens, help="token budget of one iteration")
     p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's max_position_embeddings)")
-    p.add_argument(
-        "--batching",
-        default=SchedulerConfig.batching,
-        choices=Batching.names(),
-        help="static: run each batch to completion before forming the next (a baseline for benchmarks)",
-    )
+    _choice(p, "--batching", SchedulerConfig.batching, "static: run each batch to completion before forming the next (a baseline for benchmarks)")
     add_scheduling_arguments(p)
-    p.add_argument(
-        "--overlap",
-        default=True,
-        action=argparse.BooleanOptionalAction,
-        help="form step N+1's plan while the worker runs step N (--no-overlap: one plan at a time, for comparison)",
-    )
-    p.add_argument(
-        "--plan-transport",
-        default=PlanTransport.SHM,
-        choices=PlanTransport.names(),
-        help="scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)",
-    )
+    _switch(p, "--overlap", True, "form step N+1's plan while the worker runs step N (--no-overlap: one plan at a time, for comparison)")
+    _choice(p, "--plan-transport", PlanTransport.SHM, "scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)")
     p.add_argument(
         "--tensor-parallel-size",
         type=_positive_int,
@@ -135,18 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="independent scheduler + worker replicas behind the one frontend, each with its own KV cache "
         "(a new request goes to the least loaded, a continuation to the replica that ran its earlier turn)",
     )
-    p.add_argument(
+    _switch(
+        p,
         "--serve-on-replica-death",
-        default=ServerConfig.serve_on_replica_death,
-        action=argparse.BooleanOptionalAction,
-        help="with several replicas, when one replica's scheduler or worker dies, fail only its requests and serve on "
+        ServerConfig.serve_on_replica_death,
+        "with several replicas, when one replica's scheduler or worker dies, fail only its requests and serve on "
         "with the others (the server stops when none is left); --no-serve-on-replica-death: stop the whole server",
     )
-    p.add_argument(
+    _choice(
+        p,
         "--attention",
-        default=Attention.AUTO,
-        choices=Attention.names(),
-        help="attention backend: auto is Triton on CUDA and batched torch on CPU; "
+        Attention.AUTO,
+        "attention backend: auto is Triton on CUDA and batched torch on CPU; "
         "torch-ref is the per-sequence torch reference (slow, for comparisons)",
     )
     p.add_argument(
@@ -154,11 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run decode steps eagerly: no CUDA graphs (for comparison; graphs are captured only on CUDA)",
     )
-    p.add_argument(
+    _choice(
+        p,
         "--pipeline-steps",
-        default=PipelineSteps.AUTO,
-        choices=PipelineSteps.names(),
-        help="worker: launch step N+1 on the device before waiting for step N's tokens "
+        PipelineSteps.AUTO,
+        "worker: launch step N+1 on the device before waiting for step N's tokens "
         "(auto: on with CUDA, where launches are asynchronous; off on CPU, where it would only delay results)",
     )
     p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
@@ -168,14 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=FrontendConfig.tokenizer_threads,
         help="frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)",
     )
-    p.add_argument(
-        "--profile",
-        default=True,
-        action=argparse.BooleanOptionalAction,
-        help="record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)",
-    )
+    _switch(p, "--profile", True, "record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)")
     add_http_arguments(p)
     return p
+
+
+def _choice(p: argparse._ActionsContainer, flag: str, default: Choice, help: str | None = None) -> None:
+    """A flag that picks a mode: its choices are the names of ``default``'s enum, so a mode
+    added to the enum is a value of the flag at once, and the default is the config's own."""
+    p.add_argument(flag, default=default, choices=type(default).names(), help=help)
+
+
+def _switch(p: argparse._ActionsContainer, flag: str, default: bool, help: str) -> None:
+    """An on/off flag (``--x`` / ``--no-x``) whose default is the config's own."""
+    p.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=help)
 
 
 def add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -214,14 +203,9 @@ def _non_negative_int(text: str) -> int:
 def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     """The batcher's policy knobs (SchedulerConfig; docs/architecture.md describes each)."""
     g = p.add_argument_group("scheduling")
-    g.add_argument("--policy", default=SchedulerConfig.policy, choices=Policy.names(), help="order of the waiting line")
+    _choice(g, "--policy", SchedulerConfig.policy, "order of the waiting line")
     g.add_argument("--aging-rate", type=float, default=SchedulerConfig.aging_rate, help="priority points a waiting request gains per second")
-    g.add_argument(
-        "--preemption",
-        default=SchedulerConfig.preemption,
-        choices=Preemption.names(),
-        help="what a preempted request loses; auto: the cheaper of swap and recompute per victim",
-    )
+    _choice(g, "--preemption", SchedulerConfig.preemption, "what a preempted request loses; auto: the cheaper of swap and recompute per victim")
     g.add_argument("--num-cpu-blocks", type=int, help="CPU swap space in blocks (instead of --swap-space)")
     g.add_argument(
         "--swap-space", type=float, help="CPU swap space in GiB (default: 4 with --device cuda, 0 on CPU)"
@@ -231,12 +215,7 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-bypass", type=int, default=SchedulerConfig.max_bypass, help="times a request that does not fit may be passed by smaller ones")
     g.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting, help="queue bound: new requests past it get 'overloaded' (0: none)")
     g.add_argument("--max-queue-time", type=float, default=SchedulerConfig.max_queue_time, help="seconds a request may wait to start before 'timeout' (0: none)")
-    g.add_argument(
-        "--offload-evicted",
-        default=SchedulerConfig.offload_evicted,
-        action=argparse.BooleanOptionalAction,
-        help="copy prefix-cache blocks evicted from the GPU to the CPU swap space",
-    )
+    _switch(g, "--offload-evicted", SchedulerConfig.offload_evicted, "copy prefix-cache blocks evicted from the GPU to the CPU swap space")
     g.add_argument("--swap-bandwidth", type=float, default=SchedulerConfig.swap_bandwidth / 1e9, help="GB/s host<->device, for --preemption auto")
     g.add_argument("--prefill-rate", type=float, default=SchedulerConfig.prefill_rate, help="prefill tokens/s, for --preemption auto")
     g.add_argument("--max-sessions", type=int, default=FrontendConfig.max_sessions, help="finished requests remembered for continuation")

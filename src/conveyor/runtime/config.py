@@ -100,6 +100,16 @@ def _parse_choices(config: object, **kinds: type[Choice]) -> None:
         object.__setattr__(config, name, kind.parse(getattr(config, name), name))
 
 
+def _require_at_least(config: object, low: int, *names: str) -> None:
+    """ValueError naming the first of the fields ``names`` of ``config`` below ``low`` (a NaN
+    is below anything): one wording for every such bound, "positive" for 1, ">= 0" for 0."""
+    bound = {0: ">= 0", 1: "positive"}.get(low, f"at least {low}")
+    for name in names:
+        value = getattr(config, name)
+        if not value >= low:
+            raise ValueError(f"{name} must be {bound}, got {value}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits and mode of the batcher.
@@ -148,30 +158,16 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _parse_choices(self, batching=Batching, policy=Policy, preemption=Preemption)
-        for name in ("num_cpu_blocks", "max_waiting", "block_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "max_queue_time", "aging_rate"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.min_batch_size < 1:
-            raise ValueError(f"min_batch_size must be positive, got {self.min_batch_size}")
-        if self.max_bypass < 0:
-            raise ValueError(f"max_bypass must be >= 0, got {self.max_bypass}")
+        _require_at_least(self, 0, "num_cpu_blocks", "max_waiting", "block_bytes", "max_wait_ms", "max_queue_time", "aging_rate")
+        _require_at_least(self, 1, "min_batch_size")
+        _require_at_least(self, 0, "max_bypass")
         if self.swap_bandwidth <= 0 or self.prefill_rate <= 0:
             raise ValueError("swap_bandwidth and prefill_rate must be positive")
-        if self.iteration_log_size < 1:
-            raise ValueError(f"iteration_log_size must be positive, got {self.iteration_log_size}")
+        _require_at_least(self, 1, "iteration_log_size")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        _require_at_least(self, 1, "num_blocks", "max_num_seqs", "max_num_batched_tokens")
+        _require_at_least(self, 2, "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -197,12 +193,8 @@ class FrontendConfig:
     data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be positive, got {self.data_parallel_size}")
-        if self.tokenizer_threads < 0:
-            raise ValueError(f"tokenizer_threads must be >= 0, got {self.tokenizer_threads}")
-        if self.tokenize_inline_chars < 0:
-            raise ValueError(f"tokenize_inline_chars must be >= 0, got {self.tokenize_inline_chars}")
+        _require_at_least(self, 1, "data_parallel_size")
+        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars")
 
 
 @dataclass(frozen=True)
@@ -241,8 +233,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        _require_at_least(self, 1, "tensor_parallel_size")
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_rank {self.tensor_parallel_rank} outside 0..{self.tensor_parallel_size - 1}")
         if self.channels.plans.readers != self.tensor_parallel_size:

@@ -27,7 +27,7 @@ the scheduler sees one worker with that pool and knows nothing of N. Every rank 
 plan from the plan channel (reader ``r`` of N) and runs it, swaps and block copies included,
 each on its own kv heads; only rank 0 sends results and answers profile queries (the ranks'
 results are identical: rank 0 broadcasts its sampled ids). A plan the runner refuses
-(ValueError, raised on every rank alike before any collective) fails its step as with one
+(PlanRefused, raised on every rank alike before any collective) fails its step as with one
 rank; any other failure leaves the ranks out of step, so the rank exits: bin/serve watches
 every rank and stops the server, failing in-flight requests, when any of them dies.
 
@@ -154,6 +154,7 @@ def build_runner(
 def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     """Join the tensor-parallel group (with more than one rank), load the model (this rank's
     shard), size the KV pool and the swap space (agreed across ranks), connect the step channel."""
+    from conveyor.worker.model_runner import PlanRefused
     from conveyor.worker.parallel import close_tensor_parallel, default_backend, init_tensor_parallel
 
     rank, size = config.tensor_parallel_rank, config.tensor_parallel_size
@@ -195,7 +196,7 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         StepSender(ctx, config.channels.results, bind=False) if rank == 0 else None,
         prof,
         resolve_pipeline(config.pipeline, device),
-        recoverable=Exception if size == 1 else ValueError,
+        recoverable=Exception if size == 1 else PlanRefused,
     )
 
     def close() -> None:

@@ -50,11 +50,18 @@ from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadat
 from conveyor.worker.attention.triton_backend import TritonPagedAttention, backend_for
 from conveyor.worker.block_transfer import transfer_blocks
 from conveyor.worker.cuda_graphs import DecodeGraphs
-from conveyor.worker.kv_cache import allocate_kv_cache, allocate_swap_space, bytes_per_block
+from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
-from conveyor.worker.sampler import Sampler, SamplingBatch, SamplingColumns, batch_from_rows, host_flags
+from conveyor.worker.sampler import Sampler, SamplingColumns, batch_from_rows, batch_of_columns, host_flags
 from conveyor.worker.step_buffers import DecodeInputs, StepBuffers, context_buckets, decode_buckets, smallest_fitting
+
+
+class PlanRefused(ValueError):
+    """A plan the runner refuses before it changes any state or runs anything on the device
+    (it contradicts the runner's state, or was planned ahead of a step that failed). Raised
+    alike on every tensor-parallel rank, before any collective, so the ranks stay in step and
+    only that step fails; any other error of a rank leaves the ranks out of step."""
 
 
 @dataclass
@@ -142,23 +149,21 @@ class ModelRunner:
         backend = backend_for(self.device, attention)
         self.model, self.model_config = load_model(model_dir, self.device, dtype, backend, tp)
         self.dtype = self.model.embed_tokens.weight.dtype
+        cache_shape = KVCacheShape.of(self.model_config, block_size, self.dtype, tp)
+        self.block_bytes = cache_shape.bytes_per_block
         if num_blocks is None:
-            per_block = bytes_per_block(self.model_config, block_size, self.dtype, tp)
-            num_blocks = kv_cache_memory_bytes // per_block
+            num_blocks = kv_cache_memory_bytes // self.block_bytes
             if num_blocks < 1:
                 raise ValueError(
-                    f"kv_cache_memory_bytes={kv_cache_memory_bytes} is less than one block ({per_block} bytes)"
+                    f"kv_cache_memory_bytes={kv_cache_memory_bytes} is less than one block ({self.block_bytes} bytes)"
                 )
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device, tp)
+        self.kv_caches = cache_shape.allocate(num_blocks, self.device)
         self.model.bind_kv_cache(self.kv_caches)
-        self.block_bytes = bytes_per_block(self.model_config, block_size, self.dtype, tp)
         if num_cpu_blocks is None:
             num_cpu_blocks = (swap_space_bytes or 0) // self.block_bytes
         self.num_cpu_blocks = num_cpu_blocks
-        self.swap_caches = allocate_swap_space(
-            self.model_config, num_cpu_blocks, block_size, self.dtype, self.device, tp
-        )
+        self.swap_caches = cache_shape.allocate_swap(num_cpu_blocks, self.device)
         self.sampler = Sampler(self.device)
         self._sampling = SamplingColumns()  # per-slot sampling parameters, set when a request arrives
         # Request state by slot; None: a free slot. Grows to the largest slot seen (at most the
@@ -201,14 +206,14 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Check the plan, update the requests' state and enqueue the step on the device.
 
-        Raises ValueError, changing nothing but dropping the finished slots, if the plan
+        Raises PlanRefused, changing nothing but dropping the finished slots, if the plan
         contradicts the runner's state, or was planned ahead of a step that failed. At most one
         launched step may be unfinished when this is called.
         """
         failed_before, self._failed = self._failed, True  # cleared once this step is launched
         self._drop(int_list(plan.finished_slots))
         if plan.planned_ahead and failed_before:
-            raise ValueError(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
+            raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._validate(plan)
         # Copies out before copies in, both before the forward: a GPU block swapped out may
         # be the destination of a swap-in or of new KV in this same plan (see StepPlan).
@@ -424,16 +429,8 @@ class ModelRunner:
 
         sample_slots = inputs.sample_slots[:m]
         if self.tensor_parallel.rank == 0:
-            batch = SamplingBatch(
-                temperature=inputs.temperature,
-                top_k=inputs.top_k,
-                top_p=inputs.top_p,
-                min_p=inputs.min_p,
-                seed=inputs.seed,
-                seeded=inputs.seeded,
-                positions=inputs.positions + 1,  # the position of the token being drawn
-                **flags,
-            )
+            # inputs.positions + 1: the position of the token being drawn
+            batch = batch_of_columns(inputs.tensors, inputs.positions + 1, flags)
             sampled = self.sampler.sample(self._logits[:rows], batch).index_select(0, inputs.sample_rows[:m])
         else:
             sampled = torch.empty(m, dtype=torch.int64, device=self.device)
@@ -525,14 +522,14 @@ class ModelRunner:
         range a scheduler hands out is refused, dropping nothing."""
         bad = [slot for slot in slots if not 0 <= slot < MAX_SLOTS]
         if bad:
-            raise ValueError(f"finished slots {bad} outside 0..{MAX_SLOTS - 1}")
+            raise PlanRefused(f"finished slots {bad} outside 0..{MAX_SLOTS - 1}")
         table = self._states
         for slot in slots:
             if slot < len(table):
                 table[slot] = None
 
     def _validate(self, plan: StepPlan) -> list[_Work]:
-        """The plan's work in order (new requests first), or ValueError naming the first problem
+        """The plan's work in order (new requests first), or PlanRefused naming the first problem
         (the slot, and the request id where known).
 
         Runs after ``finished_slots`` are dropped (so a new request may take a slot this plan
@@ -543,21 +540,21 @@ class ModelRunner:
         seen: dict[int, str] = {}  # slot -> request id, of the rows so far
         work: list[_Work] = []
 
-        def twice(slot: int, rid: str) -> ValueError:
-            return ValueError(
+        def twice(slot: int, rid: str) -> PlanRefused:
+            return PlanRefused(
                 f"slot {slot} appears twice in step {plan.step_id} (request {seen[slot]!r}, then {rid!r})"
             )
 
         for new in plan.new_requests:
             rid, slot = new.request_id, new.slot
             if not 0 <= slot < MAX_SLOTS:
-                raise ValueError(f"new request {rid!r}: slot {slot} outside 0..{MAX_SLOTS - 1}")
+                raise PlanRefused(f"new request {rid!r}: slot {slot} outside 0..{MAX_SLOTS - 1}")
             if slot in seen:
                 raise twice(slot, rid)
             seen[slot] = rid
             holder = table[slot] if slot < size else None
             if holder is not None:
-                raise ValueError(
+                raise PlanRefused(
                     f"new request {rid!r} on slot {slot}, which request {holder.request_id!r} still holds on the worker"
                 )
             self._check_blocks(rid, slot, new.block_ids)
@@ -574,11 +571,11 @@ class ModelRunner:
             if slot in seen:
                 raise twice(slot, state.request_id if state is not None else "?")
             if state is None:
-                raise ValueError(f"unknown slot {slot} (row {row}): no request on it is running on the worker")
+                raise PlanRefused(f"unknown slot {slot} (row {row}): no request on it is running on the worker")
             rid = state.request_id
             seen[slot] = rid
             if num_computed != state.num_computed:
-                raise ValueError(
+                raise PlanRefused(
                     f"request {rid!r} (slot {slot}): num_computed_tokens mismatch: plan says {num_computed}, "
                     f"worker has {state.num_computed}"
                 )
@@ -590,7 +587,7 @@ class ModelRunner:
             )
             work.append(_Work(slot, num_computed, num_scheduled, list(blocks)))
         if len(work) > self.max_num_seqs:
-            raise ValueError(f"step {plan.step_id} runs {len(work)} requests; this runner takes at most {self.max_num_seqs}")
+            raise PlanRefused(f"step {plan.step_id} runs {len(work)} requests; this runner takes at most {self.max_num_seqs}")
         self._check_transfers(plan)
         return work
 
@@ -601,24 +598,24 @@ class ModelRunner:
         ):
             for pair in pairs:
                 if len(pair) != 2 or not (0 <= pair[0] < src_limit and 0 <= pair[1] < dst_limit):
-                    raise ValueError(f"{name} pair {pair} outside the caches ({src_limit} -> {dst_limit} blocks)")
+                    raise PlanRefused(f"{name} pair {pair} outside the caches ({src_limit} -> {dst_limit} blocks)")
             if len({pair[1] for pair in pairs}) != len(pairs):
-                raise ValueError(f"{name} writes a block twice")
+                raise PlanRefused(f"{name} writes a block twice")
 
     def _check_tokens(
         self, rid: str, slot: int, num_computed: int, num_scheduled: int, num_tokens: int, num_blocks: int
     ) -> None:
         if num_scheduled < 1 or num_computed < 0:
-            raise ValueError(
+            raise PlanRefused(
                 f"request {rid!r} (slot {slot}): invalid counts computed={num_computed} scheduled={num_scheduled}"
             )
         end = num_computed + num_scheduled
         if end > num_tokens:
-            raise ValueError(
+            raise PlanRefused(
                 f"request {rid!r} (slot {slot}): schedules up to token {end} but only {num_tokens} tokens are known"
             )
         if num_blocks * self.block_size < end:
-            raise ValueError(
+            raise PlanRefused(
                 f"request {rid!r} (slot {slot}): block table too short: "
                 f"{num_blocks} blocks of {self.block_size} tokens for {end} tokens"
             )
@@ -627,6 +624,6 @@ class ModelRunner:
         """Only ids new to the runner are checked: the rest were checked when they arrived."""
         bad = [block for block in block_ids if not 0 <= block < self.num_blocks]
         if bad:
-            raise ValueError(
+            raise PlanRefused(
                 f"request {rid!r} (slot {slot}): block ids {bad} outside the pool of {self.num_blocks} blocks"
             )

@@ -33,7 +33,7 @@ group, every collective a no-op.
   raises within ``timeout_s`` (gloo; NCCL's watchdog aborts the process), never hangs.
 - **KV capacity** is per rank: a rank caches only its own KV heads
   (:attr:`HeadShard.num_kv_heads`), and ``ModelRunner.num_blocks`` is what its share of
-  ``kv_cache_memory_bytes`` holds (``kv_cache.bytes_per_block(..., tensor_parallel=tp)``).
+  ``kv_cache_memory_bytes`` holds (``KVCacheShape.of(..., tensor_parallel=tp).bytes_per_block``).
   Ranks must agree on the pool the scheduler plans with: take the minimum across ranks (block
   ids below it are valid on every rank). Swap-ins, swap-outs and block copies run on every
   rank, each on its own heads.

@@ -19,7 +19,7 @@ take their keys from the sampler's one generator.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -231,13 +231,15 @@ def batch_from_rows(
     def dev(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
-    return SamplingBatch(
-        temperature=dev(rows["temperature"]),
-        top_k=dev(rows["top_k"]),
-        top_p=dev(rows["top_p"]),
-        min_p=dev(rows["min_p"]),
-        seed=dev(rows["seed"]),
-        seeded=dev(rows["seeded"]),
-        positions=dev(positions),
-        **host_flags(rows, vocab),
-    )
+    columns = {name: dev(rows[name]) for name, _ in SamplingColumns.FIELDS}
+    return batch_of_columns(columns, dev(positions), host_flags(rows, vocab))
+
+
+def batch_of_columns(
+    columns: Mapping[str, torch.Tensor], positions: torch.Tensor, flags: dict[str, bool]
+) -> SamplingBatch:
+    """A :class:`SamplingBatch` of the device columns named in :attr:`SamplingColumns.FIELDS`
+    (other entries of ``columns`` are ignored), the draws' ``positions`` and the
+    :func:`host_flags`: the one mapping from columns to fields, for the dynamic step's fresh
+    copies and the static decode step's views of its staging buffer alike."""
+    return SamplingBatch(**{name: columns[name] for name, _ in SamplingColumns.FIELDS}, positions=positions, **flags)

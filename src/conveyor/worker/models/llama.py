@@ -96,22 +96,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream travels beside the normalized hidden state so
-    each residual add happens inside the following norm."""
+    """Pre-norm block around ``self_attn`` (built by the model, which alone knows the layer's
+    index, rotary table and attention backend); the residual stream travels beside the
+    normalized hidden state so each residual add happens inside the following norm."""
 
     def __init__(
         self,
         config: ModelConfig,
-        layer: int,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
+        self_attn: LlamaAttention,
         dtype: torch.dtype,
         device: torch.device | str,
         tensor_parallel: TensorParallel,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, layer, rotary, backend, dtype, device, tensor_parallel)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         intermediate = tensor_parallel.split(config.intermediate_size, "intermediate_size")  # this rank's
         self.mlp = SiluGatedMLP(config.hidden_size, intermediate, dtype, device, tensor_parallel)
@@ -155,10 +154,10 @@ class LlamaFamilyModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device
         )
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer, rotary, backend, dtype, device, tensor_parallel)
-            for layer in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList()
+        for layer in range(config.num_layers):
+            attention = LlamaAttention(config, layer, rotary, backend, dtype, device, tensor_parallel)
+            self.layers.append(LlamaDecoderLayer(config, attention, dtype, device, tensor_parallel))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         separate_head = not config.tie_word_embeddings and tensor_parallel.rank == 0
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device) if separate_head else None

@@ -135,3 +135,17 @@ def test_recording_is_cheap() -> None:
         timer.record(profiling.now_ns(), arg=i)
     per_call_us = (time.perf_counter() - start) / n * 1e6
     assert per_call_us < 20, per_call_us
+
+
+def test_flows_join_each_replicas_own_steps() -> None:
+    """With data-parallel replicas both count steps from 1: replica 1's processes
+    (``scheduler.1``, ``worker.1``) get arrows of their own, never joined to replica 0's."""
+    maps = []
+    t0 = profiling.now_ns()
+    for suffix in ("", ".1"):
+        sched, worker = Profiler("scheduler" + suffix), Profiler("worker" + suffix)
+        sched.timer("plan_round_trip", arg_name="step").record(t0, t0 + 6000, arg=3)
+        worker.timer("execute", arg_name="step").record(t0 + 1000, t0 + 5000, arg=3)
+        maps += [profile_to_map(sched.snapshot(60.0, trace=True)), profile_to_map(worker.snapshot(60.0, trace=True))]
+    flows = [(e["ph"], e["id"]) for e in chrome_trace(maps)["traceEvents"] if e.get("cat") == "step"]
+    assert sorted(flows) == [("f", "0:3"), ("f", "1:3"), ("s", "0:3"), ("s", "1:3")]

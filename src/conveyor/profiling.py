@@ -446,11 +446,13 @@ def chrome_trace(processes: list[dict[str, Any]]) -> dict[str, Any]:
     Times are microseconds of CLOCK_MONOTONIC, shared by all processes, so the spans of the
     frontend, scheduler and worker interleave exactly as they ran. A step's scheduler
     ``plan_round_trip`` span and the worker's ``execute`` span of the same step are joined
-    by a flow arrow (id = step id).
+    by a flow arrow (id = step id, scoped by data-parallel replica: replica i's processes are
+    ``scheduler.i`` and ``worker.i``, and their step ids count from 1 like replica 0's).
     """
     events: list[dict[str, Any]] = []
     for order, proc in enumerate(processes):
         pid, tid, name = proc["pid"], proc["tid"], proc["process"]
+        role, _, replica = name.partition(".")  # "worker.1" -> ("worker", "1"); "worker" -> replica ""
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": tid, "args": {"name": f"{name} ({pid})"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": order}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"{name} loop"}})
@@ -472,10 +474,13 @@ def chrome_trace(processes: list[dict[str, Any]]) -> dict[str, Any]:
             if arg >= 0 and arg_names[idx]:
                 event["args"] = {arg_names[idx]: arg}
             events.append(event)
-            if arg >= 0 and (name, span) in FLOW_FROM:
-                events.append({"ph": "s", "name": "step", "cat": "step", "id": arg, "pid": pid, "tid": tid, "ts": start / 1000.0})
-            elif arg >= 0 and (name, span) in FLOW_TO:
+            if arg < 0:
+                continue
+            flow = f"{replica or 0}:{arg}"
+            if (role, span) in FLOW_FROM:
+                events.append({"ph": "s", "name": "step", "cat": "step", "id": flow, "pid": pid, "tid": tid, "ts": start / 1000.0})
+            elif (role, span) in FLOW_TO:
                 events.append(
-                    {"ph": "f", "bp": "e", "name": "step", "cat": "step", "id": arg, "pid": pid, "tid": tid, "ts": start / 1000.0}
+                    {"ph": "f", "bp": "e", "name": "step", "cat": "step", "id": flow, "pid": pid, "tid": tid, "ts": start / 1000.0}
                 )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"clock": CLOCK_NAME}}

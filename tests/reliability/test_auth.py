@@ -34,8 +34,8 @@ REFUSAL_TIMEOUT_S = 30.0  # a refusal is seen at the first handshake; waiting th
 def keys(tmp_path) -> dict[str, str]:
     """A key directory with clients ``alice`` and ``bob``, and a stranger's pair made elsewhere."""
     keys_dir = str(tmp_path / "keys")
+    assert keygen.main([keys_dir, "--client", "alice"]) == 0  # the server's pair is made on the way
     assert keygen.main([keys_dir]) == 0
-    assert keygen.main([keys_dir, "--client", "alice"]) == 0
     assert keygen.main([keys_dir, "--client", "bob"]) == 0
     other = str(tmp_path / "other")
     keygen.make_server_keys(other)
@@ -172,4 +172,9 @@ def test_bin_serve_with_auth_keys(serve_factory, tiny_checkpoint, keys) -> None:
     assert keyed.returncode == 0 and "4 completion tokens" in keyed.stderr, keyed.stderr
     keyless = subprocess.run([*bin_client, "Hello"], capture_output=True, text=True, timeout=60)
     assert keyless.returncode == 1 and "refused the connection" in keyless.stderr, keyless.stderr
+    profile = [sys.executable, str(REPO / "bin" / "profile"), "--host", server.address, "--window", "5"]
+    keyed = subprocess.run([*profile, "--client-key", keys["alice"], "--server-key", keys["server"]], capture_output=True, text=True, timeout=60)
+    assert keyed.returncode == 0 and "worker" in keyed.stdout, keyed.stderr
+    half = subprocess.run([*profile, "--client-key", keys["alice"]], capture_output=True, text=True, timeout=60)
+    assert half.returncode == 2 and "go together" in half.stderr, half.stderr
     assert "WARNING" not in server.output()  # loopback (ipc) and authenticated: nothing exposed

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from conveyor.cli.server_address import add_server_arguments, server_address
-from conveyor.client import DEFAULT_LIVENESS_TIMEOUT_S, Client, ServerError
+from conveyor.cli.server_address import add_server_arguments, client_options, server_address
+from conveyor.client import Client, ServerError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,18 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-stream", action="store_true", help="wait for the whole completion")
     p.add_argument("--json", action="store_true", help="print the final result as JSON")
-    g = p.add_argument_group("connection")
-    g.add_argument("--client-key", metavar="FILE", help="this client's key pair (a NAME.key_secret from bin/keygen), for a server run with --auth-keys")
-    g.add_argument("--server-key", metavar="FILE", help="the server's public key (its DIR/server.key), with --client-key")
-    g.add_argument(
-        "--liveness-timeout",
-        type=float,
-        default=DEFAULT_LIVENESS_TIMEOUT_S,
-        help="seconds a connection that answers no heartbeat counts as alive",
-    )
     args = p.parse_args(argv)
-    if (args.client_key is None) != (args.server_key is None):
-        p.error("--client-key and --server-key go together")
+    options = client_options(p, args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     fields = dict(
         max_tokens=args.max_tokens,
@@ -51,14 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     inputs = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
     try:
         address = server_address(args)
-        with Client(
-            address,
-            timeout=args.timeout,
-            connect_timeout=args.connect_timeout,
-            liveness_timeout=args.liveness_timeout,
-            client_key=args.client_key,
-            server_key=args.server_key,
-        ) as client:
+        with Client(address, **options) as client:
             if args.no_stream:
                 result = client.generate(**inputs, **fields)
             else:

@@ -2,8 +2,9 @@
 
 ``bin/keygen DIR`` makes the server's key pair (DIR/server.key, DIR/server.key_secret) and
 the directory of allowed clients (DIR/clients/); ``bin/keygen DIR --client NAME`` adds a
-client: DIR/clients/NAME.key (its public key, which the server allows) and
-DIR/clients/NAME.key_secret (its key pair, to hand to that client with DIR/server.key). The
+client (making the server's pair first if DIR has none): DIR/clients/NAME.key (its public
+key, which the server allows) and DIR/clients/NAME.key_secret (its key pair, to hand to that
+client with DIR/server.key). The
 layout is :mod:`conveyor.ipc.transport`'s. Keys are never overwritten: a server key pair
 that already exists is kept (its clients keep working), and a client name in use is an
 error. Secret files are mode 0600, DIR/clients 0700.
@@ -54,13 +55,13 @@ def _create(directory: str, name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="keygen", description="Make the CurveZMQ keys for bin/serve --auth-keys DIR.")
     p.add_argument("dir", help="key directory (made if missing)")
-    p.add_argument("--client", metavar="NAME", help="add an allowed client NAME (the server keys must exist)")
+    p.add_argument("--client", metavar="NAME", help="add an allowed client NAME (and the server keys, if DIR has none)")
     args = p.parse_args(argv)
     try:
+        made = make_server_keys(args.dir)
+        if made or args.client is None:
+            print(f"server key pair {'made' if made else 'kept (already there)'}: {transport.server_secret_key_file(args.dir)}")
         if args.client is None:
-            made = make_server_keys(args.dir)
-            what = "made" if made else "kept (already there)"
-            print(f"server key pair {what}: {transport.server_secret_key_file(args.dir)}")
             print(f"clients need {transport.server_public_key_file(args.dir)}; add one with: bin/keygen {args.dir} --client NAME")
         else:
             secret = make_client_keys(args.dir, args.client)

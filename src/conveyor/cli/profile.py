@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from conveyor.cli.server_address import add_server_arguments, server_address
+from conveyor.cli.server_address import add_server_arguments, client_options, server_address
 from conveyor.client import Client, NoServerError, ServerError
 from conveyor.profiling import chrome_trace
 
@@ -65,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the raw profile reply as JSON")
     add_server_arguments(p, timeout_s=30.0, timeout_help="seconds to wait for the reply")
     args = p.parse_args(argv)
+    options = client_options(p, args)
     address = server_address(args)
     try:
-        with Client(address, timeout=args.timeout, connect_timeout=args.connect_timeout) as client:
+        with Client(address, **options) as client:
             reply = client.profile(args.window, trace=bool(args.trace))
     except (NoServerError, TimeoutError, ServerError, OSError) as exc:
         print(f"profile: {exc}", file=sys.stderr)

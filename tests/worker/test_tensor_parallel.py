@@ -272,3 +272,17 @@ def test_a_collective_whose_peer_never_joins_raises_after_the_timeout(tmp_path):
     )
     outcome = (tmp_path / "outcome").read_text()
     assert outcome.startswith("raised") and "Timed out" in outcome, outcome
+
+
+@pytest.mark.parametrize("gpus, expected", [(8, ["cuda:2", "cuda:3"]), (2, ["cuda:0", "cuda:1"]), (1, ["cuda:0", "cuda:0"])])
+def test_a_replicas_ranks_take_gpus_of_their_own_where_there_are_enough(monkeypatch, gpus, expected) -> None:
+    """Replica 1 of a --data-parallel-size 2 --tensor-parallel-size 2 server starts at GPU 2;
+    with fewer GPUs the replicas wrap around and share them. CPU devices are left alone."""
+    from conveyor.cli.serve import build_parser, server_config
+
+    args = build_parser().parse_args(["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--device", "cuda"])
+    ranks = server_config(args, "/tmp/conveyor-test-run").replica(1).worker_ranks()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    devices = [rank_device("cuda", TensorParallel(w.tensor_parallel_rank, 2, None), w.first_device) for w in ranks]
+    assert devices == expected
+    assert rank_device("cpu", TensorParallel(1, 2, None), 2) == "cpu"

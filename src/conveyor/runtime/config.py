@@ -227,6 +227,9 @@ class WorkerConfig:
     tensor_parallel_rank: int = 0
     distributed_init_method: str = ""
     distributed_timeout_s: float = 300.0
+    # The GPU of this worker's rank 0 (data-parallel replica i: i * tensor_parallel_size), so
+    # replicas run on GPUs of their own where the machine has enough (worker.parallel.rank_device).
+    first_device: int = 0
     # The scheduler's max_num_seqs: bounds a step's rows and sizes the static decode buffers.
     max_num_seqs: int = 256
     enforce_eager: bool = False  # bin/serve --enforce-eager: no CUDA graphs for decode steps
@@ -341,7 +344,9 @@ class ServerConfig:
             self,
             addresses=addresses,
             channels=channels,
-            worker=replace(self.worker, addresses=addresses, channels=channels),
+            worker=replace(
+                self.worker, addresses=addresses, channels=channels, first_device=index * self.worker.tensor_parallel_size
+            ),
             scheduler=replace(self.scheduler, addresses=addresses, channels=channels),
         )
 

@@ -117,6 +117,7 @@ def build_runner(
     tensor_parallel: TensorParallel | None = None,
     max_num_seqs: int = 256,
     enforce_eager: bool = False,
+    first_device: int = 0,
 ) -> ModelRunner:
     """The worker's :class:`~conveyor.worker.model_runner.ModelRunner` as bin/serve's flags
     describe it (the fields of :class:`WorkerConfig`): torch's CPU threads set when given, the
@@ -124,7 +125,8 @@ def build_runner(
     ``kv_cache_memory_bytes``, the swap space from ``num_cpu_blocks`` or ``swap_space_bytes``
     (neither: the device's default, :func:`default_swap_space`). The worker process and the
     in-process engine (:mod:`conveyor.engine`) both build theirs here. ``tensor_parallel``:
-    the runner of one rank (on ``cuda:<rank>`` with CUDA), None for a single process."""
+    the runner of one rank, None for a single process; on CUDA it runs on GPU
+    ``first_device + rank`` (:func:`~conveyor.worker.parallel.rank_device`)."""
     import torch
 
     from conveyor.worker.model_runner import ModelRunner
@@ -133,7 +135,7 @@ def build_runner(
     if num_threads:
         torch.set_num_threads(num_threads)
     tensor_parallel = tensor_parallel or NO_TENSOR_PARALLEL
-    device = rank_device(resolve_device(device), tensor_parallel)
+    device = rank_device(resolve_device(device), tensor_parallel, first_device)
     return ModelRunner(
         model_dir,
         device=device,
@@ -155,11 +157,19 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     """Join the tensor-parallel group (with more than one rank), load the model (this rank's
     shard), size the KV pool and the swap space (agreed across ranks), connect the step channel."""
     from conveyor.worker.model_runner import PlanRefused
-    from conveyor.worker.parallel import close_tensor_parallel, default_backend, init_tensor_parallel
+    from conveyor.worker.parallel import (
+        TensorParallel,
+        close_tensor_parallel,
+        default_backend,
+        init_tensor_parallel,
+        rank_device,
+    )
 
     rank, size = config.tensor_parallel_rank, config.tensor_parallel_size
+    device = resolve_device(config.device)
     tp = init_tensor_parallel(
-        rank, size, config.distributed_init_method, default_backend(resolve_device(config.device)), config.distributed_timeout_s
+        rank, size, config.distributed_init_method, default_backend(device), config.distributed_timeout_s,
+        rank_device(device, TensorParallel(rank, size, None), config.first_device),
     )
     num_threads = config.num_threads
     if num_threads is None and size > 1:
@@ -187,6 +197,7 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         tensor_parallel=tp,
         max_num_seqs=config.max_num_seqs,
         enforce_eager=config.enforce_eager,
+        first_device=config.first_device,
     )
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)

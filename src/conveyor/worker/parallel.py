@@ -122,25 +122,32 @@ def default_backend(device: str) -> str:
     return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
-def rank_device(device: str, tp: TensorParallel) -> str:
-    """The device rank ``tp.rank`` runs on: ``cuda:<rank>`` when ``device`` is CUDA (one GPU
-    per rank), ``device`` otherwise."""
-    return f"cuda:{tp.rank}" if str(device).startswith("cuda") and tp.size > 1 else str(device)
+def rank_device(device: str, tp: TensorParallel, first_device: int = 0) -> str:
+    """The device rank ``tp.rank`` runs on: on CUDA, GPU ``first_device + rank`` (one GPU per
+    rank; data-parallel replica i starts at ``i * size``), wrapped around the GPUs the machine
+    has, so replicas share them when there are fewer GPUs than ranks in all; ``device``
+    otherwise."""
+    if not str(device).startswith("cuda"):
+        return str(device)
+    return f"cuda:{(first_device + tp.rank) % max(torch.cuda.device_count(), 1)}"
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, timeout_s: float) -> TensorParallel:
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str, backend: str, timeout_s: float, device: str | None = None
+) -> TensorParallel:
     """Join the ``size``-rank group as ``rank`` and return its record; every rank must call
     this with the same ``init_method``, ``backend`` and ``size``. Blocks until all have joined
     (or ``timeout_s`` passes). Size 1 creates no process group.
 
     ``timeout_s`` bounds every later collective too, so a rank whose peer died raises instead
-    of waiting forever. With ``nccl``, the rank's CUDA device is ``cuda:<rank>``, made current.
+    of waiting forever. With ``nccl``, the rank's CUDA device (``device``, by default
+    ``cuda:<rank>``; see :func:`rank_device`) is made current.
     """
     if size == 1:
         return TensorParallel(rank, 1, None)
     device_id = None
     if backend == "nccl":
-        device_id = torch.device("cuda", rank)
+        device_id = torch.device(device or f"cuda:{rank}")
         torch.cuda.set_device(device_id)
     dist.init_process_group(
         backend,

@@ -188,6 +188,8 @@ def _run(ctx: zmq.Context, address: str) -> None:
         assert reply["code"] in CODES, reply
         if rid is not None:
             assert reply["request_id"] == rid, (frames, reply)
+        if reply["request_id"] is None:  # an error that names no request says why
+            assert "no request_id could be read" in (reply.get("message") or reply.get("error")), reply
 
     one()
     stop.set()

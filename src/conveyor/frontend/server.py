@@ -643,10 +643,11 @@ class Frontend:
         final is still to come: one final per id at a time); a frame that did not decode, or
         that refusal, gets an ``error`` map with the id it carried (None if none was readable)."""
         rid = exc.request_id
+        message = str(exc) if rid is not None else f"{exc} (no request_id could be read from this message)"
         if isinstance(exc, cp.FrameError) or (rid is not None and (key, rid) in self.in_flight):
-            reply = replies.error_map(rid, str(exc), exc.code)
+            reply = replies.error_map(rid, message, exc.code)
         else:
-            reply = replies.error_reply(rid, str(exc), exc.code)
+            reply = replies.error_reply(rid, message, exc.code)
         await self.sender.send(identity, reply)
 
     def _schedule_trim(self) -> None:

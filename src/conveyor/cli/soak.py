@@ -46,6 +46,7 @@ import zmq.asyncio
 from conveyor.client import AsyncClient, CompletionResult, generate_message
 from conveyor.protocol import messages as cp
 from conveyor.cli.server_address import add_address_arguments, server_address
+from conveyor.runtime.config import replica_process_name
 
 WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
@@ -175,8 +176,10 @@ class _Soak:
         if stats["free_blocks"] + stats["cached_blocks"] + stats["held_blocks"] != stats["total_blocks"]:
             self.report.fail(f"block counts do not add up under load: {stats}")
         processes = (await client.profile(5.0))["processes"]
-        if sorted(p["process"] for p in processes) != ["frontend", "scheduler", "worker"]:
-            self.report.fail(f"profile names {[p['process'] for p in processes]}")
+        replicas = len(stats["replicas"])  # data-parallel replica i's processes are scheduler.i, worker.i
+        expected = ["frontend"] + [replica_process_name(p, i) for i in range(replicas) for p in ("scheduler", "worker")]
+        if [p["process"] for p in processes] != expected:
+            self.report.fail(f"profile names {[p['process'] for p in processes]}, expected {expected}")
         self.report.probes += 1
 
     async def one(self, client: AsyncClient, rng: random.Random, ids: list[str], prefix: str) -> None:

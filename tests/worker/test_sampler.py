@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.ipc.messages import SamplingParams
-from conveyor.worker.sampler import Sampler, step_seed
+from conveyor.worker.sampler import Sampler, draw_keys
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -56,10 +56,11 @@ def test_seeded_draws_ignore_batch_mates_and_order():
     assert alone != [int(sample(logits, SamplingParams(seed=1235), [pos])) for pos in range(20)]
 
 
-def test_step_seed_is_stable_and_spread():
-    assert step_seed(0, 0) == step_seed(0, 0)
-    seeds = {step_seed(seed, pos) for seed in range(30) for pos in range(30)}
-    assert len(seeds) == 900 and all(0 <= s < 2**63 for s in seeds)
+def test_draw_keys_are_stable_and_spread():
+    seeds, positions = torch.arange(30).repeat_interleave(30), torch.arange(30).repeat(30)
+    keys = draw_keys(seeds, positions)
+    assert torch.equal(keys, draw_keys(seeds, positions))
+    assert len(set(keys.tolist())) == 900
 
 
 PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])

@@ -59,13 +59,6 @@ def draw_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return splitmix64(splitmix64(seeds) ^ positions)
 
 
-def step_seed(seed: int, position: int) -> int:
-    """The key of a seeded request's draw at ``position`` as a non-negative 63-bit int (what
-    logs and tests can print); the sampler uses all 64 bits."""
-    key = draw_keys(torch.tensor([_signed(seed)]), torch.tensor([position]))
-    return int(_shift_right(key, 1)[0])
-
-
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 ``[N, vocab]`` Exp(1) draws; entry ``(i, j)`` depends only on ``keys[i]`` and ``j``.
 

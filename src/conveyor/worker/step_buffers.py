@@ -27,6 +27,7 @@ from byte 0; every bucket's views alias the same device buffer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,7 +92,10 @@ def smallest_fitting(buckets: list[int], value: int) -> int:
     raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
 
 
+@functools.cache
 def _layout(rows: int, width: int) -> tuple[dict[str, tuple[int, np.dtype, tuple[int, ...]]], int]:
+    """Each field's (byte offset, dtype, shape) in a bucket of ``rows`` rows and ``width``
+    table columns, and the bucket's size in bytes (computed once per bucket: every step asks)."""
     fields = {}
     offset = 0
     for name, dtype, per_column in FIELDS:

@@ -431,16 +431,7 @@ class Server:
         self.dead_replicas.add(replica)
         transport.send(self.frontend_control, ProcessFailed(process, reason))
         names = [name for name in self.procs if replica_of_process(name) == replica]
-        for name in names:
-            if self.procs[name].is_alive():
-                self.procs[name].terminate()
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for name in names:
-            proc = self.procs[name]
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
+        _terminate([self.procs[name] for name in names])
         return names
 
     def stop(self, reason: str) -> None:
@@ -449,15 +440,7 @@ class Server:
         if frontend is not None and frontend.is_alive():
             transport.send(self.frontend_control, Shutdown(reason))
             frontend.join(SHUTDOWN_GRACE_S)
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
+        _terminate(list(self.procs.values()))
 
     def close(self) -> None:
         self.control.close(linger=0)
@@ -466,6 +449,20 @@ class Server:
         for index in range(self.config.data_parallel_size):
             step_channel.remove_rings(self.config.replica(index).channels)
         shutil.rmtree(self.config.run_dir, ignore_errors=True)
+
+
+def _terminate(procs: list[mp.process.BaseProcess]) -> None:
+    """SIGTERM every one of ``procs`` still alive, give them :data:`SHUTDOWN_GRACE_S` in all
+    to exit, then SIGKILL any left."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
 
 
 _STOP_SIGNAL: list[int] = []

@@ -1,0 +1,74 @@
+"""Masking the logits of constrained rows with their grammar bitmasks, on the device.
+
+The bitmask (:mod:`conveyor.structured.matcher`: int32 words, bit ``i`` of word ``j`` allows
+token ``32 * j + i``) has one row per logits row; only ``rows`` are read, so requests without
+a constraint cost nothing but their untouched rows. Tokens past the bitmask's width (a model
+vocabulary padded past the tokenizer's) are never allowed.
+
+On CUDA, xgrammar's Triton kernel does it in one launch when xgrammar is installed (it reads
+only the listed rows and writes only disallowed logits). Everywhere else one batched torch
+pass does (:func:`_apply_torch`). Both set disallowed logits to ``-inf`` and leave the others
+bit for bit as they were (logits are finite: a +inf logit would become NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+
+@functools.cache
+def _xgrammar_kernel():
+    """xgrammar's apply function, or None where it is not installed (it is optional)."""
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        return None
+    return apply_token_bitmask_inplace
+
+
+def backend_for(device: torch.device) -> str:
+    """Which path masks logits on ``device``: ``"xgrammar-triton"`` or ``"torch"``."""
+    return "xgrammar-triton" if device.type == "cuda" and _xgrammar_kernel() is not None else "torch"
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set ``logits[r, t] = -inf`` for each ``r`` in ``rows`` and each token ``t`` its bitmask
+    row disallows; in place. ``logits``: ``[batch, vocab]`` float; ``bitmask``: ``[batch,
+    words]`` int32 on any device (copied to the logits' device if it is elsewhere)."""
+    if not rows:
+        return
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError("expected logits [batch, vocab] and an int32 bitmask [batch, words]")
+    if bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {logits.shape[0]} logits rows")
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if backend_for(logits.device) == "xgrammar-triton":
+        vocab = min(logits.shape[1], bitmask.shape[1] * 32)
+        _xgrammar_kernel()(logits, bitmask, vocab_size=vocab, indices=list(rows), backend="triton")
+        if vocab < logits.shape[1]:
+            logits[list(rows), vocab:] = float("-inf")
+        return
+    _apply_torch(logits, bitmask, torch.as_tensor(rows, dtype=torch.long, device=logits.device))
+
+
+@functools.cache
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 8]``: for each byte value, 0 where its bit is set and -inf where it is not."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, float("-inf")).to(device=device, dtype=dtype)
+
+
+def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Each int32 word is four little-endian bytes, byte ``k`` holding tokens ``8k .. 8k + 7``,
+    so one lookup per byte turns the mask into an additive bias of 0 / -inf, added to the rows
+    in one ``index_add_`` (x + 0 is x exactly; x + -inf is -inf). Measured ~10x faster on the
+    CPU than expanding bits with shifts and ``masked_fill`` (a data-dependent select)."""
+    vocab = logits.shape[1]
+    data = bitmask.index_select(0, rows).contiguous().view(torch.uint8).long()
+    bias = torch.nn.functional.embedding(data, _byte_bias(logits.device, logits.dtype)).flatten(1)
+    if bias.shape[1] < vocab:
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
+    logits.index_add_(0, rows, bias[:, :vocab])

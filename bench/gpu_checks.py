@@ -40,6 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PREFLIGHT_S = 30
+CPU_LIMIT_S = 30  # every --cpu stage: a bin/serve start or a torch import alone takes ~15 s on two busy cores
 KILL_GRACE_S = 10  # after the SIGINT, timeout's SIGKILL
 MODULES = ("conveyor", "zmq", "msgspec", "triton", "torch", "transformers")
 VERSIONS = """
@@ -162,36 +163,35 @@ def stages(cpu: bool, results: Path, checkpoint: Path) -> list[Stage]:
     plen, olen = ("16", "8") if cpu else ("128", "128")
 
     def bench(name: str, systems: str, batch: int, requests: int, gpu_limit: int) -> Stage:
-        limit = 30 if cpu else gpu_limit  # --cpu: a bin/serve start alone takes ~15 s on two busy cores
+        limit = CPU_LIMIT_S if cpu else gpu_limit
         json_path = str(results / f"{name}.json")
         timeout = str(max(10, limit - 10))  # a silent server fails the call before the stage's limit
         cmd = [*common, "--systems", systems, "--batch-size", str(batch), "--num-requests", str(requests),
                "--prompt-len", plen, "--output-len", olen, "--timeout", timeout, "--json", json_path]
         return Stage(name, limit, cmd, [json_path])
 
-    small = 2 if cpu else 1  # --cpu: every bench stage is a few requests
     out = []
     if cpu:  # the gpu-marked tests of one file (they skip here); the collection of all would eat the deadline
-        out.append(Stage("gpu_tests", 30, [*pytest, "-m", "gpu", "tests/kernels/test_block_copy.py"]))
+        out.append(Stage("gpu_tests", CPU_LIMIT_S, [*pytest, "-m", "gpu", "tests/kernels/test_block_copy.py"]))
     else:  # kernels run in their own stage below, compiled
         out.append(Stage("gpu_tests", 90, [*pytest, "-m", "gpu", "tests", "--ignore=tests/kernels"]))
     checkpoint_cmd = [py, str(Path(__file__).resolve()), "checkpoint", str(checkpoint)] + (["--tiny"] if cpu else [])
-    out.append(Stage("checkpoint", 20 if cpu else 40, checkpoint_cmd))
+    out.append(Stage("checkpoint", CPU_LIMIT_S if cpu else 40, checkpoint_cmd))
     out.append(bench("conveyor_b128", "conveyor", 4 if cpu else 128, 8 if cpu else 256, 45))
-    out.append(bench("conveyor_b1", "conveyor", 1, small * 2, 30))
+    out.append(bench("conveyor_b1", "conveyor", 1, 2 if cpu else 4, 30))
     out.append(bench("conveyor_b8", "conveyor", 2 if cpu else 8, 4 if cpu else 16, 30))
     grid = ["--batches", "1", "--contexts", "32", "--steps", "2"] if cpu else \
         ["--batches", "1,32,128", "--contexts", "512,2048", "--steps", "10"]
     step_json = str(results / "decode_step.json")
-    out.append(Stage("decode_step", 20 if cpu else 70, [py, str(REPO / "bench" / "decode_step.py"), "--checkpoint",
+    out.append(Stage("decode_step", CPU_LIMIT_S if cpu else 70, [py, str(REPO / "bench" / "decode_step.py"), "--checkpoint",
                      str(checkpoint), *(["--device", "cpu", "--dtype", "float32"] if cpu else []), *grid,
                      "--out", step_json], [step_json]))
     kernels = [*pytest, "tests/kernels/test_block_copy.py" if cpu else "tests/kernels"]
     if importlib.util.find_spec("xdist") is not None and not cpu:
         kernels += ["-n", "8"]
-    out.append(Stage("kernels", 20 if cpu else 60, kernels))
+    out.append(Stage("kernels", CPU_LIMIT_S if cpu else 60, kernels))
     out.append(bench("hf", "hf", 4 if cpu else 128, 8 if cpu else 256, 45))
-    out.append(bench("hf_compiled_b1", "hf-compiled", 1, small * 2, 60))
+    out.append(bench("hf_compiled_b1", "hf-compiled", 1, 2 if cpu else 4, 60))
     out.append(bench("hf_compiled_b8", "hf-compiled", 2 if cpu else 8, 4 if cpu else 16, 60))
     out.append(bench("hf_cb", "hf-cb", 4 if cpu else 128, 8 if cpu else 256, 45))
     out.append(bench("static", "static", 4 if cpu else 128, 8 if cpu else 256, 45))

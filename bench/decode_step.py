@@ -16,6 +16,12 @@ they hold): a decode step's cost does not depend on the values, so no prefill is
 
     python bench/decode_step.py --out bench/results/decode-step.json      # CUDA, full grid
     python bench/decode_step.py --smoke --out /tmp/decode-step.json        # tiny, CPU, seconds
+    python bench/decode_step.py --checkpoint /tmp/llama-1b --out x.json    # a checkpoint already written
+
+The JSON is rewritten after every row, so a run stopped at its time limit keeps the rows it
+measured; the HF forward runs last, in a try, so its failure costs only its own columns.
+``--checkpoint`` reuses a directory :func:`write_checkpoint` filled (bench/gpu_checks.py
+builds the 1B checkpoint once for every stage); its ``config.json`` is the model.
 """
 
 from __future__ import annotations
@@ -63,14 +69,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", default="512,2048")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per point (after 3 warm-up steps)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF forward")
+    p.add_argument("--checkpoint", type=Path, help="an existing checkpoint directory (default: write one)")
     return p.parse_args(argv)
 
 
-def write_checkpoint(config: dict, dtype: torch.dtype, directory: Path) -> None:
+def write_checkpoint(config: dict, dtype: torch.dtype, directory: Path, tokenizer: bool = False) -> None:
+    """Random Llama weights (seed 0) in ``directory``; ``tokenizer``: the demo tokenizer beside
+    them, so bin/serve and bin/bench can load the directory too (its vocabulary is 4096)."""
+    import shutil
+
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**config)).to(dtype).save_pretrained(directory)
+    if tokenizer:
+        from conveyor.checkpoints.demo import checkpoint as demo
+
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(demo.TOKENIZER_DIR / name, Path(directory) / name)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -200,68 +216,90 @@ def versions(device: torch.device) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = MODEL_SMOKE if args.smoke else MODEL_1B
     batches = [1, 4] if args.smoke else [int(b) for b in args.batches.split(",")]
     contexts = [32] if args.smoke else [int(c) for c in args.contexts.split(",")]
     steps = 3 if args.smoke else args.steps
     dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
     graph_modes = [False, True] if device.type == "cuda" else [False]
 
-    result: dict = {"config": config, "dtype": str(dtype), "block_size": BLOCK_SIZE, "versions": versions(device)}
-    bandwidth = copy_bandwidth(device)
-    result["copy_bandwidth_gbps"] = bandwidth / 1e9
     with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
-        write_checkpoint(config, dtype, directory)
-        max_batch = max(batches)
-        num_blocks = max_batch * -(-(max(contexts) + steps + 16) // BLOCK_SIZE)
-        rows = []
-        for graphs in graph_modes:
-            start = time.perf_counter()
-            runner = ModelRunner(
-                directory, device=str(device), dtype=dtype, block_size=BLOCK_SIZE, num_blocks=num_blocks,
-                max_num_seqs=max_batch, enforce_eager=not graphs,
-            )
-            startup = {"startup_s": time.perf_counter() - start}
-            if runner._graphs is not None:
-                startup.update(graphs=len(runner._graphs), capture_s=runner._graphs.capture_seconds,
-                               graph_memory_mib=runner._graphs.memory_bytes / 2**20)
-            result.setdefault("startup", {})["graphs" if graphs else "eager"] = startup
-            weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-            kv_per_token = runner.block_bytes // BLOCK_SIZE
-            step_id = 0
-            for context in contexts:
-                for batch in batches:
-                    load = DecodeLoad(runner, batch, context, steps + 10, step_id)
-                    row = {"graphs": graphs, "batch": batch, "context": context}
-                    row.update(time_steps(load, steps, device))
-                    row.update(profile_steps(load, device, config["num_hidden_layers"]))
-                    roofline_bytes = weight_bytes + batch * (context + 1) * kv_per_token
-                    row["roofline_ms"] = 1e3 * roofline_bytes / bandwidth
-                    row["tokens_per_s"] = batch / (row["median_ms"] / 1e3)
-                    step_id = load.close()
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-            del runner
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        directory = args.checkpoint or Path(tmp)
+        if args.checkpoint is None:
+            write_checkpoint(MODEL_SMOKE if args.smoke else MODEL_1B, dtype, directory)
+        config = json.loads((directory / "config.json").read_text())
+        result: dict = {"config": {k: config.get(k) for k in MODEL_1B}, "dtype": str(dtype), "block_size": BLOCK_SIZE,
+                        "versions": versions(device), "rows": []}
+        result["copy_bandwidth_gbps"] = copy_bandwidth(device) / 1e9
+        run_grid(args, result, directory, device, dtype, batches, contexts, steps, graph_modes)
         if not args.no_hf:
-            from transformers import LlamaForCausalLM
-
-            model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
-            for row in rows:
-                if not row["graphs"]:
-                    row["hf_ms"] = hf_decode_ms(model, row["batch"], row["context"], steps, device)
-            hf = {(r["batch"], r["context"]): r.get("hf_ms") for r in rows if not r["graphs"]}
-            for row in rows:
-                row["hf_ms"] = hf[row["batch"], row["context"]]
-                row["speedup_over_hf"] = row["hf_ms"] / row["median_ms"]
-    result["rows"] = rows
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+            try:
+                add_hf(result, directory, device, dtype, steps, args.out)
+            except Exception as exc:  # the grid's rows stand without HF's columns
+                result["hf_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+                print(f"HF forward failed: {result['hf_error']}", file=sys.stderr)
+    write(result, args.out)
     print_table(result)
     return result
+
+
+def write(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
+def run_grid(args, result: dict, directory: Path, device, dtype, batches, contexts, steps, graph_modes) -> None:
+    """Every (graphs, context, batch) row, appended to ``result`` and written as it lands."""
+    rows = result["rows"]
+    bandwidth = result["copy_bandwidth_gbps"] * 1e9
+    num_layers = result["config"]["num_hidden_layers"]
+    max_batch = max(batches)
+    num_blocks = max_batch * -(-(max(contexts) + steps + 16) // BLOCK_SIZE)
+    for graphs in graph_modes:
+        start = time.perf_counter()
+        runner = ModelRunner(
+            directory, device=str(device), dtype=dtype, block_size=BLOCK_SIZE, num_blocks=num_blocks,
+            max_num_seqs=max_batch, enforce_eager=not graphs,
+        )
+        startup = {"startup_s": time.perf_counter() - start}
+        if runner._graphs is not None:
+            startup.update(graphs=len(runner._graphs), capture_s=runner._graphs.capture_seconds,
+                           graph_memory_mib=runner._graphs.memory_bytes / 2**20)
+        result.setdefault("startup", {})["graphs" if graphs else "eager"] = startup
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        kv_per_token = runner.block_bytes // BLOCK_SIZE
+        step_id = 0
+        for context in contexts:
+            for batch in batches:
+                load = DecodeLoad(runner, batch, context, steps + 10, step_id)
+                row = {"graphs": graphs, "batch": batch, "context": context}
+                row.update(time_steps(load, steps, device))
+                row.update(profile_steps(load, device, num_layers))
+                roofline_bytes = weight_bytes + batch * (context + 1) * kv_per_token
+                row["roofline_ms"] = 1e3 * roofline_bytes / bandwidth
+                row["tokens_per_s"] = batch / (row["median_ms"] / 1e3)
+                step_id = load.close()
+                rows.append(row)
+                write(result, args.out)
+                print(json.dumps(row), flush=True)
+        del runner
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def add_hf(result: dict, directory: Path, device, dtype, steps: int, out: Path) -> None:
+    """HF's forward at each (batch, context) of the grid, beside both graph modes' rows."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    hf: dict[tuple[int, int], float] = {}
+    for row in result["rows"]:
+        key = (row["batch"], row["context"])
+        if key not in hf:
+            hf[key] = hf_decode_ms(model, *key, steps, device)
+        row["hf_ms"] = hf[key]
+        row["speedup_over_hf"] = row["hf_ms"] / row["median_ms"]
+        write(result, out)
 
 
 def print_table(result: dict) -> None:

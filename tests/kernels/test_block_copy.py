@@ -156,3 +156,25 @@ def test_swap_between_stacked_caches_moves_runs_and_scattered_blocks(gen) -> Non
         want = swap_blocks_ref(host_side, device_side, host_ids, back)
         swap_blocks(host_side, device_side, host_ids, back, max_staging_bytes=cap)
         assert all(torch.equal(d, w) for d, w in zip(device_side, want))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_swap_moves_runs_between_a_gpu_stack_and_pinned_host_blocks(gen) -> None:
+    """The contiguous-run branch, which only a copy across devices takes: a layer-major stack
+    on the GPU <-> the block-major pinned host stack (the runner's swap space), runs of
+    consecutive host ids (5-7, 0-1, 12-15) and lone ones, out and back in, chunked and not."""
+    device_side = list(torch.randn((3, 2, 24, 16, 2, 64), generator=gen).to("cuda", torch.bfloat16).unbind(0))
+    whole = torch.randn((16, 3, 2, 16, 2, 64), generator=gen).to(torch.bfloat16).pin_memory()
+    host_side = list(whole.movedim(0, 2).unbind(0))
+    assert stacked(host_side) is not None and stacked(device_side) is not None
+    device_ids, host_ids = [3, 17, 4, 8, 22, 0, 9, 10, 11, 12], [5, 6, 7, 12, 0, 1, 13, 14, 15, 9]
+    for cap in (1 << 30, 1):
+        want = swap_blocks_ref(device_side, host_side, device_ids, host_ids)
+        swap_blocks(device_side, host_side, device_ids, host_ids, max_staging_bytes=cap)
+        assert all(torch.equal(h, w) for h, w in zip(host_side, want))
+        back = [1, 2, 5, 6, 7, 23, 13, 14, 15, 16]
+        want = swap_blocks_ref(host_side, device_side, host_ids, back)
+        swap_blocks(host_side, device_side, host_ids, back, max_staging_bytes=cap)
+        torch.cuda.synchronize()
+        assert all(torch.equal(d, w.to(d.device)) for d, w in zip(device_side, want))

@@ -43,3 +43,34 @@ def test_graph_tokens_equal_eager_tokens(name, dtype, checkpoint_factory, script
         ]
         outputs[eager] = scripted(runner, scripts).run()
     assert outputs[False] == outputs[True]
+
+
+@pytest.mark.parametrize("lengths", [(700,), (700, 1040)], ids=["batch1", "batch2"])
+def test_graph_tokens_equal_eager_tokens_at_long_contexts(lengths, checkpoint_factory, scripted, script, tmp_path):
+    """The decode path most likely to break in a graph: ~700 and ~1,040-token contexts (the
+    split-K attention and its reduce, captured; more than one context bound) in a 256-block
+    pool, batch 1 and 2, on a model whose max_position_embeddings is 2048 (graphs sized for
+    long contexts, not the 128 of the small checkpoints)."""
+    import shutil
+
+    from tests.worker.conftest import rewrite_config
+
+    directory = tmp_path / "llama-2048"
+    shutil.copytree(checkpoint_factory("llama")[0], directory)
+    rewrite_config(directory, lambda config: config.update(max_position_embeddings=2048))
+    outputs = {}
+    for eager in (True, False):
+        runner = ModelRunner(
+            directory, device="cuda", dtype=torch.bfloat16, block_size=BLOCK_SIZE, num_blocks=256, max_num_seqs=2,
+            enforce_eager=eager, pad_decode=True,
+        )
+        assert runner.model_config.max_position_embeddings == 2048 and (runner._graphs is None) == eager
+        vocab = runner.model_config.vocab_size
+        scripts = [
+            script(f"r{n}", torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+                   max_new=24, join=i)
+            for i, n in enumerate(lengths)
+        ]
+        outputs[eager] = scripted(runner, scripts).run()
+        assert all(len(out) == 24 for out in outputs[eager].values())
+    assert outputs[False] == outputs[True]

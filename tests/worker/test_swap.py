@@ -37,9 +37,18 @@ def alone(runner: ModelRunner, steps: int) -> list[int]:
     return out
 
 
-def test_a_request_swapped_out_and_back_in_continues_unchanged(llama_dir):
-    runner = ModelRunner(llama_dir, block_size=4, num_blocks=16, num_cpu_blocks=8)
+ON_CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_a_request_swapped_out_and_back_in_continues_unchanged(llama_dir, device):
+    """On CUDA the swap goes through the runner's own pinned, block-major swap space, the
+    host side moving as runs of consecutive blocks (5-7 here) straight to and from it."""
+    runner = ModelRunner(llama_dir, device=device, block_size=4, num_blocks=16, num_cpu_blocks=8)
     assert runner.swap_caches[0].shape[1] == 8 and runner.swap_caches[0].device.type == "cpu"
+    assert runner.swap_caches[0].is_pinned() == (device == "cuda")
     reference = alone(runner, 8)
 
     out = [runner.execute(plan(10, [NewRequestData("a", 0, PROMPT, GREEDY, [0, 1, 2], 0, len(PROMPT))], [], [])).sampled_token_ids[0]]

@@ -286,3 +286,34 @@ def test_a_replicas_ranks_take_gpus_of_their_own_where_there_are_enough(monkeypa
     devices = [rank_device("cuda", TensorParallel(w.tensor_parallel_rank, 2, None), w.first_device) for w in ranks]
     assert devices == expected
     assert rank_device("cpu", TensorParallel(1, 2, None), 2) == "cpu"
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_worker_makes_its_replicas_gpu_current_before_loading(monkeypatch, tmp_path, tp_size) -> None:
+    """Data-parallel replica 1 (first GPU 1, or 2 at tensor-parallel size 2) on a 4-GPU
+    machine: the worker's startup makes that GPU current before the model loads, at size 1
+    too, so Triton kernels launch on the replica's GPU and not on cuda:0."""
+    import conveyor.worker.main as worker_main
+    from conveyor.ipc.step_channel import StepChannels
+    from conveyor.runtime.config import WorkerConfig
+
+    calls: list[str] = []
+
+    class Loaded(Exception):
+        pass
+
+    def build_runner(*args, **kwargs):
+        calls.append("build_runner")
+        raise Loaded
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(f"set_device {torch.device(device)}"))
+    monkeypatch.setattr(worker_main, "build_runner", build_runner)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: calls.append("init_process_group"))
+    channels = StepChannels.for_server(str(tmp_path), "ipc://unused-p", "ipc://unused-r", shm=False, plan_readers=tp_size)
+    config = WorkerConfig("unused", None, channels, device="cuda", first_device=tp_size, tensor_parallel_size=tp_size)
+    with pytest.raises(Loaded):
+        worker_main._start(config, None)
+    group = ["init_process_group"] if tp_size > 1 else []
+    assert calls == [f"set_device cuda:{tp_size}", *group, "build_runner"]

@@ -5,6 +5,11 @@
   it generates ``max(output_len)`` tokens for every row; only each request's own
   ``output_len`` count as output. A logits processor stamps every decoding step with the
   number of rows still producing useful tokens: the occupancy timeline.
+- ``hf-compiled``: ``hf`` with transformers' static KV cache, whose forward transformers
+  compiles on CUDA (``torch.compile``, mode ``reduce-overhead``: CUDA graphs): the strongest
+  single-stream peer a stock image runs. Compilation is per shape, so its warm-up is the
+  workload's first batch itself (a fixed workload's batches all share that shape); on CPU
+  transformers does not compile and it is the static cache alone.
 - ``hf-cb``: transformers' continuous batching, the engine behind ``generate_batch``. We
   drive its manager (``continuous_batching_context_manager`` + ``add_request``) instead of
   calling ``generate_batch`` itself because ``generate_batch`` takes one ``max_new_tokens``
@@ -92,7 +97,10 @@ def load_model(model_dir: str, device: str, dtype: str) -> Any:
     return model.to(device).eval()
 
 
-def run_hf_generate(model: Any, workload: Workload, batch_size: int, progress: Any) -> OfflineRun:
+def run_hf_generate(
+    model: Any, workload: Workload, batch_size: int, progress: Any, static_cache: bool = False
+) -> OfflineRun:
+    """``hf`` (``static_cache`` False) or ``hf-compiled`` (True) on ``workload``."""
     import torch
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -127,7 +135,8 @@ def run_hf_generate(model: Any, workload: Workload, batch_size: int, progress: A
             mask[row, width - r.prompt_len :] = 1
         max_new = max(r.output_len for r in batch)
         config = GenerationConfig(
-            max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=pad
+            max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=pad,
+            cache_implementation="static" if static_cache else None,
         )
         processors = LogitsProcessorList([clock] if clock is not None else [])
         with torch.inference_mode():
@@ -138,7 +147,8 @@ def run_hf_generate(model: Any, workload: Workload, batch_size: int, progress: A
             raise HFRunFailed(f"generate returned {out.shape[1] - width} new tokens, expected {max_new}")
         return out
 
-    generate([BenchRequest([11, 12, 13, 14], 8)] * 2, None)  # warm-up, untimed
+    warmup = workload.requests[:batch_size] if static_cache else [BenchRequest([11, 12, 13, 14], 8)] * 2
+    generate(warmup, None)  # untimed
     timeline = Timeline(source="hf generate: rows of the padded batch still short of their output_len, per step")
     first_token: list[float] = []
     latencies = [0.0] * len(workload.requests)
@@ -154,7 +164,9 @@ def run_hf_generate(model: Any, workload: Workload, batch_size: int, progress: A
         progress.update(len(batch))
     wall = time.perf_counter() - start
     extra = {"batch_size": batch_size, "padded_output_tokens": _padded_tokens(workload, batch_size)}
-    return OfflineRun.of("hf", workload, wall, latencies, ttfts, timeline, extra)
+    if static_cache:
+        extra["compiled"] = device.type == "cuda"
+    return OfflineRun.of("hf-compiled" if static_cache else "hf", workload, wall, latencies, ttfts, timeline, extra)
 
 
 def _padded_tokens(workload: Workload, batch_size: int) -> int:

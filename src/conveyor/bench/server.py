@@ -10,12 +10,18 @@ What bin/serve prints there is the server's own account of itself: the pid of ea
 (``conveyor: NAME ready (pid N)``), read for :meth:`BenchServer.cpu_seconds`, and with
 ``--http-port`` the URL of its OpenAI API (:attr:`BenchServer.http_url`; ``--http-port 0``
 lets the HTTP process bind a free port, so runs never collide on one).
+
+The log of a failed run (bin/serve not ready, exited on its own, or the ``with`` block left
+by an exception) outlives the temporary directory: it is copied to ``$CONVEYOR_SERVE_LOG_DIR``
+(default: the system's temporary directory) and its tail printed, so a worker's traceback
+is never lost with the directory.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,8 +57,8 @@ class BenchServer:
         self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.stop(failed=exc_type is not None)
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "conveyor.cli.serve", "--host", self.address, *self.args]
@@ -60,12 +66,16 @@ class BenchServer:
         with open(self.log_path, "w", encoding="utf-8") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self.ready_line and self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-            self.ready_line = next((ln for ln in self._log_lines() if " ready on " in ln), "")
+        try:
+            while not self.ready_line and self.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+                self.ready_line = next((ln for ln in self._log_lines() if " ready on " in ln), "")
+        except BaseException:  # Ctrl-C or a stage's SIGINT while starting: no orphaned server
+            self.stop(failed=True)
+            raise
         if not self.ready_line or self.proc.poll() is not None:
             tail = self.log_tail()
-            self.stop()
+            self.stop(failed=True)
             raise ServeError(f"bin/serve {' '.join(self.args)} did not become ready:\n{tail}")
         # Every line before the ready line is written by then (one log, flushed per line).
         for line in self._log_lines():
@@ -86,16 +96,30 @@ class BenchServer:
             out[name] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
         return out
 
-    def stop(self) -> None:
+    def stop(self, failed: bool = False) -> None:
+        """Stop the server; ``failed`` (or a server that had already exited) keeps its log."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
+        if proc is not None and proc.poll() is not None:
+            failed = True
+        elif proc is not None:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+        if failed and self.log_path.exists():
+            self.keep_log()
         self._dir.cleanup()
+
+    def keep_log(self) -> Path:
+        """Copy the log out of the temporary directory and print where, with its tail."""
+        keep_dir = Path(os.environ.get("CONVEYOR_SERVE_LOG_DIR") or tempfile.gettempdir())
+        keep_dir.mkdir(parents=True, exist_ok=True)
+        kept = keep_dir / f"serve-failed-{os.getpid()}-{time.strftime('%H%M%S')}-{id(self) % 10000}.log"
+        shutil.copyfile(self.log_path, kept)
+        print(f"bin/serve's log kept at {kept}; its tail:\n{self.log_tail()}", file=sys.stderr)
+        return kept
 
     def _log_lines(self) -> list[str]:
         try:

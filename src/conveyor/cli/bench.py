@@ -16,7 +16,8 @@ idle column is the worker's idle fraction from the server profile), ``conveyor-z
 ``conveyor-http`` (online only: bin/serve --http-port on a free port, the same load as
 streamed ``/v1/completions`` through the OpenAI HTTP API; with ``conveyor`` it measures what
 the HTTP face costs; ``--http`` adds it), ``hf`` (transformers ``generate`` on padded
-batches) and ``hf-cb`` (transformers continuous batching). Every system gets the same
+batches), ``hf-compiled`` (the same with a static KV cache, compiled on CUDA: CUDA graphs)
+and ``hf-cb`` (transformers continuous batching). Every system gets the same
 concurrency cap, ``--batch-size``: the server's --max-num-seqs, the padded batch size, and
 hf-cb's max requests per batch. A system that cannot run here is reported as such, with
 the reason; no number is ever invented for it. docs/benchmarks.md has the method and results.
@@ -53,7 +54,7 @@ SERVED = {
 }
 # Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
 HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}
-IN_PROCESS = ("hf", "hf-cb")
+IN_PROCESS = ("hf", "hf-compiled", "hf-cb")
 ALL_SYSTEMS = (*SERVED, *HTTP_SERVED, *IN_PROCESS)
 TIMEOUT_S = 3600.0
 
@@ -174,8 +175,10 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
 
                                 torch.set_num_threads(args.threads)
                             hf_model = hf.load_model(model_dir, device, args.dtype)
-                        if name == "hf":
-                            run = hf.run_hf_generate(hf_model, workload, args.batch_size, bar)
+                        if name in ("hf", "hf-compiled"):
+                            run = hf.run_hf_generate(
+                                hf_model, workload, args.batch_size, bar, static_cache=name == "hf-compiled"
+                            )
                         else:
                             run = hf.run_hf_cb(
                                 hf_model, workload, args.batch_size, args.max_batched_tokens, args.kv_cache_memory, bar

@@ -140,15 +140,17 @@ def init_tensor_parallel(
     (or ``timeout_s`` passes). Size 1 creates no process group.
 
     ``timeout_s`` bounds every later collective too, so a rank whose peer died raises instead
-    of waiting forever. With ``nccl``, the rank's CUDA device (``device``, by default
-    ``cuda:<rank>``; see :func:`rank_device`) is made current.
+    of waiting forever. With ``nccl`` (a CUDA device, at any size, 1 too), the rank's device
+    (``device``, by default ``cuda:<rank>``; see :func:`rank_device`) is made current here, the
+    one place a worker selects its GPU: Triton launches on the current device, so a
+    data-parallel replica on cuda:1 that skipped this would run its kernels on cuda:0.
     """
-    if size == 1:
-        return TensorParallel(rank, 1, None)
     device_id = None
     if backend == "nccl":
         device_id = torch.device(device or f"cuda:{rank}")
         torch.cuda.set_device(device_id)
+    if size == 1:
+        return TensorParallel(rank, 1, None)
     dist.init_process_group(
         backend,
         init_method=init_method,

@@ -156,7 +156,7 @@ def build_runner(
 def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     """Join the tensor-parallel group (with more than one rank), load the model (this rank's
     shard), size the KV pool and the swap space (agreed across ranks), connect the step channel."""
-    from conveyor.worker.model_runner import PlanRefused
+    from conveyor.worker.plan_check import PlanRefused
     from conveyor.worker.parallel import (
         TensorParallel,
         close_tensor_parallel,
@@ -254,7 +254,9 @@ class StepLoop:
     ``results`` None: a tensor-parallel rank other than 0, which runs every step and sends
     nothing. A step whose launch or finish raises a ``recoverable`` exception fails alone (its
     result carries the error); any other exception ends the loop (raised), as a tensor-parallel
-    rank must when its group may be out of step.
+    rank must when its group may be out of step. The plan planned ahead of a failed step is
+    failed by the runner (:mod:`conveyor.worker.model_runner`, the one place of that rule): the
+    loop sends what the runner returns or raises, in step order.
     """
 
     def __init__(
@@ -278,7 +280,6 @@ class StepLoop:
         self.t_wait = prof.timer("wait_tokens", arg_name="step")  # finishing a launched step
         self.t_send = prof.timer("send_result", arg_name="step")
         self.pending = None  # (launched step, or the StepResult of a launch that failed)
-        self.failed = False  # the last finished step failed: a plan launched ahead of it fails too
 
     def run(self) -> None:
         idle_start = profiling.now_ns()
@@ -353,12 +354,6 @@ class StepLoop:
                 result = self.runner.finish(pending)
             except self.recoverable as exc:
                 result = failed_step(pending.step_id, exc)
-            if self.failed and pending.planned_ahead and result.error is None:
-                # Launched before the step it was planned ahead of failed at the finish.
-                result = StepResult(
-                    pending.step_id, [], [], error=f"step {pending.step_id} was planned ahead of a step that failed"
-                )
-        self.failed = result.error is not None
         send_start = self.t_wait.record(start, arg=result.step_id)
         if self.results is not None:
             self.results.send(result)

@@ -2,10 +2,11 @@
 
 At arrival (:func:`rejection_reason`) a request is refused with an error output when it
 could never be served here: its id is live already, it could never fit the KV pool, or a
-field the frontend validates (:mod:`conveyor.protocol.messages` and the frontend's length
-checks) is out of range. The frontend refuses such requests before they get here; the
-scheduler checks them again because it also takes :class:`AddRequest` messages from other
-callers (tests, benchmarks) and must never let one break its invariants.
+field the frontend validates is out of range (:func:`~conveyor.protocol.messages.context_problem`,
+the one statement of those rules). The frontend refuses such requests before they get here;
+the scheduler applies the same function at its entry because it also takes
+:class:`AddRequest` messages from in-process callers (the engine, tests, benchmarks) and must
+never let one break its invariants. The worker does not repeat these rules.
 
 Each iteration, phase 2 (:func:`~conveyor.scheduler.planning.plan_prompts`) offers the head
 of the waiting queue to :func:`try_admit` while the admission gate

@@ -1,0 +1,202 @@
+"""The synchronous client: :class:`Client`, the I/O over :class:`~conveyor.client.connection._Connection`
+(a blocking socket and a poller; replies for the client's other requests are buffered)."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import time
+from typing import Any, Iterator
+
+import zmq
+
+from conveyor.client.connection import (
+    CONTROL_KEYS,
+    DRAIN_MAX,
+    CompletionResult,
+    Connection,
+    Delta,
+    abort_message,
+    awaited_key,
+    check_error,
+    completion_result,
+    generate_message,
+    metrics_message,
+    pack_request,
+    profile_message,
+    stats_message,
+    to_delta,
+)
+from conveyor.protocol import messages as cp
+
+
+class Client(Connection):
+    """Synchronous client. Replies for other requests of this client are buffered, not lost."""
+
+    _CONTEXT = zmq.Context
+
+    def _init_delivery(self) -> None:
+        self._inbox: dict[str | None, collections.deque] = collections.defaultdict(collections.deque)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _deliver(self, key: str | None, reply: dict[str, Any]) -> None:
+        self._inbox[key].append(reply)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **fields: Any,
+    ) -> CompletionResult:
+        msg = generate_message(prompt, messages, token_ids, request_id, False, fields)
+        self._send(msg)
+        try:
+            while True:
+                reply = self._next(msg["request_id"])
+                if reply["type"] == cp.FINAL:
+                    return completion_result(reply)
+        except KeyboardInterrupt:  # nobody waits for it any more: free the server's work
+            self._abandon(msg["request_id"])
+            raise
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **fields: Any,
+    ) -> Iterator[Delta]:
+        msg = generate_message(prompt, messages, token_ids, request_id, True, fields)
+        self._send(msg)
+        finished = False
+        try:
+            while not finished:
+                delta = to_delta(self._next(msg["request_id"]))
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:  # the caller stopped iterating early: free the server's work
+                self._abandon(msg["request_id"])
+
+    def abort(self, request_id: str) -> None:
+        self._send(abort_message(request_id))
+        self._aborted.add(request_id)
+
+    def stats(self, *, iterations: bool = False) -> dict[str, Any]:
+        """The server's block pool, queues and counters (docs/protocol.md, ``stats``);
+        ``iterations`` adds ``iterations``, the log of the most recent iterations (up to 256
+        maps: batch, tokens, blocks and waits of each)."""
+        self._send(stats_message(iterations))
+        return self._next("__stats__")
+
+    def profile(self, window_s: float = 60.0, *, trace: bool = False, series: list[str] | None = None) -> dict[str, Any]:
+        """Every process's latency profile over the last ``window_s`` s (docs/protocol.md, ``profile``).
+
+        ``trace`` adds each process's recent spans (``conveyor.profiling.chrome_trace``
+        turns the reply's ``processes`` into one Chrome/Perfetto trace); ``series`` names value
+        series whose raw samples to include, e.g. ``["batch_seqs"]``.
+        """
+        self._send(profile_message(window_s, trace, series))
+        return self._next("__profile__")
+
+    def metrics(self) -> dict[str, Any]:
+        """The frontend's request-level metrics (docs/protocol.md, ``metrics``): ``counters``
+        (``prompt_tokens``, ``generation_tokens``, ``request_success`` by finish reason) and
+        ``histograms`` (name -> ``{buckets, counts, sum, count}``, seconds; ``counts`` per
+        bucket, not cumulative, its last entry above every bound), all since the server
+        started. :func:`conveyor.http.prometheus.exposition` renders it with :meth:`stats`."""
+        self._send(metrics_message())
+        return self._next("__metrics__")
+
+    def close(self) -> None:
+        self._close_socket()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        data = pack_request(msg)
+        self._take_events()  # a loss or a handshake since the last look
+        key = awaited_key(msg, self._awaiting, self._abandoned, self._aborted)
+        if not self._connected and self.connect_timeout is not None:
+            self._await_server()
+        self._sock.send(data)
+        if key is not None:
+            self._awaiting.add(key)
+
+    def _await_server(self) -> None:
+        """Wait up to ``connect_timeout`` for the handshake with the server; a refusal raises
+        at once (a ZeroMQ client retries forever, and is refused every time)."""
+        deadline = time.monotonic() + self.connect_timeout
+        while not self._connected:
+            remaining = deadline - time.monotonic()
+            if self._refusal is not None or remaining <= 0:
+                raise self._not_connected()
+            if self._monitor.poll(max(1, int(remaining * 1000))):
+                self._take_events()
+
+    def _take_events(self) -> None:
+        """Handle every queued monitor event; on the loss of the server, first take the replies
+        that arrived before it, then fail every request still waiting (ServerGoneError)."""
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self._on_event(frames):
+                self._take_replies(limit=None)
+                self._fail_awaiting()
+
+    def _take_replies(self, limit: int | None = DRAIN_MAX) -> None:
+        """Buffer the replies already received, at most ``limit`` (None: all); an error that
+        names no request raises."""
+        for _ in itertools.count() if limit is None else range(limit):
+            try:
+                raw = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reply = cp.unpack_map(raw)
+            check_error(reply)
+            self._route(reply)
+
+    def _abandon(self, request_id: str) -> None:
+        """Abort a request nobody will read any more; its late replies are dropped on arrival
+        (see :meth:`Connection._mark_abandoned`)."""
+        self._inbox.pop(request_id, None)
+        if not self._mark_abandoned(request_id):
+            return
+        try:
+            self._sock.send(pack_request(abort_message(request_id)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the queue to a server long gone is full; the server drops a lost connection's requests itself
+
+    def _next(self, key: str) -> dict[str, Any]:
+        """The next message for ``key`` (a request id, or "__stats__"), buffering others."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while not self._inbox[key]:
+            wait = None if deadline is None else deadline - time.monotonic()
+            ready = dict(self._poller.poll(None if wait is None else max(0, math.ceil(wait * 1000))))
+            if self._sock in ready:
+                self._take_replies()
+            if self._monitor in ready:
+                self._take_events()
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                if key not in CONTROL_KEYS.values():
+                    self._abandon(key)
+                raise TimeoutError(f"no reply from {self.address} within {self.timeout} s")
+        reply = self._inbox[key].popleft()
+        if not self._inbox[key]:
+            del self._inbox[key]
+        check_error(reply)  # a lost connection's marker
+        return reply

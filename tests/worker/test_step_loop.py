@@ -9,6 +9,7 @@ that records its calls.
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 
 import pytest
@@ -17,7 +18,7 @@ from conveyor import profiling
 from conveyor.ipc.messages import Shutdown, StepPlan, StepResult
 from tests import plans
 from conveyor.ipc.step_channel import PeerGone
-from conveyor.worker.main import StepLoop, resolve_pipeline
+from conveyor.worker.main import StepLoop, build_runner, resolve_pipeline
 
 
 class ScriptedRunner:
@@ -116,3 +117,23 @@ def test_pipeline_setting(setting, device, expected):
     assert resolve_pipeline(setting, device) is expected
     with pytest.raises(ValueError):
         resolve_pipeline("sometimes", device)
+
+
+def test_the_runner_is_built_from_the_worker_config_whole(tmp_path):
+    """_start hands build_runner every WorkerConfig field it takes (their names are its
+    keywords), so no setting of bin/serve's is left behind on the way to the runner."""
+    from conveyor.ipc.step_channel import StepChannels
+    from conveyor.ipc.transport import ServerAddresses
+    from conveyor.runtime.config import WorkerConfig
+    from conveyor.worker.main import runner_fields
+
+    addresses = ServerAddresses.in_run_dir(str(tmp_path), "tcp://127.0.0.1:1")
+    channels = StepChannels.for_server(str(tmp_path), addresses.plans, addresses.results, shm=False)
+    worker = WorkerConfig(
+        "m", addresses, channels, block_size=8, num_blocks=40, max_num_seqs=7, enforce_eager=True, first_device=2
+    )
+    fields = runner_fields(worker)
+    assert fields["block_size"] == 8 and fields["num_blocks"] == 40 and fields["max_num_seqs"] == 7
+    assert fields["enforce_eager"] is True and fields["model_dir"] == "m" and fields["first_device"] == 2
+    taken = set(inspect.signature(build_runner).parameters) - {"num_threads", "profiler", "tensor_parallel"}
+    assert set(fields) == taken

@@ -11,20 +11,8 @@ import zmq
 import zmq.asyncio
 
 from conveyor.client.connection import (
-    DRAIN_MAX,
-    CompletionResult,
-    Connection,
-    Delta,
-    abort_message,
-    awaited_key,
-    check_error,
-    completion_result,
-    generate_message,
-    metrics_message,
-    pack_request,
-    profile_message,
-    stats_message,
-    to_delta,
+    DRAIN_MAX, CompletionResult, Connection, Delta, abort_message, awaited_key, check_error,
+    completion_result, pack_request, to_delta,
 )
 from conveyor.protocol import messages as cp
 
@@ -40,16 +28,7 @@ class AsyncClient(Connection):
         self._watcher: asyncio.Task | None = None  # reads the monitor (see _watch_loop)
         self._link_changed: asyncio.Event | None = None  # set by the watcher after each event
 
-    async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        token_ids: list[int] | None = None,
-        request_id: str | None = None,
-        **fields: Any,
-    ) -> CompletionResult:
-        msg = generate_message(prompt, messages, token_ids, request_id, False, fields)
+    async def _complete(self, msg: dict[str, Any]) -> CompletionResult:
         async with self._request(msg["request_id"]) as queue:
             await self._send(msg)
             try:
@@ -61,16 +40,7 @@ class AsyncClient(Connection):
                 await self._abandon(msg["request_id"], queue)
                 raise
 
-    async def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        token_ids: list[int] | None = None,
-        request_id: str | None = None,
-        **fields: Any,
-    ) -> AsyncIterator[Delta]:
-        msg = generate_message(prompt, messages, token_ids, request_id, True, fields)
+    async def _stream(self, msg: dict[str, Any]) -> AsyncIterator[Delta]:
         finished = False
         async with self._request(msg["request_id"]) as queue:
             await self._send(msg)
@@ -88,28 +58,13 @@ class AsyncClient(Connection):
         # at it (without iterating to the end or closing the stream) may reuse the id at once.
         yield delta
 
-    async def abort(self, request_id: str) -> None:
+    async def _abort(self, request_id: str) -> None:
         await self._send(abort_message(request_id))
         self._aborted.add(request_id)
 
-    async def stats(self, *, iterations: bool = False) -> dict[str, Any]:
-        """As :meth:`Client.stats`."""
-        async with self._request("__stats__") as queue:
-            await self._send(stats_message(iterations))
-            return await self._next(queue, None)
-
-    async def profile(
-        self, window_s: float = 60.0, *, trace: bool = False, series: list[str] | None = None
-    ) -> dict[str, Any]:
-        """As :meth:`Client.profile`."""
-        async with self._request("__profile__") as queue:
-            await self._send(profile_message(window_s, trace, series))
-            return await self._next(queue, None)
-
-    async def metrics(self) -> dict[str, Any]:
-        """As :meth:`Client.metrics`."""
-        async with self._request("__metrics__") as queue:
-            await self._send(metrics_message())
+    async def _command(self, key: str, msg: dict[str, Any]) -> dict[str, Any]:
+        async with self._request(key) as queue:
+            await self._send(msg)
             return await self._next(queue, None)
 
     async def close(self) -> None:

@@ -146,6 +146,13 @@ def generate_message(
     return msg
 
 
+def _request_message(prompt: str | None, stream: bool, request: dict[str, Any]) -> dict[str, Any]:
+    """:func:`generate_message` for the keywords of ``Client.generate`` / ``stream``."""
+    fields = dict(request)
+    inputs = [fields.pop(name, None) for name in ("messages", "token_ids", "request_id")]
+    return generate_message(prompt, *inputs, stream, fields)
+
+
 def to_delta(msg: dict[str, Any]) -> Delta:
     """Turn a server message of a streamed request into a Delta."""
     if msg["type"] == cp.DELTA:
@@ -262,9 +269,15 @@ class Connection:
     monitor's events keep (whether the server is connected, and why it refused us), and the
     bookkeeping of the requests sent on the connection, which both route replies by.
 
-    A subclass names its ZeroMQ context class (``_CONTEXT``: plain or asyncio), sets up
-    where replies wait for their reader in ``_init_delivery`` and hands a routed reply
-    there in ``_deliver``; everything that decides which reply goes where is here, once."""
+    The public calls are written here, once: each builds its message and hands it to the
+    subclass's I/O, which is all a subclass adds: ``_complete`` (send a generate request,
+    return its :class:`CompletionResult`), ``_stream`` (send one, yield its deltas),
+    ``_abort`` and ``_command`` (send a command, return its one answer), plain functions in
+    :class:`~conveyor.client.sync.Client`, coroutines and an async generator in
+    :class:`~conveyor.client.aio.AsyncClient` (whose calls are then awaited, or iterated with
+    ``async for``). It also names its ZeroMQ context class (``_CONTEXT``: plain or asyncio),
+    sets up where replies wait for their reader in ``_init_delivery`` and hands a routed
+    reply there in ``_deliver``; everything that decides which reply goes where is here, once."""
 
     _CONTEXT: type[zmq.Context]
 
@@ -291,6 +304,48 @@ class Connection:
         self._awaiting: set[str] = set()  # keys sent on this connection whose final (or answer) is to come
         self._aborted: set[str] = set()  # ids the caller aborted whose final is still to come (free for reuse)
         self._init_delivery()
+
+    def generate(self, prompt: str | None = None, **request: Any) -> Any:
+        """One completion: its :class:`CompletionResult` (awaited, with :class:`AsyncClient`).
+
+        The input is ``prompt``, or the keyword ``messages`` (a chat) or ``token_ids``; the
+        keyword ``request_id`` names the request (default: a fresh uuid; a finished request's
+        id continues it); the other keywords are the request fields of the protocol (module
+        docstring of :mod:`conveyor.client`)."""
+        return self._complete(_request_message(prompt, False, request))
+
+    def stream(self, prompt: str | None = None, **request: Any) -> Any:
+        """As :meth:`generate`, streamed: an iterator of :class:`Delta` (async, with
+        :class:`AsyncClient`), the last one carrying the finish reason. Stopping early aborts
+        the request at the server."""
+        return self._stream(_request_message(prompt, True, request))
+
+    def abort(self, request_id: str) -> Any:
+        """Abort a request of this client; its id is free for reuse at once."""
+        return self._abort(request_id)
+
+    def stats(self, *, iterations: bool = False) -> Any:
+        """The server's block pool, queues and counters (docs/protocol.md, ``stats``);
+        ``iterations`` adds ``iterations``, the log of the most recent iterations (up to 256
+        maps: batch, tokens, blocks and waits of each)."""
+        return self._command(CONTROL_KEYS[cp.STATS_REPLY], stats_message(iterations))
+
+    def profile(self, window_s: float = 60.0, *, trace: bool = False, series: list[str] | None = None) -> Any:
+        """Every process's latency profile over the last ``window_s`` s (docs/protocol.md, ``profile``).
+
+        ``trace`` adds each process's recent spans (``conveyor.profiling.chrome_trace``
+        turns the reply's ``processes`` into one Chrome/Perfetto trace); ``series`` names value
+        series whose raw samples to include, e.g. ``["batch_seqs"]``.
+        """
+        return self._command(CONTROL_KEYS[cp.PROFILE_REPLY], profile_message(window_s, trace, series))
+
+    def metrics(self) -> Any:
+        """The frontend's request-level metrics (docs/protocol.md, ``metrics``): ``counters``
+        (``prompt_tokens``, ``generation_tokens``, ``request_success`` by finish reason) and
+        ``histograms`` (name -> ``{buckets, counts, sum, count}``, seconds; ``counts`` per
+        bucket, not cumulative, its last entry above every bound), all since the server
+        started. :func:`conveyor.http.prometheus.exposition` renders it with :meth:`stats`."""
+        return self._command(CONTROL_KEYS[cp.METRICS_REPLY], metrics_message())
 
     def _init_delivery(self) -> None:
         """Set up where routed replies wait for their reader (the subclass's own state)."""

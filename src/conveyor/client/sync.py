@@ -12,21 +12,8 @@ from typing import Any, Iterator
 import zmq
 
 from conveyor.client.connection import (
-    CONTROL_KEYS,
-    DRAIN_MAX,
-    CompletionResult,
-    Connection,
-    Delta,
-    abort_message,
-    awaited_key,
-    check_error,
-    completion_result,
-    generate_message,
-    metrics_message,
-    pack_request,
-    profile_message,
-    stats_message,
-    to_delta,
+    CONTROL_KEYS, DRAIN_MAX, CompletionResult, Connection, Delta, abort_message, awaited_key,
+    check_error, completion_result, pack_request, to_delta,
 )
 from conveyor.protocol import messages as cp
 
@@ -45,16 +32,7 @@ class Client(Connection):
     def _deliver(self, key: str | None, reply: dict[str, Any]) -> None:
         self._inbox[key].append(reply)
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        token_ids: list[int] | None = None,
-        request_id: str | None = None,
-        **fields: Any,
-    ) -> CompletionResult:
-        msg = generate_message(prompt, messages, token_ids, request_id, False, fields)
+    def _complete(self, msg: dict[str, Any]) -> CompletionResult:
         self._send(msg)
         try:
             while True:
@@ -65,16 +43,7 @@ class Client(Connection):
             self._abandon(msg["request_id"])
             raise
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        token_ids: list[int] | None = None,
-        request_id: str | None = None,
-        **fields: Any,
-    ) -> Iterator[Delta]:
-        msg = generate_message(prompt, messages, token_ids, request_id, True, fields)
+    def _stream(self, msg: dict[str, Any]) -> Iterator[Delta]:
         self._send(msg)
         finished = False
         try:
@@ -86,35 +55,13 @@ class Client(Connection):
             if not finished:  # the caller stopped iterating early: free the server's work
                 self._abandon(msg["request_id"])
 
-    def abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str) -> None:
         self._send(abort_message(request_id))
         self._aborted.add(request_id)
 
-    def stats(self, *, iterations: bool = False) -> dict[str, Any]:
-        """The server's block pool, queues and counters (docs/protocol.md, ``stats``);
-        ``iterations`` adds ``iterations``, the log of the most recent iterations (up to 256
-        maps: batch, tokens, blocks and waits of each)."""
-        self._send(stats_message(iterations))
-        return self._next("__stats__")
-
-    def profile(self, window_s: float = 60.0, *, trace: bool = False, series: list[str] | None = None) -> dict[str, Any]:
-        """Every process's latency profile over the last ``window_s`` s (docs/protocol.md, ``profile``).
-
-        ``trace`` adds each process's recent spans (``conveyor.profiling.chrome_trace``
-        turns the reply's ``processes`` into one Chrome/Perfetto trace); ``series`` names value
-        series whose raw samples to include, e.g. ``["batch_seqs"]``.
-        """
-        self._send(profile_message(window_s, trace, series))
-        return self._next("__profile__")
-
-    def metrics(self) -> dict[str, Any]:
-        """The frontend's request-level metrics (docs/protocol.md, ``metrics``): ``counters``
-        (``prompt_tokens``, ``generation_tokens``, ``request_success`` by finish reason) and
-        ``histograms`` (name -> ``{buckets, counts, sum, count}``, seconds; ``counts`` per
-        bucket, not cumulative, its last entry above every bound), all since the server
-        started. :func:`conveyor.http.prometheus.exposition` renders it with :meth:`stats`."""
-        self._send(metrics_message())
-        return self._next("__metrics__")
+    def _command(self, key: str, msg: dict[str, Any]) -> dict[str, Any]:
+        self._send(msg)
+        return self._next(key)
 
     def close(self) -> None:
         self._close_socket()

@@ -45,11 +45,13 @@ result back by a step.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -153,6 +155,13 @@ def build_runner(
     )
 
 
+def runner_fields(config: WorkerConfig) -> dict[str, Any]:
+    """The fields of ``config`` that :func:`build_runner` takes, whose keywords are named as
+    those fields are (``num_threads`` aside: the process decides it, see :func:`_start`)."""
+    taken = set(inspect.signature(build_runner).parameters) - {"num_threads"}
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in taken}
+
+
 def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     """Join the tensor-parallel group (with more than one rank), load the model (this rank's
     shard), size the KV pool and the swap space (agreed across ranks), connect the step channel."""
@@ -182,23 +191,7 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         return idle / (idle + busy) if idle + busy > 0 else 1.0
 
     prof.derive("idle_fraction", idle_fraction)
-    runner = build_runner(
-        config.model_dir,
-        device=config.device,
-        dtype=config.dtype,
-        block_size=config.block_size,
-        num_blocks=config.num_blocks,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        attention=config.attention,
-        num_cpu_blocks=config.num_cpu_blocks,
-        swap_space_bytes=config.swap_space_bytes,
-        num_threads=num_threads,
-        profiler=prof,
-        tensor_parallel=tp,
-        max_num_seqs=config.max_num_seqs,
-        enforce_eager=config.enforce_eager,
-        first_device=config.first_device,
-    )
+    runner = build_runner(**runner_fields(config), num_threads=num_threads, profiler=prof, tensor_parallel=tp)
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)
     loop = StepLoop(

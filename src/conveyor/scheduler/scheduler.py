@@ -2,8 +2,12 @@
 
 Pure logic, no I/O and no torch: :mod:`conveyor.scheduler.main` feeds it messages and
 moves plans and results over sockets; tests drive it with a fake worker. This module holds
-the state and the skeleton of an iteration; each phase lives in a module of its own:
+the protocol with its caller and the skeleton of an iteration; the state every phase receives
+is one object, :class:`~conveyor.scheduler.state.SchedulerState`, and each phase lives in a
+module of its own:
 
+- :mod:`~conveyor.scheduler.state`: the shared state, finishing a request, slots given and
+  taken back, and the plans in flight (:class:`~conveyor.scheduler.state.PlansInFlight`);
 - :mod:`~conveyor.scheduler.step`: the plan under construction (and in flight);
 - :mod:`~conveyor.scheduler.planning`: phase 1 (decodes) and phase 2 (prompts by rank);
 - :mod:`~conveyor.scheduler.admission`: refusal at arrival, the admission gate, admitting;

@@ -115,7 +115,7 @@ class Load:
 
     def fill(self) -> None:
         sched = self.scheduler
-        while len(sched.table.live) < self.n:
+        while len(sched.state.table.live) < self.n:
             assert sched.add_request(self.request()) is None
 
 

@@ -206,8 +206,8 @@ class Harness:
                 assert wait is not None, "live requests but no plan and nothing to wait for: " + "; ".join(
                     f"{r.request_id} {r.status.name} computed={r.num_computed_tokens}/{r.num_tokens} "
                     f"blocks={r.block_ids} cpu={r.cpu_blocks}"
-                    for r in list(self.scheduler.table.running) + list(self.scheduler.queue)
-                ) + f" pool available={self.scheduler.pool.num_available}"
+                    for r in list(self.scheduler.state.table.running) + list(self.scheduler.state.queue)
+                ) + f" pool available={self.scheduler.state.kv.gpu.num_available}"
                 self.clock.advance(wait + 1e-6)
             steps += 1
             assert steps <= max_steps, "no progress"
@@ -231,13 +231,13 @@ class Harness:
 
     def check(self) -> None:
         self.scheduler.check_invariants()
-        pool = self.scheduler.pool
+        pool = self.scheduler.state.kv.gpu
         assert pool.num_free + pool.num_cached + pool.num_held == pool.total
 
     def check_idle(self) -> None:
-        pool = self.scheduler.pool
+        pool = self.scheduler.state.kv.gpu
         assert pool.num_held == 0, f"{pool.num_held} blocks still held"
-        cpu = self.scheduler.kv.swap.pool
+        cpu = self.scheduler.state.kv.swap.pool
         assert cpu is None or cpu.num_held == 0, f"{cpu.num_held} CPU blocks still held"
         assert self.scheduler.num_running == 0 and self.scheduler.num_waiting == 0
 

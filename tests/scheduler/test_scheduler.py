@@ -94,7 +94,7 @@ def test_waiting_head_that_lacks_blocks_is_not_skipped_without_bypass():
     assert h.scheduler.num_waiting == 2
     # a and b finished in that same iteration: their blocks are already back.
     assert h.final["a"].finish_reason == FinishReason.LENGTH
-    assert h.scheduler.pool.num_held == 0
+    assert h.scheduler.state.kv.gpu.num_held == 0
     assert h.scheduler.get_request("a") is None
     plan = h.step()
     assert ids(plan.new_requests) == ["c", "d"]
@@ -107,12 +107,12 @@ def test_retired_request_frees_blocks_in_the_same_iteration():
     h.add("a", prompt_len=6, max_tokens=2)
     h.add("b", prompt_len=6, max_tokens=5)
     h.step()
-    held_before = h.scheduler.pool.num_held
+    held_before = h.scheduler.state.kv.gpu.num_held
     a_blocks = 2
     plan = h.schedule()
     outs = h.finish_step(plan)
     assert [o.finish_reason for o in outs] == [FinishReason.LENGTH, None]
-    assert h.scheduler.pool.num_held == held_before - a_blocks
+    assert h.scheduler.state.kv.gpu.num_held == held_before - a_blocks
     assert h.scheduler.num_running == 1
     plan = h.step()
     assert h.finished_ids(plan) == ["a"] and h.cached_ids(plan) == ["b"]
@@ -268,7 +268,7 @@ def test_preemption_evicts_the_newest_and_requeues_it_first():
     assert h.scheduler.stats()["num_preemptions"] == 1
     c = h.scheduler.get_request("C")
     assert c.status is RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and not c.block_ids
-    assert ids(sorted(h.scheduler.queue, key=lambda r: r.rank)) == ["C", "D"]  # C ahead of the later arrival D
+    assert ids(sorted(h.scheduler.state.queue, key=lambda r: r.rank)) == ["C", "D"]  # C ahead of the later arrival D
     outputs_before = len(h.tokens["C"])
     assert outputs_before > 0
     h.run()
@@ -387,17 +387,17 @@ def test_check_invariants_catches_slot_bookkeeping_errors():
         h.scheduler.check_invariants()
 
     h = running_pair()
-    h.scheduler.free_slots.pop()  # a slot lost: neither free nor held
+    h.scheduler.state.free_slots.pop()  # a slot lost: neither free nor held
     with pytest.raises(AssertionError, match="lost"):
         h.scheduler.check_invariants()
 
     h = running_pair()
-    h.scheduler.free_slots.append(h.scheduler.get_request("a").slot)
+    h.scheduler.state.free_slots.append(h.scheduler.get_request("a").slot)
     with pytest.raises(AssertionError, match="free twice|both held and free"):
         h.scheduler.check_invariants()
 
     h = running_pair()
-    h.scheduler.finished_slots.append(h.scheduler.get_request("b").slot)  # dropped while held
+    h.scheduler.state.finished_slots.append(h.scheduler.get_request("b").slot)  # dropped while held
     with pytest.raises(AssertionError, match="queued to be dropped but held"):
         h.scheduler.check_invariants()
 
@@ -434,7 +434,7 @@ def test_abort_waiting_and_running():
     assert out.finish_reason == FinishReason.ABORT and out.new_token_ids == [] and out.scheduled_time is None
     (out,) = h.abort("a")
     assert out.finish_reason == FinishReason.ABORT and out.scheduled_time is not None
-    assert h.scheduler.pool.num_held == 0
+    assert h.scheduler.state.kv.gpu.num_held == 0
     assert h.abort("a", "nope") == []
     assert not h.scheduler.has_work() and h.schedule() is None
     h.add("c")
@@ -450,10 +450,10 @@ def test_abort_between_schedule_and_update_drops_tokens():
     plan = h.schedule()
     (out,) = h.abort("a")
     assert out.finish_reason == FinishReason.ABORT
-    free_after_abort = h.scheduler.pool.num_available
+    free_after_abort = h.scheduler.state.kv.gpu.num_available
     outs = h.finish_step(plan)
     assert [o.request_id for o in outs] == ["b"]
-    assert h.scheduler.pool.num_available == free_after_abort
+    assert h.scheduler.state.kv.gpu.num_available == free_after_abort
     assert h.tokens["a"] == []
     plan = h.step()
     assert h.finished_ids(plan) == ["a"]
@@ -535,7 +535,7 @@ def test_worker_error_fails_the_plans_requests_only():
     for o in outs:
         assert o.finish_reason == FinishReason.ERROR and "injected failure" in o.error
         assert o.new_token_ids == []
-    assert h.scheduler.pool.num_held == 0
+    assert h.scheduler.state.kv.gpu.num_held == 0
     assert h.scheduler.num_waiting == 1
     plan = h.step()
     assert sorted(h.finished_ids(plan)) == ["a", "b"] and ids(plan.new_requests) == ["c"]
@@ -668,7 +668,7 @@ def test_finished_requests_are_forgotten():
         h.add(f"r{i}", prompt_len=3, max_tokens=2)
     h.run()
     assert len(h.final) == 50
-    assert not h.scheduler.table.live and not h.scheduler.table.running
+    assert not h.scheduler.state.table.live and not h.scheduler.state.table.running
 
 
 def test_scheduler_accepts_add_request_messages_directly():

@@ -243,13 +243,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         h, cfg = self.h, self.config
         sched = h.scheduler
         now = h.clock.now
-        waiting = {id(r): r for r in sched.queue}
+        waiting = {id(r): r for r in sched.state.queue}
         bypassed_before = {id(r): r.num_bypassed for r in waiting.values()}
         running_before = sched.num_running
         plan = h.schedule()
         static = cfg.batching == "static"
         if plan is None:
-            if static and not sched.declined:  # (declined: it stopped before admitting anything)
+            if static and not sched.state.declined:  # (declined: it stopped before admitting anything)
                 self._check_static_batch(running_before, list(waiting.values()), [], None)
             return None
         admitted = [sched.get_request(d.request_id) for d in plan.new_requests]
@@ -263,7 +263,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert r.num_bypassed > bypassed_before[id(r)], (
                         f"{x.request_id} passed {r.request_id} without a bypass"
                     )
-        for r in sched.queue:
+        for r in sched.state.queue:
             assert r.num_bypassed <= cfg.max_bypass
             if cfg.max_queue_time and r.status is RequestStatus.WAITING:
                 assert now - r.enqueue_time <= cfg.max_queue_time, f"{r.request_id} waited past max_queue_time"

@@ -349,11 +349,11 @@ def test_a_repeated_prefix_is_shared_and_not_recomputed():
     assert second.num_computed_tokens == 12 and h.scheduled_in(plan)["second"] == 3
     first = h.scheduler.get_request("first")
     assert second.block_ids[:3] == first.block_ids[:3]  # shared, not copied
-    assert all(h.scheduler.pool.refcount(b) == 2 for b in second.block_ids[:3])
+    assert all(h.scheduler.state.kv.gpu.refcount(b) == 2 for b in second.block_ids[:3])
     h.run()
     h.check_outcomes()
     # Both finished: their full blocks stay cached (not free) until evicted.
-    assert h.scheduler.pool.num_cached >= 3
+    assert h.scheduler.state.kv.gpu.num_cached >= 3
     h.add("third", prompt=system + [9], max_tokens=2)
     plan = h.step()
     assert new_req(plan, "third").num_computed_tokens == 12
@@ -488,7 +488,7 @@ def test_each_iteration_records_its_batch_and_block_state():
     assert row["batch_size"] == 2 and row["num_new"] == 2 and row["admitted"] == 2
     assert row["prefill_tokens"] == 10 and row["decode_tokens"] == 0 and row["input_tokens"] == 10
     assert row["avg_wait"] == pytest.approx(0.25) and row["max_wait"] == pytest.approx(0.5)
-    pool = h.scheduler.pool
+    pool = h.scheduler.state.kv.gpu
     assert (row["free_blocks"], row["held_blocks"], row["cached_blocks"]) == (pool.num_free, pool.num_held, pool.num_cached)
     h.step()
     row = h.scheduler.iterations.last()

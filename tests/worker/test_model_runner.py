@@ -44,11 +44,11 @@ def test_block_tables_follow_the_requests_and_stay_small(llama_dir):
     and table seen, not beyond."""
     runner = ModelRunner(llama_dir, block_size=4, num_blocks=64)
     runner.execute(plan(0, [new(f"r{i}", i, [5, 6, 7], [2 * i, 2 * i + 1]) for i in range(9)]))
-    assert runner._tables.shape[0] <= 2 * 9 and runner._tables.shape[1] <= 2 * 2
+    assert runner._requests.tables.shape[0] <= 2 * 9 and runner._requests.tables.shape[1] <= 2 * 2
     runner.execute(plan(1, [new("x", 3, [9], [40])], [CachedRow(0, [30, 31, 32], 3, 1)], finished=[3]))
-    assert runner._tables[0, :5].tolist() == [0, 1, 30, 31, 32]
-    assert runner._tables[3].tolist()[:2] == [40, 0] and not runner._tables[3, 1:].any()
-    assert runner._tables.shape[1] <= 2 * 5
+    assert runner._requests.tables[0, :5].tolist() == [0, 1, 30, 31, 32]
+    assert runner._requests.tables[3].tolist()[:2] == [40, 0] and not runner._requests.tables[3, 1:].any()
+    assert runner._requests.tables.shape[1] <= 2 * 5
 
 
 def test_slot_is_reused_in_the_plan_that_drops_it(runner, llama_dir):
@@ -124,6 +124,35 @@ def test_plan_ahead_of_a_failed_step_fails_unrun(runner):
     # A plan planned ahead of a step that succeeded runs.
     ok = plan(4, [], [CachedRow(0, [4], 4, 1)], [], planned_ahead=True)
     assert runner.execute(ok).slots == [0]
+
+
+class _DeviceError:
+    """Stands in for a step's sampled ids whose copy to the host failed on the device."""
+
+    def tolist(self):
+        raise RuntimeError("device error")
+
+
+def test_plan_ahead_of_a_step_failing_at_its_finish_fails_too(runner):
+    """Pipelined: the plan planned ahead of step N is launched before N is finished. If N then
+    fails at its finish, that plan's result is an error too; the next plan formed in sync runs,
+    and a plan launched after a failed finish is refused unrun."""
+    runner.execute(plan(0, [new("a", 0, [5, 6, 7], [3])]))
+    first = runner.launch(plan(1, cached=[CachedRow(0, [], 3, 1)]))
+    ahead = runner.launch(plan(2, cached=[CachedRow(0, [4], 4, 1)], planned_ahead=True))
+    first.sampled, first.done = _DeviceError(), None
+    with pytest.raises(RuntimeError, match="device error"):
+        runner.finish(first)
+    result = runner.finish(ahead)
+    assert result.error == "step 2 was planned ahead of a step that failed" and result.slots == []
+    with pytest.raises(ValueError, match="planned ahead of step 3, which failed"):
+        runner.execute(plan(4, [new("b", 1, [1], [1])], finished=[0], planned_ahead=True))
+    assert runner.slots == []  # a dropped, b not taken in
+    assert runner.execute(plan(5, [new("c", 0, [1, 2], [1])])).slots == [0]
+    # A step planned ahead of one that finished well runs.
+    second = runner.launch(plan(6, cached=[CachedRow(0, [], 2, 1)]))
+    third = runner.launch(plan(7, cached=[CachedRow(0, [], 3, 1)], planned_ahead=True))
+    assert runner.finish(second).error is None and runner.finish(third).error is None
 
 
 def test_pool_sized_from_memory_budget(llama_dir):

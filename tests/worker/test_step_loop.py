@@ -2,12 +2,14 @@
 
 What matters is the order of launches, finishes and results: pipelined, the next plan is
 launched before the earlier step is finished, results still leave in step order, and a
-failure (at launch or at finish) fails the plan launched ahead of it too. No torch: the
-runner is a stand-in that records its calls.
+failure (at launch or at finish) fails that step alone: failing the plan planned ahead of it
+is the runner's rule (tests/worker/test_model_runner.py). No torch: the runner is a stand-in
+that records its calls.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 
 import pytest
@@ -16,7 +18,7 @@ from conveyor import profiling
 from conveyor.ipc.messages import Shutdown, StepPlan, StepResult
 from tests import plans
 from conveyor.ipc.step_channel import PeerGone
-from conveyor.worker.main import StepLoop, resolve_pipeline
+from conveyor.worker.main import StepLoop, build_runner, resolve_pipeline
 
 
 class ScriptedRunner:
@@ -91,16 +93,14 @@ def test_plain_loop_finishes_each_step_before_the_next():
 def test_failed_launch_reports_after_the_step_before_it():
     calls, sent = run([plan(1, False), plan(2), plan(3), plan(4, False)], pipeline=True, fail_launch={2})
     assert calls == ["launch 1", "launch 2", "finish 1", "launch 3", "launch 4", "finish 3", "finish 4"]
-    # 3 was planned ahead of the failed 2: it fails too; 4, planned in sync again, runs.
-    assert sent == [(1, True), (2, False), (3, False), (4, True)]
+    # 2's error is sent after 1's result; the others are what the runner returned.
+    assert sent == [(1, True), (2, False), (3, True), (4, True)]
 
 
-def test_failed_finish_fails_the_step_launched_ahead_of_it():
+def test_failed_finish_is_sent_in_step_order():
     calls, sent = run([plan(1, False), plan(2), plan(3, False)], pipeline=True, fail_finish={1})
     assert calls == ["launch 1", "launch 2", "finish 1", "launch 3", "finish 2", "finish 3"]
-    # 2 was planned ahead of 1 and launched before 1 failed: its result is an error too;
-    # 3 was planned in sync with the scheduler's knowledge of the failure: it runs.
-    assert sent == [(1, False), (2, False), (3, True)]
+    assert sent == [(1, False), (2, True), (3, True)]
 
 
 def test_shutdown_finishes_the_launched_step_first():
@@ -117,3 +117,23 @@ def test_pipeline_setting(setting, device, expected):
     assert resolve_pipeline(setting, device) is expected
     with pytest.raises(ValueError):
         resolve_pipeline("sometimes", device)
+
+
+def test_the_runner_is_built_from_the_worker_config_whole(tmp_path):
+    """_start hands build_runner every WorkerConfig field it takes (their names are its
+    keywords), so no setting of bin/serve's is left behind on the way to the runner."""
+    from conveyor.ipc.step_channel import StepChannels
+    from conveyor.ipc.transport import ServerAddresses
+    from conveyor.runtime.config import WorkerConfig
+    from conveyor.worker.main import runner_fields
+
+    addresses = ServerAddresses.in_run_dir(str(tmp_path), "tcp://127.0.0.1:1")
+    channels = StepChannels.for_server(str(tmp_path), addresses.plans, addresses.results, shm=False)
+    worker = WorkerConfig(
+        "m", addresses, channels, block_size=8, num_blocks=40, max_num_seqs=7, enforce_eager=True, first_device=2
+    )
+    fields = runner_fields(worker)
+    assert fields["block_size"] == 8 and fields["num_blocks"] == 40 and fields["max_num_seqs"] == 7
+    assert fields["enforce_eager"] is True and fields["model_dir"] == "m" and fields["first_device"] == 2
+    taken = set(inspect.signature(build_runner).parameters) - {"num_threads", "profiler", "tensor_parallel"}
+    assert set(fields) == taken

@@ -12,7 +12,11 @@ Validation is total: anything a client can send either parses into a
 raises :class:`ProtocolError` whose message names the offending field. A generate request
 is validated in two steps, both here: :func:`parse_client_message` checks every field of the
 map, :func:`check_tokenized` what needs the tokenized prompt and the model (vocabulary, model
-length) once the frontend has it. The scheduler and the worker take what passed as valid.
+length) once the frontend has it. The worker does not repeat these rules: it checks only that
+each plan agrees with its own state (:mod:`conveyor.worker.plan_check`, its trust boundary).
+The scheduler applies :func:`context_problem` once more at its own entry, because it also
+takes requests from in-process callers that never pass the frontend (the engine, tests);
+for a request from the frontend that check always passes.
 The replies the server sends are built in :mod:`conveyor.protocol.replies`.
 """
 
@@ -413,7 +417,8 @@ def context_problem(
     """Why a request with this whole context as token ids (a continuation's earlier turns
     included) cannot run on this model, or None: the one statement of these rules. The
     frontend applies it to every tokenized request (:func:`check_tokenized`); the scheduler
-    applies it again to what callers hand it directly (tests, an embedding engine). The prompt
+    applies it again at its entry, to what in-process callers hand it directly (the engine,
+    tests). The prompt
     is not empty, its ids (unless ``check_ids`` is False: ids the tokenizer made are known to
     be in range) and the stop token ids are within ``[0, vocab_size)`` (None: vocabulary
     unknown, only negatives are refused), ``max_tokens`` is at least 1 and the prompt leaves

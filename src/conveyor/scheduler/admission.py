@@ -2,10 +2,11 @@
 
 At arrival (:func:`rejection_reason`) a request is refused with an error output when it
 could never be served here: its id is live already, it could never fit the KV pool, or a
-field the frontend validates (:mod:`conveyor.protocol.messages` and the frontend's length
-checks) is out of range. The frontend refuses such requests before they get here; the
-scheduler checks them again because it also takes :class:`AddRequest` messages from other
-callers (tests, benchmarks) and must never let one break its invariants.
+field the frontend validates is out of range (:func:`~conveyor.protocol.messages.context_problem`,
+the one statement of those rules). The frontend refuses such requests before they get here;
+the scheduler applies the same function at its entry because it also takes
+:class:`AddRequest` messages from in-process callers (the engine, tests, benchmarks) and must
+never let one break its invariants. The worker does not repeat these rules.
 
 Each iteration, phase 2 (:func:`~conveyor.scheduler.planning.plan_prompts`) offers the head
 of the waiting queue to :func:`try_admit` while the admission gate
@@ -31,7 +32,7 @@ from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:
-    from conveyor.scheduler.scheduler import Scheduler
+    from conveyor.scheduler.state import SchedulerState
 
 # Outcomes of an admission attempt that scheduled nothing (>= 0: it was admitted).
 NO_SLOT = -1
@@ -42,33 +43,33 @@ NOT_MEMBER = -4  # static batching: it arrived after the batch formed, or the ba
 SWAPPED = RequestStatus.SWAPPED
 
 
-def rejection_reason(sched: Scheduler, req: Request) -> str | None:
+def rejection_reason(state: SchedulerState, req: Request) -> str | None:
     """Why a request just arrived (not queued yet) can never be served (the error text), or None."""
-    cfg = sched.config
+    cfg = state.config
     prompt = req.token_ids
     max_tokens = req.sampling.max_tokens
-    if req.request_id in sched.table.live:
+    if req.request_id in state.table.live:
         return f"request id {req.request_id!r} is already in use by a live request"
-    problem = context_problem(prompt, max_tokens, req.sampling.stop_token_ids, sched.vocab_size, cfg.max_model_len)
+    problem = context_problem(prompt, max_tokens, req.sampling.stop_token_ids, state.vocab_size, cfg.max_model_len)
     if problem is not None:
         return problem
     total = len(prompt) + max_tokens
     # Conservative by one token (the last sampled token never needs a KV slot), so
     # that "fits" reads simply as "its whole length fits in the pool".
     needed = blocks_for(total, cfg.block_size)
-    if needed > sched.pool.total:
+    if needed > state.kv.gpu.total:
         return (
             f"prompt + max_tokens = {total} tokens need {needed} KV blocks of "
-            f"{cfg.block_size}, but the pool has only {sched.pool.total}"
+            f"{cfg.block_size}, but the pool has only {state.kv.gpu.total}"
         )
     return None
 
 
-def admission_open(sched: Scheduler, num_running_at_start: int, now: float) -> bool:
+def admission_open(state: SchedulerState, num_running_at_start: int, now: float) -> bool:
     """Whether this iteration may admit at all (static batching: only into an empty batch,
     or the rest of a batch still forming; batch formation: enough waiting, or the oldest has
     waited long enough, except for the rest of a static batch, let in when it formed)."""
-    policy, queue = sched.policy, sched.queue
+    policy, queue = state.policy, state.queue
     n = len(queue)
     if not n or not policy.may_admit_into(num_running_at_start, queue.peek()):
         return False
@@ -77,19 +78,19 @@ def admission_open(sched: Scheduler, num_running_at_start: int, now: float) -> b
     return policy.admission_open(n, queue.oldest_enqueue_time(policy.min_batch_size), now)
 
 
-def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: int) -> int:
+def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reserved: int) -> int:
     """Admit the queue head ``req`` if it can start: the blocks it reserves for later growth
     (>= 0, :meth:`~conveyor.scheduler.policy.SchedulingPolicy.blocks_lacking`; ``reserved``
     is what the running batch, earlier admissions of this plan included, reserves), or why
     not (:data:`NO_SLOT`, :data:`NO_BLOCKS`, :data:`HOLD`, :data:`NOT_MEMBER`)."""
     if id(req) in step.preempted:
         return HOLD
-    if not sched.policy.may_join(req):
+    if not state.policy.may_join(req):
         return NOT_MEMBER
-    max_num_seqs = sched.config.max_num_seqs
-    kv = sched.kv
-    running = sched.table.running
-    reserve = sched.policy.growth_reserve(req.num_prompt_tokens, req.sampling.max_tokens, len(req.token_ids))
+    max_num_seqs = state.config.max_num_seqs
+    kv = state.kv
+    running = state.table.running
+    reserve = state.policy.growth_reserve(req.num_prompt_tokens, req.sampling.max_tokens, len(req.token_ids))
     match: PrefixMatch | None = None
 
     def need() -> tuple[int, int]:
@@ -105,7 +106,7 @@ def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: 
     needed, available = need()
     no_slot = len(running) >= max_num_seqs
     if no_slot or needed > available:
-        if not sched.policy.preempts_for_admission:
+        if not state.policy.preempts_for_admission:
             return NO_SLOT if no_slot else NO_BLOCKS
         # Preempt only if all worse-ranked running requests together make it fit.
         freeable, count = 0, 0
@@ -122,12 +123,12 @@ def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: 
             needed, available = need()  # (each preemption changes it)
             return len(running) < max_num_seqs and needed <= available
 
-        if not make_room(sched, step, req, fits, yields=False):
+        if not make_room(state, step, req, fits, yields=False):
             # Planned ahead it would preempt: only a plan formed in sync may. Else the
             # estimate counted blocks the request itself shares.
-            return HOLD if sched.ahead else NO_BLOCKS
+            return HOLD if state.ahead else NO_BLOCKS
 
-    sched.queue.pop()
+    state.queue.pop()
     if req.status is SWAPPED:
         kv.resume(req)
     else:
@@ -137,7 +138,7 @@ def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: 
     kv.grow(req, req.num_computed_tokens + n)
     req.status = RequestStatus.RUNNING
     req.num_bypassed = 0
-    sched.table.start_running(req)
+    state.table.start_running(req)
     if req.scheduled_time is None:
         req.scheduled_time = now
         req.num_cached_tokens = req.num_computed_tokens
@@ -145,8 +146,8 @@ def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: 
         step.num_admitted += 1
         step.wait_sum += waited
         step.wait_max = max(step.wait_max, waited)
-    sched.take_slot(req)
-    sched.policy.joined()
+    state.take_slot(req)
+    state.policy.joined()
     step.new.append(
         NewRequestData(
             req.request_id,
@@ -159,4 +160,4 @@ def try_admit(sched: Scheduler, step: Step, req: Request, now: float, reserved: 
         )
     )
     step.add_scheduled(req, n)
-    return sched.policy.blocks_lacking(req)
+    return state.policy.blocks_lacking(req)

@@ -16,42 +16,42 @@ from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
-    from conveyor.scheduler.scheduler import Scheduler
+    from conveyor.scheduler.state import SchedulerState
 
 RUNNING = RequestStatus.RUNNING
 SWAPPED = RequestStatus.SWAPPED
 
 
-def check_invariants(sched: Scheduler) -> None:
+def check_invariants(state: SchedulerState) -> None:
     """Assert every invariant of the module docstring."""
-    cfg = sched.config
+    cfg = state.config
     bs = cfg.block_size
-    running = sched.table.running
-    waiting = list(sched.queue)
+    running = state.table.running
+    waiting = list(state.queue)
     running_ids = [r.request_id for r in running]
     waiting_ids = [r.request_id for r in waiting]
     assert len(set(running_ids)) == len(running_ids), "a request is running twice"
     assert len(set(waiting_ids)) == len(waiting_ids), "a request is queued twice"
     assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
-    assert set(running_ids) | set(waiting_ids) == set(sched.table.live), "live map out of sync"
+    assert set(running_ids) | set(waiting_ids) == set(state.table.live), "live map out of sync"
     assert len(running) <= cfg.max_num_seqs
     assert all(a.rank < b.rank for a, b in zip(running, running[1:])), "running batch out of rank order"
     gpu_refs: dict[int, int] = {}
     cpu_refs: dict[int, int] = {}
     for r in running:
-        assert r.status is RUNNING and sched.table.live[r.request_id] is r
+        assert r.status is RUNNING and state.table.live[r.request_id] is r
         assert r.slot >= 0 and not r.cpu_blocks, f"{r.request_id}: running without a slot, or with CPU blocks"
         assert len(r.block_ids) * bs >= r.num_computed_tokens
         pending = max(0, r.num_computed_tokens + 1 - r.num_tokens)
-        assert pending <= len(sched.inflight), f"{r.request_id}: {pending} tokens pending, or nothing to run"
+        assert pending <= len(state.inflight), f"{r.request_id}: {pending} tokens pending, or nothing to run"
         assert len(r.block_ids) <= blocks_for(r.num_tokens + pending, bs)
-        assert sched.done_tokens(r) <= r.num_tokens, f"{r.request_id}: KV of unknown tokens counted as done"
+        assert state.done_tokens(r) <= r.num_tokens, f"{r.request_id}: KV of unknown tokens counted as done"
         assert len(set(r.block_ids)) == len(r.block_ids) and min(r.block_ids, default=0) >= 0
         for i in range(r.num_registered_blocks):
-            h = sched.pool.block_hash(r.block_ids[i])
+            h = state.kv.gpu.block_hash(r.block_ids[i])
             assert h is None or h == r.block_hashes[i], f"{r.request_id}: block {i} holds another prefix"
     for r in waiting:
-        assert sched.table.live[r.request_id] is r and r.slot == -1, f"{r.request_id} waits holding a slot"
+        assert state.table.live[r.request_id] is r and r.slot == -1, f"{r.request_id} waits holding a slot"
         if r.status is SWAPPED:
             assert r.cpu_blocks, f"swapped {r.request_id} holds no KV"
             assert len(r.block_ids) == len(r.cpu_blocks) == blocks_for(r.num_computed_tokens, bs)
@@ -65,9 +65,9 @@ def check_invariants(sched: Scheduler) -> None:
         for b in r.block_ids:
             if b >= 0:
                 gpu_refs[b] = gpu_refs.get(b, 0) + 1
-    sched.pool.check_invariants(gpu_refs)
-    swap = sched.kv.swap
-    registered = sched.pool.registered_ids()
+    state.kv.gpu.check_invariants(gpu_refs)
+    swap = state.kv.swap
+    registered = state.kv.gpu.registered_ids()
     if swap.pool is not None:
         for c in swap.holds():
             cpu_refs[c] = cpu_refs.get(c, 0) + 1
@@ -76,31 +76,32 @@ def check_invariants(sched: Scheduler) -> None:
     held_ids: dict[int, int] = {}
     for content in registered:
         held_ids[content] = held_ids.get(content, 0) + 1
-    sched.kv.index.check(held_ids)
+    state.kv.index.check(held_ids)
     for r in running:
         assert len(r.block_hashes) == r.num_registered_blocks <= r.num_computed_tokens // bs, r.request_id
     assert swap.num_held_by_requests == sum(len(r.cpu_blocks) for r in waiting)
-    check_slots(sched)
-    sched.cols.check(running)
-    assert sched.table.running_slots().tolist() == [r.slot for r in running], "cached running slots are stale"
+    check_slots(state)
+    state.cols.check(running)
+    assert state.table.running_slots().tolist() == [r.slot for r in running], "cached running slots are stale"
 
 
-def check_slots(sched: Scheduler) -> None:
+def check_slots(state: SchedulerState) -> None:
     """The slot invariants (the scheduler's docstrings), and that every request still running
     in a plan in flight has the slot that plan names it by, and the slot generation its
     sampling row was noted with (what applying the result relies on)."""
-    n = sched.config.max_num_seqs
-    held = [r.slot for r in sched.table.running]
-    free = sched.free_slots
+    n = state.config.max_num_seqs
+    held = [r.slot for r in state.table.running]
+    free = state.free_slots
     assert len(set(held)) == len(held), f"two running requests share a slot: {sorted(held)}"
     assert len(set(free)) == len(free), f"a slot is free twice: {sorted(free)}"
     assert not set(held) & set(free), f"slots both held and free: {sorted(set(held) & set(free))}"
     assert set(held) | set(free) == set(range(n)), "slots lost or out of range"
     # Slots given back since the last plan: no plan formed since could hand them out again.
-    pending = sched.finished_slots
+    pending = state.finished_slots
     assert len(set(pending)) == len(pending), f"a slot is queued to be dropped twice: {pending}"
     assert set(pending) <= set(free), f"slots queued to be dropped but held: {sorted(set(pending) - set(free))}"
-    for plan, step in sched.inflight:
+    for entry in state.inflight:
+        plan, step = entry.plan, entry.step
         new_slots = [d.slot for d in plan.new_requests]
         cached_slots = list(plan.cached_requests.slots)
         named = new_slots + cached_slots
@@ -128,7 +129,7 @@ def check_slots(sched: Scheduler) -> None:
         answer = step.answer_slots if step.answer_rows is None else step.answer_slots[step.answer_rows]
         assert answer.tolist() == sampling, f"step {plan.step_id}: the worker's answer order is mapped wrong"
         planned = {id(r) for r in step.decodes} | {id(r) for r, _ in step.scheduled}
-        cols = sched.cols
+        cols = state.cols
         for slot, gen in zip(step.sample_slots.tolist(), step.sample_gens.tolist()):
             if cols.generation(slot) == gen:
                 owner = cols.owner[slot]

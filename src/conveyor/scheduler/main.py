@@ -78,9 +78,6 @@ class SchedulerLoop:
         self.from_worker = StepReceiver(ctx, config.channels.results, bind=True)
         self.running = True
         self.overlap = config.overlap
-        # Plans sent and not yet applied, oldest first, with their send time (ns) and
-        # whether they were sent while nothing else was in flight (their round trip is clean).
-        self._inflight: deque[tuple[StepPlan, int, bool]] = deque()
         self._pending: list[RequestOutput] = []
         # Plain next tokens of the iteration, as TokenOutputs columns (see TokenOutputs).
         self._column_ids: list[str] = []
@@ -118,7 +115,7 @@ class SchedulerLoop:
     def run(self) -> None:
         wait_ms = 0
         sched = self.scheduler
-        inflight = self._inflight
+        inflight = sched.state.inflight  # plans sent and not yet applied, oldest first
         while self.running:
             block = not inflight and not sched.has_work() and not self._pending
             self._take_frontend_messages(timeout_ms=IDLE_POLL_MS if block else wait_ms)
@@ -130,8 +127,10 @@ class SchedulerLoop:
             if inflight and self.overlap and sched.can_plan_ahead:
                 self._schedule_and_send()  # plan N+1 while the worker runs N
             if inflight:
-                plan, sent, clean = inflight.popleft()
-                result = self._await_result(plan, sent, clean)
+                oldest = inflight.oldest
+                plan = oldest.plan
+                # (its round trip is clean when it was sent with nothing else in flight)
+                result = self._await_result(plan, oldest.sent_ns, not plan.planned_ahead)
                 if result is None:
                     break
                 start = profiling.now_ns()
@@ -155,10 +154,8 @@ class SchedulerLoop:
             return
         self._t_schedule.record(start, arg=plan.step_id)
         self._record_plan(plan)
-        clean = not self._inflight
-        sent = profiling.now_ns()
+        self.scheduler.state.inflight.newest.sent_ns = profiling.now_ns()
         self.to_worker.send(plan)
-        self._inflight.append((plan, sent, clean))
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:
         if timeout_ms:

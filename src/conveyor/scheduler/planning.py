@@ -28,12 +28,12 @@ from conveyor.scheduler.slot_columns import COMPUTED, GEN, KNOWN, STOP_LEN
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:
-    from conveyor.scheduler.scheduler import Scheduler
+    from conveyor.scheduler.state import SchedulerState
 
 RUNNING = RequestStatus.RUNNING
 
 
-def plan_decodes(sched: Scheduler, step: Step, prefills: list[Request]) -> bool:
+def plan_decodes(state: SchedulerState, step: Step, prefills: list[Request]) -> bool:
     """Phase 1: every running request with one token to run gets it, best rank first, while
     the budget lasts; one at a block boundary gets a block, making room if none is left.
     Requests still prefilling are listed in ``prefills`` (rank order) for phase 2.
@@ -42,9 +42,9 @@ def plan_decodes(sched: Scheduler, step: Step, prefills: list[Request]) -> bool:
     has nothing to run, and nobody may be preempted: when not every decode fits, this
     returns False, having changed nothing.
     """
-    table, cols, gpu = sched.table, sched.cols, sched.kv.gpu
-    bs = sched.config.block_size
-    ahead = sched.ahead
+    table, cols, gpu = state.table, state.cols, state.kv.gpu
+    bs = state.config.block_size
+    ahead = state.ahead
     owner = cols.owner
     start = 0  # position in the running batch where this run of decodes starts
     while True:
@@ -93,18 +93,18 @@ def plan_decodes(sched: Scheduler, step: Step, prefills: list[Request]) -> bool:
         if fit == n or not step.budget:
             return True
         # The decode at ``end`` needs a block and none is left: make room, then go on from it.
-        if not make_room(sched, step, running[end], lambda: gpu.num_available > 0, yields=True):
+        if not make_room(state, step, running[end], lambda: gpu.num_available > 0, yields=True):
             return True  # it was the worst-ranked and yielded: nobody after it runs
         start = end
 
 
-def plan_prompts(sched: Scheduler, step: Step, prefills: list[Request], admit_open: bool, now: float) -> None:
+def plan_prompts(state: SchedulerState, step: Step, prefills: list[Request], admit_open: bool, now: float) -> None:
     """Phase 2: prefill chunks of running requests (``prefills``, in rank order) and
     admissions from the waiting queue take the rest of the budget, whichever ranks better
     first. A waiting head that lacks blocks may be stepped over (bounded by the policy:
     ``max_bypass`` per request, :data:`BYPASS_LOOKAHEAD` per iteration); otherwise, or
     once the gate closes, admissions stop for this iteration."""
-    policy, queue = sched.policy, sched.queue
+    policy, queue = state.policy, state.queue
     skipped: list[Request] = []
     reserved: int | None = None  # blocks the running batch may still claim (at the first admission)
     k = 0
@@ -121,11 +121,11 @@ def plan_prompts(sched: Scheduler, step: Step, prefills: list[Request], admit_op
             break
         if head is None or (cand is not None and cand.rank < head.rank):
             k += 1
-            plan_prefill_chunk(sched, step, cand)
+            plan_prefill_chunk(state, step, cand)
             continue
         if reserved is None:  # (the prefill chunks before it, ranked ahead, are planned by now)
-            reserved = policy.blocks_reserved(sched.table.running)
-        outcome = try_admit(sched, step, head, now, reserved)
+            reserved = policy.blocks_reserved(state.table.running)
+        outcome = try_admit(state, step, head, now, reserved)
         if outcome >= 0:
             reserved += outcome
             for blocked in skipped:  # each admission behind a blocked request counts against it
@@ -143,15 +143,15 @@ def plan_prompts(sched: Scheduler, step: Step, prefills: list[Request], admit_op
         queue.push(blocked)
 
 
-def plan_prefill_chunk(sched: Scheduler, step: Step, req: Request) -> None:
+def plan_prefill_chunk(state: SchedulerState, step: Step, req: Request) -> None:
     """Give a running, still-prefilling request its next chunk, cut to the budget and to the
     blocks available, preempting worse-ranked requests only if not one token fits (if none
     ranks below it, it waits, keeping its KV)."""
-    kv = sched.kv
+    kv = state.kv
     want = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
     n = kv.tokens_that_fit(req, want)
     if n < 1:
-        if not make_room(sched, step, req, lambda: kv.tokens_that_fit(req, want) >= 1, yields=False):
+        if not make_room(state, step, req, lambda: kv.tokens_that_fit(req, want) >= 1, yields=False):
             return
         n = kv.tokens_that_fit(req, want)
     step.add_cached(req, n, kv.grow(req, req.num_computed_tokens + n))

@@ -9,7 +9,7 @@ waiting request that lacks a slot or blocks. Each states what it needs as a test
 
 Only a plan formed with nothing in flight preempts: a request's token sampled by a plan in
 flight would be lost with its KV. A plan planned ahead that would have to preempt stops
-there instead and says so (``Scheduler.declined``), so the caller forms the next plan in
+there instead and says so (``SchedulerState.declined``), so the caller forms the next plan in
 sync (see the scheduler's docstring).
 """
 
@@ -23,56 +23,56 @@ from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:
-    from conveyor.scheduler.scheduler import Scheduler
+    from conveyor.scheduler.state import SchedulerState
 
 
-def make_room(sched: Scheduler, step: Step, req: Request, fits: Callable[[], bool], *, yields: bool) -> bool:
+def make_room(state: SchedulerState, step: Step, req: Request, fits: Callable[[], bool], *, yields: bool) -> bool:
     """Preempt running requests, as the policy chooses them, until ``fits()``; whether it does.
 
     False when nobody ranks below ``req`` (with ``yields``, ``req`` itself was then preempted)
-    or when the plan is planned ahead and would have to preempt (``sched.declined`` is set).
+    or when the plan is planned ahead and would have to preempt (``state.declined`` is set).
     """
-    running = sched.table.running
-    choose_victim = sched.policy.choose_victim
+    running = state.table.running
+    choose_victim = state.policy.choose_victim
     while not fits():
         victim = choose_victim(running, req, yields)
         if victim is None:
             return False
-        if sched.ahead:
-            sched.declined = True
+        if state.ahead:
+            state.declined = True
             return False
-        preempt(sched, step, victim)
+        preempt(state, step, victim)
         if victim is req:
             return False
     return True
 
 
-def preempt(sched: Scheduler, step: Step, req: Request) -> None:
+def preempt(state: SchedulerState, step: Step, req: Request) -> None:
     """Swap out or drop ``req``'s KV and requeue it under its rank (it is running; only a
     plan formed in sync preempts, so no token of it is pending)."""
     assert req.num_computed_tokens < len(req.token_ids), f"{req.request_id} preempted with tokens pending"
-    sched.table.stop_running(req)
+    state.table.stop_running(req)
     step.unschedule(req)
-    kv = sched.kv
-    mode = sched.policy.preemption_mode(kv.blocks_to_swap(req), req.num_computed_tokens, kv.swap.num_available)
+    kv = state.kv
+    mode = state.policy.preemption_mode(kv.blocks_to_swap(req), req.num_computed_tokens, kv.swap.num_available)
     if mode is Preemption.SWAP:
         kv.swap_out(req)
         req.status = RequestStatus.SWAPPED
         step.num_swap += 1
         step.swapped_out.append(req)
     else:
-        drop_kv(sched, req)
+        drop_kv(state, req)
         step.num_recompute += 1
-    sched.num_preemptions[mode] += 1
-    sched.release_slot(req)  # after it left the plan's rows (unschedule above)
+    state.num_preemptions[mode] += 1
+    state.release_slot(req)  # after it left the plan's rows (unschedule above)
     step.preempted.add(id(req))
-    sched.queue.push(req)
+    state.queue.push(req)
 
 
-def drop_kv(sched: Scheduler, req: Request) -> None:
+def drop_kv(state: SchedulerState, req: Request) -> None:
     """Give back ``req``'s KV (GPU and swapped) for a recompute from the start: it waits as
     PREEMPTED, holding nothing (a victim, or a swapped victim whose copies failed)."""
-    sched.kv.free(req)
+    state.kv.free(req)
     req.num_computed_tokens = 0
     req.num_registered_blocks = 0
     req.block_hashes = []

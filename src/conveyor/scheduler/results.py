@@ -21,7 +21,6 @@ the plan formed ahead of it (:func:`fail_plans`).
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,7 +32,7 @@ from conveyor.scheduler.slot_columns import ALARM, EOS, GEN, KNOWN
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:
-    from conveyor.scheduler.scheduler import Scheduler
+    from conveyor.scheduler.state import SchedulerState
 
 RUNNING = RequestStatus.RUNNING
 _MISSING = -1  # no token sampled for the slot
@@ -50,7 +49,7 @@ def stop_reason(req: Request, token: int) -> str | None:
     return None
 
 
-def apply_result(sched: Scheduler, plan: StepPlan, step: Step, result: StepResult) -> TokenOutputs:
+def apply_result(state: SchedulerState, plan: StepPlan, step: Step, result: StepResult) -> TokenOutputs:
     """The outputs of ``plan`` (just taken off the in-flight line) given its ``result``; see
     :meth:`Scheduler.update`."""
     error = result.error
@@ -60,20 +59,20 @@ def apply_result(sched: Scheduler, plan: StepPlan, step: Step, result: StepResul
     if step.failed:
         return TokenOutputs([])  # failed with the plan it was planned ahead of
     if error is not None:
-        return TokenOutputs(fail_plans(sched, plan, step, error))
+        return TokenOutputs(fail_plans(state, plan, step, error))
     # The KV the plan's prefill chunks wrote can be shared now (the decodes' blocks are
     # registered when their requests release them: see KVCacheManager.free).
-    kv = sched.kv
+    kv = state.kv
     for req, _ in step.scheduled:
         if req.status is RUNNING:  # not ended while the step ran (its blocks are free then)
-            kv.register_full_blocks(req, sched.done_tokens(req))
+            kv.register_full_blocks(req, state.done_tokens(req))
     outputs: list[RequestOutput] = []
     if not len(step.sample_slots):
         return TokenOutputs(outputs)
     finished: list[Request] = []  # running requests this result retires
-    column_ids, column_tokens = _apply_tokens(sched, plan, step, slots, tokens, outputs, finished)
+    column_ids, column_tokens = _apply_tokens(state, plan, step, slots, tokens, outputs, finished)
     if finished:
-        sched.table.prune_running(finished)
+        state.table.prune_running(finished)
     return TokenOutputs(outputs, column_ids, column_tokens)
 
 
@@ -83,10 +82,10 @@ def _int_array(values: np.ndarray | list[int]) -> np.ndarray:
     return values if isinstance(values, np.ndarray) else np.asarray(values, np.int64)
 
 
-def _by_slot(sched: Scheduler, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def _by_slot(state: SchedulerState, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """The result's tokens indexed by slot (:data:`_MISSING` where none came), in the slot
     columns' scratch row; rows naming no slot are ignored."""
-    by_slot = sched.cols.sampled
+    by_slot = state.cols.sampled
     by_slot.fill(_MISSING)
     named = slots >= 0
     if np.count_nonzero(named) < len(named):  # (a negative index would wrap around to a slot)
@@ -100,20 +99,20 @@ def _by_slot(sched: Scheduler, slots: np.ndarray, tokens: np.ndarray) -> np.ndar
 
 
 def _apply_tokens(
-    sched: Scheduler, plan: StepPlan, step: Step, answered: np.ndarray, sampled: np.ndarray,
+    state: SchedulerState, plan: StepPlan, step: Step, answered: np.ndarray, sampled: np.ndarray,
     outputs: list[RequestOutput], finished: list[Request],
 ) -> tuple[list[str], list[int]]:
     """Append each sampling row's token (the result's rows ``answered`` slots, ``sampled``
     tokens) to its request, in row order; returns the output columns (request ids, tokens)
     of the rows that need no decision (module docstring)."""
-    cols = sched.cols
+    cols = state.cols
     slots = step.sample_slots
     expected = step.answer_slots
     if len(answered) == len(expected) and not np.count_nonzero(answered != expected):
         # Answered in plan order, as the worker does.
         tokens, missing = (sampled if step.answer_rows is None else sampled[step.answer_rows]), 0
     else:
-        tokens = _by_slot(sched, answered, sampled)[slots]
+        tokens = _by_slot(state, answered, sampled)[slots]
         missing = np.count_nonzero(tokens == _MISSING)
     rows = cols.state.take(slots, axis=1)
     held = rows[GEN] == step.sample_gens  # still held by the request planned on it
@@ -123,7 +122,7 @@ def _apply_tokens(
             req = cols.owner[slot]
             finished.append(req)
             outputs.append(
-                sched.finish(
+                state.finish(
                     req,
                     FinishReason.ERROR,
                     error=f"worker sampled no token for this request (slot {slot}, step {plan.step_id})",
@@ -131,9 +130,7 @@ def _apply_tokens(
             )
         slots, tokens, rows = slots[live], tokens[live], rows[:, live]
     slot_list, token_list = slots.tolist(), tokens.tolist()
-    token_lists = cols.token_lists
-    deque(map(list.append, map(token_lists.__getitem__, slot_list), token_list), maxlen=0)
-    cols.known[slots] += 1
+    cols.append_sampled(slots, slot_list, token_list)
     unusual = rows[KNOWN] >= rows[ALARM] - 1  # (rows were read before the append)
     eos_rows = rows[EOS]
     if np.count_nonzero(eos_rows):
@@ -142,10 +139,10 @@ def _apply_tokens(
         return cols.ids[slots].tolist(), token_list
     plain = ~unusual
     owner = cols.owner
-    now = sched.clock()
+    now = state.clock()
     for row in unusual.nonzero()[0].tolist():
         req = owner[slot_list[row]]
-        kind = _output(sched, req, token_list[row], outputs, now)
+        kind = _output(state, req, token_list[row], outputs, now)
         if kind == _FINISHED:
             finished.append(req)
         elif kind == _PLAIN:  # stop ids of its own, none of them sampled
@@ -153,45 +150,46 @@ def _apply_tokens(
     return cols.ids[slots[plain]].tolist(), tokens[plain].tolist()
 
 
-def _output(sched: Scheduler, req: Request, token: int, outputs: list[RequestOutput], now: float) -> int:
+def _output(state: SchedulerState, req: Request, token: int, outputs: list[RequestOutput], now: float) -> int:
     """After ``token`` was appended to ``req``: finish it (``_FINISHED``), or give its first
     token a full output (``_FIRST``); a plain later token (``_PLAIN``) is left to the columns."""
     reason = stop_reason(req, token)
     if req.first_token_time is None:
         req.first_token_time = now
         if reason is None:
-            sched.cols.first_token_done(req)
+            state.cols.first_token_done(req)
             outputs.append(
                 RequestOutput(req.request_id, [token], None, None, req.scheduled_time, now, req.num_cached_tokens)
             )
             return _FIRST
     if reason is None:
         return _PLAIN
-    outputs.append(sched.finish(req, reason, new_token_ids=[token]))
+    outputs.append(state.finish(req, reason, new_token_ids=[token]))
     return _FINISHED
 
 
-def fail_plans(sched: Scheduler, plan: StepPlan, step: Step, error: str) -> list[RequestOutput]:
+def fail_plans(state: SchedulerState, plan: StepPlan, step: Step, error: str) -> list[RequestOutput]:
     """``plan`` failed: so does the plan formed ahead of it, which the worker finds does not
     match its state and fails too (changing nothing but dropping finished slots). Their
     requests fail now, and their copies are as untrustworthy as their KV."""
     failed = step.decodes + [r for r, _ in step.scheduled]
-    for _, later in sched.inflight:
+    for entry in state.inflight:
+        later = entry.step
         later.failed = True
         failed += later.decodes + [r for r, _ in later.scheduled]
     outputs = []
     for req in failed:
         if req.status is RUNNING:  # not aborted while the step ran (nor failed just above)
             # Nothing this plan was to compute can be trusted, nor what later ones build on it.
-            done = sched.done_tokens(req) - step.tokens_of(req, sched.cols)
-            outputs.append(sched.finish(req, FinishReason.ERROR, error=error, done=done))
-    sched.table.prune_running()
+            done = state.done_tokens(req) - step.tokens_of(req, state.cols)
+            outputs.append(state.finish(req, FinishReason.ERROR, error=error, done=done))
+    state.table.prune_running()
     # The worker may have failed before the plans' copies ran: nothing they were to fill can
     # be trusted (also where the finishes above cached those blocks). Victims swapped out by
     # this plan fall back to recompute.
-    for failed_plan in [plan] + [later_plan for later_plan, _ in sched.inflight]:
-        sched.kv.invalidate_transfers(failed_plan.swap_out, failed_plan.swap_in)
+    for failed_plan in [plan] + [entry.plan for entry in state.inflight]:
+        state.kv.invalidate_transfers(failed_plan.swap_out, failed_plan.swap_in)
     for req in step.swapped_out:
         if req.status is RequestStatus.SWAPPED:
-            drop_kv(sched, req)
+            drop_kv(state, req)
     return outputs

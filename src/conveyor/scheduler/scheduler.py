@@ -2,8 +2,12 @@
 
 Pure logic, no I/O and no torch: :mod:`conveyor.scheduler.main` feeds it messages and
 moves plans and results over sockets; tests drive it with a fake worker. This module holds
-the state and the skeleton of an iteration; each phase lives in a module of its own:
+the protocol with its caller and the skeleton of an iteration; the state every phase receives
+is one object, :class:`~conveyor.scheduler.state.SchedulerState`, and each phase lives in a
+module of its own:
 
+- :mod:`~conveyor.scheduler.state`: the shared state, finishing a request, slots given and
+  taken back, and the plans in flight (:class:`~conveyor.scheduler.state.PlansInFlight`);
 - :mod:`~conveyor.scheduler.step`: the plan under construction (and in flight);
 - :mod:`~conveyor.scheduler.planning`: phase 1 (decodes) and phase 2 (prompts by rank);
 - :mod:`~conveyor.scheduler.admission`: refusal at arrival, the admission gate, admitting;
@@ -109,7 +113,6 @@ the requests that need a decision.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 from conveyor.ipc.messages import (
@@ -124,22 +127,15 @@ from conveyor.ipc.messages import (
 from conveyor.runtime.config import Preemption, SchedulerConfig
 from conveyor.scheduler import invariants
 from conveyor.scheduler.admission import admission_open, rejection_reason
-from conveyor.scheduler.kv_manager import KVCacheManager
 from conveyor.scheduler.metrics import ITERATION_FIELDS, IterationLog
 from conveyor.scheduler.planning import plan_decodes, plan_prompts
-from conveyor.scheduler.policy import SchedulingPolicy
-from conveyor.scheduler.queue import WaitingQueue
 from conveyor.scheduler.request import Request, RequestStatus
-from conveyor.scheduler.request_table import RequestTable
 from conveyor.scheduler.results import apply_result
-from conveyor.scheduler.slot_columns import SlotColumns
+from conveyor.scheduler.state import MAX_PLANS_IN_FLIGHT, SchedulerState
 from conveyor.scheduler.step import Step
 
 RUNNING = RequestStatus.RUNNING
 SWAPPED = RequestStatus.SWAPPED
-
-# Plans in flight at once: the one the worker runs and the one planned ahead.
-MAX_PLANS_IN_FLIGHT = 2
 
 
 class Scheduler:
@@ -163,12 +159,10 @@ class Scheduler:
       (a pending token, see the module docstring), so at most ``len(token_ids) - 1 +``
       the number of plans in flight.
 
-    The phase modules read and change this state directly; what they share with it:
-    ``cols`` (slot columns), ``free_slots``, ``finished_slots`` (slots given back whose
-    request the worker must drop, sent with the next plan), ``inflight`` (the plans in
-    flight, oldest first, with their :class:`Step`), ``ahead`` (the plan being formed is
-    planned ahead of one in flight) and ``declined`` (the last plan ahead stopped short of
-    something only a plan in sync may do).
+    The state lives in one object, ``state`` (:class:`~conveyor.scheduler.state.SchedulerState`),
+    which the phase modules receive: the queue, the running batch, the KV bookkeeping, the
+    slots and their columns, the plans in flight. The scheduler itself keeps only what its
+    caller sees (counters, the iteration log, outputs made outside :meth:`update`).
     """
 
     def __init__(
@@ -181,29 +175,14 @@ class Scheduler:
         if config.max_num_seqs > MAX_SLOTS:
             raise ValueError(f"max_num_seqs {config.max_num_seqs} exceeds the {MAX_SLOTS} slots a worker accepts")
         self.config = config
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.vocab_size = vocab_size
+        self.state = SchedulerState.new(config, frozenset(eos_token_ids), vocab_size, clock)
         self.clock = clock
         self._t0 = clock()
-        self.policy = SchedulingPolicy(config)
-        self.kv = KVCacheManager(config)
-        self.pool = self.kv.gpu
-        self.queue = WaitingQueue()
-        self.table = RequestTable()
         self.iterations = IterationLog(config.iteration_log_size)
-        self.cols = SlotColumns(config.max_num_seqs, self.eos_token_ids)
-        # Free slots, popped from the end: the lowest first, and the one given back last is
-        # reused first, which keeps the worker's slot table short.
-        self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
-        self.finished_slots: list[int] = []
-        self.inflight: deque[tuple[StepPlan, Step]] = deque()
-        self.ahead = False
-        self.declined = False
         self._outbox: list[RequestOutput] = []  # outputs made outside update() (timeouts)
         self._seq = 0
         self._num_steps = 0
         self._num_planned_ahead = 0
-        self.num_preemptions = {Preemption.SWAP: 0, Preemption.RECOMPUTE: 0}
         self._num_overloaded = 0
         self._num_timed_out = 0
 
@@ -212,24 +191,24 @@ class Scheduler:
     def add_request(self, msg: AddRequest) -> RequestOutput | None:
         """Queue a request, or return its error output if it cannot be served."""
         cfg = self.config
-        req = Request.from_message(msg, self.eos_token_ids, cfg.max_model_len)
-        problem = rejection_reason(self, req)
+        req = Request.from_message(msg, self.state.eos_token_ids, cfg.max_model_len)
+        problem = rejection_reason(self.state, req)
         if problem is not None:
             return RequestOutput(msg.request_id, [], FinishReason.ERROR, error=problem)
-        if cfg.max_waiting and len(self.queue) >= cfg.max_waiting:
+        if cfg.max_waiting and len(self.state.queue) >= cfg.max_waiting:
             self._num_overloaded += 1
             return RequestOutput(
                 msg.request_id,
                 [],
                 FinishReason.ERROR,
-                error=f"overloaded: {len(self.queue)} requests are waiting (max_waiting {cfg.max_waiting}); retry later",
+                error=f"overloaded: {len(self.state.queue)} requests are waiting (max_waiting {cfg.max_waiting}); retry later",
             )
         now = self.clock()
         req.enqueue_time = now
         self._seq += 1
-        req.rank = self.policy.rank(msg.priority, self._seq, now - self._t0)
-        self.table.add(req)
-        self.queue.push(req, track_timeout=cfg.max_queue_time > 0)
+        req.rank = self.state.policy.rank(msg.priority, self._seq, now - self._t0)
+        self.state.table.add(req)
+        self.state.queue.push(req, track_timeout=cfg.max_queue_time > 0)
         return None
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
@@ -240,14 +219,14 @@ class Scheduler:
         """
         outputs = []
         for rid in request_ids:
-            req = self.table.get(rid)
+            req = self.state.table.get(rid)
             if req is None:
                 continue
             if req.status is RUNNING:
-                self.table.stop_running(req)
+                self.state.table.stop_running(req)
             else:
-                self.queue.remove(req)
-            outputs.append(self.finish(req, FinishReason.ABORT))
+                self.state.queue.remove(req)
+            outputs.append(self.state.finish(req, FinishReason.ABORT))
         return outputs
 
     def take_outputs(self) -> list[RequestOutput]:
@@ -260,10 +239,10 @@ class Scheduler:
         limit = self.config.max_queue_time
         if not limit:
             return
-        for req in self.queue.pop_expired(now - limit):
+        for req in self.state.queue.pop_expired(now - limit):
             self._num_timed_out += 1
             self._outbox.append(
-                self.finish(
+                self.state.finish(
                     req, FinishReason.ERROR, error=f"timeout: not scheduled within max_queue_time ({limit:g} s)"
                 )
             )
@@ -278,32 +257,33 @@ class Scheduler:
         is returned stay pending for the next plan (the worker's leftover state is harmless
         until then).
         """
-        if len(self.inflight) >= MAX_PLANS_IN_FLIGHT:
-            raise RuntimeError(f"schedule() with {len(self.inflight)} plans in flight: update() the oldest first")
-        self.ahead = bool(self.inflight)
-        self.declined = False
+        st = self.state
+        if len(st.inflight) >= MAX_PLANS_IN_FLIGHT:
+            raise RuntimeError(f"schedule() with {len(st.inflight)} plans in flight: update() the oldest first")
+        st.ahead = bool(st.inflight)
+        st.declined = False
         started = time.perf_counter()
         now = self.clock()
         self._expire(now)
         step = Step(self.config.max_num_batched_tokens)
-        num_running_at_start = len(self.table.running)
+        num_running_at_start = len(st.table.running)
         prefills: list[Request] = []
-        if not plan_decodes(self, step, prefills):  # 1. decodes, best rank first
-            self.declined = True  # someone would have to yield: only a plan in sync may decide who
+        if not plan_decodes(st, step, prefills):  # 1. decodes, best rank first
+            st.declined = True  # someone would have to yield: only a plan in sync may decide who
             return None
         # 2. prefill chunks of running requests and admissions, merged by rank
-        plan_prompts(self, step, prefills, admission_open(self, num_running_at_start, now), now)
+        plan_prompts(st, step, prefills, admission_open(st, num_running_at_start, now), now)
         if step.is_empty:
-            self.kv.swap.settle()
+            st.kv.swap.settle()
             return None
         self._num_steps += 1
-        swap_out, swap_in = self.kv.swap.take_transfers()
-        cached = step.cached_columns(self.cols)
-        plan = StepPlan(self._num_steps, step.new, cached, self.finished_slots, swap_out, swap_in, self.ahead)
-        self._num_planned_ahead += self.ahead
-        self.finished_slots = []
-        step.commit(self.cols)
-        self.inflight.append((plan, step))
+        swap_out, swap_in = st.kv.swap.take_transfers()
+        cached = step.cached_columns(st.cols)
+        plan = StepPlan(self._num_steps, step.new, cached, st.finished_slots, swap_out, swap_in, st.ahead)
+        self._num_planned_ahead += st.ahead
+        st.finished_slots = []
+        step.commit(st.cols)
+        st.inflight.add(plan, step)
         self._record(step, plan, now, started)
         return plan
 
@@ -317,15 +297,14 @@ class Scheduler:
         every still-live request of the plan; a request due a token that the result lacks
         fails alone. Tokens for requests aborted during the step are dropped.
         """
-        if not self.inflight or plan is not self.inflight[0][0]:
-            raise ValueError(f"update() for step {plan.step_id}, which is not the oldest plan in flight")
-        if result.step_id != plan.step_id:
+        inflight = self.state.inflight
+        if inflight and plan is inflight.oldest.plan and result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} for plan of step {plan.step_id}")
-        _, step = self.inflight.popleft()
+        step = inflight.pop_oldest(plan)
         try:
-            return apply_result(self, plan, step, result)
+            return apply_result(self.state, plan, step, result)
         finally:
-            self.kv.swap.end_step()
+            self.state.kv.swap.end_step()
 
     @property
     def can_plan_ahead(self) -> bool:
@@ -333,12 +312,13 @@ class Scheduler:
         flight, it is not doomed by the failure of the plan before it (the worker would fail
         a plan planned ahead of it too), and the last plan ahead did not stop short of a
         preemption."""
-        return len(self.inflight) == 1 and not self.declined and not self.inflight[0][1].failed
+        inflight = self.state.inflight
+        return len(inflight) == 1 and not self.state.declined and not inflight.oldest.step.failed
 
     def _record(self, step: Step, plan: StepPlan, now: float, started: float) -> None:
         """One row of the iteration log (fields as :data:`ITERATION_FIELDS`)."""
         prefill, decode = step.prefill_tokens, step.decode_tokens
-        gpu, swap = self.kv.gpu, self.kv.swap
+        gpu, swap = self.state.kv.gpu, self.state.kv.swap
         admitted = step.num_admitted
         self.iterations.record(
             (
@@ -367,79 +347,20 @@ class Scheduler:
             )
         )
 
-    # ------------------------------------------------------------------ shared by the phases
-
-    def done_tokens(self, req: Request) -> int:
-        """``num_computed_tokens`` minus what the plans still in flight compute for ``req``:
-        the tokens whose KV is known to be written."""
-        done = req.num_computed_tokens
-        for _, step in self.inflight:
-            done -= step.tokens_of(req, self.cols)
-        return done
-
-    def finish(
-        self,
-        req: Request,
-        reason: str,
-        *,
-        error: str | None = None,
-        new_token_ids: list[int] | None = None,
-        done: int | None = None,
-    ) -> RequestOutput:
-        """Retire ``req`` (caller removes it from running/waiting) and build its last output.
-
-        With plans in flight, its computed count is first cut back to ``done`` (default: what
-        the plans already applied computed), so that only KV known to be written goes to the
-        prefix cache (and no pending token is counted)."""
-        if done is not None or self.inflight:
-            req.num_computed_tokens = self.done_tokens(req) if done is None else done
-        self.kv.free(req)
-        self.release_slot(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        self.table.forget(req)
-        return RequestOutput(
-            req.request_id,
-            new_token_ids if new_token_ids is not None else [],
-            reason,
-            error,
-            req.scheduled_time,
-            req.first_token_time,
-            req.num_cached_tokens,
-        )
-
-    def take_slot(self, req: Request) -> None:
-        """Give ``req`` a free slot (one exists: it is not running, and fewer than
-        ``max_num_seqs`` are); its hot counters move into the slot columns."""
-        slot = self.free_slots.pop()
-        self.cols.assign(req, slot, eos_stops=not req.sampling.ignore_eos)
-        req.columns = self.cols
-        req.slot = slot
-
-    def release_slot(self, req: Request) -> None:
-        """Give ``req``'s slot back, if it holds one: free for the next admission at once, and
-        queued for the worker to drop with the next plan (which drops before it adds)."""
-        slot = req.slot
-        if slot >= 0:
-            self.cols.release(req, slot)
-            self.finished_slots.append(slot)
-            self.free_slots.append(slot)
-            req.slot = -1
-
     # ------------------------------------------------------------------ introspection
 
     def has_work(self) -> bool:
         """Whether any request is live (:meth:`schedule` may still return None while the
         admission gate waits; :meth:`seconds_until_ready` says how long)."""
-        return bool(self.table.live)
+        return bool(self.state.table.live)
 
     def seconds_until_ready(self) -> float | None:
         """With live requests but nothing schedulable, when the admission gate or a queue
         timeout will change that (seconds from now, >= 0); None if nothing is pending."""
         now = self.clock()
         times = []
-        queue = self.queue
-        opens = self.policy.admission_opens_at(len(queue), queue.oldest_enqueue_time(self.policy.min_batch_size))
+        queue = self.state.queue
+        opens = self.state.policy.admission_opens_at(len(queue), queue.oldest_enqueue_time(self.state.policy.min_batch_size))
         if opens is not None:
             times.append(opens)
         if self.config.max_queue_time:
@@ -450,37 +371,37 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.table.running)
+        return len(self.state.table.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.queue)
+        return len(self.state.queue)
 
     def get_request(self, request_id: str) -> Request | None:
         """The live request with this id (for tests and debugging)."""
-        return self.table.get(request_id)
+        return self.state.table.get(request_id)
 
     def stats(self) -> dict:
         """The fields of :class:`SchedulerStats` except ``query_id``."""
-        gpu, swap, kv = self.kv.gpu, self.kv.swap, self.kv
+        gpu, swap, kv = self.state.kv.gpu, self.state.kv.swap, self.state.kv
         cpu = swap.pool
         return {
             "total_blocks": gpu.total,
             "free_blocks": gpu.num_free,
             "held_blocks": gpu.num_held,
-            "num_running": len(self.table.running),
-            "num_waiting": len(self.queue),
+            "num_running": len(self.state.table.running),
+            "num_waiting": len(self.state.queue),
             "num_steps": self._num_steps,
             "num_planned_ahead": self._num_planned_ahead,
-            "num_preemptions": sum(self.num_preemptions.values()),
+            "num_preemptions": sum(self.state.num_preemptions.values()),
             "cached_blocks": gpu.num_cached,
             "total_cpu_blocks": swap.total,
             "free_cpu_blocks": cpu.num_free if cpu else 0,
             "cached_cpu_blocks": cpu.num_cached if cpu else 0,
             "swapped_blocks": swap.num_held_by_requests,
-            "num_swapped": sum(1 for r in self.queue if r.status is SWAPPED),
-            "num_preemptions_swap": self.num_preemptions[Preemption.SWAP],
-            "num_preemptions_recompute": self.num_preemptions[Preemption.RECOMPUTE],
+            "num_swapped": sum(1 for r in self.state.queue if r.status is SWAPPED),
+            "num_preemptions_swap": self.state.num_preemptions[Preemption.SWAP],
+            "num_preemptions_recompute": self.state.num_preemptions[Preemption.RECOMPUTE],
             "num_swapped_out_blocks": swap.num_swapped_out,
             "num_swapped_in_blocks": swap.num_swapped_in,
             "prefix_cache_queried_tokens": kv.num_queried_tokens,
@@ -494,4 +415,4 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Assert the invariants of the class docstring (:mod:`~conveyor.scheduler.invariants`;
         O(all live requests + blocks), for tests)."""
-        invariants.check_invariants(self)
+        invariants.check_invariants(self.state)

@@ -16,9 +16,9 @@ row). Its fields, for a slot held by a running request:
 - ``COMPUTED``: the request's ``num_computed_tokens``. This column *is* the value while the
   request holds a slot (:class:`~conveyor.scheduler.request.Request` reads and writes it
   through its property); :meth:`assign` copies it in, :meth:`release` copies it back out.
-- ``KNOWN``: ``len(token_ids)``. A mirror: the token list stays the truth, and every append
-  to a slot holder's tokens adds one here (applying a result appends them all in bulk,
-  :mod:`~conveyor.scheduler.results`).
+- ``KNOWN``: ``len(token_ids)``. A mirror: the token list stays the truth, and a slot
+  holder's tokens grow only through :meth:`SlotColumns.append_sampled`, which adds one here
+  with each token (applying a result appends them all in bulk).
 - ``GEN``: bumped on every assignment and release, so a plan can tell whether the request it
   planned on a slot still holds it when the result comes back (an abort may free the slot,
   and a later plan may give it to someone else, while the plan is in flight).
@@ -37,6 +37,7 @@ from it). ``sampled`` is scratch space where a result's tokens are laid out by s
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,13 @@ class SlotColumns:
         self.owner[slot] = None
         self.token_lists[slot] = None
         self.ids[slot] = None
+
+    def append_sampled(self, slots: np.ndarray, slot_list: list[int], tokens: list[int]) -> None:
+        """Append ``tokens[i]`` to the token list of the request on ``slots[i]`` (distinct
+        slots; ``slot_list`` is ``slots.tolist()``), in one C-level pass, and count them in
+        ``KNOWN``: the one place a slot holder's tokens grow."""
+        deque(map(list.append, map(self.token_lists.__getitem__, slot_list), tokens), maxlen=0)
+        self.known[slots] += 1
 
     def generation(self, slot: int) -> int:
         return self.flat[GEN * self.num_slots + slot]

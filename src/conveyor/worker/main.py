@@ -45,11 +45,13 @@ result back by a step.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -153,10 +155,17 @@ def build_runner(
     )
 
 
+def runner_fields(config: WorkerConfig) -> dict[str, Any]:
+    """The fields of ``config`` that :func:`build_runner` takes, whose keywords are named as
+    those fields are (``num_threads`` aside: the process decides it, see :func:`_start`)."""
+    taken = set(inspect.signature(build_runner).parameters) - {"num_threads"}
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in taken}
+
+
 def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     """Join the tensor-parallel group (with more than one rank), load the model (this rank's
     shard), size the KV pool and the swap space (agreed across ranks), connect the step channel."""
-    from conveyor.worker.model_runner import PlanRefused
+    from conveyor.worker.plan_check import PlanRefused
     from conveyor.worker.parallel import (
         TensorParallel,
         close_tensor_parallel,
@@ -182,23 +191,7 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         return idle / (idle + busy) if idle + busy > 0 else 1.0
 
     prof.derive("idle_fraction", idle_fraction)
-    runner = build_runner(
-        config.model_dir,
-        device=config.device,
-        dtype=config.dtype,
-        block_size=config.block_size,
-        num_blocks=config.num_blocks,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        attention=config.attention,
-        num_cpu_blocks=config.num_cpu_blocks,
-        swap_space_bytes=config.swap_space_bytes,
-        num_threads=num_threads,
-        profiler=prof,
-        tensor_parallel=tp,
-        max_num_seqs=config.max_num_seqs,
-        enforce_eager=config.enforce_eager,
-        first_device=config.first_device,
-    )
+    runner = build_runner(**runner_fields(config), num_threads=num_threads, profiler=prof, tensor_parallel=tp)
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)
     loop = StepLoop(
@@ -254,7 +247,9 @@ class StepLoop:
     ``results`` None: a tensor-parallel rank other than 0, which runs every step and sends
     nothing. A step whose launch or finish raises a ``recoverable`` exception fails alone (its
     result carries the error); any other exception ends the loop (raised), as a tensor-parallel
-    rank must when its group may be out of step.
+    rank must when its group may be out of step. The plan planned ahead of a failed step is
+    failed by the runner (:mod:`conveyor.worker.model_runner`, the one place of that rule): the
+    loop sends what the runner returns or raises, in step order.
     """
 
     def __init__(
@@ -278,7 +273,6 @@ class StepLoop:
         self.t_wait = prof.timer("wait_tokens", arg_name="step")  # finishing a launched step
         self.t_send = prof.timer("send_result", arg_name="step")
         self.pending = None  # (launched step, or the StepResult of a launch that failed)
-        self.failed = False  # the last finished step failed: a plan launched ahead of it fails too
 
     def run(self) -> None:
         idle_start = profiling.now_ns()
@@ -353,12 +347,6 @@ class StepLoop:
                 result = self.runner.finish(pending)
             except self.recoverable as exc:
                 result = failed_step(pending.step_id, exc)
-            if self.failed and pending.planned_ahead and result.error is None:
-                # Launched before the step it was planned ahead of failed at the finish.
-                result = StepResult(
-                    pending.step_id, [], [], error=f"step {pending.step_id} was planned ahead of a step that failed"
-                )
-        self.failed = result.error is not None
         send_start = self.t_wait.record(start, arg=result.step_id)
         if self.results is not None:
             self.results.send(result)

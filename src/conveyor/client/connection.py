@@ -1,0 +1,417 @@
+"""What both clients share: the connection, the bookkeeping of its requests, and everything
+about a reply but the I/O that reads it (:mod:`conveyor.client`'s docstring describes the
+behaviour). :class:`Connection` decides which reply goes where, once; the synchronous
+client (:mod:`conveyor.client.sync`) and the asyncio one (:mod:`conveyor.client.aio`) add only
+the calls that send, wait and receive.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from conveyor.ipc import transport
+from conveyor.protocol import messages as cp
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
+DEFAULT_TIMEOUT_S = 300.0
+# How long a send waits for a connection to the server (a local one completes in about a
+# millisecond; a server still starting has this long to bind its socket).
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+# How long a connection that answers no heartbeat counts as alive (a closed one is seen at once).
+DEFAULT_LIVENESS_TIMEOUT_S = 5.0
+HEARTBEAT_IVL_MS = 1000  # at most; half the liveness timeout when that is shorter
+
+
+class ServerError(RuntimeError):
+    """The server answered with a protocol-level ``error`` map; ``code`` is its
+    machine-readable code (see docs/protocol.md)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NoServerError(ConnectionError):
+    """Nothing answered at the client's address: no server is listening there (or it died)."""
+
+    def __init__(self, address: str, connect_timeout: float) -> None:
+        super().__init__(f"no server at {address} (no connection within {connect_timeout:g} s)")
+        self.address = address
+
+
+class ServerGoneError(ConnectionError):
+    """The connection to the server was lost with this request in flight: its process died
+    or stopped answering heartbeats. The server has dropped the request; send it again to
+    retry (a new connection is made)."""
+
+    def __init__(self, address: str, what: str) -> None:
+        super().__init__(f"lost the connection to the server at {address}; {what} failed")
+        self.address = address
+
+
+class AuthenticationError(ConnectionError):
+    """The server refused this client's CurveZMQ handshake: its key pair is not allowed there,
+    it has none while the server requires one (or the reverse), or ``server_key`` is not the
+    server's."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"the server at {address} refused the connection: {reason}")
+        self.address = address
+
+
+# The handshake failures a monitor reports, as the reason an AuthenticationError gives.
+_MISMATCH = (
+    "the security handshake failed: the server requires a key pair and this client has none "
+    "(client_key, server_key), or the reverse, or server_key is not the server's public key"
+)
+_REFUSALS = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "this client's key is not allowed there (bin/keygen DIR --client NAME makes one)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: _MISMATCH,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: _MISMATCH,
+}
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+for _event in _REFUSALS:
+    _MONITOR_EVENTS |= _event
+# Replies to a lost connection's requests are this internal message (never on the wire).
+_CONNECTION_LOST = "__connection_lost__"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV the server reused (prefix cache, continuation)
+
+
+@dataclass
+class CompletionResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    timing: dict[str, float | None] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Delta:
+    """One piece of a stream. The last one has ``finish_reason`` set and carries ``result``."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    result: CompletionResult | None = None
+
+
+def completion_result(msg: dict[str, Any]) -> CompletionResult:
+    usage = msg.get("usage") or {}
+    return CompletionResult(
+        request_id=msg["request_id"],
+        text=msg.get("text", ""),
+        token_ids=list(msg.get("token_ids", [])),
+        finish_reason=msg["finish_reason"],
+        usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
+        timing=msg.get("timing") or {},
+        error=msg.get("error"),
+    )
+
+
+def generate_message(
+    prompt: str | None,
+    messages: list[dict[str, str]] | None,
+    token_ids: list[int] | None,
+    request_id: str | None,
+    stream: bool,
+    fields: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``generate`` map of the client protocol (docs/protocol.md) for these inputs and
+    request fields; a uuid names the request when ``request_id`` is None. For callers that
+    drive a socket of their own (tests, bin/soak's disconnecting clients)."""
+    msg: dict[str, Any] = {"type": cp.GENERATE, "v": cp.CLIENT_PROTOCOL_VERSION, "stream": stream}
+    msg["request_id"] = request_id or uuid.uuid4().hex
+    for key, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)):
+        if value is not None:
+            msg[key] = value
+    unknown = set(fields) - set(cp.OPTION_FIELDS)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    msg.update({k: v for k, v in fields.items() if v is not None})
+    return msg
+
+
+def _request_message(prompt: str | None, stream: bool, request: dict[str, Any]) -> dict[str, Any]:
+    """:func:`generate_message` for the keywords of ``Client.generate`` / ``stream``."""
+    fields = dict(request)
+    inputs = [fields.pop(name, None) for name in ("messages", "token_ids", "request_id")]
+    return generate_message(prompt, *inputs, stream, fields)
+
+
+def to_delta(msg: dict[str, Any]) -> Delta:
+    """Turn a server message of a streamed request into a Delta."""
+    if msg["type"] == cp.DELTA:
+        return Delta(msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])))
+    result = completion_result(msg)
+    return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
+
+
+# Replies the asyncio reader takes per wake-up without awaiting (see AsyncClient._read_loop).
+DRAIN_MAX = 256
+
+# Replies that answer a command rather than a request are routed by their type.
+CONTROL_KEYS = {cp.STATS_REPLY: "__stats__", cp.PROFILE_REPLY: "__profile__", cp.METRICS_REPLY: "__metrics__"}
+
+
+def _reply_key(reply: dict[str, Any]) -> str | None:
+    return CONTROL_KEYS.get(reply.get("type")) or reply.get("request_id")
+
+
+def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) -> str | None:
+    """The key of the replies a message sent asks for (None: an abort asks for none).
+
+    A generate under an id this client still awaits is refused here (ValueError): the
+    server would refuse it with an ``error`` under the same id, which could not be told
+    apart from the running request's own replies on this side. An id in one of the
+    ``released`` sets (aborted by the caller, or given up on: the server frees it in order,
+    before it reads this message) is free at once."""
+    if msg["type"] == cp.GENERATE:
+        rid = msg["request_id"]
+        if rid in awaiting and not any(rid in ids for ids in released):
+            raise ValueError(f"request id {msg['request_id']!r} is already in flight on this client")
+        return msg["request_id"]
+    return CONTROL_KEYS.get(msg["type"])
+
+
+def profile_message(window_s: float, trace: bool, series: list[str] | None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": cp.PROFILE, "v": cp.CLIENT_PROTOCOL_VERSION, "window_s": window_s, "trace": trace}
+    if series:
+        msg["series"] = list(series)
+    return msg
+
+
+def stats_message(iterations: bool) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": cp.STATS, "v": cp.CLIENT_PROTOCOL_VERSION}
+    if iterations:
+        msg["iterations"] = True
+    return msg
+
+
+def metrics_message() -> dict[str, Any]:
+    return {"type": cp.METRICS, "v": cp.CLIENT_PROTOCOL_VERSION}
+
+
+def abort_message(request_id: str) -> dict[str, Any]:
+    return {"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id}
+
+
+def check_error(msg: dict[str, Any]) -> None:
+    if msg.get("type") == cp.ERROR:
+        raise ServerError(msg.get("message", "unknown server error"), msg.get("code"))
+    if msg.get("type") == _CONNECTION_LOST:
+        raise ServerGoneError(msg["address"], msg["what"])
+
+
+def pack_request(msg: dict[str, Any]) -> bytes:
+    """``msg`` on the wire; ValueError when it is over the protocol's limit (the server would
+    drop the connection, with every request on it, rather than read it)."""
+    data = cp.pack(msg)
+    if len(data) > cp.MAX_CLIENT_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(data)} bytes exceeds the protocol's limit of {cp.MAX_CLIENT_MESSAGE_BYTES}")
+    return data
+
+
+def _connect(
+    ctx: zmq.Context,
+    address: str,
+    identity: bytes | None,
+    liveness_timeout: float | None,
+    client_key: str | None,
+    server_key: str | None,
+) -> tuple[zmq.Socket, zmq.Socket]:
+    """The DEALER socket of a client, connected to ``address``, and its monitor (handshakes,
+    refusals, disconnects). The monitor starts before the connect, so no event is missed.
+    Replies are never left waiting in libzmq's queue at a limit (RCVHWM 0): a client that
+    is slow to read must not stop answering the server's heartbeats. Not IMMEDIATE: with it,
+    libzmq drops the replies received but not yet read when the connection closes, and the
+    error finals a server sends to every request as it shuts down would be lost with them."""
+    if (client_key is None) != (server_key is None):
+        raise ValueError("client_key and server_key go together (both files come from bin/keygen)")
+    if identity is not None and not (0 < len(identity) <= 255 and identity[0] != 0):
+        raise ValueError("identity must be 1 to 255 bytes, the first not zero (ZeroMQ reserves those)")
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, identity or uuid.uuid4().bytes)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if liveness_timeout is not None:  # silent since a PING (within ivl) + timeout: about liveness_timeout in all
+            liveness_ms = max(2, int(liveness_timeout * 1000))
+            ivl_ms = min(HEARTBEAT_IVL_MS, liveness_ms // 2)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, liveness_ms - ivl_ms)
+        if client_key is not None:
+            transport.client_curve_keys(sock, client_key, server_key)
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    sock.connect(address)
+    return sock, monitor
+
+
+class Connection:
+    """What both clients hold: one DEALER socket to ``address``, its monitor, the state the
+    monitor's events keep (whether the server is connected, and why it refused us), and the
+    bookkeeping of the requests sent on the connection, which both route replies by.
+
+    The public calls are written here, once: each builds its message and hands it to the
+    subclass's I/O, which is all a subclass adds: ``_complete`` (send a generate request,
+    return its :class:`CompletionResult`), ``_stream`` (send one, yield its deltas),
+    ``_abort`` and ``_command`` (send a command, return its one answer), plain functions in
+    :class:`~conveyor.client.sync.Client`, coroutines and an async generator in
+    :class:`~conveyor.client.aio.AsyncClient` (whose calls are then awaited, or iterated with
+    ``async for``). It also names its ZeroMQ context class (``_CONTEXT``: plain or asyncio),
+    sets up where replies wait for their reader in ``_init_delivery`` and hands a routed
+    reply there in ``_deliver``; everything that decides which reply goes where is here, once."""
+
+    _CONTEXT: type[zmq.Context]
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
+        liveness_timeout: float | None = DEFAULT_LIVENESS_TIMEOUT_S,
+        identity: bytes | None = None,
+        client_key: str | None = None,
+        server_key: str | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.liveness_timeout = liveness_timeout
+        self._ctx = self._CONTEXT.instance()
+        self._sock, self._monitor = _connect(self._ctx, address, identity, liveness_timeout, client_key, server_key)
+        self._connected = False
+        self._refusal: str | None = None  # the last handshake failure, until a handshake succeeds
+        self._abandoned: set[str] = set()  # ids whose final is still to come, for nobody
+        self._awaiting: set[str] = set()  # keys sent on this connection whose final (or answer) is to come
+        self._aborted: set[str] = set()  # ids the caller aborted whose final is still to come (free for reuse)
+        self._init_delivery()
+
+    def generate(self, prompt: str | None = None, **request: Any) -> Any:
+        """One completion: its :class:`CompletionResult` (awaited, with :class:`AsyncClient`).
+
+        The input is ``prompt``, or the keyword ``messages`` (a chat) or ``token_ids``; the
+        keyword ``request_id`` names the request (default: a fresh uuid; a finished request's
+        id continues it); the other keywords are the request fields of the protocol (module
+        docstring of :mod:`conveyor.client`)."""
+        return self._complete(_request_message(prompt, False, request))
+
+    def stream(self, prompt: str | None = None, **request: Any) -> Any:
+        """As :meth:`generate`, streamed: an iterator of :class:`Delta` (async, with
+        :class:`AsyncClient`), the last one carrying the finish reason. Stopping early aborts
+        the request at the server."""
+        return self._stream(_request_message(prompt, True, request))
+
+    def abort(self, request_id: str) -> Any:
+        """Abort a request of this client; its id is free for reuse at once."""
+        return self._abort(request_id)
+
+    def stats(self, *, iterations: bool = False) -> Any:
+        """The server's block pool, queues and counters (docs/protocol.md, ``stats``);
+        ``iterations`` adds ``iterations``, the log of the most recent iterations (up to 256
+        maps: batch, tokens, blocks and waits of each)."""
+        return self._command(CONTROL_KEYS[cp.STATS_REPLY], stats_message(iterations))
+
+    def profile(self, window_s: float = 60.0, *, trace: bool = False, series: list[str] | None = None) -> Any:
+        """Every process's latency profile over the last ``window_s`` s (docs/protocol.md, ``profile``).
+
+        ``trace`` adds each process's recent spans (``conveyor.profiling.chrome_trace``
+        turns the reply's ``processes`` into one Chrome/Perfetto trace); ``series`` names value
+        series whose raw samples to include, e.g. ``["batch_seqs"]``.
+        """
+        return self._command(CONTROL_KEYS[cp.PROFILE_REPLY], profile_message(window_s, trace, series))
+
+    def metrics(self) -> Any:
+        """The frontend's request-level metrics (docs/protocol.md, ``metrics``): ``counters``
+        (``prompt_tokens``, ``generation_tokens``, ``request_success`` by finish reason) and
+        ``histograms`` (name -> ``{buckets, counts, sum, count}``, seconds; ``counts`` per
+        bucket, not cumulative, its last entry above every bound), all since the server
+        started. :func:`conveyor.http.prometheus.exposition` renders it with :meth:`stats`."""
+        return self._command(CONTROL_KEYS[cp.METRICS_REPLY], metrics_message())
+
+    def _init_delivery(self) -> None:
+        """Set up where routed replies wait for their reader (the subclass's own state)."""
+        raise NotImplementedError
+
+    def _deliver(self, key: str | None, reply: dict[str, Any]) -> None:
+        """Hand ``reply`` to whoever reads the replies of ``key`` (a request id or a command's key)."""
+        raise NotImplementedError
+
+    def _route(self, reply: dict[str, Any]) -> None:
+        """Deliver ``reply`` to its request (or command), after noting that a final (or a
+        command's one answer) ends its wait; a reply of an abandoned request is dropped, and
+        its final frees the id."""
+        key = _reply_key(reply)
+        if reply.get("type") != cp.DELTA:  # its final, or a command's one answer
+            self._awaiting.discard(key)
+            self._aborted.discard(key)
+        if key in self._abandoned:
+            if reply.get("type") == cp.FINAL:
+                self._abandoned.discard(key)
+            return
+        self._deliver(key, reply)
+
+    def _fail_awaiting(self) -> None:
+        """On the loss of the server (after the replies received before it are routed): every
+        request still waiting gets the loss (ServerGoneError in its reader), and nothing is
+        awaited any more, since no final will come on the lost connection."""
+        for key in self._awaiting:
+            self._deliver(key, self._lost(f"request {key!r}" if key not in CONTROL_KEYS.values() else key.strip("_")))
+        self._awaiting.clear()
+        self._abandoned.clear()
+        self._aborted.clear()
+
+    def _mark_abandoned(self, request_id: str) -> bool:
+        """Note that nobody reads ``request_id`` any more; True when its abort is to be sent.
+
+        The server sends every request exactly one final, and all of it before anything of a
+        later request of this client that reuses the id, so "drop up to its final" is exact;
+        a final already routed, or a lost connection, means there is nothing left to drop."""
+        if request_id not in self._awaiting:
+            return False
+        self._abandoned.add(request_id)
+        return True
+
+    def _on_event(self, frames: list[bytes]) -> bool:
+        """Take one monitor event; True when it is the loss of a connected server."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected, self._refusal = True, None
+        elif event in _REFUSALS:
+            self._refusal = _REFUSALS[event]
+        elif event == zmq.EVENT_DISCONNECTED and self._connected:
+            self._connected = False
+            return True
+        return False
+
+    def _lost(self, what: str) -> dict[str, Any]:
+        return {"type": _CONNECTION_LOST, "address": self.address, "what": what}
+
+    def _not_connected(self) -> ConnectionError:
+        """The error of a send that found no server within ``connect_timeout``."""
+        if self._refusal is not None:
+            return AuthenticationError(self.address, self._refusal)
+        return NoServerError(self.address, self.connect_timeout)
+
+    def _close_socket(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)

@@ -1,0 +1,176 @@
+"""The decode step: every row runs one token, through static buffers and CUDA graphs.
+
+A busy server's steps are mostly decodes. Such a step does not build its inputs afresh: it
+pads the batch to a bucket of rows and fills persistent device buffers from one pinned
+staging buffer in one copy (:mod:`conveyor.worker.step_buffers`), then runs the forward over
+them: replayed from a CUDA graph captured at startup (:mod:`conveyor.worker.cuda_graphs`),
+keyed by the paged decode kernel's launch plan, or eagerly (CPU, ``enforce_eager``).
+
+:class:`DecodeStep` is the part of :class:`~conveyor.worker.model_runner.ModelRunner` that
+does this (a base class of it: it reads the runner's model, request state, sampling columns
+and timers, which the runner sets up before :meth:`DecodeStep._setup_decode_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from conveyor import profiling
+from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.attention.triton_backend import TritonPagedAttention
+from conveyor.worker.cuda_graphs import DecodeGraphs
+from conveyor.worker.parallel import broadcast_from_first_
+from conveyor.worker.request_state import RequestState, Work
+from conveyor.worker.sampler import batch_of_columns, host_flags
+from conveyor.worker.step_buffers import DecodeInputs, StepBuffers, context_buckets, decode_buckets, smallest_fitting
+
+
+class DecodeStep:
+    """The decode-only step of a runner (module docstring)."""
+
+    def _run_decode(
+        self, work: list[Work], states: list[RequestState], samples: list[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step through the static buffers: stage every input on the host, one
+        copy to the device, then the captured graph of the step's bucket (or the same forward
+        run eagerly), then the sampler over the bucket's rows; padded rows are ignored."""
+        start = profiling.now_ns()
+        n = len(work)
+        rows = self._buffers.bucket_for(n)
+        slots = np.fromiter([item.slot for item in work], np.int64, n)
+        computed = np.fromiter([item.num_computed for item in work], np.int64, n)
+        max_seq_len = int(computed.max()) + 1
+        if self._graphs is not None:
+            bound = self._graphs.bound_for(rows, max_seq_len)
+        else:
+            bound = smallest_fitting(self._context_bounds, max_seq_len)
+        width = -(-bound // self.block_size)
+        host = self._buffers.stage(rows, width)
+        pending = np.fromiter(
+            [item.num_computed >= len(state.token_ids) for item, state in zip(work, states)], np.bool_, n
+        )
+        host["input_ids"][:n] = [
+            0 if late else state.token_ids[item.num_computed] for item, state, late in zip(work, states, pending)
+        ]
+        host["from_device"][:n] = pending
+        host["last_slots"][:n] = slots
+        host["positions"][:n] = computed
+        tables = self._requests.tables[slots]
+        columns = min(width, tables.shape[1])
+        host["block_tables"][:n, :columns] = tables[:, :columns]
+        blocks = tables[np.arange(n), computed // self.block_size]
+        host["slot_mapping"][:n] = blocks * self.block_size + computed % self.block_size
+        host["seq_lens"][:n] = computed + 1
+        host["context_lens"][:n] = computed
+        sample_rows = np.flatnonzero(samples)
+        m = len(sample_rows)
+        host["sample_rows"][:m] = sample_rows
+        host["sample_slots"][:m] = slots[sample_rows]
+        params = self._sampling.gather(slots)
+        for name, column in params.items():
+            host[name][:n] = column
+        flags = host_flags({name: column[sample_rows] for name, column in params.items()}, self.model_config.vocab_size)
+        seq_lens_host = host["seq_lens"].tolist()  # the torch backends' host lengths (before the buffer is reused)
+        inputs = self._buffers.upload(rows, width)
+        if pending.any():
+            inputs.input_ids.copy_(
+                torch.where(inputs.from_device, self._last_tokens[inputs.last_slots], inputs.input_ids)
+            )
+        start = self._t_prepare.record(start)
+        if self._graphs is not None:
+            self._graphs.replay(rows, bound)
+        else:
+            self._forward_decode(inputs, bound, seq_lens_host)
+        start = self._t_forward.record(start)
+
+        sample_slots = inputs.sample_slots[:m]
+        if self.tensor_parallel.rank == 0:
+            # inputs.positions + 1: the position of the token being drawn
+            batch = batch_of_columns(inputs.tensors, inputs.positions + 1, flags)
+            sampled = self.sampler.sample(self._logits[:rows], batch).index_select(0, inputs.sample_rows[:m])
+        else:
+            sampled = torch.empty(m, dtype=torch.int64, device=self.device)
+        broadcast_from_first_(sampled, self.tensor_parallel)
+        self._t_sample.record(start)
+        return sampled, sample_slots
+
+    def _forward_decode(self, inputs: DecodeInputs, bound: int, seq_lens_host: list[int] | None = None) -> None:
+        """Embedding to logits of a decode bucket, reading only ``inputs`` (fixed device views)
+        and writing ``self._logits[:rows]`` (rank 0): what the CUDA graphs capture.
+
+        ``bound`` is an upper bound on every row's context: it fixes the decode kernel's
+        partitioning. ``seq_lens_host`` (the staged lengths) serves the torch backends, which
+        plan on the host; captured graphs never read it (padding's lengths stand in)."""
+        rows = inputs.rows
+        metadata = AttentionMetadata(
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            context_lens=inputs.context_lens,
+            block_tables=inputs.block_tables,
+            slot_mapping=inputs.slot_mapping,
+            max_seq_len=bound,
+            max_query_len=1,
+            block_size=self.block_size,
+            query_start_loc_host=list(range(rows + 1)),
+            seq_lens_host=seq_lens_host if seq_lens_host is not None else [1] * rows,
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, metadata)
+        if self.tensor_parallel.rank == 0:
+            self._logits[:rows].copy_(self.model.compute_logits(hidden))
+
+    def _setup_decode_step(
+        self, max_num_seqs: int, enforce_eager: bool, pad_decode: bool | None, backend: AttentionBackend
+    ) -> None:
+        """Static decode buffers for up to ``max_num_seqs`` rows, and on CUDA (unless
+        ``enforce_eager``, with the Triton backend and no tensor parallelism) their graphs.
+
+        Decode batches pad to the graph buckets (:func:`decode_buckets`) when graphs replay
+        them; run eagerly, padding would only add rows of work (a third more at worst on a
+        CPU, which is compute-bound), so every row count is its own bucket, unless
+        ``pad_decode`` says otherwise (tests exercise padding on CPU with it)."""
+        config = self.model_config
+        # The longest context a decode row can have: the pool, and the model's positions.
+        max_context = min(self.num_blocks, -(-config.max_position_embeddings // self.block_size)) * self.block_size
+        use_graphs = (
+            self._cuda and not enforce_eager and isinstance(backend, TritonPagedAttention) and self.tensor_parallel.size == 1
+        )
+        if pad_decode is None:
+            pad_decode = use_graphs
+        buckets = decode_buckets(max_num_seqs) if pad_decode else list(range(1, max_num_seqs + 1))
+        self.max_num_seqs = max_num_seqs
+        self._context_bounds = context_buckets(max_context)
+        self._buffers = StepBuffers(buckets, -(-max_context // self.block_size), self.device)
+        self._logits = torch.zeros(max_num_seqs, config.vocab_size, dtype=torch.float32, device=self.device)
+        self._graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self._graphs = DecodeGraphs(
+                self._forward_decode, self._buffers, self._context_bounds, self.block_size, self._decode_plan_key
+            )
+            with torch.inference_mode():
+                self._graphs.capture()
+
+    def _decode_plan_key(self, rows: int, bound: int) -> tuple:
+        """The paged decode kernel's launch plans at ``rows`` rows and context bound ``bound``,
+        one per distinct sliding window; a one-partition plan's length is dropped (any length
+        covering the context computes the same)."""
+        from conveyor.kernels.paged_decode import plan_decode_partitions
+
+        config = self.model_config
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        windows = sorted({layer.self_attn.sliding_window or 0 for layer in self.model.layers})
+        plans = []
+        for window in windows:
+            plan = plan_decode_partitions(
+                batch=rows,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                dtype=self.dtype,
+                max_context=min(bound, window) if window else bound,
+                num_sms=num_sms,
+            )
+            plans.append(plan if plan.num_partitions > 1 else dataclasses.replace(plan, partition_size=0))
+        return tuple(plans)

@@ -97,25 +97,28 @@ def server_model_dir(server) -> str:
 
 
 def test_stop_token_ids_and_stop_strings(server) -> None:
+    request = dict(token_ids=[11, 12, 13], max_tokens=24, temperature=0, ignore_eos=True)
     with Client(server.address, timeout=60) as client:
-        base = client.generate(token_ids=[11, 12, 13], max_tokens=12, temperature=0, ignore_eos=True)
+        base = client.generate(**request)
         stop_id = base.token_ids[4]
-        cut = client.generate(token_ids=[11, 12, 13], max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+        cut = client.generate(**request, stop_token_ids=[stop_id])
         assert cut.finish_reason == "stop"
         assert cut.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
-        # A stop string taken from the middle of the unconstrained text: the text ends right before it.
+        # A stop string taken from the middle of the unconstrained text (24 tokens: always long
+        # enough): the text ends right before its first occurrence, which is not at the start.
         text = base.text
-        if len(text.strip()) >= 4:
-            start = len(text) // 2
-            stop = text[start : start + 2]
-            streamed = []
-            final = None
-            for d in client.stream(token_ids=[11, 12, 13], max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]):
-                streamed.append(d.text)
-                final = d
-            assert final.finish_reason == "stop"
-            assert final.result.text == text[: text.index(stop)]
-            assert "".join(streamed) == final.result.text
+        assert len(text) >= 8, text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        expected = text[: text.index(stop)]
+        assert expected, (text, stop)
+        streamed = []
+        final = None
+        for d in client.stream(**request, stop=[stop]):
+            streamed.append(d.text)
+            final = d
+        assert final.finish_reason == "stop"
+        assert final.result.text == expected
+        assert "".join(streamed) == expected
         wait_for_free_blocks(client)
 
 

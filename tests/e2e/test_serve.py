@@ -19,7 +19,17 @@ import zmq
 
 from conveyor.client import AsyncClient, Client
 
-from tests.e2e.serve_harness import REPO, alive, mapped_ring_files, still_alive_after
+from tests.e2e.serve_harness import (
+    LONG_MAX_TOKENS,
+    LONG_SERVE_ARGS,
+    REPO,
+    alive,
+    assert_aborted_and_freed,
+    finished_counts,
+    long_context_copy,
+    mapped_ring_files,
+    still_alive_after,
+)
 
 NUM_BLOCKS = 96
 SERVE_ARGS = ("--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
@@ -148,21 +158,29 @@ def test_abort_mid_stream_frees_blocks(server) -> None:
         assert wait_for_free_blocks(client)["held_blocks"] == 0
 
 
-def test_client_disconnect_frees_blocks(server) -> None:
+def test_client_disconnect_aborts_its_request(serve_factory, tiny_checkpoint, tmp_path) -> None:
+    """A DEALER that goes away while its request (streamed, then unstreamed) would run for
+    thousands of tokens more: the frontend aborts the request, counted as an abort, and its
+    blocks are free within ABORT_BOUND_S of the disconnect."""
+    server = serve_factory("--model", str(long_context_copy(tiny_checkpoint, tmp_path)), *LONG_SERVE_ARGS)
     ctx = zmq.Context.instance()
-    for stream in (True, False):
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(server.address)
-        req = {"type": "generate", "v": 1, "token_ids": [9] * 40, "max_tokens": 200, "ignore_eos": True, "stream": stream}
-        sock.send(msgpack.packb(req))
-        with Client(server.address) as watcher:
-            deadline = time.monotonic() + 10
-            while watcher.stats()["held_blocks"] == 0:
-                assert time.monotonic() < deadline
+    with Client(server.address) as watcher:
+        for stream in (True, False):
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(server.address)
+            req = {"type": "generate", "v": 1, "token_ids": [9] * 40, "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True,
+                   "stream": stream}
+            sock.send(msgpack.packb(req))
+            if stream:  # streaming: its first delta is here
+                assert sock.poll(30_000) and msgpack.unpackb(sock.recv())["type"] == "delta"
+            deadline = time.monotonic() + 30
+            while watcher.stats()["held_blocks"] == 0:  # running at the scheduler
+                assert time.monotonic() < deadline, "the request never started"
                 time.sleep(0.02)
+            before = finished_counts(watcher)
             sock.close(linger=0)
-            stats = wait_for_free_blocks(watcher)
-            assert stats["held_blocks"] == 0 and stats["in_flight"] == 0, stats
+            took = assert_aborted_and_freed(watcher, before, time.monotonic())
+            print(f"stream={stream}: blocks free {took:.3f} s after the disconnect")
 
 
 def test_new_client_on_a_reused_fd_is_not_taken_for_the_gone_one(server) -> None:

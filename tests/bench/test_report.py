@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from conveyor.bench import report
-from conveyor.cli import bench
+from conveyor_tools.bench import report
+from conveyor_tools.cli import bench
 
 
 def offline_result(output_tok_s: float) -> dict:

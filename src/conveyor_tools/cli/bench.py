@@ -34,12 +34,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conveyor.bench import experiments, plots, report
-from conveyor.bench.drivers import run_offline, run_online
-from conveyor.bench.http_driver import run_online_http
-from conveyor.bench.metrics import OfflineRun
-from conveyor.bench.server import BenchServer
-from conveyor.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
+from conveyor_tools.bench import experiments, plots, report
+from conveyor_tools.bench.drivers import run_offline, run_online
+from conveyor_tools.bench.http_driver import run_online_http
+from conveyor_tools.bench.metrics import OfflineRun
+from conveyor_tools.bench.server import BenchServer
+from conveyor_tools.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.runtime.config import Device, Dtype
 from conveyor.worker.main import resolve_device
@@ -166,7 +166,7 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                         with BenchServer(_serve_args(args, model_dir, device, SERVED[name])) as server:
                             run = asyncio.run(run_offline(name, server.address, workload, bar, args.timeout))
                     else:
-                        from conveyor.bench import hf
+                        from conveyor_tools.bench import hf
 
                         if hf_model is None:
                             if args.threads:

@@ -11,10 +11,10 @@ until its last member finishes) on the same model, device and requests:
 4. KV-cache blocks held (average, peak) and the padding a padded static batch would waste;
 5. throughput over output-length spread at one mean (lognormal outputs, three sigmas).
 
-There is no harness of its own: every run is a :class:`~conveyor.bench.server.BenchServer`
-driven by :func:`~conveyor.bench.drivers.run_offline` or
-:func:`~conveyor.bench.drivers.run_online`, on workloads from
-:mod:`~conveyor.bench.workloads`. One server per (system, batch size) serves every
+There is no harness of its own: every run is a :class:`~conveyor_tools.bench.server.BenchServer`
+driven by :func:`~conveyor_tools.bench.drivers.run_offline` or
+:func:`~conveyor_tools.bench.drivers.run_online`, on workloads from
+:mod:`~conveyor_tools.bench.workloads`. One server per (system, batch size) serves every
 offline run of that pair, another its online run (:func:`offline_gate` says why). The one
 thing added is a poller of the scheduler's iteration log (``stats`` with ``iterations``, at
 most 256 rows) during offline runs: it keeps every iteration's ``held_blocks`` and
@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.bench.drivers import run_offline, run_online
-from conveyor.bench.metrics import OfflineRun, Timeline
-from conveyor.bench.server import BenchServer
-from conveyor.bench.workloads import Workload, make_workload, poisson_arrivals
+from conveyor_tools.bench.drivers import run_offline, run_online
+from conveyor_tools.bench.metrics import OfflineRun, Timeline
+from conveyor_tools.bench.server import BenchServer
+from conveyor_tools.bench.workloads import Workload, make_workload, poisson_arrivals
 from conveyor.client import AsyncClient
 
 EXPERIMENTS = (1, 2, 3, 4, 5)

@@ -88,3 +88,22 @@ def test_serving_never_needs_transformers(tmp_path) -> None:
     run_without(
         ("transformers",), SERVES_WITHOUT_TRANSFORMERS, env={**os.environ, "CONVEYOR_CACHE": str(tmp_path / "cache")}, timeout=240
     )
+
+
+def test_a_checkpoint_that_needs_conversion_says_how_without_transformers(tmp_path) -> None:
+    """Without the extra, a missing tokenizer.json and the converter both name the install."""
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    body = f"""
+import contextlib, io
+import pytest
+from conveyor.cli import convert_tokenizer
+from conveyor.frontend.tokenizer import Tokenizer
+
+with pytest.raises(FileNotFoundError, match=r'bin/convert-tokenizer.*pip install "conveyor\\[convert\\]"'):
+    Tokenizer.from_dir({str(tmp_path)!r})
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    assert convert_tokenizer.main([{str(tmp_path)!r}]) == 1
+assert 'pip install "conveyor[convert]"' in err.getvalue(), err.getvalue()
+"""
+    run_without(("transformers",), body)

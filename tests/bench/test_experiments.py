@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from conveyor_tools.bench.experiments import SPREADS, kv_usage, occupancy, padded_waste
+from conveyor_tools.bench.batch_stats import kv_usage, occupancy, padded_waste
+from conveyor_tools.bench.experiments import SPREADS
 from conveyor_tools.bench.workloads import SHAREGPT_MEAN_OUTPUT, BenchRequest, Workload, make_workload
 from conveyor_tools.cli import bench
 

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conveyor_tools.bench import experiments, plots, report
+from conveyor_tools.bench import experiment_tables, experiments, plots, report
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.http_driver import run_online_http
 from conveyor_tools.bench.metrics import OfflineRun
@@ -398,7 +398,7 @@ def experiments_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     result = experiments.Experiments(setup, sizes, only).run()
     if hasattr(os, "getloadavg"):
         env["machine"]["load_average_at_end"] = list(os.getloadavg())
-    text = experiments.format_tables(result["tables"], env, args.threads)
+    text = experiment_tables.format_tables(result["tables"], env, args.threads)
     print()
     print(text)
     unavailable = {k: r["unavailable"] for k, r in result["runs"].items() if "unavailable" in r}

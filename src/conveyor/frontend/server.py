@@ -392,7 +392,7 @@ class Frontend:
             prompt_len=0,
             arrival_time=arrival,
             detokenizer=None,
-            stop=StopStringMatcher(req.stop),
+            stop=StopStringMatcher(req.stop, req.include_stop_str_in_output),
             client_key=key,
             fd=fd,
         )
@@ -467,7 +467,7 @@ class Frontend:
         state.prompt_ids = prompt_ids
         state.prompt_len = len(prompt_ids)
         state.history_len = len(history) if history is not None else 0
-        state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
         state.pending = False
         self.requests[state.scheduler_id] = state
         self.metrics.add_prompt(state.prompt_len)

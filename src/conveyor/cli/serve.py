@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import shutil
 import signal
 import sys
@@ -177,6 +178,30 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         "--served-model-name",
         help="the model name clients send and /v1/models lists (default: the --model directory's name; conveyor-demo for the demo)",
     )
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key clients must send as 'Authorization: Bearer <key>' on /v1, /tokenize, /detokenize, /invocations "
+        "(repeat for several; also $CONVEYOR_API_KEY or $VLLM_API_KEY)",
+    )
+    g.add_argument("--api-key-file", help="a file of API keys, one per line (blank lines and lines starting with # skipped)")
+    _switch(g, "--api-key-everywhere", HttpConfig.api_key_everywhere, "with API keys, /health, /metrics and /version need one too")
+    g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+    g.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The API keys of --api-key, --api-key-file and $CONVEYOR_API_KEY / $VLLM_API_KEY, in that order."""
+    keys = list(args.api_key)
+    if args.api_key_file is not None:
+        for line in Path(args.api_key_file).read_text().splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                keys.append(line.strip())
+    for name in ("CONVEYOR_API_KEY", "VLLM_API_KEY"):
+        if os.environ.get(name):
+            keys.append(os.environ[name])
+    return tuple(dict.fromkeys(keys))
 
 
 def _port(text: str) -> int:
@@ -277,7 +302,10 @@ def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
     http = None
     if args.http_port is not None or args.metrics_port is not None:
         name = args.served_model_name or ("conveyor-demo" if demo else Path(model_dir).resolve().name)
-        http = _view(HttpConfig, args, addresses=addresses, served_model_name=name, max_model_len=max_model_len)
+        http = _view(
+            HttpConfig, args, addresses=addresses, served_model_name=name, max_model_len=max_model_len,
+            model_dir=str(model_dir), api_keys=api_keys(args),
+        )  # fmt: skip
     return ServerConfig(
         model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,
         serve_on_replica_death=args.serve_on_replica_death,
@@ -481,7 +509,7 @@ def _print_http_addresses(info: dict) -> None:
 
 def warn_if_exposed(config: ServerConfig) -> None:
     """One line on stderr for each face reachable from other hosts with nobody checked: the
-    client socket without --auth-keys, and the HTTP listeners (they have no authentication)."""
+    client socket without --auth-keys, and the HTTP listeners without --api-key."""
     if config.frontend.auth_keys is None and not transport.is_loopback(config.addresses.client):
         print(
             f"conveyor: WARNING: {config.addresses.client} is reachable from other hosts and --auth-keys is not set: "
@@ -489,10 +517,10 @@ def warn_if_exposed(config: ServerConfig) -> None:
             file=sys.stderr,
             flush=True,
         )
-    if config.http is not None and not transport.is_loopback_host(config.http.http_host):
+    if config.http is not None and not config.http.api_keys and not transport.is_loopback_host(config.http.http_host):
         print(
             f"conveyor: WARNING: the HTTP listeners on {config.http.http_host} are reachable from other hosts "
-            "and have no authentication (put an authenticating proxy in front of them)",
+            "and no --api-key is set: anyone who can connect can use this server",
             file=sys.stderr,
             flush=True,
         )

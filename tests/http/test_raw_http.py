@@ -57,7 +57,7 @@ def test_malformed_json_and_wrong_types_are_400_naming_the_field(http_server) ->
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-        ("/v1/completions", {"prompt": "hi", "seed": -1}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
         ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
         ("/v1/completions", {"prompt": "hi", "ignore_eos": "true"}, "ignore_eos"),
         ("/v1/completions", {"prompt": "hi", "priority": 1.5}, "priority"),

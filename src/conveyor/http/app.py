@@ -168,7 +168,7 @@ async def models(request: web.Request) -> web.Response:
     return _json({"object": "list", "data": [_card(request.app)]})
 
 
-async def model(request: web.Request) -> web.Response:
+async def model_card(request: web.Request) -> web.Response:
     """``GET /v1/models/{id}``: the served model's card, or a 404 error object."""
     name = request.match_info["model"]
     if name != request.app[MODEL]:
@@ -276,7 +276,7 @@ def api_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model:.+}", model)
+    app.router.add_get("/v1/models/{model:.+}", model_card)
     app.router.add_post("/invocations", invocations)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from conveyor.client import Client
+from conveyor.http.app import MAX_BODY_BYTES
 from conveyor.protocol.messages import MAX_CLIENT_MESSAGE_BYTES
 
 
@@ -85,7 +86,7 @@ def test_unsupported_unknown_and_oversized(http_server) -> None:
     assert_error(request(http_server, "POST", "/v1/completions", big), 413, code="request_too_large")
     # just under the limit: the body is taken, and the frontend judges the prompt (too long for the model)
     fits = json.dumps({"model": model, "prompt": "a"}).encode()
-    near = fits.replace(b'"a"', b'"' + b"a " * ((MAX_CLIENT_MESSAGE_BYTES - 4096 - len(fits)) // 2) + b'"')
+    near = fits.replace(b'"a"', b'"' + b"a " * ((MAX_BODY_BYTES - len(fits)) // 2) + b'"')
     assert_error(request(http_server, "POST", "/v1/completions", raw=near), 400, "prompt")
 
 

@@ -252,7 +252,7 @@ async def metrics(request: web.Request) -> web.Response:
         stats = await link.stats(SCRAPE_TIMEOUT_S)
     except Exception:
         stats = None
-    body = prometheus.exposition(frontend_metrics, stats)
+    body = prometheus.exposition(frontend_metrics, stats, request.app[MODEL])
     return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 

@@ -195,3 +195,50 @@ def test_continuous_usage_stats_stream(secure, tiny_checkpoint) -> None:
     ids = [t for c in chunks[:-1] for t in (c.choices[0].model_extra.get("token_ids") or [])]
     assert len(ids) == 6
     assert chunks[0].choices[0].model_extra["prompt_token_ids"] and len(chunks[0].choices[0].model_extra["prompt_token_ids"]) == prompt_tokens
+
+
+DASHBOARD = __import__("pathlib").Path(__file__).resolve().parents[2] / "docs" / "grafana" / "conveyor.json"
+
+
+def _queries(node) -> list[str]:
+    """Every PromQL string of a Grafana dashboard: targets' ``expr`` and variables' queries."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("expr", "definition") and isinstance(value, str):
+                found.append(value)
+            elif key == "query" and isinstance(value, str) and "(" in value:
+                found.append(value)
+            else:
+                found.extend(_queries(value))
+    elif isinstance(node, list):
+        for item in node:
+            found.extend(_queries(item))
+    return found
+
+
+def test_every_dashboard_query_names_an_exported_series(secure, tiny_checkpoint) -> None:
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    call(secure, "POST", "/v1/completions", {"model": tiny_checkpoint.name, "prompt": "warm", "max_tokens": 2})
+    context = ssl.create_default_context(cafile=secure.certfile)
+    with urllib.request.urlopen(secure.url + "/metrics", context=context, timeout=30) as response:
+        families = list(text_string_to_metric_families(response.read().decode()))
+    exported = {s.name for f in families for s in f.samples}
+    assert all(s.labels.get("model_name") == tiny_checkpoint.name for f in families for s in f.samples)
+    queries = _queries(json.loads(DASHBOARD.read_text()))
+    assert len(queries) > 20
+    named = set()
+    for query in queries:
+        names = set(re.findall(r"\b(?:conveyor|vllm):[A-Za-z0-9_:]+", query))
+        assert names, query
+        named |= names
+    missing = sorted(named - exported)
+    assert not missing, f"dashboard queries name series the server does not export: {missing}"
+    # a vLLM dashboard's names are there too
+    for name in ("vllm:num_requests_running", "vllm:gpu_cache_usage_perc", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_prompt_tokens_bucket", "vllm:iteration_tokens_total_bucket", "vllm:request_success_total",
+                 "vllm:num_preemptions_total", "vllm:time_per_output_token_seconds_bucket"):
+        assert name in exported, name

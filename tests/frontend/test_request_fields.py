@@ -14,8 +14,12 @@ from conveyor.ipc.messages import AddRequest, RequestOutput, TokenOutputs
 CHAT = [{"role": "user", "content": "Write a haiku."}, {"role": "assistant", "content": "Autumn leaves fall"}]
 
 
+_SOCKETS: list = []  # every test client stays open (a closed one would abort its requests)
+
+
 def _add(fe, **fields) -> tuple[object, AddRequest]:
     sock = fe.client()
+    _SOCKETS.append(sock)
     fe.send(sock, **{"type": "generate", "request_id": "r", **fields})
     add = fe.scheduler_recv()
     assert isinstance(add, AddRequest), add

@@ -96,3 +96,12 @@ def test_a_mode_given_as_a_string_becomes_its_enum_member() -> None:
     assert config.policy is Policy.PRIORITY and f"{config.policy}" == "priority"
     with pytest.raises(ValueError, match="batching must be one of continuous, static"):
         SchedulerConfig(num_blocks=4, batching="dynamic")
+
+
+def test_the_exposed_http_warning_stays_until_a_key_is_set(capsys) -> None:
+    serve.warn_if_exposed(build("--http-port", "0", "--http-host", "0.0.0.0"))
+    assert "no --api-key is set" in capsys.readouterr().err
+    serve.warn_if_exposed(build("--http-port", "0", "--http-host", "0.0.0.0", "--api-key", "k"))
+    assert "HTTP listeners" not in capsys.readouterr().err
+    serve.warn_if_exposed(build("--http-port", "0"))  # loopback: nothing to warn about
+    assert "HTTP listeners" not in capsys.readouterr().err

@@ -127,7 +127,10 @@ class Engine:
         Exactly one input: ``prompt`` (text, tokenized with BOS), ``token_ids`` or chat
         ``messages`` (the checkpoint's chat template). ``sampling``: the generate fields of
         docs/protocol.md (``max_tokens`` (16), ``temperature`` (1.0), ``top_p``, ``top_k``,
-        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, and ``stop``: stop strings).
+        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, and the
+        frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
+        ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs``).
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
         that was not removed continues it (module docstring).
 
@@ -175,8 +178,8 @@ class Engine:
             scheduler_id,
             prompt_ids,
             len(history) if history is not None else 0,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids),
-            StopStringMatcher(req.stop),
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
+            StopStringMatcher(req.stop, req.include_stop_str_in_output),
             arrival,
         )
         self._running[scheduler_id] = request

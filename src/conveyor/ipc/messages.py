@@ -193,6 +193,10 @@ class TokenOutputs(Message, tag=11):
     token_ids: list[int] = field(default_factory=list)
 
 
+# Upper bounds of the iteration-tokens histogram of SchedulerStats (tokens one forward runs).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @message
 class SchedulerStats(Message, tag=12):
     """Block-pool and queue state, counters since start, and the most recent iterations.
@@ -226,6 +230,10 @@ class SchedulerStats(Message, tag=12):
     num_overloaded: int = 0
     num_timed_out: int = 0
     num_planned_ahead: int = 0
+    # Every iteration's input tokens since start, per bucket of
+    # ITERATION_TOKEN_BUCKETS (the last above every bound), and their sum.
+    iteration_token_counts: list[int] = field(default_factory=list)
+    iteration_token_sum: int = 0
     iteration_fields: list[str] = field(default_factory=list)
     recent_iterations: list[list[int | float]] = field(default_factory=list)
 

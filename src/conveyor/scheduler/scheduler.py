@@ -408,6 +408,8 @@ class Scheduler:
             "prefix_cache_hit_tokens": kv.num_hit_tokens,
             "num_overloaded": self._num_overloaded,
             "num_timed_out": self._num_timed_out,
+            "iteration_token_counts": list(self.iterations.token_counts),
+            "iteration_token_sum": self.iterations.token_sum,
             "iteration_fields": list(ITERATION_FIELDS),
             "recent_iterations": self.iterations.rows(),
         }

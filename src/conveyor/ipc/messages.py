@@ -112,6 +112,10 @@ class SamplingParams(Positional, frozen=True):
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Parallel sampling: ``n`` sequences of one prompt, sharing its KV (the scheduler fans
+    # the request out into sequences ``{request_id}/{i}``, see scheduler/groups.py); sequence
+    # i draws with ``seed + i``. The worker never reads it.
+    n: int = 1
 
     @property
     def greedy(self) -> bool:
@@ -293,7 +297,7 @@ class StepPlan(Message, tag=22):
     tokens are all computed after this step (``num_computed + num_scheduled == len(tokens)``).
 
     Requests are named by slot (see the module docstring). Order of execution: drop the
-    requests on ``finished_slots``, all swap-outs, all swap-ins, then the forward;
+    requests on ``finished_slots``, the block copies, all swap-outs, all swap-ins, then the forward;
     ``new_requests`` are taken in after the drop. Dropping first is what lets the scheduler
     give a slot freed since the last plan (a finish, an abort, a preemption in this very
     plan) to a request this plan admits; plans before it, already sent, still name the
@@ -308,6 +312,11 @@ class StepPlan(Message, tag=22):
     swap-out destination and a swap-in source (a block evicted to the CPU tier and hit again
     by the same plan) is read after it was written.
 
+    ``copy_blocks`` lists ``[src, dst]`` copies inside the GPU cache, run before the swaps:
+    a sequence of a parallel-sampling request forking from its first sequence gets its own
+    copy of the prompt's last, partly filled block (``dst`` freshly allocated to it, never a
+    source; ``src`` is read before anything of this plan writes).
+
     ``planned_ahead``: the plan was formed while the previous one was in flight, assuming
     it succeeds (its requests' sampled tokens are the inputs of this plan's decodes). If the
     previous step failed, the worker fails this one too without running it: it only drops
@@ -321,6 +330,7 @@ class StepPlan(Message, tag=22):
     swap_out: list[list[int]] = field(default_factory=list)
     swap_in: list[list[int]] = field(default_factory=list)
     planned_ahead: bool = False
+    copy_blocks: list[list[int]] = field(default_factory=list)
 
 
 @message

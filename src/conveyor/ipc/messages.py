@@ -262,6 +262,8 @@ class NewRequestData(Message, tag=20):
     block_ids: Int32Array
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # The LoRA adapter the request runs under (its registered name; None: the base model).
+    lora: str | None = None
 
 
 def int_list(values: Int32Array | list[int]) -> list[int]:

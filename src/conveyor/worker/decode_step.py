@@ -79,11 +79,17 @@ class DecodeStep:
             inputs.input_ids.copy_(
                 torch.where(inputs.from_device, self._last_tokens[inputs.last_slots], inputs.input_ids)
             )
+        # Graphs are captured without adapters: a step with adapter rows runs eagerly.
+        with_adapters = self._begin_lora(states, np.ones(rows, dtype=np.int64))
         start = self._t_prepare.record(start)
-        if self._graphs is not None:
-            self._graphs.replay(rows, bound)
-        else:
-            self._forward_decode(inputs, bound, seq_lens_host)
+        try:
+            if self._graphs is not None and not with_adapters:
+                self._graphs.replay(rows, bound)
+            else:
+                self._forward_decode(inputs, bound, seq_lens_host)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         start = self._t_forward.record(start)
 
         sample_slots = inputs.sample_slots[:m]

@@ -53,6 +53,7 @@ from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
+from conveyor.worker.lora import LoraManager, LoraOptions
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
 from conveyor.worker.request_state import RequestState, SlotStates, Work
@@ -89,6 +90,11 @@ class ModelRunner(DecodeStep):
     buffers; on CUDA the decode step is captured as CUDA graphs unless ``enforce_eager``.
     ``pad_decode``: pad decode batches to the graph buckets (default: when graphs are used).
 
+    ``lora``: serve LoRA adapters (:mod:`conveyor.worker.lora`) with these slot and rank
+    bounds; ``lora_modules`` (name -> PEFT directory) are registered at once (a bad one raises
+    :class:`~conveyor.worker.lora.LoraLoadError`). Requests name their adapter in
+    :class:`~conveyor.ipc.messages.NewRequestData`.
+
     ``tensor_parallel``: this runner is one rank of a tensor-parallel group
     (:mod:`conveyor.worker.parallel`). It holds the rank's shard of the model and a cache of
     its kv heads (``kv_cache_memory_bytes`` is then this rank's budget); only rank 0 computes
@@ -112,6 +118,8 @@ class ModelRunner(DecodeStep):
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
         pad_decode: bool | None = None,
+        lora: LoraOptions | None = None,
+        lora_modules: dict[str, str] | None = None,
     ) -> None:
         if (num_blocks is None) == (kv_cache_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory_bytes")
@@ -121,6 +129,11 @@ class ModelRunner(DecodeStep):
         backend = backend_for(self.device, attention)
         self.model, self.model_config = load_model(model_dir, self.device, dtype, backend, tp)
         self.dtype = self.model.embed_tokens.weight.dtype
+        self.lora: LoraManager | None = None
+        if lora is not None or lora_modules:
+            self.lora = LoraManager(self.model, lora or LoraOptions())
+            for name, directory in (lora_modules or {}).items():
+                self.lora.register(name, directory)
         cache_shape = KVCacheShape.of(self.model_config, block_size, self.dtype, tp)
         self.block_bytes = cache_shape.bytes_per_block
         if num_blocks is None:
@@ -188,6 +201,7 @@ class ModelRunner(DecodeStep):
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
+        adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
         # Forks' block copies first: their sources may be swapped out or freed and written
         # again by this same plan (see StepPlan).
         if plan.copy_blocks:
@@ -199,8 +213,8 @@ class ModelRunner(DecodeStep):
             transfer_blocks(self.kv_caches, self.swap_caches, plan.swap_out)
             transfer_blocks(self.swap_caches, self.kv_caches, plan.swap_in)
             self._t_swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
-        for new in plan.new_requests:  # on free slots (checked), the finished ones dropped above
-            requests.take_in(new)
+        for new, adapter in zip(plan.new_requests, adapters):  # on free slots (checked), the finished ones dropped above
+            requests.take_in(new, adapter)
             self._sampling.set(new.slot, new.sampling)
         table = requests.states
         if len(self._last_tokens) < len(table):
@@ -233,6 +247,24 @@ class ModelRunner(DecodeStep):
                 launched.done.record()
         launched.failed = False
         return launched
+
+    def _adapter_id(self, name: str | None) -> int:
+        """The id of a new request's adapter; PlanRefused (before any state changes) for one
+        the runner does not hold (a race with an unload, or LoRA off)."""
+        if not name:
+            return 0
+        if self.lora is None or name not in self.lora.names:
+            raise PlanRefused(f"unknown LoRA adapter {name!r}")
+        return self.lora.adapter_id(name)
+
+    def _begin_lora(self, states: list[RequestState], row_tokens: np.ndarray) -> bool:
+        """Set the step's adapter batch (rows in ``states`` order, ``row_tokens`` tokens each,
+        padding rows past ``states`` run the base model); whether any row has an adapter."""
+        if self.lora is None:
+            return False
+        adapters = np.zeros(len(row_tokens), dtype=np.int64)
+        adapters[: len(states)] = [state.adapter for state in states]
+        return self.lora.begin_step(adapters, row_tokens)
 
     def _copy_to_host(self, sampled: torch.Tensor) -> torch.Tensor:
         """Start copying the sampled ids into the next host buffer (pinned on CUDA: the copy is
@@ -317,8 +349,13 @@ class ModelRunner(DecodeStep):
         if on_device:
             index, pending = torch.tensor(on_device, dtype=torch.int64).to(self.device, non_blocking=True).unbind(1)
             tokens[index] = self._last_tokens[pending]
+        self._begin_lora(states, np.asarray(query_lens, dtype=np.int64))
         start = self._t_prepare.record(start)
-        hidden = self.model(tokens, positions, metadata)
+        try:
+            hidden = self.model(tokens, positions, metadata)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         start = self._t_forward.record(start)
 
         sample_rows = np.flatnonzero(samples)

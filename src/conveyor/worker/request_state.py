@@ -29,6 +29,7 @@ class RequestState:
     sampling: SamplingParams
     num_computed: int
     pending: int = 0  # tokens sampled by a launched step, not yet appended (0 or 1)
+    adapter: int = 0  # LoRA adapter id (conveyor.worker.lora.LoraManager; 0: the base model)
 
     @property
     def num_known(self) -> int:
@@ -75,13 +76,16 @@ class SlotStates:
             if slot < len(states):
                 states[slot] = None
 
-    def take_in(self, new: NewRequestData) -> None:
-        """Hold a new request on its slot (free: checked, the plan's drops done first)."""
+    def take_in(self, new: NewRequestData, adapter: int = 0) -> None:
+        """Hold a new request on its slot (free: checked, the plan's drops done first), under
+        LoRA adapter id ``adapter`` (0: the base model)."""
         states = self.states
         if new.slot >= len(states):
             states.extend([None] * (new.slot + 1 - len(states)))
         tokens, blocks = int_list(new.token_ids), int_list(new.block_ids)
-        states[new.slot] = RequestState(new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens)
+        states[new.slot] = RequestState(
+            new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens, adapter=adapter
+        )
         self.set_table(new.slot, 0, blocks, clear=True)
 
     def extend_blocks(self, slot: int, state: RequestState, blocks: list[int]) -> None:

@@ -138,6 +138,8 @@ class AddRequest(Message, tag=1):
     arrival_time: float
     # Higher is served sooner under the "priority" policy; ignored under "fcfs".
     priority: int = 0
+    # The LoRA adapter to run under (a name the server registered); None: the base model.
+    lora: str | None = None
 
 
 @message

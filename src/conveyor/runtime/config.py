@@ -155,11 +155,15 @@ class SchedulerConfig:
     max_queue_time: float = 600.0
     # Recent iterations kept for the stats/profile reply.
     iteration_log_size: int = 256
+    # LoRA: the adapters requests may name (bin/serve --lora-modules), and how many distinct
+    # ones a step may run (the worker's device slots, --max-loras).
+    lora_names: tuple[str, ...] = ()
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         _parse_choices(self, batching=Batching, policy=Policy, preemption=Preemption)
         _require_at_least(self, 0, "num_cpu_blocks", "max_waiting", "block_bytes", "max_wait_ms", "max_queue_time", "aging_rate")
-        _require_at_least(self, 1, "min_batch_size")
+        _require_at_least(self, 1, "min_batch_size", "max_loras")
         _require_at_least(self, 0, "max_bypass")
         if self.swap_bandwidth <= 0 or self.prefill_rate <= 0:
             raise ValueError("swap_bandwidth and prefill_rate must be positive")
@@ -234,6 +238,12 @@ class WorkerConfig:
     # The scheduler's max_num_seqs: bounds a step's rows and sizes the static decode buffers.
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     enforce_eager: bool = False  # bin/serve --enforce-eager: no CUDA graphs for decode steps
+    # LoRA (conveyor.worker.lora): (name, PEFT directory) adapters registered at start (none:
+    # LoRA off), device slots, the rank bound, host copies (None: as many as slots).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)

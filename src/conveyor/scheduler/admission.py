@@ -40,6 +40,7 @@ NO_SLOT = -1
 NO_BLOCKS = -2
 HOLD = -3  # preempted in this very iteration, or it would preempt ahead: it waits for the next plan
 NOT_MEMBER = -4  # static batching: it arrived after the batch formed, or the batch is complete
+NO_LORA_SLOT = -5  # its LoRA adapter is not running and max_loras distinct adapters are
 
 SWAPPED = RequestStatus.SWAPPED
 
@@ -69,6 +70,15 @@ def rejection_reason(state: SchedulerState, req: Request) -> str | None:
     return None
 
 
+def lora_slots_full(state: SchedulerState, lora: str) -> bool:
+    """Whether admitting a request of adapter ``lora`` would make the running batch use more
+    distinct adapters than the worker's ``max_loras`` device slots. Every plan's rows are
+    running requests, so this bound on the running batch bounds every step. Visits the
+    running batch, only for requests that name an adapter."""
+    running = {r.lora for r in state.table.running if r.lora is not None}
+    return lora not in running and len(running) >= state.config.max_loras
+
+
 def admission_open(state: SchedulerState, num_running_at_start: int, now: float) -> bool:
     """Whether this iteration may admit at all (static batching: only into an empty batch,
     or the rest of a batch still forming; batch formation: enough waiting, or the oldest has
@@ -94,6 +104,8 @@ def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reser
     max_num_seqs = state.config.max_num_seqs
     kv = state.kv
     running = state.table.running
+    if req.lora is not None and lora_slots_full(state, req.lora):
+        return NO_LORA_SLOT
     reserve = state.policy.growth_reserve(req.num_prompt_tokens, req.sampling.max_tokens, len(req.token_ids))
     match: PrefixMatch | None = None
     source: Request | None = None
@@ -168,6 +180,7 @@ def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reser
             list(req.block_ids),
             req.num_computed_tokens,
             n,
+            lora=req.lora,
         )
     )
     step.add_scheduled(req, n)

@@ -90,6 +90,11 @@ class Request:
     columns: SlotColumns | None = None
     # The parallel-sampling request it is a sequence of (scheduler/groups.py), or None.
     group: SeqGroup | None = None
+    # The LoRA adapter it runs under (None: the base model), and the root its prefix-cache
+    # chain starts from: 0 (prefix_index.ROOT) for the base, a negative id per adapter, so a
+    # block computed under one adapter is never found for another or for the base.
+    lora: str | None = None
+    prefix_root: int = 0
 
     @classmethod
     def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:
@@ -107,6 +112,7 @@ class Request:
             stop_ids=stop_ids,
             has_own_stop_ids=bool(sp.stop_token_ids),
             stop_len=min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
+            lora=msg.lora or None,
         )
 
     @property

@@ -194,6 +194,10 @@ class Scheduler:
         """Queue a request, or return its error output if it cannot be served."""
         cfg = self.config
         req = Request.from_message(msg, self.state.eos_token_ids, cfg.max_model_len)
+        if req.lora is not None:
+            if req.lora not in cfg.lora_names:
+                return RequestOutput(msg.request_id, [], FinishReason.ERROR, error=f"unknown LoRA adapter {req.lora!r}")
+            req.prefix_root = -1 - cfg.lora_names.index(req.lora)  # (its own prefix-cache chains)
         problem = rejection_reason(self.state, req)
         if problem is not None:
             return RequestOutput(msg.request_id, [], FinishReason.ERROR, error=problem)

@@ -114,8 +114,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)",
     )
     _switch(p, "--profile", WorkerConfig.profile, "record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)")
+    add_lora_arguments(p)
     add_http_arguments(p)
     return p
+
+
+def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters (conveyor.worker.lora; README's flag table)."""
+    g = p.add_argument_group("lora")
+    g.add_argument(
+        "--lora-modules", nargs="+", type=_lora_module, action="extend", default=[], metavar="NAME=DIR",
+        help="PEFT LoRA adapters requests may name (the OpenAI 'model' field, the protocol's 'lora')",
+    )
+    g.add_argument("--max-loras", type=_positive_int, default=SchedulerConfig.max_loras, help="adapters on the device at once (distinct adapters in one step)")
+    g.add_argument("--max-lora-rank", type=_positive_int, default=WorkerConfig.max_lora_rank, help="largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=_positive_int, help="adapters kept in host memory (default: --max-loras); others are read again when needed")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not directory:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    return name, directory
 
 
 def _choice(p: argparse._ActionsContainer, flag: str, default: Choice, help: str | None = None) -> None:

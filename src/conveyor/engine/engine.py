@@ -131,6 +131,7 @@ class Engine:
         frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
         ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
         ``chat_template_kwargs``).
+        ``lora`` names the LoRA adapter to generate with (one of the options' ``lora_modules``).
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
         that was not removed continues it (module docstring).
 
@@ -167,7 +168,7 @@ class Engine:
         )
         scheduler_id = str(next(self._scheduler_ids))
         arrival = time.time()
-        rejected = self.scheduler.add_request(AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority))
+        rejected = self.scheduler.add_request(AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority, lora=req.lora))
         if rejected is not None:
             raise cp.ProtocolError(rejected.error, rid)
         if history is not None:

@@ -472,7 +472,7 @@ class Frontend:
         state.pending = False
         self.requests[state.scheduler_id] = state
         self.metrics.add_prompt(state.prompt_len)
-        add = AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority)
+        add = AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority, lora=req.lora)
         replica = self.replicas.submit(add, state.key, continuing=history is not None)
         log.debug("request %r is %s at replica %s", state.request_id, state.scheduler_id, replica and replica.index)
 

@@ -90,9 +90,10 @@ FRONTEND_FIELDS = (
     "chat_template_kwargs",
 )
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority", *FRONTEND_FIELDS)
+OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority", "lora", *FRONTEND_FIELDS)
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
+MAX_LORA_NAME_LEN = 256  # length bound of a LoRA adapter's name
 # Seeds: any 64-bit integer, signed or unsigned, is accepted and stored as the signed 64-bit
 # value with the same bit pattern (the sampler keys its draws by those 64 bits).
 MIN_SEED = -(2**63)
@@ -124,6 +125,8 @@ class GenerateRequest:
     """A validated generate request, before tokenization. Exactly one input is set.
 
     ``priority``: higher is served sooner when the server runs the ``priority`` policy.
+    ``lora``: the LoRA adapter to generate with (a name the server registered, e.g. with
+    ``--lora-modules``; an unknown one fails the request); None: the base model.
 
     The frontend fields (:data:`FRONTEND_FIELDS`, applied where the input is prepared and the
     output detokenized, :mod:`conveyor.frontend.inputs`): ``fill_context`` without a
@@ -144,6 +147,7 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     priority: int = 0
+    lora: str | None = None
     fill_context: bool = False
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
@@ -393,6 +397,11 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
         if not _is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
             raise fail(f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         req.priority = priority
+    lora = obj.get("lora")
+    if lora is not None:
+        if not isinstance(lora, str) or not 0 < len(lora) <= MAX_LORA_NAME_LEN:
+            raise fail(f"'lora' must be an adapter name: a non-empty string of at most {MAX_LORA_NAME_LEN} characters")
+        req.lora = lora
     req.sampling = parse_sampling(obj, rid)
     _parse_frontend_fields(obj, req, fail)
     return req

@@ -120,6 +120,10 @@ def build_runner(
     max_num_seqs: int = 256,
     enforce_eager: bool = False,
     first_device: int = 0,
+    lora_modules: tuple[tuple[str, str], ...] = (),
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
 ) -> ModelRunner:
     """The worker's :class:`~conveyor.worker.model_runner.ModelRunner` as bin/serve's flags
     describe it (the fields of :class:`WorkerConfig`): torch's CPU threads set when given, the
@@ -128,9 +132,11 @@ def build_runner(
     (neither: the device's default, :func:`default_swap_space`). The worker process and the
     in-process engine (:mod:`conveyor.engine`) both build theirs here. ``tensor_parallel``:
     the runner of one rank, None for a single process; on CUDA it runs on GPU
-    ``first_device + rank`` (:func:`~conveyor.worker.parallel.rank_device`)."""
+    ``first_device + rank`` (:func:`~conveyor.worker.parallel.rank_device`). ``lora_modules``
+    (``(name, PEFT dir)`` pairs) turns LoRA on with those adapters and the slot bounds."""
     import torch
 
+    from conveyor.worker.lora import LoraOptions
     from conveyor.worker.model_runner import ModelRunner
     from conveyor.worker.parallel import NO_TENSOR_PARALLEL, rank_device
 
@@ -152,6 +158,8 @@ def build_runner(
         tensor_parallel=tensor_parallel,
         max_num_seqs=max_num_seqs,
         enforce_eager=enforce_eager,
+        lora=LoraOptions(max_loras, max_lora_rank, max_cpu_loras) if lora_modules else None,
+        lora_modules=dict(lora_modules),
     )
 
 

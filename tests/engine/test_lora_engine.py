@@ -1,0 +1,44 @@
+"""``conveyor.Engine`` with LoRA adapters: requests of two adapters and the base model in one
+batch, through preemption, each equal to HF transformers with PEFT; an unknown adapter is
+the server's error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.conftest import GREEDY, run_all
+from tests.lora_adapters import make_adapter
+
+
+def _peft_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_adapters_and_base_share_steps_through_preemption(tiny_engine, tiny_checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    base.generation_config.eos_token_id = None
+    refs = {None: base}
+    for i, name in enumerate(["alpha", "beta"]):
+        refs[name] = make_adapter(base, tmp_path / name, seed=10 + i, rank=8)
+    engine = tiny_engine(lora_modules={name: str(tmp_path / name) for name in ("alpha", "beta")}, max_loras=2,
+                         num_kv_blocks=16, preemption="recompute")
+    prompt = [5 + (7 * i) % 300 for i in range(13)]
+    loras = [None, "alpha", "beta", "alpha", None, "beta"]
+    requests = [engine.add_request(token_ids=prompt, request_id=f"r{i}", max_tokens=12, lora=lora, **GREEDY)
+                for i, lora in enumerate(loras)]
+    outs = run_all(engine)
+    assert max(out.batch.batch_size for out in outs if out.batch) >= 4  # base and both adapters in one step
+    assert engine.scheduler.stats()["num_preemptions"] > 0
+    want = {lora: _peft_greedy(model, prompt, 12) for lora, model in refs.items()}
+    assert len({tuple(tokens) for tokens in want.values()}) == 3  # the adapters change the tokens
+    for request, lora in zip(requests, loras):
+        assert request.done and request.tokens == want[lora], (request, lora)
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'gamma'"):
+        engine.add_request(token_ids=prompt, request_id="bad", max_tokens=2, lora="gamma")

@@ -99,7 +99,10 @@ class HttpServer:
         try:
             for make, sock in apps:
                 runner = web.AppRunner(
-                    make(link, self.config.served_model_name, self.config.max_model_len, created, tokens, access),
+                    make(
+                        link, self.config.served_model_name, self.config.max_model_len, created, tokens, access,
+                        loras=self.config.lora_names,
+                    ),
                     handler_cancellation=True,  # a client that goes away cancels its handler, and so its request
                     shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                     access_log=None,

@@ -31,6 +31,7 @@ that much).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,15 +176,17 @@ class GenerationJob:
     continuous_usage: bool = False
 
 
-def parse_request(kind: str, body: Any, served_model: str) -> GenerationJob:
+def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] = ()) -> GenerationJob:
     """The job for a decoded body of ``/v1/completions`` (``kind`` COMPLETION) or
-    ``/v1/chat/completions`` (CHAT); :class:`ApiError` (400, 404) naming the field otherwise."""
+    ``/v1/chat/completions`` (CHAT); :class:`ApiError` (400, 404) naming the field otherwise.
+    ``model`` names the served model or one of the LoRA adapters ``loras``: an adapter's
+    name becomes the generate request's ``lora`` option."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_json_type(body)}")
     unknown = sorted(set(body) - _KNOWN[kind])
     if unknown:
         raise bad_field(unknown[0], f"unrecognized request field(s): {', '.join(map(repr, unknown))}")
-    _check_model(body.get("model"), served_model)
+    lora = _check_model(body.get("model"), served_model, loras)
     _check_inert(body, kind)
     stream, include_usage, continuous_usage = _stream_flags(body)
     inputs = _prompts(body.get("prompt")) if kind == COMPLETION else [{"messages": _messages(body.get("messages"))}]
@@ -195,6 +198,8 @@ def parse_request(kind: str, body: Any, served_model: str) -> GenerationJob:
     else:
         if kind == CHAT:
             options["fill_context"] = True  # OpenAI's chat default: up to the model length
+    if lora is not None:
+        options["lora"] = lora
     ignored = tuple(sorted(n for n in body if FIELDS[n].how == IGNORED and body[n] is not None))
     return GenerationJob(
         kind,
@@ -259,13 +264,17 @@ _BOOLEAN_FIELDS = frozenset(
 )
 
 
-def _check_model(model: Any, served_model: str) -> None:
+def _check_model(model: Any, served_model: str, loras: Sequence[str] = ()) -> str | None:
+    """The LoRA adapter ``model`` names (None: the served base model); 404 for anything else."""
     if model is None:
         raise bad_field("model", "'model' is required")
     if not isinstance(model, str):
         raise bad_field("model", f"'model' must be a string, got {_json_type(model)}")
+    if model in loras:
+        return model
     if model != served_model:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_model}'", param="model", code="model_not_found")
+    return None
 
 
 def _check_inert(body: dict[str, Any], kind: str) -> None:

@@ -157,7 +157,7 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         name = flags["served_model_name"] or ("conveyor-demo" if demo else Path(model_dir).resolve().name)
         http = settings_view(
             HttpConfig, flags, addresses=addresses, served_model_name=name, max_model_len=max_model_len,
-            model_dir=str(model_dir), api_keys=api_keys(flags),
+            model_dir=str(model_dir), api_keys=api_keys(flags), lora_names=batcher.lora_names,
         )  # fmt: skip
     return ServerConfig(
         model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,

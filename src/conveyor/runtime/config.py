@@ -289,8 +289,9 @@ class HttpConfig:
     """
 
     addresses: ServerAddresses
-    served_model_name: str  # the one ``model`` requests may name
+    served_model_name: str  # the base model's name: the ``model`` requests name for it
     max_model_len: int  # shown by /v1/models
+    lora_names: tuple[str, ...] = ()  # LoRA adapters, the other models requests may name
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     metrics_port: int | None = None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conveyor.ipc import codec
-from conveyor.profiling import STEP_SERIES, StepRecorder, Profiler, plan_shape
+from conveyor.profiling import STEP_SERIES, Profiler, StepRecorder, now_ns, plan_shape
 from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.metrics import ITERATION_FIELDS
 from conveyor_tools.cli import sim as sim_cli
@@ -128,8 +128,9 @@ def test_plan_shape_is_the_iteration_logs_shape():
 def test_step_recorder_tiles_pipelined_steps():
     prof = Profiler("worker")
     rec = StepRecorder(prof)
-    rec.record((10, 0, 10, 0), received_ns=1_000_000, end_ns=5_000_000)
-    rec.record((0, 2, 24, 0), received_ns=3_000_000, end_ns=8_000_000)  # read while step 1 ran
+    t0 = now_ns() - 10_000_000  # inside the snapshot's window
+    rec.record((10, 0, 10, 0), received_ns=t0 + 1_000_000, end_ns=t0 + 5_000_000)
+    rec.record((0, 2, 24, 0), received_ns=t0 + 3_000_000, end_ns=t0 + 8_000_000)  # read while step 1 ran
     snap = prof.snapshot(3600, series=list(STEP_SERIES))
     values = {s.name: s.values for s in snap.series}
     assert values["step_time"] == [4.0, 3.0]

@@ -196,6 +196,13 @@ def stages(cpu: bool, results: Path, checkpoint: Path) -> list[Stage]:
     if importlib.util.find_spec("xdist") is not None and not cpu:
         kernels += ["-n", "8"]
     out.append(Stage("kernels", CPU_LIMIT_S if cpu else 60, kernels))
+    # LoRA: 8 adapters over the requests against the base model alone (docs/benchmarks.md); the
+    # gpu-marked parity test against PEFT runs in gpu_tests.
+    lora_json = str(results / "lora.json")
+    lora_args = ["--requests", "4", "--adapters", "2", "--prompt-len", "8", "--max-tokens", "4", "--repeats", "1"] \
+        if cpu else ["--device", "cuda", "--dtype", "bfloat16"]
+    out.append(Stage("lora", CPU_LIMIT_S if cpu else 60, [py, str(REPO / "bench" / "lora.py"), *lora_args,
+                                                          "--out", lora_json], [lora_json]))
     out.append(bench("hf", "hf", 4 if cpu else 128, 8 if cpu else 256, 45))
     out.append(bench("hf_compiled_b1", "hf-compiled", 1, 2 if cpu else 4, 60))
     out.append(bench("hf_compiled_b8", "hf-compiled", 2 if cpu else 8, 4 if cpu else 16, 60))

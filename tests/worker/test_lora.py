@@ -4,6 +4,7 @@ batched gather against a per-token float32 reference, slot eviction, and load er
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -131,3 +132,27 @@ def test_load_errors_are_clear_and_leave_the_runner_serving(adapters_of, checkpo
     outputs = scripted(runner, [script("x", list(range(3, 12)), max_new=4, lora="a0")]).run()
     want, _ = hf_greedy_with_logits(adapters["a0"][1], list(range(3, 12)), 4)
     assert outputs["x"] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_adapters_match_peft(dtype, adapters_of, scripted, script):
+    """On CUDA (graphs for base-only decode steps, eager ones with adapters), in float32 token
+    for token and in bf16 up to one of PEFT's own near-ties."""
+    from tests.worker.parity import assert_greedy_agrees
+
+    directory, hf, adapters = adapters_of("llama")
+    runner = ModelRunner(directory, device="cuda", dtype=dtype, block_size=16, num_blocks=64,
+                         lora=LoraOptions(max_loras=4, max_lora_rank=16),
+                         lora_modules={name: str(path) for name, (path, _) in adapters.items()})
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=generator).tolist() for n in (6, 19, 11)]
+    scripts = [script(f"r{i}-{lora}", prompt, max_new=8, lora=lora, chunk=7 if i == 1 else None)
+               for i, prompt in enumerate(prompts) for lora in (None, "a0", "a3")]
+    outputs = scripted(runner, scripts).run()
+    for s in scripts:
+        reference = hf if s.lora is None else adapters[s.lora][1]
+        on_device = copy.deepcopy(reference).to("cuda", dtype=dtype)  # (the CPU fixtures stay as they are)
+        want, logits = hf_greedy_with_logits(on_device, s.prompt, s.max_new)
+        assert_greedy_agrees(outputs[s.request_id], want, logits, dtype, min_compared=2, label=s.request_id)

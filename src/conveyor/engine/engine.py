@@ -188,6 +188,24 @@ class Engine:
         self._latest[rid] = request
         return request
 
+    def load_lora(self, name: str, directory: str | os.PathLike) -> None:
+        """Register the PEFT LoRA adapter in ``directory`` under ``name`` while serving (the
+        engine must have LoRA on: ``lora_modules`` or ``enable_lora``). Requests may name it
+        from now on. Raises :class:`~conveyor.worker.lora.LoraLoadError` (a ValueError) naming
+        what is wrong with it, changing nothing: the engine serves on."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is off: start the engine with lora_modules or enable_lora=True")
+        self.runner.lora.register(name, directory)
+        self.scheduler.add_lora(name)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``; ValueError if it is unknown or a live request uses it. Its
+        prefix-cache blocks are never found again, also if a new adapter takes the name."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is off: start the engine with lora_modules or enable_lora=True")
+        self.scheduler.remove_lora(name)
+        self.runner.lora.unregister(name)
+
     def has_pending_requests(self) -> bool:
         """Whether any request is not done yet."""
         return bool(self._running)

@@ -52,6 +52,7 @@ class EngineOptions:
     # LoRA adapters requests may name: {name: PEFT directory} (bin/serve --lora-modules); the
     # slots are the batcher's knob max_loras
     lora_modules: dict[str, str] | None = None
+    enable_lora: bool = False  # LoRA on even without lora_modules: Engine.load_lora adds adapters
     max_lora_rank: int = WorkerConfig.max_lora_rank
     max_cpu_loras: int | None = None  # host copies of adapters; None: as many as slots
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig knobs by their names

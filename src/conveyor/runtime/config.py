@@ -241,6 +241,7 @@ class WorkerConfig:
     # LoRA (conveyor.worker.lora): (name, PEFT directory) adapters registered at start (none:
     # LoRA off), device slots, the rank bound, host copies (None: as many as slots).
     lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False  # LoRA on without adapters at start (Engine.load_lora adds them)
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None

@@ -123,6 +123,7 @@ def build_runner(
     enforce_eager: bool = False,
     first_device: int = 0,
     lora_modules: tuple[tuple[str, str], ...] = (),
+    enable_lora: bool = False,
     max_loras: int = 4,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
@@ -135,7 +136,8 @@ def build_runner(
     in-process engine (:mod:`conveyor.engine`) both build theirs here. ``tensor_parallel``:
     the runner of one rank, None for a single process; on CUDA it runs on GPU
     ``first_device + rank`` (:func:`~conveyor.worker.parallel.rank_device`). ``lora_modules``
-    (``(name, PEFT dir)`` pairs) turns LoRA on with those adapters and the slot bounds."""
+    (``(name, PEFT dir)`` pairs) or ``enable_lora`` turns LoRA on with those adapters and the
+    slot bounds."""
     import torch
 
     from conveyor.worker.lora import LoraOptions
@@ -160,7 +162,7 @@ def build_runner(
         tensor_parallel=tensor_parallel,
         max_num_seqs=max_num_seqs,
         enforce_eager=enforce_eager,
-        lora=LoraOptions(max_loras, max_lora_rank, max_cpu_loras) if lora_modules else None,
+        lora=LoraOptions(max_loras, max_lora_rank, max_cpu_loras) if lora_modules or enable_lora else None,
         lora_modules=dict(lora_modules),
     )
 

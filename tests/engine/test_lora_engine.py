@@ -19,7 +19,8 @@ def _peft_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_adapters_and_base_share_steps_through_preemption(tiny_engine, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_adapters_and_base_share_steps_through_preemption(preemption, tiny_engine, tiny_checkpoint, tmp_path):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
@@ -28,14 +29,14 @@ def test_adapters_and_base_share_steps_through_preemption(tiny_engine, tiny_chec
     for i, name in enumerate(["alpha", "beta"]):
         refs[name] = make_adapter(base, tmp_path / name, seed=10 + i, rank=8)
     engine = tiny_engine(lora_modules={name: str(tmp_path / name) for name in ("alpha", "beta")}, max_loras=2,
-                         num_kv_blocks=16, preemption="recompute")
+                         num_kv_blocks=16, preemption=preemption, num_cpu_blocks=64)
     prompt = [5 + (7 * i) % 300 for i in range(13)]
     loras = [None, "alpha", "beta", "alpha", None, "beta"]
     requests = [engine.add_request(token_ids=prompt, request_id=f"r{i}", max_tokens=12, lora=lora, **GREEDY)
                 for i, lora in enumerate(loras)]
     outs = run_all(engine)
     assert max(out.batch.batch_size for out in outs if out.batch) >= 4  # base and both adapters in one step
-    assert engine.scheduler.stats()["num_preemptions"] > 0
+    assert engine.scheduler.stats()[f"num_preemptions_{preemption}"] > 0
     want = {lora: _peft_greedy(model, prompt, 12) for lora, model in refs.items()}
     assert len({tuple(tokens) for tokens in want.values()}) == 3  # the adapters change the tokens
     for request, lora in zip(requests, loras):

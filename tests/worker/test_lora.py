@@ -156,3 +156,18 @@ def test_cuda_adapters_match_peft(dtype, adapters_of, scripted, script):
         on_device = copy.deepcopy(reference).to("cuda", dtype=dtype)  # (the CPU fixtures stay as they are)
         want, logits = hf_greedy_with_logits(on_device, s.prompt, s.max_new)
         assert_greedy_agrees(outputs[s.request_id], want, logits, dtype, min_compared=2, label=s.request_id)
+
+
+def test_a_plan_naming_an_unknown_adapter_is_refused_unchanged(adapters_of):
+    from conveyor.ipc.messages import NewRequestData, SamplingParams
+    from conveyor.worker.plan_check import PlanRefused
+    from tests.plans import plan
+
+    directory, _, adapters = adapters_of("llama")
+    runner = ModelRunner(directory, block_size=4, num_blocks=16, lora_modules={"a0": str(adapters["a0"][0])})
+    greedy = SamplingParams(temperature=0.0)
+    with pytest.raises(PlanRefused, match="unknown LoRA adapter 'zz'"):
+        runner.execute(plan(0, [NewRequestData("x", 0, [5, 6, 7], greedy, [0], 0, 3, lora="zz")]))
+    assert runner.slots == []
+    result = runner.execute(plan(1, [NewRequestData("y", 0, [5, 6, 7], greedy, [0], 0, 3, lora="a0")]))
+    assert result.error is None and result.slots == [0]

@@ -50,7 +50,15 @@ def rejection_reason(state: SchedulerState, req: Request) -> str | None:
     max_tokens = req.sampling.max_tokens
     if req.request_id in state.table.live:
         return f"request id {req.request_id!r} is already in use by a live request"
-    problem = context_problem(prompt, max_tokens, req.sampling.stop_token_ids, state.vocab_size, cfg.max_model_len)
+    problem = context_problem(
+        prompt,
+        max_tokens,
+        req.sampling.stop_token_ids,
+        state.vocab_size,
+        cfg.max_model_len,
+        bias_token_ids=list(req.sampling.logit_bias),
+        min_tokens=req.sampling.min_tokens,
+    )
     if problem is not None:
         return problem
     total = len(prompt) + max_tokens
@@ -157,6 +165,7 @@ def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reser
             list(req.block_ids),
             req.num_computed_tokens,
             n,
+            req.num_prompt_tokens,
         )
     )
     step.add_scheduled(req, n)

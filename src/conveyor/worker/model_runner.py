@@ -202,8 +202,9 @@ class ModelRunner(DecodeStep):
         for new in plan.new_requests:  # on free slots (checked), the finished ones dropped above
             requests.take_in(new)
             self._sampling.set(new.slot, new.sampling)
-            num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
-            self._controls.assign(new.slot, new.sampling, requests.states[new.slot].token_ids, num_prompt)
+            if self.tensor_parallel.rank == 0:  # (the rank that samples holds the controls' state)
+                num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+                self._controls.assign(new.slot, new.sampling, requests.states[new.slot].token_ids, num_prompt)
         table = requests.states
         if len(self._last_tokens) < len(table):
             grown = torch.zeros(len(table), dtype=torch.int64, device=self.device)

@@ -29,7 +29,8 @@ def reference(logits: torch.Tensor, p: SamplingParams, tokens: list[int], num_pr
         if token in tokens:
             r = p.repetition_penalty
             row[token] = row[token] / r if row[token] > 0 else row[token] * r
-        row[token] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+        row[token] -= p.frequency_penalty * count
+        row[token] -= p.presence_penalty * (count > 0)
     return row
 
 
@@ -42,6 +43,7 @@ CASES = [
     (SamplingParams(min_tokens=3, stop_token_ids=[20]), [1, 2, 3], 2),  # masked: 1 of 3 out
     (SamplingParams(min_tokens=3, ignore_eos=True, stop_token_ids=[20]), [1, 2, 3], 2),  # only 20 masked
     (SamplingParams(min_tokens=1, logit_bias={3: 50.0}), [1, 2, 3], 2),  # past min_tokens: bias only
+    (SamplingParams(min_tokens=4, repetition_penalty=0.5, frequency_penalty=1.0), [3, 7, 1, 3, 3], 2),  # -inf stays
 ]
 
 
@@ -59,7 +61,7 @@ def test_every_control_matches_its_definition():
     out = controlled(logits, CASES)
     for i, (p, tokens, num_prompt) in enumerate(CASES):
         expected = reference(logits[i], p, tokens, num_prompt, len(tokens))
-        torch.testing.assert_close(out[i], expected, rtol=1e-6, atol=1e-6, msg=f"case {i}: {p}")
+        assert torch.equal(out[i], expected), f"case {i}: {p}"
     assert torch.equal(out[0], logits[0])  # an uncontrolled row is left bit for bit
 
 

@@ -15,9 +15,9 @@ def prompt(i: int, n: int = 9) -> list[int]:
 
 
 CONTROLS = [
+    dict(presence_penalty=-2.0, frequency_penalty=0.5),  # repeats each token 4 times: counts matter
     dict(repetition_penalty=1.8),
     dict(repetition_penalty=0.7),
-    dict(presence_penalty=-2.0, frequency_penalty=0.5),  # repeats each token 4 times: counts matter
     dict(frequency_penalty=-1.0, repetition_penalty=1.3),
     dict(logit_bias={9: 4.0, 17: -100.0, 30: 3.5}),
 ]

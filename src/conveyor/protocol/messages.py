@@ -81,10 +81,29 @@ SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
 )
+# Generate fields the frontend applies itself (input preparation and output text), never
+# seen by the scheduler or the worker: see :class:`GenerateRequest`.
+FRONTEND_FIELDS = (
+    "fill_context",
+    "truncate_prompt_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+)
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority")
+OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority", *FRONTEND_FIELDS)
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
+# Seeds: any 64-bit integer, signed or unsigned, is accepted and stored as the signed 64-bit
+# value with the same bit pattern (the sampler keys its draws by those 64 bits).
+MIN_SEED = -(2**63)
+SEED_END = 2**64
+# The packed size bound of ``chat_template_kwargs`` (its values reach the template as they are).
+MAX_TEMPLATE_KWARGS_BYTES = 32 * 1024
+# Template variables the frontend sets itself, so not settable through ``chat_template_kwargs``.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
 class ProtocolError(ValueError):
@@ -108,6 +127,16 @@ class GenerateRequest:
     """A validated generate request, before tokenization. Exactly one input is set.
 
     ``priority``: higher is served sooner when the server runs the ``priority`` policy.
+
+    The frontend fields (:data:`FRONTEND_FIELDS`, applied where the input is prepared and the
+    output detokenized, :mod:`conveyor.frontend.inputs`): ``fill_context`` without a
+    ``max_tokens`` lets the request run to the model length (``max_tokens`` becomes the room
+    the tokenized prompt leaves; OpenAI's chat default); ``truncate_prompt_tokens`` keeps the
+    input's last k tokens; ``skip_special_tokens`` drops special tokens from the text;
+    ``include_stop_str_in_output`` keeps the matched stop string at the end of the text;
+    ``add_generation_prompt`` (None: True unless ``continue_final_message``),
+    ``continue_final_message`` (the last message is left open for the model to continue) and
+    ``chat_template_kwargs`` (extra template variables) apply to ``messages`` only.
     """
 
     request_id: str
@@ -118,6 +147,13 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     priority: int = 0
+    fill_context: bool = False
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -240,7 +276,7 @@ def parse_client_message(
     rid_for_error = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
     kind = obj.get("type")
     version = obj.get("v", CLIENT_PROTOCOL_VERSION)
-    if version != CLIENT_PROTOCOL_VERSION:
+    if not _is_int(version) or version != CLIENT_PROTOCOL_VERSION:  # an int: true and 1.0 are no version
         raise ProtocolError(
             f"unsupported protocol version {version!r} (this server speaks {CLIENT_PROTOCOL_VERSION})",
             rid_for_error,
@@ -293,6 +329,9 @@ def _parse_profile(obj: dict[str, Any]) -> ProfileCommand:
 
 
 def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
+    """A refusal names the id the message carried (``rid``, None when it had none): an id
+    assigned here is the accepted request's, never one the client is told it sent."""
+
     def fail(msg: str) -> ProtocolError:
         return ProtocolError(msg, rid)
 
@@ -308,19 +347,17 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
 
     inputs = [k for k in ("prompt", "messages", "token_ids") if obj.get(k) is not None]
     if len(inputs) != 1:
-        raise ProtocolError(
+        raise fail(
             "exactly one of 'prompt', 'messages' or 'token_ids' is required"
-            + (f" (got {', '.join(inputs)})" if inputs else ""),
-            request_id,
+            + (f" (got {', '.join(inputs)})" if inputs else "")
         )
     req = GenerateRequest(request_id=request_id, sampling=SamplingParams())
-    fail = lambda msg: ProtocolError(msg, request_id)  # noqa: E731 - errors now carry the id
 
     if "prompt" in inputs:
         if not isinstance(obj["prompt"], str):
             raise fail(f"'prompt' must be a string, got {type(obj['prompt']).__name__}")
         if not obj["prompt"]:
-            raise ProtocolError("'prompt' is empty", request_id, INVALID_INPUT)
+            raise ProtocolError("'prompt' is empty", rid, INVALID_INPUT)
         req.prompt = obj["prompt"]
     elif "messages" in inputs:
         msgs = obj["messages"]
@@ -338,7 +375,8 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
             raise fail("'token_ids' must contain only integers")
         req.token_ids = ids
 
-    stream = obj.get("stream", False)
+    stream = obj.get("stream")
+    stream = False if stream is None else stream  # null is the default, as for every optional field
     if not isinstance(stream, bool):
         raise fail("'stream' must be a boolean")
     req.stream = stream
@@ -358,8 +396,45 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
         if not _is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
             raise fail(f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         req.priority = priority
-    req.sampling = parse_sampling(obj, request_id)
+    req.sampling = parse_sampling(obj, rid)
+    _parse_frontend_fields(obj, req, fail)
     return req
+
+
+def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
+    """The :data:`FRONTEND_FIELDS` of a generate map into ``req``, each checked."""
+    flags = {}
+    for name in ("fill_context", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message"):
+        value = obj.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise fail(f"'{name}' must be a boolean, got {value!r}")
+        flags[name] = value
+    truncate = obj.get("truncate_prompt_tokens")
+    if truncate is not None and (not _is_int(truncate) or truncate < 1):
+        raise fail(f"'truncate_prompt_tokens' must be an integer >= 1, got {truncate!r}")
+    kwargs = obj.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise fail("'chat_template_kwargs' must be a map with string keys")
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
+        if reserved:
+            raise fail(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the request's own fields do")
+        if len(pack(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise fail(f"'chat_template_kwargs' exceeds {MAX_TEMPLATE_KWARGS_BYTES} bytes packed")
+    chat_only = [n for n in ("add_generation_prompt", "continue_final_message") if flags[n] is not None]
+    if kwargs is not None:
+        chat_only.append("chat_template_kwargs")
+    if chat_only and req.messages is None:
+        raise fail(f"'{chat_only[0]}' applies to 'messages' only")
+    if flags["continue_final_message"] and flags["add_generation_prompt"]:
+        raise fail("'continue_final_message' and 'add_generation_prompt' cannot both be true")
+    req.fill_context = bool(flags["fill_context"]) and obj.get("max_tokens") is None
+    req.truncate_prompt_tokens = truncate
+    req.skip_special_tokens = flags["skip_special_tokens"] is not False
+    req.include_stop_str_in_output = bool(flags["include_stop_str_in_output"])
+    req.continue_final_message = bool(flags["continue_final_message"])
+    req.add_generation_prompt = not req.continue_final_message if flags["add_generation_prompt"] is None else flags["add_generation_prompt"]
+    req.chat_template_kwargs = dict(kwargs or {})
 
 
 def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> SamplingParams:
@@ -388,8 +463,10 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     if not _is_number(min_p) or not 0 <= min_p <= 1:
         raise fail(f"'min_p' must be in [0, 1], got {min_p!r}")
     seed = obj.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise fail(f"'seed' must be an integer in [0, 2**63), got {seed!r}")
+    if seed is not None:
+        if not _is_int(seed) or not MIN_SEED <= seed < SEED_END:
+            raise fail(f"'seed' must be a 64-bit integer, in [-2**63, 2**64), got {seed!r}")
+        seed = signed_seed(seed)
     stop_token_ids = get("stop_token_ids", [])
     if not isinstance(stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_token_ids):
         raise fail("'stop_token_ids' must be an array of non-negative integers")
@@ -442,6 +519,14 @@ def _parse_logit_bias(value: Any, fail: Any) -> dict[int, float]:
             raise fail(f"'logit_bias' values must be in [-100, 100], got {number!r} for token {token}")
         bias[token] = float(number)
     return bias
+
+
+def signed_seed(seed: int) -> int:
+    """``seed`` as the signed 64-bit integer with its low 64 bits: seeds in [0, 2**63) are
+    themselves, a negative seed its own value, and [2**63, 2**64) the negative it reads as in
+    two's complement. Deterministic, so any 64-bit seed gives a reproducible stream."""
+    seed &= SEED_END - 1
+    return seed - SEED_END if seed > 2**63 - 1 else seed
 
 
 def context_problem(

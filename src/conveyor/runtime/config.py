@@ -200,7 +200,8 @@ class FrontendConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     """The worker process's view. The KV pool is ``num_blocks`` blocks, or as many as fit in
-    ``kv_cache_memory_bytes``; the CPU swap space ``num_cpu_blocks`` blocks, or
+    ``kv_cache_memory_bytes`` (:func:`conveyor.runtime.build.worker_settings` sets exactly one;
+    the latter's default, 1 GiB, is bin/serve's ``--kv-cache-memory`` default and the engine's); the CPU swap space ``num_cpu_blocks`` blocks, or
     ``swap_space_bytes`` (None for both: the device's default, see worker/main.py)."""
 
     model_dir: str
@@ -208,9 +209,9 @@ class WorkerConfig:
     channels: StepChannels  # plans from the scheduler, results back
     device: Device = Device.CPU
     dtype: Dtype = Dtype.AUTO
-    block_size: int = 16
+    block_size: int = SchedulerConfig.block_size
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = 1 << 30
     num_threads: int | None = None
     attention: Attention = Attention.AUTO
     pipeline: PipelineSteps = PipelineSteps.AUTO  # launch step N+1 before finishing step N
@@ -231,7 +232,7 @@ class WorkerConfig:
     # replicas run on GPUs of their own where the machine has enough (worker.parallel.rank_device).
     first_device: int = 0
     # The scheduler's max_num_seqs: bounds a step's rows and sizes the static decode buffers.
-    max_num_seqs: int = 256
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     enforce_eager: bool = False  # bin/serve --enforce-eager: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
@@ -286,8 +287,23 @@ class HttpConfig:
     # bin/serve --auth-keys: the HTTP process is a client of the frontend and connects with
     # the server's own key pair from this directory (the frontend allows it).
     auth_keys: str | None = None
+    # The model directory: its tokenizer serves /tokenize, /detokenize and the fields that need
+    # the prompt's tokens (conveyor.http.tokens), loaded on first use.
+    model_dir: str | None = None
+    # --api-key / --api-key-file / $CONVEYOR_API_KEY: the keys clients send as
+    # ``Authorization: Bearer``; empty: no key needed. ``api_key_everywhere``: /health,
+    # /metrics and /version need one too.
+    api_keys: tuple[str, ...] = ()
+    api_key_everywhere: bool = False
+    # --ssl-certfile / --ssl-keyfile: serve HTTPS (both or neither).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        if any(not k or k != k.strip() or any(c.isspace() for c in k) for k in self.api_keys):
+            raise ValueError("an API key must be non-empty and hold no whitespace")
         if self.http_port is None and self.metrics_port is None:
             raise ValueError("the HTTP process needs http_port or metrics_port")
         for name in ("http_port", "metrics_port"):

@@ -121,21 +121,25 @@ CLIENT_RCVHWM = 64
 # beyond it) before a send to it fails: bin/serve --client-send-queue, this by default. Sends
 # never block the frontend's loop (NOBLOCK): with ROUTER_MANDATORY a send to a full queue
 # raises EAGAIN, which means the client has stopped reading (its own receive queue and the
-# socket buffers are full too), and the frontend drops that connection's requests
-# (conveyor.frontend.sending; docs/reliability.md, "Faults"). A send to a client already gone
-# raises EHOSTUNREACH instead. The bound must exceed the largest burst one pass sends to one
-# client (a delta and a final per request it has in flight; at a shutdown, an error final for
-# every one, waiting ones included) and the messages a merely slow reader lags behind: 100k
-# is far above both. What it implies: about 170 bytes of frontend memory a small delta
-# (~60 bytes packed), so some 17 MB per connection that stops reading, more where the queued
-# messages are larger (a delta of many tokens, a final that carries a long text). 0: no bound
-# (a client that stops reading is never dropped; its replies queue for as long as its
-# requests run).
+# socket buffers are full too; for a client that never reads those hold only tens of KB, as
+# TCP grows its window only as the application reads), and the frontend drops that
+# connection's requests (conveyor.frontend.sending; docs/reliability.md, "Faults"). A send to
+# a client already gone raises EHOSTUNREACH instead. The bound must exceed the largest burst
+# one pass sends to one client (a delta and a final per request it has in flight; at a
+# shutdown, an error final for every one, waiting ones included: libzmq's I/O thread drains
+# the queue only between the loop's sends) and the messages a merely slow reader lags
+# behind: 100k is far above both. What it implies: about 170 bytes of frontend memory a small
+# delta (~60 bytes packed), so some 17 MB per connection that stops reading, more where the
+# queued messages are larger (a delta of many tokens, a final that carries a long text).
+# 0: no bound (a client that stops reading is never dropped; its replies queue for as long
+# as its requests run).
 CLIENT_SEND_QUEUE = 100_000
 # ZMTP heartbeats (handled by libzmq's I/O thread, so a busy event loop never misses one):
 # a PING every CLIENT_HEARTBEAT_IVL_MS; a peer that sends nothing for
 # CLIENT_HEARTBEAT_TIMEOUT_MS after one is disconnected; the TTL asks clients to drop the
-# connection if they hear nothing from the server for that long.
+# connection if they hear nothing from the server for that long. A client that stops reading
+# but keeps its connection is not reliably dropped by them (docs/reliability.md): the send
+# queue's bound is what drops it.
 CLIENT_HEARTBEAT_IVL_MS = 1000
 CLIENT_HEARTBEAT_TIMEOUT_MS = 10_000
 CLIENT_HEARTBEAT_TTL_MS = 10_000

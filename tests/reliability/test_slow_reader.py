@@ -30,7 +30,7 @@ SERVE_ARGS = ("--max-model-len", str(LONG_MODEL_LEN), "--num-kv-blocks", str(NUM
               "--block-size", "16", "--threads", "1", "--client-send-queue", str(SEND_QUEUE))
 # Stall -> every request of the slow client aborted and its KV blocks free: the sends that
 # fill what the kernel buffers for a client that never reads (tens of KB) and then SEND_QUEUE
-# replies, at ~1,000 deltas a second. Measured 0.5 s on this 2-core machine over ipc://;
+# replies, at ~1,000 deltas a second. Measured 0.5-1.3 s on this shared 2-core machine over ipc://;
 # docs/reliability.md states this bound.
 DROP_BOUND_S = 5.0
 RSS_SLACK_MB = 32  # what serving the streams and the short requests costs the frontend

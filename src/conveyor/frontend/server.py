@@ -245,7 +245,12 @@ class Frontend:
         self.monitor.connect(monitor_addr)  # (inproc: before the bind is fine)
         # Limits, heartbeats, handover and --auth-keys: transport.bind_client_socket says which.
         self.clients, self._authenticator = transport.bind_client_socket(
-            self.ctx, addrs.client, auth_keys=config.auth_keys, monitor=monitor_addr, monitor_events=zmq.EVENT_DISCONNECTED
+            self.ctx,
+            addrs.client,
+            auth_keys=config.auth_keys,
+            send_queue=config.client_send_queue,
+            monitor=monitor_addr,
+            monitor_events=zmq.EVENT_DISCONNECTED,
         )
         # One scheduler link per data-parallel replica (conveyor.frontend.replicas).
         self.links = [SchedulerLink(self.ctx, addrs.replica(i)) for i in range(config.data_parallel_size)]
@@ -255,7 +260,7 @@ class Frontend:
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
         self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
         self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
-        self.sender = ClientSender(self.clients, self._client_gone, prof)
+        self.sender = ClientSender(self.clients, self._client_gone, self._client_not_reading, prof)
         self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
         self.output = OutputPath(
             self.requests,
@@ -357,9 +362,10 @@ class Frontend:
         self._connections[fd] = identity
 
     def _connection_gone(self, fd: int, why: str) -> None:
-        """The connection on ``fd`` can receive nothing more (it disconnected, or a newer
-        connection took its routing id over): drop the requests it sent, and only those; a
-        newer connection under the same routing id may have requests in flight of its own."""
+        """The connection on ``fd`` can receive nothing more (it disconnected, a newer
+        connection took its routing id over, or it stopped reading its replies): drop the
+        requests it sent, and only those; a newer connection under the same routing id may have
+        requests in flight of its own."""
         self._connections.pop(fd, None)
         victims = [s for s in self.in_flight.values() if s.fd == fd]
         if victims:
@@ -693,6 +699,26 @@ class Frontend:
     def _trim(self) -> None:
         self._trim_handle = None
         release_freed_memory()
+
+    def _client_not_reading(self, identity: bytes) -> None:
+        """A send to ``identity`` found its connection's send queue full (``--client-send-queue``
+        replies waiting, and the socket buffers behind them): the client has stopped reading,
+        and every reply it is sent from now on would be held here for as long as its requests
+        run. Its connection is treated as gone (:meth:`_connection_gone`: its requests are
+        aborted and their KV blocks freed; no final, which could not be queued either) and
+        counted. The connection that holds ``identity`` is the one whose queue is full (one
+        connection per routing id, :meth:`_note_connection`); none holds it when this
+        connection was dropped already, by an earlier send of the same pass: nothing to do."""
+        fd = next((f for f, held in self._connections.items() if held == identity), None)
+        if fd is None:
+            return
+        self.metrics.clients_not_reading += 1
+        log.warning(
+            "client connection %s is not reading its replies (send queue of %d full); dropping its requests",
+            identity.hex(),
+            self.config.client_send_queue,
+        )
+        self._connection_gone(fd, "not reading its replies")
 
     def _client_gone(self, identity: bytes) -> None:
         """A send found the client gone: abort its in-flight requests."""

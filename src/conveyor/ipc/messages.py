@@ -116,6 +116,11 @@ class SamplingParams(Positional, frozen=True):
     # the request out into sequences ``{request_id}/{i}``, see scheduler/groups.py); sequence
     # i draws with ``seed + i``. The worker never reads it.
     n: int = 1
+    # Structured output: the compiled constraint in llguidance's serialized grammar form
+    # (conveyor.structured), "" for none. The frontend compiles and validates it; the worker
+    # rebuilds a matcher from it with the same tokenizer and masks the request's rows with it
+    # (docs/structured-output.md). The scheduler never reads it.
+    grammar: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -262,6 +267,9 @@ class NewRequestData(Message, tag=20):
     block_ids: Int32Array
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # How many of ``token_ids`` are the prompt: a constrained request's matcher is rebuilt
+    # from the outputs after it (a resumed request replays them). Read only with a grammar.
+    num_prompt_tokens: int = 0
 
 
 def int_list(values: Int32Array | list[int]) -> list[int]:
@@ -348,13 +356,21 @@ class StepResult(Message, tag=30):
     """Sampled tokens of one step as parallel columns: the request on ``slots[i]`` sampled
     ``sampled_token_ids[i]``. Rows come in plan order: the new requests that sample, then
     the cached rows that do. ``error`` set means the step failed and none of its requests
-    advanced."""
+    advanced.
+
+    ``end_slots`` / ``end_errors``: constrained rows that the grammar ends (parallel lists).
+    An empty error: the grammar is complete, the row's sampled token (end-of-sequence, the
+    only one the grammar allowed) is its last and it finishes as ``stop``. A non-empty error:
+    a dead end (no token allowed, or the matcher failed); its sampled token is not kept and it
+    finishes as ``error`` with that message."""
 
     step_id: int
     slots: Int32Array
     sampled_token_ids: Int32Array
     error: str | None = None
     forward_time: float = 0.0
+    end_slots: list[int] = field(default_factory=list)
+    end_errors: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- any child -> bin/serve

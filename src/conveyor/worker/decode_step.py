@@ -90,6 +90,7 @@ class DecodeStep:
         if self.tensor_parallel.rank == 0:
             # inputs.positions + 1: the position of the token being drawn
             batch = batch_of_columns(inputs.tensors, inputs.positions + 1, flags)
+            self._constrain(batch, slots, sample_rows, states, False, rows)
             sampled = self.sampler.sample(self._logits[:rows], batch).index_select(0, inputs.sample_rows[:m])
         else:
             sampled = torch.empty(m, dtype=torch.int64, device=self.device)

@@ -1,5 +1,9 @@
 """Logits -> token ids for a whole batch in a fixed number of torch ops, no per-row Python.
 
+Constrained rows (structured output) first have the tokens their grammar disallows set to
+-inf (:mod:`conveyor.worker.grammar_mask`), in the same pass and before anything else, so
+greedy and every filter see only allowed tokens; a batch without them skips it on a host flag.
+
 Greedy rows (temperature 0) take the exact argmax of the raw logits. Other rows are
 divided by their temperature, filtered (top-k, then top-p, then min-p; each disabled by
 its neutral value) and sampled with the exponential race: ``argmax(p / E)`` with
@@ -26,6 +30,7 @@ import numpy as np
 import torch
 
 from conveyor.ipc.messages import SamplingParams
+from conveyor.worker.grammar_mask import apply_token_bitmask
 
 _GAMMA = 0x9E3779B97F4A7C15
 _MUL1 = 0xBF58476D1CE4E5B9
@@ -92,6 +97,10 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_unseeded: bool  # a sampling (non-greedy) row without a seed
+    # Structured output: an int32 grammar bitmask with one row per logits row, applied to
+    # ``bitmask_rows`` only (conveyor.worker.grammar_rows fills it); None: no constrained row.
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: Sequence[int] = ()
 
 
 class SamplingColumns:
@@ -177,7 +186,10 @@ class Sampler:
         return self.sample(logits, batch_from_rows(rows, np.asarray(positions, np.int64), logits.shape[1], logits.device))
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Token ids ``[N]`` for float32 ``logits`` ``[N, V]``; nothing here waits for the device."""
+        """Token ids ``[N]`` for float32 ``logits`` ``[N, V]``; nothing here waits for the device.
+        With a grammar bitmask, the constrained rows of ``logits`` are masked in place."""
+        if batch.bitmask is not None:
+            apply_token_bitmask(logits, batch.bitmask, batch.bitmask_rows)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy

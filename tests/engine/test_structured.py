@@ -80,3 +80,23 @@ def test_bad_constraint_is_refused_before_queueing(tiny_engine, constraint, name
         engine.add_request(prompt="x", constraint=constraint)
     assert refused.value.code == cp.INVALID_FIELD
     assert not engine.has_pending_requests()
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preempted_constrained_requests_stay_valid(tiny_engine, preemption):
+    """A pool too small for the batch preempts requests mid-answer; a resumed request's matcher
+    is rebuilt from its outputs, so its answer still validates (a matcher restarted at the
+    grammar's start would reject the resumed output and end it as a dead end)."""
+    engine = tiny_engine(num_kv_blocks=40, preemption=preemption, swap_space=0.01, max_batch_size=6)
+    requests = [
+        engine.add_request(prompt=f"record number {i} follows:", max_tokens=110, temperature=1.0, seed=10 + i,
+                           constraint=json_schema())
+        for i in range(6)
+    ]
+    run_all(engine)
+    stats = engine.stats()
+    assert stats[f"num_preemptions_{preemption}"] > 0
+    for request in requests:
+        assert request.finish_reason == "stop", request
+        jsonschema.validate(json.loads(request.text), SCHEMA)
+    assert stats["held_blocks"] == 0

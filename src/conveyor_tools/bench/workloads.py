@@ -48,6 +48,7 @@ LOGNORMAL_CLIP_FACTOR = 16  # lognormal workload: outputs clipped to [1, 16 x th
 class BenchRequest:
     prompt_ids: list[int]
     output_len: int
+    constraint: dict[str, Any] | None = None  # structured output (the protocol's constraint map)
 
     @property
     def prompt_len(self) -> int:
@@ -201,3 +202,36 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, num_requests)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()
+
+
+def bench_schema(output_len: int) -> dict[str, Any]:
+    """A JSON schema no answer of ``output_len`` tokens can complete (an array of at least that
+    many objects, each several tokens), so a constrained request runs its full length like an
+    unconstrained one with ``ignore_eos`` and the two cost the same tokens; the objects have
+    the usual mix (integers, bounded strings, enums, booleans)."""
+    item = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 12},
+            "kind": {"enum": ["a", "b", "c"]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "name", "kind", "ok"],
+        "additionalProperties": False,
+    }
+    return {"type": "array", "items": item, "minItems": output_len}
+
+
+def constrain_fraction(workload: Workload, fraction: float) -> Workload:
+    """``workload`` with ``fraction`` of its requests (spread evenly) under :func:`bench_schema`."""
+    if not 0 <= fraction <= 1:
+        raise ValueError("the constrained fraction must be in [0, 1]")
+    count = round(fraction * len(workload.requests))
+    chosen = {int(i * len(workload.requests) / count) for i in range(count)} if count else set()
+    workload.requests = [
+        BenchRequest(r.prompt_ids, r.output_len, {"type": "json_schema", "schema": bench_schema(r.output_len)}) if i in chosen else r
+        for i, r in enumerate(workload.requests)
+    ]
+    workload.params["constrained_fraction"] = fraction
+    return workload

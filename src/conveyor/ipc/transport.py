@@ -119,14 +119,12 @@ CLIENT_MAX_FRAME_BYTES = MAX_CLIENT_MESSAGE_BYTES + 64 * 1024
 CLIENT_RCVHWM = 64
 # Replies are never dropped and never block the loop: SNDHWM 0 (unbounded) with
 # ROUTER_MANDATORY. With a finite SNDHWM a send to a client whose queue is full would block
-# the frontend's loop or fail, losing a delta or the final. What bounds the queue of a client
-# that stops reading is the heartbeat: once its own queue and the socket buffers are full it
-# reads nothing, answers no PING, and the server drops the connection
-# CLIENT_HEARTBEAT_TIMEOUT_MS after the first unanswered one; the next send to it fails
-# (EHOSTUNREACH: the frontend's gone-client path aborts its requests) and the queue is freed.
-# Measured: flooded at full speed, a stalled client had 650k replies of 100 bytes (~120 MiB)
-# queued when it was dropped 11 s later; the frontend's output rate is far lower. A client
-# that keeps sending while never reading resets the timeout and is not bounded this way.
+# the frontend's loop or fail, losing a delta or the final. Nothing bounds the queue of a
+# client that stops reading but keeps its connection: the heartbeat below drops it only in
+# some cases (a full-speed flood: after 11 s), not at the frontend's real output rates, where
+# such a client stayed connected for 53 s and more (docs/reliability.md, "Faults"). Once it is
+# dropped, the next send to it fails (EHOSTUNREACH: the frontend's gone-client path aborts
+# its requests) and the queue is freed.
 CLIENT_SNDHWM = 0
 # ZMTP heartbeats (handled by libzmq's I/O thread, so a busy event loop never misses one):
 # a PING every CLIENT_HEARTBEAT_IVL_MS; a peer that sends nothing for

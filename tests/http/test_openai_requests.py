@@ -80,13 +80,40 @@ def test_what_conveyor_cannot_do_is_refused_by_name() -> None:
     refused(400, "echo", CHAT, echo=True)
     assert parse(echo=True).echo
     for name, value in (("best_of", 2), ("use_beam_search", True), ("prompt_logprobs", 1), ("bad_words", ["x"]),
-                        ("guided_json", {}), ("response_format", {"type": "json_object"}), ("add_special_tokens", False),
+                        ("add_special_tokens", False),
                         ("allowed_token_ids", [1]), ("suffix", "end")):
         assert name in refused(400, name, **{name: value}).message
     refused(400, "add_special_tokens", CHAT, add_special_tokens=True)  # chat's do-nothing value is false
-    refused(400, "tools", CHAT, tools=[{"type": "function"}])
     refused(400, "foo", foo=1)
     refused(400, "prompt", CHAT, prompt="x")  # a completions field on the chat endpoint
+
+
+def test_structured_output_fields_become_one_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}},
+         {"type": "json_schema", "schema": schema, "strict": True}),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+         {"type": "json_schema", "schema": schema, "strict": False}),
+        ({"response_format": {"type": "json_object"}}, {"type": "json_object"}),
+        ({"guided_json": schema}, {"type": "json_schema", "schema": schema, "strict": False}),
+        ({"guided_regex": "a+"}, {"type": "regex", "pattern": "a+"}),
+        ({"guided_choice": ["x", "y"]}, {"type": "choice", "choices": ["x", "y"]}),
+        ({"guided_grammar": "start: 'a'"}, {"type": "grammar", "grammar": "start: 'a'"}),
+        ({"structured_outputs": {"regex": "b"}}, {"type": "regex", "pattern": "b"}),
+        ({"structured_outputs": {"json_object": True}}, {"type": "json_object"}),
+    ]
+    for body, constraint in cases:
+        assert parse(CHAT, **body).options["constraint"] == constraint, body
+    assert "constraint" not in parse(CHAT, response_format={"type": "text"}).options
+    refused(400, "guided_regex", CHAT, guided_json=schema, guided_regex="a")
+    refused(400, "response_format", CHAT, response_format={"type": "yaml"})
+    refused(400, "structured_outputs", CHAT, structured_outputs={"regex": "a", "choice": ["b"]})
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    job = parse(CHAT, tools=tools, tool_choice="required")
+    assert (job.options["tools"], job.options["tool_choice"], job.forced_tool_choice, job.tools) == (tools, "required", "required", True)
+    job = parse(CHAT, tools=tools, tool_choice="none")
+    assert (job.forced_tool_choice, job.tools) == (None, False)
 
 
 def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -> None:

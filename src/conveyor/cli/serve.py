@@ -155,6 +155,12 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--api-key-file", help="a file of API keys, one per line (blank lines and lines starting with # skipped)")
     _switch(g, "--api-key-everywhere", HttpConfig.api_key_everywhere, "with API keys, /health, /metrics and /version need one too")
+    g.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3"),
+        help="read chat answers with tools for calls in this format (Hermes/Qwen <tool_call> JSON, Llama 3 JSON); "
+        "default: not parsed (the tools still reach the chat template)",
+    )
     g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
     g.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
 

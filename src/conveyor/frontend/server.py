@@ -133,6 +133,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from conveyor import profiling
+from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
 from conveyor.frontend.metrics import FrontendMetrics
@@ -213,6 +214,7 @@ class Frontend:
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.constraints = ConstraintCompiler(config.model_dir)
         # Two views of the requests in flight (module docstring, "Request ids"): by the client's
         # id, every one from its generate on (a pending one too); by its id at the scheduler,
         # those admitted (sent to the scheduler), which is where scheduler outputs look.
@@ -320,6 +322,7 @@ class Frontend:
                 return
 
     def close(self) -> None:
+        self.constraints.close()
         for pool in (self._pool, self._large_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -435,7 +438,7 @@ class Frontend:
             client_key=key,
             fd=fd,
         )
-        if self._pool is None or chars < self.config.tokenize_inline_chars:
+        if req.constraint is None and (self._pool is None or chars < self.config.tokenize_inline_chars):
             prompt_ids, start, end = self._prepare_prompt(req, history, False)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
             self.in_flight[state.key] = state
@@ -452,13 +455,21 @@ class Frontend:
     async def _tokenize_in_pool(
         self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None, large: bool
     ) -> None:
-        """Tokenize ``req`` on a pool thread (``large``: the large-input pool's), then admit it
-        unless it was finalized meanwhile."""
+        """Compile ``req``'s constraint, if it has one, off the loop
+        (:mod:`conveyor.frontend.constraints`); tokenize it on a pool thread (``large``: the
+        large-input pool's; on the loop without a pool); then admit it unless it was finalized
+        meanwhile."""
         loop = asyncio.get_running_loop()
         pool = self._large_pool if large else self._pool
         error = None
         try:
-            prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
+            # A constrained request compiles first (the compiler's pool, bounded by its timeout):
+            # a bad constraint is refused before its tokens are ever sent.
+            await self.constraints.compile_async(req)
+            if pool is None:
+                prompt_ids, start, end = self._prepare_prompt(req, history, False)
+            else:
+                prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
         except cp.ProtocolError as exc:
             error = exc

@@ -130,6 +130,11 @@ class SamplingParams(Positional, frozen=True):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: the compiled constraint in llguidance's serialized grammar form
+    # (conveyor.structured), "" for none. The frontend compiles and validates it; the worker
+    # rebuilds a matcher from it with the same tokenizer and masks the request's rows with it
+    # (docs/structured-output.md). The scheduler never reads it.
+    grammar: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -379,13 +384,21 @@ class StepResult(Message, tag=30):
     """Sampled tokens of one step as parallel columns: the request on ``slots[i]`` sampled
     ``sampled_token_ids[i]``. Rows come in plan order: the new requests that sample, then
     the cached rows that do. ``error`` set means the step failed and none of its requests
-    advanced."""
+    advanced.
+
+    ``end_slots`` / ``end_errors``: constrained rows that the grammar ends (parallel lists).
+    An empty error: the grammar is complete, the row's sampled token (end-of-sequence, the
+    only one the grammar allowed) is its last and it finishes as ``stop``. A non-empty error:
+    a dead end (no token allowed, or the matcher failed); its sampled token is not kept and it
+    finishes as ``error`` with that message."""
 
     step_id: int
     slots: Int32Array
     sampled_token_ids: Int32Array
     error: str | None = None
     forward_time: float = 0.0
+    end_slots: list[int] = field(default_factory=list)
+    end_errors: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- any child -> bin/serve

@@ -31,6 +31,8 @@ from typing import Any
 import msgpack
 
 from conveyor.ipc.messages import MAX_LOGIT_BIAS, SamplingParams
+from conveyor.structured.constraint import Constraint, ConstraintError
+from conveyor.structured.tool_choice import tool_choice_constraint
 
 CLIENT_PROTOCOL_VERSION = 1
 MAX_CLIENT_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -92,8 +94,12 @@ FRONTEND_FIELDS = (
     "continue_final_message",
     "chat_template_kwargs",
 )
+# Structured output (docs/structured-output.md): ``constraint`` (the output must match it),
+# ``tools`` (rendered by the chat template) and ``tool_choice`` ("required" or a named
+# function: enforced as a JSON-schema constraint over ``tools``).
+STRUCTURED_FIELDS = ("constraint", "tools", "tool_choice")
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority", *FRONTEND_FIELDS)
+OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority", *FRONTEND_FIELDS, *STRUCTURED_FIELDS)
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
 # Seeds: any 64-bit integer, signed or unsigned, is accepted and stored as the signed 64-bit
@@ -154,6 +160,10 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Structured output: what the output must match (compiled by the frontend, which then sets
+    # ``sampling.grammar``), and the tools the chat template is given.
+    constraint: Constraint | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -364,7 +374,10 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
         if not isinstance(msgs, list) or not msgs:
             raise fail("'messages' must be a non-empty array of {role, content} maps")
         for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise fail(f"'messages'[{i}] must be a map with string 'role' and 'content'")
+            # An assistant turn that called tools may have no content (OpenAI sends null).
+            if not isinstance(m.get("content"), str) and not (m.get("content") is None and m.get("tool_calls")):
                 raise fail(f"'messages'[{i}] must be a map with string 'role' and 'content'")
         req.messages = msgs
     else:
@@ -398,7 +411,63 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
         req.priority = priority
     req.sampling = parse_sampling(obj, rid)
     _parse_frontend_fields(obj, req, fail)
+    _parse_structured_fields(obj, req, fail)
     return req
+
+
+def _parse_structured_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
+    """``constraint``, ``tools`` and ``tool_choice`` into ``req.constraint`` / ``req.tools``:
+    shapes and sizes only (whether a schema, regex or grammar is valid is the compile's to
+    say, in the frontend, before the request is scheduled)."""
+    tools, tool_choice = obj.get("tools"), obj.get("tool_choice")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise fail("'tools' must be an array of {type: function, function: {name, parameters}} maps")
+        if req.messages is None:
+            raise fail("'tools' applies to 'messages' only")
+        req.tools = tools
+    try:
+        forced = tool_choice_constraint(tools or [], tool_choice)
+    except ConstraintError as exc:
+        raise fail(f"'tool_choice': {exc}") from None
+    if obj.get("constraint") is not None:
+        try:
+            req.constraint = parse_constraint(obj["constraint"])
+        except ConstraintError as exc:
+            raise fail(str(exc)) from None
+    if forced is not None:
+        if req.constraint is not None:
+            raise fail("'constraint' and a 'tool_choice' that forces a call cannot both be given")
+        req.constraint = forced
+
+
+def parse_constraint(value: Any) -> Constraint:
+    """A ``constraint`` map (docs/protocol.md) as a :class:`Constraint`; ConstraintError naming
+    what is wrong."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ConstraintError("'constraint' must be a map with a string 'type'")
+    kind = value["type"]
+    keys = {"json_schema": {"schema", "strict"}, "json_object": set(), "regex": {"pattern"}, "choice": {"choices"}, "grammar": {"grammar"}}
+    if kind not in keys:
+        raise ConstraintError(f"'constraint'.type must be one of {', '.join(keys)}, got {kind!r}")
+    unknown = set(value) - keys[kind] - {"type"}
+    if unknown:
+        raise ConstraintError(f"'constraint' of type {kind} has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+    try:
+        if kind == "json_schema":
+            strict = value.get("strict", True)
+            if not isinstance(strict, bool):
+                raise ConstraintError("json_schema: 'strict' must be a boolean")
+            return Constraint.json_schema(value.get("schema"), strict=strict)
+        if kind == "json_object":
+            return Constraint.json_object()
+        if kind == "regex":
+            return Constraint.regex(value.get("pattern"))
+        if kind == "choice":
+            return Constraint.choice(value.get("choices"))
+        return Constraint.grammar(value.get("grammar"))
+    except ConstraintError as exc:
+        raise ConstraintError(f"'constraint': {exc}") from None
 
 
 def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:

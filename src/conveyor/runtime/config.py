@@ -299,6 +299,10 @@ class HttpConfig:
     # /metrics and /version need one too.
     api_keys: tuple[str, ...] = ()
     api_key_everywhere: bool = False
+    # --tool-call-parser: how a chat's output with tools is read for calls (hermes, llama3;
+    # conveyor.structured.tool_calls); None: not parsed (tools still reach the chat template,
+    # and a forcing tool_choice is still read from its constrained JSON).
+    tool_call_parser: str | None = None
     # --ssl-certfile / --ssl-keyfile: serve HTTPS (both or neither).
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None

@@ -99,6 +99,7 @@ class DecodeStep:
             if selection is not None:
                 controls = self._controls.rows_of(selection, inputs.control_rows[:c], inputs.control_pool_rows[:c])
             batch = batch_of_columns(inputs.tensors, inputs.positions + 1, flags, controls)
+            self._constrain(batch, slots, sample_rows, states, False, rows)
             sampled = self.sampler.sample(self._logits[:rows], batch).index_select(0, inputs.sample_rows[:m])
         else:
             sampled = torch.empty(m, dtype=torch.int64, device=self.device)

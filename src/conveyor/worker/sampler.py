@@ -2,8 +2,10 @@
 
 The sampling controls (penalties, ``logit_bias``, ``min_tokens``) come first, on the rows
 that use them only (:mod:`conveyor.worker.sampling_controls`), and the counts they keep are
-updated with what was sampled. Greedy rows (temperature 0) take the exact argmax of the
-logits then. Other rows are
+updated with what was sampled. Constrained rows (structured output) then have the tokens
+their grammar disallows set to -inf (:mod:`conveyor.worker.grammar_mask`), so greedy and
+every filter see only allowed tokens; a batch without them skips it on a host flag. Greedy
+rows (temperature 0) take the exact argmax of the logits then. Other rows are
 divided by their temperature, filtered (top-k, then top-p, then min-p; each disabled by
 its neutral value) and sampled with the exponential race: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` i.i.d. picks token ``i`` with probability ``p_i``.
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from conveyor.ipc.messages import SamplingParams
+from conveyor.worker.grammar_mask import apply_token_bitmask
 from conveyor.worker.sampling_controls import ControlRows, SamplingControls
 
 _GAMMA = 0x9E3779B97F4A7C15
@@ -98,6 +101,10 @@ class SamplingBatch:
     any_min_p: bool
     any_unseeded: bool  # a sampling (non-greedy) row without a seed
     controls: ControlRows | None = None
+    # Structured output: an int32 grammar bitmask with one row per logits row, applied to
+    # ``bitmask_rows`` only (conveyor.worker.grammar_rows fills it); None: no constrained row.
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: Sequence[int] = ()
 
 
 class SamplingColumns:
@@ -195,10 +202,13 @@ class Sampler:
         return self.sample(logits, batch_from_rows(rows, positions, logits.shape[1], logits.device, selected))
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Token ids ``[N]`` for float32 ``logits`` ``[N, V]``; nothing here waits for the device."""
+        """Token ids ``[N]`` for float32 ``logits`` ``[N, V]``; nothing here waits for the device.
+        With a grammar bitmask, the constrained rows of the (controlled) logits are masked in place."""
         controls = batch.controls
         if controls is not None:
             logits = controls.apply(logits, batch.positions)
+        if batch.bitmask is not None:
+            apply_token_bitmask(logits, batch.bitmask, batch.bitmask_rows)
         sampled = self._draw(logits, batch)
         if controls is not None:
             controls.record(sampled)

@@ -229,3 +229,37 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, num_requests)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()
+
+
+def bench_schema(output_len: int) -> dict[str, Any]:
+    """A JSON schema no answer of ``output_len`` tokens can complete (an array of at least that
+    many objects, each several tokens), so a constrained request runs its full length like an
+    unconstrained one with ``ignore_eos`` and the two cost the same tokens; the objects have
+    the usual mix (integers, bounded strings, enums, booleans)."""
+    item = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 12},
+            "kind": {"enum": ["a", "b", "c"]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "name", "kind", "ok"],
+        "additionalProperties": False,
+    }
+    return {"type": "array", "items": item, "minItems": output_len}
+
+
+def constrain_fraction(workload: Workload, fraction: float) -> Workload:
+    """``workload`` with ``fraction`` of its requests under :func:`bench_schema`, spread as
+    :func:`with_controls` spreads its share."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"constrained fraction must be in [0, 1], got {fraction}")
+    requests = [
+        BenchRequest(r.prompt_ids, r.output_len, {**r.sampling, "constraint": {"type": "json_schema", "schema": bench_schema(r.output_len)}})
+        if math.floor((i + 1) * fraction) > math.floor(i * fraction)
+        else r
+        for i, r in enumerate(workload.requests)
+    ]
+    params = {**workload.params, "constrained_fraction": fraction}
+    return Workload(workload.name, workload.seed, requests, params, workload.num_clamped)

@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=FrontendConfig.tokenizer_threads,
         help="frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)",
     )
+    p.add_argument(
+        "--client-send-queue",
+        type=_non_negative_int,
+        default=FrontendConfig.client_send_queue,
+        help="replies queued for one client connection; a client whose queue fills has stopped reading, "
+        "and its requests are aborted (0: no bound)",
+    )
     _switch(p, "--profile", WorkerConfig.profile, "record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)")
     add_lora_arguments(p)
     add_http_arguments(p)
@@ -168,6 +175,12 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--api-key-file", help="a file of API keys, one per line (blank lines and lines starting with # skipped)")
     _switch(g, "--api-key-everywhere", HttpConfig.api_key_everywhere, "with API keys, /health, /metrics and /version need one too")
+    g.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3"),
+        help="read chat answers with tools for calls in this format (Hermes/Qwen <tool_call> JSON, Llama 3 JSON); "
+        "default: not parsed (the tools still reach the chat template)",
+    )
     g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
     g.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
 

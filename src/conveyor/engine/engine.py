@@ -51,6 +51,7 @@ from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.engine.options import EngineOptions
 from conveyor.engine.outputs import BatchInfo, Result, StepOutput
 from conveyor.engine.request import Request
+from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import context_ids, encode_input
 from conveyor.frontend.output import merge
@@ -91,6 +92,7 @@ class Engine:
         settings = options.settings()
         batcher = batcher_config(settings, self.max_model_len)  # bad knobs fail before the model loads
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        self._constraints = ConstraintCompiler(model_dir)
         self.runner = build_runner(model_dir, **worker_settings(settings))
         runner = self.runner
         batcher = replace(
@@ -130,8 +132,9 @@ class Engine:
         ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, and the
         frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
         ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
-        ``chat_template_kwargs``).
-        ``lora`` names the LoRA adapter to generate with (one of the options' ``lora_modules``).
+        ``chat_template_kwargs``), and structured output: ``constraint`` (docs/protocol.md),
+        ``tools`` and ``tool_choice``. ``lora`` names the LoRA adapter to generate with (one
+        of the options' ``lora_modules``, or one added by :meth:`load_lora`).
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
         that was not removed continues it (module docstring).
 
@@ -157,6 +160,7 @@ class Engine:
         rid = req.request_id
         if rid in self._by_id:
             raise cp.ProtocolError(f"request id {rid!r} is already in flight", rid)
+        self._constraints.compile(req)  # a bad constraint is refused before anything is queued
         history = self._sessions.context(rid)
         prompt_ids = context_ids(
             req,

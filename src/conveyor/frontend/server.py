@@ -133,6 +133,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from conveyor import profiling
+from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
 from conveyor.frontend.metrics import FrontendMetrics
@@ -213,6 +214,7 @@ class Frontend:
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.constraints = ConstraintCompiler(config.model_dir)
         # Two views of the requests in flight (module docstring, "Request ids"): by the client's
         # id, every one from its generate on (a pending one too); by its id at the scheduler,
         # those admitted (sent to the scheduler), which is where scheduler outputs look.
@@ -245,7 +247,12 @@ class Frontend:
         self.monitor.connect(monitor_addr)  # (inproc: before the bind is fine)
         # Limits, heartbeats, handover and --auth-keys: transport.bind_client_socket says which.
         self.clients, self._authenticator = transport.bind_client_socket(
-            self.ctx, addrs.client, auth_keys=config.auth_keys, monitor=monitor_addr, monitor_events=zmq.EVENT_DISCONNECTED
+            self.ctx,
+            addrs.client,
+            auth_keys=config.auth_keys,
+            send_queue=config.client_send_queue,
+            monitor=monitor_addr,
+            monitor_events=zmq.EVENT_DISCONNECTED,
         )
         # One scheduler link per data-parallel replica (conveyor.frontend.replicas).
         self.links = [SchedulerLink(self.ctx, addrs.replica(i)) for i in range(config.data_parallel_size)]
@@ -255,7 +262,7 @@ class Frontend:
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
         self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
         self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
-        self.sender = ClientSender(self.clients, self._client_gone, prof)
+        self.sender = ClientSender(self.clients, self._client_gone, self._client_not_reading, prof)
         self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
         self.output = OutputPath(
             self.requests,
@@ -315,6 +322,7 @@ class Frontend:
                 return
 
     def close(self) -> None:
+        self.constraints.close()
         for pool in (self._pool, self._large_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -357,9 +365,10 @@ class Frontend:
         self._connections[fd] = identity
 
     def _connection_gone(self, fd: int, why: str) -> None:
-        """The connection on ``fd`` can receive nothing more (it disconnected, or a newer
-        connection took its routing id over): drop the requests it sent, and only those; a
-        newer connection under the same routing id may have requests in flight of its own."""
+        """The connection on ``fd`` can receive nothing more (it disconnected, a newer
+        connection took its routing id over, or it stopped reading its replies): drop the
+        requests it sent, and only those; a newer connection under the same routing id may have
+        requests in flight of its own."""
         self._connections.pop(fd, None)
         victims = [s for s in self.in_flight.values() if s.fd == fd]
         if victims:
@@ -429,7 +438,7 @@ class Frontend:
             client_key=key,
             fd=fd,
         )
-        if self._pool is None or chars < self.config.tokenize_inline_chars:
+        if req.constraint is None and (self._pool is None or chars < self.config.tokenize_inline_chars):
             prompt_ids, start, end = self._prepare_prompt(req, history, False)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
             self.in_flight[state.key] = state
@@ -446,13 +455,21 @@ class Frontend:
     async def _tokenize_in_pool(
         self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None, large: bool
     ) -> None:
-        """Tokenize ``req`` on a pool thread (``large``: the large-input pool's), then admit it
-        unless it was finalized meanwhile."""
+        """Compile ``req``'s constraint, if it has one, off the loop
+        (:mod:`conveyor.frontend.constraints`); tokenize it on a pool thread (``large``: the
+        large-input pool's; on the loop without a pool); then admit it unless it was finalized
+        meanwhile."""
         loop = asyncio.get_running_loop()
         pool = self._large_pool if large else self._pool
         error = None
         try:
-            prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
+            # A constrained request compiles first (the compiler's pool, bounded by its timeout):
+            # a bad constraint is refused before its tokens are ever sent.
+            await self.constraints.compile_async(req)
+            if pool is None:
+                prompt_ids, start, end = self._prepare_prompt(req, history, False)
+            else:
+                prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
         except cp.ProtocolError as exc:
             error = exc
@@ -693,6 +710,26 @@ class Frontend:
     def _trim(self) -> None:
         self._trim_handle = None
         release_freed_memory()
+
+    def _client_not_reading(self, identity: bytes) -> None:
+        """A send to ``identity`` found its connection's send queue full (``--client-send-queue``
+        replies waiting, and the socket buffers behind them): the client has stopped reading,
+        and every reply it is sent from now on would be held here for as long as its requests
+        run. Its connection is treated as gone (:meth:`_connection_gone`: its requests are
+        aborted and their KV blocks freed; no final, which could not be queued either) and
+        counted. The connection that holds ``identity`` is the one whose queue is full (one
+        connection per routing id, :meth:`_note_connection`); none holds it when this
+        connection was dropped already, by an earlier send of the same pass: nothing to do."""
+        fd = next((f for f, held in self._connections.items() if held == identity), None)
+        if fd is None:
+            return
+        self.metrics.clients_not_reading += 1
+        log.warning(
+            "client connection %s is not reading its replies (send queue of %d full); dropping its requests",
+            identity.hex(),
+            self.config.client_send_queue,
+        )
+        self._connection_gone(fd, "not reading its replies")
 
     def _client_gone(self, identity: bytes) -> None:
         """A send found the client gone: abort its in-flight requests."""

@@ -57,6 +57,7 @@ LORAS = web.AppKey("loras", tuple)  # the LoRA adapters' names: models a request
 MAX_MODEL_LEN = web.AppKey("max_model_len", int)
 CREATED = web.AppKey("created", int)
 TOKENS = web.AppKey("tokens", Tokens)
+TOOL_PARSER = web.AppKey("tool_parser", object)  # --tool-call-parser: a format of conveyor.structured.tool_calls, or None
 ACCESS = web.AppKey("access", object)
 # Routes open without a key unless --api-key-everywhere.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
@@ -154,7 +155,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResponse:
     app = request.app
     job = parse_request(kind, body, app[MODEL], app[LORAS])
-    return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS])
+    return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER])
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -283,8 +284,10 @@ def _app(
 def api_app(
     link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None,
     loras: Sequence[str] = (),
+    tool_call_parser: str | None = None,
 ) -> web.Application:
     app = _app(link, model, max_model_len, created, tokens, access, loras)
+    app[TOOL_PARSER] = tool_call_parser
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -42,6 +42,8 @@ from conveyor.http.openai_requests import CHAT, COMPLETION, GenerationJob
 from conveyor.http.openai_responses import DONE, ChunkEncoder, completion_body, json_encode, response_id, usage_so_far
 from conveyor.http.tokens import Tokens
 from conveyor.ipc.messages import FinishReason
+from conveyor.structured.tool_calls import ToolCallParser, parse_tool_calls
+from conveyor.structured.tool_choice import constrained_tool_calls
 
 log = logging.getLogger("conveyor.http")
 
@@ -68,8 +70,12 @@ async def _prompts(job: GenerationJob, tokens: Tokens) -> _Prompts:
     return _Prompts(ids, echoes)
 
 
-async def respond(request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tokens: Tokens) -> web.StreamResponse:
-    """The HTTP answer to ``job``; :class:`ApiError` for a failure known before it starts."""
+async def respond(
+    request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tokens: Tokens, tool_parser: str | None = None
+) -> web.StreamResponse:
+    """The HTTP answer to ``job``; :class:`ApiError` for a failure known before it starts.
+    ``tool_parser``: the server's ``--tool-call-parser`` (None: a chat's tools are rendered,
+    its output is not parsed for calls unless ``tool_choice`` forced them)."""
     await link.require_started()
     rid = response_id(job.kind, uuid.uuid4().hex)
     created = int(time.time())
@@ -80,12 +86,71 @@ async def respond(request: web.Request, link: FrontendLink, job: GenerationJob, 
     prompts = await _prompts(job, tokens)
     if job.stream:
         enc = ChunkEncoder(job.kind, rid, created, model, job.include_usage)
-        return await _stream(request, link, job, enc, prompts, headers)
+        return await _stream(request, link, job, enc, prompts, headers, _tool_reader(job, tool_parser))
     results = await _generate_all(link, job)
     texts = None if prompts.echoes is None else [e + r.text for e, r in zip(prompts.echoes, results)]
     prompt_ids = prompts.ids if job.return_token_ids else None
-    body = json_encode(completion_body(job.kind, rid, created, model, results, texts=texts, prompt_ids=prompt_ids))
-    return web.Response(body=body, content_type="application/json", headers=headers)
+    body = completion_body(job.kind, rid, created, model, results, texts=texts, prompt_ids=prompt_ids)
+    reader = _tool_reader(job, tool_parser)
+    if reader is not None:
+        for choice, result in zip(body["choices"], results):
+            content, calls = reader.whole(result.text)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content or None,
+                                     "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
+                choice["finish_reason"] = _tool_finish(result.finish_reason)
+    return web.Response(body=json_encode(body), content_type="application/json", headers=headers)
+
+
+def _tool_finish(reason: str) -> str:
+    """OpenAI's ``tool_calls`` where the output ended by itself with calls; else as it ended."""
+    return "tool_calls" if reason == FinishReason.STOP else reason
+
+
+class _ToolReader:
+    """How a chat job's output is read for tool calls: the constrained JSON of a forcing
+    ``tool_choice`` (read whole at the end), or the server's parser format (streamed: content
+    released as soon as it cannot start a call, each call as one delta)."""
+
+    def __init__(self, forced: Any, format: str | None) -> None:
+        self.forced, self.format = forced, format
+
+    def whole(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self.forced is not None:
+            try:
+                return "", constrained_tool_calls(text, self.forced)
+            except (ValueError, KeyError, TypeError):  # cut short (length): not a whole call
+                return text, []
+        parsed = parse_tool_calls(text, self.format)  # type: ignore[arg-type]
+        return parsed.content, parsed.tool_calls
+
+    def stream(self) -> Callable[[str | None], tuple[str, list[dict[str, Any]]]]:
+        """A feeder: ``feed(text)`` per delta, ``feed(None)`` at the end."""
+        if self.forced is not None:
+            held: list[str] = []
+
+            def feed_forced(text: str | None) -> tuple[str, list[dict[str, Any]]]:
+                if text is not None:
+                    held.append(text)
+                    return "", []
+                return self.whole("".join(held))
+
+            return feed_forced
+        parser = ToolCallParser(self.format)  # type: ignore[arg-type]
+
+        def feed(text: str | None) -> tuple[str, list[dict[str, Any]]]:
+            delta = parser.finish() if text is None else parser.feed(text)
+            return delta.content, delta.tool_calls
+
+        return feed
+
+
+def _tool_reader(job: GenerationJob, tool_parser: str | None) -> _ToolReader | None:
+    if job.kind != CHAT or not job.tools:
+        return None
+    if job.forced_tool_choice is not None:
+        return _ToolReader(job.forced_tool_choice, None)
+    return _ToolReader(None, tool_parser) if tool_parser else None
 
 
 def _checked(result: CompletionResult) -> CompletionResult:
@@ -145,7 +210,8 @@ async def _replies(link: FrontendLink, job: GenerationJob) -> AsyncIterator[tupl
 
 
 async def _stream(
-    request: web.Request, link: FrontendLink, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, headers: dict[str, str]
+    request: web.Request, link: FrontendLink, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts,
+    headers: dict[str, str], tools: _ToolReader | None = None,
 ) -> web.StreamResponse:
     n = len(job.inputs)
     finals: list[CompletionResult | None] = [None] * n
@@ -170,7 +236,7 @@ async def _stream(
         if job.kind == CHAT:
             for index in range(n):
                 out += enc.role(index)
-        encode = _Encoder(job, enc, prompts, finals, out)
+        encode = _Encoder(job, enc, prompts, finals, out, tools)
         left = n
         try:
             for index, delta in first:
@@ -203,9 +269,12 @@ class _Encoder:
     builds its chunks as dicts with those fields (:meth:`ChunkEncoder.chunk`)."""
 
     def __init__(
-        self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, finals: list[CompletionResult | None], out: bytearray
+        self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, finals: list[CompletionResult | None], out: bytearray,
+        tools: _ToolReader | None = None,
     ) -> None:
         self.enc, self.finals, self.out = enc, finals, out
+        self.tools = [tools.stream() for _ in finals] if tools is not None else None
+        self.called = [False] * len(finals)
         self.prompts = prompts
         self.token_ids = job.return_token_ids
         self.continuous = job.continuous_usage
@@ -215,6 +284,8 @@ class _Encoder:
 
     def __call__(self, index: int, delta: Delta) -> int:
         """1 when ``delta`` was its input's final (ApiError if that final is an error)."""
+        if self.tools is not None:
+            return self._tool_delta(index, delta)
         if self.plain:
             if delta.text:
                 self.out += self.enc.text(index, delta.text)
@@ -224,6 +295,27 @@ class _Encoder:
             return 0
         self.finals[index] = result = _checked(delta.result)
         self.out += self.enc.finish(index, result.finish_reason, None, self._usage(index))
+        return 1
+
+    def _tool_delta(self, index: int, delta: Delta) -> int:
+        """A chat with tools (plain otherwise): content as the reader releases it, each call
+        as one ``tool_calls`` delta, ``finish_reason`` ``tool_calls`` when there were calls."""
+        feed = self.tools[index]  # type: ignore[index]
+        pieces = [feed(delta.text)] if delta.text else []
+        if delta.result is not None:
+            result = _checked(delta.result)
+            pieces.append(feed(None))
+        for content, calls in pieces:
+            if content:
+                self.out += self.enc.text(index, content)
+            if calls:
+                self.called[index] = True
+                self.out += self.enc.chunk(index, None, None, {"delta": {"tool_calls": calls}})
+        if delta.result is None:
+            return 0
+        self.finals[index] = result
+        reason = _tool_finish(result.finish_reason) if self.called[index] else result.finish_reason
+        self.out += self.enc.finish(index, reason)
         return 1
 
     def _detailed(self, index: int, delta: Delta) -> bytes:

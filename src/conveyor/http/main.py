@@ -18,6 +18,7 @@ frontend has failed them already, so their error reaches the client), then cance
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import socket
 import ssl
@@ -92,7 +93,7 @@ class HttpServer:
         access = Access.of(self.config.api_keys, self.config.api_key_everywhere)
         apps = []
         if self.api_socket is not None:
-            apps.append((api_app, self.api_socket))
+            apps.append((functools.partial(api_app, tool_call_parser=self.config.tool_call_parser), self.api_socket))
         if self.metrics_socket is not None:
             apps.append((metrics_app, self.metrics_socket))
         runners = []

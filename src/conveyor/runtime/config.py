@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from conveyor.ipc.step_channel import StepChannels
-from conveyor.ipc.transport import ServerAddresses
+from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses
 
 
 class Choice(str, enum.Enum):
@@ -195,10 +195,14 @@ class FrontendConfig:
     # Data-parallel replicas (scheduler + worker pairs) behind this frontend, each reached at
     # ``addresses.replica(index)`` (conveyor.frontend.replicas).
     data_parallel_size: int = 1
+    # bin/serve --client-send-queue: replies queued for one client connection before it counts
+    # as not reading and its requests are dropped (conveyor.ipc.transport.CLIENT_SEND_QUEUE
+    # says what the default implies; 0: no bound).
+    client_send_queue: int = CLIENT_SEND_QUEUE
 
     def __post_init__(self) -> None:
         _require_at_least(self, 1, "data_parallel_size")
-        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars")
+        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue")
 
 
 @dataclass(frozen=True)
@@ -307,6 +311,10 @@ class HttpConfig:
     # /metrics and /version need one too.
     api_keys: tuple[str, ...] = ()
     api_key_everywhere: bool = False
+    # --tool-call-parser: how a chat's output with tools is read for calls (hermes, llama3;
+    # conveyor.structured.tool_calls); None: not parsed (tools still reach the chat template,
+    # and a forcing tool_choice is still read from its constrained JSON).
+    tool_call_parser: str | None = None
     # --ssl-certfile / --ssl-keyfile: serve HTTPS (both or neither).
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None

@@ -17,6 +17,12 @@ hottest code of a busy server, where almost every row is a plain decode.
 
 A result with ``error`` set, or malformed, fails every still-live request of its plan and of
 the plan formed ahead of it (:func:`fail_plans`).
+
+Structured output: the worker names the constrained rows its grammar ended
+(``StepResult.end_slots``). A dead end finishes its request as ``error`` before the tokens
+are applied, so its token (not a valid one) is dropped like any token of a released slot; a
+complete grammar makes its row take the decision path and finish as ``stop`` after its token,
+like an end-of-sequence token does (:func:`_grammar_ends`).
 """
 
 from __future__ import annotations
@@ -70,10 +76,33 @@ def apply_result(state: SchedulerState, plan: StepPlan, step: Step, result: Step
     if not len(step.sample_slots):
         return TokenOutputs(outputs)
     finished: list[Request] = []  # running requests this result retires
-    column_ids, column_tokens = _apply_tokens(state, plan, step, slots, tokens, outputs, finished)
+    complete = _grammar_ends(state, step, result, outputs, finished)
+    column_ids, column_tokens = _apply_tokens(state, plan, step, slots, tokens, outputs, finished, complete)
     if finished:
         state.table.prune_running(finished)
     return TokenOutputs(outputs, column_ids, column_tokens)
+
+
+def _grammar_ends(
+    state: SchedulerState, step: Step, result: StepResult, outputs: list[RequestOutput], finished: list[Request]
+) -> np.ndarray | None:
+    """Finish the requests the worker's grammar left at a dead end (``error``); returns the slots
+    whose grammar is complete (their token decides ``stop`` in :func:`_output`), None if none."""
+    if not result.end_slots:
+        return None
+    cols = state.cols
+    complete = []
+    planned = dict(zip(step.sample_slots.tolist(), step.sample_gens.tolist()))
+    for slot, error in zip(result.end_slots, result.end_errors):
+        if planned.get(slot) != cols.generation(slot):
+            continue  # ended while the plan ran: its slot was given back (maybe to another request)
+        if not error:
+            complete.append(slot)
+            continue
+        req = cols.owner[slot]
+        finished.append(req)
+        outputs.append(state.finish(req, FinishReason.ERROR, error=f"structured output: {error}"))
+    return np.asarray(complete, np.int64) if complete else None
 
 
 def _int_array(values: np.ndarray | list[int]) -> np.ndarray:
@@ -100,7 +129,7 @@ def _by_slot(state: SchedulerState, slots: np.ndarray, tokens: np.ndarray) -> np
 
 def _apply_tokens(
     state: SchedulerState, plan: StepPlan, step: Step, answered: np.ndarray, sampled: np.ndarray,
-    outputs: list[RequestOutput], finished: list[Request],
+    outputs: list[RequestOutput], finished: list[Request], complete: np.ndarray | None = None,
 ) -> tuple[list[str], list[int]]:
     """Append each sampling row's token (the result's rows ``answered`` slots, ``sampled``
     tokens) to its request, in row order; returns the output columns (request ids, tokens)
@@ -135,6 +164,8 @@ def _apply_tokens(
     eos_rows = rows[EOS]
     if np.count_nonzero(eos_rows):
         unusual |= (eos_rows != 0) & cols.is_eos(tokens)
+    if complete is not None:
+        unusual |= np.isin(slots, complete)
     if not np.count_nonzero(unusual):
         return cols.ids[slots].tolist(), token_list
     plain = ~unusual
@@ -142,7 +173,8 @@ def _apply_tokens(
     now = state.clock()
     for row in unusual.nonzero()[0].tolist():
         req = owner[slot_list[row]]
-        kind = _output(state, req, token_list[row], outputs, now)
+        done = complete is not None and slot_list[row] in complete
+        kind = _output(state, req, token_list[row], outputs, now, done)
         if kind == _FINISHED:
             finished.append(req)
         elif kind == _PLAIN:  # stop ids of its own, none of them sampled
@@ -150,10 +182,13 @@ def _apply_tokens(
     return cols.ids[slots[plain]].tolist(), tokens[plain].tolist()
 
 
-def _output(state: SchedulerState, req: Request, token: int, outputs: list[RequestOutput], now: float) -> int:
+def _output(
+    state: SchedulerState, req: Request, token: int, outputs: list[RequestOutput], now: float, complete: bool = False
+) -> int:
     """After ``token`` was appended to ``req``: finish it (``_FINISHED``), or give its first
-    token a full output (``_FIRST``); a plain later token (``_PLAIN``) is left to the columns."""
-    reason = stop_reason(req, token)
+    token a full output (``_FIRST``); a plain later token (``_PLAIN``) is left to the columns.
+    ``complete``: the request's grammar is complete, so it stops here whatever the token."""
+    reason = FinishReason.STOP if complete else stop_reason(req, token)
     if req.first_token_time is None:
         req.first_token_time = now
         if reason is None:

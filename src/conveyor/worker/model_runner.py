@@ -51,13 +51,15 @@ from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
+from conveyor.worker.grammar_rows import GrammarRows
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 from conveyor.worker.lora import LoraManager, LoraOptions
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
 from conveyor.worker.request_state import RequestState, SlotStates, Work
-from conveyor.worker.sampler import Sampler, SamplingColumns, batch_from_rows
+from conveyor.worker.sampler import Sampler, SamplingBatch, SamplingColumns, batch_from_rows
+from conveyor.worker.sampling_controls import SamplingControls
 
 
 @dataclass(eq=False)
@@ -77,6 +79,7 @@ class LaunchedStep:
     start: float = 0.0  # perf_counter at launch
     failed: bool = True  # until launched
     before: LaunchedStep | None = None
+    ends: list[tuple[int, str]] | None = None  # constrained rows the grammar ended: (slot, error)
 
 
 class ModelRunner(DecodeStep):
@@ -151,6 +154,8 @@ class ModelRunner(DecodeStep):
         self.swap_caches = cache_shape.allocate_swap(num_cpu_blocks, self.device)
         self.sampler = Sampler(self.device)
         self._sampling = SamplingColumns()  # per-slot sampling parameters, set when a request arrives
+        # Per-slot device state of the requests using penalties, logit_bias or min_tokens.
+        self._controls = SamplingControls(self.model_config.vocab_size, self.device, self.model_config.eos_token_ids)
         self._requests = SlotStates()  # request state and block tables by slot
         # The last token of each slot, on the device: grows with the slot table.
         self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -168,6 +173,12 @@ class ModelRunner(DecodeStep):
         self._t_sample = prof.timer("sample")  # LM head on the sampled rows + the sampler
         self._t_swap = prof.timer("swap", arg_name="blocks")  # only steps that copy blocks
         self._setup_decode_step(max_num_seqs, enforce_eager, pad_decode, backend)
+        # Structured output (conveyor.worker.grammar_rows): matchers of constrained requests,
+        # and a per-slot flag so that a step without them is told apart in one numpy test.
+        self._grammars = GrammarRows(model_dir)
+        self._constrained = np.zeros(0, np.bool_)
+        self._in_flight: LaunchedStep | None = None  # the unfinished step a launch may read tokens of
+        self._ends: list[tuple[int, str]] = []
         self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, max_num_seqs)
 
     @property
@@ -198,6 +209,7 @@ class ModelRunner(DecodeStep):
         dropped = int_list(plan.finished_slots)
         PlanChecker.check_dropped(dropped)
         requests.drop(dropped)
+        self._controls.release(dropped)
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
@@ -216,6 +228,10 @@ class ModelRunner(DecodeStep):
         for new, adapter in zip(plan.new_requests, adapters):  # on free slots (checked), the finished ones dropped above
             requests.take_in(new, adapter)
             self._sampling.set(new.slot, new.sampling)
+            num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+            if self.tensor_parallel.rank == 0:  # (the rank that samples holds the controls' state)
+                self._controls.assign(new.slot, new.sampling, requests.states[new.slot].token_ids, num_prompt)
+            self._take_in_grammar(new.slot, new.sampling.grammar, num_prompt)
         table = requests.states
         if len(self._last_tokens) < len(table):
             grown = torch.zeros(len(table), dtype=torch.int64, device=self.device)
@@ -227,7 +243,9 @@ class ModelRunner(DecodeStep):
             if item.new_block_ids:
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
         samples = [item.num_computed + item.num_scheduled == state.num_known for item, state in zip(work, states)]
+        self._in_flight, self._ends = before, []
         sampled, sample_slots = self._run(work, states, samples) if work else (None, None)
+        launched.ends, self._in_flight = self._ends, None
         for item, state in zip(work, states):
             state.num_computed += item.num_scheduled
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
@@ -308,9 +326,55 @@ class ModelRunner(DecodeStep):
             return StepResult(
                 launched.step_id, [], [], error=f"step {launched.step_id} was planned ahead of a step that failed"
             )
+        ends = launched.ends or []
         return StepResult(
-            launched.step_id, launched.slots, tokens, forward_time=time.perf_counter() - launched.start
+            launched.step_id, launched.slots, tokens, forward_time=time.perf_counter() - launched.start,
+            end_slots=[slot for slot, _ in ends], end_errors=[error for _, error in ends],
         )
+
+    def _take_in_grammar(self, slot: int, grammar: str, num_prompt_tokens: int) -> None:
+        """Mark ``slot`` constrained or not, and give a constrained request a fresh matcher
+        (a resumed one replays its outputs into it at its first fill). Only rank 0 samples."""
+        if slot >= len(self._constrained):
+            grown = np.zeros(max(slot + 1, 2 * len(self._constrained), 16), np.bool_)
+            grown[: len(self._constrained)] = self._constrained
+            self._constrained = grown
+        constrained = bool(grammar) and self.tensor_parallel.rank == 0
+        self._constrained[slot] = constrained
+        if constrained:
+            self._requests.states[slot].grammar = self._grammars.row(grammar, num_prompt_tokens)
+
+    def _constrain(
+        self, batch: SamplingBatch, slots: np.ndarray, sample_rows: np.ndarray, states: list[RequestState], packed: bool,
+        num_rows: int,
+    ) -> None:
+        """Fill the grammar bitmask of the step's constrained sampling rows into ``batch``
+        (conveyor.worker.grammar_rows), after the step's forward was enqueued. ``slots`` and
+        ``states``: the step's rows; ``sample_rows``: those that sample; their logits rows are
+        ``0..len(sample_rows)-1`` when ``packed`` (the ragged step), else ``sample_rows`` (the
+        decode step's bucket of ``num_rows``). A step with no constrained row returns after
+        one numpy test."""
+        sample_slots = slots[sample_rows]
+        if not len(sample_slots) or not self._constrained[sample_slots].any():
+            return
+        in_flight: dict[int, int] | None = None
+        items = []
+        for j, (i, slot) in enumerate(zip(sample_rows.tolist(), sample_slots.tolist())):
+            state = states[i]
+            if state.grammar is None:
+                continue
+            pending = None
+            if state.pending:  # the step in flight sampled its last token: wait for it (overlaps this forward)
+                if in_flight is None:
+                    step = self._in_flight
+                    if step.done is not None:
+                        step.done.synchronize()
+                    in_flight = dict(zip(step.slots, step.sampled.tolist()))
+                pending = in_flight[slot]
+            items.append((j if packed else i, slot, state.grammar, state.token_ids, pending))
+        mask, ends = self._grammars.fill(items, num_rows, self.device)
+        batch.bitmask, batch.bitmask_rows = mask.bitmask, mask.rows
+        self._ends += ends
 
     def _run(
         self, work: list[Work], states: list[RequestState], samples: list[bool]
@@ -366,9 +430,12 @@ class ModelRunner(DecodeStep):
             # The position of the token being drawn is fixed for each output index of a request,
             # so it keys a seeded draw as well as the output index would, across preemptions too.
             draw_positions = np.fromiter([item.num_computed + item.num_scheduled for item in work], np.int64, len(work))
+            rows_slots, rows_positions = slots[sample_rows], draw_positions[sample_rows]
+            controls = self._controls.upload(self._controls.select(rows_slots, rows_positions))
             batch = batch_from_rows(
-                self._sampling.gather(slots[sample_rows]), draw_positions[sample_rows], logits.shape[1], self.device
+                self._sampling.gather(rows_slots), rows_positions, logits.shape[1], self.device, controls
             )
+            self._constrain(batch, slots, sample_rows, states, True, len(sample_rows))
             sampled = self.sampler.sample(logits, batch)
         else:  # rank 0 holds the LM head and samples; the next steps' inputs need its ids here too
             sampled = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device)

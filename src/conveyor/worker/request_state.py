@@ -11,10 +11,14 @@ this state before anything changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams, int_list
+
+if TYPE_CHECKING:
+    from conveyor.worker.grammar_rows import GrammarRow
 
 
 @dataclass
@@ -30,6 +34,7 @@ class RequestState:
     num_computed: int
     pending: int = 0  # tokens sampled by a launched step, not yet appended (0 or 1)
     adapter: int = 0  # LoRA adapter id (conveyor.worker.lora.LoraManager; 0: the base model)
+    grammar: GrammarRow | None = None  # structured output: its matcher (rank 0 only)
 
     @property
     def num_known(self) -> int:

@@ -29,6 +29,7 @@ class RequestState:
     sampling: SamplingParams
     num_computed: int
     pending: int = 0  # tokens sampled by a launched step, not yet appended (0 or 1)
+    num_prompt: int = 0  # token_ids[:num_prompt] is the prompt (its log-probabilities' range)
 
     @property
     def num_known(self) -> int:
@@ -81,7 +82,9 @@ class SlotStates:
         if new.slot >= len(states):
             states.extend([None] * (new.slot + 1 - len(states)))
         tokens, blocks = int_list(new.token_ids), int_list(new.block_ids)
-        states[new.slot] = RequestState(new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens)
+        states[new.slot] = RequestState(
+            new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens, num_prompt=new.num_prompt_tokens
+        )
         self.set_table(new.slot, 0, blocks, clear=True)
 
     def extend_blocks(self, slot: int, state: RequestState, blocks: list[int]) -> None:

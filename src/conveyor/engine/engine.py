@@ -53,6 +53,7 @@ from conveyor.engine.outputs import BatchInfo, Result, StepOutput
 from conveyor.engine.request import Request
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import context_ids, encode_input
+from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.output import merge
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
@@ -95,6 +96,7 @@ class Engine:
         )
         self.scheduler = Scheduler(batcher, self.model_config.eos_token_ids, self.model_config.vocab_size)
         self._sessions = Sessions(options.max_sessions)
+        self._max_logprobs = options.max_logprobs
         self._scheduler_ids = itertools.count(1)
         self._running: dict[str, Request] = {}  # by scheduler id: every request not done
         self._by_id: dict[str, Request] = {}  # the same, by the caller's id
@@ -148,6 +150,9 @@ class Engine:
         }
         req = cp.parse_client_message(fields)
         rid = req.request_id
+        problem = cp.logprobs_problem(req.sampling, self._max_logprobs)
+        if problem is not None:
+            raise cp.ProtocolError(problem, rid)
         if rid in self._by_id:
             raise cp.ProtocolError(f"request id {rid!r} is already in flight", rid)
         history = self._sessions.context(rid)
@@ -175,6 +180,10 @@ class Engine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids),
             StopStringMatcher(req.stop),
             arrival,
+            (
+                None if req.sampling.logprobs is None else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),
+                None if req.sampling.prompt_logprobs is None else LogprobsLog(req.sampling.prompt_logprobs, 1, self.tokenizer),
+            ),
         )
         self._running[scheduler_id] = request
         self._by_id[rid] = request
@@ -290,7 +299,9 @@ class Engine:
                 request.num_cached_tokens = out.num_cached_tokens
             if out.first_token_time is not None:
                 request.first_token_time = out.first_token_time
-            stopped = bool(out.new_token_ids) and request._push(out.new_token_ids)
+            if out.prompt_logprobs is not None:
+                request._push_prompt_logprobs(out.prompt_logprobs)
+            stopped = bool(out.new_token_ids) and request._push(out.new_token_ids, out.logprobs)
             if stopped and out.finish_reason is None:
                 self.scheduler.abort([out.request_id])
             if stopped or out.finish_reason is not None:

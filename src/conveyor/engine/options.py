@@ -47,6 +47,7 @@ class EngineOptions:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (bin/serve --enforce-eager)
     max_model_len: int | None = None  # prompt + output; None: the model's max_position_embeddings
     max_sessions: int = FrontendConfig.max_sessions  # finished requests remembered for continuation
+    max_logprobs: int = FrontendConfig.max_logprobs  # the most top log-probabilities a request may ask for
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig knobs by their names
 
     @classmethod

@@ -78,8 +78,12 @@ PROFILE_REPLY = "profile"
 METRICS_REPLY = "metrics"
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
+# Log-probabilities asked for (None: none; k: the token's own and the k most likely), bounded
+# by the server's max_logprobs (:func:`logprobs_problem`).
+LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")
+DEFAULT_MAX_LOGPROBS = 20
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority")
+OPTION_FIELDS = (*SAMPLING_FIELDS, *LOGPROBS_FIELDS, "stop", "priority")
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
 
@@ -393,6 +397,10 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     ignore_eos = get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise fail("'ignore_eos' must be a boolean")
+    for name in LOGPROBS_FIELDS:
+        value = obj.get(name)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise fail(f"'{name}' must be an integer >= 0 (the number of top log-probabilities), got {value!r}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -402,7 +410,20 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         seed=seed,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        logprobs=obj.get("logprobs"),
+        prompt_logprobs=obj.get("prompt_logprobs"),
     )
+
+
+def logprobs_problem(sampling: SamplingParams, max_logprobs: int) -> str | None:
+    """Why a request asks for more top log-probabilities than the server's bound
+    (``--max-logprobs``), or None. Applied where the server's configuration is known: the
+    frontend and the engine, before tokenizing."""
+    for name in LOGPROBS_FIELDS:
+        k = getattr(sampling, name)
+        if k is not None and k > max_logprobs:
+            return f"'{name}' asks for {k} log-probabilities; this server's bound (--max-logprobs) is {max_logprobs}"
+    return None
 
 
 def context_problem(

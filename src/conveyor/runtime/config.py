@@ -191,10 +191,12 @@ class FrontendConfig:
     # Data-parallel replicas (scheduler + worker pairs) behind this frontend, each reached at
     # ``addresses.replica(index)`` (conveyor.frontend.replicas).
     data_parallel_size: int = 1
+    # bin/serve --max-logprobs: the most top log-probabilities a request may ask for.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _require_at_least(self, 1, "data_parallel_size")
-        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars")
+        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "max_logprobs")
 
 
 @dataclass(frozen=True)

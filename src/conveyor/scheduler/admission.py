@@ -157,6 +157,7 @@ def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reser
             list(req.block_ids),
             req.num_computed_tokens,
             n,
+            req.num_prompt_tokens,
         )
     )
     step.add_scheduled(req, n)

@@ -57,7 +57,7 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
         async def one(i: int) -> None:
             req = workload.requests[i]
             result = await client.generate(
-                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True
+                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.fields
             )
             latencies[i] = time.perf_counter() - start
             _check(result, req.output_len)
@@ -176,7 +176,7 @@ async def run_online(
         async def stream_one(req: BenchRequest, timing: StreamTiming) -> None:
             last = None
             async for delta in client.stream(
-                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True
+                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.fields
             ):
                 now = time.perf_counter()
                 if delta.token_ids:

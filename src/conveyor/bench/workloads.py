@@ -48,6 +48,9 @@ LOGNORMAL_CLIP_FACTOR = 16  # lognormal workload: outputs clipped to [1, 16 x th
 class BenchRequest:
     prompt_ids: list[int]
     output_len: int
+    # Generate fields beyond the tokens (e.g. logprobs, for --logprobs-fraction); Conveyor's
+    # drivers send them, the HF baselines have no such features and ignore them.
+    fields: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:
@@ -190,6 +193,21 @@ def make_workload(
         ids = rng.integers(low, vocab_size, p).tolist()
         requests.append(BenchRequest(ids, o))
     return Workload(name, seed, requests, params, clamped)
+
+
+def with_logprobs(workload: Workload, fraction: float, k: int) -> Workload:
+    """``workload`` with ``logprobs=k`` on an evenly spread ``fraction`` of its requests
+    (request ``i`` asks when ``floor((i + 1) f) > floor(i f)``: half are every other one)."""
+    if not 0 <= fraction <= 1:
+        raise ValueError("the logprobs fraction must be in [0, 1]")
+    if fraction == 0:
+        return workload
+    requests = [
+        BenchRequest(r.prompt_ids, r.output_len, {**r.fields, "logprobs": k}) if int((i + 1) * fraction) > int(i * fraction) else r
+        for i, r in enumerate(workload.requests)
+    ]
+    params = {**workload.params, "logprobs_fraction": fraction, "logprobs": k}
+    return Workload(workload.name, workload.seed, requests, params, workload.num_clamped)
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:

@@ -40,7 +40,7 @@ from conveyor.bench.drivers import run_offline, run_online
 from conveyor.bench.http_driver import run_online_http
 from conveyor.bench.metrics import OfflineRun
 from conveyor.bench.server import BenchServer
-from conveyor.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
+from conveyor.bench.workloads import WORKLOADS, make_workload, poisson_arrivals, with_logprobs
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.runtime.config import Device, Dtype
 from conveyor.worker.main import resolve_device
@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--prompt-len", type=int, default=128, help="fixed and lognormal workloads")
     common.add_argument("--output-len", type=int, default=128, help="fixed workload; lognormal workload's mean")
     common.add_argument("--output-sigma", type=float, default=1.0, help="lognormal workload: log-space spread of outputs")
+    common.add_argument(
+        "--logprobs-fraction", type=float, default=0.0, help="this fraction of the requests asks for --logprobs (Conveyor systems)"
+    )
+    common.add_argument("--logprobs", type=int, default=5, help="top log-probabilities those requests ask for")
     common.add_argument("--scale", type=float, default=1.0, help="sharegpt workload: lengths times this")
     common.add_argument("--min-len", type=int, default=100, help="uniform workload")
     common.add_argument("--max-len", type=int, default=1024, help="uniform workload")
@@ -490,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         scale=args.scale,
         output_sigma=args.output_sigma,
     )
+    workload = with_logprobs(workload, args.logprobs_fraction, args.logprobs)
     described = workload.describe()
     print(
         f"bench {args.mode}: {described['num_requests']} {workload.name} requests (seed {workload.seed}), "

@@ -126,7 +126,9 @@ class Engine:
         Exactly one input: ``prompt`` (text, tokenized with BOS), ``token_ids`` or chat
         ``messages`` (the checkpoint's chat template). ``sampling``: the generate fields of
         docs/protocol.md (``max_tokens`` (16), ``temperature`` (1.0), ``top_p``, ``top_k``,
-        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, and ``stop``: stop strings).
+        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, and
+        ``logprobs`` / ``prompt_logprobs``: the number of top log-probabilities, up to
+        ``max_logprobs`` (20), read from :attr:`Request.logprobs` / ``prompt_logprobs``).
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
         that was not removed continues it (module docstring).
 

@@ -350,13 +350,18 @@ class ModelRunner(DecodeStep):
         """Whether a row of the step computes a prompt position whose next token's
         log-probability its request asked for: such a step runs the ragged path, whose hidden
         states the prompt's scoring reads (the decode step's graphs keep only the last row's
-        logits). Looked at only while such a request may be held."""
-        if not self._sampling.prompt_logprobs_slots:
+        logits). The slots that may still need it are a set that forgets a slot once its
+        request is gone or past its prompt, so once no such request is held a step pays one
+        empty-set test."""
+        owed = self._sampling.prompt_logprobs_slots
+        if not owed:
             return False
-        return any(
-            state.sampling.prompt_logprobs is not None and item.num_computed < state.num_prompt - 1
-            for item, state in zip(work, states)
-        )
+        table = self._requests.states
+        for slot in list(owed):
+            state = table[slot] if slot < len(table) else None
+            if state is None or state.sampling.prompt_logprobs is None or state.num_computed >= state.num_prompt - 1:
+                owed.discard(slot)  # (a recomputed request is taken in again, and set again)
+        return bool(owed) and any(item.slot in owed for item in work)
 
     def _sampled_logprobs(
         self, logits: torch.Tensor, rows: np.ndarray, sampled: torch.Tensor, slots: np.ndarray, positions: np.ndarray

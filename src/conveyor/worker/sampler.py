@@ -113,8 +113,8 @@ class SamplingColumns:
         # log-probabilities each slot's request asks for with its sampled tokens, -1 for none,
         # so the host tells from one gather whether a step computes any.
         self.logprobs = np.zeros(0, np.int64)
-        # Whether a request that asked for prompt log-probabilities has held a slot (until that
-        # slot is set again): while False, no step looks for prompt positions to score.
+        # The slots whose request asked for prompt log-probabilities (the runner forgets one
+        # once its prompt is computed): while empty, no step looks for prompt positions to score.
         self.prompt_logprobs_slots: set[int] = set()
 
     def set(self, slot: int, params: SamplingParams) -> None:

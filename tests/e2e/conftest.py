@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,33 +11,11 @@ from tests.e2e.serve_harness import ServeProcess
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    """A tiny random Llama saved by transformers, with the demo tokenizer beside it."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The serving tests' tiny random Llama (tests/checkpoints.py: position-sensitive), with
+    the demo tokenizer beside it."""
+    from tests.checkpoints import serving_checkpoint
 
-    from conveyor.checkpoints.demo import checkpoint as demo
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo.TOKENIZER_DIR / name, path / name)
-    from conveyor.frontend.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return path
+    return serving_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture
@@ -58,20 +35,27 @@ def serve_factory(tmp_path):
 
 @pytest.fixture(scope="session")
 def hf_greedy(tiny_checkpoint):
-    """Greedy continuation by HF transformers, one prompt at a time (the reference)."""
+    """Greedy continuation by HF transformers, one prompt at a time (the reference).
+
+    EOS neither stops nor is suppressed (as with ``ignore_eos``). Greedy continuations of a
+    prompt are prefixes of each other, so the longest one computed per prompt is kept and cut."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    longest: dict[tuple[int, ...], list[int]] = {}
 
     def run(prompt_ids: list[int], n: int) -> list[int]:
-        with torch.inference_mode():
-            ids = torch.tensor([prompt_ids])
-            # An explicit mask: BOS is id 0 here, and generate() would take it for padding.
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                pad_token_id=0,
-            )
-        return out[0, len(prompt_ids):].tolist()
+        key = tuple(prompt_ids)
+        if len(longest.get(key, ())) < n:
+            with torch.inference_mode():
+                ids = torch.tensor([prompt_ids])
+                # An explicit mask: BOS is id 0 here, and generate() would take it for padding.
+                out = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+                )
+            longest[key] = out[0, len(prompt_ids):].tolist()
+        return longest[key][:n]
 
     return run

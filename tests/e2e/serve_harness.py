@@ -4,7 +4,9 @@ kill-a-process-mid-stream scenario the fault tests share."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import zmq
 
-from conveyor.client import AsyncClient
+from conveyor.client import AsyncClient, Client
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE = REPO / "bin" / "serve"
@@ -81,6 +83,47 @@ def mapped_ring_files(pid: int) -> set[str]:
     else runs on this host)."""
     with open(f"/proc/{pid}/maps") as maps:
         return {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5 and line.rstrip().endswith(".ring")}
+
+
+# A request that would run far longer than any test waits: its disconnect, not its end, frees it.
+LONG_MODEL_LEN = 4096
+LONG_MAX_TOKENS = 4000  # ~16 s of decoding at the tiny model's ~250 tok/s on this CPU
+LONG_SERVE_ARGS = ("--max-model-len", str(LONG_MODEL_LEN), "--num-kv-blocks", "300", "--block-size", "16", "--threads", "1")
+ABORT_BOUND_S = 1.0  # disconnect -> the request's KV blocks free (docs/reliability.md)
+
+
+def long_context_copy(checkpoint: Path, dst: Path) -> Path:
+    """``checkpoint`` (its files copied into ``dst / checkpoint.name``, so the served model's
+    name is the same) with ``max_position_embeddings`` raised to LONG_MODEL_LEN: the weights of
+    a RoPE model do not depend on it, only the length a request may run to."""
+    out = dst / checkpoint.name
+    shutil.copytree(checkpoint, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = LONG_MODEL_LEN
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def finished_counts(client: Client) -> dict[str, int]:
+    """The server's requests ended so far, by finish reason (the ``metrics`` counters)."""
+    return client.metrics()["counters"]["request_success"]
+
+
+def assert_aborted_and_freed(watcher: Client, before: dict[str, int], dropped_at: float) -> float:
+    """After one long request's client went away at ``dropped_at`` (``time.monotonic``): its
+    KV blocks are free and nothing is in flight within ABORT_BOUND_S of that, and the server
+    counted it as aborted (one more ``abort``, no ``length``: it did not just run out).
+    ``watcher`` is a client connected before the drop; returns the seconds it took."""
+    while True:
+        stats = watcher.stats()
+        took = time.monotonic() - dropped_at
+        if stats["held_blocks"] == 0 and stats["in_flight"] == 0:
+            break
+        assert took < ABORT_BOUND_S, f"blocks still held {took:.2f} s after the disconnect: {stats}"
+        time.sleep(0.01)
+    after = finished_counts(watcher)
+    assert after["abort"] == before["abort"] + 1 and after["length"] == before["length"], (before, after)
+    return took
 
 
 def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:

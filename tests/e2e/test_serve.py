@@ -19,7 +19,17 @@ import zmq
 
 from conveyor.client import AsyncClient, Client
 
-from tests.e2e.serve_harness import REPO, alive, mapped_ring_files, still_alive_after
+from tests.e2e.serve_harness import (
+    LONG_MAX_TOKENS,
+    LONG_SERVE_ARGS,
+    REPO,
+    alive,
+    assert_aborted_and_freed,
+    finished_counts,
+    long_context_copy,
+    mapped_ring_files,
+    still_alive_after,
+)
 
 NUM_BLOCKS = 96
 SERVE_ARGS = ("--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
@@ -97,25 +107,28 @@ def server_model_dir(server) -> str:
 
 
 def test_stop_token_ids_and_stop_strings(server) -> None:
+    request = dict(token_ids=[11, 12, 13], max_tokens=24, temperature=0, ignore_eos=True)
     with Client(server.address, timeout=60) as client:
-        base = client.generate(token_ids=[11, 12, 13], max_tokens=12, temperature=0, ignore_eos=True)
+        base = client.generate(**request)
         stop_id = base.token_ids[4]
-        cut = client.generate(token_ids=[11, 12, 13], max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+        cut = client.generate(**request, stop_token_ids=[stop_id])
         assert cut.finish_reason == "stop"
         assert cut.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
-        # A stop string taken from the middle of the unconstrained text: the text ends right before it.
+        # A stop string taken from the middle of the unconstrained text (24 tokens: always long
+        # enough): the text ends right before its first occurrence, which is not at the start.
         text = base.text
-        if len(text.strip()) >= 4:
-            start = len(text) // 2
-            stop = text[start : start + 2]
-            streamed = []
-            final = None
-            for d in client.stream(token_ids=[11, 12, 13], max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]):
-                streamed.append(d.text)
-                final = d
-            assert final.finish_reason == "stop"
-            assert final.result.text == text[: text.index(stop)]
-            assert "".join(streamed) == final.result.text
+        assert len(text) >= 8, text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        expected = text[: text.index(stop)]
+        assert expected, (text, stop)
+        streamed = []
+        final = None
+        for d in client.stream(**request, stop=[stop]):
+            streamed.append(d.text)
+            final = d
+        assert final.finish_reason == "stop"
+        assert final.result.text == expected
+        assert "".join(streamed) == expected
         wait_for_free_blocks(client)
 
 
@@ -145,21 +158,29 @@ def test_abort_mid_stream_frees_blocks(server) -> None:
         assert wait_for_free_blocks(client)["held_blocks"] == 0
 
 
-def test_client_disconnect_frees_blocks(server) -> None:
+def test_client_disconnect_aborts_its_request(serve_factory, tiny_checkpoint, tmp_path) -> None:
+    """A DEALER that goes away while its request (streamed, then unstreamed) would run for
+    thousands of tokens more: the frontend aborts the request, counted as an abort, and its
+    blocks are free within ABORT_BOUND_S of the disconnect."""
+    server = serve_factory("--model", str(long_context_copy(tiny_checkpoint, tmp_path)), *LONG_SERVE_ARGS)
     ctx = zmq.Context.instance()
-    for stream in (True, False):
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(server.address)
-        req = {"type": "generate", "v": 1, "token_ids": [9] * 40, "max_tokens": 200, "ignore_eos": True, "stream": stream}
-        sock.send(msgpack.packb(req))
-        with Client(server.address) as watcher:
-            deadline = time.monotonic() + 10
-            while watcher.stats()["held_blocks"] == 0:
-                assert time.monotonic() < deadline
+    with Client(server.address) as watcher:
+        for stream in (True, False):
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(server.address)
+            req = {"type": "generate", "v": 1, "token_ids": [9] * 40, "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True,
+                   "stream": stream}
+            sock.send(msgpack.packb(req))
+            if stream:  # streaming: its first delta is here
+                assert sock.poll(30_000) and msgpack.unpackb(sock.recv())["type"] == "delta"
+            deadline = time.monotonic() + 30
+            while watcher.stats()["held_blocks"] == 0:  # running at the scheduler
+                assert time.monotonic() < deadline, "the request never started"
                 time.sleep(0.02)
+            before = finished_counts(watcher)
             sock.close(linger=0)
-            stats = wait_for_free_blocks(watcher)
-            assert stats["held_blocks"] == 0 and stats["in_flight"] == 0, stats
+            took = assert_aborted_and_freed(watcher, before, time.monotonic())
+            print(f"stream={stream}: blocks free {took:.3f} s after the disconnect")
 
 
 def test_new_client_on_a_reused_fd_is_not_taken_for_the_gone_one(server) -> None:

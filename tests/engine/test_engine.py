@@ -176,7 +176,7 @@ def test_options_by_meaning_and_by_name(tiny_engine):
         tiny_engine(max_model_len=1000)
 
 
-def test_batch_metadata(tiny_engine):
+def test_batch_metadata(tiny_engine, hf_greedy):
     engine = tiny_engine(max_batch_tokens=64)
     idle = engine.step()
     assert idle.batch is None and idle.requests == []
@@ -198,11 +198,13 @@ def test_batch_metadata(tiny_engine):
     assert third.input_tokens == 10 and third.max_wait >= 0
     assert third.row["step"] == third.step and third.row["held_blocks"] > 0
 
-    # The token budget cuts prefills into chunks.
+    # The token budget cuts prefills into chunks; the chunks' positions and blocks continue
+    # each other (transformers' tokens).
     small = tiny_engine(max_batch_tokens=8)
-    small.add_request(token_ids=list(range(3, 23)), max_tokens=2, **GREEDY)
+    chunked = small.add_request(token_ids=list(range(3, 23)), max_tokens=4, **GREEDY)
     chunks = [out.batch.input_tokens for out in run_all(small)]
-    assert chunks[:3] == [8, 8, 4] and sum(chunks) == 20 + 1
+    assert chunks[:3] == [8, 8, 4] and sum(chunks) == 20 + 3
+    assert chunked.tokens == hf_greedy(list(range(3, 23)), 4)
 
 
 def test_admission_gate_waits_for_company(tiny_engine):

@@ -127,11 +127,15 @@ def test_seed_and_stop(http_server) -> None:
         for _ in range(2)
     ]
     assert sampled[0] == sampled[1]
-    base = client.completions.create(model=model, prompt="abc", extra_body=EXTRA, **GREEDY).choices[0].text
-    if len(base.strip()) >= 4:
-        stop = base[len(base) // 2 : len(base) // 2 + 2]
-        cut = client.completions.create(model=model, prompt="abc", stop=stop, extra_body=EXTRA, **GREEDY).choices[0]
-        assert cut.text == base[: base.index(stop)] and cut.finish_reason == "stop"
+    # A stop string from the middle of the unconstrained text (24 tokens: always long enough).
+    long = {**GREEDY, "max_tokens": 24}
+    base = client.completions.create(model=model, prompt="abc", extra_body=EXTRA, **long).choices[0].text
+    assert len(base) >= 8, base
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
+    expected = base[: base.index(stop)]
+    assert expected, (base, stop)
+    cut = client.completions.create(model=model, prompt="abc", stop=stop, extra_body=EXTRA, **long).choices[0]
+    assert cut.text == expected and cut.finish_reason == "stop"
 
 
 def test_client_errors_are_the_openai_exceptions(http_server) -> None:

@@ -1,6 +1,7 @@
 """Raw HTTP against bin/serve --http-port (aiohttp's client): malformed and mistyped bodies,
 an oversized body, unknown model and paths, and clients that go away mid-request, whose
-requests must be aborted at the server (their KV blocks freed within an iteration)."""
+requests must be aborted at the server: counted as aborts, their KV blocks free within
+ABORT_BOUND_S (tests/e2e/serve_harness.py) of the disconnect, long before they would end."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ import pytest
 
 from conveyor.client import Client
 from conveyor.protocol.messages import MAX_CLIENT_MESSAGE_BYTES
+from tests.e2e.serve_harness import (
+    LONG_MAX_TOKENS,
+    LONG_SERVE_ARGS,
+    ServeProcess,
+    assert_aborted_and_freed,
+    finished_counts,
+    long_context_copy,
+)
+from tests.http.conftest import http_serve, stop_and_check
 
 
 def request(server, method: str, path: str, body=None, *, raw: bytes | None = None) -> tuple[int, dict]:
@@ -89,58 +99,66 @@ def test_unsupported_unknown_and_oversized(http_server) -> None:
     assert_error(request(http_server, "POST", "/v1/completions", raw=near), 400, "prompt")
 
 
-def wait_for_idle(address: str, timeout: float = 10.0) -> dict:
-    """Poll stats until no request holds a KV block or is in flight at the frontend."""
-    deadline = time.monotonic() + timeout
-    with Client(address) as client:
-        while True:
-            stats = client.stats()
-            if (stats["held_blocks"] == 0 and stats["in_flight"] == 0) or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
+@pytest.fixture(scope="module")
+def http_server(tiny_checkpoint, tmp_path_factory):  # noqa: F811 - this module's own: requests that can run long
+    """The package's HTTP server, on a copy of the tiny checkpoint that allows LONG_MODEL_LEN
+    tokens, so that a dropped request would run on for many seconds if it were not aborted."""
+    tmp = tmp_path_factory.mktemp("http-long")
+    checkpoint = long_context_copy(tiny_checkpoint, tmp)
+    server = http_serve(ServeProcess(["--model", str(checkpoint), *LONG_SERVE_ARGS, "--http-port", "0"], tmp))
+    yield server
+    stop_and_check(server)
 
 
-def busy(address: str) -> bool:
-    with Client(address) as client:
-        return client.stats()["held_blocks"] > 0
+def running(watcher: Client) -> bool:
+    return watcher.stats()["held_blocks"] > 0
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_stream_dropped_mid_way_frees_its_blocks(http_server, path) -> None:
+def test_a_stream_dropped_mid_way_is_aborted(http_server, path) -> None:
+    """An SSE stream of LONG_MAX_TOKENS closed after a few chunks: the server counts an abort
+    and frees its blocks within ABORT_BOUND_S (it would otherwise stream for ~16 s)."""
     model = model_of(http_server)
-    body = {"model": model, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": model, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
     body.update({"prompt": [10] * 40} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi " * 20}]})
 
-    async def drop_after_a_few_chunks() -> bool:
+    async def drop_after_a_few_chunks(watcher: Client) -> tuple[dict[str, int], float]:
         async with aiohttp.ClientSession() as session:
             response = await session.post(http_server.url + path, json=body)
             assert response.status == 200
             for _ in range(5):
                 line = await response.content.readline()
                 assert line
-            held = await asyncio.to_thread(busy, http_server.address)
+            assert await asyncio.to_thread(running, watcher), "the request held no blocks while streaming"
+            before = await asyncio.to_thread(finished_counts, watcher)
             response.close()  # the connection goes away mid-stream
-            return held
+            return before, time.monotonic()
 
-    assert asyncio.run(drop_after_a_few_chunks()), "the request held no blocks while streaming"
-    stats = wait_for_idle(http_server.address)
-    assert stats["held_blocks"] == 0 and stats["in_flight"] == 0, stats
+    with Client(http_server.address) as watcher:
+        before, dropped_at = asyncio.run(drop_after_a_few_chunks(watcher))
+        assert_aborted_and_freed(watcher, before, dropped_at)
 
 
-def test_an_unstreamed_request_given_up_frees_its_blocks(http_server) -> None:
-    body = {"model": model_of(http_server), "prompt": [11] * 40, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+def test_an_unstreamed_request_given_up_is_aborted(http_server) -> None:
+    """A whole (unstreamed) request of LONG_MAX_TOKENS whose client gives up while it runs:
+    aborted and freed within ABORT_BOUND_S, as a stream is."""
+    body = {"model": model_of(http_server), "prompt": [11] * 40, "max_tokens": LONG_MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
 
-    async def give_up() -> None:
+    async def give_up(watcher: Client) -> tuple[dict[str, int], float]:
         async with aiohttp.ClientSession() as session:
             task = asyncio.ensure_future(session.post(http_server.url + "/v1/completions", json=body))
-            deadline = time.monotonic() + 10
-            while not await asyncio.to_thread(busy, http_server.address):
+            deadline = time.monotonic() + 30
+            while not await asyncio.to_thread(running, watcher):
                 assert time.monotonic() < deadline, "the request never started"
                 await asyncio.sleep(0.02)
+            before = await asyncio.to_thread(finished_counts, watcher)
             task.cancel()  # closes the connection
+            dropped_at = time.monotonic()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            return before, dropped_at
 
-    asyncio.run(give_up())
-    stats = wait_for_idle(http_server.address)
-    assert stats["held_blocks"] == 0 and stats["in_flight"] == 0, stats
+    with Client(http_server.address) as watcher:
+        before, dropped_at = asyncio.run(give_up(watcher))
+        assert_aborted_and_freed(watcher, before, dropped_at)

@@ -237,3 +237,24 @@ def test_error_codes_of_parsed_messages() -> None:
             assert code is None
         except cp.ProtocolError as exc:
             assert exc.code == code, (ids, exc)
+
+
+@pytest.mark.parametrize("version", [True, 1.0, None, "1", 2])
+def test_the_version_is_the_integer_1(version) -> None:
+    with pytest.raises(cp.ProtocolError) as exc:
+        cp.parse_client_message({"type": "stats", "v": version})
+    assert exc.value.code == cp.UNSUPPORTED_VERSION
+
+
+def test_a_null_stream_is_the_default() -> None:
+    assert cp.parse_client_message(gen(stream=None)).stream is False
+
+
+@pytest.mark.parametrize("fields", [{"prompt": None}, {"token_ids": [1]}, {"max_tokens": 0}, {"stream": 1}, {"prompt": ""}])
+def test_a_refused_generate_without_an_id_names_none(fields) -> None:
+    """The id assigned to a generate that carried none is the accepted request's: a refusal
+    never names an id the client did not send."""
+    msg = {k: v for k, v in gen(**fields).items() if k != "request_id"}
+    with pytest.raises(cp.ProtocolError) as exc:
+        cp.parse_client_message(msg)
+    assert exc.value.request_id is None

@@ -1,7 +1,7 @@
 """kill -9 of each of bin/serve's three processes with 20 requests in flight (issue 17,
 "Process faults"): every request ends with an error (a ``final`` with ``finish_reason:
 "error"`` naming the dead process, or, when the frontend itself dies, ServerGoneError from
-the client's liveness check) within 5 s; bin/serve exits non-zero; nothing is left behind:
+the client's liveness check) within 1 s (docs/reliability.md, "Faults"); bin/serve exits non-zero; nothing is left behind:
 no process of the tree, no run directory, no shared-memory ring.
 """
 
@@ -17,7 +17,7 @@ from conveyor.client import ServerGoneError
 from tests.e2e.serve_harness import children_of, kill_during_streams, mapped_ring_files, run_dir_of, still_alive_after
 from tests.reliability.conftest import SERVE_ARGS
 NUM_REQUESTS = 20
-FAULT_BOUND_S = 5.0  # the issue's bound on kill -> every request's error
+FAULT_BOUND_S = 1.0  # docs/reliability.md: kill -> every request's error (measured 0.003-0.16 s)
 REQUEST_TIMEOUT_S = 60.0  # far past it: a request that hangs fails as TimeoutError
 
 

@@ -1,9 +1,6 @@
-"""Shared fixtures for worker tests: tiny random checkpoints of each supported family, saved
-the way transformers saves real ones, and a scripted scheduler that drives a ModelRunner.
-
-Every parameter is re-drawn (norm weights around 1, biases nonzero) so that a weight loaded
-into the wrong place changes the outputs; stock initialisation leaves biases at zero and
-norms at one, which would hide such mistakes.
+"""Shared fixtures for worker tests: tiny random checkpoints of each supported family
+(built by tests/checkpoints.py, whose redrawn weights make a misplaced weight, position or
+KV block change the outputs), and a scripted scheduler that drives a ModelRunner.
 """
 
 from __future__ import annotations
@@ -16,68 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams
+from tests.checkpoints import CHECKPOINTS, make_checkpoint
 from tests.plans import CachedRow, plan
 from conveyor.worker.model_runner import ModelRunner
 
 torch.set_num_threads(2)
-
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    max_position_embeddings=128,
-    attn_implementation="eager",
-)
-
-# name -> (config class, architecture, overrides of SMALL)
-CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
-    "llama": (LlamaConfig, "LlamaForCausalLM", {}),
-    "llama_mha_bias": (LlamaConfig, "LlamaForCausalLM", {"num_key_value_heads": 4, "attention_bias": True}),
-    "llama3_rope": (
-        LlamaConfig,
-        "LlamaForCausalLM",
-        {
-            "rope_parameters": {
-                "rope_type": "llama3",
-                "rope_theta": 10000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            }
-        },
-    ),
-    "mistral_window": (MistralConfig, "MistralForCausalLM", {"sliding_window": 8}),
-    "qwen2_tied": (Qwen2Config, "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
-    "qwen3": (Qwen3Config, "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 1}),
-}
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
-
-
-def make_checkpoint(name: str, directory: Path) -> torch.nn.Module:
-    """Save checkpoint ``name`` into ``directory``; return the HF model, eval mode, EOS disabled."""
-    config_class, architecture, overrides = CHECKPOINTS[name]
-    config = config_class(**{**SMALL, **overrides, "architectures": [architecture]})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    randomize(model, seed=sorted(CHECKPOINTS).index(name))
-    model.save_pretrained(directory)
-    model.generation_config.eos_token_id = None  # the reference must not stop early
-    model.generation_config.pad_token_id = 0
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

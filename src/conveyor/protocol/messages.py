@@ -241,7 +241,7 @@ def parse_client_message(
     rid_for_error = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
     kind = obj.get("type")
     version = obj.get("v", CLIENT_PROTOCOL_VERSION)
-    if version != CLIENT_PROTOCOL_VERSION:
+    if not _is_int(version) or version != CLIENT_PROTOCOL_VERSION:  # an int: true and 1.0 are no version
         raise ProtocolError(
             f"unsupported protocol version {version!r} (this server speaks {CLIENT_PROTOCOL_VERSION})",
             rid_for_error,
@@ -294,6 +294,9 @@ def _parse_profile(obj: dict[str, Any]) -> ProfileCommand:
 
 
 def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
+    """A refusal names the id the message carried (``rid``, None when it had none): an id
+    assigned here is the accepted request's, never one the client is told it sent."""
+
     def fail(msg: str) -> ProtocolError:
         return ProtocolError(msg, rid)
 
@@ -309,19 +312,17 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
 
     inputs = [k for k in ("prompt", "messages", "token_ids") if obj.get(k) is not None]
     if len(inputs) != 1:
-        raise ProtocolError(
+        raise fail(
             "exactly one of 'prompt', 'messages' or 'token_ids' is required"
-            + (f" (got {', '.join(inputs)})" if inputs else ""),
-            request_id,
+            + (f" (got {', '.join(inputs)})" if inputs else "")
         )
     req = GenerateRequest(request_id=request_id, sampling=SamplingParams())
-    fail = lambda msg: ProtocolError(msg, request_id)  # noqa: E731 - errors now carry the id
 
     if "prompt" in inputs:
         if not isinstance(obj["prompt"], str):
             raise fail(f"'prompt' must be a string, got {type(obj['prompt']).__name__}")
         if not obj["prompt"]:
-            raise ProtocolError("'prompt' is empty", request_id, INVALID_INPUT)
+            raise ProtocolError("'prompt' is empty", rid, INVALID_INPUT)
         req.prompt = obj["prompt"]
     elif "messages" in inputs:
         msgs = obj["messages"]
@@ -339,7 +340,8 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
             raise fail("'token_ids' must contain only integers")
         req.token_ids = ids
 
-    stream = obj.get("stream", False)
+    stream = obj.get("stream")
+    stream = False if stream is None else stream  # null is the default, as for every optional field
     if not isinstance(stream, bool):
         raise fail("'stream' must be a boolean")
     req.stream = stream
@@ -359,7 +361,7 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
         if not _is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
             raise fail(f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         req.priority = priority
-    req.sampling = parse_sampling(obj, request_id)
+    req.sampling = parse_sampling(obj, rid)
     return req
 
 

@@ -1,0 +1,119 @@
+"""Tiny random checkpoints, saved the way transformers saves real ones, for every test package.
+
+One builder (:func:`build`) draws every parameter again after transformers' init: matrices at
+std 0.15, norm weights around 1, biases nonzero. Stock initialisation (std 0.02, zero
+biases, unit norms) gives a model whose greedy token hardly depends on anything but the
+last input token: attention is nearly uniform, so positions, the order of the cached keys
+and values, and a weight loaded into the wrong place all leave its greedy tokens unchanged,
+and a test comparing them with transformers' cannot fail on such bugs. At std 0.15 attention
+is sharp enough that shuffled positions or two swapped KV blocks change the greedy
+continuation (tests/test_checkpoints.py proves it for the serving checkpoint).
+
+- :func:`make_checkpoint` builds the worker tests' families (:data:`CHECKPOINTS`, a small
+  vocabulary of token ids only).
+- :func:`serving_checkpoint` builds the one Llama every serving-level test runs (bin/serve,
+  the engine, HTTP, reliability, soak, tensor parallel, bin/bench): the demo tokenizer beside
+  it, so text prompts work.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+MATRIX_STD = 0.15
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=128,
+    attn_implementation="eager",
+)
+
+# name -> (config class, architecture, overrides of SMALL)
+CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
+    "llama": (LlamaConfig, "LlamaForCausalLM", {}),
+    "llama_mha_bias": (LlamaConfig, "LlamaForCausalLM", {"num_key_value_heads": 4, "attention_bias": True}),
+    "llama3_rope": (
+        LlamaConfig,
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "mistral_window": (MistralConfig, "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2_tied": (Qwen2Config, "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 1}),
+}
+
+# The serving checkpoint's seed for :func:`randomize` (the families take 0..5).
+SERVING_SEED = 100
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Redraw every parameter: norms ``1 + 0.1 N(0, 1)``, everything else ``MATRIX_STD N(0, 1)``."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else MATRIX_STD * noise)
+
+
+def build(config: Any, directory: Path, seed: int) -> torch.nn.Module:
+    """Save a model of ``config`` with :func:`randomize`'d float32 weights into ``directory``;
+    return it in eval mode with EOS disabled (a reference must not stop early)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    randomize(model, seed)
+    model.save_pretrained(directory)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def make_checkpoint(name: str, directory: Path) -> torch.nn.Module:
+    """Save family ``name`` of :data:`CHECKPOINTS` into ``directory``; return the HF model."""
+    config_class, architecture, overrides = CHECKPOINTS[name]
+    config = config_class(**{**SMALL, **overrides, "architectures": [architecture]})
+    return build(config, directory, seed=sorted(CHECKPOINTS).index(name))
+
+
+def serving_checkpoint(directory: Path) -> Path:
+    """Save the serving tests' Llama, with the demo tokenizer, into ``directory``: 2 layers,
+    4 query and 2 KV heads of 16, 256 positions, untied embeddings."""
+    from conveyor.checkpoints.demo import checkpoint as demo
+    from conveyor.frontend.tokenizer import Tokenizer
+
+    for name in demo.TOKENIZER_FILES:
+        shutil.copy(demo.TOKENIZER_DIR / name, directory / name)
+    tok = Tokenizer.from_dir(directory)
+    config = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    )
+    build(config, directory, SERVING_SEED)
+    return directory

@@ -22,8 +22,9 @@ install-torch:
 		$(PIP) install $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"; \
 	fi
 
+# The extras the tests and the tools need (transformers, matplotlib ...); serving needs none of them.
 install: install-torch
-	$(PIP) install -e ".[test]"
+	$(PIP) install -e ".[test,bench]"
 	$(PYTHON) -c "import sys; print(sys.executable)" > $(RECORDED_PYTHON)
 
 # Under the interpreter it was installed with: PYTHON=/path/to/venv/python serves from that venv.

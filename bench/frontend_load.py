@@ -458,7 +458,7 @@ class Harness:
 
 
 def environment() -> dict:
-    from conveyor.bench.report import environment as bench_environment
+    from conveyor_tools.bench.report import environment as bench_environment
 
     env = bench_environment("cpu")
     env["machine"]["nproc"] = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip() or 0)

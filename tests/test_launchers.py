@@ -67,3 +67,23 @@ def test_an_interpreter_with_conveyor_keeps_the_command(checkout) -> None:
     out = serve_help(sys.executable, checkout)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: serve")
+
+
+def test_every_command_runs_a_main_that_exists() -> None:
+    """Each bin/ command and each console script of pyproject.toml names a module's main that
+    imports (the tools' commands from conveyor_tools, the rest from conveyor), and the two
+    lists are the same commands."""
+    import importlib
+    import re
+    import tomllib
+
+    launched = {}
+    for path in (REPO / "bin").iterdir():
+        if path.name != "_launcher.py":
+            [module] = re.findall(r'launch\("([\w.]+)"\)', path.read_text(encoding="utf-8"))
+            launched[path.name] = f"{module}:main"
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    assert {f"conveyor-{name}": target for name, target in launched.items()} == scripts
+    for target in scripts.values():
+        module, _, func = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), func)), target

@@ -6,7 +6,7 @@ the device). What they share: ``conveyor.protocol`` (the client-facing wire form
 ``conveyor.ipc`` (internal messages, their codec and the transports between processes),
 ``conveyor.runtime`` (server config, process harness), ``conveyor.checkpoints`` (model config,
 demo checkpoint), ``conveyor.profiling``. Triton kernels live in ``conveyor.kernels``; the
-command-line tools in ``conveyor.cli``; bin/bench's harness in ``conveyor.bench``.
+command-line tools in ``conveyor.cli``; bin/bench's harness in ``conveyor_tools.bench``.
 ``conveyor.Engine`` (``conveyor.engine``) is the scheduler and the model runner in one
 process, as a library. docs/architecture.md opens with the whole map.
 """

@@ -12,9 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from conveyor.bench.experiments import SPREADS, kv_usage, occupancy, padded_waste
-from conveyor.bench.workloads import SHAREGPT_MEAN_OUTPUT, BenchRequest, Workload, make_workload
-from conveyor.cli import bench
+from conveyor_tools.bench.batch_stats import kv_usage, occupancy, padded_waste
+from conveyor_tools.bench.experiments import SPREADS
+from conveyor_tools.bench.workloads import SHAREGPT_MEAN_OUTPUT, BenchRequest, Workload, make_workload
+from conveyor_tools.cli import bench
 
 from tests.e2e.serve_harness import REPO
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from conveyor.bench import hf
+from conveyor_tools.bench import hf
 
 SETTINGS = {"page_size": 256, "num_blocks": 40, "max_batch_tokens": 512, "max_requests_per_batch": 8}
 
@@ -112,7 +112,7 @@ def test_installed_transformers_builds_the_config_for_a_tiny_model(tiny_model):
 def test_hf_cb_runs_on_the_installed_transformers(tiny_model):
     """The whole hf-cb run on CPU: every request gets exactly its output length (run_hf_cb
     checks), and at most ``batch_size`` requests run at once."""
-    from conveyor.bench.workloads import BenchRequest, Workload
+    from conveyor_tools.bench.workloads import BenchRequest, Workload
 
     class Progress:
         done = 0
@@ -134,8 +134,8 @@ def test_bin_bench_offline_reports_hf_cb_or_why_not(tiny_checkpoint, monkeypatch
     ``n/a`` and names the missing setting, with no number."""
     import transformers
 
-    from conveyor.bench.workloads import BenchRequest, Workload
-    from conveyor.cli import bench
+    from conveyor_tools.bench.workloads import BenchRequest, Workload
+    from conveyor_tools.cli import bench
 
     if spelling != "installed":
 

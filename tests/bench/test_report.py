@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from conveyor.bench import report
-from conveyor.cli import bench
+from conveyor_tools.bench import report
+from conveyor_tools.cli import bench
 
 
 def offline_result(output_tok_s: float) -> dict:
@@ -67,3 +67,20 @@ def test_online_ratios_pair_runs_of_the_same_repeat() -> None:
     assert "x conveyor" in table.splitlines()[0] and table.splitlines()[3].split()[-1] == "0.900"
     cpu = report.online_cpu_table(runs).splitlines()
     assert len(cpu) == 3 and cpu[2].split()[:2] == ["conveyor-http", "inf"] and "40.0" in cpu[2]
+
+
+def test_offline_static_gathers_a_full_batch_and_continuous_does_not() -> None:
+    """A plain `bin/bench offline` serves static batching behind the experiments' gate (a full
+    batch or a bounded wait), so its first batch never depends on arrival timing."""
+    from conveyor.cli import serve
+    from conveyor_tools.bench.experiments import OFFLINE_GATE_WAIT_MS
+
+    args = bench.build_parser().parse_args(["offline", "--batch-size", "12"])
+
+    def served(system: str):
+        return serve.build_parser().parse_args(bench.offline_serve_args(args, "/model", "cpu", system))
+
+    static, continuous = served("static"), served("conveyor")
+    assert (static.batching, static.min_batch_size, static.max_wait_ms) == ("static", 12, OFFLINE_GATE_WAIT_MS)
+    assert static.max_num_seqs == 12
+    assert (continuous.batching, continuous.min_batch_size, continuous.max_wait_ms) == ("continuous", 1, 0.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.bench.server import BenchServer, ServeError
+from conveyor_tools.bench.server import BenchServer, ServeError
 
 
 def test_the_log_of_a_server_that_failed_to_start_is_kept(tmp_path, monkeypatch, capsys):

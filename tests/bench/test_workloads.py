@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from conveyor.bench.metrics import OnlineRun, StreamTiming, Timeline, percentiles
-from conveyor.bench.workloads import (
+from conveyor_tools.bench.metrics import OnlineRun, StreamTiming, Timeline, percentiles
+from conveyor_tools.bench.workloads import (
     HV_LONG,
     HV_SHORT,
     SHAREGPT_MEAN_OUTPUT,

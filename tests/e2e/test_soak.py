@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conveyor.cli.soak import soak
+from conveyor_tools.cli.soak import soak
 
 SERVE_ARGS = (
     "--num-kv-blocks", "72", "--block-size", "4", "--max-num-batched-tokens", "48", "--max-num-seqs", "8",

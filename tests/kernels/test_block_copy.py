@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conveyor.kernels.block_copy import _swap_staged, copy_blocks, copy_blocks_ref, stacked, swap_blocks, swap_blocks_ref
-from conveyor.kernels.testing import random_kv_cache
+from conveyor_tools.kernels.testing import random_kv_cache
 
 
 def _layers(gen, device, n_layers, num_blocks, block_size=16, kv_heads=2, head_dim=64, dtype=torch.float32):

@@ -1,6 +1,6 @@
 """The kernels compile for an H100 (sm_90), checked on machines without a GPU.
 
-The interpreter checks numerics only; this runs ``conveyor.kernels.compile_check`` in a fresh
+The interpreter checks numerics only; this runs ``conveyor_tools.kernels.compile_check`` in a fresh
 process (no ``TRITON_INTERPRET``) so every kernel goes through Triton's real compiler and the
 bundled ``ptxas`` with the tile sizes the launch wrappers pick for production shapes. On a GPU
 machine the other kernel tests compile and run the kernels for real, so this one is skipped.
@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from conveyor.kernels.compile_check import SM90_MAX_SHARED
+from conveyor_tools.kernels.compile_check import SM90_MAX_SHARED
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run compiles every kernel for real")
@@ -25,7 +25,7 @@ def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, minus its warning
     proc = subprocess.run(
-        [sys.executable, "-m", "conveyor.kernels.compile_check", "--json"],
+        [sys.executable, "-m", "conveyor_tools.kernels.compile_check", "--json"],
         env=env,
         capture_output=True,
         text=True,

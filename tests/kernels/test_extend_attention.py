@@ -7,7 +7,7 @@ extends spanning several query tiles. Grid: every head size x query/KV head rati
 set, and every head size with the long sets; block sizes 8/16/32 rotate through it. Further
 cases cover sliding windows, bfloat16/float16, strided queries, a sequence with no new tokens
 and an over-sized ``max_query_len``.
-Tolerance: see ``conveyor.kernels.testing.TOLERANCES`` (fp32: rtol 1e-3, atol 1e-4).
+Tolerance: see ``conveyor_tools.kernels.testing.TOLERANCES`` (fp32: rtol 1e-3, atol 1e-4).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conveyor.kernels.extend_attention import extend_attention, extend_attention_ref
-from conveyor.kernels.testing import assert_attention_close, random_paged_kv, random_query
+from conveyor_tools.kernels.testing import assert_attention_close, random_paged_kv, random_query
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 RATIOS = (1, 4, 8)

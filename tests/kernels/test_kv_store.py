@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conveyor.kernels.kv_store import kv_store, kv_store_ref
-from conveyor.kernels.testing import random_kv_cache
+from conveyor_tools.kernels.testing import random_kv_cache
 
 CASES = [
     # (tokens, kv_heads, head_dim, block_size, dtype)

@@ -6,7 +6,7 @@ are not block multiples (batch 3), and long contexts forced across several split
 (odd partition sizes included, so partitions end mid-tile and mid-block). Further cases cover
 the automatic split choice, sliding windows, bfloat16/float16, strided queries, padding rows
 (``seq_len == 0``) and a grid sized for a larger ``max_seq_len``.
-Tolerance: see ``conveyor.kernels.testing.TOLERANCES`` (fp32: rtol 1e-3, atol 1e-4).
+Tolerance: see ``conveyor_tools.kernels.testing.TOLERANCES`` (fp32: rtol 1e-3, atol 1e-4).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from conveyor.kernels.paged_decode import (
     paged_decode_attention_ref,
     plan_decode_partitions,
 )
-from conveyor.kernels.testing import assert_attention_close, random_paged_kv, random_query
+from conveyor_tools.kernels.testing import assert_attention_close, random_paged_kv, random_query
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 RATIOS = (1, 4, 8)

@@ -8,7 +8,7 @@ import torch
 
 from conveyor.kernels.layer_ops import add_rms_norm
 from conveyor.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton
-from conveyor.kernels.testing import ROUNDED_TOLERANCES, assert_close
+from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, assert_close
 
 EPS = 1e-6
 CASES = [

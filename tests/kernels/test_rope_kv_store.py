@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conveyor.kernels.rope_kv_store import rope_kv_store, rope_kv_store_ref
-from conveyor.kernels.testing import ROUNDED_TOLERANCES, assert_close, random_kv_cache
+from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, assert_close, random_kv_cache
 from conveyor.worker.models.layers import RotaryEmbedding
 
 EPS = 1e-6

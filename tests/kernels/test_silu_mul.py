@@ -7,7 +7,7 @@ import torch
 
 from conveyor.kernels.layer_ops import silu_and_mul
 from conveyor.kernels.silu_mul import silu_mul_ref, silu_mul_triton
-from conveyor.kernels.testing import ROUNDED_TOLERANCES, assert_close
+from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, assert_close
 
 CASES = [
     # (tokens, intermediate, dtype): widths under, at and over one column tile

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.kernels.testing import assert_attention_close
+from conveyor_tools.kernels.testing import assert_attention_close
 from conveyor.worker.attention import torch_batched
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.torch_batched import TorchBatchedAttention

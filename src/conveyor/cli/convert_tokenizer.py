@@ -2,7 +2,8 @@
 
 The frontend reads tokenizer.json with the `tokenizers` library (transformers would import
 torch into the tokenizer process). transformers can convert sentencepiece and other slow
-tokenizers to that format once, offline; this tool does that and nothing else.
+tokenizers to that format once, offline; this tool does that and nothing else. transformers
+is an extra (``pip install "conveyor[convert]"``): nothing that serves needs it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     if target.exists() and not args.force:
         print(f"{target} already exists (use --force to overwrite)", file=sys.stderr)
         return 1
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        print('convert-tokenizer needs transformers: pip install "conveyor[convert]"', file=sys.stderr)
+        return 1
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -1,9 +1,10 @@
 """The in-process engine: bin/serve's scheduler and model runner in one process, no sockets.
 
 :class:`Engine` builds the same pieces bin/serve starts, through the same functions: the
-checkpoint and the model length (:func:`conveyor.cli.serve.resolve_model`,
-:func:`~conveyor.cli.serve.model_length`), the :class:`~conveyor.worker.model_runner.ModelRunner`
-with its KV pool, device and dtype (:func:`conveyor.worker.main.build_runner`), the
+checkpoint and the model length (:mod:`conveyor.runtime.model_source`), the settings turned
+into the runner's fields and the batcher's config (:mod:`conveyor.runtime.build`), the
+:class:`~conveyor.worker.model_runner.ModelRunner` with its KV pool, device and dtype
+(:func:`conveyor.worker.main.build_runner`), the
 :class:`~conveyor.scheduler.scheduler.Scheduler` with the model's EOS ids and vocabulary
 (as the scheduler process does), the frontend's :class:`~conveyor.frontend.tokenizer.Tokenizer`.
 What the frontend process does to a request is done by the frontend's own code too: the
@@ -47,7 +48,6 @@ from dataclasses import replace
 from typing import Any
 
 from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.cli.serve import model_length, resolve_model
 from conveyor.engine.options import EngineOptions
 from conveyor.engine.outputs import BatchInfo, Result, StepOutput
 from conveyor.engine.request import Request
@@ -60,7 +60,9 @@ from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult
 from conveyor.protocol import messages as cp
+from conveyor.runtime.build import batcher_config, worker_settings
 from conveyor.runtime.config import SchedulerConfig
+from conveyor.runtime.model_source import model_length, resolve_model
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.worker.main import build_runner, failed_step
 
@@ -87,9 +89,10 @@ class Engine:
         self.model_dir = model_dir
         self.model_config = ModelConfig.from_dir(model_dir)
         self.max_model_len = model_length(self.model_config, options.max_model_len)
-        batcher = options.scheduler_config(self.max_model_len)  # bad knobs fail before the model loads
+        settings = options.settings()
+        batcher = batcher_config(settings, self.max_model_len)  # bad knobs fail before the model loads
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.runner = build_runner(model_dir, **options.runner_kwargs())
+        self.runner = build_runner(model_dir, **worker_settings(settings))
         runner = self.runner
         batcher = replace(
             batcher, num_blocks=runner.num_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_bytes=runner.block_bytes

@@ -148,7 +148,8 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"{tok_file} not found: the frontend reads only the fast-tokenizer file. If this checkpoint ships "
                 f"a slow tokenizer (tokenizer.model, or vocab.json + merges.txt), run `bin/convert-tokenizer {root}` "
-                "once to write tokenizer.json from it"
+                '(or conveyor-convert-tokenizer) once to write tokenizer.json from it; it needs transformers: '
+                'pip install "conveyor[convert]"'
             )
         try:
             backend = BackendTokenizer.from_file(str(tok_file))

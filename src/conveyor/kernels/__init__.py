@@ -10,8 +10,8 @@
 - :mod:`.silu_mul`: the gated MLP's ``silu(gate) * up`` in one pass.
 - :mod:`.layer_ops`: what the model calls for norms and the MLP activation: those kernels on
   CUDA, torch's ops elsewhere (imports Triton only on the first CUDA call).
-- :mod:`.testing`: paged test inputs and tolerances shared by tests and the benchmark.
-- :mod:`.compile_check`: compile every kernel for sm_90 without a GPU.
+
+Test inputs, tolerances and the sm_90 compile check are tools, in :mod:`conveyor_tools.kernels`.
 
 Submodules are imported explicitly (``from conveyor.kernels.paged_decode import ...``) and this
 package imports none of them, so importing it never imports Triton: the interpreter switch

@@ -202,7 +202,8 @@ class FrontendConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     """The worker process's view. The KV pool is ``num_blocks`` blocks, or as many as fit in
-    ``kv_cache_memory_bytes``; the CPU swap space ``num_cpu_blocks`` blocks, or
+    ``kv_cache_memory_bytes`` (:func:`conveyor.runtime.build.worker_settings` sets exactly one;
+    the latter's default, 1 GiB, is bin/serve's ``--kv-cache-memory`` default and the engine's); the CPU swap space ``num_cpu_blocks`` blocks, or
     ``swap_space_bytes`` (None for both: the device's default, see worker/main.py)."""
 
     model_dir: str
@@ -210,9 +211,9 @@ class WorkerConfig:
     channels: StepChannels  # plans from the scheduler, results back
     device: Device = Device.CPU
     dtype: Dtype = Dtype.AUTO
-    block_size: int = 16
+    block_size: int = SchedulerConfig.block_size
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = 1 << 30
     num_threads: int | None = None
     attention: Attention = Attention.AUTO
     pipeline: PipelineSteps = PipelineSteps.AUTO  # launch step N+1 before finishing step N
@@ -233,7 +234,7 @@ class WorkerConfig:
     # replicas run on GPUs of their own where the machine has enough (worker.parallel.rank_device).
     first_device: int = 0
     # The scheduler's max_num_seqs: bounds a step's rows and sizes the static decode buffers.
-    max_num_seqs: int = 256
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     enforce_eager: bool = False  # bin/serve --enforce-eager: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:

@@ -11,10 +11,10 @@ until its last member finishes) on the same model, device and requests:
 4. KV-cache blocks held (average, peak) and the padding a padded static batch would waste;
 5. throughput over output-length spread at one mean (lognormal outputs, three sigmas).
 
-There is no harness of its own: every run is a :class:`~conveyor.bench.server.BenchServer`
-driven by :func:`~conveyor.bench.drivers.run_offline` or
-:func:`~conveyor.bench.drivers.run_online`, on workloads from
-:mod:`~conveyor.bench.workloads`. One server per (system, batch size) serves every
+There is no harness of its own: every run is a :class:`~conveyor_tools.bench.server.BenchServer`
+driven by :func:`~conveyor_tools.bench.drivers.run_offline` or
+:func:`~conveyor_tools.bench.drivers.run_online`, on workloads from
+:mod:`~conveyor_tools.bench.workloads`. One server per (system, batch size) serves every
 offline run of that pair, another its online run (:func:`offline_gate` says why). The one
 thing added is a poller of the scheduler's iteration log (``stats`` with ``iterations``, at
 most 256 rows) during offline runs: it keeps every iteration's ``held_blocks`` and
@@ -40,15 +40,15 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.bench.drivers import run_offline, run_online
-from conveyor.bench.metrics import OfflineRun, Timeline
-from conveyor.bench.server import BenchServer
-from conveyor.bench.workloads import Workload, make_workload, poisson_arrivals
+from conveyor_tools.bench.batch_stats import LATENCY_PERCENTILES, kv_usage, latency_percentiles, occupancy, padded_waste
+from conveyor_tools.bench.drivers import run_offline, run_online
+from conveyor_tools.bench.metrics import OfflineRun
+from conveyor_tools.bench.server import BenchServer
+from conveyor_tools.bench.workloads import Workload, make_workload, poisson_arrivals
 from conveyor.client import AsyncClient
 
 EXPERIMENTS = (1, 2, 3, 4, 5)
 SYSTEMS = ("continuous", "static")  # continuous first: experiment 2's rate comes from its run
-LATENCY_PERCENTILES = (50, 90, 95, 99)
 SPREADS = {"low": 0.25, "medium": 0.75, "high": 1.5}  # lognormal sigma of output lengths
 KV_POLL_S = 0.2  # the iteration log holds 256 rows: complete while a step takes > 0.8 ms
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.2  # bin/bench online's defaults (goodput is not a table here)
@@ -168,89 +168,6 @@ async def _offline_with_kv(
         await poller
     end = stamped.last
     return run, [rows[k] for k in sorted(rows)], end - run.wall_s, end
-
-
-def kv_usage(rows: list[dict[str, Any]], start: float, end: float, block_size: int) -> dict[str, Any]:
-    """KV blocks held over ``[start, end]`` (Unix seconds) from iteration-log rows.
-
-    Each row's value holds from its time until the next row's (the last until ``end``), so
-    the averages are over time. ``slack_tokens`` of a step is ``held_blocks x block_size -
-    context_tokens``: KV slots held that hold no token of that step's context. That is the
-    unfilled tail of each request's last block, plus the blocks of requests that finish with
-    the step still in flight (the plan is formed before that step's result frees them: this
-    makes the peaks), plus under static batching members waiting between prefill chunks.
-    ``coverage`` is the fraction of the window's steps the poller saw."""
-    inside = [r for r in rows if start <= r["time"] <= end]
-    if not inside:
-        return {"available": False, "reason": "no scheduler iteration inside the run's window"}
-    t = np.array([r["time"] for r in inside], dtype=np.float64)
-    held = np.array([r["held_blocks"] for r in inside], dtype=np.float64)
-    slack = np.maximum(0.0, held * block_size - np.array([r["context_tokens"] for r in inside], dtype=np.float64))
-    widths = np.diff(np.append(t, max(end, t[-1])))
-    total = float(widths.sum())
-    steps = [r["step"] for r in inside]
-
-    def mean(x: np.ndarray) -> float:
-        return float(np.dot(x, widths) / total) if total > 0 else float(x.mean())
-
-    return {
-        "available": True,
-        "num_steps_seen": len(steps),
-        "coverage": len(steps) / (steps[-1] - steps[0] + 1),
-        "avg_held_blocks": mean(held),
-        "peak_held_blocks": float(held.max()),
-        "avg_slack_tokens": mean(slack),
-        "peak_slack_tokens": float(slack.max()),
-        "series": {"t_s": (t - start).tolist(), "held_blocks": held.tolist()},
-    }
-
-
-def padded_waste(workload: Workload, batch_size: int) -> dict[str, Any]:
-    """The KV a padded static batch reserves and never fills, computed for ``workload``.
-
-    Batches are consecutive groups of ``batch_size`` requests in submission order (static
-    batching's FIFO batches when all arrive at once). A padded batch (HF ``generate``
-    style) is a rectangle: every row left-padded to the batch's longest prompt and decoded
-    for its longest output, so at its end it holds ``n x (max prompt + max output)`` token
-    slots, of which ``sum(prompt + output)`` are real tokens. Waste of a batch = the
-    difference; ``peak`` is the largest batch's (the memory the padding costs at once),
-    ``total`` the sum over batches, ``fraction`` total waste / total slots."""
-    reqs = workload.requests
-    wastes, slots = [], []
-    for i in range(0, len(reqs), batch_size):
-        batch = reqs[i : i + batch_size]
-        rect = len(batch) * (max(r.prompt_len for r in batch) + max(r.output_len for r in batch))
-        wastes.append(rect - sum(r.prompt_len + r.output_len for r in batch))
-        slots.append(rect)
-    return {
-        "num_batches": len(wastes),
-        "peak_waste_tokens": max(wastes),
-        "total_waste_tokens": sum(wastes),
-        "fraction": sum(wastes) / sum(slots),
-    }
-
-
-def occupancy(timeline: dict[str, Any], batch_size: int) -> dict[str, Any]:
-    """Mean sequences per step, per step and over time (each step's batch holding until the
-    next step starts), both also as a fraction of ``batch_size``."""
-    if not timeline.get("t_s"):
-        return {"available": False, "reason": timeline.get("source") or "no timeline"}
-    per_step = Timeline(timeline["t_s"], timeline["running"]).mean()
-    over_time = Timeline(timeline["t_s"], timeline["running"], step_function=True).mean()
-    return {
-        "available": True,
-        "mean_per_step": per_step,
-        "mean_over_time": over_time,
-        "fraction_per_step": per_step / batch_size,
-        "fraction_over_time": None if over_time is None else over_time / batch_size,
-    }
-
-
-def latency_percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {f"p{q}": None for q in LATENCY_PERCENTILES}
-    arr = np.percentile(np.asarray(values, dtype=np.float64), LATENCY_PERCENTILES)
-    return {f"p{q}": float(v) for q, v in zip(LATENCY_PERCENTILES, arr)}
 
 
 # ---------------------------------------------------------------- running
@@ -390,7 +307,7 @@ class Experiments:
             )  # fmt: skip
         done = [r for r in run.requests if r.ok]
         e2e = latency_percentiles([r.e2e for r in done])
-        self.setup.note(f"{system} @ {self.rate:.2f} req/s: e2e p50 {_f(e2e['p50'], 0, 2)} s, p99 {_f(e2e['p99'], 0, 2)} s, "
+        self.setup.note(f"{system} @ {self.rate:.2f} req/s: e2e p50 {number_text(e2e['p50'], 0, 2)} s, p99 {number_text(e2e['p99'], 0, 2)} s, "
             f"{len(run.requests) - len(done)} failed")
         return {
             "system": system,
@@ -501,116 +418,11 @@ def _why(*records: dict[str, Any]) -> str | None:
 # ---------------------------------------------------------------- text
 
 
-def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | None = None) -> str:
-    """The five tables as text, each with the published figure beside ours, under the machine."""
-    dev, host = env["device"], env["machine"]
-    cpu = f"CPU {host['cpu']}, {host['usable_cpus']} usable cores" + (f", {threads} torch thread(s)" if threads else "")
-    machine = cpu if dev["kind"] == "cpu" else f"{dev['name']} ({dev['kind']}); {cpu}"
-    versions = env["versions"]
-    out = [f"Machine: {machine}; torch {versions['torch']}, conveyor {versions['conveyor']}"]
-    if "1_throughput" in tables:
-        t = tables["1_throughput"]
-        lo, hi = t["published"]["ratio"]
-        lines = [
-            f"1. Throughput, continuous vs static (output tok/s; published {lo}x to {hi}x on {t['published']['setup']})",
-            f"{'batch':>6} {'requests':>9} {'continuous':>11} {'static':>9} {'ratio':>7}",
-        ]
-        for r in t["rows"]:
-            lines.append(
-                f"{r['batch_size']:>6} {r['num_requests']:>9} {_f(r['continuous_tok_s'], 11, 1)} "
-                f"{_f(r['static_tok_s'], 9, 1)} {_f(r['ratio'], 6, 2)}x" + _na(r["unavailable"])
-            )
-        out.append("\n".join(lines))
-    if "2_latency" in tables:
-        t = tables["2_latency"]
-        lo, hi = t["published"]["ratio"]
-        rate = "-" if t["rate_req_s"] is None else f"{t['rate_req_s']:.2f}"
-        how = "" if t["load"] is None else f" ({t['load']:.0%} of continuous capacity)"
-        lines = [
-            f"2. End-to-end latency at {rate} req/s{how}, batch {t['batch_size']} "
-            f"(static / continuous; published {lo}x to {hi}x lower)" + _na(t["unavailable"]),
-            f"{'pct':>5} {'continuous s':>13} {'static s':>9} {'ratio':>7}",
-        ]
-        for r in t["rows"]:
-            lines.append(f"{'p' + str(r['percentile']):>5} {_f(r['continuous_s'], 13, 2)} {_f(r['static_s'], 9, 2)} {_f(r['ratio'], 6, 2)}x")
-        out.append("\n".join(lines))
-    if "3_occupancy" in tables:
-        t = tables["3_occupancy"]
-        p = t["published"]
-        lines = [
-            f"3. Batch occupancy, batch {t['batch_size']} (mean sequences per step / max_num_seqs; "
-            f"published static {p['static']:.0%}, continuous {p['continuous']:.0%})",
-            f"{'system':<11} {'per step':>9} {'over time':>10} {'seqs/step':>10}",
-        ]
-        lines += _system_rows(
-            t,
-            11,
-            lambda o: f"{_pct(o['fraction_per_step'], 9)} {_pct(o['fraction_over_time'], 10)} {_f(o['mean_per_step'], 10, 1)}",
-        )
-        out.append("\n".join(lines))
-    if "4_kv" in tables:
-        t = tables["4_kv"]
-        p = t["published"]
-        per_token = t["kv_bytes_per_token"]
-        lines = [
-            f"4. KV cache, batch {t['batch_size']} (blocks of {t['block_size']} tokens, {per_token} bytes of KV per token; "
-            f"published waste: static {p['static_gb']:g} GB, continuous {p['continuous_gb']:g} GB)",
-            f"{'system':<15} {'avg blocks':>10} {'peak blocks':>11} {'avg slack tok':>13} {'peak waste':>11} {'coverage':>9}",
-        ]
-        lines += _system_rows(
-            t,
-            15,
-            lambda kv: f"{_f(kv['avg_held_blocks'], 10, 1)} {_f(kv['peak_held_blocks'], 11, 0)} "
-            f"{_f(kv['avg_slack_tokens'], 13, 1)} {_bytes(kv['peak_slack_tokens'] * per_token, 11)} {_pct(kv['coverage'], 9)}",
-        )
-        pad = t["padded_static"]
-        lines.append(
-            f"{'padded static':<15} {'(computed)':>10} {'':>11} {'':>13} {_bytes(pad['peak_waste_tokens'] * per_token, 11)} "
-            f"  {pad['fraction']:.0%} of padded slots never hold a token"
-        )
-        out.append("\n".join(lines))
-    if "5_variance" in tables:
-        t = tables["5_variance"]
-        lines = [
-            f"5. Output-length spread at one mean, batch {t['batch_size']} (continuous / static throughput)",
-            f"{'spread':<7} {'sigma':>6} {'cv':>5} {'continuous':>11} {'static':>9} {'ratio':>7} {'published':>10}",
-        ]
-        for r in t["rows"]:
-            lines.append(
-                f"{r['spread']:<7} {r['sigma']:>6.2f} {_f(r['output_len_cv'], 5, 2)} {_f(r['continuous_tok_s'], 11, 1)} "
-                f"{_f(r['static_tok_s'], 9, 1)} {_f(r['ratio'], 6, 2)}x {r['published']:>9.1f}x" + _na(r["unavailable"])
-            )
-        out.append("\n".join(lines))
-    return "\n\n".join(out)
-
-
-def _f(value: float | None, width: int, digits: int) -> str:
+def number_text(value: float | None, width: int, digits: int) -> str:
+    """``value`` right-aligned in ``width`` with ``digits`` decimals; ``-`` for none (None, NaN)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return f"{'-':>{width}}"
     return f"{value:>{width}.{digits}f}"
-
-
-def _system_rows(table: dict[str, Any], width: int, row: Callable[[dict[str, Any]], str]) -> list[str]:
-    """One line per system: its name, then ``row`` of its entry, or n/a and why it did not run."""
-    return [
-        f"{s:<{width}} {row(table[s])}" if table[s].get("available") else f"{s:<{width}} n/a: {table[s].get('reason')}"
-        for s in SYSTEMS
-    ]
-
-
-def _pct(value: float | None, width: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}.0%}"
-
-
-def _bytes(value: float, width: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= size:
-            return f"{value / size:>{width - 4}.2f} {unit}"
-    return f"{value:>{width - 2}.0f} B"
-
-
-def _na(reason: str | None) -> str:
-    return f"  n/a: {reason}" if reason else ""
 
 
 def sizes_json(sizes: Sizes) -> dict[str, Any]:

@@ -38,8 +38,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from conveyor.bench.metrics import OfflineRun, Timeline
-from conveyor.bench.workloads import BenchRequest, Workload
+from conveyor_tools.bench.metrics import OfflineRun, Timeline
+from conveyor_tools.bench.workloads import BenchRequest, Workload
 
 HF_CB_PAGE_SIZE = 256  # transformers' default page size
 

@@ -1,6 +1,6 @@
 """The online load generator through the OpenAI HTTP API (``conveyor-http``).
 
-The same seeded requests as :func:`conveyor.bench.drivers.run_online`, each a streamed
+The same seeded requests as :func:`conveyor_tools.bench.drivers.run_online`, each a streamed
 ``POST /v1/completions`` with the workload's token ids as ``prompt``, ``max_tokens`` its
 output length, ``ignore_eos`` and temperature 0, sent at its Poisson arrival time over
 aiohttp's client (one session, connections kept alive and unlimited in number, so a
@@ -17,7 +17,7 @@ output length asked for. TPOT, e2e and throughput use that count; only ITL sees 
 back tokens (as one longer gap), and ``extra`` records events per token so that is visible.
 
 The load generator's own CPU time over the measured window is recorded too (with each server
-process's, as the ZeroMQ driver does: :mod:`conveyor.bench.cpu`): on a small machine it
+process's, as the ZeroMQ driver does: :mod:`conveyor_tools.bench.cpu`): on a small machine it
 shares the cores with the server, and a generator that costs much more per token than the
 ZeroMQ one would understate the HTTP face.
 """
@@ -31,10 +31,10 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from conveyor.bench.cpu import CpuProbe
-from conveyor.bench.drivers import PROFILE_SLACK_S, WARMUP_REQUESTS, RunFailed, _profile_summary, drive_arrivals, online_run
-from conveyor.bench.metrics import OnlineRun, StreamTiming
-from conveyor.bench.workloads import BenchRequest, Workload
+from conveyor_tools.bench.cpu import CpuProbe
+from conveyor_tools.bench.drivers import PROFILE_SLACK_S, WARMUP_REQUESTS, RunFailed, _profile_summary, drive_arrivals, online_run
+from conveyor_tools.bench.metrics import OnlineRun, StreamTiming
+from conveyor_tools.bench.workloads import BenchRequest, Workload
 from conveyor.client import AsyncClient
 
 _DATA = b"data: "
@@ -116,7 +116,7 @@ async def run_online_http(
     timeout: float,
     cpu_probe: CpuProbe | None = None,
 ) -> OnlineRun:
-    """As :func:`conveyor.bench.drivers.run_online`, through ``base_url``'s OpenAI API;
+    """As :func:`conveyor_tools.bench.drivers.run_online`, through ``base_url``'s OpenAI API;
     the server profile is read over ZeroMQ from ``profile_address`` when given."""
     url = f"{base_url}/v1/completions"
     connector = aiohttp.TCPConnector(limit=0)

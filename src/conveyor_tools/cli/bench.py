@@ -8,7 +8,8 @@
     bin/bench experiments --threads 1 --out bench/results/experiments-cpu   # docs/experiments.md
 
 Systems: ``conveyor`` (bin/serve, continuous batching, started by the benchmark),
-``static`` (bin/serve --batching static), ``conveyor-noprof`` (bin/serve --no-profile: with
+``static`` (bin/serve --batching static; offline, behind the experiments' gate: it gathers a
+full batch before admitting, so no run depends on arrival timing), ``conveyor-noprof`` (bin/serve --no-profile: with
 ``conveyor`` it measures what profiling costs), ``conveyor-nooverlap`` (bin/serve
 --no-overlap: with ``conveyor`` it measures what planning ahead buys; the table's worker
 idle column is the worker's idle fraction from the server profile), ``conveyor-zmq``
@@ -35,14 +36,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conveyor.bench import experiments, plots, report
-from conveyor.bench.drivers import run_offline, run_online
-from conveyor.bench.http_driver import run_online_http
-from conveyor.bench.metrics import OfflineRun
-from conveyor.bench.server import BenchServer
-from conveyor.bench.workloads import WORKLOADS, make_workload, poisson_arrivals, with_logprobs
+from conveyor_tools.bench import experiment_tables, experiments, plots, report
+from conveyor_tools.bench.drivers import run_offline, run_online
+from conveyor_tools.bench.http_driver import run_online_http
+from conveyor_tools.bench.metrics import OfflineRun
+from conveyor_tools.bench.server import BenchServer
+from conveyor_tools.bench.workloads import WORKLOADS, make_workload, poisson_arrivals, with_logprobs
 from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.runtime.config import Device, Dtype
+from conveyor.runtime.build import GIB
+from conveyor.runtime.config import Device, Dtype, WorkerConfig
 from conveyor.worker.main import resolve_device
 
 SERVED = {
@@ -68,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
     engine.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (conveyor, hf-cb)")
-    engine.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache (conveyor, hf-cb)")
+    engine.add_argument(
+        "--kv-cache-memory", type=float, default=WorkerConfig.kv_cache_memory_bytes / GIB, help="GiB of KV cache (conveyor, hf-cb)"
+    )
     engine.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
     engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")
     engine.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -144,6 +148,15 @@ def _serve_args(args: argparse.Namespace, model_dir: str, device: str, extra: li
     return out + extra + list(args.serve_arg)
 
 
+def offline_serve_args(args: argparse.Namespace, model_dir: str, device: str, system: str) -> list[str]:
+    """bin/serve's flags for served ``system`` in an offline run: ``static`` gathers a full
+    batch (``--batch-size`` waiting, or the oldest waited a bounded time) before it admits,
+    as in the experiments (:func:`conveyor_tools.bench.experiments.offline_gate` says why), so
+    its first batch, and the static/continuous ratio, do not depend on how fast the requests
+    reached the scheduler."""
+    return _serve_args(args, model_dir, device, SERVED[system] + experiments.offline_gate(system, args.batch_size))
+
+
 def _run_record(run: OfflineRun) -> dict[str, Any]:
     return {
         "summary": run.summary(),
@@ -168,10 +181,10 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             with _progress(args, len(workload.requests), desc) as bar:
                 try:
                     if name in SERVED:
-                        with BenchServer(_serve_args(args, model_dir, device, SERVED[name])) as server:
+                        with BenchServer(offline_serve_args(args, model_dir, device, name)) as server:
                             run = asyncio.run(run_offline(name, server.address, workload, bar, args.timeout))
                     else:
-                        from conveyor.bench import hf
+                        from conveyor_tools.bench import hf
 
                         if hf_model is None:
                             if args.threads:
@@ -392,7 +405,7 @@ def experiments_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     result = experiments.Experiments(setup, sizes, only).run()
     if hasattr(os, "getloadavg"):
         env["machine"]["load_average_at_end"] = list(os.getloadavg())
-    text = experiments.format_tables(result["tables"], env, args.threads)
+    text = experiment_tables.format_tables(result["tables"], env, args.threads)
     print()
     print(text)
     unavailable = {k: r["unavailable"] for k, r in result["runs"].items() if "unavailable" in r}

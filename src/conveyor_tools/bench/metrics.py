@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.bench.workloads import Workload
+from conveyor_tools.bench.workloads import Workload
 
 PERCENTILES = (50, 90, 99)
 

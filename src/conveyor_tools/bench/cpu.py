@@ -3,7 +3,7 @@
 On a machine with few cores the load generator and every server process share the CPU, so
 wall-clock throughput alone cannot say which process a difference comes from. A
 :class:`CpuMeter` reads this process's CPU time (the load generator) and, through a probe
-such as :meth:`conveyor.bench.server.BenchServer.cpu_seconds`, each server process's, at
+such as :meth:`conveyor_tools.bench.server.BenchServer.cpu_seconds`, each server process's, at
 the start and the end of the window; the differences are the window's cost.
 """
 

@@ -17,9 +17,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from conveyor.bench.cpu import CpuMeter, CpuProbe, per_token_us
-from conveyor.bench.metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
-from conveyor.bench.workloads import BenchRequest, Workload
+from conveyor_tools.bench.cpu import CpuMeter, CpuProbe, per_token_us
+from conveyor_tools.bench.metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
+from conveyor_tools.bench.workloads import BenchRequest, Workload
 from conveyor.client import AsyncClient
 
 WARMUP_REQUESTS = 4

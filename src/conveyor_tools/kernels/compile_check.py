@@ -9,8 +9,8 @@ specializes the arguments exactly as a launch would (dtypes, 16-byte alignment a
 of ints) and compiles for ``cuda:90`` instead of launching, then calls each launch wrapper with
 CPU tensors of production shapes. Nothing is executed, so outputs are garbage by design.
 
-    python -m conveyor.kernels.compile_check          # table; exit 1 if a kernel fails to compile
-    python -m conveyor.kernels.compile_check --json   # the same as JSON (the test reads this)
+    python -m conveyor_tools.kernels.compile_check          # table; exit 1 if a kernel fails to compile
+    python -m conveyor_tools.kernels.compile_check --json   # the same as JSON (the test reads this)
 
 It uses Triton internals (``create_function_from_signature``, ``JITFunction._pack_args``) checked
 against Triton 3.9; when those move, :func:`available` says so and the test skips.

@@ -1,0 +1,133 @@
+"""Settings become configuration here, for both faces of Conveyor.
+
+bin/serve's flags (their argparse names) and ``Engine(**config)``'s keyword arguments are the
+same settings under the same names: a setting named as a field of a config view
+(:mod:`conveyor.runtime.config`) sets that field wherever it appears (``block_size`` in the
+worker's and the scheduler's view, ``profile`` in every process's); the few whose name or unit
+differs (``num_kv_blocks``, ``kv_cache_memory`` and ``swap_space`` in GiB, ``threads``) are
+converted in one place, :func:`worker_settings`. So :func:`server_config` (bin/serve) and the
+engine (:mod:`conveyor.engine`) build the worker's runner and the scheduler's config from the
+same functions, with the defaults the config classes hold.
+
+Imports neither torch nor any process's code: the engine and bin/serve both load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.ipc import step_channel, transport
+from conveyor.ipc.transport import ServerAddresses
+from conveyor.runtime.config import (
+    FrontendConfig,
+    HttpConfig,
+    PlanTransport,
+    SchedulerConfig,
+    SchedulerProcessConfig,
+    ServerConfig,
+    WorkerConfig,
+)
+from conveyor.runtime.model_source import model_length, resolve_model
+
+T = TypeVar("T")
+
+GIB = 1 << 30
+
+
+def gib_bytes(gib: float) -> int:
+    """``gib`` GiB (a size as the settings give it) in bytes (as the configs hold it)."""
+    return int(gib * GIB)
+
+
+def settings_view(view: type[T], settings: Mapping[str, Any], **fields: Any) -> T:
+    """``view`` (a config dataclass) from the settings named as its fields, and ``fields``,
+    which win over a setting of the same name (its value converted: a length resolved, GB/s
+    to bytes/s, a pool sized)."""
+    named = {f.name: settings[f.name] for f in dataclasses.fields(view) if f.name in settings}
+    return view(**{**named, **fields})
+
+
+def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`WorkerConfig` fields the settings give, by their field names: those named
+    as fields as they are, the KV pool from ``num_kv_blocks`` or else ``kv_cache_memory`` GiB
+    (exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` is set), the swap space from
+    ``swap_space`` GiB (None: the device's default), torch's CPU threads from ``threads``.
+    The worker process's view is built from these (:func:`server_config`), and so is the
+    engine's runner."""
+    named = {f.name: settings[f.name] for f in dataclasses.fields(WorkerConfig) if f.name in settings}
+    blocks = settings.get("num_kv_blocks")
+    swap = settings.get("swap_space")
+    return {
+        **named,
+        "num_blocks": blocks,
+        "kv_cache_memory_bytes": None if blocks else gib_bytes(settings["kv_cache_memory"]),
+        "swap_space_bytes": None if swap is None else gib_bytes(swap),
+        "num_threads": settings.get("threads"),
+    }
+
+
+def batcher_config(settings: Mapping[str, Any], max_model_len: int, **fields: Any) -> SchedulerConfig:
+    """The batcher's config from the settings (ValueError on a bad knob), with the least
+    valid pool: the pool's fields are the worker's to tell once it has sized its KV cache
+    (:meth:`ServerConfig.sized_scheduler`, or :func:`dataclasses.replace` in the engine)."""
+    return settings_view(
+        SchedulerConfig,
+        settings,
+        num_blocks=settings.get("num_kv_blocks") or 1,
+        num_cpu_blocks=settings.get("num_cpu_blocks") or 0,
+        max_model_len=max_model_len,
+        **fields,
+    )
+
+
+def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
+    """bin/serve's flags (by their argparse names) as one :class:`ServerConfig`; ValueError,
+    OSError or StartupError when they do not make one. ``run_dir`` holds the internal sockets
+    and plan rings. The scheduler's pool fields wait for the worker (ServerConfig.sized_scheduler)."""
+    model_dir, demo = resolve_model(flags["model"])
+    model = ModelConfig.from_dir(model_dir)
+    if flags["auth_keys"] is not None:
+        transport.check_auth_keys(flags["auth_keys"])
+    max_model_len = model_length(model, flags["max_model_len"])
+    addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(flags["host"], flags["port"]))
+    channels = step_channel.StepChannels.for_server(
+        run_dir,
+        addresses.plans,
+        addresses.results,
+        shm=flags["plan_transport"] == PlanTransport.SHM,
+        plan_readers=flags["tensor_parallel_size"],
+    )
+    worker = WorkerConfig(
+        **{
+            **worker_settings(flags),
+            "model_dir": model_dir,
+            "addresses": addresses,
+            "channels": channels,
+            "pipeline": flags["pipeline_steps"],
+        }
+    )
+    frontend = settings_view(
+        FrontendConfig, flags, model_dir=model_dir, addresses=addresses, max_model_len=max_model_len, vocab_size=model.vocab_size
+    )
+    batcher = batcher_config(flags, max_model_len, swap_bandwidth=flags["swap_bandwidth"] * 1e9)
+    scheduler = settings_view(
+        SchedulerProcessConfig,
+        flags,
+        scheduler=batcher,
+        addresses=addresses,
+        channels=channels,
+        eos_token_ids=list(model.eos_token_ids),
+        vocab_size=model.vocab_size,
+    )
+    http = None
+    if flags["http_port"] is not None or flags["metrics_port"] is not None:
+        name = flags["served_model_name"] or ("conveyor-demo" if demo else Path(model_dir).resolve().name)
+        http = settings_view(HttpConfig, flags, addresses=addresses, served_model_name=name, max_model_len=max_model_len)
+    return ServerConfig(
+        model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,
+        serve_on_replica_death=flags["serve_on_replica_death"],
+    )  # fmt: skip

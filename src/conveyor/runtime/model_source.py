@@ -1,0 +1,40 @@
+"""What a server or an engine serves: the checkpoint directory and the length limit it allows.
+
+Both faces (bin/serve through :mod:`conveyor.runtime.build`, the in-process
+:class:`~conveyor.engine.Engine`) resolve their model here, so a missing checkpoint or a
+too-long ``max_model_len`` is refused with the same words by both, before any process starts
+or any weight loads. Imports neither torch nor the processes' code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conveyor.checkpoints.model_config import ModelConfig
+
+
+class StartupError(RuntimeError):
+    """The server cannot start: a bad model source, or a process that failed or timed out
+    before it was ready (:mod:`conveyor.runtime.supervisor`)."""
+
+
+def resolve_model(model: str | None) -> tuple[str, bool]:
+    """The checkpoint directory to serve and whether it is the demo model (``model`` None:
+    the built-in demo, built into the cache on first use)."""
+    if model is None:
+        from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
+
+        return str(demo_checkpoint_dir()), True
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise StartupError(f"--model {model}: no config.json there (a local HF checkpoint directory is required)")
+    return str(path), False
+
+
+def model_length(model: ModelConfig, max_model_len: int | None) -> int:
+    """The prompt + output limit: ``max_model_len`` (--max-model-len), by default the model's
+    ``max_position_embeddings``, which it may not exceed (ValueError)."""
+    length = max_model_len or model.max_position_embeddings
+    if length > model.max_position_embeddings:
+        raise ValueError(f"--max-model-len {length} exceeds the model's {model.max_position_embeddings}")
+    return length

@@ -1,0 +1,222 @@
+"""The supervisor of a server's processes: start them in order, watch them, stop them.
+
+Startup: the worker loads the model and sizes the KV pool while the frontend
+loads the tokenizer (and the HTTP process, with ``--http-port`` or ``--metrics-port``,
+binds its ports); the scheduler starts once the worker has reported its
+block count. With ``--tensor-parallel-size N`` the worker is N
+processes (ranks, each watched like any child); rank 0 reports the KV pool the
+ranks agreed on (conveyor.worker.main). With ``--data-parallel-size M`` there are M
+such worker + scheduler pairs (replica 0's processes named as a single server's,
+replica i's ``worker.i`` and ``scheduler.i``; each its own internal sockets and
+rings, :meth:`ServerConfig.replica`) behind the one frontend
+(:mod:`conveyor.frontend.replicas`).
+
+Supervision: if any child exits, every in-flight request gets an error (the
+frontend is told to fail them before it exits), the other children are
+stopped, and :meth:`Server.supervise` returns non-zero. The exception is a replica's death while
+another replica lives (with ``--serve-on-replica-death``, the default): the
+frontend is told (``ProcessFailed``) and fails that replica's requests alone, the
+replica's other processes are stopped, and the others serve on; the server stops
+when its last replica dies. SIGINT/SIGTERM (:func:`stop_on_signals`) stop everything within a few
+seconds. Children also get SIGTERM from the kernel if the supervisor itself is killed
+(PR_SET_PDEATHSIG), so no process is ever orphaned.
+
+bin/serve (:mod:`conveyor.cli.serve`) is flags, this, and its messages.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import shutil
+import signal
+import sys
+import time
+
+import zmq
+
+from conveyor.frontend.main import run_frontend
+from conveyor.http.main import run_http
+from conveyor.ipc import codec, step_channel, transport
+from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
+from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
+from conveyor.runtime.model_source import StartupError
+from conveyor.scheduler.main import run_scheduler
+from conveyor.worker.main import run_worker
+
+STARTUP_TIMEOUT_S = 600.0
+SHUTDOWN_GRACE_S = 3.0
+
+
+class Server:
+    """The children (worker, frontend, scheduler, and the HTTP process when asked for) and
+    the sockets serve uses to talk to them."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.ctx = zmq.Context()
+        self.control = transport.socket(self.ctx, zmq.PULL, config.addresses.control, bind=True)
+        self.frontend_control = transport.socket(self.ctx, zmq.PUSH, config.addresses.frontend_control, bind=False)
+        self.mp = mp.get_context("spawn")
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.ready: dict[str, ProcessReady] = {}
+        self.dead_replicas: set[int] = set()  # data-parallel replicas stopped while the others serve on
+
+    # ------------------------------------------------------------------ startup
+
+    def start(self) -> None:
+        config = self.config
+        replicas = [config.replica(index) for index in range(config.data_parallel_size)]
+        try:
+            for replica in replicas:
+                step_channel.create_rings(replica.channels)
+        except OSError as exc:
+            raise StartupError(f"cannot create the shared-memory plan rings ({exc}); --plan-transport zmq avoids them") from None
+        first = {"frontend"}
+        for index, replica in enumerate(replicas):  # every data-parallel replica's workers
+            for rank in replica.worker_ranks():  # every tensor-parallel rank, each watched like any child
+                name = rank_process_name(replica_process_name("worker", index), rank.tensor_parallel_rank)
+                self._spawn(name, run_worker, rank)
+                first.add(name)
+        self._spawn("frontend", run_frontend, config.frontend)
+        if config.http is not None:  # it answers 503 until the scheduler is up
+            self._spawn("http", run_http, config.http)
+            first.add("http")
+        self._wait_ready(first)
+        schedulers = set()
+        for index, replica in enumerate(replicas):
+            worker = self.ready[replica_process_name("worker", index)].info
+            try:
+                scheduler = replica.sized_scheduler(
+                    num_blocks=int(worker["num_blocks"]),
+                    num_cpu_blocks=int(worker.get("num_cpu_blocks", 0)),
+                    block_bytes=int(worker.get("block_bytes", 0)),
+                )
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+            name = replica_process_name("scheduler", index)
+            self._spawn(name, run_scheduler, scheduler)
+            schedulers.add(name)
+        self._wait_ready(schedulers)
+
+    def _spawn(self, name: str, target, config) -> None:
+        proc = self.mp.Process(target=target, args=(config,), name=f"conveyor-{name}")
+        proc.start()
+        self.procs[name] = proc
+
+    def _wait_ready(self, names: set[str]) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = set(names)
+        while waiting:
+            if _STOP_SIGNAL:
+                raise StartupError("interrupted during startup")
+            for name in waiting:
+                if not self.procs[name].is_alive():
+                    raise StartupError(f"{name} process exited during startup (exit code {self.procs[name].exitcode})")
+            if time.monotonic() > deadline:
+                raise StartupError(f"timed out waiting for {', '.join(sorted(waiting))} to start")
+            if not self.control.poll(200):
+                continue
+            msg = codec.decode(self.control.recv())
+            if isinstance(msg, ProcessFailed):
+                raise StartupError(msg.reason)
+            if isinstance(msg, ProcessReady):
+                # By pid: every replica's processes report the same names ("worker", "scheduler").
+                name = next((n for n, p in self.procs.items() if p.pid == msg.pid), msg.process)
+                self.ready[name] = msg
+                waiting.discard(name)
+                print(f"conveyor: {name} ready (pid {msg.pid})", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ supervision
+
+    def supervise(self) -> int:
+        """Block until a signal or a child's death; return serve's exit code."""
+        sentinels = {p.sentinel: name for name, p in self.procs.items()}
+        while True:
+            if _STOP_SIGNAL:
+                self.stop("server shutting down")
+                return 0
+            done = mp.connection.wait(list(sentinels), timeout=0.2)
+            if done:
+                name = sentinels[done[0]]
+                self.procs[name].join(1.0)
+                code = self.procs[name].exitcode
+                time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
+                if _STOP_SIGNAL:
+                    self.stop("server shutting down")
+                    return 0
+                replica = replica_of_process(name)
+                if replica is not None and self._serves_on_without(replica):
+                    print(
+                        f"conveyor: {name} process died (exit code {code}); stopping replica {replica}, serving on the others",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    for gone in self.stop_replica(replica, name, f"{name} process died (exit code {code})"):
+                        sentinels.pop(self.procs[gone].sentinel, None)
+                    continue
+                print(f"conveyor: {name} process died (exit code {code}); stopping", file=sys.stderr, flush=True)
+                self.stop(f"{name} process died (exit code {code})")
+                return 1
+
+    def _serves_on_without(self, replica: int) -> bool:
+        """Whether the server keeps serving when ``replica`` dies: --serve-on-replica-death
+        (the default) and another replica is still alive."""
+        if not self.config.serve_on_replica_death:
+            return False
+        others = set(range(self.config.data_parallel_size)) - self.dead_replicas - {replica}
+        return bool(others)
+
+    def stop_replica(self, replica: int, process: str, reason: str) -> list[str]:
+        """Replica ``replica`` lost ``process``: tell the frontend (which fails that replica's
+        requests alone and routes nothing there again), stop the replica's other processes,
+        and return the names of all of them."""
+        self.dead_replicas.add(replica)
+        transport.send(self.frontend_control, ProcessFailed(process, reason))
+        names = [name for name in self.procs if replica_of_process(name) == replica]
+        _terminate([self.procs[name] for name in names])
+        return names
+
+    def stop(self, reason: str) -> None:
+        """Fail in-flight requests through the frontend, then stop every child."""
+        frontend = self.procs.get("frontend")
+        if frontend is not None and frontend.is_alive():
+            transport.send(self.frontend_control, Shutdown(reason))
+            frontend.join(SHUTDOWN_GRACE_S)
+        _terminate(list(self.procs.values()))
+
+    def close(self) -> None:
+        self.control.close(linger=0)
+        self.frontend_control.close(linger=0)
+        self.ctx.term()
+        for index in range(self.config.data_parallel_size):
+            step_channel.remove_rings(self.config.replica(index).channels)
+        shutil.rmtree(self.config.run_dir, ignore_errors=True)
+
+
+def _terminate(procs: list[mp.process.BaseProcess]) -> None:
+    """SIGTERM every one of ``procs`` still alive, give them :data:`SHUTDOWN_GRACE_S` in all
+    to exit, then SIGKILL any left."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+
+_STOP_SIGNAL: list[int] = []
+
+
+def _on_signal(signum, frame) -> None:
+    _STOP_SIGNAL.append(signum)
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM from now on ask a starting or supervising :class:`Server` to stop
+    (it checks between waits), rather than interrupting it wherever it is."""
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)

@@ -1,0 +1,1 @@
+"""bin/bench and bin/soak (console scripts ``conveyor-bench``, ``conveyor-soak``)."""

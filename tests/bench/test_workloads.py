@@ -91,3 +91,15 @@ def test_percentiles_and_timeline_means() -> None:
     assert Timeline([0, 1, 2], [4, 2, 0]).mean() == pytest.approx(2.0)
     # A step function holds 4 for 1 s and 2 for 3 s: the time-weighted mean is 2.5.
     assert Timeline([0, 1, 4], [4, 2, 0], step_function=True).mean() == pytest.approx(2.5)
+
+
+def test_logprobs_fraction_marks_an_even_spread_of_requests() -> None:
+    from conveyor_tools.bench.workloads import with_logprobs
+
+    base = make_workload("fixed", 8, vocab_size=100, max_model_len=256, prompt_len=4, output_len=4)
+    half = with_logprobs(base, 0.5, 3)
+    assert [r.fields.get("logprobs") for r in half.requests] == [None, 3] * 4
+    assert [r.prompt_ids for r in half.requests] == [r.prompt_ids for r in base.requests]
+    assert with_logprobs(base, 0.0, 3) is base and all(r.fields for r in with_logprobs(base, 1.0, 0).requests)
+    with pytest.raises(ValueError):
+        with_logprobs(base, 1.5, 3)

@@ -72,3 +72,23 @@ def test_logprobs_follow_a_stop_string_and_the_bound(demo_engine):
         demo_engine.add_request("Hello", logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         demo_engine.add_request("Hello", prompt_logprobs=-1)
+
+
+def test_prompt_logprobs_are_not_repeated_after_a_recompute_preemption(tiny_engine, hf_model):
+    # 12 blocks of 4 tokens: two 10-token prompts running to 40 tokens each cannot both fit,
+    # so one is preempted and recomputes its prompt, whose log-probabilities were sent.
+    engine = tiny_engine(num_kv_blocks=12)
+    prompts = [list(range(30, 40)), list(range(60, 70))]
+    reqs = [
+        engine.add_request(token_ids=p, max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+        for p in prompts
+    ]
+    run_all(engine)
+    assert engine.stats()["num_preemptions"] > 0
+    for prompt, req in zip(prompts, reqs):
+        ref = reference(hf_model, prompt + req.tokens)
+        assert len(req.prompt_logprobs) == len(prompt) and len(req.logprobs) == 30
+        for i in range(1, len(prompt)):
+            check(req.prompt_logprobs[i], ref[i - 1], prompt[i], 1)
+        for i, entry in enumerate(req.logprobs):
+            check(entry, ref[len(prompt) + i - 1], req.tokens[i], 1)

@@ -22,7 +22,7 @@ from conveyor.runtime.config import (
 # serve_on_replica_death: read by bin/serve's supervisor itself, no process view holds it.
 CONVERTED = {
     "model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space", "plan_transport",
-    "serve_on_replica_death",
+    "serve_on_replica_death", "api_key", "api_key_file",
 }  # fmt: skip
 
 
@@ -34,6 +34,20 @@ def test_every_flag_reaches_a_view() -> None:
     fields = {f.name for view in (FrontendConfig, WorkerConfig, SchedulerConfig, SchedulerProcessConfig, HttpConfig) for f in dataclasses.fields(view)}
     dests = {a.dest for a in serve.build_parser()._actions if a.dest != "help"}
     assert dests - fields - CONVERTED == set()
+
+
+def test_api_keys_come_from_flags_a_file_and_the_environment(tmp_path, monkeypatch) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# ops\nfile-key\n\n  spaced  \nflag-key\n")
+    monkeypatch.setenv("CONVEYOR_API_KEY", "env-key")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    config = build("--http-port", "0", "--api-key", "flag-key", "--api-key-file", str(keys), "--api-key-everywhere")
+    assert config.http.api_keys == ("flag-key", "file-key", "spaced", "env-key") and config.http.api_key_everywhere
+    assert config.http.model_dir == config.frontend.model_dir
+    monkeypatch.delenv("CONVEYOR_API_KEY")
+    assert build("--http-port", "0").http.api_keys == ()
+    with pytest.raises(ValueError, match="go together"):
+        build("--http-port", "0", "--ssl-certfile", "cert.pem")
 
 
 def test_flags_land_in_every_view_that_has_them() -> None:
@@ -82,3 +96,12 @@ def test_a_mode_given_as_a_string_becomes_its_enum_member() -> None:
     assert config.policy is Policy.PRIORITY and f"{config.policy}" == "priority"
     with pytest.raises(ValueError, match="batching must be one of continuous, static"):
         SchedulerConfig(num_blocks=4, batching="dynamic")
+
+
+def test_the_exposed_http_warning_stays_until_a_key_is_set(capsys) -> None:
+    serve.warn_if_exposed(build("--http-port", "0", "--http-host", "0.0.0.0"))
+    assert "no --api-key is set" in capsys.readouterr().err
+    serve.warn_if_exposed(build("--http-port", "0", "--http-host", "0.0.0.0", "--api-key", "k"))
+    assert "HTTP listeners" not in capsys.readouterr().err
+    serve.warn_if_exposed(build("--http-port", "0"))  # loopback: nothing to warn about
+    assert "HTTP listeners" not in capsys.readouterr().err

@@ -206,7 +206,7 @@ def test_new_client_on_a_reused_fd_is_not_taken_for_the_gone_one(server) -> None
             gone.close(linger=0)
             new = ctx.socket(zmq.DEALER)
             new.connect(server.address)
-            new.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"new{i}", "token_ids": [6] * 8, "max_tokens": 2}))
+            new.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"new{i}", "token_ids": [6] * 8, "max_tokens": 2, "ignore_eos": True}))
             assert new.poll(30_000), f"round {i}: the new client's request was dropped with the gone one's"
             reply = msgpack.unpackb(new.recv())
             assert reply["request_id"] == f"new{i}" and reply["finish_reason"] == "length", reply

@@ -276,3 +276,17 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_engine, hf
     fine = engine.add_request(token_ids=prompt(1), max_tokens=4, **GREEDY)
     run_all(engine)
     assert fine.tokens == hf_greedy(prompt(1), 4)
+
+
+def test_frontend_fields_through_the_engine(tiny_engine, hf_greedy):
+    """The frontend's fields (shared code with bin/serve's frontend) on conveyor.Engine:
+    truncation keeps the newest ids, fill_context runs to the model length, and a negative
+    seed gives one reproducible stream."""
+    engine = tiny_engine(max_model_len=40)
+    ids = list(range(30, 50))
+    result = engine.generate([ids], truncate_prompt_tokens=6, max_tokens=3, progress=False, **GREEDY)[0]
+    assert result.prompt_token_ids == ids[-6:] and result.token_ids == hf_greedy(ids[-6:], 3)
+    full = engine.generate([ids[:10]], fill_context=True, progress=False, **GREEDY)[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 40 - 10
+    sampled = [engine.generate([ids[:5]], seed=-7, max_tokens=6, temperature=1.0, progress=False)[0].token_ids for _ in range(2)]
+    assert sampled[0] == sampled[1]

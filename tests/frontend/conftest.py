@@ -239,8 +239,10 @@ class GatedTokenizer:
                 raise TimeoutError("the test never opened the tokenizer gate")
         return self._base.encode(text, add_special_tokens, release_gil=release_gil)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *, release_gil: bool = False):
-        text = self._base.render_chat(messages, add_generation_prompt)
+    def apply_chat_template(
+        self, messages, add_generation_prompt: bool = True, *, continue_final_message=False, variables=None, release_gil: bool = False
+    ):
+        text = self._base.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message, variables=variables)
         return self.encode(text, add_special_tokens=False, release_gil=release_gil)
 
 

@@ -123,6 +123,12 @@ def test_a_finished_request_adds_its_reason_and_latencies() -> None:
         "inter_token_latency_seconds",
         "e2e_request_latency_seconds",
         "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_params_max_tokens",
     }
     for hist in hists.values():
         assert len(hist["counts"]) == len(hist["buckets"]) + 1 and sum(hist["counts"]) == hist["count"]
@@ -134,6 +140,11 @@ def test_a_finished_request_adds_its_reason_and_latencies() -> None:
     assert (e2e["count"], e2e["sum"]) == (3, pytest.approx(0.66))
     assert (queue["count"], queue["sum"]) == (1, pytest.approx(0.003))
     assert queue["counts"][bounds_index(fm.QUEUE_TIME_BUCKETS_S, 0.003)] == 1
+    prefill, decode = hists["request_prefill_time_seconds"], hists["request_decode_time_seconds"]
+    assert (prefill["count"], prefill["sum"]) == (1, pytest.approx(0.047))  # only the one with a queue time
+    assert (decode["count"], decode["sum"]) == (2, pytest.approx(0.4))  # 0.45 - 0.05, and 0.2 - 0.2
+    assert hists["request_inference_time_seconds"]["sum"] == pytest.approx(0.447)
+    assert hists["request_prompt_tokens"]["count"] == 0  # none was given its prompt size
 
     snap["counters"]["request_success"]["stop"] = 99  # a snapshot is a copy
     snap["histograms"]["e2e_request_latency_seconds"]["counts"][0] = 99

@@ -177,6 +177,8 @@ def stats(query_id: str, total: int, free: int, held: int, running: int, rows: l
         prefix_cache_hit_tokens=running * 10,
         iteration_fields=["step", "time"],
         recent_iterations=rows,
+        iteration_token_counts=[running, len(rows)],
+        iteration_token_sum=running * 100,
     )
 
 
@@ -188,6 +190,7 @@ def test_stats_are_summed_and_iterations_interleaved_by_time() -> None:
     assert (merged.num_running, merged.num_waiting, merged.num_steps, merged.prefix_cache_hit_tokens) == (4, 2, 3, 40)
     assert merged.iteration_fields == ["step", "time", "replica"]
     assert merged.recent_iterations == [[1, 10.0, 0], [7, 11.0, 1], [2, 12.0, 0]]
+    assert (merged.iteration_token_counts, merged.iteration_token_sum) == ([4, 3], 400)  # bucket by bucket
     assert merge_stats({1: b}) is b  # one replica: its stats as they are
 
 
@@ -291,16 +294,17 @@ def test_prometheus_shows_each_replica_beside_the_sums() -> None:
     answers = {0: stats("q", 100, 60, 40, 3, [])}
     reply = replies.stats_reply(merge_stats(answers), 2, iterations=False)
     reply["replicas"] = replica_stats(replicas, answers)
-    text = prometheus.exposition(replies.metrics_reply(**FrontendMetrics().snapshot()), reply).decode()
+    text = prometheus.exposition(replies.metrics_reply(**FrontendMetrics().snapshot()), reply, "m").decode()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-    r0, r1 = (("replica", "0"),), (("replica", "1"),)
+    m = ("model_name", "m")
+    r0, r1 = (m, ("replica", "0")), (m, ("replica", "1"))
     assert (samples[("conveyor:replica_up", r0)], samples[("conveyor:replica_up", r1)]) == (1, 0)
     assert (samples[("conveyor:replica_requests_in_flight", r0)], samples[("conveyor:replica_requests_in_flight", r1)]) == (2, 0)
     assert (samples[("conveyor:replica_requests_routed_total", r0)], samples[("conveyor:replica_requests_routed_total", r1)]) == (2, 1)
     assert samples[("conveyor:replica_kv_cache_usage_perc", r0)] == pytest.approx(0.4)
     assert ("conveyor:replica_kv_cache_usage_perc", r1) not in samples  # dead: no pool to show
-    assert samples[("conveyor:kv_blocks_used", ())] == 40  # the sums, as before
+    assert samples[("conveyor:kv_blocks_used", (m,))] == 40  # the sums, as before

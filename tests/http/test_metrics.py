@@ -33,12 +33,16 @@ STATS = {
 }
 
 
-def parse(text: bytes) -> dict[str, dict[tuple, float]]:
-    """Sample name -> {sorted label items: value}; each family's type checked on the way."""
+def parse(text: bytes, model: str | None = None) -> dict[str, dict[tuple, float]]:
+    """Sample name -> {sorted label items but ``model_name``: value}; every sample must carry
+    ``model_name`` (equal to ``model`` when given)."""
     samples: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(text.decode()):
         for sample in family.samples:
-            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+            labels = dict(sample.labels)
+            name = labels.pop("model_name", None)
+            assert name is not None and (model is None or name == model), sample
+            samples.setdefault(sample.name, {})[tuple(sorted(labels.items()))] = sample.value
     return samples
 
 
@@ -51,9 +55,10 @@ def test_exposition_names_types_and_values() -> None:
     metrics.add_prompt(11)
     metrics.observe_outputs([0, 0], 10**9)
     metrics.observe_outputs([10**9 - 4_000_000, 10**9 - 30_000_000], 10**9)  # gaps of 4 ms and 30 ms
-    metrics.request_finished("length", {"queue_time": 0.002, "ttft": 0.05, "total": 0.5}, 2)
-    metrics.request_finished("stop", {"queue_time": 0.004, "ttft": 3.0, "total": 3.0}, 1)
-    text = exposition(metrics_reply(**metrics.snapshot()), STATS)
+    metrics.request_finished("length", {"queue_time": 0.002, "ttft": 0.05, "total": 0.5}, 2, 7, 2)
+    metrics.request_finished("stop", {"queue_time": 0.004, "ttft": 3.0, "total": 3.0}, 1, 4, 300)
+    stats = {**STATS, "iteration_token_counts": [3, 1] + [0] * 11 + [1], "iteration_token_sum": 3 + 8 + 20000}
+    text = exposition(metrics_reply(**metrics.snapshot()), stats, "m")
     types = family_types(text)
     for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
                  "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached"):
@@ -65,7 +70,7 @@ def test_exposition_names_types_and_values() -> None:
                  "request_queue_time"):
         assert types[f"conveyor:{name}_seconds"] == "histogram", name
 
-    s = parse(text)
+    s = parse(text, "m")
     one = lambda name: s[name][()]  # noqa: E731 - an unlabelled sample
     assert (one("conveyor:num_requests_running"), one("conveyor:num_requests_waiting")) == (3, 2)
     assert one("conveyor:num_requests_swapped") == 1
@@ -89,10 +94,34 @@ def test_exposition_names_types_and_values() -> None:
     assert (ttft["0.05"], ttft["2.0"], ttft["5.0"], ttft["+Inf"]) == (1, 1, 2, 2)
     assert one("conveyor:e2e_request_latency_seconds_sum") == pytest.approx(3.5)
     assert one("conveyor:time_per_output_token_seconds_count") == 1  # the one-token request has none
+    # vLLM's per-request families: phases from the timing, token counts per request
+    assert one("conveyor:request_prefill_time_seconds_sum") == pytest.approx(0.048 + 2.996)
+    assert one("conveyor:request_decode_time_seconds_sum") == pytest.approx(0.45)
+    assert one("conveyor:request_inference_time_seconds_sum") == pytest.approx(0.498 + 2.996)
+    prompt = {dict(k)["le"]: v for k, v in s["conveyor:request_prompt_tokens_bucket"].items()}
+    assert (prompt["2.0"], prompt["5.0"], prompt["10.0"]) == (0, 1, 2) and one("conveyor:request_prompt_tokens_sum") == 11
+    assert one("conveyor:request_generation_tokens_sum") == 3
+    max_tokens = {dict(k)["le"]: v for k, v in s["conveyor:request_params_max_tokens_bucket"].items()}
+    assert (max_tokens["2.0"], max_tokens["200.0"], max_tokens["500.0"]) == (1, 1, 2)
+    iteration = {dict(k)["le"]: v for k, v in s["conveyor:iteration_tokens_total_bucket"].items()}
+    assert (iteration["1.0"], iteration["8.0"], iteration["16384.0"], iteration["+Inf"]) == (3, 4, 4, 5)
+    assert one("conveyor:iteration_tokens_total_sum") == 20011
+    # the same values under vLLM's names, and vLLM's own total of preemptions
+    for name, samples in list(s.items()):
+        if name.startswith("conveyor:") and name.split(":", 1)[1].split("_bucket")[0] not in ("num_preemptions_total",):
+            alias = "vllm:" + name.split(":", 1)[1]
+            if alias in s:
+                assert s[alias] == samples, name
+    for name in ("num_requests_running", "kv_cache_usage_perc", "prompt_tokens_total", "request_success_total",
+                 "time_to_first_token_seconds_bucket", "e2e_request_latency_seconds_count", "request_prompt_tokens_bucket",
+                 "iteration_tokens_total_bucket", "request_params_max_tokens_sum"):
+        assert s["vllm:" + name] == s["conveyor:" + name], name
+    assert one("vllm:num_preemptions_total") == 11 and one("vllm:gpu_cache_usage_perc") == pytest.approx(0.25)
+    assert "vllm:kv_blocks_used" not in s  # vLLM has no such family
 
 
 def test_exposition_without_the_scheduler_keeps_the_frontend_families() -> None:
-    types = family_types(exposition(metrics_reply(**FrontendMetrics().snapshot()), None))
+    types = family_types(exposition(metrics_reply(**FrontendMetrics().snapshot()), None, "m"))
     assert "conveyor:prompt_tokens" in types and "conveyor:num_requests_running" not in types
 
 

@@ -64,16 +64,55 @@ def test_chat_content_parts_are_joined_and_other_content_refused() -> None:
 
 
 def test_what_conveyor_cannot_do_is_refused_by_name() -> None:
-    assert "n > 1 is not supported" in refused(400, "n", n=2).message
+    assert "'n' is not supported yet" in refused(400, "n", n=2).message
     refused(400, "n", n=0)
     refused(400, "logprobs", logprobs=2)
+    refused(400, "logprobs", logprobs=0)  # 0 still asks for the sampled token's log-probability
     refused(400, "logprobs", CHAT, logprobs=True)
     parse(CHAT, logprobs=False)
-    refused(400, "echo", echo=True)
-    refused(400, "presence_penalty", presence_penalty=0.5)
+    refused(400, "echo", CHAT, echo=True)
+    assert parse(echo=True).echo
+    for name, value in (("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("logit_bias", {"5": 1}),
+                        ("min_tokens", 3), ("best_of", 2), ("use_beam_search", True), ("prompt_logprobs", 1), ("bad_words", ["x"]),
+                        ("guided_json", {}), ("response_format", {"type": "json_object"}), ("add_special_tokens", False),
+                        ("allowed_token_ids", [1]), ("suffix", "end")):
+        assert name in refused(400, name, **{name: value}).message
+    refused(400, "add_special_tokens", CHAT, add_special_tokens=True)  # chat's do-nothing value is false
     refused(400, "tools", CHAT, tools=[{"type": "function"}])
     refused(400, "foo", foo=1)
     refused(400, "prompt", CHAT, prompt="x")  # a completions field on the chat endpoint
+
+
+def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -> None:
+    """Each field of OpenAI's and vLLM's request schemas (the names as of vLLM 0.10) is taken
+    with the value a client sends when it asks for nothing special; the no-effect ones are
+    listed as ignored, and chat without max_tokens runs to the context limit."""
+    both = dict(
+        n=1, best_of=1, logprobs=None, top_logprobs=0, presence_penalty=0.0, frequency_penalty=0, logit_bias={}, user="u",
+        metadata={"a": "b"}, store=False, service_tier="auto", use_beam_search=False, length_penalty=1.0,
+        repetition_penalty=1.0, min_tokens=0, bad_words=[], allowed_token_ids=None, prompt_logprobs=None,
+        spaces_between_special_tokens=True, request_id="abc", cache_salt="s", kv_transfer_params=None, vllm_xargs={"k": 1},
+        return_tokens_as_token_ids=False, guided_decoding_backend="auto", guided_json=None, structured_outputs=None,
+        logits_processors=None, response_format={"type": "text"}, skip_special_tokens=True, include_stop_str_in_output=False,
+        truncate_prompt_tokens=None, return_token_ids=False,
+    )  # fmt: skip
+    job = parse(echo=False, suffix="", add_special_tokens=True, prompt_embeds=None, **both)
+    assert set(job.ignored) == {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "request_id", "cache_salt", "vllm_xargs", "return_tokens_as_token_ids", "guided_decoding_backend"}
+    assert job.options == {"skip_special_tokens": True, "include_stop_str_in_output": False}
+    chat = parse(
+        CHAT, tools=[], tool_choice="none", parallel_tool_calls=True, add_generation_prompt=True, continue_final_message=False,
+        chat_template_kwargs={"enable_thinking": False}, documents=None, chat_template=None, mm_processor_kwargs=None,
+        include_reasoning=True, add_special_tokens=False, echo=False, max_completion_tokens=None, **both,
+    )  # fmt: skip
+    assert chat.options["fill_context"] and "max_tokens" not in chat.options
+    assert chat.options["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "parallel_tool_calls" in chat.ignored and "include_reasoning" in chat.ignored
+    assert "fill_context" not in parse(CHAT, max_tokens=5).options and "fill_context" not in parse().options
+    stream = parse(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert stream.include_usage and stream.continuous_usage
+    assert not parse(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage  # only with include_usage
+    refused(400, "chat_template_kwargs", CHAT, chat_template_kwargs={"x": "a" * 40000})
+    refused(400, "add_generation_prompt", COMPLETION, add_generation_prompt=True)  # a chat field on completions
 
 
 def test_model_stream_and_wrong_types() -> None:

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from conveyor.client import Client
+from conveyor.http.app import MAX_BODY_BYTES
 from conveyor.protocol.messages import MAX_CLIENT_MESSAGE_BYTES
 from tests.e2e.serve_harness import (
     LONG_MAX_TOKENS,
@@ -67,7 +68,7 @@ def test_malformed_json_and_wrong_types_are_400_naming_the_field(http_server) ->
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-        ("/v1/completions", {"prompt": "hi", "seed": -1}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
         ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
         ("/v1/completions", {"prompt": "hi", "ignore_eos": "true"}, "ignore_eos"),
         ("/v1/completions", {"prompt": "hi", "priority": 1.5}, "priority"),
@@ -95,7 +96,7 @@ def test_unsupported_unknown_and_oversized(http_server) -> None:
     assert_error(request(http_server, "POST", "/v1/completions", big), 413, code="request_too_large")
     # just under the limit: the body is taken, and the frontend judges the prompt (too long for the model)
     fits = json.dumps({"model": model, "prompt": "a"}).encode()
-    near = fits.replace(b'"a"', b'"' + b"a " * ((MAX_CLIENT_MESSAGE_BYTES - 4096 - len(fits)) // 2) + b'"')
+    near = fits.replace(b'"a"', b'"' + b"a " * ((MAX_BODY_BYTES - len(fits)) // 2) + b'"')
     assert_error(request(http_server, "POST", "/v1/completions", raw=near), 400, "prompt")
 
 

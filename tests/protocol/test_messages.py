@@ -65,7 +65,8 @@ def test_priority_is_an_optional_integer() -> None:
         (gen(top_p=1.5), "'top_p'"),
         (gen(top_k=-1), "'top_k'"),
         (gen(min_p=2), "'min_p'"),
-        (gen(seed=-1), "'seed'"),
+        (gen(seed=-2**63 - 1), "'seed'"),
+        (gen(seed=2**64), "'seed'"),
         (gen(seed="x"), "'seed'"),
         (gen(stop=[""]), "'stop'"),
         (gen(stop=[1]), "'stop'"),
@@ -258,3 +259,26 @@ def test_a_refused_generate_without_an_id_names_none(fields) -> None:
     with pytest.raises(cp.ProtocolError) as exc:
         cp.parse_client_message(msg)
     assert exc.value.request_id is None
+
+
+def test_frontend_fields_parse_with_their_defaults() -> None:
+    req = cp.parse_client_message(gen())
+    assert (req.fill_context, req.truncate_prompt_tokens, req.skip_special_tokens, req.include_stop_str_in_output) == (False, None, True, False)
+    chat = {**gen(prompt=None), "messages": [{"role": "user", "content": "hi"}]}
+    req = cp.parse_client_message(chat)
+    assert (req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs) == (True, False, {})
+    req = cp.parse_client_message({**chat, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}})
+    assert (req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs) == (False, True, {"enable_thinking": False})
+    assert cp.parse_client_message(gen(fill_context=True)).fill_context
+    assert not cp.parse_client_message(gen(fill_context=True, max_tokens=3)).fill_context  # an explicit max_tokens wins
+
+
+def test_template_kwargs_are_bounded() -> None:
+    chat = {**gen(prompt=None), "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(cp.ProtocolError, match="'chat_template_kwargs' exceeds"):
+        cp.parse_client_message({**chat, "chat_template_kwargs": {"x": "a" * cp.MAX_TEMPLATE_KWARGS_BYTES}})
+
+
+def test_seeds_map_to_their_64_bit_pattern() -> None:
+    for seed, stored in ((-1, -1), (2**64 - 1, -1), (2**63, -(2**63)), (2**63 - 1, 2**63 - 1), (0, 0)):
+        assert cp.parse_client_message(gen(seed=seed)).sampling.seed == stored

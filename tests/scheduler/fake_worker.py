@@ -82,6 +82,7 @@ class FakeWorker:
         self.num_computed_at_arrival: dict[str, list[int]] = {}  # request id -> per NewRequestData
         self.num_tokens_computed = 0
         self.last_failed = False  # the last step failed: a plan planned ahead of it fails too
+        self.num_block_copies = 0
         self.never_taken: set[int] = set()  # slots given in plans failed unrun, not dropped since
 
     def token_for(self, request_id: str, position: int) -> int:
@@ -118,9 +119,19 @@ class FakeWorker:
                 self.never_taken.add(new.slot)
             return StepResult(plan.step_id, [], [], error=f"step {plan.step_id} was planned ahead of a failed step")
 
-        # Copies: all swap-outs, then all swap-ins, before anything is computed. A failing
-        # step fails before them: the scheduler must not trust what they were to copy.
+        # Copies: the forks' block copies, all swap-outs, then all swap-ins, before anything
+        # is computed. A failing step fails before them: the scheduler must not trust what
+        # they were to copy.
         failing = plan.step_id in self.fail_steps
+        dsts = [d for _, d in plan.copy_blocks]
+        assert len(set(dsts)) == len(dsts), f"copy destinations repeat: {plan.copy_blocks}"
+        assert not set(dsts) & {s for s, _ in plan.copy_blocks}, f"a copy destination is a source: {plan.copy_blocks}"
+        for src, dst in plan.copy_blocks:
+            self._check_gpu_id(src)
+            self._check_gpu_id(dst)
+            assert not self.holders.get(dst), f"copy over block {dst}, held by slots {self.holders.get(dst)}"
+            self.num_block_copies += 1
+            self.gpu[dst] = [None] * bs if failing else list(self.gpu.get(src, [None] * bs))
         outs = [d for _, d in plan.swap_out]
         assert len(set(outs)) == len(outs), f"swap-out destinations repeat: {plan.swap_out}"
         ins = [d for _, d in plan.swap_in]

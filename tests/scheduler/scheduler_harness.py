@@ -30,6 +30,7 @@ from conveyor.ipc.messages import (
     StepPlan,
     StepResult,
 )
+from conveyor.scheduler.groups import sequence_id
 from conveyor.scheduler.scheduler import Scheduler
 
 EOS = 0
@@ -82,6 +83,7 @@ class Harness:
         self.outputs: dict[str, list[RequestOutput]] = {}
         self.live_key: dict[str, str] = {}  # request id -> key of its live submission
         self.submissions: dict[str, int] = {}  # request id -> times submitted
+        self.groups: dict[str, list[str]] = {}  # parallel-sampling request id -> its sequence ids
         self.plans: list[StepPlan] = []
         self.inflight: deque[StepPlan] = deque()
         # step id -> {request id: key of the submission the plan scheduled}
@@ -107,17 +109,30 @@ class Harness:
         msg = AddRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, **sampling), 1000.0, priority)
         rejected = self.scheduler.add_request(msg)
         if rejected is None:
-            n = self.submissions.get(request_id, 0)
-            key = request_id if n == 0 else f"{request_id}#{n}"
-            self.submissions[request_id] = n + 1
-            self.rid_of[key] = request_id
-            self.prompts[key] = list(prompt)
-            self.sampling[key] = msg.sampling
-            self.priority[key] = priority
-            self.arrival[key] = self.clock.now
-            self.live_key[request_id] = key
+            num_seqs = msg.sampling.n
+            # A parallel-sampling request: each sequence is a submission of its own.
+            ids = [request_id] if num_seqs == 1 else [sequence_id(request_id, i) for i in range(num_seqs)]
+            if num_seqs > 1:
+                self.groups[request_id] = ids
+            for rid in ids:
+                n = self.submissions.get(rid, 0)
+                key = rid if n == 0 else f"{rid}#{n}"
+                self.submissions[rid] = n + 1
+                self.rid_of[key] = rid
+                self.prompts[key] = list(prompt)
+                self.sampling[key] = msg.sampling
+                self.priority[key] = priority
+                self.arrival[key] = self.clock.now
+                self.live_key[rid] = key
         self.check()
         return rejected
+
+    def live_ids(self, request_id: str) -> set[str]:
+        """The live ids ``request_id`` names: its live sequences for a parallel-sampling request."""
+        if request_id not in self.groups:
+            return {request_id} if request_id in self.live_key else set()
+        # (a sequence id reused by a continuation is a request of its own)
+        return {rid for rid in self.groups[request_id] if self.live_key.get(rid) == rid}
 
     def context(self, key: str) -> list[int]:
         """Prompt + outputs of a finished submission: what a continuation extends."""

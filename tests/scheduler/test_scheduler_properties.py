@@ -122,6 +122,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             prompt = (SYSTEM_PROMPT + [1 + self.n % 900] * prompt_len)[:prompt_len]
         self._add(rid, prompt, prompt_len, total - prompt_len, priority, eos_offset, stop_offset, ignore_eos)
 
+    # (Not under static batching, whose model here knows only requests queued at arrival.)
+    @precondition(lambda self: self.h is not None and self.capacity >= 2 and self.config.batching != "static")
+    @rule(data=st.data(), n=st.integers(2, 4), priority=st.integers(0, 3), eos_offset=st.none() | st.integers(0, 20))
+    def add_parallel(self, data, n, priority, eos_offset) -> None:
+        """A parallel-sampling request: ``n`` sequences of one prompt (each its own tokens)."""
+        total = data.draw(st.integers(2, self.capacity), label="total")
+        prompt_len = data.draw(st.integers(1, total - 1), label="prompt_len")
+        rid = f"r{self.n}"
+        if eos_offset is not None:  # (one of its sequences stops early)
+            self.h.worker.eos_at[f"{rid}/{n - 1}"] = prompt_len + eos_offset
+        self._add(rid, None, prompt_len, total - prompt_len, priority, None, None, False, n=n)
+
     @precondition(lambda self: self.h is not None and self.continuable())
     @rule(data=st.data(), extra=st.integers(1, 6), priority=st.integers(0, 3))
     def continue_finished(self, data, extra, priority) -> None:
@@ -145,7 +157,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _turns(key: str) -> int:
         return 1 if "#" not in key else int(key.split("#")[1]) + 1
 
-    def _add(self, rid, prompt, prompt_len, max_tokens, priority, eos_offset, stop_offset, ignore_eos, new_id=True):
+    def _add(self, rid, prompt, prompt_len, max_tokens, priority, eos_offset, stop_offset, ignore_eos, new_id=True,
+             n=1):
         h = self.h
         if new_id:
             self.n += 1
@@ -155,7 +168,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         waiting_before = h.scheduler.num_waiting
         out = h.add(
             rid, prompt_len=prompt_len, max_tokens=max_tokens, prompt=prompt, priority=priority,
-            stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+            stop_token_ids=stop_ids, ignore_eos=ignore_eos, n=n,
         )
         cfg = self.config
         total = prompt_len + max_tokens
@@ -176,7 +189,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data) -> None:
         rids = data.draw(st.lists(st.sampled_from([f"r{i}" for i in range(self.n)] + ["ghost"]), max_size=3))
-        was_live = {r for r in rids if r in self.h.live_key}
+        was_live = set().union(*(self.h.live_ids(r) for r in rids))
         outs = self.h.abort(*rids)
         assert {o.request_id for o in outs} == was_live
         assert all(o.finish_reason == FinishReason.ABORT for o in outs)
@@ -265,7 +278,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                     )
         for r in sched.state.queue:
             assert r.num_bypassed <= cfg.max_bypass
-            if cfg.max_queue_time and r.status is RequestStatus.WAITING:
+            # (a parallel-sampling request's later sequences queue once its leader was admitted)
+            follower = r.group is not None and r is not r.group.leader
+            if cfg.max_queue_time and r.status is RequestStatus.WAITING and not follower:
                 assert now - r.enqueue_time <= cfg.max_queue_time, f"{r.request_id} waited past max_queue_time"
         return plan
 

@@ -139,6 +139,17 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         "--served-model-name",
         help="the model name clients send and /v1/models lists (default: the --model directory's name; conveyor-demo for the demo)",
     )
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key clients must send as 'Authorization: Bearer <key>' on /v1, /tokenize, /detokenize, /invocations "
+        "(repeat for several; also $CONVEYOR_API_KEY or $VLLM_API_KEY)",
+    )
+    g.add_argument("--api-key-file", help="a file of API keys, one per line (blank lines and lines starting with # skipped)")
+    _switch(g, "--api-key-everywhere", HttpConfig.api_key_everywhere, "with API keys, /health, /metrics and /version need one too")
+    g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+    g.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
 
 
 def _port(text: str) -> int:
@@ -204,7 +215,7 @@ def _print_http_addresses(info: dict) -> None:
 
 def warn_if_exposed(config: ServerConfig) -> None:
     """One line on stderr for each face reachable from other hosts with nobody checked: the
-    client socket without --auth-keys, and the HTTP listeners (they have no authentication)."""
+    client socket without --auth-keys, and the HTTP listeners without --api-key."""
     if config.frontend.auth_keys is None and not transport.is_loopback(config.addresses.client):
         print(
             f"conveyor: WARNING: {config.addresses.client} is reachable from other hosts and --auth-keys is not set: "
@@ -212,10 +223,10 @@ def warn_if_exposed(config: ServerConfig) -> None:
             file=sys.stderr,
             flush=True,
         )
-    if config.http is not None and not transport.is_loopback_host(config.http.http_host):
+    if config.http is not None and not config.http.api_keys and not transport.is_loopback_host(config.http.http_host):
         print(
             f"conveyor: WARNING: the HTTP listeners on {config.http.http_host} are reachable from other hosts "
-            "and have no authentication (put an authenticating proxy in front of them)",
+            "and no --api-key is set: anyone who can connect can use this server",
             file=sys.stderr,
             flush=True,
         )

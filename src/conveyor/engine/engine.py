@@ -129,9 +129,12 @@ class Engine:
         Exactly one input: ``prompt`` (text, tokenized with BOS), ``token_ids`` or chat
         ``messages`` (the checkpoint's chat template). ``sampling``: the generate fields of
         docs/protocol.md (``max_tokens`` (16), ``temperature`` (1.0), ``top_p``, ``top_k``,
-        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, and
-        ``logprobs`` / ``prompt_logprobs``: the number of top log-probabilities, up to
-        ``max_logprobs`` (20), read from :attr:`Request.logprobs` / ``prompt_logprobs``).
+        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, the
+        frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
+        ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs``, and ``logprobs`` / ``prompt_logprobs``: the number of top
+        log-probabilities, up to ``max_logprobs`` (20), read from :attr:`Request.logprobs` /
+        ``prompt_logprobs``).
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
         that was not removed continues it (module docstring).
 
@@ -182,8 +185,8 @@ class Engine:
             scheduler_id,
             prompt_ids,
             len(history) if history is not None else 0,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids),
-            StopStringMatcher(req.stop),
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
+            StopStringMatcher(req.stop, req.include_stop_str_in_output),
             arrival,
             (
                 None if req.sampling.logprobs is None else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),

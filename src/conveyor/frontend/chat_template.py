@@ -27,9 +27,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def render(template: str, messages: list, add_generation_prompt: bool, variables: Mapping[str, str]) -> str:
+def render(template: str, messages: list, add_generation_prompt: bool, variables: Mapping[str, Any]) -> str:
     """The prompt text of ``messages`` under ``template``, with ``variables`` (the named special
-    tokens) defined. ValueError for messages that are not a list of maps, a template that does
+    tokens, and a request's ``chat_template_kwargs``) defined. ValueError for messages that are not a list of maps, a template that does
     not compile, or one that fails while rendering (``raise_exception`` included)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")

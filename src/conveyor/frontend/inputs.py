@@ -11,28 +11,41 @@ either. Pure functions of their arguments: safe on a tokenizer pool thread.
 
 from __future__ import annotations
 
+import msgspec
+
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.protocol import messages as cp
 
 
 def encode_input(tokenizer: Tokenizer, req: cp.GenerateRequest, continuing: bool, release_gil: bool = False) -> list[int]:
     """The request's input as token ids. A continuation's input follows earlier tokens, so
-    no BOS is added to text, and a chat template's leading BOS is dropped. A failure to
-    tokenize (a template error) is the client's input, raised as ProtocolError."""
+    no BOS is added to text, and a chat template's leading BOS is dropped. Messages are
+    rendered with the request's ``add_generation_prompt``, ``continue_final_message`` and
+    ``chat_template_kwargs``; ``truncate_prompt_tokens`` then keeps the input's last k ids
+    (the newest text, as vLLM truncates). A failure to tokenize (a template error) is the
+    client's input, raised as ProtocolError."""
     try:
         if req.prompt is not None:
-            return tokenizer.encode(req.prompt, add_special_tokens=not continuing, release_gil=release_gil)
-        if req.messages is not None:
-            ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, release_gil=release_gil)
+            ids = tokenizer.encode(req.prompt, add_special_tokens=not continuing, release_gil=release_gil)
+        elif req.messages is not None:
+            ids = tokenizer.apply_chat_template(
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                variables=req.chat_template_kwargs,
+                release_gil=release_gil,
+            )
             bos = tokenizer.bos_token_id
             if continuing and ids and bos is not None and ids[0] == bos:
                 ids = ids[1:]
-            return ids
-        return list(req.token_ids)
+        else:
+            ids = list(req.token_ids)
     except cp.ProtocolError:
         raise
     except Exception as exc:
         raise cp.ProtocolError(f"cannot tokenize input: {exc}", req.request_id, cp.INVALID_INPUT) from None
+    k = req.truncate_prompt_tokens
+    return ids[-k:] if k is not None and len(ids) > k else ids
 
 
 def input_chars(req: cp.GenerateRequest) -> int:
@@ -89,8 +102,12 @@ def context_ids(
     ``input_ids``), or ProtocolError when the model cannot run it. Ids the tokenizer made
     are in the model's vocabulary unless the tokenizer has more tokens than the model has
     rows (``tokenizer_vocab_size > vocab_size``), so only then, or for ids the client gave,
-    is each id checked."""
+    is each id checked. A ``fill_context`` request sent without ``max_tokens`` gets the room
+    the context leaves (at least 1, so a context that fills the model is refused for its
+    length) as its ``max_tokens`` here, in ``req.sampling``."""
     check_ids = req.token_ids is not None or tokenizer_vocab_size > vocab_size
     prompt_ids = history + input_ids if history is not None else input_ids
+    if req.fill_context:
+        req.sampling = msgspec.structs.replace(req.sampling, max_tokens=max(1, max_model_len - len(prompt_ids)))
     cp.check_tokenized(req, prompt_ids, vocab_size, max_model_len, check_ids=check_ids)
     return prompt_ids

@@ -17,6 +17,10 @@ What is counted, and when:
   that disconnects counts as abort. Requests refused before that (a bad field, a duplicate
   id, a prompt that fails to tokenize or breaks the context rules) get their error final
   but are not counted.
+- Per request when it ends (vLLM's families): its prompt tokens, its output tokens and its
+  ``max_tokens`` (the value it ran with: a ``fill_context`` request's room), as histograms
+  over token counts; with a final sent, its prefill time (first scheduling to first token),
+  decode time (first token to final) and inference time (first scheduling to final).
 - Histograms, in seconds: time to first token, time per output token ((e2e - ttft) /
   (tokens - 1), requests with at least two tokens), end-to-end latency and queue time, one
   observation per request when its final is sent (a disconnected client's requests have
@@ -65,6 +69,9 @@ REQUEST_LATENCY_BUCKETS_S = (  # end-to-end latency
     960.0, 1920.0,
 )
 QUEUE_TIME_BUCKETS_S = TIME_TO_FIRST_TOKEN_BUCKETS_S  # an idle server queues for microseconds, a loaded one for minutes
+PHASE_TIME_BUCKETS_S = REQUEST_LATENCY_BUCKETS_S  # prefill, decode and inference time of a request
+# Token-count bounds (1-2-5 steps up to a million), for prompt, output and max_tokens per request.
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
 # Names of the counters and histograms in the ``metrics`` reply (the Prometheus names are
 # these with the ``conveyor:`` prefix; counters get ``_total``).
@@ -76,6 +83,12 @@ TIME_PER_OUTPUT_TOKEN = "time_per_output_token_seconds"
 INTER_TOKEN_LATENCY = "inter_token_latency_seconds"
 E2E_REQUEST_LATENCY = "e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "request_queue_time_seconds"
+REQUEST_PREFILL_TIME = "request_prefill_time_seconds"
+REQUEST_DECODE_TIME = "request_decode_time_seconds"
+REQUEST_INFERENCE_TIME = "request_inference_time_seconds"
+REQUEST_PROMPT_TOKENS = "request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "request_generation_tokens"
+REQUEST_MAX_TOKENS = "request_params_max_tokens"
 FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, FinishReason.ERROR)
 # Outputs held back before their inter-token gaps are bucketed (one numpy pass): bounds the
 # memory held (8 bytes an output, plus the lists' own) and the one pass's time (~0.1 ms).
@@ -144,6 +157,12 @@ class FrontendMetrics:
         self.itl = Histogram(TOKEN_GAP_BUCKETS_S)
         self.e2e = Histogram(REQUEST_LATENCY_BUCKETS_S)
         self.queue = Histogram(QUEUE_TIME_BUCKETS_S)
+        self.prefill = Histogram(PHASE_TIME_BUCKETS_S)
+        self.decode = Histogram(PHASE_TIME_BUCKETS_S)
+        self.inference = Histogram(PHASE_TIME_BUCKETS_S)
+        self.request_prompt = Histogram(TOKEN_COUNT_BUCKETS)
+        self.request_generation = Histogram(TOKEN_COUNT_BUCKETS)
+        self.request_max_tokens = Histogram(TOKEN_COUNT_BUCKETS)
         self._held: list[tuple[list[int], int]] = []  # (previous output times, when delivered) per call
         self._num_held = 0
 
@@ -179,15 +198,30 @@ class FrontendMetrics:
         self.generation_tokens += num_tokens
         self.itl.observe_zeros(num_tokens)
 
-    def request_finished(self, reason: str, timing: dict[str, float | None] | None, num_tokens: int) -> None:
-        """A request ended with ``reason``; ``timing`` is its final's (seconds: ``queue_time``,
-        ``ttft``, ``total``), None when no final was sent (its client is gone)."""
+    def request_finished(
+        self, reason: str, timing: dict[str, float | None] | None, num_tokens: int, prompt_tokens: int = 0, max_tokens: int = 0
+    ) -> None:
+        """A request ended with ``reason`` after ``num_tokens`` output tokens, with a context of
+        ``prompt_tokens`` (0: never tokenized) and ``max_tokens`` (0: never admitted; neither is
+        then observed); ``timing`` is its final's (seconds: ``queue_time``, ``ttft``,
+        ``total``), None when no final was sent (its client is gone)."""
         self.finished[reason] = self.finished.get(reason, 0) + 1
+        if prompt_tokens:
+            self.request_prompt.observe(prompt_tokens)
+            self.request_generation.observe(num_tokens)
+        if max_tokens:
+            self.request_max_tokens.observe(max_tokens)
         if timing is None:
             return
         queue, ttft, total = timing["queue_time"], timing["ttft"], timing["total"]
         if queue is not None:
             self.queue.observe(queue)
+            if ttft is not None:
+                self.prefill.observe(max(0.0, ttft - queue))
+            if total is not None:
+                self.inference.observe(max(0.0, total - queue))
+        if ttft is not None and total is not None:
+            self.decode.observe(max(0.0, total - ttft))
         if ttft is not None:
             self.ttft.observe(ttft)
             if num_tokens > 1 and total is not None:
@@ -211,5 +245,11 @@ class FrontendMetrics:
                 INTER_TOKEN_LATENCY: self.itl.to_map(),
                 E2E_REQUEST_LATENCY: self.e2e.to_map(),
                 REQUEST_QUEUE_TIME: self.queue.to_map(),
+                REQUEST_PREFILL_TIME: self.prefill.to_map(),
+                REQUEST_DECODE_TIME: self.decode.to_map(),
+                REQUEST_INFERENCE_TIME: self.inference.to_map(),
+                REQUEST_PROMPT_TOKENS: self.request_prompt.to_map(),
+                REQUEST_GENERATION_TOKENS: self.request_generation.to_map(),
+                REQUEST_MAX_TOKENS: self.request_max_tokens.to_map(),
             },
         }

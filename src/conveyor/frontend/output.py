@@ -283,7 +283,7 @@ class OutputPath:
             "total": now - state.arrival_time,
         }
         self._record_request(timing, len(state.token_ids))
-        self.metrics.request_finished(reason, timing, len(state.token_ids))
+        self.metrics.request_finished(reason, timing, len(state.token_ids), state.prompt_len, state.max_tokens)
         self._sessions.remember(state.key, state.prompt_ids, state.history_len, state.token_ids, reason)
         reply = final_reply(
             state.request_id,

@@ -39,6 +39,7 @@ class RequestState:
     prompt_ids: list[int] = field(default_factory=list)  # the whole context, earlier turns included
     history_len: int = 0  # how much of prompt_ids a continued request's earlier turns make up
     cached_tokens: int = 0  # prompt tokens whose KV the scheduler reused
+    max_tokens: int = 0  # the max_tokens it runs with (set when admitted; 0 before)
     pending: bool = False  # prompt still tokenizing in the pool: the scheduler has not seen it
     delta_head: bytes = b""  # set from request_id: every delta's bytes up to its text
     has_stop: bool = False  # set from stop: the request has stop strings to look for

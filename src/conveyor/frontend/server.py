@@ -395,7 +395,7 @@ class Frontend:
             prompt_len=0,
             arrival_time=arrival,
             detokenizer=None,
-            stop=StopStringMatcher(req.stop),
+            stop=StopStringMatcher(req.stop, req.include_stop_str_in_output),
             client_key=key,
             fd=fd,
         )
@@ -469,8 +469,9 @@ class Frontend:
             self.sessions.take(state.key)  # back (extended) when this turn finishes
         state.prompt_ids = prompt_ids
         state.prompt_len = len(prompt_ids)
+        state.max_tokens = req.sampling.max_tokens
         state.history_len = len(history) if history is not None else 0
-        state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
         state.set_logprobs(req.sampling, self.tokenizer)
         state.pending = False
         self.requests[state.scheduler_id] = state
@@ -492,7 +493,7 @@ class Frontend:
         """Untrack the requests of a client that is gone (no final) and abort those the scheduler has."""
         for state in states:
             self._untrack(state)
-            self.metrics.request_finished(FinishReason.ABORT, None, len(state.token_ids))
+            self.metrics.request_finished(FinishReason.ABORT, None, len(state.token_ids), state.prompt_len, state.max_tokens)
         admitted = [s.scheduler_id for s in states if not s.pending]
         if admitted:
             self._abort_at_scheduler(admitted)

@@ -11,7 +11,8 @@ Invariants:
   longest one, and the cost of a ``feed`` depends on ``delta`` and the stop strings only,
   never on the length of the text so far.
 - Concatenating everything returned (by ``feed`` and ``flush``) gives the full text cut
-  at the earliest match of any stop string (the match itself excluded), or the full text.
+  at the earliest match of any stop string (the match itself excluded, or included when
+  ``include_stop`` is set: a request's ``include_stop_str_in_output``), or the full text.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from collections.abc import Iterable
 class StopStringMatcher:
     """Cuts one request's text at its first stop string; empty strings in ``stop`` are ignored."""
 
-    def __init__(self, stop: Iterable[str]) -> None:
+    def __init__(self, stop: Iterable[str], include_stop: bool = False) -> None:
         self._stop = [s for s in dict.fromkeys(stop) if s]
+        self._include = include_stop
         self._held = ""
         self._stopped = False
         # Every match and every held-back tail starts with the first character of a stop string:
@@ -50,12 +52,12 @@ class StopStringMatcher:
         if self._firsts.isdisjoint(text):  # no match and nothing to hold back
             self._held = ""
             return text, False
-        match = self._earliest_match(text)
+        match, end = self._earliest_match(text)
         candidate = self._earliest_candidate(text)
         if match is not None and match <= candidate:
             self._held = ""
             self._stopped = True
-            return text[:match], True
+            return text[:end], True
         self._held = text[candidate:]
         return text[:candidate], False
 
@@ -64,19 +66,23 @@ class StopStringMatcher:
         if self._stopped:
             return ""
         text, self._held = self._held, ""
-        match = self._earliest_match(text)
+        match, end = self._earliest_match(text)
         if match is not None:
             self._stopped = True
-            return text[:match]
+            return text[:end]
         return text
 
-    def _earliest_match(self, text: str) -> int | None:
-        best = None
+    def _earliest_match(self, text: str) -> tuple[int | None, int]:
+        """Where the earliest match starts (None: no match) and where the text it leaves ends
+        (the match's start, or its end with ``include_stop``; the longest stop string wins a tie)."""
+        best, end = None, 0
         for s in self._stop:
             i = text.find(s)
-            if i >= 0 and (best is None or i < best):
-                best = i
-        return best
+            if i >= 0 and (best is None or i < best or (i == best and i + len(s) > end)):
+                best, end = i, i + len(s)
+        if best is None or not self._include:
+            return best, best or 0
+        return best, end
 
     def _earliest_candidate(self, text: str) -> int:
         """Start of the longest tail of ``text`` that is a proper prefix of a stop string (``len(text)`` if none)."""

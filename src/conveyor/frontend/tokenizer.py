@@ -380,8 +380,20 @@ class Tokenizer:
         """The template ``render_chat`` uses: the only one, or the one named ``default``."""
         return self._chat_templates.get("default")
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``, as transformers' ``apply_chat_template(..., tokenize=False)``."""
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for ``messages``, as transformers' ``apply_chat_template(...,
+        tokenize=False)``: ``variables`` are extra template variables (a request's
+        ``chat_template_kwargs``; they win over the special tokens' names, as there), and
+        ``continue_final_message`` cuts the text right after the last message's content, so
+        the model continues that message instead of starting a new one (ValueError when the
+        template does not write that content as it is)."""
         template = self.chat_template
         if template is None:
             if self._chat_templates:
@@ -393,16 +405,30 @@ class Tokenizer:
                 f"the tokenizer in {self._source} has no chat template (no chat_template in tokenizer_config.json, "
                 "no chat_template.jinja): send a text prompt or token ids instead of messages"
             )
-        return chat_template.render(template, messages, add_generation_prompt, self._special_tokens)
+        names = {**self._special_tokens, **variables} if variables else self._special_tokens
+        text = chat_template.render(template, messages, add_generation_prompt, names)
+        if continue_final_message:
+            final = str(messages[-1].get("content") or "").strip()
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise ValueError("continue_final_message: the chat template does not write the final message's content as it is")
+            text = text[: end + len(final)]
+        return text
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, *, release_gil: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
+        release_gil: bool = False,
     ) -> list[int]:
         """Token ids of :meth:`render_chat`'s text; no special tokens beyond those the template writes.
 
         ``release_gil`` as in :meth:`encode` (the template itself renders in Python, holding it).
         """
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message, variables=variables)
         return self.encode(text, add_special_tokens=False, release_gil=release_gil)
 
 

@@ -1,8 +1,17 @@
 """The aiohttp applications of the HTTP process: the OpenAI API and the metrics-only one.
 
 :func:`api_app` serves ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``, ``GET /health`` and ``GET /metrics``; :func:`metrics_app` (the
-``--metrics-port`` listener) ``/metrics`` and ``/health`` alone. Every error, aiohttp's own
+``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
+``POST /invocations`` (a completion or a chat request, told apart by the body's
+``prompt`` or ``messages``, as vLLM routes it), ``GET /version``, ``GET /health`` and ``GET
+/metrics``; :func:`metrics_app` (the ``--metrics-port`` listener) ``/metrics`` and
+``/health`` alone.
+
+API keys (``--api-key``, :class:`Access`): when the server has any, every route but
+:data:`OPEN_PATHS` (``/health``, ``/metrics``, ``/version``; those too with
+``--api-key-everywhere``) needs ``Authorization: Bearer <key>``; anything else is a 401
+with the OpenAI error object. Keys are compared in constant time
+(:func:`hmac.compare_digest`, every key tried) so the time taken says nothing about them. Every error, aiohttp's own
 included (unknown path 404, wrong method 405, body over the limit 413), leaves as the OpenAI
 error object (:mod:`conveyor.http.errors`) through :func:`error_middleware`.
 
@@ -15,24 +24,29 @@ here is never refused by the frontend for its size.
 
 from __future__ import annotations
 
+import hmac
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import prometheus_client
 from aiohttp import web
 
+from conveyor import __version__
 from conveyor.http import prometheus
-from conveyor.http.errors import ApiError, unavailable
+from conveyor.http.errors import ApiError, bad_field, unavailable
 from conveyor.http.generation import respond
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import CHAT, COMPLETION, parse_request
 from conveyor.http.openai_responses import json_encode
-from conveyor.protocol.messages import MAX_CLIENT_MESSAGE_BYTES
+from conveyor.http.tokens import Tokens
+from conveyor.protocol.messages import MAX_CLIENT_MESSAGE_BYTES, MAX_TEMPLATE_KWARGS_BYTES
 
 log = logging.getLogger("conveyor.http")
 
-BODY_HEADROOM_BYTES = 4096
+BODY_HEADROOM_BYTES = 4096 + MAX_TEMPLATE_KWARGS_BYTES  # chat_template_kwargs may grow when packed
 MAX_BODY_BYTES = MAX_CLIENT_MESSAGE_BYTES - BODY_HEADROOM_BYTES
 # A scrape waits this long for the frontend's metrics and the scheduler's stats.
 SCRAPE_TIMEOUT_S = 5.0
@@ -41,6 +55,34 @@ LINK = web.AppKey("link", FrontendLink)
 MODEL = web.AppKey("model", str)
 MAX_MODEL_LEN = web.AppKey("max_model_len", int)
 CREATED = web.AppKey("created", int)
+TOKENS = web.AppKey("tokens", Tokens)
+ACCESS = web.AppKey("access", object)
+# Routes open without a key unless --api-key-everywhere.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Most tokens one /tokenize or /detokenize call handles (the model length bounds real use).
+MAX_TOKENIZE_IDS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may call: ``keys`` (none: everyone), and whether :data:`OPEN_PATHS` need one too."""
+
+    keys: tuple[bytes, ...] = ()
+    everywhere: bool = False
+
+    @classmethod
+    def of(cls, keys: Sequence[str], everywhere: bool = False) -> Access:
+        return cls(tuple(k.encode() for k in keys), everywhere)
+
+    def allows(self, request: web.Request) -> bool:
+        if not self.keys or (request.path in OPEN_PATHS and not self.everywhere):
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        matched = False
+        for key in self.keys:  # every key compared, in constant time each
+            matched |= hmac.compare_digest(given, key)
+        return matched
 
 _json_decode = msgspec.json.Decoder().decode
 
@@ -51,8 +93,11 @@ def error_response(error: ApiError) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Every failure as the OpenAI error object with its status (cancellation passes through)."""
+    """Every failure as the OpenAI error object with its status (cancellation passes through);
+    a request without a valid key (when keys are set) goes no further than here."""
     try:
+        if not request.app[ACCESS].allows(request):
+            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key", type="invalid_request_error")
         return await handler(request)
     except ApiError as exc:
         return error_response(exc)
@@ -89,16 +134,102 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, CHAT)
 
 
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """A completion or a chat request by the body's shape (``messages`` or ``prompt``)."""
+    body = await _body(request)
+    if isinstance(body, dict) and "messages" in body:
+        kind = CHAT
+    elif isinstance(body, dict) and "prompt" in body:
+        kind = COMPLETION
+    else:
+        raise ApiError(400, "/invocations takes a chat body (with 'messages') or a completion body (with 'prompt')")
+    return await _respond(request, kind, body)
+
+
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    return await _respond(request, kind, await _body(request))
+
+
+async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResponse:
     app = request.app
-    job = parse_request(kind, await _body(request), app[MODEL])
-    return await respond(request, app[LINK], job, app[MODEL])
+    job = parse_request(kind, body, app[MODEL])
+    return await respond(request, app[LINK], job, app[MODEL], app[TOKENS])
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=json_encode(obj), content_type="application/json")
+
+
+def _card(app: web.Application) -> dict[str, Any]:
+    return {"id": app[MODEL], "object": "model", "created": app[CREATED], "owned_by": "conveyor", "max_model_len": app[MAX_MODEL_LEN]}
 
 
 async def models(request: web.Request) -> web.Response:
+    return _json({"object": "list", "data": [_card(request.app)]})
+
+
+async def model_card(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}``: the served model's card, or a 404 error object."""
+    name = request.match_info["model"]
+    if name != request.app[MODEL]:
+        raise ApiError(404, f"the model '{name}' does not exist; this server serves '{request.app[MODEL]}'", param="model", code="model_not_found")
+    return _json(_card(request.app))
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": __version__})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``POST /tokenize``: ``{prompt}`` or ``{messages}`` (vLLM's body, with its
+    ``add_special_tokens``, ``add_generation_prompt``, ``continue_final_message``,
+    ``chat_template_kwargs``) -> ``{tokens, count, max_model_len}``: the ids a generate
+    request with that input would run on (:meth:`Tokens.prompt_ids`)."""
     app = request.app
-    card = {"id": app[MODEL], "object": "model", "created": app[CREATED], "owned_by": "conveyor", "max_model_len": app[MAX_MODEL_LEN]}
-    return web.Response(body=json_encode({"object": "list", "data": [card]}), content_type="application/json")
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    fields = {"prompt": (str,), "messages": (list,), "model": (str,), "add_special_tokens": (bool,), "add_generation_prompt": (bool,), "continue_final_message": (bool,), "chat_template_kwargs": (dict,), "return_token_strs": (bool,)}
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise bad_field(unknown[0], f"unrecognized request field(s): {', '.join(map(repr, unknown))}")
+    if body.get("model") is not None and body["model"] != app[MODEL]:
+        raise ApiError(404, f"the model '{body['model']}' does not exist; this server serves '{app[MODEL]}'", param="model", code="model_not_found")
+    chat = body.get("messages") is not None
+    options = {k: body[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs") if body.get(k) is not None}
+    if chat:
+        job = parse_request(CHAT, {"model": app[MODEL], "messages": body["messages"], **options}, app[MODEL])
+    else:
+        if options:
+            raise bad_field(sorted(options)[0], f"'{sorted(options)[0]}' applies to 'messages' only")
+        job = parse_request(COMPLETION, {"model": app[MODEL], "prompt": body.get("prompt")}, app[MODEL])
+        if len(job.inputs) != 1:
+            raise bad_field("prompt", "'prompt' must be one string (or one array of token ids)")
+    tokens = app[TOKENS]
+    add_special = body.get("add_special_tokens")
+    if chat and add_special:
+        raise bad_field("add_special_tokens", "'add_special_tokens' with 'messages': only false or null is accepted (the template writes them)")
+    if add_special is False and "prompt" in job.inputs[0]:
+        ids = (await tokens.tokenizer()).encode(job.inputs[0]["prompt"], add_special_tokens=False)
+    else:
+        ids = await tokens.prompt_ids(job.inputs[0], {k: v for k, v in job.options.items() if k != "fill_context"})
+    reply: dict[str, Any] = {"count": len(ids), "max_model_len": app[MAX_MODEL_LEN], "tokens": ids}
+    if body.get("return_token_strs"):
+        reply["token_strs"] = (await tokens.tokenizer()).convert_ids_to_tokens(ids)
+    return _json(reply)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """``POST /detokenize``: ``{tokens}`` -> ``{prompt}``, the ids decoded as they are."""
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if body.get("model") is not None and body["model"] != request.app[MODEL]:
+        raise ApiError(404, f"the model '{body['model']}' does not exist", param="model", code="model_not_found")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or len(ids) > MAX_TOKENIZE_IDS or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_field("tokens", f"'tokens' must be an array of at most {MAX_TOKENIZE_IDS} token ids")
+    return _json({"prompt": await request.app[TOKENS].decode(ids)})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -121,31 +252,44 @@ async def metrics(request: web.Request) -> web.Response:
         stats = await link.stats(SCRAPE_TIMEOUT_S)
     except Exception:
         stats = None
-    body = prometheus.exposition(frontend_metrics, stats)
+    body = prometheus.exposition(frontend_metrics, stats, request.app[MODEL])
     return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 
-def _app(link: FrontendLink, model: str, max_model_len: int, created: int) -> web.Application:
+def _app(
+    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None, access: Access | None
+) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
     app[LINK] = link
     app[MODEL] = model
     app[MAX_MODEL_LEN] = max_model_len
     app[CREATED] = created
+    app[TOKENS] = tokens or Tokens(None)
+    app[ACCESS] = access or Access()
     return app
 
 
-def api_app(link: FrontendLink, model: str, max_model_len: int, created: int) -> web.Application:
-    app = _app(link, model, max_model_len, created)
+def api_app(
+    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None
+) -> web.Application:
+    app = _app(link, model, max_model_len, created, tokens, access)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model_card)
+    app.router.add_post("/invocations", invocations)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
 
 
-def metrics_app(link: FrontendLink, model: str, max_model_len: int, created: int) -> web.Application:
-    app = _app(link, model, max_model_len, created)
+def metrics_app(
+    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None
+) -> web.Application:
+    app = _app(link, model, max_model_len, created, tokens, access)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -8,6 +8,13 @@ model or a full queue is a 400 / 404 / 429 with the OpenAI error object, not a 2
 turns into an error event. A failure after that (a process died) is sent as an error event
 followed by ``[DONE]``.
 
+Fields beyond the text (:class:`GenerationJob`): ``echo`` starts each choice's text with its
+prompt (the string sent, or a token-id prompt decoded), ``return_token_ids`` adds the token
+ids, ``continuous_usage_stats`` the usage so far to every chunk; the prompt's ids these need
+come from the HTTP process's tokenizer (:mod:`conveyor.http.tokens`), asked only when a
+request needs them. The body's ignored fields are named in the ``x-conveyor-ignored-fields``
+header and a log line.
+
 Disconnects: the app runs with aiohttp's handler cancellation, so a client that goes away
 cancels the handler; the cancellation reaches the AsyncClient call (or, for several
 inputs, every task the handler started, which are always cancelled and awaited on the way
@@ -19,6 +26,7 @@ the garbage collector.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,23 +38,54 @@ from aiohttp import web
 from conveyor.client import CompletionResult, Delta
 from conveyor.http.errors import ApiError, from_final_error
 from conveyor.http.link import FrontendLink, api_error
-from conveyor.http.openai_requests import CHAT, GenerationJob
-from conveyor.http.openai_responses import DONE, ChunkEncoder, completion_body, json_encode, response_id
+from conveyor.http.openai_requests import CHAT, COMPLETION, GenerationJob
+from conveyor.http.openai_responses import DONE, ChunkEncoder, completion_body, json_encode, response_id, usage_so_far
+from conveyor.http.tokens import Tokens
 from conveyor.ipc.messages import FinishReason
 
+log = logging.getLogger("conveyor.http")
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+IGNORED_FIELDS_HEADER = "x-conveyor-ignored-fields"
 
 
-async def respond(request: web.Request, link: FrontendLink, job: GenerationJob, model: str) -> web.StreamResponse:
+class _Prompts:
+    """What a job needs of its prompts: their ids (``return_token_ids``, continuous usage)
+    and the texts ``echo`` puts in front (None where not asked)."""
+
+    def __init__(self, ids: list[list[int]] | None, echoes: list[str] | None) -> None:
+        self.ids = ids
+        self.echoes = echoes
+
+
+async def _prompts(job: GenerationJob, tokens: Tokens) -> _Prompts:
+    ids = None
+    if job.return_token_ids or job.continuous_usage:
+        ids = [await tokens.prompt_ids(inp, job.options) for inp in job.inputs]
+    echoes = None
+    if job.echo and job.kind == COMPLETION:
+        echoes = [inp["prompt"] if "prompt" in inp else await tokens.decode(inp["token_ids"]) for inp in job.inputs]
+    return _Prompts(ids, echoes)
+
+
+async def respond(request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tokens: Tokens) -> web.StreamResponse:
     """The HTTP answer to ``job``; :class:`ApiError` for a failure known before it starts."""
     await link.require_started()
     rid = response_id(job.kind, uuid.uuid4().hex)
     created = int(time.time())
+    headers = {}
+    if job.ignored:
+        headers[IGNORED_FIELDS_HEADER] = ",".join(job.ignored)
+        log.info("%s: ignored request field(s) with no effect here: %s", rid, ", ".join(job.ignored))
+    prompts = await _prompts(job, tokens)
     if job.stream:
-        return await _stream(request, link, job, ChunkEncoder(job.kind, rid, created, model, job.include_usage))
+        enc = ChunkEncoder(job.kind, rid, created, model, job.include_usage)
+        return await _stream(request, link, job, enc, prompts, headers)
     results = await _generate_all(link, job)
-    body = json_encode(completion_body(job.kind, rid, created, model, results))
-    return web.Response(body=body, content_type="application/json")
+    texts = None if prompts.echoes is None else [e + r.text for e, r in zip(prompts.echoes, results)]
+    prompt_ids = prompts.ids if job.return_token_ids else None
+    body = json_encode(completion_body(job.kind, rid, created, model, results, texts=texts, prompt_ids=prompt_ids))
+    return web.Response(body=body, content_type="application/json", headers=headers)
 
 
 def _checked(result: CompletionResult) -> CompletionResult:
@@ -105,7 +144,9 @@ async def _replies(link: FrontendLink, job: GenerationJob) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream(request: web.Request, link: FrontendLink, job: GenerationJob, enc: ChunkEncoder) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, link: FrontendLink, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, headers: dict[str, str]
+) -> web.StreamResponse:
     n = len(job.inputs)
     finals: list[CompletionResult | None] = [None] * n
     async with aclosing(_replies(link, job)) as replies:
@@ -123,22 +164,23 @@ async def _stream(request: web.Request, link: FrontendLink, job: GenerationJob, 
             raise
         except Exception as exc:
             raise api_error(exc) from exc
-        response = web.StreamResponse(headers=SSE_HEADERS)
+        response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         await response.prepare(request)
         out = bytearray()
         if job.kind == CHAT:
             for index in range(n):
                 out += enc.role(index)
+        encode = _Encoder(job, enc, prompts, finals, out)
         left = n
         try:
             for index, delta in first:
-                left -= _encode(enc, index, delta, finals, out)
+                left -= encode(index, delta)
             while left:
                 if out:
                     await response.write(bytes(out))
                     out.clear()
                 index, delta = await anext(replies)
-                left -= _encode(enc, index, delta, finals, out)
+                left -= encode(index, delta)
         except ApiError as exc:
             out += enc.error(exc) + DONE
             await response.write(bytes(out))
@@ -155,13 +197,50 @@ async def _stream(request: web.Request, link: FrontendLink, job: GenerationJob, 
     return response
 
 
-def _encode(enc: ChunkEncoder, index: int, delta: Delta, finals: list[CompletionResult | None], out: bytearray) -> int:
-    """Append ``delta``'s events to ``out``; 1 when it was its input's final (ApiError if
-    that final is an error)."""
-    if delta.text:
-        out += enc.text(index, delta.text)
-    if delta.result is None:
-        return 0
-    finals[index] = _checked(delta.result)
-    out += enc.finish(index, delta.result.finish_reason)
-    return 1
+class _Encoder:
+    """Appends each delta's events to ``out``. The plain path (text only) is
+    :meth:`ChunkEncoder.text`; a job with ``echo``, ``return_token_ids`` or continuous usage
+    builds its chunks as dicts with those fields (:meth:`ChunkEncoder.chunk`)."""
+
+    def __init__(
+        self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, finals: list[CompletionResult | None], out: bytearray
+    ) -> None:
+        self.enc, self.finals, self.out = enc, finals, out
+        self.prompts = prompts
+        self.token_ids = job.return_token_ids
+        self.continuous = job.continuous_usage
+        self.plain = not (self.token_ids or self.continuous or prompts.echoes is not None)
+        self.started = [False] * len(finals)
+        self.generated = [0] * len(finals)
+
+    def __call__(self, index: int, delta: Delta) -> int:
+        """1 when ``delta`` was its input's final (ApiError if that final is an error)."""
+        if self.plain:
+            if delta.text:
+                self.out += self.enc.text(index, delta.text)
+        elif delta.text or delta.token_ids or not self.started[index]:
+            self.out += self._detailed(index, delta)
+        if delta.result is None:
+            return 0
+        self.finals[index] = result = _checked(delta.result)
+        self.out += self.enc.finish(index, result.finish_reason, None, self._usage(index))
+        return 1
+
+    def _detailed(self, index: int, delta: Delta) -> bytes:
+        text = delta.text
+        extra: dict[str, Any] = {}
+        if not self.started[index]:
+            self.started[index] = True
+            if self.prompts.echoes is not None:
+                text = self.prompts.echoes[index] + text
+            if self.token_ids and self.enc.kind != CHAT:
+                extra["prompt_token_ids"] = self.prompts.ids[index]  # type: ignore[index]
+        if self.token_ids:
+            extra["token_ids"] = list(delta.token_ids)
+        self.generated[index] += len(delta.token_ids)
+        return self.enc.chunk(index, text, None, extra, self._usage(index))
+
+    def _usage(self, index: int) -> dict[str, int] | None:
+        if not self.continuous:
+            return None
+        return usage_so_far(len(self.prompts.ids[index]), self.generated[index])  # type: ignore[index]

@@ -6,6 +6,10 @@ free one). It needs no other process: bin/serve starts it beside the worker and 
 frontend, and until the server answers it refuses generation with 503 (see
 :mod:`conveyor.http.link`).
 
+TLS: with ``ssl_certfile``/``ssl_keyfile`` every listener serves HTTPS (the certificate is
+loaded at start, so a bad file fails the start with the reason) and the ready URLs say
+``https``.
+
 Shutdown: SIGTERM (from bin/serve, or the kernel when bin/serve dies) stops listening and
 gives requests in flight :data:`SHUTDOWN_TIMEOUT_S` to end (when a process died the
 frontend has failed them already, so their error reaches the client), then cancels the rest.
@@ -16,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import ssl
 import time
 
 from aiohttp import web
 
-from conveyor.http.app import api_app, metrics_app
+from conveyor.http.app import Access, api_app, metrics_app
 from conveyor.http.link import FrontendLink
+from conveyor.http.tokens import Tokens
 from conveyor.runtime.config import HttpConfig
 from conveyor.runtime.process import Started, run_process
 
@@ -42,9 +48,16 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url(sock: socket.socket) -> str:
+def url(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def ssl_context(certfile: str, keyfile: str) -> ssl.SSLContext:
+    """A server TLS context with the certificate chain (OSError/SSLError for a bad file)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certfile, keyfile)
+    return context
 
 
 class HttpServer:
@@ -52,6 +65,7 @@ class HttpServer:
 
     def __init__(self, config: HttpConfig) -> None:
         self.config = config
+        self.ssl = None if config.ssl_certfile is None else ssl_context(config.ssl_certfile, config.ssl_keyfile)  # type: ignore[arg-type]
         self.api_socket = None if config.http_port is None else listen(config.http_host, config.http_port)
         try:
             self.metrics_socket = None if config.metrics_port is None else listen(config.http_host, config.metrics_port)
@@ -61,10 +75,11 @@ class HttpServer:
 
     def ready_info(self) -> dict[str, str]:
         info = {}
+        scheme = "http" if self.ssl is None else "https"
         if self.api_socket is not None:
-            info["api"] = url(self.api_socket)
+            info["api"] = url(self.api_socket, scheme)
         if self.metrics_socket is not None:
-            info["metrics"] = url(self.metrics_socket) + "/metrics"
+            info["metrics"] = url(self.metrics_socket, scheme) + "/metrics"
         return info
 
     async def run(self) -> None:
@@ -73,6 +88,8 @@ class HttpServer:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         link = FrontendLink(self.config.addresses.client, self.config.auth_keys)
         created = int(time.time())
+        tokens = Tokens(self.config.model_dir)
+        access = Access.of(self.config.api_keys, self.config.api_key_everywhere)
         apps = []
         if self.api_socket is not None:
             apps.append((api_app, self.api_socket))
@@ -82,14 +99,14 @@ class HttpServer:
         try:
             for make, sock in apps:
                 runner = web.AppRunner(
-                    make(link, self.config.served_model_name, self.config.max_model_len, created),
+                    make(link, self.config.served_model_name, self.config.max_model_len, created, tokens, access),
                     handler_cancellation=True,  # a client that goes away cancels its handler, and so its request
                     shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                     access_log=None,
                 )
                 await runner.setup()
                 runners.append(runner)
-                await web.SockSite(runner, sock).start()
+                await web.SockSite(runner, sock, ssl_context=self.ssl).start()
             await stop.wait()
         finally:
             await asyncio.gather(*(runner.cleanup() for runner in runners))  # in parallel: one grace period

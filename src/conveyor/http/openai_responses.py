@@ -7,7 +7,8 @@ carries ``"usage": null`` and one last chunk with no choices carries the usage.
 :class:`ChunkEncoder` builds the content chunk, the one sent per token batch of every
 stream, from bytes fixed per response and choice plus the JSON-encoded text, so a token
 costs one string encode; :func:`chunk_object` is the same chunk as a dict (tests hold the
-two equal).
+two equal). Chunks that carry more than the text (``return_token_ids``'s ids, the usage
+so far of ``continuous_usage_stats``) are built as dicts (:meth:`ChunkEncoder.chunk`).
 """
 
 from __future__ import annotations
@@ -45,33 +46,72 @@ def usage(results: list[CompletionResult]) -> dict[str, Any]:
     }
 
 
-def completion_body(kind: str, rid: str, created: int, model: str, results: list[CompletionResult]) -> dict[str, Any]:
-    """The unstreamed answer: one choice per result, in order."""
+def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The usage one streamed chunk carries under ``continuous_usage_stats``: its choice's."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    results: list[CompletionResult],
+    *,
+    texts: list[str] | None = None,
+    prompt_ids: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """The unstreamed answer: one choice per result, in order. ``texts`` replace the
+    results' texts (``echo``); with ``prompt_ids`` (``return_token_ids``) each choice carries
+    its ``token_ids`` and the prompt's (a completion choice its own ``prompt_token_ids``, a
+    chat answer one at the top, as vLLM)."""
+    texts = texts if texts is not None else [r.text for r in results]
     if kind == COMPLETION:
         choices = [
-            {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason} for i, r in enumerate(results)
+            {"index": i, "text": texts[i], "logprobs": None, "finish_reason": r.finish_reason} for i, r in enumerate(results)
         ]
     else:
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None, "finish_reason": r.finish_reason}
+            {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None, "finish_reason": r.finish_reason}
             for i, r in enumerate(results)
         ]
-    return {"id": rid, "object": _OBJECT[kind], "created": created, "model": model, "choices": choices, "usage": usage(results)}
+    body = {"id": rid, "object": _OBJECT[kind], "created": created, "model": model, "choices": choices, "usage": usage(results)}
+    if prompt_ids is not None:
+        for i, (choice, r) in enumerate(zip(choices, results)):
+            choice["token_ids"] = r.token_ids
+            if kind == COMPLETION:
+                choice["prompt_token_ids"] = prompt_ids[i]
+        if kind == CHAT:
+            body["prompt_token_ids"] = prompt_ids[0]
+    return body
 
 
 def chunk_object(
-    kind: str, rid: str, created: int, model: str, index: int, text: str | None, finish_reason: str | None, include_usage: bool
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    include_usage: bool,
+    *,
+    extra: dict[str, Any] | None = None,
+    chunk_usage: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk of choice ``index`` as a dict: ``text`` (None: no content; for
-    chat an empty ``delta``) and/or the choice's ``finish_reason``."""
+    chat an empty ``delta``) and/or the choice's ``finish_reason``; ``extra``: more fields of
+    the choice (token ids); ``chunk_usage``: the usage so far (else null, with ``include_usage``)."""
     if kind == COMPLETION:
         choice: dict[str, Any] = {"index": index, "text": text or ""}
     else:
         choice = {"index": index, "delta": {} if text is None else {"content": text}}
     choice.update(logprobs=None, finish_reason=finish_reason)
+    if extra:
+        choice.update(extra)
     chunk = {"id": rid, "object": _CHUNK_OBJECT[kind], "created": created, "model": model, "choices": [choice]}
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = chunk_usage
     return chunk
 
 
@@ -111,8 +151,25 @@ class ChunkEncoder:
         chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return event(chunk)
 
-    def finish(self, index: int, finish_reason: str) -> bytes:
-        return event(chunk_object(self.kind, self.rid, self.created, self.model, index, None, finish_reason, self.include_usage))
+    def finish(
+        self, index: int, finish_reason: str, extra: dict[str, Any] | None = None, chunk_usage: dict[str, int] | None = None
+    ) -> bytes:
+        return self.chunk(index, None, finish_reason, extra, chunk_usage)
+
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        extra: dict[str, Any] | None = None,
+        chunk_usage: dict[str, int] | None = None,
+    ) -> bytes:
+        """A chunk with more than text (:func:`chunk_object`'s ``extra`` and ``chunk_usage``)."""
+        obj = chunk_object(
+            self.kind, self.rid, self.created, self.model, index, text, finish_reason, self.include_usage,
+            extra=extra, chunk_usage=chunk_usage,
+        )  # fmt: skip
+        return event(obj)
 
     def usage(self, results: list[CompletionResult]) -> bytes:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""

@@ -9,8 +9,14 @@ state between scrapes and the values are exactly what the server reported.
 
 Names follow what operators know from vLLM, under the ``conveyor:`` prefix with the same
 suffixes (Prometheus names may contain ``:``); counters get ``_total`` from
-``prometheus_client``. Histograms are in seconds and their ``le`` buckets are cumulative, as
-Prometheus wants (the ``metrics`` reply's counts are per bucket and are summed up here).
+``prometheus_client``. Every series carries ``model_name`` (the served model name), as
+vLLM's do. The families vLLM also has are exported a second time under vLLM's own names
+(:data:`VLLM_NAMES`: ``vllm:`` + the same suffix; vLLM's total ``num_preemptions`` and its
+older ``gpu_cache_usage_perc`` beside), so a dashboard or alert written for vLLM reads a
+Conveyor server unchanged; Conveyor's own dashboard (docs/grafana/conveyor.json) uses the
+``conveyor:`` names. Time histograms are in seconds, token histograms in tokens; their
+``le`` buckets are cumulative, as Prometheus wants (the replies' counts are per bucket and
+are summed up here).
 """
 
 from __future__ import annotations
@@ -22,7 +28,21 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from conveyor.ipc.messages import ITERATION_TOKEN_BUCKETS
+
 PREFIX = "conveyor:"
+VLLM_PREFIX = "vllm:"
+# Families exported under vLLM's names too (the suffix after the prefix is the same).
+VLLM_NAMES = frozenset(
+    {
+        "num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+        "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success",
+        "time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
+        "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+        "request_decode_time_seconds", "request_inference_time_seconds", "request_prompt_tokens",
+        "request_generation_tokens", "request_params_max_tokens", "iteration_tokens_total",
+    }
+)  # fmt: skip
 # The Content-Type to serve a scrape with: the classic text format, which every Prometheus
 # reads. Our names are all legacy-valid ([a-zA-Z_:][a-zA-Z0-9_:]*), so generate_latest's
 # output is that format in every prometheus_client version (newer ones name it 1.0.0).
@@ -54,64 +74,123 @@ _HISTOGRAM_HELP = {
     "inter_token_latency_seconds": "Gap between consecutive output tokens of a stream as delivered.",
     "e2e_request_latency_seconds": "Time from a request's arrival to its final.",
     "request_queue_time_seconds": "Time from a request's arrival to its first scheduling.",
+    "request_prefill_time_seconds": "Time from a request's first scheduling to its first token.",
+    "request_decode_time_seconds": "Time from a request's first token to its final.",
+    "request_inference_time_seconds": "Time from a request's first scheduling to its final.",
+    "request_prompt_tokens": "Prompt tokens of each finished request (its whole context).",
+    "request_generation_tokens": "Output tokens of each finished request.",
+    "request_params_max_tokens": "The max_tokens each finished request ran with.",
 }
 
 
-def exposition(metrics: dict[str, Any], stats: dict[str, Any] | None) -> bytes:
+def exposition(metrics: dict[str, Any], stats: dict[str, Any] | None, model_name: str) -> bytes:
     """One scrape in the Prometheus text format from a ``metrics`` reply and a ``stats`` reply
-    (``Client.metrics()``, ``Client.stats()``). ``stats`` None (the scheduler did not answer)
-    leaves the scheduler's families out; the frontend's are still there."""
+    (``Client.metrics()``, ``Client.stats()``), every series labelled ``model_name``.
+    ``stats`` None (the scheduler did not answer) leaves the scheduler's families out; the
+    frontend's are still there."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(metrics, stats))
+    registry.register(_Snapshot(metrics, stats, model_name))
     return generate_latest(registry)
 
 
 class _Snapshot:
     """A collector over one pair of replies (the registry asks it once, in ``generate_latest``)."""
 
-    def __init__(self, metrics: dict[str, Any], stats: dict[str, Any] | None) -> None:
+    def __init__(self, metrics: dict[str, Any], stats: dict[str, Any] | None, model_name: str) -> None:
         self._metrics = metrics
         self._stats = stats
+        self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
+        families = list(_frontend_families(self._metrics, self._model))
         if self._stats is not None:
-            yield from _scheduler_families(self._stats)
-        yield from _frontend_families(self._metrics)
+            families[:0] = _scheduler_families(self._stats, self._model)
+        yield from families
+        for family in families:
+            suffix = family.name[len(PREFIX) :]
+            if suffix in VLLM_NAMES:
+                yield _renamed(family, VLLM_PREFIX + suffix)
+        if self._stats is not None:
+            yield from _vllm_only(self._stats, self._model)
 
 
-def _scheduler_families(stats: dict[str, Any]) -> Iterator[Metric]:
-    for field, name, doc in _STATS_GAUGES:
-        yield GaugeMetricFamily(PREFIX + name, doc, value=stats[field])
+def _renamed(family: Metric, name: str) -> Metric:
+    """``family`` under ``name``: the same samples, each sample's name prefix swapped."""
+    copy = Metric(name, family.documentation, family.type)
+    copy.samples = [sample._replace(name=name + sample.name[len(family.name) :]) for sample in family.samples]
+    return copy
+
+
+def _vllm_only(stats: dict[str, Any], model: str) -> Iterator[Metric]:
+    """vLLM's names with no ``conveyor:`` family of their own: the total preemptions (ours
+    are by kind) and the KV cache usage under its older name."""
+    total = CounterMetricFamily(VLLM_PREFIX + "num_preemptions", "Requests preempted.", labels=["model_name"])
+    total.add_metric([model], stats["num_preemptions_swap"] + stats["num_preemptions_recompute"])
+    yield total
+    yield _gauge(VLLM_PREFIX + "gpu_cache_usage_perc", "Fraction of KV cache blocks held by requests.", model, _usage(stats))
+
+
+def _gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
+
+
+def _counter(name: str, doc: str, model: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
+
+
+def _usage(stats: dict[str, Any]) -> float:
     total = stats["total_blocks"]
-    yield GaugeMetricFamily(
-        PREFIX + "kv_cache_usage_perc",
-        "Fraction of KV cache blocks held by requests (0 to 1; cached prefixes count as free).",
-        value=stats["held_blocks"] / total if total else 0.0,
+    return stats["held_blocks"] / total if total else 0.0
+
+
+def _histogram(name: str, doc: str, model: str, bounds: Any, counts: Any, total: float) -> HistogramMetricFamily:
+    """A histogram from per-bucket counts (the last above every bound)."""
+    cumulative, buckets = 0, []
+    for bound, count in zip(bounds, counts):
+        cumulative += count
+        buckets.append((floatToGoString(bound), cumulative))
+    buckets.append(("+Inf", sum(counts)))
+    family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model], buckets, sum_value=total)
+    return family
+
+
+def _scheduler_families(stats: dict[str, Any], model: str) -> Iterator[Metric]:
+    for field, name, doc in _STATS_GAUGES:
+        yield _gauge(PREFIX + name, doc, model, stats[field])
+    yield _gauge(
+        PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0 to 1; cached prefixes count as free).", model, _usage(stats)
     )
     for field, name, doc in _STATS_COUNTERS:
-        yield CounterMetricFamily(PREFIX + name, doc, value=stats[field])
+        yield _counter(PREFIX + name, doc, model, stats[field])
     preemptions = CounterMetricFamily(
-        PREFIX + "num_preemptions", "Requests preempted, by kind (swap to CPU, or recompute).", labels=["kind"]
+        PREFIX + "num_preemptions", "Requests preempted, by kind (swap to CPU, or recompute).", labels=["model_name", "kind"]
     )
-    preemptions.add_metric(["swap"], stats["num_preemptions_swap"])
-    preemptions.add_metric(["recompute"], stats["num_preemptions_recompute"])
+    preemptions.add_metric([model, "swap"], stats["num_preemptions_swap"])
+    preemptions.add_metric([model, "recompute"], stats["num_preemptions_recompute"])
     yield preemptions
-    yield from _replica_families(stats.get("replicas", ()))
+    if stats.get("iteration_token_counts"):
+        yield _histogram(
+            PREFIX + "iteration_tokens_total", "Tokens run by each iteration (prefill and decode together).", model,
+            ITERATION_TOKEN_BUCKETS, stats["iteration_token_counts"], stats["iteration_token_sum"],
+        )  # fmt: skip
+    yield from _replica_families(stats.get("replicas", ()), model)
 
 
-def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
+def _replica_families(replicas: list[dict[str, Any]], model: str) -> Iterator[Metric]:
     """Per data-parallel replica (``stats``' ``replicas``; the families above are their sums):
     whether it is alive, the requests it holds and has been sent, and its KV cache usage."""
-    up = GaugeMetricFamily(PREFIX + "replica_up", "1 while the data-parallel replica serves, 0 once it died.", labels=["replica"])
-    in_flight = GaugeMetricFamily(
-        PREFIX + "replica_requests_in_flight", "Requests the replica holds (sent, not finished).", labels=["replica"]
-    )
-    routed = CounterMetricFamily(PREFIX + "replica_requests_routed", "Requests sent to the replica.", labels=["replica"])
-    usage = GaugeMetricFamily(
-        PREFIX + "replica_kv_cache_usage_perc", "Fraction of the replica's KV cache blocks held by requests.", labels=["replica"]
-    )
+    labels = ["model_name", "replica"]
+    up = GaugeMetricFamily(PREFIX + "replica_up", "1 while the data-parallel replica serves, 0 once it died.", labels=labels)
+    in_flight = GaugeMetricFamily(PREFIX + "replica_requests_in_flight", "Requests the replica holds (sent, not finished).", labels=labels)
+    routed = CounterMetricFamily(PREFIX + "replica_requests_routed", "Requests sent to the replica.", labels=labels)
+    usage = GaugeMetricFamily(PREFIX + "replica_kv_cache_usage_perc", "Fraction of the replica's KV cache blocks held by requests.", labels=labels)
     for replica in replicas:
-        label = [str(replica["replica"])]
+        label = [model, str(replica["replica"])]
         up.add_metric(label, 1 if replica["alive"] else 0)
         in_flight.add_metric(label, replica["in_flight"])
         routed.add_metric(label, replica["routed"])
@@ -121,22 +200,15 @@ def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
         yield from (up, in_flight, routed, usage)
 
 
-def _frontend_families(metrics: dict[str, Any]) -> Iterator[Metric]:
+def _frontend_families(metrics: dict[str, Any], model: str) -> Iterator[Metric]:
     counters = metrics["counters"]
     for name, doc in _COUNTER_HELP.items():
-        yield CounterMetricFamily(PREFIX + name, doc, value=counters[name])
+        yield _counter(PREFIX + name, doc, model, counters[name])
     success = CounterMetricFamily(
-        PREFIX + "request_success", "Requests that ended, by finish reason.", labels=["finished_reason"]
+        PREFIX + "request_success", "Requests that ended, by finish reason.", labels=["model_name", "finished_reason"]
     )
     for reason, count in sorted(counters["request_success"].items()):
-        success.add_metric([reason], count)
+        success.add_metric([model, reason], count)
     yield success
     for name, hist in metrics["histograms"].items():
-        cumulative, buckets = 0, []
-        for bound, count in zip(hist["buckets"], hist["counts"]):
-            cumulative += count
-            buckets.append((floatToGoString(bound), cumulative))
-        buckets.append(("+Inf", hist["count"]))
-        yield HistogramMetricFamily(
-            PREFIX + name, _HISTOGRAM_HELP.get(name, name), buckets=buckets, sum_value=hist["sum"]
-        )
+        yield _histogram(PREFIX + name, _HISTOGRAM_HELP.get(name, name), model, hist["buckets"], hist["counts"], hist["sum"])

@@ -112,6 +112,10 @@ class SamplingParams(Positional, frozen=True):
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Parallel sampling: ``n`` sequences of one prompt, sharing its KV (the scheduler fans
+    # the request out into sequences ``{request_id}/{i}``, see scheduler/groups.py); sequence
+    # i draws with ``seed + i``. The worker never reads it.
+    n: int = 1
     # Log-probabilities (log-softmax of the raw logits): None asks for none; k >= 0 asks for
     # the sampled (prompt) token's and the k most likely ones', k at most the server's
     # max_logprobs (checked by the frontend).
@@ -234,6 +238,10 @@ class TokenOutputs(Message, tag=11):
     token_ids: list[int] = field(default_factory=list)
 
 
+# Upper bounds of the iteration-tokens histogram of SchedulerStats (tokens one forward runs).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @message
 class SchedulerStats(Message, tag=12):
     """Block-pool and queue state, counters since start, and the most recent iterations.
@@ -267,6 +275,10 @@ class SchedulerStats(Message, tag=12):
     num_overloaded: int = 0
     num_timed_out: int = 0
     num_planned_ahead: int = 0
+    # Every iteration's input tokens since start, per bucket of
+    # ITERATION_TOKEN_BUCKETS (the last above every bound), and their sum.
+    iteration_token_counts: list[int] = field(default_factory=list)
+    iteration_token_sum: int = 0
     iteration_fields: list[str] = field(default_factory=list)
     recent_iterations: list[list[int | float]] = field(default_factory=list)
 
@@ -327,7 +339,7 @@ class StepPlan(Message, tag=22):
     tokens are all computed after this step (``num_computed + num_scheduled == len(tokens)``).
 
     Requests are named by slot (see the module docstring). Order of execution: drop the
-    requests on ``finished_slots``, all swap-outs, all swap-ins, then the forward;
+    requests on ``finished_slots``, the block copies, all swap-outs, all swap-ins, then the forward;
     ``new_requests`` are taken in after the drop. Dropping first is what lets the scheduler
     give a slot freed since the last plan (a finish, an abort, a preemption in this very
     plan) to a request this plan admits; plans before it, already sent, still name the
@@ -342,6 +354,11 @@ class StepPlan(Message, tag=22):
     swap-out destination and a swap-in source (a block evicted to the CPU tier and hit again
     by the same plan) is read after it was written.
 
+    ``copy_blocks`` lists ``[src, dst]`` copies inside the GPU cache, run before the swaps:
+    a sequence of a parallel-sampling request forking from its first sequence gets its own
+    copy of the prompt's last, partly filled block (``dst`` freshly allocated to it, never a
+    source; ``src`` is read before anything of this plan writes).
+
     ``planned_ahead``: the plan was formed while the previous one was in flight, assuming
     it succeeds (its requests' sampled tokens are the inputs of this plan's decodes). If the
     previous step failed, the worker fails this one too without running it: it only drops
@@ -355,6 +372,7 @@ class StepPlan(Message, tag=22):
     swap_out: list[list[int]] = field(default_factory=list)
     swap_in: list[list[int]] = field(default_factory=list)
     planned_ahead: bool = False
+    copy_blocks: list[list[int]] = field(default_factory=list)
 
 
 @message

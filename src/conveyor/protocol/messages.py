@@ -81,11 +81,29 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 # Log-probabilities asked for (None: none; k: the token's own and the k most likely), bounded
 # by the server's max_logprobs (:func:`logprobs_problem`).
 LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")
-DEFAULT_MAX_LOGPROBS = 20
+# Generate fields the frontend applies itself (input preparation and output text), never
+# seen by the scheduler or the worker: see :class:`GenerateRequest`.
+FRONTEND_FIELDS = (
+    "fill_context",
+    "truncate_prompt_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+)
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, *LOGPROBS_FIELDS, "stop", "priority")
+OPTION_FIELDS = (*SAMPLING_FIELDS, *LOGPROBS_FIELDS, "stop", "priority", *FRONTEND_FIELDS)
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
+# Seeds: any 64-bit integer, signed or unsigned, is accepted and stored as the signed 64-bit
+# value with the same bit pattern (the sampler keys its draws by those 64 bits).
+MIN_SEED = -(2**63)
+SEED_END = 2**64
+# The packed size bound of ``chat_template_kwargs`` (its values reach the template as they are).
+MAX_TEMPLATE_KWARGS_BYTES = 32 * 1024
+# Template variables the frontend sets itself, so not settable through ``chat_template_kwargs``.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
 class ProtocolError(ValueError):
@@ -109,6 +127,16 @@ class GenerateRequest:
     """A validated generate request, before tokenization. Exactly one input is set.
 
     ``priority``: higher is served sooner when the server runs the ``priority`` policy.
+
+    The frontend fields (:data:`FRONTEND_FIELDS`, applied where the input is prepared and the
+    output detokenized, :mod:`conveyor.frontend.inputs`): ``fill_context`` without a
+    ``max_tokens`` lets the request run to the model length (``max_tokens`` becomes the room
+    the tokenized prompt leaves; OpenAI's chat default); ``truncate_prompt_tokens`` keeps the
+    input's last k tokens; ``skip_special_tokens`` drops special tokens from the text;
+    ``include_stop_str_in_output`` keeps the matched stop string at the end of the text;
+    ``add_generation_prompt`` (None: True unless ``continue_final_message``),
+    ``continue_final_message`` (the last message is left open for the model to continue) and
+    ``chat_template_kwargs`` (extra template variables) apply to ``messages`` only.
     """
 
     request_id: str
@@ -119,6 +147,13 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     priority: int = 0
+    fill_context: bool = False
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -362,7 +397,44 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
             raise fail(f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         req.priority = priority
     req.sampling = parse_sampling(obj, rid)
+    _parse_frontend_fields(obj, req, fail)
     return req
+
+
+def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
+    """The :data:`FRONTEND_FIELDS` of a generate map into ``req``, each checked."""
+    flags = {}
+    for name in ("fill_context", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message"):
+        value = obj.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise fail(f"'{name}' must be a boolean, got {value!r}")
+        flags[name] = value
+    truncate = obj.get("truncate_prompt_tokens")
+    if truncate is not None and (not _is_int(truncate) or truncate < 1):
+        raise fail(f"'truncate_prompt_tokens' must be an integer >= 1, got {truncate!r}")
+    kwargs = obj.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise fail("'chat_template_kwargs' must be a map with string keys")
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
+        if reserved:
+            raise fail(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the request's own fields do")
+        if len(pack(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise fail(f"'chat_template_kwargs' exceeds {MAX_TEMPLATE_KWARGS_BYTES} bytes packed")
+    chat_only = [n for n in ("add_generation_prompt", "continue_final_message") if flags[n] is not None]
+    if kwargs is not None:
+        chat_only.append("chat_template_kwargs")
+    if chat_only and req.messages is None:
+        raise fail(f"'{chat_only[0]}' applies to 'messages' only")
+    if flags["continue_final_message"] and flags["add_generation_prompt"]:
+        raise fail("'continue_final_message' and 'add_generation_prompt' cannot both be true")
+    req.fill_context = bool(flags["fill_context"]) and obj.get("max_tokens") is None
+    req.truncate_prompt_tokens = truncate
+    req.skip_special_tokens = flags["skip_special_tokens"] is not False
+    req.include_stop_str_in_output = bool(flags["include_stop_str_in_output"])
+    req.continue_final_message = bool(flags["continue_final_message"])
+    req.add_generation_prompt = not req.continue_final_message if flags["add_generation_prompt"] is None else flags["add_generation_prompt"]
+    req.chat_template_kwargs = dict(kwargs or {})
 
 
 def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> SamplingParams:
@@ -391,8 +463,10 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     if not _is_number(min_p) or not 0 <= min_p <= 1:
         raise fail(f"'min_p' must be in [0, 1], got {min_p!r}")
     seed = obj.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise fail(f"'seed' must be an integer in [0, 2**63), got {seed!r}")
+    if seed is not None:
+        if not _is_int(seed) or not MIN_SEED <= seed < SEED_END:
+            raise fail(f"'seed' must be a 64-bit integer, in [-2**63, 2**64), got {seed!r}")
+        seed = signed_seed(seed)
     stop_token_ids = get("stop_token_ids", [])
     if not isinstance(stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_token_ids):
         raise fail("'stop_token_ids' must be an array of non-negative integers")
@@ -426,6 +500,14 @@ def logprobs_problem(sampling: SamplingParams, max_logprobs: int) -> str | None:
         if k is not None and k > max_logprobs:
             return f"'{name}' asks for {k} log-probabilities; this server's bound (--max-logprobs) is {max_logprobs}"
     return None
+
+
+def signed_seed(seed: int) -> int:
+    """``seed`` as the signed 64-bit integer with its low 64 bits: seeds in [0, 2**63) are
+    themselves, a negative seed its own value, and [2**63, 2**64) the negative it reads as in
+    two's complement. Deterministic, so any 64-bit seed gives a reproducible stream."""
+    seed &= SEED_END - 1
+    return seed - SEED_END if seed > 2**63 - 1 else seed
 
 
 def context_problem(

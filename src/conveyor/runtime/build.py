@@ -15,6 +15,7 @@ Imports neither torch nor any process's code: the engine and bin/serve both load
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -84,6 +85,21 @@ def batcher_config(settings: Mapping[str, Any], max_model_len: int, **fields: An
     )
 
 
+def api_keys(flags: Mapping[str, Any]) -> tuple[str, ...]:
+    """The HTTP face's API keys: ``api_key`` (a list), the lines of ``api_key_file`` (blank
+    lines and ``#`` comments skipped), then $CONVEYOR_API_KEY and $VLLM_API_KEY; in that
+    order, each once."""
+    keys = list(flags.get("api_key") or ())
+    if flags.get("api_key_file") is not None:
+        for line in Path(flags["api_key_file"]).read_text().splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                keys.append(line.strip())
+    for name in ("CONVEYOR_API_KEY", "VLLM_API_KEY"):
+        if os.environ.get(name):
+            keys.append(os.environ[name])
+    return tuple(dict.fromkeys(keys))
+
+
 def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
     """bin/serve's flags (by their argparse names) as one :class:`ServerConfig`; ValueError,
     OSError or StartupError when they do not make one. ``run_dir`` holds the internal sockets
@@ -126,7 +142,10 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
     http = None
     if flags["http_port"] is not None or flags["metrics_port"] is not None:
         name = flags["served_model_name"] or ("conveyor-demo" if demo else Path(model_dir).resolve().name)
-        http = settings_view(HttpConfig, flags, addresses=addresses, served_model_name=name, max_model_len=max_model_len)
+        http = settings_view(
+            HttpConfig, flags, addresses=addresses, served_model_name=name, max_model_len=max_model_len,
+            model_dir=str(model_dir), api_keys=api_keys(flags),
+        )  # fmt: skip
     return ServerConfig(
         model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,
         serve_on_replica_death=flags["serve_on_replica_death"],

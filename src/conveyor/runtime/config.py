@@ -289,8 +289,23 @@ class HttpConfig:
     # bin/serve --auth-keys: the HTTP process is a client of the frontend and connects with
     # the server's own key pair from this directory (the frontend allows it).
     auth_keys: str | None = None
+    # The model directory: its tokenizer serves /tokenize, /detokenize and the fields that need
+    # the prompt's tokens (conveyor.http.tokens), loaded on first use.
+    model_dir: str | None = None
+    # --api-key / --api-key-file / $CONVEYOR_API_KEY: the keys clients send as
+    # ``Authorization: Bearer``; empty: no key needed. ``api_key_everywhere``: /health,
+    # /metrics and /version need one too.
+    api_keys: tuple[str, ...] = ()
+    api_key_everywhere: bool = False
+    # --ssl-certfile / --ssl-keyfile: serve HTTPS (both or neither).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        if any(not k or k != k.strip() or any(c.isspace() for c in k) for k in self.api_keys):
+            raise ValueError("an API key must be non-empty and hold no whitespace")
         if self.http_port is None and self.metrics_port is None:
             raise ValueError("the HTTP process needs http_port or metrics_port")
         for name in ("http_port", "metrics_port"):

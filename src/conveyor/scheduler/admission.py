@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.ipc.messages import NewRequestData
 from conveyor.protocol.messages import context_problem
+from conveyor.scheduler.groups import fork_source, sequence_id
 from conveyor.scheduler.kv_manager import PrefixMatch
 from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.preemption import make_room
@@ -48,8 +49,11 @@ def rejection_reason(state: SchedulerState, req: Request) -> str | None:
     cfg = state.config
     prompt = req.token_ids
     max_tokens = req.sampling.max_tokens
-    if req.request_id in state.table.live:
-        return f"request id {req.request_id!r} is already in use by a live request"
+    rid = req.request_id
+    if rid in state.table.live or rid in state.groups:
+        return f"request id {rid!r} is already in use by a live request"
+    if req.sampling.n > 1 and any(sequence_id(rid, i) in state.table.live for i in range(req.sampling.n)):
+        return f"request id {rid!r}: the id of one of its sequences is in use by a live request"
     problem = context_problem(prompt, max_tokens, req.sampling.stop_token_ids, state.vocab_size, cfg.max_model_len)
     if problem is not None:
         return problem
@@ -92,12 +96,17 @@ def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reser
     running = state.table.running
     reserve = state.policy.growth_reserve(req.num_prompt_tokens, req.sampling.max_tokens, len(req.token_ids))
     match: PrefixMatch | None = None
+    source: Request | None = None
 
     def need() -> tuple[int, int]:
-        """(blocks it needs, blocks available to it); the prefix match it would take in ``match``."""
-        nonlocal match
+        """(blocks it needs, blocks available to it); the prefix match it would take in
+        ``match``, or the leader it would fork from in ``source``."""
+        nonlocal match, source
+        source = fork_source(state, req)
         if req.status is SWAPPED:
             n, avail = kv.resume_need(req)
+        elif source is not None:
+            n, avail = kv.fork_need(req)
         else:
             match = kv.match(req)
             n, avail = kv.admission_need(req, match)
@@ -131,6 +140,8 @@ def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reser
     state.queue.pop()
     if req.status is SWAPPED:
         kv.resume(req)
+    elif source is not None:
+        step.copies += kv.fork(req, source)
     else:
         kv.admit(req, match)
         step.hit_tokens += req.num_computed_tokens

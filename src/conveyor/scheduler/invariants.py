@@ -3,7 +3,8 @@
 What :class:`~conveyor.scheduler.scheduler.Scheduler` keeps true between calls (its class
 docstring lists them): every live request is running or waiting, never both; block
 reference counts match the block tables and step holds, on the GPU and in the swap space;
-the prefix index holds exactly the registered ids; slots are held by running requests
+the prefix index holds exactly the registered ids; a parallel-sampling request's held sequences
+hold nothing and are live but neither queued nor running; slots are held by running requests
 only, each once, and every request still running in a plan in flight has the slot that
 plan names it by; the slot columns mirror the running requests.
 """
@@ -22,6 +23,10 @@ RUNNING = RequestStatus.RUNNING
 SWAPPED = RequestStatus.SWAPPED
 
 
+def live_seqs_of(group) -> list:
+    return [r for r in group.seqs if r.status is not RequestStatus.FINISHED]
+
+
 def check_invariants(state: SchedulerState) -> None:
     """Assert every invariant of the module docstring."""
     cfg = state.config
@@ -33,7 +38,15 @@ def check_invariants(state: SchedulerState) -> None:
     assert len(set(running_ids)) == len(running_ids), "a request is running twice"
     assert len(set(waiting_ids)) == len(waiting_ids), "a request is queued twice"
     assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
-    assert set(running_ids) | set(waiting_ids) == set(state.table.live), "live map out of sync"
+    held = [r for g in state.forking for r in g.held]
+    for r in held:  # sequences of a parallel-sampling request waiting for its leader's prompt KV
+        assert r.status is RequestStatus.WAITING and r.slot == -1 and not r.block_ids and not r.cpu_blocks
+        assert r.group is not None and state.groups[r.group.request_id] is r.group
+    assert not {r.request_id for r in held} & (set(running_ids) | set(waiting_ids)), "a held sequence is queued"
+    live_seqs = [r for g in state.groups.values() for r in g.seqs if r.status is not RequestStatus.FINISHED]
+    assert all(len(live_seqs_of(g)) == g.num_live > 0 for g in state.groups.values()), "a group's live count is off"
+    assert all(state.table.live.get(r.request_id) is r for r in live_seqs), "a live sequence is not live"
+    assert set(running_ids) | set(waiting_ids) | {r.request_id for r in held} == set(state.table.live), "live map out of sync"
     assert len(running) <= cfg.max_num_seqs
     assert all(a.rank < b.rank for a, b in zip(running, running[1:])), "running batch out of rank order"
     gpu_refs: dict[int, int] = {}

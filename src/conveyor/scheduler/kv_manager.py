@@ -121,6 +121,36 @@ class KVCacheManager:
         self.num_queried_tokens += len(req.token_ids) - 1
         self.num_hit_tokens += match.num_tokens
 
+    # ------------------------------------------------------------------ forks (parallel sampling)
+
+    def fork_need(self, req: Request) -> tuple[int, int]:
+        """Like :meth:`admission_need` for a sequence forking from its leader (:meth:`fork`):
+        the leader's full blocks are shared, everything else is fresh."""
+        shared = (req.num_prompt_tokens - 1) // self.block_size
+        return blocks_for(len(req.token_ids), self.block_size) - shared, self.gpu.num_available
+
+    def fork(self, req: Request, leader: Request) -> list[list[int]]:
+        """Start a never-admitted sequence from its leader's KV of the prompt's first ``P - 1``
+        tokens (written, see scheduler/groups.py): a reference to each full block of them,
+        and a fresh block for the rest, filled by the returned ``[src, dst]`` copy (none when
+        ``P - 1`` is a multiple of the block size). The sequence then runs token ``P - 1``."""
+        assert not req.block_ids and req.num_computed_tokens == 0 and req.num_tokens == req.num_prompt_tokens
+        computed = req.num_prompt_tokens - 1
+        full, rest = divmod(computed, self.block_size)
+        table = leader.block_ids[:full]
+        self.gpu.acquire_all(table)
+        copies = []
+        if rest:
+            [fresh] = self.gpu.allocate(1)
+            copies.append([leader.block_ids[full], fresh])
+            table.append(fresh)
+        req.block_ids = table
+        req.num_computed_tokens = computed
+        registered = min(full, leader.num_registered_blocks)
+        req.block_hashes = leader.block_hashes[:registered]
+        req.num_registered_blocks = registered
+        return copies
+
     # ------------------------------------------------------------------ swapped requests
 
     def resume_need(self, req: Request, extra_tokens: int = 0) -> tuple[int, int]:

@@ -8,7 +8,10 @@ order, oldest first.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+
+from conveyor.ipc.messages import ITERATION_TOKEN_BUCKETS
 
 ITERATION_FIELDS: tuple[str, ...] = (
     "step",  # plan step id
@@ -36,14 +39,24 @@ ITERATION_FIELDS: tuple[str, ...] = (
 )
 
 
+_INPUT_TOKENS = ITERATION_FIELDS.index("input_tokens")
+
+
 class IterationLog:
-    """The last ``size`` iterations, one tuple each (fields as :data:`ITERATION_FIELDS`)."""
+    """The last ``size`` iterations, one tuple each (fields as :data:`ITERATION_FIELDS`), and
+    since start a histogram of every iteration's input tokens (``token_counts``: per bucket
+    of :data:`ITERATION_TOKEN_BUCKETS`, the last above every bound; ``token_sum``)."""
 
     def __init__(self, size: int) -> None:
         self._rows: deque[tuple] = deque(maxlen=size)
+        self.token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.token_sum = 0
 
     def record(self, row: tuple) -> None:
         self._rows.append(row)
+        tokens = row[_INPUT_TOKENS]
+        self.token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self.token_sum += tokens
 
     def rows(self) -> list[list[int | float]]:
         return [list(r) for r in self._rows]

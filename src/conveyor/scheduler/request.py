@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from conveyor.ipc.messages import AddRequest, SamplingParams, int_list
 
 if TYPE_CHECKING:
+    from conveyor.scheduler.groups import SeqGroup
     from conveyor.scheduler.slot_columns import SlotColumns
 
 
@@ -90,6 +91,8 @@ class Request:
     prompt_logprobs_from: int = 1
     # The scheduler's per-slot columns, which hold num_computed_tokens while it holds a slot.
     columns: SlotColumns | None = None
+    # The parallel-sampling request it is a sequence of (scheduler/groups.py), or None.
+    group: SeqGroup | None = None
 
     @classmethod
     def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:

@@ -127,6 +127,7 @@ from conveyor.ipc.messages import (
 from conveyor.runtime.config import Preemption, SchedulerConfig
 from conveyor.scheduler import invariants
 from conveyor.scheduler.admission import admission_open, rejection_reason
+from conveyor.scheduler.groups import SeqGroup, release_held
 from conveyor.scheduler.metrics import ITERATION_FIELDS, IterationLog
 from conveyor.scheduler.planning import plan_decodes, plan_prompts
 from conveyor.scheduler.request import Request, RequestStatus
@@ -136,6 +137,7 @@ from conveyor.scheduler.step import Step
 
 RUNNING = RequestStatus.RUNNING
 SWAPPED = RequestStatus.SWAPPED
+FINISHED = RequestStatus.FINISHED
 
 
 class Scheduler:
@@ -207,26 +209,37 @@ class Scheduler:
         req.enqueue_time = now
         self._seq += 1
         req.rank = self.state.policy.rank(msg.priority, self._seq, now - self._t0)
-        self.state.table.add(req)
+        if req.sampling.n > 1:  # parallel sampling: its sequences (scheduler/groups.py)
+            group = SeqGroup.fan_out(req, req.sampling.n)
+            self.state.groups[req.request_id] = group
+            self.state.forking.append(group)
+            for seq in group.seqs:
+                self.state.table.add(seq)
+            req = group.leader
+        else:
+            self.state.table.add(req)
         self.state.queue.push(req, track_timeout=cfg.max_queue_time > 0)
         return None
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Finish live requests with "abort" and free their blocks now; unknown ids are ignored.
+        A parallel-sampling request's id aborts all its live sequences; a sequence id, that one.
 
         A request in the plan in flight is only marked finished; :meth:`update` drops
         whatever the worker sampled for it.
         """
         outputs = []
         for rid in request_ids:
-            req = self.state.table.get(rid)
-            if req is None:
-                continue
-            if req.status is RUNNING:
-                self.state.table.stop_running(req)
-            else:
-                self.state.queue.remove(req)
-            outputs.append(self.state.finish(req, FinishReason.ABORT))
+            group = self.state.groups.get(rid)
+            reqs = [self.state.table.get(rid)] if group is None else [r for r in group.seqs if r.status is not FINISHED]
+            for req in reqs:
+                if req is None:
+                    continue
+                if req.status is RUNNING:
+                    self.state.table.stop_running(req)
+                else:
+                    self.state.queue.remove(req)  # (a held sequence is not queued)
+                outputs.append(self.state.finish(req, FinishReason.ABORT))
         return outputs
 
     def take_outputs(self) -> list[RequestOutput]:
@@ -272,6 +285,8 @@ class Scheduler:
             st.declined = True  # someone would have to yield: only a plan in sync may decide who
             return None
         # 2. prefill chunks of running requests and admissions, merged by rank
+        if st.forking:
+            release_held(st)  # sequences of a parallel-sampling request whose prompt KV is written
         plan_prompts(st, step, prefills, admission_open(st, num_running_at_start, now), now)
         if step.is_empty:
             st.kv.swap.settle()
@@ -279,7 +294,9 @@ class Scheduler:
         self._num_steps += 1
         swap_out, swap_in = st.kv.swap.take_transfers()
         cached = step.cached_columns(st.cols)
-        plan = StepPlan(self._num_steps, step.new, cached, st.finished_slots, swap_out, swap_in, st.ahead)
+        plan = StepPlan(
+            self._num_steps, step.new, cached, st.finished_slots, swap_out, swap_in, st.ahead, step.copies
+        )
         self._num_planned_ahead += st.ahead
         st.finished_slots = []
         step.commit(st.cols)
@@ -375,7 +392,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.state.queue)
+        """Queued requests, and sequences of parallel-sampling requests held for their leader."""
+        return len(self.state.queue) + sum(len(g.held) for g in self.state.forking)
 
     def get_request(self, request_id: str) -> Request | None:
         """The live request with this id (for tests and debugging)."""
@@ -408,6 +426,8 @@ class Scheduler:
             "prefix_cache_hit_tokens": kv.num_hit_tokens,
             "num_overloaded": self._num_overloaded,
             "num_timed_out": self._num_timed_out,
+            "iteration_token_counts": list(self.iterations.token_counts),
+            "iteration_token_sum": self.iterations.token_sum,
             "iteration_fields": list(ITERATION_FIELDS),
             "recent_iterations": self.iterations.rows(),
         }

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from conveyor.ipc.messages import RequestOutput, StepPlan
 from conveyor.runtime.config import Preemption, SchedulerConfig
+from conveyor.scheduler.groups import SeqGroup
 from conveyor.scheduler.kv_manager import KVCacheManager
 from conveyor.scheduler.policy import SchedulingPolicy
 from conveyor.scheduler.queue import WaitingQueue
@@ -103,6 +104,10 @@ class SchedulerState:
     cols: SlotColumns = field(init=False)
     free_slots: list[int] = field(init=False)
     finished_slots: list[int] = field(default_factory=list)
+    # Parallel-sampling requests by id, while a sequence of them lives; those with held
+    # sequences (scheduler/groups.py).
+    groups: dict[str, SeqGroup] = field(default_factory=dict)
+    forking: list[SeqGroup] = field(default_factory=list)
     ahead: bool = False
     declined: bool = False
     num_preemptions: dict[Preemption, int] = field(
@@ -149,6 +154,13 @@ class SchedulerState:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.table.forget(req)
+        group = req.group
+        if group is not None:
+            if req in group.held:  # (a held sequence aborted: never queued)
+                group.held.remove(req)
+            group.num_live -= 1
+            if not group.num_live:
+                del self.groups[group.request_id]
         return RequestOutput(
             req.request_id,
             new_token_ids if new_token_ids is not None else [],

@@ -43,7 +43,7 @@ class Step:
         "slots", "computed", "counts", "block_rows", "block_ids", "sample_slots", "sample_gens", "answer_slots",
         "answer_rows",
         "preempted", "num_swap", "num_recompute", "num_admitted", "wait_sum", "wait_max", "hit_tokens",
-        "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out", "_tokens_by_request", "failed",
+        "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out", "_tokens_by_request", "failed", "copies",
     )
 
     def __init__(self, budget: int) -> None:
@@ -64,6 +64,7 @@ class Step:
         self.preempted: set[int] = set()  # id() of requests preempted in this iteration
         self.swapped_out: list[Request] = []  # of those, the ones swapped out
         self._tokens_by_request: dict[Request, int] | None = None
+        self.copies: list[list[int]] = []  # [src, dst] block copies of forks (StepPlan.copy_blocks)
         self.failed = False  # planned ahead of a plan that failed: failed with it, its result is moot
         self.num_swap = self.num_recompute = self.num_admitted = self.hit_tokens = 0
         self.decode_tokens = self.prefill_tokens = self.context_tokens = 0

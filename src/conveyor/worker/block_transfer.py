@@ -1,4 +1,6 @@
-"""Batched KV block copies between the GPU cache and the CPU swap space: the worker's half of swapping.
+"""Batched KV block copies between the GPU cache and the CPU swap space: the worker's half of
+swapping; and copies inside the GPU cache (``StepPlan.copy_blocks``: a forked sequence's own copy
+of its prompt's partly filled last block).
 
 The scheduler decides which blocks move (``StepPlan.swap_out`` / ``swap_in``, pairs of
 ``[src, dst]`` block ids); this module only moves them, through
@@ -35,3 +37,11 @@ def transfer_blocks(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[tor
     from conveyor.kernels.block_copy import swap_blocks
 
     swap_blocks(src_layers, dst_layers, [p[0] for p in pairs], [p[1] for p in pairs], wait=False)
+
+
+def copy_blocks(layers: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
+    """``kv[:, dst] = kv[:, src]`` in every layer for each ``[src, dst]`` row of ``pairs``
+    (``[N, 2]`` int64; destinations distinct and never sources: see ``StepPlan``)."""
+    from conveyor.kernels.block_copy import copy_blocks as copy_kernel
+
+    copy_kernel(layers, pairs)

@@ -49,7 +49,7 @@ from conveyor import profiling
 from conveyor.ipc.messages import StepLogprobs, StepPlan, StepResult, int_list
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.triton_backend import backend_for
-from conveyor.worker.block_transfer import transfer_blocks
+from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
@@ -235,6 +235,10 @@ class ModelRunner(DecodeStep):
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
+        # Forks' block copies first: their sources may be swapped out or freed and written
+        # again by this same plan (see StepPlan).
+        if plan.copy_blocks:
+            copy_blocks(self.kv_caches, torch.tensor(plan.copy_blocks, dtype=torch.int64))
         # Copies out before copies in, both before the forward: a GPU block swapped out may
         # be the destination of a swap-in or of new KV in this same plan (see StepPlan).
         if plan.swap_out or plan.swap_in:

@@ -116,6 +116,13 @@ class PlanChecker:
                     raise PlanRefused(f"{name} pair {pair} outside the caches ({src_limit} -> {dst_limit} blocks)")
             if len({pair[1] for pair in pairs}) != len(pairs):
                 raise PlanRefused(f"{name} writes a block twice")
+        copies = plan.copy_blocks
+        for pair in copies:
+            if len(pair) != 2 or not (0 <= pair[0] < self.num_blocks and 0 <= pair[1] < self.num_blocks):
+                raise PlanRefused(f"copy_blocks pair {pair} outside the cache of {self.num_blocks} blocks")
+        dsts = {pair[1] for pair in copies}
+        if len(dsts) != len(copies) or dsts & {pair[0] for pair in copies}:
+            raise PlanRefused("copy_blocks writes a block twice, or reads one it writes")
 
     def _check_tokens(
         self, rid: str, slot: int, num_computed: int, num_scheduled: int, num_tokens: int, num_blocks: int

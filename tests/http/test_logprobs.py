@@ -155,7 +155,8 @@ def test_chat_logprobs_equal_the_zmq_ones(http_server) -> None:
     content = client.chat.completions.create(logprobs=True, top_logprobs=2, **common).choices[0].logprobs.content
     assert [c.token for c in content] == ref["tokens"]
     assert [c.logprob for c in content] == pytest.approx(ref["token_logprobs"], abs=1e-6)
-    assert [[t.logprob for t in c.top_logprobs] for c in content] == pytest.approx(ref["top_logprobs"], abs=1e-6)
+    assert [t.logprob for c in content for t in c.top_logprobs] == pytest.approx(sum(ref["top_logprobs"], []), abs=1e-6)
+    assert [[t.token for t in c.top_logprobs] for c in content] == ref["top_tokens"]
     assert all(bytes(c.bytes) == c.token.encode() for c in content)
     streamed = [
         c.choices[0].logprobs for c in client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **common)

@@ -229,8 +229,8 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     flag). The bound (``--max-logprobs``) is the frontend's to check."""
     value, top = body.get("logprobs"), body.get("top_logprobs")
     if kind == COMPLETION:
-        if top is not None:
-            raise bad_field("top_logprobs", "'top_logprobs' is a chat completions field: completions take 'logprobs': k")
+        if top is not None and top != 0:
+            raise bad_field("top_logprobs", f"'top_logprobs' applies to chat completions (only 0 or null here): completions take 'logprobs': k, got {top!r}")
         if value is not None and (not _is_int(value) or value < 0):
             raise bad_field("logprobs", f"'logprobs' must be an integer >= 0, got {value!r}")
         return value
@@ -239,7 +239,7 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     if top is not None:
         if not _is_int(top) or top < 0:
             raise bad_field("top_logprobs", f"'top_logprobs' must be an integer >= 0, got {top!r}")
-        if not value:
+        if top and not value:
             raise bad_field("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     return (top or 0) if value else None
 

@@ -180,6 +180,12 @@ def stages(cpu: bool, results: Path, checkpoint: Path) -> list[Stage]:
     out.append(bench("conveyor_b128", "conveyor", 4 if cpu else 128, 8 if cpu else 256, 45))
     out.append(bench("conveyor_b1", "conveyor", 1, 2 if cpu else 4, 30))
     out.append(bench("conveyor_b8", "conveyor", 2 if cpu else 8, 4 if cpu else 16, 30))
+    # conveyor-sim's cost model, fitted to the three runs' per-step records (three batch sizes,
+    # so the per-sequence cost is told apart from the per-step floor); seconds, no device.
+    cost_json = str(results / "sim_cost.json")
+    runs = [str(results / f"conveyor_{b}.json") for b in ("b128", "b1", "b8")]
+    out.append(Stage("sim_calibrate", CPU_LIMIT_S if cpu else 20,
+                     [py, str(REPO / "bin" / "sim"), "calibrate", *runs, "--out", cost_json], [cost_json]))
     grid = ["--batches", "1", "--contexts", "32", "--steps", "2"] if cpu else \
         ["--batches", "1,32,128", "--contexts", "512,2048", "--steps", "10"]
     step_json = str(results / "decode_step.json")

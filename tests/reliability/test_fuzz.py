@@ -131,7 +131,7 @@ def field_problem(obj: dict) -> bool:
         "min_p": lambda v: is_number(v) and 0 <= v <= 1,
         "logprobs": lambda v: is_int(v) and 0 <= v <= MAX_LOGPROBS,
         "prompt_logprobs": lambda v: is_int(v) and 0 <= v <= MAX_LOGPROBS,
-        "seed": lambda v: is_int(v) and 0 <= v < 2**63,
+        "seed": lambda v: is_int(v) and -(2**63) <= v < 2**64,  # any 64-bit integer, signed or not
         "priority": lambda v: is_int(v) and -(2**31) + 1 <= v <= 2**31 - 1,
         "stop": lambda v: is_str(v, 256) or (type(v) is list and len(v) <= 16 and all(is_str(s, 256) for s in v)),
         "stop_token_ids": lambda v: type(v) is list and all(is_int(t) and t >= 0 for t in v),
@@ -295,7 +295,7 @@ EDGES = {
     "min_p": [-1e-9, 0, 1, 1.0000001, float("nan")],
     "logprobs": [-1, 0, MAX_LOGPROBS, MAX_LOGPROBS + 1, 1.0, True],
     "prompt_logprobs": [-1, 0, MAX_LOGPROBS, MAX_LOGPROBS + 1, 1.0, False],
-    "seed": [-1, 0, 2**63 - 1, 2**63, 1.0],
+    "seed": [-(2**63), -1, 0, 2**63, 2**64 - 1, 1.0],  # msgpack holds no integer beyond these
     "priority": [-(2**31), -(2**31) + 1, 2**31 - 1, 2**31, 0.5],
     "stop_token_ids": [[-1], [0], [2**31], [1.0], []],
     "stop": ["", [""], ["x"] * 16, ["x"] * 17, "y" * 256, "y" * 257, []],

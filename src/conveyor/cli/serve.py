@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=FrontendConfig.tokenizer_threads,
         help="frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)",
     )
+    p.add_argument(
+        "--client-send-queue",
+        type=_non_negative_int,
+        default=FrontendConfig.client_send_queue,
+        help="replies queued for one client connection; a client whose queue fills has stopped reading, "
+        "and its requests are aborted (0: no bound)",
+    )
     _switch(p, "--profile", WorkerConfig.profile, "record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)")
     add_http_arguments(p)
     return p

@@ -150,6 +150,8 @@ def generate_message(
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     msg.update({k: v for k, v in fields.items() if v is not None})
+    if isinstance(msg.get("logit_bias"), dict):  # map keys travel as strings (the protocol's rule)
+        msg["logit_bias"] = {str(token): bias for token, bias in msg["logit_bias"].items()}
     return msg
 
 

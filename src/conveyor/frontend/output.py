@@ -40,7 +40,6 @@ Invariants:
 
 from __future__ import annotations
 
-import errno
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -53,7 +52,7 @@ from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.logprobs import join
 from conveyor.frontend.metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
-from conveyor.frontend.sending import ClientSender, backend_send
+from conveyor.frontend.sending import IDENTITY_FLAGS, ClientSender, backend_send
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.ipc.messages import FinishReason, RequestOutput, TokenOutputs
@@ -242,7 +241,7 @@ class OutputPath:
             return
         send = backend_send
         raw = self._sender.raw
-        sndmore = zmq.SNDMORE
+        flags = IDENTITY_FLAGS
         start = profiling.now_ns()
         for identity, payload in sends:
             if identity is None:
@@ -252,11 +251,9 @@ class OutputPath:
                 self.finish(state, reason, delta=text, delta_ids=token_ids, error=error)
                 continue
             try:
-                send(raw, identity, sndmore)  # a gone client fails here, before any frame is queued
+                send(raw, identity, flags)  # a gone or full client fails here, before any frame is queued
             except zmq.ZMQError as exc:
-                if exc.errno != errno.EHOSTUNREACH:
-                    raise
-                self._sender.on_gone(identity)
+                self._sender.failed(identity, exc)
                 continue
             send(raw, payload)
         end = profiling.now_ns()

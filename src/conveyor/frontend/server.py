@@ -7,7 +7,10 @@ disconnect before any message that arrived after it keeps the requests' connecti
 (:attr:`RequestState.fd`: a disconnect drops the requests its connection sent) honest when
 the kernel reuses a file descriptor: ZeroMQ queues the disconnect event
 before it closes the fd, so before any message of a later connection on that fd, and
-pending disconnect events are also handled before each client message of a drain.
+pending disconnect events are also handled before each client message of a drain. A
+connection whose routing id a newer connection took over (ROUTER_HANDOVER) is gone for the
+frontend too, from the new connection's first message on (libzmq reports no event for it):
+its requests are dropped on the same path (:meth:`Frontend._note_connection`).
 
 Clients: a request id names a request only within its client. A client is named by
 :func:`client_key`: the authenticated CurveZMQ key when authentication is on, else the
@@ -215,6 +218,9 @@ class Frontend:
         # those admitted (sent to the scheduler), which is where scheduler outputs look.
         self.in_flight: dict[tuple[bytes, str], RequestState] = {}  # by RequestState.key
         self.requests: dict[str, RequestState] = {}
+        # fd -> routing id of each open connection that has sent a message: which connection
+        # holds a routing id now (_note_connection), so a takeover drops the old one's requests.
+        self._connections: dict[int, bytes] = {}
         self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
         # query id -> (client, iterations asked for, the replicas' answers)
         self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
@@ -239,7 +245,12 @@ class Frontend:
         self.monitor.connect(monitor_addr)  # (inproc: before the bind is fine)
         # Limits, heartbeats, handover and --auth-keys: transport.bind_client_socket says which.
         self.clients, self._authenticator = transport.bind_client_socket(
-            self.ctx, addrs.client, auth_keys=config.auth_keys, monitor=monitor_addr, monitor_events=zmq.EVENT_DISCONNECTED
+            self.ctx,
+            addrs.client,
+            auth_keys=config.auth_keys,
+            send_queue=config.client_send_queue,
+            monitor=monitor_addr,
+            monitor_events=zmq.EVENT_DISCONNECTED,
         )
         # One scheduler link per data-parallel replica (conveyor.frontend.replicas).
         self.links = [SchedulerLink(self.ctx, addrs.replica(i)) for i in range(config.data_parallel_size)]
@@ -249,7 +260,7 @@ class Frontend:
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
         self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
         self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
-        self.sender = ClientSender(self.clients, self._client_gone, prof)
+        self.sender = ClientSender(self.clients, self._client_gone, self._client_not_reading, prof)
         self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
         self.output = OutputPath(
             self.requests,
@@ -325,13 +336,40 @@ class Frontend:
 
     async def _on_monitor_event(self, frames) -> None:
         event = parse_monitor_message([f.bytes for f in frames])
-        if event["event"] != zmq.EVENT_DISCONNECTED:
-            return
-        # The requests this connection sent: not every request under its routing id, which a
-        # newer connection may have taken over (ROUTER_HANDOVER) and sent requests under.
-        victims = [s for s in self.in_flight.values() if s.fd == event["value"]]
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._connection_gone(event["value"], "disconnected")
+
+    def _note_connection(self, identity: bytes, fd: int) -> None:
+        """Record that the connection on ``fd`` holds routing id ``identity``; if it is the first
+        message of a connection that took ``identity`` over from another (ROUTER_HANDOVER), that
+        other connection is gone for every purpose of ours.
+
+        libzmq reports nothing on a takeover: the old connection's pipe is terminated, but its
+        TCP/ipc connection stays open, answers heartbeats and gets no DISCONNECTED event until
+        its client closes it (or sends a message, which libzmq then never reads, so the
+        heartbeat drops it ~10 s later). Nothing it sent before can be answered any more: every
+        reply under ``identity`` goes to the new connection. The one sign the frontend gets is a
+        message under ``identity`` from a new fd, which can only come once the new connection
+        holds the routing id; its requests are then aborted like a disconnect's, before this
+        message is handled (so a ``generate`` under an id the old connection had in flight is
+        the new connection's own request, not a duplicate). A disconnect of ``fd`` is always
+        handled before a later connection's first message on the same fd
+        (:meth:`_on_client_frames`), so ``fd`` is never mistaken for the connection before it."""
+        if self._connections.get(fd) == identity:
+            return  # the common case: one dict lookup per message
+        for old_fd in [f for f, held in self._connections.items() if held == identity]:
+            self._connection_gone(old_fd, "taken over by a new connection under its routing id")
+        self._connections[fd] = identity
+
+    def _connection_gone(self, fd: int, why: str) -> None:
+        """The connection on ``fd`` can receive nothing more (it disconnected, a newer
+        connection took its routing id over, or it stopped reading its replies): drop the
+        requests it sent, and only those; a newer connection under the same routing id may have
+        requests in flight of its own."""
+        self._connections.pop(fd, None)
+        victims = [s for s in self.in_flight.values() if s.fd == fd]
         if victims:
-            log.info("client disconnected; aborting %d request(s)", len(victims))
+            log.info("client connection %s; aborting %d request(s)", why, len(victims))
             self._drop(victims)
 
     async def _on_client_frames(self, frames) -> None:
@@ -343,6 +381,7 @@ class Frontend:
         identity = frames[0].bytes
         payload = frames[-1]
         fd = payload.get(zmq.SRCFD)
+        self._note_connection(identity, fd)
         self._c_client.add()
         key = client_key(identity, payload)
         size = sum(len(f) for f in frames[1:])
@@ -664,6 +703,26 @@ class Frontend:
     def _trim(self) -> None:
         self._trim_handle = None
         release_freed_memory()
+
+    def _client_not_reading(self, identity: bytes) -> None:
+        """A send to ``identity`` found its connection's send queue full (``--client-send-queue``
+        replies waiting, and the socket buffers behind them): the client has stopped reading,
+        and every reply it is sent from now on would be held here for as long as its requests
+        run. Its connection is treated as gone (:meth:`_connection_gone`: its requests are
+        aborted and their KV blocks freed; no final, which could not be queued either) and
+        counted. The connection that holds ``identity`` is the one whose queue is full (one
+        connection per routing id, :meth:`_note_connection`); none holds it when this
+        connection was dropped already, by an earlier send of the same pass: nothing to do."""
+        fd = next((f for f, held in self._connections.items() if held == identity), None)
+        if fd is None:
+            return
+        self.metrics.clients_not_reading += 1
+        log.warning(
+            "client connection %s is not reading its replies (send queue of %d full); dropping its requests",
+            identity.hex(),
+            self.config.client_send_queue,
+        )
+        self._connection_gone(fd, "not reading its replies")
 
     def _client_gone(self, identity: bytes) -> None:
         """A send found the client gone: abort its in-flight requests."""

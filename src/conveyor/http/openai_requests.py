@@ -18,8 +18,8 @@ schemas is taken (docs/http.md lists them):
   line, as vLLM does.
 - ``inert``: not implemented, and ignoring it would change the output: accepted only with a
   value that asks for nothing (null, or the listed ones), else a 400 naming it. Those marked
-  ``later`` (log-probabilities, ``n``/``best_of``, penalties, ``logit_bias``,
-  ``min_tokens``) become ``forward`` fields once the worker computes them.
+  ``later`` (log-probabilities, ``n``/``best_of``, ``bad_words``) become ``forward``
+  fields once the worker computes them.
 
 A field in neither schema is a 400 naming it (a typo never falls back to a default).
 
@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 
 from conveyor.http.errors import ApiError, bad_field
-from conveyor.protocol.messages import MAX_TEMPLATE_KWARGS_BYTES
+from conveyor.protocol.messages import MAX_LOGIT_BIAS, MAX_TEMPLATE_KWARGS_BYTES
 
 COMPLETION = "completion"
 CHAT = "chat"
@@ -85,9 +85,9 @@ FIELDS: dict[str, Field] = {
     "best_of": _inert(1, later=True),
     "logprobs": Field(HTTP),
     "top_logprobs": Field(HTTP),
-    "presence_penalty": _inert(0, 0.0, later=True),
-    "frequency_penalty": _inert(0, 0.0, later=True),
-    "logit_bias": _inert({}, later=True),
+    "presence_penalty": Field(FORWARD),
+    "frequency_penalty": Field(FORWARD),
+    "logit_bias": Field(FORWARD),
     "response_format": _inert({"type": "text"}),
     "user": Field(IGNORED),
     "metadata": Field(IGNORED),
@@ -131,8 +131,8 @@ FIELDS: dict[str, Field] = {
     "guided_whitespace_pattern": Field(IGNORED),
     "use_beam_search": _inert(False, later=True),
     "length_penalty": _inert(1, 1.0),  # beam search only
-    "repetition_penalty": _inert(1, 1.0, later=True),
-    "min_tokens": _inert(0, later=True),
+    "repetition_penalty": Field(FORWARD),
+    "min_tokens": Field(FORWARD),
     "bad_words": _inert([], later=True),
     "allowed_token_ids": _inert(),
     "prompt_logprobs": Field(FORWARD),
@@ -260,9 +260,10 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 
 def _forwardable(name: str, value: Any) -> Any:
     """``value`` if it can travel in a client message as it is (the frontend then judges it):
-    a scalar, or for ``stop`` / ``stop_token_ids`` an array of strings / integers. Anything
-    else is refused here, naming the field, to keep the module's size invariant (and msgpack
-    cannot carry integers past 64 bits)."""
+    a scalar, or for ``stop`` / ``stop_token_ids`` an array of strings / integers, for
+    ``logit_bias`` a map of strings to numbers of at most :data:`MAX_LOGIT_BIAS` entries
+    (packed, never larger than its JSON). Anything else is refused here, naming the field, to
+    keep the module's size invariant (and msgpack cannot carry integers past 64 bits)."""
     if isinstance(value, (str, bool, float)) or _is_int(value):
         return value
     if name == "chat_template_kwargs" and isinstance(value, dict):
@@ -276,6 +277,12 @@ def _forwardable(name: str, value: Any) -> Any:
     if name == "stop" and isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value
     if name == "stop_token_ids" and isinstance(value, list) and all(_is_int(t) for t in value):
+        return value
+    if name == "logit_bias":
+        if not isinstance(value, dict) or not all(isinstance(v, float) or _is_int(v) for v in value.values()):
+            raise bad_field(name, f"'logit_bias' must be an object of token ids to numbers, got {_json_type(value)}")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise bad_field(name, f"'logit_bias' has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
         return value
     if name == "stop":
         raise bad_field(name, f"'stop' must be a string or an array of strings, got {_json_type(value)}")

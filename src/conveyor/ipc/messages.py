@@ -102,6 +102,15 @@ class SamplingParams(Positional, frozen=True):
     ``temperature == 0`` means greedy. With a ``seed``, the randomness of each
     output position is derived from (seed, position), so a request samples the
     same tokens whatever it is batched with and even after a preemption.
+
+    The sampling controls (vLLM's definitions, applied on the device before temperature,
+    :mod:`conveyor.worker.sampling_controls`; each neutral at its default):
+    ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] subtract ``p`` once / ``f`` per
+    occurrence from the logit of every token already in the *output*; ``repetition_penalty``
+    (> 0) divides the positive logits and multiplies the negative ones of every token in the
+    prompt or the output; ``logit_bias`` adds a bias in [-100, 100] to a token's logit (at
+    most :data:`MAX_LOGIT_BIAS` entries); ``min_tokens`` (<= ``max_tokens``) masks the stop
+    ids (EOS unless ``ignore_eos``, and ``stop_token_ids``) until that many tokens are out.
     """
 
     max_tokens: int = 16
@@ -116,6 +125,11 @@ class SamplingParams(Positional, frozen=True):
     # the request out into sequences ``{request_id}/{i}``, see scheduler/groups.py); sequence
     # i draws with ``seed + i``. The worker never reads it.
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # Log-probabilities (log-softmax of the raw logits): None asks for none; k >= 0 asks for
     # the sampled (prompt) token's and the k most likely ones', k at most the server's
     # max_logprobs (checked by the frontend).
@@ -125,6 +139,20 @@ class SamplingParams(Positional, frozen=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Any of the three penalties is set (the worker then counts the output's tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def controlled(self) -> bool:
+        """Any sampling control is set: the request needs per-slot state on the worker."""
+        return self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
+
+
+#: Most ``logit_bias`` entries one request may carry (each a dense row write on the worker).
+MAX_LOGIT_BIAS = 1024
 
 
 # ---------------------------------------------------------------- frontend -> scheduler
@@ -294,6 +322,8 @@ class NewRequestData(Message, tag=20):
     the worker once this plan's ``finished_slots`` are dropped. ``request_id`` travels only
     here, for the worker's messages. ``token_ids`` is every token known so far (prompt, then
     outputs for a resumed request); ``block_ids`` its whole block table.
+    ``num_prompt_tokens``: how many of ``token_ids`` are the prompt (the rest are outputs,
+    which presence/frequency penalties and ``min_tokens`` count); None: all of them.
     """
 
     request_id: str
@@ -303,7 +333,7 @@ class NewRequestData(Message, tag=20):
     block_ids: Int32Array
     num_computed_tokens: int
     num_scheduled_tokens: int
-    num_prompt_tokens: int = 0  # where the prompt ends in token_ids (prompt log-probabilities)
+    num_prompt_tokens: int | None = None
 
 
 def int_list(values: Int32Array | list[int]) -> list[int]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgpack
 
-from conveyor.ipc.messages import SamplingParams
+from conveyor.ipc.messages import MAX_LOGIT_BIAS, SamplingParams
 
 CLIENT_PROTOCOL_VERSION = 1
 MAX_CLIENT_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -77,7 +77,10 @@ STATS_REPLY = "stats"
 PROFILE_REPLY = "profile"
 METRICS_REPLY = "metrics"
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+)
 # Log-probabilities asked for (None: none; k: the token's own and the k most likely), bounded
 # by the server's max_logprobs (:func:`logprobs_problem`).
 LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")
@@ -473,6 +476,19 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     ignore_eos = get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise fail("'ignore_eos' must be a boolean")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = get(name, 0.0)
+        if not _is_number(value) or not -2 <= value <= 2:
+            raise fail(f"'{name}' must be in [-2, 2], got {value!r}")
+        penalties[name] = float(value)
+    repetition_penalty = get("repetition_penalty", 1.0)
+    if not _is_number(repetition_penalty) or not 0 < repetition_penalty < math.inf:
+        raise fail(f"'repetition_penalty' must be a number > 0, got {repetition_penalty!r}")
+    min_tokens = get("min_tokens", 0)
+    if not _is_int(min_tokens) or min_tokens < 0:  # (and at most max_tokens: context_problem)
+        raise fail(f"'min_tokens' must be an integer >= 0, got {min_tokens!r}")
+    logit_bias = _parse_logit_bias(get("logit_bias", {}), fail)
     for name in LOGPROBS_FIELDS:
         value = obj.get(name)
         if value is not None and (not _is_int(value) or value < 0):
@@ -486,9 +502,32 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         seed=seed,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        repetition_penalty=float(repetition_penalty),
+        min_tokens=min_tokens,
+        logit_bias=logit_bias,
+        **penalties,
         logprobs=obj.get("logprobs"),
         prompt_logprobs=obj.get("prompt_logprobs"),
     )
+
+
+def _parse_logit_bias(value: Any, fail: Any) -> dict[int, float]:
+    """``logit_bias``: a map of token id (an integer, or its decimal string: JSON's keys are
+    strings) to a bias in [-100, 100], at most :data:`MAX_LOGIT_BIAS` entries. The ids are
+    checked against the vocabulary with the context (:func:`context_problem`)."""
+    if not isinstance(value, dict):
+        raise fail("'logit_bias' must be a map of token id to bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise fail(f"'logit_bias' has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    bias = {}
+    for key, number in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise fail(f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}")
+        if not _is_number(number) or not -100 <= number <= 100:
+            raise fail(f"'logit_bias' values must be in [-100, 100], got {number!r} for token {token}")
+        bias[token] = float(number)
+    return bias
 
 
 def logprobs_problem(sampling: SamplingParams, max_logprobs: int) -> str | None:
@@ -518,6 +557,8 @@ def context_problem(
     max_model_len: int,
     *,
     check_ids: bool = True,
+    bias_token_ids: Sequence[int] = (),
+    min_tokens: int = 0,
 ) -> str | None:
     """Why a request with this whole context as token ids (a continuation's earlier turns
     included) cannot run on this model, or None: the one statement of these rules. The
@@ -527,13 +568,17 @@ def context_problem(
     is not empty, its ids (unless ``check_ids`` is False: ids the tokenizer made are known to
     be in range) and the stop token ids are within ``[0, vocab_size)`` (None: vocabulary
     unknown, only negatives are refused), ``max_tokens`` is at least 1 and the prompt leaves
-    room for it within ``max_model_len``."""
+    room for it within ``max_model_len``; so are the ``logit_bias`` ids (``bias_token_ids``),
+    and ``min_tokens`` is at most ``max_tokens`` (checked here, where ``max_tokens`` is final)."""
     if not len(prompt_ids):
         return "prompt tokenizes to zero tokens: the prompt is empty"
     if max_tokens < 1:
         return f"max_tokens must be at least 1, got {max_tokens}"
+    if min_tokens > max_tokens:
+        return f"min_tokens={min_tokens} exceeds max_tokens={max_tokens}"
     limit = vocab_size if vocab_size is not None else math.inf
-    for what, ids, checked in (("token id", prompt_ids, check_ids), ("stop token id", stop_token_ids, True)):
+    checks = (("token id", prompt_ids, check_ids), ("stop token id", stop_token_ids, True), ("logit_bias token id", bias_token_ids, True))
+    for what, ids, checked in checks:
         if checked and len(ids) and (min(ids) < 0 or max(ids) >= limit):  # min/max: C speed on long prompts
             bad = next(t for t in ids if not 0 <= t < limit)
             return f"{what} {bad} is outside the vocabulary [0, {vocab_size})"
@@ -557,7 +602,14 @@ def check_tokenized(
 ) -> None:
     """:func:`context_problem` for a parsed generate request, raised as :class:`ProtocolError`."""
     problem = context_problem(
-        prompt_ids, req.sampling.max_tokens, req.sampling.stop_token_ids, vocab_size, max_model_len, check_ids=check_ids
+        prompt_ids,
+        req.sampling.max_tokens,
+        req.sampling.stop_token_ids,
+        vocab_size,
+        max_model_len,
+        check_ids=check_ids,
+        bias_token_ids=list(req.sampling.logit_bias),
+        min_tokens=req.sampling.min_tokens,
     )
     if problem is not None:
         too_long = problem == _length_problem(len(prompt_ids), req.sampling.max_tokens, max_model_len)

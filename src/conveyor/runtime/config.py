@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from conveyor.ipc.step_channel import StepChannels
-from conveyor.ipc.transport import ServerAddresses
+from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses
 
 
 class Choice(str, enum.Enum):
@@ -191,12 +191,16 @@ class FrontendConfig:
     # Data-parallel replicas (scheduler + worker pairs) behind this frontend, each reached at
     # ``addresses.replica(index)`` (conveyor.frontend.replicas).
     data_parallel_size: int = 1
+    # bin/serve --client-send-queue: replies queued for one client connection before it counts
+    # as not reading and its requests are dropped (conveyor.ipc.transport.CLIENT_SEND_QUEUE
+    # says what the default implies; 0: no bound).
+    client_send_queue: int = CLIENT_SEND_QUEUE
     # bin/serve --max-logprobs: the most top log-probabilities a request may ask for.
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _require_at_least(self, 1, "data_parallel_size")
-        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "max_logprobs")
+        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue", "max_logprobs")
 
 
 @dataclass(frozen=True)

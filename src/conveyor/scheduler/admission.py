@@ -54,7 +54,15 @@ def rejection_reason(state: SchedulerState, req: Request) -> str | None:
         return f"request id {rid!r} is already in use by a live request"
     if req.sampling.n > 1 and any(sequence_id(rid, i) in state.table.live for i in range(req.sampling.n)):
         return f"request id {rid!r}: the id of one of its sequences is in use by a live request"
-    problem = context_problem(prompt, max_tokens, req.sampling.stop_token_ids, state.vocab_size, cfg.max_model_len)
+    problem = context_problem(
+        prompt,
+        max_tokens,
+        req.sampling.stop_token_ids,
+        state.vocab_size,
+        cfg.max_model_len,
+        bias_token_ids=list(req.sampling.logit_bias),
+        min_tokens=req.sampling.min_tokens,
+    )
     if problem is not None:
         return problem
     total = len(prompt) + max_tokens

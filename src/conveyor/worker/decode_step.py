@@ -7,8 +7,8 @@ them: replayed from a CUDA graph captured at startup (:mod:`conveyor.worker.cuda
 keyed by the paged decode kernel's launch plan, or eagerly (CPU, ``enforce_eager``).
 
 :class:`DecodeStep` is the part of :class:`~conveyor.worker.model_runner.ModelRunner` that
-does this (a base class of it: it reads the runner's model, request state, sampling columns
-and timers, which the runner sets up before :meth:`DecodeStep._setup_decode_step`).
+does this (a base class of it: it reads the runner's model, request state, sampling columns,
+sampling controls and timers, which the runner sets up before :meth:`DecodeStep._setup_decode_step`).
 """
 
 from __future__ import annotations
@@ -73,6 +73,12 @@ class DecodeStep:
         m = len(sample_rows)
         host["sample_rows"][:m] = sample_rows
         host["sample_slots"][:m] = slots[sample_rows]
+        selection = self._controls.select(slots[sample_rows], computed[sample_rows] + 1)
+        c = 0
+        if selection is not None:
+            c = len(selection.rows)
+            host["control_rows"][:c] = sample_rows[selection.rows]
+            host["control_pool_rows"][:c] = selection.pool_rows
         params = self._sampling.gather(slots)
         for name, column in params.items():
             host[name][:n] = column
@@ -93,7 +99,10 @@ class DecodeStep:
         sample_slots = inputs.sample_slots[:m]
         if self.tensor_parallel.rank == 0:
             # inputs.positions + 1: the position of the token being drawn
-            batch = batch_of_columns(inputs.tensors, inputs.positions + 1, flags)
+            controls = None
+            if selection is not None:
+                controls = self._controls.rows_of(selection, inputs.control_rows[:c], inputs.control_pool_rows[:c])
+            batch = batch_of_columns(inputs.tensors, inputs.positions + 1, flags, controls)
             sampled = self.sampler.sample(self._logits[:rows], batch).index_select(0, inputs.sample_rows[:m])
             # After the graph, on the same logits, for the rows that ask (the host knows which).
             logprobs = self._sampled_logprobs(

@@ -57,6 +57,7 @@ from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadca
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
 from conveyor.worker.request_state import RequestState, SlotStates, Work
 from conveyor.worker.sampler import Sampler, SamplingColumns, batch_from_rows, logprobs_of
+from conveyor.worker.sampling_controls import SamplingControls
 
 
 @dataclass(eq=False)
@@ -185,6 +186,8 @@ class ModelRunner(DecodeStep):
         self.swap_caches = cache_shape.allocate_swap(num_cpu_blocks, self.device)
         self.sampler = Sampler(self.device)
         self._sampling = SamplingColumns()  # per-slot sampling parameters, set when a request arrives
+        # Per-slot device state of the requests using penalties, logit_bias or min_tokens.
+        self._controls = SamplingControls(self.model_config.vocab_size, self.device, self.model_config.eos_token_ids)
         self._requests = SlotStates()  # request state and block tables by slot
         # The last token of each slot, on the device: grows with the slot table.
         self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -232,6 +235,7 @@ class ModelRunner(DecodeStep):
         dropped = int_list(plan.finished_slots)
         PlanChecker.check_dropped(dropped)
         requests.drop(dropped)
+        self._controls.release(dropped)
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
@@ -249,6 +253,9 @@ class ModelRunner(DecodeStep):
         for new in plan.new_requests:  # on free slots (checked), the finished ones dropped above
             requests.take_in(new)
             self._sampling.set(new.slot, new.sampling)
+            if self.tensor_parallel.rank == 0:  # (the rank that samples holds the controls' state)
+                num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+                self._controls.assign(new.slot, new.sampling, requests.states[new.slot].token_ids, num_prompt)
         table = requests.states
         if len(self._last_tokens) < len(table):
             grown = torch.zeros(len(table), dtype=torch.int64, device=self.device)
@@ -461,8 +468,10 @@ class ModelRunner(DecodeStep):
             # The position of the token being drawn is fixed for each output index of a request,
             # so it keys a seeded draw as well as the output index would, across preemptions too.
             draw_positions = np.fromiter([item.num_computed + item.num_scheduled for item in work], np.int64, len(work))
+            rows_slots, rows_positions = slots[sample_rows], draw_positions[sample_rows]
+            controls = self._controls.upload(self._controls.select(rows_slots, rows_positions))
             batch = batch_from_rows(
-                self._sampling.gather(slots[sample_rows]), draw_positions[sample_rows], logits.shape[1], self.device
+                self._sampling.gather(rows_slots), rows_positions, logits.shape[1], self.device, controls
             )
             sampled = self.sampler.sample(logits, batch)
             logprobs = self._sampled_logprobs(

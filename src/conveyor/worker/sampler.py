@@ -1,6 +1,9 @@
 """Logits -> token ids for a whole batch in a fixed number of torch ops, no per-row Python.
 
-Greedy rows (temperature 0) take the exact argmax of the raw logits. Other rows are
+The sampling controls (penalties, ``logit_bias``, ``min_tokens``) come first, on the rows
+that use them only (:mod:`conveyor.worker.sampling_controls`), and the counts they keep are
+updated with what was sampled. Greedy rows (temperature 0) take the exact argmax of the
+logits then. Other rows are
 divided by their temperature, filtered (top-k, then top-p, then min-p; each disabled by
 its neutral value) and sampled with the exponential race: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` i.i.d. picks token ``i`` with probability ``p_i``.
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from conveyor.ipc.messages import SamplingParams
+from conveyor.worker.sampling_controls import ControlRows, SamplingControls
 
 _GAMMA = 0x9E3779B97F4A7C15
 _MUL1 = 0xBF58476D1CE4E5B9
@@ -78,7 +82,8 @@ class SamplingBatch:
 
     ``temperature`` 0 means greedy; ``top_k`` <= 0 or >= vocab, ``top_p`` >= 1 and ``min_p``
     <= 0 disable their filter; ``seed`` is read only where ``seeded``; ``positions`` is the
-    sequence position of the token each row draws (keys seeded draws)."""
+    sequence position of the token each row draws (keys seeded draws and bounds
+    ``min_tokens``); ``controls``: the rows that use sampling controls, None when none does."""
 
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor  # int64
@@ -92,6 +97,7 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_unseeded: bool  # a sampling (non-greedy) row without a seed
+    controls: ControlRows | None = None
 
 
 class SamplingColumns:
@@ -177,22 +183,44 @@ class Sampler:
             self._generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        positions: Sequence[int],
+        histories: Sequence[tuple[Sequence[int], int]] | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> torch.Tensor:
         """Sample rows given as :class:`SamplingParams` (tests, small callers): builds the
         :class:`SamplingBatch` and calls :meth:`sample`. ``positions[i]`` keys row ``i``'s
         seeded draw: any per-request index that names this draw the same way every time it
-        is made (the runner passes the sequence position of the token being sampled)."""
+        is made (the runner passes the sequence position of the token being sampled).
+        ``histories[i]``: row ``i``'s tokens so far and how many of them are its prompt,
+        which its sampling controls read (default: none), with ``eos_token_ids``."""
         if len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, {len(positions)} positions")
         columns = SamplingColumns()
+        controls = SamplingControls(logits.shape[1], logits.device, eos_token_ids)
         for row, p in enumerate(params):
             columns.set(row, p)
+            tokens, num_prompt = histories[row] if histories is not None else ((), 0)
+            controls.assign(row, p, tokens, num_prompt)
         rows = columns.gather(np.arange(len(params)))
-        return self.sample(logits, batch_from_rows(rows, np.asarray(positions, np.int64), logits.shape[1], logits.device))
+        positions = np.asarray(positions, np.int64)
+        selected = controls.upload(controls.select(np.arange(len(params)), positions))
+        return self.sample(logits, batch_from_rows(rows, positions, logits.shape[1], logits.device, selected))
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Token ids ``[N]`` for float32 ``logits`` ``[N, V]``; nothing here waits for the device."""
+        controls = batch.controls
+        if controls is not None:
+            logits = controls.apply(logits, batch.positions)
+        sampled = self._draw(logits, batch)
+        if controls is not None:
+            controls.record(sampled)
+        return sampled
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Greedy rows' argmax, the others' filtered draw (module docstring)."""
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy
@@ -231,7 +259,11 @@ class Sampler:
 
 
 def batch_from_rows(
-    rows: dict[str, np.ndarray], positions: np.ndarray, vocab: int, device: torch.device | str
+    rows: dict[str, np.ndarray],
+    positions: np.ndarray,
+    vocab: int,
+    device: torch.device | str,
+    controls: ControlRows | None = None,
 ) -> SamplingBatch:
     """A :class:`SamplingBatch` from host rows (one copy per column: the dynamic step's way;
     the static decode step views its columns in its staging buffer instead)."""
@@ -240,17 +272,23 @@ def batch_from_rows(
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
     columns = {name: dev(rows[name]) for name, _ in SamplingColumns.FIELDS}
-    return batch_of_columns(columns, dev(positions), host_flags(rows, vocab))
+    return batch_of_columns(columns, dev(positions), host_flags(rows, vocab), controls)
 
 
 def batch_of_columns(
-    columns: Mapping[str, torch.Tensor], positions: torch.Tensor, flags: dict[str, bool]
+    columns: Mapping[str, torch.Tensor],
+    positions: torch.Tensor,
+    flags: dict[str, bool],
+    controls: ControlRows | None = None,
 ) -> SamplingBatch:
     """A :class:`SamplingBatch` of the device columns named in :attr:`SamplingColumns.FIELDS`
-    (other entries of ``columns`` are ignored), the draws' ``positions`` and the
-    :func:`host_flags`: the one mapping from columns to fields, for the dynamic step's fresh
-    copies and the static decode step's views of its staging buffer alike."""
-    return SamplingBatch(**{name: columns[name] for name, _ in SamplingColumns.FIELDS}, positions=positions, **flags)
+    (other entries of ``columns`` are ignored), the draws' ``positions``, the
+    :func:`host_flags` and the step's controlled rows: the one mapping from columns to
+    fields, for the dynamic step's fresh copies and the static decode step's views of its
+    staging buffer alike."""
+    return SamplingBatch(
+        **{name: columns[name] for name, _ in SamplingColumns.FIELDS}, positions=positions, **flags, controls=controls
+    )
 
 
 def logprobs_of(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:

@@ -48,9 +48,7 @@ LOGNORMAL_CLIP_FACTOR = 16  # lognormal workload: outputs clipped to [1, 16 x th
 class BenchRequest:
     prompt_ids: list[int]
     output_len: int
-    # Generate fields beyond the tokens (e.g. logprobs, for --logprobs-fraction); Conveyor's
-    # drivers send them, the HF baselines have no such features and ignore them.
-    fields: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)  # extra generate fields (sampling controls)
 
     @property
     def prompt_len(self) -> int:
@@ -87,6 +85,46 @@ class Workload:
             "prompt_len": _stats(prompts),
             "output_len": _stats(outputs),
         }
+
+
+# What a request of a --controls-fraction run asks for: every sampling control that costs a
+# pass over its logits row (the penalties, a few biases; min_tokens ends within its first
+# tokens, so it is left out). Token ids 10 and 20 exist in every vocabulary benchmarked.
+SAMPLING_CONTROLS: dict[str, Any] = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "repetition_penalty": 1.1,
+    "logit_bias": {10: 1.0, 20: -1.0},
+}
+
+
+def with_controls(workload: Workload, fraction: float) -> Workload:
+    """``workload`` with :data:`SAMPLING_CONTROLS` on ``fraction`` of its requests, spread
+    evenly (:func:`with_fields`)."""
+    return with_fields(workload, fraction, SAMPLING_CONTROLS, "controls_fraction")
+
+
+def with_logprobs(workload: Workload, fraction: float, k: int) -> Workload:
+    """``workload`` with ``logprobs=k`` on ``fraction`` of its requests (:func:`with_fields`)."""
+    workload = with_fields(workload, fraction, {"logprobs": k}, "logprobs_fraction")
+    workload.params["logprobs"] = k
+    return workload
+
+
+def with_fields(workload: Workload, fraction: float, fields: dict[str, Any], param: str) -> Workload:
+    """``workload`` with the generate ``fields`` added to ``fraction`` of its requests, spread
+    evenly (request ``i`` when ``floor((i + 1) * fraction)`` steps up), so a batch of any
+    size holds about that fraction; ``param`` records the fraction in the workload's params."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"{param.replace('_', ' ')} must be in [0, 1], got {fraction}")
+    requests = [
+        BenchRequest(r.prompt_ids, r.output_len, {**r.sampling, **fields})
+        if math.floor((i + 1) * fraction) > math.floor(i * fraction)
+        else r
+        for i, r in enumerate(workload.requests)
+    ]
+    params = {**workload.params, param: fraction}
+    return Workload(workload.name, workload.seed, requests, params, workload.num_clamped)
 
 
 def _stats(x: np.ndarray) -> dict[str, float]:
@@ -194,20 +232,6 @@ def make_workload(
         requests.append(BenchRequest(ids, o))
     return Workload(name, seed, requests, params, clamped)
 
-
-def with_logprobs(workload: Workload, fraction: float, k: int) -> Workload:
-    """``workload`` with ``logprobs=k`` on an evenly spread ``fraction`` of its requests
-    (request ``i`` asks when ``floor((i + 1) f) > floor(i f)``: half are every other one)."""
-    if not 0 <= fraction <= 1:
-        raise ValueError("the logprobs fraction must be in [0, 1]")
-    if fraction == 0:
-        return workload
-    requests = [
-        BenchRequest(r.prompt_ids, r.output_len, {**r.fields, "logprobs": k}) if int((i + 1) * fraction) > int(i * fraction) else r
-        for i, r in enumerate(workload.requests)
-    ]
-    params = {**workload.params, "logprobs_fraction": fraction, "logprobs": k}
-    return Workload(workload.name, workload.seed, requests, params, workload.num_clamped)
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:

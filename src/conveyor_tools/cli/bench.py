@@ -41,7 +41,7 @@ from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.http_driver import run_online_http
 from conveyor_tools.bench.metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
-from conveyor_tools.bench.workloads import WORKLOADS, make_workload, poisson_arrivals, with_logprobs
+from conveyor_tools.bench.workloads import WORKLOADS, make_workload, poisson_arrivals, with_controls, with_logprobs
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.runtime.build import GIB
 from conveyor.runtime.config import Device, Dtype, WorkerConfig
@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--min-len", type=int, default=100, help="uniform workload")
     common.add_argument("--max-len", type=int, default=1024, help="uniform workload")
     common.add_argument("--batch-size", type=int, default=32, help="concurrency cap of every system")
+    common.add_argument(
+        "--controls-fraction",
+        type=float,
+        default=0.0,
+        help="share of requests sent with sampling controls (penalties, logit_bias); conveyor systems only",
+    )
     common.add_argument("--json", metavar="PATH", help="write the results, machine and versions as JSON")
     common.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: the bench extra)")
 
@@ -507,7 +513,17 @@ def main(argv: list[str] | None = None) -> int:
         scale=args.scale,
         output_sigma=args.output_sigma,
     )
-    workload = with_logprobs(workload, args.logprobs_fraction, args.logprobs)
+    if args.controls_fraction:
+        unsupported = [name for name in systems if name.startswith("hf") or name == "conveyor-http"]
+        if unsupported or not 0 <= args.controls_fraction <= 1:
+            print(f"bench: --controls-fraction needs a value in [0, 1] and conveyor systems (not {unsupported})", file=sys.stderr)
+            return 2
+        workload = with_controls(workload, args.controls_fraction)
+    if args.logprobs_fraction:
+        if not 0 <= args.logprobs_fraction <= 1:
+            print("bench: --logprobs-fraction needs a value in [0, 1]", file=sys.stderr)
+            return 2
+        workload = with_logprobs(workload, args.logprobs_fraction, args.logprobs)
     described = workload.describe()
     print(
         f"bench {args.mode}: {described['num_requests']} {workload.name} requests (seed {workload.seed}), "

@@ -92,3 +92,18 @@ def test_prompt_logprobs_are_not_repeated_after_a_recompute_preemption(tiny_engi
             check(req.prompt_logprobs[i], ref[i - 1], prompt[i], 1)
         for i, entry in enumerate(req.logprobs):
             check(entry, ref[len(prompt) + i - 1], req.tokens[i], 1)
+
+
+def test_logprobs_are_of_the_raw_logits_under_penalties(tiny_engine, hf_model):
+    # A penalized request draws from reshaped logits; its log-probabilities stay the model's
+    # (vLLM's default): HF's log-softmax of the sequence it produced, not of the penalized logits.
+    engine = tiny_engine()
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    req = engine.add_request(
+        token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2,
+        repetition_penalty=1.5, frequency_penalty=1.0, logit_bias={"9": 5.0},
+    )  # fmt: skip
+    run_all(engine)
+    ref = reference(hf_model, prompt + req.tokens)
+    for i, entry in enumerate(req.logprobs):
+        check(entry, ref[len(prompt) + i - 1], req.tokens[i], 2)

@@ -106,3 +106,16 @@ def test_controls_fraction_spreads_evenly(fraction, expected):
     assert workload.describe()["params"]["controls_fraction"] == fraction
     with pytest.raises(ValueError):
         with_controls(base, 1.5)
+
+
+def test_logprobs_fraction_marks_an_even_spread_of_requests() -> None:
+    from conveyor_tools.bench.workloads import with_logprobs
+
+    base = make_workload("fixed", 8, vocab_size=100, max_model_len=256, prompt_len=4, output_len=4)
+    half = with_logprobs(base, 0.5, 3)
+    assert [r.sampling.get("logprobs") for r in half.requests] == [None, 3] * 4
+    assert [r.prompt_ids for r in half.requests] == [r.prompt_ids for r in base.requests]
+    assert all(r.sampling == {"logprobs": 0} for r in with_logprobs(base, 1.0, 0).requests)
+    assert half.describe()["params"]["logprobs_fraction"] == 0.5 and half.describe()["params"]["logprobs"] == 3
+    with pytest.raises(ValueError):
+        with_logprobs(base, 1.5, 3)

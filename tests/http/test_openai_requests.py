@@ -73,13 +73,10 @@ def test_chat_content_parts_are_joined_and_other_content_refused() -> None:
 def test_what_conveyor_cannot_do_is_refused_by_name() -> None:
     assert "'n' is not supported yet" in refused(400, "n", n=2).message
     refused(400, "n", n=0)
-    refused(400, "logprobs", logprobs=2)
-    refused(400, "logprobs", logprobs=0)  # 0 still asks for the sampled token's log-probability
-    refused(400, "logprobs", CHAT, logprobs=True)
     parse(CHAT, logprobs=False)
     refused(400, "echo", CHAT, echo=True)
     assert parse(echo=True).echo
-    for name, value in (("best_of", 2), ("use_beam_search", True), ("prompt_logprobs", 1), ("bad_words", ["x"]),
+    for name, value in (("best_of", 2), ("use_beam_search", True), ("bad_words", ["x"]),
                         ("add_special_tokens", False),
                         ("allowed_token_ids", [1]), ("suffix", "end")):
         assert name in refused(400, name, **{name: value}).message
@@ -216,3 +213,23 @@ def test_unstreamed_bodies() -> None:
     assert body["usage"]["total_tokens"] == 5
     body = completion_body(COMPLETION, "id", 1, MODEL, [result("a", 1, 1), result("b", 1, 1)])
     assert [c["text"] for c in body["choices"]] == ["a", "b"] and [c["index"] for c in body["choices"]] == [0, 1]
+
+
+def test_logprob_fields_become_the_protocol_k() -> None:
+    """Completions' ``logprobs`` is k; chat's is a flag with ``top_logprobs`` its k (which
+    needs the flag); echo asks the prompt's too; prompt_logprobs is forwarded."""
+    job = parse(logprobs=2)
+    assert job.logprobs == 2 and job.options["logprobs"] == 2 and "prompt_logprobs" not in job.options
+    assert parse(logprobs=0).options["logprobs"] == 0  # 0: the sampled token's alone
+    assert parse(logprobs=3, echo=True).options["prompt_logprobs"] == 3
+    assert parse(prompt_logprobs=1).options["prompt_logprobs"] == 1 and parse(prompt_logprobs=1).prompt_logprobs
+    assert parse().logprobs is None and "logprobs" not in parse().options
+    chat = parse(CHAT, logprobs=True, top_logprobs=3)
+    assert chat.logprobs == 3 and chat.options["logprobs"] == 3
+    assert parse(CHAT, logprobs=True).options["logprobs"] == 0
+    assert parse(CHAT, logprobs=False, top_logprobs=None).logprobs is None
+    refused(400, "logprobs", logprobs=-1)
+    refused(400, "logprobs", logprobs=True)
+    refused(400, "logprobs", CHAT, logprobs=2)
+    refused(400, "top_logprobs", CHAT, top_logprobs=2)  # without logprobs: true
+    refused(400, "top_logprobs", top_logprobs=2)  # a chat field

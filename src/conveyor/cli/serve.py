@@ -225,6 +225,12 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-bandwidth", type=float, default=SchedulerConfig.swap_bandwidth / 1e9, help="GB/s host<->device, for --preemption auto")
     g.add_argument("--prefill-rate", type=float, default=SchedulerConfig.prefill_rate, help="prefill tokens/s, for --preemption auto")
     g.add_argument("--max-sessions", type=int, default=FrontendConfig.max_sessions, help="finished requests remembered for continuation")
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=FrontendConfig.max_logprobs,
+        help="the most top log-probabilities a request may ask for (logprobs, prompt_logprobs); more is refused",
+    )
 
 
 def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:

@@ -97,6 +97,9 @@ class CompletionResult:
     usage: Usage
     timing: dict[str, float | None] = field(default_factory=dict)
     error: str | None = None
+    # Where asked for: the protocol's log-probability columns (docs/protocol.md), as sent.
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -108,6 +111,8 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     result: CompletionResult | None = None
+    logprobs: dict[str, Any] | None = None  # of this delta's tokens, where asked for
+    prompt_logprobs: dict[str, Any] | None = None  # of prompt tokens not sent before
 
 
 def completion_result(msg: dict[str, Any]) -> CompletionResult:
@@ -120,6 +125,8 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
         timing=msg.get("timing") or {},
         error=msg.get("error"),
+        logprobs=msg.get("logprobs"),
+        prompt_logprobs=msg.get("prompt_logprobs"),
     )
 
 
@@ -158,7 +165,10 @@ def _request_message(prompt: str | None, stream: bool, request: dict[str, Any]) 
 def to_delta(msg: dict[str, Any]) -> Delta:
     """Turn a server message of a streamed request into a Delta."""
     if msg["type"] == cp.DELTA:
-        return Delta(msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])))
+        return Delta(
+            msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])),
+            logprobs=msg.get("logprobs"), prompt_logprobs=msg.get("prompt_logprobs"),
+        )
     result = completion_result(msg)
     return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
 

@@ -54,6 +54,7 @@ from conveyor.engine.request import Request
 from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import context_ids, encode_input
+from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.output import merge
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
@@ -100,6 +101,7 @@ class Engine:
         )
         self.scheduler = Scheduler(batcher, self.model_config.eos_token_ids, self.model_config.vocab_size)
         self._sessions = Sessions(options.max_sessions)
+        self._max_logprobs = options.max_logprobs
         self._scheduler_ids = itertools.count(1)
         self._running: dict[str, Request] = {}  # by scheduler id: every request not done
         self._by_id: dict[str, Request] = {}  # the same, by the caller's id
@@ -129,10 +131,12 @@ class Engine:
         Exactly one input: ``prompt`` (text, tokenized with BOS), ``token_ids`` or chat
         ``messages`` (the checkpoint's chat template). ``sampling``: the generate fields of
         docs/protocol.md (``max_tokens`` (16), ``temperature`` (1.0), ``top_p``, ``top_k``,
-        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, and the
+        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, the
         frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
         ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
-        ``chat_template_kwargs``), and structured output: ``constraint`` (docs/protocol.md),
+        ``chat_template_kwargs``), ``logprobs`` / ``prompt_logprobs`` (the number of top
+        log-probabilities, up to ``max_logprobs`` (20), read from :attr:`Request.logprobs` /
+        ``prompt_logprobs``), and structured output: ``constraint`` (docs/protocol.md),
         ``tools`` and ``tool_choice``. ``lora`` names the LoRA adapter to generate with (one
         of the options' ``lora_modules``, or one added by :meth:`load_lora`).
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
@@ -158,6 +162,9 @@ class Engine:
         }
         req = cp.parse_client_message(fields)
         rid = req.request_id
+        problem = cp.logprobs_problem(req.sampling, self._max_logprobs)
+        if problem is not None:
+            raise cp.ProtocolError(problem, rid)
         if rid in self._by_id:
             raise cp.ProtocolError(f"request id {rid!r} is already in flight", rid)
         self._constraints.compile(req)  # a bad constraint is refused before anything is queued
@@ -186,6 +193,10 @@ class Engine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
             StopStringMatcher(req.stop, req.include_stop_str_in_output),
             arrival,
+            (
+                None if req.sampling.logprobs is None else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),
+                None if req.sampling.prompt_logprobs is None else LogprobsLog(req.sampling.prompt_logprobs, 1, self.tokenizer),
+            ),
         )
         self._running[scheduler_id] = request
         self._by_id[rid] = request
@@ -319,7 +330,9 @@ class Engine:
                 request.num_cached_tokens = out.num_cached_tokens
             if out.first_token_time is not None:
                 request.first_token_time = out.first_token_time
-            stopped = bool(out.new_token_ids) and request._push(out.new_token_ids)
+            if out.prompt_logprobs is not None:
+                request._push_prompt_logprobs(out.prompt_logprobs)
+            stopped = bool(out.new_token_ids) and request._push(out.new_token_ids, out.logprobs)
             if stopped and out.finish_reason is None:
                 self.scheduler.abort([out.request_id])
             if stopped or out.finish_reason is not None:

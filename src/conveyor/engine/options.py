@@ -55,6 +55,7 @@ class EngineOptions:
     enable_lora: bool = False  # LoRA on even without lora_modules: Engine.load_lora adds adapters
     max_lora_rank: int = WorkerConfig.max_lora_rank
     max_cpu_loras: int | None = None  # host copies of adapters; None: as many as slots
+    max_logprobs: int = FrontendConfig.max_logprobs  # the most top log-probabilities a request may ask for
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig knobs by their names
 
     @classmethod

@@ -421,6 +421,9 @@ class Frontend:
                 req.request_id,
                 cp.DUPLICATE_REQUEST_ID,
             )
+        logprobs_problem = cp.logprobs_problem(req.sampling, self.config.max_logprobs)
+        if logprobs_problem is not None:
+            raise cp.ProtocolError(logprobs_problem, req.request_id)
         history = self.sessions.context((key, req.request_id))
         chars = input_chars(req)
         check_input_chars(
@@ -519,6 +522,7 @@ class Frontend:
         state.max_tokens = req.sampling.max_tokens
         state.history_len = len(history) if history is not None else 0
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
+        state.set_logprobs(req.sampling, self.tokenizer)
         state.pending = False
         self.requests[state.scheduler_id] = state
         self.metrics.add_prompt(state.prompt_len)

@@ -10,7 +10,10 @@ followed by ``[DONE]``.
 
 Fields beyond the text (:class:`GenerationJob`): ``echo`` starts each choice's text with its
 prompt (the string sent, or a token-id prompt decoded), ``return_token_ids`` adds the token
-ids, ``continuous_usage_stats`` the usage so far to every chunk; the prompt's ids these need
+ids, ``continuous_usage_stats`` the usage so far to every chunk, ``logprobs`` the
+log-probabilities in OpenAI's shapes (:mod:`conveyor.http.logprobs`; with ``echo``, the
+prompt's first, and each streamed chunk's for its own tokens) and ``prompt_logprobs``
+vLLM's per-prompt-token list; the prompt's ids these need
 come from the HTTP process's tokenizer (:mod:`conveyor.http.tokens`), asked only when a
 request needs them. The body's ignored fields are named in the ``x-conveyor-ignored-fields``
 header and a log line.
@@ -37,6 +40,7 @@ from aiohttp import web
 
 from conveyor.client import CompletionResult, Delta
 from conveyor.http.errors import ApiError, from_final_error
+from conveyor.http.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from conveyor.http.link import FrontendLink, api_error
 from conveyor.http.openai_requests import CHAT, COMPLETION, GenerationJob
 from conveyor.http.openai_responses import DONE, ChunkEncoder, completion_body, json_encode, response_id, usage_so_far
@@ -55,19 +59,44 @@ class _Prompts:
     """What a job needs of its prompts: their ids (``return_token_ids``, continuous usage)
     and the texts ``echo`` puts in front (None where not asked)."""
 
-    def __init__(self, ids: list[list[int]] | None, echoes: list[str] | None) -> None:
+    def __init__(self, ids: list[list[int]] | None, echoes: list[str] | None, first_tokens: list[str] | None = None) -> None:
         self.ids = ids
         self.echoes = echoes
+        self.first_tokens = first_tokens  # echo with logprobs: each prompt's first token's text (it has no value)
 
 
 async def _prompts(job: GenerationJob, tokens: Tokens) -> _Prompts:
     ids = None
-    if job.return_token_ids or job.continuous_usage:
+    echo_logprobs = job.echo and job.kind == COMPLETION and job.logprobs is not None
+    if job.return_token_ids or job.continuous_usage or job.prompt_logprobs or echo_logprobs:
         ids = [await tokens.prompt_ids(inp, job.options) for inp in job.inputs]
     echoes = None
     if job.echo and job.kind == COMPLETION:
         echoes = [inp["prompt"] if "prompt" in inp else await tokens.decode(inp["token_ids"]) for inp in job.inputs]
-    return _Prompts(ids, echoes)
+    first_tokens = None
+    if echo_logprobs:
+        tokenizer = await tokens.tokenizer()
+        first_tokens = [tokenizer.decode_one(p[0], False) for p in ids]  # type: ignore[union-attr]
+    return _Prompts(ids, echoes, first_tokens)
+
+
+def _logprob_fields(
+    job: GenerationJob, prompts: _Prompts, index: int, rows: dict | None, prompt_rows: dict | None, offset: int, first: bool
+) -> dict[str, Any]:
+    """The log-probability fields of choice ``index`` for output ``rows`` and ``prompt_rows``
+    (a whole answer's, or one chunk's: ``first`` for its first, which carries the echoed
+    prompt's); ``offset``: the text offset of the first token listed."""
+    fields: dict[str, Any] = {}
+    if job.logprobs is not None:
+        if job.kind == CHAT:
+            fields["logprobs"] = chat_logprobs(rows) if rows else None
+        elif first and prompts.first_tokens is not None:
+            fields["logprobs"] = completion_logprobs(rows, offset, prompt_rows or {}, prompts.first_tokens[index])
+        elif rows:
+            fields["logprobs"] = completion_logprobs(rows, offset)
+    if job.prompt_logprobs and prompt_rows:
+        fields["prompt_logprobs"] = prompt_logprobs(prompt_rows, prompts.ids[index])  # type: ignore[index]
+    return fields
 
 
 async def respond(
@@ -90,7 +119,10 @@ async def respond(
     results = await _generate_all(link, job)
     texts = None if prompts.echoes is None else [e + r.text for e, r in zip(prompts.echoes, results)]
     prompt_ids = prompts.ids if job.return_token_ids else None
-    body = completion_body(job.kind, rid, created, model, results, texts=texts, prompt_ids=prompt_ids)
+    extras = None
+    if job.logprobs is not None or job.prompt_logprobs:
+        extras = [_logprob_fields(job, prompts, i, r.logprobs, r.prompt_logprobs, 0, True) for i, r in enumerate(results)]
+    body = completion_body(job.kind, rid, created, model, results, texts=texts, prompt_ids=prompt_ids, extras=extras)
     reader = _tool_reader(job, tool_parser)
     if reader is not None:
         for choice, result in zip(body["choices"], results):
@@ -278,9 +310,12 @@ class _Encoder:
         self.prompts = prompts
         self.token_ids = job.return_token_ids
         self.continuous = job.continuous_usage
-        self.plain = not (self.token_ids or self.continuous or prompts.echoes is not None)
+        self.job = job
+        self.logged = job.logprobs is not None or job.prompt_logprobs
+        self.plain = not (self.token_ids or self.continuous or prompts.echoes is not None or self.logged)
         self.started = [False] * len(finals)
         self.generated = [0] * len(finals)
+        self.offsets = [0] * len(finals)  # text offset of the next token of each choice (completions' logprobs)
 
     def __call__(self, index: int, delta: Delta) -> int:
         """1 when ``delta`` was its input's final (ApiError if that final is an error)."""
@@ -321,7 +356,8 @@ class _Encoder:
     def _detailed(self, index: int, delta: Delta) -> bytes:
         text = delta.text
         extra: dict[str, Any] = {}
-        if not self.started[index]:
+        first = not self.started[index]
+        if first:
             self.started[index] = True
             if self.prompts.echoes is not None:
                 text = self.prompts.echoes[index] + text
@@ -329,6 +365,13 @@ class _Encoder:
                 extra["prompt_token_ids"] = self.prompts.ids[index]  # type: ignore[index]
         if self.token_ids:
             extra["token_ids"] = list(delta.token_ids)
+        if self.logged:
+            fields = _logprob_fields(
+                self.job, self.prompts, index, delta.logprobs, delta.prompt_logprobs, self.offsets[index], first
+            )
+            if fields.get("logprobs") and self.enc.kind == COMPLETION:
+                self.offsets[index] += sum(len(t) for t in fields["logprobs"]["tokens"])
+            extra.update(fields)
         self.generated[index] += len(delta.token_ids)
         return self.enc.chunk(index, text, None, extra, self._usage(index))
 

@@ -9,7 +9,9 @@ schemas is taken (docs/http.md lists them):
   names the field (mapped to a 400 by :mod:`conveyor.http.errors`), so the rules live in
   one place.
 - ``http``: handled here (``model``, the input, ``stream``/``stream_options``,
-  ``max_tokens``, ``echo``, ``return_token_ids``).
+  ``max_tokens``, ``echo``, ``return_token_ids``, ``logprobs`` / ``top_logprobs``, which
+  become the protocol's ``logprobs`` k: completions' ``logprobs`` is k, chat's is a flag
+  with ``top_logprobs`` its k; with ``echo``, completions also ask ``prompt_logprobs`` k).
 - ``ignored``: no effect on the output here (``user``, ``metadata``, vLLM's ``cache_salt``,
   ``spaces_between_special_tokens`` (the Rust tokenizers join special tokens as they are)
   ...): accepted, and listed in the response header ``x-conveyor-ignored-fields`` and a log
@@ -90,8 +92,8 @@ FIELDS: dict[str, Field] = {
     "stop": Field(FORWARD),
     "n": _inert(1, later=True),
     "best_of": _inert(1, later=True),
-    "logprobs": Field(INERT, _BOTH, {COMPLETION: (), CHAT: (False,)}, later=True),
-    "top_logprobs": _inert(0, later=True),
+    "logprobs": Field(HTTP),
+    "top_logprobs": Field(HTTP),
     "presence_penalty": Field(FORWARD),
     "frequency_penalty": Field(FORWARD),
     "logit_bias": Field(FORWARD),
@@ -142,7 +144,7 @@ FIELDS: dict[str, Field] = {
     "min_tokens": Field(FORWARD),
     "bad_words": _inert([], later=True),
     "allowed_token_ids": _inert(),
-    "prompt_logprobs": _inert(later=True),
+    "prompt_logprobs": Field(FORWARD),
     "logits_processors": _inert(),
     "guided_json": Field(HTTP),  # these five: at most one, -> constraint (_constraint)
     "guided_regex": Field(HTTP),
@@ -171,7 +173,9 @@ class GenerationJob:
     ``options`` (protocol option fields, no None values). ``ignored``: the body's ``ignored``
     fields (header and log line); ``echo``: the prompt starts each choice's text;
     ``return_token_ids``: the choices carry their token ids and the prompt's;
-    ``continuous_usage``: every streamed chunk carries the usage so far."""
+    ``continuous_usage``: every streamed chunk carries the usage so far; ``logprobs``: the
+    top-k asked for the output tokens (None: no logprobs object), also in ``options``;
+    ``prompt_logprobs``: vLLM's per-prompt-token list is asked for."""
 
     kind: str  # COMPLETION or CHAT
     inputs: list[dict[str, Any]]
@@ -186,6 +190,8 @@ class GenerationJob:
     # JSON, read back whole), or None; whether the output is parsed for calls at all.
     forced_tool_choice: Any = None
     tools: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
 
 def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] = ()) -> GenerationJob:
@@ -222,6 +228,12 @@ def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] 
     if tool_choice is not None:
         options["tool_choice"] = tool_choice
     forced = tool_choice if tools and tool_choice not in (None, "auto", "none") else None
+    echo = _echo(body, kind)
+    logprobs = _logprobs(body, kind)
+    if logprobs is not None:
+        options["logprobs"] = logprobs
+        if echo:  # the echoed prompt's tokens come with theirs
+            options["prompt_logprobs"] = max(logprobs, options.get("prompt_logprobs", 0))
     return GenerationJob(
         kind,
         inputs,
@@ -229,11 +241,13 @@ def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] 
         stream,
         include_usage,
         ignored,
-        echo=_echo(body, kind),
+        echo=echo,
         return_token_ids=_flag(body, "return_token_ids"),
         continuous_usage=continuous_usage,
         forced_tool_choice=forced,
         tools=bool(tools) and tool_choice != "none",
+        logprobs=logprobs,
+        prompt_logprobs=body.get("prompt_logprobs") is not None,
     )
 
 
@@ -278,6 +292,27 @@ def _constraint(body: dict[str, Any]) -> dict[str, Any] | None:
     if key == "json_object":
         return {"type": "json_object"}
     return _constraint({_VLLM_FIELD[key]: value[key]})
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """The protocol's ``logprobs`` k of a body, or None: completions' ``logprobs`` (an
+    integer); chat's ``logprobs`` flag with ``top_logprobs`` (an integer, which needs the
+    flag). The bound (``--max-logprobs``) is the frontend's to check."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == COMPLETION:
+        if top is not None and top != 0:
+            raise bad_field("top_logprobs", f"'top_logprobs' applies to chat completions (only 0 or null here): completions take 'logprobs': k, got {top!r}")
+        if value is not None and (not _is_int(value) or value < 0):
+            raise bad_field("logprobs", f"'logprobs' must be an integer >= 0, got {value!r}")
+        return value
+    if value is not None and not isinstance(value, bool):
+        raise bad_field("logprobs", f"'logprobs' must be a boolean, got {_json_type(value)}")
+    if top is not None:
+        if not _is_int(top) or top < 0:
+            raise bad_field("top_logprobs", f"'top_logprobs' must be an integer >= 0, got {top!r}")
+        if top and not value:
+            raise bad_field("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if value else None
 
 
 def _echo(body: dict[str, Any], kind: str) -> bool:

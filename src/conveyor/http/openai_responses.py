@@ -60,11 +60,13 @@ def completion_body(
     *,
     texts: list[str] | None = None,
     prompt_ids: list[list[int]] | None = None,
+    extras: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The unstreamed answer: one choice per result, in order. ``texts`` replace the
     results' texts (``echo``); with ``prompt_ids`` (``return_token_ids``) each choice carries
     its ``token_ids`` and the prompt's (a completion choice its own ``prompt_token_ids``, a
-    chat answer one at the top, as vLLM)."""
+    chat answer one at the top, as vLLM). ``extras``: per choice, its ``logprobs`` (replacing
+    the null) and ``prompt_logprobs`` (a chat answer's at the top, as vLLM)."""
     texts = texts if texts is not None else [r.text for r in results]
     if kind == COMPLETION:
         choices = [
@@ -76,6 +78,11 @@ def completion_body(
             for i, r in enumerate(results)
         ]
     body = {"id": rid, "object": _OBJECT[kind], "created": created, "model": model, "choices": choices, "usage": usage(results)}
+    if extras is not None:
+        for choice, extra in zip(choices, extras):
+            choice.update(extra)
+        if kind == CHAT and "prompt_logprobs" in extras[0]:
+            body["prompt_logprobs"] = choices[0].pop("prompt_logprobs")
     if prompt_ids is not None:
         for i, (choice, r) in enumerate(zip(choices, results)):
             choice["token_ids"] = r.token_ids

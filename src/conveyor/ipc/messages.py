@@ -135,6 +135,11 @@ class SamplingParams(Positional, frozen=True):
     # rebuilds a matcher from it with the same tokenizer and masks the request's rows with it
     # (docs/structured-output.md). The scheduler never reads it.
     grammar: str = ""
+    # Log-probabilities (log-softmax of the raw logits): None asks for none; k >= 0 asks for
+    # the sampled (prompt) token's and the k most likely ones', k at most the server's
+    # max_logprobs (checked by the frontend).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -192,6 +197,38 @@ class StatsQuery(Message, tag=3):
 # ---------------------------------------------------------------- scheduler -> frontend
 
 
+class TokenLogprobs(Positional):
+    """Log-probabilities of ``count`` consecutive tokens of one request, as columns.
+
+    ``start`` is the index in the request's whole sequence (prompt then output) of the first
+    token they describe; row ``i`` is token ``start + i``: ``token_logprobs`` holds its
+    log-probability (little-endian float32 bytes, ``count`` of them), ``top_ids`` and
+    ``top_logprobs`` the ``width`` most likely tokens at that position, most likely first
+    (``count * width`` int32 ids and float32 bytes, row-major). Bytes and int32 columns, not
+    objects per token: they ride the token hot path."""
+
+    start: int
+    count: int
+    width: int
+    token_logprobs: bytes
+    top_ids: Int32Array
+    top_logprobs: bytes
+
+
+class StepLogprobs(Positional):
+    """Log-probabilities a step computed, for several requests (named by slot), as columns:
+    request ``slots[i]`` has ``counts[i]`` rows from sequence index ``starts[i]`` on, laid end to
+    end in the arrays, which are as in :class:`TokenLogprobs` (one ``width`` for the step)."""
+
+    slots: Int32Array
+    starts: Int32Array
+    counts: Int32Array
+    width: int
+    token_logprobs: bytes
+    top_ids: Int32Array
+    top_logprobs: bytes
+
+
 @message
 class RequestOutput(Message, tag=10):
     """New tokens of one request from one iteration; ``finish_reason`` set on its last one.
@@ -211,6 +248,10 @@ class RequestOutput(Message, tag=10):
     scheduled_time: float | None = None
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    # Requests that asked for them: the log-probabilities of new_token_ids (same count), and
+    # of prompt tokens computed by this iteration (the first prompt token has none).
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @message
@@ -403,6 +444,10 @@ class StepResult(Message, tag=30):
     forward_time: float = 0.0
     end_slots: list[int] = field(default_factory=list)
     end_errors: list[str] = field(default_factory=list)
+    # For the rows whose request asked: the sampled tokens' log-probabilities (one row per
+    # slot, at the sampled token's index), and those of the prompt positions the step computed.
+    logprobs: StepLogprobs | None = None
+    prompt_logprobs: StepLogprobs | None = None
 
 
 # ---------------------------------------------------------------- any child -> bin/serve

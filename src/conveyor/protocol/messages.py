@@ -83,6 +83,9 @@ SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
 )
+# Log-probabilities asked for (None: none; k: the token's own and the k most likely), bounded
+# by the server's max_logprobs (:func:`logprobs_problem`).
+LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")
 # Generate fields the frontend applies itself (input preparation and output text), never
 # seen by the scheduler or the worker: see :class:`GenerateRequest`.
 FRONTEND_FIELDS = (
@@ -99,7 +102,7 @@ FRONTEND_FIELDS = (
 # function: enforced as a JSON-schema constraint over ``tools``).
 STRUCTURED_FIELDS = ("constraint", "tools", "tool_choice")
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority", "lora", *FRONTEND_FIELDS, *STRUCTURED_FIELDS)
+OPTION_FIELDS = (*SAMPLING_FIELDS, *LOGPROBS_FIELDS, "stop", "priority", "lora", *FRONTEND_FIELDS, *STRUCTURED_FIELDS)
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
 MAX_LORA_NAME_LEN = 256  # length bound of a LoRA adapter's name
@@ -564,6 +567,10 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     if not _is_int(min_tokens) or min_tokens < 0:  # (and at most max_tokens: context_problem)
         raise fail(f"'min_tokens' must be an integer >= 0, got {min_tokens!r}")
     logit_bias = _parse_logit_bias(get("logit_bias", {}), fail)
+    for name in LOGPROBS_FIELDS:
+        value = obj.get(name)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise fail(f"'{name}' must be an integer >= 0 (the number of top log-probabilities), got {value!r}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -577,6 +584,8 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         min_tokens=min_tokens,
         logit_bias=logit_bias,
         **penalties,
+        logprobs=obj.get("logprobs"),
+        prompt_logprobs=obj.get("prompt_logprobs"),
     )
 
 
@@ -597,6 +606,17 @@ def _parse_logit_bias(value: Any, fail: Any) -> dict[int, float]:
             raise fail(f"'logit_bias' values must be in [-100, 100], got {number!r} for token {token}")
         bias[token] = float(number)
     return bias
+
+
+def logprobs_problem(sampling: SamplingParams, max_logprobs: int) -> str | None:
+    """Why a request asks for more top log-probabilities than the server's bound
+    (``--max-logprobs``), or None. Applied where the server's configuration is known: the
+    frontend and the engine, before tokenizing."""
+    for name in LOGPROBS_FIELDS:
+        k = getattr(sampling, name)
+        if k is not None and k > max_logprobs:
+            return f"'{name}' asks for {k} log-probabilities; this server's bound (--max-logprobs) is {max_logprobs}"
+    return None
 
 
 def signed_seed(seed: int) -> int:

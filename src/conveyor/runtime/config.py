@@ -199,10 +199,12 @@ class FrontendConfig:
     # as not reading and its requests are dropped (conveyor.ipc.transport.CLIENT_SEND_QUEUE
     # says what the default implies; 0: no bound).
     client_send_queue: int = CLIENT_SEND_QUEUE
+    # bin/serve --max-logprobs: the most top log-probabilities a request may ask for.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _require_at_least(self, 1, "data_parallel_size")
-        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue")
+        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue", "max_logprobs")
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,14 @@ class KVCacheManager:
     # ------------------------------------------------------------------ admission
 
     def match(self, req: Request) -> PrefixMatch:
-        """Longest cached prefix of a request that holds no blocks; changes nothing."""
+        """Longest cached prefix of a request that holds no blocks; changes nothing.
+
+        A request still owed prompt log-probabilities matches nothing: they come from the
+        prefill's logits, which a cached prefix would skip (it is computed whole, once; its
+        blocks are registered for others as usual)."""
         bs = self.block_size
+        if req.sampling.prompt_logprobs is not None and req.prompt_logprobs_from < req.num_prompt_tokens:
+            return PrefixMatch([], [], [], None, 0, 0)
         tokens = req.token_ids
         limit = len(tokens) - 1
         full = limit // bs

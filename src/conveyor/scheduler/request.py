@@ -86,6 +86,9 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     stop_len: int = 0
     has_own_stop_ids: bool = False  # stop ids beyond the EOS set (the decode columns check only EOS)
+    # With prompt_logprobs: the prompt index from which they are still owed (index 0 has none).
+    # A recomputed prefill gives them again; only the owed ones are sent.
+    prompt_logprobs_from: int = 1
     # The scheduler's per-slot columns, which hold num_computed_tokens while it holds a slot.
     columns: SlotColumns | None = None
     # The parallel-sampling request it is a sequence of (scheduler/groups.py), or None.

@@ -31,7 +31,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from conveyor.ipc.messages import FinishReason, RequestOutput, StepPlan, StepResult, TokenOutputs
+from conveyor.ipc.messages import (
+    FinishReason,
+    RequestOutput,
+    StepLogprobs,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    TokenOutputs,
+)
 from conveyor.scheduler.preemption import drop_kv
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.slot_columns import ALARM, EOS, GEN, KNOWN
@@ -73,13 +81,16 @@ def apply_result(state: SchedulerState, plan: StepPlan, step: Step, result: Step
         if req.status is RUNNING:  # not ended while the step ran (its blocks are free then)
             kv.register_full_blocks(req, state.done_tokens(req))
     outputs: list[RequestOutput] = []
-    if not len(step.sample_slots):
-        return TokenOutputs(outputs)
-    finished: list[Request] = []  # running requests this result retires
-    complete = _grammar_ends(state, step, result, outputs, finished)
-    column_ids, column_tokens = _apply_tokens(state, plan, step, slots, tokens, outputs, finished, complete)
-    if finished:
-        state.table.prune_running(finished)
+    column_ids: list[str] = []
+    column_tokens: list[int] = []
+    if len(step.sample_slots):
+        finished: list[Request] = []  # running requests this result retires
+        complete = _grammar_ends(state, step, result, outputs, finished)
+        column_ids, column_tokens = _apply_tokens(state, plan, step, slots, tokens, outputs, finished, complete)
+        if finished:
+            state.table.prune_running(finished)
+    if result.logprobs is not None or result.prompt_logprobs is not None:
+        column_ids, column_tokens = _attach_logprobs(step, result, outputs, column_ids, column_tokens)
     return TokenOutputs(outputs, column_ids, column_tokens)
 
 
@@ -103,6 +114,80 @@ def _grammar_ends(
         finished.append(req)
         outputs.append(state.finish(req, FinishReason.ERROR, error=f"structured output: {error}"))
     return np.asarray(complete, np.int64) if complete else None
+
+
+def _split_logprobs(step: Step, lp: StepLogprobs) -> list[tuple[Request, TokenLogprobs]]:
+    """A step's log-probability columns cut per request (the one the plan ran on each slot)."""
+    chosen = np.frombuffer(lp.token_logprobs, "<f4")
+    top_ids = np.asarray(lp.top_ids, np.int32)
+    top = np.frombuffer(lp.top_logprobs, "<f4")
+    width = lp.width
+    out = []
+    first = 0
+    for slot, start, count in zip(_int_array(lp.slots).tolist(), _int_array(lp.starts).tolist(), _int_array(lp.counts).tolist()):
+        req = step.owner(slot)
+        end = first + count
+        if req is not None:
+            out.append((req, TokenLogprobs(
+                start, count, width, chosen[first:end].tobytes(),
+                top_ids[first * width : end * width].copy(), top[first * width : end * width].tobytes(),
+            )))
+        first = end
+    return out
+
+
+def _drop_head(lp: TokenLogprobs, rows: int) -> TokenLogprobs:
+    """``lp`` without its first ``rows`` rows."""
+    w = lp.width
+    return TokenLogprobs(
+        lp.start + rows, lp.count - rows, w, lp.token_logprobs[4 * rows :],
+        np.asarray(lp.top_ids)[rows * w :], lp.top_logprobs[4 * rows * w :],
+    )
+
+
+def _attach_logprobs(
+    step: Step, result: StepResult, outputs: list[RequestOutput], column_ids: list[str], column_tokens: list[int]
+) -> tuple[list[str], list[int]]:
+    """Give the requests that asked their log-probabilities, on their outputs of this
+    iteration: a request whose token went in the columns gets a full output instead (the
+    columns stay the plain case), and prompt log-probabilities of a chunk that sampled nothing
+    travel in an output without tokens. A sampled token's values go only where the token went
+    (none if it was dropped); prompt ones only to a request still running or finished by this
+    result, and only from the prompt index it is still owed (a recomputed prefill repeats
+    some). Returns the columns left."""
+    by_id = {out.request_id: out for out in outputs}
+    sampled = _split_logprobs(step, result.logprobs) if result.logprobs is not None else []
+    prompt = _split_logprobs(step, result.prompt_logprobs) if result.prompt_logprobs is not None else []
+    wanted = {req.request_id for req, _ in sampled}
+    if wanted & set(column_ids):
+        kept_ids, kept_tokens = [], []
+        for request_id, token in zip(column_ids, column_tokens):
+            if request_id in wanted:
+                out = by_id[request_id] = RequestOutput(request_id, [token])
+                outputs.append(out)
+            else:
+                kept_ids.append(request_id)
+                kept_tokens.append(token)
+        column_ids, column_tokens = kept_ids, kept_tokens
+    for req, lp in sampled:
+        out = by_id.get(req.request_id)
+        if out is not None and out.new_token_ids:
+            out.logprobs = lp
+    for req, lp in prompt:
+        owed = req.prompt_logprobs_from - lp.start
+        if owed >= lp.count:
+            continue
+        if owed > 0:
+            lp = _drop_head(lp, owed)
+        out = by_id.get(req.request_id)
+        if out is None:
+            if req.status is not RUNNING:
+                continue
+            out = by_id[req.request_id] = RequestOutput(req.request_id, [])
+            outputs.append(out)
+        out.prompt_logprobs = lp
+        req.prompt_logprobs_from = lp.start + lp.count
+    return column_ids, column_tokens
 
 
 def _int_array(values: np.ndarray | list[int]) -> np.ndarray:

@@ -14,6 +14,7 @@ sampling controls and timers, which the runner sets up before :meth:`DecodeStep.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from conveyor.worker.attention.triton_backend import TritonPagedAttention
 from conveyor.worker.cuda_graphs import DecodeGraphs
 from conveyor.worker.parallel import broadcast_from_first_
 from conveyor.worker.request_state import RequestState, Work
+
+if TYPE_CHECKING:
+    from conveyor.worker.model_runner import LogprobRows
 from conveyor.worker.sampler import batch_of_columns, host_flags
 from conveyor.worker.step_buffers import DecodeInputs, StepBuffers, context_buckets, decode_buckets, smallest_fitting
 
@@ -33,7 +37,7 @@ class DecodeStep:
 
     def _run_decode(
         self, work: list[Work], states: list[RequestState], samples: list[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, LogprobRows | None, None]:
         """A decode-only step through the static buffers: stage every input on the host, one
         copy to the device, then the captured graph of the step's bucket (or the same forward
         run eagerly), then the sampler over the bucket's rows; padded rows are ignored."""
@@ -107,11 +111,16 @@ class DecodeStep:
             batch = batch_of_columns(inputs.tensors, inputs.positions + 1, flags, controls)
             self._constrain(batch, slots, sample_rows, states, False, rows)
             sampled = self.sampler.sample(self._logits[:rows], batch).index_select(0, inputs.sample_rows[:m])
+            # After the graph, on the same logits, for the rows that ask (the host knows which).
+            logprobs = self._sampled_logprobs(
+                self._logits, sample_rows, sampled, slots[sample_rows], computed[sample_rows] + 1
+            )
         else:
             sampled = torch.empty(m, dtype=torch.int64, device=self.device)
+            logprobs = None
         broadcast_from_first_(sampled, self.tensor_parallel)
         self._t_sample.record(start)
-        return sampled, sample_slots
+        return sampled, sample_slots, logprobs, None
 
     def _forward_decode(self, inputs: DecodeInputs, bound: int, seq_lens_host: list[int] | None = None) -> None:
         """Embedding to logits of a decode bucket, reading only ``inputs`` (fixed device views)

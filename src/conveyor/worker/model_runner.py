@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from conveyor import profiling
-from conveyor.ipc.messages import StepPlan, StepResult, int_list
+from conveyor.ipc.messages import StepLogprobs, StepPlan, StepResult, int_list
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
@@ -58,8 +58,53 @@ from conveyor.worker.lora import LoraManager, LoraOptions
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
 from conveyor.worker.request_state import RequestState, SlotStates, Work
-from conveyor.worker.sampler import Sampler, SamplingBatch, SamplingColumns, batch_from_rows
+from conveyor.worker.sampler import Sampler, SamplingBatch, SamplingColumns, batch_from_rows, logprobs_of
 from conveyor.worker.sampling_controls import SamplingControls
+
+
+@dataclass(eq=False)
+class LogprobRows:
+    """Log-probabilities one step computes (:class:`~conveyor.ipc.messages.StepLogprobs`):
+    the host's columns (slot, first sequence index, rows of each request) and the values,
+    on the device until :meth:`to_host` starts their copy (not waited for: ``finish`` reads
+    them after the step's event, like the sampled ids)."""
+
+    slots: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    width: int
+    chosen: torch.Tensor  # float32 [R]
+    top_ids: torch.Tensor  # int64 [R, width]
+    top_lp: torch.Tensor  # float32 [R, width]
+
+    @classmethod
+    def compute(
+        cls, logits: torch.Tensor, rows: np.ndarray, tokens: torch.Tensor, width: int,
+        slots: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+    ) -> LogprobRows:
+        """Of ``logits`` rows ``rows`` (host indices), for ``tokens`` (one per row, on the device)."""
+        index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(logits.device, non_blocking=True)
+        chosen, top_ids, top_lp = logprobs_of(logits, index, tokens, width)
+        return cls(slots, starts, counts, width, chosen, top_ids, top_lp)
+
+    def to_host(self, pinned: bool) -> None:
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            return host.copy_(tensor, non_blocking=pinned)
+
+        self.chosen, self.top_ids, self.top_lp = copy(self.chosen), copy(self.top_ids), copy(self.top_lp)
+
+    def message(self) -> StepLogprobs:
+        """The wire columns (call after the step's copies are done)."""
+        return StepLogprobs(
+            self.slots.astype(np.int32),
+            self.starts.astype(np.int32),
+            self.counts.astype(np.int32),
+            self.width,
+            self.chosen.numpy().astype("<f4").tobytes(),
+            self.top_ids.numpy().astype(np.int32).reshape(-1),
+            self.top_lp.numpy().astype("<f4").tobytes(),
+        )
 
 
 @dataclass(eq=False)
@@ -77,6 +122,8 @@ class LaunchedStep:
     sampled: torch.Tensor | None = None  # host buffer the sampled ids are copied into
     done: torch.cuda.Event | None = None  # recorded after that copy (CUDA only)
     start: float = 0.0  # perf_counter at launch
+    logprobs: LogprobRows | None = None  # of the sampled tokens, for the rows that asked
+    prompt_logprobs: LogprobRows | None = None  # of the prompt positions computed, likewise
     failed: bool = True  # until launched
     before: LaunchedStep | None = None
     ends: list[tuple[int, str]] | None = None  # constrained rows the grammar ended: (slot, error)
@@ -244,7 +291,7 @@ class ModelRunner(DecodeStep):
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
         samples = [item.num_computed + item.num_scheduled == state.num_known for item, state in zip(work, states)]
         self._in_flight, self._ends = before, []
-        sampled, sample_slots = self._run(work, states, samples) if work else (None, None)
+        sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
         launched.ends, self._in_flight = self._ends, None
         for item, state in zip(work, states):
             state.num_computed += item.num_scheduled
@@ -260,6 +307,11 @@ class ModelRunner(DecodeStep):
             # the next steps' inputs, without a host round trip
             self._last_tokens.index_copy_(0, sample_slots, sampled)
             launched.sampled = self._copy_to_host(sampled)
+        for rows in (logprobs, prompt_logprobs):
+            if rows is not None:
+                rows.to_host(self._cuda)
+        launched.logprobs, launched.prompt_logprobs = logprobs, prompt_logprobs
+        if sampling or prompt_logprobs is not None:
             if self._cuda:
                 launched.done = torch.cuda.Event()
                 launched.done.record()
@@ -328,8 +380,14 @@ class ModelRunner(DecodeStep):
             )
         ends = launched.ends or []
         return StepResult(
-            launched.step_id, launched.slots, tokens, forward_time=time.perf_counter() - launched.start,
-            end_slots=[slot for slot, _ in ends], end_errors=[error for _, error in ends],
+            launched.step_id,
+            launched.slots,
+            tokens,
+            forward_time=time.perf_counter() - launched.start,
+            end_slots=[slot for slot, _ in ends],
+            end_errors=[error for _, error in ends],
+            logprobs=launched.logprobs.message() if launched.logprobs is not None else None,
+            prompt_logprobs=launched.prompt_logprobs.message() if launched.prompt_logprobs is not None else None,
         )
 
     def _take_in_grammar(self, slot: int, grammar: str, num_prompt_tokens: int) -> None:
@@ -378,18 +436,93 @@ class ModelRunner(DecodeStep):
 
     def _run(
         self, work: list[Work], states: list[RequestState], samples: list[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, LogprobRows | None, LogprobRows | None]:
         """Forward the step and sample; returns, on the device, the ids sampled for the rows with
-        ``samples`` set, in order, and their slots (nothing here waits for the device). A
+        ``samples`` set, in order, and their slots (nothing here waits for the device), then
+        the log-probabilities of the sampled tokens and of the prompt positions computed, for
+        the requests that asked (None when none did: nothing extra runs then). A
         decode-only step (every row runs one token) takes the static-buffer path
         (:meth:`_run_decode`), any other the flattened ragged one (:meth:`_run_ragged`)."""
-        if all(item.num_scheduled == 1 for item in work):
+        if all(item.num_scheduled == 1 for item in work) and not self._scores_prompt(work, states):
             return self._run_decode(work, states, samples)
         return self._run_ragged(work, states, samples)
 
+    def _scores_prompt(self, work: list[Work], states: list[RequestState]) -> bool:
+        """Whether a row of the step computes a prompt position whose next token's
+        log-probability its request asked for: such a step runs the ragged path, whose hidden
+        states the prompt's scoring reads (the decode step's graphs keep only the last row's
+        logits). The slots that may still need it are a set that forgets a slot once its
+        request is gone or past its prompt, so once no such request is held a step pays one
+        empty-set test."""
+        owed = self._sampling.prompt_logprobs_slots
+        if not owed:
+            return False
+        table = self._requests.states
+        for slot in list(owed):
+            state = table[slot] if slot < len(table) else None
+            if state is None or state.sampling.prompt_logprobs is None or state.num_computed >= state.num_prompt - 1:
+                owed.discard(slot)  # (a recomputed request is taken in again, and set again)
+        return bool(owed) and any(item.slot in owed for item in work)
+
+    def _sampled_logprobs(
+        self, logits: torch.Tensor, rows: np.ndarray, sampled: torch.Tensor, slots: np.ndarray, positions: np.ndarray
+    ) -> LogprobRows | None:
+        """The sampled tokens' log-probabilities for the requests that ask: ``logits[rows[j]]``
+        drew ``sampled[j]`` for the request on ``slots[j]`` at sequence index ``positions[j]``.
+        Which requests ask is read on the host (the slots' column): None, and nothing run,
+        when none does. The step's width is the largest k asked (each request keeps its own)."""
+        asked = self._sampling.logprobs[slots]
+        wanted = np.flatnonzero(asked >= 0)
+        if not len(wanted):
+            return None
+        width = min(int(asked[wanted].max()), logits.shape[1])
+        tokens = sampled.index_select(0, torch.from_numpy(wanted).to(sampled.device, non_blocking=True))
+        return LogprobRows.compute(
+            logits, rows[wanted], tokens, width, slots[wanted], positions[wanted], np.ones(len(wanted), np.int64)
+        )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, work: list[Work], states: list[RequestState], offsets: np.ndarray
+    ) -> LogprobRows | None:
+        """Log-probabilities of the prompt tokens this step's chunks predict, for the requests
+        that ask (``prompt_logprobs``): the hidden state at position ``p`` gives token ``p + 1``,
+        so a chunk of positions ``c .. e - 1`` covers tokens ``c + 1 .. min(e, P - 1)`` of a
+        prompt of ``P`` tokens (the first prompt token has none; a chunk ending the prompt
+        covers up to its last token). ``offsets[i]``: where row ``i``'s tokens start in the
+        flat batch. Prompt positions this worker did not compute (a prefix-cache hit) are not
+        given here: the scheduler bypasses the cache for such requests."""
+        flat: list[np.ndarray] = []
+        targets: list[int] = []
+        slots, starts, counts = [], [], []
+        width = 0
+        for i, (item, state) in enumerate(zip(work, states)):
+            k = state.sampling.prompt_logprobs
+            if k is None:
+                continue
+            first, end = item.num_computed, min(item.num_computed + item.num_scheduled, state.num_prompt - 1)
+            if end <= first:
+                continue
+            flat.append(np.arange(offsets[i], offsets[i] + end - first))
+            targets += state.token_ids[first + 1 : end + 1]
+            slots.append(item.slot)
+            starts.append(first + 1)
+            counts.append(end - first)
+            width = max(width, k)
+        if not slots:
+            return None
+        rows = np.concatenate(flat)
+        index = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        tokens = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        width = min(width, logits.shape[1])
+        return LogprobRows.compute(
+            logits, np.arange(len(rows)), tokens, width,
+            np.asarray(slots, np.int64), np.asarray(starts, np.int64), np.asarray(counts, np.int64),
+        )
+
     def _run_ragged(
         self, work: list[Work], states: list[RequestState], samples: list[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, LogprobRows | None, LogprobRows | None]:
         """Prefill, chunked prefill and mixed steps: the new tokens laid end to end, unpadded."""
         start = profiling.now_ns()
         query_lens = [item.num_scheduled for item in work]
@@ -437,8 +570,13 @@ class ModelRunner(DecodeStep):
             )
             self._constrain(batch, slots, sample_rows, states, True, len(sample_rows))
             sampled = self.sampler.sample(logits, batch)
+            logprobs = self._sampled_logprobs(
+                logits, np.arange(len(sample_rows)), sampled, slots[sample_rows], draw_positions[sample_rows]
+            )
+            prompt_logprobs = self._prompt_logprobs(hidden, work, states, ends - np.asarray(query_lens, np.int64))
         else:  # rank 0 holds the LM head and samples; the next steps' inputs need its ids here too
             sampled = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device)
+            logprobs = prompt_logprobs = None
         broadcast_from_first_(sampled, self.tensor_parallel)
         self._t_sample.record(start)
-        return sampled, sample_slots
+        return sampled, sample_slots, logprobs, prompt_logprobs

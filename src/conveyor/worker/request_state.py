@@ -35,6 +35,7 @@ class RequestState:
     pending: int = 0  # tokens sampled by a launched step, not yet appended (0 or 1)
     adapter: int = 0  # LoRA adapter id (conveyor.worker.lora.LoraManager; 0: the base model)
     grammar: GrammarRow | None = None  # structured output: its matcher (rank 0 only)
+    num_prompt: int = 0  # token_ids[:num_prompt] is the prompt (its log-probabilities' range)
 
     @property
     def num_known(self) -> int:
@@ -89,7 +90,8 @@ class SlotStates:
             states.extend([None] * (new.slot + 1 - len(states)))
         tokens, blocks = int_list(new.token_ids), int_list(new.block_ids)
         states[new.slot] = RequestState(
-            new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens, adapter=adapter
+            new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens, adapter=adapter,
+            num_prompt=len(tokens) if new.num_prompt_tokens is None else new.num_prompt_tokens,
         )
         self.set_table(new.slot, 0, blocks, clear=True)
 

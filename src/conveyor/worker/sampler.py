@@ -122,6 +122,13 @@ class SamplingColumns:
 
     def __init__(self) -> None:
         self.columns = {name: np.zeros(0, dtype) for name, dtype in self.FIELDS}
+        # Beside the sampler's fields (not part of a SamplingBatch): the number of top
+        # log-probabilities each slot's request asks for with its sampled tokens, -1 for none,
+        # so the host tells from one gather whether a step computes any.
+        self.logprobs = np.zeros(0, np.int64)
+        # The slots whose request asked for prompt log-probabilities (the runner forgets one
+        # once its prompt is computed): while empty, no step looks for prompt positions to score.
+        self.prompt_logprobs_slots: set[int] = set()
 
     def set(self, slot: int, params: SamplingParams) -> None:
         size = len(self.columns["seed"])
@@ -131,9 +138,17 @@ class SamplingColumns:
                 grown = np.zeros(new_size, column.dtype)
                 grown[:size] = column
                 self.columns[name] = grown
+            grown = np.full(new_size, -1, np.int64)
+            grown[:size] = self.logprobs
+            self.logprobs = grown
         values = row_values(params)
         for name, column in self.columns.items():
             column[slot] = values[name]
+        self.logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        if params.prompt_logprobs is None:
+            self.prompt_logprobs_slots.discard(slot)
+        else:
+            self.prompt_logprobs_slots.add(slot)
 
     def gather(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         return {name: column[slots] for name, column in self.columns.items()}
@@ -284,3 +299,21 @@ def batch_of_columns(
     return SamplingBatch(
         **{name: columns[name] for name, _ in SamplingColumns.FIELDS}, positions=positions, **flags, controls=controls
     )
+
+
+def logprobs_of(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """Log-probabilities of ``logits`` rows ``rows``: each row's ``tokens`` entry ``[R]`` and
+    its ``width`` most likely tokens ``([R, width]`` ids and values, most likely first).
+
+    The log-softmax of the *raw* logits in float32, before temperature and the filters (what
+    vLLM returns by default): what the model gives the token, not what the sampler's
+    reshaped distribution gave it. Only the ``rows`` asked for are normalized; the caller
+    decides on the host whether to call at all, so a step that asks for none runs nothing."""
+    lp = logits.index_select(0, rows).float().log_softmax(dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1)).view(-1)
+    if width:
+        top_lp, top_ids = lp.topk(width, dim=-1)
+    else:
+        top_lp = lp.new_empty((lp.shape[0], 0))
+        top_ids = torch.empty((lp.shape[0], 0), dtype=torch.int64, device=lp.device)
+    return chosen, top_ids, top_lp

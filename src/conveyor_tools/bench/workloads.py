@@ -100,17 +100,30 @@ SAMPLING_CONTROLS: dict[str, Any] = {
 
 def with_controls(workload: Workload, fraction: float) -> Workload:
     """``workload`` with :data:`SAMPLING_CONTROLS` on ``fraction`` of its requests, spread
+    evenly (:func:`with_fields`)."""
+    return with_fields(workload, fraction, SAMPLING_CONTROLS, "controls_fraction")
+
+
+def with_logprobs(workload: Workload, fraction: float, k: int) -> Workload:
+    """``workload`` with ``logprobs=k`` on ``fraction`` of its requests (:func:`with_fields`)."""
+    workload = with_fields(workload, fraction, {"logprobs": k}, "logprobs_fraction")
+    workload.params["logprobs"] = k
+    return workload
+
+
+def with_fields(workload: Workload, fraction: float, fields: dict[str, Any], param: str) -> Workload:
+    """``workload`` with the generate ``fields`` added to ``fraction`` of its requests, spread
     evenly (request ``i`` when ``floor((i + 1) * fraction)`` steps up), so a batch of any
-    size holds about that fraction."""
+    size holds about that fraction; ``param`` records the fraction in the workload's params."""
     if not 0 <= fraction <= 1:
-        raise ValueError(f"controls fraction must be in [0, 1], got {fraction}")
+        raise ValueError(f"{param.replace('_', ' ')} must be in [0, 1], got {fraction}")
     requests = [
-        BenchRequest(r.prompt_ids, r.output_len, dict(SAMPLING_CONTROLS))
+        BenchRequest(r.prompt_ids, r.output_len, {**r.sampling, **fields})
         if math.floor((i + 1) * fraction) > math.floor(i * fraction)
         else r
         for i, r in enumerate(workload.requests)
     ]
-    params = {**workload.params, "controls_fraction": fraction}
+    params = {**workload.params, param: fraction}
     return Workload(workload.name, workload.seed, requests, params, workload.num_clamped)
 
 
@@ -218,6 +231,7 @@ def make_workload(
         ids = rng.integers(low, vocab_size, p).tolist()
         requests.append(BenchRequest(ids, o))
     return Workload(name, seed, requests, params, clamped)
+
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:

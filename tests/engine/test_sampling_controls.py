@@ -76,6 +76,22 @@ def test_min_tokens_holds_back_a_favoured_stop_token(tiny_engine, hf_controlled)
     assert at_once.tokens == [stop_id]
 
 
+def test_min_tokens_defers_stop_strings(tiny_engine):
+    """A stop string the output holds from its first token ends the request only once
+    ``min_tokens`` tokens are out, as stop token ids do (the worker masks those)."""
+    engine = tiny_engine()
+    favoured = 40
+    stop = engine.tokenizer.decode([favoured])
+    assert stop.strip(), stop
+    fields = dict(temperature=0.0, logit_bias={favoured: 100.0}, stop=[stop], ignore_eos=True)
+    late = engine.add_request(token_ids=prompt(2), max_tokens=12, min_tokens=5, **fields)
+    at_once = engine.add_request(token_ids=prompt(2), max_tokens=12, **fields)
+    run_all(engine)
+    assert at_once.tokens == [favoured] and at_once.text == "" and at_once.finish_reason == "stop"
+    assert late.tokens == [favoured] * 6 and late.finish_reason == "stop"
+    assert late.text == stop * 5
+
+
 def test_bad_fields_are_refused(tiny_engine):
     engine = tiny_engine()
     vocab = engine.model_config.vocab_size

@@ -124,3 +124,14 @@ def test_every_feed_releases_exactly_what_may_be_shown(stop, deltas) -> None:
             return
     shown += matcher.flush()
     assert shown == reference(stop, text)[0]
+
+
+def test_min_tokens_passes_its_first_feeds_through_unsearched() -> None:
+    """The first ``min_tokens`` feeds (one per output token) are neither matched nor held;
+    a stop string is looked for from the next one on, in the text fed from then."""
+    matcher = StopStringMatcher(["ab"], min_tokens=2)
+    assert matcher.feed("ab") == ("ab", False)  # token 1: no match yet
+    assert matcher.feed("a") == ("a", False)  # token 2: not held back either
+    assert matcher.feed("b") == ("b", False)  # token 3: "a" + "b" spans the boundary: not a match
+    assert matcher.feed("xab") == ("x", True)
+    assert StopStringMatcher(["ab"]).feed("ab") == ("", True)  # without min_tokens, at once

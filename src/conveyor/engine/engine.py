@@ -191,7 +191,7 @@ class Engine:
             prompt_ids,
             len(history) if history is not None else 0,
             IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-            StopStringMatcher(req.stop, req.include_stop_str_in_output),
+            StopStringMatcher(req.stop, req.include_stop_str_in_output, req.sampling.min_tokens),
             arrival,
             (
                 None if req.sampling.logprobs is None else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),

@@ -437,7 +437,7 @@ class Frontend:
             prompt_len=0,
             arrival_time=arrival,
             detokenizer=None,
-            stop=StopStringMatcher(req.stop, req.include_stop_str_in_output),
+            stop=StopStringMatcher(req.stop, req.include_stop_str_in_output, req.sampling.min_tokens),
             client_key=key,
             fd=fd,
         )

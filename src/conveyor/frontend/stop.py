@@ -13,6 +13,11 @@ Invariants:
 - Concatenating everything returned (by ``feed`` and ``flush``) gives the full text cut
   at the earliest match of any stop string (the match itself excluded, or included when
   ``include_stop`` is set: a request's ``include_stop_str_in_output``), or the full text.
+- With ``min_tokens`` (a request's ``min_tokens``), the first ``min_tokens`` feeds (one per
+  output token) pass through unmatched and unheld: only text from the feed after them is
+  searched, so no stop string ends a request before its ``min_tokens`` tokens, as the worker
+  masks EOS and ``stop_token_ids`` until then (vLLM skips its stop-string check likewise; a
+  match may not start in the text of those first tokens here).
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from collections.abc import Iterable
 class StopStringMatcher:
     """Cuts one request's text at its first stop string; empty strings in ``stop`` are ignored."""
 
-    def __init__(self, stop: Iterable[str], include_stop: bool = False) -> None:
+    def __init__(self, stop: Iterable[str], include_stop: bool = False, min_tokens: int = 0) -> None:
         self._stop = [s for s in dict.fromkeys(stop) if s]
         self._include = include_stop
+        self._unsearched = min_tokens  # feeds still to pass through before matching starts
         self._held = ""
         self._stopped = False
         # Every match and every held-back tail starts with the first character of a stop string:
@@ -47,6 +53,9 @@ class StopStringMatcher:
         if self._stopped:
             return "", True
         if not self._stop:
+            return delta, False
+        if self._unsearched > 0:
+            self._unsearched -= 1
             return delta, False
         text = self._held + delta if self._held else delta
         if self._firsts.isdisjoint(text):  # no match and nothing to hold back

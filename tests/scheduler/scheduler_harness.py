@@ -288,6 +288,23 @@ class Harness:
             else:
                 assert (got, final.finish_reason) == (expected, reason), key
 
+    def chunks_beside_decodes(self, prompt_len: int, decode_tokens: int) -> list[int]:
+        """Start two short requests ``d0``/``d1`` decoding (``decode_tokens`` each), then add
+        ``long`` of ``prompt_len`` tokens and step until it has its first token: every step
+        must plan one token of each decode (a chunked prefill never starves them) within the
+        token budget. Returns the long prompt's chunk per step."""
+        self.add("d0", prompt_len=2, max_tokens=decode_tokens)
+        self.add("d1", prompt_len=2, max_tokens=decode_tokens)
+        self.step()  # both prefilled, decoding from now on
+        self.add("long", prompt_len=prompt_len, max_tokens=2)
+        chunks = []
+        while "long" not in self.tokens:
+            sched = self.scheduled_in(self.step())
+            assert sched["d0"] == 1 and sched["d1"] == 1, "a decode was starved by the prefill"
+            assert sum(sched.values()) <= self.config.max_num_batched_tokens
+            chunks.append(sched["long"])
+        return chunks
+
     def scheduled_in(self, plan: StepPlan) -> dict[str, int]:
         out = {r.request_id: r.num_scheduled_tokens for r in plan.new_requests}
         out.update(zip(self.cached_ids(plan), plan.cached_requests.num_scheduled_tokens))

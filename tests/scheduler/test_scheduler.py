@@ -124,17 +124,7 @@ def test_retired_request_frees_blocks_in_the_same_iteration():
 
 def test_long_prompt_is_chunked_while_decodes_run_every_iteration():
     h = Harness(cfg(max_num_batched_tokens=8, block_size=4, num_blocks=64))
-    h.add("d0", prompt_len=2, max_tokens=20)
-    h.add("d1", prompt_len=2, max_tokens=20)
-    h.step()
-    h.add("long", prompt_len=30, max_tokens=2)
-    chunks = []
-    while "long" not in h.tokens:
-        plan = h.step()
-        sched = h.scheduled_in(plan)
-        assert sched["d0"] == 1 and sched["d1"] == 1, "a decode was starved by the prefill"
-        chunks.append(sched["long"])
-    assert chunks == [6, 6, 6, 6, 6]
+    assert h.chunks_beside_decodes(prompt_len=30, decode_tokens=20) == [6, 6, 6, 6, 6]
     first, *rest = [p for p in h.plans if "long" in h.scheduled_in(p)]
     (new,) = [r for r in first.new_requests if r.request_id == "long"]
     assert len(new.token_ids) == 30 and len(new.block_ids) == 2  # covers the 6-token chunk

@@ -49,17 +49,7 @@ def run_until(h: Harness, predicate, limit: int = 500):
 def test_decodes_run_every_iteration_while_an_older_long_prompt_is_chunked():
     """The long prompt ranks first (it arrived first), yet decodes are planned before it."""
     h = Harness(cfg(max_num_batched_tokens=16, num_blocks=128, max_model_len=512))
-    h.add("d0", prompt_len=2, max_tokens=60)
-    h.add("d1", prompt_len=2, max_tokens=60)
-    h.step()  # both prefilled, decoding from now on
-    h.add("long", prompt_len=300, max_tokens=2)
-    chunks = []
-    while "long" not in h.tokens:
-        plan = h.step()
-        sched = h.scheduled_in(plan)
-        assert sched["d0"] == 1 and sched["d1"] == 1, "a decode was starved by the prefill"
-        assert sum(sched.values()) <= 16
-        chunks.append(sched["long"])
+    chunks = h.chunks_beside_decodes(prompt_len=300, decode_tokens=60)
     assert max(chunks) == 14 and sum(chunks) == 300
     h.run()
     h.check_outcomes()

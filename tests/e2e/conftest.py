@@ -61,6 +61,22 @@ def hf_greedy(tiny_checkpoint):
     return run
 
 
+@pytest.fixture(scope="session")
+def hf_logprobs(tiny_checkpoint):
+    """HF transformers' float32 log-softmax over a token sequence (the log-probability
+    reference): row ``p`` is the distribution of token ``p + 1``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+    def run(tokens: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
+
+    return run
+
+
 class PresenceFrequency:
     """vLLM's (OpenAI's) presence / frequency penalties over the output tokens, float32."""
 

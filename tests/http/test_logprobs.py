@@ -12,19 +12,6 @@ from conveyor.client import Client
 PROMPT_IDS = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-
-
-def reference(model, tokens: list[int]) -> torch.Tensor:
-    """Row ``p``: HF's float32 log-softmax of the logits predicting token ``p + 1``."""
-    with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
-
-
 def check_columns(columns: dict, ref: torch.Tensor, tokens: list[int], k: int) -> None:
     """Protocol columns from index ``columns['start']`` against the reference of ``tokens``."""
     start = columns["start"]
@@ -53,7 +40,7 @@ def joined(parts: list[dict]) -> dict:
     return out
 
 
-def test_zmq_logprobs_whole_and_streamed(http_server, hf_model) -> None:
+def test_zmq_logprobs_whole_and_streamed(http_server, hf_logprobs) -> None:
     request = dict(token_ids=PROMPT_IDS, max_tokens=6, temperature=0.8, seed=11, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     with Client(http_server.address, timeout=60) as client:
         whole = client.generate(**request)
@@ -63,7 +50,7 @@ def test_zmq_logprobs_whole_and_streamed(http_server, hf_model) -> None:
     assert plain.logprobs is None and plain.prompt_logprobs is None
     assert refused.finish_reason == "error" and "max-logprobs" in refused.error
     sequence = PROMPT_IDS + whole.token_ids
-    ref = reference(hf_model, sequence)
+    ref = hf_logprobs(sequence)
     assert whole.logprobs["start"] == len(PROMPT_IDS) and len(whole.logprobs["token_logprobs"]) == 6
     check_columns(whole.logprobs, ref, sequence, 3)
     assert whole.prompt_logprobs["start"] == 1 and len(whole.prompt_logprobs["token_logprobs"]) == len(PROMPT_IDS) - 1
@@ -88,7 +75,7 @@ def model_of(server) -> str:
     return openai_client(server).models.list().data[0].id
 
 
-def test_completions_logprobs_whole_streamed_and_echoed(http_server, hf_model) -> None:
+def test_completions_logprobs_whole_streamed_and_echoed(http_server, hf_logprobs) -> None:
     client, model = openai_client(http_server), model_of(http_server)
     common = dict(model=model, prompt=PROMPT_IDS, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(logprobs=3, **common).choices[0]
@@ -96,7 +83,7 @@ def test_completions_logprobs_whole_streamed_and_echoed(http_server, hf_model) -
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     with Client(http_server.address, timeout=60) as zmq_client:
         ids = zmq_client.generate(token_ids=PROMPT_IDS, max_tokens=5, temperature=0, ignore_eos=True).token_ids
-    ref = reference(hf_model, PROMPT_IDS + ids)
+    ref = hf_logprobs(PROMPT_IDS + ids)
     for i, token_id in enumerate(ids):
         row = ref[len(PROMPT_IDS) + i - 1]
         assert lp.token_logprobs[i] == pytest.approx(row[token_id].item(), abs=1e-4)
@@ -120,7 +107,7 @@ def test_completions_logprobs_whole_streamed_and_echoed(http_server, hf_model) -
     assert echoed.token_logprobs[len(PROMPT_IDS):] == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
-def test_prompt_logprobs_extension_and_the_bound(http_server, hf_model) -> None:
+def test_prompt_logprobs_extension_and_the_bound(http_server, hf_logprobs) -> None:
     import openai
 
     client, model = openai_client(http_server), model_of(http_server)
@@ -128,7 +115,7 @@ def test_prompt_logprobs_extension_and_the_bound(http_server, hf_model) -> None:
         model=model, prompt=PROMPT_IDS, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
     ).choices[0]
     prompt = choice.model_extra["prompt_logprobs"]
-    ref = reference(hf_model, PROMPT_IDS)
+    ref = hf_logprobs(PROMPT_IDS)
     assert len(prompt) == len(PROMPT_IDS) and prompt[0] is None
     for i in range(1, len(PROMPT_IDS)):
         entry = prompt[i][str(PROMPT_IDS[i])]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from conveyor_tools.bench import report
 from conveyor_tools.cli import bench
 
@@ -84,3 +86,18 @@ def test_offline_static_gathers_a_full_batch_and_continuous_does_not() -> None:
     assert (static.batching, static.min_batch_size, static.max_wait_ms) == ("static", 12, OFFLINE_GATE_WAIT_MS)
     assert static.max_num_seqs == 12
     assert (continuous.batching, continuous.min_batch_size, continuous.max_wait_ms) == ("continuous", 1, 0.0)
+
+
+@pytest.mark.parametrize("flag", ["--controls-fraction", "--constrained-fraction"])
+@pytest.mark.parametrize(("systems", "fraction"), [("conveyor,hf", "0.5"), ("conveyor,conveyor-http", "0.5"), ("conveyor", "1.5")])
+def test_request_field_fractions_are_refused_before_the_run(monkeypatch, tiny_checkpoint, capsys, flag, systems, fraction) -> None:
+    """A fraction outside [0, 1], or a system whose driver cannot send the fields, is refused
+    with the flag named, before anything runs."""
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran although its workload was refused")
+
+    monkeypatch.setattr(bench, "offline", no_run)
+    argv = ["offline", "--systems", systems, "--model", str(tiny_checkpoint), "--device", "cpu", flag, fraction]
+    assert bench.main(argv) == 2
+    assert f"bench: {flag} needs a value in [0, 1]" in capsys.readouterr().err

@@ -519,18 +519,17 @@ def main(argv: list[str] | None = None) -> int:
         scale=args.scale,
         output_sigma=args.output_sigma,
     )
-    if args.controls_fraction:
-        unsupported = [name for name in systems if name.startswith("hf") or name == "conveyor-http"]
-        if unsupported or not 0 <= args.controls_fraction <= 1:
-            print(f"bench: --controls-fraction needs a value in [0, 1] and conveyor systems (not {unsupported})", file=sys.stderr)
-            return 2
-        workload = with_controls(workload, args.controls_fraction)
-    if args.constrained_fraction:
-        unsupported = [name for name in systems if name.startswith("hf") or name == "conveyor-http"]
-        if unsupported or not 0 <= args.constrained_fraction <= 1:
-            print(f"bench: --constrained-fraction needs a value in [0, 1] and conveyor systems (not {unsupported})", file=sys.stderr)
-            return 2
-        workload = constrain_fraction(workload, args.constrained_fraction)
+    # Only the conveyor systems driven over ZeroMQ send these fields (not HF, not conveyor-http).
+    for flag, fraction, mark in (
+        ("--controls-fraction", args.controls_fraction, with_controls),
+        ("--constrained-fraction", args.constrained_fraction, constrain_fraction),
+    ):
+        if fraction:
+            unsupported = [name for name in systems if name.startswith("hf") or name == "conveyor-http"]
+            if unsupported or not 0 <= fraction <= 1:
+                print(f"bench: {flag} needs a value in [0, 1] and conveyor systems (not {unsupported})", file=sys.stderr)
+                return 2
+            workload = mark(workload, fraction)
     if args.logprobs_fraction:
         if not 0 <= args.logprobs_fraction <= 1:
             print("bench: --logprobs-fraction needs a value in [0, 1]", file=sys.stderr)

@@ -109,18 +109,25 @@ def finished_counts(client: Client) -> dict[str, int]:
     return client.metrics()["counters"]["request_success"]
 
 
+def wait_until_freed(watcher: Client, since: float, event: str) -> float:
+    """Poll ``watcher``'s stats until no KV block is held and nothing is in flight; fails once
+    ABORT_BOUND_S have passed since ``since`` (``time.monotonic`` of ``event``, as the message
+    names it). Returns the seconds it took."""
+    while True:
+        stats = watcher.stats()
+        took = time.monotonic() - since
+        if stats["held_blocks"] == 0 and stats["in_flight"] == 0:
+            return took
+        assert took < ABORT_BOUND_S, f"blocks still held {took:.2f} s after {event}: {stats}"
+        time.sleep(0.01)
+
+
 def assert_aborted_and_freed(watcher: Client, before: dict[str, int], dropped_at: float) -> float:
     """After one long request's client went away at ``dropped_at`` (``time.monotonic``): its
     KV blocks are free and nothing is in flight within ABORT_BOUND_S of that, and the server
     counted it as aborted (one more ``abort``, no ``length``: it did not just run out).
     ``watcher`` is a client connected before the drop; returns the seconds it took."""
-    while True:
-        stats = watcher.stats()
-        took = time.monotonic() - dropped_at
-        if stats["held_blocks"] == 0 and stats["in_flight"] == 0:
-            break
-        assert took < ABORT_BOUND_S, f"blocks still held {took:.2f} s after the disconnect: {stats}"
-        time.sleep(0.01)
+    took = wait_until_freed(watcher, dropped_at, "the disconnect")
     after = finished_counts(watcher)
     assert after["abort"] == before["abort"] + 1 and after["length"] == before["length"], (before, after)
     return took

@@ -45,6 +45,7 @@ from conveyor.ipc import step_channel
 from conveyor.ipc.messages import CachedRequests, Shutdown, StepPlan, StepResult
 from conveyor.ipc.step_channel import StepChannels, StepReceiver, StepSender
 from conveyor.runtime.config import PlanTransport
+from conveyor_tools.stand_in_worker import answer_plans
 
 
 def answer(plan: StepPlan) -> StepResult:
@@ -55,22 +56,6 @@ def answer(plan: StepPlan) -> StepResult:
     computed = cached.num_computed_tokens.tolist()
     cached.num_scheduled_tokens.tolist()
     return StepResult(plan.step_id, slots, np.full(len(computed), 11, dtype=np.int32))
-
-
-def stand_in_worker(channels: StepChannels) -> None:
-    ctx = zmq.Context()
-    plans = StepReceiver(ctx, channels.plans, bind=False)
-    results = StepSender(ctx, channels.results, bind=False)
-    try:
-        while True:
-            plan = plans.recv()
-            if isinstance(plan, Shutdown):
-                return
-            results.send(answer(plan))
-    finally:
-        plans.close()
-        results.close()
-        ctx.term()
 
 
 def decode_plan(step: int, slots: list[int]) -> StepPlan:
@@ -120,7 +105,7 @@ def run(transport: str, n: int, iters: int, warmup: int, spin_us: float | None) 
         results = StepReceiver(ctx, channels.results, bind=True)
         poller = zmq.Poller()
         poller.register(results.pollable(), zmq.POLLIN)
-        worker = mp.get_context("spawn").Process(target=stand_in_worker, args=(channels,), daemon=True)
+        worker = mp.get_context("spawn").Process(target=answer_plans, args=(channels, answer), daemon=True)
         worker.start()
 
         def hop(plan: StepPlan) -> StepResult:

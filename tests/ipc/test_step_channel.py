@@ -17,6 +17,7 @@ import zmq
 from conveyor.ipc import step_channel
 from conveyor.ipc.messages import CachedRequests, NewRequestData, SamplingParams, Shutdown, StepPlan, StepResult
 from conveyor.ipc.step_channel import PeerGone, StepChannels, StepReceiver, StepSender
+from conveyor_tools.stand_in_worker import answer_plans
 
 SPAWN = mp.get_context("spawn")
 
@@ -57,24 +58,12 @@ def plan(step: int, n: int, prompt_len: int = 0) -> StepPlan:
     return StepPlan(step, new, CachedRequests(slots, np.full(n, step, np.int32), np.ones(n, np.int32)), [0])
 
 
-def echo_worker(channels: StepChannels) -> None:
-    """Answers each plan with its step id and, as tokens, the sum of each new request's prompt."""
-    ctx = zmq.Context()
-    plans = StepReceiver(ctx, channels.plans, bind=False)
-    results = StepSender(ctx, channels.results, bind=False)
-    try:
-        while True:
-            msg = plans.recv()
-            if isinstance(msg, Shutdown):
-                return
-            sums = [int(new.token_ids.sum()) for new in msg.new_requests]
-            slots = [new.slot for new in msg.new_requests] + msg.cached_requests.slots.tolist()
-            tokens = np.array(sums + [msg.step_id] * len(msg.cached_requests), np.int32)
-            results.send(StepResult(msg.step_id, slots, tokens))
-    finally:
-        plans.close()
-        results.close()
-        ctx.term()
+def echo(plan: StepPlan) -> StepResult:
+    """The stand-in worker's answer: each new request's prompt sum, each cached row the step id."""
+    sums = [int(new.token_ids.sum()) for new in plan.new_requests]
+    slots = [new.slot for new in plan.new_requests] + plan.cached_requests.slots.tolist()
+    tokens = np.array(sums + [plan.step_id] * len(plan.cached_requests), np.int32)
+    return StepResult(plan.step_id, slots, tokens)
 
 
 def test_plans_and_results_in_order_also_when_oversize(channels) -> None:
@@ -83,7 +72,7 @@ def test_plans_and_results_in_order_also_when_oversize(channels) -> None:
     ctx = zmq.Context()
     tx = StepSender(ctx, channels.plans, bind=True)
     rx = StepReceiver(ctx, channels.results, bind=True)
-    worker = SPAWN.Process(target=echo_worker, args=(channels,), daemon=True)
+    worker = SPAWN.Process(target=answer_plans, args=(channels, echo), daemon=True)
     worker.start()
     try:
         big = step_channel.PLAN_SLOT_BYTES // 4 + 1000  # int32 tokens: more than one slot

@@ -24,8 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from conveyor.checkpoints.demo.build_tokenizer import train_byte_level_bpe
 from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR as DEMO_DIR
 
 CORPUS = [
@@ -85,30 +86,9 @@ def _save(path: Path, tok: Tokenizer, config: dict) -> Path:
     return path
 
 
-def _byte_level_bpe(split: str, specials: list[str], vocab_size: int, nfc: bool) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    if nfc:
-        tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in specials],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    return tok
-
-
 def build_bytelevel(path: Path) -> Path:
     bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
-    tok = _byte_level_bpe(LLAMA3_SPLIT, [bos, eos, "<|eot_id|>"], 420, nfc=False)
+    tok = train_byte_level_bpe(CORPUS, LLAMA3_SPLIT, [bos, eos, "<|eot_id|>"], 420)
     tok.post_processor = processors.Sequence(
         [
             processors.ByteLevel(trim_offsets=False),
@@ -119,7 +99,7 @@ def build_bytelevel(path: Path) -> Path:
 
 
 def build_chatml(path: Path) -> Path:
-    tok = _byte_level_bpe(QWEN_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], 400, nfc=True)
+    tok = train_byte_level_bpe(CORPUS, QWEN_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], 400, nfc=True)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     config = {
         "tokenizer_class": "Qwen2Tokenizer",

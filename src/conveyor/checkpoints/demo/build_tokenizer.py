@@ -21,10 +21,10 @@ import argparse
 import ast
 import json
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 HERE = Path(__file__).resolve().parent
 VOCAB_SIZE = 4096
@@ -100,24 +100,42 @@ def corpus() -> Iterator[str]:
         yield from MULTILINGUAL_SAMPLE.splitlines()
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
-    """A Llama-3-shaped byte-level BPE trained on :func:`corpus`; special tokens get ids 0-4."""
+def train_byte_level_bpe(
+    texts: Iterable[str],
+    split: str,
+    specials: list[str],
+    vocab_size: int,
+    *,
+    min_frequency: int = 0,
+    nfc: bool = False,
+) -> Tokenizer:
+    """A byte-level BPE (GPT-2 / Llama 3 / Qwen shape: ``split`` regex, then bytes) trained on
+    ``texts``, with no post-processor yet. ``specials`` get ids 0.. in order; all 256 byte
+    symbols are in the vocabulary, so any text encodes. Also builds the tests' tokenizers."""
     tok = Tokenizer(models.BPE())
+    if nfc:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        min_frequency=min_frequency,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """A Llama-3-shaped byte-level BPE trained on :func:`corpus`; special tokens get ids 0-4."""
+    tok = train_byte_level_bpe(corpus(), SPLIT_PATTERN, SPECIAL_TOKENS, vocab_size, min_frequency=2)
     tok.post_processor = processors.Sequence(
         [
             processors.ByteLevel(trim_offsets=False),

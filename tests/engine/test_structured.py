@@ -11,9 +11,12 @@ import re
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conveyor.protocol import messages as cp
 from tests.engine.conftest import run_all
+from tests.structured.test_properties import SCHEMAS
 
 pytest.importorskip("llguidance")
 
@@ -100,3 +103,31 @@ def test_preempted_constrained_requests_stay_valid(tiny_engine, preemption):
         assert request.finish_reason == "stop", request
         jsonschema.validate(json.loads(request.text), SCHEMA)
     assert stats["held_blocks"] == 0
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tiny_checkpoint):
+    """One engine for every hypothesis example (a new one per example would rebuild the model)."""
+    from conveyor import Engine
+    from tests.engine.conftest import TINY
+
+    return Engine(tiny_checkpoint, **{**TINY, "max_batch_size": 8})
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schemas=st.lists(SCHEMAS, min_size=1, max_size=3), seed=st.integers(0, 2**31), temperature=st.sampled_from([0.0, 0.8, 1.0]))
+def test_hypothesis_schemas_validate_through_the_model(shared_engine, schemas, seed, temperature):
+    """The issue's property: hypothesis draws JSON schemas (tests/structured's strategy), the
+    random tiny model writes under them in one batch, and every output parses and validates;
+    nothing is left held."""
+    requests = [
+        shared_engine.add_request(prompt=f"record {i}:", max_tokens=200, temperature=temperature, seed=seed + i,
+                                  constraint=json_schema(schema))
+        for i, schema in enumerate(schemas)
+    ]
+    run_all(shared_engine)
+    for request, schema in zip(requests, schemas):
+        assert request.finish_reason == "stop", (request.finish_reason, request.text, schema)
+        jsonschema.validate(json.loads(request.text), schema)
+        request.remove()
+    assert shared_engine.stats()["held_blocks"] == 0

@@ -258,7 +258,7 @@ class ModelRunner(DecodeStep):
         """
         before = self._last
         launched = self._last = LaunchedStep(plan.step_id, plan.planned_ahead, [], [])  # failed until launched
-        requests = self._requests
+        requests, tp = self._requests, self.tensor_parallel
         dropped = int_list(plan.finished_slots)
         PlanChecker.check_dropped(dropped)
         requests.drop(dropped)
@@ -266,6 +266,8 @@ class ModelRunner(DecodeStep):
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
+        if tp.size > 1 and plan.cached_requests.spec_rows:
+            raise PlanRefused("speculative decoding is not supported with tensor parallelism yet")
         adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
         # Forks' block copies first: their sources may be swapped out or freed and written
         # again by this same plan (see StepPlan).

@@ -310,6 +310,11 @@ class SchedulerStats(Message, tag=12):
     num_overloaded: int = 0
     num_timed_out: int = 0
     num_planned_ahead: int = 0
+    # Speculative decoding since start: decode rows that verified a proposal, tokens proposed,
+    # proposed tokens accepted (acceptance rate: accepted / proposed).
+    spec_num_proposals: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # Every iteration's input tokens since start, per bucket of
     # ITERATION_TOKEN_BUCKETS (the last above every bound), and their sum.
     iteration_token_counts: list[int] = field(default_factory=list)
@@ -367,6 +372,12 @@ class CachedRequests(Positional):
     num_scheduled_tokens: Int32Array = field(default_factory=list)
     new_block_rows: list[int] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
+    # Speculative decoding: the rows (increasing) that verify proposed tokens, each with its
+    # proposal at the same index of ``spec_token_ids``. Such a row runs its last known token
+    # then the proposal (``num_scheduled_tokens == 1 + len(proposal)``); the worker accepts
+    # greedily and reports the tokens gained in ``StepResult.spec_token_ids``.
+    spec_rows: list[int] = field(default_factory=list)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -448,6 +459,11 @@ class StepResult(Message, tag=30):
     # slot, at the sampled token's index), and those of the prompt positions the step computed.
     logprobs: StepLogprobs | None = None
     prompt_logprobs: StepLogprobs | None = None
+    # Speculative rows (the plan's ``spec_rows``): the request on ``spec_slots[i]`` advanced by
+    # its ``sampled_token_ids`` row (the target's token at the first position) and then by the
+    # tokens ``spec_token_ids[i]`` (the accepted proposals' successors; possibly none).
+    spec_slots: list[int] = field(default_factory=list)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- any child -> bin/serve

@@ -159,6 +159,14 @@ class SchedulerConfig:
     # ones a step may run (the worker's device slots, --max-loras).
     lora_names: tuple[str, ...] = ()
     max_loras: int = 4
+    # Speculative decoding (scheduler/speculation.py): "ngram" proposes up to
+    # num_speculative_tokens tokens per greedy decode by prompt lookup (the last n tokens,
+    # n from ngram_max down to ngram_min, matched in the request's own tokens); the worker
+    # verifies them in the same step. None: off.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    ngram_max: int = 4
+    ngram_min: int = 1
 
     def __post_init__(self) -> None:
         _parse_choices(self, batching=Batching, policy=Policy, preemption=Preemption)
@@ -172,6 +180,17 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _require_at_least(self, 1, "num_blocks", "max_num_seqs", "max_num_batched_tokens")
         _require_at_least(self, 2, "max_model_len")
+        if self.speculative_method not in (None, "ngram"):
+            raise ValueError(f"speculative_method must be 'ngram' or None, got {self.speculative_method!r}")
+        if self.speculative_method is not None and self.num_speculative_tokens < 1:
+            raise ValueError("speculative_method needs num_speculative_tokens >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Tokens a decode may propose per step (0: speculation off)."""
+        return self.num_speculative_tokens if self.speculative_method is not None else 0
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,11 @@ def check_invariants(state: SchedulerState) -> None:
         assert r.slot >= 0 and not r.cpu_blocks, f"{r.request_id}: running without a slot, or with CPU blocks"
         assert len(r.block_ids) * bs >= r.num_computed_tokens
         pending = max(0, r.num_computed_tokens + 1 - r.num_tokens)
-        assert pending <= len(state.inflight), f"{r.request_id}: {pending} tokens pending, or nothing to run"
-        assert len(r.block_ids) <= blocks_for(r.num_tokens + pending, bs)
+        # (a speculative decode in flight computes up to 1 + k tokens, and keeps blocks for k
+        # tokens beyond its known ones: scheduler/speculation.py)
+        spec = cfg.speculative_tokens
+        assert pending <= len(state.inflight) * (1 + spec), f"{r.request_id}: {pending} tokens pending, or nothing to run"
+        assert len(r.block_ids) <= blocks_for(r.num_tokens + pending + spec, bs)
         assert state.done_tokens(r) <= r.num_tokens, f"{r.request_id}: KV of unknown tokens counted as done"
         assert len(set(r.block_ids)) == len(r.block_ids) and min(r.block_ids, default=0) >= 0
         for i in range(r.num_registered_blocks):

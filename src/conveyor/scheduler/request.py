@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from conveyor.ipc.messages import AddRequest, SamplingParams, int_list
+from conveyor.scheduler.speculation import speculates
 
 if TYPE_CHECKING:
     from conveyor.scheduler.groups import SeqGroup
@@ -98,6 +99,9 @@ class Request:
     # block computed under one adapter is never found for another or for the base.
     lora: str | None = None
     prefix_root: int = 0
+    # Whether its decodes may verify proposed tokens (scheduler/speculation.py), when the
+    # server speculates.
+    speculative: bool = False
 
     @classmethod
     def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:
@@ -116,6 +120,7 @@ class Request:
             has_own_stop_ids=bool(sp.stop_token_ids),
             stop_len=min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
             lora=msg.lora or None,
+            speculative=speculates(sp),
         )
 
     @property

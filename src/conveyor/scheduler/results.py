@@ -83,15 +83,40 @@ def apply_result(state: SchedulerState, plan: StepPlan, step: Step, result: Step
     outputs: list[RequestOutput] = []
     column_ids: list[str] = []
     column_tokens: list[int] = []
+    runs = _accepted_runs(state, step, result) if step.spec else None
     if len(step.sample_slots):
         finished: list[Request] = []  # running requests this result retires
         complete = _grammar_ends(state, step, result, outputs, finished)
-        column_ids, column_tokens = _apply_tokens(state, plan, step, slots, tokens, outputs, finished, complete)
+        column_ids, column_tokens = _apply_tokens(
+            state, plan, step, slots, tokens, outputs, finished, complete, runs
+        )
         if finished:
             state.table.prune_running(finished)
     if result.logprobs is not None or result.prompt_logprobs is not None:
         column_ids, column_tokens = _attach_logprobs(step, result, outputs, column_ids, column_tokens)
     return TokenOutputs(outputs, column_ids, column_tokens)
+
+
+def _accepted_runs(state: SchedulerState, step: Step, result: StepResult) -> dict[int, list[int]]:
+    """The speculative decodes of ``step`` still held by their requests: move each one's
+    computed count back to what it accepted (its rejected proposal's KV is dropped thus, and
+    overwritten later), count the proposals, and return slot -> the tokens it gained after its
+    first (possibly none). A row the result does not answer keeps none of its proposal."""
+    cols = state.cols
+    gained = {slot: list(run) for slot, run in zip(result.spec_slots, result.spec_token_ids)}
+    planned = dict(zip(step.dslots.tolist(), step.dgens.tolist()))
+    runs: dict[int, list[int]] = {}
+    for slot, proposal in step.spec.items():
+        if planned[slot] != cols.generation(slot):
+            continue  # ended while the plan ran
+        run = gained.get(slot, [])[: len(proposal)]
+        cols.computed[slot] -= len(proposal) - len(run)
+        state.spec_num_proposals += 1
+        state.spec_proposed_tokens += len(proposal)
+        state.spec_accepted_tokens += len(run)
+        if run:
+            runs[slot] = run
+    return runs
 
 
 def _grammar_ends(
@@ -215,10 +240,12 @@ def _by_slot(state: SchedulerState, slots: np.ndarray, tokens: np.ndarray) -> np
 def _apply_tokens(
     state: SchedulerState, plan: StepPlan, step: Step, answered: np.ndarray, sampled: np.ndarray,
     outputs: list[RequestOutput], finished: list[Request], complete: np.ndarray | None = None,
+    runs: dict[int, list[int]] | None = None,
 ) -> tuple[list[str], list[int]]:
     """Append each sampling row's token (the result's rows ``answered`` slots, ``sampled``
     tokens) to its request, in row order; returns the output columns (request ids, tokens)
-    of the rows that need no decision (module docstring)."""
+    of the rows that need no decision (module docstring). ``runs``: speculative rows that
+    gained more tokens after that one (slot -> tokens), which take the decision path."""
     cols = state.cols
     slots = step.sample_slots
     expected = step.answer_slots
@@ -251,6 +278,8 @@ def _apply_tokens(
         unusual |= (eos_rows != 0) & cols.is_eos(tokens)
     if complete is not None:
         unusual |= np.isin(slots, complete)
+    if runs:
+        unusual |= np.isin(slots, np.fromiter(runs, np.int64, len(runs)))
     if not np.count_nonzero(unusual):
         return cols.ids[slots].tolist(), token_list
     plain = ~unusual
@@ -259,7 +288,11 @@ def _apply_tokens(
     for row in unusual.nonzero()[0].tolist():
         req = owner[slot_list[row]]
         done = complete is not None and slot_list[row] in complete
-        kind = _output(state, req, token_list[row], outputs, now, done)
+        run = runs.get(slot_list[row]) if runs else None
+        if run is not None:
+            kind = _output_run(state, req, [token_list[row], *run], outputs, now)
+        else:
+            kind = _output(state, req, token_list[row], outputs, now, done)
         if kind == _FINISHED:
             finished.append(req)
         elif kind == _PLAIN:  # stop ids of its own, none of them sampled
@@ -286,6 +319,35 @@ def _output(
         return _PLAIN
     outputs.append(state.finish(req, reason, new_token_ids=[token]))
     return _FINISHED
+
+
+def _output_run(state: SchedulerState, req: Request, tokens: list[int], outputs: list[RequestOutput], now: float) -> int:
+    """A speculative decode gained ``tokens`` (the first already appended to ``req``): append
+    the others one at a time while it does not stop, a stop (id, length) ending the run
+    there, and give what it kept one full output (``_FINISHED`` or ``_FIRST``: never the
+    columns, which carry one token). Tokens past a stop are dropped with their KV."""
+    cols = state.cols
+    kept = 1
+    reason = stop_reason(req, tokens[0])
+    while reason is None and kept < len(tokens):
+        cols.append_run(req.slot, tokens[kept : kept + 1])
+        kept += 1
+        reason = stop_reason(req, tokens[kept - 1])
+    cols.computed[req.slot] -= len(tokens) - kept
+    first = req.first_token_time is None
+    if first:
+        req.first_token_time = now
+    if reason is not None:
+        outputs.append(state.finish(req, reason, new_token_ids=tokens[:kept]))
+        return _FINISHED
+    if first:
+        cols.first_token_done(req)
+        outputs.append(
+            RequestOutput(req.request_id, tokens[:kept], None, None, req.scheduled_time, now, req.num_cached_tokens)
+        )
+    else:
+        outputs.append(RequestOutput(req.request_id, tokens[:kept]))
+    return _FIRST
 
 
 def fail_plans(state: SchedulerState, plan: StepPlan, step: Step, error: str) -> list[RequestOutput]:

@@ -132,6 +132,7 @@ from conveyor.scheduler.metrics import ITERATION_FIELDS, IterationLog
 from conveyor.scheduler.planning import plan_decodes, plan_prompts
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.results import apply_result
+from conveyor.scheduler.speculation import plan_speculation
 from conveyor.scheduler.state import MAX_PLANS_IN_FLIGHT, SchedulerState
 from conveyor.scheduler.step import Step
 
@@ -312,6 +313,7 @@ class Scheduler:
         if not plan_decodes(st, step, prefills):  # 1. decodes, best rank first
             st.declined = True  # someone would have to yield: only a plan in sync may decide who
             return None
+        plan_speculation(st, step)  # 1b. greedy decodes widened to verify proposals
         # 2. prefill chunks of running requests and admissions, merged by rank
         if st.forking:
             release_held(st)  # sequences of a parallel-sampling request whose prompt KV is written
@@ -356,9 +358,10 @@ class Scheduler:
         """Whether :meth:`schedule` may form the next plan now: exactly one plan is in
         flight, it is not doomed by the failure of the plan before it (the worker would fail
         a plan planned ahead of it too), and the last plan ahead did not stop short of a
-        preemption."""
+        preemption. Never with speculative decoding: a decode's next proposal depends on
+        how many tokens the plan in flight accepts (scheduler/speculation.py)."""
         inflight = self.state.inflight
-        return len(inflight) == 1 and not self.state.declined and not inflight.oldest.step.failed
+        return not self.config.speculative_tokens and len(inflight) == 1 and not self.state.declined and not inflight.oldest.step.failed
 
     def _record(self, step: Step, plan: StepPlan, now: float, started: float) -> None:
         """One row of the iteration log (fields as :data:`ITERATION_FIELDS`)."""
@@ -439,6 +442,9 @@ class Scheduler:
             "num_waiting": len(self.state.queue),
             "num_steps": self._num_steps,
             "num_planned_ahead": self._num_planned_ahead,
+            "spec_num_proposals": self.state.spec_num_proposals,
+            "spec_proposed_tokens": self.state.spec_proposed_tokens,
+            "spec_accepted_tokens": self.state.spec_accepted_tokens,
             "num_preemptions": sum(self.state.num_preemptions.values()),
             "cached_blocks": gpu.num_cached,
             "total_cpu_blocks": swap.total,

@@ -18,7 +18,8 @@ row). Its fields, for a slot held by a running request:
   through its property); :meth:`assign` copies it in, :meth:`release` copies it back out.
 - ``KNOWN``: ``len(token_ids)``. A mirror: the token list stays the truth, and a slot
   holder's tokens grow only through :meth:`SlotColumns.append_sampled`, which adds one here
-  with each token (applying a result appends them all in bulk).
+  with each token (applying a result appends them all in bulk), and
+  :meth:`SlotColumns.append_run` (a speculative decode's further tokens).
 - ``GEN``: bumped on every assignment and release, so a plan can tell whether the request it
   planned on a slot still holds it when the result comes back (an abort may free the slot,
   and a later plan may give it to someone else, while the plan is in flight).
@@ -93,6 +94,12 @@ class SlotColumns:
         ``KNOWN``: the one place a slot holder's tokens grow."""
         deque(map(list.append, map(self.token_lists.__getitem__, slot_list), tokens), maxlen=0)
         self.known[slots] += 1
+
+    def append_run(self, slot: int, tokens: list[int]) -> None:
+        """Append ``tokens`` to the request on ``slot`` and count them in ``KNOWN`` (the
+        speculative decode's further tokens, after :meth:`append_sampled` gave its first)."""
+        self.token_lists[slot].extend(tokens)
+        self.known[slot] += len(tokens)
 
     def generation(self, slot: int) -> int:
         return self.flat[GEN * self.num_slots + slot]

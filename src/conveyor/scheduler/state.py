@@ -110,6 +110,11 @@ class SchedulerState:
     forking: list[SeqGroup] = field(default_factory=list)
     ahead: bool = False
     declined: bool = False
+    # Speculative decoding counters (scheduler/results.py): rows that verified a proposal,
+    # tokens proposed, proposed tokens accepted.
+    spec_num_proposals: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     num_preemptions: dict[Preemption, int] = field(
         default_factory=lambda: {Preemption.SWAP: 0, Preemption.RECOMPUTE: 0}
     )

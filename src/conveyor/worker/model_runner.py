@@ -127,6 +127,11 @@ class LaunchedStep:
     failed: bool = True  # until launched
     before: LaunchedStep | None = None
     ends: list[tuple[int, str]] | None = None  # constrained rows the grammar ended: (slot, error)
+    # Speculative rows: their indices among ``slots``, their proposals, and the target's
+    # argmax at each proposal's positions, flat (copied to the host like ``sampled``).
+    spec_rows: list[int] | None = None
+    spec_proposals: list[tuple[int, ...]] | None = None
+    spec_targets: torch.Tensor | None = None
 
 
 class ModelRunner(DecodeStep):
@@ -226,6 +231,7 @@ class ModelRunner(DecodeStep):
         self._constrained = np.zeros(0, np.bool_)
         self._in_flight: LaunchedStep | None = None  # the unfinished step a launch may read tokens of
         self._ends: list[tuple[int, str]] = []
+        self._spec_targets: torch.Tensor | None = None  # of the step being launched (see _run_ragged)
         self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, max_num_seqs)
 
     @property
@@ -252,7 +258,7 @@ class ModelRunner(DecodeStep):
         """
         before = self._last
         launched = self._last = LaunchedStep(plan.step_id, plan.planned_ahead, [], [])  # failed until launched
-        requests = self._requests
+        requests, tp = self._requests, self.tensor_parallel
         dropped = int_list(plan.finished_slots)
         PlanChecker.check_dropped(dropped)
         requests.drop(dropped)
@@ -260,6 +266,8 @@ class ModelRunner(DecodeStep):
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
+        if tp.size > 1 and plan.cached_requests.spec_rows:
+            raise PlanRefused("speculative decoding is not supported with tensor parallelism yet")
         adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
         # Forks' block copies first: their sources may be swapped out or freed and written
         # again by this same plan (see StepPlan).
@@ -289,8 +297,11 @@ class ModelRunner(DecodeStep):
         for item, state in zip(work, states):
             if item.new_block_ids:
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
-        samples = [item.num_computed + item.num_scheduled == state.num_known for item, state in zip(work, states)]
-        self._in_flight, self._ends = before, []
+        samples = [
+            item.num_computed + item.num_scheduled == state.num_known + len(item.proposal)
+            for item, state in zip(work, states)
+        ]
+        self._in_flight, self._ends, self._spec_targets = before, [], None
         sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
         launched.ends, self._in_flight = self._ends, None
         for item, state in zip(work, states):
@@ -298,6 +309,12 @@ class ModelRunner(DecodeStep):
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
         launched.slots = [slot for slot, _ in sampling]
         launched.states = [state for _, state in sampling]
+        if self._spec_targets is not None:
+            sampled_items = [item for item, flag in zip(work, samples) if flag]
+            launched.spec_rows = [i for i, item in enumerate(sampled_items) if item.proposal]
+            launched.spec_proposals = [sampled_items[i].proposal for i in launched.spec_rows]
+            host = torch.empty(self._spec_targets.shape, dtype=torch.int64, pin_memory=self._cuda)
+            launched.spec_targets = host.copy_(self._spec_targets, non_blocking=self._cuda)
         launched.start = start
         if plan.planned_ahead:
             launched.before = before  # (its finish may still fail this one: see finish)
@@ -369,9 +386,12 @@ class ModelRunner(DecodeStep):
         except Exception:
             launched.failed = True  # (a device error) a plan planned ahead of this step fails too
             raise
+        spec_slots, spec_runs = self._accept(launched, tokens) if launched.spec_rows else ([], [])
         for state, token in zip(launched.states, tokens):
             state.token_ids.append(token)
             state.pending -= 1
+        for row, run in zip(launched.spec_rows or (), spec_runs):
+            launched.states[row].token_ids += run
         before, launched.before = launched.before, None
         if before is not None and before.failed:
             launched.failed = True
@@ -388,7 +408,38 @@ class ModelRunner(DecodeStep):
             end_errors=[error for _, error in ends],
             logprobs=launched.logprobs.message() if launched.logprobs is not None else None,
             prompt_logprobs=launched.prompt_logprobs.message() if launched.prompt_logprobs is not None else None,
+            spec_slots=spec_slots,
+            spec_token_ids=spec_runs,
         )
+
+    def _accept(self, launched: LaunchedStep, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
+        """Greedy verification of the step's speculative rows, on the host: a row's targets are
+        the argmax after its last known token and after each proposed token (the last one is
+        its sampled, greedy, token). It keeps the longest prefix of the proposal equal to the
+        targets, then the target at the first mismatch (or after the whole proposal). Its
+        ``tokens`` entry becomes the first target; returns the slots and the further tokens
+        gained, and moves each row's computed count back past its rejected tokens (their KV is
+        simply overwritten later)."""
+        targets = launched.spec_targets.tolist()
+        slots, runs = [], []
+        at = 0
+        for row, proposal in zip(launched.spec_rows, launched.spec_proposals):
+            k = len(proposal)
+            row_targets = targets[at : at + k] + [tokens[row]]
+            at += k
+            accepted = 0
+            while accepted < k and proposal[accepted] == row_targets[accepted]:
+                accepted += 1
+            tokens[row] = row_targets[0]
+            run = row_targets[1 : accepted + 1]
+            state = launched.states[row]
+            state.num_computed -= k - accepted
+            slot = launched.slots[row]
+            with torch.inference_mode():  # (its last token, should a plan ahead read it)
+                self._last_tokens[slot] = (run or row_targets[:1])[-1]
+            slots.append(slot)
+            runs.append(run)
+        return slots, runs
 
     def _take_in_grammar(self, slot: int, grammar: str, num_prompt_tokens: int) -> None:
         """Mark ``slot`` constrained or not, and give a constrained request a fresh matcher
@@ -532,7 +583,10 @@ class ModelRunner(DecodeStep):
         for item, state in zip(work, states):
             end = item.num_computed + item.num_scheduled
             known = state.token_ids
-            if end > len(known):  # its last input is the pending token: only the device has it
+            if item.proposal:  # its last known token (on the host: checked), then the proposal
+                input_ids += known[item.num_computed : item.num_computed + 1]
+                input_ids += item.proposal
+            elif end > len(known):  # its last input is the pending token: only the device has it
                 on_device.append((len(input_ids) + item.num_scheduled - 1, item.slot))
                 input_ids += known[item.num_computed : end]
                 input_ids.append(0)
@@ -559,7 +613,16 @@ class ModelRunner(DecodeStep):
         sample_slots = torch.from_numpy(slots[sample_rows]).to(self.device, non_blocking=True)
         if self.tensor_parallel.rank == 0:
             ends = np.asarray(metadata.query_start_loc_host[1:], dtype=np.int64)
-            logits = self.model.compute_logits(hidden[torch.from_numpy(ends[sample_rows] - 1).to(self.device)])
+            # Speculative rows also score each position before their last (the targets their
+            # proposals are checked against): in the same LM head call, after the sampled rows.
+            spec_index = [
+                np.arange(end - item.num_scheduled, end - 1) for item, end in zip(work, ends.tolist()) if item.proposal
+            ]
+            logit_rows = np.concatenate([ends[sample_rows] - 1, *spec_index])
+            logits = self.model.compute_logits(hidden[torch.from_numpy(logit_rows).to(self.device)])
+            if spec_index:
+                self._spec_targets = logits[len(sample_rows) :].argmax(dim=-1)
+                logits = logits[: len(sample_rows)]
             # The position of the token being drawn is fixed for each output index of a request,
             # so it keys a seeded draw as well as the output index would, across preemptions too.
             draw_positions = np.fromiter([item.num_computed + item.num_scheduled for item in work], np.int64, len(work))

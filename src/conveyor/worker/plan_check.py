@@ -79,6 +79,7 @@ class PlanChecker:
             work.append(Work(slot, new.num_computed_tokens, new.num_scheduled_tokens, []))
         cached = plan.cached_requests
         new_blocks = dict(zip(cached.new_block_rows, cached.new_block_ids))
+        proposals = {row: tuple(int_list(p)) for row, p in zip(cached.spec_rows, cached.spec_token_ids)}
         for row, (slot, num_computed, num_scheduled) in enumerate(
             zip(int_list(cached.slots), int_list(cached.num_computed_tokens), int_list(cached.num_scheduled_tokens))
         ):
@@ -97,10 +98,18 @@ class PlanChecker:
             blocks = new_blocks.get(row, [])
             if blocks:
                 self._check_blocks(rid, slot, blocks)
+            proposal = proposals.get(row, ())
+            if proposal and (
+                num_scheduled != 1 + len(proposal) or num_computed + 1 != state.num_known or state.pending or plan.planned_ahead
+            ):
+                raise PlanRefused(
+                    f"request {rid!r} (slot {slot}): a speculative row must run its last known token, all of it "
+                    f"on the host, and its {len(proposal)} proposed tokens, in a plan not planned ahead"
+                )
             self._check_tokens(
-                rid, slot, num_computed, num_scheduled, state.num_known, len(state.block_ids) + len(blocks)
+                rid, slot, num_computed, num_scheduled, state.num_known + len(proposal), len(state.block_ids) + len(blocks)
             )
-            work.append(Work(slot, num_computed, num_scheduled, list(blocks)))
+            work.append(Work(slot, num_computed, num_scheduled, list(blocks), proposal))
         if len(work) > self.max_num_seqs:
             raise PlanRefused(f"step {plan.step_id} runs {len(work)} requests; this runner takes at most {self.max_num_seqs}")
         self._check_transfers(plan)

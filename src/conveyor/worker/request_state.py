@@ -51,6 +51,9 @@ class Work:
     num_computed: int
     num_scheduled: int
     new_block_ids: list[int]
+    # Speculative decoding: the proposed tokens this row verifies after its last known token
+    # (``num_scheduled == 1 + len(proposal)``); empty for any other row.
+    proposal: tuple[int, ...] = ()
 
 
 class SlotStates:

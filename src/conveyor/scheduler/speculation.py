@@ -1,0 +1,110 @@
+"""Speculative decoding, scheduler side: proposing tokens and widening decodes to verify them.
+
+**Where proposals are made.** The n-gram proposer runs in the scheduler: it holds every
+request's token ids (prompt and outputs) as the authority, it decides the step's token budget
+and KV blocks, which must count the proposed tokens, and so it knows each decode's width
+when it forms the plan. The worker only verifies: it gets each proposal in the plan
+(:class:`~conveyor.ipc.messages.CachedRequests` ``spec_rows`` / ``spec_token_ids``).
+
+**Proposer** (:func:`propose_ngram`): prompt lookup. For ``n`` from ``ngram_max`` down to
+``ngram_min``, the last ``n`` tokens of the request are searched for earlier in its own tokens
+(prompt + output); at the most recent earlier match, the up to ``k`` tokens that followed it
+are the proposal. The search is one numpy comparison over a sliding window per ``n``.
+
+**Which decodes speculate** (:func:`speculates`): greedy requests only (temperature 0) with
+nothing whose exactness verification cannot keep yet: no log-probabilities, no structured
+output, no penalties, logit bias or ``min_tokens``, ``n == 1``. A proposal is cut so that a
+step never yields more tokens than the request may still produce (``stop_len``), to the
+step's token budget left after the plain decodes, and to the KV blocks free without
+preempting anyone (speculation never preempts; a proposal that does not fit shrinks, maybe
+to nothing).
+
+**Plans in sync.** A decode's next proposal depends on how many tokens its last step
+accepted, so with speculation on the scheduler does not plan ahead
+(:attr:`Scheduler.can_plan_ahead` is False): every plan is formed with the last result
+applied.
+
+**Rejected tokens** cost nothing to drop: their KV was written past the computed length,
+and :mod:`~conveyor.scheduler.results` moves ``num_computed_tokens`` back to the accepted
+length; later steps overwrite those positions. The blocks reserved for them stay with the
+request (at most ``num_speculative_tokens`` tokens' worth beyond its known tokens) for its
+next proposals.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from conveyor.ipc.messages import SamplingParams
+from conveyor.scheduler.slot_columns import KNOWN, STOP_LEN
+
+if TYPE_CHECKING:
+    from conveyor.scheduler.state import SchedulerState
+    from conveyor.scheduler.step import Step
+
+
+def speculates(sp: SamplingParams) -> bool:
+    """Whether a request with these parameters may verify proposals (module docstring:
+    greedy, exact only)."""
+    return (
+        sp.temperature == 0
+        and sp.n == 1
+        and sp.logprobs is None
+        and sp.prompt_logprobs is None
+        and not sp.grammar
+        and sp.presence_penalty == 0
+        and sp.frequency_penalty == 0
+        and sp.repetition_penalty == 1.0
+        and not sp.logit_bias
+        and sp.min_tokens == 0
+    )
+
+
+def propose_ngram(tokens: np.ndarray, k: int, ngram_max: int, ngram_min: int) -> np.ndarray:
+    """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
+    suffix of ``tokens`` (``ngram_max`` down to ``ngram_min`` tokens) found; empty if none."""
+    length = len(tokens)
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        # Windows starting at 0 .. length - n - 1: every earlier occurrence with a token after it.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k]
+    return tokens[:0]
+
+
+def plan_speculation(state: SchedulerState, step: Step) -> None:
+    """Widen the step's decodes (planned by phase 1) whose requests speculate with their
+    proposals, within the budget and the free blocks, best rank first (module docstring)."""
+    k = state.config.speculative_tokens
+    if not k or not len(step.dslots) or step.budget <= 0:
+        return
+    cols, gpu, cfg = state.cols, state.kv.gpu, state.config
+    bs = cfg.block_size
+    slots = step.dslots.tolist()
+    rows = cols.state.take(step.dslots, axis=1)
+    room = (rows[STOP_LEN] - rows[KNOWN] - 1).tolist()  # tokens a step may add beyond the first
+    for row, slot in enumerate(slots):
+        if step.budget <= 0:
+            break
+        req = cols.owner[slot]
+        limit = min(k, room[row], step.budget)
+        if limit < 1 or not req.speculative:
+            continue
+        proposal = propose_ngram(np.asarray(req.token_ids, np.int64), limit, cfg.ngram_max, cfg.ngram_min)
+        if not len(proposal):
+            continue
+        # The decode runs tokens computed .. computed + len(proposal): blocks for all of them.
+        first = int(step.dcomputed[row]) + 1  # tokens covered by the plain decode
+        fits = (len(req.block_ids) + gpu.num_available) * bs - first
+        if fits < len(proposal):
+            proposal = proposal[: max(0, fits)]
+            if not len(proposal):
+                continue
+        need = max(0, -(-(first + len(proposal)) // bs) - len(req.block_ids))
+        blocks = gpu.allocate(need) if need > 0 else []
+        req.block_ids += blocks
+        step.add_speculation(row, slot, proposal.tolist(), blocks)

@@ -89,7 +89,22 @@ class Usage:
 
 
 @dataclass
+class Choice:
+    """One sequence of a request: its index (0 .. n - 1), text, tokens and why it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
 class CompletionResult:
+    """A request's outcome. ``choices``: its ``n`` sequences in index order (one for
+    ``n`` = 1); ``text``, ``token_ids`` are choice 0's, ``finish_reason`` the request's
+    (``abort``/``error`` when it ended as a whole, else choice 0's), ``usage`` counts
+    every choice's tokens."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -97,29 +112,39 @@ class CompletionResult:
     usage: Usage
     timing: dict[str, float | None] = field(default_factory=dict)
     error: str | None = None
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass
 class Delta:
-    """One piece of a stream. The last one has ``finish_reason`` set and carries ``result``."""
+    """One piece of a stream. The last one has ``finish_reason`` set and carries ``result``.
+    ``index``: the sequence it belongs to (0 unless the request asked for ``n`` > 1)."""
 
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     result: CompletionResult | None = None
+    index: int = 0
 
 
 def completion_result(msg: dict[str, Any]) -> CompletionResult:
     usage = msg.get("usage") or {}
+    text, token_ids, reason = msg.get("text", ""), list(msg.get("token_ids", [])), msg["finish_reason"]
+    choices = msg.get("choices")
     return CompletionResult(
         request_id=msg["request_id"],
-        text=msg.get("text", ""),
-        token_ids=list(msg.get("token_ids", [])),
-        finish_reason=msg["finish_reason"],
+        text=text,
+        token_ids=token_ids,
+        finish_reason=reason,
         usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
         timing=msg.get("timing") or {},
         error=msg.get("error"),
+        choices=(
+            [Choice(0, text, token_ids, reason)]
+            if choices is None
+            else [Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"]) for c in choices]
+        ),
     )
 
 
@@ -156,7 +181,7 @@ def _request_message(prompt: str | None, stream: bool, request: dict[str, Any]) 
 def to_delta(msg: dict[str, Any]) -> Delta:
     """Turn a server message of a streamed request into a Delta."""
     if msg["type"] == cp.DELTA:
-        return Delta(msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])))
+        return Delta(msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])), index=msg.get("index", 0))
     result = completion_result(msg)
     return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
 

@@ -142,6 +142,7 @@ from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import codec, transport
 from conveyor.ipc.messages import (
+    sequence_id,
     AddRequest,
     FinishReason,
     ProcessFailed,
@@ -470,7 +471,25 @@ class Frontend:
         state.history_len = len(history) if history is not None else 0
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
         state.pending = False
-        self.requests[state.scheduler_id] = state
+        self.requests[state.scheduler_id] = state  # (n > 1: where a refusal of the whole request finds it)
+        for i in range(req.sampling.n if req.sampling.n > 1 else 0):
+            seq = RequestState(
+                request_id=state.request_id,
+                scheduler_id=sequence_id(state.scheduler_id, i),
+                identity=state.identity,
+                stream=state.stream,
+                prompt_len=state.prompt_len,
+                arrival_time=state.arrival_time,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
+                stop=StopStringMatcher(req.stop, req.include_stop_str_in_output),
+                client_key=state.client_key,
+                fd=state.fd,
+                index=i,
+                parent=state,
+                max_tokens=state.max_tokens,
+            )
+            state.sequences.append(seq)
+            self.requests[seq.scheduler_id] = seq
         self.metrics.add_prompt(state.prompt_len)
         add = AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority)
         replica = self.replicas.submit(add, state.key, continuing=history is not None)
@@ -496,8 +515,14 @@ class Frontend:
 
     def _untrack(self, state: RequestState) -> None:
         """Forget a request that is being finalized: from here on its client id may be used
-        again, and whatever the scheduler still sends under its scheduler id is dropped."""
+        again, and whatever the scheduler still sends under its scheduler id is dropped. A
+        sequence of an ``n`` > 1 request is forgotten alone (its request stays in flight until
+        its final); the request takes its sequences with it."""
         self.requests.pop(state.scheduler_id, None)  # absent while pending
+        if state.parent is not None:
+            return
+        for seq in state.sequences:
+            self.requests.pop(seq.scheduler_id, None)
         if self.in_flight.get(state.key) is state:  # absent in a hand-built table (bench)
             del self.in_flight[state.key]
 

@@ -77,7 +77,12 @@ STATS_REPLY = "stats"
 PROFILE_REPLY = "profile"
 METRICS_REPLY = "metrics"
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "n")
+# Most sequences one request may ask for (``n``): each is a sequence at the scheduler, with a
+# detokenizer and stop strings of its own in the frontend, so one message must not fan out
+# without bound. Each sequence must fit the KV pool on its own (the scheduler's check), and
+# they run side by side as the pool and --max-num-seqs allow.
+MAX_N = 64
 # Generate fields the frontend applies itself (input preparation and output text), never
 # seen by the scheduler or the worker: see :class:`GenerateRequest`.
 FRONTEND_FIELDS = (
@@ -470,6 +475,9 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     ignore_eos = get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise fail("'ignore_eos' must be a boolean")
+    n = get("n", 1)
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise fail(f"'n' must be an integer in [1, {MAX_N}], got {n!r}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -479,6 +487,7 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         seed=seed,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        n=n,
     )
 
 

@@ -39,7 +39,7 @@ def test_fields_map_onto_the_protocol() -> None:
     assert job.inputs == [{"prompt": "hello"}] and not job.stream
     assert job.options == {
         "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"], "top_k": 4, "min_p": 0.1,
-        "priority": 2, "ignore_eos": True, "stop_token_ids": [5],
+        "priority": 2, "ignore_eos": True, "stop_token_ids": [5], "n": 1,
     }  # fmt: skip
     assert parse(max_completion_tokens=9, max_tokens=3).options["max_tokens"] == 9
     stream = parse(CHAT, stream=True, stream_options={"include_usage": True})
@@ -64,8 +64,8 @@ def test_chat_content_parts_are_joined_and_other_content_refused() -> None:
 
 
 def test_what_conveyor_cannot_do_is_refused_by_name() -> None:
-    assert "'n' is not supported yet" in refused(400, "n", n=2).message
-    refused(400, "n", n=0)
+    assert parse(n=3).n == 3 and parse(n=3).options["n"] == 3  # forwarded: the frontend bounds it
+    refused(400, "n", n=[2])
     refused(400, "logprobs", logprobs=2)
     refused(400, "logprobs", logprobs=0)  # 0 still asks for the sampled token's log-probability
     refused(400, "logprobs", CHAT, logprobs=True)
@@ -98,7 +98,7 @@ def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -
     )  # fmt: skip
     job = parse(echo=False, suffix="", add_special_tokens=True, prompt_embeds=None, **both)
     assert set(job.ignored) == {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "request_id", "cache_salt", "vllm_xargs", "return_tokens_as_token_ids", "guided_decoding_backend"}
-    assert job.options == {"skip_special_tokens": True, "include_stop_str_in_output": False}
+    assert job.options == {"skip_special_tokens": True, "include_stop_str_in_output": False, "n": 1}
     chat = parse(
         CHAT, tools=[], tool_choice="none", parallel_tool_calls=True, add_generation_prompt=True, continue_final_message=False,
         chat_template_kwargs={"enable_thinking": False}, documents=None, chat_template=None, mm_processor_kwargs=None,

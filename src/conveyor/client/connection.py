@@ -114,6 +114,10 @@ class CompletionResult:
     error: str | None = None
     choices: list[Choice] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not self.choices:  # n = 1: the one choice is the result itself
+            self.choices = [Choice(0, self.text, self.token_ids, self.finish_reason)]
+
 
 @dataclass
 class Delta:
@@ -130,21 +134,15 @@ class Delta:
 
 def completion_result(msg: dict[str, Any]) -> CompletionResult:
     usage = msg.get("usage") or {}
-    text, token_ids, reason = msg.get("text", ""), list(msg.get("token_ids", [])), msg["finish_reason"]
-    choices = msg.get("choices")
     return CompletionResult(
         request_id=msg["request_id"],
-        text=text,
-        token_ids=token_ids,
-        finish_reason=reason,
+        text=msg.get("text", ""),
+        token_ids=list(msg.get("token_ids", [])),
+        finish_reason=msg["finish_reason"],
         usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
         timing=msg.get("timing") or {},
         error=msg.get("error"),
-        choices=(
-            [Choice(0, text, token_ids, reason)]
-            if choices is None
-            else [Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"]) for c in choices]
-        ),
+        choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"]) for c in msg.get("choices") or ()],
     )
 
 

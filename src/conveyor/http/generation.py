@@ -82,9 +82,8 @@ async def respond(request: web.Request, link: FrontendLink, job: GenerationJob, 
         enc = ChunkEncoder(job.kind, rid, created, model, job.include_usage)
         return await _stream(request, link, job, enc, prompts, headers)
     results = await _generate_all(link, job)
-    texts = None if prompts.echoes is None else [e + r.text for e, r in zip(prompts.echoes, results)]
     prompt_ids = prompts.ids if job.return_token_ids else None
-    body = json_encode(completion_body(job.kind, rid, created, model, results, texts=texts, prompt_ids=prompt_ids))
+    body = json_encode(completion_body(job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids))
     return web.Response(body=body, content_type="application/json", headers=headers)
 
 
@@ -168,7 +167,7 @@ async def _stream(
         await response.prepare(request)
         out = bytearray()
         if job.kind == CHAT:
-            for index in range(n):
+            for index in range(n * job.n):
                 out += enc.role(index)
         encode = _Encoder(job, enc, prompts, finals, out)
         left = n
@@ -200,7 +199,9 @@ async def _stream(
 class _Encoder:
     """Appends each delta's events to ``out``. The plain path (text only) is
     :meth:`ChunkEncoder.text`; a job with ``echo``, ``return_token_ids`` or continuous usage
-    builds its chunks as dicts with those fields (:meth:`ChunkEncoder.chunk`)."""
+    builds its chunks as dicts with those fields (:meth:`ChunkEncoder.chunk`). Input ``i``'s
+    sequence ``j`` (``Delta.index``) is choice ``i * n + j``; an input's final ends each of
+    its choices (its ``finish_reason``), and continuous usage counts the input's tokens."""
 
     def __init__(
         self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, finals: list[CompletionResult | None], out: bytearray
@@ -210,27 +211,30 @@ class _Encoder:
         self.token_ids = job.return_token_ids
         self.continuous = job.continuous_usage
         self.plain = not (self.token_ids or self.continuous or prompts.echoes is not None)
-        self.started = [False] * len(finals)
-        self.generated = [0] * len(finals)
+        self.n = job.n
+        self.started = [False] * (len(finals) * job.n)  # by choice
+        self.generated = [0] * len(finals)  # by input
 
     def __call__(self, index: int, delta: Delta) -> int:
-        """1 when ``delta`` was its input's final (ApiError if that final is an error)."""
+        """1 when ``delta`` was input ``index``'s final (ApiError if that final is an error)."""
+        choice = index * self.n + delta.index
         if self.plain:
             if delta.text:
-                self.out += self.enc.text(index, delta.text)
-        elif delta.text or delta.token_ids or not self.started[index]:
-            self.out += self._detailed(index, delta)
+                self.out += self.enc.text(choice, delta.text)
+        elif delta.text or delta.token_ids or not self.started[choice]:
+            self.out += self._detailed(index, choice, delta)
         if delta.result is None:
             return 0
         self.finals[index] = result = _checked(delta.result)
-        self.out += self.enc.finish(index, result.finish_reason, None, self._usage(index))
+        for seq in result.choices:
+            self.out += self.enc.finish(index * self.n + seq.index, seq.finish_reason, None, self._usage(index))
         return 1
 
-    def _detailed(self, index: int, delta: Delta) -> bytes:
+    def _detailed(self, index: int, choice: int, delta: Delta) -> bytes:
         text = delta.text
         extra: dict[str, Any] = {}
-        if not self.started[index]:
-            self.started[index] = True
+        if not self.started[choice]:
+            self.started[choice] = True
             if self.prompts.echoes is not None:
                 text = self.prompts.echoes[index] + text
             if self.token_ids and self.enc.kind != CHAT:
@@ -238,7 +242,7 @@ class _Encoder:
         if self.token_ids:
             extra["token_ids"] = list(delta.token_ids)
         self.generated[index] += len(delta.token_ids)
-        return self.enc.chunk(index, text, None, extra, self._usage(index))
+        return self.enc.chunk(choice, text, None, extra, self._usage(index))
 
     def _usage(self, index: int) -> dict[str, int] | None:
         if not self.continuous:

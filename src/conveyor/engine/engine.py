@@ -57,7 +57,7 @@ from conveyor.frontend.output import merge
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
-from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult
+from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id
 from conveyor.protocol import messages as cp
 from conveyor.runtime.build import batcher_config, worker_settings
 from conveyor.runtime.config import SchedulerConfig
@@ -130,7 +130,8 @@ class Engine:
         ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, and the
         frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
         ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
-        ``chat_template_kwargs``).
+        ``chat_template_kwargs``). ``n`` > 1 (at most 64) samples ``n`` sequences of the prompt,
+        sharing its KV, sequence i with ``seed + i``: :attr:`Request.outputs`.
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
         that was not removed continues it (module docstring).
 
@@ -182,7 +183,22 @@ class Engine:
             StopStringMatcher(req.stop, req.include_stop_str_in_output),
             arrival,
         )
-        self._running[scheduler_id] = request
+        for i in range(req.sampling.n if req.sampling.n > 1 else 0):
+            seq = Request(
+                self,
+                rid,
+                sequence_id(scheduler_id, i),
+                prompt_ids,
+                request._history_len,
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
+                StopStringMatcher(req.stop, req.include_stop_str_in_output),
+                arrival,
+                index=i,
+                parent=request,
+            )
+            request.sequences.append(seq)
+        for seq in request.outputs:
+            self._running[seq._scheduler_id] = seq
         self._by_id[rid] = request
         self._latest[rid] = request
         return request
@@ -301,22 +317,50 @@ class Engine:
                 self.scheduler.abort([out.request_id])
             if stopped or out.finish_reason is not None:
                 self._finish(request, out.finish_reason, out.error, flush=not stopped)
-            if out.new_token_ids or request.done:
-                changed.append(request)
+            target = request._parent or request  # the caller's request (a sequence's n > 1 request)
+            if (out.new_token_ids or request.done) and target not in changed:
+                changed.append(target)
 
     def _finish(self, request: Request, reason: str | None, error: str | None, flush: bool) -> None:
-        """End ``request`` (the scheduler has let it go) and keep its context for a continuation."""
+        """End ``request`` (the scheduler has let it go) and keep its context for a continuation.
+        A sequence of an n > 1 request ends alone; its request ends with its last sequence,
+        or at once with an error of any (the others are aborted with that error)."""
         reason = request._end(reason or FinishReason.ABORT, error, flush)
         del self._running[request._scheduler_id]
+        parent = request._parent
+        if parent is None:
+            del self._by_id[request.request_id]
+            self._sessions.remember(
+                request.request_id, request.prompt_token_ids, request._history_len, request._tokens, reason
+            )
+        elif reason == FinishReason.ERROR:
+            self._end_request(parent, reason, error)
+        elif all(seq.done for seq in parent.sequences):
+            self._end_request(parent, parent.sequences[0].finish_reason, None)
+
+    def _end_request(self, request: Request, reason: str, error: str | None) -> None:
+        """End an n > 1 request as a whole: its live sequences are aborted at the scheduler and
+        end with ``reason``; the context it continued stays for the next turn (its choices
+        are several: the caller continues one by sending it)."""
+        live = [seq for seq in request.sequences if not seq.done]
+        if live:
+            self.scheduler.abort([seq._scheduler_id for seq in live])
+        for seq in live:
+            seq._end(reason, error, flush=False)
+            del self._running[seq._scheduler_id]
+        leader = request.sequences[0]
+        request.scheduled_time, request.num_cached_tokens = leader.scheduled_time, leader.num_cached_tokens
+        request.first_token_time = min((s.first_token_time for s in request.sequences if s.first_token_time), default=None)
+        request._end(reason, error, flush=False)
         del self._by_id[request.request_id]
-        self._sessions.remember(
-            request.request_id, request.prompt_token_ids, request._history_len, request._tokens, reason
-        )
+        self._sessions.restore(request.request_id, request.prompt_token_ids, request._history_len)
 
     def _remove(self, request: Request) -> None:
         """:meth:`Request.remove`: abort it if it runs, then forget its context (only the last
         turn under its id owns that context)."""
-        if not request.done:
+        if not request.done and request.sequences:
+            self._end_request(request, FinishReason.ABORT, None)
+        elif not request.done:
             self.scheduler.abort([request._scheduler_id])
             self._finish(request, FinishReason.ABORT, None, flush=False)  # as a client's abort: no flush
         if self._latest.get(request.request_id) is request:

@@ -35,6 +35,11 @@ def test_stop_accepts_single_string() -> None:
     assert cp.parse_client_message(gen(stop="END")).stop == ["END"]
 
 
+def test_n_is_bounded_and_reaches_the_sampling_params() -> None:
+    assert cp.parse_client_message(gen()).sampling.n == 1
+    assert cp.parse_client_message(gen(n=cp.MAX_N)).sampling.n == cp.MAX_N
+
+
 def test_priority_is_an_optional_integer() -> None:
     assert cp.parse_client_message(gen()).priority == 0
     assert cp.parse_client_message(gen(priority=-3)).priority == -3
@@ -72,6 +77,11 @@ def test_priority_is_an_optional_integer() -> None:
         (gen(stop=[1]), "'stop'"),
         (gen(stop_token_ids=[-1]), "'stop_token_ids'"),
         (gen(ignore_eos="yes"), "'ignore_eos'"),
+        (gen(n=0), "'n'"),
+        (gen(n=65), "'n'"),
+        (gen(n=2.0), "'n'"),
+        (gen(n=True), "'n'"),
+        (gen(best_of=2), "unknown field"),
         (gen(stream=1), "'stream'"),
         (gen(bogus=1), "unknown field"),
         (gen(request_id=""), "'request_id'"),

@@ -57,6 +57,8 @@ class Sessions:
             self._keep(key, prompt_ids[:history_len])
 
     def _keep(self, key: Hashable, context: list[int]) -> None:
+        if not context:  # (a turn aborted while its input tokenized: it took nothing)
+            return
         contexts = self._contexts
         contexts[key] = context
         contexts.move_to_end(key)

@@ -167,6 +167,13 @@ def test_http_completions_n3_whole_and_streamed(http_server, hf_greedy) -> None:
     assert [c.index for c in greedy.choices] == [0, 1, 2, 3]
     assert [c.token_ids for c in greedy.choices] == expected  # type: ignore[attr-defined]
     assert greedy.usage.prompt_tokens == len(PROMPT) + 5 and greedy.usage.completion_tokens == 16
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(
+        model=model, prompt=[PROMPT, PROMPT[:5]], n=2, temperature=0, max_tokens=4, extra_body=extra, stream=True
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in greedy.choices]
 
 
 def test_http_chat_n3_whole_and_streamed(http_server) -> None:

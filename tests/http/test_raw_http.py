@@ -115,12 +115,13 @@ def running(watcher: Client) -> bool:
     return watcher.stats()["held_blocks"] > 0
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_stream_dropped_mid_way_is_aborted(http_server, path) -> None:
+@pytest.mark.parametrize("path, n", [("/v1/completions", 1), ("/v1/chat/completions", 1), ("/v1/completions", 3)])
+def test_a_stream_dropped_mid_way_is_aborted(http_server, path, n) -> None:
     """An SSE stream of LONG_MAX_TOKENS closed after a few chunks: the server counts an abort
-    and frees its blocks within ABORT_BOUND_S (it would otherwise stream for ~16 s)."""
+    and frees its blocks within ABORT_BOUND_S (it would otherwise stream for ~16 s); with
+    ``n`` = 3, every sequence's blocks."""
     model = model_of(http_server)
-    body = {"model": model, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": model, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "n": n}
     body.update({"prompt": [10] * 40} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi " * 20}]})
 
     async def drop_after_a_few_chunks(watcher: Client) -> tuple[dict[str, int], float]:

@@ -180,6 +180,17 @@ def stages(cpu: bool, results: Path, checkpoint: Path) -> list[Stage]:
     out.append(bench("conveyor_b128", "conveyor", 4 if cpu else 128, 8 if cpu else 256, 45))
     out.append(bench("conveyor_b1", "conveyor", 1, 2 if cpu else 4, 30))
     out.append(bench("conveyor_b8", "conveyor", 2 if cpu else 8, 4 if cpu else 16, 30))
+    # Structured output (issue 27): the batch of conveyor_b128's size with half its requests under
+    # a JSON schema; its throughput over conveyor_b128's is the figure owed (target >= 0.9x).
+    half = bench("conveyor_b128_json_half", "conveyor", 4 if cpu else 128, 8 if cpu else 256, 45)
+    half.command.extend(["--constrained-fraction", "0.5"])
+    out.append(half)
+    # conveyor-sim's cost model, fitted to the three runs' per-step records (three batch sizes,
+    # so the per-sequence cost is told apart from the per-step floor); seconds, no device.
+    cost_json = str(results / "sim_cost.json")
+    runs = [str(results / f"conveyor_{b}.json") for b in ("b128", "b1", "b8")]
+    out.append(Stage("sim_calibrate", CPU_LIMIT_S if cpu else 20,
+                     [py, str(REPO / "bin" / "sim"), "calibrate", *runs, "--out", cost_json], [cost_json]))
     grid = ["--batches", "1", "--contexts", "32", "--steps", "2"] if cpu else \
         ["--batches", "1,32,128", "--contexts", "512,2048", "--steps", "10"]
     step_json = str(results / "decode_step.json")
@@ -190,6 +201,13 @@ def stages(cpu: bool, results: Path, checkpoint: Path) -> list[Stage]:
     if importlib.util.find_spec("xdist") is not None and not cpu:
         kernels += ["-n", "8"]
     out.append(Stage("kernels", CPU_LIMIT_S if cpu else 60, kernels))
+    # LoRA: 8 adapters over the requests against the base model alone (docs/benchmarks.md); the
+    # gpu-marked parity test against PEFT runs in gpu_tests.
+    lora_json = str(results / "lora.json")
+    lora_args = ["--requests", "4", "--adapters", "2", "--prompt-len", "8", "--max-tokens", "4", "--repeats", "1"] \
+        if cpu else ["--device", "cuda", "--dtype", "bfloat16"]
+    out.append(Stage("lora", CPU_LIMIT_S if cpu else 60, [py, str(REPO / "bench" / "lora.py"), *lora_args,
+                                                          "--out", lora_json], [lora_json]))
     out.append(bench("hf", "hf", 4 if cpu else 128, 8 if cpu else 256, 45))
     out.append(bench("hf_compiled_b1", "hf-compiled", 1, 2 if cpu else 4, 60))
     out.append(bench("hf_compiled_b8", "hf-compiled", 2 if cpu else 8, 4 if cpu else 16, 60))

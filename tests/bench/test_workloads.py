@@ -13,7 +13,9 @@ from conveyor_tools.bench.workloads import (
     HV_SHORT,
     SHAREGPT_MEAN_OUTPUT,
     SHAREGPT_MEAN_PROMPT,
+    SAMPLING_CONTROLS,
     make_workload,
+    with_controls,
     poisson_arrivals,
 )
 
@@ -91,3 +93,29 @@ def test_percentiles_and_timeline_means() -> None:
     assert Timeline([0, 1, 2], [4, 2, 0]).mean() == pytest.approx(2.0)
     # A step function holds 4 for 1 s and 2 for 3 s: the time-weighted mean is 2.5.
     assert Timeline([0, 1, 4], [4, 2, 0], step_function=True).mean() == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("fraction, expected", [(0.0, 0), (0.5, 10), (0.25, 5), (1.0, 20)])
+def test_controls_fraction_spreads_evenly(fraction, expected):
+    base = make_workload("fixed", 20, seed=0, vocab_size=100, max_model_len=64, prompt_len=8, output_len=4)
+    workload = with_controls(base, fraction)
+    marked = [i for i, r in enumerate(workload.requests) if r.sampling]
+    assert len(marked) == expected and all(workload.requests[i].sampling == SAMPLING_CONTROLS for i in marked)
+    assert abs(sum(1 for i in marked if i < 10) - expected / 2) <= 1  # spread, not bunched at one end
+    assert [r.prompt_ids for r in workload.requests] == [r.prompt_ids for r in base.requests]
+    assert workload.describe()["params"]["controls_fraction"] == fraction
+    with pytest.raises(ValueError):
+        with_controls(base, 1.5)
+
+
+def test_logprobs_fraction_marks_an_even_spread_of_requests() -> None:
+    from conveyor_tools.bench.workloads import with_logprobs
+
+    base = make_workload("fixed", 8, vocab_size=100, max_model_len=256, prompt_len=4, output_len=4)
+    half = with_logprobs(base, 0.5, 3)
+    assert [r.sampling.get("logprobs") for r in half.requests] == [None, 3] * 4
+    assert [r.prompt_ids for r in half.requests] == [r.prompt_ids for r in base.requests]
+    assert all(r.sampling == {"logprobs": 0} for r in with_logprobs(base, 1.0, 0).requests)
+    assert half.describe()["params"]["logprobs_fraction"] == 0.5 and half.describe()["params"]["logprobs"] == 3
+    with pytest.raises(ValueError):
+        with_logprobs(base, 1.5, 3)

@@ -59,3 +59,59 @@ def hf_greedy(tiny_checkpoint):
         return longest[key][:n]
 
     return run
+
+
+class PresenceFrequency:
+    """vLLM's (OpenAI's) presence / frequency penalties over the output tokens, float32."""
+
+    def __init__(self, num_prompt: int, presence: float, frequency: float) -> None:
+        self.num_prompt, self.presence, self.frequency = num_prompt, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        counts = torch.zeros_like(scores)
+        output = input_ids[:, self.num_prompt :]
+        counts.scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+@pytest.fixture(scope="session")
+def hf_controlled(tiny_checkpoint):
+    """Greedy tokens of the tiny checkpoint under the processors a request's controls name,
+    in the sampler's order (bias, min_tokens, repetition, presence / frequency); stops after
+    an id in ``stop`` (none: runs ``n`` tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import (
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+    def run(prompt: list[int], n: int, stop=(), **controls) -> list[int]:
+        processors = []
+        if controls.get("logit_bias"):
+            processors.append(SequenceBiasLogitsProcessor({(t,): b for t, b in controls["logit_bias"].items()}))
+        if controls.get("min_tokens"):
+            processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), controls["min_tokens"], list(stop)))
+        if controls.get("repetition_penalty", 1.0) != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(controls["repetition_penalty"]))
+        if controls.get("presence_penalty") or controls.get("frequency_penalty"):
+            presence, frequency = controls.get("presence_penalty", 0.0), controls.get("frequency_penalty", 0.0)
+            processors.append(PresenceFrequency(len(prompt), presence, frequency))
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            for _ in range(n):
+                scores = model(ids).logits[:, -1].float()
+                for processor in processors:
+                    scores = processor(ids, scores)
+                token = int(scores.argmax(-1))
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+                if token in stop:
+                    break
+        return ids[0, len(prompt) :].tolist()
+
+    return run

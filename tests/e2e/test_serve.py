@@ -382,3 +382,30 @@ def test_startup_failures_are_clear(args, needle, tiny_checkpoint, tmp_path) -> 
     assert out.returncode != 0
     assert needle in out.stderr, out.stderr
     assert "ready on" not in out.stdout
+
+
+def test_sampling_controls_over_zeromq_match_hf(server, hf_controlled) -> None:
+    """Penalties, logit_bias (int keys, sent as strings) and min_tokens over the client
+    protocol, concurrently, each against transformers with the matching processors."""
+    from conveyor.frontend.tokenizer import Tokenizer
+
+    eos = Tokenizer.from_dir(server_model_dir(server)).eos_token_id
+    prompts = [[5 + (3 * i + 7 * j) % 60 for j in range(10)] for i in range(3)]
+    cases = [
+        dict(presence_penalty=-2.0, frequency_penalty=0.5, ignore_eos=True),
+        dict(repetition_penalty=1.8, logit_bias={9: 4.0, 30: 3.5}, ignore_eos=True),
+        dict(logit_bias={40: 100.0}, stop_token_ids=[40], min_tokens=4),
+    ]
+    stops = [(), (), (40, eos)]
+
+    async def run() -> list:
+        async with AsyncClient(server.address, timeout=60) as client:
+            return await asyncio.gather(
+                *[client.generate(token_ids=p, max_tokens=12, temperature=0, **c) for p, c in zip(prompts, cases)]
+            )
+
+    results = asyncio.run(run())
+    for p, c, stop, result in zip(prompts, cases, stops, results):
+        controls = {k: v for k, v in c.items() if k not in ("stop_token_ids", "ignore_eos")}
+        assert result.token_ids == hf_controlled(p, 12, stop=stop, **controls), c
+    assert results[2].token_ids[-1] == 40 and len(results[2].token_ids) == 5 and results[2].finish_reason == "stop"

@@ -115,6 +115,7 @@ def test_a_finished_request_adds_its_reason_and_latencies() -> None:
         "prompt_tokens": 7,
         "generation_tokens": 0,
         "request_success": {"stop": 1, "length": 1, "abort": 2, "error": 0},
+        "clients_not_reading": 0,
     }
     hists = snap["histograms"]
     assert set(hists) == {

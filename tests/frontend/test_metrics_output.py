@@ -119,6 +119,7 @@ def test_a_live_frontend_answers_metrics(live_frontend) -> None:
         "prompt_tokens": prompt_len + len(gone_add.prompt_token_ids),
         "generation_tokens": 5,
         "request_success": {"stop": 0, "length": 1, "abort": 1, "error": 0},
+        "clients_not_reading": 0,  # the gone client disconnected: it was not dropped for not reading
     }
     hists = reply["histograms"]
     assert hists["inter_token_latency_seconds"]["count"] == 3  # r's 4 tokens (the last two together)

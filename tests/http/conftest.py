@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e.conftest import serve_factory, tiny_checkpoint  # noqa: F401  (fixtures, registered here)
+from tests.e2e.conftest import hf_controlled, serve_factory, tiny_checkpoint  # noqa: F401  (fixtures, registered here)
 from tests.e2e.serve_harness import ServeProcess, alive
 
 SERVE_ARGS = ("--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")

@@ -57,6 +57,7 @@ def test_exposition_names_types_and_values() -> None:
     metrics.observe_outputs([10**9 - 4_000_000, 10**9 - 30_000_000], 10**9)  # gaps of 4 ms and 30 ms
     metrics.request_finished("length", {"queue_time": 0.002, "ttft": 0.05, "total": 0.5}, 2, 7, 2)
     metrics.request_finished("stop", {"queue_time": 0.004, "ttft": 3.0, "total": 3.0}, 1, 4, 300)
+    metrics.clients_not_reading = 2
     stats = {**STATS, "iteration_token_counts": [3, 1] + [0] * 11 + [1], "iteration_token_sum": 3 + 8 + 20000}
     text = exposition(metrics_reply(**metrics.snapshot()), stats, "m")
     types = family_types(text)
@@ -64,7 +65,7 @@ def test_exposition_names_types_and_values() -> None:
                  "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached"):
         assert types["conveyor:" + name] == "gauge", name
     for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-                 "generation_tokens", "request_success"):
+                 "generation_tokens", "request_success", "clients_not_reading"):
         assert types["conveyor:" + name] == "counter", name
     for name in ("time_to_first_token", "time_per_output_token", "inter_token_latency", "e2e_request_latency",
                  "request_queue_time"):
@@ -80,6 +81,7 @@ def test_exposition_names_types_and_values() -> None:
     assert (one("conveyor:prefix_cache_queries_total"), one("conveyor:prefix_cache_hits_total")) == (500, 128)
     assert s["conveyor:num_preemptions_total"] == {(("kind", "swap"),): 4, (("kind", "recompute"),): 7}
     assert (one("conveyor:prompt_tokens_total"), one("conveyor:generation_tokens_total")) == (11, 4)
+    assert one("conveyor:clients_not_reading_total") == 2
     assert s["conveyor:request_success_total"] == {
         (("finished_reason", "stop"),): 1,
         (("finished_reason", "length"),): 1,

@@ -146,8 +146,41 @@ def test_client_errors_are_the_openai_exceptions(http_server) -> None:
     with pytest.raises(openai.BadRequestError, match="'best_of' is not supported yet"):
         client.completions.create(model=model, prompt="hi", best_of=2)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], logprobs=True)
-    assert info.value.body["param"] == "logprobs"
-    with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt="hi", top_p=5)
     assert info.value.body["param"] == "top_p"
+
+
+def test_sampling_controls_match_hf(http_server, hf_controlled, tiny_checkpoint) -> None:
+    """OpenAI's own presence / frequency penalties and logit_bias (string keys, as JSON has
+    them), vLLM's repetition_penalty and min_tokens in extra_body: the greedy tokens are
+    transformers' under the matching processors, on both endpoints."""
+    from conveyor.frontend.tokenizer import Tokenizer
+
+    client, model = sync_client(http_server), model_of(http_server)
+    prompt = [5 + (3 * j) % 60 for j in range(10)]
+    ids = {"return_token_ids": True}
+    got = client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, presence_penalty=-2.0, frequency_penalty=0.5,
+        logit_bias={"9": 4.0, "30": 3.5}, extra_body={**EXTRA, **ids, "repetition_penalty": 1.3},
+    )  # fmt: skip
+    expected = hf_controlled(
+        prompt, 12, presence_penalty=-2.0, frequency_penalty=0.5, logit_bias={9: 4.0, 30: 3.5}, repetition_penalty=1.3
+    )
+    assert got.choices[0].model_extra["token_ids"] == expected
+    # min_tokens holds back a stop token a +100 bias favours, then the request stops on it.
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0, logit_bias={"40": 100},
+        extra_body={**ids, "min_tokens": 3, "stop_token_ids": [40]},
+    )  # fmt: skip
+    eos = Tokenizer.from_dir(tiny_checkpoint).eos_token_id
+    prompt_ids = chat.model_extra["prompt_token_ids"]
+    assert chat.choices[0].model_extra["token_ids"] == hf_controlled(prompt_ids, 12, stop=(40, eos), logit_bias={40: 100.0}, min_tokens=3)
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 4
+    for field, value in (("presence_penalty", 3), ("logit_bias", {"9": 101}), ("logit_bias", {"99999": 1}), ("logit_bias", [1])):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt="hi", **{field: value})
+        assert info.value.body["param"] == field, info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=4, extra_body={"min_tokens": 5})
+    assert info.value.body["param"] == "min_tokens", info.value.body
+

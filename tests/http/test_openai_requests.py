@@ -34,13 +34,20 @@ def refused(status: int, param: str | None, kind: str = COMPLETION, **body) -> e
 def test_fields_map_onto_the_protocol() -> None:
     job = parse(
         prompt="hello", max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=["\n"], top_k=4, min_p=0.1,
-        priority=2, ignore_eos=True, stop_token_ids=[5], user="me", presence_penalty=0, n=1, logprobs=None,
+        priority=2, ignore_eos=True, stop_token_ids=[5], user="me", presence_penalty=0.5, frequency_penalty=-1, n=1,
+        logprobs=None, repetition_penalty=1.2, min_tokens=2, logit_bias={"5": 1, "7": -2.5},
     )  # fmt: skip
     assert job.inputs == [{"prompt": "hello"}] and not job.stream
     assert job.options == {
         "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"], "top_k": 4, "min_p": 0.1,
-        "priority": 2, "ignore_eos": True, "stop_token_ids": [5], "n": 1,
+        "priority": 2, "ignore_eos": True, "stop_token_ids": [5], "presence_penalty": 0.5, "frequency_penalty": -1,
+        "repetition_penalty": 1.2, "min_tokens": 2, "logit_bias": {"5": 1, "7": -2.5}, "n": 1,
     }  # fmt: skip
+    # logit_bias travels as a map of numbers, bounded in size (the frontend judges the ids and values)
+    refused(400, "logit_bias", logit_bias=[1])
+    refused(400, "logit_bias", logit_bias={"5": "x"})
+    refused(400, "logit_bias", logit_bias={"5": 2**70})
+    refused(400, "logit_bias", logit_bias={str(i): 1 for i in range(1025)})
     assert parse(max_completion_tokens=9, max_tokens=3).options["max_tokens"] == 9
     stream = parse(CHAT, stream=True, stream_options={"include_usage": True})
     assert stream.stream and stream.include_usage and stream.inputs[0]["messages"] == [{"role": "user", "content": "hi"}]
@@ -66,21 +73,44 @@ def test_chat_content_parts_are_joined_and_other_content_refused() -> None:
 def test_what_conveyor_cannot_do_is_refused_by_name() -> None:
     assert parse(n=3).n == 3 and parse(n=3).options["n"] == 3  # forwarded: the frontend bounds it
     refused(400, "n", n=[2])
-    refused(400, "logprobs", logprobs=2)
-    refused(400, "logprobs", logprobs=0)  # 0 still asks for the sampled token's log-probability
-    refused(400, "logprobs", CHAT, logprobs=True)
     parse(CHAT, logprobs=False)
     refused(400, "echo", CHAT, echo=True)
     assert parse(echo=True).echo
-    for name, value in (("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("logit_bias", {"5": 1}),
-                        ("min_tokens", 3), ("best_of", 2), ("use_beam_search", True), ("prompt_logprobs", 1), ("bad_words", ["x"]),
-                        ("guided_json", {}), ("response_format", {"type": "json_object"}), ("add_special_tokens", False),
+    for name, value in (("best_of", 2), ("use_beam_search", True), ("bad_words", ["x"]),
+                        ("add_special_tokens", False),
                         ("allowed_token_ids", [1]), ("suffix", "end")):
         assert name in refused(400, name, **{name: value}).message
     refused(400, "add_special_tokens", CHAT, add_special_tokens=True)  # chat's do-nothing value is false
-    refused(400, "tools", CHAT, tools=[{"type": "function"}])
     refused(400, "foo", foo=1)
     refused(400, "prompt", CHAT, prompt="x")  # a completions field on the chat endpoint
+
+
+def test_structured_output_fields_become_one_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}},
+         {"type": "json_schema", "schema": schema, "strict": True}),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+         {"type": "json_schema", "schema": schema, "strict": False}),
+        ({"response_format": {"type": "json_object"}}, {"type": "json_object"}),
+        ({"guided_json": schema}, {"type": "json_schema", "schema": schema, "strict": False}),
+        ({"guided_regex": "a+"}, {"type": "regex", "pattern": "a+"}),
+        ({"guided_choice": ["x", "y"]}, {"type": "choice", "choices": ["x", "y"]}),
+        ({"guided_grammar": "start: 'a'"}, {"type": "grammar", "grammar": "start: 'a'"}),
+        ({"structured_outputs": {"regex": "b"}}, {"type": "regex", "pattern": "b"}),
+        ({"structured_outputs": {"json_object": True}}, {"type": "json_object"}),
+    ]
+    for body, constraint in cases:
+        assert parse(CHAT, **body).options["constraint"] == constraint, body
+    assert "constraint" not in parse(CHAT, response_format={"type": "text"}).options
+    refused(400, "guided_regex", CHAT, guided_json=schema, guided_regex="a")
+    refused(400, "response_format", CHAT, response_format={"type": "yaml"})
+    refused(400, "structured_outputs", CHAT, structured_outputs={"regex": "a", "choice": ["b"]})
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    job = parse(CHAT, tools=tools, tool_choice="required")
+    assert (job.options["tools"], job.options["tool_choice"], job.forced_tool_choice, job.tools) == (tools, "required", "required", True)
+    job = parse(CHAT, tools=tools, tool_choice="none")
+    assert (job.forced_tool_choice, job.tools) == (None, False)
 
 
 def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -> None:
@@ -98,7 +128,8 @@ def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -
     )  # fmt: skip
     job = parse(echo=False, suffix="", add_special_tokens=True, prompt_embeds=None, **both)
     assert set(job.ignored) == {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "request_id", "cache_salt", "vllm_xargs", "return_tokens_as_token_ids", "guided_decoding_backend"}
-    assert job.options == {"skip_special_tokens": True, "include_stop_str_in_output": False, "n": 1}
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "repetition_penalty": 1.0, "min_tokens": 0}
+    assert job.options == {"skip_special_tokens": True, "include_stop_str_in_output": False, "n": 1, **neutral}
     chat = parse(
         CHAT, tools=[], tool_choice="none", parallel_tool_calls=True, add_generation_prompt=True, continue_final_message=False,
         chat_template_kwargs={"enable_thinking": False}, documents=None, chat_template=None, mm_processor_kwargs=None,
@@ -182,3 +213,23 @@ def test_unstreamed_bodies() -> None:
     assert body["usage"]["total_tokens"] == 5
     body = completion_body(COMPLETION, "id", 1, MODEL, [result("a", 1, 1), result("b", 1, 1)])
     assert [c["text"] for c in body["choices"]] == ["a", "b"] and [c["index"] for c in body["choices"]] == [0, 1]
+
+
+def test_logprob_fields_become_the_protocol_k() -> None:
+    """Completions' ``logprobs`` is k; chat's is a flag with ``top_logprobs`` its k (which
+    needs the flag); echo asks the prompt's too; prompt_logprobs is forwarded."""
+    job = parse(logprobs=2)
+    assert job.logprobs == 2 and job.options["logprobs"] == 2 and "prompt_logprobs" not in job.options
+    assert parse(logprobs=0).options["logprobs"] == 0  # 0: the sampled token's alone
+    assert parse(logprobs=3, echo=True).options["prompt_logprobs"] == 3
+    assert parse(prompt_logprobs=1).options["prompt_logprobs"] == 1 and parse(prompt_logprobs=1).prompt_logprobs
+    assert parse().logprobs is None and "logprobs" not in parse().options
+    chat = parse(CHAT, logprobs=True, top_logprobs=3)
+    assert chat.logprobs == 3 and chat.options["logprobs"] == 3
+    assert parse(CHAT, logprobs=True).options["logprobs"] == 0
+    assert parse(CHAT, logprobs=False, top_logprobs=None).logprobs is None
+    refused(400, "logprobs", logprobs=-1)
+    refused(400, "logprobs", logprobs=True)
+    refused(400, "logprobs", CHAT, logprobs=2)
+    refused(400, "top_logprobs", CHAT, top_logprobs=2)  # without logprobs: true
+    refused(400, "top_logprobs", top_logprobs=2)  # a chat field

@@ -180,7 +180,10 @@ def test_encode_rejects_unregistered_objects() -> None:
         (framed([AbortRequests.TAG, [1]]), r"AbortRequests.request_ids\[0\]: expected str, got int"),
         (framed([RequestOutput.TAG, "r", [1, True], None, None, None, None, 0]), r"new_token_ids\[1\]: expected int, got bool"),
         (framed([RequestOutput.TAG, "r", [1, "x"], None, None, None, None, 0]), r"new_token_ids\[1\]: expected int, got str"),
-        (framed([AddRequest.TAG, "r", NO_INTS, [1, 2, 0.5, 0, 0.0, None, [], False, 9], 0.0, 0]), "AddRequest.sampling: expected array of at most length 8"),
+        (
+            framed([AddRequest.TAG, "r", NO_INTS, [*msgspec.structs.astuple(SamplingParams()), 9], 0.0, 0]),
+            f"AddRequest.sampling: expected array of at most length {len(msgspec.structs.fields(SamplingParams))}",
+        ),
         (framed([AddRequest.TAG, "r", NO_INTS, [1, "x"], 0.0, 0]), r"AddRequest.sampling.temperature: expected float, got str"),
         (framed([AddRequest.TAG, "r", [1, 2], [], 0.0, 0]), "AddRequest.prompt_token_ids: expected int32 array, got list"),
         (framed([StepResult.TAG, 1.5, NO_INTS, NO_INTS, None, 0.0]), "StepResult.step_id: expected int, got float"),

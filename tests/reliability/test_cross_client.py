@@ -116,16 +116,21 @@ def test_a_duplicate_in_flight_id_is_refused_without_ending_the_request(fe) -> N
     assert fe.recv(a, timeout=0.2) is None
 
 
-def test_a_takeover_of_an_identity_keeps_the_new_connections_requests(fe) -> None:
-    """A second connection under a connected routing id takes it over (ROUTER_HANDOVER); when
-    the first connection then goes, only the requests it sent are dropped, not the new one's."""
+def test_a_takeover_of_an_identity_drops_the_old_connections_requests_only(fe) -> None:
+    """A second connection under a connected routing id takes it over (ROUTER_HANDOVER): at its
+    first message the old connection's requests are aborted at the scheduler (nothing could
+    read their replies any more), before that message is handled, so the new connection may
+    use the same request id at once; the new connection's requests go on, also when the old
+    connection then closes."""
     old = client(fe, b"client-handover-id")
     first = submit(fe, old, "r1")
     new = client(fe, b"client-handover-id")
-    second = submit(fe, new, "r2")
-    old.close(linger=0)
+    fe.send(new, type="generate", request_id="r1", prompt="Say:", max_tokens=50, stream=True)
     abort = fe.scheduler_recv()
-    assert isinstance(abort, AbortRequests) and abort.request_ids == [first.request_id]
+    assert isinstance(abort, AbortRequests) and abort.request_ids == [first.request_id], abort
+    second = fe.scheduler_recv()
+    assert isinstance(second, AddRequest) and second.request_id != first.request_id, second
+    old.close(linger=0)
     assert fe.scheduler_recv(timeout=0.3) is None
     final = finish(fe, new, second.request_id, 300)
-    assert (final["request_id"], final["finish_reason"], final["token_ids"]) == ("r2", "length", [300])
+    assert (final["request_id"], final["finish_reason"], final["token_ids"]) == ("r1", "length", [300])

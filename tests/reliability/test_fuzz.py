@@ -66,7 +66,9 @@ def good_request(sock: zmq.Socket, rid: str) -> list[int]:
 
 MAX_FRAME = 8 * 1024 * 1024
 GENERATE_KEYS = {"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", "max_tokens", "temperature",
-                 "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "priority"}
+                 "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "priority",
+                 "logprobs", "prompt_logprobs"}
+MAX_LOGPROBS = 20  # the server's default --max-logprobs
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,9 @@ def field_problem(obj: dict) -> bool:
         "top_p": lambda v: is_number(v) and 0 < v <= 1,
         "top_k": lambda v: is_int(v) and v >= 0,
         "min_p": lambda v: is_number(v) and 0 <= v <= 1,
-        "seed": lambda v: is_int(v) and 0 <= v < 2**63,
+        "logprobs": lambda v: is_int(v) and 0 <= v <= MAX_LOGPROBS,
+        "prompt_logprobs": lambda v: is_int(v) and 0 <= v <= MAX_LOGPROBS,
+        "seed": lambda v: is_int(v) and -(2**63) <= v < 2**64,  # any 64-bit integer, signed or not
         "priority": lambda v: is_int(v) and -(2**31) + 1 <= v <= 2**31 - 1,
         "stop": lambda v: is_str(v, 256) or (type(v) is list and len(v) <= 16 and all(is_str(s, 256) for s in v)),
         "stop_token_ids": lambda v: type(v) is list and all(is_int(t) and t >= 0 for t in v),
@@ -289,7 +293,9 @@ EDGES = {
     "top_p": [0, 0.0, 1e-9, 1, 1.0000001, -0.5],
     "top_k": [-1, 0, 1, 1.0, False],
     "min_p": [-1e-9, 0, 1, 1.0000001, float("nan")],
-    "seed": [-1, 0, 2**63 - 1, 2**63, 1.0],
+    "logprobs": [-1, 0, MAX_LOGPROBS, MAX_LOGPROBS + 1, 1.0, True],
+    "prompt_logprobs": [-1, 0, MAX_LOGPROBS, MAX_LOGPROBS + 1, 1.0, False],
+    "seed": [-(2**63), -1, 0, 2**63, 2**64 - 1, 1.0],  # msgpack holds no integer beyond these
     "priority": [-(2**31), -(2**31) + 1, 2**31 - 1, 2**31, 0.5],
     "stop_token_ids": [[-1], [0], [2**31], [1.0], []],
     "stop": ["", [""], ["x"] * 16, ["x"] * 17, "y" * 256, "y" * 257, []],

@@ -103,10 +103,13 @@ class Harness:
         max_tokens: int = 4,
         prompt: list[int] | None = None,
         priority: int = 0,
+        lora: str | None = None,
         **sampling,
     ) -> RequestOutput | None:
         prompt = make_prompt(request_id, prompt_len) if prompt is None else prompt
-        msg = AddRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, **sampling), 1000.0, priority)
+        msg = AddRequest(
+            request_id, prompt, SamplingParams(max_tokens=max_tokens, **sampling), 1000.0, priority, lora=lora
+        )
         rejected = self.scheduler.add_request(msg)
         if rejected is None:
             num_seqs = msg.sampling.n

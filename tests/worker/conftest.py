@@ -75,6 +75,7 @@ class Script:
     chunk: int | None = None
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     preempt_after: int | None = None
+    lora: str | None = None  # the LoRA adapter it runs under
     # state kept by the driver
     outputs: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
@@ -125,7 +126,9 @@ class ScriptedScheduler:
                 else:
                     s.slot = self.free_slots.pop()
                     new.append(
-                        NewRequestData(s.request_id, s.slot, list(tokens), s.sampling, list(s.blocks), s.computed, n)
+                        NewRequestData(
+                            s.request_id, s.slot, list(tokens), s.sampling, list(s.blocks), s.computed, n, lora=s.lora
+                        )
                     )
                     s.registered = True
                 scheduled[s.slot] = (s, n, s.computed + n == len(tokens))

@@ -15,7 +15,7 @@ from collections import deque
 import pytest
 
 from conveyor import profiling
-from conveyor.ipc.messages import Shutdown, StepPlan, StepResult
+from conveyor.ipc.messages import NewRequestData, SamplingParams, Shutdown, StepPlan, StepResult
 from tests import plans
 from conveyor.ipc.step_channel import PeerGone
 from conveyor.worker.main import StepLoop, build_runner, resolve_pipeline
@@ -137,3 +137,18 @@ def test_the_runner_is_built_from_the_worker_config_whole(tmp_path):
     assert fields["enforce_eager"] is True and fields["model_dir"] == "m" and fields["first_device"] == 2
     taken = set(inspect.signature(build_runner).parameters) - {"num_threads", "profiler", "tensor_parallel"}
     assert set(fields) == taken
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_profiling_loop_records_each_good_steps_shape_in_step_order(pipeline):
+    """One step record per step that succeeded (the failed one has none), each with its own
+    plan's shape even when the next plan was launched before it finished."""
+    shaped = [
+        plans.plan(s, [NewRequestData(f"r{s}", s, list(range(3 * s)), SamplingParams(), [0], 0, 3 * s)], planned_ahead=s > 1)
+        for s in (1, 2, 3)
+    ]
+    prof = profiling.Profiler("worker")
+    StepLoop(ScriptedRunner(fail_finish={2}), ScriptedPlans(shaped), Results(), prof, pipeline).run()
+    series = {s.name: s.values for s in prof.snapshot(3600, series=list(profiling.STEP_SERIES)).series}
+    assert series["step_prefill_tokens"] == [3, 9] and series["step_context_tokens"] == [3, 9]
+    assert len(series["step_time"]) == 2 and all(t >= 0 for t in series["step_time"])

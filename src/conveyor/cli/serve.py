@@ -113,9 +113,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=FrontendConfig.tokenizer_threads,
         help="frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)",
     )
+    p.add_argument(
+        "--client-send-queue",
+        type=_non_negative_int,
+        default=FrontendConfig.client_send_queue,
+        help="replies queued for one client connection; a client whose queue fills has stopped reading, "
+        "and its requests are aborted (0: no bound)",
+    )
     _switch(p, "--profile", WorkerConfig.profile, "record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)")
+    add_lora_arguments(p)
     add_http_arguments(p)
     return p
+
+
+def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters (conveyor.worker.lora; README's flag table)."""
+    g = p.add_argument_group("lora")
+    g.add_argument(
+        "--lora-modules", nargs="+", type=_lora_module, action="extend", default=[], metavar="NAME=DIR",
+        help="PEFT LoRA adapters requests may name (the OpenAI 'model' field, the protocol's 'lora')",
+    )
+    g.add_argument("--max-loras", type=_positive_int, default=SchedulerConfig.max_loras, help="adapters on the device at once (distinct adapters in one step)")
+    g.add_argument("--max-lora-rank", type=_positive_int, default=WorkerConfig.max_lora_rank, help="largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=_positive_int, help="adapters kept in host memory (default: --max-loras); others are read again when needed")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not directory:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    return name, directory
 
 
 def _choice(p: argparse._ActionsContainer, flag: str, default: Choice, help: str | None = None) -> None:
@@ -148,6 +175,12 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--api-key-file", help="a file of API keys, one per line (blank lines and lines starting with # skipped)")
     _switch(g, "--api-key-everywhere", HttpConfig.api_key_everywhere, "with API keys, /health, /metrics and /version need one too")
+    g.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3"),
+        help="read chat answers with tools for calls in this format (Hermes/Qwen <tool_call> JSON, Llama 3 JSON); "
+        "default: not parsed (the tools still reach the chat template)",
+    )
     g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
     g.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
 
@@ -192,6 +225,12 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-bandwidth", type=float, default=SchedulerConfig.swap_bandwidth / 1e9, help="GB/s host<->device, for --preemption auto")
     g.add_argument("--prefill-rate", type=float, default=SchedulerConfig.prefill_rate, help="prefill tokens/s, for --preemption auto")
     g.add_argument("--max-sessions", type=int, default=FrontendConfig.max_sessions, help="finished requests remembered for continuation")
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=FrontendConfig.max_logprobs,
+        help="the most top log-probabilities a request may ask for (logprobs, prompt_logprobs); more is refused",
+    )
 
 
 def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:

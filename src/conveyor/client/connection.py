@@ -113,6 +113,9 @@ class CompletionResult:
     timing: dict[str, float | None] = field(default_factory=dict)
     error: str | None = None
     choices: list[Choice] = field(default_factory=list)
+    # Where asked for: the protocol's log-probability columns (docs/protocol.md), as sent.
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.choices:  # n = 1: the one choice is the result itself
@@ -130,6 +133,8 @@ class Delta:
     finish_reason: str | None = None
     result: CompletionResult | None = None
     index: int = 0
+    logprobs: dict[str, Any] | None = None  # of this delta's tokens, where asked for
+    prompt_logprobs: dict[str, Any] | None = None  # of prompt tokens not sent before
 
 
 def completion_result(msg: dict[str, Any]) -> CompletionResult:
@@ -143,6 +148,8 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         timing=msg.get("timing") or {},
         error=msg.get("error"),
         choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"]) for c in msg.get("choices") or ()],
+        logprobs=msg.get("logprobs"),
+        prompt_logprobs=msg.get("prompt_logprobs"),
     )
 
 
@@ -166,6 +173,8 @@ def generate_message(
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     msg.update({k: v for k, v in fields.items() if v is not None})
+    if isinstance(msg.get("logit_bias"), dict):  # map keys travel as strings (the protocol's rule)
+        msg["logit_bias"] = {str(token): bias for token, bias in msg["logit_bias"].items()}
     return msg
 
 
@@ -179,7 +188,10 @@ def _request_message(prompt: str | None, stream: bool, request: dict[str, Any]) 
 def to_delta(msg: dict[str, Any]) -> Delta:
     """Turn a server message of a streamed request into a Delta."""
     if msg["type"] == cp.DELTA:
-        return Delta(msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])), index=msg.get("index", 0))
+        return Delta(
+            msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])),
+            logprobs=msg.get("logprobs"), prompt_logprobs=msg.get("prompt_logprobs"), index=msg.get("index", 0),
+        )
     result = completion_result(msg)
     return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
 

@@ -51,8 +51,10 @@ from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.engine.options import EngineOptions
 from conveyor.engine.outputs import BatchInfo, Result, StepOutput
 from conveyor.engine.request import Request
+from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import context_ids, encode_input
+from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.output import merge
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
@@ -91,6 +93,7 @@ class Engine:
         settings = options.settings()
         batcher = batcher_config(settings, self.max_model_len)  # bad knobs fail before the model loads
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        self._constraints = ConstraintCompiler(model_dir)
         self.runner = build_runner(model_dir, **worker_settings(settings))
         runner = self.runner
         batcher = replace(
@@ -98,6 +101,7 @@ class Engine:
         )
         self.scheduler = Scheduler(batcher, self.model_config.eos_token_ids, self.model_config.vocab_size)
         self._sessions = Sessions(options.max_sessions)
+        self._max_logprobs = options.max_logprobs
         self._scheduler_ids = itertools.count(1)
         self._running: dict[str, Request] = {}  # by scheduler id: every request not done
         self._by_id: dict[str, Request] = {}  # the same, by the caller's id
@@ -127,11 +131,16 @@ class Engine:
         Exactly one input: ``prompt`` (text, tokenized with BOS), ``token_ids`` or chat
         ``messages`` (the checkpoint's chat template). ``sampling``: the generate fields of
         docs/protocol.md (``max_tokens`` (16), ``temperature`` (1.0), ``top_p``, ``top_k``,
-        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, and the
+        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, the
         frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
         ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
-        ``chat_template_kwargs``). ``n`` > 1 (at most 64) samples ``n`` sequences of the prompt,
-        sharing its KV, sequence i with ``seed + i``: :attr:`Request.outputs`.
+        ``chat_template_kwargs``), ``n`` > 1 (at most 64: ``n`` sequences of the prompt, sharing
+        its KV, sequence i with ``seed + i``, in :attr:`Request.outputs`; not with
+        log-probabilities or a constraint yet), ``logprobs`` / ``prompt_logprobs`` (the number of top
+        log-probabilities, up to ``max_logprobs`` (20), read from :attr:`Request.logprobs` /
+        ``prompt_logprobs``), and structured output: ``constraint`` (docs/protocol.md),
+        ``tools`` and ``tool_choice``. ``lora`` names the LoRA adapter to generate with (one
+        of the options' ``lora_modules``, or one added by :meth:`load_lora`).
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
         that was not removed continues it (module docstring).
 
@@ -155,8 +164,12 @@ class Engine:
         }
         req = cp.parse_client_message(fields)
         rid = req.request_id
+        problem = cp.logprobs_problem(req.sampling, self._max_logprobs)
+        if problem is not None:
+            raise cp.ProtocolError(problem, rid)
         if rid in self._by_id:
             raise cp.ProtocolError(f"request id {rid!r} is already in flight", rid)
+        self._constraints.compile(req)  # a bad constraint is refused before anything is queued
         history = self._sessions.context(rid)
         prompt_ids = context_ids(
             req,
@@ -168,7 +181,7 @@ class Engine:
         )
         scheduler_id = str(next(self._scheduler_ids))
         arrival = time.time()
-        rejected = self.scheduler.add_request(AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority))
+        rejected = self.scheduler.add_request(AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority, lora=req.lora))
         if rejected is not None:
             raise cp.ProtocolError(rejected.error, rid)
         if history is not None:
@@ -182,6 +195,10 @@ class Engine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
             StopStringMatcher(req.stop, req.include_stop_str_in_output),
             arrival,
+            (
+                None if req.sampling.logprobs is None else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),
+                None if req.sampling.prompt_logprobs is None else LogprobsLog(req.sampling.prompt_logprobs, 1, self.tokenizer),
+            ),
         )
         for i in range(req.sampling.n if req.sampling.n > 1 else 0):
             seq = Request(
@@ -202,6 +219,24 @@ class Engine:
         self._by_id[rid] = request
         self._latest[rid] = request
         return request
+
+    def load_lora(self, name: str, directory: str | os.PathLike) -> None:
+        """Register the PEFT LoRA adapter in ``directory`` under ``name`` while serving (the
+        engine must have LoRA on: ``lora_modules`` or ``enable_lora``). Requests may name it
+        from now on. Raises :class:`~conveyor.worker.lora.LoraLoadError` (a ValueError) naming
+        what is wrong with it, changing nothing: the engine serves on."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is off: start the engine with lora_modules or enable_lora=True")
+        self.runner.lora.register(name, directory)
+        self.scheduler.add_lora(name)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``; ValueError if it is unknown or a live request uses it. Its
+        prefix-cache blocks are never found again, also if a new adapter takes the name."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is off: start the engine with lora_modules or enable_lora=True")
+        self.scheduler.remove_lora(name)
+        self.runner.lora.unregister(name)
 
     def has_pending_requests(self) -> bool:
         """Whether any request is not done yet."""
@@ -312,7 +347,9 @@ class Engine:
                 request.num_cached_tokens = out.num_cached_tokens
             if out.first_token_time is not None:
                 request.first_token_time = out.first_token_time
-            stopped = bool(out.new_token_ids) and request._push(out.new_token_ids)
+            if out.prompt_logprobs is not None:
+                request._push_prompt_logprobs(out.prompt_logprobs)
+            stopped = bool(out.new_token_ids) and request._push(out.new_token_ids, out.logprobs)
             if stopped and out.finish_reason is None:
                 self.scheduler.abort([out.request_id])
             if stopped or out.finish_reason is not None:

@@ -29,7 +29,7 @@ from conveyor.runtime.config import Attention, Device, Dtype, FrontendConfig, Sc
 # TGI's names -> the batcher's.
 ALIASES = {"max_batch_size": "max_num_seqs", "max_batch_tokens": "max_num_batched_tokens"}
 # SchedulerConfig fields that are not knobs here: sized by the runner, or set by the model.
-_SIZED = frozenset({"num_blocks", "num_cpu_blocks", "block_bytes", "block_size", "max_model_len"})
+_SIZED = frozenset({"num_blocks", "num_cpu_blocks", "block_bytes", "block_size", "max_model_len", "lora_names"})
 SCHEDULER_KNOBS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig)) - _SIZED
 
 
@@ -49,6 +49,13 @@ class EngineOptions:
     enforce_eager: bool = WorkerConfig.enforce_eager  # no CUDA graphs for decode steps
     max_model_len: int | None = None  # prompt + output; None: the model's max_position_embeddings
     max_sessions: int = FrontendConfig.max_sessions  # finished requests remembered for continuation
+    # LoRA adapters requests may name: {name: PEFT directory} (bin/serve --lora-modules); the
+    # slots are the batcher's knob max_loras
+    lora_modules: dict[str, str] | None = None
+    enable_lora: bool = False  # LoRA on even without lora_modules: Engine.load_lora adds adapters
+    max_lora_rank: int = WorkerConfig.max_lora_rank
+    max_cpu_loras: int | None = None  # host copies of adapters; None: as many as slots
+    max_logprobs: int = FrontendConfig.max_logprobs  # the most top log-probabilities a request may ask for
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig knobs by their names
 
     @classmethod

@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.logprobs import Logprob, LogprobsLog
 from conveyor.frontend.output import end_text, stream_text
 from conveyor.frontend.stop import StopStringMatcher
-from conveyor.ipc.messages import FinishReason
+from conveyor.ipc.messages import FinishReason, TokenLogprobs
 
 if TYPE_CHECKING:
     from conveyor.engine.engine import Engine
@@ -49,7 +50,9 @@ class Request:
     one is done continues it (the engine's docstring). ``prompt_token_ids`` is the whole
     context it ran on, earlier turns included; ``num_cached_tokens`` how many of those the
     prefix cache supplied; ``arrival_time``, ``scheduled_time`` and ``first_token_time`` are
-    ``time.time()`` values (None until they happen).
+    ``time.time()`` values (None until they happen). ``logprobs`` / ``prompt_logprobs``:
+    where asked for, the log-probabilities of its output and prompt tokens
+    (:class:`~conveyor.frontend.logprobs.Logprob` entries; the first prompt token's is None).
     """
 
     def __init__(
@@ -62,11 +65,13 @@ class Request:
         detokenizer: IncrementalDetokenizer,
         stop: StopStringMatcher,
         arrival_time: float,
+        logs: tuple[LogprobsLog | None, LogprobsLog | None] = (None, None),
         *,
         index: int = 0,
         parent: Request | None = None,
     ) -> None:
         self.request_id = request_id
+        self._logprobs, self._prompt_logprobs = logs
         self.index = index  # its sequence's index in its request (0 unless n > 1)
         self.sequences: list[Request] = []  # n > 1: the request's sequences (:attr:`outputs`)
         self._parent = parent
@@ -114,6 +119,19 @@ class Request:
         return "".join(self.outputs[0]._pieces)
 
     @property
+    def logprobs(self) -> list[Logprob] | None:
+        """One entry per output token so far (None: not asked for)."""
+        return None if self._logprobs is None else self._logprobs.entries(self._tokens)
+
+    @property
+    def prompt_logprobs(self) -> list[Logprob | None] | None:
+        """One entry per prompt token computed so far, the first None (None: not asked for)."""
+        log = self._prompt_logprobs
+        if log is None:
+            return None
+        return [None, *log.entries(self.prompt_token_ids[1:])]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -136,10 +154,17 @@ class Request:
 
     # ------------------------------------------------------------------ filled in by the engine
 
-    def _push(self, token_ids: Sequence[int]) -> bool:
-        """Take a step's new tokens; True if a stop string ended the output with them."""
+    def _push_prompt_logprobs(self, lp: TokenLogprobs) -> None:
+        if self._prompt_logprobs is not None:
+            self._prompt_logprobs.add(lp)
+
+    def _push(self, token_ids: Sequence[int], logprobs: TokenLogprobs | None = None) -> bool:
+        """Take a step's new tokens (and their log-probabilities, where asked for); True if a
+        stop string ended the output with them."""
         text, taken, stopped = stream_text(self._detokenizer, self._stop, token_ids)
         self._tokens += token_ids[:taken] if stopped else token_ids
+        if logprobs is not None and self._logprobs is not None:
+            self._logprobs.add(logprobs, taken)
         self._add_text(text)
         return stopped
 

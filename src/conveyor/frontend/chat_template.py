@@ -39,12 +39,9 @@ def render(template: str, messages: list, add_generation_prompt: bool, variables
             raise ValueError(f"each message must be an object with 'role' and 'content', got {message!r}")
         chat.append(_alias_reasoning({k: _plain(v) for k, v in message.items() if v is not None}))
     try:
+        # ``tools`` and ``documents`` are None unless ``variables`` sets them (a request's tools).
         return _compile(template).render(
-            messages=chat,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
+            messages=chat, add_generation_prompt=add_generation_prompt, **{"tools": None, "documents": None, **variables}
         )
     except jinja2.TemplateError as exc:
         raise ValueError(f"chat template error: {exc}") from None

@@ -20,8 +20,8 @@ from conveyor.protocol import messages as cp
 def encode_input(tokenizer: Tokenizer, req: cp.GenerateRequest, continuing: bool, release_gil: bool = False) -> list[int]:
     """The request's input as token ids. A continuation's input follows earlier tokens, so
     no BOS is added to text, and a chat template's leading BOS is dropped. Messages are
-    rendered with the request's ``add_generation_prompt``, ``continue_final_message`` and
-    ``chat_template_kwargs``; ``truncate_prompt_tokens`` then keeps the input's last k ids
+    rendered with the request's ``add_generation_prompt``, ``continue_final_message``,
+    ``chat_template_kwargs`` and ``tools`` (the template's ``tools`` variable); ``truncate_prompt_tokens`` then keeps the input's last k ids
     (the newest text, as vLLM truncates). A failure to tokenize (a template error) is the
     client's input, raised as ProtocolError."""
     try:
@@ -32,7 +32,7 @@ def encode_input(tokenizer: Tokenizer, req: cp.GenerateRequest, continuing: bool
                 req.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
-                variables=req.chat_template_kwargs,
+                variables=req.chat_template_kwargs if req.tools is None else {**req.chat_template_kwargs, "tools": req.tools},
                 release_gil=release_gil,
             )
             bos = tokenizer.bos_token_id
@@ -111,3 +111,4 @@ def context_ids(
         req.sampling = msgspec.structs.replace(req.sampling, max_tokens=max(1, max_model_len - len(prompt_ids)))
     cp.check_tokenized(req, prompt_ids, vocab_size, max_model_len, check_ids=check_ids)
     return prompt_ids
+

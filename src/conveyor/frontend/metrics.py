@@ -17,6 +17,9 @@ What is counted, and when:
   that disconnects counts as abort. Requests refused before that (a bad field, a duplicate
   id, a prompt that fails to tokenize or breaks the context rules) get their error final
   but are not counted.
+- ``clients_not_reading``: client connections whose send queue filled (``--client-send-queue``
+  replies held for a client that stopped reading), whose requests were dropped for it; each
+  of those requests counts as an abort too.
 - Per request when it ends (vLLM's families): its prompt tokens, its output tokens and its
   ``max_tokens`` (the value it ran with: a ``fill_context`` request's room), as histograms
   over token counts; with a final sent, its prefill time (first scheduling to first token),
@@ -78,6 +81,7 @@ TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m 
 PROMPT_TOKENS = "prompt_tokens"
 GENERATION_TOKENS = "generation_tokens"
 REQUEST_SUCCESS = "request_success"
+CLIENTS_NOT_READING = "clients_not_reading"
 TIME_TO_FIRST_TOKEN = "time_to_first_token_seconds"
 TIME_PER_OUTPUT_TOKEN = "time_per_output_token_seconds"
 INTER_TOKEN_LATENCY = "inter_token_latency_seconds"
@@ -152,6 +156,7 @@ class FrontendMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        self.clients_not_reading = 0  # connections dropped because their send queue was full
         self.ttft = Histogram(TIME_TO_FIRST_TOKEN_BUCKETS_S)
         self.tpot = Histogram(TOKEN_GAP_BUCKETS_S)
         self.itl = Histogram(TOKEN_GAP_BUCKETS_S)
@@ -238,6 +243,7 @@ class FrontendMetrics:
                 PROMPT_TOKENS: self.prompt_tokens,
                 GENERATION_TOKENS: self.generation_tokens,
                 REQUEST_SUCCESS: dict(self.finished),
+                CLIENTS_NOT_READING: self.clients_not_reading,
             },
             "histograms": {
                 TIME_TO_FIRST_TOKEN: self.ttft.to_map(),

@@ -40,7 +40,6 @@ Invariants:
 
 from __future__ import annotations
 
-import errno
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -50,9 +49,10 @@ import zmq
 
 from conveyor import profiling
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.logprobs import join
 from conveyor.frontend.metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
-from conveyor.frontend.sending import ClientSender, backend_send
+from conveyor.frontend.sending import IDENTITY_FLAGS, ClientSender, backend_send
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.ipc.messages import FinishReason, RequestOutput, TokenOutputs
@@ -160,7 +160,7 @@ class OutputPath:
             # One new token is ``token`` with ``token_ids`` None; any other number is ``token_ids``.
             if columns:
                 token = new
-                token_ids = finish_reason = None
+                token_ids = finish_reason = logprobs = None
                 countdown -= 1
                 if countdown:
                     timed = False
@@ -174,6 +174,9 @@ class OutputPath:
                 if new.first_token_time is not None:
                     state.first_token_time = new.first_token_time
                 token_ids, finish_reason = new.new_token_ids, new.finish_reason
+                logprobs = new.logprobs if state.logprobs is not None else None
+                if new.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                    state.prompt_logprobs.add(new.prompt_logprobs)
                 timed = bool(token_ids)
                 if len(token_ids) == 1:
                     token, token_ids = token_ids[0], None
@@ -199,6 +202,8 @@ class OutputPath:
                         token_ids = token_ids[:taken]
                     state.token_ids += token_ids
                     together += len(token_ids) - 1
+            if logprobs is not None:  # (as many rows as tokens were taken)
+                state.logprobs.add(logprobs, 1 if token_ids is None else len(token_ids))
             if timed:
                 self._t_detokenize.record(start)
             if stopped or finish_reason is not None:
@@ -214,7 +219,9 @@ class OutputPath:
             state.text.append(text)
             if not state.stream:
                 continue
-            if token_ids is None:  # the common delta: its tail memoized per token
+            if token_ids is None and state.logged:
+                sends.append((state.identity, self._delta_bytes(state, text, [token])))
+            elif token_ids is None:  # the common delta: its tail memoized per token
                 tail = tails.get(token)
                 if tail is None or tail[0] != text:
                     tail = tails[token] = (text, self._pack(text) + DELTA_IDS_KEY + self._pack([token]))
@@ -234,7 +241,7 @@ class OutputPath:
             return
         send = backend_send
         raw = self._sender.raw
-        sndmore = zmq.SNDMORE
+        flags = IDENTITY_FLAGS
         start = profiling.now_ns()
         for identity, payload in sends:
             if identity is None:
@@ -244,11 +251,9 @@ class OutputPath:
                 self.finish(state, reason, delta=text, delta_ids=token_ids, error=error)
                 continue
             try:
-                send(raw, identity, sndmore)  # a gone client fails here, before any frame is queued
+                send(raw, identity, flags)  # a gone or full client fails here, before any frame is queued
             except zmq.ZMQError as exc:
-                if exc.errno != errno.EHOSTUNREACH:
-                    raise
-                self._sender.on_gone(identity)
+                self._sender.failed(identity, exc)
                 continue
             send(raw, payload)
         end = profiling.now_ns()
@@ -313,6 +318,8 @@ class OutputPath:
             code=scheduler_error_code(error) if reason == FinishReason.ERROR else None,
             choices=choices,
         )
+        if state.logged:
+            reply.update(state.logprob_fields(whole=True))
         self._sender.push_map(state.identity, reply)
 
     def _finish_sequence(
@@ -337,9 +344,16 @@ class OutputPath:
             self.finish(parent, parent.sequences[0].finish_reason)
 
     def _delta_bytes(self, state: RequestState, text: str, token_ids: Sequence[int]) -> bytes:
-        """``{type: delta, v, request_id, text, token_ids}``, packed from the request's head."""
+        """``{type: delta, v, request_id, text, token_ids}``, packed from the request's head, and
+        for a request that asked for log-probabilities the ones no delta carried yet."""
         pack = self._pack
-        return state.delta_head + pack(text) + DELTA_IDS_KEY + pack(list(token_ids))
+        packed = state.delta_head + pack(text) + DELTA_IDS_KEY + pack(list(token_ids))
+        if state.logged:
+            fields = state.logprob_fields(whole=False)
+            if fields:  # more entries in the map: its header counts them (a fixmap: 0x80 | n)
+                extra = b"".join(pack(key) + pack(value) for key, value in fields.items())
+                packed = bytes([packed[0] + len(fields)]) + packed[1:] + extra
+        return packed
 
     def _record_request(self, timing: dict[str, float | None], num_tokens: int) -> None:
         """Per-request latencies (ms): queue, time to first token, time per output token, end to end."""
@@ -400,9 +414,13 @@ def merge(batch: list[TokenOutputs]) -> list[RequestOutput]:
                     out.scheduled_time,
                     out.first_token_time,
                     out.num_cached_tokens,
+                    out.logprobs,
+                    out.prompt_logprobs,
                 )
             elif acc.finish_reason is None:
                 acc.new_token_ids.extend(out.new_token_ids)
+                acc.logprobs = join(acc.logprobs, out.logprobs)
+                acc.prompt_logprobs = join(acc.prompt_logprobs, out.prompt_logprobs)
                 acc.finish_reason, acc.error = out.finish_reason, out.error
                 if acc.scheduled_time is None and out.scheduled_time is not None:
                     acc.scheduled_time, acc.num_cached_tokens = out.scheduled_time, out.num_cached_tokens

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.logprobs import LogprobsLog
+from conveyor.ipc.messages import SamplingParams
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.protocol.replies import delta_head
 
@@ -58,11 +60,43 @@ ends (an abort, an error of the request or of any of its sequences)."""
     sequences: list[RequestState] = field(default_factory=list)  # an n > 1 request: its sequences
     finish_reason: str | None = None  # a sequence: why it ended (None while it runs)
     ended: bool = False  # an n > 1 request: its final is sent
+    # Where it asked for them (set with its prompt): its output and prompt tokens' log-probabilities.
+    logprobs: LogprobsLog | None = None
+    prompt_logprobs: LogprobsLog | None = None
+    logged: bool = False  # either of them: its deltas and final carry log-probability fields
 
     @property
     def key(self) -> tuple[bytes, str]:
         """The request's name in the frontend's tables and sessions: (client, client's id)."""
         return self.client_key, self.request_id
+
+    def set_logprobs(self, sampling: SamplingParams, tokenizer) -> None:
+        """The logs of the log-probabilities the request asked for (its prompt_ids set)."""
+        if sampling.logprobs is not None:
+            self.logprobs = LogprobsLog(sampling.logprobs, len(self.prompt_ids), tokenizer)
+        if sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = LogprobsLog(sampling.prompt_logprobs, 1, tokenizer)
+        self.logged = self.logprobs is not None or self.prompt_logprobs is not None
+
+    def logprob_fields(self, whole: bool) -> dict:
+        """The log-probability fields of its next delta (what is new) or its final (``whole``)."""
+        fields = {}
+        if self.prompt_logprobs is not None:
+            prompt = self.prompt_ids[self.prompt_logprobs.start :]
+            if whole:
+                fields["prompt_logprobs"] = self.prompt_logprobs.columns(prompt)
+            else:
+                new = self.prompt_logprobs.take_new(prompt)
+                if new is not None:
+                    fields["prompt_logprobs"] = new
+        if self.logprobs is not None:
+            if whole:
+                fields["logprobs"] = self.logprobs.columns(self.token_ids)
+            else:
+                new = self.logprobs.take_new(self.token_ids)
+                if new is not None:
+                    fields["logprobs"] = new
+        return fields
 
     def __post_init__(self) -> None:
         if not self.scheduler_id:

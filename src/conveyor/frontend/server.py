@@ -7,7 +7,10 @@ disconnect before any message that arrived after it keeps the requests' connecti
 (:attr:`RequestState.fd`: a disconnect drops the requests its connection sent) honest when
 the kernel reuses a file descriptor: ZeroMQ queues the disconnect event
 before it closes the fd, so before any message of a later connection on that fd, and
-pending disconnect events are also handled before each client message of a drain.
+pending disconnect events are also handled before each client message of a drain. A
+connection whose routing id a newer connection took over (ROUTER_HANDOVER) is gone for the
+frontend too, from the new connection's first message on (libzmq reports no event for it):
+its requests are dropped on the same path (:meth:`Frontend._note_connection`).
 
 Clients: a request id names a request only within its client. A client is named by
 :func:`client_key`: the authenticated CurveZMQ key when authentication is on, else the
@@ -130,6 +133,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from conveyor import profiling
+from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
 from conveyor.frontend.metrics import FrontendMetrics
@@ -211,11 +215,15 @@ class Frontend:
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.constraints = ConstraintCompiler(config.model_dir)
         # Two views of the requests in flight (module docstring, "Request ids"): by the client's
         # id, every one from its generate on (a pending one too); by its id at the scheduler,
         # those admitted (sent to the scheduler), which is where scheduler outputs look.
         self.in_flight: dict[tuple[bytes, str], RequestState] = {}  # by RequestState.key
         self.requests: dict[str, RequestState] = {}
+        # fd -> routing id of each open connection that has sent a message: which connection
+        # holds a routing id now (_note_connection), so a takeover drops the old one's requests.
+        self._connections: dict[int, bytes] = {}
         self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
         # query id -> (client, iterations asked for, the replicas' answers)
         self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
@@ -240,7 +248,12 @@ class Frontend:
         self.monitor.connect(monitor_addr)  # (inproc: before the bind is fine)
         # Limits, heartbeats, handover and --auth-keys: transport.bind_client_socket says which.
         self.clients, self._authenticator = transport.bind_client_socket(
-            self.ctx, addrs.client, auth_keys=config.auth_keys, monitor=monitor_addr, monitor_events=zmq.EVENT_DISCONNECTED
+            self.ctx,
+            addrs.client,
+            auth_keys=config.auth_keys,
+            send_queue=config.client_send_queue,
+            monitor=monitor_addr,
+            monitor_events=zmq.EVENT_DISCONNECTED,
         )
         # One scheduler link per data-parallel replica (conveyor.frontend.replicas).
         self.links = [SchedulerLink(self.ctx, addrs.replica(i)) for i in range(config.data_parallel_size)]
@@ -250,7 +263,7 @@ class Frontend:
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
         self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
         self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
-        self.sender = ClientSender(self.clients, self._client_gone, prof)
+        self.sender = ClientSender(self.clients, self._client_gone, self._client_not_reading, prof)
         self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
         self.output = OutputPath(
             self.requests,
@@ -310,6 +323,7 @@ class Frontend:
                 return
 
     def close(self) -> None:
+        self.constraints.close()
         for pool in (self._pool, self._large_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -326,13 +340,40 @@ class Frontend:
 
     async def _on_monitor_event(self, frames) -> None:
         event = parse_monitor_message([f.bytes for f in frames])
-        if event["event"] != zmq.EVENT_DISCONNECTED:
-            return
-        # The requests this connection sent: not every request under its routing id, which a
-        # newer connection may have taken over (ROUTER_HANDOVER) and sent requests under.
-        victims = [s for s in self.in_flight.values() if s.fd == event["value"]]
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._connection_gone(event["value"], "disconnected")
+
+    def _note_connection(self, identity: bytes, fd: int) -> None:
+        """Record that the connection on ``fd`` holds routing id ``identity``; if it is the first
+        message of a connection that took ``identity`` over from another (ROUTER_HANDOVER), that
+        other connection is gone for every purpose of ours.
+
+        libzmq reports nothing on a takeover: the old connection's pipe is terminated, but its
+        TCP/ipc connection stays open, answers heartbeats and gets no DISCONNECTED event until
+        its client closes it (or sends a message, which libzmq then never reads, so the
+        heartbeat drops it ~10 s later). Nothing it sent before can be answered any more: every
+        reply under ``identity`` goes to the new connection. The one sign the frontend gets is a
+        message under ``identity`` from a new fd, which can only come once the new connection
+        holds the routing id; its requests are then aborted like a disconnect's, before this
+        message is handled (so a ``generate`` under an id the old connection had in flight is
+        the new connection's own request, not a duplicate). A disconnect of ``fd`` is always
+        handled before a later connection's first message on the same fd
+        (:meth:`_on_client_frames`), so ``fd`` is never mistaken for the connection before it."""
+        if self._connections.get(fd) == identity:
+            return  # the common case: one dict lookup per message
+        for old_fd in [f for f, held in self._connections.items() if held == identity]:
+            self._connection_gone(old_fd, "taken over by a new connection under its routing id")
+        self._connections[fd] = identity
+
+    def _connection_gone(self, fd: int, why: str) -> None:
+        """The connection on ``fd`` can receive nothing more (it disconnected, a newer
+        connection took its routing id over, or it stopped reading its replies): drop the
+        requests it sent, and only those; a newer connection under the same routing id may have
+        requests in flight of its own."""
+        self._connections.pop(fd, None)
+        victims = [s for s in self.in_flight.values() if s.fd == fd]
         if victims:
-            log.info("client disconnected; aborting %d request(s)", len(victims))
+            log.info("client connection %s; aborting %d request(s)", why, len(victims))
             self._drop(victims)
 
     async def _on_client_frames(self, frames) -> None:
@@ -344,6 +385,7 @@ class Frontend:
         identity = frames[0].bytes
         payload = frames[-1]
         fd = payload.get(zmq.SRCFD)
+        self._note_connection(identity, fd)
         self._c_client.add()
         key = client_key(identity, payload)
         size = sum(len(f) for f in frames[1:])
@@ -380,6 +422,9 @@ class Frontend:
                 req.request_id,
                 cp.DUPLICATE_REQUEST_ID,
             )
+        logprobs_problem = cp.logprobs_problem(req.sampling, self.config.max_logprobs)
+        if logprobs_problem is not None:
+            raise cp.ProtocolError(logprobs_problem, req.request_id)
         history = self.sessions.context((key, req.request_id))
         chars = input_chars(req)
         check_input_chars(
@@ -397,7 +442,7 @@ class Frontend:
             client_key=key,
             fd=fd,
         )
-        if self._pool is None or chars < self.config.tokenize_inline_chars:
+        if req.constraint is None and (self._pool is None or chars < self.config.tokenize_inline_chars):
             prompt_ids, start, end = self._prepare_prompt(req, history, False)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
             self.in_flight[state.key] = state
@@ -414,13 +459,21 @@ class Frontend:
     async def _tokenize_in_pool(
         self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None, large: bool
     ) -> None:
-        """Tokenize ``req`` on a pool thread (``large``: the large-input pool's), then admit it
-        unless it was finalized meanwhile."""
+        """Compile ``req``'s constraint, if it has one, off the loop
+        (:mod:`conveyor.frontend.constraints`); tokenize it on a pool thread (``large``: the
+        large-input pool's; on the loop without a pool); then admit it unless it was finalized
+        meanwhile."""
         loop = asyncio.get_running_loop()
         pool = self._large_pool if large else self._pool
         error = None
         try:
-            prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
+            # A constrained request compiles first (the compiler's pool, bounded by its timeout):
+            # a bad constraint is refused before its tokens are ever sent.
+            await self.constraints.compile_async(req)
+            if pool is None:
+                prompt_ids, start, end = self._prepare_prompt(req, history, False)
+            else:
+                prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
         except cp.ProtocolError as exc:
             error = exc
@@ -470,6 +523,7 @@ class Frontend:
         state.max_tokens = req.sampling.max_tokens
         state.history_len = len(history) if history is not None else 0
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
+        state.set_logprobs(req.sampling, self.tokenizer)
         state.pending = False
         self.requests[state.scheduler_id] = state  # (n > 1: where a refusal of the whole request finds it)
         for i in range(req.sampling.n if req.sampling.n > 1 else 0):
@@ -491,7 +545,7 @@ class Frontend:
             state.sequences.append(seq)
             self.requests[seq.scheduler_id] = seq
         self.metrics.add_prompt(state.prompt_len)
-        add = AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority)
+        add = AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority, lora=req.lora)
         replica = self.replicas.submit(add, state.key, continuing=history is not None)
         log.debug("request %r is %s at replica %s", state.request_id, state.scheduler_id, replica and replica.index)
 
@@ -685,6 +739,26 @@ class Frontend:
     def _trim(self) -> None:
         self._trim_handle = None
         release_freed_memory()
+
+    def _client_not_reading(self, identity: bytes) -> None:
+        """A send to ``identity`` found its connection's send queue full (``--client-send-queue``
+        replies waiting, and the socket buffers behind them): the client has stopped reading,
+        and every reply it is sent from now on would be held here for as long as its requests
+        run. Its connection is treated as gone (:meth:`_connection_gone`: its requests are
+        aborted and their KV blocks freed; no final, which could not be queued either) and
+        counted. The connection that holds ``identity`` is the one whose queue is full (one
+        connection per routing id, :meth:`_note_connection`); none holds it when this
+        connection was dropped already, by an earlier send of the same pass: nothing to do."""
+        fd = next((f for f, held in self._connections.items() if held == identity), None)
+        if fd is None:
+            return
+        self.metrics.clients_not_reading += 1
+        log.warning(
+            "client connection %s is not reading its replies (send queue of %d full); dropping its requests",
+            identity.hex(),
+            self.config.client_send_queue,
+        )
+        self._connection_gone(fd, "not reading its replies")
 
     def _client_gone(self, identity: bytes) -> None:
         """A send found the client gone: abort its in-flight requests."""

@@ -53,9 +53,11 @@ SCRAPE_TIMEOUT_S = 5.0
 
 LINK = web.AppKey("link", FrontendLink)
 MODEL = web.AppKey("model", str)
+LORAS = web.AppKey("loras", tuple)  # the LoRA adapters' names: models a request may name beside MODEL
 MAX_MODEL_LEN = web.AppKey("max_model_len", int)
 CREATED = web.AppKey("created", int)
 TOKENS = web.AppKey("tokens", Tokens)
+TOOL_PARSER = web.AppKey("tool_parser", object)  # --tool-call-parser: a format of conveyor.structured.tool_calls, or None
 ACCESS = web.AppKey("access", object)
 # Routes open without a key unless --api-key-everywhere.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
@@ -152,8 +154,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResponse:
     app = request.app
-    job = parse_request(kind, body, app[MODEL])
-    return await respond(request, app[LINK], job, app[MODEL], app[TOKENS])
+    job = parse_request(kind, body, app[MODEL], app[LORAS])
+    return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER])
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -164,13 +166,21 @@ def _card(app: web.Application) -> dict[str, Any]:
     return {"id": app[MODEL], "object": "model", "created": app[CREATED], "owned_by": "conveyor", "max_model_len": app[MAX_MODEL_LEN]}
 
 
+def _lora_card(app: web.Application, name: str) -> dict[str, Any]:
+    """A LoRA adapter's card: vLLM's, whose ``parent`` is the base model."""
+    return {**_card(app), "id": name, "root": name, "parent": app[MODEL]}
+
+
 async def models(request: web.Request) -> web.Response:
-    return _json({"object": "list", "data": [_card(request.app)]})
+    app = request.app
+    return _json({"object": "list", "data": [_card(app), *(_lora_card(app, name) for name in app[LORAS])]})
 
 
 async def model_card(request: web.Request) -> web.Response:
-    """``GET /v1/models/{id}``: the served model's card, or a 404 error object."""
+    """``GET /v1/models/{id}``: the served model's or an adapter's card, or a 404 error object."""
     name = request.match_info["model"]
+    if name in request.app[LORAS]:
+        return _json(_lora_card(request.app, name))
     if name != request.app[MODEL]:
         raise ApiError(404, f"the model '{name}' does not exist; this server serves '{request.app[MODEL]}'", param="model", code="model_not_found")
     return _json(_card(request.app))
@@ -257,11 +267,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _app(
-    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None, access: Access | None
+    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None, access: Access | None,
+    loras: Sequence[str] = (),
 ) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
     app[LINK] = link
     app[MODEL] = model
+    app[LORAS] = tuple(loras)
     app[MAX_MODEL_LEN] = max_model_len
     app[CREATED] = created
     app[TOKENS] = tokens or Tokens(None)
@@ -270,9 +282,12 @@ def _app(
 
 
 def api_app(
-    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None
+    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None,
+    loras: Sequence[str] = (),
+    tool_call_parser: str | None = None,
 ) -> web.Application:
-    app = _app(link, model, max_model_len, created, tokens, access)
+    app = _app(link, model, max_model_len, created, tokens, access, loras)
+    app[TOOL_PARSER] = tool_call_parser
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -287,9 +302,10 @@ def api_app(
 
 
 def metrics_app(
-    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None
+    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None,
+    loras: Sequence[str] = (),
 ) -> web.Application:
-    app = _app(link, model, max_model_len, created, tokens, access)
+    app = _app(link, model, max_model_len, created, tokens, access, loras)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

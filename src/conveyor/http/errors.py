@@ -29,7 +29,15 @@ _TYPE_OF_STATUS = {400: INVALID_REQUEST, 404: NOT_FOUND, 405: INVALID_REQUEST, 4
 _OPENAI_NAME = {"token_ids": "prompt"}
 _QUOTED_FIELD = re.compile(r"'([a-z_]+)'")
 # Refusals by the context rules (protocol.messages.context_problem) name no field in quotes.
-_LEADING_FIELD = (("max_tokens", "max_tokens"), ("stop token id", "stop_token_ids"), ("token id", "prompt"), ("prompt", "prompt"), ("messages", "messages"))
+_LEADING_FIELD = (
+    ("max_tokens", "max_tokens"),
+    ("min_tokens", "min_tokens"),
+    ("stop token id", "stop_token_ids"),
+    ("logit_bias token id", "logit_bias"),
+    ("token id", "prompt"),
+    ("prompt", "prompt"),
+    ("messages", "messages"),
+)
 
 
 class ApiError(Exception):

@@ -10,7 +10,10 @@ followed by ``[DONE]``.
 
 Fields beyond the text (:class:`GenerationJob`): ``echo`` starts each choice's text with its
 prompt (the string sent, or a token-id prompt decoded), ``return_token_ids`` adds the token
-ids, ``continuous_usage_stats`` the usage so far to every chunk; the prompt's ids these need
+ids, ``continuous_usage_stats`` the usage so far to every chunk, ``logprobs`` the
+log-probabilities in OpenAI's shapes (:mod:`conveyor.http.logprobs`; with ``echo``, the
+prompt's first, and each streamed chunk's for its own tokens) and ``prompt_logprobs``
+vLLM's per-prompt-token list; the prompt's ids these need
 come from the HTTP process's tokenizer (:mod:`conveyor.http.tokens`), asked only when a
 request needs them. The body's ignored fields are named in the ``x-conveyor-ignored-fields``
 header and a log line.
@@ -29,7 +32,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -37,11 +40,14 @@ from aiohttp import web
 
 from conveyor.client import CompletionResult, Delta
 from conveyor.http.errors import ApiError, from_final_error
+from conveyor.http.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from conveyor.http.link import FrontendLink, api_error
 from conveyor.http.openai_requests import CHAT, COMPLETION, GenerationJob
 from conveyor.http.openai_responses import DONE, ChunkEncoder, completion_body, json_encode, response_id, usage_so_far
 from conveyor.http.tokens import Tokens
 from conveyor.ipc.messages import FinishReason
+from conveyor.structured.tool_calls import ToolCallParser, parse_tool_calls
+from conveyor.structured.tool_choice import constrained_tool_calls
 
 log = logging.getLogger("conveyor.http")
 
@@ -53,23 +59,52 @@ class _Prompts:
     """What a job needs of its prompts: their ids (``return_token_ids``, continuous usage)
     and the texts ``echo`` puts in front (None where not asked)."""
 
-    def __init__(self, ids: list[list[int]] | None, echoes: list[str] | None) -> None:
+    def __init__(self, ids: list[list[int]] | None, echoes: list[str] | None, first_tokens: list[str] | None = None) -> None:
         self.ids = ids
         self.echoes = echoes
+        self.first_tokens = first_tokens  # echo with logprobs: each prompt's first token's text (it has no value)
 
 
 async def _prompts(job: GenerationJob, tokens: Tokens) -> _Prompts:
     ids = None
-    if job.return_token_ids or job.continuous_usage:
+    echo_logprobs = job.echo and job.kind == COMPLETION and job.logprobs is not None
+    if job.return_token_ids or job.continuous_usage or job.prompt_logprobs or echo_logprobs:
         ids = [await tokens.prompt_ids(inp, job.options) for inp in job.inputs]
     echoes = None
     if job.echo and job.kind == COMPLETION:
         echoes = [inp["prompt"] if "prompt" in inp else await tokens.decode(inp["token_ids"]) for inp in job.inputs]
-    return _Prompts(ids, echoes)
+    first_tokens = None
+    if echo_logprobs:
+        tokenizer = await tokens.tokenizer()
+        first_tokens = [tokenizer.decode_one(p[0], False) for p in ids]  # type: ignore[union-attr]
+    return _Prompts(ids, echoes, first_tokens)
 
 
-async def respond(request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tokens: Tokens) -> web.StreamResponse:
-    """The HTTP answer to ``job``; :class:`ApiError` for a failure known before it starts."""
+def _logprob_fields(
+    job: GenerationJob, prompts: _Prompts, index: int, rows: dict | None, prompt_rows: dict | None, offset: int, first: bool
+) -> dict[str, Any]:
+    """The log-probability fields of choice ``index`` for output ``rows`` and ``prompt_rows``
+    (a whole answer's, or one chunk's: ``first`` for its first, which carries the echoed
+    prompt's); ``offset``: the text offset of the first token listed."""
+    fields: dict[str, Any] = {}
+    if job.logprobs is not None:
+        if job.kind == CHAT:
+            fields["logprobs"] = chat_logprobs(rows) if rows else None
+        elif first and prompts.first_tokens is not None:
+            fields["logprobs"] = completion_logprobs(rows, offset, prompt_rows or {}, prompts.first_tokens[index])
+        elif rows:
+            fields["logprobs"] = completion_logprobs(rows, offset)
+    if job.prompt_logprobs and prompt_rows:
+        fields["prompt_logprobs"] = prompt_logprobs(prompt_rows, prompts.ids[index])  # type: ignore[index]
+    return fields
+
+
+async def respond(
+    request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tokens: Tokens, tool_parser: str | None = None
+) -> web.StreamResponse:
+    """The HTTP answer to ``job``; :class:`ApiError` for a failure known before it starts.
+    ``tool_parser``: the server's ``--tool-call-parser`` (None: a chat's tools are rendered,
+    its output is not parsed for calls unless ``tool_choice`` forced them)."""
     await link.require_started()
     rid = response_id(job.kind, uuid.uuid4().hex)
     created = int(time.time())
@@ -80,11 +115,73 @@ async def respond(request: web.Request, link: FrontendLink, job: GenerationJob, 
     prompts = await _prompts(job, tokens)
     if job.stream:
         enc = ChunkEncoder(job.kind, rid, created, model, job.include_usage)
-        return await _stream(request, link, job, enc, prompts, headers)
+        return await _stream(request, link, job, enc, prompts, headers, _tool_reader(job, tool_parser))
     results = await _generate_all(link, job)
     prompt_ids = prompts.ids if job.return_token_ids else None
-    body = json_encode(completion_body(job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids))
-    return web.Response(body=body, content_type="application/json", headers=headers)
+    extras = None
+    if job.logprobs is not None or job.prompt_logprobs:
+        extras = [_logprob_fields(job, prompts, i, r.logprobs, r.prompt_logprobs, 0, True) for i, r in enumerate(results)]
+    body = completion_body(job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids, extras=extras)
+    reader = _tool_reader(job, tool_parser)
+    if reader is not None:
+        for choice, result in zip(body["choices"], results):
+            content, calls = reader.whole(result.text)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content or None,
+                                     "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
+                choice["finish_reason"] = _tool_finish(result.finish_reason)
+    return web.Response(body=json_encode(body), content_type="application/json", headers=headers)
+
+
+def _tool_finish(reason: str) -> str:
+    """OpenAI's ``tool_calls`` where the output ended by itself with calls; else as it ended."""
+    return "tool_calls" if reason == FinishReason.STOP else reason
+
+
+class _ToolReader:
+    """How a chat job's output is read for tool calls: the constrained JSON of a forcing
+    ``tool_choice`` (read whole at the end), or the server's parser format (streamed: content
+    released as soon as it cannot start a call, each call as one delta)."""
+
+    def __init__(self, forced: Any, format: str | None) -> None:
+        self.forced, self.format = forced, format
+
+    def whole(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self.forced is not None:
+            try:
+                return "", constrained_tool_calls(text, self.forced)
+            except (ValueError, KeyError, TypeError):  # cut short (length): not a whole call
+                return text, []
+        parsed = parse_tool_calls(text, self.format)  # type: ignore[arg-type]
+        return parsed.content, parsed.tool_calls
+
+    def stream(self) -> Callable[[str | None], tuple[str, list[dict[str, Any]]]]:
+        """A feeder: ``feed(text)`` per delta, ``feed(None)`` at the end."""
+        if self.forced is not None:
+            held: list[str] = []
+
+            def feed_forced(text: str | None) -> tuple[str, list[dict[str, Any]]]:
+                if text is not None:
+                    held.append(text)
+                    return "", []
+                return self.whole("".join(held))
+
+            return feed_forced
+        parser = ToolCallParser(self.format)  # type: ignore[arg-type]
+
+        def feed(text: str | None) -> tuple[str, list[dict[str, Any]]]:
+            delta = parser.finish() if text is None else parser.feed(text)
+            return delta.content, delta.tool_calls
+
+        return feed
+
+
+def _tool_reader(job: GenerationJob, tool_parser: str | None) -> _ToolReader | None:
+    if job.kind != CHAT or not job.tools:
+        return None
+    if job.forced_tool_choice is not None:
+        return _ToolReader(job.forced_tool_choice, None)
+    return _ToolReader(None, tool_parser) if tool_parser else None
 
 
 def _checked(result: CompletionResult) -> CompletionResult:
@@ -144,7 +241,8 @@ async def _replies(link: FrontendLink, job: GenerationJob) -> AsyncIterator[tupl
 
 
 async def _stream(
-    request: web.Request, link: FrontendLink, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, headers: dict[str, str]
+    request: web.Request, link: FrontendLink, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts,
+    headers: dict[str, str], tools: _ToolReader | None = None,
 ) -> web.StreamResponse:
     n = len(job.inputs)
     finals: list[CompletionResult | None] = [None] * n
@@ -169,7 +267,7 @@ async def _stream(
         if job.kind == CHAT:
             for index in range(n * job.n):
                 out += enc.role(index)
-        encode = _Encoder(job, enc, prompts, finals, out)
+        encode = _Encoder(job, enc, prompts, finals, out, tools)
         left = n
         try:
             for index, delta in first:
@@ -204,19 +302,28 @@ class _Encoder:
     its choices (its ``finish_reason``), and continuous usage counts the input's tokens."""
 
     def __init__(
-        self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, finals: list[CompletionResult | None], out: bytearray
+        self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, finals: list[CompletionResult | None], out: bytearray,
+        tools: _ToolReader | None = None,
     ) -> None:
         self.enc, self.finals, self.out = enc, finals, out
+        self.tools = [tools.stream() for _ in finals] if tools is not None else None
+        self.called = [False] * len(finals)
         self.prompts = prompts
         self.token_ids = job.return_token_ids
         self.continuous = job.continuous_usage
-        self.plain = not (self.token_ids or self.continuous or prompts.echoes is not None)
+        self.job = job
+        self.logged = job.logprobs is not None or job.prompt_logprobs
+        self.plain = not (self.token_ids or self.continuous or prompts.echoes is not None or self.logged)
         self.n = job.n
         self.started = [False] * (len(finals) * job.n)  # by choice
         self.generated = [0] * len(finals)  # by input
+        # Text offset of the next token of each choice (completions' logprobs; n is 1 with them).
+        self.offsets = [0] * len(finals)
 
     def __call__(self, index: int, delta: Delta) -> int:
         """1 when ``delta`` was input ``index``'s final (ApiError if that final is an error)."""
+        if self.tools is not None:
+            return self._tool_delta(index, delta)
         choice = index * self.n + delta.index
         if self.plain:
             if delta.text:
@@ -230,10 +337,33 @@ class _Encoder:
             self.out += self.enc.finish(index * self.n + seq.index, seq.finish_reason, None, self._usage(index))
         return 1
 
+    def _tool_delta(self, index: int, delta: Delta) -> int:
+        """A chat with tools (plain otherwise; n is 1 with tools): content as the reader
+        releases it, each call as one ``tool_calls`` delta, ``finish_reason`` ``tool_calls``
+        when there were calls."""
+        feed = self.tools[index]  # type: ignore[index]
+        pieces = [feed(delta.text)] if delta.text else []
+        if delta.result is not None:
+            result = _checked(delta.result)
+            pieces.append(feed(None))
+        for content, calls in pieces:
+            if content:
+                self.out += self.enc.text(index, content)
+            if calls:
+                self.called[index] = True
+                self.out += self.enc.chunk(index, None, None, {"delta": {"tool_calls": calls}})
+        if delta.result is None:
+            return 0
+        self.finals[index] = result
+        reason = _tool_finish(result.finish_reason) if self.called[index] else result.finish_reason
+        self.out += self.enc.finish(index, reason)
+        return 1
+
     def _detailed(self, index: int, choice: int, delta: Delta) -> bytes:
         text = delta.text
         extra: dict[str, Any] = {}
-        if not self.started[choice]:
+        first = not self.started[choice]
+        if first:
             self.started[choice] = True
             if self.prompts.echoes is not None:
                 text = self.prompts.echoes[index] + text
@@ -241,6 +371,13 @@ class _Encoder:
                 extra["prompt_token_ids"] = self.prompts.ids[index]  # type: ignore[index]
         if self.token_ids:
             extra["token_ids"] = list(delta.token_ids)
+        if self.logged:
+            fields = _logprob_fields(
+                self.job, self.prompts, index, delta.logprobs, delta.prompt_logprobs, self.offsets[index], first
+            )
+            if fields.get("logprobs") and self.enc.kind == COMPLETION:
+                self.offsets[index] += sum(len(t) for t in fields["logprobs"]["tokens"])
+            extra.update(fields)
         self.generated[index] += len(delta.token_ids)
         return self.enc.chunk(choice, text, None, extra, self._usage(index))
 

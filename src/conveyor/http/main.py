@@ -18,6 +18,7 @@ frontend has failed them already, so their error reaches the client), then cance
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import socket
 import ssl
@@ -92,14 +93,17 @@ class HttpServer:
         access = Access.of(self.config.api_keys, self.config.api_key_everywhere)
         apps = []
         if self.api_socket is not None:
-            apps.append((api_app, self.api_socket))
+            apps.append((functools.partial(api_app, tool_call_parser=self.config.tool_call_parser), self.api_socket))
         if self.metrics_socket is not None:
             apps.append((metrics_app, self.metrics_socket))
         runners = []
         try:
             for make, sock in apps:
                 runner = web.AppRunner(
-                    make(link, self.config.served_model_name, self.config.max_model_len, created, tokens, access),
+                    make(
+                        link, self.config.served_model_name, self.config.max_model_len, created, tokens, access,
+                        loras=self.config.lora_names,
+                    ),
                     handler_cancellation=True,  # a client that goes away cancels its handler, and so its request
                     shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                     access_log=None,

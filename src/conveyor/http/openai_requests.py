@@ -9,21 +9,30 @@ schemas is taken (docs/http.md lists them):
   names the field (mapped to a 400 by :mod:`conveyor.http.errors`), so the rules live in
   one place.
 - ``http``: handled here (``model``, the input, ``stream``/``stream_options``,
-  ``max_tokens``, ``echo``, ``return_token_ids``).
+  ``max_tokens``, ``echo``, ``return_token_ids``, ``logprobs`` / ``top_logprobs``, which
+  become the protocol's ``logprobs`` k: completions' ``logprobs`` is k, chat's is a flag
+  with ``top_logprobs`` its k; with ``echo``, completions also ask ``prompt_logprobs`` k).
 - ``ignored``: no effect on the output here (``user``, ``metadata``, vLLM's ``cache_salt``,
   ``spaces_between_special_tokens`` (the Rust tokenizers join special tokens as they are)
   ...): accepted, and listed in the response header ``x-conveyor-ignored-fields`` and a log
   line, as vLLM does.
 - ``inert``: not implemented, and ignoring it would change the output: accepted only with a
   value that asks for nothing (null, or the listed ones), else a 400 naming it. Those marked
-  ``later`` (log-probabilities, ``best_of``, penalties, ``logit_bias``,
-  ``min_tokens``) become ``forward`` fields once the worker computes them.
+  ``later`` (log-probabilities, ``n``/``best_of``, ``bad_words``) become ``forward``
+  fields once the worker computes them.
 
 A field in neither schema is a 400 naming it (a typo never falls back to a default).
 
+Structured output (``http`` fields): ``response_format`` and vLLM's ``guided_*`` /
+``structured_outputs`` become the protocol's ``constraint`` (:func:`_constraint`); ``tools``
+and ``tool_choice`` are passed on as they came (the frontend renders the tools and turns a
+forcing ``tool_choice`` into a constraint); the answer's tool calls are read in
+:mod:`conveyor.http.generation`.
+
 Invariant: what this module forwards is made of strings, integers, booleans and the scalars
-the client sent for protocol fields, never arbitrary JSON (``chat_template_kwargs``, the
-one map, is bounded by its packed size, :data:`MAX_TEMPLATE_KWARGS_BYTES`), so the packed
+the client sent for protocol fields, and of JSON values the body holds once (a schema, the
+tools: each forwarded once, never copied), never arbitrary JSON made here (``chat_template_kwargs`` is
+bounded by its packed size, :data:`MAX_TEMPLATE_KWARGS_BYTES`), so the packed
 client message is at most that plus a few hundred bytes larger than the body it came from
 (see :mod:`conveyor.http.app`, which bounds the body below the protocol's message limit by
 that much).
@@ -31,13 +40,15 @@ that much).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from conveyor.http.errors import ApiError, bad_field
-from conveyor.protocol.messages import MAX_TEMPLATE_KWARGS_BYTES
+from conveyor.protocol.messages import MAX_LOGIT_BIAS, MAX_TEMPLATE_KWARGS_BYTES
 
 COMPLETION = "completion"
 CHAT = "chat"
@@ -81,12 +92,12 @@ FIELDS: dict[str, Field] = {
     "stop": Field(FORWARD),
     "n": Field(FORWARD),  # each input's n sequences are choices input * n .. input * n + n - 1
     "best_of": _inert(1, later=True),
-    "logprobs": Field(INERT, _BOTH, {COMPLETION: (), CHAT: (False,)}, later=True),
-    "top_logprobs": _inert(0, later=True),
-    "presence_penalty": _inert(0, 0.0, later=True),
-    "frequency_penalty": _inert(0, 0.0, later=True),
-    "logit_bias": _inert({}, later=True),
-    "response_format": _inert({"type": "text"}),
+    "logprobs": Field(HTTP),
+    "top_logprobs": Field(HTTP),
+    "presence_penalty": Field(FORWARD),
+    "frequency_penalty": Field(FORWARD),
+    "logit_bias": Field(FORWARD),
+    "response_format": Field(HTTP),  # -> constraint (_constraint)
     "user": Field(IGNORED),
     "metadata": Field(IGNORED),
     "store": Field(IGNORED),
@@ -98,8 +109,8 @@ FIELDS: dict[str, Field] = {
     "echo": Field(HTTP),  # chat: only false (vLLM's echo of the last message is not done)
     "suffix": _inert("", endpoints=_C),
     "messages": Field(HTTP, _CH),
-    "tools": _inert([], endpoints=_CH),
-    "tool_choice": _inert("none", "auto", endpoints=_CH),
+    "tools": Field(HTTP, _CH),  # forwarded to the chat template; parsed out by --tool-call-parser
+    "tool_choice": Field(HTTP, _CH),  # "required" / a named function: a JSON-schema constraint
     "functions": _inert([], endpoints=_CH),
     "function_call": _inert("none", "auto", endpoints=_CH),
     "parallel_tool_calls": Field(IGNORED, _CH),
@@ -125,21 +136,21 @@ FIELDS: dict[str, Field] = {
     "kv_transfer_params": Field(IGNORED),
     "vllm_xargs": Field(IGNORED),
     "return_tokens_as_token_ids": Field(IGNORED),  # shapes log-probabilities only
-    "guided_decoding_backend": Field(IGNORED),  # no guided_* field is taken
+    "guided_decoding_backend": Field(IGNORED),  # one engine (llguidance) compiles every constraint
     "guided_whitespace_pattern": Field(IGNORED),
     "use_beam_search": _inert(False, later=True),
     "length_penalty": _inert(1, 1.0),  # beam search only
-    "repetition_penalty": _inert(1, 1.0, later=True),
-    "min_tokens": _inert(0, later=True),
+    "repetition_penalty": Field(FORWARD),
+    "min_tokens": Field(FORWARD),
     "bad_words": _inert([], later=True),
     "allowed_token_ids": _inert(),
-    "prompt_logprobs": _inert(later=True),
+    "prompt_logprobs": Field(FORWARD),
     "logits_processors": _inert(),
-    "guided_json": _inert(),
-    "guided_regex": _inert(),
-    "guided_choice": _inert(),
-    "guided_grammar": _inert(),
-    "structured_outputs": _inert(),
+    "guided_json": Field(HTTP),  # these five: at most one, -> constraint (_constraint)
+    "guided_regex": Field(HTTP),
+    "guided_choice": Field(HTTP),
+    "guided_grammar": Field(HTTP),
+    "structured_outputs": Field(HTTP),
     "add_special_tokens": Field(INERT, _BOTH, {COMPLETION: (True,), CHAT: (False,)}),
     # vLLM's extras, one endpoint
     "prompt_embeds": _inert(endpoints=_C),
@@ -162,7 +173,9 @@ class GenerationJob:
     ``options`` (protocol option fields, no None values). ``ignored``: the body's ``ignored``
     fields (header and log line); ``echo``: the prompt starts each choice's text;
     ``return_token_ids``: the choices carry their token ids and the prompt's;
-    ``continuous_usage``: every streamed chunk carries the usage so far."""
+    ``continuous_usage``: every streamed chunk carries the usage so far; ``logprobs``: the
+    top-k asked for the output tokens (None: no logprobs object), also in ``options``;
+    ``prompt_logprobs``: vLLM's per-prompt-token list is asked for."""
 
     kind: str  # COMPLETION or CHAT
     inputs: list[dict[str, Any]]
@@ -173,6 +186,12 @@ class GenerationJob:
     echo: bool = False
     return_token_ids: bool = False
     continuous_usage: bool = False
+    # Chat with tools: the tool_choice that forces calls (its output is then the constrained
+    # JSON, read back whole), or None; whether the output is parsed for calls at all.
+    forced_tool_choice: Any = None
+    tools: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     @property
     def n(self) -> int:
@@ -181,15 +200,17 @@ class GenerationJob:
         return n if isinstance(n, int) and not isinstance(n, bool) else 1
 
 
-def parse_request(kind: str, body: Any, served_model: str) -> GenerationJob:
+def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] = ()) -> GenerationJob:
     """The job for a decoded body of ``/v1/completions`` (``kind`` COMPLETION) or
-    ``/v1/chat/completions`` (CHAT); :class:`ApiError` (400, 404) naming the field otherwise."""
+    ``/v1/chat/completions`` (CHAT); :class:`ApiError` (400, 404) naming the field otherwise.
+    ``model`` names the served model or one of the LoRA adapters ``loras``: an adapter's
+    name becomes the generate request's ``lora`` option."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_json_type(body)}")
     unknown = sorted(set(body) - _KNOWN[kind])
     if unknown:
         raise bad_field(unknown[0], f"unrecognized request field(s): {', '.join(map(repr, unknown))}")
-    _check_model(body.get("model"), served_model)
+    lora = _check_model(body.get("model"), served_model, loras)
     _check_inert(body, kind)
     stream, include_usage, continuous_usage = _stream_flags(body)
     inputs = _prompts(body.get("prompt")) if kind == COMPLETION else [{"messages": _messages(body.get("messages"))}]
@@ -201,7 +222,24 @@ def parse_request(kind: str, body: Any, served_model: str) -> GenerationJob:
     else:
         if kind == CHAT:
             options["fill_context"] = True  # OpenAI's chat default: up to the model length
+    if lora is not None:
+        options["lora"] = lora
     ignored = tuple(sorted(n for n in body if FIELDS[n].how == IGNORED and body[n] is not None))
+    constraint = _constraint(body)
+    if constraint is not None:
+        options["constraint"] = constraint
+    tools, tool_choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None:
+        options["tools"] = tools
+    if tool_choice is not None:
+        options["tool_choice"] = tool_choice
+    forced = tool_choice if tools and tool_choice not in (None, "auto", "none") else None
+    echo = _echo(body, kind)
+    logprobs = _logprobs(body, kind)
+    if logprobs is not None:
+        options["logprobs"] = logprobs
+        if echo:  # the echoed prompt's tokens come with theirs
+            options["prompt_logprobs"] = max(logprobs, options.get("prompt_logprobs", 0))
     return GenerationJob(
         kind,
         inputs,
@@ -209,10 +247,78 @@ def parse_request(kind: str, body: Any, served_model: str) -> GenerationJob:
         stream,
         include_usage,
         ignored,
-        echo=_echo(body, kind),
+        echo=echo,
         return_token_ids=_flag(body, "return_token_ids"),
         continuous_usage=continuous_usage,
+        forced_tool_choice=forced,
+        tools=bool(tools) and tool_choice != "none",
+        logprobs=logprobs,
+        prompt_logprobs=body.get("prompt_logprobs") is not None,
     )
+
+
+_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+# vLLM's structured_outputs keys -> the protocol's constraint
+_STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
+_VLLM_FIELD = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+
+
+def _constraint(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The client-protocol ``constraint`` (docs/protocol.md) of OpenAI's ``response_format`` or
+    vLLM's ``guided_*`` / ``structured_outputs``, at most one of them: shapes only, the
+    frontend's compile says whether the schema, regex or grammar is valid (a 400 naming it)."""
+    given = [n for n in _CONSTRAINT_FIELDS if body.get(n) is not None and body.get(n) != {"type": "text"}]
+    if len(given) > 1:
+        raise bad_field(given[1], f"give at most one of {', '.join(given)}")
+    if not given:
+        return None
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            return {"type": "json_object"}
+        if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+            spec = value["json_schema"]
+            # OpenAI's strict defaults to false: keywords the engine lacks are then ignored.
+            return {"type": "json_schema", "schema": spec.get("schema", {}), "strict": spec.get("strict") is True}
+        raise bad_field(name, "'response_format' must be {type: text}, {type: json_object} or {type: json_schema, json_schema: {name, schema, strict}}")
+    if name == "guided_json":
+        return {"type": "json_schema", "schema": value, "strict": False}
+    if name == "guided_regex":
+        return {"type": "regex", "pattern": value}
+    if name == "guided_choice":
+        return {"type": "choice", "choices": value}
+    if name == "guided_grammar":
+        return {"type": "grammar", "grammar": value}
+    chosen = [k for k in _STRUCTURED_OUTPUTS if isinstance(value, dict) and value.get(k) not in (None, False)]
+    if len(chosen) != 1:
+        raise bad_field(name, f"'structured_outputs' must set exactly one of {', '.join(_STRUCTURED_OUTPUTS)}")
+    key = chosen[0]
+    if key == "json_object":
+        return {"type": "json_object"}
+    return _constraint({_VLLM_FIELD[key]: value[key]})
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """The protocol's ``logprobs`` k of a body, or None: completions' ``logprobs`` (an
+    integer); chat's ``logprobs`` flag with ``top_logprobs`` (an integer, which needs the
+    flag). The bound (``--max-logprobs``) is the frontend's to check."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == COMPLETION:
+        if top is not None and top != 0:
+            raise bad_field("top_logprobs", f"'top_logprobs' applies to chat completions (only 0 or null here): completions take 'logprobs': k, got {top!r}")
+        if value is not None and (not _is_int(value) or value < 0):
+            raise bad_field("logprobs", f"'logprobs' must be an integer >= 0, got {value!r}")
+        return value
+    if value is not None and not isinstance(value, bool):
+        raise bad_field("logprobs", f"'logprobs' must be a boolean, got {_json_type(value)}")
+    if top is not None:
+        if not _is_int(top) or top < 0:
+            raise bad_field("top_logprobs", f"'top_logprobs' must be an integer >= 0, got {top!r}")
+        if top and not value:
+            raise bad_field("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if value else None
 
 
 def _echo(body: dict[str, Any], kind: str) -> bool:
@@ -231,9 +337,10 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 
 def _forwardable(name: str, value: Any) -> Any:
     """``value`` if it can travel in a client message as it is (the frontend then judges it):
-    a scalar, or for ``stop`` / ``stop_token_ids`` an array of strings / integers. Anything
-    else is refused here, naming the field, to keep the module's size invariant (and msgpack
-    cannot carry integers past 64 bits)."""
+    a scalar, or for ``stop`` / ``stop_token_ids`` an array of strings / integers, for
+    ``logit_bias`` a map of strings to numbers of at most :data:`MAX_LOGIT_BIAS` entries
+    (packed, never larger than its JSON). Anything else is refused here, naming the field, to
+    keep the module's size invariant (and msgpack cannot carry integers past 64 bits)."""
     if isinstance(value, (str, bool, float)) or _is_int(value):
         return value
     if name == "chat_template_kwargs" and isinstance(value, dict):
@@ -247,6 +354,12 @@ def _forwardable(name: str, value: Any) -> Any:
     if name == "stop" and isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value
     if name == "stop_token_ids" and isinstance(value, list) and all(_is_int(t) for t in value):
+        return value
+    if name == "logit_bias":
+        if not isinstance(value, dict) or not all(isinstance(v, float) or _is_int(v) for v in value.values()):
+            raise bad_field(name, f"'logit_bias' must be an object of token ids to numbers, got {_json_type(value)}")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise bad_field(name, f"'logit_bias' has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
         return value
     if name == "stop":
         raise bad_field(name, f"'stop' must be a string or an array of strings, got {_json_type(value)}")
@@ -265,13 +378,17 @@ _BOOLEAN_FIELDS = frozenset(
 )
 
 
-def _check_model(model: Any, served_model: str) -> None:
+def _check_model(model: Any, served_model: str, loras: Sequence[str] = ()) -> str | None:
+    """The LoRA adapter ``model`` names (None: the served base model); 404 for anything else."""
     if model is None:
         raise bad_field("model", "'model' is required")
     if not isinstance(model, str):
         raise bad_field("model", f"'model' must be a string, got {_json_type(model)}")
+    if model in loras:
+        return model
     if model != served_model:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_model}'", param="model", code="model_not_found")
+    return None
 
 
 def _check_inert(body: dict[str, Any], kind: str) -> None:
@@ -334,7 +451,7 @@ def _prompts(prompt: Any) -> list[dict[str, Any]]:
     raise bad_field("prompt", _PROMPT_SHAPE)
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
     """The chat turns as ``{role, content[, name]}`` with string content (an array of text
     parts is joined); anything else is refused here, since the protocol takes strings."""
     if messages is None:
@@ -345,11 +462,35 @@ def _messages(messages: Any) -> list[dict[str, str]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_field("messages", f"'messages'[{i}] must be an object with a string 'role'")
-        turn = {"role": message["role"], "content": _content(message.get("content"), i)}
-        if isinstance(message.get("name"), str):
-            turn["name"] = message["name"]
+        calls = message.get("tool_calls")
+        if calls is not None and message.get("content") is None:
+            turn = {"role": message["role"], "content": None}
+        else:
+            turn = {"role": message["role"], "content": _content(message.get("content"), i)}
+        for key in ("name", "tool_call_id"):
+            if isinstance(message.get(key), str):
+                turn[key] = message[key]
+        if calls is not None:
+            turn["tool_calls"] = _tool_calls(calls, i)
         turns.append(turn)
     return turns
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant turn's earlier calls, with their arguments as objects (chat templates
+    write them with ``tojson``; OpenAI sends them as JSON text)."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+        raise bad_field("messages", f"'messages'[{i}].tool_calls must be an array of {{id, type, function}} objects")
+    out = []
+    for call in calls:
+        fn = dict(call["function"])
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                raise bad_field("messages", f"'messages'[{i}].tool_calls: arguments are not valid JSON") from None
+        out.append({**call, "function": fn})
+    return out
 
 
 def _content(content: Any, i: int) -> str:

@@ -61,12 +61,15 @@ def completion_body(
     *,
     echoes: list[str] | None = None,
     prompt_ids: list[list[int]] | None = None,
+    extras: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The unstreamed answer: one choice per sequence of each result (``n`` per input), in
     order: input ``i``'s sequence ``j`` is choice ``i * n + j``. ``echoes`` start each
     input's choices' texts (``echo``); with ``prompt_ids`` (``return_token_ids``) each choice
     carries its ``token_ids`` and the prompt's (a completion choice its own
-    ``prompt_token_ids``, a chat answer one at the top, as vLLM)."""
+    ``prompt_token_ids``, a chat answer one at the top, as vLLM). ``extras`` (n is then 1):
+    per choice, its ``logprobs`` (replacing the null) and ``prompt_logprobs`` (a chat
+    answer's at the top, as vLLM)."""
     flat = [(i, seq) for i, r in enumerate(results) for seq in r.choices]
     texts = [seq.text if echoes is None else echoes[i] + seq.text for i, seq in flat]
     if kind == COMPLETION:
@@ -79,6 +82,11 @@ def completion_body(
             for k, (_, seq) in enumerate(flat)
         ]
     body = {"id": rid, "object": _OBJECT[kind], "created": created, "model": model, "choices": choices, "usage": usage(results)}
+    if extras is not None:
+        for choice, extra in zip(choices, extras):
+            choice.update(extra)
+        if kind == CHAT and "prompt_logprobs" in extras[0]:
+            body["prompt_logprobs"] = choices[0].pop("prompt_logprobs")
     if prompt_ids is not None:
         for choice, (i, seq) in zip(choices, flat):
             choice["token_ids"] = seq.token_ids

@@ -66,6 +66,7 @@ _STATS_COUNTERS = (
 _COUNTER_HELP = {
     "prompt_tokens": "Prompt tokens sent to the scheduler (a continuation's earlier turns included).",
     "generation_tokens": "Output tokens delivered to requests.",
+    "clients_not_reading": "Client connections dropped because their send queue filled (they stopped reading).",
 }
 # metrics reply histogram -> help
 _HISTOGRAM_HELP = {

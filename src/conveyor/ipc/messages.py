@@ -102,6 +102,15 @@ class SamplingParams(Positional, frozen=True):
     ``temperature == 0`` means greedy. With a ``seed``, the randomness of each
     output position is derived from (seed, position), so a request samples the
     same tokens whatever it is batched with and even after a preemption.
+
+    The sampling controls (vLLM's definitions, applied on the device before temperature,
+    :mod:`conveyor.worker.sampling_controls`; each neutral at its default):
+    ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] subtract ``p`` once / ``f`` per
+    occurrence from the logit of every token already in the *output*; ``repetition_penalty``
+    (> 0) divides the positive logits and multiplies the negative ones of every token in the
+    prompt or the output; ``logit_bias`` adds a bias in [-100, 100] to a token's logit (at
+    most :data:`MAX_LOGIT_BIAS` entries); ``min_tokens`` (<= ``max_tokens``) masks the stop
+    ids (EOS unless ``ignore_eos``, and ``stop_token_ids``) until that many tokens are out.
     """
 
     max_tokens: int = 16
@@ -116,10 +125,39 @@ class SamplingParams(Positional, frozen=True):
     # the request out into sequences ``{request_id}/{i}``, see scheduler/groups.py); sequence
     # i draws with ``seed + i``. The worker never reads it.
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: the compiled constraint in llguidance's serialized grammar form
+    # (conveyor.structured), "" for none. The frontend compiles and validates it; the worker
+    # rebuilds a matcher from it with the same tokenizer and masks the request's rows with it
+    # (docs/structured-output.md). The scheduler never reads it.
+    grammar: str = ""
+    # Log-probabilities (log-softmax of the raw logits): None asks for none; k >= 0 asks for
+    # the sampled (prompt) token's and the k most likely ones', k at most the server's
+    # max_logprobs (checked by the frontend).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Any of the three penalties is set (the worker then counts the output's tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def controlled(self) -> bool:
+        """Any sampling control is set: the request needs per-slot state on the worker."""
+        return self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
+
+
+#: Most ``logit_bias`` entries one request may carry (each a dense row write on the worker).
+MAX_LOGIT_BIAS = 1024
 
 
 # The scheduler id of sequence ``i`` of a parallel-sampling request ``rid`` is ``rid/i``: the
@@ -149,6 +187,8 @@ class AddRequest(Message, tag=1):
     arrival_time: float
     # Higher is served sooner under the "priority" policy; ignored under "fcfs".
     priority: int = 0
+    # The LoRA adapter to run under (a name the server registered); None: the base model.
+    lora: str | None = None
 
 
 @message
@@ -166,6 +206,38 @@ class StatsQuery(Message, tag=3):
 
 
 # ---------------------------------------------------------------- scheduler -> frontend
+
+
+class TokenLogprobs(Positional):
+    """Log-probabilities of ``count`` consecutive tokens of one request, as columns.
+
+    ``start`` is the index in the request's whole sequence (prompt then output) of the first
+    token they describe; row ``i`` is token ``start + i``: ``token_logprobs`` holds its
+    log-probability (little-endian float32 bytes, ``count`` of them), ``top_ids`` and
+    ``top_logprobs`` the ``width`` most likely tokens at that position, most likely first
+    (``count * width`` int32 ids and float32 bytes, row-major). Bytes and int32 columns, not
+    objects per token: they ride the token hot path."""
+
+    start: int
+    count: int
+    width: int
+    token_logprobs: bytes
+    top_ids: Int32Array
+    top_logprobs: bytes
+
+
+class StepLogprobs(Positional):
+    """Log-probabilities a step computed, for several requests (named by slot), as columns:
+    request ``slots[i]`` has ``counts[i]`` rows from sequence index ``starts[i]`` on, laid end to
+    end in the arrays, which are as in :class:`TokenLogprobs` (one ``width`` for the step)."""
+
+    slots: Int32Array
+    starts: Int32Array
+    counts: Int32Array
+    width: int
+    token_logprobs: bytes
+    top_ids: Int32Array
+    top_logprobs: bytes
 
 
 @message
@@ -187,6 +259,10 @@ class RequestOutput(Message, tag=10):
     scheduled_time: float | None = None
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    # Requests that asked for them: the log-probabilities of new_token_ids (same count), and
+    # of prompt tokens computed by this iteration (the first prompt token has none).
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @message
@@ -264,6 +340,8 @@ class NewRequestData(Message, tag=20):
     the worker once this plan's ``finished_slots`` are dropped. ``request_id`` travels only
     here, for the worker's messages. ``token_ids`` is every token known so far (prompt, then
     outputs for a resumed request); ``block_ids`` its whole block table.
+    ``num_prompt_tokens``: how many of ``token_ids`` are the prompt (the rest are outputs,
+    which presence/frequency penalties and ``min_tokens`` count); None: all of them.
     """
 
     request_id: str
@@ -273,6 +351,9 @@ class NewRequestData(Message, tag=20):
     block_ids: Int32Array
     num_computed_tokens: int
     num_scheduled_tokens: int
+    num_prompt_tokens: int | None = None
+    # The LoRA adapter the request runs under (its registered name; None: the base model).
+    lora: str | None = None
 
 
 def int_list(values: Int32Array | list[int]) -> list[int]:
@@ -359,13 +440,25 @@ class StepResult(Message, tag=30):
     """Sampled tokens of one step as parallel columns: the request on ``slots[i]`` sampled
     ``sampled_token_ids[i]``. Rows come in plan order: the new requests that sample, then
     the cached rows that do. ``error`` set means the step failed and none of its requests
-    advanced."""
+    advanced.
+
+    ``end_slots`` / ``end_errors``: constrained rows that the grammar ends (parallel lists).
+    An empty error: the grammar is complete, the row's sampled token (end-of-sequence, the
+    only one the grammar allowed) is its last and it finishes as ``stop``. A non-empty error:
+    a dead end (no token allowed, or the matcher failed); its sampled token is not kept and it
+    finishes as ``error`` with that message."""
 
     step_id: int
     slots: Int32Array
     sampled_token_ids: Int32Array
     error: str | None = None
     forward_time: float = 0.0
+    end_slots: list[int] = field(default_factory=list)
+    end_errors: list[str] = field(default_factory=list)
+    # For the rows whose request asked: the sampled tokens' log-probabilities (one row per
+    # slot, at the sampled token's index), and those of the prompt positions the step computed.
+    logprobs: StepLogprobs | None = None
+    prompt_logprobs: StepLogprobs | None = None
 
 
 # ---------------------------------------------------------------- any child -> bin/serve

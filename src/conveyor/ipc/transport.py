@@ -117,21 +117,29 @@ CLIENT_MAX_FRAME_BYTES = MAX_CLIENT_MESSAGE_BYTES + 64 * 1024
 # that client, nothing dropped): at most CLIENT_RCVHWM x CLIENT_MAX_FRAME_BYTES held per
 # connection, and far less for ordinary requests of a few hundred bytes.
 CLIENT_RCVHWM = 64
-# Replies are never dropped and never block the loop: SNDHWM 0 (unbounded) with
-# ROUTER_MANDATORY. With a finite SNDHWM a send to a client whose queue is full would block
-# the frontend's loop or fail, losing a delta or the final. What bounds the queue of a client
-# that stops reading is the heartbeat: once its own queue and the socket buffers are full it
-# reads nothing, answers no PING, and the server drops the connection
-# CLIENT_HEARTBEAT_TIMEOUT_MS after the first unanswered one; the next send to it fails
-# (EHOSTUNREACH: the frontend's gone-client path aborts its requests) and the queue is freed.
-# Measured: flooded at full speed, a stalled client had 650k replies of 100 bytes (~120 MiB)
-# queued when it was dropped 11 s later; the frontend's output rate is far lower. A client
-# that keeps sending while never reading resets the timeout and is not bounded this way.
-CLIENT_SNDHWM = 0
+# Replies queued for one connection (its libzmq pipe; the kernel's socket buffers hold more
+# beyond it) before a send to it fails: bin/serve --client-send-queue, this by default. Sends
+# never block the frontend's loop (NOBLOCK): with ROUTER_MANDATORY a send to a full queue
+# raises EAGAIN, which means the client has stopped reading (its own receive queue and the
+# socket buffers are full too; for a client that never reads those hold only tens of KB, as
+# TCP grows its window only as the application reads), and the frontend drops that
+# connection's requests (conveyor.frontend.sending; docs/reliability.md, "Faults"). A send to
+# a client already gone raises EHOSTUNREACH instead. The bound must exceed the largest burst
+# one pass sends to one client (a delta and a final per request it has in flight; at a
+# shutdown, an error final for every one, waiting ones included: libzmq's I/O thread drains
+# the queue only between the loop's sends) and the messages a merely slow reader lags
+# behind: 100k is far above both. What it implies: about 170 bytes of frontend memory a small
+# delta (~60 bytes packed), so some 17 MB per connection that stops reading, more where the
+# queued messages are larger (a delta of many tokens, a final that carries a long text).
+# 0: no bound (a client that stops reading is never dropped; its replies queue for as long
+# as its requests run).
+CLIENT_SEND_QUEUE = 100_000
 # ZMTP heartbeats (handled by libzmq's I/O thread, so a busy event loop never misses one):
 # a PING every CLIENT_HEARTBEAT_IVL_MS; a peer that sends nothing for
 # CLIENT_HEARTBEAT_TIMEOUT_MS after one is disconnected; the TTL asks clients to drop the
-# connection if they hear nothing from the server for that long.
+# connection if they hear nothing from the server for that long. A client that stops reading
+# but keeps its connection is not reliably dropped by them (docs/reliability.md): the send
+# queue's bound is what drops it.
 CLIENT_HEARTBEAT_IVL_MS = 1000
 CLIENT_HEARTBEAT_TIMEOUT_MS = 10_000
 CLIENT_HEARTBEAT_TTL_MS = 10_000
@@ -213,7 +221,13 @@ def is_loopback_host(host: str) -> bool:
 
 
 def bind_client_socket(
-    ctx: zmq.Context, address: str, *, auth_keys: str | None, monitor: str | None = None, monitor_events: int = 0
+    ctx: zmq.Context,
+    address: str,
+    *,
+    auth_keys: str | None,
+    send_queue: int = CLIENT_SEND_QUEUE,
+    monitor: str | None = None,
+    monitor_events: int = 0,
 ) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
     """The frontend's ROUTER, bound to ``address``, and its authenticator (None without
     ``auth_keys``; stop it before terminating ``ctx``).
@@ -221,6 +235,8 @@ def bind_client_socket(
     Limits, heartbeats and ROUTER_HANDOVER (a new connection with a connected routing id takes
     it over, so a client that reconnects with its stable identity is served at once instead
     of being ignored while the old connection lingers) are set here; see the constants above.
+    ``send_queue`` is the send high-water mark, replies queued per connection (0: none):
+    send with ``zmq.NOBLOCK``, and ``zmq.Again`` means that connection's queue is full.
     With ``auth_keys`` the socket is a CurveZMQ server: a client must know the server's public
     key and hold an allowed key pair, or its handshake is refused (a ZAP thread checks it, off
     the frontend's loop). The authenticated key, Z85 text, is every message's ``User-Id``
@@ -230,11 +246,11 @@ def bind_client_socket(
     """
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, CLIENT_LINGER_MS)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises instead of vanishing
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client or a full queue raises instead of vanishing
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_FRAME_BYTES)
     sock.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
-    sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
+    sock.setsockopt(zmq.SNDHWM, send_queue)
     sock.setsockopt(zmq.HEARTBEAT_IVL, CLIENT_HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, CLIENT_HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, CLIENT_HEARTBEAT_TTL_MS)

@@ -30,7 +30,9 @@ from typing import Any
 
 import msgpack
 
-from conveyor.ipc.messages import SamplingParams
+from conveyor.ipc.messages import MAX_LOGIT_BIAS, SamplingParams
+from conveyor.structured.constraint import Constraint, ConstraintError
+from conveyor.structured.tool_choice import tool_choice_constraint
 
 CLIENT_PROTOCOL_VERSION = 1
 MAX_CLIENT_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -77,12 +79,18 @@ STATS_REPLY = "stats"
 PROFILE_REPLY = "profile"
 METRICS_REPLY = "metrics"
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "n")
 # Most sequences one request may ask for (``n``): each is a sequence at the scheduler, with a
 # detokenizer and stop strings of its own in the frontend, so one message must not fan out
 # without bound. Each sequence must fit the KV pool on its own (the scheduler's check), and
 # they run side by side as the pool and --max-num-seqs allow.
 MAX_N = 64
+SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "n",
+)
+# Log-probabilities asked for (None: none; k: the token's own and the k most likely), bounded
+# by the server's max_logprobs (:func:`logprobs_problem`).
+LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")
 # Generate fields the frontend applies itself (input preparation and output text), never
 # seen by the scheduler or the worker: see :class:`GenerateRequest`.
 FRONTEND_FIELDS = (
@@ -94,10 +102,15 @@ FRONTEND_FIELDS = (
     "continue_final_message",
     "chat_template_kwargs",
 )
+# Structured output (docs/structured-output.md): ``constraint`` (the output must match it),
+# ``tools`` (rendered by the chat template) and ``tool_choice`` ("required" or a named
+# function: enforced as a JSON-schema constraint over ``tools``).
+STRUCTURED_FIELDS = ("constraint", "tools", "tool_choice")
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, "stop", "priority", *FRONTEND_FIELDS)
+OPTION_FIELDS = (*SAMPLING_FIELDS, *LOGPROBS_FIELDS, "stop", "priority", "lora", *FRONTEND_FIELDS, *STRUCTURED_FIELDS)
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
+MAX_LORA_NAME_LEN = 256  # length bound of a LoRA adapter's name
 # Seeds: any 64-bit integer, signed or unsigned, is accepted and stored as the signed 64-bit
 # value with the same bit pattern (the sampler keys its draws by those 64 bits).
 MIN_SEED = -(2**63)
@@ -129,6 +142,8 @@ class GenerateRequest:
     """A validated generate request, before tokenization. Exactly one input is set.
 
     ``priority``: higher is served sooner when the server runs the ``priority`` policy.
+    ``lora``: the LoRA adapter to generate with (a name the server registered, e.g. with
+    ``--lora-modules``; an unknown one fails the request); None: the base model.
 
     The frontend fields (:data:`FRONTEND_FIELDS`, applied where the input is prepared and the
     output detokenized, :mod:`conveyor.frontend.inputs`): ``fill_context`` without a
@@ -149,6 +164,7 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     priority: int = 0
+    lora: str | None = None
     fill_context: bool = False
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
@@ -156,6 +172,10 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Structured output: what the output must match (compiled by the frontend, which then sets
+    # ``sampling.grammar``), and the tools the chat template is given.
+    constraint: Constraint | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -366,7 +386,10 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
         if not isinstance(msgs, list) or not msgs:
             raise fail("'messages' must be a non-empty array of {role, content} maps")
         for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise fail(f"'messages'[{i}] must be a map with string 'role' and 'content'")
+            # An assistant turn that called tools may have no content (OpenAI sends null).
+            if not isinstance(m.get("content"), str) and not (m.get("content") is None and m.get("tool_calls")):
                 raise fail(f"'messages'[{i}] must be a map with string 'role' and 'content'")
         req.messages = msgs
     else:
@@ -398,9 +421,78 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
         if not _is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
             raise fail(f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         req.priority = priority
+    lora = obj.get("lora")
+    if lora is not None:
+        if not isinstance(lora, str) or not 0 < len(lora) <= MAX_LORA_NAME_LEN:
+            raise fail(f"'lora' must be an adapter name: a non-empty string of at most {MAX_LORA_NAME_LEN} characters")
+        req.lora = lora
     req.sampling = parse_sampling(obj, rid)
     _parse_frontend_fields(obj, req, fail)
+    _parse_structured_fields(obj, req, fail)
+    if req.sampling.n > 1:
+        # Not yet per sequence: log-probabilities (one log per request in the frontend) and
+        # constraints (one grammar state per request); refused rather than answered wrongly.
+        asked = [name for name in ("logprobs", "prompt_logprobs", "constraint", "tools") if obj.get(name) is not None]
+        if req.constraint is not None and "constraint" not in asked:
+            asked.append("tool_choice")
+        if asked:
+            raise fail(f"'{asked[0]}' is not supported with n > 1 yet")
     return req
+
+
+def _parse_structured_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
+    """``constraint``, ``tools`` and ``tool_choice`` into ``req.constraint`` / ``req.tools``:
+    shapes and sizes only (whether a schema, regex or grammar is valid is the compile's to
+    say, in the frontend, before the request is scheduled)."""
+    tools, tool_choice = obj.get("tools"), obj.get("tool_choice")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise fail("'tools' must be an array of {type: function, function: {name, parameters}} maps")
+        if req.messages is None:
+            raise fail("'tools' applies to 'messages' only")
+        req.tools = tools
+    try:
+        forced = tool_choice_constraint(tools or [], tool_choice)
+    except ConstraintError as exc:
+        raise fail(f"'tool_choice': {exc}") from None
+    if obj.get("constraint") is not None:
+        try:
+            req.constraint = parse_constraint(obj["constraint"])
+        except ConstraintError as exc:
+            raise fail(str(exc)) from None
+    if forced is not None:
+        if req.constraint is not None:
+            raise fail("'constraint' and a 'tool_choice' that forces a call cannot both be given")
+        req.constraint = forced
+
+
+def parse_constraint(value: Any) -> Constraint:
+    """A ``constraint`` map (docs/protocol.md) as a :class:`Constraint`; ConstraintError naming
+    what is wrong."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ConstraintError("'constraint' must be a map with a string 'type'")
+    kind = value["type"]
+    keys = {"json_schema": {"schema", "strict"}, "json_object": set(), "regex": {"pattern"}, "choice": {"choices"}, "grammar": {"grammar"}}
+    if kind not in keys:
+        raise ConstraintError(f"'constraint'.type must be one of {', '.join(keys)}, got {kind!r}")
+    unknown = set(value) - keys[kind] - {"type"}
+    if unknown:
+        raise ConstraintError(f"'constraint' of type {kind} has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+    try:
+        if kind == "json_schema":
+            strict = value.get("strict", True)
+            if not isinstance(strict, bool):
+                raise ConstraintError("json_schema: 'strict' must be a boolean")
+            return Constraint.json_schema(value.get("schema"), strict=strict)
+        if kind == "json_object":
+            return Constraint.json_object()
+        if kind == "regex":
+            return Constraint.regex(value.get("pattern"))
+        if kind == "choice":
+            return Constraint.choice(value.get("choices"))
+        return Constraint.grammar(value.get("grammar"))
+    except ConstraintError as exc:
+        raise ConstraintError(f"'constraint': {exc}") from None
 
 
 def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
@@ -478,6 +570,23 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     n = get("n", 1)
     if not _is_int(n) or not 1 <= n <= MAX_N:
         raise fail(f"'n' must be an integer in [1, {MAX_N}], got {n!r}")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = get(name, 0.0)
+        if not _is_number(value) or not -2 <= value <= 2:
+            raise fail(f"'{name}' must be in [-2, 2], got {value!r}")
+        penalties[name] = float(value)
+    repetition_penalty = get("repetition_penalty", 1.0)
+    if not _is_number(repetition_penalty) or not 0 < repetition_penalty < math.inf:
+        raise fail(f"'repetition_penalty' must be a number > 0, got {repetition_penalty!r}")
+    min_tokens = get("min_tokens", 0)
+    if not _is_int(min_tokens) or min_tokens < 0:  # (and at most max_tokens: context_problem)
+        raise fail(f"'min_tokens' must be an integer >= 0, got {min_tokens!r}")
+    logit_bias = _parse_logit_bias(get("logit_bias", {}), fail)
+    for name in LOGPROBS_FIELDS:
+        value = obj.get(name)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise fail(f"'{name}' must be an integer >= 0 (the number of top log-probabilities), got {value!r}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -488,7 +597,43 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
         n=n,
+        repetition_penalty=float(repetition_penalty),
+        min_tokens=min_tokens,
+        logit_bias=logit_bias,
+        **penalties,
+        logprobs=obj.get("logprobs"),
+        prompt_logprobs=obj.get("prompt_logprobs"),
     )
+
+
+def _parse_logit_bias(value: Any, fail: Any) -> dict[int, float]:
+    """``logit_bias``: a map of token id (an integer, or its decimal string: JSON's keys are
+    strings) to a bias in [-100, 100], at most :data:`MAX_LOGIT_BIAS` entries. The ids are
+    checked against the vocabulary with the context (:func:`context_problem`)."""
+    if not isinstance(value, dict):
+        raise fail("'logit_bias' must be a map of token id to bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise fail(f"'logit_bias' has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    bias = {}
+    for key, number in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise fail(f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}")
+        if not _is_number(number) or not -100 <= number <= 100:
+            raise fail(f"'logit_bias' values must be in [-100, 100], got {number!r} for token {token}")
+        bias[token] = float(number)
+    return bias
+
+
+def logprobs_problem(sampling: SamplingParams, max_logprobs: int) -> str | None:
+    """Why a request asks for more top log-probabilities than the server's bound
+    (``--max-logprobs``), or None. Applied where the server's configuration is known: the
+    frontend and the engine, before tokenizing."""
+    for name in LOGPROBS_FIELDS:
+        k = getattr(sampling, name)
+        if k is not None and k > max_logprobs:
+            return f"'{name}' asks for {k} log-probabilities; this server's bound (--max-logprobs) is {max_logprobs}"
+    return None
 
 
 def signed_seed(seed: int) -> int:
@@ -507,6 +652,8 @@ def context_problem(
     max_model_len: int,
     *,
     check_ids: bool = True,
+    bias_token_ids: Sequence[int] = (),
+    min_tokens: int = 0,
 ) -> str | None:
     """Why a request with this whole context as token ids (a continuation's earlier turns
     included) cannot run on this model, or None: the one statement of these rules. The
@@ -516,13 +663,17 @@ def context_problem(
     is not empty, its ids (unless ``check_ids`` is False: ids the tokenizer made are known to
     be in range) and the stop token ids are within ``[0, vocab_size)`` (None: vocabulary
     unknown, only negatives are refused), ``max_tokens`` is at least 1 and the prompt leaves
-    room for it within ``max_model_len``."""
+    room for it within ``max_model_len``; so are the ``logit_bias`` ids (``bias_token_ids``),
+    and ``min_tokens`` is at most ``max_tokens`` (checked here, where ``max_tokens`` is final)."""
     if not len(prompt_ids):
         return "prompt tokenizes to zero tokens: the prompt is empty"
     if max_tokens < 1:
         return f"max_tokens must be at least 1, got {max_tokens}"
+    if min_tokens > max_tokens:
+        return f"min_tokens={min_tokens} exceeds max_tokens={max_tokens}"
     limit = vocab_size if vocab_size is not None else math.inf
-    for what, ids, checked in (("token id", prompt_ids, check_ids), ("stop token id", stop_token_ids, True)):
+    checks = (("token id", prompt_ids, check_ids), ("stop token id", stop_token_ids, True), ("logit_bias token id", bias_token_ids, True))
+    for what, ids, checked in checks:
         if checked and len(ids) and (min(ids) < 0 or max(ids) >= limit):  # min/max: C speed on long prompts
             bad = next(t for t in ids if not 0 <= t < limit)
             return f"{what} {bad} is outside the vocabulary [0, {vocab_size})"
@@ -546,7 +697,14 @@ def check_tokenized(
 ) -> None:
     """:func:`context_problem` for a parsed generate request, raised as :class:`ProtocolError`."""
     problem = context_problem(
-        prompt_ids, req.sampling.max_tokens, req.sampling.stop_token_ids, vocab_size, max_model_len, check_ids=check_ids
+        prompt_ids,
+        req.sampling.max_tokens,
+        req.sampling.stop_token_ids,
+        vocab_size,
+        max_model_len,
+        check_ids=check_ids,
+        bias_token_ids=list(req.sampling.logit_bias),
+        min_tokens=req.sampling.min_tokens,
     )
     if problem is not None:
         too_long = problem == _length_problem(len(prompt_ids), req.sampling.max_tokens, max_model_len)

@@ -60,6 +60,7 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     The worker process's view is built from these (:func:`server_config`), and so is the
     engine's runner."""
     named = {f.name: settings[f.name] for f in dataclasses.fields(WorkerConfig) if f.name in settings}
+    named["lora_modules"] = lora_modules(settings)
     blocks = settings.get("num_kv_blocks")
     swap = settings.get("swap_space")
     return {
@@ -69,6 +70,17 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
         "swap_space_bytes": None if swap is None else gib_bytes(swap),
         "num_threads": settings.get("threads"),
     }
+
+
+def lora_modules(settings: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The ``lora_modules`` setting (a name -> directory map, or bin/serve's ``(name, dir)``
+    pairs) as the configs hold it: ``(name, dir)`` pairs, each name once."""
+    modules = settings.get("lora_modules") or {}
+    pairs = list(modules.items()) if isinstance(modules, Mapping) else [tuple(pair) for pair in modules]
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a LoRA adapter name is given twice in {names}")
+    return tuple((str(name), str(directory)) for name, directory in pairs)
 
 
 def batcher_config(settings: Mapping[str, Any], max_model_len: int, **fields: Any) -> SchedulerConfig:
@@ -81,6 +93,7 @@ def batcher_config(settings: Mapping[str, Any], max_model_len: int, **fields: An
         num_blocks=settings.get("num_kv_blocks") or 1,
         num_cpu_blocks=settings.get("num_cpu_blocks") or 0,
         max_model_len=max_model_len,
+        lora_names=tuple(name for name, _ in lora_modules(settings)),
         **fields,
     )
 
@@ -144,7 +157,7 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         name = flags["served_model_name"] or ("conveyor-demo" if demo else Path(model_dir).resolve().name)
         http = settings_view(
             HttpConfig, flags, addresses=addresses, served_model_name=name, max_model_len=max_model_len,
-            model_dir=str(model_dir), api_keys=api_keys(flags),
+            model_dir=str(model_dir), api_keys=api_keys(flags), lora_names=batcher.lora_names,
         )  # fmt: skip
     return ServerConfig(
         model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,

@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from conveyor.ipc.step_channel import StepChannels
-from conveyor.ipc.transport import ServerAddresses
+from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses
 
 
 class Choice(str, enum.Enum):
@@ -155,11 +155,15 @@ class SchedulerConfig:
     max_queue_time: float = 600.0
     # Recent iterations kept for the stats/profile reply.
     iteration_log_size: int = 256
+    # LoRA: the adapters requests may name (bin/serve --lora-modules), and how many distinct
+    # ones a step may run (the worker's device slots, --max-loras).
+    lora_names: tuple[str, ...] = ()
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         _parse_choices(self, batching=Batching, policy=Policy, preemption=Preemption)
         _require_at_least(self, 0, "num_cpu_blocks", "max_waiting", "block_bytes", "max_wait_ms", "max_queue_time", "aging_rate")
-        _require_at_least(self, 1, "min_batch_size")
+        _require_at_least(self, 1, "min_batch_size", "max_loras")
         _require_at_least(self, 0, "max_bypass")
         if self.swap_bandwidth <= 0 or self.prefill_rate <= 0:
             raise ValueError("swap_bandwidth and prefill_rate must be positive")
@@ -191,10 +195,16 @@ class FrontendConfig:
     # Data-parallel replicas (scheduler + worker pairs) behind this frontend, each reached at
     # ``addresses.replica(index)`` (conveyor.frontend.replicas).
     data_parallel_size: int = 1
+    # bin/serve --client-send-queue: replies queued for one client connection before it counts
+    # as not reading and its requests are dropped (conveyor.ipc.transport.CLIENT_SEND_QUEUE
+    # says what the default implies; 0: no bound).
+    client_send_queue: int = CLIENT_SEND_QUEUE
+    # bin/serve --max-logprobs: the most top log-probabilities a request may ask for.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _require_at_least(self, 1, "data_parallel_size")
-        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars")
+        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue", "max_logprobs")
 
 
 @dataclass(frozen=True)
@@ -234,6 +244,13 @@ class WorkerConfig:
     # The scheduler's max_num_seqs: bounds a step's rows and sizes the static decode buffers.
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     enforce_eager: bool = False  # bin/serve --enforce-eager: no CUDA graphs for decode steps
+    # LoRA (conveyor.worker.lora): (name, PEFT directory) adapters registered at start (none:
+    # LoRA off), device slots, the rank bound, host copies (None: as many as slots).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False  # LoRA on without adapters at start (Engine.load_lora adds them)
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
@@ -279,8 +296,9 @@ class HttpConfig:
     """
 
     addresses: ServerAddresses
-    served_model_name: str  # the one ``model`` requests may name
+    served_model_name: str  # the base model's name: the ``model`` requests name for it
     max_model_len: int  # shown by /v1/models
+    lora_names: tuple[str, ...] = ()  # LoRA adapters, the other models requests may name
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     metrics_port: int | None = None
@@ -295,6 +313,10 @@ class HttpConfig:
     # /metrics and /version need one too.
     api_keys: tuple[str, ...] = ()
     api_key_everywhere: bool = False
+    # --tool-call-parser: how a chat's output with tools is read for calls (hermes, llama3;
+    # conveyor.structured.tool_calls); None: not parsed (tools still reach the chat template,
+    # and a forcing tool_choice is still read from its constrained JSON).
+    tool_call_parser: str | None = None
     # --ssl-certfile / --ssl-keyfile: serve HTTPS (both or neither).
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None

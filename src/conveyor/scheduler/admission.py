@@ -40,6 +40,7 @@ NO_SLOT = -1
 NO_BLOCKS = -2
 HOLD = -3  # preempted in this very iteration, or it would preempt ahead: it waits for the next plan
 NOT_MEMBER = -4  # static batching: it arrived after the batch formed, or the batch is complete
+NO_LORA_SLOT = -5  # its LoRA adapter is not running and max_loras distinct adapters are
 
 SWAPPED = RequestStatus.SWAPPED
 
@@ -54,7 +55,15 @@ def rejection_reason(state: SchedulerState, req: Request) -> str | None:
         return f"request id {rid!r} is already in use by a live request"
     if req.sampling.n > 1 and any(sequence_id(rid, i) in state.table.live for i in range(req.sampling.n)):
         return f"request id {rid!r}: the id of one of its sequences is in use by a live request"
-    problem = context_problem(prompt, max_tokens, req.sampling.stop_token_ids, state.vocab_size, cfg.max_model_len)
+    problem = context_problem(
+        prompt,
+        max_tokens,
+        req.sampling.stop_token_ids,
+        state.vocab_size,
+        cfg.max_model_len,
+        bias_token_ids=list(req.sampling.logit_bias),
+        min_tokens=req.sampling.min_tokens,
+    )
     if problem is not None:
         return problem
     total = len(prompt) + max_tokens
@@ -67,6 +76,15 @@ def rejection_reason(state: SchedulerState, req: Request) -> str | None:
             f"{cfg.block_size}, but the pool has only {state.kv.gpu.total}"
         )
     return None
+
+
+def lora_slots_full(state: SchedulerState, lora: str) -> bool:
+    """Whether admitting a request of adapter ``lora`` would make the running batch use more
+    distinct adapters than the worker's ``max_loras`` device slots. Every plan's rows are
+    running requests, so this bound on the running batch bounds every step. Visits the
+    running batch, only for requests that name an adapter."""
+    running = {r.lora for r in state.table.running if r.lora is not None}
+    return lora not in running and len(running) >= state.config.max_loras
 
 
 def admission_open(state: SchedulerState, num_running_at_start: int, now: float) -> bool:
@@ -94,6 +112,8 @@ def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reser
     max_num_seqs = state.config.max_num_seqs
     kv = state.kv
     running = state.table.running
+    if req.lora is not None and lora_slots_full(state, req.lora):
+        return NO_LORA_SLOT
     reserve = state.policy.growth_reserve(req.num_prompt_tokens, req.sampling.max_tokens, len(req.token_ids))
     match: PrefixMatch | None = None
     source: Request | None = None
@@ -168,6 +188,8 @@ def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reser
             list(req.block_ids),
             req.num_computed_tokens,
             n,
+            req.num_prompt_tokens,
+            lora=req.lora,
         )
     )
     step.add_scheduled(req, n)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.block_pool import BlockPool
 from conveyor.scheduler.policy import blocks_for
-from conveyor.scheduler.prefix_index import ROOT, PrefixIndex
+from conveyor.scheduler.prefix_index import PrefixIndex
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.swap import SwapSpace
 
@@ -64,17 +64,23 @@ class KVCacheManager:
     # ------------------------------------------------------------------ admission
 
     def match(self, req: Request) -> PrefixMatch:
-        """Longest cached prefix of a request that holds no blocks; changes nothing."""
+        """Longest cached prefix of a request that holds no blocks; changes nothing.
+
+        A request still owed prompt log-probabilities matches nothing: they come from the
+        prefill's logits, which a cached prefix would skip (it is computed whole, once; its
+        blocks are registered for others as usual)."""
         bs = self.block_size
+        if req.sampling.prompt_logprobs is not None and req.prompt_logprobs_from < req.num_prompt_tokens:
+            return PrefixMatch([], [], [], None, 0, 0)
         tokens = req.token_ids
         limit = len(tokens) - 1
         full = limit // bs
-        ids = self.index.find_blocks(tokens, full, bs)
+        ids = self.index.find_blocks(tokens, full, bs, req.prefix_root)
         gpu = self.gpu.lookup_prefix(ids)  # shared (or revived) ...
         cpu = self.swap.pool.lookup_prefix(ids[len(gpu) :]) if self.swap.pool is not None else []  # ... then swapped in
         del ids[len(gpu) + len(cpu) :]
         num_revived = self.gpu.count_cached(gpu)
-        parent = ids[-1] if ids else ROOT
+        parent = ids[-1] if ids else req.prefix_root
         matched = len(ids)
         partial = None
         start = matched * bs
@@ -213,7 +219,7 @@ class KVCacheManager:
         if full <= start:
             return
         chain = req.block_hashes
-        ids = self.index.intern_blocks(chain[start - 1] if start else ROOT, req.token_ids, start, full, bs)
+        ids = self.index.intern_blocks(chain[start - 1] if start else req.prefix_root, req.token_ids, start, full, bs)
         self.gpu.register_blocks(req.block_ids[start:full], ids)
         chain.extend(ids)
         req.num_registered_blocks = full
@@ -259,7 +265,7 @@ class KVCacheManager:
         if rest and full < len(table):
             partial = table.pop(full)
             self.gpu.free(reversed(table[full:]))
-            parent = req.block_hashes[full - 1] if full else ROOT
+            parent = req.block_hashes[full - 1] if full else req.prefix_root
             self.gpu.free_partial(partial, parent, req.token_ids[full * bs : computed])
             self.gpu.free(reversed(table[:full]))
         else:
@@ -287,7 +293,7 @@ class KVCacheManager:
         gpu = self.gpu
         gpu.free(uncomputed)
         if full < len(kept):  # the partly filled last block: last released, first evicted
-            parent = hashes[full - 1] if full else ROOT
+            parent = hashes[full - 1] if full else req.prefix_root
             gpu.free_partial(kept[full], parent, req.token_ids[full * bs : computed])
         gpu.free(reversed(kept[:full]))
         req.block_ids = [-1] * len(kept)

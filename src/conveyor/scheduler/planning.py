@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from conveyor.scheduler.admission import NO_BLOCKS, try_admit
+from conveyor.scheduler.admission import NO_BLOCKS, NO_LORA_SLOT, try_admit
 from conveyor.scheduler.policy import BYPASS_LOOKAHEAD
 from conveyor.scheduler.preemption import make_room
 from conveyor.scheduler.request import Request, RequestStatus
@@ -101,9 +101,10 @@ def plan_decodes(state: SchedulerState, step: Step, prefills: list[Request]) -> 
 def plan_prompts(state: SchedulerState, step: Step, prefills: list[Request], admit_open: bool, now: float) -> None:
     """Phase 2: prefill chunks of running requests (``prefills``, in rank order) and
     admissions from the waiting queue take the rest of the budget, whichever ranks better
-    first. A waiting head that lacks blocks may be stepped over (bounded by the policy:
-    ``max_bypass`` per request, :data:`BYPASS_LOOKAHEAD` per iteration); otherwise, or
-    once the gate closes, admissions stop for this iteration."""
+    first. A waiting head that lacks blocks, or whose LoRA adapter finds no free device slot,
+    may be stepped over (bounded by the policy: ``max_bypass`` per request,
+    :data:`BYPASS_LOOKAHEAD` per iteration), so base-model requests and those of running
+    adapters go on; otherwise, or once the gate closes, admissions stop for this iteration."""
     policy, queue = state.policy, state.queue
     skipped: list[Request] = []
     reserved: int | None = None  # blocks the running batch may still claim (at the first admission)
@@ -133,7 +134,7 @@ def plan_prompts(state: SchedulerState, step: Step, prefills: list[Request], adm
                 if blocked.num_bypassed >= policy.max_bypass:
                     admit_open = False  # bound reached: nobody passes it any more
             continue
-        if outcome == NO_BLOCKS and head.num_bypassed < policy.max_bypass and len(skipped) < BYPASS_LOOKAHEAD:
+        if outcome in (NO_BLOCKS, NO_LORA_SLOT) and head.num_bypassed < policy.max_bypass and len(skipped) < BYPASS_LOOKAHEAD:
             queue.pop()  # set it aside for this iteration; smaller ones behind it may start
             skipped.append(head)
         else:

@@ -46,12 +46,14 @@ class PrefixIndex:
         """The id of this block content if some pool holds it, else None."""
         return self._ids.get((parent, tuple(tokens)))
 
-    def find_blocks(self, tokens: Sequence[int], num_blocks: int, block_size: int) -> list[int]:
+    def find_blocks(self, tokens: Sequence[int], num_blocks: int, block_size: int, root: int = ROOT) -> list[int]:
         """The ids of the first full blocks of ``tokens`` (at most ``num_blocks``), up to the
-        first whose content no pool holds: :meth:`find` along the chain, in one call."""
+        first whose content no pool holds: :meth:`find` along the chain, in one call. The chain
+        starts from ``root``: :data:`ROOT` for the base model, a negative id per LoRA adapter
+        (ids are positive, so chains of different roots never meet)."""
         ids = self._ids
         chain: list[int] = []
-        parent = ROOT
+        parent = root
         for k in range(num_blocks):  # block by block, no copy up front: a lookup often ends at the first
             parent = ids.get((parent, tuple(tokens[k * block_size : (k + 1) * block_size])))
             if parent is None:

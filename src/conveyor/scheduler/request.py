@@ -86,10 +86,18 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     stop_len: int = 0
     has_own_stop_ids: bool = False  # stop ids beyond the EOS set (the decode columns check only EOS)
+    # With prompt_logprobs: the prompt index from which they are still owed (index 0 has none).
+    # A recomputed prefill gives them again; only the owed ones are sent.
+    prompt_logprobs_from: int = 1
     # The scheduler's per-slot columns, which hold num_computed_tokens while it holds a slot.
     columns: SlotColumns | None = None
     # The parallel-sampling request it is a sequence of (scheduler/groups.py), or None.
     group: SeqGroup | None = None
+    # The LoRA adapter it runs under (None: the base model), and the root its prefix-cache
+    # chain starts from: 0 (prefix_index.ROOT) for the base, a negative id per adapter, so a
+    # block computed under one adapter is never found for another or for the base.
+    lora: str | None = None
+    prefix_root: int = 0
 
     @classmethod
     def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:
@@ -107,6 +115,7 @@ class Request:
             stop_ids=stop_ids,
             has_own_stop_ids=bool(sp.stop_token_ids),
             stop_len=min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
+            lora=msg.lora or None,
         )
 
     @property

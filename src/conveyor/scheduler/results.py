@@ -17,6 +17,12 @@ hottest code of a busy server, where almost every row is a plain decode.
 
 A result with ``error`` set, or malformed, fails every still-live request of its plan and of
 the plan formed ahead of it (:func:`fail_plans`).
+
+Structured output: the worker names the constrained rows its grammar ended
+(``StepResult.end_slots``). A dead end finishes its request as ``error`` before the tokens
+are applied, so its token (not a valid one) is dropped like any token of a released slot; a
+complete grammar makes its row take the decision path and finish as ``stop`` after its token,
+like an end-of-sequence token does (:func:`_grammar_ends`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from conveyor.ipc.messages import FinishReason, RequestOutput, StepPlan, StepResult, TokenOutputs
+from conveyor.ipc.messages import (
+    FinishReason,
+    RequestOutput,
+    StepLogprobs,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    TokenOutputs,
+)
 from conveyor.scheduler.preemption import drop_kv
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.slot_columns import ALARM, EOS, GEN, KNOWN
@@ -67,13 +81,113 @@ def apply_result(state: SchedulerState, plan: StepPlan, step: Step, result: Step
         if req.status is RUNNING:  # not ended while the step ran (its blocks are free then)
             kv.register_full_blocks(req, state.done_tokens(req))
     outputs: list[RequestOutput] = []
-    if not len(step.sample_slots):
-        return TokenOutputs(outputs)
-    finished: list[Request] = []  # running requests this result retires
-    column_ids, column_tokens = _apply_tokens(state, plan, step, slots, tokens, outputs, finished)
-    if finished:
-        state.table.prune_running(finished)
+    column_ids: list[str] = []
+    column_tokens: list[int] = []
+    if len(step.sample_slots):
+        finished: list[Request] = []  # running requests this result retires
+        complete = _grammar_ends(state, step, result, outputs, finished)
+        column_ids, column_tokens = _apply_tokens(state, plan, step, slots, tokens, outputs, finished, complete)
+        if finished:
+            state.table.prune_running(finished)
+    if result.logprobs is not None or result.prompt_logprobs is not None:
+        column_ids, column_tokens = _attach_logprobs(step, result, outputs, column_ids, column_tokens)
     return TokenOutputs(outputs, column_ids, column_tokens)
+
+
+def _grammar_ends(
+    state: SchedulerState, step: Step, result: StepResult, outputs: list[RequestOutput], finished: list[Request]
+) -> np.ndarray | None:
+    """Finish the requests the worker's grammar left at a dead end (``error``); returns the slots
+    whose grammar is complete (their token decides ``stop`` in :func:`_output`), None if none."""
+    if not result.end_slots:
+        return None
+    cols = state.cols
+    complete = []
+    planned = dict(zip(step.sample_slots.tolist(), step.sample_gens.tolist()))
+    for slot, error in zip(result.end_slots, result.end_errors):
+        if planned.get(slot) != cols.generation(slot):
+            continue  # ended while the plan ran: its slot was given back (maybe to another request)
+        if not error:
+            complete.append(slot)
+            continue
+        req = cols.owner[slot]
+        finished.append(req)
+        outputs.append(state.finish(req, FinishReason.ERROR, error=f"structured output: {error}"))
+    return np.asarray(complete, np.int64) if complete else None
+
+
+def _split_logprobs(step: Step, lp: StepLogprobs) -> list[tuple[Request, TokenLogprobs]]:
+    """A step's log-probability columns cut per request (the one the plan ran on each slot)."""
+    chosen = np.frombuffer(lp.token_logprobs, "<f4")
+    top_ids = np.asarray(lp.top_ids, np.int32)
+    top = np.frombuffer(lp.top_logprobs, "<f4")
+    width = lp.width
+    out = []
+    first = 0
+    for slot, start, count in zip(_int_array(lp.slots).tolist(), _int_array(lp.starts).tolist(), _int_array(lp.counts).tolist()):
+        req = step.owner(slot)
+        end = first + count
+        if req is not None:
+            out.append((req, TokenLogprobs(
+                start, count, width, chosen[first:end].tobytes(),
+                top_ids[first * width : end * width].copy(), top[first * width : end * width].tobytes(),
+            )))
+        first = end
+    return out
+
+
+def _drop_head(lp: TokenLogprobs, rows: int) -> TokenLogprobs:
+    """``lp`` without its first ``rows`` rows."""
+    w = lp.width
+    return TokenLogprobs(
+        lp.start + rows, lp.count - rows, w, lp.token_logprobs[4 * rows :],
+        np.asarray(lp.top_ids)[rows * w :], lp.top_logprobs[4 * rows * w :],
+    )
+
+
+def _attach_logprobs(
+    step: Step, result: StepResult, outputs: list[RequestOutput], column_ids: list[str], column_tokens: list[int]
+) -> tuple[list[str], list[int]]:
+    """Give the requests that asked their log-probabilities, on their outputs of this
+    iteration: a request whose token went in the columns gets a full output instead (the
+    columns stay the plain case), and prompt log-probabilities of a chunk that sampled nothing
+    travel in an output without tokens. A sampled token's values go only where the token went
+    (none if it was dropped); prompt ones only to a request still running or finished by this
+    result, and only from the prompt index it is still owed (a recomputed prefill repeats
+    some). Returns the columns left."""
+    by_id = {out.request_id: out for out in outputs}
+    sampled = _split_logprobs(step, result.logprobs) if result.logprobs is not None else []
+    prompt = _split_logprobs(step, result.prompt_logprobs) if result.prompt_logprobs is not None else []
+    wanted = {req.request_id for req, _ in sampled}
+    if wanted & set(column_ids):
+        kept_ids, kept_tokens = [], []
+        for request_id, token in zip(column_ids, column_tokens):
+            if request_id in wanted:
+                out = by_id[request_id] = RequestOutput(request_id, [token])
+                outputs.append(out)
+            else:
+                kept_ids.append(request_id)
+                kept_tokens.append(token)
+        column_ids, column_tokens = kept_ids, kept_tokens
+    for req, lp in sampled:
+        out = by_id.get(req.request_id)
+        if out is not None and out.new_token_ids:
+            out.logprobs = lp
+    for req, lp in prompt:
+        owed = req.prompt_logprobs_from - lp.start
+        if owed >= lp.count:
+            continue
+        if owed > 0:
+            lp = _drop_head(lp, owed)
+        out = by_id.get(req.request_id)
+        if out is None:
+            if req.status is not RUNNING:
+                continue
+            out = by_id[req.request_id] = RequestOutput(req.request_id, [])
+            outputs.append(out)
+        out.prompt_logprobs = lp
+        req.prompt_logprobs_from = lp.start + lp.count
+    return column_ids, column_tokens
 
 
 def _int_array(values: np.ndarray | list[int]) -> np.ndarray:
@@ -100,7 +214,7 @@ def _by_slot(state: SchedulerState, slots: np.ndarray, tokens: np.ndarray) -> np
 
 def _apply_tokens(
     state: SchedulerState, plan: StepPlan, step: Step, answered: np.ndarray, sampled: np.ndarray,
-    outputs: list[RequestOutput], finished: list[Request],
+    outputs: list[RequestOutput], finished: list[Request], complete: np.ndarray | None = None,
 ) -> tuple[list[str], list[int]]:
     """Append each sampling row's token (the result's rows ``answered`` slots, ``sampled``
     tokens) to its request, in row order; returns the output columns (request ids, tokens)
@@ -135,6 +249,8 @@ def _apply_tokens(
     eos_rows = rows[EOS]
     if np.count_nonzero(eos_rows):
         unusual |= (eos_rows != 0) & cols.is_eos(tokens)
+    if complete is not None:
+        unusual |= np.isin(slots, complete)
     if not np.count_nonzero(unusual):
         return cols.ids[slots].tolist(), token_list
     plain = ~unusual
@@ -142,7 +258,8 @@ def _apply_tokens(
     now = state.clock()
     for row in unusual.nonzero()[0].tolist():
         req = owner[slot_list[row]]
-        kind = _output(state, req, token_list[row], outputs, now)
+        done = complete is not None and slot_list[row] in complete
+        kind = _output(state, req, token_list[row], outputs, now, done)
         if kind == _FINISHED:
             finished.append(req)
         elif kind == _PLAIN:  # stop ids of its own, none of them sampled
@@ -150,10 +267,13 @@ def _apply_tokens(
     return cols.ids[slots[plain]].tolist(), tokens[plain].tolist()
 
 
-def _output(state: SchedulerState, req: Request, token: int, outputs: list[RequestOutput], now: float) -> int:
+def _output(
+    state: SchedulerState, req: Request, token: int, outputs: list[RequestOutput], now: float, complete: bool = False
+) -> int:
     """After ``token`` was appended to ``req``: finish it (``_FINISHED``), or give its first
-    token a full output (``_FIRST``); a plain later token (``_PLAIN``) is left to the columns."""
-    reason = stop_reason(req, token)
+    token a full output (``_FIRST``); a plain later token (``_PLAIN``) is left to the columns.
+    ``complete``: the request's grammar is complete, so it stops here whatever the token."""
+    reason = FinishReason.STOP if complete else stop_reason(req, token)
     if req.first_token_time is None:
         req.first_token_time = now
         if reason is None:

@@ -187,6 +187,12 @@ class Scheduler:
         self._num_planned_ahead = 0
         self._num_overloaded = 0
         self._num_timed_out = 0
+        # LoRA adapter name -> the root of its prefix-cache chains (prefix_index: negative, never
+        # reused, so an adapter loaded again under an old name never meets the old one's blocks).
+        self._lora_roots: dict[str, int] = {}
+        self._num_loras_added = 0
+        for name in config.lora_names:
+            self.add_lora(name)
 
     # ------------------------------------------------------------------ intake
 
@@ -194,6 +200,11 @@ class Scheduler:
         """Queue a request, or return its error output if it cannot be served."""
         cfg = self.config
         req = Request.from_message(msg, self.state.eos_token_ids, cfg.max_model_len)
+        if req.lora is not None:
+            root = self._lora_roots.get(req.lora)
+            if root is None:
+                return RequestOutput(msg.request_id, [], FinishReason.ERROR, error=f"unknown LoRA adapter {req.lora!r}")
+            req.prefix_root = root  # (its own prefix-cache chains)
         problem = rejection_reason(self.state, req)
         if problem is not None:
             return RequestOutput(msg.request_id, [], FinishReason.ERROR, error=problem)
@@ -220,6 +231,23 @@ class Scheduler:
             self.state.table.add(req)
         self.state.queue.push(req, track_timeout=cfg.max_queue_time > 0)
         return None
+
+    def add_lora(self, name: str) -> None:
+        """Accept requests for the LoRA adapter ``name`` (the worker holds it); ValueError if known."""
+        if name in self._lora_roots:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        self._num_loras_added += 1
+        self._lora_roots[name] = -self._num_loras_added
+
+    def remove_lora(self, name: str) -> None:
+        """Refuse further requests for adapter ``name``; ValueError if it is unknown or a live
+        request still runs or waits under it (abort those first)."""
+        if name not in self._lora_roots:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        live = [r.request_id for r in self.state.table.live.values() if r.lora == name and r.status is not FINISHED]
+        if live:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(live)} live request(s)")
+        del self._lora_roots[name]
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Finish live requests with "abort" and free their blocks now; unknown ids are ignored.

@@ -214,6 +214,10 @@ class Step:
         else:
             self.answer_slots = slots
 
+    def owner(self, slot: int) -> Request | None:
+        """The request this (committed) plan ran on ``slot``."""
+        return self._owners[slot] if self._owners is not None and 0 <= slot < len(self._owners) else None
+
     def tokens_of(self, req: Request, cols: SlotColumns) -> int:
         """Tokens this (formed) plan computes for ``req``, a live request; 0 if it is not in it."""
         slot = req.slot

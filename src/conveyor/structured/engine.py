@@ -12,9 +12,11 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.structured.constraint import Constraint, ConstraintError
 
 INSTALL_HINT = "pip install 'conveyor[structured]'"
@@ -80,6 +82,18 @@ class EngineTokenizer:
     def from_file(path: str, eos_token_ids: Sequence[int], vocab_size: int | None = None) -> EngineTokenizer:
         with open(path, encoding="utf-8") as f:
             return EngineTokenizer(f.read(), tuple(eos_token_ids), vocab_size)
+
+    @staticmethod
+    def for_model(model_dir: str | Path) -> EngineTokenizer:
+        """The tokenizer a served model's constraints compile against: the directory's
+        ``tokenizer.json``, the model's end-of-sequence ids and vocabulary size (config.json,
+        generation_config.json). The frontend (which compiles) and the worker (which rebuilds
+        matchers from the compiled text) both build it here, so they agree on token ids."""
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise StructuredOutputUnavailable(f"structured output needs the model's tokenizer.json ({path} is missing)")
+        config = ModelConfig.from_dir(model_dir)
+        return EngineTokenizer.from_file(str(path), config.eos_token_ids, config.vocab_size)
 
 
 def grammar_text(constraint: Constraint) -> str:

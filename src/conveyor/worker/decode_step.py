@@ -7,13 +7,14 @@ them: replayed from a CUDA graph captured at startup (:mod:`conveyor.worker.cuda
 keyed by the paged decode kernel's launch plan, or eagerly (CPU, ``enforce_eager``).
 
 :class:`DecodeStep` is the part of :class:`~conveyor.worker.model_runner.ModelRunner` that
-does this (a base class of it: it reads the runner's model, request state, sampling columns
-and timers, which the runner sets up before :meth:`DecodeStep._setup_decode_step`).
+does this (a base class of it: it reads the runner's model, request state, sampling columns,
+sampling controls and timers, which the runner sets up before :meth:`DecodeStep._setup_decode_step`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from conveyor.worker.attention.triton_backend import TritonPagedAttention
 from conveyor.worker.cuda_graphs import DecodeGraphs
 from conveyor.worker.parallel import broadcast_from_first_
 from conveyor.worker.request_state import RequestState, Work
+
+if TYPE_CHECKING:
+    from conveyor.worker.model_runner import LogprobRows
 from conveyor.worker.sampler import batch_of_columns, host_flags
 from conveyor.worker.step_buffers import DecodeInputs, StepBuffers, context_buckets, decode_buckets, smallest_fitting
 
@@ -33,7 +37,7 @@ class DecodeStep:
 
     def _run_decode(
         self, work: list[Work], states: list[RequestState], samples: list[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, LogprobRows | None, None]:
         """A decode-only step through the static buffers: stage every input on the host, one
         copy to the device, then the captured graph of the step's bucket (or the same forward
         run eagerly), then the sampler over the bucket's rows; padded rows are ignored."""
@@ -69,6 +73,12 @@ class DecodeStep:
         m = len(sample_rows)
         host["sample_rows"][:m] = sample_rows
         host["sample_slots"][:m] = slots[sample_rows]
+        selection = self._controls.select(slots[sample_rows], computed[sample_rows] + 1)
+        c = 0
+        if selection is not None:
+            c = len(selection.rows)
+            host["control_rows"][:c] = sample_rows[selection.rows]
+            host["control_pool_rows"][:c] = selection.pool_rows
         params = self._sampling.gather(slots)
         for name, column in params.items():
             host[name][:n] = column
@@ -79,23 +89,38 @@ class DecodeStep:
             inputs.input_ids.copy_(
                 torch.where(inputs.from_device, self._last_tokens[inputs.last_slots], inputs.input_ids)
             )
+        # Graphs are captured without adapters: a step with adapter rows runs eagerly.
+        with_adapters = self._begin_lora(states, np.ones(rows, dtype=np.int64))
         start = self._t_prepare.record(start)
-        if self._graphs is not None:
-            self._graphs.replay(rows, bound)
-        else:
-            self._forward_decode(inputs, bound, seq_lens_host)
+        try:
+            if self._graphs is not None and not with_adapters:
+                self._graphs.replay(rows, bound)
+            else:
+                self._forward_decode(inputs, bound, seq_lens_host)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         start = self._t_forward.record(start)
 
         sample_slots = inputs.sample_slots[:m]
         if self.tensor_parallel.rank == 0:
             # inputs.positions + 1: the position of the token being drawn
-            batch = batch_of_columns(inputs.tensors, inputs.positions + 1, flags)
+            controls = None
+            if selection is not None:
+                controls = self._controls.rows_of(selection, inputs.control_rows[:c], inputs.control_pool_rows[:c])
+            batch = batch_of_columns(inputs.tensors, inputs.positions + 1, flags, controls)
+            self._constrain(batch, slots, sample_rows, states, False, rows)
             sampled = self.sampler.sample(self._logits[:rows], batch).index_select(0, inputs.sample_rows[:m])
+            # After the graph, on the same logits, for the rows that ask (the host knows which).
+            logprobs = self._sampled_logprobs(
+                self._logits, sample_rows, sampled, slots[sample_rows], computed[sample_rows] + 1
+            )
         else:
             sampled = torch.empty(m, dtype=torch.int64, device=self.device)
+            logprobs = None
         broadcast_from_first_(sampled, self.tensor_parallel)
         self._t_sample.record(start)
-        return sampled, sample_slots
+        return sampled, sample_slots, logprobs, None
 
     def _forward_decode(self, inputs: DecodeInputs, bound: int, seq_lens_host: list[int] | None = None) -> None:
         """Embedding to logits of a decode bucket, reading only ``inputs`` (fixed device views)

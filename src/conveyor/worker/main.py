@@ -8,7 +8,9 @@ Profiling: the time blocked waiting for the next plan with nothing launched (``i
 decoding it, launching it (``execute``: the runner's swaps, input preparation, forward and
 sampling inside; on a CPU the whole step), waiting for its sampled ids (``wait_tokens``: on a
 GPU, where the device time shows) and sending the result are timed per step; ``idle_fraction`` over the window says how much of the time the device
-waited for the scheduler and the transport. A ProfileQuery is answered on the result socket
+waited for the scheduler and the transport. Each step also leaves one record of its plan's shape and
+busy time (:class:`conveyor.profiling.StepRecorder`, the ``step_*`` series): what
+``conveyor-sim calibrate`` fits its cost model to. A ProfileQuery is answered on the result socket
 as soon as it is read: it arrives on the plan socket, so always between two steps, and
 piggybacks on nothing (StepResult stays as small as it was).
 
@@ -120,6 +122,11 @@ def build_runner(
     max_num_seqs: int = 256,
     enforce_eager: bool = False,
     first_device: int = 0,
+    lora_modules: tuple[tuple[str, str], ...] = (),
+    enable_lora: bool = False,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
 ) -> ModelRunner:
     """The worker's :class:`~conveyor.worker.model_runner.ModelRunner` as bin/serve's flags
     describe it (the fields of :class:`WorkerConfig`): torch's CPU threads set when given, the
@@ -128,9 +135,12 @@ def build_runner(
     (neither: the device's default, :func:`default_swap_space`). The worker process and the
     in-process engine (:mod:`conveyor.engine`) both build theirs here. ``tensor_parallel``:
     the runner of one rank, None for a single process; on CUDA it runs on GPU
-    ``first_device + rank`` (:func:`~conveyor.worker.parallel.rank_device`)."""
+    ``first_device + rank`` (:func:`~conveyor.worker.parallel.rank_device`). ``lora_modules``
+    (``(name, PEFT dir)`` pairs) or ``enable_lora`` turns LoRA on with those adapters and the
+    slot bounds."""
     import torch
 
+    from conveyor.worker.lora import LoraOptions
     from conveyor.worker.model_runner import ModelRunner
     from conveyor.worker.parallel import NO_TENSOR_PARALLEL, rank_device
 
@@ -152,6 +162,8 @@ def build_runner(
         tensor_parallel=tensor_parallel,
         max_num_seqs=max_num_seqs,
         enforce_eager=enforce_eager,
+        lora=LoraOptions(max_loras, max_lora_rank, max_cpu_loras) if lora_modules or enable_lora else None,
+        lora_modules=dict(lora_modules),
     )
 
 
@@ -272,7 +284,9 @@ class StepLoop:
         self.t_execute = prof.timer("execute", arg_name="step")  # launching a step (on a CPU, the whole step)
         self.t_wait = prof.timer("wait_tokens", arg_name="step")  # finishing a launched step
         self.t_send = prof.timer("send_result", arg_name="step")
+        self.steps = profiling.StepRecorder(prof)
         self.pending = None  # (launched step, or the StepResult of a launch that failed)
+        self.pending_shape: tuple[tuple[int, int, int, int], int] | None = None  # (plan shape, read at)
 
     def run(self) -> None:
         idle_start = profiling.now_ns()
@@ -306,6 +320,8 @@ class StepLoop:
             if self.pending is None:
                 self.t_idle.record(idle_start, received, arg=msg.step_id)
             launch_start = self.t_decode.record(received, arg=msg.step_id)
+            # (read before the next receive releases the ring slot the plan's arrays view)
+            shape = (profiling.plan_shape(msg), received) if self.steps.enabled else None
             try:
                 launched = self.runner.launch(msg)
             except self.recoverable as exc:
@@ -313,7 +329,7 @@ class StepLoop:
             self.t_execute.record(launch_start, arg=msg.step_id)
             if self.pending is not None:  # step N+1 is queued on the device: now wait for N
                 self._finish_pending()
-            self.pending = launched
+            self.pending, self.pending_shape = launched, shape
             if not self.pipeline or isinstance(launched, StepResult):
                 self._finish_pending()
                 idle_start = profiling.now_ns()
@@ -339,6 +355,7 @@ class StepLoop:
     def _finish_pending(self) -> None:
         """Finish the launched step (or take the failed launch's result) and send its result."""
         pending, self.pending = self.pending, None
+        shape, self.pending_shape = self.pending_shape, None
         start = profiling.now_ns()
         if isinstance(pending, StepResult):
             result = pending
@@ -348,6 +365,9 @@ class StepLoop:
             except self.recoverable as exc:
                 result = failed_step(pending.step_id, exc)
         send_start = self.t_wait.record(start, arg=result.step_id)
+        end = send_start
         if self.results is not None:
             self.results.send(result)
-            self.t_send.record(send_start, arg=result.step_id)
+            end = self.t_send.record(send_start, arg=result.step_id)
+        if shape is not None and result.error is None:
+            self.steps.record(shape[0], shape[1], end)

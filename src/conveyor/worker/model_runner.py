@@ -46,17 +46,65 @@ import numpy as np
 import torch
 
 from conveyor import profiling
-from conveyor.ipc.messages import StepPlan, StepResult, int_list
+from conveyor.ipc.messages import StepLogprobs, StepPlan, StepResult, int_list
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
+from conveyor.worker.grammar_rows import GrammarRows
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
+from conveyor.worker.lora import LoraManager, LoraOptions
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
 from conveyor.worker.request_state import RequestState, SlotStates, Work
-from conveyor.worker.sampler import Sampler, SamplingColumns, batch_from_rows
+from conveyor.worker.sampler import Sampler, SamplingBatch, SamplingColumns, batch_from_rows, logprobs_of
+from conveyor.worker.sampling_controls import SamplingControls
+
+
+@dataclass(eq=False)
+class LogprobRows:
+    """Log-probabilities one step computes (:class:`~conveyor.ipc.messages.StepLogprobs`):
+    the host's columns (slot, first sequence index, rows of each request) and the values,
+    on the device until :meth:`to_host` starts their copy (not waited for: ``finish`` reads
+    them after the step's event, like the sampled ids)."""
+
+    slots: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    width: int
+    chosen: torch.Tensor  # float32 [R]
+    top_ids: torch.Tensor  # int64 [R, width]
+    top_lp: torch.Tensor  # float32 [R, width]
+
+    @classmethod
+    def compute(
+        cls, logits: torch.Tensor, rows: np.ndarray, tokens: torch.Tensor, width: int,
+        slots: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+    ) -> LogprobRows:
+        """Of ``logits`` rows ``rows`` (host indices), for ``tokens`` (one per row, on the device)."""
+        index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(logits.device, non_blocking=True)
+        chosen, top_ids, top_lp = logprobs_of(logits, index, tokens, width)
+        return cls(slots, starts, counts, width, chosen, top_ids, top_lp)
+
+    def to_host(self, pinned: bool) -> None:
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            return host.copy_(tensor, non_blocking=pinned)
+
+        self.chosen, self.top_ids, self.top_lp = copy(self.chosen), copy(self.top_ids), copy(self.top_lp)
+
+    def message(self) -> StepLogprobs:
+        """The wire columns (call after the step's copies are done)."""
+        return StepLogprobs(
+            self.slots.astype(np.int32),
+            self.starts.astype(np.int32),
+            self.counts.astype(np.int32),
+            self.width,
+            self.chosen.numpy().astype("<f4").tobytes(),
+            self.top_ids.numpy().astype(np.int32).reshape(-1),
+            self.top_lp.numpy().astype("<f4").tobytes(),
+        )
 
 
 @dataclass(eq=False)
@@ -74,8 +122,11 @@ class LaunchedStep:
     sampled: torch.Tensor | None = None  # host buffer the sampled ids are copied into
     done: torch.cuda.Event | None = None  # recorded after that copy (CUDA only)
     start: float = 0.0  # perf_counter at launch
+    logprobs: LogprobRows | None = None  # of the sampled tokens, for the rows that asked
+    prompt_logprobs: LogprobRows | None = None  # of the prompt positions computed, likewise
     failed: bool = True  # until launched
     before: LaunchedStep | None = None
+    ends: list[tuple[int, str]] | None = None  # constrained rows the grammar ended: (slot, error)
 
 
 class ModelRunner(DecodeStep):
@@ -88,6 +139,11 @@ class ModelRunner(DecodeStep):
     ``max_num_seqs`` (the scheduler's) bounds the rows of a step and sizes the static decode
     buffers; on CUDA the decode step is captured as CUDA graphs unless ``enforce_eager``.
     ``pad_decode``: pad decode batches to the graph buckets (default: when graphs are used).
+
+    ``lora``: serve LoRA adapters (:mod:`conveyor.worker.lora`) with these slot and rank
+    bounds; ``lora_modules`` (name -> PEFT directory) are registered at once (a bad one raises
+    :class:`~conveyor.worker.lora.LoraLoadError`). Requests name their adapter in
+    :class:`~conveyor.ipc.messages.NewRequestData`.
 
     ``tensor_parallel``: this runner is one rank of a tensor-parallel group
     (:mod:`conveyor.worker.parallel`). It holds the rank's shard of the model and a cache of
@@ -112,6 +168,8 @@ class ModelRunner(DecodeStep):
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
         pad_decode: bool | None = None,
+        lora: LoraOptions | None = None,
+        lora_modules: dict[str, str] | None = None,
     ) -> None:
         if (num_blocks is None) == (kv_cache_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory_bytes")
@@ -121,6 +179,11 @@ class ModelRunner(DecodeStep):
         backend = backend_for(self.device, attention)
         self.model, self.model_config = load_model(model_dir, self.device, dtype, backend, tp)
         self.dtype = self.model.embed_tokens.weight.dtype
+        self.lora: LoraManager | None = None
+        if lora is not None or lora_modules:
+            self.lora = LoraManager(self.model, lora or LoraOptions())
+            for name, directory in (lora_modules or {}).items():
+                self.lora.register(name, directory)
         cache_shape = KVCacheShape.of(self.model_config, block_size, self.dtype, tp)
         self.block_bytes = cache_shape.bytes_per_block
         if num_blocks is None:
@@ -138,6 +201,8 @@ class ModelRunner(DecodeStep):
         self.swap_caches = cache_shape.allocate_swap(num_cpu_blocks, self.device)
         self.sampler = Sampler(self.device)
         self._sampling = SamplingColumns()  # per-slot sampling parameters, set when a request arrives
+        # Per-slot device state of the requests using penalties, logit_bias or min_tokens.
+        self._controls = SamplingControls(self.model_config.vocab_size, self.device, self.model_config.eos_token_ids)
         self._requests = SlotStates()  # request state and block tables by slot
         # The last token of each slot, on the device: grows with the slot table.
         self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -155,6 +220,12 @@ class ModelRunner(DecodeStep):
         self._t_sample = prof.timer("sample")  # LM head on the sampled rows + the sampler
         self._t_swap = prof.timer("swap", arg_name="blocks")  # only steps that copy blocks
         self._setup_decode_step(max_num_seqs, enforce_eager, pad_decode, backend)
+        # Structured output (conveyor.worker.grammar_rows): matchers of constrained requests,
+        # and a per-slot flag so that a step without them is told apart in one numpy test.
+        self._grammars = GrammarRows(model_dir)
+        self._constrained = np.zeros(0, np.bool_)
+        self._in_flight: LaunchedStep | None = None  # the unfinished step a launch may read tokens of
+        self._ends: list[tuple[int, str]] = []
         self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, max_num_seqs)
 
     @property
@@ -185,9 +256,11 @@ class ModelRunner(DecodeStep):
         dropped = int_list(plan.finished_slots)
         PlanChecker.check_dropped(dropped)
         requests.drop(dropped)
+        self._controls.release(dropped)
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
+        adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
         # Forks' block copies first: their sources may be swapped out or freed and written
         # again by this same plan (see StepPlan).
         if plan.copy_blocks:
@@ -199,9 +272,13 @@ class ModelRunner(DecodeStep):
             transfer_blocks(self.kv_caches, self.swap_caches, plan.swap_out)
             transfer_blocks(self.swap_caches, self.kv_caches, plan.swap_in)
             self._t_swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
-        for new in plan.new_requests:  # on free slots (checked), the finished ones dropped above
-            requests.take_in(new)
+        for new, adapter in zip(plan.new_requests, adapters):  # on free slots (checked), the finished ones dropped above
+            requests.take_in(new, adapter)
             self._sampling.set(new.slot, new.sampling)
+            num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+            if self.tensor_parallel.rank == 0:  # (the rank that samples holds the controls' state)
+                self._controls.assign(new.slot, new.sampling, requests.states[new.slot].token_ids, num_prompt)
+            self._take_in_grammar(new.slot, new.sampling.grammar, num_prompt)
         table = requests.states
         if len(self._last_tokens) < len(table):
             grown = torch.zeros(len(table), dtype=torch.int64, device=self.device)
@@ -213,7 +290,9 @@ class ModelRunner(DecodeStep):
             if item.new_block_ids:
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
         samples = [item.num_computed + item.num_scheduled == state.num_known for item, state in zip(work, states)]
-        sampled, sample_slots = self._run(work, states, samples) if work else (None, None)
+        self._in_flight, self._ends = before, []
+        sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
+        launched.ends, self._in_flight = self._ends, None
         for item, state in zip(work, states):
             state.num_computed += item.num_scheduled
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
@@ -228,11 +307,34 @@ class ModelRunner(DecodeStep):
             # the next steps' inputs, without a host round trip
             self._last_tokens.index_copy_(0, sample_slots, sampled)
             launched.sampled = self._copy_to_host(sampled)
+        for rows in (logprobs, prompt_logprobs):
+            if rows is not None:
+                rows.to_host(self._cuda)
+        launched.logprobs, launched.prompt_logprobs = logprobs, prompt_logprobs
+        if sampling or prompt_logprobs is not None:
             if self._cuda:
                 launched.done = torch.cuda.Event()
                 launched.done.record()
         launched.failed = False
         return launched
+
+    def _adapter_id(self, name: str | None) -> int:
+        """The id of a new request's adapter; PlanRefused (before any state changes) for one
+        the runner does not hold (a race with an unload, or LoRA off)."""
+        if not name:
+            return 0
+        if self.lora is None or name not in self.lora.names:
+            raise PlanRefused(f"unknown LoRA adapter {name!r}")
+        return self.lora.adapter_id(name)
+
+    def _begin_lora(self, states: list[RequestState], row_tokens: np.ndarray) -> bool:
+        """Set the step's adapter batch (rows in ``states`` order, ``row_tokens`` tokens each,
+        padding rows past ``states`` run the base model); whether any row has an adapter."""
+        if self.lora is None:
+            return False
+        adapters = np.zeros(len(row_tokens), dtype=np.int64)
+        adapters[: len(states)] = [state.adapter for state in states]
+        return self.lora.begin_step(adapters, row_tokens)
 
     def _copy_to_host(self, sampled: torch.Tensor) -> torch.Tensor:
         """Start copying the sampled ids into the next host buffer (pinned on CUDA: the copy is
@@ -276,24 +378,151 @@ class ModelRunner(DecodeStep):
             return StepResult(
                 launched.step_id, [], [], error=f"step {launched.step_id} was planned ahead of a step that failed"
             )
+        ends = launched.ends or []
         return StepResult(
-            launched.step_id, launched.slots, tokens, forward_time=time.perf_counter() - launched.start
+            launched.step_id,
+            launched.slots,
+            tokens,
+            forward_time=time.perf_counter() - launched.start,
+            end_slots=[slot for slot, _ in ends],
+            end_errors=[error for _, error in ends],
+            logprobs=launched.logprobs.message() if launched.logprobs is not None else None,
+            prompt_logprobs=launched.prompt_logprobs.message() if launched.prompt_logprobs is not None else None,
         )
+
+    def _take_in_grammar(self, slot: int, grammar: str, num_prompt_tokens: int) -> None:
+        """Mark ``slot`` constrained or not, and give a constrained request a fresh matcher
+        (a resumed one replays its outputs into it at its first fill). Only rank 0 samples."""
+        if slot >= len(self._constrained):
+            grown = np.zeros(max(slot + 1, 2 * len(self._constrained), 16), np.bool_)
+            grown[: len(self._constrained)] = self._constrained
+            self._constrained = grown
+        constrained = bool(grammar) and self.tensor_parallel.rank == 0
+        self._constrained[slot] = constrained
+        if constrained:
+            self._requests.states[slot].grammar = self._grammars.row(grammar, num_prompt_tokens)
+
+    def _constrain(
+        self, batch: SamplingBatch, slots: np.ndarray, sample_rows: np.ndarray, states: list[RequestState], packed: bool,
+        num_rows: int,
+    ) -> None:
+        """Fill the grammar bitmask of the step's constrained sampling rows into ``batch``
+        (conveyor.worker.grammar_rows), after the step's forward was enqueued. ``slots`` and
+        ``states``: the step's rows; ``sample_rows``: those that sample; their logits rows are
+        ``0..len(sample_rows)-1`` when ``packed`` (the ragged step), else ``sample_rows`` (the
+        decode step's bucket of ``num_rows``). A step with no constrained row returns after
+        one numpy test."""
+        sample_slots = slots[sample_rows]
+        if not len(sample_slots) or not self._constrained[sample_slots].any():
+            return
+        in_flight: dict[int, int] | None = None
+        items = []
+        for j, (i, slot) in enumerate(zip(sample_rows.tolist(), sample_slots.tolist())):
+            state = states[i]
+            if state.grammar is None:
+                continue
+            pending = None
+            if state.pending:  # the step in flight sampled its last token: wait for it (overlaps this forward)
+                if in_flight is None:
+                    step = self._in_flight
+                    if step.done is not None:
+                        step.done.synchronize()
+                    in_flight = dict(zip(step.slots, step.sampled.tolist()))
+                pending = in_flight[slot]
+            items.append((j if packed else i, slot, state.grammar, state.token_ids, pending))
+        mask, ends = self._grammars.fill(items, num_rows, self.device)
+        batch.bitmask, batch.bitmask_rows = mask.bitmask, mask.rows
+        self._ends += ends
 
     def _run(
         self, work: list[Work], states: list[RequestState], samples: list[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, LogprobRows | None, LogprobRows | None]:
         """Forward the step and sample; returns, on the device, the ids sampled for the rows with
-        ``samples`` set, in order, and their slots (nothing here waits for the device). A
+        ``samples`` set, in order, and their slots (nothing here waits for the device), then
+        the log-probabilities of the sampled tokens and of the prompt positions computed, for
+        the requests that asked (None when none did: nothing extra runs then). A
         decode-only step (every row runs one token) takes the static-buffer path
         (:meth:`_run_decode`), any other the flattened ragged one (:meth:`_run_ragged`)."""
-        if all(item.num_scheduled == 1 for item in work):
+        if all(item.num_scheduled == 1 for item in work) and not self._scores_prompt(work, states):
             return self._run_decode(work, states, samples)
         return self._run_ragged(work, states, samples)
 
+    def _scores_prompt(self, work: list[Work], states: list[RequestState]) -> bool:
+        """Whether a row of the step computes a prompt position whose next token's
+        log-probability its request asked for: such a step runs the ragged path, whose hidden
+        states the prompt's scoring reads (the decode step's graphs keep only the last row's
+        logits). The slots that may still need it are a set that forgets a slot once its
+        request is gone or past its prompt, so once no such request is held a step pays one
+        empty-set test."""
+        owed = self._sampling.prompt_logprobs_slots
+        if not owed:
+            return False
+        table = self._requests.states
+        for slot in list(owed):
+            state = table[slot] if slot < len(table) else None
+            if state is None or state.sampling.prompt_logprobs is None or state.num_computed >= state.num_prompt - 1:
+                owed.discard(slot)  # (a recomputed request is taken in again, and set again)
+        return bool(owed) and any(item.slot in owed for item in work)
+
+    def _sampled_logprobs(
+        self, logits: torch.Tensor, rows: np.ndarray, sampled: torch.Tensor, slots: np.ndarray, positions: np.ndarray
+    ) -> LogprobRows | None:
+        """The sampled tokens' log-probabilities for the requests that ask: ``logits[rows[j]]``
+        drew ``sampled[j]`` for the request on ``slots[j]`` at sequence index ``positions[j]``.
+        Which requests ask is read on the host (the slots' column): None, and nothing run,
+        when none does. The step's width is the largest k asked (each request keeps its own)."""
+        asked = self._sampling.logprobs[slots]
+        wanted = np.flatnonzero(asked >= 0)
+        if not len(wanted):
+            return None
+        width = min(int(asked[wanted].max()), logits.shape[1])
+        tokens = sampled.index_select(0, torch.from_numpy(wanted).to(sampled.device, non_blocking=True))
+        return LogprobRows.compute(
+            logits, rows[wanted], tokens, width, slots[wanted], positions[wanted], np.ones(len(wanted), np.int64)
+        )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, work: list[Work], states: list[RequestState], offsets: np.ndarray
+    ) -> LogprobRows | None:
+        """Log-probabilities of the prompt tokens this step's chunks predict, for the requests
+        that ask (``prompt_logprobs``): the hidden state at position ``p`` gives token ``p + 1``,
+        so a chunk of positions ``c .. e - 1`` covers tokens ``c + 1 .. min(e, P - 1)`` of a
+        prompt of ``P`` tokens (the first prompt token has none; a chunk ending the prompt
+        covers up to its last token). ``offsets[i]``: where row ``i``'s tokens start in the
+        flat batch. Prompt positions this worker did not compute (a prefix-cache hit) are not
+        given here: the scheduler bypasses the cache for such requests."""
+        flat: list[np.ndarray] = []
+        targets: list[int] = []
+        slots, starts, counts = [], [], []
+        width = 0
+        for i, (item, state) in enumerate(zip(work, states)):
+            k = state.sampling.prompt_logprobs
+            if k is None:
+                continue
+            first, end = item.num_computed, min(item.num_computed + item.num_scheduled, state.num_prompt - 1)
+            if end <= first:
+                continue
+            flat.append(np.arange(offsets[i], offsets[i] + end - first))
+            targets += state.token_ids[first + 1 : end + 1]
+            slots.append(item.slot)
+            starts.append(first + 1)
+            counts.append(end - first)
+            width = max(width, k)
+        if not slots:
+            return None
+        rows = np.concatenate(flat)
+        index = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        tokens = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        width = min(width, logits.shape[1])
+        return LogprobRows.compute(
+            logits, np.arange(len(rows)), tokens, width,
+            np.asarray(slots, np.int64), np.asarray(starts, np.int64), np.asarray(counts, np.int64),
+        )
+
     def _run_ragged(
         self, work: list[Work], states: list[RequestState], samples: list[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, LogprobRows | None, LogprobRows | None]:
         """Prefill, chunked prefill and mixed steps: the new tokens laid end to end, unpadded."""
         start = profiling.now_ns()
         query_lens = [item.num_scheduled for item in work]
@@ -317,8 +546,13 @@ class ModelRunner(DecodeStep):
         if on_device:
             index, pending = torch.tensor(on_device, dtype=torch.int64).to(self.device, non_blocking=True).unbind(1)
             tokens[index] = self._last_tokens[pending]
+        self._begin_lora(states, np.asarray(query_lens, dtype=np.int64))
         start = self._t_prepare.record(start)
-        hidden = self.model(tokens, positions, metadata)
+        try:
+            hidden = self.model(tokens, positions, metadata)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         start = self._t_forward.record(start)
 
         sample_rows = np.flatnonzero(samples)
@@ -329,12 +563,20 @@ class ModelRunner(DecodeStep):
             # The position of the token being drawn is fixed for each output index of a request,
             # so it keys a seeded draw as well as the output index would, across preemptions too.
             draw_positions = np.fromiter([item.num_computed + item.num_scheduled for item in work], np.int64, len(work))
+            rows_slots, rows_positions = slots[sample_rows], draw_positions[sample_rows]
+            controls = self._controls.upload(self._controls.select(rows_slots, rows_positions))
             batch = batch_from_rows(
-                self._sampling.gather(slots[sample_rows]), draw_positions[sample_rows], logits.shape[1], self.device
+                self._sampling.gather(rows_slots), rows_positions, logits.shape[1], self.device, controls
             )
+            self._constrain(batch, slots, sample_rows, states, True, len(sample_rows))
             sampled = self.sampler.sample(logits, batch)
+            logprobs = self._sampled_logprobs(
+                logits, np.arange(len(sample_rows)), sampled, slots[sample_rows], draw_positions[sample_rows]
+            )
+            prompt_logprobs = self._prompt_logprobs(hidden, work, states, ends - np.asarray(query_lens, np.int64))
         else:  # rank 0 holds the LM head and samples; the next steps' inputs need its ids here too
             sampled = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device)
+            logprobs = prompt_logprobs = None
         broadcast_from_first_(sampled, self.tensor_parallel)
         self._t_sample.record(start)
-        return sampled, sample_slots
+        return sampled, sample_slots, logprobs, prompt_logprobs

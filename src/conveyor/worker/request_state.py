@@ -11,10 +11,14 @@ this state before anything changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams, int_list
+
+if TYPE_CHECKING:
+    from conveyor.worker.grammar_rows import GrammarRow
 
 
 @dataclass
@@ -29,6 +33,9 @@ class RequestState:
     sampling: SamplingParams
     num_computed: int
     pending: int = 0  # tokens sampled by a launched step, not yet appended (0 or 1)
+    adapter: int = 0  # LoRA adapter id (conveyor.worker.lora.LoraManager; 0: the base model)
+    grammar: GrammarRow | None = None  # structured output: its matcher (rank 0 only)
+    num_prompt: int = 0  # token_ids[:num_prompt] is the prompt (its log-probabilities' range)
 
     @property
     def num_known(self) -> int:
@@ -75,13 +82,17 @@ class SlotStates:
             if slot < len(states):
                 states[slot] = None
 
-    def take_in(self, new: NewRequestData) -> None:
-        """Hold a new request on its slot (free: checked, the plan's drops done first)."""
+    def take_in(self, new: NewRequestData, adapter: int = 0) -> None:
+        """Hold a new request on its slot (free: checked, the plan's drops done first), under
+        LoRA adapter id ``adapter`` (0: the base model)."""
         states = self.states
         if new.slot >= len(states):
             states.extend([None] * (new.slot + 1 - len(states)))
         tokens, blocks = int_list(new.token_ids), int_list(new.block_ids)
-        states[new.slot] = RequestState(new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens)
+        states[new.slot] = RequestState(
+            new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens, adapter=adapter,
+            num_prompt=len(tokens) if new.num_prompt_tokens is None else new.num_prompt_tokens,
+        )
         self.set_table(new.slot, 0, blocks, clear=True)
 
     def extend_blocks(self, slot: int, state: RequestState, blocks: list[int]) -> None:

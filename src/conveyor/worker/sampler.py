@@ -1,6 +1,11 @@
 """Logits -> token ids for a whole batch in a fixed number of torch ops, no per-row Python.
 
-Greedy rows (temperature 0) take the exact argmax of the raw logits. Other rows are
+The sampling controls (penalties, ``logit_bias``, ``min_tokens``) come first, on the rows
+that use them only (:mod:`conveyor.worker.sampling_controls`), and the counts they keep are
+updated with what was sampled. Constrained rows (structured output) then have the tokens
+their grammar disallows set to -inf (:mod:`conveyor.worker.grammar_mask`), so greedy and
+every filter see only allowed tokens; a batch without them skips it on a host flag. Greedy
+rows (temperature 0) take the exact argmax of the logits then. Other rows are
 divided by their temperature, filtered (top-k, then top-p, then min-p; each disabled by
 its neutral value) and sampled with the exponential race: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` i.i.d. picks token ``i`` with probability ``p_i``.
@@ -26,6 +31,8 @@ import numpy as np
 import torch
 
 from conveyor.ipc.messages import SamplingParams
+from conveyor.worker.grammar_mask import apply_token_bitmask
+from conveyor.worker.sampling_controls import ControlRows, SamplingControls
 
 _GAMMA = 0x9E3779B97F4A7C15
 _MUL1 = 0xBF58476D1CE4E5B9
@@ -78,7 +85,8 @@ class SamplingBatch:
 
     ``temperature`` 0 means greedy; ``top_k`` <= 0 or >= vocab, ``top_p`` >= 1 and ``min_p``
     <= 0 disable their filter; ``seed`` is read only where ``seeded``; ``positions`` is the
-    sequence position of the token each row draws (keys seeded draws)."""
+    sequence position of the token each row draws (keys seeded draws and bounds
+    ``min_tokens``); ``controls``: the rows that use sampling controls, None when none does."""
 
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor  # int64
@@ -92,6 +100,11 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_unseeded: bool  # a sampling (non-greedy) row without a seed
+    controls: ControlRows | None = None
+    # Structured output: an int32 grammar bitmask with one row per logits row, applied to
+    # ``bitmask_rows`` only (conveyor.worker.grammar_rows fills it); None: no constrained row.
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: Sequence[int] = ()
 
 
 class SamplingColumns:
@@ -109,6 +122,13 @@ class SamplingColumns:
 
     def __init__(self) -> None:
         self.columns = {name: np.zeros(0, dtype) for name, dtype in self.FIELDS}
+        # Beside the sampler's fields (not part of a SamplingBatch): the number of top
+        # log-probabilities each slot's request asks for with its sampled tokens, -1 for none,
+        # so the host tells from one gather whether a step computes any.
+        self.logprobs = np.zeros(0, np.int64)
+        # The slots whose request asked for prompt log-probabilities (the runner forgets one
+        # once its prompt is computed): while empty, no step looks for prompt positions to score.
+        self.prompt_logprobs_slots: set[int] = set()
 
     def set(self, slot: int, params: SamplingParams) -> None:
         size = len(self.columns["seed"])
@@ -118,9 +138,17 @@ class SamplingColumns:
                 grown = np.zeros(new_size, column.dtype)
                 grown[:size] = column
                 self.columns[name] = grown
+            grown = np.full(new_size, -1, np.int64)
+            grown[:size] = self.logprobs
+            self.logprobs = grown
         values = row_values(params)
         for name, column in self.columns.items():
             column[slot] = values[name]
+        self.logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        if params.prompt_logprobs is None:
+            self.prompt_logprobs_slots.discard(slot)
+        else:
+            self.prompt_logprobs_slots.add(slot)
 
     def gather(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         return {name: column[slots] for name, column in self.columns.items()}
@@ -162,22 +190,47 @@ class Sampler:
             self._generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        positions: Sequence[int],
+        histories: Sequence[tuple[Sequence[int], int]] | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> torch.Tensor:
         """Sample rows given as :class:`SamplingParams` (tests, small callers): builds the
         :class:`SamplingBatch` and calls :meth:`sample`. ``positions[i]`` keys row ``i``'s
         seeded draw: any per-request index that names this draw the same way every time it
-        is made (the runner passes the sequence position of the token being sampled)."""
+        is made (the runner passes the sequence position of the token being sampled).
+        ``histories[i]``: row ``i``'s tokens so far and how many of them are its prompt,
+        which its sampling controls read (default: none), with ``eos_token_ids``."""
         if len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, {len(positions)} positions")
         columns = SamplingColumns()
+        controls = SamplingControls(logits.shape[1], logits.device, eos_token_ids)
         for row, p in enumerate(params):
             columns.set(row, p)
+            tokens, num_prompt = histories[row] if histories is not None else ((), 0)
+            controls.assign(row, p, tokens, num_prompt)
         rows = columns.gather(np.arange(len(params)))
-        return self.sample(logits, batch_from_rows(rows, np.asarray(positions, np.int64), logits.shape[1], logits.device))
+        positions = np.asarray(positions, np.int64)
+        selected = controls.upload(controls.select(np.arange(len(params)), positions))
+        return self.sample(logits, batch_from_rows(rows, positions, logits.shape[1], logits.device, selected))
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Token ids ``[N]`` for float32 ``logits`` ``[N, V]``; nothing here waits for the device."""
+        """Token ids ``[N]`` for float32 ``logits`` ``[N, V]``; nothing here waits for the device.
+        With a grammar bitmask, the constrained rows of the (controlled) logits are masked in place."""
+        controls = batch.controls
+        if controls is not None:
+            logits = controls.apply(logits, batch.positions)
+        if batch.bitmask is not None:
+            apply_token_bitmask(logits, batch.bitmask, batch.bitmask_rows)
+        sampled = self._draw(logits, batch)
+        if controls is not None:
+            controls.record(sampled)
+        return sampled
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Greedy rows' argmax, the others' filtered draw (module docstring)."""
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy
@@ -216,7 +269,11 @@ class Sampler:
 
 
 def batch_from_rows(
-    rows: dict[str, np.ndarray], positions: np.ndarray, vocab: int, device: torch.device | str
+    rows: dict[str, np.ndarray],
+    positions: np.ndarray,
+    vocab: int,
+    device: torch.device | str,
+    controls: ControlRows | None = None,
 ) -> SamplingBatch:
     """A :class:`SamplingBatch` from host rows (one copy per column: the dynamic step's way;
     the static decode step views its columns in its staging buffer instead)."""
@@ -225,14 +282,38 @@ def batch_from_rows(
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
     columns = {name: dev(rows[name]) for name, _ in SamplingColumns.FIELDS}
-    return batch_of_columns(columns, dev(positions), host_flags(rows, vocab))
+    return batch_of_columns(columns, dev(positions), host_flags(rows, vocab), controls)
 
 
 def batch_of_columns(
-    columns: Mapping[str, torch.Tensor], positions: torch.Tensor, flags: dict[str, bool]
+    columns: Mapping[str, torch.Tensor],
+    positions: torch.Tensor,
+    flags: dict[str, bool],
+    controls: ControlRows | None = None,
 ) -> SamplingBatch:
     """A :class:`SamplingBatch` of the device columns named in :attr:`SamplingColumns.FIELDS`
-    (other entries of ``columns`` are ignored), the draws' ``positions`` and the
-    :func:`host_flags`: the one mapping from columns to fields, for the dynamic step's fresh
-    copies and the static decode step's views of its staging buffer alike."""
-    return SamplingBatch(**{name: columns[name] for name, _ in SamplingColumns.FIELDS}, positions=positions, **flags)
+    (other entries of ``columns`` are ignored), the draws' ``positions``, the
+    :func:`host_flags` and the step's controlled rows: the one mapping from columns to
+    fields, for the dynamic step's fresh copies and the static decode step's views of its
+    staging buffer alike."""
+    return SamplingBatch(
+        **{name: columns[name] for name, _ in SamplingColumns.FIELDS}, positions=positions, **flags, controls=controls
+    )
+
+
+def logprobs_of(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """Log-probabilities of ``logits`` rows ``rows``: each row's ``tokens`` entry ``[R]`` and
+    its ``width`` most likely tokens ``([R, width]`` ids and values, most likely first).
+
+    The log-softmax of the *raw* logits in float32, before temperature and the filters (what
+    vLLM returns by default): what the model gives the token, not what the sampler's
+    reshaped distribution gave it. Only the ``rows`` asked for are normalized; the caller
+    decides on the host whether to call at all, so a step that asks for none runs nothing."""
+    lp = logits.index_select(0, rows).float().log_softmax(dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1)).view(-1)
+    if width:
+        top_lp, top_ids = lp.topk(width, dim=-1)
+    else:
+        top_lp = lp.new_empty((lp.shape[0], 0))
+        top_ids = torch.empty((lp.shape[0], 0), dtype=torch.int64, device=lp.device)
+    return chosen, top_ids, top_lp

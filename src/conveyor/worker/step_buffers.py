@@ -4,7 +4,8 @@ A decode-only step (every scheduled row runs exactly one token) is padded to a *
 rows (:func:`decode_buckets` where CUDA graphs replay it; eagerly, the runner makes every
 row count a bucket of its own) and reads all its inputs from views into one device byte
 buffer: token ids, positions, KV slots, the pending-token gather, which rows sample, the
-attention lengths and block tables, and the sampling parameters. The runner fills the same
+attention lengths and block tables, the sampling parameters and the rows using sampling
+controls. The runner fills the same
 fields in a host staging buffer (pinned on CUDA) and :meth:`StepBuffers.upload` moves the
 bucket's bytes in ONE host-to-device copy; nothing on the device is allocated for inputs,
 and nothing waits for the device. Because a bucket's device views never move, a CUDA graph
@@ -41,6 +42,8 @@ FIELDS: tuple[tuple[str, np.dtype, bool], ...] = (
     ("last_slots", np.dtype(np.int64), False),  # the row's slot in the runner's last-token buffer
     ("sample_rows", np.dtype(np.int64), False),  # first n: the rows that sample, in result order
     ("sample_slots", np.dtype(np.int64), False),  # their slots
+    ("control_rows", np.dtype(np.int64), False),  # first c: the sampling rows using sampling controls
+    ("control_pool_rows", np.dtype(np.int64), False),  # their rows in the controls' pool
     ("seed", np.dtype(np.int64), False),
     ("top_k", np.dtype(np.int64), False),
     ("seq_lens", np.dtype(np.int32), False),
@@ -192,7 +195,10 @@ class StepBuffers:
 
 def _pad(views: dict[str, np.ndarray]) -> None:
     """Every row inert (see the module docstring)."""
-    for name in ("input_ids", "positions", "last_slots", "sample_rows", "sample_slots", "seed", "top_k", "context_lens"):
+    for name in (
+        "input_ids", "positions", "last_slots", "sample_rows", "sample_slots", "control_rows", "control_pool_rows",
+        "seed", "top_k", "context_lens",
+    ):
         views[name].fill(0)
     views["slot_mapping"].fill(-1)
     views["seq_lens"].fill(1)

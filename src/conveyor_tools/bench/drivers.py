@@ -21,6 +21,7 @@ from conveyor_tools.bench.cpu import CpuMeter, CpuProbe, per_token_us
 from conveyor_tools.bench.metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
 from conveyor_tools.bench.workloads import BenchRequest, Workload
 from conveyor.client import AsyncClient
+from conveyor.profiling import STEP_SERIES, step_records
 
 WARMUP_REQUESTS = 4
 TIMELINE_SERIES = ["batch_seqs", "batch_tokens", "num_waiting"]
@@ -57,7 +58,7 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
         async def one(i: int) -> None:
             req = workload.requests[i]
             result = await client.generate(
-                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True
+                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.sampling
             )
             latencies[i] = time.perf_counter() - start
             _check(result, req.output_len)
@@ -69,7 +70,10 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
         wall = time.perf_counter() - start
         # The window is the run (plus the query's own trip): time-based values such as the
         # worker's idle fraction then describe the run, not the quiet spell before it.
-        profile = await client.profile(wall + PROFILE_SLACK_S, series=TIMELINE_SERIES)
+        profile = await client.profile(wall + PROFILE_SLACK_S, series=[*TIMELINE_SERIES, *STEP_SERIES])
+        stats = await client.stats()
+    # The worker's per-step records of the run (warmup excluded): conveyor-sim calibrate's input.
+    steps = step_records(profile["processes"], start_mono, start_mono + int(wall * 1e9))
     return OfflineRun.of(
         system,
         workload,
@@ -77,7 +81,10 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
         latencies,
         ttfts,
         _server_timeline(profile, start_mono, wall),
-        {"server_profile": _profile_summary(profile)},
+        {
+            "server_profile": _profile_summary(profile),
+            "step_records": {**steps, "num_blocks": stats.get("total_blocks")},
+        },
     )
 
 
@@ -176,7 +183,7 @@ async def run_online(
         async def stream_one(req: BenchRequest, timing: StreamTiming) -> None:
             last = None
             async for delta in client.stream(
-                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True
+                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.sampling
             ):
                 now = time.perf_counter()
                 if delta.token_ids:

@@ -48,6 +48,7 @@ LOGNORMAL_CLIP_FACTOR = 16  # lognormal workload: outputs clipped to [1, 16 x th
 class BenchRequest:
     prompt_ids: list[int]
     output_len: int
+    sampling: dict[str, Any] = field(default_factory=dict)  # extra generate fields (sampling controls)
 
     @property
     def prompt_len(self) -> int:
@@ -84,6 +85,46 @@ class Workload:
             "prompt_len": _stats(prompts),
             "output_len": _stats(outputs),
         }
+
+
+# What a request of a --controls-fraction run asks for: every sampling control that costs a
+# pass over its logits row (the penalties, a few biases; min_tokens ends within its first
+# tokens, so it is left out). Token ids 10 and 20 exist in every vocabulary benchmarked.
+SAMPLING_CONTROLS: dict[str, Any] = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "repetition_penalty": 1.1,
+    "logit_bias": {10: 1.0, 20: -1.0},
+}
+
+
+def with_controls(workload: Workload, fraction: float) -> Workload:
+    """``workload`` with :data:`SAMPLING_CONTROLS` on ``fraction`` of its requests, spread
+    evenly (:func:`with_fields`)."""
+    return with_fields(workload, fraction, SAMPLING_CONTROLS, "controls_fraction")
+
+
+def with_logprobs(workload: Workload, fraction: float, k: int) -> Workload:
+    """``workload`` with ``logprobs=k`` on ``fraction`` of its requests (:func:`with_fields`)."""
+    workload = with_fields(workload, fraction, {"logprobs": k}, "logprobs_fraction")
+    workload.params["logprobs"] = k
+    return workload
+
+
+def with_fields(workload: Workload, fraction: float, fields: dict[str, Any], param: str) -> Workload:
+    """``workload`` with the generate ``fields`` added to ``fraction`` of its requests, spread
+    evenly (request ``i`` when ``floor((i + 1) * fraction)`` steps up), so a batch of any
+    size holds about that fraction; ``param`` records the fraction in the workload's params."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"{param.replace('_', ' ')} must be in [0, 1], got {fraction}")
+    requests = [
+        BenchRequest(r.prompt_ids, r.output_len, {**r.sampling, **fields})
+        if math.floor((i + 1) * fraction) > math.floor(i * fraction)
+        else r
+        for i, r in enumerate(workload.requests)
+    ]
+    params = {**workload.params, param: fraction}
+    return Workload(workload.name, workload.seed, requests, params, workload.num_clamped)
 
 
 def _stats(x: np.ndarray) -> dict[str, float]:
@@ -192,6 +233,7 @@ def make_workload(
     return Workload(name, seed, requests, params, clamped)
 
 
+
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
     """Arrival offsets in seconds of a Poisson process at ``rate`` requests/s (all 0 for inf)."""
     if math.isinf(rate):
@@ -201,3 +243,37 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, num_requests)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()
+
+
+def bench_schema(output_len: int) -> dict[str, Any]:
+    """A JSON schema no answer of ``output_len`` tokens can complete (an array of at least that
+    many objects, each several tokens), so a constrained request runs its full length like an
+    unconstrained one with ``ignore_eos`` and the two cost the same tokens; the objects have
+    the usual mix (integers, bounded strings, enums, booleans)."""
+    item = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 12},
+            "kind": {"enum": ["a", "b", "c"]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "name", "kind", "ok"],
+        "additionalProperties": False,
+    }
+    return {"type": "array", "items": item, "minItems": output_len}
+
+
+def constrain_fraction(workload: Workload, fraction: float) -> Workload:
+    """``workload`` with ``fraction`` of its requests under :func:`bench_schema`, spread as
+    :func:`with_controls` spreads its share."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"constrained fraction must be in [0, 1], got {fraction}")
+    requests = [
+        BenchRequest(r.prompt_ids, r.output_len, {**r.sampling, "constraint": {"type": "json_schema", "schema": bench_schema(r.output_len)}})
+        if math.floor((i + 1) * fraction) > math.floor(i * fraction)
+        else r
+        for i, r in enumerate(workload.requests)
+    ]
+    params = {**workload.params, "constrained_fraction": fraction}
+    return Workload(workload.name, workload.seed, requests, params, workload.num_clamped)

@@ -41,7 +41,7 @@ from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.http_driver import run_online_http
 from conveyor_tools.bench.metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
-from conveyor_tools.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
+from conveyor_tools.bench.workloads import WORKLOADS, constrain_fraction, make_workload, poisson_arrivals, with_controls, with_logprobs
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.runtime.build import GIB
 from conveyor.runtime.config import Device, Dtype, WorkerConfig
@@ -85,10 +85,26 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--prompt-len", type=int, default=128, help="fixed and lognormal workloads")
     common.add_argument("--output-len", type=int, default=128, help="fixed workload; lognormal workload's mean")
     common.add_argument("--output-sigma", type=float, default=1.0, help="lognormal workload: log-space spread of outputs")
+    common.add_argument(
+        "--logprobs-fraction", type=float, default=0.0, help="this fraction of the requests asks for --logprobs (Conveyor systems)"
+    )
+    common.add_argument("--logprobs", type=int, default=5, help="top log-probabilities those requests ask for")
     common.add_argument("--scale", type=float, default=1.0, help="sharegpt workload: lengths times this")
     common.add_argument("--min-len", type=int, default=100, help="uniform workload")
     common.add_argument("--max-len", type=int, default=1024, help="uniform workload")
     common.add_argument("--batch-size", type=int, default=32, help="concurrency cap of every system")
+    common.add_argument(
+        "--controls-fraction",
+        type=float,
+        default=0.0,
+        help="share of requests sent with sampling controls (penalties, logit_bias); conveyor systems only",
+    )
+    common.add_argument(
+        "--constrained-fraction",
+        type=float,
+        default=0.0,
+        help="share of requests under a JSON schema (structured output); conveyor systems only",
+    )
     common.add_argument("--json", metavar="PATH", help="write the results, machine and versions as JSON")
     common.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: the bench extra)")
 
@@ -503,6 +519,23 @@ def main(argv: list[str] | None = None) -> int:
         scale=args.scale,
         output_sigma=args.output_sigma,
     )
+    if args.controls_fraction:
+        unsupported = [name for name in systems if name.startswith("hf") or name == "conveyor-http"]
+        if unsupported or not 0 <= args.controls_fraction <= 1:
+            print(f"bench: --controls-fraction needs a value in [0, 1] and conveyor systems (not {unsupported})", file=sys.stderr)
+            return 2
+        workload = with_controls(workload, args.controls_fraction)
+    if args.constrained_fraction:
+        unsupported = [name for name in systems if name.startswith("hf") or name == "conveyor-http"]
+        if unsupported or not 0 <= args.constrained_fraction <= 1:
+            print(f"bench: --constrained-fraction needs a value in [0, 1] and conveyor systems (not {unsupported})", file=sys.stderr)
+            return 2
+        workload = constrain_fraction(workload, args.constrained_fraction)
+    if args.logprobs_fraction:
+        if not 0 <= args.logprobs_fraction <= 1:
+            print("bench: --logprobs-fraction needs a value in [0, 1]", file=sys.stderr)
+            return 2
+        workload = with_logprobs(workload, args.logprobs_fraction, args.logprobs)
     described = workload.describe()
     print(
         f"bench {args.mode}: {described['num_requests']} {workload.name} requests (seed {workload.seed}), "

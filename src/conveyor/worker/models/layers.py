@@ -22,7 +22,12 @@ def _empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with ``W`` ``[out_features, in_features]``, as checkpoints store it."""
+    """``y = x W^T + b`` with ``W`` ``[out_features, in_features]``, as checkpoints store it.
+
+    ``lora``: the stacked adapter weights attached by :class:`conveyor.worker.lora.LoraManager`
+    (None without adapters); it adds each token's adapter delta to the output."""
+
+    lora = None
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
@@ -32,7 +37,8 @@ class Linear(nn.Module):
         self.bias = _empty_parameter(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
 
 class RowParallelLinear(Linear):
@@ -58,7 +64,10 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tensor_parallel.rank == 0 else None
-        return all_reduce_(F.linear(x, self.weight, bias), self.tensor_parallel)
+        y = F.linear(x, self.weight, bias)
+        if self.lora is not None:  # this rank's partial delta (A split on the input), summed with y
+            y = self.lora.add_delta(x, y)
+        return all_reduce_(y, self.tensor_parallel)
 
 
 class Embedding(nn.Module):

@@ -1,0 +1,373 @@
+"""Per-request LoRA adapters: many fine-tunes of one base model served in one batch.
+
+**Where adapters live.** Every registered adapter has a host copy (float32 ``A`` and
+``B``, the PEFT scaling folded into ``B``), kept in an LRU of at most ``max_cpu_loras``
+(an adapter evicted from it is read again from its directory when next needed). The
+device holds ``max_loras`` *slots*: each projection the adapters may target carries a
+:class:`LoraStack`, ``A`` ``[slots, R, in]`` and ``B`` ``[slots, out, R]`` in the model's
+dtype, and an adapter in slot ``s`` fills row ``s`` of every stack (zeros for the targets it
+lacks; ranks under ``max_lora_rank`` zero-padded). Slots are given LRU among the adapters
+the current step does not use; the scheduler never plans more distinct adapters in one step
+than there are slots, so a step's adapters always fit.
+
+**Fusion kept.** q/k/v share one stack on ``qkv_proj`` and gate/up one on
+``gate_up_proj``: ``A`` stacks the pieces' ``A`` along the rank (``R = pieces *
+max_lora_rank``) and ``B`` is block-diagonal (piece ``k`` writes its output rows from rank
+rows ``k*r .. k*r + r``), so a fused projection still costs one shrink and one expand. The
+rows and columns come from the model's own checkpoint layout, so tensor parallelism splits an
+adapter exactly like the layer it attaches to: ``B`` of a column-parallel layer by this
+rank's output rows, ``A`` of a row-parallel layer by its input columns (each rank's partial
+``B (A_r x_r)`` is summed by the layer's existing all-reduce).
+
+**How a step gathers them** (the SGMV idea, in batched torch): the runner gives each token
+its row's slot (-1: base model). :func:`build_batch` sorts tokens by slot on the host and
+lays them out as ``[P, L]`` (``P`` adapters present, ``L`` the most tokens of any of them,
+shorter segments padded and masked). Per stack that is one gather of ``x``, one ``bmm``
+shrink against the present slots' ``A``, one ``bmm`` expand against their ``B`` and one
+``index_add_`` into the base output: five operators whatever the number of requests or
+adapters, no per-request loop. A step without adapter rows has no batch (the host flag), and
+the stacks then cost one attribute test each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from conveyor.checkpoints.model_config import ModelConfig
+
+# target -> (sub-module, piece index within its fused projection, pieces of that projection)
+TARGETS: dict[str, tuple[str, int, int]] = {
+    "q_proj": ("self_attn", 0, 3),
+    "k_proj": ("self_attn", 1, 3),
+    "v_proj": ("self_attn", 2, 3),
+    "o_proj": ("self_attn", 0, 1),
+    "gate_proj": ("mlp", 0, 2),
+    "up_proj": ("mlp", 1, 2),
+    "down_proj": ("mlp", 0, 1),
+}
+_PEFT_PREFIX = "base_model.model."
+
+
+class LoraLoadError(ValueError):
+    """An adapter that cannot be served: its message says which and why."""
+
+
+class UnknownAdapter(KeyError):
+    """A request named an adapter nobody registered."""
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """``max_loras`` device slots, ranks up to ``max_lora_rank``, ``max_cpu_loras`` host copies
+    (at least ``max_loras``; None: as many as slots)."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras {self.max_cpu_loras} is below max_loras {self.max_loras}")
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass
+class LoraAdapter:
+    """An adapter's host copy: checkpoint module name (``model.layers.3.self_attn.q_proj``)
+    -> ``(A [r, in], scaling * B [out, r])``, float32 on the CPU."""
+
+    name: str
+    rank: int
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _expected_shape(config: ModelConfig, target: str) -> tuple[int, int]:
+    """``(in, out)`` features of ``target`` in the unsplit base model."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    h, m = config.hidden_size, config.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h)}[target]
+
+
+def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """Read and check a PEFT LoRA directory (``adapter_config.json``,
+    ``adapter_model.safetensors``) against the base model ``config``.
+
+    Raises :class:`LoraLoadError` for a missing file, a non-LoRA or unsupported adapter
+    (DoRA, trained biases, extra saved modules), a rank over ``max_rank``, a target module the
+    model lacks, or a tensor whose shape or layer does not fit the base model (an adapter of
+    another base). Scaling is ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), folded into B.
+    """
+    directory = Path(directory)
+    config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise LoraLoadError(f"adapter {name!r}: missing file {path}")
+    try:
+        peft = json.loads(config_path.read_text())
+    except ValueError as error:
+        raise LoraLoadError(f"adapter {name!r}: {config_path} is not JSON: {error}") from None
+    if peft.get("peft_type", "LORA") != "LORA":
+        raise LoraLoadError(f"adapter {name!r}: peft_type {peft.get('peft_type')!r} is not LORA")
+    if peft.get("use_dora") or peft.get("bias", "none") != "none" or peft.get("modules_to_save"):
+        raise LoraLoadError(f"adapter {name!r}: DoRA, trained biases and modules_to_save are not supported")
+    rank = int(peft.get("r", 8))
+    if not 1 <= rank <= max_rank:
+        raise LoraLoadError(f"adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank}")
+    if peft.get("rank_pattern") or peft.get("alpha_pattern"):
+        raise LoraLoadError(f"adapter {name!r}: per-module rank_pattern/alpha_pattern are not supported")
+    alpha = float(peft.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
+    targets = peft.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    lacking = sorted(set(targets) - set(TARGETS))
+    if lacking:
+        raise LoraLoadError(
+            f"adapter {name!r}: target module(s) {', '.join(lacking)} the model lacks "
+            f"(supported: {', '.join(TARGETS)})"
+        )
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights_path), framework="pt", device="cpu") as reader:
+        for key in reader.keys():
+            module, _, kind = key.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+            parts = module.split(".")
+            if kind not in ("A.weight", "B.weight") or len(parts) != 5 or parts[:2] != ["model", "layers"]:
+                raise LoraLoadError(f"adapter {name!r}: unexpected tensor {key!r}")
+            layer, sub, target = parts[2], parts[3], parts[4]
+            if target not in TARGETS or TARGETS[target][0] != sub:
+                raise LoraLoadError(f"adapter {name!r}: tensor {key!r} targets a module the model lacks")
+            if not layer.isdigit() or int(layer) >= config.num_layers:
+                raise LoraLoadError(
+                    f"adapter {name!r}: tensor {key!r} names layer {layer} of a {config.num_layers}-layer "
+                    "model (an adapter of another base model?)"
+                )
+            pairs.setdefault(module, {})[kind[0]] = reader.get_tensor(key).to(torch.float32)
+    weights = {}
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise LoraLoadError(f"adapter {name!r}: {module} has lora_{''.join(pair)} without its pair")
+        a, b = pair["A"], pair["B"]
+        in_features, out_features = _expected_shape(config, module.rsplit(".", 1)[1])
+        if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
+            raise LoraLoadError(
+                f"adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, the base model "
+                f"needs ({rank}, {in_features}) and ({out_features}, {rank}) (an adapter of another base model?)"
+            )
+        weights[module] = (a, b * scaling)
+    if not weights:
+        raise LoraLoadError(f"adapter {name!r}: {weights_path} holds no LoRA weights")
+    return LoraAdapter(name, rank, weights)
+
+
+@dataclass
+class LoraBatch:
+    """One step's tokens grouped by adapter slot: ``slots`` ``[P]`` the present slots,
+    ``gather`` ``[P, L]`` token indices (padding: token 0), ``mask`` ``[P, L, 1]`` 1 on real
+    entries, 0 on padding (whose delta is then zero, so adding it to token 0 is harmless)."""
+
+    slots: torch.Tensor
+    gather: torch.Tensor
+    mask: torch.Tensor
+
+
+def build_batch(token_slots: np.ndarray, dtype: torch.dtype, device: torch.device) -> LoraBatch | None:
+    """Group tokens by slot (``token_slots[t]``, -1: none); None when no token has an adapter."""
+    order = np.argsort(token_slots, kind="stable")
+    ordered = token_slots[order]
+    present, starts, counts = np.unique(ordered, return_index=True, return_counts=True)
+    keep = present >= 0
+    present, starts, counts = present[keep], starts[keep], counts[keep]
+    if len(present) == 0:
+        return None
+    offsets = np.arange(int(counts.max()))
+    valid = offsets[None, :] < counts[:, None]
+    gather = np.where(valid, order[np.minimum(starts[:, None] + offsets[None, :], len(order) - 1)], 0)
+    return LoraBatch(
+        slots=torch.from_numpy(present.astype(np.int64)).to(device, non_blocking=True),
+        gather=torch.from_numpy(gather.astype(np.int64)).to(device, non_blocking=True),
+        mask=torch.from_numpy(valid[:, :, None]).to(device=device, dtype=dtype, non_blocking=True),
+    )
+
+
+class LoraContext:
+    """The current step's :class:`LoraBatch`, shared by every stack (None: no adapter rows)."""
+
+    def __init__(self) -> None:
+        self.batch: LoraBatch | None = None
+
+
+class LoraStack:
+    """The stacked adapter weights of one (fused) projection: ``a`` ``[slots, R, in]``,
+    ``b`` ``[slots, out, R]`` (module docstring). A plain object, not a module: its tensors
+    are neither parameters nor buffers, so the base checkpoint's strict loader and state
+    dict never see them."""
+
+    def __init__(
+        self, slots: int, rank_rows: int, in_features: int, out_features: int, dtype: torch.dtype,
+        device: torch.device, context: LoraContext,
+    ) -> None:
+        self.a = torch.zeros(slots, rank_rows, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, out_features, rank_rows, dtype=dtype, device=device)
+        self.context = context
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus each token's ``B_s (A_s x)`` for its slot ``s`` (in place; ``y`` returned)."""
+        batch = self.context.batch
+        if batch is None:
+            return y
+        xs = x[batch.gather]  # [P, L, in]
+        shrunk = torch.bmm(xs, self.a.index_select(0, batch.slots).transpose(1, 2)) * batch.mask
+        delta = torch.bmm(shrunk, self.b.index_select(0, batch.slots).transpose(1, 2))  # [P, L, out]
+        return y.index_add_(0, batch.gather.flatten(), delta.flatten(0, 1))
+
+
+class LoraManager:
+    """Registered adapters, their host copies and device slots, for one model (one rank).
+
+    Attaches a :class:`LoraStack` to every projection adapters may target. Adapter ids are
+    positive ints, never reused (0: the base model)."""
+
+    def __init__(self, model: nn.Module, options: LoraOptions) -> None:
+        self.model = model
+        self.options = options
+        self.config: ModelConfig = model.config
+        weight = model.embed_tokens.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.context = LoraContext()
+        self._layout = model.checkpoint_layout()
+        self._stacks: dict[str, LoraStack] = {}
+        r = options.max_lora_rank
+        for layer in range(self.config.num_layers):
+            for target, (sub, _, pieces) in TARGETS.items():
+                slot = self._layout[f"model.layers.{layer}.{sub}.{target}.weight"]
+                module_name = slot.name.removesuffix(".weight")
+                if module_name in self._stacks:
+                    continue
+                linear = model.get_submodule(module_name)
+                out_features, in_features = linear.weight.shape
+                stack = LoraStack(options.max_loras, pieces * r, in_features, out_features, self.dtype,
+                                  self.device, self.context)
+                linear.lora = stack
+                self._stacks[module_name] = stack
+        self._dirs: dict[str, Path] = {}
+        self._ids: dict[str, int] = {}
+        self._next_id = 1
+        self._host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU, newest last
+        self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU newest last
+        self._free_slots = list(range(options.max_loras - 1, -1, -1))
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._ids)
+
+    def adapter_id(self, name: str | None) -> int:
+        """0 for the base model (None or empty), else the registered adapter's id."""
+        if not name:
+            return 0
+        if name not in self._ids:
+            raise UnknownAdapter(name)
+        return self._ids[name]
+
+    def register(self, name: str, directory: str | Path) -> int:
+        """Read and check the adapter (:func:`read_adapter`) and register it under ``name``;
+        raises :class:`LoraLoadError` leaving everything as it was."""
+        if name in self._ids:
+            raise LoraLoadError(f"adapter {name!r} is already loaded")
+        adapter = read_adapter(name, directory, self.config, self.options.max_lora_rank)
+        self._ids[name] = self._next_id
+        self._next_id += 1
+        self._dirs[name] = Path(directory)
+        self._cache(adapter)
+        return self._ids[name]
+
+    def unregister(self, name: str) -> None:
+        """Forget ``name`` (its slot is freed; running requests must not use it any more)."""
+        adapter_id = self._ids.pop(name)  # KeyError: unknown
+        del self._dirs[name]
+        self._host.pop(name, None)
+        slot = self._resident.pop(adapter_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _cache(self, adapter: LoraAdapter) -> None:
+        self._host[adapter.name] = adapter
+        self._host.move_to_end(adapter.name)
+        while len(self._host) > self.options.host_capacity:
+            self._host.popitem(last=False)
+
+    def _host_copy(self, name: str) -> LoraAdapter:
+        adapter = self._host.get(name)
+        if adapter is None:  # evicted from the host LRU: read again
+            adapter = read_adapter(name, self._dirs[name], self.config, self.options.max_lora_rank)
+        self._cache(adapter)
+        return adapter
+
+    def slots_for(self, adapter_ids: set[int]) -> dict[int, int]:
+        """Make every adapter of ``adapter_ids`` (positive) resident, evicting LRU slots the set
+        does not use; returns id -> slot. ValueError if they are more than the slots."""
+        if len(adapter_ids) > self.options.max_loras:
+            raise ValueError(f"{len(adapter_ids)} adapters in one step, --max-loras is {self.options.max_loras}")
+        names = {adapter_id: name for name, adapter_id in self._ids.items()}
+        for adapter_id in adapter_ids:
+            if adapter_id in self._resident:
+                self._resident.move_to_end(adapter_id)
+                continue
+            if not self._free_slots:
+                victim = next(i for i in self._resident if i not in adapter_ids)
+                self._free_slots.append(self._resident.pop(victim))
+            slot = self._free_slots.pop()
+            self._fill(slot, self._host_copy(names[adapter_id]))
+            self._resident[adapter_id] = slot
+        return {adapter_id: self._resident[adapter_id] for adapter_id in adapter_ids}
+
+    @torch.no_grad()
+    def _fill(self, slot: int, adapter: LoraAdapter) -> None:
+        """Write ``adapter`` into row ``slot`` of every stack: its targets' pieces, this rank's
+        shard of each (rows of B, columns of A, as the base layout names), zeros elsewhere."""
+        for stack in self._stacks.values():
+            stack.a[slot].zero_()
+            stack.b[slot].zero_()
+        r, rank = self.options.max_lora_rank, adapter.rank
+        for module, (a, b) in adapter.weights.items():
+            target = module.rsplit(".", 1)[1]
+            piece = TARGETS[target][1]
+            place = self._layout[f"{module}.weight"]
+            stack = self._stacks[place.name.removesuffix(".weight")]
+            if place.cols is not None:
+                a = a[:, place.cols[0] : place.cols[1]]
+            if place.rows is not None:
+                b = b[place.rows[0] : place.rows[1]]
+            stack.a[slot, piece * r : piece * r + rank].copy_(a)
+            stack.b[slot, place.start : place.end, piece * r : piece * r + rank].copy_(b)
+
+    def begin_step(self, row_adapters: np.ndarray, row_tokens: np.ndarray) -> bool:
+        """Set the step's batch from each row's adapter id and token count (rows laid end to
+        end, as the forward's tokens are); returns whether any row uses an adapter."""
+        if not row_adapters.any():
+            self.context.batch = None
+            return False
+        ids = set(np.unique(row_adapters[row_adapters > 0]).tolist())
+        slot_of = self.slots_for(ids)
+        lookup = np.full(int(row_adapters.max()) + 1, -1, dtype=np.int64)
+        for adapter_id, slot in slot_of.items():
+            lookup[adapter_id] = slot
+        token_slots = np.repeat(lookup[row_adapters], row_tokens)
+        self.context.batch = build_batch(token_slots, self.dtype, self.device)
+        return True
+
+    def end_step(self) -> None:
+        self.context.batch = None

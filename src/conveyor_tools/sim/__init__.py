@@ -1,0 +1,1 @@
+"""conveyor-sim: a deployment simulator driven by the real scheduler (docs/architecture.md, tools)."""

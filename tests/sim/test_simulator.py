@@ -1,0 +1,197 @@
+"""conveyor-sim: the simulator drives the real scheduler exactly as the server loop does, the
+fit recovers a known cost model, and the sweep finds the known cheapest configuration."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+
+import numpy as np
+import pytest
+
+from conveyor.ipc import codec
+from conveyor.profiling import STEP_SERIES, Profiler, StepRecorder, now_ns, plan_shape
+from conveyor.runtime.config import SchedulerConfig
+from conveyor.scheduler.metrics import ITERATION_FIELDS
+from conveyor_tools.cli import sim as sim_cli
+from conveyor_tools.sim.cost import FEATURES, CostModel, StepCost, fit
+from conveyor_tools.sim.simulator import SAMPLED_TOKEN, SimRequest, simulate
+from tests.scheduler.scheduler_harness import Harness, make_prompt
+
+# Tight on blocks and slots, so the replay preempts, chunks prompts and plans ahead.
+CONFIG = SchedulerConfig(
+    num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=128, iteration_log_size=100_000
+)
+COST = StepCost(0.004, {"prefill_tokens": 2e-4, "decode_seqs": 1e-3, "context_tokens": 1e-5})
+
+
+def step_time(plan) -> float:
+    return COST.time(plan_shape(plan))
+
+
+def arrivals(n: int = 30, seed: int = 3) -> list[SimRequest]:
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(0.02, n)).round(4)
+    times[5:9] = times[5]  # a burst arriving together
+    out = []
+    for i, t in enumerate(times.tolist()):
+        rid = f"r{i}"
+        out.append(SimRequest(t, make_prompt(rid, int(rng.integers(3, 40))), int(rng.integers(1, 30)), rid))
+    return out
+
+
+def harness_replay(requests: list[SimRequest]) -> Harness:
+    """The same arrivals and step times through the scheduler-test harness (the FakeWorker
+    checks every plan against the protocol), by an event loop written independently of the
+    simulator's: plan in sync when nothing is in flight, then ahead when allowed."""
+    h = Harness(CONFIG, worker_kwargs={"token_fn": lambda rid, pos: SAMPLED_TOKEN}, overlap=True)
+    origin = h.clock.now
+    ends: deque[float] = deque()
+
+    def plan(now: float) -> None:
+        if not h.inflight:
+            p = h.schedule()
+            if p is not None:
+                ends.append(now + step_time(p))
+        if h.inflight and h.scheduler.can_plan_ahead:
+            p = h.schedule()
+            if p is not None:
+                ends.append(ends[-1] + step_time(p))
+
+    pending = deque(sorted(requests, key=lambda r: r.arrival))
+    while pending or h.inflight or h.scheduler.has_work():
+        now = h.clock.now - origin
+        if ends:
+            next_end = ends[0]
+        elif h.scheduler.has_work() and h.scheduler.seconds_until_ready() is not None:
+            next_end = now + h.scheduler.seconds_until_ready() + 1e-9
+        else:
+            next_end = math.inf
+        next_arrival = pending[0].arrival if pending else math.inf
+        if next_end <= next_arrival:
+            h.clock.now = origin + next_end
+            if h.inflight:
+                h.finish_step()
+                ends.popleft()
+            plan(next_end)
+        else:
+            h.clock.now = origin + next_arrival
+            while pending and pending[0].arrival == next_arrival:
+                r = pending.popleft()
+                assert h.add(r.request_id, prompt=r.prompt_ids, max_tokens=r.output_len, temperature=0.0, ignore_eos=True) is None
+            if not h.inflight:
+                plan(next_arrival)
+    h.check_idle()
+    h.check_outcomes()
+    return h
+
+
+def test_simulator_decisions_equal_the_scheduler_driven_by_the_fake_worker():
+    requests = arrivals()
+    result = simulate(requests, CONFIG, step_time)
+    h = harness_replay(requests)
+    sim_plans = [s.plan for s in result.replicas[0].steps]
+    assert len(sim_plans) == len(h.plans) > 50
+    assert [codec.encode(p) for p in sim_plans] == [codec.encode(p) for p in h.plans]
+    assert sum(p.planned_ahead for p in h.plans) > 10  # overlap exercised
+    stats = result.replicas[0].scheduler.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_preemptions"] == h.scheduler.stats()["num_preemptions"]
+    # The iteration logs agree field by field (times shifted by the harness clock's origin).
+    skip = {ITERATION_FIELDS.index("schedule_us")}
+    t = ITERATION_FIELDS.index("time")
+    sim_rows, real_rows = result.replicas[0].scheduler.iterations.rows(), h.scheduler.iterations.rows()
+    assert len(sim_rows) == len(real_rows)
+    for a, b in zip(sim_rows, real_rows):
+        b[t] -= 1000.0
+        for i, (x, y) in enumerate(zip(a, b)):
+            if i not in skip:
+                assert x == pytest.approx(y, abs=1e-9), (ITERATION_FIELDS[i], a, b)
+    # Every request got all its tokens; its first token and finish are step ends.
+    ends = {s.end for s in result.replicas[0].steps}
+    for r in result.requests:
+        assert r.error is None and r.first_token in ends and r.finished in ends and r.first_token >= r.arrival
+
+
+def test_plan_shape_is_the_iteration_logs_shape():
+    h = harness_replay(arrivals(20, seed=5))
+    f = {name: i for i, name in enumerate(ITERATION_FIELDS)}
+    for plan, row in zip(h.plans, h.scheduler.iterations.rows()):
+        assert plan_shape(plan) == (
+            row[f["prefill_tokens"]],
+            row[f["decode_tokens"]],
+            row[f["context_tokens"]],
+            row[f["swap_out_blocks"]] + row[f["swap_in_blocks"]],
+        )
+
+
+def test_step_recorder_tiles_pipelined_steps():
+    prof = Profiler("worker")
+    rec = StepRecorder(prof)
+    t0 = now_ns() - 10_000_000  # inside the snapshot's window
+    rec.record((10, 0, 10, 0), received_ns=t0 + 1_000_000, end_ns=t0 + 5_000_000)
+    rec.record((0, 2, 24, 0), received_ns=t0 + 3_000_000, end_ns=t0 + 8_000_000)  # read while step 1 ran
+    snap = prof.snapshot(3600, series=list(STEP_SERIES))
+    values = {s.name: s.values for s in snap.series}
+    assert values["step_time"] == [4.0, 3.0]
+    assert values["step_prefill_tokens"] == [10, 0] and values["step_context_tokens"] == [10, 24]
+    assert not StepRecorder(Profiler("worker", enabled=False)).enabled
+
+
+def test_fit_recovers_known_coefficients(tmp_path):
+    rng = np.random.default_rng(0)
+    n = 400
+    shapes = np.column_stack(
+        [rng.integers(0, 512, n) * (rng.random(n) < 0.3), rng.integers(0, 64, n), rng.integers(0, 20000, n), np.zeros(n)]
+    )
+    truth = {"prefill_tokens": 3e-5, "decode_seqs": 2e-4, "context_tokens": 4e-7, "copied_blocks": 0.0}
+    times = 0.005 + shapes @ np.array([truth[f] for f in FEATURES]) + rng.normal(0, 1e-5, n)
+    cost = fit(shapes, times)
+    assert cost.intercept_s == pytest.approx(0.005, rel=0.02)
+    for name in FEATURES[:3]:
+        assert cost.coef_s[name] == pytest.approx(truth[name], rel=0.02), name
+    assert cost.coef_s["copied_blocks"] == 0.0  # never varied: no coefficient invented
+    # The calibrate command finds the records in a bin/bench JSON and writes the same fit.
+    records = {name: col.tolist() for name, col in zip(STEP_SERIES[:4], shapes.T)}
+    records["step_time"] = (times * 1e3).tolist()
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"systems": {"conveyor": {"extra": {"step_records": {**records, "num_blocks": 77}}}}}))
+    out = tmp_path / "cost.json"
+    assert sim_cli.main(["calibrate", str(bench), "--tp", "2", "--out", str(out)]) == 0
+    model = CostModel.load(str(out))
+    assert set(model.by_tp) == {2} and model.by_tp[2].num_blocks == 77
+    assert model.by_tp[2].coef_s["decode_seqs"] == pytest.approx(truth["decode_seqs"], rel=0.02)
+
+
+def test_sweep_picks_the_cheapest_configuration(tmp_path, capsys):
+    # One step per token, whatever the batch: tp 1 is too slow per token for the TPOT bound,
+    # tp 2 meets it, and at 10 req/s of 16-token outputs one tp-2 replica needs at least 8
+    # slots (2 slots: 2 / 0.02 s / 16 tokens = 6.25 req/s). tp 4 also meets it, with 4 GPUs.
+    model = CostModel({tp: StepCost(t, {}, num_blocks=4096) for tp, t in ((1, 0.05), (2, 0.02), (4, 0.01))})
+    path = tmp_path / "cost.json"
+    model.save(str(path))
+    out = tmp_path / "sweep.json"
+    argv = ["sweep", "--cost", str(path), "--workload", "fixed", "--prompt-len", "16", "--output-len", "16",
+            "--num-requests", "200", "--rate", "10", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "30",
+            "--tp", "1,2,4", "--dp", "1,2", "--max-num-seqs", "2,8", "--json", str(out)]  # fmt: skip
+    assert sim_cli.main(argv) == 0
+    best = json.loads(out.read_text())["cheapest"]
+    assert (best["tp"], best["dp"], best["max_num_seqs"]) == (2, 1, 8)
+    assert "cheapest: tp 2 x dp 1 = 2 GPUs, max_num_seqs 8" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["tp"], r["dp"]) for r in rows} == {(1, 1), (1, 2), (2, 1)}  # stops at 2 GPUs
+    assert not any(r["meets"] for r in rows if r["tp"] == 1)
+    # Without enough slots nothing with 2 GPUs meets 10 req/s, so data parallelism does.
+    argv[argv.index("2,8")] = "2"
+    assert sim_cli.main(argv) == 0
+    best = json.loads(out.read_text())["cheapest"]
+    assert best["gpus"] == 4 and best["tp"] in (2, 4)
+
+
+def test_least_outstanding_routing_spreads_a_burst():
+    cost = StepCost(0.01, {"decode_seqs": 1e-3})
+    reqs = [SimRequest(0.0, make_prompt(f"q{i}", 8), 10, f"q{i}") for i in range(6)]
+    result = simulate(reqs, CONFIG, lambda p: cost.time(plan_shape(p)), replicas=3)
+    assert [sorted(rep.requests) for rep in result.replicas] == [["q0", "q3"], ["q1", "q4"], ["q2", "q5"]]
+    one = simulate(reqs, CONFIG, lambda p: cost.time(plan_shape(p)), replicas=1)
+    assert result.summary()["wall_s"] < one.summary()["wall_s"]

@@ -119,3 +119,23 @@ def test_engine_remove_of_an_n_request_frees_every_block(tiny_engine):
     assert all(s.finish_reason == "abort" for s in request.outputs)
     assert engine.stats()["held_blocks"] == 0 and not engine.has_pending_requests()
     engine.scheduler.check_invariants()
+
+
+def test_engine_best_of_keeps_the_most_likely_sequences(tiny_engine):
+    """best_of 3, n 2: the two of seeds seed, seed + 1, seed + 2 with the highest summed
+    log-probability of their tokens (as single requests report them), most likely first."""
+    engine = tiny_engine()
+    seed = 2**64 - 2
+    sampling = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    scored = []
+    for s in (seed, seed + 1, 0):
+        request = engine.add_request(token_ids=PROMPT, seed=s, logprobs=0, **sampling)
+        while not request.done:
+            engine.step()
+        scored.append((sum(e.logprob for e in request.logprobs), request.tokens))
+        request.remove()
+    assert len({score for score, _ in scored}) == 3
+    ranked = [tokens for _, tokens in sorted(scored, key=lambda x: -x[0])]
+    [result] = engine.generate([PROMPT], progress=False, n=2, best_of=3, seed=seed, **sampling)
+    assert [o.token_ids for o in result.outputs] == ranked[:2] and [o.index for o in result.outputs] == [0, 1]
+    assert engine.stats()["held_blocks"] == 0

@@ -10,6 +10,7 @@ import time
 
 import msgpack
 import openai
+import pytest
 import zmq
 
 from conveyor.client import AsyncClient, Client
@@ -119,6 +120,29 @@ def test_zmq_abort_and_disconnect_free_every_block(http_server) -> None:
         assert after["length"] == before["length"], (before, after)
 
 
+def ranked_singles(client: Client) -> list[tuple[float, list[int]]]:
+    """Single requests with each sequence's seed: (cumulative log-probability, tokens), most
+    likely first, the log-probabilities the server reports (logprobs 0: the sampled token's)."""
+    outs = [client.generate(token_ids=PROMPT, seed=s, logprobs=0, **SAMPLED) for s in SEEDS]
+    scored = [(sum(o.logprobs["token_logprobs"]), o.token_ids) for o in outs]
+    assert len({score for score, _ in scored}) == 3  # no tie: the order is the scores'
+    return sorted(scored, key=lambda x: -x[0])
+
+
+def test_zmq_best_of_returns_the_most_likely_sequences(http_server) -> None:
+    """best_of 3: the n most likely of the sequences seed, seed + 1, seed + 2, by their
+    tokens' summed log-probabilities, most likely first."""
+    with Client(http_server.address, timeout=60) as client:
+        ranked = ranked_singles(client)
+        one = client.generate(token_ids=PROMPT, best_of=3, seed=SEED, **SAMPLED)
+        assert [c.token_ids for c in one.choices] == [ranked[0][1]] and one.token_ids == ranked[0][1]
+        assert one.usage.completion_tokens == 8 and one.logprobs is None  # (not asked for: not sent)
+        two = client.generate(token_ids=PROMPT, n=2, best_of=3, seed=SEED, **SAMPLED)
+        assert [c.token_ids for c in two.choices] == [ranked[0][1], ranked[1][1]]
+        assert [c.index for c in two.choices] == [0, 1]
+        wait_until_free(client, 1.0)
+
+
 def test_n_over_the_bound_is_refused(http_server) -> None:
     with Client(http_server.address, timeout=60) as client:
         result = client.generate(token_ids=PROMPT, n=65, max_tokens=2)
@@ -174,6 +198,21 @@ def test_http_completions_n3_whole_and_streamed(http_server, hf_greedy) -> None:
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == [c.text for c in greedy.choices]
+
+
+def test_http_best_of(http_server) -> None:
+    client = openai_client(http_server)
+    model = client.models.list().data[0].id
+    with Client(http_server.address, timeout=60) as zmq_client:
+        ranked = ranked_singles(zmq_client)
+    whole = client.completions.create(
+        model=model, prompt=PROMPT, n=2, best_of=3, seed=SEED, temperature=1.0, max_tokens=8,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert [c.token_ids for c in whole.choices] == [ranked[0][1], ranked[1][1]]  # type: ignore[attr-defined]
+    assert whole.usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=model, prompt=PROMPT, best_of=3, stream=True)
 
 
 def test_http_chat_n3_whole_and_streamed(http_server) -> None:

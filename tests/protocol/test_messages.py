@@ -38,6 +38,11 @@ def test_stop_accepts_single_string() -> None:
 def test_n_is_bounded_and_reaches_the_sampling_params() -> None:
     assert cp.parse_client_message(gen()).sampling.n == 1
     assert cp.parse_client_message(gen(n=cp.MAX_N)).sampling.n == cp.MAX_N
+    # best_of > n: best_of sequences at the scheduler, with their tokens' log-probabilities
+    best = cp.parse_client_message(gen(n=2, best_of=5))
+    assert (best.sampling.n, best.sampling.logprobs, best.keep_best) == (5, 0, 2)
+    same = cp.parse_client_message(gen(n=2, best_of=2, stream=True))  # best_of = n: plain n
+    assert (same.sampling.n, same.sampling.logprobs, same.keep_best) == (2, None, None)
 
 
 def test_priority_is_an_optional_integer() -> None:
@@ -81,7 +86,10 @@ def test_priority_is_an_optional_integer() -> None:
         (gen(n=65), "'n'"),
         (gen(n=2.0), "'n'"),
         (gen(n=True), "'n'"),
-        (gen(best_of=2), "unknown field"),
+        (gen(n=2, best_of=1), "'best_of' must be an integer in \\[n, 64\\]"),
+        (gen(best_of=65), "'best_of'"),
+        (gen(best_of=2, stream=True), "'best_of' > n is not supported with streaming"),
+        (gen(best_of=2, logprobs=1), "'logprobs' is not supported with n > 1"),
         (gen(n=2, logprobs=0), "'logprobs' is not supported with n > 1"),
         (gen(n=2, prompt_logprobs=1), "'prompt_logprobs' is not supported with n > 1"),
         (gen(n=2, constraint={"type": "regex", "pattern": "a+"}), "'constraint' is not supported with n > 1"),

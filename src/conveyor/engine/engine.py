@@ -55,10 +55,10 @@ from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import context_ids, encode_input
 from conveyor.frontend.logprobs import LogprobsLog
-from conveyor.frontend.output import merge
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
+from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id
 from conveyor.protocol import messages as cp
 from conveyor.runtime.build import batcher_config, worker_settings
@@ -196,10 +196,11 @@ class Engine:
             StopStringMatcher(req.stop, req.include_stop_str_in_output),
             arrival,
             (
-                None if req.sampling.logprobs is None else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),
+                None if req.sampling.logprobs is None or req.sampling.n > 1 else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),
                 None if req.sampling.prompt_logprobs is None else LogprobsLog(req.sampling.prompt_logprobs, 1, self.tokenizer),
             ),
         )
+        request._keep_best = req.keep_best
         for i in range(req.sampling.n if req.sampling.n > 1 else 0):
             seq = Request(
                 self,
@@ -210,6 +211,8 @@ class Engine:
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
                 StopStringMatcher(req.stop, req.include_stop_str_in_output),
                 arrival,
+                # best_of > n: its sampled tokens' log-probabilities, to rank it at the end
+                (None if req.keep_best is None else LogprobsLog(0, len(prompt_ids), self.tokenizer), None),
                 index=i,
                 parent=request,
             )
@@ -373,12 +376,14 @@ class Engine:
         elif reason == FinishReason.ERROR:
             self._end_request(parent, reason, error)
         elif all(seq.done for seq in parent.sequences):
-            self._end_request(parent, parent.sequences[0].finish_reason, None)
+            self._end_request(parent, None, None)
 
-    def _end_request(self, request: Request, reason: str, error: str | None) -> None:
+    def _end_request(self, request: Request, reason: str | None, error: str | None) -> None:
         """End an n > 1 request as a whole: its live sequences are aborted at the scheduler and
-        end with ``reason``; the context it continued stays for the next turn (its choices
-        are several: the caller continues one by sending it)."""
+        end with ``reason`` (None: every sequence ended; the request's reason is then its first
+        output's); the context it continued stays for the next turn (its choices are several:
+        the caller continues one by sending it). With best_of > n only the n most likely
+        sequences stay in :attr:`Request.outputs`, best first."""
         live = [seq for seq in request.sequences if not seq.done]
         if live:
             self.scheduler.abort([seq._scheduler_id for seq in live])
@@ -386,8 +391,12 @@ class Engine:
             seq._end(reason, error, flush=False)
             del self._running[seq._scheduler_id]
         leader = request.sequences[0]
-        request.scheduled_time, request.num_cached_tokens = leader.scheduled_time, leader.num_cached_tokens
         request.first_token_time = min((s.first_token_time for s in request.sequences if s.first_token_time), default=None)
+        request.sequences = best_of(
+            request.sequences, request._keep_best, lambda s: cumulative_logprob(s._logprobs.values, len(s._tokens))
+        )
+        reason = reason or request.sequences[0].finish_reason  # (None: every sequence ended)
+        request.scheduled_time, request.num_cached_tokens = leader.scheduled_time, leader.num_cached_tokens
         request._end(reason, error, flush=False)
         del self._by_id[request.request_id]
         self._sessions.restore(request.request_id, request.prompt_token_ids, request._history_len)

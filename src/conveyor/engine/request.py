@@ -75,6 +75,7 @@ class Request:
         self.index = index  # its sequence's index in its request (0 unless n > 1)
         self.sequences: list[Request] = []  # n > 1: the request's sequences (:attr:`outputs`)
         self._parent = parent
+        self._keep_best: int | None = None  # best_of > n: how many of its sequences it returns
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = arrival_time
         self.scheduled_time: float | None = None

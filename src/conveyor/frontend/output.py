@@ -262,7 +262,7 @@ class OutputPath:
     def finish(
         self,
         state: RequestState,
-        reason: str,
+        reason: str | None,
         *,
         delta: str = "",
         delta_ids: Sequence[int] = (),
@@ -275,7 +275,8 @@ class OutputPath:
         A sequence of an ``n`` > 1 request sends its last delta and notes its end; the request's
         final goes out with its last sequence's end (:meth:`_finish_sequence`). A request with
         sequences ends as a whole here: its final carries every sequence's choice (those
-        still running end with ``reason``)."""
+        still running end with ``reason``; None: every one ended, and the request's reason is
+        choice 0's), or with best_of > n the n most likely (:func:`best_of`), best first."""
         if state.parent is not None:
             self._finish_sequence(state, reason, delta, delta_ids, error)
             return
@@ -288,8 +289,9 @@ class OutputPath:
             state.ended = True
             choices = [
                 {"index": seq.index, "text": "".join(seq.text), "token_ids": seq.token_ids, "finish_reason": seq.finish_reason or reason}
-                for seq in state.sequences
+                for seq in best_of(state.sequences, state.keep_best)
             ]
+            reason = reason or choices[0]["finish_reason"]  # (None: every sequence ended; choice 0 is the best)
             leader = state.sequences[0]
             state.scheduled_time, state.cached_tokens = leader.scheduled_time, leader.cached_tokens
             firsts = [seq.first_token_time for seq in state.sequences if seq.first_token_time is not None]
@@ -341,7 +343,7 @@ class OutputPath:
             self.finish(parent, reason, error=error)
         elif all(s.finish_reason is not None for s in parent.sequences):
             self._untrack(parent)
-            self.finish(parent, parent.sequences[0].finish_reason)
+            self.finish(parent, None)
 
     def _delta_bytes(self, state: RequestState, text: str, token_ids: Sequence[int]) -> bytes:
         """``{type: delta, v, request_id, text, token_ids}``, packed from the request's head, and
@@ -367,6 +369,26 @@ class OutputPath:
                 self._s_tpot.add((total - ttft) * 1e3 / (num_tokens - 1))
         if total is not None:
             self._s_e2e.add(total * 1e3)
+
+
+def best_of(sequences: list, keep: int | None, score: Callable[[object], float] | None = None) -> list:
+    """``sequences``, or with ``keep`` the ``keep`` of them with the highest ``score`` (their
+    cumulative log-probability, :func:`cumulative_logprob`), best first (ties: lower index
+    first), re-indexed 0..keep-1: what ``best_of`` returns. The rule of the frontend's
+    states and the engine's requests (``score`` reads each one's log)."""
+    if keep is None:
+        return sequences
+    score = score or (lambda s: cumulative_logprob(s.logprobs.values, len(s.token_ids)))
+    ranked = sorted(sequences, key=lambda s: -score(s))[:keep]
+    for index, seq in enumerate(ranked):
+        seq.index = index
+    return ranked
+
+
+def cumulative_logprob(values: Sequence[float], num_tokens: int) -> float:
+    """The sum of the log-probabilities of a sequence's ``num_tokens`` output tokens (a
+    stop string may have cut the tokens short of the rows its log got)."""
+    return float(sum(values[:num_tokens]))
 
 
 def stream_text(

@@ -60,6 +60,7 @@ ends (an abort, an error of the request or of any of its sequences)."""
     sequences: list[RequestState] = field(default_factory=list)  # an n > 1 request: its sequences
     finish_reason: str | None = None  # a sequence: why it ended (None while it runs)
     ended: bool = False  # an n > 1 request: its final is sent
+    keep_best: int | None = None  # best_of > n: the n of its sequences returned (the most likely)
     # Where it asked for them (set with its prompt): its output and prompt tokens' log-probabilities.
     logprobs: LogprobsLog | None = None
     prompt_logprobs: LogprobsLog | None = None

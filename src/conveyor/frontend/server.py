@@ -135,6 +135,7 @@ from zmq.utils.monitor import parse_monitor_message
 from conveyor import profiling
 from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
 from conveyor.frontend.metrics import FrontendMetrics
 from conveyor.frontend.output import OutputPath
@@ -523,7 +524,9 @@ class Frontend:
         state.max_tokens = req.sampling.max_tokens
         state.history_len = len(history) if history is not None else 0
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
-        state.set_logprobs(req.sampling, self.tokenizer)
+        if req.sampling.n == 1:  # (n > 1 with log-probabilities asked is refused; best_of's are its own)
+            state.set_logprobs(req.sampling, self.tokenizer)
+        state.keep_best = req.keep_best
         state.pending = False
         self.requests[state.scheduler_id] = state  # (n > 1: where a refusal of the whole request finds it)
         for i in range(req.sampling.n if req.sampling.n > 1 else 0):
@@ -542,6 +545,8 @@ class Frontend:
                 parent=state,
                 max_tokens=state.max_tokens,
             )
+            if req.keep_best is not None:  # its sampled tokens' log-probabilities, kept, never sent
+                seq.logprobs = LogprobsLog(0, state.prompt_len, self.tokenizer)
             state.sequences.append(seq)
             self.requests[seq.scheduler_id] = seq
         self.metrics.add_prompt(state.prompt_len)

@@ -18,7 +18,7 @@ schemas is taken (docs/http.md lists them):
   line, as vLLM does.
 - ``inert``: not implemented, and ignoring it would change the output: accepted only with a
   value that asks for nothing (null, or the listed ones), else a 400 naming it. Those marked
-  ``later`` (log-probabilities, ``n``/``best_of``, ``bad_words``) become ``forward``
+  ``later`` (``bad_words``, beam search) become ``forward``
   fields once the worker computes them.
 
 A field in neither schema is a 400 naming it (a typo never falls back to a default).
@@ -91,7 +91,7 @@ FIELDS: dict[str, Field] = {
     "seed": Field(FORWARD),
     "stop": Field(FORWARD),
     "n": Field(FORWARD),  # each input's n sequences are choices input * n .. input * n + n - 1
-    "best_of": _inert(1, later=True),
+    "best_of": Field(FORWARD),  # the n most likely of best_of sequences (not streamed)
     "logprobs": Field(HTTP),
     "top_logprobs": Field(HTTP),
     "presence_penalty": Field(FORWARD),

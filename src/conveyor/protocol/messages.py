@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 
 from conveyor.ipc.messages import MAX_LOGIT_BIAS, SamplingParams
 from conveyor.structured.constraint import Constraint, ConstraintError
@@ -107,7 +108,7 @@ FRONTEND_FIELDS = (
 # function: enforced as a JSON-schema constraint over ``tools``).
 STRUCTURED_FIELDS = ("constraint", "tools", "tool_choice")
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, *LOGPROBS_FIELDS, "stop", "priority", "lora", *FRONTEND_FIELDS, *STRUCTURED_FIELDS)
+OPTION_FIELDS = (*SAMPLING_FIELDS, "best_of", *LOGPROBS_FIELDS, "stop", "priority", "lora", *FRONTEND_FIELDS, *STRUCTURED_FIELDS)
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
 MAX_LORA_NAME_LEN = 256  # length bound of a LoRA adapter's name
@@ -172,6 +173,10 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # best_of > n: the scheduler runs ``sampling.n`` (= best_of) sequences, each with its
+    # sampled tokens' log-probabilities (``sampling.logprobs`` 0), and the ``keep_best`` (the
+    # client's n) with the highest cumulative log-probability are returned, best first.
+    keep_best: int | None = None
     # Structured output: what the output must match (compiled by the frontend, which then sets
     # ``sampling.grammar``), and the tools the chat template is given.
     constraint: Constraint | None = None
@@ -429,6 +434,16 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
     req.sampling = parse_sampling(obj, rid)
     _parse_frontend_fields(obj, req, fail)
     _parse_structured_fields(obj, req, fail)
+    best_of = obj.get("best_of")
+    if best_of is not None:
+        n = req.sampling.n
+        if not _is_int(best_of) or not n <= best_of <= MAX_N:
+            raise fail(f"'best_of' must be an integer in [n, {MAX_N}] (n is {n}), got {best_of!r}")
+        if best_of > n:
+            if req.stream:
+                raise fail("'best_of' > n is not supported with streaming (the best are known only at the end)")
+            req.keep_best = n
+            req.sampling = msgspec.structs.replace(req.sampling, n=best_of, logprobs=0)
     if req.sampling.n > 1:
         # Not yet per sequence: log-probabilities (one log per request in the frontend) and
         # constraints (one grammar state per request); refused rather than answered wrongly.

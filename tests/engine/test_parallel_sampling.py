@@ -76,3 +76,66 @@ def test_aborting_the_request_ends_every_sequence(tiny_engine):
     assert sorted(o.request_id for o in outs) == [f"a/{i}" for i in range(4)]
     assert not sched.has_work() and sched.state.kv.gpu.num_held == 0 and not sched.state.groups
     sched.check_invariants()
+
+
+# ---------------------------------------------------------------- through conveyor.Engine's API
+
+
+def test_engine_n3_greedy_is_hf_greedy_three_times(tiny_engine, hf_greedy):
+    from tests.engine.conftest import run_all
+
+    engine = tiny_engine()
+    request = engine.add_request(token_ids=PROMPT, n=3, temperature=0.0, max_tokens=6, ignore_eos=True)
+    changed = run_all(engine)
+    assert all(r is request for out in changed for r in out.requests)  # the caller's request, never a sequence
+    assert request.done and request.finish_reason == "length"
+    expected = hf_greedy(PROMPT, 6)
+    assert [s.index for s in request.outputs] == [0, 1, 2]
+    assert all(s.tokens == expected and s.finish_reason == "length" for s in request.outputs)
+    assert request.tokens == expected and engine.stats()["held_blocks"] == 0
+    [result] = engine.generate([PROMPT], n=2, temperature=0.0, max_tokens=6, ignore_eos=True, progress=False)
+    assert [o.token_ids for o in result.outputs] == [expected, expected] and result.token_ids == expected
+
+
+def test_engine_seeded_sequences_are_single_requests_with_seed_plus_i(tiny_engine):
+    engine = tiny_engine()
+    seed = 2**64 - 2
+    sampling = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    alone = [engine.generate([PROMPT], progress=False, seed=s, **sampling)[0] for s in (seed, seed + 1, 0)]
+    [together] = engine.generate([PROMPT], progress=False, n=3, seed=seed, **sampling)
+    assert [o.token_ids for o in together.outputs] == [a.token_ids for a in alone]
+    assert [o.text for o in together.outputs] == [a.text for a in alone]
+    assert len({tuple(a.token_ids) for a in alone}) > 1
+
+
+def test_engine_remove_of_an_n_request_frees_every_block(tiny_engine):
+    engine = tiny_engine()
+    request = engine.add_request(token_ids=PROMPT, n=4, temperature=1.0, max_tokens=50, ignore_eos=True)
+    for _ in range(4):
+        engine.step()
+    assert engine.stats()["held_blocks"] > 0 and not request.done
+    request.remove()
+    assert request.done and request.finish_reason == "abort"
+    assert all(s.finish_reason == "abort" for s in request.outputs)
+    assert engine.stats()["held_blocks"] == 0 and not engine.has_pending_requests()
+    engine.scheduler.check_invariants()
+
+
+def test_engine_best_of_keeps_the_most_likely_sequences(tiny_engine):
+    """best_of 3, n 2: the two of seeds seed, seed + 1, seed + 2 with the highest summed
+    log-probability of their tokens (as single requests report them), most likely first."""
+    engine = tiny_engine()
+    seed = 2**64 - 2
+    sampling = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    scored = []
+    for s in (seed, seed + 1, 0):
+        request = engine.add_request(token_ids=PROMPT, seed=s, logprobs=0, **sampling)
+        while not request.done:
+            engine.step()
+        scored.append((sum(e.logprob for e in request.logprobs), request.tokens))
+        request.remove()
+    assert len({score for score, _ in scored}) == 3
+    ranked = [tokens for _, tokens in sorted(scored, key=lambda x: -x[0])]
+    [result] = engine.generate([PROMPT], progress=False, n=2, best_of=3, seed=seed, **sampling)
+    assert [o.token_ids for o in result.outputs] == ranked[:2] and [o.index for o in result.outputs] == [0, 1]
+    assert engine.stats()["held_blocks"] == 0

@@ -52,6 +52,29 @@ def submit(replicas: ReplicaSet, sid: str, session: str | None = None, num_token
     return replica.index
 
 
+def test_an_n_request_is_outstanding_until_every_sequence_finished() -> None:
+    """Parallel sampling: a request of n = 3 is answered under its sequences' ids; it counts
+    at its replica until the third finishes; an abort of one sequence goes to that replica
+    and releases nothing (its finish does); an abort of the request releases it at once."""
+    replicas, links = make_set(2)
+    msg = AddRequest("7", [1, 2, 3], SamplingParams(n=3), time.time())
+    assert replicas.submit(msg, "s", continuing=False).index == 0
+    replicas.on_outputs(finished("7/0", "7/2"))
+    assert replicas.replicas[0].outstanding == 1
+    replicas.abort(["7/1"])  # a stop string ended sequence 1
+    assert links[0].sent[-1] == AbortRequests(["7/1"]) and replicas.replicas[0].outstanding == 1
+    replicas.on_outputs(TokenOutputs([RequestOutput("7/1", [], finish_reason="abort")]))
+    assert replicas.replicas[0].outstanding == 0 and replicas.owner("7") is None
+    replicas.abort(["7/0"])  # finished there already: nothing is sent
+    assert links[0].sent[-1] == AbortRequests(["7/1"])
+    # Aborted as a whole: released at once; its sequences' late finishes change nothing.
+    assert replicas.submit(AddRequest("8", [1], SamplingParams(n=2), time.time()), "t", continuing=False).index == 1
+    replicas.abort(["8"])
+    assert links[1].sent[-1] == AbortRequests(["8"]) and replicas.replicas[1].outstanding == 0
+    replicas.on_outputs(finished("8/0", "8/1"))
+    assert [r.outstanding for r in replicas.replicas] == [0, 0]
+
+
 def test_a_new_request_goes_to_the_replica_with_the_least_outstanding_work() -> None:
     replicas, links = make_set(3)
     assert [submit(replicas, s) for s in "abc"] == [0, 1, 2]  # idle: one each

@@ -32,7 +32,7 @@ def test_while_starting_generation_and_health_are_503_and_bad_bodies_still_400(t
     async def scenario(client):
         health = await client.get("/health")
         gen = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
-        bad = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "n": 3})
+        bad = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "n": [3]})
         models = await client.get("/v1/models")
         return (health.status, await health.json()), (gen.status, await gen.json()), bad.status, await models.json()
 

@@ -143,8 +143,8 @@ def test_client_errors_are_the_openai_exceptions(http_server) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="not-this-one", prompt="hi")
     assert info.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="'n' is not supported yet"):
-        client.completions.create(model=model, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="'best_of' > n is not supported with streaming"):
+        client.completions.create(model=model, prompt="hi", best_of=2, stream=True)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt="hi", top_p=5)
     assert info.value.body["param"] == "top_p"

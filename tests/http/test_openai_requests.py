@@ -41,7 +41,7 @@ def test_fields_map_onto_the_protocol() -> None:
     assert job.options == {
         "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"], "top_k": 4, "min_p": 0.1,
         "priority": 2, "ignore_eos": True, "stop_token_ids": [5], "presence_penalty": 0.5, "frequency_penalty": -1,
-        "repetition_penalty": 1.2, "min_tokens": 2, "logit_bias": {"5": 1, "7": -2.5},
+        "repetition_penalty": 1.2, "min_tokens": 2, "logit_bias": {"5": 1, "7": -2.5}, "n": 1,
     }  # fmt: skip
     # logit_bias travels as a map of numbers, bounded in size (the frontend judges the ids and values)
     refused(400, "logit_bias", logit_bias=[1])
@@ -71,12 +71,12 @@ def test_chat_content_parts_are_joined_and_other_content_refused() -> None:
 
 
 def test_what_conveyor_cannot_do_is_refused_by_name() -> None:
-    assert "'n' is not supported yet" in refused(400, "n", n=2).message
-    refused(400, "n", n=0)
+    assert parse(n=3).n == 3 and parse(n=3).options["n"] == 3  # forwarded: the frontend bounds it
+    refused(400, "n", n=[2])
     parse(CHAT, logprobs=False)
     refused(400, "echo", CHAT, echo=True)
     assert parse(echo=True).echo
-    for name, value in (("best_of", 2), ("use_beam_search", True), ("bad_words", ["x"]),
+    for name, value in (("use_beam_search", True), ("bad_words", ["x"]),
                         ("add_special_tokens", False),
                         ("allowed_token_ids", [1]), ("suffix", "end")):
         assert name in refused(400, name, **{name: value}).message
@@ -129,7 +129,7 @@ def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -
     job = parse(echo=False, suffix="", add_special_tokens=True, prompt_embeds=None, **both)
     assert set(job.ignored) == {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "request_id", "cache_salt", "vllm_xargs", "return_tokens_as_token_ids", "guided_decoding_backend"}
     neutral = {"presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "repetition_penalty": 1.0, "min_tokens": 0}
-    assert job.options == {"skip_special_tokens": True, "include_stop_str_in_output": False, **neutral}
+    assert job.options == {"skip_special_tokens": True, "include_stop_str_in_output": False, "n": 1, "best_of": 1, **neutral}
     chat = parse(
         CHAT, tools=[], tool_choice="none", parallel_tool_calls=True, add_generation_prompt=True, continue_final_message=False,
         chat_template_kwargs={"enable_thinking": False}, documents=None, chat_template=None, mm_processor_kwargs=None,

@@ -86,7 +86,9 @@ def test_malformed_json_and_wrong_types_are_400_naming_the_field(http_server) ->
 def test_unsupported_unknown_and_oversized(http_server) -> None:
     model = model_of(http_server)
     assert_error(request(http_server, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404, "model", "model_not_found")
-    assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "n": 2}), 400, "n")
+    assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "n": 65}), 400, "n")
+    # n > 1 with log-probabilities: not per sequence yet, refused naming the field
+    assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "n": 2, "logprobs": 1}), 400, "logprobs")
     # past --max-logprobs (20): the frontend's refusal names the field
     assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "logprobs": 21}), 400, "logprobs")
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}
@@ -116,12 +118,13 @@ def running(watcher: Client) -> bool:
     return watcher.stats()["held_blocks"] > 0
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_stream_dropped_mid_way_is_aborted(http_server, path) -> None:
+@pytest.mark.parametrize("path, n", [("/v1/completions", 1), ("/v1/chat/completions", 1), ("/v1/completions", 3)])
+def test_a_stream_dropped_mid_way_is_aborted(http_server, path, n) -> None:
     """An SSE stream of LONG_MAX_TOKENS closed after a few chunks: the server counts an abort
-    and frees its blocks within ABORT_BOUND_S (it would otherwise stream for ~16 s)."""
+    and frees its blocks within ABORT_BOUND_S (it would otherwise stream for ~16 s); with
+    ``n`` = 3, every sequence's blocks."""
     model = model_of(http_server)
-    body = {"model": model, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": model, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "n": n}
     body.update({"prompt": [10] * 40} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi " * 20}]})
 
     async def drop_after_a_few_chunks(watcher: Client) -> tuple[dict[str, int], float]:

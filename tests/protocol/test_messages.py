@@ -35,6 +35,16 @@ def test_stop_accepts_single_string() -> None:
     assert cp.parse_client_message(gen(stop="END")).stop == ["END"]
 
 
+def test_n_is_bounded_and_reaches_the_sampling_params() -> None:
+    assert cp.parse_client_message(gen()).sampling.n == 1
+    assert cp.parse_client_message(gen(n=cp.MAX_N)).sampling.n == cp.MAX_N
+    # best_of > n: best_of sequences at the scheduler, with their tokens' log-probabilities
+    best = cp.parse_client_message(gen(n=2, best_of=5))
+    assert (best.sampling.n, best.sampling.logprobs, best.keep_best) == (5, 0, 2)
+    same = cp.parse_client_message(gen(n=2, best_of=2, stream=True))  # best_of = n: plain n
+    assert (same.sampling.n, same.sampling.logprobs, same.keep_best) == (2, None, None)
+
+
 def test_priority_is_an_optional_integer() -> None:
     assert cp.parse_client_message(gen()).priority == 0
     assert cp.parse_client_message(gen(priority=-3)).priority == -3
@@ -72,6 +82,17 @@ def test_priority_is_an_optional_integer() -> None:
         (gen(stop=[1]), "'stop'"),
         (gen(stop_token_ids=[-1]), "'stop_token_ids'"),
         (gen(ignore_eos="yes"), "'ignore_eos'"),
+        (gen(n=0), "'n'"),
+        (gen(n=65), "'n'"),
+        (gen(n=2.0), "'n'"),
+        (gen(n=True), "'n'"),
+        (gen(n=2, best_of=1), "'best_of' must be an integer in \\[n, 64\\]"),
+        (gen(best_of=65), "'best_of'"),
+        (gen(best_of=2, stream=True), "'best_of' > n is not supported with streaming"),
+        (gen(best_of=2, logprobs=1), "'logprobs' is not supported with n > 1"),
+        (gen(n=2, logprobs=0), "'logprobs' is not supported with n > 1"),
+        (gen(n=2, prompt_logprobs=1), "'prompt_logprobs' is not supported with n > 1"),
+        (gen(n=2, constraint={"type": "regex", "pattern": "a+"}), "'constraint' is not supported with n > 1"),
         (gen(stream=1), "'stream'"),
         (gen(bogus=1), "unknown field"),
         (gen(request_id=""), "'request_id'"),

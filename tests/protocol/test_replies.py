@@ -17,12 +17,15 @@ from conveyor.protocol import replies
     rid=st.text(min_size=1, max_size=300),
     text=st.text(max_size=300),
     ids=st.lists(st.integers(0, 2**31 - 1), max_size=40),
+    index=st.one_of(st.none(), st.integers(0, cp.MAX_N - 1)),
 )
-def test_delta_bytes_are_the_packed_map(rid, text, ids) -> None:
-    """(Moved from tests/frontend/test_streaming.py with the encoder.)"""
+def test_delta_bytes_are_the_packed_map(rid, text, ids, index) -> None:
+    """(Moved from tests/frontend/test_streaming.py with the encoder.) A sequence's delta
+    (``index``, an n > 1 request) has the index between the id and the text."""
     text_bytes = msgpack.packb(text, use_bin_type=True)
-    packed = replies.delta_head(rid) + text_bytes + replies.DELTA_IDS_KEY + msgpack.packb(ids)
-    assert packed == cp.pack({"type": cp.DELTA, "v": 1, "request_id": rid, "text": text, "token_ids": ids})
+    packed = replies.delta_head(rid, index) + text_bytes + replies.DELTA_IDS_KEY + msgpack.packb(ids)
+    named = {} if index is None else {"index": index}
+    assert packed == cp.pack({"type": cp.DELTA, "v": 1, "request_id": rid, **named, "text": text, "token_ids": ids})
 
 
 def test_error_replies() -> None:

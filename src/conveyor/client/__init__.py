@@ -4,7 +4,9 @@
 msgpack protocol of docs/protocol.md over one ZeroMQ DEALER socket, so many
 requests can be in flight on one client at once. Keyword arguments of
 ``generate``/``stream`` are the request fields of the protocol (max_tokens,
-temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, priority).
+temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, n, priority ...).
+With ``n`` > 1 a result has ``n`` :class:`Choice` objects (``CompletionResult.choices``) and
+each streamed :class:`Delta` names its sequence (``index``).
 Sending ``request_id`` of a finished request continues it (docs/protocol.md).
 
 Failure is always an exception, never a hang:
@@ -47,6 +49,7 @@ from conveyor.client.connection import (
     DEFAULT_LIVENESS_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     AuthenticationError,
+    Choice,
     CompletionResult,
     Delta,
     NoServerError,
@@ -64,6 +67,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "AsyncClient",
     "AuthenticationError",
+    "Choice",
     "Client",
     "CompletionResult",
     "Delta",

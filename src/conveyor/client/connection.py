@@ -89,7 +89,22 @@ class Usage:
 
 
 @dataclass
+class Choice:
+    """One sequence of a request: its index (0 .. n - 1), text, tokens and why it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
 class CompletionResult:
+    """A request's outcome. ``choices``: its ``n`` sequences in index order (one for
+    ``n`` = 1); ``text``, ``token_ids`` are choice 0's, ``finish_reason`` the request's
+    (``abort``/``error`` when it ended as a whole, else choice 0's), ``usage`` counts
+    every choice's tokens."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -97,20 +112,27 @@ class CompletionResult:
     usage: Usage
     timing: dict[str, float | None] = field(default_factory=dict)
     error: str | None = None
+    choices: list[Choice] = field(default_factory=list)
     # Where asked for: the protocol's log-probability columns (docs/protocol.md), as sent.
     logprobs: dict[str, Any] | None = None
     prompt_logprobs: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        if not self.choices:  # n = 1: the one choice is the result itself
+            self.choices = [Choice(0, self.text, self.token_ids, self.finish_reason)]
+
 
 @dataclass
 class Delta:
-    """One piece of a stream. The last one has ``finish_reason`` set and carries ``result``."""
+    """One piece of a stream. The last one has ``finish_reason`` set and carries ``result``.
+    ``index``: the sequence it belongs to (0 unless the request asked for ``n`` > 1)."""
 
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     result: CompletionResult | None = None
+    index: int = 0
     logprobs: dict[str, Any] | None = None  # of this delta's tokens, where asked for
     prompt_logprobs: dict[str, Any] | None = None  # of prompt tokens not sent before
 
@@ -125,6 +147,7 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
         timing=msg.get("timing") or {},
         error=msg.get("error"),
+        choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"]) for c in msg.get("choices") or ()],
         logprobs=msg.get("logprobs"),
         prompt_logprobs=msg.get("prompt_logprobs"),
     )
@@ -167,7 +190,7 @@ def to_delta(msg: dict[str, Any]) -> Delta:
     if msg["type"] == cp.DELTA:
         return Delta(
             msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])),
-            logprobs=msg.get("logprobs"), prompt_logprobs=msg.get("prompt_logprobs"),
+            logprobs=msg.get("logprobs"), prompt_logprobs=msg.get("prompt_logprobs"), index=msg.get("index", 0),
         )
     result = completion_result(msg)
     return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)

@@ -4,7 +4,7 @@ the server and how a step runs).
 
 - :mod:`~conveyor.engine.engine`: :class:`Engine` (add requests, step, generate);
 - :mod:`~conveyor.engine.request`: :class:`Request`, what the caller reads (tokens, text, end);
-- :mod:`~conveyor.engine.outputs`: :class:`StepOutput` and its :class:`BatchInfo`, :class:`Result`;
+- :mod:`~conveyor.engine.outputs`: :class:`StepOutput` and its :class:`BatchInfo`, :class:`Result` (its :class:`CompletionOutput` per sequence);
 - :mod:`~conveyor.engine.options`: ``Engine(**config)``'s names (bin/serve's, TGI's batch limits).
 
 torch is imported when an :class:`Engine` is built, not with this package.
@@ -13,7 +13,7 @@ torch is imported when an :class:`Engine` is built, not with this package.
 from __future__ import annotations
 
 from conveyor.engine.engine import Engine
-from conveyor.engine.outputs import BatchInfo, Result, StepOutput
+from conveyor.engine.outputs import BatchInfo, CompletionOutput, Result, StepOutput
 from conveyor.engine.request import Delta, Request
 
-__all__ = ["BatchInfo", "Delta", "Engine", "Request", "Result", "StepOutput"]
+__all__ = ["BatchInfo", "CompletionOutput", "Delta", "Engine", "Request", "Result", "StepOutput"]

@@ -55,11 +55,11 @@ from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import context_ids, encode_input
 from conveyor.frontend.logprobs import LogprobsLog
-from conveyor.frontend.output import merge
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
-from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult
+from conveyor.frontend.output import best_of, cumulative_logprob, merge
+from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id
 from conveyor.protocol import messages as cp
 from conveyor.runtime.build import batcher_config, worker_settings
 from conveyor.runtime.config import SchedulerConfig
@@ -134,7 +134,9 @@ class Engine:
         ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, the
         frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
         ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
-        ``chat_template_kwargs``), ``logprobs`` / ``prompt_logprobs`` (the number of top
+        ``chat_template_kwargs``), ``n`` > 1 (at most 64: ``n`` sequences of the prompt, sharing
+        its KV, sequence i with ``seed + i``, in :attr:`Request.outputs`; not with
+        log-probabilities or a constraint yet), ``logprobs`` / ``prompt_logprobs`` (the number of top
         log-probabilities, up to ``max_logprobs`` (20), read from :attr:`Request.logprobs` /
         ``prompt_logprobs``), and structured output: ``constraint`` (docs/protocol.md),
         ``tools`` and ``tool_choice``. ``lora`` names the LoRA adapter to generate with (one
@@ -194,11 +196,29 @@ class Engine:
             StopStringMatcher(req.stop, req.include_stop_str_in_output, req.sampling.min_tokens),
             arrival,
             (
-                None if req.sampling.logprobs is None else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),
+                None if req.sampling.logprobs is None or req.sampling.n > 1 else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),
                 None if req.sampling.prompt_logprobs is None else LogprobsLog(req.sampling.prompt_logprobs, 1, self.tokenizer),
             ),
         )
-        self._running[scheduler_id] = request
+        request._keep_best = req.keep_best
+        for i in range(req.sampling.n if req.sampling.n > 1 else 0):
+            seq = Request(
+                self,
+                rid,
+                sequence_id(scheduler_id, i),
+                prompt_ids,
+                request._history_len,
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
+                StopStringMatcher(req.stop, req.include_stop_str_in_output),
+                arrival,
+                # best_of > n: its sampled tokens' log-probabilities, to rank it at the end
+                (None if req.keep_best is None else LogprobsLog(0, len(prompt_ids), self.tokenizer), None),
+                index=i,
+                parent=request,
+            )
+            request.sequences.append(seq)
+        for seq in request.outputs:
+            self._running[seq._scheduler_id] = seq
         self._by_id[rid] = request
         self._latest[rid] = request
         return request
@@ -337,22 +357,56 @@ class Engine:
                 self.scheduler.abort([out.request_id])
             if stopped or out.finish_reason is not None:
                 self._finish(request, out.finish_reason, out.error, flush=not stopped)
-            if out.new_token_ids or request.done:
-                changed.append(request)
+            target = request._parent or request  # the caller's request (a sequence's n > 1 request)
+            if (out.new_token_ids or request.done) and target not in changed:
+                changed.append(target)
 
     def _finish(self, request: Request, reason: str | None, error: str | None, flush: bool) -> None:
-        """End ``request`` (the scheduler has let it go) and keep its context for a continuation."""
+        """End ``request`` (the scheduler has let it go) and keep its context for a continuation.
+        A sequence of an n > 1 request ends alone; its request ends with its last sequence,
+        or at once with an error of any (the others are aborted with that error)."""
         reason = request._end(reason or FinishReason.ABORT, error, flush)
         del self._running[request._scheduler_id]
-        del self._by_id[request.request_id]
-        self._sessions.remember(
-            request.request_id, request.prompt_token_ids, request._history_len, request._tokens, reason
+        parent = request._parent
+        if parent is None:
+            del self._by_id[request.request_id]
+            self._sessions.remember(
+                request.request_id, request.prompt_token_ids, request._history_len, request._tokens, reason
+            )
+        elif reason == FinishReason.ERROR:
+            self._end_request(parent, reason, error)
+        elif all(seq.done for seq in parent.sequences):
+            self._end_request(parent, None, None)
+
+    def _end_request(self, request: Request, reason: str | None, error: str | None) -> None:
+        """End an n > 1 request as a whole: its live sequences are aborted at the scheduler and
+        end with ``reason`` (None: every sequence ended; the request's reason is then its first
+        output's); the context it continued stays for the next turn (its choices are several:
+        the caller continues one by sending it). With best_of > n only the n most likely
+        sequences stay in :attr:`Request.outputs`, best first."""
+        live = [seq for seq in request.sequences if not seq.done]
+        if live:
+            self.scheduler.abort([seq._scheduler_id for seq in live])
+        for seq in live:
+            seq._end(reason, error, flush=False)
+            del self._running[seq._scheduler_id]
+        leader = request.sequences[0]
+        request.first_token_time = min((s.first_token_time for s in request.sequences if s.first_token_time), default=None)
+        request.sequences = best_of(
+            request.sequences, request._keep_best, lambda s: cumulative_logprob(s._logprobs.values, len(s._tokens))
         )
+        reason = reason or request.sequences[0].finish_reason  # (None: every sequence ended)
+        request.scheduled_time, request.num_cached_tokens = leader.scheduled_time, leader.num_cached_tokens
+        request._end(reason, error, flush=False)
+        del self._by_id[request.request_id]
+        self._sessions.restore(request.request_id, request.prompt_token_ids, request._history_len)
 
     def _remove(self, request: Request) -> None:
         """:meth:`Request.remove`: abort it if it runs, then forget its context (only the last
         turn under its id owns that context)."""
-        if not request.done:
+        if not request.done and request.sequences:
+            self._end_request(request, FinishReason.ABORT, None)
+        elif not request.done:
             self.scheduler.abort([request._scheduler_id])
             self._finish(request, FinishReason.ABORT, None, flush=False)  # as a client's abort: no flush
         if self._latest.get(request.request_id) is request:

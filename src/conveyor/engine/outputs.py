@@ -66,8 +66,19 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One sequence of a request: its index (0 .. n - 1), text, tokens and why it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
 class Result:
-    """One prompt's outcome in :meth:`Engine.generate`."""
+    """One prompt's outcome in :meth:`Engine.generate`: ``outputs`` its ``n`` sequences;
+    ``text``, ``token_ids`` are sequence 0's, ``finish_reason`` the request's."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -76,9 +87,11 @@ class Result:
     finish_reason: str
     error: str | None
     num_cached_tokens: int
+    outputs: list[CompletionOutput]
 
     @classmethod
     def of(cls, req: Request) -> Result:
+        outputs = [CompletionOutput(s.index, s.text, s.tokens, s.finish_reason) for s in req.outputs]
         return cls(
-            req.request_id, req.prompt_token_ids, req.text, req.tokens, req.finish_reason, req.error, req.num_cached_tokens
+            req.request_id, req.prompt_token_ids, req.text, req.tokens, req.finish_reason, req.error, req.num_cached_tokens, outputs
         )

@@ -13,6 +13,12 @@ Invariants:
 - Once ``done``, nothing changes but the read marks of :meth:`Request.take_new`.
 - ``tokens`` are this turn's output ids; a stop string cuts them at the token that
   completed it, and ``text`` before the stop string.
+
+Parallel sampling: a request added with ``n`` > 1 has ``n`` sequences (:attr:`Request.outputs`,
+each a :class:`Request` of its own with its ``index``, its own detokenizer and stop strings,
+at the scheduler as ``{id}/{index}``). The request is ``done`` when every sequence is, or when
+it ends as a whole (removed, or a sequence failed: the others are then aborted with the same
+error); its ``tokens`` and ``text`` are sequence 0's.
 """
 
 from __future__ import annotations
@@ -60,9 +66,16 @@ class Request:
         stop: StopStringMatcher,
         arrival_time: float,
         logs: tuple[LogprobsLog | None, LogprobsLog | None] = (None, None),
+        *,
+        index: int = 0,
+        parent: Request | None = None,
     ) -> None:
         self.request_id = request_id
         self._logprobs, self._prompt_logprobs = logs
+        self.index = index  # its sequence's index in its request (0 unless n > 1)
+        self.sequences: list[Request] = []  # n > 1: the request's sequences (:attr:`outputs`)
+        self._parent = parent
+        self._keep_best: int | None = None  # best_of > n: how many of its sequences it returns
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = arrival_time
         self.scheduled_time: float | None = None
@@ -92,14 +105,19 @@ class Request:
         return self.finish_reason is not None
 
     @property
+    def outputs(self) -> list[Request]:
+        """The request's sequences in index order: itself alone unless it asked for ``n`` > 1."""
+        return self.sequences or [self]
+
+    @property
     def tokens(self) -> list[int]:
-        """This turn's output token ids so far (a copy)."""
-        return list(self._tokens)
+        """This turn's output token ids so far (a copy; sequence 0's for n > 1)."""
+        return list(self.outputs[0]._tokens)
 
     @property
     def text(self) -> str:
-        """This turn's output text so far, as a streaming client has been sent it."""
-        return "".join(self._pieces)
+        """This turn's output text so far, as a streaming client has been sent it (sequence 0's for n > 1)."""
+        return "".join(self.outputs[0]._pieces)
 
     @property
     def logprobs(self) -> list[Logprob] | None:
@@ -119,7 +137,8 @@ class Request:
         return len(self.prompt_token_ids)
 
     def has_available_tokens(self) -> bool:
-        """Whether tokens (or text) came since the last :meth:`take_new`."""
+        """Whether tokens (or text) came since the last :meth:`take_new` (for n > 1: read
+        each of :attr:`outputs`)."""
         return len(self._tokens) > self._read_tokens or self._text_len > self._read_chars
 
     def take_new(self) -> Delta:

@@ -262,7 +262,7 @@ class OutputPath:
     def finish(
         self,
         state: RequestState,
-        reason: str,
+        reason: str | None,
         *,
         delta: str = "",
         delta_ids: Sequence[int] = (),
@@ -270,32 +270,80 @@ class OutputPath:
     ) -> None:
         """Send a streamed request's last delta (if any), then the final, record its latencies
         and remember its context for a continuation; the caller untracked it. An error final
-        carries the code its error text (the scheduler's, or a server failure) calls for."""
+        carries the code its error text (the scheduler's, or a server failure) calls for.
+
+        A sequence of an ``n`` > 1 request sends its last delta and notes its end; the request's
+        final goes out with its last sequence's end (:meth:`_finish_sequence`). A request with
+        sequences ends as a whole here: its final carries every sequence's choice (those
+        still running end with ``reason``; None: every one ended, and the request's reason is
+        choice 0's), or with best_of > n the n most likely (:func:`best_of`), best first."""
+        if state.parent is not None:
+            self._finish_sequence(state, reason, delta, delta_ids, error)
+            return
         now = time.time()
         if state.stream and (delta or delta_ids):
             self._sender.push(state.identity, self._delta_bytes(state, delta, delta_ids))
+        choices = None
+        num_tokens = len(state.token_ids)
+        if state.sequences:
+            state.ended = True
+            choices = [
+                {"index": seq.index, "text": "".join(seq.text), "token_ids": seq.token_ids, "finish_reason": seq.finish_reason or reason}
+                for seq in best_of(state.sequences, state.keep_best)
+            ]
+            reason = reason or choices[0]["finish_reason"]  # (None: every sequence ended; choice 0 is the best)
+            leader = state.sequences[0]
+            state.scheduled_time, state.cached_tokens = leader.scheduled_time, leader.cached_tokens
+            firsts = [seq.first_token_time for seq in state.sequences if seq.first_token_time is not None]
+            state.first_token_time = min(firsts, default=None)
+            num_tokens = sum(len(c["token_ids"]) for c in choices)
         timing = {
             "queue_time": _since(state.arrival_time, state.scheduled_time),
             "ttft": _since(state.arrival_time, state.first_token_time),
             "total": now - state.arrival_time,
         }
-        self._record_request(timing, len(state.token_ids))
-        self.metrics.request_finished(reason, timing, len(state.token_ids), state.prompt_len, state.max_tokens)
-        self._sessions.remember(state.key, state.prompt_ids, state.history_len, state.token_ids, reason)
+        self._record_request(timing, num_tokens)
+        self.metrics.request_finished(reason, timing, num_tokens, state.prompt_len, state.max_tokens)
+        if choices is None:
+            self._sessions.remember(state.key, state.prompt_ids, state.history_len, state.token_ids, reason)
+        else:
+            self._sessions.restore(state.key, state.prompt_ids, state.history_len)
         reply = final_reply(
             state.request_id,
-            "".join(state.text),
-            state.token_ids,
+            "".join(state.text) if choices is None else choices[0]["text"],
+            state.token_ids if choices is None else choices[0]["token_ids"],
             reason,
             error,
             prompt_tokens=state.prompt_len,
             cached_tokens=state.cached_tokens,
             timing=timing,
             code=scheduler_error_code(error) if reason == FinishReason.ERROR else None,
+            choices=choices,
         )
         if state.logged:
             reply.update(state.logprob_fields(whole=True))
         self._sender.push_map(state.identity, reply)
+
+    def _finish_sequence(
+        self, seq: RequestState, reason: str, delta: str, delta_ids: Sequence[int], error: str | None
+    ) -> None:
+        """Sequence ``seq`` ended (untracked by the caller): its last delta, then, if it was
+        its request's last, the request's final. An error of one sequence fails the whole
+        request (its other sequences are aborted): a request gets one answer."""
+        parent = seq.parent
+        assert parent is not None
+        if parent.ended:
+            return  # the request ended as a whole already (an abort, another sequence's error)
+        if seq.stream and (delta or delta_ids):
+            self._sender.push(seq.identity, self._delta_bytes(seq, delta, delta_ids))
+        seq.finish_reason = reason
+        if reason == FinishReason.ERROR:
+            self._untrack(parent)
+            self._abort([parent.scheduler_id])
+            self.finish(parent, reason, error=error)
+        elif all(s.finish_reason is not None for s in parent.sequences):
+            self._untrack(parent)
+            self.finish(parent, None)
 
     def _delta_bytes(self, state: RequestState, text: str, token_ids: Sequence[int]) -> bytes:
         """``{type: delta, v, request_id, text, token_ids}``, packed from the request's head, and
@@ -321,6 +369,26 @@ class OutputPath:
                 self._s_tpot.add((total - ttft) * 1e3 / (num_tokens - 1))
         if total is not None:
             self._s_e2e.add(total * 1e3)
+
+
+def best_of(sequences: list, keep: int | None, score: Callable[[object], float] | None = None) -> list:
+    """``sequences``, or with ``keep`` the ``keep`` of them with the highest ``score`` (their
+    cumulative log-probability, :func:`cumulative_logprob`), best first (ties: lower index
+    first), re-indexed 0..keep-1: what ``best_of`` returns. The rule of the frontend's
+    states and the engine's requests (``score`` reads each one's log)."""
+    if keep is None:
+        return sequences
+    score = score or (lambda s: cumulative_logprob(s.logprobs.values, len(s.token_ids)))
+    ranked = sorted(sequences, key=lambda s: -score(s))[:keep]
+    for index, seq in enumerate(ranked):
+        seq.index = index
+    return ranked
+
+
+def cumulative_logprob(values: Sequence[float], num_tokens: int) -> float:
+    """The sum of the log-probabilities of a sequence's ``num_tokens`` output tokens (a
+    stop string may have cut the tokens short of the rows its log got)."""
+    return float(sum(values[:num_tokens]))
 
 
 def stream_text(

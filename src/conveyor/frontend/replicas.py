@@ -42,7 +42,8 @@ replica's processes (``scheduler.1``, ``worker.1``; replica 0's keep their plain
 
 Invariants:
 - A scheduler id is owned by at most one replica, from its AddRequest until its finish or
-  abort; a dead replica owns nothing.
+  abort; a dead replica owns nothing. An ``n`` > 1 request finishes there when all its
+  sequences (``{id}/{i}``) did; an abort of one sequence goes to its request's replica.
 - ``Replica.outstanding`` (and ``outstanding_prompt_tokens``) is the count (and prompt
   length sum) of the requests it owns.
 - Nothing is sent to a dead replica.
@@ -61,7 +62,7 @@ import zmq.asyncio
 
 from conveyor import profiling
 from conveyor.ipc import codec, transport
-from conveyor.ipc.messages import AbortRequests, AddRequest, ProcessProfile, SchedulerStats, TokenOutputs
+from conveyor.ipc.messages import SEQUENCE_SEPARATOR, AbortRequests, AddRequest, ProcessProfile, SchedulerStats, TokenOutputs
 from conveyor.ipc.transport import ServerAddresses
 from conveyor.protocol import replies
 from conveyor.runtime.config import replica_process_name
@@ -122,6 +123,8 @@ class ReplicaSet:
             raise ValueError("a replica set needs at least one replica")
         self.replicas = [Replica(index, link) for index, link in enumerate(links)]
         self._owners: dict[str, tuple[Replica, int]] = {}  # scheduler id -> (owner, prompt tokens)
+        # An owned n > 1 request's id -> its sequences the replica has not finished yet.
+        self._sequences_left: dict[str, int] = {}
         # session key -> the replica its latest turn went to, least recently routed first
         self._placements: OrderedDict[Hashable, int] = OrderedDict()
         self._max_sessions = max_sessions
@@ -149,6 +152,8 @@ class ReplicaSet:
             return None
         num_tokens = len(add.prompt_token_ids)
         self._owners[add.request_id] = (replica, num_tokens)
+        if add.sampling.n > 1:
+            self._sequences_left[add.request_id] = add.sampling.n
         replica.outstanding += 1
         replica.outstanding_prompt_tokens += num_tokens
         replica.routed += 1
@@ -177,11 +182,15 @@ class ReplicaSet:
         by_replica: dict[int, list[str]] = {}
         for scheduler_id in scheduler_ids:
             entry = self._owners.pop(scheduler_id, None)
-            if entry is None:
-                continue
-            replica, num_tokens = entry
-            self._release(replica, num_tokens)
-            by_replica.setdefault(replica.index, []).append(scheduler_id)
+            if entry is not None:
+                self._sequences_left.pop(scheduler_id, None)
+                self._release(*entry)
+            else:  # a sequence of an n > 1 request: it goes where its request is; its finish releases
+                parent = _parent_id(scheduler_id)
+                entry = self._owners.get(parent) if parent is not None else None
+                if entry is None:
+                    continue
+            by_replica.setdefault(entry[0].index, []).append(scheduler_id)
         for index, ids in by_replica.items():
             self.replicas[index].link.send(AbortRequests(ids))
 
@@ -191,7 +200,16 @@ class ReplicaSet:
         owners = self._owners
         for output in msg.outputs:
             if output.finish_reason is not None:
-                entry = owners.pop(output.request_id, None)
+                rid = output.request_id
+                if rid not in owners:  # a sequence's finish: its request's, once all finished
+                    rid = _parent_id(rid)
+                    if rid is None or rid not in self._sequences_left:
+                        continue
+                    self._sequences_left[rid] -= 1
+                    if self._sequences_left[rid]:
+                        continue
+                self._sequences_left.pop(rid, None)
+                entry = owners.pop(rid, None)
                 if entry is not None:
                     self._release(*entry)
 
@@ -208,6 +226,7 @@ class ReplicaSet:
         held = [scheduler_id for scheduler_id, (owner, _) in self._owners.items() if owner is replica]
         for scheduler_id in held:
             del self._owners[scheduler_id]
+            self._sequences_left.pop(scheduler_id, None)
         replica.outstanding = replica.outstanding_prompt_tokens = 0
         return held
 
@@ -297,3 +316,9 @@ def replica_profiles(answers: dict[int, list[ProcessProfile]]) -> list[dict[str,
             processes.append(entry)
     return processes
 
+
+
+def _parent_id(scheduler_id: str) -> str | None:
+    """The request id of a sequence's scheduler id (``{id}/{i}``), or None for a request's own."""
+    head, sep, _ = scheduler_id.rpartition(SEQUENCE_SEPARATOR)
+    return head if sep else None

@@ -22,7 +22,16 @@ class RequestState:
     scheduler by its client id. ``client_key`` names the client that sent it
     (:func:`conveyor.frontend.server.client_key`): a request id names a request only within
     its client, so the frontend's tables hold :attr:`key`. ``text`` holds the pieces of text returned so far (stop
-    strings cut), ``token_ids`` every output token; the final carries both whole."""
+    strings cut), ``token_ids`` every output token; the final carries both whole.
+
+Parallel sampling (``n`` > 1): the request's state (the *parent*: in flight under its key,
+known to the scheduler by its scheduler id until the scheduler took it) has one state per
+sequence in ``sequences``, each with its own detokenizer and stop strings, known to the
+scheduler as ``{scheduler_id}/{index}`` (:func:`~conveyor.ipc.messages.sequence_id`),
+its ``parent`` set and its ``index`` carried by each of its deltas. A sequence's end is
+noted in its ``finish_reason``; the parent's final, with every sequence's choice, goes out
+when the last sequence ended (``ended`` is then set), or at once when the request as a whole
+ends (an abort, an error of the request or of any of its sequences)."""
 
     request_id: str
     identity: bytes
@@ -46,6 +55,12 @@ class RequestState:
     scheduler_id: str = ""  # its id at the scheduler ("" in a hand-built state: request_id)
     client_key: bytes = b""  # its client (b"" in a hand-built state)
     fd: int = -1  # the file descriptor of the connection that sent it: its disconnect drops it
+    index: int | None = None  # a sequence of an n > 1 request: its index (its deltas carry it)
+    parent: RequestState | None = None  # a sequence: the request it belongs to
+    sequences: list[RequestState] = field(default_factory=list)  # an n > 1 request: its sequences
+    finish_reason: str | None = None  # a sequence: why it ended (None while it runs)
+    ended: bool = False  # an n > 1 request: its final is sent
+    keep_best: int | None = None  # best_of > n: the n of its sequences returned (the most likely)
     # Where it asked for them (set with its prompt): its output and prompt tokens' log-probabilities.
     logprobs: LogprobsLog | None = None
     prompt_logprobs: LogprobsLog | None = None
@@ -87,5 +102,5 @@ class RequestState:
     def __post_init__(self) -> None:
         if not self.scheduler_id:
             self.scheduler_id = self.request_id
-        self.delta_head = delta_head(self.request_id)
+        self.delta_head = delta_head(self.request_id, self.index)
         self.has_stop = self.stop.active

@@ -135,6 +135,7 @@ from zmq.utils.monitor import parse_monitor_message
 from conveyor import profiling
 from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
 from conveyor.frontend.metrics import FrontendMetrics
 from conveyor.frontend.output import OutputPath
@@ -146,6 +147,7 @@ from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import codec, transport
 from conveyor.ipc.messages import (
+    sequence_id,
     AddRequest,
     FinishReason,
     ProcessFailed,
@@ -522,9 +524,31 @@ class Frontend:
         state.max_tokens = req.sampling.max_tokens
         state.history_len = len(history) if history is not None else 0
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
-        state.set_logprobs(req.sampling, self.tokenizer)
+        if req.sampling.n == 1:  # (n > 1 with log-probabilities asked is refused; best_of's are its own)
+            state.set_logprobs(req.sampling, self.tokenizer)
+        state.keep_best = req.keep_best
         state.pending = False
-        self.requests[state.scheduler_id] = state
+        self.requests[state.scheduler_id] = state  # (n > 1: where a refusal of the whole request finds it)
+        for i in range(req.sampling.n if req.sampling.n > 1 else 0):
+            seq = RequestState(
+                request_id=state.request_id,
+                scheduler_id=sequence_id(state.scheduler_id, i),
+                identity=state.identity,
+                stream=state.stream,
+                prompt_len=state.prompt_len,
+                arrival_time=state.arrival_time,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
+                stop=StopStringMatcher(req.stop, req.include_stop_str_in_output),
+                client_key=state.client_key,
+                fd=state.fd,
+                index=i,
+                parent=state,
+                max_tokens=state.max_tokens,
+            )
+            if req.keep_best is not None:  # its sampled tokens' log-probabilities, kept, never sent
+                seq.logprobs = LogprobsLog(0, state.prompt_len, self.tokenizer)
+            state.sequences.append(seq)
+            self.requests[seq.scheduler_id] = seq
         self.metrics.add_prompt(state.prompt_len)
         add = AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority, lora=req.lora)
         replica = self.replicas.submit(add, state.key, continuing=history is not None)
@@ -550,8 +574,14 @@ class Frontend:
 
     def _untrack(self, state: RequestState) -> None:
         """Forget a request that is being finalized: from here on its client id may be used
-        again, and whatever the scheduler still sends under its scheduler id is dropped."""
+        again, and whatever the scheduler still sends under its scheduler id is dropped. A
+        sequence of an ``n`` > 1 request is forgotten alone (its request stays in flight until
+        its final); the request takes its sequences with it."""
         self.requests.pop(state.scheduler_id, None)  # absent while pending
+        if state.parent is not None:
+            return
+        for seq in state.sequences:
+            self.requests.pop(seq.scheduler_id, None)
         if self.in_flight.get(state.key) is state:  # absent in a hand-built table (bench)
             del self.in_flight[state.key]
 

@@ -45,10 +45,19 @@ class Sessions:
         """A turn finished for ``reason``: keep its whole context (``prompt_ids`` + ``token_ids``),
         or if it failed, the first ``history_len`` ids of its prompt (the context it continued)."""
         if reason == FinishReason.ERROR:
-            context = prompt_ids[:history_len] if history_len else None
+            self.restore(key, prompt_ids, history_len)
         else:
-            context = prompt_ids + token_ids
-        if not context:
+            self._keep(key, prompt_ids + token_ids)
+
+    def restore(self, key: Hashable, prompt_ids: list[int], history_len: int) -> None:
+        """Put back the context a turn continued (the first ``history_len`` ids of its
+        prompt), unchanged: what a failed turn leaves, and what an ``n`` > 1 turn leaves
+        (its choices are several; the client continues one by sending it as input)."""
+        if history_len:
+            self._keep(key, prompt_ids[:history_len])
+
+    def _keep(self, key: Hashable, context: list[int]) -> None:
+        if not context:  # (a turn aborted while its input tokenized: it took nothing)
             return
         contexts = self._contexts
         contexts[key] = context

@@ -117,12 +117,11 @@ async def respond(
         enc = ChunkEncoder(job.kind, rid, created, model, job.include_usage)
         return await _stream(request, link, job, enc, prompts, headers, _tool_reader(job, tool_parser))
     results = await _generate_all(link, job)
-    texts = None if prompts.echoes is None else [e + r.text for e, r in zip(prompts.echoes, results)]
     prompt_ids = prompts.ids if job.return_token_ids else None
     extras = None
     if job.logprobs is not None or job.prompt_logprobs:
         extras = [_logprob_fields(job, prompts, i, r.logprobs, r.prompt_logprobs, 0, True) for i, r in enumerate(results)]
-    body = completion_body(job.kind, rid, created, model, results, texts=texts, prompt_ids=prompt_ids, extras=extras)
+    body = completion_body(job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids, extras=extras)
     reader = _tool_reader(job, tool_parser)
     if reader is not None:
         for choice, result in zip(body["choices"], results):
@@ -266,7 +265,7 @@ async def _stream(
         await response.prepare(request)
         out = bytearray()
         if job.kind == CHAT:
-            for index in range(n):
+            for index in range(n * job.n):
                 out += enc.role(index)
         encode = _Encoder(job, enc, prompts, finals, out, tools)
         left = n
@@ -298,7 +297,9 @@ async def _stream(
 class _Encoder:
     """Appends each delta's events to ``out``. The plain path (text only) is
     :meth:`ChunkEncoder.text`; a job with ``echo``, ``return_token_ids`` or continuous usage
-    builds its chunks as dicts with those fields (:meth:`ChunkEncoder.chunk`)."""
+    builds its chunks as dicts with those fields (:meth:`ChunkEncoder.chunk`). Input ``i``'s
+    sequence ``j`` (``Delta.index``) is choice ``i * n + j``; an input's final ends each of
+    its choices (its ``finish_reason``), and continuous usage counts the input's tokens."""
 
     def __init__(
         self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, finals: list[CompletionResult | None], out: bytearray,
@@ -313,28 +314,33 @@ class _Encoder:
         self.job = job
         self.logged = job.logprobs is not None or job.prompt_logprobs
         self.plain = not (self.token_ids or self.continuous or prompts.echoes is not None or self.logged)
-        self.started = [False] * len(finals)
-        self.generated = [0] * len(finals)
-        self.offsets = [0] * len(finals)  # text offset of the next token of each choice (completions' logprobs)
+        self.n = job.n
+        self.started = [False] * (len(finals) * job.n)  # by choice
+        self.generated = [0] * len(finals)  # by input
+        # Text offset of the next token of each choice (completions' logprobs; n is 1 with them).
+        self.offsets = [0] * len(finals)
 
     def __call__(self, index: int, delta: Delta) -> int:
-        """1 when ``delta`` was its input's final (ApiError if that final is an error)."""
+        """1 when ``delta`` was input ``index``'s final (ApiError if that final is an error)."""
         if self.tools is not None:
             return self._tool_delta(index, delta)
+        choice = index * self.n + delta.index
         if self.plain:
             if delta.text:
-                self.out += self.enc.text(index, delta.text)
-        elif delta.text or delta.token_ids or not self.started[index]:
-            self.out += self._detailed(index, delta)
+                self.out += self.enc.text(choice, delta.text)
+        elif delta.text or delta.token_ids or not self.started[choice]:
+            self.out += self._detailed(index, choice, delta)
         if delta.result is None:
             return 0
         self.finals[index] = result = _checked(delta.result)
-        self.out += self.enc.finish(index, result.finish_reason, None, self._usage(index))
+        for seq in result.choices:
+            self.out += self.enc.finish(index * self.n + seq.index, seq.finish_reason, None, self._usage(index))
         return 1
 
     def _tool_delta(self, index: int, delta: Delta) -> int:
-        """A chat with tools (plain otherwise): content as the reader releases it, each call
-        as one ``tool_calls`` delta, ``finish_reason`` ``tool_calls`` when there were calls."""
+        """A chat with tools (plain otherwise; n is 1 with tools): content as the reader
+        releases it, each call as one ``tool_calls`` delta, ``finish_reason`` ``tool_calls``
+        when there were calls."""
         feed = self.tools[index]  # type: ignore[index]
         pieces = [feed(delta.text)] if delta.text else []
         if delta.result is not None:
@@ -353,12 +359,12 @@ class _Encoder:
         self.out += self.enc.finish(index, reason)
         return 1
 
-    def _detailed(self, index: int, delta: Delta) -> bytes:
+    def _detailed(self, index: int, choice: int, delta: Delta) -> bytes:
         text = delta.text
         extra: dict[str, Any] = {}
-        first = not self.started[index]
+        first = not self.started[choice]
         if first:
-            self.started[index] = True
+            self.started[choice] = True
             if self.prompts.echoes is not None:
                 text = self.prompts.echoes[index] + text
             if self.token_ids and self.enc.kind != CHAT:
@@ -373,7 +379,7 @@ class _Encoder:
                 self.offsets[index] += sum(len(t) for t in fields["logprobs"]["tokens"])
             extra.update(fields)
         self.generated[index] += len(delta.token_ids)
-        return self.enc.chunk(index, text, None, extra, self._usage(index))
+        return self.enc.chunk(choice, text, None, extra, self._usage(index))
 
     def _usage(self, index: int) -> dict[str, int] | None:
         if not self.continuous:

@@ -18,7 +18,7 @@ schemas is taken (docs/http.md lists them):
   line, as vLLM does.
 - ``inert``: not implemented, and ignoring it would change the output: accepted only with a
   value that asks for nothing (null, or the listed ones), else a 400 naming it. Those marked
-  ``later`` (log-probabilities, ``n``/``best_of``, ``bad_words``) become ``forward``
+  ``later`` (``bad_words``, beam search) become ``forward``
   fields once the worker computes them.
 
 A field in neither schema is a 400 naming it (a typo never falls back to a default).
@@ -90,8 +90,8 @@ FIELDS: dict[str, Field] = {
     "top_p": Field(FORWARD),
     "seed": Field(FORWARD),
     "stop": Field(FORWARD),
-    "n": _inert(1, later=True),
-    "best_of": _inert(1, later=True),
+    "n": Field(FORWARD),  # each input's n sequences are choices input * n .. input * n + n - 1
+    "best_of": Field(FORWARD),  # the n most likely of best_of sequences (not streamed)
     "logprobs": Field(HTTP),
     "top_logprobs": Field(HTTP),
     "presence_penalty": Field(FORWARD),
@@ -192,6 +192,12 @@ class GenerationJob:
     tools: bool = False
     logprobs: int | None = None
     prompt_logprobs: bool = False
+
+    @property
+    def n(self) -> int:
+        """Sequences per input (``n``): input ``i``'s sequence ``j`` is choice ``i * n + j``."""
+        n = self.options.get("n", 1)
+        return n if isinstance(n, int) and not isinstance(n, bool) else 1
 
 
 def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] = ()) -> GenerationJob:
@@ -394,12 +400,9 @@ def _check_inert(body: dict[str, Any], kind: str) -> None:
         allowed = spec.inert[kind]
         if any(value == v and type(value) is type(v) for v in allowed):
             continue
-        if name == "n" and (not _is_int(value) or value < 1):
-            raise bad_field(name, f"'n' must be an integer >= 1, got {value!r}")
         accepted = " or ".join([*map(repr, allowed), "null"])
         yet = " yet" if spec.later else ""
-        hint = ": send the request n times (with different seeds)" if name == "n" else ""
-        raise bad_field(name, f"'{name}' is not supported{yet} (only {accepted} is accepted), got {value!r}{hint}")
+        raise bad_field(name, f"'{name}' is not supported{yet} (only {accepted} is accepted), got {value!r}")
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:

@@ -34,7 +34,8 @@ def response_id(kind: str, request_id: str) -> str:
 
 
 def usage(results: list[CompletionResult]) -> dict[str, Any]:
-    """The OpenAI ``usage`` of one response: every choice's tokens added up."""
+    """The OpenAI ``usage`` of one response: every input's prompt once, every choice's
+    tokens added up (a result's ``completion_tokens`` counts all its ``n`` choices)."""
     prompt = sum(r.usage.prompt_tokens for r in results)
     completion = sum(r.usage.completion_tokens for r in results)
     cached = sum(r.usage.cached_tokens for r in results)
@@ -58,24 +59,27 @@ def completion_body(
     model: str,
     results: list[CompletionResult],
     *,
-    texts: list[str] | None = None,
+    echoes: list[str] | None = None,
     prompt_ids: list[list[int]] | None = None,
     extras: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The unstreamed answer: one choice per result, in order. ``texts`` replace the
-    results' texts (``echo``); with ``prompt_ids`` (``return_token_ids``) each choice carries
-    its ``token_ids`` and the prompt's (a completion choice its own ``prompt_token_ids``, a
-    chat answer one at the top, as vLLM). ``extras``: per choice, its ``logprobs`` (replacing
-    the null) and ``prompt_logprobs`` (a chat answer's at the top, as vLLM)."""
-    texts = texts if texts is not None else [r.text for r in results]
+    """The unstreamed answer: one choice per sequence of each result (``n`` per input), in
+    order: input ``i``'s sequence ``j`` is choice ``i * n + j``. ``echoes`` start each
+    input's choices' texts (``echo``); with ``prompt_ids`` (``return_token_ids``) each choice
+    carries its ``token_ids`` and the prompt's (a completion choice its own
+    ``prompt_token_ids``, a chat answer one at the top, as vLLM). ``extras`` (n is then 1):
+    per choice, its ``logprobs`` (replacing the null) and ``prompt_logprobs`` (a chat
+    answer's at the top, as vLLM)."""
+    flat = [(i, seq) for i, r in enumerate(results) for seq in r.choices]
+    texts = [seq.text if echoes is None else echoes[i] + seq.text for i, seq in flat]
     if kind == COMPLETION:
         choices = [
-            {"index": i, "text": texts[i], "logprobs": None, "finish_reason": r.finish_reason} for i, r in enumerate(results)
+            {"index": k, "text": texts[k], "logprobs": None, "finish_reason": seq.finish_reason} for k, (_, seq) in enumerate(flat)
         ]
     else:
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None, "finish_reason": r.finish_reason}
-            for i, r in enumerate(results)
+            {"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": None, "finish_reason": seq.finish_reason}
+            for k, (_, seq) in enumerate(flat)
         ]
     body = {"id": rid, "object": _OBJECT[kind], "created": created, "model": model, "choices": choices, "usage": usage(results)}
     if extras is not None:
@@ -84,8 +88,8 @@ def completion_body(
         if kind == CHAT and "prompt_logprobs" in extras[0]:
             body["prompt_logprobs"] = choices[0].pop("prompt_logprobs")
     if prompt_ids is not None:
-        for i, (choice, r) in enumerate(zip(choices, results)):
-            choice["token_ids"] = r.token_ids
+        for choice, (i, seq) in zip(choices, flat):
+            choice["token_ids"] = seq.token_ids
             if kind == COMPLETION:
                 choice["prompt_token_ids"] = prompt_ids[i]
         if kind == CHAT:

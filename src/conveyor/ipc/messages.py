@@ -160,6 +160,17 @@ class SamplingParams(Positional, frozen=True):
 MAX_LOGIT_BIAS = 1024
 
 
+# The scheduler id of sequence ``i`` of a parallel-sampling request ``rid`` is ``rid/i``: the
+# frontend and the engine name their scheduler ids by a counter ("1", "2", ...), never with
+# this separator, so an output's id tells a sequence from a request.
+SEQUENCE_SEPARATOR = "/"
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The scheduler id of sequence ``index`` of a parallel-sampling request (its outputs' id)."""
+    return f"{request_id}{SEQUENCE_SEPARATOR}{index}"
+
+
 # ---------------------------------------------------------------- frontend -> scheduler
 
 

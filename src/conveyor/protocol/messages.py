@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 
 from conveyor.ipc.messages import MAX_LOGIT_BIAS, SamplingParams
 from conveyor.structured.constraint import Constraint, ConstraintError
@@ -79,9 +80,14 @@ STATS_REPLY = "stats"
 PROFILE_REPLY = "profile"
 METRICS_REPLY = "metrics"
 
+# Most sequences one request may ask for (``n``): each is a sequence at the scheduler, with a
+# detokenizer and stop strings of its own in the frontend, so one message must not fan out
+# without bound. Each sequence must fit the KV pool on its own (the scheduler's check), and
+# they run side by side as the pool and --max-num-seqs allow.
+MAX_N = 64
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "n",
 )
 # Log-probabilities asked for (None: none; k: the token's own and the k most likely), bounded
 # by the server's max_logprobs (:func:`logprobs_problem`).
@@ -102,7 +108,7 @@ FRONTEND_FIELDS = (
 # function: enforced as a JSON-schema constraint over ``tools``).
 STRUCTURED_FIELDS = ("constraint", "tools", "tool_choice")
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, *LOGPROBS_FIELDS, "stop", "priority", "lora", *FRONTEND_FIELDS, *STRUCTURED_FIELDS)
+OPTION_FIELDS = (*SAMPLING_FIELDS, "best_of", *LOGPROBS_FIELDS, "stop", "priority", "lora", *FRONTEND_FIELDS, *STRUCTURED_FIELDS)
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
 MAX_LORA_NAME_LEN = 256  # length bound of a LoRA adapter's name
@@ -167,6 +173,10 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # best_of > n: the scheduler runs ``sampling.n`` (= best_of) sequences, each with its
+    # sampled tokens' log-probabilities (``sampling.logprobs`` 0), and the ``keep_best`` (the
+    # client's n) with the highest cumulative log-probability are returned, best first.
+    keep_best: int | None = None
     # Structured output: what the output must match (compiled by the frontend, which then sets
     # ``sampling.grammar``), and the tools the chat template is given.
     constraint: Constraint | None = None
@@ -424,6 +434,24 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
     req.sampling = parse_sampling(obj, rid)
     _parse_frontend_fields(obj, req, fail)
     _parse_structured_fields(obj, req, fail)
+    best_of = obj.get("best_of")
+    if best_of is not None:
+        n = req.sampling.n
+        if not _is_int(best_of) or not n <= best_of <= MAX_N:
+            raise fail(f"'best_of' must be an integer in [n, {MAX_N}] (n is {n}), got {best_of!r}")
+        if best_of > n:
+            if req.stream:
+                raise fail("'best_of' > n is not supported with streaming (the best are known only at the end)")
+            req.keep_best = n
+            req.sampling = msgspec.structs.replace(req.sampling, n=best_of, logprobs=0)
+    if req.sampling.n > 1:
+        # Not yet per sequence: log-probabilities (one log per request in the frontend) and
+        # constraints (one grammar state per request); refused rather than answered wrongly.
+        asked = [name for name in ("logprobs", "prompt_logprobs", "constraint", "tools") if obj.get(name) is not None]
+        if req.constraint is not None and "constraint" not in asked:
+            asked.append("tool_choice")
+        if asked:
+            raise fail(f"'{asked[0]}' is not supported with n > 1 yet")
     return req
 
 
@@ -554,6 +582,9 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     ignore_eos = get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise fail("'ignore_eos' must be a boolean")
+    n = get("n", 1)
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise fail(f"'n' must be an integer in [1, {MAX_N}], got {n!r}")
     penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
         value = get(name, 0.0)
@@ -580,6 +611,7 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         seed=seed,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        n=n,
         repetition_penalty=float(repetition_penalty),
         min_tokens=min_tokens,
         logit_bias=logit_bias,

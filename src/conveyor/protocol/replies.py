@@ -38,6 +38,8 @@ from conveyor.protocol.messages import (
 _DELTA_PREFIX = b"\x85" + b"".join(
     msgpack.packb(x) for x in ("type", DELTA, "v", CLIENT_PROTOCOL_VERSION, "request_id")
 )
+# The same with 6 entries: a delta of one sequence of an ``n`` > 1 request also carries its ``index``.
+_INDEXED_DELTA_PREFIX = b"\x86" + _DELTA_PREFIX[1:]
 _DELTA_TEXT_KEY = msgpack.packb("text")
 DELTA_IDS_KEY = msgpack.packb("token_ids")
 # SchedulerStats fields that are not stats fields of the reply (the query's id, the iteration
@@ -45,9 +47,13 @@ DELTA_IDS_KEY = msgpack.packb("token_ids")
 _STATS_INTERNAL = frozenset({"query_id", "iteration_fields", "recent_iterations"})
 
 
-def delta_head(request_id: str) -> bytes:
-    """The packed bytes of a delta for ``request_id`` up to its text's value."""
-    return _DELTA_PREFIX + msgpack.packb(request_id, use_bin_type=True) + _DELTA_TEXT_KEY
+def delta_head(request_id: str, index: int | None = None) -> bytes:
+    """The packed bytes of a delta for ``request_id`` up to its text's value; with ``index``
+    (a sequence of an ``n`` > 1 request) the map ``{type, v, request_id, index, text, token_ids}``."""
+    rid = msgpack.packb(request_id, use_bin_type=True)
+    if index is None:
+        return _DELTA_PREFIX + rid + _DELTA_TEXT_KEY
+    return _INDEXED_DELTA_PREFIX + rid + msgpack.packb("index") + msgpack.packb(index) + _DELTA_TEXT_KEY
 
 
 def final_reply(
@@ -61,11 +67,16 @@ def final_reply(
     cached_tokens: int,
     timing: dict[str, float | None],
     code: str | None = None,
+    choices: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A request's one ``final``: its whole text and tokens, why it ended, usage and timing;
     with ``finish_reason`` ``error``, ``error`` says what went wrong and ``code`` which kind of
-    problem it is (an error code of :mod:`conveyor.protocol.messages`; None otherwise)."""
-    return {
+    problem it is (an error code of :mod:`conveyor.protocol.messages`; None otherwise).
+
+    ``choices`` (an ``n`` > 1 request): one ``{index, text, token_ids, finish_reason}`` per
+    sequence, in index order; ``text``/``token_ids`` are then choice 0's and
+    ``usage.completion_tokens`` counts every choice's tokens."""
+    reply = {
         "type": FINAL,
         "v": CLIENT_PROTOCOL_VERSION,
         "request_id": request_id,
@@ -76,11 +87,14 @@ def final_reply(
         "code": code,
         "usage": {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(token_ids),
+            "completion_tokens": len(token_ids) if choices is None else sum(len(c["token_ids"]) for c in choices),
             "cached_tokens": cached_tokens,
         },
         "timing": timing,
     }
+    if choices is not None:
+        reply["choices"] = choices
+    return reply
 
 
 def error_reply(request_id: str | None, message: str, code: str = INVALID_FIELD) -> dict[str, Any]:

@@ -35,18 +35,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from conveyor.ipc.messages import sequence_id
 from conveyor.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from conveyor.scheduler.state import SchedulerState
 
-SEPARATOR = "/"
 _SEED_MOD = 1 << 64
-
-
-def sequence_id(request_id: str, index: int) -> str:
-    """The scheduler id of sequence ``index`` of a parallel-sampling request (its outputs' id)."""
-    return f"{request_id}{SEPARATOR}{index}"
 
 
 def sequence_seed(seed: int | None, index: int) -> int | None:

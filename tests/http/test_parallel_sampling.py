@@ -1,0 +1,238 @@
+"""Parallel sampling (``n``) through bin/serve: over ZeroMQ (conveyor.client, sync and async,
+streamed and whole) and over HTTP (the official openai client), on one server. Greedy
+sequences are HF greedy; seeded sequence i is what a single request with seed + i samples;
+an aborted or disconnected n request frees every block."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import openai
+import pytest
+import zmq
+
+from conveyor.client import AsyncClient, Client
+
+from tests.e2e.conftest import hf_greedy  # noqa: F401  (fixture, registered here)
+
+PROMPT = [5, 17, 33, 2, 41, 9, 12, 28, 3, 50, 7]  # 11 tokens: a partial last block of 8
+SEED = 2**64 - 2  # sequence 2's seed wraps around to 0
+SEEDS = [SEED, SEED + 1, 0]
+SAMPLED = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
+
+
+def wait_until_free(client: Client, bound_s: float) -> float:
+    """Seconds until no block is held and nothing is in flight; fails past ``bound_s``."""
+    start = time.monotonic()
+    while True:
+        stats = client.stats()
+        if stats["held_blocks"] == 0 and stats["in_flight"] == 0:
+            return time.monotonic() - start
+        assert time.monotonic() - start < bound_s, f"blocks still held after {bound_s} s: {stats}"
+        time.sleep(0.01)
+
+
+def singles(client: Client) -> list[list[int]]:
+    """What single requests with each sequence's seed sample."""
+    return [client.generate(token_ids=PROMPT, seed=s, **SAMPLED).token_ids for s in SEEDS]
+
+
+def test_zmq_greedy_n3_is_hf_greedy_three_times(http_server, hf_greedy) -> None:  # noqa: F811
+    expected = hf_greedy(PROMPT, 6)
+    with Client(http_server.address, timeout=60) as client:
+        result = client.generate(token_ids=PROMPT, n=3, temperature=0, max_tokens=6, ignore_eos=True)
+        assert [c.index for c in result.choices] == [0, 1, 2]
+        assert all(c.token_ids == expected and c.finish_reason == "length" for c in result.choices), result
+        assert len({c.text for c in result.choices}) == 1 and result.text == result.choices[0].text
+        assert result.usage.completion_tokens == 18 and result.usage.prompt_tokens == len(PROMPT)
+        wait_until_free(client, 1.0)
+
+
+def test_zmq_seeded_sequences_are_single_requests_with_seed_plus_i(http_server) -> None:
+    with Client(http_server.address, timeout=60) as client:
+        alone = singles(client)
+        assert len({tuple(t) for t in alone}) > 1  # the seeds do draw differently
+        whole = client.generate(token_ids=PROMPT, n=3, seed=SEED, **SAMPLED)
+        assert [c.token_ids for c in whole.choices] == alone
+        # Streamed: each delta names its sequence; per index they add up to that choice.
+        got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        texts: dict[int, str] = {0: "", 1: "", 2: ""}
+        last = None
+        for delta in client.stream(token_ids=PROMPT, n=3, seed=SEED, **SAMPLED):
+            got[delta.index] += delta.token_ids
+            texts[delta.index] += delta.text
+            last = delta
+        assert last.result is not None and [c.token_ids for c in last.result.choices] == alone
+        assert [got[i] for i in range(3)] == alone
+        assert [texts[i] for i in range(3)] == [c.text for c in last.result.choices]
+        wait_until_free(client, 1.0)
+
+
+def test_zmq_async_stop_string_ends_one_sequence_only(http_server) -> None:
+    """Each sequence has its own stop strings: one that a sequence's text contains ends that
+    sequence there (finish ``stop``), the others run on to ``length``."""
+    with Client(http_server.address, timeout=60) as client:
+        alone = [client.generate(token_ids=PROMPT, seed=s, **SAMPLED) for s in SEEDS]
+    stop = alone[1].text[2:5]
+    assert stop and stop not in alone[0].text and stop not in alone[2].text, [a.text for a in alone]
+
+    async def run():
+        async with AsyncClient(http_server.address, timeout=60) as client:
+            return await client.generate(token_ids=PROMPT, n=3, seed=SEED, stop=[stop], **SAMPLED)
+
+    result = asyncio.run(run())
+    reasons = [c.finish_reason for c in result.choices]
+    assert reasons == ["length", "stop", "length"], reasons
+    assert result.choices[1].text == alone[1].text[: alone[1].text.index(stop)]
+    assert result.choices[0].text == alone[0].text and result.choices[2].text == alone[2].text
+
+
+def test_zmq_abort_and_disconnect_free_every_block(http_server) -> None:
+    """An n = 4 request aborted by its id, then one whose connection closes: every sequence
+    ends and every block is free within 1 s; counted as one abort each."""
+    long = {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True, "n": 4}
+    with Client(http_server.address, timeout=60) as client:
+        before = client.metrics()["counters"]["request_success"]
+        stream = client.stream(token_ids=PROMPT, request_id="many", **long)
+        seen = set()
+        for delta in stream:
+            seen.add(delta.index)
+            if len(seen) == 4:
+                break
+        stream.close()  # leaving the stream early aborts the request
+        wait_until_free(client, 1.0)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(http_server.address)
+        sock.send(msgpack.packb({"type": "generate", "v": 1, "token_ids": PROMPT, "stream": True, **long}))
+        indices = set()
+        while len(indices) < 4:
+            assert sock.poll(30_000)
+            reply = msgpack.unpackb(sock.recv())
+            assert reply["type"] == "delta", reply
+            indices.add(reply["index"])
+        sock.close(linger=0)
+        took = wait_until_free(client, 1.0)
+        print(f"blocks free {took:.3f} s after the disconnect")
+        after = client.metrics()["counters"]["request_success"]
+        assert after["abort"] == before["abort"] + 2, (before, after)
+        assert after["length"] == before["length"], (before, after)
+
+
+def ranked_singles(client: Client) -> list[tuple[float, list[int]]]:
+    """Single requests with each sequence's seed: (cumulative log-probability, tokens), most
+    likely first, the log-probabilities the server reports (logprobs 0: the sampled token's)."""
+    outs = [client.generate(token_ids=PROMPT, seed=s, logprobs=0, **SAMPLED) for s in SEEDS]
+    scored = [(sum(o.logprobs["token_logprobs"]), o.token_ids) for o in outs]
+    assert len({score for score, _ in scored}) == 3  # no tie: the order is the scores'
+    return sorted(scored, key=lambda x: -x[0])
+
+
+def test_zmq_best_of_returns_the_most_likely_sequences(http_server) -> None:
+    """best_of 3: the n most likely of the sequences seed, seed + 1, seed + 2, by their
+    tokens' summed log-probabilities, most likely first."""
+    with Client(http_server.address, timeout=60) as client:
+        ranked = ranked_singles(client)
+        one = client.generate(token_ids=PROMPT, best_of=3, seed=SEED, **SAMPLED)
+        assert [c.token_ids for c in one.choices] == [ranked[0][1]] and one.token_ids == ranked[0][1]
+        assert one.usage.completion_tokens == 8 and one.logprobs is None  # (not asked for: not sent)
+        two = client.generate(token_ids=PROMPT, n=2, best_of=3, seed=SEED, **SAMPLED)
+        assert [c.token_ids for c in two.choices] == [ranked[0][1], ranked[1][1]]
+        assert [c.index for c in two.choices] == [0, 1]
+        wait_until_free(client, 1.0)
+
+
+def test_n_over_the_bound_is_refused(http_server) -> None:
+    with Client(http_server.address, timeout=60) as client:
+        result = client.generate(token_ids=PROMPT, n=65, max_tokens=2)
+        assert result.finish_reason == "error" and "'n'" in result.error
+
+
+# ---------------------------------------------------------------- HTTP, the official client
+
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_http_completions_n3_whole_and_streamed(http_server, hf_greedy) -> None:  # noqa: F811
+    client = openai_client(http_server)
+    model = client.models.list().data[0].id
+    with Client(http_server.address, timeout=60) as zmq_client:
+        alone = [zmq_client.generate(token_ids=PROMPT, seed=s, **SAMPLED) for s in SEEDS]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    body = dict(model=model, prompt=PROMPT, n=3, seed=SEED, temperature=1.0, max_tokens=8, extra_body=extra)
+    whole = client.completions.create(**body)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.token_ids for c in whole.choices] == [a.token_ids for a in alone]  # type: ignore[attr-defined]
+    assert [c.text for c in whole.choices] == [a.text for a in alone]
+    assert [c.finish_reason for c in whole.choices] == ["length"] * 3
+    assert whole.usage.prompt_tokens == len(PROMPT) and whole.usage.completion_tokens == 24
+
+    texts = ["", "", ""]
+    finish: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(**body, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert texts == [a.text for a in alone] and finish == {0: "length", 1: "length", 2: "length"}
+    assert usage.prompt_tokens == len(PROMPT) and usage.completion_tokens == 24
+
+    # Two prompts, n = 2: choice index = prompt index * n + sequence index, as OpenAI numbers them.
+    greedy = client.completions.create(
+        model=model, prompt=[PROMPT, PROMPT[:5]], n=2, temperature=0, max_tokens=4, extra_body=extra
+    )
+    expected = [hf_greedy(PROMPT, 4)] * 2 + [hf_greedy(PROMPT[:5], 4)] * 2
+    assert [c.index for c in greedy.choices] == [0, 1, 2, 3]
+    assert [c.token_ids for c in greedy.choices] == expected  # type: ignore[attr-defined]
+    assert greedy.usage.prompt_tokens == len(PROMPT) + 5 and greedy.usage.completion_tokens == 16
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(
+        model=model, prompt=[PROMPT, PROMPT[:5]], n=2, temperature=0, max_tokens=4, extra_body=extra, stream=True
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in greedy.choices]
+
+
+def test_http_best_of(http_server) -> None:
+    client = openai_client(http_server)
+    model = client.models.list().data[0].id
+    with Client(http_server.address, timeout=60) as zmq_client:
+        ranked = ranked_singles(zmq_client)
+    whole = client.completions.create(
+        model=model, prompt=PROMPT, n=2, best_of=3, seed=SEED, temperature=1.0, max_tokens=8,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert [c.token_ids for c in whole.choices] == [ranked[0][1], ranked[1][1]]  # type: ignore[attr-defined]
+    assert whole.usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=model, prompt=PROMPT, best_of=3, stream=True)
+
+
+def test_http_chat_n3_whole_and_streamed(http_server) -> None:
+    client = openai_client(http_server)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Say something"}]
+    with Client(http_server.address, timeout=60) as zmq_client:
+        alone = [zmq_client.generate(messages=messages, seed=s, **SAMPLED).text for s in SEEDS]
+    body = dict(model=model, messages=messages, n=3, seed=SEED, temperature=1.0, max_tokens=8, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**body)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == alone
+    assert whole.usage.completion_tokens == 24
+    texts = ["", "", ""]
+    finish: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert texts == alone and finish == {0: "length", 1: "length", 2: "length"}
+    with Client(http_server.address, timeout=60) as zmq_client:
+        wait_until_free(zmq_client, 1.0)

@@ -193,7 +193,7 @@ class Engine:
             prompt_ids,
             len(history) if history is not None else 0,
             IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-            StopStringMatcher(req.stop, req.include_stop_str_in_output, req.sampling.min_tokens),
+            StopStringMatcher.for_request(req),
             arrival,
             (
                 None if req.sampling.logprobs is None or req.sampling.n > 1 else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),
@@ -209,7 +209,7 @@ class Engine:
                 prompt_ids,
                 request._history_len,
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-                StopStringMatcher(req.stop, req.include_stop_str_in_output),
+                StopStringMatcher.for_request(req),
                 arrival,
                 # best_of > n: its sampled tokens' log-probabilities, to rank it at the end
                 (None if req.keep_best is None else LogprobsLog(0, len(prompt_ids), self.tokenizer), None),

@@ -439,7 +439,7 @@ class Frontend:
             prompt_len=0,
             arrival_time=arrival,
             detokenizer=None,
-            stop=StopStringMatcher(req.stop, req.include_stop_str_in_output, req.sampling.min_tokens),
+            stop=StopStringMatcher.for_request(req),
             client_key=key,
             fd=fd,
         )
@@ -538,7 +538,7 @@ class Frontend:
                 prompt_len=state.prompt_len,
                 arrival_time=state.arrival_time,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-                stop=StopStringMatcher(req.stop, req.include_stop_str_in_output),
+                stop=StopStringMatcher.for_request(req),
                 client_key=state.client_key,
                 fd=state.fd,
                 index=i,

@@ -38,6 +38,13 @@ class StopStringMatcher:
         # text holding none of these needs no scan (the common case, checked in C).
         self._firsts = frozenset(s[0] for s in self._stop)
 
+    @classmethod
+    def for_request(cls, req) -> StopStringMatcher:
+        """A matcher for one output sequence of a parsed generate request (``stop``,
+        ``include_stop_str_in_output``, ``sampling.min_tokens``): each of an ``n`` > 1
+        request's sequences gets its own."""
+        return cls(req.stop, req.include_stop_str_in_output, req.sampling.min_tokens)
+
     @property
     def active(self) -> bool:
         """True when there is any stop string to look for."""

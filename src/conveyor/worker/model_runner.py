@@ -261,15 +261,17 @@ class ModelRunner(DecodeStep):
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
         adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
-        # Forks' block copies first: their sources may be swapped out or freed and written
-        # again by this same plan (see StepPlan).
-        if plan.copy_blocks:
-            copy_blocks(self.kv_caches, torch.tensor(plan.copy_blocks, dtype=torch.int64))
-        # Copies out before copies in, both before the forward: a GPU block swapped out may
-        # be the destination of a swap-in or of new KV in this same plan (see StepPlan).
-        if plan.swap_out or plan.swap_in:
+        # Swap-outs, then the forks' block copies, then swap-ins, all before the forward
+        # (see StepPlan): a GPU block swapped out may be given again by this same plan, as a
+        # fork's copy destination, a swap-in destination or for new KV, so it is read first;
+        # a copy's source is read before any swap-in or the forward writes a block.
+        swapping = bool(plan.swap_out or plan.swap_in)
+        if swapping:
             swap_start = profiling.now_ns()
             transfer_blocks(self.kv_caches, self.swap_caches, plan.swap_out)
+        if plan.copy_blocks:
+            copy_blocks(self.kv_caches, torch.tensor(plan.copy_blocks, dtype=torch.int64))
+        if swapping:
             transfer_blocks(self.swap_caches, self.kv_caches, plan.swap_in)
             self._t_swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
         for new, adapter in zip(plan.new_requests, adapters):  # on free slots (checked), the finished ones dropped above

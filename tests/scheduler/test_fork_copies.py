@@ -1,0 +1,64 @@
+"""Scripted scenarios of a parallel-sampling fork's block copy (``StepPlan.copy_blocks``)
+meeting the other transfers of its plan, each checked by the FakeWorker's model of the KV
+contents: every slot a request relies on must hold its own prefix.
+
+- A fork's copy destination may be a block the same plan swaps out (a victim of the fork's
+  admission, or a cached block evicted to the CPU tier): the worker runs the swap-outs
+  before the copies, or the CPU copy holds the fork's prompt instead of the victim's KV.
+"""
+
+from __future__ import annotations
+
+from tests.scheduler.scheduler_harness import Harness
+
+from conveyor.runtime.config import SchedulerConfig
+
+
+def test_fork_copy_into_the_block_of_a_victim_swapped_out_by_the_same_plan():
+    # Priority policy, a tiny budget (chunked prefill) and a pool of 5 blocks of 4: the
+    # second sequence (ranked ahead of r1) can fork only by swapping r1 out, and takes r1's
+    # block as its copy destination.
+    cfg = SchedulerConfig(
+        num_blocks=5, block_size=4, max_num_seqs=2, max_num_batched_tokens=3, max_model_len=16,
+        policy="priority", aging_rate=0.0, preemption="swap", num_cpu_blocks=2,
+    )
+    h = Harness(cfg)
+    assert h.add("r0", prompt_len=14, max_tokens=2, n=2) is None
+    assert h.add("r1", prompt_len=3, max_tokens=1) is None
+    fork_plan = None
+    while fork_plan is None:
+        plan = h.step()
+        assert plan is not None
+        if plan.copy_blocks:
+            fork_plan = plan
+    # The scenario: the copy's destination is the block that plan swaps out.
+    [(_, dst)] = fork_plan.copy_blocks
+    assert dst in [g for g, _ in fork_plan.swap_out], (fork_plan.copy_blocks, fork_plan.swap_out)
+    h.run()  # r1 swaps back in and relies on its first token's KV
+    assert h.scheduler.stats()["num_preemptions_swap"] == 1
+    h.check_outcomes()
+
+
+def test_fork_copy_into_a_cached_block_offloaded_by_the_same_plan():
+    # 4 blocks of 4: "a" leaves its 2 full blocks cached, the first sequence takes the 2 free
+    # ones, and the fork's copy destination evicts a cached block, offloaded to the CPU.
+    cfg = SchedulerConfig(
+        num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16,
+        num_cpu_blocks=4, offload_evicted=True,
+    )
+    h = Harness(cfg)
+    a = [50 + i for i in range(8)]
+    assert h.add("a", prompt=a, max_tokens=1) is None
+    h.run()
+    assert h.add("par", prompt=list(range(1, 8)), max_tokens=2, n=2) is None
+    h.step()  # the first sequence prefills
+    fork_plan = h.step()
+    [(_, dst)] = fork_plan.copy_blocks
+    assert dst in [g for g, _ in fork_plan.swap_out], (fork_plan.copy_blocks, fork_plan.swap_out)
+    h.run()
+    # "b" finds a's second block in the CPU tier only (swapped in): it must hold a's KV.
+    assert h.add("b", prompt=a + [70], max_tokens=1) is None
+    h.run()
+    assert h.worker.num_computed_at_arrival["b"] == [8]
+    h.check_outcomes()
+

@@ -5,6 +5,8 @@ contents: every slot a request relies on must hold its own prefix.
 - A fork's copy destination may be a block the same plan swaps out (a victim of the fork's
   admission, or a cached block evicted to the CPU tier): the worker runs the swap-outs
   before the copies, or the CPU copy holds the fork's prompt instead of the victim's KV.
+- A failed plan's copy never ran: its destination, cached as a partial block when the
+  failed sequence released it, must not serve a later prefix hit.
 """
 
 from __future__ import annotations
@@ -62,3 +64,23 @@ def test_fork_copy_into_a_cached_block_offloaded_by_the_same_plan():
     assert h.worker.num_computed_at_arrival["b"] == [8]
     h.check_outcomes()
 
+
+def test_failed_fork_copy_is_not_cached():
+    cfg = SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    h = Harness(cfg)
+    prompt = list(range(1, 8))  # 7 tokens: the fork shares block 0 and copies positions 4..5
+    assert h.add("par", prompt=prompt, max_tokens=4, n=2) is None
+    h.step()  # the first sequence prefills
+    plan = h.schedule()
+    assert plan.copy_blocks
+    h.worker.fail_steps.add(plan.step_id)  # fails before its copy runs
+    outs = h.finish_step(plan)
+    assert sorted(o.finish_reason for o in outs) == ["error", "error"]
+    # "x" takes over the first sequence's partial block (its 3 prompt tokens match best);
+    # "y" shares only positions 4..5: the fork's copy destination must not be offered.
+    assert h.add("x", prompt=prompt + [500], max_tokens=1) is None
+    assert h.add("y", prompt=prompt[:6] + [600, 601], max_tokens=1) is None
+    h.run()
+    assert h.worker.num_computed_at_arrival["x"] == [7]
+    assert h.worker.num_computed_at_arrival["y"] == [4]
+    h.check_outcomes()

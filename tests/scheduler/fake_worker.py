@@ -119,8 +119,8 @@ class FakeWorker:
                 self.never_taken.add(new.slot)
             return StepResult(plan.step_id, [], [], error=f"step {plan.step_id} was planned ahead of a failed step")
 
-        # Copies, in the real worker's order: all swap-outs, the forks' block copies, then all
-        # swap-ins, before anything is computed. A failing step fails before them: the
+        # Copies, in the real worker's order: all swap-outs, all swap-ins, then the forks'
+        # block copies, before anything is computed. A failing step fails before them: the
         # scheduler must not trust what they were to copy.
         failing = plan.step_id in self.fail_steps
         outs = [d for _, d in plan.swap_out]
@@ -132,6 +132,11 @@ class FakeWorker:
             assert 0 <= c < self.num_cpu_blocks, f"CPU block {c} outside the swap space"
             if not failing:
                 self.cpu[c] = list(self.gpu.get(g, [None] * bs))
+        for c, g in plan.swap_in:
+            self._check_gpu_id(g)
+            assert failing or c in self.cpu, f"swap-in from CPU block {c}, which was never written"
+            assert not self.holders.get(g), f"swap-in over block {g}, held by slots {self.holders.get(g)}"
+            self.gpu[g] = [None] * bs if failing else list(self.cpu[c])
         dsts = [d for _, d in plan.copy_blocks]
         assert len(set(dsts)) == len(dsts), f"copy destinations repeat: {plan.copy_blocks}"
         assert not set(dsts) & {s for s, _ in plan.copy_blocks}, f"a copy destination is a source: {plan.copy_blocks}"
@@ -141,11 +146,6 @@ class FakeWorker:
             assert not self.holders.get(dst), f"copy over block {dst}, held by slots {self.holders.get(dst)}"
             self.num_block_copies += 1
             self.gpu[dst] = [None] * bs if failing else list(self.gpu.get(src, [None] * bs))
-        for c, g in plan.swap_in:
-            self._check_gpu_id(g)
-            assert failing or c in self.cpu, f"swap-in from CPU block {c}, which was never written"
-            assert not self.holders.get(g), f"swap-in over block {g}, held by slots {self.holders.get(g)}"
-            self.gpu[g] = [None] * bs if failing else list(self.cpu[c])
 
         cached = plans.rows(plan.cached_requests)
         slots_in_plan = [r.slot for r in plan.new_requests] + [r.slot for r in cached]

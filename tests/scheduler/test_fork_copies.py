@@ -5,6 +5,8 @@ contents: every slot a request relies on must hold its own prefix.
 - A fork's copy destination may be a block the same plan swaps out (a victim of the fork's
   admission, or a cached block evicted to the CPU tier): the worker runs the swap-outs
   before the copies, or the CPU copy holds the fork's prompt instead of the victim's KV.
+- A fork's copy source may be a block the same plan swaps in (the first sequence resumed
+  by it): the worker runs the swap-ins before the copies, or the copy reads stale KV.
 - A failed plan's copy never ran: its destination, cached as a partial block when the
   failed sequence released it, must not serve a later prefix hit.
 """
@@ -62,6 +64,29 @@ def test_fork_copy_into_a_cached_block_offloaded_by_the_same_plan():
     assert h.add("b", prompt=a + [70], max_tokens=1) is None
     h.run()
     assert h.worker.num_computed_at_arrival["b"] == [8]
+    h.check_outcomes()
+
+
+def test_fork_from_a_first_sequence_swapped_in_by_the_same_plan():
+    # 4 blocks of 4, 2 slots, no bypass: "hog" (ahead in line) grows until the first sequence
+    # is swapped out; the second, queued behind it, waits; once hog finishes, one plan
+    # resumes the first sequence and forks the second from the block it swaps in.
+    cfg = SchedulerConfig(
+        num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=16,
+        preemption="swap", num_cpu_blocks=8, max_bypass=0,
+    )
+    h = Harness(cfg)
+    assert h.add("hog", prompt_len=4, max_tokens=10) is None
+    assert h.add("p", prompt_len=6, max_tokens=6, n=2) is None
+    fork_plan = None
+    while fork_plan is None:
+        plan = h.step()
+        assert plan is not None
+        if plan.copy_blocks:
+            fork_plan = plan
+    [(src, _)] = fork_plan.copy_blocks
+    assert src in [g for _, g in fork_plan.swap_in], (fork_plan.copy_blocks, fork_plan.swap_in)
+    h.run()
     h.check_outcomes()
 
 

@@ -261,19 +261,17 @@ class ModelRunner(DecodeStep):
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
         adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
-        # Swap-outs, then the forks' block copies, then swap-ins, all before the forward
-        # (see StepPlan): a GPU block swapped out may be given again by this same plan, as a
-        # fork's copy destination, a swap-in destination or for new KV, so it is read first;
-        # a copy's source is read before any swap-in or the forward writes a block.
-        swapping = bool(plan.swap_out or plan.swap_in)
-        if swapping:
+        # Copies out, copies in, then the forks' block copies, all before the forward (see
+        # StepPlan): a GPU block swapped out may be given again by this same plan (as a swap-in
+        # or copy destination, or for new KV), so it is read first; a copy's source may be a
+        # block this plan swaps in (its first sequence resumed), so it is read after.
+        if plan.swap_out or plan.swap_in:
             swap_start = profiling.now_ns()
             transfer_blocks(self.kv_caches, self.swap_caches, plan.swap_out)
-        if plan.copy_blocks:
-            copy_blocks(self.kv_caches, torch.tensor(plan.copy_blocks, dtype=torch.int64))
-        if swapping:
             transfer_blocks(self.swap_caches, self.kv_caches, plan.swap_in)
             self._t_swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
+        if plan.copy_blocks:
+            copy_blocks(self.kv_caches, torch.tensor(plan.copy_blocks, dtype=torch.int64))
         for new, adapter in zip(plan.new_requests, adapters):  # on free slots (checked), the finished ones dropped above
             requests.take_in(new, adapter)
             self._sampling.set(new.slot, new.sampling)

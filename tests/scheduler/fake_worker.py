@@ -119,19 +119,10 @@ class FakeWorker:
                 self.never_taken.add(new.slot)
             return StepResult(plan.step_id, [], [], error=f"step {plan.step_id} was planned ahead of a failed step")
 
-        # Copies: the forks' block copies, all swap-outs, then all swap-ins, before anything
-        # is computed. A failing step fails before them: the scheduler must not trust what
-        # they were to copy.
+        # Copies, in the real worker's order: all swap-outs, all swap-ins, then the forks'
+        # block copies, before anything is computed. A failing step fails before them: the
+        # scheduler must not trust what they were to copy.
         failing = plan.step_id in self.fail_steps
-        dsts = [d for _, d in plan.copy_blocks]
-        assert len(set(dsts)) == len(dsts), f"copy destinations repeat: {plan.copy_blocks}"
-        assert not set(dsts) & {s for s, _ in plan.copy_blocks}, f"a copy destination is a source: {plan.copy_blocks}"
-        for src, dst in plan.copy_blocks:
-            self._check_gpu_id(src)
-            self._check_gpu_id(dst)
-            assert not self.holders.get(dst), f"copy over block {dst}, held by slots {self.holders.get(dst)}"
-            self.num_block_copies += 1
-            self.gpu[dst] = [None] * bs if failing else list(self.gpu.get(src, [None] * bs))
         outs = [d for _, d in plan.swap_out]
         assert len(set(outs)) == len(outs), f"swap-out destinations repeat: {plan.swap_out}"
         ins = [d for _, d in plan.swap_in]
@@ -146,6 +137,15 @@ class FakeWorker:
             assert failing or c in self.cpu, f"swap-in from CPU block {c}, which was never written"
             assert not self.holders.get(g), f"swap-in over block {g}, held by slots {self.holders.get(g)}"
             self.gpu[g] = [None] * bs if failing else list(self.cpu[c])
+        dsts = [d for _, d in plan.copy_blocks]
+        assert len(set(dsts)) == len(dsts), f"copy destinations repeat: {plan.copy_blocks}"
+        assert not set(dsts) & {s for s, _ in plan.copy_blocks}, f"a copy destination is a source: {plan.copy_blocks}"
+        for src, dst in plan.copy_blocks:
+            self._check_gpu_id(src)
+            self._check_gpu_id(dst)
+            assert not self.holders.get(dst), f"copy over block {dst}, held by slots {self.holders.get(dst)}"
+            self.num_block_copies += 1
+            self.gpu[dst] = [None] * bs if failing else list(self.gpu.get(src, [None] * bs))
 
         cached = plans.rows(plan.cached_requests)
         slots_in_plan = [r.slot for r in plan.new_requests] + [r.slot for r in cached]

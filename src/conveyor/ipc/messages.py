@@ -400,7 +400,7 @@ class StepPlan(Message, tag=22):
     tokens are all computed after this step (``num_computed + num_scheduled == len(tokens)``).
 
     Requests are named by slot (see the module docstring). Order of execution: drop the
-    requests on ``finished_slots``, the block copies, all swap-outs, all swap-ins, then the forward;
+    requests on ``finished_slots``, all swap-outs, all swap-ins, the block copies, then the forward;
     ``new_requests`` are taken in after the drop. Dropping first is what lets the scheduler
     give a slot freed since the last plan (a finish, an abort, a preemption in this very
     plan) to a request this plan admits; plans before it, already sent, still name the
@@ -408,17 +408,22 @@ class StepPlan(Message, tag=22):
 
     ``swap_out`` lists ``[gpu_block, cpu_block]`` copies into the CPU swap space and
     ``swap_in`` ``[cpu_block, gpu_block]`` copies back; the worker batches each list. The
-    scheduler frees a GPU block the moment it decides to swap it out, and may hand it
-    to another request in the same plan (as a swap-in destination or for new KV): the
+    scheduler frees a GPU block the moment it decides to swap it out (a preempted request's,
+    or a cached block evicted to the CPU tier), and may hand it to another request in the
+    same plan (as a fork's copy destination, a swap-in destination or for new KV): the
     copies out run first, so they read the old contents. A CPU block is given one content
     per plan: destinations within each list are distinct, and a CPU block that is both a
     swap-out destination and a swap-in source (a block evicted to the CPU tier and hit again
     by the same plan) is read after it was written.
 
-    ``copy_blocks`` lists ``[src, dst]`` copies inside the GPU cache, run before the swaps:
-    a sequence of a parallel-sampling request forking from its first sequence gets its own
-    copy of the prompt's last, partly filled block (``dst`` freshly allocated to it, never a
-    source; ``src`` is read before anything of this plan writes).
+    ``copy_blocks`` lists ``[src, dst]`` copies inside the GPU cache, run after the swaps: a
+    sequence of a parallel-sampling request forking from its first sequence gets its own copy
+    of the prompt's last, partly filled block. ``dst`` is freshly allocated to it and never a
+    source, so it may be a block this plan swaps out (read before); ``src`` is held by the
+    first sequence and may be a block this plan swaps in (the first sequence resumed by it:
+    written before). The plan that forks a sequence never preempts either (a plan meets
+    requests in rank order and preempts only those ranked below the one needing room), so no
+    swap reads ``dst`` expecting the copy nor writes ``src``.
 
     ``planned_ahead``: the plan was formed while the previous one was in flight, assuming
     it succeeds (its requests' sampled tokens are the inputs of this plan's decodes). If the

@@ -224,10 +224,16 @@ class KVCacheManager:
         chain.extend(ids)
         req.num_registered_blocks = full
 
-    def invalidate_transfers(self, swap_out: list[list[int]], swap_in: list[list[int]]) -> None:
-        """A plan failed, maybe before its copies ran: forget the content ids given to the
-        blocks those copies were to fill, so no later prefix hit trusts them."""
+    def invalidate_transfers(
+        self, swap_out: list[list[int]], swap_in: list[list[int]], copies: list[list[int]]
+    ) -> None:
+        """A plan failed, maybe before its copies ran: forget what the blocks those copies
+        were to fill are said to hold (a content id, or the tokens of a cached partial block:
+        a fork's copy destination, released by its failed sequence), so no later prefix hit
+        trusts them."""
         for _, gpu_block in swap_in:
+            self.gpu.unregister(gpu_block)
+        for _, gpu_block in copies:
             self.gpu.unregister(gpu_block)
         if self.swap.pool is not None:
             for _, cpu_block in swap_out:

@@ -370,7 +370,7 @@ def fail_plans(state: SchedulerState, plan: StepPlan, step: Step, error: str) ->
     # be trusted (also where the finishes above cached those blocks). Victims swapped out by
     # this plan fall back to recompute.
     for failed_plan in [plan] + [entry.plan for entry in state.inflight]:
-        state.kv.invalidate_transfers(failed_plan.swap_out, failed_plan.swap_in)
+        state.kv.invalidate_transfers(failed_plan.swap_out, failed_plan.swap_in, failed_plan.copy_blocks)
     for req in step.swapped_out:
         if req.status is RequestStatus.SWAPPED:
             drop_kv(state, req)

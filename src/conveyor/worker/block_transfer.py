@@ -10,10 +10,11 @@ device staging buffer and the pinned, block-major swap space (see :mod:`.kv_cach
 copy per block and layer.
 
 Invariants the plan guarantees (see ``StepPlan``): destinations within one call are
-distinct, and the runner calls swap-outs before swap-ins, both before the forward. All
-copies are queued on the current stream, in call order, so a swap-in reads what an earlier
-swap-out wrote and a block swapped out is read before a later op overwrites it; nothing here
-waits for the device (the host never reads the swap space itself).
+distinct, and the runner calls swap-outs, then swap-ins, then :func:`copy_blocks`, all
+before the forward. All copies are queued on the current stream, in call order, so a swap-in
+reads what an earlier swap-out wrote, a block swapped out is read before a later op (a fork's
+copy included) overwrites it, and a fork's copy reads a block swapped in before it; nothing
+here waits for the device (the host never reads the swap space itself).
 """
 
 from __future__ import annotations

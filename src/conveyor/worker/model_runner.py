@@ -269,17 +269,17 @@ class ModelRunner(DecodeStep):
         if tp.size > 1 and plan.cached_requests.spec_rows:
             raise PlanRefused("speculative decoding is not supported with tensor parallelism yet")
         adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
-        # Forks' block copies first: their sources may be swapped out or freed and written
-        # again by this same plan (see StepPlan).
-        if plan.copy_blocks:
-            copy_blocks(self.kv_caches, torch.tensor(plan.copy_blocks, dtype=torch.int64))
-        # Copies out before copies in, both before the forward: a GPU block swapped out may
-        # be the destination of a swap-in or of new KV in this same plan (see StepPlan).
+        # Copies out, copies in, then the forks' block copies, all before the forward (see
+        # StepPlan): a GPU block swapped out may be given again by this same plan (as a swap-in
+        # or copy destination, or for new KV), so it is read first; a copy's source may be a
+        # block this plan swaps in (its first sequence resumed), so it is read after.
         if plan.swap_out or plan.swap_in:
             swap_start = profiling.now_ns()
             transfer_blocks(self.kv_caches, self.swap_caches, plan.swap_out)
             transfer_blocks(self.swap_caches, self.kv_caches, plan.swap_in)
             self._t_swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
+        if plan.copy_blocks:
+            copy_blocks(self.kv_caches, torch.tensor(plan.copy_blocks, dtype=torch.int64))
         for new, adapter in zip(plan.new_requests, adapters):  # on free slots (checked), the finished ones dropped above
             requests.take_in(new, adapter)
             self._sampling.set(new.slot, new.sampling)

@@ -54,6 +54,7 @@ from conveyor.worker.main import run_worker
 
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 3.0
+CAUSE_GRACE_S = 1.0  # how long a dead scheduler's worker may take to exit too (Server._cause)
 
 
 class Server:
@@ -159,10 +160,10 @@ class Server:
                 return 0
             done = mp.connection.wait(list(sentinels), timeout=0.2)
             if done:
-                name = sentinels[done[0]]
+                time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
+                name = self._cause([sentinels[s] for s in done], sentinels)
                 self.procs[name].join(1.0)
                 code = self.procs[name].exitcode
-                time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
                 if _STOP_SIGNAL:
                     self.stop("server shutting down")
                     return 0
@@ -183,6 +184,17 @@ class Server:
                 print(f"conveyor: {reason}; stopping", file=sys.stderr, flush=True)
                 self.stop(reason)
                 return 1
+
+    def _cause(self, dead: list[str], sentinels: dict) -> str:
+        """Which of the children found dead to report. A failing worker closes its result
+        ring on the way out, so its scheduler may exit (PeerGone) before the worker does: a
+        scheduler's death waits up to :data:`CAUSE_GRACE_S` for a worker that dies too, and a
+        worker, the cause, is reported over a scheduler."""
+        deadline = time.monotonic() + CAUSE_GRACE_S
+        while not any(name.startswith("worker") for name in dead) and time.monotonic() < deadline:
+            found = mp.connection.wait(list(sentinels), timeout=0.05)
+            dead = [sentinels[s] for s in found] or dead
+        return min(dead, key=lambda name: not name.startswith("worker"))
 
     def _serves_on_without(self, replica: int) -> bool:
         """Whether the server keeps serving when ``replica`` dies: --serve-on-replica-death

@@ -216,8 +216,11 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     )
 
     def close() -> None:
-        loop.close()
+        # The group first: the scheduler sees the plan and result rings close only once this
+        # rank is nearly gone, so bin/serve finds the rank's death (the cause) before the
+        # scheduler's (its symptom) and reports it.
         close_tensor_parallel(tp)
+        loop.close()
 
     ready = {
         "num_blocks": num_blocks,

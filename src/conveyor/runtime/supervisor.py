@@ -54,7 +54,7 @@ from conveyor.worker.main import run_worker
 
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 3.0
-CAUSE_GRACE_S = 1.0  # how long a dead scheduler's worker may take to exit too (Server._cause)
+CAUSE_GRACE_S = 5.0  # how long a dead scheduler's worker may take to exit too (Server._cause)
 
 
 class Server:
@@ -161,6 +161,8 @@ class Server:
             done = mp.connection.wait(list(sentinels), timeout=0.2)
             if done:
                 time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
+                for s in done:
+                    self.procs[sentinels[s]].join(1.0)  # its exit code, for _cause
                 name = self._cause([sentinels[s] for s in done], sentinels)
                 self.procs[name].join(1.0)
                 code = self.procs[name].exitcode
@@ -188,9 +190,12 @@ class Server:
     def _cause(self, dead: list[str], sentinels: dict) -> str:
         """Which of the children found dead to report. A failing worker closes its result
         ring on the way out, so its scheduler may exit (PeerGone) before the worker does: a
-        scheduler's death waits up to :data:`CAUSE_GRACE_S` for a worker that dies too, and a
+        scheduler that exited on its own (status 1, as PeerGone ends it; a killed one has no
+        cause to wait for) waits up to :data:`CAUSE_GRACE_S` for a worker that dies too, and a
         worker, the cause, is reported over a scheduler."""
         deadline = time.monotonic() + CAUSE_GRACE_S
+        if not any(name.startswith("scheduler") and self.procs[name].exitcode == 1 for name in dead):
+            deadline = 0.0
         while not any(name.startswith("worker") for name in dead) and time.monotonic() < deadline:
             found = mp.connection.wait(list(sentinels), timeout=0.05)
             dead = [sentinels[s] for s in found] or dead

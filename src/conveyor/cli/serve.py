@@ -67,6 +67,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker processes the model is split across (rank r on cuda:r; on CPU, processes on gloo)",
     )
     p.add_argument(
+        "--nnodes",
+        type=_positive_int,
+        default=ServerConfig.nnodes,
+        help="nodes the tensor-parallel ranks span (the size divides by it; node R runs ranks R*T/N .. (R+1)*T/N-1)",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=_non_negative_int,
+        default=ServerConfig.node_rank,
+        help="this node's index: node 0 runs the frontend and scheduler beside its ranks, the others run ranks only",
+    )
+    p.add_argument(
+        "--dist-init-addr",
+        metavar="HOST:PORT",
+        help="with --nnodes > 1: node 0's address, where the ranks' process group meets (PORT) and the other nodes' "
+        "ranks read plans (PORT+1, PORT+2, ...); the same on every node",
+    )
+    p.add_argument(
         "--distributed-timeout",
         dest="distributed_timeout_s",
         type=float,
@@ -288,6 +306,20 @@ def main(argv: list[str] | None = None) -> int:
         server.stop("startup failed")
         server.close()
         return 1
+    if config.node_rank > 0:
+        ranks = config.node_ranks()
+        try:
+            print(
+                f"conveyor node {config.node_rank} of {config.nnodes} ready: tensor-parallel ranks "
+                f"{ranks.start}..{ranks.stop - 1} joined node 0 at {config.dist_init_addr}",
+                flush=True,
+            )
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            return server.supervise()
+        finally:
+            server.close()
     worker = server.ready["worker"].info
     if "http" in server.ready:
         _print_http_addresses(server.ready["http"].info)

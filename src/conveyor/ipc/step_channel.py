@@ -30,6 +30,16 @@ Several readers (tensor parallelism: every rank runs every plan)
     (FIFO, nothing dropped, back-pressure) for every reader, which the diversion's pairing
     of the k-th marker with the k-th fallback message needs.
 
+Readers on other nodes (multi-node tensor parallelism, ``bin/serve --nnodes``)
+    Ranks on other hosts cannot map the ring or reach an ``ipc://`` socket. A channel may
+    therefore name ``remote_address`` (``tcp://HOST:PORT``, derived from ``--dist-init-addr``):
+    readers ``local_readers .. readers - 1`` are remote, each with its own PUSH/PULL pair over
+    TCP (reader ``local_readers + k`` on ``PORT + k``), and the sender writes every message to
+    them encoded whole, beside the ring (or the ipc sockets) that stays the local path. The
+    ring has only the local readers. A remote reader is never left waiting on a dead node:
+    its PULL socket's monitor reports the connection to the sender lost (the peer's kernel
+    closed it, or ZeroMQ heartbeats stopped) and :class:`RemoteReceiver` raises PeerGone.
+
 Lifetime of a received message: with ``shm`` its Int32Array fields view the ring slot,
 which stays reserved until the next :meth:`StepReceiver.recv` (or :meth:`release`). A
 receiver therefore handles a message completely, copying anything it keeps, before it
@@ -48,6 +58,7 @@ and removed with its run directory (:func:`remove_rings`).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +87,9 @@ class ChannelSpec:
 
     ``zmq_address``: the direction's PUSH/PULL pair (the whole channel with ``zmq``, the
     fallback for oversize messages with ``shm``); ``ring_path``: the ring (None with ``zmq``);
-    ``readers``: how many receivers get every message (one per tensor-parallel rank).
+    ``readers``: how many receivers get every message (one per tensor-parallel rank), of which
+    the first ``local_readers`` (None: all) are on this host and the others on other nodes,
+    reached at ``remote_address`` (``tcp://HOST:PORT``, the first remote reader's port).
     """
 
     zmq_address: str
@@ -84,19 +97,47 @@ class ChannelSpec:
     slot_bytes: int = PLAN_SLOT_BYTES
     spin_us: float = shm_ring.DEFAULT_SPIN_US
     readers: int = 1
+    local_readers: int | None = None
+    remote_address: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.readers <= shm_ring.MAX_READERS:
             raise ValueError(f"a step channel has 1..{shm_ring.MAX_READERS} readers, got {self.readers}")
-        if self.readers > 1 and not self.zmq_address.startswith("ipc://"):
+        if not 1 <= self.num_local_readers <= self.readers:
+            raise ValueError(f"a step channel has 1..{self.readers} local readers, got {self.local_readers}")
+        if self.num_local_readers > 1 and not self.zmq_address.startswith("ipc://"):
             raise ValueError(f"several readers need an ipc:// address (one socket file per reader), got {self.zmq_address}")
+        if (self.num_local_readers < self.readers) != (self.remote_address is not None):
+            raise ValueError("a step channel has a remote_address exactly when some of its readers are remote")
+        if self.remote_address is not None:
+            _tcp_host_port(self.remote_address)
+
+    @property
+    def num_local_readers(self) -> int:
+        return self.readers if self.local_readers is None else self.local_readers
+
+    def is_remote(self, reader: int) -> bool:
+        """Whether reader ``reader`` is on another node (reached over TCP, not the ring)."""
+        return reader >= self.num_local_readers
 
     def reader_address(self, reader: int) -> str:
         """The PUSH/PULL pair of reader ``reader``: ``zmq_address`` for reader 0, a sibling
-        socket file for the others."""
+        socket file for the other local ones, ``remote_address``'s port plus the remote
+        reader's index for a remote one."""
         if not 0 <= reader < self.readers:
             raise ValueError(f"reader {reader} out of range: the channel has {self.readers}")
+        if self.is_remote(reader):
+            host, port = _tcp_host_port(self.remote_address)
+            return f"tcp://{host}:{port + reader - self.num_local_readers}"
         return self.zmq_address if reader == 0 else f"{self.zmq_address}-{reader}"
+
+
+def _tcp_host_port(address: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` split (ValueError for anything else)."""
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not sep or not host or not port.isdigit():
+        raise ValueError(f"expected tcp://HOST:PORT, got {address!r}")
+    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -106,17 +147,28 @@ class StepChannels:
 
     @classmethod
     def for_server(
-        cls, run_dir: str, plans_address: str, results_address: str, *, shm: bool, plan_readers: int = 1
+        cls,
+        run_dir: str,
+        plans_address: str,
+        results_address: str,
+        *,
+        shm: bool,
+        plan_readers: int = 1,
+        local_plan_readers: int | None = None,
+        remote_plans_address: str | None = None,
     ) -> StepChannels:
         """Both directions on their ZeroMQ sockets, with a ring each in ``run_dir`` when ``shm``.
-        Plans go to ``plan_readers`` workers (the tensor-parallel ranks); results come from one
-        (rank 0)."""
+        Plans go to ``plan_readers`` workers (the tensor-parallel ranks), the first
+        ``local_plan_readers`` on this host and the others at ``remote_plans_address``;
+        results come from one (rank 0, always local)."""
         return cls(
             ChannelSpec(
                 plans_address,
                 shm_ring.ring_path(run_dir, "plans.ring") if shm else None,
                 PLAN_SLOT_BYTES,
                 readers=plan_readers,
+                local_readers=local_plan_readers,
+                remote_address=remote_plans_address,
             ),
             ChannelSpec(results_address, shm_ring.ring_path(run_dir, "results.ring") if shm else None, RESULT_SLOT_BYTES),
         )
@@ -129,7 +181,7 @@ def create_rings(channels: StepChannels) -> None:
         for spec in (channels.plans, channels.results):
             if spec.ring_path is not None:
                 shm_ring.create_ring(
-                    spec.ring_path, slot_bytes=spec.slot_bytes, num_slots=NUM_SLOTS, num_readers=spec.readers
+                    spec.ring_path, slot_bytes=spec.slot_bytes, num_slots=NUM_SLOTS, num_readers=spec.num_local_readers
                 )
                 made.append(spec.ring_path)
     except BaseException:
@@ -146,7 +198,8 @@ def remove_rings(channels: StepChannels) -> None:
 
 class StepSender:
     """The writing end of one direction, to every reader. ``bind``: this end binds the ZeroMQ
-    sockets (one per reader).
+    sockets (one per reader). Remote readers (another node's ranks) get every message on
+    their TCP socket, encoded whole, whatever the local transport.
 
     ``StepSender(ctx, spec, bind=...)`` builds the transport ``spec`` names, once: a
     :class:`RingSender` when it has a ring, else a :class:`ZmqSender`.
@@ -158,16 +211,25 @@ class StepSender:
         return super().__new__(cls)
 
     def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
-        self._socks: list[zmq.Socket] = []
+        self._socks: list[zmq.Socket] = []  # the local readers'
+        self._remote: list[zmq.Socket] = []  # the other nodes' readers'
         try:
             for reader in range(spec.readers):
-                self._socks.append(transport.socket(ctx, zmq.PUSH, spec.reader_address(reader), bind=bind))
+                sock = transport.socket(ctx, zmq.PUSH, spec.reader_address(reader), bind=bind)
+                (self._remote if spec.is_remote(reader) else self._socks).append(sock)
         except BaseException:
             self.close()
             raise
 
     def send(self, msg: Any) -> None:
         """Encode and send ``msg`` (to every reader)."""
+        self._send_local(msg)
+        if self._remote:
+            payload = codec.encode(msg)
+            for sock in self._remote:
+                sock.send(payload, copy=False)
+
+    def _send_local(self, msg: Any) -> None:
         raise NotImplementedError
 
     def _send_to_every_reader(self, payload: Any) -> None:
@@ -175,14 +237,14 @@ class StepSender:
             sock.send(payload, copy=False)
 
     def close(self) -> None:
-        for sock in self._socks:
+        for sock in self._socks + self._remote:
             sock.close(linger=0)
 
 
 class ZmqSender(StepSender):
     """Every message is one frame on each reader's PUSH socket (encoded once)."""
 
-    def send(self, msg: Any) -> None:
+    def _send_local(self, msg: Any) -> None:
         self._send_to_every_reader(codec.encode(msg))
 
 
@@ -198,7 +260,7 @@ class RingSender(StepSender):
             super().close()
             raise
 
-    def send(self, msg: Any) -> None:
+    def _send_local(self, msg: Any) -> None:
         """Waits for a free slot as long as a reader that holds it lives."""
         self._ring.send(codec.encode_parts(msg), divert=self._divert)
 
@@ -223,14 +285,18 @@ class StepReceiver:
         msg = rx.recv(0)          # None if nothing came
 
     ``StepReceiver(ctx, spec, bind=...)`` builds the transport ``spec`` names, once: a
-    :class:`RingReceiver` when it has a ring, else a :class:`ZmqReceiver`. Every method
+    :class:`RemoteReceiver` for a reader on another node, a :class:`RingReceiver` when the
+    channel has a ring, else a :class:`ZmqReceiver`. Every method
     that asks for the next message (``recv``, ``arm``, ``wait``, ``spin``, ``ready``)
     first releases the previous one: asking for the next means being done with the last.
     """
 
     def __new__(cls, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool, reader: int = 0) -> StepReceiver:
         if cls is StepReceiver:
-            cls = ZmqReceiver if spec.ring_path is None else RingReceiver
+            if spec.is_remote(reader):
+                cls = RemoteReceiver
+            else:
+                cls = ZmqReceiver if spec.ring_path is None else RingReceiver
         return super().__new__(cls)
 
     def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool, reader: int = 0) -> None:
@@ -301,6 +367,75 @@ class ZmqReceiver(StepReceiver):
 
     def ready(self) -> bool:
         return bool(self._sock.poll(0))
+
+
+class RemoteReceiver(ZmqReceiver):
+    """A reader on another node: frames on a TCP PULL socket, as :class:`ZmqReceiver`, which
+    also knows when the sender's node is gone. The socket's monitor reports the connection's
+    loss (the sender's process died and its kernel closed it; or, with the whole host gone
+    silent, ZeroMQ's heartbeats, every ``HEARTBEAT_S``, went unanswered for
+    ``HEARTBEAT_TIMEOUT_S``): every wait then raises PeerGone once nothing is left to read.
+    Before the first connection (the sender binds once the ranks are up) nothing is lost.
+    """
+
+    HEARTBEAT_S = 1.0
+    HEARTBEAT_TIMEOUT_S = 10.0
+
+    def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool, reader: int = 0) -> None:
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.HEARTBEAT_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.HEARTBEAT_TIMEOUT_S * 1000))
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._sock = sock
+        self._address = spec.reader_address(reader)
+        self._connected = self._lost = False
+        sock.connect(self._address)
+
+    def _check_peer(self) -> None:
+        """Read the monitor's events; raise PeerGone once the connection is lost and no
+        message is left."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            self._connected |= event == zmq.EVENT_CONNECTED
+            self._lost |= event == zmq.EVENT_DISCONNECTED and self._connected
+        if self._lost and not self._sock.poll(0):
+            raise PeerGone(f"lost the connection to node 0 (the scheduler's plans at {self._address})")
+
+    def recv(self, timeout_s: float | None = None) -> Any | None:
+        if not self.wait(timeout_s):
+            return None
+        return codec.decode(self._sock.recv(copy=False).buffer)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Waits on the socket and its monitor together, so a lost node ends the wait."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._check_peer()
+            if self._sock.poll(0):
+                return True
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if left == 0.0:
+                return False
+            poller.poll(None if left is None else int(left * 1000) + 1)
+
+    def ready(self) -> bool:
+        self._check_peer()
+        return bool(self._sock.poll(0))
+
+    def peer_alive(self) -> bool:
+        return not self._lost
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        super().close()
 
 
 class RingReceiver(StepReceiver):
@@ -382,5 +517,5 @@ def ring_files(channels: StepChannels) -> list[str]:
     paths = []
     for spec in (channels.plans, channels.results):
         if spec.ring_path is not None:
-            paths += [spec.ring_path, *(shm_ring.bell_path(spec.ring_path, r) for r in range(spec.readers))]
+            paths += [spec.ring_path, *(shm_ring.bell_path(spec.ring_path, r) for r in range(spec.num_local_readers))]
     return [p for p in paths if os.path.exists(p)]

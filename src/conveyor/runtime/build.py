@@ -31,6 +31,7 @@ from conveyor.runtime.config import (
     SchedulerProcessConfig,
     ServerConfig,
     WorkerConfig,
+    remote_plans_address,
 )
 from conveyor.runtime.model_source import model_length, resolve_model
 
@@ -123,12 +124,16 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         transport.check_auth_keys(flags["auth_keys"])
     max_model_len = model_length(model, flags["max_model_len"])
     addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(flags["host"], flags["port"]))
+    nnodes, size = flags.get("nnodes", 1), flags["tensor_parallel_size"]
+    multi_node = nnodes > 1 and flags.get("dist_init_addr") is not None and size % nnodes == 0  # else refused below
     channels = step_channel.StepChannels.for_server(
         run_dir,
         addresses.plans,
         addresses.results,
         shm=flags["plan_transport"] == PlanTransport.SHM,
-        plan_readers=flags["tensor_parallel_size"],
+        plan_readers=size,
+        local_plan_readers=size // nnodes if multi_node else None,  # node 0's ranks
+        remote_plans_address=remote_plans_address(flags["dist_init_addr"]) if multi_node else None,
     )
     worker = WorkerConfig(
         **{
@@ -162,4 +167,5 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
     return ServerConfig(
         model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,
         serve_on_replica_death=flags["serve_on_replica_death"],
+        nnodes=flags.get("nnodes", 1), node_rank=flags.get("node_rank", 0), dist_init_addr=flags.get("dist_init_addr"),
     )  # fmt: skip

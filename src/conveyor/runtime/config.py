@@ -380,6 +380,35 @@ class ServerConfig:
     # With several replicas: when one replica's scheduler or worker dies, fail only its requests
     # and serve on with the others (False: stop the whole server, as a single replica does).
     serve_on_replica_death: bool = True
+    # Multi-node tensor parallelism (bin/serve --nnodes/--node-rank/--dist-init-addr): this is
+    # node ``node_rank`` of ``nnodes``, running tensor-parallel ranks ``node_ranks()``. Node 0
+    # runs the frontend, scheduler (and HTTP process) beside its ranks; the others run ranks
+    # only. ``dist_init_addr`` (HOST:PORT, node 0's) is where the process group meets (TCP
+    # store on PORT) and, from PORT + 1 on, the other nodes' ranks' plan sockets
+    # (:func:`remote_plans_address`).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
+    def __post_init__(self) -> None:
+        _require_at_least(self, 1, "nnodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
+        if self.nnodes == 1:
+            return
+        if self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        dist_init_host_port(self.dist_init_addr)
+        size = self.worker.tensor_parallel_size
+        if size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size {size} does not divide by --nnodes {self.nnodes}")
+        if self.data_parallel_size > 1:
+            raise ValueError("--nnodes > 1 is tensor parallelism across nodes: --data-parallel-size must be 1")
+
+    def node_ranks(self) -> range:
+        """The tensor-parallel ranks this node runs: an equal, consecutive share per node."""
+        per_node = self.worker.tensor_parallel_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
     def data_parallel_size(self) -> int:
@@ -408,13 +437,18 @@ class ServerConfig:
         )
 
     def worker_ranks(self) -> list[WorkerConfig]:
-        """The worker view of each tensor-parallel rank, rank 0 first. Their process group
-        meets at a file beside this server's plan socket in the run directory (so each
-        data-parallel replica's ranks meet apart), removed with the run directory."""
-        rendezvous = "file://" + self.worker.addresses.plans.removeprefix("ipc://") + "-tp-rendezvous"
+        """The worker view of each tensor-parallel rank this node runs, lowest first. On one
+        node their process group meets at a file beside this server's plan socket in the run
+        directory (so each data-parallel replica's ranks meet apart), removed with the run
+        directory; across nodes, at ``tcp://`` ``dist_init_addr`` (node 0's rank 0 hosts
+        the store)."""
+        if self.nnodes > 1:
+            rendezvous = f"tcp://{self.dist_init_addr}"
+        else:
+            rendezvous = "file://" + self.worker.addresses.plans.removeprefix("ipc://") + "-tp-rendezvous"
         return [
             replace(self.worker, tensor_parallel_rank=rank, distributed_init_method=rendezvous)
-            for rank in range(self.worker.tensor_parallel_size)
+            for rank in self.node_ranks()
         ]
 
     def sized_scheduler(self, num_blocks: int, num_cpu_blocks: int, block_bytes: int) -> SchedulerProcessConfig:
@@ -423,6 +457,21 @@ class ServerConfig:
             self.scheduler.scheduler, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_bytes=block_bytes
         )
         return replace(self.scheduler, scheduler=sized)
+
+
+def dist_init_host_port(address: str) -> tuple[str, int]:
+    """``--dist-init-addr`` ``HOST:PORT`` split; ValueError for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def remote_plans_address(dist_init_addr: str) -> str:
+    """Where node 0's scheduler sends plans to the other nodes' ranks: ``tcp://HOST:PORT+1``
+    for the first of them, the next port for each next one (:meth:`ChannelSpec.reader_address`)."""
+    host, port = dist_init_host_port(dist_init_addr)
+    return f"tcp://{host}:{port + 1}"
 
 
 def replica_process_name(process: str, index: int) -> str:

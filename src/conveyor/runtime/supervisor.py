@@ -21,6 +21,14 @@ when its last replica dies. SIGINT/SIGTERM (:func:`stop_on_signals`) stop everyt
 seconds. Children also get SIGTERM from the kernel if the supervisor itself is killed
 (PR_SET_PDEATHSIG), so no process is ever orphaned.
 
+Across nodes (``--nnodes N``): node 0 starts as above with its share of the ranks; node
+``R > 0`` starts its ranks alone (no rings, frontend, scheduler or HTTP process) and reports
+ready once they have joined node 0's process group. Each node watches its own children: a
+rank that dies stops its node, and the other nodes notice through the group (node 0's ranks'
+next collective fails, within ``--distributed-timeout``) or through the plan sockets (a
+remote rank's connection to node 0 is lost, conveyor.ipc.step_channel.RemoteReceiver), so
+each node stops; node 0 answers every in-flight request with an error first.
+
 bin/serve (:mod:`conveyor.cli.serve`) is flags, this, and its messages.
 """
 
@@ -46,6 +54,7 @@ from conveyor.worker.main import run_worker
 
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 3.0
+CAUSE_GRACE_S = 5.0  # how long a dead scheduler's worker may take to exit too (Server._cause)
 
 
 class Server:
@@ -66,6 +75,9 @@ class Server:
 
     def start(self) -> None:
         config = self.config
+        if config.node_rank > 0:
+            self._start_ranks_only()
+            return
         replicas = [config.replica(index) for index in range(config.data_parallel_size)]
         try:
             for replica in replicas:
@@ -98,6 +110,16 @@ class Server:
             self._spawn(name, run_scheduler, scheduler)
             schedulers.add(name)
         self._wait_ready(schedulers)
+
+    def _start_ranks_only(self) -> None:
+        """Node ``node_rank > 0``: this node's tensor-parallel ranks, ready once they have
+        joined the group (which needs node 0's ranks too) and agreed on the KV pool."""
+        names = set()
+        for rank in self.config.worker_ranks():
+            name = rank_process_name("worker", rank.tensor_parallel_rank)
+            self._spawn(name, run_worker, rank)
+            names.add(name)
+        self._wait_ready(names)
 
     def _spawn(self, name: str, target, config) -> None:
         proc = self.mp.Process(target=target, args=(config,), name=f"conveyor-{name}")
@@ -138,10 +160,12 @@ class Server:
                 return 0
             done = mp.connection.wait(list(sentinels), timeout=0.2)
             if done:
-                name = sentinels[done[0]]
+                time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
+                for s in done:
+                    self.procs[sentinels[s]].join(1.0)  # its exit code, for _cause
+                name = self._cause([sentinels[s] for s in done], sentinels)
                 self.procs[name].join(1.0)
                 code = self.procs[name].exitcode
-                time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
                 if _STOP_SIGNAL:
                     self.stop("server shutting down")
                     return 0
@@ -155,9 +179,27 @@ class Server:
                     for gone in self.stop_replica(replica, name, f"{name} process died (exit code {code})"):
                         sentinels.pop(self.procs[gone].sentinel, None)
                     continue
-                print(f"conveyor: {name} process died (exit code {code}); stopping", file=sys.stderr, flush=True)
-                self.stop(f"{name} process died (exit code {code})")
+                reason = f"{name} process died (exit code {code})"
+                if self.config.nnodes > 1 and name.startswith("worker"):
+                    # Its traceback (in its log) says which: a collective with a dead node, or a lost plan socket.
+                    reason += f"; with --nnodes {self.config.nnodes}, another node may have died or lost contact"
+                print(f"conveyor: {reason}; stopping", file=sys.stderr, flush=True)
+                self.stop(reason)
                 return 1
+
+    def _cause(self, dead: list[str], sentinels: dict) -> str:
+        """Which of the children found dead to report. A failing worker closes its result
+        ring on the way out, so its scheduler may exit (PeerGone) before the worker does: a
+        scheduler that exited on its own (status 1, as PeerGone ends it; a killed one has no
+        cause to wait for) waits up to :data:`CAUSE_GRACE_S` for a worker that dies too, and a
+        worker, the cause, is reported over a scheduler."""
+        deadline = time.monotonic() + CAUSE_GRACE_S
+        if not any(name.startswith("scheduler") and self.procs[name].exitcode == 1 for name in dead):
+            deadline = 0.0
+        while not any(name.startswith("worker") for name in dead) and time.monotonic() < deadline:
+            found = mp.connection.wait(list(sentinels), timeout=0.05)
+            dead = [sentinels[s] for s in found] or dead
+        return min(dead, key=lambda name: not name.startswith("worker"))
 
     def _serves_on_without(self, replica: int) -> bool:
         """Whether the server keeps serving when ``replica`` dies: --serve-on-replica-death
@@ -189,7 +231,7 @@ class Server:
         self.control.close(linger=0)
         self.frontend_control.close(linger=0)
         self.ctx.term()
-        for index in range(self.config.data_parallel_size):
+        for index in range(self.config.data_parallel_size if self.config.node_rank == 0 else 0):
             step_channel.remove_rings(self.config.replica(index).channels)
         shutil.rmtree(self.config.run_dir, ignore_errors=True)
 

@@ -21,8 +21,8 @@ If the scheduler's process is gone, the wait for a plan ends (PeerGone) and the 
 
 **Tensor parallelism** (``tensor_parallel_size`` N > 1): bin/serve starts N worker processes,
 rank ``r`` on ``cuda:r`` (or N CPU processes, on gloo). They join one process group
-(:mod:`conveyor.worker.parallel`; rendezvous in the run directory, every collective bounded
-by ``distributed_timeout_s``), each builds the runner of its shard, and they agree on the KV
+(:mod:`conveyor.worker.parallel`; rendezvous in the run directory, or at ``--dist-init-addr``
+when the ranks span nodes, every collective bounded by ``distributed_timeout_s``), each builds the runner of its shard, and they agree on the KV
 pool: every rank computes its capacity and an all-reduce MIN gives the pool rank 0 reports
 (block ids below it are valid on every rank; a rank with room for more leaves it unused), so
 the scheduler sees one worker with that pool and knows nothing of N. Every rank reads every
@@ -216,8 +216,11 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     )
 
     def close() -> None:
-        loop.close()
+        # The group first: the scheduler sees the plan and result rings close only once this
+        # rank is nearly gone, so bin/serve finds the rank's death (the cause) before the
+        # scheduler's (its symptom) and reports it.
         close_tensor_parallel(tp)
+        loop.close()
 
     ready = {
         "num_blocks": num_blocks,

@@ -137,7 +137,9 @@ def init_tensor_parallel(
 ) -> TensorParallel:
     """Join the ``size``-rank group as ``rank`` and return its record; every rank must call
     this with the same ``init_method``, ``backend`` and ``size``. Blocks until all have joined
-    (or ``timeout_s`` passes). Size 1 creates no process group.
+    (or ``timeout_s`` passes: RuntimeError saying so, e.g. when a node never started). Size 1
+    creates no process group. ``init_method`` is a ``file://`` in the run directory on one
+    node, ``tcp://`` ``--dist-init-addr`` across nodes (rank 0 hosts the store).
 
     ``timeout_s`` bounds every later collective too, so a rank whose peer died raises instead
     of waiting forever. With ``nccl`` (a CUDA device, at any size, 1 too), the rank's device
@@ -151,14 +153,20 @@ def init_tensor_parallel(
         torch.cuda.set_device(device_id)
     if size == 1:
         return TensorParallel(rank, 1, None)
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=timeout_s),
-        device_id=device_id,
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device_id,
+        )
+    except (RuntimeError, ValueError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
+        raise RuntimeError(
+            f"rank {rank}: the {size} tensor-parallel ranks did not all join at {init_method} within {timeout_s:g} s "
+            f"(a node that never started or cannot reach it?): {exc}"
+        ) from exc
     return TensorParallel(rank, size, dist.group.WORLD)
 
 

@@ -15,7 +15,7 @@ from conveyor.client.connection import (
     CONTROL_KEYS, DRAIN_MAX, CompletionResult, Connection, Delta, abort_message, awaited_key,
     check_error, completion_result, pack_request, to_delta,
 )
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
 
 
 class Client(Connection):
@@ -37,7 +37,7 @@ class Client(Connection):
         try:
             while True:
                 reply = self._next(msg["request_id"])
-                if reply["type"] == cp.FINAL:
+                if reply["type"] == wire.FINAL:
                     return completion_result(reply)
         except KeyboardInterrupt:  # nobody waits for it any more: free the server's work
             self._abandon(msg["request_id"])
@@ -113,7 +113,7 @@ class Client(Connection):
                 raw = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            reply = cp.unpack_map(raw)
+            reply = wire.unpack_map(raw)
             check_error(reply)
             self._route(reply)
 

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from conveyor.client import AsyncClient, Client
-from conveyor.frontend.metrics import FrontendMetrics
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.protocol import wire
 from conveyor.protocol import requests as client_requests
 from conveyor.protocol import replies

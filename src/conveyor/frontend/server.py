@@ -91,7 +91,7 @@ behind. Replies are built by :mod:`conveyor.protocol.replies`; requests are vali
 :mod:`conveyor.protocol.requests` (its fields on arrival, its token ids and lengths once
 tokenized, :func:`~conveyor.protocol.validation.check_tokenized`).
 
-Metrics (:mod:`conveyor.frontend.metrics`): prompt tokens are counted on admission, output
+Metrics (:mod:`conveyor.frontend.request_metrics`): prompt tokens are counted on admission, output
 tokens, inter-token gaps and each request's latencies and finish reason on the output path,
 a gone client's requests as aborts; a ``metrics`` message is answered here from them (so
 they cover every replica's requests).
@@ -137,7 +137,7 @@ from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
-from conveyor.frontend.metrics import FrontendMetrics
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.output import OutputPath
 from conveyor.frontend.replicas import Gather, ReplicaSet, SchedulerLink, merge_stats, replica_profiles, replica_stats
 from conveyor.frontend.request_state import RequestState

@@ -155,7 +155,7 @@ def profile_reply(clock: str, window_s: float, processes: list[dict[str, Any]], 
 
 def metrics_reply(counters: dict[str, Any], histograms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The ``metrics`` map: the frontend's request-level counters and latency histograms
-    (:meth:`conveyor.frontend.metrics.FrontendMetrics.snapshot`). ``counters``: name -> count,
+    (:meth:`conveyor.frontend.request_metrics.FrontendMetrics.snapshot`). ``counters``: name -> count,
     or reason -> count for ``request_success``; ``histograms``: name -> ``{buckets: [upper
     bounds, s], counts: [per bucket, not cumulative; one more than buckets, the last above
     every bound], sum, count}``."""

@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from conveyor.client.connection import (
-    DRAIN_MAX, CompletionResult, Connection, Delta, abort_message, awaited_key, check_error,
+    DRAIN_MAX, CompletionResult, Connection, StreamDelta, abort_message, awaited_key, check_error,
     completion_result, pack_request, to_delta,
 )
 from conveyor.protocol import wire
@@ -40,7 +40,7 @@ class AsyncClient(Connection):
                 await self._abandon(msg["request_id"], queue)
                 raise
 
-    async def _stream(self, msg: dict[str, Any]) -> AsyncIterator[Delta]:
+    async def _stream(self, msg: dict[str, Any]) -> AsyncIterator[StreamDelta]:
         finished = False
         async with self._request(msg["request_id"]) as queue:
             await self._send(msg)

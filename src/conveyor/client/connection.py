@@ -124,7 +124,7 @@ class CompletionResult:
 
 
 @dataclass
-class Delta:
+class StreamDelta:
     """One piece of a stream. The last one has ``finish_reason`` set and carries ``result``.
     ``index``: the sequence it belongs to (0 unless the request asked for ``n`` > 1)."""
 
@@ -186,15 +186,15 @@ def _request_message(prompt: str | None, stream: bool, request: dict[str, Any]) 
     return generate_message(prompt, *inputs, stream, fields)
 
 
-def to_delta(msg: dict[str, Any]) -> Delta:
-    """Turn a server message of a streamed request into a Delta."""
+def to_delta(msg: dict[str, Any]) -> StreamDelta:
+    """Turn a server message of a streamed request into a StreamDelta."""
     if msg["type"] == wire.DELTA:
-        return Delta(
+        return StreamDelta(
             msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])),
             logprobs=msg.get("logprobs"), prompt_logprobs=msg.get("prompt_logprobs"), index=msg.get("index", 0),
         )
     result = completion_result(msg)
-    return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
+    return StreamDelta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
 
 
 # Replies the asyncio reader takes per wake-up without awaiting (see AsyncClient._read_loop).
@@ -351,7 +351,7 @@ class Connection:
         return self._complete(_request_message(prompt, False, request))
 
     def stream(self, prompt: str | None = None, **request: Any) -> Any:
-        """As :meth:`generate`, streamed: an iterator of :class:`Delta` (async, with
+        """As :meth:`generate`, streamed: an iterator of :class:`StreamDelta` (async, with
         :class:`AsyncClient`), the last one carrying the finish reason. Stopping early aborts
         the request at the server."""
         return self._stream(_request_message(prompt, True, request))

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import zmq
 
 from conveyor.client.connection import (
-    CONTROL_KEYS, DRAIN_MAX, CompletionResult, Connection, Delta, abort_message, awaited_key,
+    CONTROL_KEYS, DRAIN_MAX, CompletionResult, Connection, StreamDelta, abort_message, awaited_key,
     check_error, completion_result, pack_request, to_delta,
 )
 from conveyor.protocol import wire
@@ -43,7 +43,7 @@ class Client(Connection):
             self._abandon(msg["request_id"])
             raise
 
-    def _stream(self, msg: dict[str, Any]) -> Iterator[Delta]:
+    def _stream(self, msg: dict[str, Any]) -> Iterator[StreamDelta]:
         self._send(msg)
         finished = False
         try:

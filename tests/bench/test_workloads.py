@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conveyor_tools.bench.metrics import OnlineRun, StreamTiming, Timeline, percentiles
+from conveyor_tools.bench.run_metrics import OnlineRun, StreamTiming, Timeline, percentiles
 from conveyor_tools.bench.workloads import (
     HV_LONG,
     HV_SHORT,

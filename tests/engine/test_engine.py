@@ -11,7 +11,8 @@ import time
 import pytest
 
 from conveyor.engine.options import EngineOptions
-from conveyor.protocol import messages as cp
+from conveyor.protocol import validation, wire
+from conveyor.protocol import requests as client_requests
 from tests.engine.conftest import GREEDY, run_all
 
 SYSTEM = [5, 17, 29, 41, 53, 65, 77, 89]
@@ -120,9 +121,9 @@ def test_validation_errors_are_the_servers(tiny_engine):
     def server_error(fields: dict, ids: list[int] | None = None) -> str:
         """What the server answers (protocol parse, then the tokenized context's rules)."""
         try:
-            req = cp.parse_client_message({"type": "generate", **fields})
-            cp.check_tokenized(req, ids if ids is not None else list(req.token_ids), vocab, max_len)
-        except cp.ProtocolError as exc:
+            req = client_requests.parse_client_message({"type": "generate", **fields})
+            validation.check_tokenized(req, ids if ids is not None else list(req.token_ids), vocab, max_len)
+        except wire.ProtocolError as exc:
             return str(exc)
         raise AssertionError(f"{fields} is valid")
 

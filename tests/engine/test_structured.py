@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
 from tests.engine.conftest import run_all
 from tests.structured.test_properties import SCHEMAS
 
@@ -79,9 +79,9 @@ def test_complete_grammar_stops_even_when_eos_is_ignored(tiny_engine):
 )
 def test_bad_constraint_is_refused_before_queueing(tiny_engine, constraint, named):
     engine = tiny_engine()
-    with pytest.raises(cp.ProtocolError, match=named) as refused:
+    with pytest.raises(wire.ProtocolError, match=named) as refused:
         engine.add_request(prompt="x", constraint=constraint)
-    assert refused.value.code == cp.INVALID_FIELD
+    assert refused.value.code == wire.INVALID_FIELD
     assert not engine.has_pending_requests()
 
 

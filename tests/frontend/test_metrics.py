@@ -1,4 +1,4 @@
-"""The frontend's request-level metrics (conveyor.frontend.metrics): bucket counts against
+"""The frontend's request-level metrics (conveyor.frontend.request_metrics): bucket counts against
 references computed by hand, the batched inter-token path against per-token observation, and
 what a finished request adds."""
 
@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from conveyor.frontend import metrics as fm
-from conveyor.frontend.metrics import FrontendMetrics, Histogram
+from conveyor.frontend import request_metrics as fm
+from conveyor.frontend.request_metrics import FrontendMetrics, Histogram
 
 MS = 1_000_000  # ns
 

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from conveyor import profiling
-from conveyor.frontend import metrics as fm
+from conveyor.frontend import request_metrics as fm
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.metrics import FrontendMetrics
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.output import OutputPath
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.sessions import Sessions

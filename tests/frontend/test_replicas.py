@@ -306,7 +306,7 @@ def test_a_replica_failure_ends_only_its_own_requests(two_replicas) -> None:
 def test_prometheus_shows_each_replica_beside_the_sums() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from conveyor.frontend.metrics import FrontendMetrics
+    from conveyor.frontend.request_metrics import FrontendMetrics
     from conveyor.http import prometheus
     from conveyor.protocol import replies
 

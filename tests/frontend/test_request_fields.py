@@ -1,4 +1,4 @@
-"""The generate fields the frontend applies itself (protocol.messages.FRONTEND_FIELDS), driven
+"""The generate fields the frontend applies itself (protocol.requests.FRONTEND_FIELDS), driven
 over the client protocol against a live frontend and a stand-in scheduler (conftest.py:
 ``live_frontend``): what reaches the scheduler (the prompt's ids, ``max_tokens``, the seed)
 and what the client gets back (the text), checked against transformers' tokenizer."""

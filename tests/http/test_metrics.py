@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.client import Client
-from conveyor.frontend.metrics import FrontendMetrics
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.http.prometheus import exposition
 from conveyor.protocol.replies import metrics_reply

@@ -14,7 +14,7 @@ import pytest
 
 from conveyor.client import Client
 from conveyor.http.app import MAX_BODY_BYTES
-from conveyor.protocol.messages import MAX_CLIENT_MESSAGE_BYTES
+from conveyor.protocol.limits import MAX_CLIENT_MESSAGE_BYTES
 from tests.e2e.serve_harness import (
     LONG_MAX_TOKENS,
     LONG_SERVE_ARGS,

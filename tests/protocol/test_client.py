@@ -16,7 +16,7 @@ import zmq
 from conveyor.cli import client as client_cli
 from conveyor.cli import profile as profile_cli
 from conveyor.client import AsyncClient, Client, NoServerError
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
 from conveyor.protocol.replies import final_reply
 
 CONNECT_TIMEOUT = 0.5
@@ -83,15 +83,15 @@ class StandIn:
             identity, payload = self.sock.recv_multipart()
             msg = msgpack.unpackb(payload)
             self.received.append(msg)
-            if msg["type"] == cp.GENERATE:
+            if msg["type"] == wire.GENERATE:
                 time.sleep(self.delay_s)
                 timing = {"queue_time": None, "ttft": None, "total": self.delay_s}
                 final = final_reply(
                     msg["request_id"], "ok", [7], "length", None, prompt_tokens=1, cached_tokens=0, timing=timing
                 )
-                self.sock.send_multipart([identity, cp.pack(final)])
-            elif msg["type"] == cp.STATS:
-                self.sock.send_multipart([identity, cp.pack({"type": cp.STATS_REPLY, "v": 1, "in_flight": 0})])
+                self.sock.send_multipart([identity, wire.pack(final)])
+            elif msg["type"] == wire.STATS:
+                self.sock.send_multipart([identity, wire.pack({"type": wire.STATS_REPLY, "v": 1, "in_flight": 0})])
 
     def close(self) -> None:
         self.thread.join(15)
@@ -133,8 +133,8 @@ def test_stats_asks_for_the_iteration_log_only_when_told(tmp_path) -> None:
             client.stats(iterations=True)
     finally:
         server.close()
-    version = cp.CLIENT_PROTOCOL_VERSION
-    assert server.received == [{"type": cp.STATS, "v": version}, {"type": cp.STATS, "v": version, "iterations": True}]
+    version = wire.CLIENT_PROTOCOL_VERSION
+    assert server.received == [{"type": wire.STATS, "v": version}, {"type": wire.STATS, "v": version, "iterations": True}]
 
 
 def test_an_id_in_flight_is_refused_locally_unless_aborted(tmp_path) -> None:
@@ -145,13 +145,13 @@ def test_an_id_in_flight_is_refused_locally_unless_aborted(tmp_path) -> None:
     server = StandIn(address, delay_s=0.5, expect=3)
     try:
         with Client(address, timeout=30, connect_timeout=CONNECT_TIMEOUT) as client:
-            client._send({"type": cp.GENERATE, "v": 1, "request_id": "r", "prompt": "hi"})
+            client._send({"type": wire.GENERATE, "v": 1, "request_id": "r", "prompt": "hi"})
             with pytest.raises(ValueError, match="already in flight"):
-                client._send({"type": cp.GENERATE, "v": 1, "request_id": "r", "prompt": "again"})
+                client._send({"type": wire.GENERATE, "v": 1, "request_id": "r", "prompt": "again"})
             client.abort("r")
-            client._send({"type": cp.GENERATE, "v": 1, "request_id": "r", "prompt": "reused"})
+            client._send({"type": wire.GENERATE, "v": 1, "request_id": "r", "prompt": "reused"})
     finally:
         server.close()
     assert [(m["type"], m.get("prompt")) for m in server.received] == [
-        (cp.GENERATE, "hi"), (cp.ABORT, None), (cp.GENERATE, "reused")
+        (wire.GENERATE, "hi"), (wire.ABORT, None), (wire.GENERATE, "reused")
     ]

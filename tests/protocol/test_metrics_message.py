@@ -11,32 +11,33 @@ import pytest
 import zmq
 
 from conveyor.client import AsyncClient, Client
-from conveyor.frontend.metrics import FrontendMetrics
-from conveyor.protocol import messages as cp
+from conveyor.frontend.request_metrics import FrontendMetrics
+from conveyor.protocol import wire
+from conveyor.protocol import requests as client_requests
 from conveyor.protocol import replies
 
 
 def test_metrics_parses_and_names_bad_fields() -> None:
-    assert cp.parse_client_message({"type": "metrics", "v": 1}) == cp.MetricsCommand()
-    assert cp.parse_client_message({"type": "metrics"}) == cp.MetricsCommand()
-    with pytest.raises(cp.ProtocolError, match="unknown field.*window_s"):
-        cp.parse_client_message({"type": "metrics", "v": 1, "window_s": 5})
-    with pytest.raises(cp.ProtocolError, match="protocol version"):
-        cp.parse_client_message({"type": "metrics", "v": 2})
+    assert client_requests.parse_client_message({"type": "metrics", "v": 1}) == client_requests.MetricsCommand()
+    assert client_requests.parse_client_message({"type": "metrics"}) == client_requests.MetricsCommand()
+    with pytest.raises(wire.ProtocolError, match="unknown field.*window_s"):
+        client_requests.parse_client_message({"type": "metrics", "v": 1, "window_s": 5})
+    with pytest.raises(wire.ProtocolError, match="protocol version"):
+        client_requests.parse_client_message({"type": "metrics", "v": 2})
 
 
 def test_metrics_reply_carries_counters_and_histograms() -> None:
     snapshot = FrontendMetrics().snapshot()
     reply = replies.metrics_reply(**snapshot)
-    assert reply == {"type": "metrics", "v": cp.CLIENT_PROTOCOL_VERSION, **snapshot}
-    assert msgpack.unpackb(cp.pack(reply)) == reply  # plain msgpack types only
+    assert reply == {"type": "metrics", "v": wire.CLIENT_PROTOCOL_VERSION, **snapshot}
+    assert msgpack.unpackb(wire.pack(reply)) == reply  # plain msgpack types only
 
 
 class MetricsStandIn:
     """A ROUTER that answers ``metrics`` and ``stats`` with fixed maps, ``expect`` times."""
 
     METRICS = replies.metrics_reply(**FrontendMetrics().snapshot())
-    STATS = {"type": cp.STATS_REPLY, "v": 1, "in_flight": 0}
+    STATS = {"type": wire.STATS_REPLY, "v": 1, "in_flight": 0}
 
     def __init__(self, address: str, expect: int) -> None:
         self.ctx = zmq.Context()
@@ -52,8 +53,8 @@ class MetricsStandIn:
             identity, payload = self.sock.recv_multipart()
             msg = msgpack.unpackb(payload)
             self.received.append(msg)
-            reply = self.METRICS if msg["type"] == cp.METRICS else self.STATS
-            self.sock.send_multipart([identity, cp.pack(reply)])
+            reply = self.METRICS if msg["type"] == wire.METRICS else self.STATS
+            self.sock.send_multipart([identity, wire.pack(reply)])
 
     def close(self) -> None:
         self.thread.join(15)
@@ -77,4 +78,4 @@ def test_clients_ask_for_metrics(tmp_path) -> None:
     finally:
         server.close()
     assert (got_metrics, got_stats) == (MetricsStandIn.METRICS, MetricsStandIn.STATS)
-    assert server.received[0] == {"type": cp.METRICS, "v": cp.CLIENT_PROTOCOL_VERSION}
+    assert server.received[0] == {"type": wire.METRICS, "v": wire.CLIENT_PROTOCOL_VERSION}

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conveyor.frontend.tokenizer import Tokenizer
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
 from tests.e2e.serve_harness import dealer
 
 FUZZ_CASES = 1000
@@ -62,7 +62,7 @@ def good_request(sock: zmq.Socket, rid: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------- the oracle
-# docs/protocol.md's rules, written out independently of conveyor.protocol.messages.
+# docs/protocol.md's rules, written out independently of conveyor.protocol.
 
 MAX_FRAME = 8 * 1024 * 1024
 GENERATE_KEYS = {"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", "max_tokens", "temperature",
@@ -151,15 +151,15 @@ def expect_generate(obj: dict, rid: str | None, model: Model) -> Refusal | Runs:
         return Refusal(frozenset(codes), rid is not None, rid)
 
     if set(obj) - GENERATE_KEYS:
-        return refuse(cp.INVALID_FIELD)
+        return refuse(wire.INVALID_FIELD)
     if obj.get("request_id") is not None and rid is None:
-        return Refusal(frozenset({cp.INVALID_FIELD}), False, None)
+        return Refusal(frozenset({wire.INVALID_FIELD}), False, None)
     if field_problem(obj):
         if obj.get("prompt") == "" and sum(obj.get(k) is not None for k in ("messages", "token_ids")) == 0:
-            return refuse(cp.INVALID_INPUT, cp.INVALID_FIELD)  # the empty prompt, unless another field is wrong too
-        return refuse(cp.INVALID_FIELD)
+            return refuse(wire.INVALID_INPUT, wire.INVALID_FIELD)  # the empty prompt, unless another field is wrong too
+        return refuse(wire.INVALID_FIELD)
     if obj.get("prompt") == "":
-        return refuse(cp.INVALID_INPUT)
+        return refuse(wire.INVALID_INPUT)
     # The fields are right, so the request is accepted (under an id of the server's when it
     # carried none) and ends in a final: an error one where the model cannot take its input.
     def cannot(code: str) -> Refusal:
@@ -168,17 +168,17 @@ def expect_generate(obj: dict, rid: str | None, model: Model) -> Refusal | Runs:
     max_tokens = obj.get("max_tokens") or 16
     stream = bool(obj.get("stream"))
     if obj.get("messages") is not None:
-        return Runs("generate", stream, rid, frozenset({cp.INVALID_INPUT, cp.PROMPT_TOO_LONG}))
+        return Runs("generate", stream, rid, frozenset({wire.INVALID_INPUT, wire.PROMPT_TOO_LONG}))
     if obj.get("token_ids") is not None:
         ids = obj["token_ids"]
         if any(not 0 <= t < model.vocab_size for t in ids):
-            return cannot(cp.INVALID_INPUT)
+            return cannot(wire.INVALID_INPUT)
     else:
         ids = model.tokenizer.encode(obj["prompt"])
     if any(t >= model.vocab_size for t in obj.get("stop_token_ids") or []):
-        return cannot(cp.INVALID_INPUT)
+        return cannot(wire.INVALID_INPUT)
     if len(ids) + max_tokens > model.max_model_len:
-        return cannot(cp.PROMPT_TOO_LONG)
+        return cannot(wire.PROMPT_TOO_LONG)
     return Runs("generate", stream, rid)
 
 
@@ -186,24 +186,24 @@ def expect(frames: list[bytes], model: Model, undecodable_rid: str | None) -> Re
     """What the server must answer to ``frames`` (``undecodable_rid``: the id an answer to a
     frame that does not decode must name, which the case knows from how it was cut)."""
     if len(frames) != 1 or not frames[0]:
-        return Refusal(frozenset({cp.BAD_FRAMES}), False, undecodable_rid)
+        return Refusal(frozenset({wire.BAD_FRAMES}), False, undecodable_rid)
     try:  # msgpack with the documented decode limits; map keys are strings (or bin)
         obj = msgpack.unpackb(frames[0], raw=False, strict_map_key=True, max_array_len=1 << 20, max_map_len=256,
                               max_ext_len=64)
     except Exception:
-        return Refusal(frozenset({cp.MALFORMED, cp.TOO_LARGE}), False, undecodable_rid)
+        return Refusal(frozenset({wire.MALFORMED, wire.TOO_LARGE}), False, undecodable_rid)
     if type(obj) is not dict:
-        return Refusal(frozenset({cp.MALFORMED}), False, None)
+        return Refusal(frozenset({wire.MALFORMED}), False, None)
     rid = obj.get("request_id")
     rid = rid if is_str(rid, 256) else None
     if "v" in obj and not (is_int(obj["v"]) and obj["v"] == 1):  # a version is an int; 1 is the one spoken
-        return Refusal(frozenset({cp.UNSUPPORTED_VERSION}), rid is not None, rid)
+        return Refusal(frozenset({wire.UNSUPPORTED_VERSION}), rid is not None, rid)
     kind = obj.get("type")
     if kind == "generate":
         return expect_generate(obj, rid, model)
     # A refused command (abort, stats, metrics, profile) gets an error map naming no request:
     # only an abort carries an id, and its refusal is that it has none.
-    refused_command = Refusal(frozenset({cp.INVALID_FIELD}), False, None)
+    refused_command = Refusal(frozenset({wire.INVALID_FIELD}), False, None)
     if kind == "abort":
         return Runs("abort") if rid is not None else refused_command
     if kind == "stats":  # its one field; the doc names no others, which are not read
@@ -220,7 +220,7 @@ def expect(frames: list[bytes], model: Model, undecodable_rid: str | None) -> Re
             and (series is None or (type(series) is list and len(series) <= 32 and all(is_str(x, 64) for x in series)))
         )
         return Runs("profile") if ok else refused_command
-    return Refusal(frozenset({cp.UNKNOWN_TYPE}), rid is not None, rid)
+    return Refusal(frozenset({wire.UNKNOWN_TYPE}), rid is not None, rid)
 
 
 def check_refusal(reply: dict, want: Refusal, frames) -> None:

@@ -19,7 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from conveyor.client import AsyncClient, Client, NoServerError, ServerGoneError
-from conveyor.protocol import messages as cp
+from conveyor.protocol import limits
 
 REQUEST_TIMEOUT_S = 60.0  # far past every bound below: reaching it is the failure
 NUM_STREAMS = 20
@@ -121,7 +121,7 @@ def test_oversized_messages(fake_server) -> None:
     server = fake_server("--answer")
     with Client(server.address, timeout=5) as client:
         with pytest.raises(ValueError, match="exceeds the protocol's limit"):
-            client.generate(prompt="x" * (cp.MAX_CLIENT_MESSAGE_BYTES + 1))
+            client.generate(prompt="x" * (limits.MAX_CLIENT_MESSAGE_BYTES + 1))
         assert client.generate(prompt="after").finish_reason == "stop"  # nothing was sent
         ctx = zmq.Context.instance()
         raw = ctx.socket(zmq.DEALER)

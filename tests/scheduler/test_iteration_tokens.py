@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conveyor.ipc.messages import ITERATION_TOKEN_BUCKETS
-from conveyor.scheduler.metrics import ITERATION_FIELDS, IterationLog
+from conveyor.scheduler.iteration_log import ITERATION_FIELDS, IterationLog
 
 
 def row(input_tokens: int) -> tuple:

@@ -16,7 +16,7 @@ from tests.scheduler.scheduler_harness import Harness
 
 from conveyor.runtime.config import SchedulerConfig
 from conveyor.ipc.messages import FinishReason
-from conveyor.scheduler.metrics import ITERATION_FIELDS
+from conveyor.scheduler.iteration_log import ITERATION_FIELDS
 from conveyor.scheduler.request import RequestStatus
 
 

@@ -13,7 +13,7 @@ import pytest
 from conveyor.ipc import codec
 from conveyor.profiling import STEP_SERIES, Profiler, StepRecorder, now_ns, plan_shape
 from conveyor.runtime.config import SchedulerConfig
-from conveyor.scheduler.metrics import ITERATION_FIELDS
+from conveyor.scheduler.iteration_log import ITERATION_FIELDS
 from conveyor_tools.cli import sim as sim_cli
 from conveyor_tools.sim.cost import FEATURES, CostModel, StepCost, fit
 from conveyor_tools.sim.simulator import SAMPLED_TOKEN, SimRequest, simulate

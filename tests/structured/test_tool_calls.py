@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.structured import Constraint, ConstraintError
-from conveyor.structured.tool_calls import Delta, ToolCallParser, parse_tool_calls
+from conveyor.structured.tool_calls import ToolCallDelta, ToolCallParser, parse_tool_calls
 from conveyor.structured.tool_choice import constrained_tool_calls, tool_choice_constraint
 from tests.structured.conftest import generate_batch
 
@@ -41,7 +41,7 @@ CASES = [
 ]
 
 
-def _calls(delta: Delta) -> list[tuple[str, dict]]:
+def _calls(delta: ToolCallDelta) -> list[tuple[str, dict]]:
     assert [c["index"] for c in delta.tool_calls] == list(range(len(delta.tool_calls)))
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in delta.tool_calls)
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in delta.tool_calls]
@@ -60,7 +60,7 @@ def test_streamed_in_any_chunks_equals_whole(case, cuts) -> None:
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     parser = ToolCallParser(fmt)
     deltas = [parser.feed(text[a:b]) for a, b in itertools.pairwise(bounds)] + [parser.finish()]
-    merged = Delta("".join(d.content for d in deltas), [c for d in deltas for c in d.tool_calls])
+    merged = ToolCallDelta("".join(d.content for d in deltas), [c for d in deltas for c in d.tool_calls])
     assert merged.content == content and _calls(merged) == calls
 
 

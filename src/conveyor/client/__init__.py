@@ -6,7 +6,7 @@ requests can be in flight on one client at once. Keyword arguments of
 ``generate``/``stream`` are the request fields of the protocol (max_tokens,
 temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, n, priority ...).
 With ``n`` > 1 a result has ``n`` :class:`Choice` objects (``CompletionResult.choices``) and
-each streamed :class:`Delta` names its sequence (``index``).
+each streamed :class:`StreamDelta` names its sequence (``index``).
 Sending ``request_id`` of a finished request continues it (docs/protocol.md).
 
 Failure is always an exception, never a hang:
@@ -51,10 +51,10 @@ from conveyor.client.connection import (
     AuthenticationError,
     Choice,
     CompletionResult,
-    Delta,
     NoServerError,
     ServerError,
     ServerGoneError,
+    StreamDelta,
     Usage,
     generate_message,
 )
@@ -70,10 +70,10 @@ __all__ = [
     "Choice",
     "Client",
     "CompletionResult",
-    "Delta",
     "NoServerError",
     "ServerError",
     "ServerGoneError",
+    "StreamDelta",
     "Usage",
     "generate_message",
 ]

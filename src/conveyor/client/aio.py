@@ -11,10 +11,10 @@ import zmq
 import zmq.asyncio
 
 from conveyor.client.connection import (
-    DRAIN_MAX, CompletionResult, Connection, Delta, abort_message, awaited_key, check_error,
+    DRAIN_MAX, CompletionResult, Connection, StreamDelta, abort_message, awaited_key, check_error,
     completion_result, pack_request, to_delta,
 )
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
 
 
 class AsyncClient(Connection):
@@ -34,13 +34,13 @@ class AsyncClient(Connection):
             try:
                 while True:
                     reply = await self._next(queue, msg["request_id"])
-                    if reply["type"] == cp.FINAL:
+                    if reply["type"] == wire.FINAL:
                         return completion_result(reply)
             except asyncio.CancelledError:  # e.g. wait_for() gave up on it: free the server's work
                 await self._abandon(msg["request_id"], queue)
                 raise
 
-    async def _stream(self, msg: dict[str, Any]) -> AsyncIterator[Delta]:
+    async def _stream(self, msg: dict[str, Any]) -> AsyncIterator[StreamDelta]:
         finished = False
         async with self._request(msg["request_id"]) as queue:
             await self._send(msg)
@@ -146,7 +146,7 @@ class AsyncClient(Connection):
                 raw = drain.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._route(cp.unpack_map(raw))
+            self._route(wire.unpack_map(raw))
 
     async def _read_loop(self) -> None:
         # One asyncio receive per wake-up, then whatever else is queued by plain non-blocking
@@ -158,23 +158,23 @@ class AsyncClient(Connection):
         drain = zmq.Socket.shadow(self._sock.underlying)
         try:
             while True:
-                self._route(cp.unpack_map(await self._sock.recv()))
+                self._route(wire.unpack_map(await self._sock.recv()))
                 for _ in range(DRAIN_MAX):
                     try:
                         raw = drain.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._route(cp.unpack_map(raw))
+                    self._route(wire.unpack_map(raw))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # surface a dead reader to every waiter
             for queue in self._queues.values():
-                queue.put_nowait({"type": cp.ERROR, "message": f"client reader failed: {exc}"})
+                queue.put_nowait({"type": wire.ERROR, "message": f"client reader failed: {exc}"})
 
     def _route(self, reply: dict[str, Any]) -> None:
         """As :meth:`Connection._route`, but an error that names no request goes to every
         queue (the synchronous client raises it from its receive instead)."""
-        if reply.get("type") == cp.ERROR and reply.get("request_id") is None:
+        if reply.get("type") == wire.ERROR and reply.get("request_id") is None:
             for queue in self._queues.values():
                 queue.put_nowait(reply)
             return

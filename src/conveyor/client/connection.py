@@ -15,7 +15,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from conveyor.ipc import transport
-from conveyor.protocol import messages as cp
+from conveyor.protocol import limits, wire
+from conveyor.protocol import requests as client_requests
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
 DEFAULT_TIMEOUT_S = 300.0
@@ -123,7 +124,7 @@ class CompletionResult:
 
 
 @dataclass
-class Delta:
+class StreamDelta:
     """One piece of a stream. The last one has ``finish_reason`` set and carries ``result``.
     ``index``: the sequence it belongs to (0 unless the request asked for ``n`` > 1)."""
 
@@ -164,12 +165,12 @@ def generate_message(
     """The ``generate`` map of the client protocol (docs/protocol.md) for these inputs and
     request fields; a uuid names the request when ``request_id`` is None. For callers that
     drive a socket of their own (tests, bin/soak's disconnecting clients)."""
-    msg: dict[str, Any] = {"type": cp.GENERATE, "v": cp.CLIENT_PROTOCOL_VERSION, "stream": stream}
+    msg: dict[str, Any] = {"type": wire.GENERATE, "v": wire.CLIENT_PROTOCOL_VERSION, "stream": stream}
     msg["request_id"] = request_id or uuid.uuid4().hex
     for key, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)):
         if value is not None:
             msg[key] = value
-    unknown = set(fields) - set(cp.OPTION_FIELDS)
+    unknown = set(fields) - set(client_requests.OPTION_FIELDS)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     msg.update({k: v for k, v in fields.items() if v is not None})
@@ -185,22 +186,22 @@ def _request_message(prompt: str | None, stream: bool, request: dict[str, Any]) 
     return generate_message(prompt, *inputs, stream, fields)
 
 
-def to_delta(msg: dict[str, Any]) -> Delta:
-    """Turn a server message of a streamed request into a Delta."""
-    if msg["type"] == cp.DELTA:
-        return Delta(
+def to_delta(msg: dict[str, Any]) -> StreamDelta:
+    """Turn a server message of a streamed request into a StreamDelta."""
+    if msg["type"] == wire.DELTA:
+        return StreamDelta(
             msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])),
             logprobs=msg.get("logprobs"), prompt_logprobs=msg.get("prompt_logprobs"), index=msg.get("index", 0),
         )
     result = completion_result(msg)
-    return Delta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
+    return StreamDelta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
 
 
 # Replies the asyncio reader takes per wake-up without awaiting (see AsyncClient._read_loop).
 DRAIN_MAX = 256
 
 # Replies that answer a command rather than a request are routed by their type.
-CONTROL_KEYS = {cp.STATS_REPLY: "__stats__", cp.PROFILE_REPLY: "__profile__", cp.METRICS_REPLY: "__metrics__"}
+CONTROL_KEYS = {wire.STATS_REPLY: "__stats__", wire.PROFILE_REPLY: "__profile__", wire.METRICS_REPLY: "__metrics__"}
 
 
 def _reply_key(reply: dict[str, Any]) -> str | None:
@@ -215,7 +216,7 @@ def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) ->
     apart from the running request's own replies on this side. An id in one of the
     ``released`` sets (aborted by the caller, or given up on: the server frees it in order,
     before it reads this message) is free at once."""
-    if msg["type"] == cp.GENERATE:
+    if msg["type"] == wire.GENERATE:
         rid = msg["request_id"]
         if rid in awaiting and not any(rid in ids for ids in released):
             raise ValueError(f"request id {msg['request_id']!r} is already in flight on this client")
@@ -224,29 +225,29 @@ def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) ->
 
 
 def profile_message(window_s: float, trace: bool, series: list[str] | None) -> dict[str, Any]:
-    msg: dict[str, Any] = {"type": cp.PROFILE, "v": cp.CLIENT_PROTOCOL_VERSION, "window_s": window_s, "trace": trace}
+    msg: dict[str, Any] = {"type": wire.PROFILE, "v": wire.CLIENT_PROTOCOL_VERSION, "window_s": window_s, "trace": trace}
     if series:
         msg["series"] = list(series)
     return msg
 
 
 def stats_message(iterations: bool) -> dict[str, Any]:
-    msg: dict[str, Any] = {"type": cp.STATS, "v": cp.CLIENT_PROTOCOL_VERSION}
+    msg: dict[str, Any] = {"type": wire.STATS, "v": wire.CLIENT_PROTOCOL_VERSION}
     if iterations:
         msg["iterations"] = True
     return msg
 
 
 def metrics_message() -> dict[str, Any]:
-    return {"type": cp.METRICS, "v": cp.CLIENT_PROTOCOL_VERSION}
+    return {"type": wire.METRICS, "v": wire.CLIENT_PROTOCOL_VERSION}
 
 
 def abort_message(request_id: str) -> dict[str, Any]:
-    return {"type": cp.ABORT, "v": cp.CLIENT_PROTOCOL_VERSION, "request_id": request_id}
+    return {"type": wire.ABORT, "v": wire.CLIENT_PROTOCOL_VERSION, "request_id": request_id}
 
 
 def check_error(msg: dict[str, Any]) -> None:
-    if msg.get("type") == cp.ERROR:
+    if msg.get("type") == wire.ERROR:
         raise ServerError(msg.get("message", "unknown server error"), msg.get("code"))
     if msg.get("type") == _CONNECTION_LOST:
         raise ServerGoneError(msg["address"], msg["what"])
@@ -255,9 +256,9 @@ def check_error(msg: dict[str, Any]) -> None:
 def pack_request(msg: dict[str, Any]) -> bytes:
     """``msg`` on the wire; ValueError when it is over the protocol's limit (the server would
     drop the connection, with every request on it, rather than read it)."""
-    data = cp.pack(msg)
-    if len(data) > cp.MAX_CLIENT_MESSAGE_BYTES:
-        raise ValueError(f"message of {len(data)} bytes exceeds the protocol's limit of {cp.MAX_CLIENT_MESSAGE_BYTES}")
+    data = wire.pack(msg)
+    if len(data) > limits.MAX_CLIENT_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(data)} bytes exceeds the protocol's limit of {limits.MAX_CLIENT_MESSAGE_BYTES}")
     return data
 
 
@@ -350,7 +351,7 @@ class Connection:
         return self._complete(_request_message(prompt, False, request))
 
     def stream(self, prompt: str | None = None, **request: Any) -> Any:
-        """As :meth:`generate`, streamed: an iterator of :class:`Delta` (async, with
+        """As :meth:`generate`, streamed: an iterator of :class:`StreamDelta` (async, with
         :class:`AsyncClient`), the last one carrying the finish reason. Stopping early aborts
         the request at the server."""
         return self._stream(_request_message(prompt, True, request))
@@ -363,7 +364,7 @@ class Connection:
         """The server's block pool, queues and counters (docs/protocol.md, ``stats``);
         ``iterations`` adds ``iterations``, the log of the most recent iterations (up to 256
         maps: batch, tokens, blocks and waits of each)."""
-        return self._command(CONTROL_KEYS[cp.STATS_REPLY], stats_message(iterations))
+        return self._command(CONTROL_KEYS[wire.STATS_REPLY], stats_message(iterations))
 
     def profile(self, window_s: float = 60.0, *, trace: bool = False, series: list[str] | None = None) -> Any:
         """Every process's latency profile over the last ``window_s`` s (docs/protocol.md, ``profile``).
@@ -372,7 +373,7 @@ class Connection:
         turns the reply's ``processes`` into one Chrome/Perfetto trace); ``series`` names value
         series whose raw samples to include, e.g. ``["batch_seqs"]``.
         """
-        return self._command(CONTROL_KEYS[cp.PROFILE_REPLY], profile_message(window_s, trace, series))
+        return self._command(CONTROL_KEYS[wire.PROFILE_REPLY], profile_message(window_s, trace, series))
 
     def metrics(self) -> Any:
         """The frontend's request-level metrics (docs/protocol.md, ``metrics``): ``counters``
@@ -380,7 +381,7 @@ class Connection:
         ``histograms`` (name -> ``{buckets, counts, sum, count}``, seconds; ``counts`` per
         bucket, not cumulative, its last entry above every bound), all since the server
         started. :func:`conveyor.http.prometheus.exposition` renders it with :meth:`stats`."""
-        return self._command(CONTROL_KEYS[cp.METRICS_REPLY], metrics_message())
+        return self._command(CONTROL_KEYS[wire.METRICS_REPLY], metrics_message())
 
     def _init_delivery(self) -> None:
         """Set up where routed replies wait for their reader (the subclass's own state)."""
@@ -395,11 +396,11 @@ class Connection:
         command's one answer) ends its wait; a reply of an abandoned request is dropped, and
         its final frees the id."""
         key = _reply_key(reply)
-        if reply.get("type") != cp.DELTA:  # its final, or a command's one answer
+        if reply.get("type") != wire.DELTA:  # its final, or a command's one answer
             self._awaiting.discard(key)
             self._aborted.discard(key)
         if key in self._abandoned:
-            if reply.get("type") == cp.FINAL:
+            if reply.get("type") == wire.FINAL:
                 self._abandoned.discard(key)
             return
         self._deliver(key, reply)

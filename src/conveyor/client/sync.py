@@ -12,10 +12,10 @@ from typing import Any, Iterator
 import zmq
 
 from conveyor.client.connection import (
-    CONTROL_KEYS, DRAIN_MAX, CompletionResult, Connection, Delta, abort_message, awaited_key,
+    CONTROL_KEYS, DRAIN_MAX, CompletionResult, Connection, StreamDelta, abort_message, awaited_key,
     check_error, completion_result, pack_request, to_delta,
 )
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
 
 
 class Client(Connection):
@@ -37,13 +37,13 @@ class Client(Connection):
         try:
             while True:
                 reply = self._next(msg["request_id"])
-                if reply["type"] == cp.FINAL:
+                if reply["type"] == wire.FINAL:
                     return completion_result(reply)
         except KeyboardInterrupt:  # nobody waits for it any more: free the server's work
             self._abandon(msg["request_id"])
             raise
 
-    def _stream(self, msg: dict[str, Any]) -> Iterator[Delta]:
+    def _stream(self, msg: dict[str, Any]) -> Iterator[StreamDelta]:
         self._send(msg)
         finished = False
         try:
@@ -113,7 +113,7 @@ class Client(Connection):
                 raw = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            reply = cp.unpack_map(raw)
+            reply = wire.unpack_map(raw)
             check_error(reply)
             self._route(reply)
 

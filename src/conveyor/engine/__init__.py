@@ -14,6 +14,6 @@ from __future__ import annotations
 
 from conveyor.engine.engine import Engine
 from conveyor.engine.outputs import BatchInfo, CompletionOutput, Result, StepOutput
-from conveyor.engine.request import Delta, Request
+from conveyor.engine.request import Request, TextDelta
 
-__all__ = ["BatchInfo", "CompletionOutput", "Delta", "Engine", "Request", "Result", "StepOutput"]
+__all__ = ["BatchInfo", "CompletionOutput", "Engine", "Request", "Result", "StepOutput", "TextDelta"]

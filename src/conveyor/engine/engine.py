@@ -8,7 +8,7 @@ into the runner's fields and the batcher's config (:mod:`conveyor.runtime.build`
 :class:`~conveyor.scheduler.scheduler.Scheduler` with the model's EOS ids and vocabulary
 (as the scheduler process does), the frontend's :class:`~conveyor.frontend.tokenizer.Tokenizer`.
 What the frontend process does to a request is done by the frontend's own code too: the
-generate fields are parsed and checked by :func:`conveyor.protocol.messages.parse_client_message`,
+generate fields are parsed and checked by :func:`conveyor.protocol.requests.parse_client_message`,
 the input is tokenized and checked against the model by :mod:`conveyor.frontend.inputs`, the
 text comes from the frontend's detokenizer and stop strings (:mod:`conveyor.engine.request`),
 continuations are kept by :class:`~conveyor.frontend.sessions.Sessions`. So a request gets
@@ -60,7 +60,8 @@ from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id
-from conveyor.protocol import messages as cp
+from conveyor.protocol import sampling_fields, wire
+from conveyor.protocol import requests as client_requests
 from conveyor.runtime.build import batcher_config, worker_settings
 from conveyor.runtime.config import SchedulerConfig
 from conveyor.runtime.model_source import model_length, resolve_model
@@ -70,7 +71,7 @@ from conveyor.worker.main import build_runner, failed_step
 
 # add_request's keyword arguments besides the input, the id and the priority: the generate
 # fields a client passes as options (sampling and stop strings).
-_OPTIONS = frozenset(cp.OPTION_FIELDS) - {"priority"}
+_OPTIONS = frozenset(client_requests.OPTION_FIELDS) - {"priority"}
 
 
 class Engine:
@@ -144,7 +145,7 @@ class Engine:
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
         that was not removed continues it (module docstring).
 
-        Raises ValueError (a :class:`~conveyor.protocol.messages.ProtocolError`) with the
+        Raises ValueError (a :class:`~conveyor.protocol.wire.ProtocolError`) with the
         server's own message when the request cannot be served: a bad field, an id still in
         flight, a prompt too long for the model, a full queue.
         """
@@ -154,7 +155,7 @@ class Engine:
         if token_ids is not None and not isinstance(token_ids, list):
             token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
         fields = {
-            "type": cp.GENERATE,
+            "type": wire.GENERATE,
             "request_id": request_id,
             "prompt": prompt,
             "messages": messages,
@@ -162,13 +163,13 @@ class Engine:
             "priority": priority,
             **sampling,
         }
-        req = cp.parse_client_message(fields)
+        req = client_requests.parse_client_message(fields)
         rid = req.request_id
-        problem = cp.logprobs_problem(req.sampling, self._max_logprobs)
+        problem = sampling_fields.logprobs_problem(req.sampling, self._max_logprobs)
         if problem is not None:
-            raise cp.ProtocolError(problem, rid)
+            raise wire.ProtocolError(problem, rid)
         if rid in self._by_id:
-            raise cp.ProtocolError(f"request id {rid!r} is already in flight", rid)
+            raise wire.ProtocolError(f"request id {rid!r} is already in flight", rid)
         self._constraints.compile(req)  # a bad constraint is refused before anything is queued
         history = self._sessions.context(rid)
         prompt_ids = context_ids(
@@ -183,7 +184,7 @@ class Engine:
         arrival = time.time()
         rejected = self.scheduler.add_request(AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority, lora=req.lora))
         if rejected is not None:
-            raise cp.ProtocolError(rejected.error, rid)
+            raise wire.ProtocolError(rejected.error, rid)
         if history is not None:
             self._sessions.take(rid)  # back, extended, when this turn ends
         request = Request(

@@ -2,7 +2,7 @@
 shape (:class:`BatchInfo`), and a finished request of an offline job (:class:`Result`).
 
 :class:`BatchInfo` is the scheduler's own record of the iteration, the row its iteration log
-keeps for the stats reply (:data:`conveyor.scheduler.metrics.ITERATION_FIELDS`, recorded by
+keeps for the stats reply (:data:`conveyor.scheduler.iteration_log.ITERATION_FIELDS`, recorded by
 ``Scheduler._record`` when the plan is formed), under the names a batcher's caller knows:
 the batch's size in requests, its input tokens (prefill + decode), and the requests it
 admitted for the first time with their average and longest wait since they were added.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from conveyor.scheduler.metrics import ITERATION_FIELDS
+from conveyor.scheduler.iteration_log import ITERATION_FIELDS
 
 if TYPE_CHECKING:
     from conveyor.engine.request import Request

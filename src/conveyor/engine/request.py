@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from conveyor.engine.engine import Engine
 
 
-class Delta(NamedTuple):
+class TextDelta(NamedTuple):
     """What a request produced since the last :meth:`Request.take_new`."""
 
     token_ids: list[int]
@@ -141,12 +141,12 @@ class Request:
         each of :attr:`outputs`)."""
         return len(self._tokens) > self._read_tokens or self._text_len > self._read_chars
 
-    def take_new(self) -> Delta:
+    def take_new(self) -> TextDelta:
         """The tokens and text produced since the last call (both empty if none)."""
         ids = self._tokens[self._read_tokens :]
         text = self.text[self._read_chars :] if self._text_len > self._read_chars else ""
         self._read_tokens, self._read_chars = len(self._tokens), self._text_len
-        return Delta(ids, text)
+        return TextDelta(ids, text)
 
     def remove(self) -> None:
         """Abort the request if it still runs (its KV blocks are freed now), and forget it:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import msgspec
 
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
+from conveyor.protocol import requests as client_requests
 from conveyor.structured.compiler import DEFAULT_TIMEOUT_S, GrammarCompiler
 from conveyor.structured.constraint import ConstraintError
 from conveyor.structured.engine import EngineTokenizer
@@ -38,17 +39,17 @@ class ConstraintCompiler:
                 self._compiler = GrammarCompiler(EngineTokenizer.for_model(self._model_dir), timeout_s=self._timeout_s)
             return self._compiler
 
-    def compile(self, req: cp.GenerateRequest) -> None:
+    def compile(self, req: client_requests.GenerateRequest) -> None:
         """Compile ``req.constraint`` on this thread (the engine) and set ``req.sampling.grammar``."""
         if req.constraint is None:
             return
         try:
             grammar = self._get().compile(req.constraint).grammar
         except ConstraintError as exc:
-            raise cp.ProtocolError(str(exc), req.request_id) from None
+            raise wire.ProtocolError(str(exc), req.request_id) from None
         req.sampling = msgspec.structs.replace(req.sampling, grammar=grammar)
 
-    async def compile_async(self, req: cp.GenerateRequest) -> None:
+    async def compile_async(self, req: client_requests.GenerateRequest) -> None:
         """As :meth:`compile`, never blocking the event loop: the first call builds the
         tokenizer on a thread, every compile runs in the compiler's pool, bounded by its timeout."""
         if req.constraint is None:
@@ -57,7 +58,7 @@ class ConstraintCompiler:
             compiler = self._compiler or await asyncio.get_running_loop().run_in_executor(None, self._get)
             grammar = (await compiler.compile_async(req.constraint)).grammar
         except ConstraintError as exc:
-            raise cp.ProtocolError(str(exc), req.request_id) from None
+            raise wire.ProtocolError(str(exc), req.request_id) from None
         req.sampling = msgspec.structs.replace(req.sampling, grammar=grammar)
 
     def close(self) -> None:

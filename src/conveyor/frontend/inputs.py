@@ -3,7 +3,7 @@
 Two steps, kept apart so the frontend can time the first alone: :func:`encode_input` turns
 the request's input (a prompt, chat messages through the tokenizer's chat template, or token
 ids as given) into ids; :func:`context_ids` puts a continuation's earlier context in front
-and applies the protocol's context rules (:func:`conveyor.protocol.messages.check_tokenized`).
+and applies the protocol's context rules (:func:`conveyor.protocol.validation.check_tokenized`).
 The frontend's intake (:mod:`conveyor.frontend.server`) and the in-process engine
 (:mod:`conveyor.engine`) both prepare prompts here, so a request is read the same way by
 either. Pure functions of their arguments: safe on a tokenizer pool thread.
@@ -14,10 +14,11 @@ from __future__ import annotations
 import msgspec
 
 from conveyor.frontend.tokenizer import Tokenizer
-from conveyor.protocol import messages as cp
+from conveyor.protocol import validation, wire
+from conveyor.protocol import requests as client_requests
 
 
-def encode_input(tokenizer: Tokenizer, req: cp.GenerateRequest, continuing: bool, release_gil: bool = False) -> list[int]:
+def encode_input(tokenizer: Tokenizer, req: client_requests.GenerateRequest, continuing: bool, release_gil: bool = False) -> list[int]:
     """The request's input as token ids. A continuation's input follows earlier tokens, so
     no BOS is added to text, and a chat template's leading BOS is dropped. Messages are
     rendered with the request's ``add_generation_prompt``, ``continue_final_message``,
@@ -40,15 +41,15 @@ def encode_input(tokenizer: Tokenizer, req: cp.GenerateRequest, continuing: bool
                 ids = ids[1:]
         else:
             ids = list(req.token_ids)
-    except cp.ProtocolError:
+    except wire.ProtocolError:
         raise
     except Exception as exc:
-        raise cp.ProtocolError(f"cannot tokenize input: {exc}", req.request_id, cp.INVALID_INPUT) from None
+        raise wire.ProtocolError(f"cannot tokenize input: {exc}", req.request_id, wire.INVALID_INPUT) from None
     k = req.truncate_prompt_tokens
     return ids[-k:] if k is not None and len(ids) > k else ids
 
 
-def input_chars(req: cp.GenerateRequest) -> int:
+def input_chars(req: client_requests.GenerateRequest) -> int:
     """Characters to tokenize: the prompt, or every string in the messages (0 for token ids)."""
     if req.prompt is not None:
         return len(req.prompt)
@@ -70,7 +71,7 @@ def _text_len(value, depth: int = 4) -> int:
 
 
 def check_input_chars(
-    req: cp.GenerateRequest, chars: int, history_len: int, max_model_len: int, max_chars_per_token: int
+    req: client_requests.GenerateRequest, chars: int, history_len: int, max_model_len: int, max_chars_per_token: int
 ) -> None:
     """Refuse, before tokenizing it, an input of ``chars`` characters that cannot fit the
     model: with ``history_len`` tokens of earlier turns in front, at most ``max_model_len -
@@ -80,17 +81,17 @@ def check_input_chars(
     what passes is checked exactly once tokenized (:func:`context_ids`)."""
     limit = max(0, max_model_len - history_len) * max_chars_per_token
     if chars > limit:
-        raise cp.ProtocolError(
+        raise wire.ProtocolError(
             f"{'messages' if req.messages is not None else 'prompt'} of {chars} characters cannot fit the model length {max_model_len}"
             + (f" after {history_len} tokens of earlier turns" if history_len else "")
             + f": at most {limit} characters ({max_chars_per_token} per token at most for this tokenizer)",
             req.request_id,
-            cp.PROMPT_TOO_LONG,
+            wire.PROMPT_TOO_LONG,
         )
 
 
 def context_ids(
-    req: cp.GenerateRequest,
+    req: client_requests.GenerateRequest,
     history: list[int] | None,
     input_ids: list[int],
     *,
@@ -109,6 +110,6 @@ def context_ids(
     prompt_ids = history + input_ids if history is not None else input_ids
     if req.fill_context:
         req.sampling = msgspec.structs.replace(req.sampling, max_tokens=max(1, max_model_len - len(prompt_ids)))
-    cp.check_tokenized(req, prompt_ids, vocab_size, max_model_len, check_ids=check_ids)
+    validation.check_tokenized(req, prompt_ids, vocab_size, max_model_len, check_ids=check_ids)
     return prompt_ids
 

@@ -19,7 +19,7 @@ a delta's bytes put together from the request's packed head and a per-token pack
 (memoized in :attr:`OutputPath._delta_tails`), the per-token timers taken for one stream
 in :data:`PROFILE_SAMPLE_EVERY` (outputs with timing fields, rare, are timed every one), and
 the metrics' inter-token gaps collected as one list append per stream and bucketed once per
-call (:mod:`conveyor.frontend.metrics`).
+call (:mod:`conveyor.frontend.request_metrics`).
 
 A call has two passes: first every stream's text and delta bytes, then the sends back to back
 on the raw socket (measured: about 10 % less CPU per token than sending each delta as soon as
@@ -50,7 +50,7 @@ import zmq
 from conveyor import profiling
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.logprobs import join
-from conveyor.frontend.metrics import FrontendMetrics
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.sending import IDENTITY_FLAGS, ClientSender, backend_send
 from conveyor.frontend.sessions import Sessions

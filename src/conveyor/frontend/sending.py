@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 
 from conveyor import profiling
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
 
 # The backend's send, without pyzmq's pure-Python wrapper around it (same call for bytes with
 # copy=True; that wrapper cost about a microsecond per call on the hot path).
@@ -57,7 +57,7 @@ class ClientSender:
         self.on_gone = on_gone
         self.on_full = on_full
         self.timer = profiler.timer("client_send", trace=False)
-        self._packer = msgpack.Packer(use_bin_type=True)  # cp.pack's format, without a Packer per call
+        self._packer = msgpack.Packer(use_bin_type=True)  # wire.pack's format, without a Packer per call
 
     def push(self, identity: bytes, payload: bytes) -> None:
         """Send packed bytes to one client now, on the raw socket: only from the handlers
@@ -91,7 +91,7 @@ class ClientSender:
         """Send a protocol map to one client through the asyncio socket: safe from tasks and timers too."""
         start = profiling.now_ns()
         try:
-            await self._clients.send_multipart([identity, cp.pack(obj)], flags=zmq.NOBLOCK, copy=False)
+            await self._clients.send_multipart([identity, wire.pack(obj)], flags=zmq.NOBLOCK, copy=False)
             self.timer.record(start)
         except zmq.ZMQError as exc:
             self.failed(identity, exc)

@@ -88,10 +88,10 @@ finals, one rule for every stream, the streaming hot path included. Scheduler me
 queued up while the loop was busy are handled as one pass: each stream gets one delta with
 all its new tokens, so a frontend that fell behind catches up instead of falling further
 behind. Replies are built by :mod:`conveyor.protocol.replies`; requests are validated by
-:mod:`conveyor.protocol.messages` (its fields on arrival, its token ids and lengths once
-tokenized, :func:`~conveyor.protocol.messages.check_tokenized`).
+:mod:`conveyor.protocol.requests` (its fields on arrival, its token ids and lengths once
+tokenized, :func:`~conveyor.protocol.validation.check_tokenized`).
 
-Metrics (:mod:`conveyor.frontend.metrics`): prompt tokens are counted on admission, output
+Metrics (:mod:`conveyor.frontend.request_metrics`): prompt tokens are counted on admission, output
 tokens, inter-token gaps and each request's latencies and finish reason on the output path,
 a gone client's requests as aborts; a ``metrics`` message is answered here from them (so
 they cover every replica's requests).
@@ -137,7 +137,7 @@ from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
-from conveyor.frontend.metrics import FrontendMetrics
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.output import OutputPath
 from conveyor.frontend.replicas import Gather, ReplicaSet, SchedulerLink, merge_stats, replica_profiles, replica_stats
 from conveyor.frontend.request_state import RequestState
@@ -159,7 +159,8 @@ from conveyor.ipc.messages import (
     StatsQuery,
     TokenOutputs,
 )
-from conveyor.protocol import messages as cp
+from conveyor.protocol import sampling_fields, wire
+from conveyor.protocol import requests as client_requests
 from conveyor.protocol import replies
 from conveyor.runtime.config import FrontendConfig, replica_of_process
 
@@ -230,7 +231,7 @@ class Frontend:
         self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
         self.sessions = Sessions(config.max_sessions)
         self._profile_waiters: dict[
-            str, tuple[bytes, cp.ProfileCommand, asyncio.TimerHandle, Gather[list[ProcessProfile]]]
+            str, tuple[bytes, client_requests.ProfileCommand, asyncio.TimerHandle, Gather[list[ProcessProfile]]]
         ] = {}
         self._running = True
         self._pool = (
@@ -392,40 +393,40 @@ class Frontend:
         size = sum(len(f) for f in frames[1:])
         try:
             if len(frames) != 2:  # DEALER clients send exactly one frame (an empty delimiter is REQ's)
-                rid = next(filter(None, (cp.recover_request_id(f.buffer) for f in frames[1:])), None)
-                raise cp.FrameError(
-                    f"a message is one frame holding a msgpack map; got {len(frames) - 1} frames", rid, cp.BAD_FRAMES
+                rid = next(filter(None, (wire.recover_request_id(f.buffer) for f in frames[1:])), None)
+                raise wire.FrameError(
+                    f"a message is one frame holding a msgpack map; got {len(frames) - 1} frames", rid, wire.BAD_FRAMES
                 )
-            cmd = cp.parse_client_message(cp.unpack_map(payload.buffer))
-            if isinstance(cmd, cp.GenerateRequest):
+            cmd = client_requests.parse_client_message(wire.unpack_map(payload.buffer))
+            if isinstance(cmd, client_requests.GenerateRequest):
                 await self._on_generate(identity, fd, key, cmd)
-            elif isinstance(cmd, cp.AbortCommand):
+            elif isinstance(cmd, client_requests.AbortCommand):
                 await self._on_abort(key, cmd.request_id)
-            elif isinstance(cmd, cp.ProfileCommand):
+            elif isinstance(cmd, client_requests.ProfileCommand):
                 await self._on_profile(identity, cmd)
-            elif isinstance(cmd, cp.MetricsCommand):
+            elif isinstance(cmd, client_requests.MetricsCommand):
                 await self.sender.send(identity, replies.metrics_reply(**self.metrics.snapshot()))
             else:
                 query_id = uuid.uuid4().hex
                 asked = self.replicas.broadcast(StatsQuery(query_id))  # every live replica
                 self._stats_waiters[query_id] = (identity, cmd.iterations, Gather(asked))
-        except cp.ProtocolError as exc:
+        except wire.ProtocolError as exc:
             await self._reply_error(identity, key, exc)
         finally:
             if size >= LARGE_FRAME_BYTES:  # trimmed a moment later, once the drain let go of the frame
                 self._schedule_trim()
 
-    async def _on_generate(self, identity: bytes, fd: int, key: bytes, req: cp.GenerateRequest) -> None:
+    async def _on_generate(self, identity: bytes, fd: int, key: bytes, req: client_requests.GenerateRequest) -> None:
         arrival = time.time()
         if (key, req.request_id) in self.in_flight:
-            raise cp.ProtocolError(
+            raise wire.ProtocolError(
                 f"request id {req.request_id!r} is already in flight; this message was refused, the request goes on",
                 req.request_id,
-                cp.DUPLICATE_REQUEST_ID,
+                wire.DUPLICATE_REQUEST_ID,
             )
-        logprobs_problem = cp.logprobs_problem(req.sampling, self.config.max_logprobs)
+        logprobs_problem = sampling_fields.logprobs_problem(req.sampling, self.config.max_logprobs)
         if logprobs_problem is not None:
-            raise cp.ProtocolError(logprobs_problem, req.request_id)
+            raise wire.ProtocolError(logprobs_problem, req.request_id)
         history = self.sessions.context((key, req.request_id))
         chars = input_chars(req)
         check_input_chars(
@@ -458,7 +459,7 @@ class Frontend:
         job.add_done_callback(self._tokenizing.discard)
 
     async def _tokenize_in_pool(
-        self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None, large: bool
+        self, state: RequestState, req: client_requests.GenerateRequest, history: list[int] | None, large: bool
     ) -> None:
         """Compile ``req``'s constraint, if it has one, off the loop
         (:mod:`conveyor.frontend.constraints`); tokenize it on a pool thread (``large``: the
@@ -476,11 +477,11 @@ class Frontend:
             else:
                 prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
-        except cp.ProtocolError as exc:
+        except wire.ProtocolError as exc:
             error = exc
         except Exception as exc:  # a bug, not the client's input: still exactly one final
             log.exception("tokenizing request %r failed", req.request_id)
-            error = cp.ProtocolError(f"internal error while tokenizing: {exc}", req.request_id, cp.SERVER_ERROR)
+            error = wire.ProtocolError(f"internal error while tokenizing: {exc}", req.request_id, wire.SERVER_ERROR)
         if large:
             self._schedule_trim()
         if self.in_flight.get(state.key) is not state:
@@ -492,7 +493,7 @@ class Frontend:
         self._admit(state, req, history, prompt_ids)
 
     def _prepare_prompt(
-        self, req: cp.GenerateRequest, history: list[int] | None, release_gil: bool
+        self, req: client_requests.GenerateRequest, history: list[int] | None, release_gil: bool
     ) -> tuple[list[int], int, int]:
         """The whole context to send (earlier turns + this input), checked against the model's
         limits (:mod:`conveyor.frontend.inputs`), and when its tokenization started and ended
@@ -511,7 +512,7 @@ class Frontend:
         return prompt_ids, start, end
 
     def _admit(
-        self, state: RequestState, req: cp.GenerateRequest, history: list[int] | None, prompt_ids: list[int]
+        self, state: RequestState, req: client_requests.GenerateRequest, history: list[int] | None, prompt_ids: list[int]
     ) -> None:
         """Complete ``state`` (in flight already) with its prompt and send it to the scheduler
         under its scheduler id; from then on the scheduler's outputs find it in :attr:`requests`.
@@ -643,14 +644,14 @@ class Frontend:
         (:func:`merge_stats`), each replica's own under ``replicas``."""
         identity, iterations, gather = self._stats_waiters.pop(query_id)
         if not gather.answers:
-            error = replies.error_map(None, "no scheduler is alive to answer stats", cp.SERVER_ERROR)
+            error = replies.error_map(None, "no scheduler is alive to answer stats", wire.SERVER_ERROR)
             await self.sender.send(identity, error)
             return
         reply = replies.stats_reply(merge_stats(gather.answers), len(self.in_flight), iterations=iterations)
         reply["replicas"] = replica_stats(self.replicas, gather.answers)
         await self.sender.send(identity, reply)
 
-    async def _on_profile(self, identity: bytes, cmd: cp.ProfileCommand) -> None:
+    async def _on_profile(self, identity: bytes, cmd: client_requests.ProfileCommand) -> None:
         """Relay to every live replica's scheduler, which answers with its and its worker's snapshots."""
         query_id = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -722,14 +723,14 @@ class Frontend:
         """Abort requests at the replicas that hold them (:meth:`ReplicaSet.abort`)."""
         self.replicas.abort(request_ids)
 
-    async def _reply_error(self, identity: bytes, key: bytes, exc: cp.ProtocolError) -> None:
+    async def _reply_error(self, identity: bytes, key: bytes, exc: wire.ProtocolError) -> None:
         """Answer a refused message. A refused ``generate`` whose id could be read ends as that
         request's error ``final``, unless the client has a request in flight under that id (its
         final is still to come: one final per id at a time); a frame that did not decode, or
         that refusal, gets an ``error`` map with the id it carried (None if none was readable)."""
         rid = exc.request_id
         message = str(exc) if rid is not None else f"{exc} (no request_id could be read from this message)"
-        if isinstance(exc, cp.FrameError) or (rid is not None and (key, rid) in self.in_flight):
+        if isinstance(exc, wire.FrameError) or (rid is not None and (key, rid) in self.in_flight):
             reply = replies.error_map(rid, message, exc.code)
         else:
             reply = replies.error_reply(rid, message, exc.code)

@@ -28,7 +28,7 @@ _TYPE_OF_STATUS = {400: INVALID_REQUEST, 404: NOT_FOUND, 405: INVALID_REQUEST, 4
 # Client-protocol field names that are spelled otherwise in the OpenAI API.
 _OPENAI_NAME = {"token_ids": "prompt"}
 _QUOTED_FIELD = re.compile(r"'([a-z_]+)'")
-# Refusals by the context rules (protocol.messages.context_problem) name no field in quotes.
+# Refusals by the context rules (protocol.validation.context_problem) name no field in quotes.
 _LEADING_FIELD = (
     ("max_tokens", "max_tokens"),
     ("min_tokens", "min_tokens"),

@@ -38,7 +38,7 @@ from typing import Any
 
 from aiohttp import web
 
-from conveyor.client import CompletionResult, Delta
+from conveyor.client import CompletionResult, StreamDelta
 from conveyor.http.errors import ApiError, from_final_error
 from conveyor.http.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from conveyor.http.link import FrontendLink, api_error
@@ -208,7 +208,7 @@ async def _generate_all(link: FrontendLink, job: GenerationJob) -> list[Completi
         raise api_error(exc) from exc
 
 
-async def _replies(link: FrontendLink, job: GenerationJob) -> AsyncIterator[tuple[int, Delta]]:
+async def _replies(link: FrontendLink, job: GenerationJob) -> AsyncIterator[tuple[int, StreamDelta]]:
     """Every input's stream as ``(input index, delta)``, in arrival order. One input is
     iterated directly (the common case, no task in between); several are read by one task
     each into a queue, all cancelled when the consumer stops."""
@@ -217,7 +217,7 @@ async def _replies(link: FrontendLink, job: GenerationJob) -> AsyncIterator[tupl
             async for delta in stream:
                 yield 0, delta
         return
-    queue: asyncio.Queue[tuple[int, Delta | BaseException]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
 
     async def pump(index: int, inputs: dict[str, Any]) -> None:
         try:
@@ -248,7 +248,7 @@ async def _stream(
     finals: list[CompletionResult | None] = [None] * n
     async with aclosing(_replies(link, job)) as replies:
         # Before the status: every input's first reply, or the refusal that fails the request.
-        first: list[tuple[int, Delta]] = []
+        first: list[tuple[int, StreamDelta]] = []
         seen: set[int] = set()
         try:
             while len(seen) < n:
@@ -298,7 +298,7 @@ class _Encoder:
     """Appends each delta's events to ``out``. The plain path (text only) is
     :meth:`ChunkEncoder.text`; a job with ``echo``, ``return_token_ids`` or continuous usage
     builds its chunks as dicts with those fields (:meth:`ChunkEncoder.chunk`). Input ``i``'s
-    sequence ``j`` (``Delta.index``) is choice ``i * n + j``; an input's final ends each of
+    sequence ``j`` (``StreamDelta.index``) is choice ``i * n + j``; an input's final ends each of
     its choices (its ``finish_reason``), and continuous usage counts the input's tokens."""
 
     def __init__(
@@ -320,7 +320,7 @@ class _Encoder:
         # Text offset of the next token of each choice (completions' logprobs; n is 1 with them).
         self.offsets = [0] * len(finals)
 
-    def __call__(self, index: int, delta: Delta) -> int:
+    def __call__(self, index: int, delta: StreamDelta) -> int:
         """1 when ``delta`` was input ``index``'s final (ApiError if that final is an error)."""
         if self.tools is not None:
             return self._tool_delta(index, delta)
@@ -337,7 +337,7 @@ class _Encoder:
             self.out += self.enc.finish(index * self.n + seq.index, seq.finish_reason, None, self._usage(index))
         return 1
 
-    def _tool_delta(self, index: int, delta: Delta) -> int:
+    def _tool_delta(self, index: int, delta: StreamDelta) -> int:
         """A chat with tools (plain otherwise; n is 1 with tools): content as the reader
         releases it, each call as one ``tool_calls`` delta, ``finish_reason`` ``tool_calls``
         when there were calls."""
@@ -359,7 +359,7 @@ class _Encoder:
         self.out += self.enc.finish(index, reason)
         return 1
 
-    def _detailed(self, index: int, choice: int, delta: Delta) -> bytes:
+    def _detailed(self, index: int, choice: int, delta: StreamDelta) -> bytes:
         text = delta.text
         extra: dict[str, Any] = {}
         first = not self.started[choice]

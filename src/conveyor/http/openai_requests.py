@@ -5,7 +5,7 @@ schemas is taken (docs/http.md lists them):
 
 - ``forward``: a client-protocol field (``temperature``, ``seed``, ``stop``, vLLM's
   ``top_k``, ``skip_special_tokens``, ``truncate_prompt_tokens``, ``chat_template_kwargs``
-  ...), sent as it came: the frontend validates it (``protocol.messages``) and its refusal
+  ...), sent as it came: the frontend validates it (``protocol.requests``) and its refusal
   names the field (mapped to a 400 by :mod:`conveyor.http.errors`), so the rules live in
   one place.
 - ``http``: handled here (``model``, the input, ``stream``/``stream_options``,
@@ -48,7 +48,8 @@ from typing import Any
 import msgpack
 
 from conveyor.http.errors import ApiError, bad_field
-from conveyor.protocol.messages import MAX_LOGIT_BIAS, MAX_TEMPLATE_KWARGS_BYTES
+from conveyor.ipc.messages import MAX_LOGIT_BIAS
+from conveyor.protocol.limits import MAX_TEMPLATE_KWARGS_BYTES
 
 COMPLETION = "completion"
 CHAT = "chat"

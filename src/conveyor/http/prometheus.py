@@ -1,7 +1,7 @@
 """The Prometheus text exposition of a Conveyor server: ``GET /metrics``.
 
 Two sources, both read over the client protocol: the frontend's ``metrics`` reply (request-level
-counters and latency histograms, :mod:`conveyor.frontend.metrics`) and the scheduler's ``stats``
+counters and latency histograms, :mod:`conveyor.frontend.request_metrics`) and the scheduler's ``stats``
 reply (queues, KV blocks, prefix cache, preemptions). :func:`exposition` renders one scrape from
 them with ``prometheus_client``: a fresh :class:`~prometheus_client.CollectorRegistry` per call
 with one collector yielding metric families built from the two maps, so nothing here keeps

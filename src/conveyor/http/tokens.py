@@ -5,7 +5,7 @@ token-id prompt, ``return_token_ids`` (the prompt's ids) and the prompt count of
 
 The prompt is tokenized by the very functions the frontend uses
 (:func:`conveyor.frontend.inputs.encode_input` on the request as
-:func:`conveyor.protocol.messages.parse_client_message` reads it), so its ids are the ones the
+:func:`conveyor.protocol.requests.parse_client_message` reads it), so its ids are the ones the
 frontend sends to the scheduler (the HTTP process never continues a request, so there are
 no earlier turns). The tokenizer is loaded on first use, on a thread, so a server that never
 needs it never pays for it; encoding also runs on a thread (the Rust tokenizer releases the
@@ -20,7 +20,8 @@ from typing import Any
 from conveyor.frontend.inputs import encode_input
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.http.errors import ApiError, from_final_error
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
+from conveyor.protocol import requests as client_requests
 
 
 class Tokens:
@@ -43,9 +44,9 @@ class Tokens:
         the frontend's refusal of a bad field or input as the same 400."""
         tokenizer = await self.tokenizer()
         try:
-            req = cp.parse_client_message({"type": cp.GENERATE, **inputs, **options})
+            req = client_requests.parse_client_message({"type": wire.GENERATE, **inputs, **options})
             return await asyncio.to_thread(encode_input, tokenizer, req, False, True)
-        except cp.ProtocolError as exc:
+        except wire.ProtocolError as exc:
             raise from_final_error(str(exc)) from None
 
     async def decode(self, ids: list[int]) -> str:

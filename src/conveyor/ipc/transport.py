@@ -27,7 +27,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from conveyor.ipc import codec
-from conveyor.protocol.messages import MAX_CLIENT_MESSAGE_BYTES
+from conveyor.protocol.limits import MAX_CLIENT_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)

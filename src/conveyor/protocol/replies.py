@@ -1,6 +1,6 @@
 """The server's side of the client protocol: the maps the frontend sends (docs/protocol.md).
 
-:mod:`conveyor.protocol.messages` parses and validates what clients send; this module builds
+:mod:`conveyor.protocol.requests` parses and validates what clients send; this module builds
 what they get back, so each reply's fields are named in one place. Every map carries ``type``
 and ``v`` (:data:`CLIENT_PROTOCOL_VERSION`).
 
@@ -19,7 +19,7 @@ import msgpack
 import msgspec
 
 from conveyor.ipc.messages import FinishReason, SchedulerStats
-from conveyor.protocol.messages import (
+from conveyor.protocol.wire import (
     CLIENT_PROTOCOL_VERSION,
     DELTA,
     ERROR,
@@ -71,7 +71,7 @@ def final_reply(
 ) -> dict[str, Any]:
     """A request's one ``final``: its whole text and tokens, why it ended, usage and timing;
     with ``finish_reason`` ``error``, ``error`` says what went wrong and ``code`` which kind of
-    problem it is (an error code of :mod:`conveyor.protocol.messages`; None otherwise).
+    problem it is (an error code of :mod:`conveyor.protocol.wire`; None otherwise).
 
     ``choices`` (an ``n`` > 1 request): one ``{index, text, token_ids, finish_reason}`` per
     sequence, in index order; ``text``/``token_ids`` are then choice 0's and
@@ -155,7 +155,7 @@ def profile_reply(clock: str, window_s: float, processes: list[dict[str, Any]], 
 
 def metrics_reply(counters: dict[str, Any], histograms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The ``metrics`` map: the frontend's request-level counters and latency histograms
-    (:meth:`conveyor.frontend.metrics.FrontendMetrics.snapshot`). ``counters``: name -> count,
+    (:meth:`conveyor.frontend.request_metrics.FrontendMetrics.snapshot`). ``counters``: name -> count,
     or reason -> count for ``request_success``; ``histograms``: name -> ``{buckets: [upper
     bounds, s], counts: [per bucket, not cumulative; one more than buckets, the last above
     every bound], sum, count}``."""

@@ -2,7 +2,7 @@
 
 At arrival (:func:`rejection_reason`) a request is refused with an error output when it
 could never be served here: its id is live already, it could never fit the KV pool, or a
-field the frontend validates is out of range (:func:`~conveyor.protocol.messages.context_problem`,
+field the frontend validates is out of range (:func:`~conveyor.protocol.validation.context_problem`,
 the one statement of those rules). The frontend refuses such requests before they get here;
 the scheduler applies the same function at its entry because it also takes
 :class:`AddRequest` messages from in-process callers (the engine, tests, benchmarks) and must
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conveyor.ipc.messages import NewRequestData
-from conveyor.protocol.messages import context_problem
+from conveyor.protocol.validation import context_problem
 from conveyor.scheduler.groups import fork_source, sequence_id
 from conveyor.scheduler.kv_manager import PrefixMatch
 from conveyor.scheduler.policy import blocks_for

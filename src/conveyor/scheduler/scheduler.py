@@ -128,7 +128,7 @@ from conveyor.runtime.config import Preemption, SchedulerConfig
 from conveyor.scheduler import invariants
 from conveyor.scheduler.admission import admission_open, rejection_reason
 from conveyor.scheduler.groups import SeqGroup, release_held
-from conveyor.scheduler.metrics import ITERATION_FIELDS, IterationLog
+from conveyor.scheduler.iteration_log import ITERATION_FIELDS, IterationLog
 from conveyor.scheduler.planning import plan_decodes, plan_prompts
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.results import apply_result

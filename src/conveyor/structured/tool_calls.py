@@ -34,7 +34,7 @@ def new_call_id() -> str:
 
 
 @dataclass
-class Delta:
+class ToolCallDelta:
     """What one chunk adds: content text and/or finished tool calls (OpenAI delta entries)."""
 
     content: str = ""
@@ -54,11 +54,11 @@ class ToolCallParser:
         if self.format not in FORMATS:
             raise ValueError(f"unknown tool-call format {self.format!r} (one of {', '.join(FORMATS)})")
 
-    def feed(self, text: str) -> Delta:
+    def feed(self, text: str) -> ToolCallDelta:
         self._buffer += text
         return self._hermes(final=False) if self.format == "hermes" else self._llama3(final=False)
 
-    def finish(self) -> Delta:
+    def finish(self) -> ToolCallDelta:
         """The end of the output: whatever is held back is released (as a call if it parses)."""
         return self._hermes(final=True) if self.format == "hermes" else self._llama3(final=True)
 
@@ -82,8 +82,8 @@ class ToolCallParser:
         self._count += 1
         return call
 
-    def _hermes(self, *, final: bool) -> Delta:
-        out = Delta()
+    def _hermes(self, *, final: bool) -> ToolCallDelta:
+        out = ToolCallDelta()
         while True:
             if not self._in_call:
                 at = self._buffer.find(HERMES_OPEN)
@@ -109,8 +109,8 @@ class ToolCallParser:
             if end < 0:
                 return out
 
-    def _llama3(self, *, final: bool) -> Delta:
-        out = Delta()
+    def _llama3(self, *, final: bool) -> ToolCallDelta:
+        out = ToolCallDelta()
         if not self._decided:
             head = self._buffer.lstrip()
             if not head or (not final and _partial_suffix(head, PYTHON_TAG) == len(head)):
@@ -167,8 +167,8 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, format: Format, make_id: Callable[[], str] = new_call_id) -> Delta:
+def parse_tool_calls(text: str, format: Format, make_id: Callable[[], str] = new_call_id) -> ToolCallDelta:
     """The whole output at once: its content and its tool calls."""
     parser = ToolCallParser(format, make_id)
     first, last = parser.feed(text), parser.finish()
-    return Delta(first.content + last.content, first.tool_calls + last.tool_calls)
+    return ToolCallDelta(first.content + last.content, first.tool_calls + last.tool_calls)

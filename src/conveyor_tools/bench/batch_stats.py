@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor_tools.bench.metrics import Timeline
+from conveyor_tools.bench.run_metrics import Timeline
 from conveyor_tools.bench.workloads import Workload
 
 LATENCY_PERCENTILES = (50, 90, 95, 99)

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from conveyor_tools.bench.cpu import CpuMeter, CpuProbe, per_token_us
-from conveyor_tools.bench.metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
+from conveyor_tools.bench.run_metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
 from conveyor_tools.bench.workloads import BenchRequest, Workload
 from conveyor.client import AsyncClient
 from conveyor.profiling import STEP_SERIES, step_records

@@ -42,7 +42,7 @@ import numpy as np
 
 from conveyor_tools.bench.batch_stats import LATENCY_PERCENTILES, kv_usage, latency_percentiles, occupancy, padded_waste
 from conveyor_tools.bench.drivers import run_offline, run_online
-from conveyor_tools.bench.metrics import OfflineRun
+from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
 from conveyor_tools.bench.workloads import Workload, make_workload, poisson_arrivals
 from conveyor.client import AsyncClient

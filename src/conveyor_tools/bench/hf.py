@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from conveyor_tools.bench.metrics import OfflineRun, Timeline
+from conveyor_tools.bench.run_metrics import OfflineRun, Timeline
 from conveyor_tools.bench.workloads import BenchRequest, Workload
 
 HF_CB_PAGE_SIZE = 256  # transformers' default page size

@@ -33,7 +33,7 @@ import msgspec
 
 from conveyor_tools.bench.cpu import CpuProbe
 from conveyor_tools.bench.drivers import PROFILE_SLACK_S, WARMUP_REQUESTS, RunFailed, _profile_summary, drive_arrivals, online_run
-from conveyor_tools.bench.metrics import OnlineRun, StreamTiming
+from conveyor_tools.bench.run_metrics import OnlineRun, StreamTiming
 from conveyor_tools.bench.workloads import BenchRequest, Workload
 from conveyor.client import AsyncClient
 

@@ -39,7 +39,7 @@ from typing import Any
 from conveyor_tools.bench import experiment_tables, experiments, plots, report
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.http_driver import run_online_http
-from conveyor_tools.bench.metrics import OfflineRun
+from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
 from conveyor_tools.bench.workloads import WORKLOADS, constrain_fraction, make_workload, poisson_arrivals, with_controls, with_logprobs
 from conveyor.checkpoints.model_config import ModelConfig

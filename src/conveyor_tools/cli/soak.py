@@ -44,7 +44,7 @@ import zmq
 import zmq.asyncio
 
 from conveyor.client import AsyncClient, CompletionResult, generate_message
-from conveyor.protocol import messages as cp
+from conveyor.protocol import wire
 from conveyor.cli.server_address import add_address_arguments, server_address
 from conveyor.runtime.config import replica_process_name
 
@@ -159,12 +159,12 @@ class _Soak:
         sock.connect(self.address)
         try:
             msg = generate_message(drawn.prompt, drawn.messages, drawn.token_ids, request_id, True, drawn.fields)
-            await sock.send(cp.pack(msg))
+            await sock.send(wire.pack(msg))
             for _ in range(rng.randint(0, 2)):
                 if not await sock.poll(self.timeout * 1000):
                     self.report.fail(f"{request_id}: no reply within {self.timeout} s")
                     break
-                if cp.unpack_map(await sock.recv())["type"] == cp.FINAL:
+                if wire.unpack_map(await sock.recv())["type"] == wire.FINAL:
                     break  # nothing follows a final
         finally:
             sock.close(linger=0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from conveyor.protocol import messages as cp
+from conveyor.protocol import limits, validation, wire
+from conveyor.protocol import requests as client_requests
 
 
 def gen(**fields):
@@ -13,11 +14,11 @@ def gen(**fields):
 
 
 def test_valid_generate_parses_all_fields() -> None:
-    req = cp.parse_client_message(
+    req = client_requests.parse_client_message(
         gen(max_tokens=5, temperature=0, top_p=0.5, top_k=3, min_p=0.1, seed=7, stop=["x"], stop_token_ids=[2],
             ignore_eos=True, stream=True)
     )
-    assert isinstance(req, cp.GenerateRequest)
+    assert isinstance(req, client_requests.GenerateRequest)
     assert req.request_id == "r1" and req.prompt == "hi" and req.stream and req.stop == ["x"]
     s = req.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (5, 0.0, 0.5, 3, 0.1, 7)
@@ -27,30 +28,30 @@ def test_valid_generate_parses_all_fields() -> None:
 def test_request_id_is_assigned_when_absent() -> None:
     msg = gen()
     del msg["request_id"]
-    a, b = cp.parse_client_message(msg), cp.parse_client_message(msg)
+    a, b = client_requests.parse_client_message(msg), client_requests.parse_client_message(msg)
     assert a.request_id and a.request_id != b.request_id
 
 
 def test_stop_accepts_single_string() -> None:
-    assert cp.parse_client_message(gen(stop="END")).stop == ["END"]
+    assert client_requests.parse_client_message(gen(stop="END")).stop == ["END"]
 
 
 def test_n_is_bounded_and_reaches_the_sampling_params() -> None:
-    assert cp.parse_client_message(gen()).sampling.n == 1
-    assert cp.parse_client_message(gen(n=cp.MAX_N)).sampling.n == cp.MAX_N
+    assert client_requests.parse_client_message(gen()).sampling.n == 1
+    assert client_requests.parse_client_message(gen(n=limits.MAX_N)).sampling.n == limits.MAX_N
     # best_of > n: best_of sequences at the scheduler, with their tokens' log-probabilities
-    best = cp.parse_client_message(gen(n=2, best_of=5))
+    best = client_requests.parse_client_message(gen(n=2, best_of=5))
     assert (best.sampling.n, best.sampling.logprobs, best.keep_best) == (5, 0, 2)
-    same = cp.parse_client_message(gen(n=2, best_of=2, stream=True))  # best_of = n: plain n
+    same = client_requests.parse_client_message(gen(n=2, best_of=2, stream=True))  # best_of = n: plain n
     assert (same.sampling.n, same.sampling.logprobs, same.keep_best) == (2, None, None)
 
 
 def test_priority_is_an_optional_integer() -> None:
-    assert cp.parse_client_message(gen()).priority == 0
-    assert cp.parse_client_message(gen(priority=-3)).priority == -3
+    assert client_requests.parse_client_message(gen()).priority == 0
+    assert client_requests.parse_client_message(gen(priority=-3)).priority == -3
     for bad in ("high", 1.5, True, 2**40):
-        with pytest.raises(cp.ProtocolError, match="'priority'"):
-            cp.parse_client_message(gen(priority=bad))
+        with pytest.raises(wire.ProtocolError, match="'priority'"):
+            client_requests.parse_client_message(gen(priority=bad))
 
 
 @pytest.mark.parametrize(
@@ -100,32 +101,32 @@ def test_priority_is_an_optional_integer() -> None:
     ],
 )
 def test_bad_fields_are_named(msg, needle) -> None:
-    with pytest.raises(cp.ProtocolError, match=needle):
-        cp.parse_client_message(msg)
+    with pytest.raises(wire.ProtocolError, match=needle):
+        client_requests.parse_client_message(msg)
 
 
 def test_error_keeps_request_id_when_readable() -> None:
-    with pytest.raises(cp.ProtocolError) as info:
-        cp.parse_client_message(gen(top_p=3))
+    with pytest.raises(wire.ProtocolError) as info:
+        client_requests.parse_client_message(gen(top_p=3))
     assert info.value.request_id == "r1"
 
 
 @pytest.mark.parametrize("data, needle", [(b"\xc1", "malformed"), (msgpack.packb([1, 2]), "must be a map")])
 def test_unpack_rejects_non_maps(data, needle) -> None:
-    with pytest.raises(cp.ProtocolError, match=needle):
-        cp.unpack_map(data)
+    with pytest.raises(wire.ProtocolError, match=needle):
+        wire.unpack_map(data)
 
 
 def test_unpack_rejects_oversized() -> None:
-    with pytest.raises(cp.ProtocolError, match="exceeds"):
-        cp.unpack_map(b"\x00" * (cp.MAX_CLIENT_MESSAGE_BYTES + 1))
+    with pytest.raises(wire.ProtocolError, match="exceeds"):
+        wire.unpack_map(b"\x00" * (limits.MAX_CLIENT_MESSAGE_BYTES + 1))
 
 
 def test_profile_defaults_and_fields() -> None:
-    cmd = cp.parse_client_message({"type": "profile", "v": 1})
-    assert isinstance(cmd, cp.ProfileCommand)
-    assert (cmd.window_s, cmd.trace, cmd.series) == (cp.DEFAULT_PROFILE_WINDOW_S, False, [])
-    cmd = cp.parse_client_message({"type": "profile", "window_s": 5, "trace": True, "series": ["batch_seqs"]})
+    cmd = client_requests.parse_client_message({"type": "profile", "v": 1})
+    assert isinstance(cmd, client_requests.ProfileCommand)
+    assert (cmd.window_s, cmd.trace, cmd.series) == (limits.DEFAULT_PROFILE_WINDOW_S, False, [])
+    cmd = client_requests.parse_client_message({"type": "profile", "window_s": 5, "trace": True, "series": ["batch_seqs"]})
     assert (cmd.window_s, cmd.trace, cmd.series) == (5.0, True, ["batch_seqs"])
 
 
@@ -142,23 +143,23 @@ def test_profile_defaults_and_fields() -> None:
     ],
 )
 def test_profile_bad_fields_are_named(fields, needle) -> None:
-    with pytest.raises(cp.ProtocolError, match=needle):
-        cp.parse_client_message({"type": "profile", "v": 1, **fields})
+    with pytest.raises(wire.ProtocolError, match=needle):
+        client_requests.parse_client_message({"type": "profile", "v": 1, **fields})
 
 
 def test_stats_leaves_the_iteration_log_out_unless_asked() -> None:
-    assert cp.parse_client_message({"type": "stats", "v": 1}) == cp.StatsCommand(iterations=False)
-    assert cp.parse_client_message({"type": "stats", "v": 1, "iterations": True}) == cp.StatsCommand(iterations=True)
-    with pytest.raises(cp.ProtocolError, match="'iterations'"):
-        cp.parse_client_message({"type": "stats", "v": 1, "iterations": 1})
+    assert client_requests.parse_client_message({"type": "stats", "v": 1}) == client_requests.StatsCommand(iterations=False)
+    assert client_requests.parse_client_message({"type": "stats", "v": 1, "iterations": True}) == client_requests.StatsCommand(iterations=True)
+    with pytest.raises(wire.ProtocolError, match="'iterations'"):
+        client_requests.parse_client_message({"type": "stats", "v": 1, "iterations": 1})
 
 
 VOCAB, MAX_LEN = 100, 32
 
 
 def tokenized(prompt_ids, check_ids=True, **fields):
-    req = cp.parse_client_message(gen(**fields))
-    cp.check_tokenized(req, prompt_ids, VOCAB, MAX_LEN, check_ids=check_ids)
+    req = client_requests.parse_client_message(gen(**fields))
+    validation.check_tokenized(req, prompt_ids, VOCAB, MAX_LEN, check_ids=check_ids)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +175,7 @@ def tokenized(prompt_ids, check_ids=True, **fields):
 )
 def test_tokenized_requests_are_checked_against_the_model(prompt_ids, fields, needle) -> None:
     """What needs the token ids and the model: each refusal carries the request's id."""
-    with pytest.raises(cp.ProtocolError, match=needle) as info:
+    with pytest.raises(wire.ProtocolError, match=needle) as info:
         tokenized(prompt_ids, **fields)
     assert info.value.request_id == "r1"
 
@@ -193,19 +194,19 @@ def _with_id(rest: bytes, entries: int = 2) -> bytes:
 @pytest.mark.parametrize(
     "data, code",
     [
-        (_with_id(msgpack.packb("prompt") + b"\xa2\xc3\x28"), cp.MALFORMED),  # invalid UTF-8
-        (msgpack.packb({"request_id": "r1", "prompt": "hello"})[:-2], cp.MALFORMED),  # truncated
-        (_with_id(msgpack.packb("prompt") + b"\x91" * 2000 + b"\x00"), cp.TOO_LARGE),  # nested too deep
-        (_with_id(msgpack.packb("prompt") + b"\xdd\xff\xff\xff\xff"), cp.TOO_LARGE),  # a length beyond the limits
-        (_with_id(msgpack.packb("token_ids") + msgpack.packb([1] * (cp.MAX_ARRAY_LEN + 1))), cp.TOO_LARGE),
-        (_with_id(msgpack.packb("p") + b"\x00" * (cp.MAX_CLIENT_MESSAGE_BYTES + 1)), cp.TOO_LARGE),  # oversized
-        (msgpack.packb({"request_id": "r1", "type": "generate"}) + b"\x00", cp.MALFORMED),  # trailing bytes
+        (_with_id(msgpack.packb("prompt") + b"\xa2\xc3\x28"), wire.MALFORMED),  # invalid UTF-8
+        (msgpack.packb({"request_id": "r1", "prompt": "hello"})[:-2], wire.MALFORMED),  # truncated
+        (_with_id(msgpack.packb("prompt") + b"\x91" * 2000 + b"\x00"), wire.TOO_LARGE),  # nested too deep
+        (_with_id(msgpack.packb("prompt") + b"\xdd\xff\xff\xff\xff"), wire.TOO_LARGE),  # a length beyond the limits
+        (_with_id(msgpack.packb("token_ids") + msgpack.packb([1] * (limits.MAX_ARRAY_LEN + 1))), wire.TOO_LARGE),
+        (_with_id(msgpack.packb("p") + b"\x00" * (limits.MAX_CLIENT_MESSAGE_BYTES + 1)), wire.TOO_LARGE),  # oversized
+        (msgpack.packb({"request_id": "r1", "type": "generate"}) + b"\x00", wire.MALFORMED),  # trailing bytes
     ],
     ids=["utf8", "truncated", "deep", "huge-length", "long-array", "oversized", "trailing"],
 )
 def test_undecodable_frames_keep_a_readable_request_id(data, code) -> None:
-    with pytest.raises(cp.FrameError) as info:
-        cp.unpack_map(data)
+    with pytest.raises(wire.FrameError) as info:
+        wire.unpack_map(data)
     assert (info.value.request_id, info.value.code) == ("r1", code)
 
 
@@ -218,58 +219,58 @@ def test_undecodable_frames_keep_a_readable_request_id(data, code) -> None:
         msgpack.packb({"prompt": "x"})[:-1] + b"\xff",  # no request_id
         msgpack.packb({"request_id": 5, "prompt": b"\xff"})[:-1],  # an id that is no string
         msgpack.packb({"request_id": "", "x": 1})[:-1],  # an empty id
-        msgpack.packb({"request_id": "x" * (cp.MAX_REQUEST_ID_LEN + 1)})[:-1],  # too long an id
+        msgpack.packb({"request_id": "x" * (limits.MAX_REQUEST_ID_LEN + 1)})[:-1],  # too long an id
         bytes([0x82]) + msgpack.packb("request_id") + b"\xa2\xc3\x28" + b"\xc1",  # an id that is not UTF-8
-        bytes([0x8F]) + b"".join(msgpack.packb(f"k{i}") + b"\x00" for i in range(cp.RECOVER_SCAN_KEYS + 1)),
+        bytes([0x8F]) + b"".join(msgpack.packb(f"k{i}") + b"\x00" for i in range(limits.RECOVER_SCAN_KEYS + 1)),
     ],
     ids=["empty", "reserved", "array", "no-id", "int-id", "empty-id", "long-id", "utf8-id", "id-too-far"],
 )
 def test_undecodable_frames_without_a_readable_id(data) -> None:
-    with pytest.raises(cp.FrameError) as info:
-        cp.unpack_map(data)
+    with pytest.raises(wire.FrameError) as info:
+        wire.unpack_map(data)
     assert info.value.request_id is None
-    assert cp.recover_request_id(data) is None
+    assert wire.recover_request_id(data) is None
 
 
 def test_recovery_reads_past_other_entries_without_decoding_them() -> None:
     before = msgpack.packb("prompt") + b"\xa2\xc3\x28" + msgpack.packb("x") + msgpack.packb([[[1]]] * 10)
     data = bytes([0x83]) + before + msgpack.packb("request_id") + msgpack.packb("late") + b"\xc1"
-    assert cp.recover_request_id(data) == "late"
-    with pytest.raises(cp.FrameError) as info:
-        cp.unpack_map(data)
-    assert info.value.request_id == "late" and info.value.code == cp.MALFORMED
+    assert wire.recover_request_id(data) == "late"
+    with pytest.raises(wire.FrameError) as info:
+        wire.unpack_map(data)
+    assert info.value.request_id == "late" and info.value.code == wire.MALFORMED
 
 
 def test_error_codes_of_parsed_messages() -> None:
     cases = [
-        ({"type": "generate", "v": 2, "request_id": "r"}, cp.UNSUPPORTED_VERSION),
-        ({"type": "nope", "request_id": "r"}, cp.UNKNOWN_TYPE),
-        ({"request_id": "r"}, cp.UNKNOWN_TYPE),
-        ({"type": "generate", "request_id": "r", "prompt": "x", "top_p": 3}, cp.INVALID_FIELD),
-        ({"type": "generate", "request_id": "r", "prompt": ""}, cp.INVALID_INPUT),
+        ({"type": "generate", "v": 2, "request_id": "r"}, wire.UNSUPPORTED_VERSION),
+        ({"type": "nope", "request_id": "r"}, wire.UNKNOWN_TYPE),
+        ({"request_id": "r"}, wire.UNKNOWN_TYPE),
+        ({"type": "generate", "request_id": "r", "prompt": "x", "top_p": 3}, wire.INVALID_FIELD),
+        ({"type": "generate", "request_id": "r", "prompt": ""}, wire.INVALID_INPUT),
     ]
     for msg, code in cases:
-        with pytest.raises(cp.ProtocolError) as info:
-            cp.parse_client_message(msg)
+        with pytest.raises(wire.ProtocolError) as info:
+            client_requests.parse_client_message(msg)
         assert (info.value.code, info.value.request_id) == (code, "r"), msg
-    req = cp.parse_client_message({"type": "generate", "request_id": "r", "token_ids": [1], "max_tokens": 8})
-    for ids, code in (([1] * 10, cp.PROMPT_TOO_LONG), ([99], cp.INVALID_INPUT), ([1] * 3, None)):
+    req = client_requests.parse_client_message({"type": "generate", "request_id": "r", "token_ids": [1], "max_tokens": 8})
+    for ids, code in (([1] * 10, wire.PROMPT_TOO_LONG), ([99], wire.INVALID_INPUT), ([1] * 3, None)):
         try:
-            cp.check_tokenized(req, ids, vocab_size=50, max_model_len=12)
+            validation.check_tokenized(req, ids, vocab_size=50, max_model_len=12)
             assert code is None
-        except cp.ProtocolError as exc:
+        except wire.ProtocolError as exc:
             assert exc.code == code, (ids, exc)
 
 
 @pytest.mark.parametrize("version", [True, 1.0, None, "1", 2])
 def test_the_version_is_the_integer_1(version) -> None:
-    with pytest.raises(cp.ProtocolError) as exc:
-        cp.parse_client_message({"type": "stats", "v": version})
-    assert exc.value.code == cp.UNSUPPORTED_VERSION
+    with pytest.raises(wire.ProtocolError) as exc:
+        client_requests.parse_client_message({"type": "stats", "v": version})
+    assert exc.value.code == wire.UNSUPPORTED_VERSION
 
 
 def test_a_null_stream_is_the_default() -> None:
-    assert cp.parse_client_message(gen(stream=None)).stream is False
+    assert client_requests.parse_client_message(gen(stream=None)).stream is False
 
 
 @pytest.mark.parametrize("fields", [{"prompt": None}, {"token_ids": [1]}, {"max_tokens": 0}, {"stream": 1}, {"prompt": ""}])
@@ -277,29 +278,29 @@ def test_a_refused_generate_without_an_id_names_none(fields) -> None:
     """The id assigned to a generate that carried none is the accepted request's: a refusal
     never names an id the client did not send."""
     msg = {k: v for k, v in gen(**fields).items() if k != "request_id"}
-    with pytest.raises(cp.ProtocolError) as exc:
-        cp.parse_client_message(msg)
+    with pytest.raises(wire.ProtocolError) as exc:
+        client_requests.parse_client_message(msg)
     assert exc.value.request_id is None
 
 
 def test_frontend_fields_parse_with_their_defaults() -> None:
-    req = cp.parse_client_message(gen())
+    req = client_requests.parse_client_message(gen())
     assert (req.fill_context, req.truncate_prompt_tokens, req.skip_special_tokens, req.include_stop_str_in_output) == (False, None, True, False)
     chat = {**gen(prompt=None), "messages": [{"role": "user", "content": "hi"}]}
-    req = cp.parse_client_message(chat)
+    req = client_requests.parse_client_message(chat)
     assert (req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs) == (True, False, {})
-    req = cp.parse_client_message({**chat, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}})
+    req = client_requests.parse_client_message({**chat, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}})
     assert (req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs) == (False, True, {"enable_thinking": False})
-    assert cp.parse_client_message(gen(fill_context=True)).fill_context
-    assert not cp.parse_client_message(gen(fill_context=True, max_tokens=3)).fill_context  # an explicit max_tokens wins
+    assert client_requests.parse_client_message(gen(fill_context=True)).fill_context
+    assert not client_requests.parse_client_message(gen(fill_context=True, max_tokens=3)).fill_context  # an explicit max_tokens wins
 
 
 def test_template_kwargs_are_bounded() -> None:
     chat = {**gen(prompt=None), "messages": [{"role": "user", "content": "hi"}]}
-    with pytest.raises(cp.ProtocolError, match="'chat_template_kwargs' exceeds"):
-        cp.parse_client_message({**chat, "chat_template_kwargs": {"x": "a" * cp.MAX_TEMPLATE_KWARGS_BYTES}})
+    with pytest.raises(wire.ProtocolError, match="'chat_template_kwargs' exceeds"):
+        client_requests.parse_client_message({**chat, "chat_template_kwargs": {"x": "a" * limits.MAX_TEMPLATE_KWARGS_BYTES}})
 
 
 def test_seeds_map_to_their_64_bit_pattern() -> None:
     for seed, stored in ((-1, -1), (2**64 - 1, -1), (2**63, -(2**63)), (2**63 - 1, 2**63 - 1), (0, 0)):
-        assert cp.parse_client_message(gen(seed=seed)).sampling.seed == stored
+        assert client_requests.parse_client_message(gen(seed=seed)).sampling.seed == stored

@@ -1,6 +1,6 @@
 """The worker's check of each plan against what it holds: its trust boundary with the scheduler.
 
-Requests were validated before they reached the scheduler (:mod:`conveyor.protocol.messages`:
+Requests were validated before they reached the scheduler (:mod:`conveyor.protocol.requests` and :mod:`conveyor.protocol.validation`:
 the frontend, and the scheduler at its own entry for in-process callers); the worker does not
 repeat those request rules. What it checks is the plan itself, because a plan that
 contradicts the worker's state would make the device read or write KV out of bounds or of

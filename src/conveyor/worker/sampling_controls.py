@@ -1,6 +1,6 @@
 """Sampling controls on the device: penalties, ``logit_bias`` and ``min_tokens``, batched.
 
-The definitions are vLLM's (so are the ranges, checked by :mod:`conveyor.protocol.messages`).
+The definitions are vLLM's (so are the ranges, checked by :mod:`conveyor.protocol.sampling_fields`).
 For one row, with ``counts[t]`` the occurrences of token ``t`` in the request's *output* so
 far and ``seen[t]`` whether ``t`` occurs in its prompt or output, in this order:
 

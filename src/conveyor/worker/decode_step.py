@@ -27,7 +27,7 @@ from conveyor.worker.parallel import broadcast_from_first_
 from conveyor.worker.request_state import RequestState, Work
 
 if TYPE_CHECKING:
-    from conveyor.worker.model_runner import LogprobRows
+    from conveyor.worker.logprob_steps import LogprobRows
 from conveyor.worker.sampler import batch_of_columns, host_flags
 from conveyor.worker.step_buffers import DecodeInputs, StepBuffers, context_buckets, decode_buckets, smallest_fitting
 

@@ -34,6 +34,10 @@ At most one step is launched and not finished when another is launched.
 (:mod:`conveyor.worker.decode_step`). Prefill, chunked prefill and mixed steps run the
 flattened ragged batch here.
 Sampling is batched over per-row parameter tensors (:mod:`conveyor.worker.sampler`).
+The runner's other parts are base classes of it, each in its own module:
+log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the greedy verification of
+speculative rows (:mod:`conveyor.worker.speculative_verify`) and the grammar-constraint
+plumbing (:mod:`conveyor.worker.grammar_steps`).
 """
 
 from __future__ import annotations
@@ -46,65 +50,23 @@ import numpy as np
 import torch
 
 from conveyor import profiling
-from conveyor.ipc.messages import StepLogprobs, StepPlan, StepResult, int_list
+from conveyor.ipc.messages import StepPlan, StepResult, int_list
 from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.grammar_rows import GrammarRows
+from conveyor.worker.grammar_steps import GrammarSteps
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
+from conveyor.worker.logprob_steps import LogprobRows, LogprobSteps
 from conveyor.worker.lora import LoraManager, LoraOptions
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
 from conveyor.worker.request_state import RequestState, SlotStates, Work
-from conveyor.worker.sampler import Sampler, SamplingBatch, SamplingColumns, batch_from_rows, logprobs_of
+from conveyor.worker.sampler import Sampler, SamplingColumns, batch_from_rows
 from conveyor.worker.sampling_controls import SamplingControls
-
-
-@dataclass(eq=False)
-class LogprobRows:
-    """Log-probabilities one step computes (:class:`~conveyor.ipc.messages.StepLogprobs`):
-    the host's columns (slot, first sequence index, rows of each request) and the values,
-    on the device until :meth:`to_host` starts their copy (not waited for: ``finish`` reads
-    them after the step's event, like the sampled ids)."""
-
-    slots: np.ndarray
-    starts: np.ndarray
-    counts: np.ndarray
-    width: int
-    chosen: torch.Tensor  # float32 [R]
-    top_ids: torch.Tensor  # int64 [R, width]
-    top_lp: torch.Tensor  # float32 [R, width]
-
-    @classmethod
-    def compute(
-        cls, logits: torch.Tensor, rows: np.ndarray, tokens: torch.Tensor, width: int,
-        slots: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-    ) -> LogprobRows:
-        """Of ``logits`` rows ``rows`` (host indices), for ``tokens`` (one per row, on the device)."""
-        index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(logits.device, non_blocking=True)
-        chosen, top_ids, top_lp = logprobs_of(logits, index, tokens, width)
-        return cls(slots, starts, counts, width, chosen, top_ids, top_lp)
-
-    def to_host(self, pinned: bool) -> None:
-        def copy(tensor: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
-            return host.copy_(tensor, non_blocking=pinned)
-
-        self.chosen, self.top_ids, self.top_lp = copy(self.chosen), copy(self.top_ids), copy(self.top_lp)
-
-    def message(self) -> StepLogprobs:
-        """The wire columns (call after the step's copies are done)."""
-        return StepLogprobs(
-            self.slots.astype(np.int32),
-            self.starts.astype(np.int32),
-            self.counts.astype(np.int32),
-            self.width,
-            self.chosen.numpy().astype("<f4").tobytes(),
-            self.top_ids.numpy().astype(np.int32).reshape(-1),
-            self.top_lp.numpy().astype("<f4").tobytes(),
-        )
+from conveyor.worker.speculative_verify import SpeculativeVerify
 
 
 @dataclass(eq=False)
@@ -134,7 +96,7 @@ class LaunchedStep:
     spec_targets: torch.Tensor | None = None
 
 
-class ModelRunner(DecodeStep):
+class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
     """The model, its KV cache, the sampler and per-request state of one worker.
 
     Give exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` (the pool then holds as
@@ -412,79 +374,6 @@ class ModelRunner(DecodeStep):
             spec_token_ids=spec_runs,
         )
 
-    def _accept(self, launched: LaunchedStep, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
-        """Greedy verification of the step's speculative rows, on the host: a row's targets are
-        the argmax after its last known token and after each proposed token (the last one is
-        its sampled, greedy, token). It keeps the longest prefix of the proposal equal to the
-        targets, then the target at the first mismatch (or after the whole proposal). Its
-        ``tokens`` entry becomes the first target; returns the slots and the further tokens
-        gained, and moves each row's computed count back past its rejected tokens (their KV is
-        simply overwritten later)."""
-        targets = launched.spec_targets.tolist()
-        slots, runs = [], []
-        at = 0
-        for row, proposal in zip(launched.spec_rows, launched.spec_proposals):
-            k = len(proposal)
-            row_targets = targets[at : at + k] + [tokens[row]]
-            at += k
-            accepted = 0
-            while accepted < k and proposal[accepted] == row_targets[accepted]:
-                accepted += 1
-            tokens[row] = row_targets[0]
-            run = row_targets[1 : accepted + 1]
-            state = launched.states[row]
-            state.num_computed -= k - accepted
-            slot = launched.slots[row]
-            with torch.inference_mode():  # (its last token, should a plan ahead read it)
-                self._last_tokens[slot] = (run or row_targets[:1])[-1]
-            slots.append(slot)
-            runs.append(run)
-        return slots, runs
-
-    def _take_in_grammar(self, slot: int, grammar: str, num_prompt_tokens: int) -> None:
-        """Mark ``slot`` constrained or not, and give a constrained request a fresh matcher
-        (a resumed one replays its outputs into it at its first fill). Only rank 0 samples."""
-        if slot >= len(self._constrained):
-            grown = np.zeros(max(slot + 1, 2 * len(self._constrained), 16), np.bool_)
-            grown[: len(self._constrained)] = self._constrained
-            self._constrained = grown
-        constrained = bool(grammar) and self.tensor_parallel.rank == 0
-        self._constrained[slot] = constrained
-        if constrained:
-            self._requests.states[slot].grammar = self._grammars.row(grammar, num_prompt_tokens)
-
-    def _constrain(
-        self, batch: SamplingBatch, slots: np.ndarray, sample_rows: np.ndarray, states: list[RequestState], packed: bool,
-        num_rows: int,
-    ) -> None:
-        """Fill the grammar bitmask of the step's constrained sampling rows into ``batch``
-        (conveyor.worker.grammar_rows), after the step's forward was enqueued. ``slots`` and
-        ``states``: the step's rows; ``sample_rows``: those that sample; their logits rows are
-        ``0..len(sample_rows)-1`` when ``packed`` (the ragged step), else ``sample_rows`` (the
-        decode step's bucket of ``num_rows``). A step with no constrained row returns after
-        one numpy test."""
-        sample_slots = slots[sample_rows]
-        if not len(sample_slots) or not self._constrained[sample_slots].any():
-            return
-        in_flight: dict[int, int] | None = None
-        items = []
-        for j, (i, slot) in enumerate(zip(sample_rows.tolist(), sample_slots.tolist())):
-            state = states[i]
-            if state.grammar is None:
-                continue
-            pending = None
-            if state.pending:  # the step in flight sampled its last token: wait for it (overlaps this forward)
-                if in_flight is None:
-                    step = self._in_flight
-                    if step.done is not None:
-                        step.done.synchronize()
-                    in_flight = dict(zip(step.slots, step.sampled.tolist()))
-                pending = in_flight[slot]
-            items.append((j if packed else i, slot, state.grammar, state.token_ids, pending))
-        mask, ends = self._grammars.fill(items, num_rows, self.device)
-        batch.bitmask, batch.bitmask_rows = mask.bitmask, mask.rows
-        self._ends += ends
-
     def _run(
         self, work: list[Work], states: list[RequestState], samples: list[bool]
     ) -> tuple[torch.Tensor, torch.Tensor, LogprobRows | None, LogprobRows | None]:
@@ -497,79 +386,6 @@ class ModelRunner(DecodeStep):
         if all(item.num_scheduled == 1 for item in work) and not self._scores_prompt(work, states):
             return self._run_decode(work, states, samples)
         return self._run_ragged(work, states, samples)
-
-    def _scores_prompt(self, work: list[Work], states: list[RequestState]) -> bool:
-        """Whether a row of the step computes a prompt position whose next token's
-        log-probability its request asked for: such a step runs the ragged path, whose hidden
-        states the prompt's scoring reads (the decode step's graphs keep only the last row's
-        logits). The slots that may still need it are a set that forgets a slot once its
-        request is gone or past its prompt, so once no such request is held a step pays one
-        empty-set test."""
-        owed = self._sampling.prompt_logprobs_slots
-        if not owed:
-            return False
-        table = self._requests.states
-        for slot in list(owed):
-            state = table[slot] if slot < len(table) else None
-            if state is None or state.sampling.prompt_logprobs is None or state.num_computed >= state.num_prompt - 1:
-                owed.discard(slot)  # (a recomputed request is taken in again, and set again)
-        return bool(owed) and any(item.slot in owed for item in work)
-
-    def _sampled_logprobs(
-        self, logits: torch.Tensor, rows: np.ndarray, sampled: torch.Tensor, slots: np.ndarray, positions: np.ndarray
-    ) -> LogprobRows | None:
-        """The sampled tokens' log-probabilities for the requests that ask: ``logits[rows[j]]``
-        drew ``sampled[j]`` for the request on ``slots[j]`` at sequence index ``positions[j]``.
-        Which requests ask is read on the host (the slots' column): None, and nothing run,
-        when none does. The step's width is the largest k asked (each request keeps its own)."""
-        asked = self._sampling.logprobs[slots]
-        wanted = np.flatnonzero(asked >= 0)
-        if not len(wanted):
-            return None
-        width = min(int(asked[wanted].max()), logits.shape[1])
-        tokens = sampled.index_select(0, torch.from_numpy(wanted).to(sampled.device, non_blocking=True))
-        return LogprobRows.compute(
-            logits, rows[wanted], tokens, width, slots[wanted], positions[wanted], np.ones(len(wanted), np.int64)
-        )
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, work: list[Work], states: list[RequestState], offsets: np.ndarray
-    ) -> LogprobRows | None:
-        """Log-probabilities of the prompt tokens this step's chunks predict, for the requests
-        that ask (``prompt_logprobs``): the hidden state at position ``p`` gives token ``p + 1``,
-        so a chunk of positions ``c .. e - 1`` covers tokens ``c + 1 .. min(e, P - 1)`` of a
-        prompt of ``P`` tokens (the first prompt token has none; a chunk ending the prompt
-        covers up to its last token). ``offsets[i]``: where row ``i``'s tokens start in the
-        flat batch. Prompt positions this worker did not compute (a prefix-cache hit) are not
-        given here: the scheduler bypasses the cache for such requests."""
-        flat: list[np.ndarray] = []
-        targets: list[int] = []
-        slots, starts, counts = [], [], []
-        width = 0
-        for i, (item, state) in enumerate(zip(work, states)):
-            k = state.sampling.prompt_logprobs
-            if k is None:
-                continue
-            first, end = item.num_computed, min(item.num_computed + item.num_scheduled, state.num_prompt - 1)
-            if end <= first:
-                continue
-            flat.append(np.arange(offsets[i], offsets[i] + end - first))
-            targets += state.token_ids[first + 1 : end + 1]
-            slots.append(item.slot)
-            starts.append(first + 1)
-            counts.append(end - first)
-            width = max(width, k)
-        if not slots:
-            return None
-        rows = np.concatenate(flat)
-        index = torch.from_numpy(rows).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        tokens = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
-        width = min(width, logits.shape[1])
-        return LogprobRows.compute(
-            logits, np.arange(len(rows)), tokens, width,
-            np.asarray(slots, np.int64), np.asarray(starts, np.int64), np.asarray(counts, np.int64),
-        )
 
     def _run_ragged(
         self, work: list[Work], states: list[RequestState], samples: list[bool]

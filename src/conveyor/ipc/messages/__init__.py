@@ -1,0 +1,110 @@
+"""Typed messages that cross the process seams inside Conveyor, one module per seam.
+
+Every message is a :class:`Message`, a ``msgspec.Struct`` that travels as a positional
+msgpack array led by its stable integer tag (the class keyword ``tag=``), registered
+with :func:`message`; the structs nested in messages are :class:`Positional`.
+:mod:`conveyor.ipc.codec` is the only code that turns them into bytes and back. Structs,
+not dataclasses: msgspec encodes and validates them in C, which bench/codec.py measured
+faster than the hand-built codec over dataclasses it replaced, for every message
+(bench/results/codec.json). They have no ``__dict__``: list fields with
+``msgspec.structs.fields``, copy with ``msgspec.structs.replace``, map with
+``msgspec.structs.asdict``. The client-facing protocol (maps sent by
+clients in any language) is documented in docs/protocol.md and parsed by the
+frontend; it is deliberately not made of these classes, so that internal
+messages can stay positional and compact.
+
+The modules: :mod:`~conveyor.ipc.messages.wire` (the frame: :class:`Message`, its tag
+registry, :class:`Positional`, :data:`Int32Array`), :mod:`~conveyor.ipc.messages.frontend_scheduler`
+(requests in, tokens and stats out), :mod:`~conveyor.ipc.messages.scheduler_worker` (plans and
+results, with the invariants their receivers rely on), :mod:`~conveyor.ipc.messages.process_control`
+(ready, failed, shutdown) and :mod:`~conveyor.ipc.messages.profile_reports`. Every name is
+re-exported here, and importing this package registers every message type.
+"""
+
+from __future__ import annotations
+
+from conveyor.ipc.messages.wire import (
+    Int32Array,
+    MESSAGE_TYPES,
+    Message,
+    PROTOCOL_VERSION,
+    Positional,
+    message,
+)
+from conveyor.ipc.messages.frontend_scheduler import (
+    AbortRequests,
+    AddRequest,
+    FinishReason,
+    ITERATION_TOKEN_BUCKETS,
+    MAX_LOGIT_BIAS,
+    RequestOutput,
+    SEQUENCE_SEPARATOR,
+    SamplingParams,
+    SchedulerStats,
+    StatsQuery,
+    TokenLogprobs,
+    TokenOutputs,
+    sequence_id,
+)
+from conveyor.ipc.messages.process_control import (
+    ProcessFailed,
+    ProcessReady,
+    Shutdown,
+)
+from conveyor.ipc.messages.profile_reports import (
+    CounterSummary,
+    MetricSummary,
+    ProcessProfile,
+    ProfileQuery,
+    ProfileReport,
+    SeriesSamples,
+    TraceEvents,
+)
+from conveyor.ipc.messages.scheduler_worker import (
+    CachedRequests,
+    MAX_SLOTS,
+    NewRequestData,
+    StepLogprobs,
+    StepPlan,
+    StepResult,
+    int_list,
+)
+
+__all__ = [
+    "AbortRequests",
+    "AddRequest",
+    "CachedRequests",
+    "CounterSummary",
+    "FinishReason",
+    "ITERATION_TOKEN_BUCKETS",
+    "Int32Array",
+    "MAX_LOGIT_BIAS",
+    "MAX_SLOTS",
+    "MESSAGE_TYPES",
+    "Message",
+    "MetricSummary",
+    "NewRequestData",
+    "PROTOCOL_VERSION",
+    "Positional",
+    "ProcessFailed",
+    "ProcessProfile",
+    "ProcessReady",
+    "ProfileQuery",
+    "ProfileReport",
+    "RequestOutput",
+    "SEQUENCE_SEPARATOR",
+    "SamplingParams",
+    "SchedulerStats",
+    "SeriesSamples",
+    "Shutdown",
+    "StatsQuery",
+    "StepLogprobs",
+    "StepPlan",
+    "StepResult",
+    "TokenLogprobs",
+    "TokenOutputs",
+    "TraceEvents",
+    "int_list",
+    "message",
+    "sequence_id",
+]

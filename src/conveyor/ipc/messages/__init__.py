@@ -13,7 +13,7 @@ clients in any language) is documented in docs/protocol.md and parsed by the
 frontend; it is deliberately not made of these classes, so that internal
 messages can stay positional and compact.
 
-The modules: :mod:`~conveyor.ipc.messages.wire` (the frame: :class:`Message`, its tag
+The modules: :mod:`~conveyor.ipc.messages.tagged` (the frame: :class:`Message`, its tag
 registry, :class:`Positional`, :data:`Int32Array`), :mod:`~conveyor.ipc.messages.frontend_scheduler`
 (requests in, tokens and stats out), :mod:`~conveyor.ipc.messages.scheduler_worker` (plans and
 results, with the invariants their receivers rely on), :mod:`~conveyor.ipc.messages.process_control`
@@ -23,7 +23,7 @@ re-exported here, and importing this package registers every message type.
 
 from __future__ import annotations
 
-from conveyor.ipc.messages.wire import (
+from conveyor.ipc.messages.tagged import (
     Int32Array,
     MESSAGE_TYPES,
     Message,

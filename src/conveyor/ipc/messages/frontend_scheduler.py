@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from msgspec import field
 
-from conveyor.ipc.messages.wire import Int32Array, Message, Positional, message
+from conveyor.ipc.messages.tagged import Int32Array, Message, Positional, message
 
 
 class FinishReason:

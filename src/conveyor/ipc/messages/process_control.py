@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from msgspec import field
 
-from conveyor.ipc.messages.wire import Message, message
+from conveyor.ipc.messages.tagged import Message, message
 
 
 @message

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from msgspec import field
 
-from conveyor.ipc.messages.wire import Message, Positional, message
+from conveyor.ipc.messages.tagged import Message, Positional, message
 
 
 # ---------------------------------------------------------------- profiling (tags 50-59)

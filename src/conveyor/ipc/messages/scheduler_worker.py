@@ -31,7 +31,7 @@ import numpy as np
 from msgspec import field
 
 from conveyor.ipc.messages.frontend_scheduler import SamplingParams
-from conveyor.ipc.messages.wire import Int32Array, Message, Positional, message
+from conveyor.ipc.messages.tagged import Int32Array, Message, Positional, message
 
 # Slots a scheduler may hand out (its max_num_seqs is at most this); a worker refuses any
 # other, so a corrupt plan cannot make it grow its slot table without bound.

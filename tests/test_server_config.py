@@ -15,14 +15,16 @@ from conveyor.runtime.config import (
     Preemption,
     SchedulerConfig,
     SchedulerProcessConfig,
+    ServerConfig,
     WorkerConfig,
 )
 
-# Flags that name no field of a view: server_config converts each of them by hand.
-# serve_on_replica_death: read by bin/serve's supervisor itself, no process view holds it.
+# Flags that name no field of a view: server_config converts each of them by hand. (Flags
+# the supervisor reads itself, serve_on_replica_death and the multi-node ones, are fields of
+# ServerConfig, the supervisor's view.)
 CONVERTED = {
     "model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space", "plan_transport",
-    "serve_on_replica_death", "api_key", "api_key_file",
+    "api_key", "api_key_file",
 }  # fmt: skip
 
 
@@ -31,7 +33,8 @@ def build(*flags: str, run_dir: str = "/tmp/conveyor-test-run"):
 
 
 def test_every_flag_reaches_a_view() -> None:
-    fields = {f.name for view in (FrontendConfig, WorkerConfig, SchedulerConfig, SchedulerProcessConfig, HttpConfig) for f in dataclasses.fields(view)}
+    views = (FrontendConfig, WorkerConfig, SchedulerConfig, SchedulerProcessConfig, HttpConfig, ServerConfig)
+    fields = {f.name for view in views for f in dataclasses.fields(view)}
     dests = {a.dest for a in serve.build_parser()._actions if a.dest != "help"}
     assert dests - fields - CONVERTED == set()
 

@@ -329,7 +329,7 @@ class LargeGatedTokenizer(GatedTokenizer):
     """Holds only the encodes of inputs of LARGE_INPUT_CHARS or more until ``gate`` is set."""
 
     def encode(self, text: str, add_special_tokens: bool = True, *, release_gil: bool = False) -> list[int]:
-        from conveyor.frontend.server import LARGE_INPUT_CHARS
+        from conveyor.frontend.intake import LARGE_INPUT_CHARS
 
         if len(text) >= LARGE_INPUT_CHARS:
             return super().encode(text, add_special_tokens, release_gil=release_gil)
@@ -339,7 +339,7 @@ class LargeGatedTokenizer(GatedTokenizer):
 def test_a_large_input_does_not_hold_up_ordinary_pooled_ones(live_frontend, ours) -> None:
     """With one ordinary pool thread, a large input (its own thread) still tokenizing does not
     keep a shorter pooled input from being admitted."""
-    from conveyor.frontend.server import LARGE_INPUT_CHARS
+    from conveyor.frontend.intake import LARGE_INPUT_CHARS
 
     gated = LargeGatedTokenizer(ours["demo"])
     try:

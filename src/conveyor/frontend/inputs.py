@@ -4,7 +4,7 @@ Two steps, kept apart so the frontend can time the first alone: :func:`encode_in
 the request's input (a prompt, chat messages through the tokenizer's chat template, or token
 ids as given) into ids; :func:`context_ids` puts a continuation's earlier context in front
 and applies the protocol's context rules (:func:`conveyor.protocol.validation.check_tokenized`).
-The frontend's intake (:mod:`conveyor.frontend.server`) and the in-process engine
+The frontend's intake (:mod:`conveyor.frontend.intake`) and the in-process engine
 (:mod:`conveyor.engine`) both prepare prompts here, so a request is read the same way by
 either. Pure functions of their arguments: safe on a tokenizer pool thread.
 """

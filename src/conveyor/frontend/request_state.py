@@ -20,7 +20,7 @@ class RequestState:
     (see :class:`conveyor.frontend.server.Frontend`). A state built without one
     (``bench/frontend_step.py`` fills :attr:`Frontend.requests` by hand) is known to the
     scheduler by its client id. ``client_key`` names the client that sent it
-    (:func:`conveyor.frontend.server.client_key`): a request id names a request only within
+    (:func:`conveyor.frontend.intake.client_key`): a request id names a request only within
     its client, so the frontend's tables hold :attr:`key`. ``text`` holds the pieces of text returned so far (stop
     strings cut), ``token_ids`` every output token; the final carries both whole.
 

@@ -1,0 +1,259 @@
+"""The frontend's client intake: parsing and admitting client messages.
+
+Each client message is decoded and parsed (:mod:`conveyor.protocol.requests`) and answered or
+turned into a request: a ``generate`` is checked (duplicate id, log-probabilities, input
+size), tokenized on the loop or in a pool (:mod:`conveyor.frontend.server`'s docstring,
+"Tokenization") and admitted, that is sent to the scheduler under a scheduler id of its own;
+an ``abort`` finalizes its request; ``profile``, ``metrics`` and ``stats`` are relayed or
+answered. A refused message gets its one answer (:meth:`ClientIntake._reply_error`).
+
+:class:`ClientIntake` is the part of :class:`~conveyor.frontend.server.Frontend` that does
+this (a base class of it: it reads the frontend's tables, pools, sessions, replicas, sender,
+tokenizer and timers, which :class:`~conveyor.frontend.server.Frontend` sets up). The
+invariants it keeps are the frontend's (:mod:`conveyor.frontend.server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import zmq
+
+from conveyor import profiling
+from conveyor.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
+from conveyor.frontend.logprobs import LogprobsLog
+from conveyor.frontend.replicas import Gather
+from conveyor.frontend.request_state import RequestState
+from conveyor.frontend.stop import StopStringMatcher
+from conveyor.ipc.messages import AddRequest, FinishReason, StatsQuery, sequence_id
+from conveyor.protocol import replies, sampling_fields, wire
+from conveyor.protocol import requests as client_requests
+
+log = logging.getLogger("conveyor.frontend")
+
+# Inputs of at least this many characters are tokenized on the one thread of the large-input
+# pool (~30 ms of tokenizing and more), so they never hold up the ordinary pool's inputs.
+LARGE_INPUT_CHARS = 64 * 1024
+# A client frame of at least this many bytes is large: the heap is trimmed after it.
+LARGE_FRAME_BYTES = 1 << 20
+
+
+def client_key(identity: bytes, payload: zmq.Frame) -> bytes:
+    """The name of the client that sent ``payload`` with ROUTER routing id ``identity``: a
+    request id names a request only within its client. With authentication (CurveZMQ with a
+    ZAP handler) the frame carries the authenticated user id (the client's public key), which
+    no other client can claim; otherwise the routing identity, which is the connection's own
+    unless the client set one (a stable one to continue its requests after a reconnect). The
+    prefixes keep the two namespaces apart."""
+    try:
+        user = payload.get("User-Id")
+    except zmq.ZMQError:  # no ZAP handler: no user id on the frame
+        user = ""
+    return b"key:" + user.encode() if user else b"id:" + identity
+
+
+class ClientIntake:
+    """The client intake of the frontend (module docstring)."""
+
+    async def _on_client_frames(self, frames) -> None:
+        if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            # A disconnect queued before this message must be handled first, not after the rest
+            # of this drain: its fd may be this message's (closed, then reused by a new client's
+            # connection), and the disconnect would then drop the new client's requests too.
+            await self._drain(self.monitor, self._on_monitor_event, multipart=True)
+        identity = frames[0].bytes
+        payload = frames[-1]
+        fd = payload.get(zmq.SRCFD)
+        self._note_connection(identity, fd)
+        self._c_client.add()
+        key = client_key(identity, payload)
+        size = sum(len(f) for f in frames[1:])
+        try:
+            if len(frames) != 2:  # DEALER clients send exactly one frame (an empty delimiter is REQ's)
+                rid = next(filter(None, (wire.recover_request_id(f.buffer) for f in frames[1:])), None)
+                raise wire.FrameError(
+                    f"a message is one frame holding a msgpack map; got {len(frames) - 1} frames", rid, wire.BAD_FRAMES
+                )
+            cmd = client_requests.parse_client_message(wire.unpack_map(payload.buffer))
+            if isinstance(cmd, client_requests.GenerateRequest):
+                await self._on_generate(identity, fd, key, cmd)
+            elif isinstance(cmd, client_requests.AbortCommand):
+                await self._on_abort(key, cmd.request_id)
+            elif isinstance(cmd, client_requests.ProfileCommand):
+                await self._on_profile(identity, cmd)
+            elif isinstance(cmd, client_requests.MetricsCommand):
+                await self.sender.send(identity, replies.metrics_reply(**self.metrics.snapshot()))
+            else:
+                query_id = uuid.uuid4().hex
+                asked = self.replicas.broadcast(StatsQuery(query_id))  # every live replica
+                self._stats_waiters[query_id] = (identity, cmd.iterations, Gather(asked))
+        except wire.ProtocolError as exc:
+            await self._reply_error(identity, key, exc)
+        finally:
+            if size >= LARGE_FRAME_BYTES:  # trimmed a moment later, once the drain let go of the frame
+                self._schedule_trim()
+
+    async def _on_generate(self, identity: bytes, fd: int, key: bytes, req: client_requests.GenerateRequest) -> None:
+        arrival = time.time()
+        if (key, req.request_id) in self.in_flight:
+            raise wire.ProtocolError(
+                f"request id {req.request_id!r} is already in flight; this message was refused, the request goes on",
+                req.request_id,
+                wire.DUPLICATE_REQUEST_ID,
+            )
+        logprobs_problem = sampling_fields.logprobs_problem(req.sampling, self.config.max_logprobs)
+        if logprobs_problem is not None:
+            raise wire.ProtocolError(logprobs_problem, req.request_id)
+        history = self.sessions.context((key, req.request_id))
+        chars = input_chars(req)
+        check_input_chars(
+            req, chars, len(history or ()), self.config.max_model_len, self.tokenizer.max_chars_per_token
+        )
+        state = RequestState(
+            request_id=req.request_id,
+            scheduler_id=str(next(self._scheduler_ids)),
+            identity=identity,
+            stream=req.stream,
+            prompt_len=0,
+            arrival_time=arrival,
+            detokenizer=None,
+            stop=StopStringMatcher.for_request(req),
+            client_key=key,
+            fd=fd,
+        )
+        if req.constraint is None and (self._pool is None or chars < self.config.tokenize_inline_chars):
+            prompt_ids, start, end = self._prepare_prompt(req, history, False)
+            self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
+            self.in_flight[state.key] = state
+            self._admit(state, req, history, prompt_ids)
+            return
+        state.pending = True
+        self.in_flight[state.key] = state
+        self._c_pooled.add()
+        large = chars >= LARGE_INPUT_CHARS
+        job = asyncio.ensure_future(self._tokenize_in_pool(state, req, history, large))
+        self._tokenizing.add(job)
+        job.add_done_callback(self._tokenizing.discard)
+
+    async def _tokenize_in_pool(
+        self, state: RequestState, req: client_requests.GenerateRequest, history: list[int] | None, large: bool
+    ) -> None:
+        """Compile ``req``'s constraint, if it has one, off the loop
+        (:mod:`conveyor.frontend.constraints`); tokenize it on a pool thread (``large``: the
+        large-input pool's; on the loop without a pool); then admit it unless it was finalized
+        meanwhile."""
+        loop = asyncio.get_running_loop()
+        pool = self._large_pool if large else self._pool
+        error = None
+        try:
+            # A constrained request compiles first (the compiler's pool, bounded by its timeout):
+            # a bad constraint is refused before its tokens are ever sent.
+            await self.constraints.compile_async(req)
+            if pool is None:
+                prompt_ids, start, end = self._prepare_prompt(req, history, False)
+            else:
+                prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
+            self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
+        except wire.ProtocolError as exc:
+            error = exc
+        except Exception as exc:  # a bug, not the client's input: still exactly one final
+            log.exception("tokenizing request %r failed", req.request_id)
+            error = wire.ProtocolError(f"internal error while tokenizing: {exc}", req.request_id, wire.SERVER_ERROR)
+        if large:
+            self._schedule_trim()
+        if self.in_flight.get(state.key) is not state:
+            return  # aborted, disconnected or failed meanwhile: the scheduler never heard of it
+        if error is not None:
+            del self.in_flight[state.key]
+            await self._reply_error(state.identity, state.client_key, error)
+            return
+        self._admit(state, req, history, prompt_ids)
+
+    def _prepare_prompt(
+        self, req: client_requests.GenerateRequest, history: list[int] | None, release_gil: bool
+    ) -> tuple[list[int], int, int]:
+        """The whole context to send (earlier turns + this input), checked against the model's
+        limits (:mod:`conveyor.frontend.inputs`), and when its tokenization started and ended
+        (ns). Touches no mutable state of the frontend, so it runs on the loop or on a pool thread."""
+        start = profiling.now_ns()
+        input_ids = encode_input(self.tokenizer, req, continuing=history is not None, release_gil=release_gil)
+        end = profiling.now_ns()
+        prompt_ids = context_ids(
+            req,
+            history,
+            input_ids,
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.config.max_model_len,
+            tokenizer_vocab_size=self.tokenizer.vocab_size,
+        )
+        return prompt_ids, start, end
+
+    def _admit(
+        self, state: RequestState, req: client_requests.GenerateRequest, history: list[int] | None, prompt_ids: list[int]
+    ) -> None:
+        """Complete ``state`` (in flight already) with its prompt and send it to the scheduler
+        under its scheduler id; from then on the scheduler's outputs find it in :attr:`requests`.
+
+        Synchronous: an abort handled later is queued after the AddRequest."""
+        if history is not None:
+            self.sessions.take(state.key)  # back (extended) when this turn finishes
+        state.prompt_ids = prompt_ids
+        state.prompt_len = len(prompt_ids)
+        state.max_tokens = req.sampling.max_tokens
+        state.history_len = len(history) if history is not None else 0
+        state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
+        if req.sampling.n == 1:  # (n > 1 with log-probabilities asked is refused; best_of's are its own)
+            state.set_logprobs(req.sampling, self.tokenizer)
+        state.keep_best = req.keep_best
+        state.pending = False
+        self.requests[state.scheduler_id] = state  # (n > 1: where a refusal of the whole request finds it)
+        for i in range(req.sampling.n if req.sampling.n > 1 else 0):
+            seq = RequestState(
+                request_id=state.request_id,
+                scheduler_id=sequence_id(state.scheduler_id, i),
+                identity=state.identity,
+                stream=state.stream,
+                prompt_len=state.prompt_len,
+                arrival_time=state.arrival_time,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
+                stop=StopStringMatcher.for_request(req),
+                client_key=state.client_key,
+                fd=state.fd,
+                index=i,
+                parent=state,
+                max_tokens=state.max_tokens,
+            )
+            if req.keep_best is not None:  # its sampled tokens' log-probabilities, kept, never sent
+                seq.logprobs = LogprobsLog(0, state.prompt_len, self.tokenizer)
+            state.sequences.append(seq)
+            self.requests[seq.scheduler_id] = seq
+        self.metrics.add_prompt(state.prompt_len)
+        add = AddRequest(state.scheduler_id, prompt_ids, req.sampling, state.arrival_time, req.priority, lora=req.lora)
+        replica = self.replicas.submit(add, state.key, continuing=history is not None)
+        log.debug("request %r is %s at replica %s", state.request_id, state.scheduler_id, replica and replica.index)
+
+    async def _on_abort(self, key: bytes, request_id: str) -> None:
+        state = self.in_flight.get((key, request_id))
+        if state is None:
+            return  # already finished (its final is on the way) or never existed: aborts are idempotent
+        self._untrack(state)
+        if not state.pending:  # a pending one never reached the scheduler
+            self._abort_at_scheduler([state.scheduler_id])
+        self.output.finish(state, FinishReason.ABORT)
+
+    async def _reply_error(self, identity: bytes, key: bytes, exc: wire.ProtocolError) -> None:
+        """Answer a refused message. A refused ``generate`` whose id could be read ends as that
+        request's error ``final``, unless the client has a request in flight under that id (its
+        final is still to come: one final per id at a time); a frame that did not decode, or
+        that refusal, gets an ``error`` map with the id it carried (None if none was readable)."""
+        rid = exc.request_id
+        message = str(exc) if rid is not None else f"{exc} (no request_id could be read from this message)"
+        if isinstance(exc, wire.FrameError) or (rid is not None and (key, rid) in self.in_flight):
+            reply = replies.error_map(rid, message, exc.code)
+        else:
+            reply = replies.error_reply(rid, message, exc.code)
+        await self.sender.send(identity, reply)

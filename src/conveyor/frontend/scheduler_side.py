@@ -1,0 +1,183 @@
+"""The frontend's scheduler side: what the replicas' schedulers and bin/serve's control line send.
+
+Scheduler outputs are drained per replica (at most :data:`SCHEDULER_DRAIN_LIMIT` messages a
+wake-up), consecutive TokenOutputs handled as one pass of the output path
+(:class:`~conveyor.frontend.output.OutputPath`); ``stats`` and ``profile`` queries relayed
+to every live replica are answered once each answered or died (``profile`` also on
+:data:`PROFILE_TIMEOUT_S`); a replica reported dead fails its requests alone; a ``Shutdown``
+fails them all. Aborts go to the replicas that hold the requests.
+
+:class:`SchedulerSide` is the part of :class:`~conveyor.frontend.server.Frontend` that does
+this (a base class of it: it reads the frontend's tables, replicas, output path, sender,
+profiler and counters, which :class:`~conveyor.frontend.server.Frontend` sets up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import zmq
+import zmq.asyncio
+
+from conveyor import profiling
+from conveyor.frontend.replicas import Gather, merge_stats, replica_profiles, replica_stats
+from conveyor.ipc import codec
+from conveyor.ipc.messages import (
+    FinishReason,
+    ProcessFailed,
+    ProfileQuery,
+    ProfileReport,
+    SchedulerStats,
+    Shutdown,
+    TokenOutputs,
+)
+from conveyor.protocol import replies, wire
+from conveyor.protocol import requests as client_requests
+from conveyor.runtime.config import replica_of_process
+
+log = logging.getLogger("conveyor.frontend")
+
+PROFILE_TIMEOUT_S = 10.0
+# Scheduler messages handled per wake-up (queued TokenOutputs among them merged into one
+# pass) before clients get their turn again: bounds how long a frontend that fell behind
+# holds the loop.
+SCHEDULER_DRAIN_LIMIT = 16
+
+
+class SchedulerSide:
+    """The scheduler side of the frontend (module docstring)."""
+
+    async def _drain_scheduler(self, replica: int, sock: zmq.asyncio.Socket) -> None:
+        """Handle what replica ``replica``'s scheduler has queued on ``sock`` (at most
+        :data:`SCHEDULER_DRAIN_LIMIT` messages per wake-up, so clients are served in between),
+        in order. Consecutive TokenOutputs are handled as one: a frontend that fell behind sends
+        each stream one delta for all its new tokens instead of one per step, so its cost per
+        step drops and it catches up."""
+        batch: list[TokenOutputs] = []
+        for _ in range(SCHEDULER_DRAIN_LIMIT):
+            try:
+                frame = await sock.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                msg = codec.decode(frame.buffer)
+            except codec.DecodeError as exc:
+                log.error("dropping malformed message from scheduler: %s", exc)
+                continue
+            self._c_sched.add()
+            if isinstance(msg, TokenOutputs):
+                self.replicas.on_outputs(msg)
+                batch.append(msg)
+                continue
+            if batch:
+                self._on_token_outputs(batch)
+                batch = []
+            await self._on_scheduler_message(replica, msg)
+            if not self._running:
+                return
+        if batch:
+            self._on_token_outputs(batch)
+
+    def _on_token_outputs(self, batch: list[TokenOutputs]) -> None:
+        """Steps' outputs, oldest first, through the output path (one pass for all of them)."""
+        start = profiling.now_ns()
+        num_tokens, num_outputs = self.output.on_token_outputs(batch)
+        self._c_tokens.add(num_tokens)
+        self._t_outputs.record(start, arg=num_outputs)
+        if len(batch) > 1:
+            self._s_merged.add(len(batch))
+
+    async def _on_scheduler_message(self, replica: int, msg) -> None:
+        """A message of replica ``replica``'s scheduler other than TokenOutputs."""
+        if isinstance(msg, ProfileReport):
+            waiter = self._profile_waiters.get(msg.query_id)
+            if waiter is not None and waiter[3].add(replica, msg.profiles):
+                await self._reply_profile(msg.query_id)
+        elif isinstance(msg, SchedulerStats):
+            waiter = self._stats_waiters.get(msg.query_id)
+            if waiter is not None and waiter[2].add(replica, msg):
+                await self._reply_stats(msg.query_id)
+
+    async def _reply_stats(self, query_id: str) -> None:
+        """The ``stats`` reply once every replica asked answered (or died): their stats merged
+        (:func:`merge_stats`), each replica's own under ``replicas``."""
+        identity, iterations, gather = self._stats_waiters.pop(query_id)
+        if not gather.answers:
+            error = replies.error_map(None, "no scheduler is alive to answer stats", wire.SERVER_ERROR)
+            await self.sender.send(identity, error)
+            return
+        reply = replies.stats_reply(merge_stats(gather.answers), len(self.in_flight), iterations=iterations)
+        reply["replicas"] = replica_stats(self.replicas, gather.answers)
+        await self.sender.send(identity, reply)
+
+    async def _on_profile(self, identity: bytes, cmd: client_requests.ProfileCommand) -> None:
+        """Relay to every live replica's scheduler, which answers with its and its worker's snapshots."""
+        query_id = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        timeout = loop.call_later(PROFILE_TIMEOUT_S, lambda: asyncio.ensure_future(self._reply_profile(query_id, timed_out=True)))
+        waiting = self.replicas.broadcast(ProfileQuery(query_id, cmd.window_s, cmd.trace, list(cmd.series)))
+        self._profile_waiters[query_id] = (identity, cmd, timeout, Gather(waiting))
+
+    async def _reply_profile(self, query_id: str, timed_out: bool = False) -> None:
+        """This process's snapshot, then each replica's processes that answered; on a timeout,
+        an error naming the schedulers that did not."""
+        waiter = self._profile_waiters.pop(query_id, None)
+        if waiter is None:
+            return  # answered already (a late report after the timeout, or the reverse)
+        identity, cmd, timeout, gather = waiter
+        timeout.cancel()
+        error = None
+        if timed_out and gather.waiting:
+            which = "the scheduler" if len(self.replicas) == 1 else f"the scheduler of replica(s) {sorted(gather.waiting)}"
+            error = f"{which} did not answer within {PROFILE_TIMEOUT_S:g} s"
+        own = self.profiler.snapshot(cmd.window_s, trace=cmd.trace, series=cmd.series)
+        processes = [profiling.profile_to_map(own), *replica_profiles(gather.answers)]
+        await self.sender.send(identity, replies.profile_reply(profiling.CLOCK_NAME, cmd.window_s, processes, error))
+
+    async def _on_replica_failed(self, replica: int, reason: str) -> None:
+        """Replica ``replica``'s scheduler or worker died (bin/serve says so, and keeps serving on
+        the others): its requests get an error, nothing goes there again, and queries stop
+        waiting for it. Requests on the other replicas are untouched."""
+        error = f"replica {replica} failed: {reason}"
+        held = self.replicas.fail(replica, error)
+        log.error("%s; failing its %d request(s), serving on %d replica(s)", error, len(held), len(self.replicas.live()))
+        for scheduler_id in held:
+            state = self.requests.get(scheduler_id)
+            if state is not None:
+                self._untrack(state)
+                self.output.finish(state, FinishReason.ERROR, error=error)
+        for query_id, waiter in list(self._stats_waiters.items()):
+            if waiter[2].drop(replica):
+                await self._reply_stats(query_id)
+        for query_id, waiter in list(self._profile_waiters.items()):
+            if waiter[3].drop(replica):
+                await self._reply_profile(query_id)
+
+    async def fail_all(self, reason: str) -> None:
+        """Give every in-flight request an error (a peer process died or we are shutting down)."""
+        states = list(self.in_flight.values())
+        self.in_flight.clear()
+        self.requests.clear()
+        for state in states:
+            self.output.finish(state, FinishReason.ERROR, error=reason)
+
+    async def _on_control(self, frame) -> None:
+        try:
+            msg = codec.decode(frame.buffer)
+        except codec.DecodeError as exc:
+            log.error("dropping malformed control message: %s", exc)
+            return
+        if isinstance(msg, Shutdown):
+            log.info("shutting down: %s", msg.reason)
+            await self.fail_all(msg.reason)
+            self._running = False
+        elif isinstance(msg, ProcessFailed):  # bin/serve: a replica died, the others serve on
+            replica = replica_of_process(msg.process)
+            if replica is not None and replica < len(self.replicas) and self.replicas.replicas[replica].alive:
+                await self._on_replica_failed(replica, msg.reason)
+
+    def _abort_at_scheduler(self, request_ids: list[str]) -> None:
+        """Abort requests at the replicas that hold them (:meth:`ReplicaSet.abort`)."""
+        self.replicas.abort(request_ids)

@@ -12,7 +12,8 @@ serving needs on top of the ``tokenizers`` library and jinja2, and matches it ex
 - Model-specific transformers classes may rebuild part of that pipeline instead of using
   it as saved. ``LlamaTokenizer`` (Llama 2, Mistral) does, and differs from the older
   sentencepiece-style files (no ``▁`` is prepended after a special token or to text that
-  starts with a space), so its rebuild is mirrored here; ``Qwen2Tokenizer``'s equals the
+  starts with a space), so its rebuild is mirrored (in :mod:`conveyor.frontend.tokenizer_files`,
+  with the rest of reading a checkpoint's tokenizer files); ``Qwen2Tokenizer``'s equals the
   published files. Other classes are used as ``tokenizer.json`` says.
 - Special tokens named in the config but missing from ``tokenizer.json`` are added as
   transformers adds them (``added_tokens_decoder`` entries first, then the named ones).
@@ -33,11 +34,17 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import models
 
 from conveyor.frontend import chat_template
+from conveyor.frontend.tokenizer_files import (
+    add_missing_tokens,
+    chat_templates,
+    read_json,
+    rebuild_like_llama_tokenizer,
+    token_content,
+)
 
 # Named special tokens, in transformers' order; each is also a chat-template variable.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -155,7 +162,7 @@ class Tokenizer:
             backend = BackendTokenizer.from_file(str(tok_file))
         except Exception as exc:  # the Rust side raises a bare Exception for malformed files
             raise ValueError(f"cannot load {tok_file}: {exc}") from None
-        config = _read_json(root / "tokenizer_config.json") or {}
+        config = read_json(root / "tokenizer_config.json") or {}
         if not isinstance(config, dict):
             raise ValueError(f"{root / 'tokenizer_config.json'}: expected a JSON object")
 
@@ -163,15 +170,15 @@ class Tokenizer:
         backend.no_padding()
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         if config.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast"):
-            _rebuild_like_llama_tokenizer(backend, config)
+            rebuild_like_llama_tokenizer(backend, config)
 
-        special = {name: _token_content(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None}
+        special = {name: token_content(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None}
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
         if isinstance(extra, dict):  # v5 may name them: {"image_token": "<image>", ...}
             extra = list(extra.values())
-        extra = [_token_content(t) for t in extra]
-        _add_missing_tokens(backend, config.get("added_tokens_decoder") or {}, [*special.values(), *extra])
-        return cls(backend, special, extra, _chat_templates(root, config), source=str(root), memo_max=memo_max)
+        extra = [token_content(t) for t in extra]
+        add_missing_tokens(backend, config.get("added_tokens_decoder") or {}, [*special.values(), *extra])
+        return cls(backend, special, extra, chat_templates(root, config), source=str(root), memo_max=memo_max)
 
     # ------------------------------------------------------------------ vocabulary
 
@@ -432,7 +439,7 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False, release_gil=release_gil)
 
 
-# ---------------------------------------------------------------------- loading helpers
+# ---------------------------------------------------------------------- streaming helpers
 
 
 def _piece_decoder(backend: BackendTokenizer) -> str | None:
@@ -465,100 +472,3 @@ def _piece_decoder(backend: BackendTokenizer) -> str | None:
         if steps == _SPM_CHAIN or steps == [*_SPM_CHAIN, _SPM_STRIP]:
             return "sentencepiece"
     return None
-
-
-def _read_json(path: Path) -> Any:
-    """Parsed JSON at ``path``, or None when there is no such file."""
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot parse {path}: {exc}") from None
-
-
-def _token_content(value: Any) -> str:
-    """A special token's text from a config value: a string or a serialized AddedToken dict."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    raise ValueError(f"unrecognized special token entry in tokenizer_config.json: {value!r}")
-
-
-def _add_missing_tokens(backend: BackendTokenizer, added_tokens_decoder: dict, special: list[str]) -> None:
-    """Add tokens the config declares but tokenizer.json lacks, in transformers' order.
-
-    They take the next free ids, as in transformers, so ``vocab_size`` and every id agree with it.
-    """
-    tokens: list[AddedToken] = []
-    seen: set[str] = set()
-    for _, entry in sorted(added_tokens_decoder.items(), key=lambda kv: int(kv[0])):
-        content = _token_content(entry)
-        if backend.token_to_id(content) is None and content not in seen:
-            props = entry if isinstance(entry, dict) else {}
-            tokens.append(
-                AddedToken(
-                    content,
-                    single_word=bool(props.get("single_word", False)),
-                    lstrip=bool(props.get("lstrip", False)),
-                    rstrip=bool(props.get("rstrip", False)),
-                    normalized=bool(props.get("normalized", not props.get("special", True))),
-                    special=bool(props.get("special", True)),
-                )
-            )
-            seen.add(content)
-    for content in special:
-        if backend.token_to_id(content) is None and content not in seen:
-            tokens.append(AddedToken(content, special=True, normalized=False))
-            seen.add(content)
-    if tokens:
-        backend.add_tokens(tokens)
-
-
-def _rebuild_like_llama_tokenizer(backend: BackendTokenizer, config: dict) -> None:
-    """Give ``backend`` the normalizer, pre-tokenizer and decoder transformers 5's ``LlamaTokenizer`` builds.
-
-    That class keeps only the vocabulary, merges and post-processor of tokenizer.json: no
-    normalizer, a Metaspace pre-tokenizer over the whole text that prepends ``▁`` only at
-    the very start (or never, without ``add_prefix_space``), and the matching decoder.
-    """
-    if not isinstance(backend.model, models.BPE):
-        return  # that class only knows BPE; anything else is used as saved
-    add_prefix_space = config.get("add_prefix_space")
-    add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
-    scheme = ("always" if config.get("legacy") else "first") if add_prefix_space else "never"
-    backend.normalizer = None
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix_space:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
-
-
-def _chat_templates(root: Path, config: dict) -> dict[str, str]:
-    """Named chat templates, ``default`` being the one used without a name.
-
-    Precedence as in transformers: template files (``chat_template.jinja`` and
-    ``additional_chat_templates/*.jinja``) replace any template in tokenizer_config.json.
-    A processor-style ``chat_template.json`` is the last resort.
-    """
-    files: dict[str, str] = {}
-    default_file = root / "chat_template.jinja"
-    if default_file.is_file():
-        files["default"] = default_file.read_text(encoding="utf-8")
-    extra_dir = root / "additional_chat_templates"
-    if extra_dir.is_dir():
-        for f in sorted(extra_dir.glob("*.jinja")):
-            files[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
-    if files:
-        return files
-    entry = config.get("chat_template")
-    if isinstance(entry, str):
-        return {"default": entry}
-    if isinstance(entry, list):  # [{"name": ..., "template": ...}, ...]
-        return {t["name"]: t["template"] for t in entry}
-    legacy = _read_json(root / "chat_template.json")
-    if isinstance(legacy, dict) and isinstance(legacy.get("chat_template"), str):
-        return {"default": legacy["chat_template"]}
-    return {}

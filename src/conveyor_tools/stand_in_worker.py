@@ -9,7 +9,8 @@ from collections.abc import Callable
 import zmq
 
 from conveyor.ipc.messages import Shutdown, StepPlan, StepResult
-from conveyor.ipc.step_channel import StepChannels, StepReceiver, StepSender
+from conveyor.ipc.step_channel import StepChannels, StepSender
+from conveyor.ipc.step_receivers import StepReceiver
 
 
 def answer_plans(channels: StepChannels, answer: Callable[[StepPlan], StepResult]) -> None:

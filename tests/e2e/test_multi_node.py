@@ -168,7 +168,8 @@ def test_a_remote_reader_gets_every_plan_in_order_and_sees_the_sender_go() -> No
     import zmq
 
     from conveyor.ipc.messages import Shutdown
-    from conveyor.ipc.step_channel import ChannelSpec, PeerGone, RemoteReceiver, StepReceiver, StepSender
+    from conveyor.ipc.step_channel import ChannelSpec, PeerGone, StepSender
+    from conveyor.ipc.step_receivers import RemoteReceiver, StepReceiver
 
     port = free_port_pair()
     with tempfile.TemporaryDirectory() as run_dir:

@@ -16,7 +16,8 @@ import zmq
 
 from conveyor.ipc import step_channel
 from conveyor.ipc.messages import CachedRequests, NewRequestData, SamplingParams, Shutdown, StepPlan, StepResult
-from conveyor.ipc.step_channel import PeerGone, StepChannels, StepReceiver, StepSender
+from conveyor.ipc.step_channel import PeerGone, StepChannels, StepSender
+from conveyor.ipc.step_receivers import StepReceiver
 from conveyor_tools.stand_in_worker import answer_plans
 
 SPAWN = mp.get_context("spawn")

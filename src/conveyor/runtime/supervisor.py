@@ -26,7 +26,7 @@ Across nodes (``--nnodes N``): node 0 starts as above with its share of the rank
 ready once they have joined node 0's process group. Each node watches its own children: a
 rank that dies stops its node, and the other nodes notice through the group (node 0's ranks'
 next collective fails, within ``--distributed-timeout``) or through the plan sockets (a
-remote rank's connection to node 0 is lost, conveyor.ipc.step_channel.RemoteReceiver), so
+remote rank's connection to node 0 is lost, conveyor.ipc.step_receivers.RemoteReceiver), so
 each node stops; node 0 answers every in-flight request with an error first.
 
 bin/serve (:mod:`conveyor.cli.serve`) is flags, this, and its messages.

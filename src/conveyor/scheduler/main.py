@@ -60,7 +60,8 @@ from conveyor.ipc.messages import (
     TokenOutputs,
 )
 from conveyor.runtime.process import Started, run_process
-from conveyor.ipc.step_channel import PeerGone, StepReceiver, StepSender
+from conveyor.ipc.step_channel import PeerGone, StepSender
+from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("conveyor.scheduler")

@@ -60,7 +60,8 @@ import zmq
 from conveyor import profiling
 from conveyor.ipc import codec
 from conveyor.ipc.messages import ProfileQuery, ProfileReport, Shutdown, StepPlan, StepResult
-from conveyor.ipc.step_channel import PeerGone, StepReceiver, StepSender
+from conveyor.ipc.step_channel import PeerGone, StepSender
+from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import Attention, Device, Dtype, PipelineSteps, WorkerConfig, rank_process_name
 from conveyor.runtime.process import Started, run_process
 

@@ -22,142 +22,42 @@ and ``hf-cb`` (transformers continuous batching). Every system gets the same
 concurrency cap, ``--batch-size``: the server's --max-num-seqs, the padded batch size, and
 hf-cb's max requests per batch. A system that cannot run here is reported as such, with
 the reason; no number is ever invented for it. docs/benchmarks.md has the method and results.
+
+This module holds the offline and online commands and `main`; the parser and the systems
+table are in :mod:`conveyor_tools.cli.bench_options`, the experiments command in
+:mod:`conveyor_tools.cli.bench_experiments`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import math
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
-from conveyor_tools.bench import experiment_tables, experiments, plots, report
+from conveyor_tools.bench import experiments, plots, report
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.http_driver import run_online_http
 from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
-from conveyor_tools.bench.workloads import WORKLOADS, constrain_fraction, make_workload, poisson_arrivals, with_controls, with_logprobs
+from conveyor_tools.bench.workloads import constrain_fraction, make_workload, poisson_arrivals, with_controls, with_logprobs
+from conveyor_tools.cli.bench_experiments import experiments_main
+from conveyor_tools.cli.bench_options import (
+    ALL_SYSTEMS,
+    HTTP_SERVED,
+    IN_PROCESS,
+    SERVED,
+    build_parser,
+    checkpoint_dir,
+    model_settings,
+    progress_bar,
+    serve_flags,
+)
 from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.runtime.build import GIB
-from conveyor.runtime.config import Device, Dtype, WorkerConfig
 from conveyor.worker.main import resolve_device
-
-SERVED = {
-    "conveyor": [],
-    "static": ["--batching", "static"],
-    "conveyor-noprof": ["--no-profile"],
-    "conveyor-nooverlap": ["--no-overlap"],
-    "conveyor-zmq": ["--plan-transport", "zmq"],
-}
-# Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
-HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}
-IN_PROCESS = ("hf", "hf-compiled", "hf-cb")
-ALL_SYSTEMS = (*SERVED, *HTTP_SERVED, *IN_PROCESS)
-TIMEOUT_S = 3600.0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    # What every mode shares: the model, the device and the server's sizes.
-    engine = argparse.ArgumentParser(add_help=False)
-    engine.add_argument("--model", help="HF checkpoint directory (default: the built-in demo model)")
-    engine.add_argument("--device", default="auto", choices=Device.names())
-    engine.add_argument("--dtype", default="auto", choices=Dtype.names())
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
-    engine.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (conveyor, hf-cb)")
-    engine.add_argument(
-        "--kv-cache-memory", type=float, default=WorkerConfig.kv_cache_memory_bytes / GIB, help="GiB of KV cache (conveyor, hf-cb)"
-    )
-    engine.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
-    engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")
-    engine.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
-    engine.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds a server may stay silent")
-
-    common = argparse.ArgumentParser(add_help=False, parents=[engine])
-    common.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(ALL_SYSTEMS)}")
-    common.add_argument("--workload", default="high-variance", choices=WORKLOADS)
-    common.add_argument("--num-requests", type=int, default=64)
-    common.add_argument("--prompt-len", type=int, default=128, help="fixed and lognormal workloads")
-    common.add_argument("--output-len", type=int, default=128, help="fixed workload; lognormal workload's mean")
-    common.add_argument("--output-sigma", type=float, default=1.0, help="lognormal workload: log-space spread of outputs")
-    common.add_argument(
-        "--logprobs-fraction", type=float, default=0.0, help="this fraction of the requests asks for --logprobs (Conveyor systems)"
-    )
-    common.add_argument("--logprobs", type=int, default=5, help="top log-probabilities those requests ask for")
-    common.add_argument("--scale", type=float, default=1.0, help="sharegpt workload: lengths times this")
-    common.add_argument("--min-len", type=int, default=100, help="uniform workload")
-    common.add_argument("--max-len", type=int, default=1024, help="uniform workload")
-    common.add_argument("--batch-size", type=int, default=32, help="concurrency cap of every system")
-    common.add_argument(
-        "--controls-fraction",
-        type=float,
-        default=0.0,
-        help="share of requests sent with sampling controls (penalties, logit_bias); conveyor systems only",
-    )
-    common.add_argument(
-        "--constrained-fraction",
-        type=float,
-        default=0.0,
-        help="share of requests under a JSON schema (structured output); conveyor systems only",
-    )
-    common.add_argument("--json", metavar="PATH", help="write the results, machine and versions as JSON")
-    common.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: the bench extra)")
-
-    p = argparse.ArgumentParser(prog="bench", description="Benchmark Conveyor against baselines.")
-    sub = p.add_subparsers(dest="mode", required=True)
-    off = sub.add_parser("offline", parents=[common], help="all requests at once: throughput")
-    off.add_argument("--repeat", type=int, default=1, help="runs per system, interleaved; the median is reported")
-    on = sub.add_parser("online", parents=[common], help="Poisson arrivals: latency and goodput")
-    on.add_argument("--rate", default="4", help="requests/s; a comma-separated sweep; 'inf' for all at once")
-    on.add_argument("--address", help="benchmark this running server instead of starting one")
-    on.add_argument("--http", action="store_true", help="also drive the load through the OpenAI HTTP API (adds conveyor-http)")
-    on.add_argument("--http-url", help="with --address: that server's HTTP API (e.g. http://127.0.0.1:8000), also driven")
-    on.add_argument("--repeat", type=int, default=1, help="runs per system, alternating (a fresh server each)")
-    on.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput target: time to first token")
-    on.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target: time per output token")
-    exp = sub.add_parser(
-        "experiments", parents=[engine], help="the continuous-batching write-ups' tables: continuous vs static"
-    )
-    exp.add_argument("--out", metavar="DIR", help="write experiments.json, tables.txt and the PNG plots here")
-    exp.add_argument("--only", help="comma-separated experiment numbers, from 1,2,3,4,5 (default: all)")
-    exp.add_argument("--quick", action="store_true", help="small sizes (a smoke run for CI, on a tiny checkpoint)")
-    exp.add_argument("--batch-sizes", help="experiment 1's sweep, comma-separated (default 8,16,32,64,128)")
-    exp.add_argument("--batch-size", type=int, help="batch size of experiments 2-5 (default 32)")
-    exp.add_argument("--batches", type=int, help="experiment 1: requests per run = this x the batch size (default 6)")
-    exp.add_argument("--scale", type=float, help="ShareGPT lengths (means 161/338 tokens, clip 1024) times this (default 0.5)")
-    exp.add_argument("--num-requests", type=int, help="requests of experiment 2 (default 160) and of each spread of experiment 5 (default 512)")
-    exp.add_argument("--rate", type=float, help="experiment 2's arrival rate, req/s (default: --load x continuous capacity)")
-    exp.add_argument("--load", type=float, help="experiment 2's rate as a fraction of continuous capacity (default 0.7)")
-    exp.add_argument("--prompt-len", type=int, help="experiment 5's prompt length (default 32)")
-    exp.add_argument("--mean-output", type=int, help="experiment 5's mean output length (default 96)")
-    return p
-
-
-def _progress(args: argparse.Namespace, total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", disable=args.no_progress, file=sys.stderr, leave=True)
-
-
-def _serve_args(args: argparse.Namespace, model_dir: str, device: str, extra: list[str]) -> list[str]:
-    out = [
-        "--model", model_dir,
-        "--device", device,
-        "--dtype", args.dtype,
-        "--max-num-seqs", str(args.batch_size),
-        "--max-num-batched-tokens", str(args.max_batched_tokens),
-        "--kv-cache-memory", str(args.kv_cache_memory),
-    ]  # fmt: skip
-    if args.threads:
-        out += ["--threads", str(args.threads)]
-    if args.max_model_len:
-        out += ["--max-model-len", str(args.max_model_len)]
-    return out + extra + list(args.serve_arg)
 
 
 def offline_serve_args(args: argparse.Namespace, model_dir: str, device: str, system: str) -> list[str]:
@@ -166,7 +66,7 @@ def offline_serve_args(args: argparse.Namespace, model_dir: str, device: str, sy
     as in the experiments (:func:`conveyor_tools.bench.experiments.offline_gate` says why), so
     its first batch, and the static/continuous ratio, do not depend on how fast the requests
     reached the scheduler."""
-    return _serve_args(args, model_dir, device, SERVED[system] + experiments.offline_gate(system, args.batch_size))
+    return serve_flags(args, model_dir, device, SERVED[system] + experiments.offline_gate(system, args.batch_size))
 
 
 def _run_record(run: OfflineRun) -> dict[str, Any]:
@@ -190,7 +90,7 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             if "unavailable" in results[name]:
                 continue
             desc = name if args.repeat == 1 else f"{name} [{rep + 1}/{args.repeat}]"
-            with _progress(args, len(workload.requests), desc) as bar:
+            with progress_bar(args, len(workload.requests), desc) as bar:
                 try:
                     if name in SERVED:
                         with BenchServer(offline_serve_args(args, model_dir, device, name)) as server:
@@ -265,7 +165,7 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
         for name, extra, http_url in targets:
             if name in failed:
                 continue
-            server = None if extra is None else BenchServer(_serve_args(args, model_dir, device, extra))
+            server = None if extra is None else BenchServer(serve_flags(args, model_dir, device, extra))
             try:
                 if server is not None:
                     server.start()
@@ -279,7 +179,7 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                     label = f"{name} @ {rate:g}/s" + ("" if args.repeat == 1 else f" [{rep + 1}/{args.repeat}]")
                     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                     probe = None if server is None else server.cpu_seconds
-                    with _progress(args, len(workload.requests), label) as bar:
+                    with progress_bar(args, len(workload.requests), label) as bar:
                         if http_url is None:
                             job = run_online(name, address, workload, arrivals, rate, *slo, bar, args.timeout, probe)
                         else:
@@ -323,156 +223,9 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _model_dir(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
-
-    return str(demo_checkpoint_dir())
-
-
-def _serve_flag(args: argparse.Namespace, flag: str) -> str | None:
-    """The value a --serve-arg gives bin/serve's ``flag`` (``--flag V`` or ``--flag=V``), or None."""
-    extra = list(args.serve_arg)
-    for i, arg in enumerate(extra):
-        if arg == flag and i + 1 < len(extra):
-            return extra[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def _experiment_sizes(args: argparse.Namespace) -> experiments.Sizes:
-    """--quick's or the full sizes, with each size flag given replacing its default."""
-    base = experiments.QUICK if args.quick else experiments.FULL
-    changes: dict[str, Any] = {
-        "focus_batch": args.batch_size,
-        "batches_per_run": args.batches,
-        "sharegpt_scale": args.scale,
-        "online_requests": args.num_requests,
-        "spread_requests": args.num_requests,
-        "load": args.load,
-        "spread_prompt_len": args.prompt_len,
-        "spread_mean_output": args.mean_output,
-    }
-    if args.batch_sizes:
-        changes["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))
-    return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
-
-
-def experiments_main(args: argparse.Namespace, argv: list[str] | None) -> int:
-    """bin/bench experiments: run, print the tables, write JSON, tables and plots to --out."""
-    try:
-        only = {int(x) for x in args.only.split(",")} if args.only else set(experiments.EXPERIMENTS)
-        sizes = _experiment_sizes(args)
-    except ValueError as exc:
-        print(f"bench: {exc}", file=sys.stderr)
-        return 2
-    if not only <= set(experiments.EXPERIMENTS):
-        print(f"bench: --only takes experiment numbers from 1,2,3,4,5, got {args.only}", file=sys.stderr)
-        return 2
-    if min(sizes.batch_sizes) < 1 or sizes.focus_batch < 1 or sizes.batches_per_run < 1:
-        print("bench: batch sizes and --batches must be positive", file=sys.stderr)
-        return 2
-    model_dir = _model_dir(args)
-    model = ModelConfig.from_dir(model_dir)
-    try:
-        device = resolve_device(args.device)
-    except (RuntimeError, ValueError) as exc:
-        print(f"bench: {exc}", file=sys.stderr)
-        return 2
-    import torch
-
-    from conveyor.runtime.config import SchedulerConfig
-    from conveyor.worker.loader import resolve_dtype
-
-    block_size = int(_serve_flag(args, "--block-size") or SchedulerConfig.block_size)
-    dtype_bytes = torch.empty((), dtype=resolve_dtype(args.dtype, device, model)).element_size()
-    kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
-
-    def serve_args(system: str, batch_size: int) -> list[str]:
-        sized = argparse.Namespace(**{**vars(args), "batch_size": batch_size})
-        return _serve_args(sized, model_dir, device, SERVED["conveyor" if system == "continuous" else "static"])
-
-    def progress(total: int, label: str):
-        return _progress(args, total, label)
-
-    setup = experiments.Setup(
-        serve_args=serve_args,
-        progress=progress,
-        vocab_size=model.vocab_size,
-        max_model_len=args.max_model_len or model.max_position_embeddings,
-        seed=args.seed,
-        timeout=args.timeout,
-        block_size=block_size,
-        kv_bytes_per_token=kv_bytes_per_token,
-        rate=args.rate,
-    )
-    print(
-        f"bench experiments {','.join(map(str, sorted(only)))}: model {'demo' if not args.model else model_dir} "
-        f"({model.architecture}, {model.num_layers} layers, hidden {model.hidden_size}) on {device}",
-        file=sys.stderr,
-    )
-    env = report.environment(device)
-    result = experiments.Experiments(setup, sizes, only).run()
-    if hasattr(os, "getloadavg"):
-        env["machine"]["load_average_at_end"] = list(os.getloadavg())
-    text = experiment_tables.format_tables(result["tables"], env, args.threads)
-    print()
-    print(text)
-    unavailable = {k: r["unavailable"] for k, r in result["runs"].items() if "unavailable" in r}
-    payload = {
-        "benchmark": "experiments",
-        "command": " ".join(["bin/bench", *(argv if argv is not None else sys.argv[1:])]),
-        "settings": {
-            "model": "demo" if not args.model else model_dir,
-            "model_config": model_settings(model),
-            "device": device,
-            "dtype": args.dtype,
-            "experiments": sorted(only),
-            "sizes": experiments.sizes_json(sizes),
-            "max_batched_tokens": args.max_batched_tokens,
-            "kv_cache_memory_gib": args.kv_cache_memory,
-            "block_size": block_size,
-            "threads": args.threads,
-            "max_model_len": setup.max_model_len,
-            "serve_args": list(args.serve_arg),
-        },
-        "environment": env,
-        "tables_text": text,
-        "unavailable": unavailable,
-        **result,
-    }
-    if args.out:
-        out = Path(args.out)
-        report.write_json(str(out / "experiments.json"), payload)
-        (out / "tables.txt").write_text(text + "\n", encoding="utf-8")
-        written = [str(out / "experiments.json"), str(out / "tables.txt")]
-        missing = plots.missing_requirement()
-        if missing:
-            print(f"no plots: {missing}", file=sys.stderr)
-        else:
-            written += plots.plot_experiments(str(out), payload)
-        print(f"written: {', '.join(written)}", file=sys.stderr)
-    return 1 if unavailable else 0
-
-
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     # Unwinds like Ctrl-C, so every server this benchmark started is stopped on the way out.
     raise SystemExit(128 + signum)
-
-
-def model_settings(model: ModelConfig) -> dict[str, Any]:
-    """The model's shape as a result file records it."""
-    return {
-        "architecture": model.architecture,
-        "num_layers": model.num_layers,
-        "hidden_size": model.hidden_size,
-        "num_heads": model.num_heads,
-        "num_kv_heads": model.num_kv_heads,
-        "head_dim": model.head_dim,
-        "vocab_size": model.vocab_size,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -498,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and (missing := plots.missing_requirement()):
         print(f"bench: --plot: {missing}", file=sys.stderr)
         return 2
-    model_dir = _model_dir(args)
+    model_dir = checkpoint_dir(args)
     model = ModelConfig.from_dir(model_dir)
     try:
         device = resolve_device(args.device)  # bin/serve's rule, so every system runs on the same device

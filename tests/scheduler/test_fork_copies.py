@@ -18,6 +18,15 @@ from tests.scheduler.scheduler_harness import Harness
 from conveyor.runtime.config import SchedulerConfig
 
 
+def first_fork(h: Harness):
+    """Step until a plan forks a sequence (has block copies); that plan."""
+    while True:
+        plan = h.step()
+        assert plan is not None, "no plan forked a sequence"
+        if plan.copy_blocks:
+            return plan
+
+
 def test_fork_copy_into_the_block_of_a_victim_swapped_out_by_the_same_plan():
     # Priority policy, a tiny budget (chunked prefill) and a pool of 5 blocks of 4: the
     # second sequence (ranked ahead of r1) can fork only by swapping r1 out, and takes r1's
@@ -29,12 +38,7 @@ def test_fork_copy_into_the_block_of_a_victim_swapped_out_by_the_same_plan():
     h = Harness(cfg)
     assert h.add("r0", prompt_len=14, max_tokens=2, n=2) is None
     assert h.add("r1", prompt_len=3, max_tokens=1) is None
-    fork_plan = None
-    while fork_plan is None:
-        plan = h.step()
-        assert plan is not None
-        if plan.copy_blocks:
-            fork_plan = plan
+    fork_plan = first_fork(h)
     # The scenario: the copy's destination is the block that plan swaps out.
     [(_, dst)] = fork_plan.copy_blocks
     assert dst in [g for g, _ in fork_plan.swap_out], (fork_plan.copy_blocks, fork_plan.swap_out)
@@ -78,12 +82,7 @@ def test_fork_from_a_first_sequence_swapped_in_by_the_same_plan():
     h = Harness(cfg)
     assert h.add("hog", prompt_len=4, max_tokens=10) is None
     assert h.add("p", prompt_len=6, max_tokens=6, n=2) is None
-    fork_plan = None
-    while fork_plan is None:
-        plan = h.step()
-        assert plan is not None
-        if plan.copy_blocks:
-            fork_plan = plan
+    fork_plan = first_fork(h)
     [(src, _)] = fork_plan.copy_blocks
     assert src in [g for _, g in fork_plan.swap_in], (fork_plan.copy_blocks, fork_plan.swap_in)
     h.run()

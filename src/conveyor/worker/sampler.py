@@ -134,13 +134,8 @@ class SamplingColumns:
         size = len(self.columns["seed"])
         if slot >= size:
             new_size = max(slot + 1, 2 * size, 16)
-            for name, column in self.columns.items():
-                grown = np.zeros(new_size, column.dtype)
-                grown[:size] = column
-                self.columns[name] = grown
-            grown = np.full(new_size, -1, np.int64)
-            grown[:size] = self.logprobs
-            self.logprobs = grown
+            self.columns = {name: _grown(column, new_size, 0) for name, column in self.columns.items()}
+            self.logprobs = _grown(self.logprobs, new_size, -1)
         values = row_values(params)
         for name, column in self.columns.items():
             column[slot] = values[name]
@@ -152,6 +147,13 @@ class SamplingColumns:
 
     def gather(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         return {name: column[slots] for name, column in self.columns.items()}
+
+
+def _grown(column: np.ndarray, size: int, fill: int) -> np.ndarray:
+    """``column`` extended to ``size`` entries, the new ones ``fill``."""
+    grown = np.full(size, fill, column.dtype)
+    grown[: len(column)] = column
+    return grown
 
 
 def row_values(params: SamplingParams) -> dict[str, float | int | bool]:

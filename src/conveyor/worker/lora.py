@@ -61,6 +61,10 @@ class LoraLoadError(ValueError):
     """An adapter that cannot be served: its message says which and why."""
 
 
+class LoraFilesMissing(LoraLoadError):
+    """The adapter's directory or one of its files does not exist."""
+
+
 class UnknownAdapter(KeyError):
     """A request named an adapter nobody registered."""
 
@@ -116,7 +120,7 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     for path in (config_path, weights_path):
         if not path.is_file():
-            raise LoraLoadError(f"adapter {name!r}: missing file {path}")
+            raise LoraFilesMissing(f"adapter {name!r}: missing file {path}")
     try:
         peft = json.loads(config_path.read_text())
     except ValueError as error:

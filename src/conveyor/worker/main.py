@@ -59,7 +59,18 @@ import zmq
 
 from conveyor import profiling
 from conveyor.ipc import codec
-from conveyor.ipc.messages import ProfileQuery, ProfileReport, Shutdown, StepPlan, StepResult
+from conveyor.ipc.messages import (
+    LORA_INVALID,
+    LORA_NOT_FOUND,
+    LoadLora,
+    LoraUpdated,
+    ProfileQuery,
+    ProfileReport,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    UnloadLora,
+)
 from conveyor.ipc.step_channel import PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import Attention, Device, Dtype, PipelineSteps, WorkerConfig, rank_process_name
@@ -318,6 +329,9 @@ class StepLoop:
                     snapshot = self.prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
                     self.results.send(ProfileReport(msg.query_id, [snapshot]))
                 continue
+            if isinstance(msg, (LoadLora, UnloadLora)):
+                self._update_lora(msg)
+                continue
             if not isinstance(msg, StepPlan):
                 log.error("unexpected message %s", type(msg).__name__)
                 continue
@@ -337,6 +351,30 @@ class StepLoop:
             if not self.pipeline or isinstance(launched, StepResult):
                 self._finish_pending()
                 idle_start = profiling.now_ns()
+
+    def _update_lora(self, msg: LoadLora | UnloadLora) -> None:
+        """Load or unload an adapter between two steps (a launched step runs on meanwhile);
+        rank 0 answers a load. Between steps rather than on a thread of its own: every rank
+        then loads at the same point of its plan stream, so the ranks can agree on the outcome
+        with one collective, and no lock guards the adapter tables the steps read. The price
+        is that the read holds the next step back (docs/architecture.md, "LoRA adapters")."""
+        from conveyor.worker.lora import LoraFilesMissing, LoraLoadError
+
+        if isinstance(msg, UnloadLora):
+            self.runner.unload_lora(msg.name)
+            return
+        answer = LoraUpdated(msg.query_id, msg.name)
+        start = time.monotonic()
+        try:
+            self.runner.load_lora(msg.name, msg.path)
+        except LoraLoadError as exc:
+            answer.code = LORA_NOT_FOUND if isinstance(exc, LoraFilesMissing) else LORA_INVALID
+            answer.error = str(exc)
+            log.warning("LoRA adapter %r from %s refused: %s", msg.name, msg.path, exc)
+        else:
+            log.info("LoRA adapter %r read from %s in %.3f s", msg.name, msg.path, time.monotonic() - start)
+        if self.results is not None:
+            self.results.send(answer)
 
     def close(self) -> None:
         self.plans.close()

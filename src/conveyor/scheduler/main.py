@@ -35,8 +35,9 @@ sockets) and goes to the frontend with this process's snapshot in front.
 
 LoRA adapters loaded while serving (:mod:`conveyor.ipc.messages.lora_updates`): a LoadLora
 goes to the worker on the plan channel like a profile query (one at a time, the name
-reserved meanwhile so a second load of it is refused), and requests may name the adapter
-once the worker's LoraUpdated says it loaded. An UnloadLora is decided here: refused while a
+reserved meanwhile so a second load of it is refused); when the worker says its read is over
+(LoraRead) a CommitLora follows it, and requests may name the adapter once the worker's
+LoraUpdated says it loaded. An UnloadLora is decided here: refused while a
 live request names the adapter (``lora_in_use``), else the name is forgotten at once (a
 request naming it from now on is refused) and the worker is told to free it after the plans
 already sent, none of which a later plan could still need.
@@ -60,7 +61,9 @@ from conveyor.ipc.messages import (
     LORA_NOT_FOUND,
     AbortRequests,
     AddRequest,
+    CommitLora,
     LoadLora,
+    LoraRead,
     LoraUpdated,
     ProfileQuery,
     ProfileReport,
@@ -222,18 +225,21 @@ class SchedulerLoop:
                 continue
             if msg is None:
                 return
-            if isinstance(msg, (ProfileReport, LoraUpdated)):
+            if isinstance(msg, (ProfileReport, LoraRead, LoraUpdated)):
                 self._on_worker_report(msg)
             else:
                 log.error("unexpected worker message %s with no plan in flight", type(msg).__name__)
 
-    def _on_worker_report(self, report: ProfileReport | LoraUpdated) -> None:
+    def _on_worker_report(self, report: ProfileReport | LoraRead | LoraUpdated) -> None:
         if isinstance(report, ProfileReport):
             self._on_worker_profile(report)
             return
         loads = self._lora_loads
         if not loads or loads[0].query_id != report.query_id:
-            log.error("LoRA answer %r answers no outstanding load", report.query_id)
+            log.error("LoRA report %r answers no outstanding load", report.query_id)
+            return
+        if isinstance(report, LoraRead):  # every rank registers it between the same two plans
+            self.to_worker.send(CommitLora(report.query_id))
             return
         loads.popleft()
         if report.ok:
@@ -311,7 +317,7 @@ class SchedulerLoop:
                 except codec.DecodeError as exc:
                     log.error("malformed result from worker: %s", exc)
                     return StepResult(plan.step_id, [], [], error=f"malformed worker result: {exc}")
-                if isinstance(result, (ProfileReport, LoraUpdated)):
+                if isinstance(result, (ProfileReport, LoraRead, LoraUpdated)):
                     self._on_worker_report(result)
                     continue
                 if not isinstance(result, StepResult) or result.step_id != plan.step_id:

@@ -286,12 +286,18 @@ class LoraManager:
             raise UnknownAdapter(name)
         return self._ids[name]
 
-    def register(self, name: str, directory: str | Path) -> int:
-        """Read and check the adapter (:func:`read_adapter`) and register it under ``name``;
-        raises :class:`LoraLoadError` leaving everything as it was."""
+    def read(self, name: str, directory: str | Path) -> LoraAdapter:
+        """Read and check the adapter (:func:`read_adapter`) against this model; changes
+        nothing here, so it may run on another thread than the steps."""
+        return read_adapter(name, directory, self.config, self.options.max_lora_rank)
+
+    def register(self, name: str, directory: str | Path, adapter: LoraAdapter | None = None) -> int:
+        """Register the adapter under ``name``: ``adapter`` as :meth:`read` gave it, or (None)
+        read now; raises :class:`LoraLoadError` leaving everything as it was."""
         if name in self._ids:
             raise LoraLoadError(f"adapter {name!r} is already loaded")
-        adapter = read_adapter(name, directory, self.config, self.options.max_lora_rank)
+        if adapter is None:
+            adapter = self.read(name, directory)
         self._ids[name] = self._next_id
         self._next_id += 1
         self._dirs[name] = Path(directory)

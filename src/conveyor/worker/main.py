@@ -60,10 +60,9 @@ import zmq
 from conveyor import profiling
 from conveyor.ipc import codec
 from conveyor.ipc.messages import (
-    LORA_INVALID,
-    LORA_NOT_FOUND,
+    CommitLora,
     LoadLora,
-    LoraUpdated,
+    LoraRead,
     ProfileQuery,
     ProfileReport,
     Shutdown,
@@ -84,6 +83,8 @@ log = logging.getLogger("conveyor.worker")
 
 
 DEFAULT_CUDA_SWAP_SPACE = 4 << 30
+# How often an idle worker looks whether an adapter read is over (it has no plan to wake it).
+READ_POLL_S = 0.005
 
 
 def default_swap_space(device: str) -> int:
@@ -302,6 +303,9 @@ class StepLoop:
         self.steps = profiling.StepRecorder(prof)
         self.pending = None  # (launched step, or the StepResult of a launch that failed)
         self.pending_shape: tuple[tuple[int, int, int, int], int] | None = None  # (plan shape, read at)
+        from conveyor.worker.lora_updates import AdapterReads  # (torch: imported with the runner, not this module)
+
+        self.reads = AdapterReads(runner)  # LoRA adapters being read off the loop
 
     def run(self) -> None:
         idle_start = profiling.now_ns()
@@ -310,8 +314,11 @@ class StepLoop:
                 self._finish_pending()
                 idle_start = profiling.now_ns()
                 continue
+            if self.reads:
+                self._report_reads()
             try:
-                self.plans.wait()
+                while not self.plans.wait(READ_POLL_S if self.reads else None):
+                    self._report_reads()  # idle with an adapter being read: report it when it is
                 received = profiling.now_ns()
                 msg = self.plans.recv(0)
             except codec.DecodeError as exc:
@@ -329,7 +336,7 @@ class StepLoop:
                     snapshot = self.prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
                     self.results.send(ProfileReport(msg.query_id, [snapshot]))
                 continue
-            if isinstance(msg, (LoadLora, UnloadLora)):
+            if isinstance(msg, (LoadLora, CommitLora, UnloadLora)):
                 self._update_lora(msg)
                 continue
             if not isinstance(msg, StepPlan):
@@ -352,31 +359,31 @@ class StepLoop:
                 self._finish_pending()
                 idle_start = profiling.now_ns()
 
-    def _update_lora(self, msg: LoadLora | UnloadLora) -> None:
-        """Load or unload an adapter between two steps (a launched step runs on meanwhile);
-        rank 0 answers a load. Between steps rather than on a thread of its own: every rank
-        then loads at the same point of its plan stream, so the ranks can agree on the outcome
-        with one collective, and no lock guards the adapter tables the steps read. The price
-        is that the read holds the next step back (docs/architecture.md, "LoRA adapters")."""
-        from conveyor.worker.lora import LoraFilesMissing, LoraLoadError
-
-        if isinstance(msg, UnloadLora):
+    def _update_lora(self, msg: LoadLora | CommitLora | UnloadLora) -> None:
+        """A LoRA update, between two steps: a load starts its read off the loop, a commit
+        registers it on every rank (rank 0 answers), an unload frees the adapter
+        (:mod:`conveyor.worker.lora_updates`)."""
+        if isinstance(msg, LoadLora):
+            self.reads.start(msg)
+        elif isinstance(msg, UnloadLora):
             self.runner.unload_lora(msg.name)
-            return
-        answer = LoraUpdated(msg.query_id, msg.name)
-        start = time.monotonic()
-        try:
-            self.runner.load_lora(msg.name, msg.path)
-        except LoraLoadError as exc:
-            answer.code = LORA_NOT_FOUND if isinstance(exc, LoraFilesMissing) else LORA_INVALID
-            answer.error = str(exc)
-            log.warning("LoRA adapter %r from %s refused: %s", msg.name, msg.path, exc)
         else:
-            log.info("LoRA adapter %r read from %s in %.3f s", msg.name, msg.path, time.monotonic() - start)
+            answer = self.reads.commit(msg.query_id)
+            if answer.ok:
+                log.info("LoRA adapter %r loaded", answer.name)
+            else:
+                log.warning("LoRA adapter %r refused: %s", answer.name, answer.error)
+            if self.results is not None:
+                self.results.send(answer)
+
+    def _report_reads(self) -> None:
+        """Rank 0: tell the scheduler of each adapter read that is over (it then orders the commit)."""
         if self.results is not None:
-            self.results.send(answer)
+            for query_id in self.reads.newly_done():
+                self.results.send(LoraRead(query_id))
 
     def close(self) -> None:
+        self.reads.close()
         self.plans.close()
         if self.results is not None:
             self.results.close()

@@ -60,8 +60,9 @@ from conveyor.worker.grammar_steps import GrammarSteps
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 from conveyor.worker.logprob_steps import LogprobRows, LogprobSteps
-from conveyor.worker.lora import LoraLoadError, LoraManager, LoraOptions
-from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, all_ranks_agree, broadcast_from_first_
+from conveyor.worker.lora import LoraManager, LoraOptions
+from conveyor.worker.lora_updates import LoraUpdates
+from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
 from conveyor.worker.request_state import RequestState, SlotStates, Work
 from conveyor.worker.sampler import Sampler, SamplingColumns, batch_from_rows
@@ -96,7 +97,7 @@ class LaunchedStep:
     spec_targets: torch.Tensor | None = None
 
 
-class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
+class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, LoraUpdates):
     """The model, its KV cache, the sampler and per-request state of one worker.
 
     Give exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` (the pool then holds as
@@ -296,32 +297,6 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
                 launched.done.record()
         launched.failed = False
         return launched
-
-    def load_lora(self, name: str, directory: str) -> None:
-        """Register the adapter in ``directory`` as ``name`` on every tensor-parallel rank or on
-        none: each rank reads and checks it (:meth:`LoraManager.register`), then they agree
-        (every rank calls this at the same point of its plan stream, so the collective lines
-        up with theirs). Raises :class:`LoraLoadError` (what is wrong; another rank's failure
-        is only named, its log says why), leaving every rank as it was."""
-        if self.lora is None:
-            raise LoraLoadError("LoRA is off: start with adapters or the right to load them (bin/serve --lora-modules or --enable-lora-loading; Engine lora_modules or enable_lora)")
-        error: LoraLoadError | None = None
-        try:
-            self.lora.register(name, directory)
-        except LoraLoadError as exc:
-            error = exc
-        except Exception as exc:  # a truncated or foreign weights file: safetensors' or torch's own error
-            error = LoraLoadError(f"adapter {name!r}: cannot read {directory}: {type(exc).__name__}: {exc}")
-        if not all_ranks_agree(error is None, self.tensor_parallel, self.device):
-            if error is None:
-                self.lora.unregister(name)
-                error = LoraLoadError(f"adapter {name!r} could not be loaded on another tensor-parallel rank (see its log)")
-            raise error
-
-    def unload_lora(self, name: str) -> None:
-        """Forget adapter ``name`` (its slot and host copy): no plan still to come names it."""
-        if self.lora is not None and name in self.lora.names:
-            self.lora.unregister(name)
 
     def _adapter_id(self, name: str | None) -> int:
         """The id of a new request's adapter; PlanRefused (before any state changes) for one

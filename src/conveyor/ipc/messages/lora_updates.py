@@ -1,14 +1,17 @@
 """Loading and unloading LoRA adapters on a running server (tags 60-69).
 
 A client's ``load_lora`` travels frontend -> every live replica's scheduler -> its worker
-ranks as :class:`LoadLora`, on the plan channel behind the plans already sent, so every rank
-reads the adapter at the same point of its plan stream (between two steps). Rank 0 answers
-the scheduler with a :class:`LoraUpdated`; the scheduler accepts requests naming the adapter
-only once that answer is a success, then forwards it to the frontend, which answers the
-client once every replica has. ``unload_lora`` is decided by the scheduler (refused while a
-live request names the adapter): it answers the frontend at once and forwards the
-:class:`UnloadLora` to the worker, which frees the adapter's slot and host copy between steps
-(no plan sent after the answer names it, and the plans sent before run first).
+ranks as :class:`LoadLora`, on the plan channel; each rank starts reading the files on a
+thread and goes on with its steps. Rank 0 says when its read is over (:class:`LoraRead`);
+the scheduler then sends :class:`CommitLora` on the plan channel, and every rank, reading it
+between the same two plans, registers the adapter (or agrees with the others that it
+cannot); rank 0 answers :class:`LoraUpdated`. The scheduler accepts requests naming the
+adapter only once that answer is a success, and forwards it to the frontend, which answers
+the client once every replica has (conveyor.worker.lora_updates says why in two phases).
+``unload_lora`` is decided by the scheduler (refused while a live request names the
+adapter): it answers the frontend at once and forwards the :class:`UnloadLora` to the
+worker, which frees the adapter's slot and host copy between steps (no plan sent after the
+answer names it, and the plans sent before run first).
 """
 
 from __future__ import annotations
@@ -38,6 +41,20 @@ class UnloadLora(Message, tag=61):
 
     query_id: str
     name: str
+
+
+@message
+class LoraRead(Message, tag=63):
+    """Worker rank 0 to the scheduler: its read of load ``query_id`` is over (read or refused)."""
+
+    query_id: str
+
+
+@message
+class CommitLora(Message, tag=64):
+    """Scheduler to every worker rank: register load ``query_id``'s adapter now (or agree it fails)."""
+
+    query_id: str
 
 
 @message

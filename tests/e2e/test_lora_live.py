@@ -2,14 +2,17 @@
 replicas, so every update must reach both): a loaded adapter's greedy tokens equal HF
 transformers with PEFT on each replica, bad adapters are refused with their reason while a
 stream goes on, an adapter in use cannot be unloaded, an unloaded one is refused, a name
-loaded again serves its new weights, and no KV block is left held."""
+loaded again serves its new weights, and no KV block is left held. With two tensor-parallel
+ranks (the asyncio client), both ranks take a load and serve it."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 
-from conveyor.client import Client, ServerError
+from conveyor.client import AsyncClient, Client, ServerError
 from tests.lora_adapters import make_adapter, spoiled_copy
 
 PROMPT = [5, 17, 29, 41, 53, 65, 77, 89, 101]
@@ -92,3 +95,26 @@ def test_load_serve_unload_over_zeromq(serve_factory, tiny_checkpoint, tmp_path)
         stats = client.stats()
         assert stats["held_blocks"] == 0 and stats["free_blocks"] + stats["cached_blocks"] == stats["total_blocks"]
 
+
+
+def test_two_tensor_parallel_ranks_load_it(serve_factory, tiny_checkpoint, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    base.generation_config.eos_token_id = None
+    peft = make_adapter(base, tmp_path / "tp", seed=11, rank=8)
+    shape = spoiled_copy(tmp_path / "tp", tmp_path / "shape", "shape")
+    server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, "--tensor-parallel-size", "2",
+                           "--distributed-timeout", "30", "--enable-lora-loading")
+
+    async def main() -> list[int]:
+        async with AsyncClient(server.address, timeout=120) as client:
+            with pytest.raises(ServerError) as caught:
+                await client.load_lora("tp", shape)
+            assert caught.value.code == "invalid_lora" and "another base model" in str(caught.value)
+            assert (await client.load_lora("tp", tmp_path / "tp"))["loaded"] is True
+            tokens = (await client.generate(token_ids=PROMPT, max_tokens=8, temperature=0, ignore_eos=True, lora="tp")).token_ids
+            assert (await client.unload_lora("tp"))["loaded"] is False
+            return tokens
+
+    assert asyncio.run(main()) == greedy(peft, PROMPT, 8)

@@ -95,11 +95,11 @@ def test_load_and_unload_while_serving(http_factory, tiny_checkpoint, tmp_path) 
         (200, f"Success: LoRA adapter 'sql' loaded from {tmp_path / 'sql'}.")
     assert listed() == ["sql"] and tokens("sql") == greedy(sql, prompt, 8) != greedy(base, prompt, 8)
     load = "/v1/load_lora_adapter"
-    assert "already been loaded" in error_of(post(server, load, {"lora_name": "sql", "lora_path": str(tmp_path / "chat")}), 400, "lora_already_loaded")
+    assert "is already loaded" in error_of(post(server, load, {"lora_name": "sql", "lora_path": str(tmp_path / "chat")}), 400, "lora_already_loaded")
     assert "missing file" in error_of(post(server, load, {"lora_name": "x", "lora_path": str(tmp_path / "nowhere")}), 404, "lora_not_found")
     assert "rank 32" in error_of(post(server, load, {"lora_name": "x", "lora_path": str(tmp_path / "wide")}), 400, "invalid_lora")
     assert_error(request(server, "POST", load, {"lora_name": "x"}), 400, "lora_name")
-    assert "cannot be found" in error_of(post(server, "/v1/unload_lora_adapter", {"lora_name": "x"}), 404, "lora_not_found")
+    assert "no LoRA adapter 'x' is loaded" in error_of(post(server, "/v1/unload_lora_adapter", {"lora_name": "x"}), 404, "lora_not_found")
     assert listed() == ["sql"]
 
     with Client(server.address) as client:

@@ -251,7 +251,7 @@ class SchedulerLoop:
 
     def _on_load_lora(self, msg: LoadLora) -> None:
         if msg.name in self.scheduler.lora_names or any(load.name == msg.name for load in self._lora_loads):
-            error = f"the LoRA adapter {msg.name!r} has already been loaded"
+            error = f"LoRA adapter {msg.name!r} is already loaded (unload it first to load other weights under its name)"
             transport.send(self.to_frontend, LoraUpdated(msg.query_id, msg.name, LORA_ALREADY_LOADED, error))
             return
         self._lora_loads.append(msg)
@@ -261,7 +261,7 @@ class SchedulerLoop:
     def _on_unload_lora(self, msg: UnloadLora) -> None:
         answer = LoraUpdated(msg.query_id, msg.name)
         if msg.name not in self.scheduler.lora_names:
-            answer.code, answer.error = LORA_NOT_FOUND, f"the LoRA adapter {msg.name!r} cannot be found"
+            answer.code, answer.error = LORA_NOT_FOUND, f"no LoRA adapter {msg.name!r} is loaded"
         else:
             try:
                 self.scheduler.remove_lora(msg.name)

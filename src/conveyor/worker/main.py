@@ -13,6 +13,9 @@ busy time (:class:`conveyor.profiling.StepRecorder`, the ``step_*`` series): wha
 ``conveyor-sim calibrate`` fits its cost model to. A ProfileQuery is answered on the result socket
 as soon as it is read: it arrives on the plan socket, so always between two steps, and
 piggybacks on nothing (StepResult stays as small as it was).
+LoRA updates come on the plan socket too (LoadLora, CommitLora, UnloadLora): a load's files
+are read on a thread while steps run, and registered on the CommitLora, between two steps
+(:mod:`conveyor.worker.lora_updates` says why); rank 0 answers on the result socket.
 
 Plans arrive on the step channel (:mod:`conveyor.ipc.step_channel`; a shared-memory ring
 by default): a plan is decoded in place and its arrays view the ring slot, which is released

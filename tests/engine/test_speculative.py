@@ -94,6 +94,7 @@ def test_sampled_speculation_keeps_the_distribution_and_the_seeded_stream(tiny_e
     extra = {
         "topk1": dict(token_ids=repetitive(2), max_tokens=16, temperature=1.0, top_k=1),
         "unseeded": dict(token_ids=repetitive(3), max_tokens=17, temperature=0.2),
+        "greedy": dict(token_ids=repetitive(4), max_tokens=16, temperature=0.0),  # (the general rule's point masses)
     }
     spec_engine = tiny_engine(**config, **SPEC)
     spec = _sampled(spec_engine, extra)
@@ -103,6 +104,7 @@ def test_sampled_speculation_keeps_the_distribution_and_the_seeded_stream(tiny_e
         assert spec[f"s{i}"].tokens == plain[f"s{i}"].tokens, i
         assert spec[f"s{i}"].finish_reason == "length" and len(spec[f"s{i}"].tokens) == 24
     assert spec["topk1"].tokens == hf_greedy(repetitive(2), 16)
+    assert spec["greedy"].tokens == hf_greedy(repetitive(4), 16)
     assert len(spec["unseeded"].tokens) == 17 and spec["unseeded"].finish_reason == "length"
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats  # accepts and rejects
     assert stats["num_steps"] < sum(len(r.tokens) for r in spec.values()), "no step yielded several tokens"

@@ -123,6 +123,9 @@ class SpeculativeVerify:
         batch = batch_from_rows(rows, positions, logits.shape[1], logits.device)
         proposed = torch.tensor([t for i in spec for t in work[i].proposal], dtype=torch.int64)
         proposed = proposed.to(logits.device, non_blocking=True)
+        if batch.all_greedy:  # the rule on point masses made fast: keep x iff the argmax, else emit it
+            target = logits.argmax(dim=-1)
+            return torch.stack([(proposed == target).to(torch.int64), target])
         keys = self.sampler.keys(batch)
         accepted, residual = verify_proposals(self.sampler.distribution(logits, batch), proposed, keys, draft_probs)
         return torch.stack([accepted.to(torch.int64), residual])

@@ -1,7 +1,8 @@
 """Batched LoRA shrink + expand against the per-token float32 reference, on fresh random inputs:
 token counts under, at and over a tile, several slots with base (-1) tokens interleaved (the
 plan's order, not grouped), fused projections of 1-3 pieces of unequal widths, ranks that are
-not powers of two, every dtype, and split-K shrinks (atomic adds) beside single-pass ones."""
+not powers of two, every dtype, and shrinks split over the input (partial sums) beside
+single-pass ones."""
 
 from __future__ import annotations
 

@@ -13,8 +13,10 @@ loads one adapter's weights for up to ``block`` tokens (a tensor-core dot), and 
 exactly one tile, so no two programs write the same row. Tokens need not be contiguous per
 adapter in the batch: they are gathered through ``tokens``, so the worker's plan order stays.
 
-- :func:`lora_shrink`: ``shrunk[i] = A_s x[tokens[i]]`` ``[n, R]`` float32, grid tiles x
-  split-K (split-K sums with atomic adds, for the few-tile decode steps on long inputs).
+- :func:`lora_shrink`: ``A_s x[tokens[i]]`` as float32 partial sums ``[splits, n, R]``, grid
+  tiles x splits of the input dimension (a decode step has a tile or two per adapter, too few
+  programs for a long input alone). The expand adds the partials up, so there is no atomic,
+  no zeroed buffer (one launch less) and the sum's order is fixed.
 - :func:`lora_expand`: ``y[tokens[i], columns[p]] += B_s[columns[p], piece p's ranks]
   shrunk[i, piece p's ranks]``, grid tiles x column tiles x pieces; ``shrunk`` is rounded to the
   weights' dtype before the dot (as an unfused ``B(A x)`` rounds), accumulation is float32, and
@@ -39,6 +41,8 @@ __all__ = ["lora_delta_ref", "lora_expand", "lora_shrink", "segment_tiles", "til
 MIN_DOT = 16
 #: Programs a shrink aims for before it splits the input dimension (about an H100's SMs).
 TARGET_PROGRAMS = 128
+#: Most partial sums of a shrink (each one a float32 [n, R] the expand reads).
+MAX_SPLITS = 16
 
 
 def tile_tokens(num_tokens: int) -> int:
@@ -82,18 +86,18 @@ def _tile(tiles_ptr, tokens_ptr, BLOCK_T: tl.constexpr):
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, out_ptr, tokens_ptr, tiles_ptr,
-    stride_xt, stride_as, stride_ar, stride_ot, in_features, rank_rows,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    stride_xt, stride_as, stride_ar, stride_os, stride_ot, in_features, rank_rows,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One program: one tile's tokens against its slot's ``A``, over every ``SPLIT_K``-th
-    ``BLOCK_K`` slice of the input (grid: tiles x SPLIT_K)."""
+    """One program: one tile's tokens against its slot's ``A``, over every ``splits``-th
+    ``BLOCK_K`` slice of the input, into partial sum ``split`` (grid: tiles x splits)."""
     split = tl.program_id(1)
+    splits = tl.num_programs(1)
     slot, rows, row_mask, token = _tile(tiles_ptr, tokens_ptr, BLOCK_T)
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < rank_rows
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for k0 in range(split * BLOCK_K, in_features, SPLIT_K * BLOCK_K):
+    for k0 in range(split * BLOCK_K, in_features, splits * BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < in_features
         x = tl.load(x_ptr + token[:, None] * stride_xt + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
@@ -101,18 +105,14 @@ def _lora_shrink_kernel(
         a = tl.load(a_ptr + slot * stride_as + ranks[None, :] * stride_ar + ks[:, None],
                     mask=k_mask[:, None] & rank_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]: A^T
         acc += tile_dot(x, a, UPCAST)
-    out = out_ptr + rows[:, None] * stride_ot + ranks[None, :]
-    mask = row_mask[:, None] & rank_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    out = out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_ot + ranks[None, :]
+    tl.store(out, acc, mask=row_mask[:, None] & rank_mask[None, :])
 
 
 @triton.jit
 def _lora_expand_kernel(
     s_ptr, b_ptr, y_ptr, tokens_ptr, tiles_ptr, columns_ptr,
-    stride_st, stride_bs, stride_bo, stride_yt, rank,
+    stride_ss, stride_st, stride_bs, stride_bo, stride_yt, rank, splits,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: one tile's tokens, ``BLOCK_N`` output columns of one piece (grid: tiles x
@@ -126,8 +126,10 @@ def _lora_expand_kernel(
     slot, rows, row_mask, token = _tile(tiles_ptr, tokens_ptr, BLOCK_T)
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < rank
-    shrunk = tl.load(s_ptr + rows[:, None] * stride_st + piece * rank + ranks[None, :],
-                     mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
+    partial = s_ptr + rows[:, None] * stride_st + piece * rank + ranks[None, :]
+    shrunk = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for split in range(splits):
+        shrunk += tl.load(partial + split * stride_ss, mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
     cols = n0 + tl.arange(0, BLOCK_N)
     col_mask = cols < last
     b = tl.load(b_ptr + slot * stride_bs + cols[None, :].to(tl.int64) * stride_bo + piece * rank + ranks[:, None],
@@ -151,8 +153,11 @@ def _check(x: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, tiles: 
         raise ValueError("tokens must be int32 [n] and tiles int32 [tiles, 3] (segment_tiles)")
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, tiles: torch.Tensor, block: int) -> torch.Tensor:
-    """``[len(tokens), R]`` float32: row ``i`` is ``A_s x[tokens[i]]`` for its tile's slot ``s``.
+def lora_shrink(
+    x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, tiles: torch.Tensor, block: int
+) -> torch.Tensor:
+    """``[splits, len(tokens), R]`` float32 partial sums: summed over the first dim, row ``i`` is
+    ``A_s x[tokens[i]]`` for its tile's slot ``s`` (:func:`lora_expand` sums them).
 
     ``x`` ``[T, in]`` and ``a`` ``[slots, R, in]`` of one dtype, last dims contiguous;
     ``tokens``/``tiles`` from :func:`segment_tiles` with the same ``block``."""
@@ -163,13 +168,14 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, tiles: t
     n_tiles = tiles.shape[0]
     block_r = max(MIN_DOT, next_pow2(rank_rows))
     block_k = 64 if block_r <= 64 else 32
-    split_k = max(1, min(cdiv(in_features, 4 * block_k), TARGET_PROGRAMS // max(n_tiles, 1)))
-    out = (torch.zeros if split_k > 1 else torch.empty)(tokens.shape[0], rank_rows, dtype=torch.float32,
-                                                       device=x.device)
+    # each split at least 4 slices of the input; a power of two, at most MAX_SPLITS
+    splits = min(MAX_SPLITS, cdiv(in_features, 4 * block_k), TARGET_PROGRAMS // max(n_tiles, 1))
+    splits = 1 << (max(splits, 1).bit_length() - 1)
+    out = torch.empty(splits, tokens.shape[0], rank_rows, dtype=torch.float32, device=x.device)
     if n_tiles:
-        _lora_shrink_kernel[(n_tiles, split_k)](
-            x, a, out, tokens, tiles, x.stride(0), a.stride(0), a.stride(1), out.stride(0), in_features, rank_rows,
-            BLOCK_T=block, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=upcast_dots(x.dtype),
+        _lora_shrink_kernel[(n_tiles, splits)](
+            x, a, out, tokens, tiles, x.stride(0), a.stride(0), a.stride(1), out.stride(0), out.stride(1),
+            in_features, rank_rows, BLOCK_T=block, BLOCK_R=block_r, BLOCK_K=block_k, UPCAST=upcast_dots(x.dtype),
             num_warps=4,
         )
     return out
@@ -179,14 +185,14 @@ def lora_expand(
     shrunk: torch.Tensor, b: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor, tiles: torch.Tensor,
     columns: torch.Tensor, widest: int, block: int,
 ) -> torch.Tensor:
-    """Add ``B_s shrunk[i]`` into ``y[tokens[i]]`` (in place; ``y`` returned), piece by piece:
-    ``columns`` int32 ``[pieces, 2]`` (device) the output columns of each piece, ``widest``
+    """Add ``B_s shrunk[:, i].sum(0)`` into ``y[tokens[i]]`` (in place; ``y`` returned), piece by
+    piece: ``columns`` int32 ``[pieces, 2]`` (device) the output columns of each piece, ``widest``
     the widest piece's width (host int: it sizes the grid), each piece reading its own
     ``R / pieces`` rank rows. ``b`` ``[slots, out, R]``; ``y`` ``[T, out]``, any float dtype."""
     _check(y, b, tokens, tiles)
     pieces = columns.shape[0]
     rank_rows = b.shape[2]
-    if rank_rows % pieces or shrunk.shape != (tokens.shape[0], rank_rows) or y.shape[1] != b.shape[1]:
+    if rank_rows % pieces or shrunk.shape[1:] != (tokens.shape[0], rank_rows) or y.shape[1] != b.shape[1]:
         raise ValueError(f"shrunk {tuple(shrunk.shape)}, B {tuple(b.shape)}, y {tuple(y.shape)} and "
                          f"{pieces} pieces do not fit")
     rank = rank_rows // pieces
@@ -194,7 +200,8 @@ def lora_expand(
     block_n = min(128 if block == MIN_DOT else 64, max(MIN_DOT, next_pow2(widest)))
     if tiles.shape[0]:
         _lora_expand_kernel[(tiles.shape[0], cdiv(widest, block_n), pieces)](
-            shrunk, b, y, tokens, tiles, columns, shrunk.stride(0), b.stride(0), b.stride(1), y.stride(0), rank,
+            shrunk, b, y, tokens, tiles, columns, shrunk.stride(0), shrunk.stride(1), b.stride(0), b.stride(1),
+            y.stride(0), rank, shrunk.shape[0],
             BLOCK_T=block, BLOCK_N=block_n, BLOCK_R=max(MIN_DOT, next_pow2(rank)), UPCAST=upcast_dots(b.dtype),
             num_warps=4,
         )
@@ -214,5 +221,6 @@ def lora_delta_ref(
             continue
         shrunk = a[slot].float() @ x[t].float()
         for p, (first, last) in enumerate(columns):
-            out[t, first:last] += b[slot, first:last, p * rank : (p + 1) * rank].float() @ shrunk[p * rank : (p + 1) * rank]
+            ranks = slice(p * rank, (p + 1) * rank)
+            out[t, first:last] += b[slot, first:last, ranks].float() @ shrunk[ranks]
     return out

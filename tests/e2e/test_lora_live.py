@@ -57,7 +57,8 @@ def test_load_serve_unload_over_zeromq(serve_factory, tiny_checkpoint, tmp_path)
         shape = spoiled_copy(tmp_path / "first", tmp_path / "shape", "shape")
         refused(lambda: client.load_lora("shape", shape), "invalid_lora", "another base model")
         refused(lambda: client.load_lora("gone", tmp_path / "nowhere"), "lora_not_found", "missing file")
-        assert client.stats()["lora_adapters"] == []
+        stats = client.stats()
+        assert stats["lora_adapters"] == [] and stats["num_running"] == 1  # the stream still runs
         for delta in stream:
             streamed += delta.token_ids
         assert delta.finish_reason == "length" and streamed == greedy(base, PROMPT, 200)

@@ -1,7 +1,7 @@
 """The simulator's cost model: a step's time as a linear function of its plan's shape.
 
     t = c0 + c_prefill * prefill_tokens + c_decode * decode_seqs
-           + c_context * context_tokens + c_copy * copied_blocks
+           + c_context * context_tokens + c_copy * copied_blocks + c_pairs * prefill_attention
 
 per tensor-parallel size (one set of coefficients each: a TP group is a different machine
 as far as step time goes). The shape is :func:`conveyor.profiling.plan_shape`, the same
@@ -10,8 +10,17 @@ so a model fitted to a real run's records prices the plans the real scheduler fo
 the simulator. Why linear: a step's forward is matrix products whose work grows with the
 tokens it runs (prefill and decode rows; their per-token costs differ once sampling and
 the LM head are counted, which only sampled rows pay), attention whose work grows with the
-context it reads, and a per-step floor (launch, inputs, Python); what it misses is shown by
-the fit's residual and by the validation table of docs/benchmarks.md.
+context it reads (and, for a prompt, with its query-key pairs: quadratic in its length),
+and a per-step floor (launch, inputs, Python); what it misses is shown by the fit's
+residual and by the validation table of docs/benchmarks.md.
+
+How :func:`fit` fits: every coefficient is non-negative (no feature makes a step cheaper;
+a free least-squares fit gives a negative one to a feature that hardly varied, which then
+extrapolates to nonsense), steps whose time is far off the first fit's prediction (the
+first step's warm-up, a step descheduled by another process) are left out of the second,
+and the coefficients are then scaled so that the calibration steps' predicted total is
+their measured total: the left-out time is real and the runs being predicted pay it too,
+spread over their steps as over the calibration's.
 
 ``sync_overhead_s`` is host time that is *not* hidden behind a step: paid once by every plan
 formed with nothing in flight (the scheduler's schedule() and the transport, which a plan
@@ -36,8 +45,9 @@ import numpy as np
 
 from conveyor.profiling import STEP_SHAPE_SERIES, STEP_TIME_SERIES, plan_shape
 
-FEATURES: tuple[str, ...] = ("prefill_tokens", "decode_seqs", "context_tokens", "copied_blocks")
-VERSION = 1
+FEATURES: tuple[str, ...] = ("prefill_tokens", "decode_seqs", "context_tokens", "copied_blocks", "prefill_attention")
+VERSION = 1  # a file without a feature (written before it existed) prices it at 0
+TRIM_DEVIATIONS = 4.0  # a step this many robust deviations off the first fit is left out of the second
 
 
 @dataclass
@@ -47,6 +57,7 @@ class StepCost:
     intercept_s: float
     coef_s: dict[str, float]
     num_steps: int = 0  # records the fit used (0: written by hand)
+    num_trimmed: int = 0  # of which left out of the second pass as outliers
     rel_rmse: float = 0.0  # root-mean-square residual over the mean step time
     source: str = ""
     num_blocks: int | None = None  # the calibrated server's KV pool (blocks), the simulator's default
@@ -67,6 +78,7 @@ class StepCost:
             "intercept_s": self.intercept_s,
             "coef_s": {f: self.coef_s.get(f, 0.0) for f in FEATURES},
             "num_steps": self.num_steps,
+            "num_trimmed": self.num_trimmed,
             "rel_rmse": self.rel_rmse,
             "source": self.source,
             "num_blocks": self.num_blocks,
@@ -117,10 +129,11 @@ class CostModel:
 
 
 def fit(shapes: np.ndarray, times_s: np.ndarray, source: str = "") -> StepCost:
-    """Least-squares coefficients of :data:`FEATURES` (columns of ``shapes``) and an intercept
-    for step times ``times_s``. A feature that never varies (no swaps in the run) gets a zero
-    coefficient (numpy's minimum-norm solution of the rank-deficient system), not an
-    arbitrary one; the residual is reported relative to the mean step time."""
+    """Non-negative coefficients of :data:`FEATURES` (columns of ``shapes``) and an intercept
+    for step times ``times_s``, fitted in two passes with outliers left out and scaled to the
+    measured total (the module docstring says why). A feature that never varies (no swaps in
+    the run) gets a zero coefficient, not an arbitrary one; the residual is reported relative
+    to the mean step time, over every step."""
     shapes = np.asarray(shapes, np.float64)
     times_s = np.asarray(times_s, np.float64)
     if shapes.ndim != 2 or shapes.shape[1] != len(FEATURES) or len(shapes) != len(times_s):
@@ -129,12 +142,45 @@ def fit(shapes: np.ndarray, times_s: np.ndarray, source: str = "") -> StepCost:
         raise ValueError(f"{len(times_s)} step records are too few to fit {len(FEATURES) + 1} coefficients")
     varies = shapes.std(axis=0) > 0
     design = np.column_stack([np.ones(len(times_s)), shapes[:, varies]])
-    solution, *_ = np.linalg.lstsq(design, times_s, rcond=None)
+    first = design @ nonnegative_lstsq(design, times_s)
+    rel = times_s / np.maximum(first, 1e-12) - 1.0
+    spread = 1.4826 * np.median(np.abs(rel - np.median(rel)))  # the deviation a normal's MAD estimates
+    keep = np.abs(rel - np.median(rel)) <= TRIM_DEVIATIONS * spread if spread > 0 else np.ones(len(rel), bool)
+    solution = nonnegative_lstsq(design[keep], times_s[keep])
+    predicted = design @ solution
+    if predicted.sum() > 0:
+        solution *= times_s.sum() / predicted.sum()
     coef = np.zeros(len(FEATURES))
     coef[varies] = solution[1:]
     residual = times_s - design @ solution
-    rel = float(np.sqrt(np.mean(residual**2)) / times_s.mean()) if times_s.mean() > 0 else 0.0
-    return StepCost(float(solution[0]), dict(zip(FEATURES, coef.tolist())), len(times_s), rel, source)
+    rel_rmse = float(np.sqrt(np.mean(residual**2)) / times_s.mean()) if times_s.mean() > 0 else 0.0
+    return StepCost(
+        float(solution[0]), dict(zip(FEATURES, coef.tolist())), num_steps=len(times_s), num_trimmed=int((~keep).sum()),
+        rel_rmse=rel_rmse, source=source,
+    )  # fmt: skip
+
+
+def nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin ||design @ x - target|| over x >= 0, exactly, for the few columns of a cost
+    model: the optimum is the least-squares solution on its own support, so it is the best
+    of the subsets' solutions that come out non-negative (2^columns small solves; columns
+    are scaled to unit norm first, so features counted in millions and in ones condition
+    alike)."""
+    cols = design.shape[1]
+    norms = np.linalg.norm(design, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = design / norms
+    best, best_err = np.zeros(cols), float(np.sum(target**2))
+    for mask in range(1, 1 << cols):
+        support = [c for c in range(cols) if mask >> c & 1]
+        x, *_ = np.linalg.lstsq(scaled[:, support], target, rcond=None)
+        if (x < 0).any():
+            continue
+        err = float(np.sum((scaled[:, support] @ x - target) ** 2))
+        if err < best_err:
+            best, best_err = np.zeros(cols), err
+            best[support] = x
+    return best / norms
 
 
 def records_arrays(records: dict[str, list[float]]) -> tuple[np.ndarray, np.ndarray]:

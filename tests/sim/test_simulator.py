@@ -15,7 +15,7 @@ from conveyor.profiling import STEP_SERIES, STEP_SHAPE_SERIES, Profiler, StepRec
 from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.iteration_log import ITERATION_FIELDS
 from conveyor_tools.cli import sim as sim_cli
-from conveyor_tools.sim.cost import FEATURES, CostModel, StepCost, fit, nonnegative_lstsq
+from conveyor_tools.sim.cost import FEATURES, CostModel, StepCost, fit, nonnegative_lstsq, peak_tokens, records_arrays
 from conveyor_tools.sim.simulator import SAMPLED_TOKEN, SimRequest, simulate
 from tests.scheduler.scheduler_harness import Harness, make_prompt
 
@@ -148,11 +148,15 @@ def test_step_recorder_tiles_pipelined_steps():
 
 
 def synthetic_steps(n: int, rng: np.random.Generator) -> np.ndarray:
+    """Features of ``n`` steps of one server: plan shapes, then their peak tokens."""
     prefill = rng.integers(0, 512, n) * (rng.random(n) < 0.3)
-    return np.column_stack([prefill, rng.integers(0, 64, n), rng.integers(0, 20000, n), np.zeros(n), prefill * rng.integers(1, 600, n)])
+    prefill[: n // 4] //= 4  # the run's first steps small: peaks keep coming for a while
+    shapes = np.column_stack([prefill, rng.integers(0, 64, n), rng.integers(0, 20000, n), np.zeros(n), prefill * rng.integers(1, 600, n)])
+    return np.column_stack([shapes, peak_tokens(shapes)])
 
 
-TRUTH = {"prefill_tokens": 3e-5, "decode_seqs": 2e-4, "context_tokens": 4e-7, "copied_blocks": 0.0, "prefill_attention": 1e-8}
+TRUTH = {"prefill_tokens": 3e-5, "decode_seqs": 2e-4, "context_tokens": 4e-7, "copied_blocks": 0.0, "prefill_attention": 1e-8,
+         "peak_tokens": 5e-5}  # fmt: skip
 
 
 def test_fit_recovers_known_coefficients(tmp_path):
@@ -161,11 +165,12 @@ def test_fit_recovers_known_coefficients(tmp_path):
     times = 0.005 + shapes @ np.array([TRUTH[f] for f in FEATURES]) + rng.normal(0, 1e-5, len(shapes))
     cost = fit(shapes, times)
     assert cost.intercept_s == pytest.approx(0.005, rel=0.02)
-    for name in ("prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention"):
+    assert (shapes[:, -1] > 0).sum() >= 5
+    for name in ("prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "peak_tokens"):
         assert cost.coef_s[name] == pytest.approx(TRUTH[name], rel=0.05), name
     assert cost.coef_s["copied_blocks"] == 0.0  # never varied: no coefficient invented
     # The calibrate command finds the records in a bin/bench JSON and writes the same fit.
-    records = {name: col.tolist() for name, col in zip(STEP_SHAPE_SERIES, shapes.T)}
+    records = {name: col.tolist() for name, col in zip(STEP_SHAPE_SERIES, shapes.T)}  # peaks: recomputed
     records["step_time"] = (times * 1e3).tolist()
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"systems": {"conveyor": {"extra": {"step_records": {**records, "num_blocks": 77}}}}}))
@@ -173,7 +178,8 @@ def test_fit_recovers_known_coefficients(tmp_path):
     assert sim_cli.main(["calibrate", str(bench), "--tp", "2", "--out", str(out)]) == 0
     model = CostModel.load(str(out))
     assert set(model.by_tp) == {2} and model.by_tp[2].num_blocks == 77
-    assert model.by_tp[2].coef_s["decode_seqs"] == pytest.approx(TRUTH["decode_seqs"], rel=0.05)
+    for name in ("decode_seqs", "peak_tokens"):
+        assert model.by_tp[2].coef_s[name] == pytest.approx(TRUTH[name], rel=0.05), name
 
 
 def test_fit_is_nonnegative_ignores_spikes_and_keeps_the_total():
@@ -189,7 +195,7 @@ def test_fit_is_nonnegative_ignores_spikes_and_keeps_the_total():
     times[spiked] *= rng.uniform(3, 10, spiked.sum())
     cost = fit(shapes, times)
     assert cost.num_trimmed >= spiked.sum() and cost.num_trimmed < 2 * spiked.sum()
-    predicted = np.array([cost.time(s) for s in shapes])
+    predicted = np.array([cost.time(s[:-1], s[-1]) for s in shapes])
     assert predicted.sum() == pytest.approx(times.sum(), rel=1e-9)
     scale = times.sum() / clean.sum()
     assert cost.intercept_s == pytest.approx(0.005 * scale, rel=0.05)
@@ -197,7 +203,7 @@ def test_fit_is_nonnegative_ignores_spikes_and_keeps_the_total():
         assert cost.coef_s[name] == pytest.approx(truth[name] * scale, rel=rel), name
     assert 0.0 <= cost.coef_s["context_tokens"] < 1e-9
     # Plain least squares on the same steps is what this replaces: the spikes bend it.
-    design = np.column_stack([np.ones(len(times)), shapes[:, [0, 1, 2, 4]]])
+    design = np.column_stack([np.ones(len(times)), shapes[:, [0, 1, 2, 4, 5]]])
     plain, *_ = np.linalg.lstsq(design, times, rcond=None)
     assert abs(plain[1] / plain[0] - truth["prefill_tokens"] / 0.005) > 0.05 * truth["prefill_tokens"] / 0.005 or plain[3] < 0
 
@@ -243,7 +249,26 @@ def test_sweep_picks_the_cheapest_configuration(tmp_path, capsys):
 def test_least_outstanding_routing_spreads_a_burst():
     cost = StepCost(0.01, {"decode_seqs": 1e-3})
     reqs = [SimRequest(0.0, make_prompt(f"q{i}", 8), 10, f"q{i}") for i in range(6)]
-    result = simulate(reqs, CONFIG, lambda p: cost.time(plan_shape(p)), replicas=3)
+    result = simulate(reqs, CONFIG, cost, replicas=3)
     assert [sorted(rep.requests) for rep in result.replicas] == [["q0", "q3"], ["q1", "q4"], ["q2", "q5"]]
-    one = simulate(reqs, CONFIG, lambda p: cost.time(plan_shape(p)), replicas=1)
+    one = simulate(reqs, CONFIG, cost, replicas=1)
     assert result.summary()["wall_s"] < one.summary()["wall_s"]
+
+
+def test_each_replica_pays_its_own_warm_up_as_the_records_count_it():
+    """A step's peak-token term is paid when it runs more tokens than any before it on its
+    own server: the simulator's pricing, per replica, equals the cost model over the steps'
+    records (the path a calibration takes), and a second wave of the same size pays none."""
+    cost = StepCost(0.001, {"prefill_tokens": 1e-5, "decode_seqs": 1e-4, "peak_tokens": 1e-3})
+    reqs = [SimRequest(0.0 if i < 6 else 5.0, make_prompt(f"w{i}", 12), 4, f"w{i}") for i in range(12)]
+    result = simulate(reqs, CONFIG, cost, replicas=2)
+    for rep in result.replicas:
+        shapes = [plan_shape(s.plan) for s in rep.steps]
+        records = {name: [float(x[i]) for x in shapes] for i, name in enumerate(STEP_SHAPE_SERIES)}
+        records["step_time"] = [(s.end - s.start) * 1e3 for s in rep.steps]
+        features, times = records_arrays(records)
+        assert times == pytest.approx([cost.time(f[:-1], f[-1]) for f in features])
+        peaks = features[:, -1]
+        second = [i for i, s in enumerate(rep.steps) if s.start >= 5.0]
+        assert peaks[0] > 0 and second and not peaks[second].any()
+    assert peak_tokens(np.array([[10, 0], [0, 5], [16, 4], [20, 0], [3, 1]])).tolist() == [10, 0, 20, 0, 0]

@@ -19,7 +19,9 @@ from conveyor_tools.sim import validate
 from conveyor_tools.sim.cost import StepCost
 from conveyor_tools.sim.simulator import SimRequest, simulate
 
-TRUE_COST = StepCost(0.004, {"prefill_tokens": 8e-5, "decode_seqs": 3e-4, "context_tokens": 5e-7, "prefill_attention": 2e-8})
+TRUE_COST = StepCost(
+    0.004, {"prefill_tokens": 8e-5, "decode_seqs": 3e-4, "context_tokens": 5e-7, "prefill_attention": 2e-8, "peak_tokens": 1e-4}
+)
 VOCAB, MAX_LEN, BLOCKS = 4096, 2048, 4096
 
 
@@ -42,7 +44,8 @@ def fake_bench(slow: dict[str, float]):
                                  max_model_len=MAX_LEN)  # fmt: skip
         factor = slow.get(args.workload, 1.0)
         reqs = [SimRequest(0.0, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(wl.requests)]
-        result = simulate(reqs, config, lambda p: TRUE_COST.time(plan_shape(p)) * factor * rng.lognormal(0, 0.03))
+        price = TRUE_COST.pricer()
+        result = simulate(reqs, config, lambda p: price(p) * factor * rng.lognormal(0, 0.03))
         steps = result.replicas[0].steps
         records = {name: [float(plan_shape(s.plan)[i]) for s in steps] for i, name in enumerate(STEP_SHAPE_SERIES)}
         records["step_time"] = [(s.end - s.start) * 1e3 for s in steps]

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.profiling import STEP_SERIES, plan_shape
+from conveyor.profiling import STEP_SERIES
 from conveyor.runtime.config import SchedulerConfig
 from conveyor_tools.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
 from conveyor_tools.sim.cost import CostModel, fit, records_arrays
@@ -128,7 +128,7 @@ def run_once(args: argparse.Namespace, model: CostModel, requests: list[SimReque
     config = scheduler_config(args, model, tp, max_num_seqs, max_batched)
     cost = model.step(tp)
     result = simulate(
-        requests, config, lambda plan: cost.time(plan_shape(plan)), replicas=dp, overlap=not args.no_overlap,
+        requests, config, cost, replicas=dp, overlap=not args.no_overlap,
         sync_overhead_s=model.sync_overhead_s,
     )  # fmt: skip
     return {"tp": tp, "dp": dp, "gpus": tp * dp, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched,

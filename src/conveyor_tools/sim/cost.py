@@ -2,6 +2,7 @@
 
     t = c0 + c_prefill * prefill_tokens + c_decode * decode_seqs
            + c_context * context_tokens + c_copy * copied_blocks + c_pairs * prefill_attention
+           + c_peak * peak_tokens
 
 per tensor-parallel size (one set of coefficients each: a TP group is a different machine
 as far as step time goes). The shape is :func:`conveyor.profiling.plan_shape`, the same
@@ -12,7 +13,12 @@ tokens it runs (prefill and decode rows; their per-token costs differ once sampl
 the LM head are counted, which only sampled rows pay), attention whose work grows with the
 context it reads (and, for a prompt, with its query-key pairs: quadratic in its length),
 and a per-step floor (launch, inputs, Python); what it misses is shown by the fit's
-residual and by the validation table of docs/benchmarks.md.
+residual and by the validation table of docs/benchmarks.md. One term is not the plan's own:
+``peak_tokens``, a step's tokens when it runs more than any step before it on the server
+(else 0). The first step at a new size allocates and touches its activations and scratch
+for the first time, on a CPU up to twice a step's time; it is what makes a run's first wave
+slower than the next, which every request's TTFT after it carries. A run's steps are priced
+in order (:meth:`StepCost.pricer`), each server (replica) from zero.
 
 How :func:`fit` fits: every coefficient is non-negative (no feature makes a step cheaper;
 a free least-squares fit gives a negative one to a feature that hardly varied, which then
@@ -38,6 +44,7 @@ The file (JSON) written by ``conveyor-sim calibrate``::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +52,8 @@ import numpy as np
 
 from conveyor.profiling import STEP_SHAPE_SERIES, STEP_TIME_SERIES, plan_shape
 
-FEATURES: tuple[str, ...] = ("prefill_tokens", "decode_seqs", "context_tokens", "copied_blocks", "prefill_attention")
+PLAN_FEATURES: tuple[str, ...] = ("prefill_tokens", "decode_seqs", "context_tokens", "copied_blocks", "prefill_attention")
+FEATURES: tuple[str, ...] = (*PLAN_FEATURES, "peak_tokens")
 VERSION = 1  # a file without a feature (written before it existed) prices it at 0
 TRIM_DEVIATIONS = 4.0  # a step this many robust deviations off the first fit is left out of the second
 
@@ -68,10 +76,26 @@ class StepCost:
             raise ValueError(f"unknown cost features {sorted(unknown)}; known: {', '.join(FEATURES)}")
         self._vector = np.array([self.coef_s.get(f, 0.0) for f in FEATURES], np.float64)
 
-    def time(self, shape: tuple[int, ...]) -> float:
-        """Seconds of a step of this shape (never below zero: a fit may give a negative
-        coefficient to a feature it hardly saw)."""
-        return max(0.0, self.intercept_s + float(self._vector @ np.asarray(shape, np.float64)))
+    def time(self, shape: tuple[int, ...], peak_tokens: int = 0) -> float:
+        """Seconds of a step of plan shape ``shape`` (:func:`conveyor.profiling.plan_shape`)
+        and ``peak_tokens`` (never below zero: a hand-written coefficient may be negative)."""
+        x = np.asarray((*shape, peak_tokens), np.float64)
+        return max(0.0, self.intercept_s + float(self._vector @ x))
+
+    def pricer(self) -> Callable[[Any], float]:
+        """Seconds of each plan of one server, called in the order its steps run (the
+        simulator's order of forming them): tracks the most tokens a step has run so far."""
+        peak = 0
+
+        def price(plan: Any) -> float:
+            nonlocal peak
+            shape = plan_shape(plan)
+            tokens = shape[0] + shape[1]
+            new = tokens if tokens > peak else 0
+            peak = max(peak, tokens)
+            return self.time(shape, new)
+
+        return price
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,9 +121,6 @@ class CostModel:
         if tp not in self.by_tp:
             raise KeyError(f"no cost model for tensor-parallel size {tp}; calibrated: {sorted(self.by_tp)}")
         return self.by_tp[tp]
-
-    def plan_time(self, plan: Any, tp: int = 1) -> float:
-        return self.step(tp).time(plan_shape(plan))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -184,7 +205,16 @@ def nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 
 def records_arrays(records: dict[str, list[float]]) -> tuple[np.ndarray, np.ndarray]:
-    """(shapes, step times in seconds) from the worker's step records
-    (:func:`conveyor.profiling.step_records` columns)."""
+    """(features, step times in seconds) of one server's step records
+    (:func:`conveyor.profiling.step_records` columns, in step order): the plan shapes and
+    their ``peak_tokens``, the columns :func:`fit` takes."""
     shapes = np.column_stack([np.asarray(records[name], np.float64) for name in STEP_SHAPE_SERIES])
-    return shapes, np.asarray(records[STEP_TIME_SERIES], np.float64) / 1e3
+    return np.column_stack([shapes, peak_tokens(shapes)]), np.asarray(records[STEP_TIME_SERIES], np.float64) / 1e3
+
+
+def peak_tokens(shapes: np.ndarray) -> np.ndarray:
+    """Each step's tokens (prefill tokens + decode rows) where it runs more than every step
+    before it, else 0: :meth:`StepCost.pricer`'s term over recorded steps."""
+    tokens = shapes[:, 0] + shapes[:, 1]
+    before = np.maximum.accumulate(np.concatenate([[0.0], tokens[:-1]]))
+    return np.where(tokens > before, tokens, 0.0)

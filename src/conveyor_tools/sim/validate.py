@@ -41,7 +41,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conveyor.profiling import plan_shape
 from conveyor.runtime.config import SchedulerConfig
 from conveyor_tools.bench.workloads import make_workload
 from conveyor_tools.cli.sim import calibrate, find_step_records
@@ -128,9 +127,9 @@ def replay(run: dict[str, Any], model: CostModel) -> dict[str, Any]:
         max_model_len=settings["max_model_len"],
     )
     reqs = [SimRequest(0.0, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(workload.requests)]
-    sim = simulate(reqs, config, lambda p: cost.time(plan_shape(p)), sync_overhead_s=model.sync_overhead_s).summary()
-    shapes, times = records_arrays(records)
-    predicted = sum(cost.time(s) for s in shapes)
+    sim = simulate(reqs, config, cost, sync_overhead_s=model.sync_overhead_s).summary()
+    features, times = records_arrays(records)
+    predicted = sum(cost.time(f[:-1], f[-1]) for f in features)
     return {
         "simulated": {"output_tok_s": sim["output_tok_s"], "ttft_p50_s": sim["ttft_s"]["p50"], "ttft_p99_s": sim["ttft_s"]["p99"]},
         "cost_error": predicted / times.sum() - 1 if times.sum() > 0 else None,

@@ -6,6 +6,7 @@ the replay and the pass/fail table are exercised in seconds."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,8 @@ def test_one_command_measures_calibrates_and_passes_a_faithful_simulator(tmp_pat
 
 def test_a_cell_off_by_more_than_the_tolerance_fails_and_evaluate_refits_in_place(tmp_path):
     measure, _ = fake_bench({"high-variance": 1.5})  # the server is slower on it than the model says
-    assert validate.main(["run", "--out", str(tmp_path), *ARGV], measure=measure) == 1
+    argv = ["--batch-sizes", "3", "--num-requests", "6", "--calibration-requests", "8"]
+    assert validate.main(["run", "--out", str(tmp_path), *argv], measure=measure) == 1
     rows = json.loads((tmp_path / "validation.json").read_text())["rows"]
     for row in rows:
         hv = row["workload"] == "high-variance"
@@ -96,7 +98,7 @@ def test_a_cell_off_by_more_than_the_tolerance_fails_and_evaluate_refits_in_plac
     assert "**x**" in (tmp_path / "validation.md").read_text()
     # evaluate reuses the measured runs: same table without measuring again.
     (tmp_path / "validation.json").unlink()
-    assert validate.main(["evaluate", str(tmp_path), "--batch-sizes", "2,4"]) == 1
+    assert validate.main(["evaluate", str(tmp_path), "--batch-sizes", "3"]) == 1
     assert json.loads((tmp_path / "validation.json").read_text())["rows"] == rows
 
 
@@ -109,3 +111,10 @@ def test_replay_refuses_a_run_whose_workload_it_cannot_rebuild(tmp_path):
     model = validate.CostModel({1: TRUE_COST})
     with pytest.raises(ValueError, match="not the run's"):
         validate.replay(run, model)
+
+
+def test_a_failed_bench_run_stops_the_validation_with_its_log(tmp_path):
+    command = [sys.executable, "-c", "import sys; print('server could not start'); sys.exit(3)"]
+    with pytest.raises(SystemExit, match="server could not start"):
+        validate.measure(command, tmp_path / "fixed-b8.json")
+    assert (tmp_path / "fixed-b8.log").exists()

@@ -74,9 +74,15 @@ def bench_command(workload: str, batch: int, num_requests: int, threads: int, js
 
 
 def measure(command: list[str], json_path: Path) -> None:
-    """Run one bin/bench command, its output to a log beside its JSON."""
-    with open(json_path.with_suffix(".log"), "w", encoding="utf-8") as log:
-        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=RUN_TIMEOUT_S)
+    """Run one bin/bench command, its output to a log beside its JSON; a failed run stops
+    the validation (a table with a hole would read as a result), saying where its log is."""
+    log_path = json_path.with_suffix(".log")
+    try:
+        with open(log_path, "w", encoding="utf-8") as log:
+            subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=RUN_TIMEOUT_S)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+        raise SystemExit(f"sim_validate: {' '.join(command)}\nfailed ({exc}); {log_path} ends:\n{tail}") from exc
 
 
 def run_name(workload: str, batch: int) -> str:
@@ -116,7 +122,10 @@ def replay(run: dict[str, Any], model: CostModel) -> dict[str, Any]:
         max_model_len=settings["max_model_len"], **{k: v for k, v in wl["params"].items() if k in WORKLOAD_PARAMS},
     )  # fmt: skip
     rebuilt = workload.describe()
-    if any(rebuilt[k] != wl[k] for k in ("prompt_tokens", "output_tokens", "prompt_len", "output_len", "num_clamped")):
+    counts = ("prompt_tokens", "output_tokens", "num_clamped")  # integers (the JSON rounds the means)
+    if any(rebuilt[k] != wl[k] for k in counts) or any(
+        rebuilt[k][m] != wl[k][m] for k in ("prompt_len", "output_len") for m in ("min", "max")
+    ):
         raise ValueError(f"the {wl['name']} workload rebuilt from the run's record is not the run's: {rebuilt} vs {wl}")
     records = run["systems"]["conveyor"]["extra"]["step_records"]
     cost = model.step(1)
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None, measure: Measure = measure) -> int:
     if args.mode == "run":
         args.out.mkdir(parents=True, exist_ok=True)
         print(f"sim_validate: {len(args.batch_sizes) * (1 + len(VALIDATED))} bin/bench runs into {args.out} "
-              f"(about 5 minutes on a quiet 2-core machine; load now {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+              f"(about 4 minutes on a quiet 2-core machine, 20 or more at load 10; load now {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
         measure_all(args.out, args.batch_sizes, args.num_requests, args.calibration_requests, args.threads, measure)
     result = evaluate(args.out, args.batch_sizes, args.tolerance)
     print((args.out / "validation.md").read_text(), end="")

@@ -8,9 +8,9 @@
 
 ``calibrate`` reads the per-step records (plan shape, busy time) the worker keeps under
 --profile, which ``bin/bench offline`` saves in its JSON (``extra.step_records``), and fits
-the linear cost model of :mod:`conveyor_tools.sim.cost` by least squares; ``--tp`` says which
-tensor-parallel size the run had (a file holds one model per size; calibrating another size
-adds it). ``run`` replays a workload (bin/bench's, same seeds) or a trace through the real
+the linear cost model of :mod:`conveyor_tools.sim.cost` (non-negative, outliers left out);
+``--tp`` says which tensor-parallel size the run had (a file holds one model per size;
+calibrating another size adds it). ``run`` replays a workload (bin/bench's, same seeds) or a trace through the real
 scheduler in virtual time (:mod:`conveyor_tools.sim.simulator`). ``sweep`` tries
 data-parallel replicas x tensor-parallel sizes x batch knobs at a target rate and prints the
 cheapest configuration (fewest GPUs) whose p99 TTFT and TPOT meet the bounds. The product

@@ -44,7 +44,7 @@ from typing import Any
 from conveyor.runtime.config import SchedulerConfig
 from conveyor_tools.bench.workloads import make_workload
 from conveyor_tools.cli.sim import calibrate, find_step_records
-from conveyor_tools.sim.cost import CostModel, records_arrays
+from conveyor_tools.sim.cost import CostModel, StepCost, records_arrays
 from conveyor_tools.sim.simulator import SimRequest, simulate
 
 CALIBRATION = "uniform"
@@ -137,13 +137,18 @@ def replay(run: dict[str, Any], model: CostModel) -> dict[str, Any]:
     )
     reqs = [SimRequest(0.0, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(workload.requests)]
     sim = simulate(reqs, config, cost, sync_overhead_s=model.sync_overhead_s).summary()
-    features, times = records_arrays(records)
-    predicted = sum(cost.time(f[:-1], f[-1]) for f in features)
     return {
         "simulated": {"output_tok_s": sim["output_tok_s"], "ttft_p50_s": sim["ttft_s"]["p50"], "ttft_p99_s": sim["ttft_s"]["p99"]},
-        "cost_error": predicted / times.sum() - 1 if times.sum() > 0 else None,
-        "steps": {"measured": len(times), "simulated": sim["num_steps"]},
+        "cost_error": cost_error(records, cost),
+        "steps": {"measured": len(records["step_time"]), "simulated": sim["num_steps"]},
     }
+
+
+def cost_error(records: dict[str, Any], cost: StepCost) -> float | None:
+    """The cost model's total over recorded steps against their measured total, minus 1."""
+    features, times = records_arrays(records)
+    predicted = sum(cost.time(f[:-1], f[-1]) for f in features)
+    return predicted / times.sum() - 1 if times.sum() > 0 else None
 
 
 def measured_metrics(run: dict[str, Any]) -> dict[str, float]:
@@ -174,7 +179,12 @@ def evaluate(out: Path, batches: list[int], tolerance: float) -> dict[str, Any]:
         "tolerance": tolerance,
         "cost_model": cost.to_json(),
         "calibration_runs": cal_paths,
-        "calibration_load": {b: loads.get(run_name(CALIBRATION, b)) for b in batches},
+        # In sample: how far each calibration run's own level is from the pooled fit's (load drift).
+        "calibration": [
+            {"batch": b, "load": loads.get(run_name(CALIBRATION, b)),
+             "cost_error": cost_error(find_step_records(json.loads(Path(path).read_text()))[0], cost)}
+            for b, path in zip(batches, cal_paths)
+        ],  # fmt: skip
         "rows": rows,
         "cells": len(rows) * len(METRICS),
         "cells_passed": sum(sum(r["pass"].values()) for r in rows),
@@ -205,6 +215,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"worst error {result['worst_error']:.0%}.",
         f"Cost model (calibration runs only, {c['num_steps']} steps, {c['num_trimmed']} left out as outliers): "
         f"intercept {c['intercept_s'] * 1e3:.3f} ms, {coefs}; residual {c['rel_rmse']:.0%} of the mean step.",
+        "Calibration runs, the fit's total over each one's own steps (in sample; a spread is load drift): "
+        + ", ".join(f"batch {c['batch']} {c['cost_error']:+.0%}" for c in result["calibration"]) + ".",
         "cost model: its total over the run's measured step shapes against their measured time; "
         "load: the 1-minute load average, the higher of before and after the run.",
     ]

@@ -105,9 +105,10 @@ def measure_all(out: Path, batches: list[int], num_requests: int, calibration_re
         measure(bench_command(workload, batch, n, threads, path), path)
         loads[name] = max(before, os.getloadavg()[0])
         (out / "loads.json").write_text(json.dumps(loads, indent=1) + "\n")
-        summary = json.loads(path.read_text())["systems"]["conveyor"]["runs"][0]
-        print(f"[{i}/{len(plan)}] {name}: {summary['output_tok_s']:.0f} out tok/s, TTFT p50 {summary['ttft_s']['p50']:.2f} s "
-              f"({time.perf_counter() - t0:.0f} s; {time.perf_counter() - start:.0f} s in all; load {loads[name]:.1f})", flush=True)  # fmt: skip
+        m = measured_metrics(json.loads(path.read_text()))
+        took, total = time.perf_counter() - t0, time.perf_counter() - start
+        print(f"[{i}/{len(plan)}] {name}: {m['output_tok_s']:.0f} out tok/s, TTFT p50 {m['ttft_p50_s']:.2f} s "
+              f"({took:.0f} s; {total:.0f} s in all; load {loads[name]:.1f})", flush=True)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- evaluate
@@ -196,7 +197,8 @@ def evaluate(out: Path, batches: list[int], tolerance: float) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    head = "| workload | batch |" + "".join(f" {label} measured | simulated | error |" for _, label in METRICS) + " cost model | steps meas./sim. | load |"
+    metrics = "".join(f" {label} measured | simulated | error |" for _, label in METRICS)
+    head = f"| workload | batch |{metrics} cost model | steps meas./sim. | load |"
     lines = [head, "|---|---:|" + "---:|---:|---:|" * len(METRICS) + "---:|---:|---:|"]
     for r in result["rows"]:
         cells = [r["workload"], str(r["batch"])]
@@ -243,8 +245,9 @@ def main(argv: list[str] | None = None, measure: Measure = measure) -> int:
     args = p.parse_args(argv)
     if args.mode == "run":
         args.out.mkdir(parents=True, exist_ok=True)
-        print(f"sim_validate: {len(args.batch_sizes) * (1 + len(VALIDATED))} bin/bench runs into {args.out} "
-              f"(about 4 minutes on a quiet 2-core machine, 20 or more at load 10; load now {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+        runs = len(args.batch_sizes) * (1 + len(VALIDATED))
+        print(f"sim_validate: {runs} bin/bench runs into {args.out} (about 4 minutes on a quiet 2-core machine, "
+              f"20 or more at load 10; load now {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
         measure_all(args.out, args.batch_sizes, args.num_requests, args.calibration_requests, args.threads, measure)
     result = evaluate(args.out, args.batch_sizes, args.tolerance)
     print((args.out / "validation.md").read_text(), end="")

@@ -44,7 +44,8 @@ def fake_bench(slow: dict[str, float]):
         config = SchedulerConfig(num_blocks=BLOCKS, max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_batched_tokens,
                                  max_model_len=MAX_LEN)  # fmt: skip
         factor = slow.get(args.workload, 1.0)
-        reqs = [SimRequest(0.0, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(wl.requests)]
+        # As a server takes them in: the first request alone, the rest while its step runs.
+        reqs = [SimRequest(0.0005 if i else 0.0, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(wl.requests)]
         price = TRUE_COST.pricer()
         result = simulate(reqs, config, lambda p: price(p) * factor * rng.lognormal(0, 0.03))
         steps = result.replicas[0].steps

@@ -116,7 +116,7 @@ def test_simulator_decisions_equal_the_scheduler_driven_by_the_fake_worker():
 def test_plan_shape_is_the_iteration_logs_shape():
     h = harness_replay(arrivals(20, seed=5))
     f = {name: i for i, name in enumerate(ITERATION_FIELDS)}
-    prefilled = 0
+    prefilled = varied = 0
     for plan, row in zip(h.plans, h.scheduler.iterations.rows()):
         shape = plan_shape(plan)
         assert shape[:4] == (
@@ -129,21 +129,24 @@ def test_plan_shape_is_the_iteration_logs_shape():
         rows = [(r.num_computed_tokens, r.num_scheduled_tokens) for r in plan.new_requests]
         rows += list(zip(plan.cached_requests.num_computed_tokens, plan.cached_requests.num_scheduled_tokens))
         assert shape[4] == sum(n * (c + n) for c, n in rows if n > 1)
+        decode_lengths = {math.floor(math.log(c + n) / math.log(1.25)) for c, n in rows if n == 1}
+        assert shape[5] == len(decode_lengths)
         prefilled += shape[0] > 0
-    assert prefilled > 5
+        varied += shape[5] > 1
+    assert prefilled > 5 and varied > 5
 
 
 def test_step_recorder_tiles_pipelined_steps():
     prof = Profiler("worker")
     rec = StepRecorder(prof)
     t0 = now_ns() - 10_000_000  # inside the snapshot's window
-    rec.record((10, 0, 10, 0, 100), received_ns=t0 + 1_000_000, end_ns=t0 + 5_000_000)
-    rec.record((0, 2, 24, 0, 0), received_ns=t0 + 3_000_000, end_ns=t0 + 8_000_000)  # read while step 1 ran
+    rec.record((10, 0, 10, 0, 100, 0), received_ns=t0 + 1_000_000, end_ns=t0 + 5_000_000)
+    rec.record((0, 2, 24, 0, 0, 1), received_ns=t0 + 3_000_000, end_ns=t0 + 8_000_000)  # read while step 1 ran
     snap = prof.snapshot(3600, series=list(STEP_SERIES))
     values = {s.name: s.values for s in snap.series}
     assert values["step_time"] == [4.0, 3.0]
     assert values["step_prefill_tokens"] == [10, 0] and values["step_context_tokens"] == [10, 24]
-    assert values["step_prefill_attention"] == [100, 0]
+    assert values["step_prefill_attention"] == [100, 0] and values["step_decode_classes"] == [0, 1]
     assert not StepRecorder(Profiler("worker", enabled=False)).enabled
 
 
@@ -151,12 +154,14 @@ def synthetic_steps(n: int, rng: np.random.Generator) -> np.ndarray:
     """Features of ``n`` steps of one server: plan shapes, then their peak tokens."""
     prefill = rng.integers(0, 512, n) * (rng.random(n) < 0.3)
     prefill[: n // 4] //= 4  # the run's first steps small: peaks keep coming for a while
-    shapes = np.column_stack([prefill, rng.integers(0, 64, n), rng.integers(0, 20000, n), np.zeros(n), prefill * rng.integers(1, 600, n)])
+    decode = rng.integers(0, 64, n)
+    classes = np.minimum(decode, rng.integers(1, 12, n))
+    shapes = np.column_stack([prefill, decode, rng.integers(0, 20000, n), np.zeros(n), prefill * rng.integers(1, 600, n), classes])
     return np.column_stack([shapes, peak_tokens(shapes)])
 
 
 TRUTH = {"prefill_tokens": 3e-5, "decode_seqs": 2e-4, "context_tokens": 4e-7, "copied_blocks": 0.0, "prefill_attention": 1e-8,
-         "peak_tokens": 5e-5}  # fmt: skip
+         "decode_classes": 3e-4, "peak_tokens": 5e-5}  # fmt: skip
 
 
 def test_fit_recovers_known_coefficients(tmp_path):
@@ -166,7 +171,7 @@ def test_fit_recovers_known_coefficients(tmp_path):
     cost = fit(shapes, times)
     assert cost.intercept_s == pytest.approx(0.005, rel=0.02)
     assert (shapes[:, -1] > 0).sum() >= 5
-    for name in ("prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "peak_tokens"):
+    for name in ("prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "decode_classes", "peak_tokens"):
         assert cost.coef_s[name] == pytest.approx(TRUTH[name], rel=0.05), name
     assert cost.coef_s["copied_blocks"] == 0.0  # never varied: no coefficient invented
     # The calibrate command finds the records in a bin/bench JSON and writes the same fit.
@@ -199,11 +204,11 @@ def test_fit_is_nonnegative_ignores_spikes_and_keeps_the_total():
     assert predicted.sum() == pytest.approx(times.sum(), rel=1e-9)
     scale = times.sum() / clean.sum()
     assert cost.intercept_s == pytest.approx(0.005 * scale, rel=0.05)
-    for name, rel in (("prefill_tokens", 0.05), ("decode_seqs", 0.05), ("prefill_attention", 0.1)):
+    for name, rel in (("prefill_tokens", 0.05), ("decode_seqs", 0.05), ("prefill_attention", 0.1), ("decode_classes", 0.1)):
         assert cost.coef_s[name] == pytest.approx(truth[name] * scale, rel=rel), name
-    assert 0.0 <= cost.coef_s["context_tokens"] < 1e-9
+    assert 0.0 <= cost.coef_s["context_tokens"] < 2e-8  # 5 % of what TRUTH gives it elsewhere
     # Plain least squares on the same steps is what this replaces: the spikes bend it.
-    design = np.column_stack([np.ones(len(times)), shapes[:, [0, 1, 2, 4, 5]]])
+    design = np.column_stack([np.ones(len(times)), shapes[:, [0, 1, 2, 4, 5, 6]]])
     plain, *_ = np.linalg.lstsq(design, times, rcond=None)
     assert abs(plain[1] / plain[0] - truth["prefill_tokens"] / 0.005) > 0.05 * truth["prefill_tokens"] / 0.005 or plain[3] < 0
 

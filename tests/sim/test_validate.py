@@ -21,8 +21,10 @@ from conveyor_tools.sim.cost import StepCost
 from conveyor_tools.sim.simulator import SimRequest, simulate
 
 TRUE_COST = StepCost(
-    0.004, {"prefill_tokens": 8e-5, "decode_seqs": 3e-4, "context_tokens": 5e-7, "prefill_attention": 2e-8, "peak_tokens": 1e-4}
-)
+    0.004,
+    {"prefill_tokens": 8e-5, "decode_seqs": 3e-4, "context_tokens": 5e-7, "prefill_attention": 2e-8, "decode_classes": 4e-4,
+     "peak_tokens": 1e-4},
+)  # fmt: skip
 VOCAB, MAX_LEN, BLOCKS = 4096, 2048, 4096
 
 

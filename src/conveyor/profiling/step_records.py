@@ -19,27 +19,35 @@ STEP_SHAPE_SERIES: tuple[str, ...] = (
     "step_context_tokens",  # sum over the plan of (computed + scheduled): attention's reach
     "step_copied_blocks",  # swap-outs + swap-ins + block copies
     "step_prefill_attention",  # sum over those requests of scheduled x (computed + scheduled): query-key pairs
+    "step_decode_classes",  # distinct lengths among the decode rows, at a ratio of LENGTH_CLASS_RATIO
 )
+# A batched attention pads the rows of a group to its longest; the CPU backend keeps a group's
+# padding within 1.25x (worker/attention/torch_batched.py), so rows whose lengths differ by
+# more run as separate groups: per-group work a sum of lengths cannot show.
+LENGTH_CLASS_RATIO = 1.25
 STEP_TIME_SERIES = "step_time"  # ms the worker was busy with the step (StepRecorder says which)
 STEP_SERIES: tuple[str, ...] = (*STEP_SHAPE_SERIES, STEP_TIME_SERIES)
 STEP_CAPACITY = 1 << 16
 
 
-def plan_shape(plan: Any) -> tuple[int, int, int, int, int]:
+def plan_shape(plan: Any) -> tuple[int, int, int, int, int, int]:
     """A :class:`~conveyor.ipc.messages.StepPlan`'s shape, in :data:`STEP_SHAPE_SERIES` order.
 
     The same counts as the scheduler's iteration log (``prefill_tokens``, ``decode_tokens``,
     ``context_tokens``, swap blocks), computed from the plan alone so the worker can record
     them beside its own step time and a simulator can price a plan it never ran; and the
     prefill's attention pairs, the term quadratic in a prompt's length (each of its new
-    tokens scores every key up to the chunk's end), which a sum of lengths cannot show."""
+    tokens scores every key up to the chunk's end), and the decode rows' length classes
+    (:data:`LENGTH_CLASS_RATIO`), which a sum of lengths cannot show either."""
     scheduled = _per_request(plan, "num_scheduled_tokens")
     computed = _per_request(plan, "num_computed_tokens")
     multi = scheduled > 1
     copies = len(plan.swap_out) + len(plan.swap_in) + len(plan.copy_blocks)
     reach = computed + scheduled
     pairs = int((scheduled[multi] * reach[multi]).sum())
-    return int(scheduled[multi].sum()), int((~multi).sum()), int(reach.sum()), copies, pairs
+    decode = reach[~multi]
+    classes = len(np.unique(np.floor(np.log(np.maximum(decode, 1)) / np.log(LENGTH_CLASS_RATIO)))) if len(decode) else 0
+    return int(scheduled[multi].sum()), int((~multi).sum()), int(reach.sum()), copies, pairs, classes
 
 
 def _per_request(plan: Any, name: str) -> np.ndarray:

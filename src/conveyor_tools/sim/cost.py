@@ -2,7 +2,7 @@
 
     t = c0 + c_prefill * prefill_tokens + c_decode * decode_seqs
            + c_context * context_tokens + c_copy * copied_blocks + c_pairs * prefill_attention
-           + c_peak * peak_tokens
+           + c_classes * decode_classes + c_peak * peak_tokens
 
 per tensor-parallel size (one set of coefficients each: a TP group is a different machine
 as far as step time goes). The shape is :func:`conveyor.profiling.plan_shape`, the same
@@ -11,7 +11,8 @@ so a model fitted to a real run's records prices the plans the real scheduler fo
 the simulator. Why linear: a step's forward is matrix products whose work grows with the
 tokens it runs (prefill and decode rows; their per-token costs differ once sampling and
 the LM head are counted, which only sampled rows pay), attention whose work grows with the
-context it reads (and, for a prompt, with its query-key pairs: quadratic in its length),
+context it reads (and, for a prompt, with its query-key pairs: quadratic in its length;
+and on a CPU with the groups its rows are padded in, one per class of similar lengths),
 and a per-step floor (launch, inputs, Python); what it misses is shown by the fit's
 residual and by the validation table of docs/benchmarks.md. One term is not the plan's own:
 ``peak_tokens``, a step's tokens when it runs more than any step before it on the server
@@ -52,7 +53,9 @@ import numpy as np
 
 from conveyor.profiling import STEP_SHAPE_SERIES, STEP_TIME_SERIES, plan_shape
 
-PLAN_FEATURES: tuple[str, ...] = ("prefill_tokens", "decode_seqs", "context_tokens", "copied_blocks", "prefill_attention")
+PLAN_FEATURES: tuple[str, ...] = (
+    "prefill_tokens", "decode_seqs", "context_tokens", "copied_blocks", "prefill_attention", "decode_classes",
+)  # fmt: skip
 FEATURES: tuple[str, ...] = (*PLAN_FEATURES, "peak_tokens")
 VERSION = 1  # a file without a feature (written before it existed) prices it at 0
 TRIM_DEVIATIONS = 4.0  # a step this many robust deviations off the first fit is left out of the second

@@ -4,6 +4,7 @@ series (:class:`StepRecorder`), and the columns read back from a profile reply
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,8 @@ def plan_shape(plan: Any) -> tuple[int, int, int, int, int, int]:
     reach = computed + scheduled
     pairs = int((scheduled[multi] * reach[multi]).sum())
     decode = reach[~multi]
-    classes = len(np.unique(np.floor(np.log(np.maximum(decode, 1)) / np.log(LENGTH_CLASS_RATIO)))) if len(decode) else 0
+    # class k holds lengths in [ratio^k, ratio^(k+1)); bincount over the few k is cheaper than a sort
+    classes = int(np.count_nonzero(np.bincount((np.log(np.maximum(decode, 1)) / math.log(LENGTH_CLASS_RATIO)).astype(np.int64))))
     return int(scheduled[multi].sum()), int((~multi).sum()), int(reach.sum()), copies, pairs, classes
 
 

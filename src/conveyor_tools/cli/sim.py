@@ -69,7 +69,10 @@ def calibrate(paths: list[str], tp: int, out: str, sync_overhead_s: float | None
                 if rec.get("num_blocks"):
                     blocks.append(int(rec["num_blocks"]))
     if not shapes or sum(len(t) for t in times) == 0:
-        raise SystemExit(f"calibrate: no step records in {', '.join(paths)} (bin/bench offline with a profiling server writes them)")
+        raise SystemExit(
+            f"calibrate: no step records with every series of {', '.join(STEP_SERIES)} in {', '.join(paths)} "
+            "(bin/bench offline with a profiling server writes them; a run of an older tree lacks the newer series)"
+        )
     cost = fit(np.concatenate(shapes), np.concatenate(times), source=", ".join(paths))
     cost.num_blocks = min(blocks) if blocks else None
     model = CostModel.load(out) if Path(out).exists() else CostModel({})

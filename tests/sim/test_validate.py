@@ -42,7 +42,7 @@ def fake_bench(slow: dict[str, float]):
         assert args.systems == "conveyor" and args.threads == 1 and args.json == str(json_path)
         wl = make_workload(args.workload, args.num_requests, seed=args.seed, vocab_size=VOCAB, max_model_len=MAX_LEN,
                            prompt_len=args.prompt_len, output_len=args.output_len, min_len=args.min_len,
-                           max_len=args.max_len, scale=args.scale)  # fmt: skip
+                           max_len=args.max_len, scale=args.scale, output_sigma=args.output_sigma)  # fmt: skip
         config = SchedulerConfig(num_blocks=BLOCKS, max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_batched_tokens,
                                  max_model_len=MAX_LEN)  # fmt: skip
         factor = slow.get(args.workload, 1.0)
@@ -76,17 +76,18 @@ def test_one_command_measures_calibrates_and_passes_a_faithful_simulator(tmp_pat
     assert validate.main(["run", "--out", str(tmp_path), *ARGV], measure=measure) == 0
     # Calibration first at each batch size, then the three validated workloads.
     order = [(c[c.index("--workload") + 1], c[c.index("--batch-size") + 1]) for c in commands]
-    assert order == [(w, b) for b in ("2", "4") for w in ("uniform", "fixed", "sharegpt", "high-variance")]
+    assert order == [(w, b) for b in ("2", "4") for w in ("uniform", "lognormal", "fixed", "sharegpt", "high-variance")]
     result = json.loads((tmp_path / "validation.json").read_text())
     assert [(r["workload"], r["batch"]) for r in result["rows"]] == [(w, b) for b in (2, 4) for w in validate.VALIDATED]
     assert result["cells"] == result["cells_passed"] == 18 and result["worst_error"] < 0.15
     for row in result["rows"]:
         assert abs(row["cost_error"]) < 0.1 and row["steps"]["measured"] == row["steps"]["simulated"]
     # Fitted on the calibration runs alone, the model finds the true decode cost.
-    assert result["cost_model"]["coef_s"]["decode_seqs"] == pytest.approx(3e-4, rel=0.15)
+    coef = result["cost_model"]["coef_s"]
+    assert coef["decode_seqs"] == pytest.approx(3e-4, rel=0.15) and coef["decode_classes"] == pytest.approx(4e-4, rel=0.25)
     table = (tmp_path / "validation.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 7 and "18 of 18 cells within 15%" in table
-    assert "[8/8] high-variance-b4" in capsys.readouterr().out
+    assert "[10/10] high-variance-b4" in capsys.readouterr().out
     assert set(json.loads((tmp_path / "loads.json").read_text())) == {f"{w}-b{b}" for b in (2, 4) for w in validate.WORKLOAD_ARGS}
 
 

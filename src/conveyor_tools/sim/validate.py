@@ -3,8 +3,9 @@
     python3 bench/sim_validate.py run --out bench/results/sim-validation-cpu/
     python3 bench/sim_validate.py evaluate bench/results/sim-validation-cpu/   # refit, resimulate
 
-``run``: for each batch size (8, 16, 32) a calibration run (``uniform``, a workload none of
-the validated ones is) and then the three validated workloads (``fixed``, ``sharegpt``,
+``run``: for each batch size (8, 16, 32) two calibration runs (``uniform`` and ``lognormal``
+without spread: varied lengths and equal ones, workloads none of the validated ones is) and
+then the three validated workloads (``fixed``, ``sharegpt``,
 ``high-variance``), each a ``bin/bench offline`` of the demo model on a profiling server, one
 torch thread. The runs are interleaved by batch size, so a drift of the machine's load
 touches calibration and validation alike. Then ``evaluate``: the cost model fitted to the
@@ -47,10 +48,13 @@ from conveyor_tools.cli.sim import calibrate, find_step_records
 from conveyor_tools.sim.cost import CostModel, StepCost, records_arrays
 from conveyor_tools.sim.simulator import SimRequest, simulate
 
-CALIBRATION = "uniform"
+# Calibration: varied lengths (uniform) and equal ones (lognormal with no spread: every
+# request 128 + 48 tokens), so the fit sees full batches of one length class and of many.
+CALIBRATION = ("uniform", "lognormal")
 # bin/bench flags of each workload: short enough that the whole run fits 10 minutes on 2 cores.
 WORKLOAD_ARGS: dict[str, list[str]] = {
-    CALIBRATION: ["--min-len", "16", "--max-len", "256"],
+    "uniform": ["--min-len", "16", "--max-len", "256"],
+    "lognormal": ["--prompt-len", "128", "--output-len", "48", "--output-sigma", "0"],
     "fixed": ["--prompt-len", "64", "--output-len", "64"],
     "sharegpt": ["--scale", "0.25"],
     "high-variance": [],
@@ -94,13 +98,13 @@ def measure_all(out: Path, batches: list[int], num_requests: int, calibration_re
                 measure: Measure = measure) -> None:  # fmt: skip
     """Every run, interleaved by batch size, each run's JSON under ``out``; prints progress.
     The load average (1 min, the higher of before and after) of each run goes to loads.json."""
-    plan = [(w, b) for b in batches for w in (CALIBRATION, *VALIDATED)]
+    plan = [(w, b) for b in batches for w in (*CALIBRATION, *VALIDATED)]
     start = time.perf_counter()
     loads: dict[str, float] = {}
     for i, (workload, batch) in enumerate(plan, 1):
         name = run_name(workload, batch)
         path = out / f"{name}.json"
-        n = calibration_requests if workload == CALIBRATION else num_requests
+        n = calibration_requests if workload in CALIBRATION else num_requests
         before = os.getloadavg()[0]
         t0 = time.perf_counter()
         measure(bench_command(workload, batch, n, threads, path), path)
@@ -165,7 +169,8 @@ def evaluate(out: Path, batches: list[int], tolerance: float) -> dict[str, Any]:
     """Fit on the calibration runs in ``out``, replay the validated ones, write the table."""
     loads_path = out / "loads.json"
     loads = json.loads(loads_path.read_text()) if loads_path.exists() else {}
-    cal_paths = [str(out / f"{run_name(CALIBRATION, b)}.json") for b in batches]
+    calibration = [(w, b) for b in batches for w in CALIBRATION]
+    cal_paths = [str(out / f"{run_name(w, b)}.json") for w, b in calibration]
     model = calibrate(cal_paths, 1, str(out / "cost.json"), None)
     rows = []
     for batch in batches:
@@ -186,9 +191,9 @@ def evaluate(out: Path, batches: list[int], tolerance: float) -> dict[str, Any]:
         "calibration_runs": cal_paths,
         # In sample: how far each calibration run's own level is from the pooled fit's (load drift).
         "calibration": [
-            {"batch": b, "load": loads.get(run_name(CALIBRATION, b)),
+            {"workload": w, "batch": b, "load": loads.get(run_name(w, b)),
              "cost_error": cost_error(find_step_records(json.loads(Path(path).read_text()))[0], cost)}
-            for b, path in zip(batches, cal_paths)
+            for (w, b), path in zip(calibration, cal_paths)
         ],  # fmt: skip
         "rows": rows,
         "cells": len(rows) * len(METRICS),
@@ -222,7 +227,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"Cost model (calibration runs only, {c['num_steps']} steps, {c['num_trimmed']} left out as outliers): "
         f"intercept {c['intercept_s'] * 1e3:.3f} ms, {coefs}; residual {c['rel_rmse']:.0%} of the mean step.",
         "Calibration runs, the fit's total over each one's own steps (in sample; a spread is load drift): "
-        + ", ".join(f"batch {c['batch']} {c['cost_error']:+.0%}" for c in result["calibration"]) + ".",
+        + ", ".join(f"{c['workload']} batch {c['batch']} {c['cost_error']:+.0%}" for c in result["calibration"]) + ".",
         "cost model: its total over the run's measured step shapes against their measured time; "
         "load: the 1-minute load average, the higher of before and after the run.",
     ]
@@ -242,15 +247,15 @@ def main(argv: list[str] | None = None, measure: Measure = measure) -> int:
     run = sub.add_parser("run", parents=[common], help="measure, calibrate, simulate, tabulate")
     run.add_argument("--out", type=Path, required=True, help="directory for the runs, cost.json, validation.md/json")
     run.add_argument("--num-requests", type=int, default=64, help="requests of each validated run")
-    run.add_argument("--calibration-requests", type=int, default=48)
+    run.add_argument("--calibration-requests", type=int, default=32, help="requests of each calibration run")
     run.add_argument("--threads", type=int, default=1, help="the server's torch threads")
     ev = sub.add_parser("evaluate", parents=[common], help="refit and resimulate the runs already in a directory")
     ev.add_argument("out", type=Path)
     args = p.parse_args(argv)
     if args.mode == "run":
         args.out.mkdir(parents=True, exist_ok=True)
-        runs = len(args.batch_sizes) * (1 + len(VALIDATED))
-        print(f"sim_validate: {runs} bin/bench runs into {args.out} (about 4 minutes on a quiet 2-core machine, "
+        runs = len(args.batch_sizes) * (len(CALIBRATION) + len(VALIDATED))
+        print(f"sim_validate: {runs} bin/bench runs into {args.out} (about 5 minutes on a quiet 2-core machine, "
               f"20 or more at load 10; load now {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
         measure_all(args.out, args.batch_sizes, args.num_requests, args.calibration_requests, args.threads, measure)
     result = evaluate(args.out, args.batch_sizes, args.tolerance)

@@ -277,3 +277,21 @@ def test_each_replica_pays_its_own_warm_up_as_the_records_count_it():
         second = [i for i, s in enumerate(rep.steps) if s.start >= 5.0]
         assert peaks[0] > 0 and second and not peaks[second].any()
     assert peak_tokens(np.array([[10, 0], [0, 5], [16, 4], [20, 0], [3, 1]])).tolist() == [10, 0, 20, 0, 0]
+
+
+def test_fit_takes_each_runs_load_as_a_level_not_as_a_features_cost():
+    """Two runs, the second on a machine twice as loaded and with more length classes per
+    step: pooled, the load lands on ``decode_classes``; fitted with each run at its own
+    level, the coefficients keep the true proportions."""
+    rng = np.random.default_rng(3)
+    a, b = synthetic_steps(400, rng), synthetic_steps(400, rng)
+    a[:, 5] = np.minimum(a[:, 1], 1)  # equal lengths: one class
+    coefs = np.array([TRUTH[f] for f in FEATURES])
+    times = np.concatenate([0.005 + a @ coefs, 2.0 * (0.005 + b @ coefs)]) * rng.normal(1.0, 0.01, 800)
+    shapes, runs = np.concatenate([a, b]), np.repeat([0, 1], 400)
+    leveled, pooled = fit(shapes, times, runs=runs), fit(shapes, times)
+    ratio = TRUTH["decode_classes"] / TRUTH["decode_seqs"]
+    assert leveled.coef_s["decode_classes"] / leveled.coef_s["decode_seqs"] == pytest.approx(ratio, rel=0.1)
+    assert pooled.coef_s["decode_classes"] / max(pooled.coef_s["decode_seqs"], 1e-12) > 1.5 * ratio
+    for cost in (leveled, pooled):  # either way the calibration's total is kept
+        assert sum(cost.time(s[:-1], s[-1]) for s in shapes) == pytest.approx(times.sum(), rel=1e-9)

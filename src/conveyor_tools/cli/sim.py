@@ -73,7 +73,8 @@ def calibrate(paths: list[str], tp: int, out: str, sync_overhead_s: float | None
             f"calibrate: no step records with every series of {', '.join(STEP_SERIES)} in {', '.join(paths)} "
             "(bin/bench offline with a profiling server writes them; a run of an older tree lacks the newer series)"
         )
-    cost = fit(np.concatenate(shapes), np.concatenate(times), source=", ".join(paths))
+    runs = np.concatenate([np.full(len(t), k) for k, t in enumerate(times)])
+    cost = fit(np.concatenate(shapes), np.concatenate(times), source=", ".join(paths), runs=runs)
     cost.num_blocks = min(blocks) if blocks else None
     model = CostModel.load(out) if Path(out).exists() else CostModel({})
     model.by_tp[tp] = cost

@@ -25,9 +25,12 @@ How :func:`fit` fits: every coefficient is non-negative (no feature makes a step
 a free least-squares fit gives a negative one to a feature that hardly varied, which then
 extrapolates to nonsense), steps whose time is far off the first fit's prediction (the
 first step's warm-up, a step descheduled by another process) are left out of the second,
-and the coefficients are then scaled so that the calibration steps' predicted total is
-their measured total: the left-out time is real and the runs being predicted pay it too,
-spread over their steps as over the calibration's.
+each calibration run is fitted at its own level (a factor on all its steps, re-estimated
+between passes: another process's load slows a whole run, and a feature that tells runs
+apart must not take the difference between their loads for its cost), and the coefficients
+are then scaled so that the calibration steps' predicted total is their measured total: the
+left-out time is real and the runs being predicted pay it too, spread over their steps as
+over the calibration's.
 
 ``sync_overhead_s`` is host time that is *not* hidden behind a step: paid once by every plan
 formed with nothing in flight (the scheduler's schedule() and the transport, which a plan
@@ -58,7 +61,8 @@ PLAN_FEATURES: tuple[str, ...] = (
 )  # fmt: skip
 FEATURES: tuple[str, ...] = (*PLAN_FEATURES, "peak_tokens")
 VERSION = 1  # a file without a feature (written before it existed) prices it at 0
-TRIM_DEVIATIONS = 4.0  # a step this many robust deviations off the first fit is left out of the second
+TRIM_DEVIATIONS = 4.0  # a step this many robust deviations off the first fit is left out of the next
+MAX_LEVEL_PASSES = 50  # fits alternating with the runs' levels (they settle within 1e-4 in about 10)
 
 
 @dataclass
@@ -152,25 +156,26 @@ class CostModel:
             return cls.from_json(json.load(f))
 
 
-def fit(shapes: np.ndarray, times_s: np.ndarray, source: str = "") -> StepCost:
+def fit(shapes: np.ndarray, times_s: np.ndarray, source: str = "", runs: np.ndarray | None = None) -> StepCost:
     """Non-negative coefficients of :data:`FEATURES` (columns of ``shapes``) and an intercept
-    for step times ``times_s``, fitted in two passes with outliers left out and scaled to the
-    measured total (the module docstring says why). A feature that never varies (no swaps in
-    the run) gets a zero coefficient, not an arbitrary one; the residual is reported relative
-    to the mean step time, over every step."""
+    for step times ``times_s``, with outliers left out, each run (``runs``: a label per step)
+    at its own level, and scaled to the measured total (the module docstring says why). A
+    feature that never varies (no swaps in the run) gets a zero coefficient, not an arbitrary
+    one; the residual is reported relative to the mean step time, over every step."""
     shapes = np.asarray(shapes, np.float64)
     times_s = np.asarray(times_s, np.float64)
     if shapes.ndim != 2 or shapes.shape[1] != len(FEATURES) or len(shapes) != len(times_s):
         raise ValueError(f"shapes must be (steps, {len(FEATURES)}) and times (steps,)")
     if len(times_s) < len(FEATURES) + 1:
         raise ValueError(f"{len(times_s)} step records are too few to fit {len(FEATURES) + 1} coefficients")
+    run = np.unique(np.zeros(len(times_s)) if runs is None else np.asarray(runs), return_inverse=True)[1].ravel()
     varies = shapes.std(axis=0) > 0
     design = np.column_stack([np.ones(len(times_s)), shapes[:, varies]])
-    first = design @ nonnegative_lstsq(design, times_s)
-    rel = times_s / np.maximum(first, 1e-12) - 1.0
+    solution, level = _leveled_fit(design, times_s, run, np.ones(len(times_s), bool))
+    rel = times_s / np.maximum(level * (design @ solution), 1e-12) - 1.0
     spread = 1.4826 * np.median(np.abs(rel - np.median(rel)))  # the deviation a normal's MAD estimates
     keep = np.abs(rel - np.median(rel)) <= TRIM_DEVIATIONS * spread if spread > 0 else np.ones(len(rel), bool)
-    solution = nonnegative_lstsq(design[keep], times_s[keep])
+    solution, _ = _leveled_fit(design, times_s, run, keep)
     predicted = design @ solution
     if predicted.sum() > 0:
         solution *= times_s.sum() / predicted.sum()
@@ -182,6 +187,22 @@ def fit(shapes: np.ndarray, times_s: np.ndarray, source: str = "") -> StepCost:
         float(solution[0]), dict(zip(FEATURES, coef.tolist())), num_steps=len(times_s), num_trimmed=int((~keep).sum()),
         rel_rmse=rel_rmse, source=source,
     )  # fmt: skip
+
+
+def _leveled_fit(design: np.ndarray, times_s: np.ndarray, run: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Coefficients for ``times ~ level[run] * (design @ x)`` over the ``keep`` steps, x >= 0,
+    alternating the fit with each run's level (its measured over its modelled time) until the
+    levels settle; returns x and each step's level."""
+    level = np.ones(len(times_s))
+    for _ in range(MAX_LEVEL_PASSES):
+        solution = nonnegative_lstsq(design[keep] * level[keep, None], times_s[keep])
+        modelled = np.bincount(run[keep], (design @ solution)[keep], minlength=run.max() + 1)
+        new = (np.bincount(run[keep], times_s[keep], minlength=run.max() + 1) / np.maximum(modelled, 1e-12))[run]
+        settled = np.allclose(new, level, rtol=1e-4)
+        level = new
+        if settled:
+            break
+    return solution, level
 
 
 def nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:

@@ -47,6 +47,8 @@ from conveyor.ipc.messages.frontend_scheduler import (
     sequence_id,
 )
 from conveyor.ipc.messages.process_control import (
+    NodeHello,
+    NodeVerdict,
     ProcessFailed,
     ProcessReady,
     Shutdown,
@@ -84,6 +86,8 @@ __all__ = [
     "Message",
     "MetricSummary",
     "NewRequestData",
+    "NodeHello",
+    "NodeVerdict",
     "PROTOCOL_VERSION",
     "Positional",
     "ProcessFailed",

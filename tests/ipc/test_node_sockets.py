@@ -5,7 +5,11 @@ cluster key (CurveZMQ: a reader without the key gets no plan and is told why).""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -115,6 +119,36 @@ def test_node_0_lost_is_seen_by_the_member(keys, member_ctx) -> None:
     assert stop is not None and not stop.clean and f"lost contact with node 0 at {hub.address}" in stop.reason
 
 
+def test_a_node_gone_silent_is_seen_within_the_silence_bound(hub, keys) -> None:
+    """Node 1 in another process, stopped (SIGSTOP: its connection stays open, nothing
+    answers): only the missing heartbeats tell, within ``silence_s`` (2 s here) and a beat."""
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import time, zmq
+from conveyor.ipc.transport import ClusterKey
+from conveyor.runtime import node_link
+member = node_link.NodeLinkMember(zmq.Context(), {hub.address!r}, ClusterKey.load({keys[0]!r}), 1, {SETTINGS!r}, 2.0)
+member.join(30, lambda: False)
+print("joined", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not hub.joined and time.monotonic() < deadline:
+            hub.admit()
+            time.sleep(0.02)
+        assert child.stdout.readline() == "joined\n"
+        assert hub.watch() is None
+        os.kill(child.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        lost = wait_for(hub.watch, 10)
+        took = time.monotonic() - stopped
+    finally:
+        child.kill()
+        child.wait()
+    assert lost is not None and "lost contact with node 1" in lost.reason and "silent for 2 s" in lost.reason
+    assert 1.5 < took < 2.0 + node_link.HEARTBEAT_S + 1.0, took
+
+
 def test_a_node_with_other_settings_is_refused_and_both_say_which(hub, member_ctx, keys) -> None:
     member_error, hub_error = join(hub, member_ctx, keys[0], {**SETTINGS, "--block-size": "16"})
     assert "refused this node: --block-size: node 1 has '16', node 0 '8'" in str(member_error)
@@ -140,8 +174,9 @@ def test_differences_name_each_setting_that_differs() -> None:
 
 def test_with_the_cluster_key_only_a_key_holder_reads_plans(keys, tmp_path) -> None:
     """Node 0's plan socket for a remote rank: the holder of the key gets every plan, in
-    order; a reader with another key is refused (PeerGone saying so) and one without CurveZMQ
-    gets nothing (it never becomes a peer, so it takes no plan from the holder either)."""
+    order; a reader with another key is refused (PeerGone saying so), and neither one without
+    CurveZMQ nor one with the cluster's public key but another pair gets anything (none becomes
+    a peer, so none takes a plan from the holder either: PUSH would deal them round-robin)."""
     port = free_port()
     spec = ChannelSpec(
         f"ipc://{tmp_path}/plans", readers=2, local_readers=1, remote_address=f"tcp://127.0.0.1:{port}", remote_key=keys[0]
@@ -152,6 +187,12 @@ def test_with_the_cluster_key_only_a_key_holder_reads_plans(keys, tmp_path) -> N
     wrong = StepReceiver(ctx, dataclasses.replace(spec, remote_key=keys[1]), bind=False, reader=1)
     plain = ctx.socket(zmq.PULL)
     plain.connect(f"tcp://127.0.0.1:{port}")
+    # One that knows the cluster's public key (it is in no secret) but holds another pair: ZAP refuses it.
+    impostor = ctx.socket(zmq.PULL)
+    other = ClusterKey.load(keys[1])
+    impostor.curve_publickey, impostor.curve_secretkey = other.public, other.secret
+    impostor.curve_serverkey = ClusterKey.load(keys[0]).public
+    impostor.connect(f"tcp://127.0.0.1:{port}")
     with pytest.raises(PeerGone, match="refused this node's cluster key"):
         wrong.wait(5)
     holder = StepReceiver(ctx, spec, bind=False, reader=1)
@@ -159,8 +200,9 @@ def test_with_the_cluster_key_only_a_key_holder_reads_plans(keys, tmp_path) -> N
         sender.send(Shutdown(reason))
     assert [holder.recv(5).reason for _ in range(3)] == ["a", "b", "c"]
     assert [local.recv(5).reason for _ in range(3)] == ["a", "b", "c"]
-    assert not plain.poll(300)
+    assert not plain.poll(300) and not impostor.poll(0)
     for end in (holder, wrong, local, sender):
         end.close()
     plain.close(linger=0)
+    impostor.close(linger=0)
     ctx.term()

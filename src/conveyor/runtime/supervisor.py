@@ -187,9 +187,7 @@ class Server:
                 return 0
             lost = self.link.watch() if self.link is not None else None
             if lost is not None:
-                print(f"conveyor: {lost.reason}; stopping", file=sys.stderr, flush=True)
-                self.stop(lost.reason)
-                return 0 if lost.clean else 1
+                return self._stop_for(lost)
             done = mp.connection.wait(list(sentinels), timeout=0.2)
             if done:
                 time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
@@ -216,9 +214,8 @@ class Server:
                     # A collective with a dead node, or a lost plan socket: the link names the node.
                     lost = self._node_lost_within(LOST_NODE_GRACE_S)
                     if lost is not None:
-                        reason = f"{lost.reason} ({reason})"
-                    else:
-                        reason += f"; with --nnodes {self.config.nnodes}, another node may have died or lost contact"
+                        return self._stop_for(lost, f" ({reason})")
+                    reason += f"; with --nnodes {self.config.nnodes}, another node may have died or lost contact"
                 print(f"conveyor: {reason}; stopping", file=sys.stderr, flush=True)
                 self.stop(reason)
                 return 1
@@ -236,6 +233,14 @@ class Server:
             found = mp.connection.wait(list(sentinels), timeout=0.05)
             dead = [sentinels[s] for s in found] or dead
         return min(dead, key=lambda name: not name.startswith("worker"))
+
+    def _stop_for(self, lost: node_link.NodeStop, detail: str = "") -> int:
+        """Stop for what the node link reported (``detail``: the dead rank it explains); serve's
+        exit code: 0 when node 0 stopped on a signal, else 1."""
+        reason = lost.reason + detail
+        print(f"conveyor: {reason}; stopping", file=sys.stderr, flush=True)
+        self.stop(reason)
+        return 0 if lost.clean else 1
 
     def _node_lost_within(self, seconds: float) -> node_link.NodeStop | None:
         """What the node link reports within ``seconds`` (None: every node is still there)."""

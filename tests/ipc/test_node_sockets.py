@@ -55,16 +55,17 @@ def member_ctx():
     ctx.term()
 
 
-def join(hub, ctx, key_file: str, settings: dict[str, str]):
-    """Node 1 joining ``hub`` while the hub answers: (the member, or the StartupError its join
-    raised; the StartupError the hub raised, or None)."""
-    member = node_link.NodeLinkMember(ctx, hub.address, ClusterKey.load(key_file), 1, settings, 2.0)
+def join(hub, ctx, key_file: str | None, settings: dict[str, str], rank: int = 1):
+    """Node ``rank`` joining ``hub`` while the hub answers: (the member, or the StartupError
+    its join raised; the StartupError the hub raised, or None)."""
+    key = ClusterKey.load(key_file) if key_file is not None else None
+    member = node_link.NodeLinkMember(ctx, hub.address, key, rank, settings, 2.0)
     hub_error: list[StartupError] = []
     done = threading.Event()
 
     def answer() -> None:
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not hub.joined and not done.is_set():
+        while time.monotonic() < deadline and rank not in hub.joined and not done.is_set():
             try:
                 hub.admit()
             except StartupError as exc:
@@ -205,4 +206,18 @@ def test_with_the_cluster_key_only_a_key_holder_reads_plans(keys, tmp_path) -> N
         end.close()
     plain.close(linger=0)
     impostor.close(linger=0)
+    ctx.term()
+
+
+def test_without_keys_nodes_join_and_a_key_holder_is_told_node_0_has_none(keys, member_ctx) -> None:
+    """--insecure-cluster on both nodes joins; a node with --cluster-key against a node 0
+    without is refused at the handshake, saying the mechanisms differ."""
+    ctx = zmq.Context()
+    hub = node_link.NodeLinkHub(ctx, f"tcp://127.0.0.1:{free_port()}", None, 3, SETTINGS, 2.0)
+    plain, _ = join(hub, member_ctx, None, SETTINGS)
+    keyed, _ = join(hub, member_ctx, keys[0], SETTINGS, rank=2)
+    assert isinstance(plain, node_link.NodeLinkMember) and set(hub.joined) == {1}
+    assert "speaks another security mechanism" in str(keyed)
+    plain.close()
+    hub.close()
     ctx.term()

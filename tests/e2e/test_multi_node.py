@@ -230,7 +230,7 @@ def test_the_flags_split_the_ranks_over_the_nodes_and_send_remote_plans_over_tcp
         ((*multi, "--insecure-cluster"), "needs one of --cluster-key FILE"),
         ((*remote, "--insecure-cluster"), "--insecure-cluster is for loopback only: 10.0.0.1"),
         ((*remote, "--cluster-key", str(tmp_path / "missing")), "--cluster-key .*missing"),
-        (("--tensor-parallel-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1", "--cluster-key", cluster_key), "does not divide by --nnodes 2"),
+        (("--tensor-parallel-size", "3", *multi[2:]), "does not divide by --nnodes 2"),
         (("--tensor-parallel-size", "2", "--nnodes", "2"), "needs --dist-init-addr"),
         ((*multi, "--node-rank", "2"), "--node-rank 2 outside 0..1"),
         (("--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", "nohost"), "HOST:PORT"),

@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="keygen", description="Make the CurveZMQ keys for bin/serve --auth-keys DIR.")
     p.add_argument("dir", help="key directory (made if missing)")
     p.add_argument("--client", metavar="NAME", help="add an allowed client NAME (and the server keys, if DIR has none)")
-    p.add_argument("--cluster", action="store_true", help="make DIR/cluster.key_secret, the key pair of bin/serve --nnodes > 1 --cluster-key")
+    p.add_argument(
+        "--cluster", action="store_true", help="make DIR/cluster.key_secret, the key pair of bin/serve --nnodes > 1 --cluster-key"
+    )
     args = p.parse_args(argv)
     try:
         if args.cluster:

@@ -149,7 +149,7 @@ class RemoteReceiver(ZmqReceiver):
             self._connected |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
             self._lost |= event == zmq.EVENT_DISCONNECTED and self._connected
             if event & transport.HANDSHAKE_FAILED:
-                self._lost, self._refused = True, transport.handshake_refusal(event, self._address)
+                self._lost, self._refused = True, transport.handshake_refusal(self._address)
         if self._lost and not self._sock.poll(0):
             raise PeerGone(self._refused or f"lost the connection to node 0 (the scheduler's plans at {self._address})")
 

@@ -352,11 +352,11 @@ class ClusterKey:
         sock.setsockopt(zmq.CURVE_SERVERKEY, self.public)
 
 
-def handshake_refusal(event: int, address: str) -> str:
-    """What a failed handshake with node 0 at ``address`` means, for the error an operator reads."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return (
-            f"node 0 at {address} speaks another security mechanism: one node has --cluster-key "
-            "and the other --insecure-cluster"
-        )
-    return f"node 0 at {address} refused this node's cluster key: its --cluster-key is not the one node 0 has"
+def handshake_refusal(address: str) -> str:
+    """What a failed handshake with node 0 at ``address`` means, for the error an operator
+    reads. libzmq's event does not tell the cases apart reliably (a client key node 0's ZAP
+    check refuses, another server key, or CurveZMQ on one side only), so this names them all."""
+    return (
+        f"node 0 at {address} refused this node's cluster key: the nodes' --cluster-key files differ "
+        "(or one node runs --insecure-cluster)"
+    )

@@ -54,6 +54,7 @@ from conveyor.runtime.model_source import StartupError
 HEARTBEAT_S = 1.0
 MAX_SILENCE_S = 10.0
 LINGER_MS = 1000  # a stopping node 0's Shutdown to the others gets this long to leave
+SIGNAL_REASON = "server shutting down"  # what node 0 stops with on SIGINT/SIGTERM (Server.supervise)
 
 
 def node_link_address(dist_init_addr: str) -> str:
@@ -277,7 +278,7 @@ class NodeLinkMember(_Link):
         while True:
             for event, _ in self.events():
                 if event & HANDSHAKE_FAILED:
-                    raise StartupError(handshake_refusal(event, self.address))
+                    raise StartupError(handshake_refusal(self.address))
             for _, msg in self.messages():
                 if isinstance(msg, NodeVerdict):
                     if msg.refusal:
@@ -304,5 +305,3 @@ class NodeLinkMember(_Link):
                 )
         return None
 
-
-SIGNAL_REASON = "server shutting down"  # what node 0 stops with on SIGINT/SIGTERM (Server.supervise)

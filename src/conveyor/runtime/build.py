@@ -123,6 +123,8 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
     model = ModelConfig.from_dir(model_dir)
     if flags["auth_keys"] is not None:
         transport.check_auth_keys(flags["auth_keys"])
+    if flags.get("cluster_key") is not None:
+        transport.ClusterKey.load(flags["cluster_key"])  # a wrong file fails here, before any process starts
     max_model_len = model_length(model, flags["max_model_len"])
     addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(flags["host"], flags["port"]))
     nnodes, size = flags.get("nnodes", 1), flags["tensor_parallel_size"]
@@ -135,6 +137,7 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         plan_readers=size,
         local_plan_readers=size // nnodes if multi_node else None,  # node 0's ranks
         remote_plans_address=remote_plans_address(flags["dist_init_addr"]) if multi_node else None,
+        remote_plans_key=flags.get("cluster_key") if multi_node else None,
     )
     worker = WorkerConfig(
         **{
@@ -169,4 +172,5 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,
         serve_on_replica_death=flags["serve_on_replica_death"],
         nnodes=flags.get("nnodes", 1), node_rank=flags.get("node_rank", 0), dist_init_addr=flags.get("dist_init_addr"),
+        cluster_key=flags.get("cluster_key"), insecure_cluster=flags.get("insecure_cluster", False),
     )  # fmt: skip

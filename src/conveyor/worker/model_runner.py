@@ -30,9 +30,10 @@ sampled ids come back through a host buffer copied without blocking the stream (
 CUDA) and an event, not through a ``.tolist()`` that would wait for the next step too.
 At most one step is launched and not finished when another is launched.
 
-**The decode step** (every row runs one token) runs through static buffers and CUDA graphs
-(:mod:`conveyor.worker.decode_step`). Prefill, chunked prefill and mixed steps run the
-flattened ragged batch here.
+**The decode step** (every row runs one token, or its last token and a speculative proposal
+of up to ``num_speculative_tokens``: a verify step) runs through static buffers and CUDA
+graphs (:mod:`conveyor.worker.decode_step`). Prefill, chunked prefill and mixed steps run
+the flattened ragged batch here.
 Sampling is batched over per-row parameter tensors (:mod:`conveyor.worker.sampler`).
 The runner's other parts are base classes of it, each in its own module:
 log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the greedy verification of
@@ -106,6 +107,8 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
     ``max_num_seqs`` (the scheduler's) bounds the rows of a step and sizes the static decode
     buffers; on CUDA the decode step is captured as CUDA graphs unless ``enforce_eager``.
     ``pad_decode``: pad decode batches to the graph buckets (default: when graphs are used).
+    ``num_speculative_tokens``: the scheduler's proposal length bound, the verify width the
+    static buffers (and graphs) are sized for; a step with a longer proposal runs ragged.
 
     ``lora``: serve LoRA adapters (:mod:`conveyor.worker.lora`) with these slot and rank
     bounds; ``lora_modules`` (name -> PEFT directory) are registered at once (a bad one raises
@@ -135,6 +138,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
         pad_decode: bool | None = None,
+        num_speculative_tokens: int = 0,
         lora: LoraOptions | None = None,
         lora_modules: dict[str, str] | None = None,
     ) -> None:
@@ -186,7 +190,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         self._t_forward = prof.timer("forward")
         self._t_sample = prof.timer("sample")  # LM head on the sampled rows + the sampler
         self._t_swap = prof.timer("swap", arg_name="blocks")  # only steps that copy blocks
-        self._setup_decode_step(max_num_seqs, enforce_eager, pad_decode, backend)
+        self._setup_decode_step(max_num_seqs, enforce_eager, pad_decode, backend, num_speculative_tokens)
         # Structured output (conveyor.worker.grammar_rows): matchers of constrained requests,
         # and a per-slot flag so that a step without them is told apart in one numpy test.
         self._grammars = GrammarRows(model_dir)
@@ -381,10 +385,12 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         ``samples`` set, in order, and their slots (nothing here waits for the device), then
         the log-probabilities of the sampled tokens and of the prompt positions computed, for
         the requests that asked (None when none did: nothing extra runs then). A
-        decode-only step (every row runs one token) takes the static-buffer path
-        (:meth:`_run_decode`), any other the flattened ragged one (:meth:`_run_ragged`)."""
-        if all(item.num_scheduled == 1 for item in work) and not self._scores_prompt(work, states):
-            return self._run_decode(work, states, samples)
+        decode-only step (every row runs one token, or a verify of its proposal) takes the
+        static-buffer path (:meth:`_run_decode`), any other the flattened ragged one
+        (:meth:`_run_ragged`)."""
+        q = None if self._scores_prompt(work, states) else self._static_query_len(work)
+        if q is not None:
+            return self._run_decode(work, states, samples, q)
         return self._run_ragged(work, states, samples)
 
     def _run_ragged(
@@ -437,7 +443,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
             logit_rows = np.concatenate([ends[sample_rows] - 1, *spec_index])
             logits = self.model.compute_logits(hidden[torch.from_numpy(logit_rows).to(self.device)])
             if spec_index:
-                self._spec_targets = logits[len(sample_rows) :].argmax(dim=-1)
+                self._spec_targets = self._verify_targets(logits[len(sample_rows) :])
                 logits = logits[: len(sample_rows)]
             # The position of the token being drawn is fixed for each output index of a request,
             # so it keys a seeded draw as well as the output index would, across preemptions too.

@@ -3,7 +3,8 @@
 :class:`SpeculativeVerify` is the part of :class:`~conveyor.worker.model_runner.ModelRunner`
 that checks each speculative row's proposal against the target model's argmax (a base class
 of it: it reads the runner's per-slot last tokens). The target's argmax at the proposal's
-positions comes from the ragged step's LM head call (``LaunchedStep.spec_targets``).
+positions comes from the step's LM head call (``LaunchedStep.spec_targets``): the ragged
+step's or the static decode-verify step's, both through :meth:`SpeculativeVerify._verify_targets`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ if TYPE_CHECKING:
 
 class SpeculativeVerify:
     """The speculative-decoding verification of a runner (module docstring)."""
+
+    def _verify_targets(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target model's verdict at the proposal positions, from its logits there (one
+        row per proposed token, flat in speculative-row order): the greedy argmax."""
+        return logits.argmax(dim=-1)
 
     def _accept(self, launched: LaunchedStep, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
         """Greedy verification of the step's speculative rows, on the host: a row's targets are

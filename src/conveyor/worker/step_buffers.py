@@ -1,7 +1,8 @@
 """Persistent inputs of the static-buffer decode step: one host staging area, one device copy.
 
-A decode-only step (every scheduled row runs exactly one token) is padded to a *bucket* of
-rows (:func:`decode_buckets` where CUDA graphs replay it; eagerly, the runner makes every
+A decode-only step (every scheduled row runs exactly one token, or, a speculative verify
+step, its last token and a proposal: ``q`` query tokens per row, shorter proposals padded)
+is padded to a *bucket* of rows (:func:`decode_buckets` where CUDA graphs replay it; eagerly, the runner makes every
 row count a bucket of its own) and reads all its inputs from views into one device byte
 buffer: token ids, positions, KV slots, the pending-token gather, which rows sample, the
 attention lengths and block tables, the sampling parameters and the rows using sampling
@@ -11,8 +12,8 @@ bucket's bytes in ONE host-to-device copy; nothing on the device is allocated fo
 and nothing waits for the device. Because a bucket's device views never move, a CUDA graph
 captured over them (:mod:`conveyor.worker.cuda_graphs`) replays with each step's inputs.
 
-Padded rows are inert: token 0 at position 0, KV slot -1 (the store skips it), one token of
-context read from block 0 (whatever it holds, finite: blocks are zeroed at allocation and
+Padded rows are inert: tokens 0 at position 0, KV slot -1 (the store skips it), ``q`` tokens
+of context read from block 0 (whatever it holds, finite: blocks are zeroed at allocation and
 only ever written with keys and values), greedy, never sampled from. Their outputs are
 dropped.
 
@@ -21,8 +22,9 @@ fills one while the previous step's copy from the other may still be queued (pip
 launches), and before refilling a buffer it waits for that buffer's last copy, which has
 long finished in steady state.
 
-Layout per bucket of ``B`` rows and ``W`` block-table columns (offsets aligned to 8 bytes):
-the fields of :data:`FIELDS`, each ``B`` rows (``B * W`` for the block table) in that order,
+Layout per bucket of ``B`` rows of ``q`` tokens and ``W`` block-table columns (offsets
+aligned to 8 bytes): the fields of :data:`FIELDS`, each ``B`` rows (``B * q`` for the
+per-token fields, ``B * W`` for the block table) in that order,
 from byte 0; every bucket's views alias the same device buffer.
 """
 

@@ -118,8 +118,8 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
     ``tensor_parallel``: this runner is one rank of a tensor-parallel group
     (:mod:`conveyor.worker.parallel`). It holds the rank's shard of the model and a cache of
     its kv heads (``kv_cache_memory_bytes`` is then this rank's budget); only rank 0 computes
-    logits and samples, and broadcasts the ids, so every rank returns the same results and
-    keeps the same request state. Every rank must be given the same plans.
+    logits and samples, and broadcasts the ids (and a speculative step's targets), so every
+    rank returns the same results and keeps the same request state. Every rank must be given the same plans.
     """
 
     def __init__(
@@ -224,7 +224,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         """
         before = self._last
         launched = self._last = LaunchedStep(plan.step_id, plan.planned_ahead, [], [])  # failed until launched
-        requests, tp = self._requests, self.tensor_parallel
+        requests = self._requests
         dropped = int_list(plan.finished_slots)
         PlanChecker.check_dropped(dropped)
         requests.drop(dropped)
@@ -232,8 +232,6 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
-        if tp.size > 1 and plan.cached_requests.spec_rows:
-            raise PlanRefused("speculative decoding is not supported with tensor parallelism yet")
         adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
         # Copies out, copies in, then the forks' block copies, all before the forward (see
         # StepPlan): a GPU block swapped out may be given again by this same plan (as a swap-in
@@ -275,6 +273,9 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
         launched.slots = [slot for slot, _ in sampling]
         launched.states = [state for _, state in sampling]
+        proposed = sum(len(item.proposal) for item in work)
+        if proposed:  # (rank 0 scored them; every rank accepts the same tokens)
+            self._spec_targets = self._shared_targets(self._spec_targets, proposed)
         if self._spec_targets is not None:
             sampled_items = [item for item, flag in zip(work, samples) if flag]
             launched.spec_rows = [i for i, item in enumerate(sampled_items) if item.proposal]

@@ -2,7 +2,9 @@
 
 :class:`SpeculativeVerify` is the part of :class:`~conveyor.worker.model_runner.ModelRunner`
 that checks each speculative row's proposal against the target model's argmax (a base class
-of it: it reads the runner's per-slot last tokens). The target's argmax at the proposal's
+of it: it reads the runner's per-slot last tokens and tensor-parallel rank). With tensor
+parallelism only rank 0 scores the proposals; it broadcasts the targets, and every rank runs
+the same acceptance on them. The target's argmax at the proposal's
 positions comes from the step's LM head call (``LaunchedStep.spec_targets``): the ragged
 step's or the static decode-verify step's, both through :meth:`SpeculativeVerify._verify_targets`.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from conveyor.worker.parallel import broadcast_from_first_
 
 if TYPE_CHECKING:
     from conveyor.worker.model_runner import LaunchedStep
@@ -24,6 +28,16 @@ class SpeculativeVerify:
         """The target model's verdict at the proposal positions, from its logits there (one
         row per proposed token, flat in speculative-row order): the greedy argmax."""
         return logits.argmax(dim=-1)
+
+    def _shared_targets(self, targets: torch.Tensor | None, count: int) -> torch.Tensor:
+        """Rank 0's ``count`` targets on every rank of a tensor-parallel group (``targets``:
+        this rank's, None where it holds no LM head), so that every rank accepts the same
+        tokens and keeps the same request state; the same tensor at size 1."""
+        if self.tensor_parallel.size == 1:
+            return targets
+        if targets is None:
+            targets = torch.empty(count, dtype=torch.int64, device=self.device)
+        return broadcast_from_first_(targets, self.tensor_parallel)
 
     def _accept(self, launched: LaunchedStep, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
         """Greedy verification of the step's speculative rows, on the host: a row's targets are

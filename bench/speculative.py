@@ -11,8 +11,9 @@ same process, each after a short warm-up on its own engine:
 - ``spec_static``: speculation with its verify steps through the static buffers (a graph per
   bucket and width on CUDA; worker/decode_step.py).
 
-Per system: output tokens per second, steps, proposals accepted, and how many steps ran the
-static path with proposals. The JSON has bench/gpu_checks.py's shape (``settings``,
+Per system: output tokens per second, this process's CPU seconds (on a shared CPU machine the
+steadier figure), steps, proposals accepted, and how many steps ran the static path with
+proposals. The JSON has bench/gpu_checks.py's shape (``settings``,
 ``systems.<name>.median.output_tok_s``), so its summary prints the figures.
 
     python bench/speculative.py --smoke                       # the demo model on CPU: seconds
@@ -65,15 +66,16 @@ def run(system: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict
     before, verify_steps[0] = engine.stats(), 0
     requests = [engine.add_request(token_ids=p, request_id=f"r{i}", max_tokens=args.max_tokens, **greedy)
                 for i, p in enumerate(prompts)]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_pending_requests():
         engine.step()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = engine.stats()
     tokens = sum(len(r.tokens) for r in requests)
     delta = {key: stats.get(key, 0) - before.get(key, 0)
              for key in ("num_steps", "spec_proposed_tokens", "spec_accepted_tokens")}
-    return {"median": {"output_tok_s": tokens / seconds}, "seconds": seconds, "output_tokens": tokens,
+    return {"median": {"output_tok_s": tokens / seconds}, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "output_tokens": tokens,
             "static_verify_steps": verify_steps[0], **delta, "outputs": [r.tokens for r in requests]}
 
 
@@ -108,7 +110,7 @@ def main() -> None:
         "static_over_plain": systems["spec_static"]["median"]["output_tok_s"] / systems["plain"]["median"]["output_tok_s"],
     }
     for name, r in systems.items():
-        print(f"{name:<12} {r['median']['output_tok_s']:>10,.0f} out tok/s  {r['num_steps']:>5} steps  "
+        print(f"{name:<12} {r['median']['output_tok_s']:>10,.0f} out tok/s  cpu {r['cpu_seconds']:.2f} s  {r['num_steps']:>5} steps  "
               f"accepted {r['spec_accepted_tokens']}/{r['spec_proposed_tokens']}  static verify steps {r['static_verify_steps']}")
     print(f"spec_static / spec_ragged {result['static_over_ragged']:.2f}x, spec_static / plain "
           f"{result['static_over_plain']:.2f}x, outputs equal (static vs ragged) {result['outputs_equal']}, "

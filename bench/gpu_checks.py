@@ -201,11 +201,11 @@ def stages(cpu: bool, results: Path, checkpoint: Path) -> list[Stage]:
                      "--out", step_json], [step_json]))
     # Speculative verify steps through the static buffers (issue 28): their graphs == eager
     # tests, then plain / ragged-verify / static-verify decoding side by side (bench/speculative.py).
-    out.append(Stage("spec_tests", CPU_LIMIT_S if cpu else 45, [*pytest, "-m", "gpu", SPEC_TESTS]))
+    out.append(Stage("spec_tests", CPU_LIMIT_S if cpu else 60, [*pytest, "-m", "gpu", SPEC_TESTS]))
     spec_json = str(results / "speculative.json")
     spec_args = ["--smoke", "--threads", "1"] if cpu else ["--device", "cuda", "--dtype", "bfloat16", "--requests", "8",
                                                           "--prompt-len", "256", "--max-tokens", "64", "--kv-cache-memory", "20"]
-    out.append(Stage("speculative", CPU_LIMIT_S if cpu else 45, [py, str(REPO / "bench" / "speculative.py"), "--checkpoint",
+    out.append(Stage("speculative", CPU_LIMIT_S if cpu else 75, [py, str(REPO / "bench" / "speculative.py"), "--checkpoint",
                      str(checkpoint), *spec_args, "--out", spec_json], [spec_json]))
     kernels = [*pytest, "tests/kernels/test_block_copy.py" if cpu else "tests/kernels"]
     if importlib.util.find_spec("xdist") is not None and not cpu:

@@ -120,3 +120,25 @@ def test_graphs_share_bounds_with_equal_launch_plans():
     assert [graphs.bound_for(4, 1, seq) for seq in (1, 33, 65, 128)] == [64, 64, 128, 128]
     assert [graphs.bound_for(4, 4, seq) for seq in (4, 33, 65, 128)] == [128, 128, 128, 128]
     assert graphs.width(128) == 8 and graphs.width(64) == 4
+
+
+def test_which_steps_run_through_the_static_buffers(llama_dir):
+    """Decodes and verifies of proposals up to the width run static, padded to the fixed width
+    with graphs' padding (eagerly, to the longest proposal); prefill chunks, longer proposals
+    and padded positions past the buffers' last context bound run ragged (None)."""
+    from conveyor.worker.request_state import Work
+
+    def row(computed: int, proposal: tuple[int, ...] = (), scheduled: int | None = None) -> Work:
+        return Work(0, computed, 1 + len(proposal) if scheduled is None else scheduled, [], proposal)
+
+    padded = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3, pad_decode=True)
+    eager = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3)
+    assert padded._context_bounds[-1] == 64  # the pool's 16 blocks of 4
+    for runner, verify_q in ((padded, 4), (eager, 3)):
+        assert runner._static_query_len([row(5), row(7)]) == 1
+        assert runner._static_query_len([row(5, (1, 2)), row(7)]) == verify_q
+        assert runner._static_query_len([row(5, (1, 2, 3, 4))]) is None
+        assert runner._static_query_len([row(5), row(7, scheduled=3)]) is None
+        assert runner._static_query_len([row(64 - verify_q, (1, 2))]) == verify_q
+        assert runner._static_query_len([row(65 - verify_q, (1, 2))]) is None
+    assert ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16)._static_query_len([row(5, (1,))]) is None

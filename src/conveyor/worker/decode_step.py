@@ -156,7 +156,7 @@ class DecodeStep:
             controls = None
             if selection is not None:
                 controls = self._controls.rows_of(selection, inputs.control_rows[:c], inputs.control_pool_rows[:c])
-            draw_positions = inputs.positions.index_select(0, inputs.logit_index[:rows]) + 1
+            draw_positions = _scored(inputs.positions, inputs)[:rows] + 1
             batch = batch_of_columns(inputs.tensors, draw_positions, flags, controls)
             self._constrain(batch, slots, sample_rows, states, False, rows)
             sampled = self.sampler.sample(self._logits[:rows], batch).index_select(0, inputs.sample_rows[:m])
@@ -195,7 +195,7 @@ class DecodeStep:
         )
         hidden = self.model(inputs.input_ids, inputs.positions, metadata)
         if self.tensor_parallel.rank == 0:
-            self._logits[: rows * q].copy_(self.model.compute_logits(hidden.index_select(0, inputs.logit_index)))
+            self._logits[: rows * q].copy_(self.model.compute_logits(_scored(hidden, inputs)))
 
     def _setup_decode_step(
         self,
@@ -268,3 +268,10 @@ class DecodeStep:
             )
             plans.append(plan if plan.num_partitions > 1 else dataclasses.replace(plan, partition_size=0))
         return tuple(plans)
+
+
+def _scored(tokens: torch.Tensor, inputs: DecodeInputs) -> torch.Tensor:
+    """``tokens`` (one entry per query token) in ``inputs.logit_index`` order: each row's last
+    real token, then the proposal positions; ``q == 1`` has no proposals and its rows are
+    already in that order (a padded row's entry is unread), so nothing is gathered."""
+    return tokens if inputs.query_len == 1 else tokens.index_select(0, inputs.logit_index)

@@ -3,11 +3,12 @@
 A busy server's steps are mostly decodes. With speculative decoding they are decode-verify
 steps: each row runs its last token and a proposal of up to ``k`` tokens (``q = 1 + k``
 query tokens per row, the same for every row of a step: shorter proposals are padded, their
-positions store no KV and their outputs are never read); the plain decode is ``q == 1``. Such a step does not build its inputs afresh: it
-pads the batch to a bucket of rows and fills persistent device buffers from one pinned
-staging buffer in one copy (:mod:`conveyor.worker.step_buffers`), then runs the forward over
-them: replayed from a CUDA graph captured at startup (:mod:`conveyor.worker.cuda_graphs`),
-keyed by ``q`` and the paged decode kernel's launch plan, or eagerly (CPU, ``enforce_eager``).
+positions store no KV and their outputs are never read); the plain decode is ``q == 1``.
+Such a step does not build its inputs afresh: it pads the batch to a bucket of rows and
+fills persistent device buffers from one pinned staging buffer in one copy
+(:mod:`conveyor.worker.step_buffers`), then runs the forward over them: replayed from a CUDA
+graph captured at startup (:mod:`conveyor.worker.cuda_graphs`), keyed by ``q`` and the
+paged decode kernel's launch plan, or eagerly (CPU, ``enforce_eager``).
 The attention of ``q == 1`` is the split-K paged decode kernel's; of ``q > 1`` the extend
 kernel's (a fixed ``q`` new tokens per row), or the torch backend's on CPU. The LM head scores
 each row's last real token (what it samples after) and, for a verify, its proposal

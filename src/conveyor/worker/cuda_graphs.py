@@ -10,8 +10,7 @@ largest first so the pool is sized by the largest graph.
 The context bound fixes the split-K partitioning of the paged decode kernel, which sizes
 its grid from the bound (its surplus programs write nothing for shorter contexts). Bounds
 whose partition plans are equal for a row bucket would capture identical work, so they
-share the graph of the largest such bound (a verify step's extend kernel has one grid for
-every bound, so it has one graph per bucket): :meth:`DecodeGraphs.bound_for` names the bound
+share the graph of the largest such bound: :meth:`DecodeGraphs.bound_for` names the bound
 (and so the block-table width) a step must stage with.
 
 Everything here runs only on CUDA; the runner builds it only when the device is CUDA, the

@@ -9,8 +9,8 @@ fills persistent device buffers from one pinned staging buffer in one copy
 (:mod:`conveyor.worker.step_buffers`), then runs the forward over them: replayed from a CUDA
 graph captured at startup (:mod:`conveyor.worker.cuda_graphs`), keyed by ``q`` and the
 paged decode kernel's launch plan, or eagerly (CPU, ``enforce_eager``).
-The attention of ``q == 1`` is the split-K paged decode kernel's; of ``q > 1`` the extend
-kernel's (a fixed ``q`` new tokens per row), or the torch backend's on CPU. The LM head scores
+The attention is the split-K paged decode kernel's, ``q`` query tokens per row (each causal
+over its row's context; the torch backend's on CPU). The LM head scores
 each row's last real token (what it samples after) and, for a verify, its proposal
 positions, whose logits go to the same verification as the ragged path's
 (:meth:`~conveyor.worker.speculative_verify.SpeculativeVerify._verify_targets`).
@@ -179,8 +179,7 @@ class DecodeStep:
 
         ``bound`` is an upper bound on every row's context: it fixes the decode kernel's
         partitioning. ``seq_lens_host`` (the staged lengths) serves the torch backends, which
-        plan on the host; captured graphs never read it (padding's lengths stand in). With
-        ``q > 1`` the attention is the extend kernel's (a fixed ``q`` new tokens per row)."""
+        plan on the host; captured graphs never read it (padding's lengths stand in)."""
         rows, q = inputs.rows, inputs.query_len
         metadata = AttentionMetadata(
             query_start_loc=inputs.query_start_loc,
@@ -193,6 +192,7 @@ class DecodeStep:
             block_size=self.block_size,
             query_start_loc_host=list(range(0, rows * q + 1, q)),
             seq_lens_host=seq_lens_host if seq_lens_host is not None else [q] * rows,
+            uniform_query=True,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, metadata)
         if self.tensor_parallel.rank == 0:
@@ -247,12 +247,9 @@ class DecodeStep:
     def _decode_plan_key(self, rows: int, q: int, bound: int) -> tuple:
         """The paged decode kernel's launch plans at ``rows`` rows and context bound ``bound``,
         one per distinct sliding window; a one-partition plan's length is dropped (any length
-        covering the context computes the same). A verify step's (``q > 1``) extend kernel
-        launches the same grid at any bound: one key."""
+        covering the context computes the same). ``q`` query tokens per row (a verify step)
+        share the kernel's programs."""
         from conveyor.kernels.paged_decode import plan_decode_partitions
-
-        if q > 1:
-            return ()
         config = self.model_config
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         windows = sorted({layer.self_attn.sliding_window or 0 for layer in self.model.layers})
@@ -264,8 +261,9 @@ class DecodeStep:
                 num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim,
                 dtype=self.dtype,
-                max_context=min(bound, window) if window else bound,
+                max_context=min(bound, window + q - 1) if window else bound,
                 num_sms=num_sms,
+                query_len=q,
             )
             plans.append(plan if plan.num_partitions > 1 else dataclasses.replace(plan, partition_size=0))
         return tuple(plans)

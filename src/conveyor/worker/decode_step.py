@@ -13,7 +13,7 @@ The attention is the split-K paged decode kernel's, ``q`` query tokens per row (
 over its row's context; the torch backend's on CPU). The LM head scores
 each row's last real token (what it samples after) and, for a verify, its proposal
 positions, whose logits go to the same verification as the ragged path's
-(:meth:`~conveyor.worker.speculative_verify.SpeculativeVerify._verify_targets`).
+(:meth:`~conveyor.worker.speculative_verify.SpeculativeVerify._verify_proposals`).
 
 :class:`DecodeStep` is the part of :class:`~conveyor.worker.model_runner.ModelRunner` that
 does this (a base class of it: it reads the runner's model, request state, sampling columns,
@@ -73,7 +73,7 @@ class DecodeStep:
 
         A row runs its last known token then its proposal; it samples after its last real token
         and, for a verify, the target logits at its proposal positions (the scored rows
-        ``logit_index[rows:]``) go to :meth:`_verify_targets` as the ragged path's do."""
+        ``logit_index[rows:]``) go to :meth:`_verify_proposals` as the ragged path's do."""
         start = profiling.now_ns()
         n = len(work)
         rows = self._buffers.bucket_for(n)
@@ -164,7 +164,7 @@ class DecodeStep:
             # After the graph, on the same logits, for the rows that ask (the host knows which).
             logprobs = self._sampled_logprobs(self._logits, sample_rows, sampled, slots[sample_rows], draws[sample_rows])
             if t:
-                self._spec_targets = self._verify_targets(self._logits.index_select(0, inputs.target_index[:t]))
+                self._spec_verdict = self._verify_proposals(self._logits.index_select(0, inputs.target_index[:t]), work, slots)
         else:
             sampled = torch.empty(m, dtype=torch.int64, device=self.device)
             logprobs = None

@@ -57,7 +57,8 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The :class:`WorkerConfig` fields the settings give, by their field names: those named
     as fields as they are, the KV pool from ``num_kv_blocks`` or else ``kv_cache_memory`` GiB
     (exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` is set), the swap space from
-    ``swap_space`` GiB (None: the device's default), torch's CPU threads from ``threads``.
+    ``swap_space`` GiB (None: the device's default), torch's CPU threads from ``threads``, the
+    verify width from ``num_speculative_tokens`` when ``speculative_method`` is set (else 0).
     The worker process's view is built from these (:func:`server_config`), and so is the
     engine's runner."""
     named = {f.name: settings[f.name] for f in dataclasses.fields(WorkerConfig) if f.name in settings}
@@ -71,6 +72,7 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
         "kv_cache_memory_bytes": None if blocks else gib_bytes(settings["kv_cache_memory"]),
         "swap_space_bytes": None if swap is None else gib_bytes(swap),
         "num_threads": settings.get("threads"),
+        "num_speculative_tokens": settings.get("num_speculative_tokens", 0) if settings.get("speculative_method") else 0,
     }
 
 

@@ -267,6 +267,9 @@ class WorkerConfig:
     # The scheduler's max_num_seqs: bounds a step's rows and sizes the static decode buffers.
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     enforce_eager: bool = False  # bin/serve --enforce-eager: no CUDA graphs for decode steps
+    # The scheduler's speculative_tokens (0: speculation off): the verify width the static
+    # decode buffers and graphs are sized for (runtime.build.worker_settings sets it).
+    num_speculative_tokens: int = 0
     # LoRA (conveyor.worker.lora): (name, PEFT directory) adapters registered at start (none:
     # LoRA off), device slots, the rank bound, host copies (None: as many as slots).
     lora_modules: tuple[tuple[str, str], ...] = ()

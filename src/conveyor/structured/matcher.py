@@ -74,7 +74,7 @@ def fill_rows(rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -
     """Fill ``bitmask[row]`` for every ``(matcher, row)`` of a step's constrained requests;
     returns the rows that are dead ends. One row after another on the calling thread, not on
     llguidance's executor: its pool thread is one more thread the OS must wake and schedule
-    beside torch's (measured on 2 loaded CPU cores: 3 to 11 ms a step for 16 rows through the
+    beside torch's (measured on 2 loaded CPU cores: 2 to 11 ms a step for 16 rows through the
     executor's one thread, 0.7 ms on the caller; docs/structured-output.md)."""
     if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags["C_CONTIGUOUS"]:
         raise ValueError("bitmask must be a C-contiguous 2-D int32 array")

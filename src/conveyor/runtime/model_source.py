@@ -38,3 +38,20 @@ def model_length(model: ModelConfig, max_model_len: int | None) -> int:
     if length > model.max_position_embeddings:
         raise ValueError(f"--max-model-len {length} exceeds the model's {model.max_position_embeddings}")
     return length
+
+
+def draft_model_config(draft_dir: str, target: ModelConfig) -> ModelConfig:
+    """The config of speculative decoding's draft checkpoint (``--speculative-model``), which
+    must be a checkpoint directory (StartupError) of the target's vocabulary (ValueError): the
+    target verifies the draft's token ids as its own. bin/serve checks it before any process
+    starts; the worker again when it loads the draft (the engine's check)."""
+    path = Path(draft_dir).expanduser()
+    if not (path / "config.json").is_file():
+        raise StartupError(f"--speculative-model {draft_dir}: no config.json there (a local HF checkpoint directory is required)")
+    draft = ModelConfig.from_dir(path)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"--speculative-model {draft_dir}: its vocabulary has {draft.vocab_size} tokens, the served model's "
+            f"{target.vocab_size}: the draft must share the served model's tokenizer"
+        )
+    return draft

@@ -1,0 +1,95 @@
+"""Speculative decoding with a draft model (``speculative_method="draft"``) through the engine:
+greedy output equals plain greedy and HF transformers' token for token, with the target itself
+as the draft (nearly every proposal accepted) and with a smaller random draft of the same
+vocabulary (few accepted), through chunked prefill, swap and recompute preemption, the prefix
+cache and a continued conversation; a bad draft is refused at start with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import GREEDY, run_all
+
+
+def prompt(i: int) -> list[int]:
+    return [(11 * i + 7 * j) % 4000 + 5 for j in range(9 + 3 * i)]
+
+
+def _serve(engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    requests = {rid: engine.add_request(token_ids=p, request_id=rid, max_tokens=max_tokens, **GREEDY) for rid, p in prompts.items()}
+    run_all(engine)
+    for request in requests.values():
+        assert request.done and request.finish_reason == "length", request
+    return {rid: request.tokens for rid, request in requests.items()}
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory, tiny_checkpoint):
+    from conveyor.checkpoints.model_config import ModelConfig
+    from tests.checkpoints import draft_checkpoint
+
+    vocab = ModelConfig.from_dir(tiny_checkpoint).vocab_size
+    return draft_checkpoint(tmp_path_factory.mktemp("draft"), vocab)
+
+
+# Few blocks and a small budget: chunked prefills beside speculating decodes, and preemptions.
+PRESSED = dict(max_batch_size=4, max_batch_tokens=14, num_kv_blocks=16, num_cpu_blocks=64)
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_target_as_its_own_draft_accepts_nearly_all_and_stays_exact(tiny_engine, tiny_checkpoint, hf_greedy, preemption):
+    prompts = {f"r{i}": prompt(i) for i in range(5)}
+    spec_engine = tiny_engine(
+        **PRESSED, preemption=preemption, speculative_method="draft", speculative_model=str(tiny_checkpoint), num_speculative_tokens=3
+    )
+    spec = _serve(spec_engine, prompts, 20)
+    stats = spec_engine.stats()
+    for rid, p in prompts.items():
+        assert spec[rid] == hf_greedy(p, 20), rid
+    assert stats[f"num_preemptions_{preemption}"] > 0, "the run was to preempt"
+    assert stats["spec_num_proposals"] > 0
+    # The draft is the target: every proposal is the target's own greedy continuation (float
+    # ties aside), so nearly every proposed token is accepted.
+    assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_proposed_tokens"], stats
+    assert stats["num_steps"] < sum(len(t) for t in spec.values()) / 2, "steps were to yield several tokens"
+    assert stats["held_blocks"] == 0
+
+    # A continued conversation (of the request that finished last: its blocks are still cached)
+    # reuses the cached prefix, whose draft KV must be valid too: the draft still agrees.
+    before = spec_engine.stats()
+    second = spec_engine.add_request(token_ids=[40, 41, 40, 41], request_id="r4", max_tokens=12, **GREEDY)
+    run_all(spec_engine)
+    after = spec_engine.stats()
+    assert second.prompt_token_ids == prompts["r4"] + spec["r4"] + [40, 41, 40, 41]
+    assert second.tokens == hf_greedy(second.prompt_token_ids, 12)
+    assert after["prefix_cache_hit_tokens"] > before["prefix_cache_hit_tokens"]
+    proposed = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] >= 0.9 * proposed > 0
+
+
+def test_a_different_draft_is_mostly_rejected_and_stays_exact(tiny_engine, small_draft, hf_greedy):
+    prompts = {f"r{i}": prompt(i) for i in range(5)}
+    spec_engine = tiny_engine(
+        **PRESSED, preemption="swap", speculative_method="draft", speculative_model=str(small_draft), num_speculative_tokens=4
+    )
+    spec = _serve(spec_engine, prompts, 16)
+    stats = spec_engine.stats()
+    plain = _serve(tiny_engine(**PRESSED, preemption="swap"), prompts, 16)
+    for rid, p in prompts.items():
+        assert spec[rid] == plain[rid] == hf_greedy(p, 16), rid
+    assert stats["spec_proposed_tokens"] > 0
+    assert stats["spec_accepted_tokens"] < 0.5 * stats["spec_proposed_tokens"], stats
+    assert stats["held_blocks"] == 0
+
+
+def test_bad_draft_models_are_refused_at_start(tiny_engine, tmp_path):
+    from conveyor.runtime.model_source import StartupError
+    from tests.checkpoints import make_checkpoint
+
+    with pytest.raises(StartupError, match="speculative-model .*no config.json"):
+        tiny_engine(speculative_method="draft", speculative_model=str(tmp_path), num_speculative_tokens=2)
+    make_checkpoint("llama", tmp_path)  # a vocabulary of 320 tokens
+    with pytest.raises(ValueError, match="320 tokens, the served model's 4096"):
+        tiny_engine(speculative_method="draft", speculative_model=str(tmp_path), num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="go together"):
+        tiny_engine(speculative_method="draft", num_speculative_tokens=2)

@@ -23,15 +23,6 @@ def _serve(engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, 
     return {rid: request.tokens for rid, request in requests.items()}
 
 
-@pytest.fixture(scope="module")
-def small_draft(tmp_path_factory, tiny_checkpoint):
-    from conveyor.checkpoints.model_config import ModelConfig
-    from tests.checkpoints import draft_checkpoint
-
-    vocab = ModelConfig.from_dir(tiny_checkpoint).vocab_size
-    return draft_checkpoint(tmp_path_factory.mktemp("draft"), vocab)
-
-
 # Few blocks and a small budget: chunked prefills beside speculating decodes, and preemptions.
 PRESSED = dict(max_batch_size=4, max_batch_tokens=14, num_kv_blocks=16, num_cpu_blocks=64)
 
@@ -67,10 +58,10 @@ def test_target_as_its_own_draft_accepts_nearly_all_and_stays_exact(tiny_engine,
     assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] >= 0.9 * proposed > 0
 
 
-def test_a_different_draft_is_mostly_rejected_and_stays_exact(tiny_engine, small_draft, hf_greedy):
+def test_a_different_draft_is_mostly_rejected_and_stays_exact(tiny_engine, draft_checkpoint, hf_greedy):
     prompts = {f"r{i}": prompt(i) for i in range(5)}
     spec_engine = tiny_engine(
-        **PRESSED, preemption="swap", speculative_method="draft", speculative_model=str(small_draft), num_speculative_tokens=4
+        **PRESSED, preemption="swap", speculative_method="draft", speculative_model=str(draft_checkpoint), num_speculative_tokens=4
     )
     spec = _serve(spec_engine, prompts, 16)
     stats = spec_engine.stats()

@@ -22,10 +22,9 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def draft_checkpoint(tmp_path_factory, tiny_checkpoint) -> Path:
     """A smaller random Llama of the tiny checkpoint's vocabulary: a speculative-decoding draft
     that mostly disagrees with it."""
-    from conveyor.checkpoints.model_config import ModelConfig
     from tests.checkpoints import draft_checkpoint
 
-    return draft_checkpoint(tmp_path_factory.mktemp("draft-llama"), ModelConfig.from_dir(tiny_checkpoint).vocab_size)
+    return draft_checkpoint(tmp_path_factory.mktemp("draft-llama"), tiny_checkpoint)
 
 
 @pytest.fixture

@@ -9,18 +9,11 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.conftest import GREEDY, run_all
+from tests.engine.test_speculative import _serve
 
 
 def prompt(i: int) -> list[int]:
     return [(11 * i + 7 * j) % 4000 + 5 for j in range(9 + 3 * i)]
-
-
-def _serve(engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
-    requests = {rid: engine.add_request(token_ids=p, request_id=rid, max_tokens=max_tokens, **GREEDY) for rid, p in prompts.items()}
-    run_all(engine)
-    for request in requests.values():
-        assert request.done and request.finish_reason == "length", request
-    return {rid: request.tokens for rid, request in requests.items()}
 
 
 # Few blocks and a small budget: chunked prefills beside speculating decodes, and preemptions.
@@ -84,3 +77,17 @@ def test_bad_draft_models_are_refused_at_start(tiny_engine, tmp_path):
         tiny_engine(speculative_method="draft", speculative_model=str(tmp_path), num_speculative_tokens=2)
     with pytest.raises(ValueError, match="go together"):
         tiny_engine(speculative_method="draft", num_speculative_tokens=2)
+
+
+def test_plans_carry_draft_counts_and_a_runner_without_a_draft_refuses_them(tiny_engine, tiny_checkpoint):
+    from conveyor.worker.plan_check import PlanRefused
+
+    engine = tiny_engine(speculative_method="draft", speculative_model=str(tiny_checkpoint), num_speculative_tokens=3)
+    engine.add_request(token_ids=prompt(1), request_id="a", max_tokens=8, **GREEDY)
+    engine.step()  # the prefill
+    plan = engine.scheduler.schedule()
+    cached = plan.cached_requests
+    assert (cached.spec_rows, cached.spec_draft_counts, cached.spec_token_ids) == ([0], [3], [])
+    assert list(cached.num_scheduled_tokens) == [4]
+    with pytest.raises(PlanRefused, match="no draft model"):
+        tiny_engine().runner.launch(plan)

@@ -79,7 +79,11 @@ def test_bad_draft_models_are_refused_at_start(tiny_engine, tmp_path):
         tiny_engine(speculative_method="draft", num_speculative_tokens=2)
 
 
-def test_plans_carry_draft_counts_and_a_runner_without_a_draft_refuses_them(tiny_engine, tiny_checkpoint):
+def test_plans_carry_draft_counts_the_draft_proposes_its_greedy_tokens_and_keeps_their_probabilities(
+    tiny_engine, tiny_checkpoint, hf_greedy
+):
+    import torch
+
     from conveyor.worker.plan_check import PlanRefused
 
     engine = tiny_engine(speculative_method="draft", speculative_model=str(tiny_checkpoint), num_speculative_tokens=3)
@@ -91,3 +95,14 @@ def test_plans_carry_draft_counts_and_a_runner_without_a_draft_refuses_them(tiny
     assert list(cached.num_scheduled_tokens) == [4]
     with pytest.raises(PlanRefused, match="no draft model"):
         tiny_engine().runner.launch(plan)
+
+    # The draft is the target: it drafts the target's next greedy tokens, which are all accepted.
+    launched = engine.runner.launch(plan)
+    result = engine.runner.finish(launched)
+    expected = hf_greedy(prompt(1), 5)  # expected[0] was sampled by the prefill
+    drafts = launched.drafts
+    assert drafts.tokens.tolist() == expected[1:4] and drafts.counts == [3]
+    assert drafts.probs.shape == (3, engine.model_config.vocab_size)
+    assert torch.equal(drafts.probs.argmax(dim=-1), drafts.tokens)
+    torch.testing.assert_close(drafts.probs.sum(dim=-1), torch.ones(3))
+    assert list(result.sampled_token_ids) == [expected[1]] and result.spec_token_ids == [expected[2:5]]

@@ -23,9 +23,10 @@ block, a continuation) finds the draft's KV valid too, and a recomputed request 
 The draft's KV affects only how many proposals are accepted, never the output: the target
 verifies every token.
 
-**Probabilities**: the draft's softmax at each proposed token is kept
-(:attr:`Drafts.probs`, ``[num_proposed, vocab]``, float32, in the order of the proposals), for
-a verification that samples (rejection sampling); greedy verification reads only the tokens.
+**Probabilities**: the draft's logits at each proposed token are kept, and
+:attr:`Drafts.probs` is their softmax (``[num_proposed, vocab]``, float32, in the order of the
+proposals), for a verification that samples (rejection sampling); greedy verification reads
+only the tokens and never pays for the softmax.
 """
 
 from __future__ import annotations
@@ -49,11 +50,16 @@ from conveyor.worker.request_state import Work
 class Drafts:
     """One step's proposals, on the device: the speculative rows' drafted tokens laid end to
     end in row order (``counts[i]`` for the ``i``-th such row), and the draft's distribution
-    each was drawn from."""
+    each was drawn from (its logits; :attr:`probs`)."""
 
     tokens: torch.Tensor  # int64 [num_proposed]
-    probs: torch.Tensor  # float32 [num_proposed, vocab]
+    logits: torch.Tensor  # float32 [num_proposed, vocab]
     counts: list[int]
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """The draft's distribution at each proposed token, float32 ``[num_proposed, vocab]``."""
+        return self.logits.softmax(dim=-1)
 
 
 class DraftModel:
@@ -100,14 +106,14 @@ class DraftModel:
         start = np.fromiter((work[i].num_computed for i in rows), np.int64, len(rows))  # its last known token's position
         row_tables = tables[rows]
         tokens = torch.empty(int(counts.sum()), dtype=torch.int64, device=self.device)
-        probs = torch.empty((len(tokens), self.config.vocab_size), dtype=torch.float32, device=self.device)
+        kept = torch.empty((len(tokens), self.config.vocab_size), dtype=torch.float32, device=self.device)
         logits = self.model.compute_logits(hidden[self._index(inputs.ends[rows] - 1)])
         feed = np.arange(len(rows))  # the rows drafting their j-th token
         for j in range(1, int(counts.max()) + 1):
             drawn = logits.argmax(dim=-1)
             at = self._index(offsets[feed] + j - 1)
             tokens[at] = drawn
-            probs[at] = logits.softmax(dim=-1)
+            kept[at] = logits
             positions = start[feed] + j
             metadata = AttentionMetadata.build(np.ones(len(feed), np.int64), positions, row_tables[feed], self.block_size, self.device)
             hidden = self.model(drawn, self._index(positions), metadata)
@@ -116,7 +122,7 @@ class DraftModel:
                 break
             feed = feed[more]
             logits = self.model.compute_logits(hidden[self._index(more)])
-        return Drafts(tokens, probs, counts.tolist())
+        return Drafts(tokens, kept, counts.tolist())
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device, non_blocking=True)

@@ -96,7 +96,7 @@ class LaunchedStep:
     spec_proposals: list[tuple[int, ...]] | None = None
     spec_targets: torch.Tensor | None = None
     # Drafted proposals (the draft method): copied to the host like ``spec_targets`` and split
-    # into ``spec_proposals`` at the finish; the draft's distributions stay on the device.
+    # into ``spec_proposals`` at the finish; the draft's logits (its distributions) stay on the device.
     drafts: Drafts | None = None
 
 
@@ -302,7 +302,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
             launched.spec_proposals = [sampled_items[i].proposal for i in launched.spec_rows]
             launched.spec_targets = self._host_copy(self._spec_targets)
             if self._drafts is not None:
-                launched.drafts = Drafts(self._host_copy(self._drafts.tokens), self._drafts.probs, self._drafts.counts)
+                launched.drafts = Drafts(self._host_copy(self._drafts.tokens), self._drafts.logits, self._drafts.counts)
         launched.start = start
         if plan.planned_ahead:
             launched.before = before  # (its finish may still fail this one: see finish)

@@ -66,9 +66,9 @@ def test_a_different_draft_is_mostly_rejected_and_stays_exact(tiny_engine, draft
     assert stats["held_blocks"] == 0
 
 
-def test_bad_draft_models_are_refused_at_start(tiny_engine, tmp_path):
+def test_bad_draft_models_are_refused_at_start(tiny_engine, tiny_checkpoint, tmp_path):
     from conveyor.runtime.model_source import StartupError
-    from tests.checkpoints import make_checkpoint
+    from tests.checkpoints import draft_checkpoint, make_checkpoint
 
     with pytest.raises(StartupError, match="speculative-model .*no config.json"):
         tiny_engine(speculative_method="draft", speculative_model=str(tmp_path), num_speculative_tokens=2)
@@ -77,6 +77,12 @@ def test_bad_draft_models_are_refused_at_start(tiny_engine, tmp_path):
         tiny_engine(speculative_method="draft", speculative_model=str(tmp_path), num_speculative_tokens=2)
     with pytest.raises(ValueError, match="go together"):
         tiny_engine(speculative_method="draft", num_speculative_tokens=2)
+    short = tmp_path / "short"
+    short.mkdir()
+    draft_checkpoint(short, tiny_checkpoint, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="max_position_embeddings 64 is below the served max_model_len 256"):
+        tiny_engine(speculative_method="draft", speculative_model=str(short), num_speculative_tokens=2)
+    tiny_engine(speculative_method="draft", speculative_model=str(short), num_speculative_tokens=2, max_model_len=64)
 
 
 def test_plans_carry_draft_counts_the_draft_proposes_its_greedy_tokens_and_keeps_their_probabilities(

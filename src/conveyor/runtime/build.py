@@ -124,7 +124,7 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         transport.check_auth_keys(flags["auth_keys"])
     max_model_len = model_length(model, flags["max_model_len"])
     if flags.get("speculative_model") is not None:
-        draft_model_config(flags["speculative_model"], model)
+        draft_model_config(flags["speculative_model"], model, max_model_len)
     addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(flags["host"], flags["port"]))
     nnodes, size = flags.get("nnodes", 1), flags["tensor_parallel_size"]
     multi_node = nnodes > 1 and flags.get("dist_init_addr") is not None and size % nnodes == 0  # else refused below

@@ -165,7 +165,8 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         if speculative_model is not None:
             if tp.size > 1:
                 raise ValueError("a speculative draft model is not supported with tensor parallelism yet")
-            self.draft = DraftModel(speculative_model, self.model_config, self.device, self.dtype, backend, block_size)
+            draft_backend = backend_for(self.device, attention)  # its own (a backend may keep per-step plans)
+            self.draft = DraftModel(speculative_model, self.model_config, self.device, self.dtype, draft_backend, block_size)
         self.block_bytes = cache_shape.bytes_per_block + (self.draft.bytes_per_block if self.draft else 0)
         if num_blocks is None:
             num_blocks = kv_cache_memory_bytes // self.block_bytes

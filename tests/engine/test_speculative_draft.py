@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.conftest import GREEDY, run_all
-from tests.engine.test_speculative import _serve
+from tests.engine.test_speculative import _sampled, _serve
 
 
 def prompt(i: int) -> list[int]:
@@ -112,3 +112,19 @@ def test_plans_carry_draft_counts_the_draft_proposes_its_greedy_tokens_and_keeps
     assert torch.equal(drafts.probs.argmax(dim=-1), drafts.tokens)
     torch.testing.assert_close(drafts.probs.sum(dim=-1), torch.ones(3))
     assert list(result.sampled_token_ids) == [expected[1]] and result.spec_token_ids == [expected[2:5]]
+
+
+@pytest.mark.parametrize("draft", ["self", "small"])
+def test_sampled_requests_keep_their_seeded_stream_with_a_draft(tiny_engine, tiny_checkpoint, draft_checkpoint, draft):
+    """The draft proposes its argmax, so verification treats its proposals as point masses, as
+    the n-gram proposer's: a seeded sampled request emits its plain stream (every filter)."""
+    model = tiny_checkpoint if draft == "self" else draft_checkpoint
+    config = dict(max_batch_size=8, max_batch_tokens=32)
+    spec_engine = tiny_engine(**config, speculative_method="draft", speculative_model=str(model), num_speculative_tokens=3)
+    spec = _sampled(spec_engine, {})
+    stats = spec_engine.stats()
+    plain = _sampled(tiny_engine(**config), {})
+    for rid, request in plain.items():
+        assert spec[rid].tokens == request.tokens, rid
+    assert stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats  # sampled: some rejected
+    assert draft == "small" or stats["spec_accepted_tokens"] > 0, stats

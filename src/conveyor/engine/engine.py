@@ -134,7 +134,7 @@ class Engine:
         Exactly one input: ``prompt`` (text, tokenized with BOS), ``token_ids`` or chat
         ``messages`` (the checkpoint's chat template). ``sampling``: the generate fields of
         docs/protocol.md (``max_tokens`` (16), ``temperature`` (1.0), ``top_p``, ``top_k``,
-        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, the
+        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``speculate``, ``stop``: stop strings, the
         frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
         ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
         ``chat_template_kwargs``), ``n`` > 1 (at most 64: ``n`` sequences of the prompt, sharing

@@ -160,10 +160,11 @@ class SchedulerConfig:
     lora_names: tuple[str, ...] = ()
     max_loras: int = 4
     # Speculative decoding (scheduler/speculation.py): "ngram" proposes up to
-    # num_speculative_tokens tokens per greedy decode by prompt lookup (the last n tokens,
+    # num_speculative_tokens tokens per decode by prompt lookup (the last n tokens,
     # n from ngram_max down to ngram_min, matched in the request's own tokens); the worker
-    # verifies them in the same step. "draft": the worker's draft model, the checkpoint
-    # speculative_model (same vocabulary), proposes them (worker/draft_model.py). None: off.
+    # verifies them in the same step (rejection sampling). "draft": the worker's draft model,
+    # the checkpoint speculative_model (same vocabulary), proposes them (worker/draft_model.py).
+    # None: off.
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     speculative_model: str | None = None

@@ -313,7 +313,7 @@ class Scheduler:
         if not plan_decodes(st, step, prefills):  # 1. decodes, best rank first
             st.declined = True  # someone would have to yield: only a plan in sync may decide who
             return None
-        plan_speculation(st, step)  # 1b. greedy decodes widened to verify proposals
+        plan_speculation(st, step)  # 1b. decodes widened to verify proposals
         # 2. prefill chunks of running requests and admissions, merged by rank
         if st.forking:
             release_held(st)  # sequences of a parallel-sampling request whose prompt KV is written

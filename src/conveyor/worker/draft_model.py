@@ -23,10 +23,14 @@ block, a continuation) finds the draft's KV valid too, and a recomputed request 
 The draft's KV affects only how many proposals are accepted, never the output: the target
 verifies every token.
 
-**Probabilities**: the draft's logits at each proposed token are kept, and
-:attr:`Drafts.probs` is their softmax (``[num_proposed, vocab]``, float32, in the order of the
-proposals), for a verification that samples (rejection sampling); greedy verification reads
-only the tokens and never pays for the softmax.
+**Argmax, and q.** The draft proposes its argmax for every speculating row, greedy or sampled:
+a deterministic proposer, whose ``q`` is a point mass at each proposal, as the n-gram
+proposer's, so the runner verifies drafted tokens with point masses
+(:mod:`~conveyor.worker.speculative_verify`: exact for every request; greedy: token for token).
+The draft's logits at each proposed token are kept, and :attr:`Drafts.probs` is their softmax
+(``[num_proposed, vocab]``, float32, in the order of the proposals): a draft that *samples*
+would pass them as ``draft_probs`` (not done yet: its draws would need a stream of their own,
+independent of the verification's). Nothing pays for the softmax until it is asked for.
 """
 
 from __future__ import annotations

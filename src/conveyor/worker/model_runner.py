@@ -35,8 +35,8 @@ At most one step is launched and not finished when another is launched.
 flattened ragged batch here.
 Sampling is batched over per-row parameter tensors (:mod:`conveyor.worker.sampler`).
 The runner's other parts are base classes of it, each in its own module:
-log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the greedy verification of
-speculative rows (:mod:`conveyor.worker.speculative_verify`) and the grammar-constraint
+log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the verification (rejection
+sampling) of speculative rows (:mod:`conveyor.worker.speculative_verify`) and the grammar-constraint
 plumbing (:mod:`conveyor.worker.grammar_steps`).
 """
 
@@ -90,12 +90,13 @@ class LaunchedStep:
     failed: bool = True  # until launched
     before: LaunchedStep | None = None
     ends: list[tuple[int, str]] | None = None  # constrained rows the grammar ended: (slot, error)
-    # Speculative rows: their indices among ``slots``, their proposals, and the target's
-    # argmax at each proposal's positions, flat (copied to the host like ``sampled``).
+    # Speculative rows: their indices among ``slots``, their proposals, and the verdict at
+    # each proposed position, flat ([2, R]: accepted, residual draw; copied to the host like
+    # ``sampled``; conveyor.worker.speculative_verify).
     spec_rows: list[int] | None = None
     spec_proposals: list[tuple[int, ...]] | None = None
-    spec_targets: torch.Tensor | None = None
-    # Drafted proposals (the draft method): copied to the host like ``spec_targets`` and split
+    spec_verdict: torch.Tensor | None = None
+    # Drafted proposals (the draft method): copied to the host like ``spec_verdict`` and split
     # into ``spec_proposals`` at the finish; the draft's logits (its distributions) stay on the device.
     drafts: Drafts | None = None
 
@@ -214,7 +215,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         self._constrained = np.zeros(0, np.bool_)
         self._in_flight: LaunchedStep | None = None  # the unfinished step a launch may read tokens of
         self._ends: list[tuple[int, str]] = []
-        self._spec_targets: torch.Tensor | None = None  # of the step being launched (see _run_ragged)
+        self._spec_verdict: torch.Tensor | None = None  # of the step being launched (see _run_ragged)
         self._drafts: Drafts | None = None  # likewise, the draft method's proposals
         self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, max_num_seqs)
 
@@ -288,7 +289,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
             item.num_computed + item.num_scheduled == state.num_known + item.num_proposed
             for item, state in zip(work, states)
         ]
-        self._in_flight, self._ends, self._spec_targets = before, [], None
+        self._in_flight, self._ends, self._spec_verdict = before, [], None
         self._drafts = self._run_draft(work, states) if self.draft is not None and work else None
         sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
         launched.ends, self._in_flight = self._ends, None
@@ -297,11 +298,11 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
         launched.slots = [slot for slot, _ in sampling]
         launched.states = [state for _, state in sampling]
-        if self._spec_targets is not None:
+        if self._spec_verdict is not None:
             sampled_items = [item for item, flag in zip(work, samples) if flag]
             launched.spec_rows = [i for i, item in enumerate(sampled_items) if item.num_proposed]
             launched.spec_proposals = [sampled_items[i].proposal for i in launched.spec_rows]
-            launched.spec_targets = self._host_copy(self._spec_targets)
+            launched.spec_verdict = self._host_copy(self._spec_verdict)
             if self._drafts is not None:
                 launched.drafts = Drafts(self._host_copy(self._drafts.tokens), self._drafts.logits, self._drafts.counts)
         launched.start = start
@@ -459,15 +460,15 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         sample_slots = torch.from_numpy(slots[sample_rows]).to(self.device, non_blocking=True)
         if self.tensor_parallel.rank == 0:
             ends = inputs.ends
-            # Speculative rows also score each position before their last (the targets their
-            # proposals are checked against): in the same LM head call, after the sampled rows.
+            # Speculative rows also score each position before their last (the distributions
+            # their proposals are verified against): in the same LM head call, after the sampled rows.
             spec_index = [
                 np.arange(end - item.num_scheduled, end - 1) for item, end in zip(work, ends.tolist()) if item.num_proposed
             ]
             logit_rows = np.concatenate([ends[sample_rows] - 1, *spec_index])
             logits = self.model.compute_logits(hidden[torch.from_numpy(logit_rows).to(self.device)])
             if spec_index:
-                self._spec_targets = logits[len(sample_rows) :].argmax(dim=-1)
+                self._spec_verdict = self._verify_proposals(logits[len(sample_rows) :], work, slots, drafted)
                 logits = logits[: len(sample_rows)]
             # The position of the token being drawn is fixed for each output index of a request,
             # so it keys a seeded draw as well as the output index would, across preemptions too.

@@ -64,6 +64,10 @@ class SamplingParams(Positional, frozen=True):
     # max_logprobs (checked by the frontend).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Whether the request's decodes may verify proposed tokens when the server speculates
+    # (scheduler/speculation.py); false opts out. The output's distribution is the same
+    # either way; the worker never reads it.
+    speculate: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -106,6 +106,8 @@ def test_the_draft_model_flags_reach_the_scheduler_and_the_worker_and_a_bad_draf
         build("--speculative-method", "draft", "--num-speculative-tokens", "3")
     with pytest.raises(ValueError, match="go together"):
         build("--speculative-method", "ngram", "--speculative-model", demo, "--num-speculative-tokens", "3")
+    with pytest.raises(ValueError, match="draft model is not supported with tensor parallelism"):
+        build("--speculative-method", "draft", "--speculative-model", demo, "--num-speculative-tokens", "3", "--tensor-parallel-size", "2")
     (tmp_path / "config.json").write_text(
         '{"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, '
         '"num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}'

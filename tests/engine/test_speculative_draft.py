@@ -86,7 +86,7 @@ def test_bad_draft_models_are_refused_at_start(tiny_engine, tiny_checkpoint, tmp
 
 
 def test_plans_carry_draft_counts_the_draft_proposes_its_greedy_tokens_and_keeps_their_probabilities(
-    tiny_engine, tiny_checkpoint, hf_greedy
+    tiny_engine, tiny_checkpoint, hf_greedy, monkeypatch
 ):
     import torch
 
@@ -103,11 +103,15 @@ def test_plans_carry_draft_counts_the_draft_proposes_its_greedy_tokens_and_keeps
         tiny_engine().runner.launch(plan)
 
     # The draft is the target: it drafts the target's next greedy tokens, which are all accepted.
+    proposals = []
+    propose = engine.runner.draft.propose
+    monkeypatch.setattr(engine.runner.draft, "propose", lambda *args: proposals.append(propose(*args)) or proposals[-1])
     launched = engine.runner.launch(plan)
     result = engine.runner.finish(launched)
     expected = hf_greedy(prompt(1), 5)  # expected[0] was sampled by the prefill
-    drafts = launched.drafts
+    [drafts] = proposals
     assert drafts.tokens.tolist() == expected[1:4] and drafts.counts == [3]
+    assert launched.spec_proposals == [tuple(expected[1:4])]
     assert drafts.probs.shape == (3, engine.model_config.vocab_size)
     assert torch.equal(drafts.probs.argmax(dim=-1), drafts.tokens)
     torch.testing.assert_close(drafts.probs.sum(dim=-1), torch.ones(3))

@@ -27,7 +27,8 @@ verifies every token.
 a deterministic proposer, whose ``q`` is a point mass at each proposal, as the n-gram
 proposer's, so the runner verifies drafted tokens with point masses
 (:mod:`~conveyor.worker.speculative_verify`: exact for every request; greedy: token for token).
-The draft's logits at each proposed token are kept, and :attr:`Drafts.probs` is their softmax
+The draft's logits at each proposed token are kept for the launch (where the verification is
+enqueued; not past it), and :attr:`Drafts.probs` is their softmax
 (``[num_proposed, vocab]``, float32, in the order of the proposals): a draft that *samples*
 would pass them as ``draft_probs`` (not done yet: its draws would need a stream of their own,
 independent of the verification's). Nothing pays for the softmax until it is asked for.

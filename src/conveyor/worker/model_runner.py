@@ -96,9 +96,10 @@ class LaunchedStep:
     spec_rows: list[int] | None = None
     spec_proposals: list[tuple[int, ...]] | None = None
     spec_verdict: torch.Tensor | None = None
-    # Drafted proposals (the draft method): copied to the host like ``spec_verdict`` and split
-    # into ``spec_proposals`` at the finish; the draft's logits (its distributions) stay on the device.
-    drafts: Drafts | None = None
+    # Drafted proposals (the draft method): their tokens, copied to the host like
+    # ``spec_verdict``, and each speculative row's count; split into ``spec_proposals`` at the finish.
+    drafted: torch.Tensor | None = None
+    drafted_counts: list[int] | None = None
 
 
 class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
@@ -216,7 +217,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         self._in_flight: LaunchedStep | None = None  # the unfinished step a launch may read tokens of
         self._ends: list[tuple[int, str]] = []
         self._spec_verdict: torch.Tensor | None = None  # of the step being launched (see _run_ragged)
-        self._drafts: Drafts | None = None  # likewise, the draft method's proposals
+        self._drafts: Drafts | None = None  # likewise, the draft method's proposals (dropped after the launch)
         self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, max_num_seqs)
 
     @property
@@ -304,7 +305,8 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
             launched.spec_proposals = [sampled_items[i].proposal for i in launched.spec_rows]
             launched.spec_verdict = self._host_copy(self._spec_verdict)
             if self._drafts is not None:
-                launched.drafts = Drafts(self._host_copy(self._drafts.tokens), self._drafts.logits, self._drafts.counts)
+                launched.drafted, launched.drafted_counts = self._host_copy(self._drafts.tokens), self._drafts.counts
+        self._drafts = None  # (its logits are [proposed, vocab]: not held past the launch)
         launched.start = start
         if plan.planned_ahead:
             launched.before = before  # (its finish may still fail this one: see finish)
@@ -392,10 +394,9 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         except Exception:
             launched.failed = True  # (a device error) a plan planned ahead of this step fails too
             raise
-        if launched.drafts is not None:  # (the copy is done: it was queued before the sampled ids')
-            flat = launched.drafts.tokens.tolist()
-            ends = np.cumsum(launched.drafts.counts).tolist()
-            launched.spec_proposals = [tuple(flat[end - n : end]) for n, end in zip(launched.drafts.counts, ends)]
+        if launched.drafted is not None:  # (the copy is done: it was queued before the sampled ids')
+            flat, counts = launched.drafted.tolist(), launched.drafted_counts
+            launched.spec_proposals = [tuple(flat[end - n : end]) for n, end in zip(counts, np.cumsum(counts).tolist())]
         spec_slots, spec_runs = self._accept(launched, tokens) if launched.spec_rows else ([], [])
         for state, token in zip(launched.states, tokens):
             state.token_ids.append(token)

@@ -231,9 +231,7 @@ class Engine:
         engine must have LoRA on: ``lora_modules`` or ``enable_lora``). Requests may name it
         from now on. Raises :class:`~conveyor.worker.lora.LoraLoadError` (a ValueError) naming
         what is wrong with it, changing nothing: the engine serves on."""
-        if self.runner.lora is None:
-            raise ValueError("LoRA is off: start the engine with lora_modules or enable_lora=True")
-        self.runner.lora.register(name, directory)
+        self.runner.load_lora(name, str(directory))
         self.scheduler.add_lora(name)
 
     def unload_lora(self, name: str) -> None:
@@ -242,7 +240,7 @@ class Engine:
         if self.runner.lora is None:
             raise ValueError("LoRA is off: start the engine with lora_modules or enable_lora=True")
         self.scheduler.remove_lora(name)
-        self.runner.lora.unregister(name)
+        self.runner.unload_lora(name)
 
     def has_pending_requests(self) -> bool:
         """Whether any request is not done yet."""

@@ -225,6 +225,10 @@ class FrontendConfig:
     client_send_queue: int = CLIENT_SEND_QUEUE
     # bin/serve --max-logprobs: the most top log-probabilities a request may ask for.
     max_logprobs: int = 20
+    # bin/serve --enable-lora-loading: clients may load and unload LoRA adapters while it
+    # serves (load_lora / unload_lora); off by default, since a load reads any directory the
+    # client names with the server's file permissions.
+    enable_lora_loading: bool = False
 
     def __post_init__(self) -> None:
         _require_at_least(self, 1, "data_parallel_size")
@@ -271,7 +275,7 @@ class WorkerConfig:
     # LoRA (conveyor.worker.lora): (name, PEFT directory) adapters registered at start (none:
     # LoRA off), device slots, the rank bound, host copies (None: as many as slots).
     lora_modules: tuple[tuple[str, str], ...] = ()
-    enable_lora: bool = False  # LoRA on without adapters at start (Engine.load_lora adds them)
+    enable_lora: bool = False  # LoRA on without adapters at start (Engine.load_lora, --enable-lora-loading)
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None

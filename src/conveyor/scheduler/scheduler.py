@@ -233,6 +233,11 @@ class Scheduler:
         self.state.queue.push(req, track_timeout=cfg.max_queue_time > 0)
         return None
 
+    @property
+    def lora_names(self) -> list[str]:
+        """The adapters requests may name, in the order they were added."""
+        return list(self._lora_roots)
+
     def add_lora(self, name: str) -> None:
         """Accept requests for the LoRA adapter ``name`` (the worker holds it); ValueError if known."""
         if name in self._lora_roots:
@@ -464,6 +469,7 @@ class Scheduler:
             "iteration_token_sum": self.iterations.token_sum,
             "iteration_fields": list(ITERATION_FIELDS),
             "recent_iterations": self.iterations.rows(),
+            "lora_adapters": self.lora_names,
         }
 
     def check_invariants(self) -> None:

@@ -57,6 +57,10 @@ class LoraLoadError(ValueError):
     """An adapter that cannot be served: its message says which and why."""
 
 
+class LoraFilesMissing(LoraLoadError):
+    """The adapter's directory or one of its files does not exist."""
+
+
 class UnknownAdapter(KeyError):
     """A request named an adapter nobody registered."""
 
@@ -112,7 +116,7 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     for path in (config_path, weights_path):
         if not path.is_file():
-            raise LoraLoadError(f"adapter {name!r}: missing file {path}")
+            raise LoraFilesMissing(f"adapter {name!r}: missing file {path}")
     try:
         peft = json.loads(config_path.read_text())
     except ValueError as error:
@@ -214,12 +218,18 @@ class LoraManager:
             raise UnknownAdapter(name)
         return self._ids[name]
 
-    def register(self, name: str, directory: str | Path) -> int:
-        """Read and check the adapter (:func:`read_adapter`) and register it under ``name``;
-        raises :class:`LoraLoadError` leaving everything as it was."""
+    def read(self, name: str, directory: str | Path) -> LoraAdapter:
+        """Read and check the adapter (:func:`read_adapter`) against this model; changes
+        nothing here, so it may run on another thread than the steps."""
+        return read_adapter(name, directory, self.config, self.options.max_lora_rank)
+
+    def register(self, name: str, directory: str | Path, adapter: LoraAdapter | None = None) -> int:
+        """Register the adapter under ``name``: ``adapter`` as :meth:`read` gave it, or (None)
+        read now; raises :class:`LoraLoadError` leaving everything as it was."""
         if name in self._ids:
             raise LoraLoadError(f"adapter {name!r} is already loaded")
-        adapter = read_adapter(name, directory, self.config, self.options.max_lora_rank)
+        if adapter is None:
+            adapter = self.read(name, directory)
         self._ids[name] = self._next_id
         self._next_id += 1
         self._dirs[name] = Path(directory)

@@ -61,6 +61,7 @@ from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 from conveyor.worker.logprob_steps import LogprobRows, LogprobSteps
 from conveyor.worker.lora import LoraManager, LoraOptions
+from conveyor.worker.lora_updates import LoraUpdates
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
 from conveyor.worker.ragged_inputs import ragged_inputs
@@ -102,7 +103,7 @@ class LaunchedStep:
     drafted_counts: list[int] | None = None
 
 
-class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
+class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, LoraUpdates):
     """The model, its KV cache, the sampler and per-request state of one worker.
 
     Give exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` (the pool then holds as

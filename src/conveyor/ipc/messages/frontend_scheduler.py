@@ -246,3 +246,5 @@ class SchedulerStats(Message, tag=12):
     iteration_token_sum: int = 0
     iteration_fields: list[str] = field(default_factory=list)
     recent_iterations: list[list[int | float]] = field(default_factory=list)
+    # The LoRA adapters requests may name now (--lora-modules and those loaded since).
+    lora_adapters: list[str] = field(default_factory=list)

@@ -132,3 +132,26 @@ def test_sampled_requests_keep_their_seeded_stream_with_a_draft(tiny_engine, tin
         assert spec[rid].tokens == request.tokens, rid
     assert stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats  # sampled: some rejected
     assert draft == "small" or stats["spec_accepted_tokens"] > 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_cuda_draft_speculation_equals_hf(tiny_engine, tiny_checkpoint, draft_checkpoint, hf_greedy, preemption):
+    """On CUDA in float32 (Triton attention; plain decode steps on CUDA graphs, drafting and
+    verifying steps eager): greedy output equals HF's with either draft, through preemption."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prompts = {f"r{i}": prompt(i) for i in range(5)}
+    for model in (tiny_checkpoint, draft_checkpoint):
+        engine = tiny_engine(
+            **PRESSED, device="cuda", dtype="float32", preemption=preemption,
+            speculative_method="draft", speculative_model=str(model), num_speculative_tokens=3,
+        )  # fmt: skip
+        spec = _serve(engine, prompts, 20)
+        stats = engine.stats()
+        for rid, p in prompts.items():
+            assert spec[rid] == hf_greedy(p, 20), (model, rid)
+        assert stats[f"num_preemptions_{preemption}"] > 0 and stats["spec_proposed_tokens"] > 0
+        assert model != tiny_checkpoint or stats["spec_accepted_tokens"] >= 0.9 * stats["spec_proposed_tokens"], stats

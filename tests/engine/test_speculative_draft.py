@@ -121,15 +121,18 @@ def test_plans_carry_draft_counts_the_draft_proposes_its_greedy_tokens_and_keeps
 @pytest.mark.parametrize("draft", ["self", "small"])
 def test_sampled_requests_keep_their_seeded_stream_with_a_draft(tiny_engine, tiny_checkpoint, draft_checkpoint, draft):
     """The draft proposes its argmax, so verification treats its proposals as point masses, as
-    the n-gram proposer's: a seeded sampled request emits its plain stream (every filter)."""
+    the n-gram proposer's: a seeded sampled request emits its plain stream (every filter). A
+    parallel-sampling request beside them (never speculates; its forks copy blocks in both
+    caches) is unchanged too."""
     model = tiny_checkpoint if draft == "self" else draft_checkpoint
     config = dict(max_batch_size=8, max_batch_tokens=32)
+    pair = {"pair": dict(token_ids=prompt(2), max_tokens=8, temperature=0.7, seed=5, n=2)}
     spec_engine = tiny_engine(**config, speculative_method="draft", speculative_model=str(model), num_speculative_tokens=3)
-    spec = _sampled(spec_engine, {})
+    spec = _sampled(spec_engine, pair)
     stats = spec_engine.stats()
-    plain = _sampled(tiny_engine(**config), {})
+    plain = _sampled(tiny_engine(**config), pair)
     for rid, request in plain.items():
-        assert spec[rid].tokens == request.tokens, rid
+        assert [s.tokens for s in spec[rid].outputs] == [s.tokens for s in request.outputs], rid
     assert stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats  # sampled: some rejected
     assert draft == "small" or stats["spec_accepted_tokens"] > 0, stats
 

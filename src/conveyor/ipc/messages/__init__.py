@@ -60,6 +60,8 @@ from conveyor.ipc.messages.lora_updates import (
     UnloadLora,
 )
 from conveyor.ipc.messages.process_control import (
+    NodeHello,
+    NodeVerdict,
     ProcessFailed,
     ProcessReady,
     Shutdown,
@@ -106,6 +108,8 @@ __all__ = [
     "Message",
     "MetricSummary",
     "NewRequestData",
+    "NodeHello",
+    "NodeVerdict",
     "PROTOCOL_VERSION",
     "Positional",
     "ProcessFailed",

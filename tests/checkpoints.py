@@ -14,6 +14,8 @@ continuation (tests/test_checkpoints.py proves it for the serving checkpoint).
 - :func:`serving_checkpoint` builds the one Llama every serving-level test runs (bin/serve,
   the engine, HTTP, reliability, soak, tensor parallel, bin/bench): the demo tokenizer beside
   it, so text prompts work.
+- :func:`draft_checkpoint` builds a smaller Llama of the serving checkpoint's vocabulary (a
+  speculative-decoding draft that disagrees with it).
 """
 
 from __future__ import annotations
@@ -91,6 +93,18 @@ def make_checkpoint(name: str, directory: Path) -> torch.nn.Module:
     config_class, architecture, overrides = CHECKPOINTS[name]
     config = config_class(**{**SMALL, **overrides, "architectures": [architecture]})
     return build(config, directory, seed=sorted(CHECKPOINTS).index(name))
+
+
+def draft_checkpoint(directory: Path, serving: Path, **overrides: Any) -> Path:
+    """Save a draft model for the serving checkpoint in ``serving`` into ``directory``: its
+    config and so its vocabulary, but one layer, 2 query heads and 1 KV head of 16 (a cache of
+    another shape), tied embeddings and other weights; ``overrides`` change more of the config."""
+    config = LlamaConfig.from_pretrained(
+        serving, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, tie_word_embeddings=True, **overrides,
+    )  # fmt: skip
+    build(config, directory, SERVING_SEED + 1)
+    return directory
 
 
 def serving_checkpoint(directory: Path) -> Path:

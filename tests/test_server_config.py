@@ -94,6 +94,30 @@ def test_a_bad_value_is_refused_before_any_process_starts() -> None:
         build("--min-batch-size", "0")
 
 
+def test_the_draft_model_flags_reach_the_scheduler_and_the_worker_and_a_bad_draft_stops_serve(tmp_path) -> None:
+    from conveyor.runtime.model_source import StartupError, resolve_model
+
+    demo, _ = resolve_model(None)
+    config = build("--speculative-method", "draft", "--speculative-model", demo, "--num-speculative-tokens", "3")
+    batcher = config.scheduler.scheduler
+    assert (batcher.speculative_method, batcher.speculative_model, batcher.speculative_tokens) == ("draft", demo, 3)
+    assert config.worker.speculative_model == demo
+    with pytest.raises(ValueError, match="go together"):
+        build("--speculative-method", "draft", "--num-speculative-tokens", "3")
+    with pytest.raises(ValueError, match="go together"):
+        build("--speculative-method", "ngram", "--speculative-model", demo, "--num-speculative-tokens", "3")
+    with pytest.raises(ValueError, match="draft model is not supported with tensor parallelism"):
+        build("--speculative-method", "draft", "--speculative-model", demo, "--num-speculative-tokens", "3", "--tensor-parallel-size", "2")
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, '
+        '"num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}'
+    )
+    with pytest.raises(ValueError, match="320 tokens, the served model's"):
+        build("--speculative-method", "draft", "--speculative-model", str(tmp_path), "--num-speculative-tokens", "3")
+    with pytest.raises(StartupError, match="speculative-model .*nowhere: no config.json"):  # (serve exits 2 with it)
+        build("--speculative-method", "draft", "--speculative-model", str(tmp_path / "nowhere"), "--num-speculative-tokens", "2")
+
+
 def test_a_mode_given_as_a_string_becomes_its_enum_member() -> None:
     config = SchedulerConfig(num_blocks=4, policy="priority", preemption="recompute")
     assert config.policy is Policy.PRIORITY and f"{config.policy}" == "priority"

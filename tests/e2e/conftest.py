@@ -18,6 +18,15 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return serving_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def draft_checkpoint(tmp_path_factory, tiny_checkpoint) -> Path:
+    """A smaller random Llama of the tiny checkpoint's vocabulary: a speculative-decoding draft
+    that mostly disagrees with it."""
+    from tests.checkpoints import draft_checkpoint
+
+    return draft_checkpoint(tmp_path_factory.mktemp("draft-llama"), tiny_checkpoint)
+
+
 @pytest.fixture
 def serve_factory(tmp_path):
     """Start bin/serve with given flags; every server started is torn down and checked for orphans."""

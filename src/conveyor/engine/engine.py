@@ -64,7 +64,7 @@ from conveyor.protocol import sampling_fields, wire
 from conveyor.protocol import requests as client_requests
 from conveyor.runtime.build import batcher_config, worker_settings
 from conveyor.runtime.config import SchedulerConfig
-from conveyor.runtime.model_source import model_length, resolve_model
+from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.worker.main import build_runner, failed_step
 
@@ -93,6 +93,8 @@ class Engine:
         self.max_model_len = model_length(self.model_config, options.max_model_len)
         settings = options.settings()
         batcher = batcher_config(settings, self.max_model_len)  # bad knobs fail before the model loads
+        if batcher.speculative_model is not None:
+            draft_model_config(batcher.speculative_model, self.model_config, self.max_model_len)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._constraints = ConstraintCompiler(model_dir)
         self.runner = build_runner(model_dir, **worker_settings(settings))

@@ -33,7 +33,7 @@ from conveyor.runtime.config import (
     WorkerConfig,
     remote_plans_address,
 )
-from conveyor.runtime.model_source import model_length, resolve_model
+from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
 
 T = TypeVar("T")
 
@@ -128,6 +128,8 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
     if flags.get("cluster_key") is not None:
         transport.ClusterKey.load(flags["cluster_key"])  # a wrong file fails here, before any process starts
     max_model_len = model_length(model, flags["max_model_len"])
+    if flags.get("speculative_model") is not None:
+        draft_model_config(flags["speculative_model"], model, max_model_len)
     addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(flags["host"], flags["port"]))
     nnodes, size = flags.get("nnodes", 1), flags["tensor_parallel_size"]
     multi_node = nnodes > 1 and flags.get("dist_init_addr") is not None and size % nnodes == 0  # else refused below

@@ -162,9 +162,12 @@ class SchedulerConfig:
     # Speculative decoding (scheduler/speculation.py): "ngram" proposes up to
     # num_speculative_tokens tokens per decode by prompt lookup (the last n tokens,
     # n from ngram_max down to ngram_min, matched in the request's own tokens); the worker
-    # verifies them in the same step (rejection sampling). None: off.
+    # verifies them in the same step (rejection sampling). "draft": the worker's draft model,
+    # the checkpoint speculative_model (same vocabulary), proposes them (worker/draft_model.py).
+    # None: off.
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
+    speculative_model: str | None = None
     ngram_max: int = 4
     ngram_min: int = 1
 
@@ -180,8 +183,10 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _require_at_least(self, 1, "num_blocks", "max_num_seqs", "max_num_batched_tokens")
         _require_at_least(self, 2, "max_model_len")
-        if self.speculative_method not in (None, "ngram"):
-            raise ValueError(f"speculative_method must be 'ngram' or None, got {self.speculative_method!r}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be 'ngram', 'draft' or None, got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_method 'draft' and speculative_model (the draft checkpoint) go together")
         if self.speculative_method is not None and self.num_speculative_tokens < 1:
             raise ValueError("speculative_method needs num_speculative_tokens >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -277,10 +282,15 @@ class WorkerConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding's draft model (SchedulerConfig.speculative_model): a checkpoint of the
+    # target's vocabulary the worker loads beside it, with a KV cache of its own (None: none).
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         _parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
         _require_at_least(self, 1, "tensor_parallel_size")
+        if self.speculative_model is not None and self.tensor_parallel_size > 1:
+            raise ValueError("a speculative draft model is not supported with tensor parallelism yet")
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_rank {self.tensor_parallel_rank} outside 0..{self.tensor_parallel_size - 1}")
         if self.channels.plans.readers != self.tensor_parallel_size:

@@ -38,3 +38,26 @@ def model_length(model: ModelConfig, max_model_len: int | None) -> int:
     if length > model.max_position_embeddings:
         raise ValueError(f"--max-model-len {length} exceeds the model's {model.max_position_embeddings}")
     return length
+
+
+def draft_model_config(draft_dir: str, target: ModelConfig, max_model_len: int | None = None) -> ModelConfig:
+    """The config of speculative decoding's draft checkpoint (``--speculative-model``), which
+    must be a checkpoint directory (StartupError) of the target's vocabulary (ValueError): the
+    target verifies the draft's token ids as its own; and, given the served ``max_model_len``,
+    must have positions for all of it (ValueError). bin/serve and the engine check it before
+    any process starts or weight loads; the worker again when it loads the draft."""
+    path = Path(draft_dir).expanduser()
+    if not (path / "config.json").is_file():
+        raise StartupError(f"--speculative-model {draft_dir}: no config.json there (a local HF checkpoint directory is required)")
+    draft = ModelConfig.from_dir(path)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"--speculative-model {draft_dir}: its vocabulary has {draft.vocab_size} tokens, the served model's "
+            f"{target.vocab_size}: the draft must share the served model's tokenizer"
+        )
+    if max_model_len is not None and draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"--speculative-model {draft_dir}: its max_position_embeddings {draft.max_position_embeddings} is below "
+            f"the served max_model_len {max_model_len} (lower --max-model-len)"
+        )
+    return draft

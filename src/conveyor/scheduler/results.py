@@ -106,13 +106,13 @@ def _accepted_runs(state: SchedulerState, step: Step, result: StepResult) -> dic
     gained = {slot: list(run) for slot, run in zip(result.spec_slots, result.spec_token_ids)}
     planned = dict(zip(step.dslots.tolist(), step.dgens.tolist()))
     runs: dict[int, list[int]] = {}
-    for slot, proposal in step.spec.items():
+    for slot, proposed in step.spec.items():
         if planned[slot] != cols.generation(slot):
             continue  # ended while the plan ran
-        run = gained.get(slot, [])[: len(proposal)]
-        cols.computed[slot] -= len(proposal) - len(run)
+        run = gained.get(slot, [])[:proposed]
+        cols.computed[slot] -= proposed - len(run)
         state.spec_num_proposals += 1
-        state.spec_proposed_tokens += len(proposal)
+        state.spec_proposed_tokens += proposed
         state.spec_accepted_tokens += len(run)
         if run:
             runs[slot] = run

@@ -11,6 +11,14 @@ when it forms the plan. The worker only verifies: it gets each proposal in the p
 (prompt + output); at the most recent earlier match, the up to ``k`` tokens that followed it
 are the proposal. The search is one numpy comparison over a sliding window per ``n``.
 
+**Draft method** (``speculative_method == "draft"``): the proposals come from a smaller model
+of the same vocabulary that the worker runs (:mod:`conveyor.worker.draft_model`); only the
+worker has its KV and its outputs. The scheduler still decides each speculating decode's
+width (up to ``k`` tokens, cut by the rules below, no lookup) and reserves the budget and the
+blocks for it; the plan carries the count (``CachedRequests.spec_draft_counts``). The draft's
+KV lives in the same block ids as the target's (its own cache tensors), so this accounting
+covers both.
+
 **Which decodes speculate** (:func:`speculates`): greedy and sampling requests alike (the
 worker's rejection sampling keeps the target's distribution exactly:
 :mod:`conveyor.worker.speculative_verify`), unless the request opts out (``speculate``
@@ -80,7 +88,8 @@ def propose_ngram(tokens: np.ndarray, k: int, ngram_max: int, ngram_min: int) ->
 
 def plan_speculation(state: SchedulerState, step: Step) -> None:
     """Widen the step's decodes (planned by phase 1) whose requests speculate with their
-    proposals, within the budget and the free blocks, best rank first (module docstring)."""
+    proposals (n-gram), or with room for ``k`` draft tokens the worker makes (draft method),
+    within the budget and the free blocks, best rank first (module docstring)."""
     k = state.config.speculative_tokens
     if not k or not len(step.dslots) or step.budget <= 0:
         return
@@ -89,6 +98,7 @@ def plan_speculation(state: SchedulerState, step: Step) -> None:
     slots = step.dslots.tolist()
     rows = cols.state.take(step.dslots, axis=1)
     room = (rows[STOP_LEN] - rows[KNOWN] - 1).tolist()  # tokens a step may add beyond the first
+    drafted = cfg.speculative_method == "draft"  # the worker's draft model proposes: only counts here
     for row, slot in enumerate(slots):
         if step.budget <= 0:
             break
@@ -96,17 +106,16 @@ def plan_speculation(state: SchedulerState, step: Step) -> None:
         limit = min(k, room[row], step.budget)
         if limit < 1 or not req.speculative:
             continue
-        proposal = propose_ngram(np.asarray(req.token_ids, np.int64), limit, cfg.ngram_max, cfg.ngram_min)
-        if not len(proposal):
-            continue
-        # The decode runs tokens computed .. computed + len(proposal): blocks for all of them.
+        proposal = None
+        if not drafted:
+            proposal = propose_ngram(np.asarray(req.token_ids, np.int64), limit, cfg.ngram_max, cfg.ngram_min)
+            limit = len(proposal)
+        # The decode runs tokens computed .. computed + n: blocks for all of them.
         first = int(step.dcomputed[row]) + 1  # tokens covered by the plain decode
-        fits = (len(req.block_ids) + gpu.num_available) * bs - first
-        if fits < len(proposal):
-            proposal = proposal[: max(0, fits)]
-            if not len(proposal):
-                continue
-        need = max(0, -(-(first + len(proposal)) // bs) - len(req.block_ids))
+        n = min(limit, (len(req.block_ids) + gpu.num_available) * bs - first)
+        if n < 1:
+            continue
+        need = max(0, -(-(first + n) // bs) - len(req.block_ids))
         blocks = gpu.allocate(need) if need > 0 else []
         req.block_ids += blocks
-        step.add_speculation(row, slot, proposal.tolist(), blocks)
+        step.add_speculation(row, slot, n, blocks, None if drafted else proposal[:n].tolist())

@@ -15,9 +15,11 @@ The other rows are lists (``slots``, ``computed``, ``counts``). ``scheduled`` ho
 request other than the decodes (prefill chunks, admissions) with its token count.
 
 With speculative decoding (:mod:`~conveyor.scheduler.speculation`) a decode may be widened to
-verify a proposal: ``spec`` maps its slot to the proposed tokens, and the row runs
-``1 + len(proposal)`` tokens (counted in the budget, the iteration's counters, the computed
-count at :meth:`Step.commit` and :meth:`Step.tokens_of`).
+verify a proposal: ``spec`` maps its slot to the number of proposed tokens ``k'``, and the
+row runs ``1 + k'`` tokens (counted in the budget, the iteration's counters, the computed
+count at :meth:`Step.commit` and :meth:`Step.tokens_of`). ``proposals`` holds the tokens of
+the n-gram proposer's rows; the draft method's are made by the worker, which is told only
+``k'`` (``CachedRequests.spec_draft_counts``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Step:
         "answer_rows",
         "preempted", "num_swap", "num_recompute", "num_admitted", "wait_sum", "wait_max", "hit_tokens",
         "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out", "_tokens_by_request", "failed", "copies",
-        "spec",
+        "spec", "proposals",
     )
 
     def __init__(self, budget: int) -> None:
@@ -71,7 +73,8 @@ class Step:
         self.swapped_out: list[Request] = []  # of those, the ones swapped out
         self._tokens_by_request: dict[Request, int] | None = None
         self.copies: list[list[int]] = []  # [src, dst] block copies of forks (StepPlan.copy_blocks)
-        self.spec: dict[int, list[int]] = {}  # slot -> proposal, of the widened decodes (rank order)
+        self.spec: dict[int, int] = {}  # slot -> tokens proposed, of the widened decodes (rank order)
+        self.proposals: dict[int, list[int]] = {}  # slot -> the proposed tokens, where the scheduler made them
         self.failed = False  # planned ahead of a plan that failed: failed with it, its result is moot
         self.num_swap = self.num_recompute = self.num_admitted = self.hit_tokens = 0
         self.decode_tokens = self.prefill_tokens = self.context_tokens = 0
@@ -113,11 +116,13 @@ class Step:
         self.context_tokens += int(np.add.reduce(computed)) + n
         self.budget -= n
 
-    def add_speculation(self, row: int, slot: int, proposal: list[int], blocks: list[int]) -> None:
-        """Widen decode ``row`` (on ``slot``) to verify ``proposal``; ``blocks`` are new blocks
-        of its request for those tokens (after any the decode itself got). Before phase 2."""
-        self.spec[slot] = proposal
-        n = len(proposal)
+    def add_speculation(self, row: int, slot: int, n: int, blocks: list[int], proposal: list[int] | None) -> None:
+        """Widen decode ``row`` (on ``slot``) to verify ``n`` proposed tokens: ``proposal``, or
+        (None) tokens the worker's draft model makes; ``blocks`` are new blocks of its request
+        for those tokens (after any the decode itself got). Before phase 2."""
+        self.spec[slot] = n
+        if proposal is not None:
+            self.proposals[slot] = proposal
         self.budget -= n
         self.decode_tokens += n
         self.context_tokens += n
@@ -164,11 +169,11 @@ class Step:
             self.dgens = np.delete(self.dgens, row)
             self.budget += 1
             self.count(req, 1, -1)
-            proposal = self.spec.pop(req.slot, None)
-            if proposal:
-                self.budget += len(proposal)
-                self.decode_tokens -= len(proposal)
-                self.context_tokens -= len(proposal)
+            proposed = self.spec.pop(req.slot, 0)
+            self.proposals.pop(req.slot, None)
+            self.budget += proposed
+            self.decode_tokens -= proposed
+            self.context_tokens -= proposed
         else:
             for k, (r, n) in enumerate(self.scheduled):
                 if r is req:
@@ -194,7 +199,7 @@ class Step:
     def cached_columns(self, cols: SlotColumns) -> CachedRequests:
         """The plan's cached rows as int32 columns: the decodes, then the other rows."""
         n = len(self.dslots)
-        spec_rows, spec_tokens = self._spec_rows()
+        spec_rows, spec_counts = self._spec_rows()
         if not self.slots and not spec_rows:
             return CachedRequests(
                 self.dslots.astype(np.int32), self.dcomputed.astype(np.int32), cols.ones[:n],
@@ -202,7 +207,8 @@ class Step:
             )
         counts = np.ones(n, np.int64)
         if spec_rows:
-            counts[spec_rows] += [len(p) for p in spec_tokens]
+            counts[spec_rows] += spec_counts
+        drafted = not self.proposals  # the draft method: the worker makes the proposals
         return CachedRequests(
             np.concatenate((self.dslots, self.slots)).astype(np.int32),
             np.concatenate((self.dcomputed, self.computed)).astype(np.int32),
@@ -210,15 +216,16 @@ class Step:
             self.block_rows,
             self.block_ids,
             spec_rows,
-            spec_tokens,
+            [] if drafted else [self.proposals[slot] for slot in self.dslots[spec_rows].tolist()],
+            spec_counts if drafted else [],
         )
 
-    def _spec_rows(self) -> tuple[list[int], list[list[int]]]:
-        """The widened decodes' rows (increasing) and proposals."""
+    def _spec_rows(self) -> tuple[list[int], list[int]]:
+        """The widened decodes' rows (increasing) and how many tokens each proposes."""
         if not self.spec:
             return [], []
         pairs = sorted((row, self.spec[slot]) for row, slot in enumerate(self.dslots.tolist()) if slot in self.spec)
-        return [row for row, _ in pairs], [p for _, p in pairs]
+        return [row for row, _ in pairs], [n for _, n in pairs]
 
     def commit(self, cols: SlotColumns) -> None:
         """The plan is formed: count it as run. Every request it schedules advances by what it
@@ -226,8 +233,8 @@ class Step:
         that sample are noted with their slots' generations (class docstring)."""
         self._owners = cols.owner.copy()
         cols.computed[self.dslots] += 1  # (slots are distinct within a plan)
-        for slot, proposal in self.spec.items():
-            cols.computed[slot] += len(proposal)
+        for slot, proposed in self.spec.items():
+            cols.computed[slot] += proposed
         self.sample_slots = self.answer_slots = self.dslots
         self.sample_gens = self.dgens
         if not self.scheduled:
@@ -270,7 +277,7 @@ class Step:
                 row_gen = self._row_gen = np.full(cols.num_slots, -1, np.int64)
                 row_gen[self.dslots] = self.dgens
             if row_gen[slot] == cols.generation(slot):  # planned as a decode on the slot it still holds
-                return 1 + len(self.spec.get(slot, ()))
+                return 1 + self.spec.get(slot, 0)
         by_request = self._tokens_by_request
         if by_request is None:
             by_request = self._tokens_by_request = dict(self.scheduled)  # keyed by identity

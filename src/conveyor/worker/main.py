@@ -144,6 +144,7 @@ def build_runner(
     max_loras: int = 4,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
+    speculative_model: str | None = None,
 ) -> ModelRunner:
     """The worker's :class:`~conveyor.worker.model_runner.ModelRunner` as bin/serve's flags
     describe it (the fields of :class:`WorkerConfig`): torch's CPU threads set when given, the
@@ -154,7 +155,8 @@ def build_runner(
     the runner of one rank, None for a single process; on CUDA it runs on GPU
     ``first_device + rank`` (:func:`~conveyor.worker.parallel.rank_device`). ``lora_modules``
     (``(name, PEFT dir)`` pairs) or ``enable_lora`` turns LoRA on with those adapters and the
-    slot bounds."""
+    slot bounds. ``speculative_model``: the draft checkpoint of speculative decoding, loaded
+    beside the model with a KV cache of its own (:mod:`conveyor.worker.draft_model`)."""
     import torch
 
     from conveyor.worker.lora import LoraOptions
@@ -182,6 +184,7 @@ def build_runner(
         num_speculative_tokens=num_speculative_tokens,
         lora=LoraOptions(max_loras, max_lora_rank, max_cpu_loras) if lora_modules or enable_lora else None,
         lora_modules=dict(lora_modules),
+        speculative_model=speculative_model,
     )
 
 

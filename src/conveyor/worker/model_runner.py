@@ -52,10 +52,10 @@ import torch
 
 from conveyor import profiling
 from conveyor.ipc.messages import StepPlan, StepResult, int_list
-from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
+from conveyor.worker.draft_model import DraftModel, Drafts
 from conveyor.worker.grammar_rows import GrammarRows
 from conveyor.worker.grammar_steps import GrammarSteps
 from conveyor.worker.kv_cache import KVCacheShape
@@ -65,6 +65,7 @@ from conveyor.worker.lora import LoraManager, LoraOptions
 from conveyor.worker.lora_updates import LoraUpdates
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
+from conveyor.worker.ragged_inputs import ragged_inputs
 from conveyor.worker.request_state import RequestState, SlotStates, Work
 from conveyor.worker.sampler import Sampler, SamplingColumns, batch_from_rows
 from conveyor.worker.sampling_controls import SamplingControls
@@ -97,6 +98,10 @@ class LaunchedStep:
     spec_rows: list[int] | None = None
     spec_proposals: list[tuple[int, ...]] | None = None
     spec_verdict: torch.Tensor | None = None
+    # Drafted proposals (the draft method): their tokens, copied to the host like
+    # ``spec_verdict``, and each speculative row's count; split into ``spec_proposals`` at the finish.
+    drafted: torch.Tensor | None = None
+    drafted_counts: list[int] | None = None
 
 
 class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, LoraUpdates):
@@ -116,6 +121,10 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
     bounds; ``lora_modules`` (name -> PEFT directory) are registered at once (a bad one raises
     :class:`~conveyor.worker.lora.LoraLoadError`). Requests name their adapter in
     :class:`~conveyor.ipc.messages.NewRequestData`.
+
+    ``speculative_model``: the draft checkpoint of speculative decoding's draft method
+    (:mod:`conveyor.worker.draft_model`), loaded beside the model; the pool's blocks then hold
+    both models' KV (``block_bytes`` is the sum).
 
     ``tensor_parallel``: this runner is one rank of a tensor-parallel group
     (:mod:`conveyor.worker.parallel`). It holds the rank's shard of the model and a cache of
@@ -143,6 +152,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         num_speculative_tokens: int = 0,
         lora: LoraOptions | None = None,
         lora_modules: dict[str, str] | None = None,
+        speculative_model: str | Path | None = None,
     ) -> None:
         if (num_blocks is None) == (kv_cache_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory_bytes")
@@ -158,7 +168,11 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
             for name, directory in (lora_modules or {}).items():
                 self.lora.register(name, directory)
         cache_shape = KVCacheShape.of(self.model_config, block_size, self.dtype, tp)
-        self.block_bytes = cache_shape.bytes_per_block
+        self.draft: DraftModel | None = None
+        if speculative_model is not None:  # (one rank only: WorkerConfig refuses it with tensor parallelism)
+            draft_backend = backend_for(self.device, attention)  # its own (a backend may keep per-step plans)
+            self.draft = DraftModel(speculative_model, self.model_config, self.device, self.dtype, draft_backend, block_size)
+        self.block_bytes = cache_shape.bytes_per_block + (self.draft.bytes_per_block if self.draft else 0)
         if num_blocks is None:
             num_blocks = kv_cache_memory_bytes // self.block_bytes
             if num_blocks < 1:
@@ -172,6 +186,11 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
             num_cpu_blocks = (swap_space_bytes or 0) // self.block_bytes
         self.num_cpu_blocks = num_cpu_blocks
         self.swap_caches = cache_shape.allocate_swap(num_cpu_blocks, self.device)
+        # (cache, swap space) pairs every block move of a plan applies to: the model's, the draft's
+        self._cache_sets = [(self.kv_caches, self.swap_caches)]
+        if self.draft is not None:
+            self.draft.allocate(num_blocks, num_cpu_blocks)
+            self._cache_sets.append((self.draft.kv_caches, self.draft.swap_caches))
         self.sampler = Sampler(self.device)
         self._sampling = SamplingColumns()  # per-slot sampling parameters, set when a request arrives
         # Per-slot device state of the requests using penalties, logit_bias or min_tokens.
@@ -192,6 +211,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self._t_forward = prof.timer("forward")
         self._t_sample = prof.timer("sample")  # LM head on the sampled rows + the sampler
         self._t_swap = prof.timer("swap", arg_name="blocks")  # only steps that copy blocks
+        self._t_draft = prof.timer("draft")  # the draft model's pass and proposals (draft method)
         self._setup_decode_step(max_num_seqs, enforce_eager, pad_decode, backend, num_speculative_tokens)
         # Structured output (conveyor.worker.grammar_rows): matchers of constrained requests,
         # and a per-slot flag so that a step without them is told apart in one numpy test.
@@ -200,6 +220,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self._in_flight: LaunchedStep | None = None  # the unfinished step a launch may read tokens of
         self._ends: list[tuple[int, str]] = []
         self._spec_verdict: torch.Tensor | None = None  # of the step being launched (see _run_ragged)
+        self._drafts: Drafts | None = None  # likewise, the draft method's proposals (dropped after the launch)
         self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, max_num_seqs)
 
     @property
@@ -233,7 +254,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self._controls.release(dropped)
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
-        work = self._checker.check(plan, requests.states)
+        work = self._checker.check(plan, requests.states, self.draft is not None)
         adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
         # Copies out, copies in, then the forks' block copies, all before the forward (see
         # StepPlan): a GPU block swapped out may be given again by this same plan (as a swap-in
@@ -241,11 +262,14 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         # block this plan swaps in (its first sequence resumed), so it is read after.
         if plan.swap_out or plan.swap_in:
             swap_start = profiling.now_ns()
-            transfer_blocks(self.kv_caches, self.swap_caches, plan.swap_out)
-            transfer_blocks(self.swap_caches, self.kv_caches, plan.swap_in)
+            for caches, swap in self._cache_sets:
+                transfer_blocks(caches, swap, plan.swap_out)
+                transfer_blocks(swap, caches, plan.swap_in)
             self._t_swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
         if plan.copy_blocks:
-            copy_blocks(self.kv_caches, torch.tensor(plan.copy_blocks, dtype=torch.int64))
+            pairs = torch.tensor(plan.copy_blocks, dtype=torch.int64)
+            for caches, _ in self._cache_sets:
+                copy_blocks(caches, pairs)
         for new, adapter in zip(plan.new_requests, adapters):  # on free slots (checked), the finished ones dropped above
             requests.take_in(new, adapter)
             self._sampling.set(new.slot, new.sampling)
@@ -264,10 +288,11 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
             if item.new_block_ids:
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
         samples = [
-            item.num_computed + item.num_scheduled == state.num_known + len(item.proposal)
+            item.num_computed + item.num_scheduled == state.num_known + item.num_proposed
             for item, state in zip(work, states)
         ]
         self._in_flight, self._ends, self._spec_verdict = before, [], None
+        self._drafts = self._run_draft(work, states) if self.draft is not None and work else None
         sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
         launched.ends, self._in_flight = self._ends, None
         for item, state in zip(work, states):
@@ -275,15 +300,17 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
         launched.slots = [slot for slot, _ in sampling]
         launched.states = [state for _, state in sampling]
-        proposed = sum(len(item.proposal) for item in work)
+        proposed = sum(item.num_proposed for item in work)
         if proposed:  # (rank 0 verified them; every rank accepts the same tokens)
             self._spec_verdict = self._shared_verdict(self._spec_verdict, proposed)
         if self._spec_verdict is not None:
             sampled_items = [item for item, flag in zip(work, samples) if flag]
-            launched.spec_rows = [i for i, item in enumerate(sampled_items) if item.proposal]
+            launched.spec_rows = [i for i, item in enumerate(sampled_items) if item.num_proposed]
             launched.spec_proposals = [sampled_items[i].proposal for i in launched.spec_rows]
-            host = torch.empty(self._spec_verdict.shape, dtype=torch.int64, pin_memory=self._cuda)
-            launched.spec_verdict = host.copy_(self._spec_verdict, non_blocking=self._cuda)
+            launched.spec_verdict = self._host_copy(self._spec_verdict)
+            if self._drafts is not None:
+                launched.drafted, launched.drafted_counts = self._host_copy(self._drafts.tokens), self._drafts.counts
+        self._drafts = None  # (its logits are [proposed, vocab]: not held past the launch)
         launched.start = start
         if plan.planned_ahead:
             launched.before = before  # (its finish may still fail this one: see finish)
@@ -322,6 +349,22 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         adapters[: len(states)] = [state.adapter for state in states]
         return self.lora.begin_step(adapters, row_tokens)
 
+    def _host_copy(self, values: torch.Tensor) -> torch.Tensor:
+        """A host copy of int64 ``values`` queued behind the step (pinned on CUDA: not blocking)."""
+        host = torch.empty(values.shape, dtype=torch.int64, pin_memory=self._cuda)
+        return host.copy_(values, non_blocking=self._cuda)
+
+    def _run_draft(self, work: list[Work], states: list[RequestState]) -> Drafts | None:
+        """The draft model's share of the step (:mod:`conveyor.worker.draft_model`): every row's
+        tokens (a drafting row's last known one only), then the drafted tokens, on the device."""
+        start = profiling.now_ns()
+        counts = [1 if item.num_drafted else item.num_scheduled for item in work]
+        tables = self._requests.tables[np.fromiter([item.slot for item in work], np.int64, len(work))]
+        inputs = ragged_inputs(work, states, counts, tables, self.block_size, self._last_tokens)
+        drafts = self.draft.propose(work, inputs, tables)
+        self._t_draft.record(start)
+        return drafts
+
     def _copy_to_host(self, sampled: torch.Tensor) -> torch.Tensor:
         """Start copying the sampled ids into the next host buffer (pinned on CUDA: the copy is
         queued behind the step and does not wait for what is launched after it)."""
@@ -355,6 +398,9 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         except Exception:
             launched.failed = True  # (a device error) a plan planned ahead of this step fails too
             raise
+        if launched.drafted is not None:  # (the copy is done: it was queued before the sampled ids')
+            flat, counts = launched.drafted.tolist(), launched.drafted_counts
+            launched.spec_proposals = [tuple(flat[end - n : end]) for n, end in zip(counts, np.cumsum(counts).tolist())]
         spec_slots, spec_runs = self._accept(launched, tokens) if launched.spec_rows else ([], [])
         for state, token in zip(launched.states, tokens):
             state.token_ids.append(token)
@@ -399,32 +445,15 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
     def _run_ragged(
         self, work: list[Work], states: list[RequestState], samples: list[bool]
     ) -> tuple[torch.Tensor, torch.Tensor, LogprobRows | None, LogprobRows | None]:
-        """Prefill, chunked prefill and mixed steps: the new tokens laid end to end, unpadded."""
+        """Prefill, chunked prefill, mixed and speculative steps: the new tokens laid end to end,
+        unpadded (:mod:`conveyor.worker.ragged_inputs`); a drafting row's proposal is the
+        draft's tokens of this step."""
         start = profiling.now_ns()
         query_lens = [item.num_scheduled for item in work]
-        context_lens = [item.num_computed for item in work]
-        input_ids: list[int] = []
-        on_device: list[tuple[int, int]] = []  # (flat index, slot): inputs sampled by the step in flight
-        for item, state in zip(work, states):
-            end = item.num_computed + item.num_scheduled
-            known = state.token_ids
-            if item.proposal:  # its last known token (on the host: checked), then the proposal
-                input_ids += known[item.num_computed : item.num_computed + 1]
-                input_ids += item.proposal
-            elif end > len(known):  # its last input is the pending token: only the device has it
-                on_device.append((len(input_ids) + item.num_scheduled - 1, item.slot))
-                input_ids += known[item.num_computed : end]
-                input_ids.append(0)
-            else:
-                input_ids += known[item.num_computed : end]
         slots = np.fromiter([item.slot for item in work], np.int64, len(work))
-        tables = self._requests.tables[slots]
-        metadata = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
-        positions = torch.from_numpy(token_positions(query_lens, context_lens)).to(self.device, non_blocking=True)
-        tokens = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        if on_device:
-            index, pending = torch.tensor(on_device, dtype=torch.int64).to(self.device, non_blocking=True).unbind(1)
-            tokens[index] = self._last_tokens[pending]
+        drafted = self._drafts.tokens if self._drafts is not None else None
+        inputs = ragged_inputs(work, states, query_lens, self._requests.tables[slots], self.block_size, self._last_tokens, drafted)
+        tokens, positions, metadata = inputs.tokens, inputs.positions, inputs.metadata
         self._begin_lora(states, np.asarray(query_lens, dtype=np.int64))
         start = self._t_prepare.record(start)
         try:
@@ -437,16 +466,16 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         sample_rows = np.flatnonzero(samples)
         sample_slots = torch.from_numpy(slots[sample_rows]).to(self.device, non_blocking=True)
         if self.tensor_parallel.rank == 0:
-            ends = np.asarray(metadata.query_start_loc_host[1:], dtype=np.int64)
+            ends = inputs.ends
             # Speculative rows also score each position before their last (the distributions
             # their proposals are verified against): in the same LM head call, after the sampled rows.
             spec_index = [
-                np.arange(end - item.num_scheduled, end - 1) for item, end in zip(work, ends.tolist()) if item.proposal
+                np.arange(end - item.num_scheduled, end - 1) for item, end in zip(work, ends.tolist()) if item.num_proposed
             ]
             logit_rows = np.concatenate([ends[sample_rows] - 1, *spec_index])
             logits = self.model.compute_logits(hidden[torch.from_numpy(logit_rows).to(self.device)])
             if spec_index:
-                self._spec_verdict = self._verify_proposals(logits[len(sample_rows) :], work, slots)
+                self._spec_verdict = self._verify_proposals(logits[len(sample_rows) :], work, slots, drafted)
                 logits = logits[: len(sample_rows)]
             # The position of the token being drawn is fixed for each output index of a request,
             # so it keys a seeded draw as well as the output index would, across preemptions too.

@@ -43,13 +43,14 @@ class PlanChecker:
         if bad:
             raise PlanRefused(f"finished slots {bad} outside 0..{MAX_SLOTS - 1}")
 
-    def check(self, plan: StepPlan, table: list[RequestState | None]) -> list[Work]:
+    def check(self, plan: StepPlan, table: list[RequestState | None], drafts: bool = False) -> list[Work]:
         """The plan's work in order (new requests first), given the request state by slot
         (``table``), or PlanRefused naming the first problem (the slot, and the request id
         where known).
 
         Runs after ``finished_slots`` are dropped (so a new request may take a slot this plan
-        frees, and a cached row may not name one); mutates nothing.
+        frees, and a cached row may not name one); mutates nothing. ``drafts``: the runner has
+        a draft model (else a plan asking for drafted tokens is refused).
         """
         size = len(table)
         seen: dict[int, str] = {}  # slot -> request id, of the rows so far
@@ -80,6 +81,9 @@ class PlanChecker:
         cached = plan.cached_requests
         new_blocks = dict(zip(cached.new_block_rows, cached.new_block_ids))
         proposals = {row: tuple(int_list(p)) for row, p in zip(cached.spec_rows, cached.spec_token_ids)}
+        drafted = dict(zip(cached.spec_rows, cached.spec_draft_counts))
+        if drafted and not drafts:
+            raise PlanRefused(f"step {plan.step_id} asks for drafted tokens, but this runner has no draft model")
         for row, (slot, num_computed, num_scheduled) in enumerate(
             zip(int_list(cached.slots), int_list(cached.num_computed_tokens), int_list(cached.num_scheduled_tokens))
         ):
@@ -98,18 +102,19 @@ class PlanChecker:
             blocks = new_blocks.get(row, [])
             if blocks:
                 self._check_blocks(rid, slot, blocks)
-            proposal = proposals.get(row, ())
-            if proposal and (
-                num_scheduled != 1 + len(proposal) or num_computed + 1 != state.num_known or state.pending or plan.planned_ahead
+            proposal, num_drafted = proposals.get(row, ()), drafted.get(row, 0)
+            proposed = len(proposal) or num_drafted
+            if proposed and (
+                num_scheduled != 1 + proposed or num_computed + 1 != state.num_known or state.pending or plan.planned_ahead
             ):
                 raise PlanRefused(
                     f"request {rid!r} (slot {slot}): a speculative row must run its last known token, all of it "
-                    f"on the host, and its {len(proposal)} proposed tokens, in a plan not planned ahead"
+                    f"on the host, and its {proposed} proposed tokens, in a plan not planned ahead"
                 )
             self._check_tokens(
-                rid, slot, num_computed, num_scheduled, state.num_known + len(proposal), len(state.block_ids) + len(blocks)
+                rid, slot, num_computed, num_scheduled, state.num_known + proposed, len(state.block_ids) + len(blocks)
             )
-            work.append(Work(slot, num_computed, num_scheduled, list(blocks), proposal))
+            work.append(Work(slot, num_computed, num_scheduled, list(blocks), proposal, 0 if proposal else num_drafted))
         if len(work) > self.max_num_seqs:
             raise PlanRefused(f"step {plan.step_id} runs {len(work)} requests; this runner takes at most {self.max_num_seqs}")
         self._check_transfers(plan)

@@ -52,8 +52,14 @@ class Work:
     num_scheduled: int
     new_block_ids: list[int]
     # Speculative decoding: the proposed tokens this row verifies after its last known token
-    # (``num_scheduled == 1 + len(proposal)``); empty for any other row.
+    # (``num_scheduled == 1 + num_proposed``): given by the plan (n-gram), or ``num_drafted``
+    # tokens the runner's draft model makes in this step; neither for any other row.
     proposal: tuple[int, ...] = ()
+    num_drafted: int = 0
+
+    @property
+    def num_proposed(self) -> int:
+        return len(self.proposal) or self.num_drafted
 
 
 class SlotStates:

@@ -115,21 +115,28 @@ class SpeculativeVerify:
     per-slot sampling columns, last tokens and tensor-parallel rank; module docstring)."""
 
     def _verify_proposals(
-        self, logits: torch.Tensor, work: list[Work], slots: np.ndarray, draft_probs: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        work: list[Work],
+        slots: np.ndarray,
+        proposed: torch.Tensor | None = None,
+        draft_probs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Enqueue the verification of the step's speculative rows: ``logits`` ``[R, V]`` the
-        target's at every proposed position, rows in flat proposal order. Returns int64
-        ``[2, R]`` on the device: accepted (0/1) and the residual draw of each position."""
-        spec = [i for i, item in enumerate(work) if item.proposal]
-        lengths = [len(work[i].proposal) for i in spec]
+        target's at every proposed position, rows in flat proposal order; ``proposed`` the
+        proposed tokens on the device in that order (a draft model's), None: the plan's. Returns
+        int64 ``[2, R]`` on the device: accepted (0/1) and the residual draw of each position."""
+        spec = [i for i, item in enumerate(work) if item.num_proposed]
+        lengths = [work[i].num_proposed for i in spec]
         # The token position each logits row draws: after the row's last known token.
         positions = np.concatenate(
             [np.arange(1, n + 1, dtype=np.int64) + work[i].num_computed for i, n in zip(spec, lengths)]
         )
         rows = self._sampling.gather(np.repeat(slots[spec], lengths))
         batch = batch_from_rows(rows, positions, logits.shape[1], logits.device)
-        proposed = torch.tensor([t for i in spec for t in work[i].proposal], dtype=torch.int64)
-        proposed = proposed.to(logits.device, non_blocking=True)
+        if proposed is None:
+            proposed = torch.tensor([t for i in spec for t in work[i].proposal], dtype=torch.int64)
+            proposed = proposed.to(logits.device, non_blocking=True)
         if batch.all_greedy:  # the rule on point masses made fast: keep x iff the argmax, else emit it
             target = logits.argmax(dim=-1)
             return torch.stack([(proposed == target).to(torch.int64), target])

@@ -108,6 +108,9 @@ class CachedRequests(Positional):
     # gained in ``StepResult.spec_token_ids``.
     spec_rows: list[int] = field(default_factory=list)
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # The draft-model method instead: the worker's draft model proposes, and the plan gives
+    # each spec row (same index) only how many tokens to draft; ``spec_token_ids`` is empty.
+    spec_draft_counts: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.slots)

@@ -1,0 +1,133 @@
+"""Speculative decoding's draft model: a small checkpoint of the target's vocabulary that the
+worker runs beside the target to propose the tokens a speculative row verifies
+(``--speculative-method draft --speculative-model DIR``).
+
+**Its KV cache** has tensors of its own, shaped by its layers and kv heads
+(:class:`~conveyor.worker.kv_cache.KVCacheShape`), with as many blocks as the target's, and it
+is addressed by the *same* block tables: block ``b`` of a request holds the target's KV of its
+tokens in the target's cache and the draft's KV of the same tokens in the draft's. The
+scheduler's block accounting thus covers both, and the runner applies every block move of a
+plan (swap-out, swap-in, fork copies) to both caches alike.
+
+**Invariant: the draft's KV is valid wherever the target's is**, token for token. Every step
+writes the same positions in both: the draft runs every row of the step (prefill chunks,
+decodes, whatever the request) over the tokens the target runs, one ragged batch
+(:func:`~conveyor.worker.ragged_inputs.ragged_inputs`, as the target's); a speculative row of
+``k`` draft tokens runs only its last known token there, then ``k`` small forwards, batched over
+the speculative rows, each feeding the token just drafted (its argmax), so the draft writes
+positions ``p .. p + k`` with the very tokens the target verifies there. When the target
+rejects some, the row's computed count moves back for both caches at once (one count,
+:class:`~conveyor.worker.request_state.RequestState`), and the KV past it is overwritten later,
+never copied. So whatever later reuses a block (a prefix-cache hit, a swapped-in or forked
+block, a continuation) finds the draft's KV valid too, and a recomputed request rebuilds both.
+The draft's KV affects only how many proposals are accepted, never the output: the target
+verifies every token.
+
+**Argmax, and q.** The draft proposes its argmax for every speculating row, greedy or sampled:
+a deterministic proposer, whose ``q`` is a point mass at each proposal, as the n-gram
+proposer's, so the runner verifies drafted tokens with point masses
+(:mod:`~conveyor.worker.speculative_verify`: exact for every request; greedy: token for token).
+The draft's logits at each proposed token are kept for the launch (where the verification is
+enqueued; not past it), and :attr:`Drafts.probs` is their softmax
+(``[num_proposed, vocab]``, float32, in the order of the proposals): a draft that *samples*
+would pass them as ``draft_probs`` (not done yet: its draws would need a stream of their own,
+independent of the verification's). Nothing pays for the softmax until it is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.runtime.model_source import draft_model_config
+from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.kv_cache import KVCacheShape
+from conveyor.worker.loader import load_model
+from conveyor.worker.ragged_inputs import RaggedInputs
+from conveyor.worker.request_state import Work
+
+
+@dataclass
+class Drafts:
+    """One step's proposals, on the device: the speculative rows' drafted tokens laid end to
+    end in row order (``counts[i]`` for the ``i``-th such row), and the draft's distribution
+    each was drawn from (its logits; :attr:`probs`)."""
+
+    tokens: torch.Tensor  # int64 [num_proposed]
+    logits: torch.Tensor  # float32 [num_proposed, vocab]
+    counts: list[int]
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """The draft's distribution at each proposed token, float32 ``[num_proposed, vocab]``."""
+        return self.logits.softmax(dim=-1)
+
+
+class DraftModel:
+    """The draft checkpoint loaded through the target's loader, and its KV cache (module
+    docstring). Refuses a directory that is no checkpoint (StartupError) or whose vocabulary
+    is not the target's (ValueError), before loading a weight."""
+
+    def __init__(
+        self, model_dir: str | Path, target: ModelConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend,
+        block_size: int,
+    ) -> None:  # fmt: skip
+        draft_model_config(str(model_dir), target)
+        self.model, self.config = load_model(model_dir, device, dtype, backend)
+        self.device = device
+        self.block_size = block_size
+        self.cache_shape = KVCacheShape.of(self.config, block_size, dtype)
+        self.kv_caches: list[torch.Tensor] = []
+        self.swap_caches: list[torch.Tensor] = []
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block costs in the draft's cache (its share of a block of the pool)."""
+        return self.cache_shape.bytes_per_block
+
+    def allocate(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Its cache and swap space, as many blocks as the target's."""
+        self.kv_caches = self.cache_shape.allocate(num_blocks, self.device)
+        self.model.bind_kv_cache(self.kv_caches)
+        self.swap_caches = self.cache_shape.allocate_swap(num_cpu_blocks, self.device)
+
+    @torch.inference_mode()
+    def propose(self, work: list[Work], inputs: RaggedInputs, tables: np.ndarray) -> Drafts | None:
+        """Run the step's rows (``inputs``: every row's tokens, a speculative row only its last
+        known one; ``tables``: the rows' block tables) and draft each speculative row's
+        ``num_drafted`` tokens greedily, batched: the ``j``-th forward feeds every row's
+        ``j``-th drafted token (writing its KV) and scores the next for the rows that draft
+        more. None when no row drafts (the pass only kept the KV current)."""
+        hidden = self.model(inputs.tokens, inputs.positions, inputs.metadata)
+        rows = np.fromiter((i for i, item in enumerate(work) if item.num_drafted), np.int64)
+        if not len(rows):
+            return None
+        counts = np.fromiter((work[i].num_drafted for i in rows), np.int64, len(rows))
+        offsets = np.cumsum(counts) - counts  # where each row's tokens start in the flat proposals
+        start = np.fromiter((work[i].num_computed for i in rows), np.int64, len(rows))  # its last known token's position
+        row_tables = tables[rows]
+        tokens = torch.empty(int(counts.sum()), dtype=torch.int64, device=self.device)
+        kept = torch.empty((len(tokens), self.config.vocab_size), dtype=torch.float32, device=self.device)
+        logits = self.model.compute_logits(hidden[self._index(inputs.ends[rows] - 1)])
+        feed = np.arange(len(rows))  # the rows drafting their j-th token
+        for j in range(1, int(counts.max()) + 1):
+            drawn = logits.argmax(dim=-1)
+            at = self._index(offsets[feed] + j - 1)
+            tokens[at] = drawn
+            kept[at] = logits
+            positions = start[feed] + j
+            metadata = AttentionMetadata.build(np.ones(len(feed), np.int64), positions, row_tables[feed], self.block_size, self.device)
+            hidden = self.model(drawn, self._index(positions), metadata)
+            more = np.flatnonzero(counts[feed] > j)
+            if not len(more):
+                break
+            feed = feed[more]
+            logits = self.model.compute_logits(hidden[self._index(more)])
+        return Drafts(tokens, kept, counts.tolist())
+
+    def _index(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device, non_blocking=True)

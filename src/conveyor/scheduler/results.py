@@ -106,16 +106,22 @@ def _accepted_runs(state: SchedulerState, step: Step, result: StepResult) -> dic
     gained = {slot: list(run) for slot, run in zip(result.spec_slots, result.spec_token_ids)}
     planned = dict(zip(step.dslots.tolist(), step.dgens.tolist()))
     runs: dict[int, list[int]] = {}
+    per_position = state.spec_accepted_per_position
+    verified = 0
     for slot, proposal in step.spec.items():
         if planned[slot] != cols.generation(slot):
             continue  # ended while the plan ran
         run = gained.get(slot, [])[: len(proposal)]
         cols.computed[slot] -= len(proposal) - len(run)
-        state.spec_num_proposals += 1
+        verified += 1
         state.spec_proposed_tokens += len(proposal)
         state.spec_accepted_tokens += len(run)
+        for position in range(len(run)):
+            per_position[position] += 1
         if run:
             runs[slot] = run
+    state.spec_num_proposals += verified
+    state.spec_num_steps += verified > 0
     return runs
 
 

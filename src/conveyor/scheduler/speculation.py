@@ -19,6 +19,12 @@ step's token budget left after the plain decodes, and to the KV blocks free with
 preempting anyone (speculation never preempts; a proposal that does not fit shrinks, maybe
 to nothing).
 
+**The batch-size rule.** A step of more than ``speculative_max_batch`` decodes proposes
+nothing (counted in ``spec_num_limited_steps``): verifying pays off while a step's cost is
+set by reading the weights (memory-bound), where ``1 + k`` tokens a row cost about one; a
+large batch's step is compute-bound, every proposed token costs its share and the rejected
+ones are waste. The rule looks only at the step's decodes, the part speculation widens.
+
 **Plans in sync.** A decode's next proposal depends on how many tokens its last step
 accepted, so with speculation on the scheduler does not plan ahead
 (:attr:`Scheduler.can_plan_ahead` is False): every plan is formed with the last result
@@ -78,9 +84,13 @@ def propose_ngram(tokens: np.ndarray, k: int, ngram_max: int, ngram_min: int) ->
 
 def plan_speculation(state: SchedulerState, step: Step) -> None:
     """Widen the step's decodes (planned by phase 1) whose requests speculate with their
-    proposals, within the budget and the free blocks, best rank first (module docstring)."""
+    proposals, within the budget and the free blocks, best rank first (module docstring);
+    none in a step of more than ``speculative_max_batch`` decodes (the batch-size rule)."""
     k = state.config.speculative_tokens
     if not k or not len(step.dslots) or step.budget <= 0:
+        return
+    if 0 < state.config.speculative_max_batch < len(step.dslots):
+        state.spec_num_limited_steps += 1  # the batch rule: a large batch's step is compute-bound
         return
     cols, gpu, cfg = state.cols, state.kv.gpu, state.config
     bs = cfg.block_size

@@ -45,6 +45,7 @@ from conveyor.ipc.messages.frontend_scheduler import (
     TokenLogprobs,
     TokenOutputs,
     sequence_id,
+    speculation_rates,
 )
 from conveyor.ipc.messages.process_control import (
     ProcessFailed,
@@ -107,4 +108,5 @@ __all__ = [
     "int_list",
     "message",
     "sequence_id",
+    "speculation_rates",
 ]

@@ -24,6 +24,11 @@ from conveyor.client import AsyncClient
 from conveyor.profiling import STEP_SERIES, step_records
 
 WARMUP_REQUESTS = 4
+# Scheduler counters whose change over an offline run is recorded (extra["scheduler_counters"]).
+SCHEDULER_COUNTERS = (
+    "num_steps", "spec_num_proposals", "spec_proposed_tokens", "spec_accepted_tokens", "spec_num_steps",
+    "spec_num_limited_steps",
+)  # fmt: skip
 TIMELINE_SERIES = ["batch_seqs", "batch_tokens", "num_waiting"]
 PROFILE_SLACK_S = 0.05
 
@@ -50,6 +55,7 @@ def _check(result: Any, expected: int) -> None:
 async def run_offline(system: str, address: str, workload: Workload, progress: Any, timeout: float) -> OfflineRun:
     async with AsyncClient(address, timeout=timeout) as client:
         await _warmup(client)
+        before = await client.stats()
         start = time.perf_counter()
         start_mono = time.monotonic_ns()
         latencies = [0.0] * len(workload.requests)
@@ -84,8 +90,20 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
         {
             "server_profile": _profile_summary(profile),
             "step_records": {**steps, "num_blocks": stats.get("total_blocks")},
+            "scheduler_counters": counter_deltas(before, stats),
         },
     )
+
+
+def counter_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the scheduler's step and speculative-decoding counters moved by between two
+    ``stats`` replies (the measured window: warm-up excluded), the per-position list entry by entry."""
+    out: dict[str, Any] = {name: after[name] - before[name] for name in SCHEDULER_COUNTERS if name in after}
+    if "spec_accepted_per_position" in after:
+        out["spec_accepted_per_position"] = [
+            a - b for a, b in zip(after["spec_accepted_per_position"], before["spec_accepted_per_position"])
+        ]
+    return out
 
 
 def _server_timeline(profile: dict[str, Any], start_mono_ns: int, wall_s: float) -> Timeline:

@@ -77,27 +77,29 @@ def test_the_copy_checkpoint_repeats_the_passage_through_the_engine_and_hf(copy_
     assert logits[-5:].argmax(-1).tolist() == result.token_ids[:5]
 
 
-def _cell(batch, workload, method, tok_s, forwards, wall=2.0, tokens=96, accepted=0, proposals=0, proposed=0, steps=0):
+def _cell(batch, workload, method, tok_s, forwards, cpu, wall=2.0, tokens=96, accepted=0, proposals=0, proposed=0, steps=0):
     counters = {"num_steps": forwards, "spec_num_proposals": proposals, "spec_proposed_tokens": proposed,
                 "spec_accepted_tokens": accepted, "spec_num_steps": steps}  # fmt: skip
-    cell = speculative.cell({"output_tok_s": tok_s, "wall_s": wall, "output_tokens": tokens}, counters)
-    return speculative._median_cell((batch, workload, method), [cell])
+    run = {"output_tok_s": tok_s, "wall_s": wall, "output_tokens": tokens}
+    cell = speculative.cell(run, counters, {"worker": cpu * 0.75, "scheduler": cpu * 0.25})
+    return speculative.median_cell((batch, workload, method), [cell])
 
 
 def test_table_has_the_columns_and_the_ratios_against_off():
     cells = speculative.with_ratios([
-        _cell(1, "copy", "ngram", 90.0, 24, wall=1.0, accepted=72, proposals=24, proposed=96, steps=24),
-        _cell(1, "copy", "off", 48.0, 96),
+        _cell(1, "copy", "ngram", 90.0, 24, cpu=1.2, wall=1.0, accepted=72, proposals=24, proposed=96, steps=24),
+        _cell(1, "copy", "off", 48.0, 96, cpu=2.0),
     ])  # fmt: skip
     on = next(c for c in cells if c["method"] == "ngram")
     assert on["speedup"] == pytest.approx(90 / 48) and on["forward_ratio"] == pytest.approx(4.0)
-    assert on["step_ratio"] == pytest.approx((1.0 / 24) / (2.0 / 96))
+    assert on["cpu_ms_per_step"] == pytest.approx(50.0) and on["step_ratio"] == pytest.approx(50.0 / (2000 / 96))
+    assert on["cpu_speedup"] == pytest.approx((96 / 1.2) / (96 / 2.0))
     assert on["spec_acceptance_rate"] == 0.75 and on["spec_mean_acceptance_length"] == 4.0
     lines = speculative.table(cells).splitlines()
     assert [h.strip() for h in lines[0].strip("|").split("|")] == list(speculative.COLUMNS)
     off_row, on_row = lines[2], lines[3]  # off first within a batch and workload
     assert "| off |" in off_row and off_row.rstrip(" |").endswith("- | - | -")
-    assert "| ngram | 90.0 | 1.88 | 24 | 4.00 | 4.00 |" in on_row
+    assert "| ngram | 90.0 | 1.88 | 24 | 4.00 | 4.00 | 50.00 | 2.40 | 1.67 | 0.75 | 4.00 | 1.0 |" in on_row
 
 
 def test_nolimit_runs_only_above_the_batch_rule():

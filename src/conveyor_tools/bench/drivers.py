@@ -52,10 +52,15 @@ def _check(result: Any, expected: int) -> None:
         )
 
 
-async def run_offline(system: str, address: str, workload: Workload, progress: Any, timeout: float) -> OfflineRun:
+async def run_offline(
+    system: str, address: str, workload: Workload, progress: Any, timeout: float, cpu_probe: CpuProbe | None = None
+) -> OfflineRun:
+    """Every request of ``workload`` at once, after a warm-up; with ``cpu_probe`` (the server's
+    processes' CPU seconds) the run's CPU cost by process is in ``extra["cpu_s"]``."""
     async with AsyncClient(address, timeout=timeout) as client:
         await _warmup(client)
         before = await client.stats()
+        meter = CpuMeter(cpu_probe)
         start = time.perf_counter()
         start_mono = time.monotonic_ns()
         latencies = [0.0] * len(workload.requests)
@@ -74,6 +79,7 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
 
         await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
         wall = time.perf_counter() - start
+        cpu_s = meter.stop()
         # The window is the run (plus the query's own trip): time-based values such as the
         # worker's idle fraction then describe the run, not the quiet spell before it.
         profile = await client.profile(wall + PROFILE_SLACK_S, series=[*TIMELINE_SERIES, *STEP_SERIES])
@@ -91,6 +97,7 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
             "server_profile": _profile_summary(profile),
             "step_records": {**steps, "num_blocks": stats.get("total_blocks")},
             "scheduler_counters": counter_deltas(before, stats),
+            "cpu_s": cpu_s,
         },
     )
 

@@ -13,10 +13,15 @@ above the rule's default, where it shows what the rule avoids.
 
 Per cell, from the run and the scheduler's counters over the measured window
 (:func:`conveyor_tools.bench.drivers.counter_deltas`): output tok/s, target forwards (steps),
-output tokens per forward, milliseconds per step, the acceptance rate, mean acceptance
+output tokens per forward, the server's CPU milliseconds per step (worker, scheduler and
+frontend together, read from /proc around the run), the acceptance rate, mean acceptance
 length and proposals per verifying step (:func:`conveyor.ipc.messages.speculation_rates`),
 and against ``off`` at the same batch size and workload: the tok/s speedup, the tokens per
-forward ratio and the step-time ratio (the per-step overhead of proposing and verifying).
+forward ratio, the CPU-per-step ratio (the per-step overhead of proposing and verifying)
+and the output tokens per CPU second ratio. The CPU figures are there because a shared
+machine's wall clock swings by several times between runs; CPU time mostly does not. (They
+are not the same measure: with speculation on the scheduler never plans ahead, so its time
+is on the critical path, where with it off it overlaps the worker's.)
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor_tools.bench.copy_model import COPY_WORKLOADS, copy_workload
+from conveyor_tools.bench.cpu import LOAD_GENERATOR
 from conveyor_tools.bench.drivers import run_offline
 from conveyor_tools.bench.server import BenchServer
 from conveyor_tools.bench.workloads import Workload
@@ -43,7 +49,7 @@ METHODS: dict[str, list[str]] = {
 NOLIMIT_ABOVE = SchedulerConfig.speculative_max_batch  # ngram-nolimit only differs above the rule
 COLUMNS = (
     "batch", "workload", "method", "out tok/s", "speedup", "forwards", "tok/forward", "x tok/fwd",
-    "ms/step", "x step", "accept", "mean len", "props/step",
+    "cpu ms/step", "x step", "x tok/cpu-s", "accept", "mean len", "props/step",
 )  # fmt: skip
 
 
@@ -69,16 +75,20 @@ def method_flags(method: str, k: int) -> list[str]:
     return flags + ["--num-speculative-tokens", str(k)] if flags else flags
 
 
-def cell(run_summary: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
-    """One run's figures (module docstring), before the ratios against ``off``."""
-    steps = counters["num_steps"]
+def cell(run_summary: dict[str, Any], counters: dict[str, Any], cpu_s: dict[str, float]) -> dict[str, Any]:
+    """One run's figures (module docstring), before the ratios against ``off``; ``cpu_s``:
+    CPU seconds of each server process over the run."""
+    steps, tokens, cpu = counters["num_steps"], run_summary["output_tokens"], sum(cpu_s.values())
     out = {
         "output_tok_s": run_summary["output_tok_s"],
         "wall_s": run_summary["wall_s"],
-        "output_tokens": run_summary["output_tokens"],
+        "output_tokens": tokens,
         "forwards": steps,
-        "tokens_per_forward": run_summary["output_tokens"] / steps if steps else None,
+        "tokens_per_forward": tokens / steps if steps else None,
         "ms_per_step": 1e3 * run_summary["wall_s"] / steps if steps else None,
+        "cpu_ms_per_step": 1e3 * cpu / steps if steps else None,
+        "output_tok_cpu_s": tokens / cpu if cpu else None,
+        "cpu_s": cpu_s,
         "counters": counters,
     }
     out.update(speculation_rates(counters))
@@ -95,47 +105,52 @@ def run_sweep(
     """Every cell of the sweep, each with its runs and the median figures; ``serve_args(batch,
     method flags)`` is bin/serve's command line for one server."""
     runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
-    for _ in range(settings.repeat):
+    for rep in range(settings.repeat):
         for batch in settings.batch_sizes:
             workloads = {
                 name: copy_workload(name, batch * settings.batches_per_run, vocab_size, settings.output_len, settings.seed)
                 for name in settings.workloads
             }
-            for method in methods_at(settings, batch):
+            methods = methods_at(settings, batch)
+            for method in methods if rep % 2 == 0 else methods[::-1]:  # each order as often
                 flags = method_flags(method, settings.num_speculative_tokens)
                 with BenchServer(serve_args(batch, flags)) as server:
                     for name, workload in workloads.items():
                         runs.setdefault((batch, name, method), []).append(
-                            _one(server.address, workload, f"b{batch} {name} {method}", progress, timeout)
+                            _one(server, workload, f"b{batch} {name} {method}", progress, timeout)
                         )
-    return with_ratios([_median_cell(key, cells) for key, cells in runs.items()])
+    return with_ratios([median_cell(key, cells) for key, cells in runs.items()])
 
 
-def _one(address: str, workload: Workload, label: str, progress: Callable[[int, str], Any], timeout: float) -> dict[str, Any]:
+def _one(server: BenchServer, workload: Workload, label: str, progress: Callable[[int, str], Any], timeout: float) -> dict[str, Any]:
     with progress(len(workload.requests), label) as bar:
-        run = asyncio.run(run_offline(label, address, workload, bar, timeout))
-    return cell(run.summary(), run.extra["scheduler_counters"])
+        run = asyncio.run(run_offline(label, server.address, workload, bar, timeout, server.cpu_seconds))
+    cpu = {name: seconds for name, seconds in run.extra["cpu_s"].items() if name != LOAD_GENERATOR}
+    return cell(run.summary(), run.extra["scheduler_counters"], cpu)
 
 
-def _median_cell(key: tuple[int, str, str], cells: list[dict[str, Any]]) -> dict[str, Any]:
+def median_cell(key: tuple[int, str, str], cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell of the table: (batch, workload, method), the median of each figure over its
+    runs (:func:`cell`), and the runs."""
     batch, workload, method = key
-    figures = ("output_tok_s", "tokens_per_forward", "ms_per_step", "spec_acceptance_rate", "spec_mean_acceptance_length",
-               "spec_proposals_per_step", "forwards")  # fmt: skip
+    figures = ("output_tok_s", "tokens_per_forward", "ms_per_step", "cpu_ms_per_step", "output_tok_cpu_s",
+               "spec_acceptance_rate", "spec_mean_acceptance_length", "spec_proposals_per_step", "forwards")  # fmt: skip
     median = {name: statistics.median(c[name] for c in cells) for name in figures if cells[0][name] is not None}
     return {"batch": batch, "workload": workload, "method": method, **median, "runs": cells}
 
 
 def with_ratios(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each cell with ``speedup`` (tok/s), ``forward_ratio`` (tokens per forward) and
-    ``step_ratio`` (ms per step) against ``off`` at the same batch size and workload."""
+    """Each cell with its ratios against ``off`` at the same batch size and workload:
+    ``speedup`` (tok/s), ``forward_ratio`` (tokens per forward), ``step_ratio`` (CPU ms per
+    step) and ``cpu_speedup`` (output tokens per CPU second)."""
     off = {(c["batch"], c["workload"]): c for c in cells if c["method"] == OFF}
+    ratios = (("speedup", "output_tok_s"), ("forward_ratio", "tokens_per_forward"), ("step_ratio", "cpu_ms_per_step"),
+              ("cpu_speedup", "output_tok_cpu_s"))  # fmt: skip
     for c in cells:
         ref = off.get((c["batch"], c["workload"]))
-        if ref is None:
-            continue
-        c["speedup"] = c["output_tok_s"] / ref["output_tok_s"]
-        c["forward_ratio"] = c["tokens_per_forward"] / ref["tokens_per_forward"]
-        c["step_ratio"] = c["ms_per_step"] / ref["ms_per_step"]
+        for name, figure in ratios:
+            if ref is not None and c.get(figure) is not None and ref.get(figure):
+                c[name] = c[figure] / ref[figure]
     return cells
 
 
@@ -151,7 +166,7 @@ def table(cells: list[dict[str, Any]]) -> str:
         row = [
             str(c["batch"]), c["workload"], c["method"], num(c["output_tok_s"], ".1f"), num(c.get("speedup"), ".2f"),
             num(c["forwards"], ".0f"), num(c["tokens_per_forward"], ".2f"), num(c.get("forward_ratio"), ".2f"),
-            num(c["ms_per_step"], ".2f"), num(c.get("step_ratio"), ".2f"),
+            num(c.get("cpu_ms_per_step"), ".2f"), num(c.get("step_ratio"), ".2f"), num(c.get("cpu_speedup"), ".2f"),
             num(c["spec_acceptance_rate"], ".2f") if speculating else "-",
             num(c["spec_mean_acceptance_length"], ".2f") if speculating else "-",
             num(c["spec_proposals_per_step"], ".1f") if speculating else "-",

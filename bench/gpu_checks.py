@@ -29,6 +29,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -201,13 +202,17 @@ def stages(cpu: bool, results: Path, checkpoint: Path) -> list[Stage]:
     if importlib.util.find_spec("xdist") is not None and not cpu:
         kernels += ["-n", "8"]
     out.append(Stage("kernels", CPU_LIMIT_S if cpu else 60, kernels))
-    # LoRA: 8 adapters over the requests against the base model alone (docs/benchmarks.md); the
-    # gpu-marked parity test against PEFT runs in gpu_tests.
+    # LoRA: the Triton kernels' tests (compiled; the gpu-marked bf16 one at 1B shapes), then 8 adapters
+    # over the requests against the base model alone (docs/benchmarks.md); the gpu-marked parity
+    # tests against PEFT run in gpu_tests. The bench runs even when a test fails; either fails the stage.
     lora_json = str(results / "lora.json")
     lora_args = ["--requests", "4", "--adapters", "2", "--prompt-len", "8", "--max-tokens", "4", "--repeats", "1"] \
         if cpu else ["--device", "cuda", "--dtype", "bfloat16"]
-    out.append(Stage("lora", CPU_LIMIT_S if cpu else 60, [py, str(REPO / "bench" / "lora.py"), *lora_args,
-                                                          "--out", lora_json], [lora_json]))
+    lora_tests = [*pytest, *(["-m", "gpu"] if cpu else []), "tests/kernels/test_lora.py"]
+    lora_bench = [py, str(REPO / "bench" / "lora.py"), *lora_args, "--out", lora_json]
+    out.append(Stage("lora", CPU_LIMIT_S if cpu else 90,
+                     ["sh", "-c", f"{shlex.join(lora_tests)}; tests=$?; {shlex.join(lora_bench)} && exit $tests"],
+                     [lora_json]))
     out.append(bench("hf", "hf", 4 if cpu else 128, 8 if cpu else 256, 45))
     out.append(bench("hf_compiled_b1", "hf-compiled", 1, 2 if cpu else 4, 60))
     out.append(bench("hf_compiled_b8", "hf-compiled", 2 if cpu else 8, 4 if cpu else 16, 60))
@@ -246,6 +251,10 @@ def figures(results: Path) -> list[str]:
                 hf = r.get("hf_ms")
                 lines.append(f"  {'graphs' if r['graphs'] else 'eager '} batch {r['batch']:>3} ctx {r['context']:>4}: "
                              f"{r['median_ms']:.3f} ms (roofline {r['roofline_ms']:.3f}, HF {hf if hf is None else round(hf, 3)})")
+            continue
+        if path.stem == "lora":
+            lines.append(f"lora ({data.get('device')} {data.get('dtype')}, {data.get('adapters')} adapters): "
+                         f"adapters/base {data.get('adapters_over_base')}x, base/plain {data.get('base_over_plain')}x")
             continue
         batch = (data.get("settings") or {}).get("batch_size")
         for system, result in (data.get("systems") or {}).items():

@@ -21,8 +21,10 @@ fused projection) against the whole run.
     python bench/lora.py --smoke        # 16 requests, 16 tokens: seconds
     python bench/lora.py --device cuda --dtype bfloat16    # bench/gpu_checks.py's "lora" stage
 
-On CUDA a decode step with adapter rows runs eagerly (the captured graphs hold no LoRA), so
-there the ratio also prices the graphs the adapters' steps give up.
+On CUDA the deltas are the Triton shrink/expand kernels (:mod:`conveyor.kernels.lora`) and a
+decode step with adapter rows runs eagerly (the captured graphs hold no LoRA), so there the
+ratio also prices the graphs the adapters' steps give up; the time "in adapter deltas" is then
+the host's (launches), not the device's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from safetensors.torch import save_file
 
 from conveyor import Engine
 from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.worker import lora as lora_module
+from conveyor.worker import lora_delta
 
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -112,7 +114,7 @@ def main() -> None:
                         max_loras=args.adapters, max_lora_rank=args.rank)
     # Time inside the adapters' deltas (every fused projection's gather/shrink/expand/scatter).
     delta_seconds = [0.0]
-    add_delta = lora_module.LoraStack.add_delta
+    add_delta = lora_delta.LoraStack.add_delta
 
     def timed(self, x, y):
         start = time.perf_counter()
@@ -120,7 +122,7 @@ def main() -> None:
         delta_seconds[0] += time.perf_counter() - start
         return out
 
-    lora_module.LoraStack.add_delta = timed
+    lora_delta.LoraStack.add_delta = timed
     runs = {"plain": (plain, [None] * args.requests), "base": (engine, [None] * args.requests),
             "adapters": (engine, [names[i % args.adapters] for i in range(args.requests)])}
     run(plain, fresh_prompts()[:2], [None, None], 2)  # warm-up
@@ -134,7 +136,8 @@ def main() -> None:
                                   "lora_delta_seconds": round(delta_seconds[0], 3)}
             print(label, results[label], flush=True)
     ratio = results["adapters"]["tok_s"] / results["base"]["tok_s"]
-    summary = {"model": "demo (hidden 256, 4 layers, intermediate 688)", "device": args.device, "rank": args.rank,
+    summary = {"model": "demo (hidden 256, 4 layers, intermediate 688)", "device": args.device, "dtype": args.dtype,
+               "rank": args.rank,
                "adapters": args.adapters, "requests": args.requests, "prompt_len": args.prompt_len,
                "max_tokens": args.max_tokens, "threads": args.threads, "runs": results,
                "adapters_over_base": round(ratio, 3),

@@ -40,3 +40,28 @@ def make_adapter(
     model.save_pretrained(directory)
     model.base_model.model.generation_config.eos_token_id = None
     return model.eval()
+
+
+def spoiled_copy(adapter: Path, directory: Path, how: str) -> Path:
+    """A copy of the saved ``adapter`` that no server may load: ``how`` ``"target"`` lists a
+    target module the Llama family lacks in its config, ``"shape"`` cuts one ``lora_A`` to
+    another base model's width. Returns ``directory``."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, directory)
+    config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    if how == "target":
+        config = json.loads(config_path.read_text())
+        config["target_modules"] = [*config["target_modules"], "fc_in"]
+        config_path.write_text(json.dumps(config))
+    elif how == "shape":
+        weights = load_file(weights_path)
+        key = next(k for k in sorted(weights) if "lora_A" in k)
+        weights[key] = weights[key][:, : weights[key].shape[1] // 2].contiguous()
+        save_file(weights, weights_path)
+    else:
+        raise ValueError(how)
+    return directory

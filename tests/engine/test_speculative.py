@@ -1,7 +1,9 @@
-"""Speculative decoding (n-gram proposer, greedy verification) through the engine: greedy output
+"""Speculative decoding (n-gram proposer, rejection sampling) through the engine: greedy output
 with speculation equals greedy without it and HF transformers' token for token, on the
 position-sensitive tiny checkpoint, through chunked prefill, recompute preemption and a
-continued conversation, with prompts that repeat text so that proposals are accepted."""
+continued conversation, with prompts that repeat text so that proposals are accepted; sampled
+requests speculate too and keep their seeded streams (tests/worker/test_speculative_verify.py
+checks the distributions)."""
 
 from __future__ import annotations
 
@@ -60,8 +62,69 @@ def test_speculative_greedy_equals_plain_greedy_and_hf(tiny_engine, hf_greedy):
     assert second.tokens == hf_greedy(second.prompt_token_ids, 12)
 
 
-def test_non_greedy_requests_do_not_speculate(tiny_engine):
-    engine = tiny_engine(**SPEC)
-    engine.add_request(token_ids=repetitive(1), request_id="s", max_tokens=10, temperature=0.8, seed=1, ignore_eos=True)
+SAMPLED = [  # (temperature, top_k, top_p, min_p): the sampler's filters, each on a seeded request
+    (0.3, 0, 1.0, 0.0),
+    (0.5, 40, 1.0, 0.0),
+    (0.3, 0, 0.9, 0.0),
+    (0.4, 0, 1.0, 0.05),
+    (0.2, 8, 0.95, 0.0),
+]
+
+
+def _sampled(engine, extra: dict[str, dict]) -> dict[str, object]:
+    """Seeded sampled requests (``SAMPLED``) on the repetitive prompts, and ``extra`` ones."""
+    requests = {}
+    for i, (temperature, top_k, top_p, min_p) in enumerate(SAMPLED):
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=11 * i + 1)
+        requests[f"s{i}"] = engine.add_request(
+            token_ids=repetitive(i), request_id=f"s{i}", max_tokens=24, ignore_eos=True, **sampling
+        )
+    for rid, fields in extra.items():
+        requests[rid] = engine.add_request(request_id=rid, ignore_eos=True, **fields)
     run_all(engine)
-    assert engine.stats()["spec_num_proposals"] == 0
+    return requests
+
+
+def test_sampled_speculation_keeps_the_distribution_and_the_seeded_stream(tiny_engine, hf_greedy):
+    """Rejection sampling (worker/speculative_verify.py): a seeded request's n-gram-verified
+    stream is the plain one (the acceptance is coupled to the plain draw), through every
+    filter; top-k 1 at temperature 1 is greedy (the filters come from the sampler); an
+    unseeded request runs; stop ids and max_tokens hold inside multi-token steps."""
+    config = dict(max_batch_size=8, max_batch_tokens=32)
+    extra = {
+        "topk1": dict(token_ids=repetitive(2), max_tokens=16, temperature=1.0, top_k=1),
+        "unseeded": dict(token_ids=repetitive(3), max_tokens=17, temperature=0.2),
+        "greedy": dict(token_ids=repetitive(4), max_tokens=16, temperature=0.0),  # (the general rule's point masses)
+    }
+    spec_engine = tiny_engine(**config, **SPEC)
+    spec = _sampled(spec_engine, extra)
+    stats = spec_engine.stats()
+    plain = _sampled(tiny_engine(**config), {})
+    for i in range(len(SAMPLED)):
+        assert spec[f"s{i}"].tokens == plain[f"s{i}"].tokens, i
+        assert spec[f"s{i}"].finish_reason == "length" and len(spec[f"s{i}"].tokens) == 24
+    assert spec["topk1"].tokens == hf_greedy(repetitive(2), 16)
+    assert spec["greedy"].tokens == hf_greedy(repetitive(4), 16)
+    assert len(spec["unseeded"].tokens) == 17 and spec["unseeded"].finish_reason == "length"
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats  # accepts and rejects
+    assert stats["num_steps"] < sum(len(r.tokens) for r in spec.values()), "no step yielded several tokens"
+    assert stats["held_blocks"] == 0
+
+    # A stop id: the seeded stream ends at its first occurrence (the tokens after it in a
+    # multi-token step are dropped).
+    tokens = plain["s0"].tokens
+    cut = next(k for k in range(4, len(tokens)) if tokens[k] not in tokens[:k])
+    engine = tiny_engine(**SPEC)
+    stopped = engine.add_request(
+        token_ids=repetitive(0), request_id="stop", max_tokens=24, temperature=0.3, seed=1, stop_token_ids=[tokens[cut]]
+    )
+    run_all(engine)
+    assert stopped.finish_reason == "stop" and stopped.tokens == tokens[: cut + 1]
+
+
+def test_a_request_opts_out_with_speculate_false(tiny_engine):
+    for speculate, speculated in ((True, True), (False, False)):
+        engine = tiny_engine(**SPEC)
+        engine.add_request(token_ids=repetitive(1), request_id="r", max_tokens=10, speculate=speculate, **GREEDY)
+        run_all(engine)
+        assert (engine.stats()["spec_num_proposals"] > 0) == speculated, speculate

@@ -16,13 +16,14 @@ def gen(**fields):
 def test_valid_generate_parses_all_fields() -> None:
     req = client_requests.parse_client_message(
         gen(max_tokens=5, temperature=0, top_p=0.5, top_k=3, min_p=0.1, seed=7, stop=["x"], stop_token_ids=[2],
-            ignore_eos=True, stream=True)
+            ignore_eos=True, stream=True, speculate=False)
     )
     assert isinstance(req, client_requests.GenerateRequest)
     assert req.request_id == "r1" and req.prompt == "hi" and req.stream and req.stop == ["x"]
     s = req.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (5, 0.0, 0.5, 3, 0.1, 7)
-    assert s.stop_token_ids == [2] and s.ignore_eos and s.greedy
+    assert s.stop_token_ids == [2] and s.ignore_eos and s.greedy and not s.speculate
+    assert client_requests.parse_client_message(gen()).sampling.speculate  # (speculation is opt-out)
 
 
 def test_request_id_is_assigned_when_absent() -> None:
@@ -83,6 +84,7 @@ def test_priority_is_an_optional_integer() -> None:
         (gen(stop=[1]), "'stop'"),
         (gen(stop_token_ids=[-1]), "'stop_token_ids'"),
         (gen(ignore_eos="yes"), "'ignore_eos'"),
+        (gen(speculate=1), "'speculate'"),
         (gen(n=0), "'n'"),
         (gen(n=65), "'n'"),
         (gen(n=2.0), "'n'"),

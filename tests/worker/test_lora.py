@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.worker.lora import LoraContext, LoraLoadError, LoraOptions, LoraStack, build_batch
+from conveyor.worker.lora import LoraLoadError, LoraOptions
+from conveyor.worker.lora_delta import LoraContext, LoraStack, build_batch
 from conveyor.worker.model_runner import ModelRunner
 from tests.lora_adapters import make_adapter
 from tests.worker.parity import hf_greedy_with_logits
@@ -69,6 +70,40 @@ def test_adapters_and_base_in_one_batch_match_peft(family, adapters_of, scripted
     assert outputs["same-prompt-a0"] != base_tokens
 
 
+def test_triton_backend_in_the_model_matches_peft(adapters_of, scripted, script, monkeypatch):
+    """The kernels (interpreted on CPU tensors) wired into every stack: each fused projection's
+    piece columns come from the real layout, so a misplaced q/k/v or gate/up slice shows here."""
+    import functools
+
+    from conveyor.worker import lora
+
+    monkeypatch.setattr(lora, "LoraContext", functools.partial(LoraContext, triton=True))
+    directory, hf, adapters = adapters_of("qwen3")
+    names = ["a1", "a2"]  # subsets of targets: zero blocks in the fused stacks
+    runner = ModelRunner(directory, block_size=4, num_blocks=32, lora=LoraOptions(max_loras=2, max_lora_rank=16),
+                         lora_modules={name: str(adapters[name][0]) for name in names})
+    assert runner.lora.context.kernels is not None
+    prompt = list(range(3, 12))
+    scripts = [script(f"{lora}", prompt, max_new=4, lora=lora, chunk=5) for lora in (None, *names)]
+    outputs = scripted(runner, scripts).run()
+    for s in scripts:
+        want, _ = hf_greedy_with_logits(hf if s.lora is None else adapters[s.lora][1], prompt, 4)
+        assert outputs[s.request_id] == want, s.request_id
+
+
+def test_lora_on_cuda_without_triton_fails_clearly(monkeypatch):
+    """No silent torch path on CUDA: the stacks' context refuses to exist without the kernels."""
+    import sys
+
+    import conveyor.kernels
+
+    monkeypatch.delattr(conveyor.kernels, "lora", raising=False)
+    monkeypatch.setitem(sys.modules, "conveyor.kernels.lora", None)
+    with pytest.raises(RuntimeError, match="LoRA adapters on CUDA run Triton kernels"):
+        LoraContext(torch.device("cuda"), torch.bfloat16)
+    assert LoraContext(torch.device("cpu"), torch.float32).kernels is None
+
+
 def test_slots_evicted_lru_and_host_copies_reread(adapters_of, scripted, script):
     directory, hf, adapters = adapters_of("llama")
     runner = ModelRunner(directory, block_size=4, num_blocks=64,
@@ -84,22 +119,27 @@ def test_slots_evicted_lru_and_host_copies_reread(adapters_of, scripted, script)
     assert len(runner.lora._host) == 2 and len(runner.lora._resident) == 2
 
 
-def test_batched_delta_equals_per_token_float32_reference():
+@pytest.mark.parametrize("triton", [False, True])
+def test_batched_delta_equals_per_token_float32_reference(triton):
+    """Both backends (Triton interpreted on CPU tensors), a fused projection of three pieces."""
+    from conveyor.kernels.lora import lora_delta_ref
+
     torch.manual_seed(0)
-    slots, rank_rows, d_in, d_out, tokens = 3, 6, 10, 7, 13
-    stack = LoraStack(slots, rank_rows, d_in, d_out, torch.float32, torch.device("cpu"), LoraContext())
+    slots, rank, d_in, tokens = 3, 2, 10, 13
+    columns = [(0, 4), (4, 6), (6, 8)]
+    stack = LoraStack(slots, rank, columns, d_in, 8, LoraContext(torch.device("cpu"), torch.float32, triton=triton))
     stack.a.normal_()
-    stack.b.normal_()
+    for p, (first, last) in enumerate(columns):  # block-diagonal, as LoraManager fills it
+        stack.b[:, first:last, p * rank : (p + 1) * rank].normal_()
     token_slots = np.array([2, -1, 0, 2, 2, -1, 1, 0, 2, -1, -1, 2, 0])
     x = torch.randn(tokens, d_in)
-    base = torch.randn(tokens, d_out)
-    stack.context.batch = build_batch(token_slots, torch.float32, torch.device("cpu"))
+    base = torch.randn(tokens, 8)
+    stack.context.begin(token_slots)
     got = stack.add_delta(x, base.clone())
-    want = base.clone().double()
-    for t, s in enumerate(token_slots):
-        if s >= 0:
-            want[t] += stack.b[s].double() @ (stack.a[s].double() @ x[t].double())
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    want = lora_delta_ref(x, base, stack.a, stack.b, torch.from_numpy(token_slots), columns)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    stack.context.begin(np.full(4, -1))
+    assert stack.context.batch is None
     assert build_batch(np.full(4, -1), torch.float32, torch.device("cpu")) is None
 
 

@@ -65,3 +65,33 @@ def test_two_ranks_with_adapters_match_peft(checkpoint_factory, tmp_path):
         for s in _scripts():
             want, _ = hf_greedy_with_logits(references[family][s.lora], s.prompt, s.max_new)
             assert ranks[0][family][s.request_id] == want, (family, s.request_id, s.lora)
+
+
+def _load_rank(rank: int, init_file: str, directory: str, good: str, out_dir: str) -> None:
+    from conveyor.worker.lora import LoraLoadError
+
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, 2, f"file://{init_file}", "gloo", timeout_s=60)
+    runner = ModelRunner(directory, block_size=4, num_blocks=16, tensor_parallel=tp, lora=LoraOptions(max_loras=1))
+    outcome = []
+    # Rank 1 misses the files of the first load: neither rank takes it, each says why.
+    for name, path in (("x", good if rank == 0 else good + "-elsewhere"), ("y", good)):
+        try:
+            runner.load_lora(name, path)
+            outcome.append([name, "loaded"])
+        except LoraLoadError as exc:
+            outcome.append([name, str(exc)])
+    outcome.append(runner.lora.names)
+    close_tensor_parallel(tp)
+    Path(out_dir, f"load{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_a_load_is_taken_by_every_rank_or_none(checkpoint_factory, tmp_path):
+    directory, hf = checkpoint_factory("llama")
+    make_adapter(hf, tmp_path / "adapter", seed=30, rank=8)
+    mp.start_processes(_load_rank, args=(str(tmp_path / "init"), str(directory), str(tmp_path / "adapter"), str(tmp_path)),
+                       nprocs=2, join=True, start_method="fork")
+    first, second = (json.loads((tmp_path / f"load{rank}.json").read_text()) for rank in range(2))
+    assert first[0] == ["x", "adapter 'x' could not be loaded on another tensor-parallel rank (see its log)"]
+    assert second[0][0] == "x" and "missing file" in second[0][1]
+    assert first[1:] == second[1:] == [["y", "loaded"], ["y"]]

@@ -10,6 +10,8 @@ that records its calls.
 from __future__ import annotations
 
 import inspect
+import threading
+import time
 from collections import deque
 
 import pytest
@@ -152,3 +154,71 @@ def test_profiling_loop_records_each_good_steps_shape_in_step_order(pipeline):
     series = {s.name: s.values for s in prof.snapshot(3600, series=list(profiling.STEP_SERIES)).series}
     assert series["step_prefill_tokens"] == [3, 9] and series["step_context_tokens"] == [3, 9]
     assert len(series["step_time"]) == 2 and all(t >= 0 for t in series["step_time"])
+
+
+class LoraRunner(ScriptedRunner):
+    """A runner whose adapter reads wait for ``release`` (a slow read of big files)."""
+
+    def __init__(self, release, fail: bool = False) -> None:
+        super().__init__()
+        self.release, self.fail = release, fail
+
+    def read_lora(self, name: str, path: str):
+        from conveyor.worker.lora import LoraFilesMissing
+
+        assert self.release.wait(10)
+        self.calls.append(f"read {name}")
+        if self.fail:
+            raise LoraFilesMissing(f"adapter {name!r}: missing file {path}/adapter_config.json")
+        return name
+
+    def add_lora(self, name: str, path: str, read) -> None:
+        self.calls.append(f"add {read()}")
+
+    def unload_lora(self, name: str) -> None:
+        self.calls.append(f"unload {name}")
+
+
+class ScheduledPlans(ScriptedPlans):
+    """As ScriptedPlans, and when they run out with a read in flight (the loop waits with a
+    timeout), the read is let go; once the loop reported it (LoraRead), the commit comes."""
+
+    def __init__(self, messages, release, results) -> None:
+        super().__init__(messages)
+        self.release, self.results, self.committed = release, results, False
+
+    def wait(self, timeout=None) -> bool:
+        from conveyor.ipc.messages import CommitLora, LoraRead
+
+        if self.messages or timeout is None:
+            return super().wait(timeout)
+        self.release.set()
+        reported = [m for m in self.results.sent if isinstance(m, LoraRead)]
+        if reported and not self.committed:
+            self.committed = True
+            self.messages.append(CommitLora(reported[0].query_id))
+            return True
+        time.sleep(timeout)
+        return False
+
+
+@pytest.mark.parametrize("fail", [False, True])
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_an_adapter_is_read_while_steps_run(pipeline: bool, fail: bool) -> None:
+    from conveyor.ipc.messages import LoadLora, LoraRead, LoraUpdated, UnloadLora
+
+    release, results = threading.Event(), Results()
+    runner = LoraRunner(release, fail)
+    messages = [LoadLora("q", "sql", "/adapters/sql"), plan(1, False), plan(2), UnloadLora("u", "old")]
+    loop = StepLoop(runner, ScheduledPlans(messages, release, results), results, profiling.Profiler("worker", enabled=False), pipeline)
+    loop.run()
+    loop.reads.close()
+    # The steps ran while the read waited (an unload between them, pipelined while step 2 runs);
+    # the adapter was registered on the commit alone.
+    steps = ["launch 1", "launch 2", "finish 1", "unload old", "finish 2"] if pipeline else \
+        ["launch 1", "finish 1", "launch 2", "finish 2", "unload old"]
+    assert runner.calls == [*steps, "read sql", *([] if fail else ["add sql"])]
+    assert [type(m).__name__ for m in results.sent] == ["StepResult", "StepResult", "LoraRead", "LoraUpdated"]
+    answer = results.sent[-1]
+    assert isinstance(answer, LoraUpdated) and answer.query_id == "q" and answer.name == "sql"
+    assert (answer.code, answer.error is None) == (("lora_not_found", False) if fail else ("ok", True))

@@ -153,6 +153,10 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-loras", type=_positive_int, default=SchedulerConfig.max_loras, help="adapters on the device at once (distinct adapters in one step)")
     g.add_argument("--max-lora-rank", type=_positive_int, default=WorkerConfig.max_lora_rank, help="largest adapter rank accepted")
+    g.add_argument(
+        "--enable-lora-loading", action="store_true",
+        help="let clients load and unload adapters while serving (load_lora, /v1/load_lora_adapter); off: a load reads any directory the client names",
+    )
     g.add_argument("--max-cpu-loras", type=_positive_int, help="adapters kept in host memory (default: --max-loras); others are read again when needed")
 
 

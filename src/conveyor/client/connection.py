@@ -7,6 +7,7 @@ the calls that send, wait and receive.
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,6 +217,8 @@ def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) ->
     apart from the running request's own replies on this side. An id in one of the
     ``released`` sets (aborted by the caller, or given up on: the server frees it in order,
     before it reads this message) is free at once."""
+    if msg["type"] in LORA_TYPES:  # answered under its fresh id
+        return msg["request_id"]
     if msg["type"] == wire.GENERATE:
         rid = msg["request_id"]
         if rid in awaiting and not any(rid in ids for ids in released):
@@ -228,6 +231,19 @@ def profile_message(window_s: float, trace: bool, series: list[str] | None) -> d
     msg: dict[str, Any] = {"type": wire.PROFILE, "v": wire.CLIENT_PROTOCOL_VERSION, "window_s": window_s, "trace": trace}
     if series:
         msg["series"] = list(series)
+    return msg
+
+
+LORA_TYPES = (wire.LOAD_LORA, wire.UNLOAD_LORA)
+
+
+def lora_message(name: str, path: str | None) -> dict[str, Any]:
+    """A ``load_lora`` of the adapter in directory ``path`` as ``name``, or (``path`` None) an ``unload_lora``."""
+    msg: dict[str, Any] = {"v": wire.CLIENT_PROTOCOL_VERSION, "request_id": str(uuid.uuid4()), "lora_name": name}
+    if path is None:
+        msg["type"] = wire.UNLOAD_LORA
+    else:
+        msg.update(type=wire.LOAD_LORA, lora_path=str(path))
     return msg
 
 
@@ -374,6 +390,22 @@ class Connection:
         series whose raw samples to include, e.g. ``["batch_seqs"]``.
         """
         return self._command(CONTROL_KEYS[wire.PROFILE_REPLY], profile_message(window_s, trace, series))
+
+    def load_lora(self, name: str, path: str | os.PathLike) -> Any:
+        """Load the PEFT LoRA adapter in the directory ``path`` (on the server's host) as
+        ``name``, on every replica (docs/protocol.md, ``load_lora``; the server runs with
+        --enable-lora-loading): the ``lora`` reply once requests may name it. A refusal
+        raises :class:`ServerError` whose ``code`` says why (``lora_already_loaded``,
+        ``lora_not_found``, ``invalid_lora``, ``lora_loading_disabled``)."""
+        msg = lora_message(name, os.fspath(path))
+        return self._command(msg["request_id"], msg)
+
+    def unload_lora(self, name: str) -> Any:
+        """Unload adapter ``name`` (docs/protocol.md, ``unload_lora``): the ``lora`` reply;
+        :class:`ServerError` ``lora_in_use`` while requests run or wait under it,
+        ``lora_not_found`` for a name not loaded."""
+        msg = lora_message(name, None)
+        return self._command(msg["request_id"], msg)
 
     def metrics(self) -> Any:
         """The frontend's request-level metrics (docs/protocol.md, ``metrics``): ``counters``

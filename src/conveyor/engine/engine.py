@@ -132,7 +132,7 @@ class Engine:
         Exactly one input: ``prompt`` (text, tokenized with BOS), ``token_ids`` or chat
         ``messages`` (the checkpoint's chat template). ``sampling``: the generate fields of
         docs/protocol.md (``max_tokens`` (16), ``temperature`` (1.0), ``top_p``, ``top_k``,
-        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``stop``: stop strings, the
+        ``min_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``speculate``, ``stop``: stop strings, the
         frontend fields ``fill_context``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
         ``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
         ``chat_template_kwargs``), ``n`` > 1 (at most 64: ``n`` sequences of the prompt, sharing
@@ -229,9 +229,7 @@ class Engine:
         engine must have LoRA on: ``lora_modules`` or ``enable_lora``). Requests may name it
         from now on. Raises :class:`~conveyor.worker.lora.LoraLoadError` (a ValueError) naming
         what is wrong with it, changing nothing: the engine serves on."""
-        if self.runner.lora is None:
-            raise ValueError("LoRA is off: start the engine with lora_modules or enable_lora=True")
-        self.runner.lora.register(name, directory)
+        self.runner.load_lora(name, str(directory))
         self.scheduler.add_lora(name)
 
     def unload_lora(self, name: str) -> None:
@@ -240,7 +238,7 @@ class Engine:
         if self.runner.lora is None:
             raise ValueError("LoRA is off: start the engine with lora_modules or enable_lora=True")
         self.scheduler.remove_lora(name)
-        self.runner.lora.unregister(name)
+        self.runner.unload_lora(name)
 
     def has_pending_requests(self) -> bool:
         """Whether any request is not done yet."""

@@ -85,6 +85,8 @@ class ClientIntake:
                 await self._on_abort(key, cmd.request_id)
             elif isinstance(cmd, client_requests.ProfileCommand):
                 await self._on_profile(identity, cmd)
+            elif isinstance(cmd, client_requests.LoraCommand):
+                await self._on_lora(identity, cmd)
             elif isinstance(cmd, client_requests.MetricsCommand):
                 await self.sender.send(identity, replies.metrics_reply(**self.metrics.snapshot()))
             else:
@@ -124,6 +126,7 @@ class ClientIntake:
             stop=StopStringMatcher.for_request(req),
             client_key=key,
             fd=fd,
+            lora=req.lora,
         )
         if req.constraint is None and (self._pool is None or chars < self.config.tokenize_inline_chars):
             prompt_ids, start, end = self._prepare_prompt(req, history, False)
@@ -252,7 +255,7 @@ class ClientIntake:
         that refusal, gets an ``error`` map with the id it carried (None if none was readable)."""
         rid = exc.request_id
         message = str(exc) if rid is not None else f"{exc} (no request_id could be read from this message)"
-        if isinstance(exc, wire.FrameError) or (rid is not None and (key, rid) in self.in_flight):
+        if isinstance(exc, (wire.FrameError, wire.CommandError)) or (rid is not None and (key, rid) in self.in_flight):
             reply = replies.error_map(rid, message, exc.code)
         else:
             reply = replies.error_reply(rid, message, exc.code)

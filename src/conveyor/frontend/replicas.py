@@ -71,7 +71,7 @@ T = TypeVar("T")
 
 # SchedulerStats fields that are not per-replica quantities to add up.
 _NOT_SUMMED = frozenset(
-    {"query_id", "iteration_fields", "recent_iterations", "iteration_token_counts", "spec_accepted_per_position"}
+    {"query_id", "iteration_fields", "recent_iterations", "iteration_token_counts", "spec_accepted_per_position", "lora_adapters"}
 )
 # Of those, the lists summed entry by entry.
 _SUMMED_BY_ENTRY = ("iteration_token_counts", "spec_accepted_per_position")
@@ -265,7 +265,9 @@ class Gather(Generic[T]):
 
 def merge_stats(answers: dict[int, SchedulerStats]) -> SchedulerStats:
     """The server's stats from its live replicas' (replica index -> its stats): every count
-    and block figure summed (the iteration-token histograms bucket by bucket, the accepted tokens per position entry by entry), the recent iterations of all of them in time order, each row
+    and block figure summed (the iteration-token histograms bucket by bucket, the accepted
+    tokens per position entry by entry), the LoRA adapters those every replica holds (a
+    request may go to any), the recent iterations of all of them in time order, each row
     with one more field, ``replica``, the replica whose step it was (its other fields are that
     replica's own). One replica's stats are returned as they are."""
     if len(answers) == 1:
@@ -283,9 +285,11 @@ def merge_stats(answers: dict[int, SchedulerStats]) -> SchedulerStats:
         rows.sort(key=lambda row: row[time_column])
     for name in _SUMMED_BY_ENTRY:
         summed[name] = [sum(column) for column in zip(*(getattr(stats, name) for stats in ordered))]
+    everywhere = [name for name in first.lora_adapters if all(name in stats.lora_adapters for stats in ordered)]
     return SchedulerStats(
-        query_id=first.query_id, iteration_fields=[*first.iteration_fields, "replica"], recent_iterations=rows, **summed
-    )
+        query_id=first.query_id, iteration_fields=[*first.iteration_fields, "replica"], recent_iterations=rows,
+        lora_adapters=everywhere, **summed,
+    )  # fmt: skip
 
 
 def replica_stats(replicas: ReplicaSet, answers: dict[int, SchedulerStats]) -> list[dict[str, Any]]:

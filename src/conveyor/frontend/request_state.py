@@ -55,6 +55,7 @@ ends (an abort, an error of the request or of any of its sequences)."""
     scheduler_id: str = ""  # its id at the scheduler ("" in a hand-built state: request_id)
     client_key: bytes = b""  # its client (b"" in a hand-built state)
     fd: int = -1  # the file descriptor of the connection that sent it: its disconnect drops it
+    lora: str | None = None  # the LoRA adapter it runs under (an unload waits for it to end)
     index: int | None = None  # a sequence of an n > 1 request: its index (its deltas carry it)
     parent: RequestState | None = None  # a sequence: the request it belongs to
     sequences: list[RequestState] = field(default_factory=list)  # an n > 1 request: its sequences

@@ -4,7 +4,8 @@ Scheduler outputs are drained per replica (at most :data:`SCHEDULER_DRAIN_LIMIT`
 wake-up), consecutive TokenOutputs handled as one pass of the output path
 (:class:`~conveyor.frontend.output.OutputPath`); ``stats`` and ``profile`` queries relayed
 to every live replica are answered once each answered or died (``profile`` also on
-:data:`PROFILE_TIMEOUT_S`); a replica reported dead fails its requests alone; a ``Shutdown``
+:data:`PROFILE_TIMEOUT_S`), and so are ``load_lora`` / ``unload_lora`` (:meth:`SchedulerSide._reply_lora`
+says how the replicas' answers make one); a replica reported dead fails its requests alone; a ``Shutdown``
 fails them all. Aborts go to the replicas that hold the requests.
 
 :class:`SchedulerSide` is the part of :class:`~conveyor.frontend.server.Frontend` that does
@@ -25,13 +26,18 @@ from conveyor import profiling
 from conveyor.frontend.replicas import Gather, merge_stats, replica_profiles, replica_stats
 from conveyor.ipc import codec
 from conveyor.ipc.messages import (
+    LORA_ALREADY_LOADED,
+    LORA_NOT_FOUND,
     FinishReason,
+    LoadLora,
+    LoraUpdated,
     ProcessFailed,
     ProfileQuery,
     ProfileReport,
     SchedulerStats,
     Shutdown,
     TokenOutputs,
+    UnloadLora,
 )
 from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
@@ -99,6 +105,10 @@ class SchedulerSide:
             waiter = self._stats_waiters.get(msg.query_id)
             if waiter is not None and waiter[2].add(replica, msg):
                 await self._reply_stats(msg.query_id)
+        elif isinstance(msg, LoraUpdated):
+            lora = self._lora_waiters.get(msg.query_id)
+            if lora is not None and lora[2].add(replica, msg):
+                await self._reply_lora(msg.query_id)
 
     async def _reply_stats(self, query_id: str) -> None:
         """The ``stats`` reply once every replica asked answered (or died): their stats merged
@@ -110,6 +120,48 @@ class SchedulerSide:
             return
         reply = replies.stats_reply(merge_stats(gather.answers), len(self.in_flight), iterations=iterations)
         reply["replicas"] = replica_stats(self.replicas, gather.answers)
+        await self.sender.send(identity, reply)
+
+    async def _on_lora(self, identity: bytes, cmd: client_requests.LoraCommand) -> None:
+        """Relay a ``load_lora`` / ``unload_lora`` to every live replica's scheduler; refused
+        here when the server runs without --enable-lora-loading, and an unload while a request
+        in flight here names the adapter (whichever replica runs it, or none yet: still
+        tokenizing), so the replicas never part on it."""
+        if not self.config.enable_lora_loading:
+            message = "loading and unloading LoRA adapters is off: start bin/serve with --enable-lora-loading"
+            await self.sender.send(identity, replies.error_map(cmd.request_id, message, wire.LORA_LOADING_DISABLED))
+            return
+        users = sum(1 for state in self.in_flight.values() if state.lora == cmd.name)
+        if cmd.path is None and users:  # refused here for every replica alike (each also checks its own)
+            message = f"LoRA adapter {cmd.name!r} is in use by {users} live request(s): unload it once they finish (or abort them)"
+            await self.sender.send(identity, replies.error_map(cmd.request_id, message, wire.LORA_IN_USE))
+            return
+        query_id = uuid.uuid4().hex
+        msg = UnloadLora(query_id, cmd.name) if cmd.path is None else LoadLora(query_id, cmd.name, cmd.path)
+        self._lora_waiters[query_id] = (identity, cmd, Gather(self.replicas.broadcast(msg)))
+
+    async def _reply_lora(self, query_id: str) -> None:
+        """Answer a ``load_lora`` / ``unload_lora`` once every replica asked answered (or died).
+        Success when every replica succeeded, or some did and the rest already were as asked
+        (a load finding it loaded, an unload finding it gone: a retry after a partial update
+        converges). Otherwise the first refusal; a load refused by some replicas is undone on
+        those that took it, so the replicas stay alike."""
+        identity, cmd, gather = self._lora_waiters.pop(query_id)
+        loading = cmd.path is not None
+        answers = [gather.answers[index] for index in sorted(gather.answers)]
+        settled = LORA_ALREADY_LOADED if loading else LORA_NOT_FOUND
+        refusals = [a for a in answers if not a.ok and a.code != settled]
+        took = [index for index, a in gather.answers.items() if a.ok]
+        if not answers:
+            reply = replies.error_map(cmd.request_id, "no scheduler is alive to answer", wire.SERVER_ERROR)
+        elif took and not refusals:
+            reply = replies.lora_reply(cmd.request_id, cmd.name, loaded=loading)
+        else:
+            first = (refusals or answers)[0]
+            reply = replies.error_map(cmd.request_id, first.error or first.code, first.code)
+            if loading:
+                for index in took:
+                    self.replicas.replicas[index].link.send(UnloadLora(uuid.uuid4().hex, cmd.name))
         await self.sender.send(identity, reply)
 
     async def _on_profile(self, identity: bytes, cmd: client_requests.ProfileCommand) -> None:
@@ -154,6 +206,9 @@ class SchedulerSide:
         for query_id, waiter in list(self._profile_waiters.items()):
             if waiter[3].drop(replica):
                 await self._reply_profile(query_id)
+        for query_id, lora in list(self._lora_waiters.items()):
+            if lora[2].drop(replica):
+                await self._reply_lora(query_id)
 
     async def fail_all(self, reason: str) -> None:
         """Give every in-flight request an error (a peer process died or we are shutting down)."""

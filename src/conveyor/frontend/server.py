@@ -153,7 +153,7 @@ from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import transport
-from conveyor.ipc.messages import ProcessProfile, SchedulerStats
+from conveyor.ipc.messages import LoraUpdated, ProcessProfile, SchedulerStats
 from conveyor.protocol import requests as client_requests
 from conveyor.runtime.config import FrontendConfig
 
@@ -203,6 +203,8 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         # query id -> (client, iterations asked for, the replicas' answers)
         self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
         self.sessions = Sessions(config.max_sessions)
+        # query id -> (client, its load_lora / unload_lora, the replicas' answers)
+        self._lora_waiters: dict[str, tuple[bytes, client_requests.LoraCommand, Gather[LoraUpdated]]] = {}
         self._profile_waiters: dict[
             str, tuple[bytes, client_requests.ProfileCommand, asyncio.TimerHandle, Gather[list[ProcessProfile]]]
         ] = {}

@@ -3,7 +3,8 @@
 :func:`api_app` serves ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
 ``POST /invocations`` (a completion or a chat request, told apart by the body's
-``prompt`` or ``messages``, as vLLM routes it), ``GET /version``, ``GET /health`` and ``GET
+``prompt`` or ``messages``, as vLLM routes it), ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` (:mod:`conveyor.http.adapters`), ``GET /version``, ``GET /health`` and ``GET
 /metrics``; :func:`metrics_app` (the ``--metrics-port`` listener) ``/metrics`` and
 ``/health`` alone.
 
@@ -35,7 +36,8 @@ import prometheus_client
 from aiohttp import web
 
 from conveyor import __version__
-from conveyor.http import prometheus
+from conveyor.http import adapters, prometheus
+from conveyor.http.adapters import LORAS
 from conveyor.http.errors import ApiError, bad_field, unavailable
 from conveyor.http.generation import respond
 from conveyor.http.link import FrontendLink
@@ -53,7 +55,6 @@ SCRAPE_TIMEOUT_S = 5.0
 
 LINK = web.AppKey("link", FrontendLink)
 MODEL = web.AppKey("model", str)
-LORAS = web.AppKey("loras", tuple)  # the LoRA adapters' names: models a request may name beside MODEL
 MAX_MODEL_LEN = web.AppKey("max_model_len", int)
 CREATED = web.AppKey("created", int)
 TOKENS = web.AppKey("tokens", Tokens)
@@ -154,7 +155,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResponse:
     app = request.app
-    job = parse_request(kind, body, app[MODEL], app[LORAS])
+    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    job = parse_request(kind, body, app[MODEL], loras)
     return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER])
 
 
@@ -173,17 +175,28 @@ def _lora_card(app: web.Application, name: str) -> dict[str, Any]:
 
 async def models(request: web.Request) -> web.Response:
     app = request.app
-    return _json({"object": "list", "data": [_card(app), *(_lora_card(app, name) for name in app[LORAS])]})
+    loras = await adapters.refresh_loras(app, app[LINK])
+    return _json({"object": "list", "data": [_card(app), *(_lora_card(app, name) for name in loras)]})
 
 
 async def model_card(request: web.Request) -> web.Response:
     """``GET /v1/models/{id}``: the served model's or an adapter's card, or a 404 error object."""
     name = request.match_info["model"]
-    if name in request.app[LORAS]:
+    if name in await adapters.known_model(request.app, request.app[LINK], name, request.app[MODEL]):
         return _json(_lora_card(request.app, name))
     if name != request.app[MODEL]:
         raise ApiError(404, f"the model '{name}' does not exist; this server serves '{request.app[MODEL]}'", param="model", code="model_not_found")
     return _json(_card(request.app))
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}`` (:mod:`conveyor.http.adapters`)."""
+    return await adapters.update(request.app, request.app[LINK], request.app[MODEL], await _body(request), load=True)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """``POST /v1/unload_lora_adapter`` ``{lora_name}`` (:mod:`conveyor.http.adapters`)."""
+    return await adapters.update(request.app, request.app[LINK], request.app[MODEL], await _body(request), load=False)
 
 
 async def version(request: web.Request) -> web.Response:
@@ -273,7 +286,7 @@ def _app(
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
     app[LINK] = link
     app[MODEL] = model
-    app[LORAS] = tuple(loras)
+    app[LORAS] = list(loras)
     app[MAX_MODEL_LEN] = max_model_len
     app[CREATED] = created
     app[TOKENS] = tokens or Tokens(None)
@@ -293,6 +306,8 @@ def api_app(
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model_card)
     app.router.add_post("/invocations", invocations)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)

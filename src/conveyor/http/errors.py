@@ -72,6 +72,8 @@ def from_final_error(message: str) -> ApiError:
         return ApiError(503, message, code="queue_timeout")
     if "process died" in message or "shutting down" in message or message.startswith("startup failed"):
         return unavailable(message, "server_stopping")
+    if message.startswith("unknown LoRA adapter"):  # unloaded since this process last saw the names
+        return ApiError(404, message, param="model", code="model_not_found")
     if message.startswith("worker ") or message.startswith("malformed worker result"):
         return ApiError(500, message, code="internal_error")
     return ApiError(400, message, param=_field_named(message))

@@ -8,6 +8,7 @@
 - :mod:`.rms_norm`: residual add + RMSNorm in one pass (the residual stream updated in place).
 - :mod:`.rope_kv_store`: rotary embedding (after Qwen3's per-head q/k norm) fused with the KV store.
 - :mod:`.silu_mul`: the gated MLP's ``silu(gate) * up`` in one pass.
+- :mod:`.lora`: many LoRA adapters' deltas over one step's tokens (segment shrink + expand).
 - :mod:`.layer_ops`: what the model calls for norms and the MLP activation: those kernels on
   CUDA, torch's ops elsewhere (imports Triton only on the first CUDA call).
 

@@ -29,6 +29,7 @@ RECOVER_SCAN_KEYS = 64
 MAX_N = 64
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: any int32
 MAX_LORA_NAME_LEN = 256  # length bound of a LoRA adapter's name
+MAX_LORA_PATH_LEN = 4096  # length bound of the directory a load_lora names
 # Seeds: any 64-bit integer, signed or unsigned, is accepted and stored as the signed 64-bit
 # value with the same bit pattern (the sampler keys its draws by those 64 bits).
 MIN_SEED = -(2**63)

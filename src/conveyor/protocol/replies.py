@@ -25,6 +25,7 @@ from conveyor.protocol.wire import (
     ERROR,
     FINAL,
     INVALID_FIELD,
+    LORA_REPLY,
     METRICS_REPLY,
     OVERLOADED,
     PROFILE_REPLY,
@@ -153,6 +154,12 @@ def profile_reply(clock: str, window_s: float, processes: list[dict[str, Any]], 
         "processes": processes,
         "error": error,
     }
+
+
+def lora_reply(request_id: str, name: str, loaded: bool) -> dict[str, Any]:
+    """The ``lora`` map answering a ``load_lora`` (``loaded`` true) or an ``unload_lora``
+    (false) that succeeded on every replica; a refusal is an ``error`` map under the same id."""
+    return {"type": LORA_REPLY, "v": CLIENT_PROTOCOL_VERSION, "request_id": request_id, "lora_name": name, "loaded": loaded}
 
 
 def metrics_reply(counters: dict[str, Any], histograms: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Validation is total: anything a client can send either parses into a
 :class:`GenerateRequest` / :class:`AbortCommand` / :class:`StatsCommand` /
-:class:`ProfileCommand` / :class:`MetricsCommand` or raises
+:class:`ProfileCommand` / :class:`MetricsCommand` / :class:`LoraCommand` or raises
 :class:`~conveyor.protocol.wire.ProtocolError` whose message names the offending field. A
 generate request is validated in two steps: :func:`parse_client_message` checks every field
 of the map here (its sampling fields in :mod:`conveyor.protocol.sampling_fields`), and
@@ -23,6 +23,7 @@ from conveyor.ipc.messages import SamplingParams
 from conveyor.protocol.limits import (
     DEFAULT_PROFILE_WINDOW_S,
     MAX_LORA_NAME_LEN,
+    MAX_LORA_PATH_LEN,
     MAX_N,
     MAX_PRIORITY,
     MAX_PROFILE_SERIES,
@@ -39,11 +40,14 @@ from conveyor.protocol.wire import (
     CLIENT_PROTOCOL_VERSION,
     GENERATE,
     INVALID_INPUT,
+    LOAD_LORA,
     METRICS,
     PROFILE,
     STATS,
     UNKNOWN_TYPE,
+    UNLOAD_LORA,
     UNSUPPORTED_VERSION,
+    CommandError,
     ProtocolError,
     pack,
 )
@@ -72,6 +76,8 @@ GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "t
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 PROFILE_FIELDS = frozenset({"type", "v", "window_s", "trace", "series"})
 METRICS_FIELDS = frozenset({"type", "v"})
+LORA_FIELDS = {LOAD_LORA: frozenset({"type", "v", "request_id", "lora_name", "lora_path"}),
+               UNLOAD_LORA: frozenset({"type", "v", "request_id", "lora_name"})}
 
 
 @dataclass
@@ -147,9 +153,19 @@ class MetricsCommand:
     :func:`conveyor.protocol.replies.metrics_reply`); it has no fields."""
 
 
+@dataclass
+class LoraCommand:
+    """Load the PEFT adapter in ``path`` as ``name`` (``load_lora``), or unload ``name``
+    (``unload_lora``: ``path`` None). ``request_id`` routes the answer."""
+
+    request_id: str
+    name: str
+    path: str | None = None
+
+
 def parse_client_message(
     obj: dict[str, Any],
-) -> GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand:
+) -> GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand | LoraCommand:
     """Validate a decoded client map. Raises ProtocolError naming the problem."""
     rid = obj.get("request_id")
     rid_for_error = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
@@ -174,6 +190,8 @@ def parse_client_message(
         return StatsCommand(iterations=bool(iterations))
     if kind == PROFILE:
         return _parse_profile(obj)
+    if kind in LORA_FIELDS:
+        return _parse_lora(obj, kind, rid_for_error)
     if kind == METRICS:
         unknown = set(obj) - METRICS_FIELDS
         if unknown:
@@ -182,6 +200,22 @@ def parse_client_message(
     if "type" not in obj:
         raise ProtocolError("missing field 'type'", rid_for_error, UNKNOWN_TYPE)
     raise ProtocolError(f"unknown message type {kind!r}", rid_for_error, UNKNOWN_TYPE)
+
+
+def _parse_lora(obj: dict[str, Any], kind: str, rid: str | None) -> LoraCommand:
+    unknown = set(obj) - LORA_FIELDS[kind]
+    if unknown:
+        raise CommandError(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}", rid)
+    if rid is None:
+        raise CommandError(f"{kind} needs 'request_id': a non-empty string of at most {MAX_REQUEST_ID_LEN} characters")
+    name, path = obj.get("lora_name"), obj.get("lora_path")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME_LEN:
+        raise CommandError(f"'lora_name' must be a non-empty string of at most {MAX_LORA_NAME_LEN} characters", rid)
+    if kind == UNLOAD_LORA:
+        return LoraCommand(rid, name)
+    if not isinstance(path, str) or not 0 < len(path) <= MAX_LORA_PATH_LEN:
+        raise CommandError(f"'lora_path' must be a directory: a non-empty string of at most {MAX_LORA_PATH_LEN} characters", rid)
+    return LoraCommand(rid, name, path)
 
 
 def _parse_profile(obj: dict[str, Any]) -> ProfileCommand:

@@ -15,6 +15,7 @@ from conveyor.protocol.wire import ProtocolError
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "n",
+    "speculate",
 )
 # Log-probabilities asked for (None: none; k: the token's own and the k most likely), bounded
 # by the server's max_logprobs (:func:`logprobs_problem`).
@@ -54,9 +55,10 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
     stop_token_ids = get("stop_token_ids", [])
     if not isinstance(stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in stop_token_ids):
         raise fail("'stop_token_ids' must be an array of non-negative integers")
-    ignore_eos = get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise fail("'ignore_eos' must be a boolean")
+    flags = {name: get(name, default) for name, default in (("ignore_eos", False), ("speculate", True))}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise fail(f"'{name}' must be a boolean")
     n = get("n", 1)
     if not is_int(n) or not 1 <= n <= MAX_N:
         raise fail(f"'n' must be an integer in [1, {MAX_N}], got {n!r}")
@@ -85,12 +87,12 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         min_p=float(min_p),
         seed=seed,
         stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos,
         n=n,
         repetition_penalty=float(repetition_penalty),
         min_tokens=min_tokens,
         logit_bias=logit_bias,
         **penalties,
+        **flags,
         logprobs=obj.get("logprobs"),
         prompt_logprobs=obj.get("prompt_logprobs"),
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from conveyor.ipc.messages.lora_updates import LORA_ALREADY_LOADED, LORA_IN_USE, LORA_INVALID, LORA_NOT_FOUND  # noqa: F401 (codes)
 from conveyor.protocol.limits import (
     MAX_ARRAY_LEN,
     MAX_CLIENT_MESSAGE_BYTES,
@@ -41,6 +42,9 @@ DUPLICATE_REQUEST_ID = "duplicate_request_id"  # the client already has a reques
 OVERLOADED = "overloaded"  # refused by the scheduler's bounded queue: retry later
 TIMEOUT = "timeout"  # waited longer than --max-queue-time: retry later
 SERVER_ERROR = "server_error"  # the server failed the request: a process died, shutdown, an internal error
+LORA_LOADING_DISABLED = "lora_loading_disabled"  # load_lora / unload_lora: the server runs without --enable-lora-loading
+# and the refusals of load_lora / unload_lora the scheduler and worker give (their meaning:
+# conveyor.ipc.messages.lora_updates): lora_already_loaded, lora_not_found, invalid_lora, lora_in_use
 
 # Message types, client -> server
 GENERATE = "generate"
@@ -48,6 +52,8 @@ ABORT = "abort"
 STATS = "stats"
 PROFILE = "profile"
 METRICS = "metrics"
+LOAD_LORA = "load_lora"
+UNLOAD_LORA = "unload_lora"
 # Message types, server -> client
 DELTA = "delta"
 FINAL = "final"
@@ -55,6 +61,7 @@ ERROR = "error"
 STATS_REPLY = "stats"
 PROFILE_REPLY = "profile"
 METRICS_REPLY = "metrics"
+LORA_REPLY = "lora"
 
 
 class ProtocolError(ValueError):
@@ -65,6 +72,11 @@ class ProtocolError(ValueError):
         super().__init__(message)
         self.request_id = request_id
         self.code = code
+
+
+class CommandError(ProtocolError):
+    """A refused message that names no request (``load_lora``, ``unload_lora``: their id only
+    routes the answer): answered with an ``error`` map, never a ``final``."""
 
 
 class FrameError(ProtocolError):

@@ -62,6 +62,7 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     engine's runner."""
     named = {f.name: settings[f.name] for f in dataclasses.fields(WorkerConfig) if f.name in settings}
     named["lora_modules"] = lora_modules(settings)
+    named["enable_lora"] = bool(settings.get("enable_lora") or settings.get("enable_lora_loading"))
     blocks = settings.get("num_kv_blocks")
     swap = settings.get("swap_space")
     return {

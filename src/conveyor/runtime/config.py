@@ -160,9 +160,9 @@ class SchedulerConfig:
     lora_names: tuple[str, ...] = ()
     max_loras: int = 4
     # Speculative decoding (scheduler/speculation.py): "ngram" proposes up to
-    # num_speculative_tokens tokens per greedy decode by prompt lookup (the last n tokens,
+    # num_speculative_tokens tokens per decode by prompt lookup (the last n tokens,
     # n from ngram_max down to ngram_min, matched in the request's own tokens); the worker
-    # verifies them in the same step. None: off.
+    # verifies them in the same step (rejection sampling). None: off.
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     ngram_max: int = 4
@@ -224,6 +224,10 @@ class FrontendConfig:
     client_send_queue: int = CLIENT_SEND_QUEUE
     # bin/serve --max-logprobs: the most top log-probabilities a request may ask for.
     max_logprobs: int = 20
+    # bin/serve --enable-lora-loading: clients may load and unload LoRA adapters while it
+    # serves (load_lora / unload_lora); off by default, since a load reads any directory the
+    # client names with the server's file permissions.
+    enable_lora_loading: bool = False
 
     def __post_init__(self) -> None:
         _require_at_least(self, 1, "data_parallel_size")
@@ -270,7 +274,7 @@ class WorkerConfig:
     # LoRA (conveyor.worker.lora): (name, PEFT directory) adapters registered at start (none:
     # LoRA off), device slots, the rank bound, host copies (None: as many as slots).
     lora_modules: tuple[tuple[str, str], ...] = ()
-    enable_lora: bool = False  # LoRA on without adapters at start (Engine.load_lora adds them)
+    enable_lora: bool = False  # LoRA on without adapters at start (Engine.load_lora, --enable-lora-loading)
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None

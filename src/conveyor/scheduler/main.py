@@ -32,6 +32,15 @@ occupancy timeline bin/bench plots. A ProfileQuery is forwarded to the worker on
 socket, so the worker answers between steps and never mid-step; its report comes back on
 the result socket (while a plan is in flight, or in the idle wait, which polls both
 sockets) and goes to the frontend with this process's snapshot in front.
+
+LoRA adapters loaded while serving (:mod:`conveyor.ipc.messages.lora_updates`): a LoadLora
+goes to the worker on the plan channel like a profile query (one at a time, the name
+reserved meanwhile so a second load of it is refused); when the worker says its read is over
+(LoraRead) a CommitLora follows it, and requests may name the adapter once the worker's
+LoraUpdated says it loaded. An UnloadLora is decided here: refused while a
+live request names the adapter (``lora_in_use``), else the name is forgotten at once (a
+request naming it from now on is refused) and the worker is told to free it after the plans
+already sent, none of which a later plan could still need.
 """
 
 from __future__ import annotations
@@ -47,8 +56,15 @@ from conveyor import profiling
 from conveyor.ipc import codec, transport
 from conveyor.runtime.config import SchedulerProcessConfig
 from conveyor.ipc.messages import (
+    LORA_ALREADY_LOADED,
+    LORA_IN_USE,
+    LORA_NOT_FOUND,
     AbortRequests,
     AddRequest,
+    CommitLora,
+    LoadLora,
+    LoraRead,
+    LoraUpdated,
     ProfileQuery,
     ProfileReport,
     RequestOutput,
@@ -58,6 +74,7 @@ from conveyor.ipc.messages import (
     StepPlan,
     StepResult,
     TokenOutputs,
+    UnloadLora,
 )
 from conveyor.runtime.process import Started, run_process
 from conveyor.ipc.step_channel import PeerGone, StepSender
@@ -89,6 +106,7 @@ class SchedulerLoop:
         # Profile queries relayed to the worker one at a time: with at most two plans and one
         # query in flight, neither ring can fill while both ends wait on each other.
         self._profile_queries: deque[ProfileQuery] = deque()
+        self._lora_loads: deque[LoadLora] = deque()  # likewise, each reserving its name
         self._init_profiling(config.profile)
 
     def _init_profiling(self, enabled: bool) -> None:
@@ -207,10 +225,52 @@ class SchedulerLoop:
                 continue
             if msg is None:
                 return
-            if isinstance(msg, ProfileReport):
-                self._on_worker_profile(msg)
+            if isinstance(msg, (ProfileReport, LoraRead, LoraUpdated)):
+                self._on_worker_report(msg)
             else:
                 log.error("unexpected worker message %s with no plan in flight", type(msg).__name__)
+
+    def _on_worker_report(self, report: ProfileReport | LoraRead | LoraUpdated) -> None:
+        if isinstance(report, ProfileReport):
+            self._on_worker_profile(report)
+            return
+        loads = self._lora_loads
+        if not loads or loads[0].query_id != report.query_id:
+            log.error("LoRA report %r answers no outstanding load", report.query_id)
+            return
+        if isinstance(report, LoraRead):  # every rank registers it between the same two plans
+            self.to_worker.send(CommitLora(report.query_id))
+            return
+        loads.popleft()
+        if report.ok:
+            self.scheduler.add_lora(report.name)
+            log.info("loaded LoRA adapter %r", report.name)
+        transport.send(self.to_frontend, report)
+        if loads:
+            self.to_worker.send(loads[0])
+
+    def _on_load_lora(self, msg: LoadLora) -> None:
+        if msg.name in self.scheduler.lora_names or any(load.name == msg.name for load in self._lora_loads):
+            error = f"LoRA adapter {msg.name!r} is already loaded (unload it first to load other weights under its name)"
+            transport.send(self.to_frontend, LoraUpdated(msg.query_id, msg.name, LORA_ALREADY_LOADED, error))
+            return
+        self._lora_loads.append(msg)
+        if len(self._lora_loads) == 1:
+            self.to_worker.send(msg)
+
+    def _on_unload_lora(self, msg: UnloadLora) -> None:
+        answer = LoraUpdated(msg.query_id, msg.name)
+        if msg.name not in self.scheduler.lora_names:
+            answer.code, answer.error = LORA_NOT_FOUND, f"no LoRA adapter {msg.name!r} is loaded"
+        else:
+            try:
+                self.scheduler.remove_lora(msg.name)
+            except ValueError as exc:  # live requests name it
+                answer.code, answer.error = LORA_IN_USE, f"{exc}: unload it once they finish (or abort them)"
+            else:
+                self.to_worker.send(msg)
+                log.info("unloaded LoRA adapter %r", msg.name)
+        transport.send(self.to_frontend, answer)
 
     def _on_worker_profile(self, report: ProfileReport) -> None:
         queries = self._profile_queries
@@ -237,6 +297,10 @@ class SchedulerLoop:
             self._profile_queries.append(msg)
             if len(self._profile_queries) == 1:
                 self.to_worker.send(msg)
+        elif isinstance(msg, LoadLora):
+            self._on_load_lora(msg)
+        elif isinstance(msg, UnloadLora):
+            self._on_unload_lora(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
@@ -253,8 +317,8 @@ class SchedulerLoop:
                 except codec.DecodeError as exc:
                     log.error("malformed result from worker: %s", exc)
                     return StepResult(plan.step_id, [], [], error=f"malformed worker result: {exc}")
-                if isinstance(result, ProfileReport):
-                    self._on_worker_profile(result)
+                if isinstance(result, (ProfileReport, LoraRead, LoraUpdated)):
+                    self._on_worker_report(result)
                     continue
                 if not isinstance(result, StepResult) or result.step_id != plan.step_id:
                     log.error("unexpected worker message %r", result)

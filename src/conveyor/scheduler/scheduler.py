@@ -233,6 +233,11 @@ class Scheduler:
         self.state.queue.push(req, track_timeout=cfg.max_queue_time > 0)
         return None
 
+    @property
+    def lora_names(self) -> list[str]:
+        """The adapters requests may name, in the order they were added."""
+        return list(self._lora_roots)
+
     def add_lora(self, name: str) -> None:
         """Accept requests for the LoRA adapter ``name`` (the worker holds it); ValueError if known."""
         if name in self._lora_roots:
@@ -313,7 +318,7 @@ class Scheduler:
         if not plan_decodes(st, step, prefills):  # 1. decodes, best rank first
             st.declined = True  # someone would have to yield: only a plan in sync may decide who
             return None
-        plan_speculation(st, step)  # 1b. greedy decodes widened to verify proposals
+        plan_speculation(st, step)  # 1b. decodes widened to verify proposals
         # 2. prefill chunks of running requests and admissions, merged by rank
         if st.forking:
             release_held(st)  # sequences of a parallel-sampling request whose prompt KV is written
@@ -467,6 +472,7 @@ class Scheduler:
             "iteration_token_sum": self.iterations.token_sum,
             "iteration_fields": list(ITERATION_FIELDS),
             "recent_iterations": self.iterations.rows(),
+            "lora_adapters": self.lora_names,
         }
 
     def check_invariants(self) -> None:

@@ -11,9 +11,11 @@ when it forms the plan. The worker only verifies: it gets each proposal in the p
 (prompt + output); at the most recent earlier match, the up to ``k`` tokens that followed it
 are the proposal. The search is one numpy comparison over a sliding window per ``n``.
 
-**Which decodes speculate** (:func:`speculates`): greedy requests only (temperature 0) with
-nothing whose exactness verification cannot keep yet: no log-probabilities, no structured
-output, no penalties, logit bias or ``min_tokens``, ``n == 1``. A proposal is cut so that a
+**Which decodes speculate** (:func:`speculates`): greedy and sampling requests alike (the
+worker's rejection sampling keeps the target's distribution exactly:
+:mod:`conveyor.worker.speculative_verify`), unless the request opts out (``speculate``
+false) or asks for what verification cannot keep exact yet: log-probabilities, structured
+output, penalties, logit bias or ``min_tokens``, ``n > 1``. A proposal is cut so that a
 step never yields more tokens than the request may still produce (``stop_len``), to the
 step's token budget left after the plain decodes, and to the KV blocks free without
 preempting anyone (speculation never preempts; a proposal that does not fit shrinks, maybe
@@ -53,9 +55,9 @@ if TYPE_CHECKING:
 
 def speculates(sp: SamplingParams) -> bool:
     """Whether a request with these parameters may verify proposals (module docstring:
-    greedy, exact only)."""
+    those whose output verification keeps exact, unless opted out)."""
     return (
-        sp.temperature == 0
+        sp.speculate
         and sp.n == 1
         and sp.logprobs is None
         and sp.prompt_logprobs is None

@@ -19,14 +19,9 @@ adapter exactly like the layer it attaches to: ``B`` of a column-parallel layer 
 rank's output rows, ``A`` of a row-parallel layer by its input columns (each rank's partial
 ``B (A_r x_r)`` is summed by the layer's existing all-reduce).
 
-**How a step gathers them** (the SGMV idea, in batched torch): the runner gives each token
-its row's slot (-1: base model). :func:`build_batch` sorts tokens by slot on the host and
-lays them out as ``[P, L]`` (``P`` adapters present, ``L`` the most tokens of any of them,
-shorter segments padded and masked). Per stack that is one gather of ``x``, one ``bmm``
-shrink against the present slots' ``A``, one ``bmm`` expand against their ``B`` and one
-``index_add_`` into the base output: five operators whatever the number of requests or
-adapters, no per-request loop. A step without adapter rows has no batch (the host flag), and
-the stacks then cost one attribute test each.
+**How a step gathers them:** the runner gives each token its row's slot (-1: base model) and
+every stack adds its delta, batched over all tokens and adapters: the torch backend on the CPU,
+the Triton kernels (segments of one slot each) on CUDA, :mod:`conveyor.worker.lora_delta`.
 """
 
 from __future__ import annotations
@@ -43,22 +38,27 @@ from safetensors import safe_open
 from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.worker.lora_delta import LoraContext, LoraStack
 
-# target -> (sub-module, piece index within its fused projection, pieces of that projection)
-TARGETS: dict[str, tuple[str, int, int]] = {
-    "q_proj": ("self_attn", 0, 3),
-    "k_proj": ("self_attn", 1, 3),
-    "v_proj": ("self_attn", 2, 3),
-    "o_proj": ("self_attn", 0, 1),
-    "gate_proj": ("mlp", 0, 2),
-    "up_proj": ("mlp", 1, 2),
-    "down_proj": ("mlp", 0, 1),
+# target -> (sub-module, piece index within its fused projection: q/k/v and gate/up in that order)
+TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("self_attn", 0),
+    "k_proj": ("self_attn", 1),
+    "v_proj": ("self_attn", 2),
+    "o_proj": ("self_attn", 0),
+    "gate_proj": ("mlp", 0),
+    "up_proj": ("mlp", 1),
+    "down_proj": ("mlp", 0),
 }
 _PEFT_PREFIX = "base_model.model."
 
 
 class LoraLoadError(ValueError):
     """An adapter that cannot be served: its message says which and why."""
+
+
+class LoraFilesMissing(LoraLoadError):
+    """The adapter's directory or one of its files does not exist."""
 
 
 class UnknownAdapter(KeyError):
@@ -116,7 +116,7 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     for path in (config_path, weights_path):
         if not path.is_file():
-            raise LoraLoadError(f"adapter {name!r}: missing file {path}")
+            raise LoraFilesMissing(f"adapter {name!r}: missing file {path}")
     try:
         peft = json.loads(config_path.read_text())
     except ValueError as error:
@@ -173,68 +173,6 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
     return LoraAdapter(name, rank, weights)
 
 
-@dataclass
-class LoraBatch:
-    """One step's tokens grouped by adapter slot: ``slots`` ``[P]`` the present slots,
-    ``gather`` ``[P, L]`` token indices (padding: token 0), ``mask`` ``[P, L, 1]`` 1 on real
-    entries, 0 on padding (whose delta is then zero, so adding it to token 0 is harmless)."""
-
-    slots: torch.Tensor
-    gather: torch.Tensor
-    mask: torch.Tensor
-
-
-def build_batch(token_slots: np.ndarray, dtype: torch.dtype, device: torch.device) -> LoraBatch | None:
-    """Group tokens by slot (``token_slots[t]``, -1: none); None when no token has an adapter."""
-    order = np.argsort(token_slots, kind="stable")
-    ordered = token_slots[order]
-    present, starts, counts = np.unique(ordered, return_index=True, return_counts=True)
-    keep = present >= 0
-    present, starts, counts = present[keep], starts[keep], counts[keep]
-    if len(present) == 0:
-        return None
-    offsets = np.arange(int(counts.max()))
-    valid = offsets[None, :] < counts[:, None]
-    gather = np.where(valid, order[np.minimum(starts[:, None] + offsets[None, :], len(order) - 1)], 0)
-    return LoraBatch(
-        slots=torch.from_numpy(present.astype(np.int64)).to(device, non_blocking=True),
-        gather=torch.from_numpy(gather.astype(np.int64)).to(device, non_blocking=True),
-        mask=torch.from_numpy(valid[:, :, None]).to(device=device, dtype=dtype, non_blocking=True),
-    )
-
-
-class LoraContext:
-    """The current step's :class:`LoraBatch`, shared by every stack (None: no adapter rows)."""
-
-    def __init__(self) -> None:
-        self.batch: LoraBatch | None = None
-
-
-class LoraStack:
-    """The stacked adapter weights of one (fused) projection: ``a`` ``[slots, R, in]``,
-    ``b`` ``[slots, out, R]`` (module docstring). A plain object, not a module: its tensors
-    are neither parameters nor buffers, so the base checkpoint's strict loader and state
-    dict never see them."""
-
-    def __init__(
-        self, slots: int, rank_rows: int, in_features: int, out_features: int, dtype: torch.dtype,
-        device: torch.device, context: LoraContext,
-    ) -> None:
-        self.a = torch.zeros(slots, rank_rows, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(slots, out_features, rank_rows, dtype=dtype, device=device)
-        self.context = context
-
-    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` plus each token's ``B_s (A_s x)`` for its slot ``s`` (in place; ``y`` returned)."""
-        batch = self.context.batch
-        if batch is None:
-            return y
-        xs = x[batch.gather]  # [P, L, in]
-        shrunk = torch.bmm(xs, self.a.index_select(0, batch.slots).transpose(1, 2)) * batch.mask
-        delta = torch.bmm(shrunk, self.b.index_select(0, batch.slots).transpose(1, 2))  # [P, L, out]
-        return y.index_add_(0, batch.gather.flatten(), delta.flatten(0, 1))
-
-
 class LoraManager:
     """Registered adapters, their host copies and device slots, for one model (one rank).
 
@@ -247,22 +185,20 @@ class LoraManager:
         self.config: ModelConfig = model.config
         weight = model.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
-        self.context = LoraContext()
+        self.context = LoraContext(self.device, self.dtype)
         self._layout = model.checkpoint_layout()
         self._stacks: dict[str, LoraStack] = {}
-        r = options.max_lora_rank
         for layer in range(self.config.num_layers):
-            for target, (sub, _, pieces) in TARGETS.items():
+            columns: dict[str, list[tuple[int, int]]] = {}  # fused module -> its pieces' output columns
+            for target, (sub, _) in TARGETS.items():
                 slot = self._layout[f"model.layers.{layer}.{sub}.{target}.weight"]
-                module_name = slot.name.removesuffix(".weight")
-                if module_name in self._stacks:
-                    continue
+                columns.setdefault(slot.name.removesuffix(".weight"), []).append((slot.start, slot.end))
+            for module_name, pieces in columns.items():
                 linear = model.get_submodule(module_name)
                 out_features, in_features = linear.weight.shape
-                stack = LoraStack(options.max_loras, pieces * r, in_features, out_features, self.dtype,
-                                  self.device, self.context)
-                linear.lora = stack
-                self._stacks[module_name] = stack
+                linear.lora = LoraStack(options.max_loras, options.max_lora_rank, pieces, in_features, out_features,
+                                        self.context)
+                self._stacks[module_name] = linear.lora
         self._dirs: dict[str, Path] = {}
         self._ids: dict[str, int] = {}
         self._next_id = 1
@@ -282,12 +218,18 @@ class LoraManager:
             raise UnknownAdapter(name)
         return self._ids[name]
 
-    def register(self, name: str, directory: str | Path) -> int:
-        """Read and check the adapter (:func:`read_adapter`) and register it under ``name``;
-        raises :class:`LoraLoadError` leaving everything as it was."""
+    def read(self, name: str, directory: str | Path) -> LoraAdapter:
+        """Read and check the adapter (:func:`read_adapter`) against this model; changes
+        nothing here, so it may run on another thread than the steps."""
+        return read_adapter(name, directory, self.config, self.options.max_lora_rank)
+
+    def register(self, name: str, directory: str | Path, adapter: LoraAdapter | None = None) -> int:
+        """Register the adapter under ``name``: ``adapter`` as :meth:`read` gave it, or (None)
+        read now; raises :class:`LoraLoadError` leaving everything as it was."""
         if name in self._ids:
             raise LoraLoadError(f"adapter {name!r} is already loaded")
-        adapter = read_adapter(name, directory, self.config, self.options.max_lora_rank)
+        if adapter is None:
+            adapter = self.read(name, directory)
         self._ids[name] = self._next_id
         self._next_id += 1
         self._dirs[name] = Path(directory)
@@ -366,7 +308,7 @@ class LoraManager:
         for adapter_id, slot in slot_of.items():
             lookup[adapter_id] = slot
         token_slots = np.repeat(lookup[row_adapters], row_tokens)
-        self.context.batch = build_batch(token_slots, self.dtype, self.device)
+        self.context.begin(token_slots)
         return True
 
     def end_step(self) -> None:

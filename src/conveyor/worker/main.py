@@ -13,6 +13,9 @@ busy time (:class:`conveyor.profiling.StepRecorder`, the ``step_*`` series): wha
 ``conveyor-sim calibrate`` fits its cost model to. A ProfileQuery is answered on the result socket
 as soon as it is read: it arrives on the plan socket, so always between two steps, and
 piggybacks on nothing (StepResult stays as small as it was).
+LoRA updates come on the plan socket too (LoadLora, CommitLora, UnloadLora): a load's files
+are read on a thread while steps run, and registered on the CommitLora, between two steps
+(:mod:`conveyor.worker.lora_updates` says why); rank 0 answers on the result socket.
 
 Plans arrive on the step channel (:mod:`conveyor.ipc.step_channel`; a shared-memory ring
 by default): a plan is decoded in place and its arrays view the ring slot, which is released
@@ -59,7 +62,17 @@ import zmq
 
 from conveyor import profiling
 from conveyor.ipc import codec
-from conveyor.ipc.messages import ProfileQuery, ProfileReport, Shutdown, StepPlan, StepResult
+from conveyor.ipc.messages import (
+    CommitLora,
+    LoadLora,
+    LoraRead,
+    ProfileQuery,
+    ProfileReport,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    UnloadLora,
+)
 from conveyor.ipc.step_channel import PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import Attention, Device, Dtype, PipelineSteps, WorkerConfig, rank_process_name
@@ -73,6 +86,8 @@ log = logging.getLogger("conveyor.worker")
 
 
 DEFAULT_CUDA_SWAP_SPACE = 4 << 30
+# How often an idle worker looks whether an adapter read is over (it has no plan to wake it).
+READ_POLL_S = 0.005
 
 
 def default_swap_space(device: str) -> int:
@@ -291,6 +306,9 @@ class StepLoop:
         self.steps = profiling.StepRecorder(prof)
         self.pending = None  # (launched step, or the StepResult of a launch that failed)
         self.pending_shape: tuple[tuple[int, int, int, int], int] | None = None  # (plan shape, read at)
+        from conveyor.worker.lora_updates import AdapterReads  # (torch: imported with the runner, not this module)
+
+        self.reads = AdapterReads(runner)  # LoRA adapters being read off the loop
 
     def run(self) -> None:
         idle_start = profiling.now_ns()
@@ -299,8 +317,11 @@ class StepLoop:
                 self._finish_pending()
                 idle_start = profiling.now_ns()
                 continue
+            if self.reads:
+                self._report_reads()
             try:
-                self.plans.wait()
+                while not self.plans.wait(READ_POLL_S if self.reads else None):
+                    self._report_reads()  # idle with an adapter being read: report it when it is
                 received = profiling.now_ns()
                 msg = self.plans.recv(0)
             except codec.DecodeError as exc:
@@ -317,6 +338,9 @@ class StepLoop:
                 if self.results is not None:
                     snapshot = self.prof.snapshot(msg.window_s, trace=msg.trace, series=msg.series)
                     self.results.send(ProfileReport(msg.query_id, [snapshot]))
+                continue
+            if isinstance(msg, (LoadLora, CommitLora, UnloadLora)):
+                self._update_lora(msg)
                 continue
             if not isinstance(msg, StepPlan):
                 log.error("unexpected message %s", type(msg).__name__)
@@ -338,7 +362,31 @@ class StepLoop:
                 self._finish_pending()
                 idle_start = profiling.now_ns()
 
+    def _update_lora(self, msg: LoadLora | CommitLora | UnloadLora) -> None:
+        """A LoRA update, between two steps: a load starts its read off the loop, a commit
+        registers it on every rank (rank 0 answers), an unload frees the adapter
+        (:mod:`conveyor.worker.lora_updates`)."""
+        if isinstance(msg, LoadLora):
+            self.reads.start(msg)
+        elif isinstance(msg, UnloadLora):
+            self.runner.unload_lora(msg.name)
+        else:
+            answer = self.reads.commit(msg.query_id)
+            if answer.ok:
+                log.info("LoRA adapter %r loaded", answer.name)
+            else:
+                log.warning("LoRA adapter %r refused: %s", answer.name, answer.error)
+            if self.results is not None:
+                self.results.send(answer)
+
+    def _report_reads(self) -> None:
+        """Rank 0: tell the scheduler of each adapter read that is over (it then orders the commit)."""
+        if self.results is not None:
+            for query_id in self.reads.newly_done():
+                self.results.send(LoraRead(query_id))
+
     def close(self) -> None:
+        self.reads.close()
         self.plans.close()
         if self.results is not None:
             self.results.close()

@@ -35,8 +35,8 @@ At most one step is launched and not finished when another is launched.
 flattened ragged batch here.
 Sampling is batched over per-row parameter tensors (:mod:`conveyor.worker.sampler`).
 The runner's other parts are base classes of it, each in its own module:
-log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the greedy verification of
-speculative rows (:mod:`conveyor.worker.speculative_verify`) and the grammar-constraint
+log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the verification (rejection
+sampling) of speculative rows (:mod:`conveyor.worker.speculative_verify`) and the grammar-constraint
 plumbing (:mod:`conveyor.worker.grammar_steps`).
 """
 
@@ -61,6 +61,7 @@ from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 from conveyor.worker.logprob_steps import LogprobRows, LogprobSteps
 from conveyor.worker.lora import LoraManager, LoraOptions
+from conveyor.worker.lora_updates import LoraUpdates
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
 from conveyor.worker.request_state import RequestState, SlotStates, Work
@@ -89,14 +90,15 @@ class LaunchedStep:
     failed: bool = True  # until launched
     before: LaunchedStep | None = None
     ends: list[tuple[int, str]] | None = None  # constrained rows the grammar ended: (slot, error)
-    # Speculative rows: their indices among ``slots``, their proposals, and the target's
-    # argmax at each proposal's positions, flat (copied to the host like ``sampled``).
+    # Speculative rows: their indices among ``slots``, their proposals, and the verdict at
+    # each proposed position, flat ([2, R]: accepted, residual draw; copied to the host like
+    # ``sampled``; conveyor.worker.speculative_verify).
     spec_rows: list[int] | None = None
     spec_proposals: list[tuple[int, ...]] | None = None
-    spec_targets: torch.Tensor | None = None
+    spec_verdict: torch.Tensor | None = None
 
 
-class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
+class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, LoraUpdates):
     """The model, its KV cache, the sampler and per-request state of one worker.
 
     Give exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` (the pool then holds as
@@ -193,7 +195,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         self._constrained = np.zeros(0, np.bool_)
         self._in_flight: LaunchedStep | None = None  # the unfinished step a launch may read tokens of
         self._ends: list[tuple[int, str]] = []
-        self._spec_targets: torch.Tensor | None = None  # of the step being launched (see _run_ragged)
+        self._spec_verdict: torch.Tensor | None = None  # of the step being launched (see _run_ragged)
         self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, max_num_seqs)
 
     @property
@@ -263,7 +265,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
             item.num_computed + item.num_scheduled == state.num_known + len(item.proposal)
             for item, state in zip(work, states)
         ]
-        self._in_flight, self._ends, self._spec_targets = before, [], None
+        self._in_flight, self._ends, self._spec_verdict = before, [], None
         sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
         launched.ends, self._in_flight = self._ends, None
         for item, state in zip(work, states):
@@ -271,12 +273,12 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
         launched.slots = [slot for slot, _ in sampling]
         launched.states = [state for _, state in sampling]
-        if self._spec_targets is not None:
+        if self._spec_verdict is not None:
             sampled_items = [item for item, flag in zip(work, samples) if flag]
             launched.spec_rows = [i for i, item in enumerate(sampled_items) if item.proposal]
             launched.spec_proposals = [sampled_items[i].proposal for i in launched.spec_rows]
-            host = torch.empty(self._spec_targets.shape, dtype=torch.int64, pin_memory=self._cuda)
-            launched.spec_targets = host.copy_(self._spec_targets, non_blocking=self._cuda)
+            host = torch.empty(self._spec_verdict.shape, dtype=torch.int64, pin_memory=self._cuda)
+            launched.spec_verdict = host.copy_(self._spec_verdict, non_blocking=self._cuda)
         launched.start = start
         if plan.planned_ahead:
             launched.before = before  # (its finish may still fail this one: see finish)
@@ -429,15 +431,15 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps):
         sample_slots = torch.from_numpy(slots[sample_rows]).to(self.device, non_blocking=True)
         if self.tensor_parallel.rank == 0:
             ends = np.asarray(metadata.query_start_loc_host[1:], dtype=np.int64)
-            # Speculative rows also score each position before their last (the targets their
-            # proposals are checked against): in the same LM head call, after the sampled rows.
+            # Speculative rows also score each position before their last (the distributions
+            # their proposals are verified against): in the same LM head call, after the sampled rows.
             spec_index = [
                 np.arange(end - item.num_scheduled, end - 1) for item, end in zip(work, ends.tolist()) if item.proposal
             ]
             logit_rows = np.concatenate([ends[sample_rows] - 1, *spec_index])
             logits = self.model.compute_logits(hidden[torch.from_numpy(logit_rows).to(self.device)])
             if spec_index:
-                self._spec_targets = logits[len(sample_rows) :].argmax(dim=-1)
+                self._spec_verdict = self._verify_proposals(logits[len(sample_rows) :], work, slots)
                 logits = logits[: len(sample_rows)]
             # The position of the token being drawn is fixed for each output index of a request,
             # so it keys a seeded draw as well as the output index would, across preemptions too.

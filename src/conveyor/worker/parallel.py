@@ -184,6 +184,16 @@ def all_reduce_(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return tensor
 
 
+def all_ranks_agree(ok: bool, tp: TensorParallel, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank (an all-reduce MIN; every rank must call it at the
+    same point of its work). ``ok`` itself at size 1."""
+    if tp.size == 1:
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp.group)
+    return bool(flag.item())
+
+
 def broadcast_from_first_(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with rank 0's (its sampled ids); returns it.
     No-op at size 1."""

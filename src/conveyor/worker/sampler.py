@@ -8,7 +8,9 @@ every filter see only allowed tokens; a batch without them skips it on a host fl
 rows (temperature 0) take the exact argmax of the logits then. Other rows are
 divided by their temperature, filtered (top-k, then top-p, then min-p; each disabled by
 its neutral value) and sampled with the exponential race: ``argmax(p / E)`` with
-``E ~ Exp(1)`` i.i.d. picks token ``i`` with probability ``p_i``.
+``E ~ Exp(1)`` i.i.d. picks token ``i`` with probability ``p_i``. What a row draws from is one
+function, :meth:`Sampler.distribution` (greedy rows: a point mass at the argmax), which the
+speculative verification (:mod:`conveyor.worker.speculative_verify`) reads too.
 
 The parameters arrive as one tensor per field (:class:`SamplingBatch`), filled from the
 runner's per-slot host columns (:class:`SamplingColumns`); which filters run at all is
@@ -66,16 +68,29 @@ def draw_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return splitmix64(splitmix64(seeds) ^ positions)
 
 
+def stream_uniforms(keys: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """float32 ``[N, count]`` uniforms in ``(0, 1)``: entry ``(i, j)`` is element ``first + j``
+    of the splitmix64 stream started at ``keys[i]``, its top 24 bits (midpoints, never 0 or 1).
+    Element 0 is the speculative verification's acceptance uniform, elements 1.. the
+    exponential noise of :func:`exponential_noise`: one key, independent draws."""
+    steps = torch.arange(first, first + count, dtype=torch.int64, device=keys.device) * _signed(_GAMMA)
+    bits = _shift_right(splitmix64(keys[:, None] + steps[None, :]), 64 - _NOISE_BITS)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _NOISE_BITS))
+
+
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 ``[N, vocab]`` Exp(1) draws; entry ``(i, j)`` depends only on ``keys[i]`` and ``j``.
 
-    Token ``j`` of row ``i`` takes element ``j + 1`` of the splitmix64 stream started at the
-    row's key; its top 24 bits give a uniform ``u`` in ``(0, 1)`` (midpoints, never 0 or 1),
-    and ``-log(u)`` is exponential, never 0."""
-    steps = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _signed(_GAMMA)
-    bits = _shift_right(splitmix64(keys[:, None] + steps[None, :]), 64 - _NOISE_BITS)
-    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _NOISE_BITS))
-    return uniform.log_().neg_()
+    Token ``j`` of row ``i`` takes element ``j + 1`` of the row's stream
+    (:func:`stream_uniforms`): ``-log(u)`` is exponential, never 0."""
+    return stream_uniforms(keys, 1, vocab).log_().neg_()
+
+
+def race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[N]`` draws from the rows of non-negative ``weights`` ``[N, V]`` (normalized or not):
+    ``argmax(w / E)`` with ``E`` the rows' :func:`exponential_noise` picks ``j`` with
+    probability ``w_j / sum(w)``."""
+    return (weights / exponential_noise(keys, weights.shape[-1])).argmax(dim=-1)
 
 
 @dataclass
@@ -232,13 +247,23 @@ class Sampler:
         return sampled
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Greedy rows' argmax, the others' filtered draw (module docstring)."""
-        greedy = logits.argmax(dim=-1)
+        """Each row's draw from its :meth:`distribution` (module docstring); a batch of greedy
+        rows takes the argmax at once (what the race on their point masses would give)."""
         if batch.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
+        return race(self.distribution(logits, batch), self.keys(batch))
+
+    def distribution(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """float32 ``[N, V]``: the distribution each row draws from. A greedy row's is a point
+        mass at its argmax; a sampling row's the softmax of its logits over its temperature
+        after top-k, top-p and min-p. The one definition of what a row samples from: the
+        speculative verification (:mod:`conveyor.worker.speculative_verify`) reads it too."""
+        greedy = logits.argmax(dim=-1)
         vocab = logits.shape[-1]
         device = logits.device
         sampling = batch.temperature > 0
+        if batch.all_greedy:
+            return torch.nn.functional.one_hot(greedy, vocab).to(torch.float32)
         logits = logits / torch.where(sampling, batch.temperature, 1.0)[:, None]
         if batch.any_top_k or batch.any_top_p:
             # Both filters act on ranks: mask in descending order, then put tokens back in
@@ -259,15 +284,20 @@ class Sampler:
             probs = logits.softmax(dim=-1)
             threshold = batch.min_p.clamp_min(0.0)[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
+        probs = torch.where(sampling[:, None], logits.softmax(dim=-1), 0.0)
+        # greedy rows: 1 at the argmax (sampling rows add 0)
+        return probs.scatter_add_(1, greedy[:, None], (~sampling).to(probs.dtype)[:, None])
+
+    def keys(self, batch: SamplingBatch) -> torch.Tensor:
+        """int64 ``[N]`` noise keys of the rows' draws: a seeded row's :func:`draw_keys`, the
+        other sampling rows' from the sampler's generator (module docstring)."""
         keys = draw_keys(batch.seed, batch.positions)
         if batch.any_unseeded:
             drawn = torch.randint(
-                -(1 << 63), (1 << 63) - 1, keys.shape, generator=self._generator, dtype=torch.int64, device=device
+                -(1 << 63), (1 << 63) - 1, keys.shape, generator=self._generator, dtype=torch.int64, device=keys.device
             )
             keys = torch.where(batch.seeded, keys, drawn)
-        probs = logits.softmax(dim=-1)
-        sampled = (probs / exponential_noise(keys, vocab)).argmax(dim=-1)
-        return torch.where(sampling, sampled, greedy)
+        return keys
 
 
 def batch_from_rows(

@@ -118,6 +118,7 @@ def compile_all(capability: int = 90) -> list[Compiled]:
     from conveyor.kernels.block_copy import _launch_copy_blocks
     from conveyor.kernels.extend_attention import extend_attention
     from conveyor.kernels.kv_store import kv_store
+    from conveyor.kernels.lora import lora_expand, lora_shrink, segment_tiles, tile_tokens
     from conveyor.kernels.paged_decode import paged_decode_attention
     from conveyor.kernels.rms_norm import add_rms_norm_triton
     from conveyor.kernels.rope_kv_store import rope_kv_store
@@ -165,6 +166,20 @@ def compile_all(capability: int = 90) -> list[Compiled]:
             add_rms_norm_triton(x, None, torch.empty(hidden, dtype=dtype), 1e-5)
             silu_mul_triton(torch.empty(8, 2 * intermediate, dtype=dtype))
         _launch_copy_blocks(torch.empty(2, 8, 16, 8, 128, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64))
+        # LoRA: 1B qkv (3 pieces) and 8B gate_up (2) / down (1), decode (split-K) and prefill tiles.
+        for dtype, rank, in_features, widths in ((torch.bfloat16, 16, 2048, [2048, 512, 512]),
+                                                 (torch.bfloat16, 64, 4096, [14336, 14336]),
+                                                 (torch.float16, 8, 14336, [4096]),
+                                                 (torch.float32, 16, 2048, [2048, 512, 512])):
+            bounds = torch.tensor([[0, w] for w in widths], dtype=torch.int32)
+            a = torch.empty(8, len(widths) * rank, in_features, dtype=dtype)
+            b = torch.empty(8, sum(widths), len(widths) * rank, dtype=dtype)
+            for tokens in (8, 2048):
+                block = tile_tokens(tokens)
+                token_ids, tiles = (torch.from_numpy(t) for t in segment_tiles(torch.arange(tokens).numpy() % 8, block))
+                shrunk = lora_shrink(torch.empty(tokens, in_features, dtype=dtype), a, token_ids, tiles, block)
+                lora_expand(shrunk, b, torch.empty(tokens, sum(widths), dtype=dtype), token_ids, tiles, bounds,
+                            max(widths), block)
     finally:
         JITFunction.run = original
     return results

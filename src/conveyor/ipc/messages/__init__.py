@@ -17,7 +17,8 @@ The modules: :mod:`~conveyor.ipc.messages.tagged` (the frame: :class:`Message`, 
 registry, :class:`Positional`, :data:`Int32Array`), :mod:`~conveyor.ipc.messages.frontend_scheduler`
 (requests in, tokens and stats out), :mod:`~conveyor.ipc.messages.scheduler_worker` (plans and
 results, with the invariants their receivers rely on), :mod:`~conveyor.ipc.messages.process_control`
-(ready, failed, shutdown) and :mod:`~conveyor.ipc.messages.profile_reports`. Every name is
+(ready, failed, shutdown), :mod:`~conveyor.ipc.messages.profile_reports` and
+:mod:`~conveyor.ipc.messages.lora_updates` (adapters loaded and unloaded while serving). Every name is
 re-exported here, and importing this package registers every message type.
 """
 
@@ -47,6 +48,18 @@ from conveyor.ipc.messages.frontend_scheduler import (
     sequence_id,
     speculation_rates,
 )
+from conveyor.ipc.messages.lora_updates import (
+    LORA_ALREADY_LOADED,
+    LORA_IN_USE,
+    LORA_INVALID,
+    LORA_NOT_FOUND,
+    LORA_OK,
+    CommitLora,
+    LoadLora,
+    LoraRead,
+    LoraUpdated,
+    UnloadLora,
+)
 from conveyor.ipc.messages.process_control import (
     ProcessFailed,
     ProcessReady,
@@ -75,10 +88,19 @@ __all__ = [
     "AbortRequests",
     "AddRequest",
     "CachedRequests",
+    "CommitLora",
     "CounterSummary",
     "FinishReason",
     "ITERATION_TOKEN_BUCKETS",
     "Int32Array",
+    "LORA_ALREADY_LOADED",
+    "LORA_IN_USE",
+    "LORA_INVALID",
+    "LORA_NOT_FOUND",
+    "LORA_OK",
+    "LoadLora",
+    "LoraRead",
+    "LoraUpdated",
     "MAX_LOGIT_BIAS",
     "MAX_SLOTS",
     "MESSAGE_TYPES",
@@ -105,6 +127,7 @@ __all__ = [
     "TokenLogprobs",
     "TokenOutputs",
     "TraceEvents",
+    "UnloadLora",
     "int_list",
     "message",
     "sequence_id",

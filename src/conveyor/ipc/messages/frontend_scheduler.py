@@ -67,6 +67,10 @@ class SamplingParams(Positional, frozen=True):
     # max_logprobs (checked by the frontend).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Whether the request's decodes may verify proposed tokens when the server speculates
+    # (scheduler/speculation.py); false opts out. The output's distribution is the same
+    # either way; the worker never reads it.
+    speculate: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -250,6 +254,8 @@ class SchedulerStats(Message, tag=12):
     iteration_token_sum: int = 0
     iteration_fields: list[str] = field(default_factory=list)
     recent_iterations: list[list[int | float]] = field(default_factory=list)
+    # The LoRA adapters requests may name now (--lora-modules and those loaded since).
+    lora_adapters: list[str] = field(default_factory=list)
 
 
 def speculation_rates(stats: Mapping[str, Any]) -> dict[str, float]:

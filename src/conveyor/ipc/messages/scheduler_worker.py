@@ -103,8 +103,9 @@ class CachedRequests(Positional):
     new_block_ids: list[list[int]] = field(default_factory=list)
     # Speculative decoding: the rows (increasing) that verify proposed tokens, each with its
     # proposal at the same index of ``spec_token_ids``. Such a row runs its last known token
-    # then the proposal (``num_scheduled_tokens == 1 + len(proposal)``); the worker accepts
-    # greedily and reports the tokens gained in ``StepResult.spec_token_ids``.
+    # then the proposal (``num_scheduled_tokens == 1 + len(proposal)``); the worker verifies
+    # it by rejection sampling (conveyor.worker.speculative_verify) and reports the tokens
+    # gained in ``StepResult.spec_token_ids``.
     spec_rows: list[int] = field(default_factory=list)
     spec_token_ids: list[list[int]] = field(default_factory=list)
 
@@ -187,7 +188,7 @@ class StepResult(Message, tag=30):
     logprobs: StepLogprobs | None = None
     prompt_logprobs: StepLogprobs | None = None
     # Speculative rows (the plan's ``spec_rows``): the request on ``spec_slots[i]`` advanced by
-    # its ``sampled_token_ids`` row (the target's token at the first position) and then by the
-    # tokens ``spec_token_ids[i]`` (the accepted proposals' successors; possibly none).
+    # its ``sampled_token_ids`` row (the first token it emitted) and then by the tokens
+    # ``spec_token_ids[i]`` (the rest; possibly none).
     spec_slots: list[int] = field(default_factory=list)
     spec_token_ids: list[list[int]] = field(default_factory=list)

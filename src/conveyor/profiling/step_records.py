@@ -4,6 +4,7 @@ series (:class:`StepRecorder`), and the columns read back from a profile reply
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -18,27 +19,44 @@ STEP_SHAPE_SERIES: tuple[str, ...] = (
     "step_decode_seqs",  # requests with exactly one token scheduled
     "step_context_tokens",  # sum over the plan of (computed + scheduled): attention's reach
     "step_copied_blocks",  # swap-outs + swap-ins + block copies
+    "step_prefill_attention",  # sum over those requests of scheduled x (computed + scheduled): query-key pairs
+    "step_decode_classes",  # distinct lengths among the decode rows, at a ratio of LENGTH_CLASS_RATIO
 )
+# A batched attention pads the rows of a group to its longest; the CPU backend keeps a group's
+# padding within 1.25x (worker/attention/torch_batched.py), so rows whose lengths differ by
+# more run as separate groups: per-group work a sum of lengths cannot show.
+LENGTH_CLASS_RATIO = 1.25
 STEP_TIME_SERIES = "step_time"  # ms the worker was busy with the step (StepRecorder says which)
 STEP_SERIES: tuple[str, ...] = (*STEP_SHAPE_SERIES, STEP_TIME_SERIES)
 STEP_CAPACITY = 1 << 16
 
 
-def plan_shape(plan: Any) -> tuple[int, int, int, int]:
+def plan_shape(plan: Any) -> tuple[int, int, int, int, int, int]:
     """A :class:`~conveyor.ipc.messages.StepPlan`'s shape, in :data:`STEP_SHAPE_SERIES` order.
 
     The same counts as the scheduler's iteration log (``prefill_tokens``, ``decode_tokens``,
     ``context_tokens``, swap blocks), computed from the plan alone so the worker can record
-    them beside its own step time and a simulator can price a plan it never ran."""
-    cached = plan.cached_requests
-    new = plan.new_requests
-    scheduled = np.concatenate(
-        [np.fromiter((r.num_scheduled_tokens for r in new), np.int64, len(new)), np.asarray(cached.num_scheduled_tokens, np.int64)]
-    )
-    computed = sum(r.num_computed_tokens for r in new) + int(np.asarray(cached.num_computed_tokens, np.int64).sum())
+    them beside its own step time and a simulator can price a plan it never ran; and the
+    prefill's attention pairs, the term quadratic in a prompt's length (each of its new
+    tokens scores every key up to the chunk's end), and the decode rows' length classes
+    (:data:`LENGTH_CLASS_RATIO`), which a sum of lengths cannot show either."""
+    scheduled = _per_request(plan, "num_scheduled_tokens")
+    computed = _per_request(plan, "num_computed_tokens")
     multi = scheduled > 1
     copies = len(plan.swap_out) + len(plan.swap_in) + len(plan.copy_blocks)
-    return int(scheduled[multi].sum()), int((~multi).sum()), computed + int(scheduled.sum()), copies
+    reach = computed + scheduled
+    pairs = int((scheduled[multi] * reach[multi]).sum())
+    decode = reach[~multi]
+    # class k holds lengths in [ratio^k, ratio^(k+1)); bincount over the few k is cheaper than a sort
+    classes = int(np.count_nonzero(np.bincount((np.log(np.maximum(decode, 1)) / math.log(LENGTH_CLASS_RATIO)).astype(np.int64))))
+    return int(scheduled[multi].sum()), int((~multi).sum()), int(reach.sum()), copies, pairs, classes
+
+
+def _per_request(plan: Any, name: str) -> np.ndarray:
+    """Field ``name`` of every request in ``plan``: new requests first, then cached ones."""
+    new = plan.new_requests
+    cached = np.asarray(getattr(plan.cached_requests, name), np.int64)
+    return np.concatenate([np.fromiter((getattr(r, name) for r in new), np.int64, len(new)), cached])
 
 
 class StepRecorder:
@@ -57,7 +75,7 @@ class StepRecorder:
         self._series.append(prof.series(STEP_TIME_SERIES, "ms", capacity=STEP_CAPACITY))
         self._last_end_ns = 0
 
-    def record(self, shape: tuple[int, int, int, int], received_ns: int, end_ns: int) -> None:
+    def record(self, shape: tuple[int, ...], received_ns: int, end_ns: int) -> None:
         start = max(received_ns, self._last_end_ns)
         self._last_end_ns = end_ns
         for series, value in zip(self._series, (*shape, (end_ns - start) / NS_PER_MS)):

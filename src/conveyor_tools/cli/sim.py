@@ -8,9 +8,9 @@
 
 ``calibrate`` reads the per-step records (plan shape, busy time) the worker keeps under
 --profile, which ``bin/bench offline`` saves in its JSON (``extra.step_records``), and fits
-the linear cost model of :mod:`conveyor_tools.sim.cost` by least squares; ``--tp`` says which
-tensor-parallel size the run had (a file holds one model per size; calibrating another size
-adds it). ``run`` replays a workload (bin/bench's, same seeds) or a trace through the real
+the linear cost model of :mod:`conveyor_tools.sim.cost` (non-negative, outliers left out);
+``--tp`` says which tensor-parallel size the run had (a file holds one model per size;
+calibrating another size adds it). ``run`` replays a workload (bin/bench's, same seeds) or a trace through the real
 scheduler in virtual time (:mod:`conveyor_tools.sim.simulator`). ``sweep`` tries
 data-parallel replicas x tensor-parallel sizes x batch knobs at a target rate and prints the
 cheapest configuration (fewest GPUs) whose p99 TTFT and TPOT meet the bounds. The product
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.profiling import STEP_SERIES, plan_shape
+from conveyor.profiling import STEP_SERIES
 from conveyor.runtime.config import SchedulerConfig
 from conveyor_tools.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
 from conveyor_tools.sim.cost import CostModel, fit, records_arrays
@@ -69,8 +69,12 @@ def calibrate(paths: list[str], tp: int, out: str, sync_overhead_s: float | None
                 if rec.get("num_blocks"):
                     blocks.append(int(rec["num_blocks"]))
     if not shapes or sum(len(t) for t in times) == 0:
-        raise SystemExit(f"calibrate: no step records in {', '.join(paths)} (bin/bench offline with a profiling server writes them)")
-    cost = fit(np.concatenate(shapes), np.concatenate(times), source=", ".join(paths))
+        raise SystemExit(
+            f"calibrate: no step records with every series of {', '.join(STEP_SERIES)} in {', '.join(paths)} "
+            "(bin/bench offline with a profiling server writes them; a run of an older tree lacks the newer series)"
+        )
+    runs = np.concatenate([np.full(len(t), k) for k, t in enumerate(times)])
+    cost = fit(np.concatenate(shapes), np.concatenate(times), source=", ".join(paths), runs=runs)
     cost.num_blocks = min(blocks) if blocks else None
     model = CostModel.load(out) if Path(out).exists() else CostModel({})
     model.by_tp[tp] = cost
@@ -128,7 +132,7 @@ def run_once(args: argparse.Namespace, model: CostModel, requests: list[SimReque
     config = scheduler_config(args, model, tp, max_num_seqs, max_batched)
     cost = model.step(tp)
     result = simulate(
-        requests, config, lambda plan: cost.time(plan_shape(plan)), replicas=dp, overlap=not args.no_overlap,
+        requests, config, cost, replicas=dp, overlap=not args.no_overlap,
         sync_overhead_s=model.sync_overhead_s,
     )  # fmt: skip
     return {"tp": tp, "dp": dp, "gpus": tp * dp, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched,

@@ -44,6 +44,7 @@ import numpy as np
 from conveyor.ipc.messages import AddRequest, SamplingParams, StepPlan, StepResult, TokenOutputs
 from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.scheduler import Scheduler
+from conveyor_tools.sim.cost import StepCost
 
 SAMPLED_TOKEN = 1  # the token the counter "samples": its value never matters with EOS ignored
 
@@ -321,7 +322,7 @@ def _weighted(values: list[float], weights: list[float]) -> float | None:
 def simulate(
     requests: list[SimRequest],
     config: SchedulerConfig,
-    step_time: Callable[[StepPlan], float],
+    step_time: StepCost | Callable[[StepPlan], float],
     *,
     replicas: int = 1,
     overlap: bool = True,
@@ -330,10 +331,14 @@ def simulate(
 ) -> SimResult:
     """Replay ``requests`` (any order; ids default to their index) on ``replicas``
     data-parallel replicas, each a scheduler with ``config`` and steps priced by
-    ``step_time``. Routing is the frontend's (:mod:`conveyor.frontend.replicas`): each request
+    ``step_time``: a :class:`StepCost` prices each replica's steps with a pricer of its own
+    (a server's warm-up is its own), any other callable is shared as it is. Routing is the frontend's (:mod:`conveyor.frontend.replicas`): each request
     goes to the replica with the fewest outstanding requests, ties broken by their prompt
     tokens, then by the replica picked least recently."""
-    reps = [Replica(config, step_time, overlap, sync_overhead_s, record_steps) for _ in range(replicas)]
+    def pricer() -> Callable[[StepPlan], float]:
+        return step_time.pricer() if isinstance(step_time, StepCost) else step_time
+
+    reps = [Replica(config, pricer(), overlap, sync_overhead_s, record_steps) for _ in range(replicas)]
     named = [r if r.request_id else SimRequest(r.arrival, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(requests)]
     named.sort(key=lambda r: r.arrival)
     last_pick = [-1] * replicas  # as the frontend's: ties go to the lowest index

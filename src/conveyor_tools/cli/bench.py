@@ -59,6 +59,7 @@ from conveyor_tools.cli.bench_options import (
     serve_flags,
 )
 from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.ipc.messages import speculation_rates
 from conveyor.worker.main import resolve_device
 
 
@@ -125,6 +126,9 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             idle = report.worker_idle_fraction(run.extra.get("server_profile"))
             if idle is not None:
                 record["summary"]["worker_idle_fraction"] = idle
+            counters = run.extra.get("scheduler_counters") or {}
+            if counters.get("spec_num_proposals"):  # the server speculated: its acceptance
+                record["summary"].update(speculation_rates(counters))
             results[name]["runs"].append(record["summary"])
             results[name].update({k: v for k, v in record.items() if k != "summary"})
     for name, result in results.items():

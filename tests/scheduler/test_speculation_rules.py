@@ -77,9 +77,10 @@ def test_rejections_count_no_accepted_positions():
     h.run()
     h.check_outcomes()
     stats = h.scheduler.stats()
-    # Steps 2 to 4 propose (step 5, the last token, has no room), the third cut to that room.
-    assert stats["num_steps"] == 5 and stats["spec_num_proposals"] == stats["spec_num_steps"] == 3
-    assert stats["spec_proposed_tokens"] == 2 + 2 + 1
+    # Step 2 proposes, is rejected whole and backs off for step 3; step 4 proposes, cut to the
+    # room left (step 5, the last token, has none).
+    assert stats["num_steps"] == 5 and stats["spec_num_proposals"] == stats["spec_num_steps"] == 2
+    assert stats["spec_proposed_tokens"] == 2 + 1
     assert stats["spec_accepted_tokens"] == 0 and stats["spec_accepted_per_position"] == [0, 0]
     rates = speculation_rates(stats)
     assert rates["spec_acceptance_rate"] == 0.0 and rates["spec_mean_acceptance_length"] == 1.0
@@ -110,3 +111,22 @@ def test_the_batch_rule_off_lets_every_batch_propose():
     seen = proposing_decodes(h)
     assert any(decodes == 3 and proposing == 3 for decodes, proposing in seen), seen
     assert h.scheduler.stats()["spec_num_limited_steps"] == 0
+
+
+def test_a_request_whose_proposals_all_miss_backs_off():
+    """Outputs that walk the prompt with a stride of 7: every lookup hits (each token is in the
+    prompt) and proposes its successor there, never the token that comes. Whole rejections
+    in a row skip 1, 3, 7, then 15 decodes each, so of 40 decodes only decodes 1, 3, 7, 15
+    and 31 propose, not all 40."""
+    prompt = list(range(100, 150))
+
+    def stride(request_id: str, position: int) -> int:
+        return 100 + (7 * position) % 50
+
+    h = harness(token_fn=stride, k=3)
+    h.add("r1", prompt=prompt, max_tokens=41, temperature=0.0, ignore_eos=True)
+    h.run()
+    h.check_outcomes()
+    stats = h.scheduler.stats()
+    assert stats["spec_accepted_tokens"] == 0 and stats["num_steps"] == 41
+    assert stats["spec_num_proposals"] == 5

@@ -43,6 +43,7 @@ from conveyor.ipc.messages import (
 from conveyor.scheduler.preemption import drop_kv
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.slot_columns import ALARM, EOS, GEN, KNOWN
+from conveyor.scheduler.speculation import back_off
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ def _accepted_runs(state: SchedulerState, step: Step, result: StepResult) -> dic
             continue  # ended while the plan ran
         run = gained.get(slot, [])[: len(proposal)]
         cols.computed[slot] -= len(proposal) - len(run)
+        back_off(cols.owner[slot], len(run))
         verified += 1
         state.spec_proposed_tokens += len(proposal)
         state.spec_accepted_tokens += len(run)

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 PREFLIGHT_S = 30
 CPU_LIMIT_S = 30  # every --cpu stage: a bin/serve start or a torch import alone takes ~15 s on two busy cores
 KILL_GRACE_S = 10  # after the SIGINT, timeout's SIGKILL
+SPEC_TESTS = "tests/engine/test_verify_step_graphs.py"  # the spec_tests stage's, not gpu_tests'
 MODULES = ("conveyor", "zmq", "msgspec", "triton", "torch", "transformers")
 VERSIONS = """
 import importlib, sys
@@ -175,7 +176,8 @@ def stages(cpu: bool, results: Path, checkpoint: Path) -> list[Stage]:
     if cpu:  # the gpu-marked tests of one file (they skip here); the collection of all would eat the deadline
         out.append(Stage("gpu_tests", CPU_LIMIT_S, [*pytest, "-m", "gpu", "tests/kernels/test_block_copy.py"]))
     else:  # kernels run in their own stage below, compiled
-        out.append(Stage("gpu_tests", 90, [*pytest, "-m", "gpu", "tests", "--ignore=tests/kernels"]))
+        out.append(Stage("gpu_tests", 90, [*pytest, "-m", "gpu", "tests", "--ignore=tests/kernels",
+                                           f"--ignore={SPEC_TESTS}"]))
     checkpoint_cmd = [py, str(Path(__file__).resolve()), "checkpoint", str(checkpoint)] + (["--tiny"] if cpu else [])
     out.append(Stage("checkpoint", CPU_LIMIT_S if cpu else 40, checkpoint_cmd))
     out.append(bench("conveyor_b128", "conveyor", 4 if cpu else 128, 8 if cpu else 256, 45))
@@ -198,6 +200,14 @@ def stages(cpu: bool, results: Path, checkpoint: Path) -> list[Stage]:
     out.append(Stage("decode_step", CPU_LIMIT_S if cpu else 70, [py, str(REPO / "bench" / "decode_step.py"), "--checkpoint",
                      str(checkpoint), *(["--device", "cpu", "--dtype", "float32"] if cpu else []), *grid,
                      "--out", step_json], [step_json]))
+    # Speculative verify steps through the static buffers (issue 28): their graphs == eager
+    # tests, then plain / ragged-verify / static-verify decoding side by side (bench/speculative.py).
+    out.append(Stage("spec_tests", CPU_LIMIT_S if cpu else 60, [*pytest, "-m", "gpu", SPEC_TESTS]))
+    spec_json = str(results / "speculative.json")
+    spec_args = ["--smoke", "--threads", "1"] if cpu else ["--device", "cuda", "--dtype", "bfloat16", "--requests", "8",
+                                                          "--prompt-len", "256", "--max-tokens", "64", "--kv-cache-memory", "20"]
+    out.append(Stage("speculative", CPU_LIMIT_S if cpu else 75, [py, str(REPO / "bench" / "speculative.py"), "--checkpoint",
+                     str(checkpoint), *spec_args, "--out", spec_json], [spec_json]))
     kernels = [*pytest, "tests/kernels/test_block_copy.py" if cpu else "tests/kernels"]
     if importlib.util.find_spec("xdist") is not None and not cpu:
         kernels += ["-n", "8"]

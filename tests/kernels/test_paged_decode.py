@@ -195,3 +195,40 @@ def test_reference_matches_direct_softmax(gen) -> None:
     want = torch.softmax(q[0] @ keys.T * 0.5, dim=-1) @ values
     got = paged_decode_attention_ref(q, kv, table, torch.tensor([3]), 0.5)
     torch.testing.assert_close(got[0], want)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_len", "ratio", "window", "partition_size", "dtype"),
+    [
+        ((9, 40, 4), 4, 4, None, None, torch.float32),  # one tile of 16 rows: 4 tokens x 4 heads
+        ((301, 64), 4, 4, None, 40, torch.float32),  # split-K: the last partition starts among the queries
+        ((130, 75), 3, 8, 50, 16, torch.float32),  # windows: each query token's starts later
+        ((70, 5), 2, 1, None, 32, torch.bfloat16),
+        ((0, 33), 4, 2, None, 16, torch.float32),  # a padding row (no context): zeros
+    ],
+)
+def test_decode_of_several_query_tokens_per_sequence(device, gen, seq_lens, query_len, ratio, window, partition_size, dtype) -> None:
+    """``query_len`` tokens per sequence (a speculative verify in the static decode step): each
+    attends causally to its sequence's positions up to its own, as the extend kernel's
+    reference computes, across split-K partitions and windows."""
+    from conveyor.kernels.extend_attention import extend_attention_ref
+
+    num_kv_heads, head_dim, block_size = 2, 64, 16
+    kv, tables = random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=gen)
+    batch = len(seq_lens)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    query = random_query(batch * query_len, num_kv_heads * ratio, head_dim, dtype=dtype, device=device, generator=gen)
+    out = paged_decode_attention(
+        query, kv, tables, lens, head_dim**-0.5, window, max_seq_len=max(seq_lens), partition_size=partition_size,
+        query_len=query_len,
+    )
+    real = [b for b, n in enumerate(seq_lens) if n]  # (the reference needs seq_len >= query_len)
+    rows = torch.tensor([b * query_len + i for b in real for i in range(query_len)], device=device)
+    starts = torch.arange(len(real) + 1, dtype=torch.int32, device=device) * query_len
+    real_lens = lens[real]
+    ref = extend_attention_ref(
+        query[rows], kv, tables[real], starts, real_lens - query_len, real_lens, head_dim**-0.5, window
+    )
+    assert_attention_close(out[rows], ref, dtype)
+    padding = [b * query_len + i for b, n in enumerate(seq_lens) if not n for i in range(query_len)]
+    assert not out[padding].any()

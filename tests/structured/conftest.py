@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from conveyor.checkpoints.demo.checkpoint import END_OF_TURN, TOKENIZER_DIR
-from conveyor.structured import CompiledGrammar, EngineTokenizer, GrammarCompiler, MaskFiller, allocate_bitmask
+from conveyor.structured import CompiledGrammar, EngineTokenizer, GrammarCompiler, allocate_bitmask, fill_rows
 from conveyor.worker.grammar_mask import apply_token_bitmask
 
 pytest.importorskip("llguidance", reason="structured output needs the [structured] extra (in [test])")
@@ -45,13 +45,12 @@ def generate_batch(
     rows = list(range(free_rows, free_rows + len(matchers)))  # constrained rows after the free ones
     batch = free_rows + len(matchers)
     bitmask = allocate_bitmask(batch, VOCAB)
-    filler = MaskFiller(threads=1)
     tokens: list[list[int]] = [[] for _ in matchers]
     live = dict(zip(rows, range(len(matchers))))
     for _ in range(max_tokens):
         if not live:
             break
-        dead = filler.fill([(matchers[i], r) for r, i in live.items()], bitmask)
+        dead = fill_rows([(matchers[i], r) for r, i in live.items()], bitmask)
         assert not dead, [matchers[live[r]].error for r in dead]
         logits = torch.randn(batch, VOCAB, generator=gen) * 4
         before = logits[:free_rows].clone()

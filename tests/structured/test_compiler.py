@@ -15,8 +15,8 @@ from conveyor.structured import (
     Constraint,
     ConstraintError,
     GrammarCompiler,
-    MaskFiller,
     allocate_bitmask,
+    fill_rows,
 )
 from tests.no_torch import run_without_torch
 from tests.structured.conftest import BACKEND, EOS, VOCAB
@@ -157,14 +157,14 @@ def test_dead_end_is_reported_not_sampled(compiler) -> None:
     assert "doesn't satisfy the grammar" in m.error
     bitmask = allocate_bitmask(3, VOCAB)
     assert not m.fill(bitmask, 0)
-    assert MaskFiller().fill([(m, 0), (other, 2)], bitmask) == [0]
+    assert fill_rows([(m, 0), (other, 2)], bitmask) == [0]
 
 
-def test_batched_fill_equals_row_by_row(compiler) -> None:
+def test_step_fill_writes_only_its_rows(compiler) -> None:
     grammars = [compiler.compile(c) for c in (Constraint.regex("[0-9]+"), Constraint.choice(["red", "blue"]))]
     batched, single = allocate_bitmask(4, VOCAB), allocate_bitmask(4, VOCAB)
     rows = [(grammars[0].matcher(), 1), (grammars[1].matcher(), 3)]
-    assert MaskFiller(threads=2).fill(rows, batched) == []
+    assert fill_rows(rows, batched) == []
     for m, row in rows:
         assert m.fill(single, row)
     assert np.array_equal(batched, single)

@@ -29,20 +29,22 @@ def test_buckets():
 
 
 def test_staged_fields_reach_their_device_views():
-    buffers = StepBuffers([1, 4, 8], 6, torch.device("cpu"))
+    buffers = StepBuffers([1, 4, 8], 6, torch.device("cpu"), max_query_len=3)
     rng = np.random.default_rng(0)
-    for rows, width in ((4, 3), (8, 6), (1, 1), (4, 3)):
-        host = buffers.stage(rows, width)
-        assert host["slot_mapping"].tolist() == [-1] * rows and host["seq_lens"].tolist() == [1] * rows
+    for rows, width, q in ((4, 3, 1), (8, 6, 3), (1, 1, 2), (4, 3, 1), (8, 6, 1)):
+        host = buffers.stage(rows, width, q)
+        assert host["slot_mapping"].tolist() == [-1] * rows * q and host["seq_lens"].tolist() == [q] * rows
+        assert host["input_ids"].shape == (rows * q,) and host["block_tables"].shape == (rows, width)
         expected = {}
         for name, view in host.items():
             view[...] = rng.integers(0, 100, view.shape).astype(view.dtype)
             expected[name] = view.copy()
-        inputs = buffers.upload(rows, width)
-        assert inputs.rows == rows and inputs.query_start_loc.tolist() == list(range(rows + 1))
+        inputs = buffers.upload(rows, width, q)
+        assert inputs.rows == rows and inputs.query_len == q
+        assert inputs.query_start_loc.tolist() == list(range(0, rows * q + 1, q))
         for name, values in expected.items():
             assert np.array_equal(getattr(inputs, name).numpy(), values), name
-        assert buffers.inputs(rows, width).input_ids.data_ptr() == inputs.input_ids.data_ptr()  # fixed views
+        assert buffers.inputs(rows, width, q).input_ids.data_ptr() == inputs.input_ids.data_ptr()  # fixed views
 
 
 def decode_rows(runner: ModelRunner) -> list[int]:
@@ -50,9 +52,9 @@ def decode_rows(runner: ModelRunner) -> list[int]:
     calls: list[int] = []
     run_decode = runner._run_decode
 
-    def spy(work, states, samples):
+    def spy(work, states, samples, q):
         calls.append(len(work))
-        return run_decode(work, states, samples)
+        return run_decode(work, states, samples, q)
 
     runner._run_decode = spy
     return calls
@@ -108,11 +110,35 @@ def test_graphs_share_bounds_with_equal_launch_plans():
     Built without capturing, so it runs on CPU."""
     from conveyor.worker.cuda_graphs import DecodeGraphs
 
-    buffers = StepBuffers(decode_buckets(64), 8, torch.device("cpu"))
+    buffers = StepBuffers(decode_buckets(64), 8, torch.device("cpu"), max_query_len=4)
     bounds = [32, 64, 96, 128]
-    # big batches: one plan for every bound; small ones: bounds up to 64 differ from the rest
-    key = lambda rows, bound: "one" if rows >= 16 else ("short" if bound <= 64 else "long")  # noqa: E731
-    graphs = DecodeGraphs(lambda inputs, bound: None, buffers, bounds, 16, key)
-    assert [graphs.bound_for(32, seq) for seq in (1, 40, 100, 128)] == [128, 128, 128, 128]
-    assert [graphs.bound_for(4, seq) for seq in (1, 33, 65, 128)] == [64, 64, 128, 128]
+    # big batches: one plan for every bound; small ones: bounds up to 64 differ from the rest;
+    # verify steps (q > 1): one plan for every bound
+    key = lambda rows, q, bound: "one" if rows >= 16 or q > 1 else ("short" if bound <= 64 else "long")  # noqa: E731
+    graphs = DecodeGraphs(lambda inputs, bound: None, buffers, [1, 4], bounds, 16, key)
+    assert [graphs.bound_for(32, 1, seq) for seq in (1, 40, 100, 128)] == [128, 128, 128, 128]
+    assert [graphs.bound_for(4, 1, seq) for seq in (1, 33, 65, 128)] == [64, 64, 128, 128]
+    assert [graphs.bound_for(4, 4, seq) for seq in (4, 33, 65, 128)] == [128, 128, 128, 128]
     assert graphs.width(128) == 8 and graphs.width(64) == 4
+
+
+def test_which_steps_run_through_the_static_buffers(llama_dir):
+    """Decodes and verifies of proposals up to the width run static, padded to the fixed width
+    with graphs' padding (eagerly, to the longest proposal); prefill chunks, longer proposals
+    and padded positions past the buffers' last context bound run ragged (None)."""
+    from conveyor.worker.request_state import Work
+
+    def row(computed: int, proposal: tuple[int, ...] = (), scheduled: int | None = None) -> Work:
+        return Work(0, computed, 1 + len(proposal) if scheduled is None else scheduled, [], proposal)
+
+    padded = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3, pad_decode=True)
+    eager = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3)
+    assert padded._context_bounds[-1] == 64  # the pool's 16 blocks of 4
+    for runner, verify_q in ((padded, 4), (eager, 3)):
+        assert runner._static_query_len([row(5), row(7)]) == 1
+        assert runner._static_query_len([row(5, (1, 2)), row(7)]) == verify_q
+        assert runner._static_query_len([row(5, (1, 2, 3, 4))]) is None
+        assert runner._static_query_len([row(5), row(7, scheduled=3)]) is None
+        assert runner._static_query_len([row(64 - verify_q, (1, 2))]) == verify_q
+        assert runner._static_query_len([row(65 - verify_q, (1, 2))]) is None
+    assert ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16)._static_query_len([row(5, (1,))]) is None

@@ -46,3 +46,31 @@ def test_cuda_path_matches_the_reference(dtype) -> None:
     on_device = logits.cuda()
     apply_token_bitmask(on_device, bitmask, rows)
     assert torch.equal(on_device.cpu(), expected)
+
+
+def test_torch_path_runs_on_the_calling_thread(monkeypatch) -> None:
+    """The mask's ops run with torch's intra-op parallelism off (on a loaded CPU each parallel
+    region waits for an idle OpenMP worker to be scheduled: docs/structured-output.md), and
+    the caller's thread count comes back, also when the pass raises."""
+    import conveyor.worker.grammar_mask as grammar_mask
+
+    seen: list[int] = []
+    real = grammar_mask._apply_torch
+
+    def spy(logits, bitmask, rows):
+        seen.append(torch.get_num_threads())
+        real(logits, bitmask, rows)
+
+    monkeypatch.setattr(grammar_mask, "_apply_torch", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        logits = torch.zeros(2, 64)
+        apply_token_bitmask(logits, torch.zeros(2, 2, dtype=torch.int32), [1])
+        assert seen == [1] and torch.get_num_threads() == 2
+        assert torch.isinf(logits[1]).all() and not torch.isinf(logits[0]).any()
+        with pytest.raises(IndexError):
+            apply_token_bitmask(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int32), [5])  # no row 5
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -4,7 +4,8 @@
 the directory of allowed clients (DIR/clients/); ``bin/keygen DIR --client NAME`` adds a
 client (making the server's pair first if DIR has none): DIR/clients/NAME.key (its public
 key, which the server allows) and DIR/clients/NAME.key_secret (its key pair, to hand to that
-client with DIR/server.key). The
+client with DIR/server.key); ``bin/keygen DIR --cluster`` makes the key pair every node of a
+multi-node server holds (DIR/cluster.key_secret, for ``bin/serve --cluster-key``). The
 layout is :mod:`conveyor.ipc.transport`'s. Keys are never overwritten: a server key pair
 that already exists is kept (its clients keep working), and a client name in use is an
 error. Secret files are mode 0600, DIR/clients 0700.
@@ -46,6 +47,14 @@ def make_client_keys(keys_dir: str, name: str) -> str:
     return _create(clients, name)
 
 
+def make_cluster_key(keys_dir: str) -> str:
+    """The key pair of a multi-node server (``bin/serve --cluster-key``), DIR/cluster.key_secret;
+    returns it. Kept if there already: every node must hold the same one."""
+    os.makedirs(keys_dir, mode=0o700, exist_ok=True)
+    secret = os.path.join(keys_dir, f"{transport.CLUSTER_KEY_NAME}.key_secret")
+    return secret if os.path.exists(secret) else _create(keys_dir, transport.CLUSTER_KEY_NAME)
+
+
 def _create(directory: str, name: str) -> str:
     public, secret = zmq.auth.create_certificates(directory, name)
     os.chmod(secret, 0o600)
@@ -56,8 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="keygen", description="Make the CurveZMQ keys for bin/serve --auth-keys DIR.")
     p.add_argument("dir", help="key directory (made if missing)")
     p.add_argument("--client", metavar="NAME", help="add an allowed client NAME (and the server keys, if DIR has none)")
+    p.add_argument(
+        "--cluster", action="store_true", help="make DIR/cluster.key_secret, the key pair of bin/serve --nnodes > 1 --cluster-key"
+    )
     args = p.parse_args(argv)
     try:
+        if args.cluster:
+            secret = make_cluster_key(args.dir)
+            print(f"cluster key pair: {secret}; copy it to every node (bin/serve --cluster-key {secret})")
+            return 0
         made = make_server_keys(args.dir)
         if made or args.client is None:
             print(f"server key pair {'made' if made else 'kept (already there)'}: {transport.server_secret_key_file(args.dir)}")

@@ -81,8 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dist-init-addr",
         metavar="HOST:PORT",
-        help="with --nnodes > 1: node 0's address, where the ranks' process group meets (PORT) and the other nodes' "
-        "ranks read plans (PORT+1, PORT+2, ...); the same on every node",
+        help="with --nnodes > 1: node 0's address, where the ranks' process group meets (PORT), the nodes join node 0 "
+        "(PORT+1) and the other nodes' ranks read plans (PORT+2, PORT+3, ...); the same on every node",
+    )
+    p.add_argument(
+        "--cluster-key",
+        metavar="FILE",
+        help="with --nnodes > 1: the cluster key pair every node holds (bin/keygen DIR --cluster makes DIR/cluster.key_secret); "
+        "the sockets between nodes are CurveZMQ with it and admit no other key",
+    )
+    p.add_argument(
+        "--insecure-cluster",
+        action="store_true",
+        help="with --nnodes > 1 on one host's loopback only (tests): no --cluster-key, the sockets between nodes unauthenticated",
     )
     p.add_argument(
         "--distributed-timeout",

@@ -99,6 +99,7 @@ class ChannelSpec:
     readers: int = 1
     local_readers: int | None = None
     remote_address: str | None = None
+    remote_key: str | None = None  # --cluster-key: the remote readers' sockets are CurveZMQ with it
 
     def __post_init__(self) -> None:
         if not 1 <= self.readers <= shm_ring.MAX_READERS:
@@ -156,11 +157,13 @@ class StepChannels:
         plan_readers: int = 1,
         local_plan_readers: int | None = None,
         remote_plans_address: str | None = None,
+        remote_plans_key: str | None = None,
     ) -> StepChannels:
         """Both directions on their ZeroMQ sockets, with a ring each in ``run_dir`` when ``shm``.
         Plans go to ``plan_readers`` workers (the tensor-parallel ranks), the first
-        ``local_plan_readers`` on this host and the others at ``remote_plans_address``;
-        results come from one (rank 0, always local)."""
+        ``local_plan_readers`` on this host and the others at ``remote_plans_address``
+        (CurveZMQ with the key pair file ``remote_plans_key``, if any); results come from one
+        (rank 0, always local)."""
         return cls(
             ChannelSpec(
                 plans_address,
@@ -169,6 +172,7 @@ class StepChannels:
                 readers=plan_readers,
                 local_readers=local_plan_readers,
                 remote_address=remote_plans_address,
+                remote_key=remote_plans_key,
             ),
             ChannelSpec(results_address, shm_ring.ring_path(run_dir, "results.ring") if shm else None, RESULT_SLOT_BYTES),
         )
@@ -213,10 +217,16 @@ class StepSender:
     def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool) -> None:
         self._socks: list[zmq.Socket] = []  # the local readers'
         self._remote: list[zmq.Socket] = []  # the other nodes' readers'
+        self._authenticator = None
         try:
-            for reader in range(spec.readers):
-                sock = transport.socket(ctx, zmq.PUSH, spec.reader_address(reader), bind=bind)
-                (self._remote if spec.is_remote(reader) else self._socks).append(sock)
+            for reader in range(spec.num_local_readers):
+                self._socks.append(transport.socket(ctx, zmq.PUSH, spec.reader_address(reader), bind=bind))
+            remote = [ctx.socket(zmq.PUSH) for _ in range(spec.num_local_readers, spec.readers)]
+            self._remote = remote
+            if remote and spec.remote_key is not None:
+                self._authenticator = transport.ClusterKey.load(spec.remote_key).serve(ctx, remote)
+            for reader, sock in enumerate(remote, spec.num_local_readers):
+                transport.socket(ctx, zmq.PUSH, spec.reader_address(reader), bind=bind, sock=sock)
         except BaseException:
             self.close()
             raise
@@ -239,6 +249,9 @@ class StepSender:
     def close(self) -> None:
         for sock in self._socks + self._remote:
             sock.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
 
 
 class ZmqSender(StepSender):

@@ -119,6 +119,8 @@ class RemoteReceiver(ZmqReceiver):
     silent, ZeroMQ's heartbeats, every ``HEARTBEAT_S``, went unanswered for
     ``HEARTBEAT_TIMEOUT_S``): every wait then raises PeerGone once nothing is left to read.
     Before the first connection (the sender binds once the ranks are up) nothing is lost.
+    With the channel's ``remote_key`` the socket is a CurveZMQ client holding the cluster key;
+    a handshake node 0 refuses raises PeerGone saying so.
     """
 
     HEARTBEAT_S = 1.0
@@ -126,27 +128,30 @@ class RemoteReceiver(ZmqReceiver):
 
     def __init__(self, ctx: zmq.Context, spec: ChannelSpec, *, bind: bool, reader: int = 0) -> None:
         sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.HEARTBEAT_S * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.HEARTBEAT_TIMEOUT_S * 1000))
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._sock = sock
+        if spec.remote_key is not None:
+            transport.ClusterKey.load(spec.remote_key).join(sock)
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_FAILED
+        self._monitor = sock.get_monitor_socket(events)
         self._address = spec.reader_address(reader)
         self._connected = self._lost = False
-        sock.connect(self._address)
+        self._refused = ""  # why node 0 refused the handshake (a key that is not its own)
+        self._sock = transport.socket(ctx, zmq.PULL, self._address, bind=False, sock=sock)
 
     def _check_peer(self) -> None:
-        """Read the monitor's events; raise PeerGone once the connection is lost and no
-        message is left."""
+        """Read the monitor's events; raise PeerGone once the connection is lost (or refused)
+        and no message is left."""
         from zmq.utils.monitor import recv_monitor_message
 
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
-            self._connected |= event == zmq.EVENT_CONNECTED
+            self._connected |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
             self._lost |= event == zmq.EVENT_DISCONNECTED and self._connected
+            if event & transport.HANDSHAKE_FAILED:
+                self._lost, self._refused = True, transport.handshake_refusal(self._address)
         if self._lost and not self._sock.poll(0):
-            raise PeerGone(f"lost the connection to node 0 (the scheduler's plans at {self._address})")
+            raise PeerGone(self._refused or f"lost the connection to node 0 (the scheduler's plans at {self._address})")
 
     def recv(self, timeout_s: float | None = None) -> Any | None:
         if not self.wait(timeout_s):

@@ -88,9 +88,11 @@ def client_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-def socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq.Socket:
-    """A socket that never blocks close (linger 0) and has no high-water-mark drops on PUSH."""
-    sock = ctx.socket(kind)
+def socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool, sock: zmq.Socket | None = None) -> zmq.Socket:
+    """A socket that never blocks close (linger 0) and has no high-water-mark drops on PUSH;
+    ``sock``: set up this one (of ``kind``, its security options already set) instead of a new one."""
+    if sock is None:
+        sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if kind == zmq.PUSH:
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -276,16 +278,23 @@ def bind_client_socket(
     return sock, authenticator
 
 
+def load_key_pair(path: str, what: str) -> tuple[bytes, bytes]:
+    """(public, secret) of a ``.key_secret`` file bin/keygen wrote; ValueError starting with
+    ``what`` when it holds no key pair."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    if secret is None:
+        raise ValueError(f"{what} holds no secret key (pass the .key_secret file)")
+    return public, secret
+
+
 def client_curve_keys(sock: zmq.Socket, client_key: str, server_key: str) -> None:
     """Make ``sock`` a CurveZMQ client: its key pair from ``client_key`` (a ``.key_secret``
     file bin/keygen wrote) and the server's public key from ``server_key`` (its ``server.key``).
     ValueError naming the file when one holds no usable key."""
-    try:
-        public, secret = zmq.auth.load_certificate(client_key)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"client key {client_key}: {exc}") from None
-    if secret is None:
-        raise ValueError(f"client key {client_key} holds no secret key (pass the .key_secret file)")
+    public, secret = load_key_pair(client_key, f"client key {client_key}")
     try:
         server_public, _ = zmq.auth.load_certificate(server_key)
     except (OSError, ValueError) as exc:
@@ -293,3 +302,61 @@ def client_curve_keys(sock: zmq.Socket, client_key: str, server_key: str) -> Non
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+
+
+# ---------------------------------------------------------------- the sockets between nodes
+
+# bin/keygen DIR --cluster: the one key pair every node of a multi-node server holds.
+CLUSTER_KEY_NAME = "cluster"
+# CurveZMQ handshakes that failed, as a socket monitor reports them.
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+@dataclass(frozen=True)
+class ClusterKey:
+    """The key pair of ``--cluster-key FILE`` (a ``cluster.key_secret`` bin/keygen wrote),
+    shared by every node. Node 0's inter-node sockets are CurveZMQ servers with it, the other
+    nodes' connect as clients holding it, and a ZAP check admits no other client key: a peer
+    without the secret file can neither read what those sockets carry (encrypted) nor join."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, path: str) -> ClusterKey:
+        """ValueError naming ``path`` when it holds no key pair (bin/keygen DIR --cluster makes one)."""
+        return cls(*load_key_pair(path, f"--cluster-key {path}"))
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """The ZAP check: only a client holding this pair is admitted."""
+        return client_key == self.public
+
+    def serve(self, ctx: zmq.Context, socks: list[zmq.Socket]) -> ThreadAuthenticator:
+        """Make ``socks`` (not yet bound) CurveZMQ servers admitting only this key; returns the
+        context's ZAP thread (stop it before terminating ``ctx``)."""
+        authenticator = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
+        authenticator.start()
+        authenticator.configure_curve_callback("*", self)
+        for sock in socks:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        return authenticator
+
+    def join(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (not yet connected) a CurveZMQ client of a node serving this key."""
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.public)
+
+
+def handshake_refusal(address: str) -> str:
+    """What a failed handshake with node 0 at ``address`` means, for the error an operator
+    reads. libzmq's event does not tell the cases apart reliably (a client key node 0's ZAP
+    check refuses, another server key, or CurveZMQ on one side only), so this names them all."""
+    return (
+        f"node 0 at {address} refused this node's cluster key: the nodes' --cluster-key files differ "
+        "(or one node runs --insecure-cluster)"
+    )

@@ -1,14 +1,18 @@
-"""Paged decode attention: one new query token per sequence against its paged KV history.
+"""Paged decode attention: one new query token per sequence (or a few: a speculative verify)
+against its paged KV history.
 
 Two kernels, split-K ("flash decoding"):
 
 1. ``_decode_partial_kernel``, grid ``(batch, kv_heads, partitions)``. A program owns one KV
    head of one sequence and one contiguous range ("partition") of its context. It loads the
-   queries of every head in that KV head's GQA group as one ``[BLOCK_G, head_dim]`` tile, so each
-   K/V tile is read from memory once per group rather than once per query head, and runs an
-   online softmax over its range. It writes the normalized partial output and its log-sum-exp.
-2. ``_decode_reduce_kernel``, grid ``(batch, heads)``, merges the partitions of a sequence with
-   the usual rescaling by ``exp(lse_p - max lse)``.
+   queries of every head in that KV head's GQA group, for each of the sequence's
+   ``query_len`` query tokens, as one ``[BLOCK_M, head_dim]`` tile (row ``r``: token
+   ``r // group``, head ``r % group``), so each K/V tile is read from memory once per group
+   and step rather than once per query head and token, and runs an online softmax over its
+   range. It writes the normalized partial output and its log-sum-exp. (With ``query_len``
+   4 and a group of 4 the tile is the 16 rows ``tl.dot`` needs anyway.)
+2. ``_decode_reduce_kernel``, grid ``(batch * query_len, heads)``, merges the partitions of a
+   query token with the usual rescaling by ``exp(lse_p - max lse)``.
 
 Splitting the context lets batch 1 with a long context occupy every SM; with a large batch, or a
 short context, the wrapper picks one partition and the first kernel writes the final output
@@ -16,11 +20,13 @@ itself (the reduce kernel is not launched).
 
 Conventions and invariants:
 
-- ``seq_lens[b]`` counts every position including the current token, whose K/V is already in
-  the cache; the query sits at position ``seq_lens[b] - 1``.
-- Sliding window ``w``: the query attends to the last ``w`` positions including itself,
-  ``[seq_len - w, seq_len)``. Partitions tile that attended range, so a windowed sequence never
-  pays for positions it cannot see.
+- ``seq_lens[b]`` counts every position including the query tokens, whose K/V is already in
+  the cache; query token ``i`` sits at position ``p = seq_lens[b] - query_len + i`` and attends
+  causally, to positions ``<= p``.
+- Sliding window ``w``: a query attends to the last ``w`` positions including itself,
+  ``[p - w + 1, p]``. Partitions tile the range the sequence's queries attend, so a windowed
+  sequence never pays for positions none can see; a query token that sees nothing of a
+  partition gives it log-sum-exp -inf (weight 0 in the reduce).
 - Query heads ``[g * G, (g + 1) * G)`` share KV head ``g`` where ``G = heads // kv_heads``
   (the Hugging Face ``repeat_kv`` order).
 - Partition ``p`` of sequence ``b`` covers ``[start + p * P, min(start + (p + 1) * P, seq_len))``
@@ -92,7 +98,8 @@ def _decode_partial_kernel(
     partition_size,
     head_dim,
     group_size,
-    BLOCK_G: tl.constexpr,
+    query_len,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
@@ -105,8 +112,9 @@ def _decode_partial_kernel(
     part = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
+    first_pos = seq_len - query_len  # the position of the sequence's first query token
     if USE_WINDOW:
-        start = tl.maximum(seq_len - window, 0)
+        start = tl.maximum(first_pos - window + 1, 0)
     else:
         start = seq_len * 0
     part_start = start + part * partition_size
@@ -116,27 +124,31 @@ def _decode_partial_kernel(
         return
     part_end = tl.minimum(part_start + partition_size, seq_len)
 
-    offs_g = tl.arange(0, BLOCK_G)
+    # Row r of the tile: query token r // group_size of the sequence, head r % group_size of
+    # the group.
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < group_size
+    m_mask = offs_m < query_len * group_size
     d_mask = offs_d < head_dim
-    heads = kv_head * group_size + offs_g
+    heads = kv_head * group_size + offs_m % group_size
+    tokens = (b * query_len + offs_m // group_size).to(tl.int64)
+    q_pos = first_pos + offs_m // group_size
 
     q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
+        q_ptr + tokens[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
     v_base = k_base + stride_kv_kv
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
-    # Every tile starts inside [part_start, part_end), so it holds at least one valid position
-    # and the running max stays finite: no -inf - -inf below.
+    # A row may see nothing in a tile (a later query token's window, an earlier one's causal
+    # end): its statistics are measured against 0 then, never -inf - -inf.
     for n0 in range(part_start, part_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < part_end
@@ -145,10 +157,14 @@ def _decode_partial_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tile_dot(q, tl.trans(k), UPCAST) * qk_scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
@@ -156,17 +172,17 @@ def _decode_partial_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    out_mask = g_mask[:, None] & d_mask[None, :]
+    out_mask = m_mask[:, None] & d_mask[None, :]
     if DIRECT_OUT:
         tl.store(
-            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out_ptr + tokens[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=out_mask,
         )
     else:
-        mid = b.to(tl.int64) * stride_mid_b + heads * stride_mid_h + part * stride_mid_p
+        mid = tokens * stride_mid_b + heads * stride_mid_h + part * stride_mid_p
         tl.store(mid_o_ptr + mid[:, None] + offs_d[None, :], o, mask=out_mask)
-        tl.store(mid_lse_ptr + mid // BLOCK_D, m_i + tl.log2(l_safe), mask=g_mask)
+        tl.store(mid_lse_ptr + mid // BLOCK_D, m_i + tl.log2(l_safe), mask=m_mask)
 
 
 @triton.jit
@@ -183,27 +199,30 @@ def _decode_reduce_kernel(
     window,
     partition_size,
     head_dim,
+    query_len,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_WINDOW: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    t = tl.program_id(0)  # a query token: token t // query_len's sequence
     h = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + t // query_len)
     if USE_WINDOW:
-        span = tl.minimum(seq_len, window)
+        span = tl.minimum(seq_len, window + query_len - 1)
     else:
         span = seq_len
     num_parts = tl.cdiv(span, partition_size)
 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
-    base = b.to(tl.int64) * stride_mid_b + h * stride_mid_h
+    base = t.to(tl.int64) * stride_mid_b + h * stride_mid_h
 
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    # Each chunk holds at least one existing partition, whose lse is finite.
+    # The first chunk holds partition 0, which every query token sees part of (a partition is
+    # longer than the query tokens), so the max is finite from there on; a partition a token
+    # sees nothing of has lse -inf and weight 0.
     for p0 in range(0, num_parts, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         p_mask = offs_p < num_parts
@@ -218,7 +237,7 @@ def _decode_reduce_kernel(
         m = m_new
     l_safe = tl.where(l > 0.0, l, 1.0)
     tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        out_ptr + t.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
         (acc / l_safe).to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
@@ -230,7 +249,7 @@ class DecodePlan:
 
     block_n: int  # KV positions per tile
     block_d: int  # head_dim padded to a power of two
-    block_g: int  # query heads per GQA group, padded (tl.dot needs >= 16 rows)
+    block_g: int  # query rows per program: query tokens x GQA group, padded (tl.dot needs >= 16)
     partition_size: int  # KV positions per split-K partition
     num_partitions: int  # grid size along the context; 1 = no reduce kernel
 
@@ -253,6 +272,7 @@ def plan_decode_partitions(
     max_context: int,
     num_sms: int = 132,
     partition_size: int | None = None,
+    query_len: int = 1,
 ) -> DecodePlan:
     """Choose tiles and the split-K partitioning for a decode launch.
 
@@ -261,6 +281,7 @@ def plan_decode_partitions(
     as far as needed to give about ``TARGET_WAVES`` waves of programs over ``num_sms``, never into
     partitions of fewer than ``MIN_TILES_PER_PARTITION`` KV tiles and never into more than
     ``MAX_PARTITIONS``. The partition size is a multiple of the KV tile so tiles never straddle.
+    ``query_len`` query tokens per sequence share a program (one tile of their GQA group's rows).
     Cached: every decode launch asks, mostly with the same few shapes.
     """
     block_d = next_pow2(head_dim)
@@ -268,7 +289,7 @@ def plan_decode_partitions(
     # One K (or V) tile <= 16 KiB: for bf16 head_dim 128 that is 64 positions, which compiles
     # for sm_90 with 4 warps in ~120 registers and ~38 KiB shared memory, no spills.
     block_n = max(16, min(64, (16 * 1024) // (block_d * elem)))
-    block_g = max(16, next_pow2(num_heads // num_kv_heads))  # tl.dot needs M >= 16
+    block_g = max(16, next_pow2(query_len * num_heads // num_kv_heads))  # tl.dot needs M >= 16
     max_context = max(1, max_context)
     if partition_size is None:
         tiles = cdiv(max_context, block_n)
@@ -293,14 +314,17 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     partition_size: int | None = None,
     out: torch.Tensor | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged KV cache.
+    """Attention of ``query_len`` query tokens per sequence (usually one) over its paged KV
+    cache: the sequence's last ``query_len`` positions, each causally (a speculative verify).
 
     Args:
-        query: ``[B, num_heads, head_dim]``; heads and batch may be strided, head_dim contiguous.
+        query: ``[B * query_len, num_heads, head_dim]`` (sequence-major); heads and tokens may be
+            strided, head_dim contiguous.
         kv: one layer's cache ``[2, num_blocks, block_size, kv_heads, head_dim]``.
         block_tables: ``[B, max_blocks]`` int32 block ids; entries past a sequence's end unused.
-        seq_lens: ``[B]`` int32 context lengths including the current token (already stored).
+        seq_lens: ``[B]`` int32 context lengths including the query tokens (already stored).
         scale: softmax scale, usually ``head_dim ** -0.5``.
         sliding_window: attend only to the last ``sliding_window`` positions (None: all).
         max_seq_len: upper bound on ``seq_lens``; pass it to avoid a device->host sync and to
@@ -313,7 +337,10 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, head_dim = check_kv_cache(kv)
     if query.dim() != 3 or query.shape[2] != head_dim:
         raise ValueError(f"query must be [B, heads, {head_dim}], got {tuple(query.shape)}")
-    batch, num_heads, _ = query.shape
+    num_tokens, num_heads, _ = query.shape
+    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if batch * query_len != num_tokens:
+        raise ValueError(f"query has {num_tokens} tokens for {batch} sequences of {query_len}")
     if query.dtype != kv.dtype:
         raise TypeError(f"query dtype {query.dtype} differs from the kv cache's {kv.dtype}")
     if num_heads % num_kv_heads:
@@ -334,7 +361,7 @@ def paged_decode_attention(
 
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
-    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + query_len - 1)
     plan = plan_decode_partitions(
         batch=batch,
         num_heads=num_heads,
@@ -344,10 +371,11 @@ def paged_decode_attention(
         max_context=span,
         num_sms=_num_sms(query.device),
         partition_size=partition_size,
+        query_len=query_len,
     )
     group = num_heads // num_kv_heads
     direct = plan.num_partitions == 1
-    # Scratch: normalized partial outputs [B, H, P, BLOCK_D] and their log2-sum-exp [B, H, P],
+    # Scratch: normalized partial outputs [T, H, P, BLOCK_D] and their log2-sum-exp [T, H, P],
     # float32, both contiguous: the lse of (b, h, p) sits at that partial row's offset divided by
     # BLOCK_D, so the kernels address both with one index.
     parts = plan.num_partitions
@@ -355,8 +383,8 @@ def paged_decode_attention(
         mid_o = mid_lse = out  # unused
         mid_strides = (0, 0, 0)
     else:
-        mid_o = torch.empty((batch, num_heads, parts, plan.block_d), dtype=torch.float32, device=query.device)
-        mid_lse = torch.empty((batch, num_heads, parts), dtype=torch.float32, device=query.device)
+        mid_o = torch.empty((num_tokens, num_heads, parts, plan.block_d), dtype=torch.float32, device=query.device)
+        mid_lse = torch.empty((num_tokens, num_heads, parts), dtype=torch.float32, device=query.device)
         mid_strides = mid_o.stride()[:3]
     window = sliding_window if sliding_window is not None else 0
     _decode_partial_kernel[(batch, num_kv_heads, parts)](
@@ -382,7 +410,8 @@ def paged_decode_attention(
         plan.partition_size,
         head_dim,
         group,
-        BLOCK_G=plan.block_g,
+        query_len,
+        BLOCK_M=plan.block_g,
         BLOCK_N=plan.block_n,
         BLOCK_D=plan.block_d,
         PAGE=block_size,
@@ -393,7 +422,7 @@ def paged_decode_attention(
         num_stages=2,
     )
     if not direct:
-        _decode_reduce_kernel[(batch, num_heads)](
+        _decode_reduce_kernel[(num_tokens, num_heads)](
             mid_o,
             mid_lse,
             seq_lens,
@@ -404,6 +433,7 @@ def paged_decode_attention(
             window,
             plan.partition_size,
             head_dim,
+            query_len,
             BLOCK_P=min(16, next_pow2(parts)),
             BLOCK_D=plan.block_d,
             USE_WINDOW=sliding_window is not None,

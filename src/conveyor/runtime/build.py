@@ -57,7 +57,8 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The :class:`WorkerConfig` fields the settings give, by their field names: those named
     as fields as they are, the KV pool from ``num_kv_blocks`` or else ``kv_cache_memory`` GiB
     (exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` is set), the swap space from
-    ``swap_space`` GiB (None: the device's default), torch's CPU threads from ``threads``.
+    ``swap_space`` GiB (None: the device's default), torch's CPU threads from ``threads``, the
+    verify width from ``num_speculative_tokens`` when ``speculative_method`` is set (else 0).
     The worker process's view is built from these (:func:`server_config`), and so is the
     engine's runner."""
     named = {f.name: settings[f.name] for f in dataclasses.fields(WorkerConfig) if f.name in settings}
@@ -71,6 +72,7 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
         "kv_cache_memory_bytes": None if blocks else gib_bytes(settings["kv_cache_memory"]),
         "swap_space_bytes": None if swap is None else gib_bytes(swap),
         "num_threads": settings.get("threads"),
+        "num_speculative_tokens": settings.get("num_speculative_tokens", 0) if settings.get("speculative_method") else 0,
     }
 
 
@@ -123,6 +125,8 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
     model = ModelConfig.from_dir(model_dir)
     if flags["auth_keys"] is not None:
         transport.check_auth_keys(flags["auth_keys"])
+    if flags.get("cluster_key") is not None:
+        transport.ClusterKey.load(flags["cluster_key"])  # a wrong file fails here, before any process starts
     max_model_len = model_length(model, flags["max_model_len"])
     addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(flags["host"], flags["port"]))
     nnodes, size = flags.get("nnodes", 1), flags["tensor_parallel_size"]
@@ -135,6 +139,7 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         plan_readers=size,
         local_plan_readers=size // nnodes if multi_node else None,  # node 0's ranks
         remote_plans_address=remote_plans_address(flags["dist_init_addr"]) if multi_node else None,
+        remote_plans_key=flags.get("cluster_key") if multi_node else None,
     )
     worker = WorkerConfig(
         **{
@@ -169,4 +174,5 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,
         serve_on_replica_death=flags["serve_on_replica_death"],
         nnodes=flags.get("nnodes", 1), node_rank=flags.get("node_rank", 0), dist_init_addr=flags.get("dist_init_addr"),
+        cluster_key=flags.get("cluster_key"), insecure_cluster=flags.get("insecure_cluster", False),
     )  # fmt: skip

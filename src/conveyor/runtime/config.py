@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from conveyor.ipc.step_channel import StepChannels
-from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses
+from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback_host
 
 
 class Choice(str, enum.Enum):
@@ -271,6 +271,9 @@ class WorkerConfig:
     # The scheduler's max_num_seqs: bounds a step's rows and sizes the static decode buffers.
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     enforce_eager: bool = False  # bin/serve --enforce-eager: no CUDA graphs for decode steps
+    # The scheduler's speculative_tokens (0: speculation off): the verify width the static
+    # decode buffers and graphs are sized for (runtime.build.worker_settings sets it).
+    num_speculative_tokens: int = 0
     # LoRA (conveyor.worker.lora): (name, PEFT directory) adapters registered at start (none:
     # LoRA off), device slots, the rank bound, host copies (None: as many as slots).
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -392,11 +395,15 @@ class ServerConfig:
     # node ``node_rank`` of ``nnodes``, running tensor-parallel ranks ``node_ranks()``. Node 0
     # runs the frontend, scheduler (and HTTP process) beside its ranks; the others run ranks
     # only. ``dist_init_addr`` (HOST:PORT, node 0's) is where the process group meets (TCP
-    # store on PORT) and, from PORT + 1 on, the other nodes' ranks' plan sockets
-    # (:func:`remote_plans_address`).
+    # store on PORT), the supervisors' node link (PORT + 1, conveyor.runtime.node_link) and,
+    # from PORT + 2 on, the other nodes' ranks' plan sockets (:func:`remote_plans_address`).
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # The sockets between nodes are CurveZMQ with ``cluster_key`` (a key pair file every node
+    # holds, transport.ClusterKey); ``insecure_cluster`` leaves them open (loopback only).
+    cluster_key: str | None = None
+    insecure_cluster: bool = False
 
     def __post_init__(self) -> None:
         _require_at_least(self, 1, "nnodes")
@@ -406,7 +413,11 @@ class ServerConfig:
             return
         if self.dist_init_addr is None:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-        dist_init_host_port(self.dist_init_addr)
+        host, _ = dist_init_host_port(self.dist_init_addr)
+        if (self.cluster_key is None) != self.insecure_cluster:
+            raise ValueError("--nnodes > 1 needs one of --cluster-key FILE (bin/keygen DIR --cluster) and --insecure-cluster")
+        if self.insecure_cluster and not is_loopback_host(host):
+            raise ValueError(f"--insecure-cluster is for loopback only: {host} is reachable from other hosts")
         size = self.worker.tensor_parallel_size
         if size % self.nnodes:
             raise ValueError(f"--tensor-parallel-size {size} does not divide by --nnodes {self.nnodes}")
@@ -476,10 +487,10 @@ def dist_init_host_port(address: str) -> tuple[str, int]:
 
 
 def remote_plans_address(dist_init_addr: str) -> str:
-    """Where node 0's scheduler sends plans to the other nodes' ranks: ``tcp://HOST:PORT+1``
+    """Where node 0's scheduler sends plans to the other nodes' ranks: ``tcp://HOST:PORT+2``
     for the first of them, the next port for each next one (:meth:`ChannelSpec.reader_address`)."""
     host, port = dist_init_host_port(dist_init_addr)
-    return f"tcp://{host}:{port + 1}"
+    return f"tcp://{host}:{port + 2}"
 
 
 def replica_process_name(process: str, index: int) -> str:

@@ -22,12 +22,16 @@ seconds. Children also get SIGTERM from the kernel if the supervisor itself is k
 (PR_SET_PDEATHSIG), so no process is ever orphaned.
 
 Across nodes (``--nnodes N``): node 0 starts as above with its share of the ranks; node
-``R > 0`` starts its ranks alone (no rings, frontend, scheduler or HTTP process) and reports
-ready once they have joined node 0's process group. Each node watches its own children: a
-rank that dies stops its node, and the other nodes notice through the group (node 0's ranks'
-next collective fails, within ``--distributed-timeout``) or through the plan sockets (a
-remote rank's connection to node 0 is lost, conveyor.ipc.step_receivers.RemoteReceiver), so
-each node stops; node 0 answers every in-flight request with an error first.
+``R > 0`` first joins node 0 over the node link (:mod:`conveyor.runtime.node_link`: the
+cluster key, then the settings every node must share), then starts its ranks alone (no rings,
+frontend, scheduler or HTTP process) and reports ready once they have joined node 0's process
+group. Each node watches its own children: a rank that dies stops its node. The supervisors
+watch each other over the link, idle or not: a node whose bin/serve exits, or whose host goes
+silent (within ``node_link.silence_bound``), stops node 0, which answers every in-flight
+request with an error naming that node, and node 0 stopping or lost stops the others. The
+ranks notice too (a collective fails within ``--distributed-timeout``; a remote rank's plan
+socket reports node 0 lost, conveyor.ipc.step_receivers.RemoteReceiver); a dead rank is then
+reported as the node the link lost, when it lost one.
 
 bin/serve (:mod:`conveyor.cli.serve`) is flags, this, and its messages.
 """
@@ -47,6 +51,8 @@ from conveyor.frontend.main import run_frontend
 from conveyor.http.main import run_http
 from conveyor.ipc import codec, step_channel, transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
+from conveyor.ipc.transport import ClusterKey
+from conveyor.runtime import node_link
 from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
 from conveyor.runtime.model_source import StartupError
 from conveyor.scheduler.main import run_scheduler
@@ -55,6 +61,7 @@ from conveyor.worker.main import run_worker
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 3.0
 CAUSE_GRACE_S = 5.0  # how long a dead scheduler's worker may take to exit too (Server._cause)
+LOST_NODE_GRACE_S = 1.0  # how long a dead worker's node link may take to report the node it lost
 
 
 class Server:
@@ -70,11 +77,14 @@ class Server:
         self.procs: dict[str, mp.process.BaseProcess] = {}
         self.ready: dict[str, ProcessReady] = {}
         self.dead_replicas: set[int] = set()  # data-parallel replicas stopped while the others serve on
+        self.link: node_link.NodeLinkHub | node_link.NodeLinkMember | None = None  # with --nnodes > 1
 
     # ------------------------------------------------------------------ startup
 
     def start(self) -> None:
         config = self.config
+        if config.nnodes > 1:
+            self._open_link()
         if config.node_rank > 0:
             self._start_ranks_only()
             return
@@ -111,6 +121,20 @@ class Server:
             schedulers.add(name)
         self._wait_ready(schedulers)
 
+    def _open_link(self) -> None:
+        """The node link (:mod:`conveyor.runtime.node_link`): node 0 binds it, another node joins
+        through it before it starts any rank (StartupError if node 0 refuses or never answers)."""
+        config = self.config
+        key = ClusterKey.load(config.cluster_key) if config.cluster_key is not None else None
+        address = node_link.node_link_address(config.dist_init_addr)
+        settings = node_link.join_settings(config)
+        silence = node_link.silence_bound(config.worker.distributed_timeout_s)
+        if config.node_rank == 0:
+            self.link = node_link.NodeLinkHub(self.ctx, address, key, config.nnodes, settings, silence)
+            return
+        self.link = node_link.NodeLinkMember(self.ctx, address, key, config.node_rank, settings, silence)
+        self.link.join(config.worker.distributed_timeout_s, lambda: bool(_STOP_SIGNAL))
+
     def _start_ranks_only(self) -> None:
         """Node ``node_rank > 0``: this node's tensor-parallel ranks, ready once they have
         joined the group (which needs node 0's ranks too) and agreed on the KV pool."""
@@ -137,6 +161,9 @@ class Server:
                     raise StartupError(f"{name} process exited during startup (exit code {self.procs[name].exitcode})")
             if time.monotonic() > deadline:
                 raise StartupError(f"timed out waiting for {', '.join(sorted(waiting))} to start")
+            lost = self.link.watch(starting=True) if self.link is not None else None
+            if lost is not None:
+                raise StartupError(lost.reason)
             if not self.control.poll(200):
                 continue
             msg = codec.decode(self.control.recv())
@@ -156,8 +183,11 @@ class Server:
         sentinels = {p.sentinel: name for name, p in self.procs.items()}
         while True:
             if _STOP_SIGNAL:
-                self.stop("server shutting down")
+                self.stop(node_link.SIGNAL_REASON)
                 return 0
+            lost = self.link.watch() if self.link is not None else None
+            if lost is not None:
+                return self._stop_for(lost)
             done = mp.connection.wait(list(sentinels), timeout=0.2)
             if done:
                 time.sleep(0.1)  # a signal sent to the whole group reaches us a moment later
@@ -167,7 +197,7 @@ class Server:
                 self.procs[name].join(1.0)
                 code = self.procs[name].exitcode
                 if _STOP_SIGNAL:
-                    self.stop("server shutting down")
+                    self.stop(node_link.SIGNAL_REASON)
                     return 0
                 replica = replica_of_process(name)
                 if replica is not None and self._serves_on_without(replica):
@@ -181,7 +211,10 @@ class Server:
                     continue
                 reason = f"{name} process died (exit code {code})"
                 if self.config.nnodes > 1 and name.startswith("worker"):
-                    # Its traceback (in its log) says which: a collective with a dead node, or a lost plan socket.
+                    # A collective with a dead node, or a lost plan socket: the link names the node.
+                    lost = self._node_lost_within(LOST_NODE_GRACE_S)
+                    if lost is not None:
+                        return self._stop_for(lost, f" ({reason})")
                     reason += f"; with --nnodes {self.config.nnodes}, another node may have died or lost contact"
                 print(f"conveyor: {reason}; stopping", file=sys.stderr, flush=True)
                 self.stop(reason)
@@ -200,6 +233,23 @@ class Server:
             found = mp.connection.wait(list(sentinels), timeout=0.05)
             dead = [sentinels[s] for s in found] or dead
         return min(dead, key=lambda name: not name.startswith("worker"))
+
+    def _stop_for(self, lost: node_link.NodeStop, detail: str = "") -> int:
+        """Stop for what the node link reported (``detail``: the dead rank it explains); serve's
+        exit code: 0 when node 0 stopped on a signal, else 1."""
+        reason = lost.reason + detail
+        print(f"conveyor: {reason}; stopping", file=sys.stderr, flush=True)
+        self.stop(reason)
+        return 0 if lost.clean else 1
+
+    def _node_lost_within(self, seconds: float) -> node_link.NodeStop | None:
+        """What the node link reports within ``seconds`` (None: every node is still there)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            lost = self.link.watch()
+            if lost is not None or time.monotonic() > deadline:
+                return lost
+            time.sleep(0.05)
 
     def _serves_on_without(self, replica: int) -> bool:
         """Whether the server keeps serving when ``replica`` dies: --serve-on-replica-death
@@ -220,7 +270,10 @@ class Server:
         return names
 
     def stop(self, reason: str) -> None:
-        """Fail in-flight requests through the frontend, then stop every child."""
+        """Tell the other nodes (node 0), fail in-flight requests through the frontend, then
+        stop every child."""
+        if isinstance(self.link, node_link.NodeLinkHub):
+            self.link.stop(reason)
         frontend = self.procs.get("frontend")
         if frontend is not None and frontend.is_alive():
             transport.send(self.frontend_control, Shutdown(reason))
@@ -228,6 +281,8 @@ class Server:
         _terminate(list(self.procs.values()))
 
     def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
         self.control.close(linger=0)
         self.frontend_control.close(linger=0)
         self.ctx.term()

@@ -7,7 +7,7 @@ docs/structured-output.md has the engine choice and its figures."""
 from conveyor.structured.compiler import CompiledGrammar, CompileTimeout, GrammarCompiler
 from conveyor.structured.constraint import Constraint, ConstraintError
 from conveyor.structured.engine import EngineTokenizer, StructuredOutputUnavailable, available
-from conveyor.structured.matcher import GrammarMatcher, MaskFiller, allocate_bitmask, bitmask_width
+from conveyor.structured.matcher import GrammarMatcher, allocate_bitmask, bitmask_width, fill_rows
 
 __all__ = [
     "CompileTimeout",
@@ -17,9 +17,9 @@ __all__ = [
     "EngineTokenizer",
     "GrammarCompiler",
     "GrammarMatcher",
-    "MaskFiller",
     "StructuredOutputUnavailable",
     "allocate_bitmask",
     "available",
     "bitmask_width",
+    "fill_rows",
 ]

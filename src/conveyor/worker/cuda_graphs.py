@@ -2,8 +2,8 @@
 
 The runner's decode step (:meth:`ModelRunner._forward_decode`) reads only the fixed device
 views of :class:`~conveyor.worker.step_buffers.StepBuffers` and writes its logits into one
-fixed buffer, so the same call can be captured once per (row bucket, context bound) and
-replayed: one launch instead of hundreds of kernel launches per step. The graphs share one
+fixed buffer, so the same call can be captured once per (row bucket, query tokens per row,
+context bound) and replayed (one token per row: a decode; ``1 + k``: a speculative verify): one launch instead of hundreds of kernel launches per step. The graphs share one
 memory pool (they never run at the same time, so their intermediates may overlap), captured
 largest first so the pool is sized by the largest graph.
 
@@ -38,37 +38,42 @@ class DecodeGraphs:
     """Captured decode forwards; :meth:`replay` runs the one for a bucket and bound.
 
     ``forward(inputs, bound)`` is the runner's decode forward over the device views
-    ``inputs`` with context bound ``bound``; ``plan_key(rows, bound)`` is any hashable
-    value equal for bounds whose kernels launch the same grids at ``rows`` rows.
+    ``inputs`` with context bound ``bound``; ``query_lens`` the query tokens per row steps
+    run with (1, and ``1 + k`` with speculative verify steps); ``plan_key(rows, q, bound)``
+    is any hashable value equal for bounds whose kernels launch the same grids at ``rows``
+    rows of ``q`` tokens.
     """
 
     def __init__(
         self,
         forward: Callable[[DecodeInputs, int], torch.Tensor],
         buffers: StepBuffers,
+        query_lens: list[int],
         context_bounds: list[int],
         block_size: int,
-        plan_key: Callable[[int, int], Hashable],
+        plan_key: Callable[[int, int, int], Hashable],
     ) -> None:
         self._forward = forward
         self._buffers = buffers
         self._block_size = block_size
         self._bounds = context_bounds
-        # rows -> for each context bound, the bound whose graph serves it
-        self._serving: dict[int, dict[int, int]] = {}
+        # (rows, q) -> for each context bound, the bound whose graph serves it
+        self._serving: dict[tuple[int, int], dict[int, int]] = {}
         for rows in buffers.buckets:
-            serving: dict[int, int] = {}
-            by_key: dict[Hashable, int] = {}
-            for bound in reversed(context_bounds):
-                serving[bound] = by_key.setdefault(plan_key(rows, bound), bound)
-            self._serving[rows] = serving
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+            for q in query_lens:
+                serving: dict[int, int] = {}
+                by_key: dict[Hashable, int] = {}
+                for bound in reversed(context_bounds):
+                    serving[bound] = by_key.setdefault(plan_key(rows, q, bound), bound)
+                self._serving[rows, q] = serving
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
-    def bound_for(self, rows: int, max_seq_len: int) -> int:
-        """The context bound (captured graph) a step of ``rows`` rows and this longest context uses."""
-        return self._serving[rows][smallest_fitting(self._bounds, max_seq_len)]
+    def bound_for(self, rows: int, q: int, max_seq_len: int) -> int:
+        """The context bound (captured graph) a step of ``rows`` rows of ``q`` query tokens and
+        this longest context (counting its ``q`` tokens) uses."""
+        return self._serving[rows, q][smallest_fitting(self._bounds, max_seq_len)]
 
     def width(self, bound: int) -> int:
         return -(-bound // self._block_size)
@@ -80,11 +85,11 @@ class DecodeGraphs:
         reserved = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
-        for rows in reversed(self._buffers.buckets):
-            for bound in sorted(set(self._serving[rows].values()), reverse=True):
+        for (rows, q), serving in sorted(self._serving.items(), reverse=True):
+            for bound in sorted(set(serving.values()), reverse=True):
                 width = self.width(bound)
-                self._buffers.stage(rows, width)  # all rows padding: the warm-up writes no KV
-                inputs = self._buffers.upload(rows, width)
+                self._buffers.stage(rows, width, q)  # all rows padding: the warm-up writes no KV
+                inputs = self._buffers.upload(rows, width, q)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_RUNS):
@@ -94,20 +99,22 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self._forward(inputs, bound)
-                self._graphs[rows, bound] = graph
+                self._graphs[rows, q, bound] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = torch.cuda.memory_reserved() - reserved
         log.info(
-            "captured %d decode CUDA graphs (%d row buckets up to %d, context bounds %s) in %.2f s, "
-            "holding %.1f MiB",
-            len(self._graphs), len(self._buffers.buckets), self._buffers.buckets[-1], self._bounds,
+            "captured %d decode CUDA graphs (%d row buckets up to %d, query tokens per row %s, context bounds %s) "
+            "in %.2f s, holding %.1f MiB",
+            len(self._graphs), len(self._buffers.buckets), self._buffers.buckets[-1],
+            sorted({q for _, q in self._serving}), self._bounds,
             self.capture_seconds, self.memory_bytes / 2**20,
         )
 
-    def replay(self, rows: int, bound: int) -> None:
-        """Run the graph of ``rows`` rows at ``bound`` (from :meth:`bound_for`) on the current stream."""
-        self._graphs[rows, bound].replay()
+    def replay(self, rows: int, q: int, bound: int) -> None:
+        """Run the graph of ``rows`` rows of ``q`` tokens at ``bound`` (from :meth:`bound_for`)
+        on the current stream."""
+        self._graphs[rows, q, bound].replay()
 
     def __len__(self) -> int:
         return len(self._graphs)

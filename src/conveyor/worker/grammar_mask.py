@@ -9,12 +9,21 @@ On CUDA, xgrammar's Triton kernel does it in one launch when xgrammar is install
 only the listed rows and writes only disallowed logits). Everywhere else one batched torch
 pass does (:func:`_apply_torch`). Both set disallowed logits to ``-inf`` and leave the others
 bit for bit as they were (logits are finite: a +inf logit would become NaN).
+
+**The torch pass runs on the calling thread** (torch's intra-op parallelism off for its few
+ops, :func:`_on_the_calling_thread`). On the CPU its arithmetic is small (16 rows of 4k tokens:
+0.15 ms on one core) but it comes right after the host filled the mask, when torch's OpenMP
+workers have gone idle: each parallel region then waits for a worker to be scheduled again,
+10 to 30 ms on 2 cores shared with other work, and ``index_add_`` alone ran several regions.
+That wait was most of the ~40 ms a step that structured output cost on the CPU benchmark
+(docs/structured-output.md has the measurements). On CUDA the setting touches no kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -51,7 +60,20 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
         if vocab < logits.shape[1]:
             logits[list(rows), vocab:] = float("-inf")
         return
-    _apply_torch(logits, bitmask, torch.as_tensor(rows, dtype=torch.long, device=logits.device))
+    with _on_the_calling_thread():
+        _apply_torch(logits, bitmask, torch.as_tensor(rows, dtype=torch.long, device=logits.device))
+
+
+@contextlib.contextmanager
+def _on_the_calling_thread() -> Iterator[None]:
+    """torch's CPU ops inside run without intra-op parallelism (module docstring: why); the
+    thread count is restored on the way out, exceptions included (a pair costs ~0.2 us)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @functools.cache

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from conveyor.structured.engine import EngineTokenizer, load_llguidance
-from conveyor.structured.matcher import GrammarMatcher, MaskFiller, allocate_bitmask
+from conveyor.structured.matcher import GrammarMatcher, allocate_bitmask, fill_rows
 
 # Prototype matchers kept by grammar text: a request's matcher is a deep copy (~10 us).
 MAX_CACHED_GRAMMARS = 256
@@ -67,11 +67,9 @@ class GrammarRows:
     engine's tokenizer is built on the first constrained request (0.1 s for 4k tokens, ~1.5 s
     for 64k), so servers that never see one pay nothing."""
 
-    def __init__(self, model_dir: str | Path, threads: int = 1) -> None:
+    def __init__(self, model_dir: str | Path) -> None:
         self._model_dir = model_dir
-        self._threads = threads
         self._tokenizer: EngineTokenizer | None = None
-        self._filler: MaskFiller | None = None
         self._prototypes: OrderedDict[str, object] = OrderedDict()
         self._bitmask = np.zeros((0, 0), np.int32)
 
@@ -81,7 +79,6 @@ class GrammarRows:
         if prototype is None:
             if self._tokenizer is None:
                 self._tokenizer = EngineTokenizer.for_model(self._model_dir)
-                self._filler = MaskFiller(self._threads)
             prototype = load_llguidance().LLMatcher(self._tokenizer.ll, grammar, log_level=0)
             self._prototypes[grammar] = prototype
             while len(self._prototypes) > MAX_CACHED_GRAMMARS:
@@ -97,7 +94,7 @@ class GrammarRows:
         row, the request's token ids, the token the step in flight sampled for it or None)``.
         Returns the mask for ``num_rows`` logits rows and the rows' ends, ``(slot, error)``:
         "" when the grammar is complete, else why the row is a dead end."""
-        assert self._filler is not None and self._tokenizer is not None
+        assert self._tokenizer is not None
         vocab = self._tokenizer.mask_vocab
         if self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != (vocab + 31) // 32:
             self._bitmask = allocate_bitmask(max(num_rows, 2 * self._bitmask.shape[0]), vocab)
@@ -108,7 +105,7 @@ class GrammarRows:
                 if not grammar.matcher.accept(token):
                     break  # failed for good: reported below as a dead end
             grammar.consumed = len(known)
-        dead = set(self._filler.fill([(g.matcher, row) for row, _, g, _, _ in rows], bitmask))
+        dead = set(fill_rows([(g.matcher, row) for row, _, g, _, _ in rows], bitmask))
         ends: list[tuple[int, str]] = []
         for row, slot, grammar, _, _ in rows:
             if row in dead:

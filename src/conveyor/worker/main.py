@@ -137,6 +137,7 @@ def build_runner(
     tensor_parallel: TensorParallel | None = None,
     max_num_seqs: int = 256,
     enforce_eager: bool = False,
+    num_speculative_tokens: int = 0,
     first_device: int = 0,
     lora_modules: tuple[tuple[str, str], ...] = (),
     enable_lora: bool = False,
@@ -178,6 +179,7 @@ def build_runner(
         tensor_parallel=tensor_parallel,
         max_num_seqs=max_num_seqs,
         enforce_eager=enforce_eager,
+        num_speculative_tokens=num_speculative_tokens,
         lora=LoraOptions(max_loras, max_lora_rank, max_cpu_loras) if lora_modules or enable_lora else None,
         lora_modules=dict(lora_modules),
     )

@@ -30,9 +30,10 @@ sampled ids come back through a host buffer copied without blocking the stream (
 CUDA) and an event, not through a ``.tolist()`` that would wait for the next step too.
 At most one step is launched and not finished when another is launched.
 
-**The decode step** (every row runs one token) runs through static buffers and CUDA graphs
-(:mod:`conveyor.worker.decode_step`). Prefill, chunked prefill and mixed steps run the
-flattened ragged batch here.
+**The decode step** (every row runs one token, or its last token and a speculative proposal
+of up to ``num_speculative_tokens``: a verify step) runs through static buffers and CUDA
+graphs (:mod:`conveyor.worker.decode_step`). Prefill, chunked prefill and mixed steps run
+the flattened ragged batch here.
 Sampling is batched over per-row parameter tensors (:mod:`conveyor.worker.sampler`).
 The runner's other parts are base classes of it, each in its own module:
 log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the verification (rejection
@@ -108,6 +109,8 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
     ``max_num_seqs`` (the scheduler's) bounds the rows of a step and sizes the static decode
     buffers; on CUDA the decode step is captured as CUDA graphs unless ``enforce_eager``.
     ``pad_decode``: pad decode batches to the graph buckets (default: when graphs are used).
+    ``num_speculative_tokens``: the scheduler's proposal length bound, the verify width the
+    static buffers (and graphs) are sized for; a step with a longer proposal runs ragged.
 
     ``lora``: serve LoRA adapters (:mod:`conveyor.worker.lora`) with these slot and rank
     bounds; ``lora_modules`` (name -> PEFT directory) are registered at once (a bad one raises
@@ -117,8 +120,8 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
     ``tensor_parallel``: this runner is one rank of a tensor-parallel group
     (:mod:`conveyor.worker.parallel`). It holds the rank's shard of the model and a cache of
     its kv heads (``kv_cache_memory_bytes`` is then this rank's budget); only rank 0 computes
-    logits and samples, and broadcasts the ids, so every rank returns the same results and
-    keeps the same request state. Every rank must be given the same plans.
+    logits and samples, and broadcasts the ids (and a speculative step's targets), so every
+    rank returns the same results and keeps the same request state. Every rank must be given the same plans.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
         pad_decode: bool | None = None,
+        num_speculative_tokens: int = 0,
         lora: LoraOptions | None = None,
         lora_modules: dict[str, str] | None = None,
     ) -> None:
@@ -188,7 +192,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self._t_forward = prof.timer("forward")
         self._t_sample = prof.timer("sample")  # LM head on the sampled rows + the sampler
         self._t_swap = prof.timer("swap", arg_name="blocks")  # only steps that copy blocks
-        self._setup_decode_step(max_num_seqs, enforce_eager, pad_decode, backend)
+        self._setup_decode_step(max_num_seqs, enforce_eager, pad_decode, backend, num_speculative_tokens)
         # Structured output (conveyor.worker.grammar_rows): matchers of constrained requests,
         # and a per-slot flag so that a step without them is told apart in one numpy test.
         self._grammars = GrammarRows(model_dir)
@@ -222,7 +226,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         """
         before = self._last
         launched = self._last = LaunchedStep(plan.step_id, plan.planned_ahead, [], [])  # failed until launched
-        requests, tp = self._requests, self.tensor_parallel
+        requests = self._requests
         dropped = int_list(plan.finished_slots)
         PlanChecker.check_dropped(dropped)
         requests.drop(dropped)
@@ -230,8 +234,6 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states)
-        if tp.size > 1 and plan.cached_requests.spec_rows:
-            raise PlanRefused("speculative decoding is not supported with tensor parallelism yet")
         adapters = [self._adapter_id(new.lora) for new in plan.new_requests]
         # Copies out, copies in, then the forks' block copies, all before the forward (see
         # StepPlan): a GPU block swapped out may be given again by this same plan (as a swap-in
@@ -273,6 +275,9 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
         launched.slots = [slot for slot, _ in sampling]
         launched.states = [state for _, state in sampling]
+        proposed = sum(len(item.proposal) for item in work)
+        if proposed:  # (rank 0 verified them; every rank accepts the same tokens)
+            self._spec_verdict = self._shared_verdict(self._spec_verdict, proposed)
         if self._spec_verdict is not None:
             sampled_items = [item for item, flag in zip(work, samples) if flag]
             launched.spec_rows = [i for i, item in enumerate(sampled_items) if item.proposal]
@@ -383,10 +388,12 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         ``samples`` set, in order, and their slots (nothing here waits for the device), then
         the log-probabilities of the sampled tokens and of the prompt positions computed, for
         the requests that asked (None when none did: nothing extra runs then). A
-        decode-only step (every row runs one token) takes the static-buffer path
-        (:meth:`_run_decode`), any other the flattened ragged one (:meth:`_run_ragged`)."""
-        if all(item.num_scheduled == 1 for item in work) and not self._scores_prompt(work, states):
-            return self._run_decode(work, states, samples)
+        decode-only step (every row runs one token, or a verify of its proposal) takes the
+        static-buffer path (:meth:`_run_decode`), any other the flattened ragged one
+        (:meth:`_run_ragged`)."""
+        q = None if self._scores_prompt(work, states) else self._static_query_len(work)
+        if q is not None:
+            return self._run_decode(work, states, samples, q)
         return self._run_ragged(work, states, samples)
 
     def _run_ragged(

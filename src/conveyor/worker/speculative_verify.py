@@ -41,6 +41,12 @@ a position scored in a verification pass and in a one-token decode (a near-tie m
 fall the other way; the streams are not promised to be equal). A draft model's ``q`` uses an
 independent uniform; its stream differs from the plain one.
 
+The logits come from the step's LM head call, the ragged step's or the static decode-verify
+step's (:mod:`conveyor.worker.decode_step`), both through
+:meth:`SpeculativeVerify._verify_proposals`. With tensor parallelism only rank 0 holds the
+LM head: it broadcasts the verdict (:meth:`SpeculativeVerify._shared_verdict`) and every rank
+accepts the same tokens.
+
 The host part (:meth:`SpeculativeVerify._accept`, at the step's finish) is a small loop
 over rows: the accepted length, the emitted tokens, the computed count moved back past the
 rejected tokens (their KV is overwritten later).
@@ -53,6 +59,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from conveyor.worker.parallel import broadcast_from_first_
 from conveyor.worker.sampler import batch_from_rows, exponential_noise, stream_uniforms
 
 if TYPE_CHECKING:
@@ -105,7 +112,7 @@ def verify_proposals(
 class SpeculativeVerify:
     """The speculative-decoding verification of a runner (a base class of
     :class:`~conveyor.worker.model_runner.ModelRunner`: it reads the runner's sampler,
-    per-slot sampling columns and last tokens; module docstring)."""
+    per-slot sampling columns, last tokens and tensor-parallel rank; module docstring)."""
 
     def _verify_proposals(
         self, logits: torch.Tensor, work: list[Work], slots: np.ndarray, draft_probs: torch.Tensor | None = None
@@ -129,6 +136,17 @@ class SpeculativeVerify:
         keys = self.sampler.keys(batch)
         accepted, residual = verify_proposals(self.sampler.distribution(logits, batch), proposed, keys, draft_probs)
         return torch.stack([accepted.to(torch.int64), residual])
+
+    def _shared_verdict(self, verdict: torch.Tensor | None, count: int) -> torch.Tensor:
+        """Rank 0's verdict on the step's ``count`` proposed tokens on every rank of a
+        tensor-parallel group (``verdict``: this rank's, None where it holds no LM head), so
+        that every rank accepts the same tokens and keeps the same request state; the same
+        tensor at size 1."""
+        if self.tensor_parallel.size == 1:
+            return verdict
+        if verdict is None:
+            verdict = torch.empty(2, count, dtype=torch.int64, device=self.device)
+        return broadcast_from_first_(verdict, self.tensor_parallel)
 
     def _accept(self, launched: LaunchedStep, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
         """The host's part, at the finish: each speculative row keeps its proposal's accepted

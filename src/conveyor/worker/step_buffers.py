@@ -1,7 +1,8 @@
 """Persistent inputs of the static-buffer decode step: one host staging area, one device copy.
 
-A decode-only step (every scheduled row runs exactly one token) is padded to a *bucket* of
-rows (:func:`decode_buckets` where CUDA graphs replay it; eagerly, the runner makes every
+A decode-only step (every scheduled row runs exactly one token, or, a speculative verify
+step, its last token and a proposal: ``q`` query tokens per row, shorter proposals padded)
+is padded to a *bucket* of rows (:func:`decode_buckets` where CUDA graphs replay it; eagerly, the runner makes every
 row count a bucket of its own) and reads all its inputs from views into one device byte
 buffer: token ids, positions, KV slots, the pending-token gather, which rows sample, the
 attention lengths and block tables, the sampling parameters and the rows using sampling
@@ -11,8 +12,8 @@ bucket's bytes in ONE host-to-device copy; nothing on the device is allocated fo
 and nothing waits for the device. Because a bucket's device views never move, a CUDA graph
 captured over them (:mod:`conveyor.worker.cuda_graphs`) replays with each step's inputs.
 
-Padded rows are inert: token 0 at position 0, KV slot -1 (the store skips it), one token of
-context read from block 0 (whatever it holds, finite: blocks are zeroed at allocation and
+Padded rows are inert: tokens 0 at position 0, KV slot -1 (the store skips it), ``q`` tokens
+of context read from block 0 (whatever it holds, finite: blocks are zeroed at allocation and
 only ever written with keys and values), greedy, never sampled from. Their outputs are
 dropped.
 
@@ -21,8 +22,9 @@ fills one while the previous step's copy from the other may still be queued (pip
 launches), and before refilling a buffer it waits for that buffer's last copy, which has
 long finished in steady state.
 
-Layout per bucket of ``B`` rows and ``W`` block-table columns (offsets aligned to 8 bytes):
-the fields of :data:`FIELDS`, each ``B`` rows (``B * W`` for the block table) in that order,
+Layout per bucket of ``B`` rows of ``q`` tokens and ``W`` block-table columns (offsets
+aligned to 8 bytes): the fields of :data:`FIELDS`, each ``B`` rows (``B * q`` for the
+per-token fields, ``B * W`` for the block table) in that order,
 from byte 0; every bucket's views alias the same device buffer.
 """
 
@@ -34,26 +36,31 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-#: (name, dtype, columns per row). int64 first so every field stays naturally aligned.
-FIELDS: tuple[tuple[str, np.dtype, bool], ...] = (
-    ("input_ids", np.dtype(np.int64), False),
-    ("positions", np.dtype(np.int64), False),
-    ("slot_mapping", np.dtype(np.int64), False),
-    ("last_slots", np.dtype(np.int64), False),  # the row's slot in the runner's last-token buffer
-    ("sample_rows", np.dtype(np.int64), False),  # first n: the rows that sample, in result order
-    ("sample_slots", np.dtype(np.int64), False),  # their slots
-    ("control_rows", np.dtype(np.int64), False),  # first c: the sampling rows using sampling controls
-    ("control_pool_rows", np.dtype(np.int64), False),  # their rows in the controls' pool
-    ("seed", np.dtype(np.int64), False),
-    ("top_k", np.dtype(np.int64), False),
-    ("seq_lens", np.dtype(np.int32), False),
-    ("context_lens", np.dtype(np.int32), False),
-    ("block_tables", np.dtype(np.int32), True),
-    ("temperature", np.dtype(np.float32), False),
-    ("top_p", np.dtype(np.float32), False),
-    ("min_p", np.dtype(np.float32), False),
-    ("from_device", np.dtype(np.bool_), False),  # the input is the token the step in flight samples
-    ("seeded", np.dtype(np.bool_), False),
+#: (name, dtype, shape kind): ``row`` one per row, ``token`` one per query token (``q`` per
+#: row, row-major), ``table`` ``W`` per row. int64 first so every field stays naturally aligned.
+FIELDS: tuple[tuple[str, np.dtype, str], ...] = (
+    ("input_ids", np.dtype(np.int64), "token"),
+    ("positions", np.dtype(np.int64), "token"),
+    ("slot_mapping", np.dtype(np.int64), "token"),
+    # The hidden rows the LM head scores, in this order: each row's last real token (the one it
+    # samples after), then each row's first q - 1 tokens (a verify step's proposal positions).
+    ("logit_index", np.dtype(np.int64), "token"),
+    ("target_index", np.dtype(np.int64), "token"),  # first t: the scored rows at real proposal positions
+    ("last_slots", np.dtype(np.int64), "row"),  # the row's slot in the runner's last-token buffer
+    ("sample_rows", np.dtype(np.int64), "row"),  # first n: the rows that sample, in result order
+    ("sample_slots", np.dtype(np.int64), "row"),  # their slots
+    ("control_rows", np.dtype(np.int64), "row"),  # first c: the sampling rows using sampling controls
+    ("control_pool_rows", np.dtype(np.int64), "row"),  # their rows in the controls' pool
+    ("seed", np.dtype(np.int64), "row"),
+    ("top_k", np.dtype(np.int64), "row"),
+    ("seq_lens", np.dtype(np.int32), "row"),
+    ("context_lens", np.dtype(np.int32), "row"),
+    ("block_tables", np.dtype(np.int32), "table"),
+    ("temperature", np.dtype(np.float32), "row"),
+    ("top_p", np.dtype(np.float32), "row"),
+    ("min_p", np.dtype(np.float32), "row"),
+    ("from_device", np.dtype(np.bool_), "row"),  # the row's first input is the token the step in flight samples
+    ("seeded", np.dtype(np.bool_), "row"),
 )
 
 _TORCH = {
@@ -96,13 +103,15 @@ def smallest_fitting(buckets: list[int], value: int) -> int:
 
 
 @functools.cache
-def _layout(rows: int, width: int) -> tuple[dict[str, tuple[int, np.dtype, tuple[int, ...]]], int]:
-    """Each field's (byte offset, dtype, shape) in a bucket of ``rows`` rows and ``width``
-    table columns, and the bucket's size in bytes (computed once per bucket: every step asks)."""
+def _layout(rows: int, width: int, q: int) -> tuple[dict[str, tuple[int, np.dtype, tuple[int, ...]]], int]:
+    """Each field's (byte offset, dtype, shape) in a bucket of ``rows`` rows of ``q`` query
+    tokens and ``width`` table columns, and the bucket's size in bytes (computed once per
+    bucket: every step asks)."""
+    shapes = {"row": (rows,), "token": (rows * q,), "table": (rows, width)}
     fields = {}
     offset = 0
-    for name, dtype, per_column in FIELDS:
-        shape = (rows, width) if per_column else (rows,)
+    for name, dtype, kind in FIELDS:
+        shape = shapes[kind]
         fields[name] = (offset, dtype, shape)
         offset += -(-int(np.prod(shape)) * dtype.itemsize // 8) * 8
     return fields, offset
@@ -113,8 +122,9 @@ class DecodeInputs:
     """Device views of one bucket's inputs (field name -> tensor), fixed for the buffers' life."""
 
     rows: int
+    query_len: int  # q: query tokens per row (1 + the verify width k)
     tensors: dict[str, torch.Tensor]
-    query_start_loc: torch.Tensor  # int32 [rows + 1]: 0..rows (one token per row)
+    query_start_loc: torch.Tensor  # int32 [rows + 1]: 0, q, 2q, ... (q tokens per row)
 
     def __getattr__(self, name: str) -> torch.Tensor:
         try:
@@ -125,83 +135,84 @@ class DecodeInputs:
 
 class StepBuffers:
     """The decode step's device input buffer and its host staging, for steps padded to one of
-    ``buckets`` rows and up to ``width`` block-table columns per row (fixed: the views graphs
-    capture never move).
+    ``buckets`` rows, of up to ``max_query_len`` query tokens per row and up to ``width``
+    block-table columns per row (fixed: the views graphs capture never move).
     A step's table width is its context bucket's (``ceil(bound / block_size)``), so a short-
     context step copies a narrow table."""
 
-    def __init__(self, buckets: list[int], width: int, device: torch.device) -> None:
+    def __init__(self, buckets: list[int], width: int, device: torch.device, max_query_len: int = 1) -> None:
         self.buckets = buckets  # increasing row counts a step pads to; the last is the most rows
         self.max_rows = max_rows = buckets[-1]
         self.width = width
         self.device = device
-        _, size = _layout(max_rows, width)
+        _, size = _layout(max_rows, width, max_query_len)
         cuda = device.type == "cuda"
         self._device_bytes = torch.zeros(size, dtype=torch.uint8, device=device)
         self._host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         self._copied = [None, None]  # per host buffer: event recorded after its last copy (CUDA)
         self._next = 0
-        self._inputs: dict[tuple[int, int], DecodeInputs] = {}
-        self._host_views: list[dict[tuple[int, int], dict[str, np.ndarray]]] = [{}, {}]
+        self._inputs: dict[tuple[int, int, int], DecodeInputs] = {}
+        self._host_views: list[dict[tuple[int, int, int], dict[str, np.ndarray]]] = [{}, {}]
         self._cuda = cuda
 
     def bucket_for(self, rows: int) -> int:
         return smallest_fitting(self.buckets, rows)
 
-    def inputs(self, rows: int, width: int) -> DecodeInputs:
-        """Device views of bucket ``rows`` with ``width`` block-table columns (made once each)."""
-        inputs = self._inputs.get((rows, width))
+    def inputs(self, rows: int, width: int, q: int = 1) -> DecodeInputs:
+        """Device views of bucket ``rows`` with ``q`` query tokens per row and ``width``
+        block-table columns (made once each)."""
+        inputs = self._inputs.get((rows, width, q))
         if inputs is None:
-            fields, _ = _layout(rows, width)
+            fields, _ = _layout(rows, width, q)
             tensors = {}
             for name, (offset, dtype, shape) in fields.items():
                 nbytes = int(np.prod(shape)) * dtype.itemsize
                 tensors[name] = self._device_bytes[offset : offset + nbytes].view(_TORCH[dtype]).view(shape)
-            start_loc = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
-            inputs = self._inputs[rows, width] = DecodeInputs(rows, tensors, start_loc)
+            start_loc = torch.arange(0, rows * q + 1, q, dtype=torch.int32, device=self.device)
+            inputs = self._inputs[rows, width, q] = DecodeInputs(rows, q, tensors, start_loc)
         return inputs
 
-    def stage(self, rows: int, width: int) -> dict[str, np.ndarray]:
-        """Host views of bucket ``rows`` (``width`` table columns) in the next staging buffer,
-        every row set to padding; the caller fills the real rows, then calls :meth:`upload`
-        with the same arguments."""
+    def stage(self, rows: int, width: int, q: int = 1) -> dict[str, np.ndarray]:
+        """Host views of bucket ``rows`` (``q`` query tokens per row, ``width`` table columns)
+        in the next staging buffer, every row set to padding; the caller fills the real rows,
+        then calls :meth:`upload` with the same arguments."""
         k = self._next
         if self._copied[k] is not None:
             self._copied[k].synchronize()  # its previous copy (two steps back) has long run
-        views = self._host_views[k].get((rows, width))
+        views = self._host_views[k].get((rows, width, q))
         if views is None:
-            fields, _ = _layout(rows, width)
+            fields, _ = _layout(rows, width, q)
             raw = self._host_bytes[k].numpy()
             views = {
                 name: raw[offset : offset + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
                 for name, (offset, dtype, shape) in fields.items()
             }
-            self._host_views[k][rows, width] = views
-        _pad(views)
+            self._host_views[k][rows, width, q] = views
+        _pad(views, q)
         return views
 
-    def upload(self, rows: int, width: int) -> DecodeInputs:
+    def upload(self, rows: int, width: int, q: int = 1) -> DecodeInputs:
         """Copy the staged bucket to the device (one copy, not waited for) and return its views."""
         k = self._next
         self._next = 1 - k
-        _, size = _layout(rows, width)
+        _, size = _layout(rows, width, q)
         self._device_bytes[:size].copy_(self._host_bytes[k][:size], non_blocking=self._cuda)
         if self._cuda:
             event = torch.cuda.Event()
             event.record()
             self._copied[k] = event
-        return self.inputs(rows, width)
+        return self.inputs(rows, width, q)
 
 
-def _pad(views: dict[str, np.ndarray]) -> None:
+def _pad(views: dict[str, np.ndarray], q: int) -> None:
     """Every row inert (see the module docstring)."""
     for name in (
-        "input_ids", "positions", "last_slots", "sample_rows", "sample_slots", "control_rows", "control_pool_rows",
-        "seed", "top_k", "context_lens",
+        "input_ids", "positions", "logit_index", "target_index", "last_slots", "sample_rows", "sample_slots",
+        "control_rows", "control_pool_rows", "seed", "top_k", "context_lens",
     ):
         views[name].fill(0)
     views["slot_mapping"].fill(-1)
-    views["seq_lens"].fill(1)
+    views["seq_lens"].fill(q)
     views["block_tables"].fill(0)
     views["temperature"].fill(0.0)
     views["top_p"].fill(1.0)

@@ -140,8 +140,10 @@ def compile_all(capability: int = 90) -> list[Compiled]:
             tables = torch.zeros(2, 8, dtype=torch.int32)
             scale = head_dim**-0.5
             q = torch.empty(2, heads, head_dim, dtype=dtype)
+            qv = torch.empty(8, heads, head_dim, dtype=dtype)  # a speculative verify: 4 query tokens a sequence
             for max_seq_len in (100, 32768):  # one partition (direct) and split-K + reduce
                 paged_decode_attention(q, kv, tables, i32([5, 7]), scale, window, max_seq_len=max_seq_len)
+                paged_decode_attention(qv, kv, tables, i32([5, 7]), scale, window, max_seq_len=max_seq_len, query_len=4)
             qx = torch.empty(300, heads, head_dim, dtype=dtype)
             for max_query_len in (8, 200):  # short extends get short tiles
                 extend_attention(

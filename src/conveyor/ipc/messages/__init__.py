@@ -61,6 +61,8 @@ from conveyor.ipc.messages.lora_updates import (
     UnloadLora,
 )
 from conveyor.ipc.messages.process_control import (
+    NodeHello,
+    NodeVerdict,
     ProcessFailed,
     ProcessReady,
     Shutdown,
@@ -107,6 +109,8 @@ __all__ = [
     "Message",
     "MetricSummary",
     "NewRequestData",
+    "NodeHello",
+    "NodeVerdict",
     "PROTOCOL_VERSION",
     "Positional",
     "ProcessFailed",

@@ -1,5 +1,6 @@
-"""Process control: a child announcing it is ready or failed to start (to bin/serve), and
-:class:`Shutdown`, asking a process to exit its loop."""
+"""Process control: a child announcing it is ready or failed to start (to bin/serve),
+:class:`Shutdown`, asking a process to exit its loop, and the node link between the bin/serve
+of each node of a multi-node server (:mod:`conveyor.ipc.node_link`)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,24 @@ class ProcessFailed(Message, tag=41):
 
     process: str
     reason: str
+
+
+# ---------------------------------------------------------------- node R's bin/serve <-> node 0's
+
+
+@message
+class NodeHello(Message, tag=42):
+    """Node ``node_rank`` asks node 0 to join, before its ranks start: ``settings`` are what
+    every node must share (versions, the model's config, the flags that shape plans and the
+    process group; :func:`conveyor.ipc.node_link.join_settings`), compared by name."""
+
+    node_rank: int
+    settings: dict[str, str]
+
+
+@message
+class NodeVerdict(Message, tag=43):
+    """Node 0's answer to a :class:`NodeHello`: ``refusal`` empty to admit the node, else why
+    not (the settings that differ). Node 0 also sends :class:`Shutdown` on the link when it stops."""
+
+    refusal: str = ""

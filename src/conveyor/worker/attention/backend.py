@@ -50,6 +50,8 @@ class AttentionMetadata:
 
     Host copies (``*_host``) let CPU backends loop over sequences without a device sync.
     Invariant: ``seq_lens == context_lens + diff(query_start_loc)``, every query length >= 1.
+    ``uniform_query``: every sequence has exactly ``max_query_len`` new tokens (the static
+    decode step's rows), which a backend may serve with its decode kernel.
     """
 
     query_start_loc: torch.Tensor
@@ -62,6 +64,7 @@ class AttentionMetadata:
     block_size: int
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
+    uniform_query: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -1,8 +1,9 @@
 """Attention through the Triton kernels of :mod:`conveyor.kernels` (the CUDA path).
 
 A step whose every sequence has exactly one new token is a pure decode and goes through the
-split-K paged decode kernel; any other step (prefill, chunked prefill, mixed prefill and
-decode) goes through the extend kernel, which handles one-token sequences too. Both read
+split-K paged decode kernel, and so does a static decode-verify step (every sequence the same
+few new tokens, ``uniform_query``); any other step (prefill, chunked prefill, mixed prefill
+and decode) goes through the extend kernel, which handles one-token sequences too. Both read
 keys and values only from the paged cache, so :meth:`store_kv` runs first.
 
 The kernel modules are imported on first use: importing them decorates Triton functions,
@@ -68,7 +69,7 @@ class TritonPagedAttention(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         query = query.to(kv_cache_layer.dtype)
-        if metadata.max_query_len == 1:
+        if metadata.max_query_len == 1 or metadata.uniform_query:
             return self._decode(
                 query,
                 kv_cache_layer,
@@ -77,6 +78,7 @@ class TritonPagedAttention(AttentionBackend):
                 scale,
                 sliding_window,
                 max_seq_len=metadata.max_seq_len,
+                query_len=metadata.max_query_len,
             )
         return self._extend(
             query,

@@ -1,0 +1,73 @@
+"""Speculative decoding at tensor parallelism 2 (gloo, CPU): only rank 0 holds the LM head and
+scores the proposals; it broadcasts the targets and every rank accepts the same tokens. Each
+forked rank runs an engine (its scheduler forms the same plans from the same results) whose
+runner is that rank; both ranks' greedy outputs equal one process's with speculation and
+HF transformers', through verify steps on the static path and on the ragged one (beside
+chunked prefills)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from conveyor.worker.parallel import close_tensor_parallel, default_backend, init_tensor_parallel
+from tests.engine.conftest import TINY
+from tests.engine.test_speculative import SPEC, _serve, repetitive
+from tests.engine.test_verify_step import record_static_steps
+
+PROMPTS = {f"r{i}": repetitive(i) for i in range(4)}
+CONFIG = dict(TINY, max_batch_size=4, max_batch_tokens=16, threads=1, **SPEC)
+MAX_TOKENS = 16
+
+
+def serve(directory: str, tensor_parallel=None) -> dict:
+    """The prompts' greedy outputs from an engine whose runner is ``tensor_parallel``'s rank,
+    with the verify steps that ran the static path and the acceptance count."""
+    import conveyor.engine.engine as engine_module
+    from conveyor import Engine
+
+    build = engine_module.build_runner
+    engine_module.build_runner = functools.partial(build, tensor_parallel=tensor_parallel)
+    try:
+        engine = Engine(directory, **CONFIG)
+    finally:
+        engine_module.build_runner = build
+    steps = record_static_steps(engine.runner)
+    ragged, run_ragged = [], engine.runner._run_ragged
+
+    def spy(work, states, samples):
+        ragged.append(any(item.proposal for item in work))
+        return run_ragged(work, states, samples)
+
+    engine.runner._run_ragged = spy
+    outputs = _serve(engine, PROMPTS, MAX_TOKENS)
+    return {
+        "outputs": outputs,
+        "static_verify_steps": sum(q > 1 for _, _, q, _ in steps),
+        "ragged_verify_steps": sum(ragged),
+        "accepted": engine.stats()["spec_accepted_tokens"],
+    }
+
+
+def _rank(rank: int, size: int, init_file: str, directory: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, size, f"file://{init_file}", default_backend("cpu"), timeout_s=60)
+    result = serve(directory, tp)
+    close_tensor_parallel(tp)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_two_ranks_speculate_as_one(tiny_checkpoint, hf_greedy, tmp_path):
+    args = (2, str(tmp_path / "init"), str(tiny_checkpoint), str(tmp_path))
+    mp.start_processes(_rank, args=args, nprocs=2, join=True, start_method="fork")
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    single = serve(str(tiny_checkpoint))
+    assert single["static_verify_steps"] > 0 and single["ragged_verify_steps"] > 0 and single["accepted"] > 0
+    for rank in ranks:
+        assert rank == single
+    for rid, prompt in PROMPTS.items():
+        assert single["outputs"][rid] == hf_greedy(prompt, MAX_TOKENS), rid

@@ -108,3 +108,4 @@ def test_nolimit_runs_only_above_the_batch_rule():
     assert speculative.methods_at(settings, 64) == ["off", "ngram", "ngram-nolimit"]
     assert np.array_equal(speculative.method_flags("off", 4), [])
     assert speculative.method_flags("ngram", 3)[-2:] == ["--num-speculative-tokens", "3"]
+    assert speculative.method_flags("off-nooverlap", 3) == ["--no-overlap"]

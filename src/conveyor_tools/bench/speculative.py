@@ -9,7 +9,9 @@ noisy machine's drift falls on both sides alike; the median of each cell is repo
 Methods (:data:`METHODS`: a name and its bin/serve flags; a new proposer is one more entry):
 ``off``; ``ngram`` (prompt lookup, with the batch-size rule at its default); and
 ``ngram-nolimit`` (``--speculative-max-batch 0``: the rule lifted), run only at batch sizes
-above the rule's default, where it shows what the rule avoids.
+above the rule's default, where it shows what the rule avoids; and, when asked for,
+``off-nooverlap`` (``--no-overlap``: no speculation, every plan formed in sync as
+speculation forms them), which separates the cost of losing overlap from that of verifying.
 
 Per cell, from the run and the scheduler's counters over the measured window
 (:func:`conveyor_tools.bench.drivers.counter_deltas`): output tok/s, target forwards (steps),
@@ -45,6 +47,8 @@ METHODS: dict[str, list[str]] = {
     OFF: [],
     "ngram": ["--speculative-method", "ngram"],
     "ngram-nolimit": ["--speculative-method", "ngram", "--speculative-max-batch", "0"],
+    # No speculation, plans formed in sync as speculation forms them: what losing overlap costs.
+    "off-nooverlap": ["--no-overlap"],
 }
 NOLIMIT_ABOVE = SchedulerConfig.speculative_max_batch  # ngram-nolimit only differs above the rule
 COLUMNS = (
@@ -72,7 +76,7 @@ def methods_at(settings: SpecSettings, batch: int) -> list[str]:
 
 def method_flags(method: str, k: int) -> list[str]:
     flags = list(METHODS[method])
-    return flags + ["--num-speculative-tokens", str(k)] if flags else flags
+    return flags + ["--num-speculative-tokens", str(k)] if "--speculative-method" in flags else flags
 
 
 def cell(run_summary: dict[str, Any], counters: dict[str, Any], cpu_s: dict[str, float]) -> dict[str, Any]:
@@ -162,7 +166,7 @@ def table(cells: list[dict[str, Any]]) -> str:
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 3 + "---:|" * (len(COLUMNS) - 3)]
     for c in sorted(cells, key=lambda c: (c["batch"], c["workload"], list(METHODS).index(c["method"]))):
-        speculating = c["method"] != OFF
+        speculating = "--speculative-method" in METHODS[c["method"]]
         row = [
             str(c["batch"]), c["workload"], c["method"], num(c["output_tok_s"], ".1f"), num(c.get("speedup"), ".2f"),
             num(c["forwards"], ".0f"), num(c["tokens_per_forward"], ".2f"), num(c.get("forward_ratio"), ".2f"),

@@ -61,7 +61,7 @@ COLUMNS = (
 class SpecSettings:
     batch_sizes: tuple[int, ...] = (1, 8, 64)
     workloads: tuple[str, ...] = COPY_WORKLOADS
-    methods: tuple[str, ...] = tuple(METHODS)
+    methods: tuple[str, ...] = (OFF, "ngram", "ngram-nolimit")
     num_speculative_tokens: int = 4
     batches_per_run: int = 3  # requests per run = this x the batch size
     output_len: int = 96

@@ -31,6 +31,16 @@ def test_offline_table_states_each_ratio_once() -> None:
     assert ratios["hf"] == {"throughput_vs_conveyor": 100.0 / 300.0, "conveyor_speedup": 3.0}
 
 
+def test_offline_table_names_a_speculating_system_s_acceptance() -> None:
+    spec = offline_result(200.0)
+    spec["runs"][0].update(spec_acceptance_rate=0.75, spec_mean_acceptance_length=3.5)
+    spec["median"] = report.aggregate(spec["runs"], report.OFFLINE_KEYS)
+    table, _ = report.offline_table({"conveyor": offline_result(300.0), "conveyor-spec": spec})
+    conveyor_row, spec_row = table.splitlines()[2:]
+    assert spec_row.endswith("speculation: acceptance 0.75, mean length 3.50")
+    assert "speculation" not in conveyor_row
+
+
 def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path, capsys) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec says: not installed
 

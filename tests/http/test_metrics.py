@@ -30,6 +30,12 @@ STATS = {
     "prefix_cache_hit_tokens": 128,
     "num_preemptions_swap": 4,
     "num_preemptions_recompute": 7,
+    "spec_num_proposals": 10,
+    "spec_proposed_tokens": 30,
+    "spec_accepted_tokens": 17,
+    "spec_accepted_per_position": [8, 6, 3],
+    "spec_num_steps": 6,
+    "spec_num_limited_steps": 2,
 }
 
 
@@ -120,6 +126,14 @@ def test_exposition_names_types_and_values() -> None:
         assert s["vllm:" + name] == s["conveyor:" + name], name
     assert one("vllm:num_preemptions_total") == 11 and one("vllm:gpu_cache_usage_perc") == pytest.approx(0.25)
     assert "vllm:kv_blocks_used" not in s  # vLLM has no such family
+    # speculative decoding, under vLLM's names too (per position: label "position", from 0)
+    spec = (one("vllm:spec_decode_num_drafts_total"), one("vllm:spec_decode_num_draft_tokens_total"))
+    assert spec == (10, 30) and one("vllm:spec_decode_num_accepted_tokens_total") == 17
+    per_position = {(("position", str(i)),): v for i, v in enumerate([8, 6, 3])}
+    assert s["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == per_position
+    assert s["conveyor:spec_decode_num_accepted_tokens_per_pos_total"] == per_position
+    assert (one("conveyor:spec_decode_num_steps_total"), one("conveyor:spec_decode_num_limited_steps_total")) == (6, 2)
+    assert "vllm:spec_decode_num_steps_total" not in s
 
 
 def test_exposition_without_the_scheduler_keeps_the_frontend_families() -> None:
@@ -230,3 +244,37 @@ def test_a_scrape_follows_a_run(http_factory, tiny_checkpoint) -> None:
     assert max(in_flight) > 0  # a scrape saw requests in flight
     generation = [counters(s)["generation"] for s in during]
     assert generation == sorted(generation) and generation[-1] > generation[0]  # moved during the run
+
+
+SPECULATIVE = ("--speculative-method", "ngram", "--num-speculative-tokens", "3", "--ngram-max", "3")
+
+
+def spec_counters(s: dict[str, dict[tuple, float]]) -> dict[str, float]:
+    out = {
+        name: s[f"vllm:spec_decode_num_{name}_total"][()] for name in ("drafts", "draft_tokens", "accepted_tokens")
+    }
+    out["per_position"] = [v for _, v in sorted(s["vllm:spec_decode_num_accepted_tokens_per_pos_total"].items())]
+    return out
+
+
+def test_speculation_counters_rise_in_a_live_scrape(http_factory, tiny_checkpoint) -> None:
+    """With speculative decoding on, greedy requests over prompts that repeat a phrase move
+    the proposal counters between two scrapes; the per-position counts add up to the accepted
+    tokens and never grow along the proposal; the stats reply's ratios match the counters."""
+    server = http_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, *SPECULATIVE, "--metrics-port", "0")
+    before = spec_counters(scrape(server.metrics_url))
+    assert before == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_position": [0, 0, 0]}
+    with Client(server.address, timeout=60) as client:
+        for i in range(3):
+            phrase = [7 * i + 3 * j + 5 for j in range(4)]
+            client.generate(token_ids=phrase * 4, max_tokens=16, temperature=0.0, ignore_eos=True)
+        stats = client.stats()
+    after = spec_counters(scrape(server.metrics_url))
+    assert after["drafts"] > 0 and after["draft_tokens"] >= after["drafts"]
+    assert 0 < after["accepted_tokens"] <= after["draft_tokens"]
+    assert sum(after["per_position"]) == after["accepted_tokens"]
+    assert after["per_position"] == sorted(after["per_position"], reverse=True)
+    assert (stats["spec_num_proposals"], stats["spec_accepted_tokens"]) == (after["drafts"], after["accepted_tokens"])
+    assert stats["spec_acceptance_rate"] == pytest.approx(after["accepted_tokens"] / after["draft_tokens"])
+    assert stats["spec_mean_acceptance_length"] == pytest.approx(1 + after["accepted_tokens"] / after["drafts"])
+    assert stats["spec_proposals_per_step"] == pytest.approx(after["drafts"] / stats["spec_num_steps"])

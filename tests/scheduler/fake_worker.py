@@ -148,6 +148,9 @@ class FakeWorker:
             self.gpu[dst] = [None] * bs if failing else list(self.gpu.get(src, [None] * bs))
 
         cached = plans.rows(plan.cached_requests)
+        spec_rows = plan.cached_requests.spec_rows
+        assert spec_rows == sorted(set(spec_rows)), f"spec rows not increasing: {spec_rows}"
+        proposals = {cached[row].slot: list(p) for row, p in zip(spec_rows, plan.cached_requests.spec_token_ids)}
         slots_in_plan = [r.slot for r in plan.new_requests] + [r.slot for r in cached]
         assert slots_in_plan, "empty plan"
         assert len(set(slots_in_plan)) == len(slots_in_plan), f"a slot appears twice in step {plan.step_id}"
@@ -158,7 +161,7 @@ class FakeWorker:
         if self.max_num_batched_tokens is not None:
             assert total <= self.max_num_batched_tokens, f"{total} tokens over budget"
 
-        work: list[tuple[int, int]] = []  # (slot, tokens scheduled)
+        work: list[tuple[int, int]] = []  # (slot, known tokens scheduled: a proposal's are not)
         for new in plan.new_requests:
             rid, slot = new.request_id, new.slot
             held = self.state.get(slot)
@@ -180,7 +183,14 @@ class FakeWorker:
             )
             self._claim(slot, row.new_block_ids)
             st.blocks.extend(row.new_block_ids)
-            work.append((slot, row.num_scheduled_tokens))
+            proposal = proposals.get(slot)
+            if proposal is not None:
+                assert proposal and row.num_scheduled_tokens == 1 + len(proposal), (
+                    f"{st.request_id!r}: {row.num_scheduled_tokens} scheduled for a proposal of {len(proposal)}"
+                )
+                assert st.computed + 1 == len(st.tokens), f"{st.request_id!r}: a speculative row is not a decode"
+                assert len(st.blocks) * bs >= len(st.tokens) + len(proposal), f"{st.request_id!r}: no blocks for its proposal"
+            work.append((slot, 1 if proposal is not None else row.num_scheduled_tokens))
 
         self.scheduled.append({self.state[slot].request_id: n for slot, n in work})
         if plan.step_id in self.fail_steps:
@@ -191,6 +201,8 @@ class FakeWorker:
             self._check_prefix(slot)
         slots: list[int] = []
         sampled: list[int] = []
+        spec_slots: list[int] = []
+        spec_tokens: list[list[int]] = []
         for slot, n in work:
             st = self.state[slot]
             rid = st.request_id
@@ -210,7 +222,26 @@ class FakeWorker:
                 st.tokens.append(token)
                 slots.append(slot)
                 sampled.append(token)
-        return StepResult(plan.step_id, slots, sampled)
+                if slot in proposals:
+                    spec_slots.append(slot)
+                    spec_tokens.append(self._verify(slot, st, proposals[slot]))
+        return StepResult(plan.step_id, slots, sampled, spec_slots=spec_slots, spec_token_ids=spec_tokens)
+
+    def _verify(self, slot: int, st: _State, proposal: list[int]) -> list[int]:
+        """Greedy verification, as the real worker's: the proposal's tokens are kept while each
+        equals the token this worker produces there, then the one it produces at the first
+        mismatch (or after the whole proposal) is added; their KV is written (a rejected
+        token's is not: the real worker's lies past the computed count, never read)."""
+        gained: list[int] = []
+        for token in proposal:
+            if token != st.tokens[-1]:
+                break
+            self._write(slot, st, st.computed)
+            st.computed += 1
+            self.num_tokens_computed += 1
+            st.tokens.append(self.token_for(st.request_id, len(st.tokens)))
+            gained.append(st.tokens[-1])
+        return gained
 
     # -------------------------------------------------------------- KV contents
 

@@ -259,6 +259,7 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=SchedulerConfig.num_speculative_tokens, help="tokens proposed per decode and step, with --speculative-method")
     g.add_argument("--ngram-max", type=int, default=SchedulerConfig.ngram_max, help="longest suffix the ngram proposer matches")
     g.add_argument("--ngram-min", type=int, default=SchedulerConfig.ngram_min, help="shortest suffix the ngram proposer matches")
+    g.add_argument("--speculative-max-batch", type=int, default=SchedulerConfig.speculative_max_batch, help="no proposals in a step with more decodes than this (0: no limit)")
     _switch(g, "--offload-evicted", SchedulerConfig.offload_evicted, "copy prefix-cache blocks evicted from the GPU to the CPU swap space")
     g.add_argument("--swap-bandwidth", type=float, default=SchedulerConfig.swap_bandwidth / 1e9, help="GB/s host<->device, for --preemption auto")
     g.add_argument("--prefill-rate", type=float, default=SchedulerConfig.prefill_rate, help="prefill tokens/s, for --preemption auto")

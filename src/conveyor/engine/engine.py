@@ -59,7 +59,7 @@ from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.frontend.output import best_of, cumulative_logprob, merge
-from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id
+from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id, speculation_rates
 from conveyor.protocol import sampling_fields, wire
 from conveyor.protocol import requests as client_requests
 from conveyor.runtime.build import batcher_config, worker_settings
@@ -253,9 +253,11 @@ class Engine:
         return self.scheduler.seconds_until_ready()
 
     def stats(self) -> dict:
-        """The scheduler's stats (the server's ``stats`` reply): blocks, queues, counters,
-        the recent iterations."""
-        return self.scheduler.stats()
+        """The scheduler's stats (the server's ``stats`` reply): blocks, queues, counters and
+        the speculative-decoding ratios derived from them, the recent iterations."""
+        stats = self.scheduler.stats()
+        stats.update(speculation_rates(stats))
+        return stats
 
     # ------------------------------------------------------------------ iterations
 

@@ -70,7 +70,11 @@ from conveyor.runtime.config import replica_process_name
 T = TypeVar("T")
 
 # SchedulerStats fields that are not per-replica quantities to add up.
-_NOT_SUMMED = frozenset({"query_id", "iteration_fields", "recent_iterations", "iteration_token_counts", "lora_adapters"})
+_NOT_SUMMED = frozenset(
+    {"query_id", "iteration_fields", "recent_iterations", "iteration_token_counts", "spec_accepted_per_position", "lora_adapters"}
+)
+# Of those, the lists summed entry by entry.
+_SUMMED_BY_ENTRY = ("iteration_token_counts", "spec_accepted_per_position")
 
 
 class Link(Protocol):
@@ -261,8 +265,9 @@ class Gather(Generic[T]):
 
 def merge_stats(answers: dict[int, SchedulerStats]) -> SchedulerStats:
     """The server's stats from its live replicas' (replica index -> its stats): every count
-    and block figure summed (the iteration-token histograms bucket by bucket), the LoRA
-    adapters those every replica holds (a request may go to any), the recent iterations of all of them in time order, each row
+    and block figure summed (the iteration-token histograms bucket by bucket, the accepted
+    tokens per position entry by entry), the LoRA adapters those every replica holds (a
+    request may go to any), the recent iterations of all of them in time order, each row
     with one more field, ``replica``, the replica whose step it was (its other fields are that
     replica's own). One replica's stats are returned as they are."""
     if len(answers) == 1:
@@ -278,11 +283,12 @@ def merge_stats(answers: dict[int, SchedulerStats]) -> SchedulerStats:
     if "time" in first.iteration_fields:
         time_column = first.iteration_fields.index("time")
         rows.sort(key=lambda row: row[time_column])
-    counts = [sum(column) for column in zip(*(stats.iteration_token_counts for stats in ordered))]
+    for name in _SUMMED_BY_ENTRY:
+        summed[name] = [sum(column) for column in zip(*(getattr(stats, name) for stats in ordered))]
     everywhere = [name for name in first.lora_adapters if all(name in stats.lora_adapters for stats in ordered)]
     return SchedulerStats(
         query_id=first.query_id, iteration_fields=[*first.iteration_fields, "replica"], recent_iterations=rows,
-        iteration_token_counts=counts, lora_adapters=everywhere, **summed,
+        lora_adapters=everywhere, **summed,
     )  # fmt: skip
 
 

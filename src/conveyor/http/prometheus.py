@@ -2,7 +2,7 @@
 
 Two sources, both read over the client protocol: the frontend's ``metrics`` reply (request-level
 counters and latency histograms, :mod:`conveyor.frontend.request_metrics`) and the scheduler's ``stats``
-reply (queues, KV blocks, prefix cache, preemptions). :func:`exposition` renders one scrape from
+reply (queues, KV blocks, prefix cache, preemptions, speculative decoding). :func:`exposition` renders one scrape from
 them with ``prometheus_client``: a fresh :class:`~prometheus_client.CollectorRegistry` per call
 with one collector yielding metric families built from the two maps, so nothing here keeps
 state between scrapes and the values are exactly what the server reported.
@@ -41,6 +41,8 @@ VLLM_NAMES = frozenset(
         "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
         "request_decode_time_seconds", "request_inference_time_seconds", "request_prompt_tokens",
         "request_generation_tokens", "request_params_max_tokens", "iteration_tokens_total",
+        "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
     }
 )  # fmt: skip
 # The Content-Type to serve a scrape with: the classic text format, which every Prometheus
@@ -61,6 +63,11 @@ _STATS_GAUGES = (
 _STATS_COUNTERS = (
     ("prefix_cache_queried_tokens", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hit_tokens", "prefix_cache_hits", "Prompt tokens whose KV the prefix cache supplied."),
+    ("spec_num_proposals", "spec_decode_num_drafts", "Speculative proposals verified (one per decode row and step)."),
+    ("spec_proposed_tokens", "spec_decode_num_draft_tokens", "Speculative tokens proposed and verified."),
+    ("spec_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative tokens accepted."),
+    ("spec_num_steps", "spec_decode_num_steps", "Steps that verified at least one speculative proposal."),
+    ("spec_num_limited_steps", "spec_decode_num_limited_steps", "Steps kept from proposing by the batch-size rule (--speculative-max-batch)."),
 )
 # metrics reply counter -> help
 _COUNTER_HELP = {
@@ -174,6 +181,14 @@ def _scheduler_families(stats: dict[str, Any], model: str) -> Iterator[Metric]:
     preemptions.add_metric([model, "swap"], stats["num_preemptions_swap"])
     preemptions.add_metric([model, "recompute"], stats["num_preemptions_recompute"])
     yield preemptions
+    per_position = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Speculative proposals whose tokens up to this position (0-based) were all accepted.",
+        labels=["model_name", "position"],
+    )
+    for position, count in enumerate(stats.get("spec_accepted_per_position", ())):
+        per_position.add_metric([model, str(position)], count)
+    yield per_position
     if stats.get("iteration_token_counts"):
         yield _histogram(
             PREFIX + "iteration_tokens_total", "Tokens run by each iteration (prefill and decode together).", model,

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import msgspec
 
-from conveyor.ipc.messages import FinishReason, SchedulerStats
+from conveyor.ipc.messages import FinishReason, SchedulerStats, speculation_rates
 from conveyor.protocol.wire import (
     CLIENT_PROTOCOL_VERSION,
     DELTA,
@@ -133,9 +133,11 @@ def scheduler_error_code(error: str | None) -> str:
 
 
 def stats_reply(stats: SchedulerStats, in_flight: int, *, iterations: bool) -> dict[str, Any]:
-    """The ``stats`` map: the scheduler's block pool, queues and counters, the frontend's
-    requests in flight, and (``iterations``) the recent iterations as one map each."""
+    """The ``stats`` map: the scheduler's block pool, queues and counters (with the
+    speculative-decoding ratios derived from them), the frontend's requests in flight, and
+    (``iterations``) the recent iterations as one map each."""
     reply = {k: v for k, v in msgspec.structs.asdict(stats).items() if k not in _STATS_INTERNAL}
+    reply.update(speculation_rates(reply))
     if iterations:
         reply["iterations"] = [dict(zip(stats.iteration_fields, row)) for row in stats.recent_iterations]
     reply.update(type=STATS_REPLY, v=CLIENT_PROTOCOL_VERSION, in_flight=in_flight)

@@ -170,12 +170,16 @@ class SchedulerConfig:
     speculative_model: str | None = None
     ngram_max: int = 4
     ngram_min: int = 1
+    # No proposals in a step with more decodes than this (0: no limit): a large batch's step
+    # is compute-bound, and verifying proposals there costs about what they save
+    # (docs/architecture.md, "Speculative decoding", the batch-size rule).
+    speculative_max_batch: int = 32
 
     def __post_init__(self) -> None:
         _parse_choices(self, batching=Batching, policy=Policy, preemption=Preemption)
         _require_at_least(self, 0, "num_cpu_blocks", "max_waiting", "block_bytes", "max_wait_ms", "max_queue_time", "aging_rate")
         _require_at_least(self, 1, "min_batch_size", "max_loras")
-        _require_at_least(self, 0, "max_bypass")
+        _require_at_least(self, 0, "max_bypass", "speculative_max_batch")
         if self.swap_bandwidth <= 0 or self.prefill_rate <= 0:
             raise ValueError("swap_bandwidth and prefill_rate must be positive")
         _require_at_least(self, 1, "iteration_log_size")

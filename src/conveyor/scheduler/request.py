@@ -100,8 +100,11 @@ class Request:
     lora: str | None = None
     prefix_root: int = 0
     # Whether its decodes may verify proposed tokens (scheduler/speculation.py), when the
-    # server speculates.
+    # server speculates; its proposals rejected whole in a row, and the decodes it still
+    # skips proposing for because of them (the back-off of scheduler/speculation.py).
     speculative: bool = False
+    spec_misses: int = 0
+    spec_skip: int = 0
 
     @classmethod
     def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:

@@ -43,6 +43,7 @@ from conveyor.ipc.messages import (
 from conveyor.scheduler.preemption import drop_kv
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.slot_columns import ALARM, EOS, GEN, KNOWN
+from conveyor.scheduler.speculation import back_off
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:
@@ -106,16 +107,23 @@ def _accepted_runs(state: SchedulerState, step: Step, result: StepResult) -> dic
     gained = {slot: list(run) for slot, run in zip(result.spec_slots, result.spec_token_ids)}
     planned = dict(zip(step.dslots.tolist(), step.dgens.tolist()))
     runs: dict[int, list[int]] = {}
+    per_position = state.spec_accepted_per_position
+    verified = 0
     for slot, proposed in step.spec.items():
         if planned[slot] != cols.generation(slot):
             continue  # ended while the plan ran
         run = gained.get(slot, [])[:proposed]
         cols.computed[slot] -= proposed - len(run)
-        state.spec_num_proposals += 1
+        back_off(cols.owner[slot], len(run))
+        verified += 1
         state.spec_proposed_tokens += proposed
         state.spec_accepted_tokens += len(run)
+        for position in range(len(run)):
+            per_position[position] += 1
         if run:
             runs[slot] = run
+    state.spec_num_proposals += verified
+    state.spec_num_steps += verified > 0
     return runs
 
 

@@ -29,6 +29,19 @@ step's token budget left after the plain decodes, and to the KV blocks free with
 preempting anyone (speculation never preempts; a proposal that does not fit shrinks, maybe
 to nothing).
 
+**The batch-size rule.** A step of more than ``speculative_max_batch`` decodes proposes
+nothing (counted in ``spec_num_limited_steps``): verifying pays off while a step's cost is
+set by reading the weights (memory-bound), where ``1 + k`` tokens a row cost about one; a
+large batch's step is compute-bound, every proposed token costs its share and the rejected
+ones are waste. The rule looks only at the step's decodes, the part speculation widens.
+
+**The back-off.** A request whose proposal was rejected whole skips proposing for its next
+``2**r - 1`` decodes after ``r`` such proposals in a row (at most :data:`MAX_SKIP`); any
+accepted token resets it (:func:`back_off`, called with each verified proposal). Text the
+request does not repeat makes lookups that hit and miss-predict every step, each verifying
+``1 + k`` tokens to keep one; backed off, such a request proposes a few times in
+``MAX_SKIP`` steps and costs about a plain decode, while one that copies never backs off.
+
 **Plans in sync.** A decode's next proposal depends on how many tokens its last step
 accepted, so with speculation on the scheduler does not plan ahead
 (:attr:`Scheduler.can_plan_ahead` is False): every plan is formed with the last result
@@ -51,6 +64,7 @@ from conveyor.ipc.messages import SamplingParams
 from conveyor.scheduler.slot_columns import KNOWN, STOP_LEN
 
 if TYPE_CHECKING:
+    from conveyor.scheduler.request import Request
     from conveyor.scheduler.state import SchedulerState
     from conveyor.scheduler.step import Step
 
@@ -86,12 +100,27 @@ def propose_ngram(tokens: np.ndarray, k: int, ngram_max: int, ngram_min: int) ->
     return tokens[:0]
 
 
+MAX_SKIP = 15  # decodes a request skips proposing after 4 or more whole rejections in a row
+
+
+def back_off(req: Request, accepted: int) -> None:
+    """A proposal of ``req`` was verified with ``accepted`` tokens kept: the back-off's count
+    (module docstring)."""
+    req.spec_misses = 0 if accepted else req.spec_misses + 1
+    req.spec_skip = min(2**req.spec_misses - 1, MAX_SKIP)
+
+
 def plan_speculation(state: SchedulerState, step: Step) -> None:
-    """Widen the step's decodes (planned by phase 1) whose requests speculate with their
-    proposals (n-gram), or with room for ``k`` draft tokens the worker makes (draft method),
-    within the budget and the free blocks, best rank first (module docstring)."""
+    """Widen the step's decodes (planned by phase 1) whose requests speculate and are not
+    backing off with their proposals (n-gram), or with room for ``k`` draft tokens the worker
+    makes (draft method), within the budget and the free blocks, best rank first (module
+    docstring); none in a step of more than ``speculative_max_batch`` decodes (the batch-size
+    rule)."""
     k = state.config.speculative_tokens
     if not k or not len(step.dslots) or step.budget <= 0:
+        return
+    if 0 < state.config.speculative_max_batch < len(step.dslots):
+        state.spec_num_limited_steps += 1  # the batch rule: a large batch's step is compute-bound
         return
     cols, gpu, cfg = state.cols, state.kv.gpu, state.config
     bs = cfg.block_size
@@ -105,6 +134,9 @@ def plan_speculation(state: SchedulerState, step: Step) -> None:
         req = cols.owner[slot]
         limit = min(k, room[row], step.budget)
         if limit < 1 or not req.speculative:
+            continue
+        if req.spec_skip:  # the back-off
+            req.spec_skip -= 1
             continue
         proposal = None
         if not drafted:

@@ -111,10 +111,15 @@ class SchedulerState:
     ahead: bool = False
     declined: bool = False
     # Speculative decoding counters (scheduler/results.py): rows that verified a proposal,
-    # tokens proposed, proposed tokens accepted.
+    # tokens proposed, proposed tokens accepted, accepted ones by position in their proposal
+    # (entry i: proposals whose first i + 1 tokens were accepted), steps that verified any;
+    # and steps the batch-size rule kept from proposing (scheduler/speculation.py).
     spec_num_proposals: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(init=False)
+    spec_num_steps: int = 0
+    spec_num_limited_steps: int = 0
     num_preemptions: dict[Preemption, int] = field(
         default_factory=lambda: {Preemption.SWAP: 0, Preemption.RECOMPUTE: 0}
     )
@@ -122,6 +127,7 @@ class SchedulerState:
     def __post_init__(self) -> None:
         n = self.config.max_num_seqs
         self.cols = SlotColumns(n, self.eos_token_ids)
+        self.spec_accepted_per_position = [0] * self.config.speculative_tokens
         self.free_slots = list(range(n - 1, -1, -1))
 
     @classmethod

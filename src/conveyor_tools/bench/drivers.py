@@ -24,6 +24,11 @@ from conveyor.client import AsyncClient
 from conveyor.profiling import STEP_SERIES, step_records
 
 WARMUP_REQUESTS = 4
+# Scheduler counters whose change over an offline run is recorded (extra["scheduler_counters"]).
+SCHEDULER_COUNTERS = (
+    "num_steps", "spec_num_proposals", "spec_proposed_tokens", "spec_accepted_tokens", "spec_num_steps",
+    "spec_num_limited_steps",
+)  # fmt: skip
 TIMELINE_SERIES = ["batch_seqs", "batch_tokens", "num_waiting"]
 PROFILE_SLACK_S = 0.05
 
@@ -47,9 +52,15 @@ def _check(result: Any, expected: int) -> None:
         )
 
 
-async def run_offline(system: str, address: str, workload: Workload, progress: Any, timeout: float) -> OfflineRun:
+async def run_offline(
+    system: str, address: str, workload: Workload, progress: Any, timeout: float, cpu_probe: CpuProbe | None = None
+) -> OfflineRun:
+    """Every request of ``workload`` at once, after a warm-up; with ``cpu_probe`` (the server's
+    processes' CPU seconds) the run's CPU cost by process is in ``extra["cpu_s"]``."""
     async with AsyncClient(address, timeout=timeout) as client:
         await _warmup(client)
+        before = await client.stats()
+        meter = CpuMeter(cpu_probe)
         start = time.perf_counter()
         start_mono = time.monotonic_ns()
         latencies = [0.0] * len(workload.requests)
@@ -68,6 +79,7 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
 
         await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
         wall = time.perf_counter() - start
+        cpu_s = meter.stop()
         # The window is the run (plus the query's own trip): time-based values such as the
         # worker's idle fraction then describe the run, not the quiet spell before it.
         profile = await client.profile(wall + PROFILE_SLACK_S, series=[*TIMELINE_SERIES, *STEP_SERIES])
@@ -84,8 +96,21 @@ async def run_offline(system: str, address: str, workload: Workload, progress: A
         {
             "server_profile": _profile_summary(profile),
             "step_records": {**steps, "num_blocks": stats.get("total_blocks")},
+            "scheduler_counters": counter_deltas(before, stats),
+            "cpu_s": cpu_s,
         },
     )
+
+
+def counter_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the scheduler's step and speculative-decoding counters moved by between two
+    ``stats`` replies (the measured window: warm-up excluded), the per-position list entry by entry."""
+    out: dict[str, Any] = {name: after[name] - before[name] for name in SCHEDULER_COUNTERS if name in after}
+    if "spec_accepted_per_position" in after:
+        out["spec_accepted_per_position"] = [
+            a - b for a, b in zip(after["spec_accepted_per_position"], before["spec_accepted_per_position"])
+        ]
+    return out
 
 
 def _server_timeline(profile: dict[str, Any], start_mono_ns: int, wall_s: float) -> Timeline:

@@ -99,7 +99,10 @@ def aggregate(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, An
     return out
 
 
-OFFLINE_KEYS = ("output_tok_s", "total_tok_s", "req_s", "wall_s", "mean_batch_occupancy", "worker_idle_fraction")
+OFFLINE_KEYS = (
+    "output_tok_s", "total_tok_s", "req_s", "wall_s", "mean_batch_occupancy", "worker_idle_fraction",
+    "spec_acceptance_rate", "spec_mean_acceptance_length",
+)  # fmt: skip
 
 
 def worker_idle_fraction(server_profile: dict[str, Any] | None) -> float | None:
@@ -136,6 +139,8 @@ def offline_table(systems: dict[str, dict[str, Any]], reference: str = "conveyor
             spread = f" ({med['output_tok_s_min']:.0f}-{med['output_tok_s_max']:.0f})"
         occupancy = med.get("mean_batch_occupancy")
         idle = med.get("worker_idle_fraction")
+        if "spec_acceptance_rate" in med:  # a speculating server (--serve-arg --speculative-method ...)
+            spread += f"  speculation: acceptance {med['spec_acceptance_rate']:.2f}, mean length {med['spec_mean_acceptance_length']:.2f}"
         lines.append(
             f"{name:<16} {tok:>10.1f} {med['total_tok_s']:>11.1f} {med['req_s']:>7.2f} {med['wall_s']:>8.2f} "
             f"{_opt(last['latency_s']['p50'])} {_opt(last['latency_s']['p99'])} "

@@ -6,6 +6,7 @@
     bin/bench online --address tcp://127.0.0.1:7700 --rate 2        # a server you started
     bin/bench online --http --rate inf --batch-size 64 --repeat 3    # conveyor vs conveyor-http
     bin/bench experiments --threads 1 --out bench/results/experiments-cpu   # docs/experiments.md
+    bin/bench speculative --threads 1 --repeat 3     # speculative decoding on/off at batch 1, 8, 64
 
 Systems: ``conveyor`` (bin/serve, continuous batching, started by the benchmark),
 ``static`` (bin/serve --batching static; offline, behind the experiments' gate: it gathers a
@@ -45,6 +46,7 @@ from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
 from conveyor_tools.bench.workloads import constrain_fraction, make_workload, poisson_arrivals, with_controls, with_logprobs
 from conveyor_tools.cli.bench_experiments import experiments_main
+from conveyor_tools.cli.bench_speculative import speculative_main
 from conveyor_tools.cli.bench_options import (
     ALL_SYSTEMS,
     HTTP_SERVED,
@@ -57,6 +59,7 @@ from conveyor_tools.cli.bench_options import (
     serve_flags,
 )
 from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.ipc.messages import speculation_rates
 from conveyor.worker.main import resolve_device
 
 
@@ -123,6 +126,9 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             idle = report.worker_idle_fraction(run.extra.get("server_profile"))
             if idle is not None:
                 record["summary"]["worker_idle_fraction"] = idle
+            counters = run.extra.get("scheduler_counters") or {}
+            if counters.get("spec_num_proposals"):  # the server speculated: its acceptance
+                record["summary"].update(speculation_rates(counters))
             results[name]["runs"].append(record["summary"])
             results[name].update({k: v for k, v in record.items() if k != "summary"})
     for name, result in results.items():
@@ -234,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
     if args.mode == "experiments":
         return experiments_main(args, argv)
+    if args.mode == "speculative":
+        return speculative_main(args, argv)
     default = "conveyor,static,hf,hf-cb" if args.mode == "offline" else "conveyor"
     systems = [s.strip() for s in (args.systems or default).split(",") if s.strip()]
     if getattr(args, "http", False) and "conveyor-http" not in systems:

@@ -87,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     on.add_argument("--repeat", type=int, default=1, help="runs per system, alternating (a fresh server each)")
     on.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput target: time to first token")
     on.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target: time per output token")
+    spec = sub.add_parser(
+        "speculative", parents=[engine], help="speculative decoding against plain decoding, on the copy checkpoint"
+    )
+    spec.add_argument("--batch-sizes", default="1,8,64", help="comma-separated concurrency caps (default 1,8,64)")
+    spec.add_argument("--workloads", default="copy,mispredict", help="comma-separated, from copy,mispredict")
+    spec.add_argument("--methods", default="off,ngram,ngram-nolimit", help="comma-separated, from off,ngram,ngram-nolimit,off-nooverlap")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per decode and step")
+    spec.add_argument("--batches", type=int, default=3, help="requests per run = this x the batch size")
+    spec.add_argument("--output-len", type=int, default=96, help="output tokens per request (below the cycle, 128)")
+    spec.add_argument("--repeat", type=int, default=1, help="sweeps, methods alternating; the median is reported")
+    spec.add_argument("--json", metavar="PATH", help="write the results, machine and versions as JSON")
     exp = sub.add_parser(
         "experiments", parents=[engine], help="the continuous-batching write-ups' tables: continuous vs static"
     )

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -100,8 +101,9 @@ def demo_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def write_demo_checkpoint(path: str | Path, seed: int = 0) -> Path:
-    """Write the demo checkpoint into directory ``path`` (created if needed) and return it."""
+def write_demo_checkpoint(path: str | Path, seed: int = 0, weights: dict[str, np.ndarray] | None = None) -> Path:
+    """Write the demo checkpoint into directory ``path`` (created if needed) and return it;
+    ``weights`` (the names and shapes of :func:`demo_weights`) replace the seeded random ones."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = demo_config()
@@ -112,27 +114,34 @@ def write_demo_checkpoint(path: str | Path, seed: int = 0) -> Path:
     }
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config)
-    save_file(demo_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = demo_weights(config, seed) if weights is None else weights
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in TOKENIZER_FILES:
         shutil.copyfile(TOKENIZER_DIR / name, out / name)
     return out
 
 
 def demo_checkpoint_dir() -> Path:
-    """The demo checkpoint in the cache (``$CONVEYOR_CACHE`` or ``~/.cache/conveyor``), built on first use.
+    """The demo checkpoint in the cache (``$CONVEYOR_CACHE`` or ``~/.cache/conveyor``), built on first use."""
+    return cached_checkpoint_dir(f"demo-{demo_fingerprint()}", lambda path: write_demo_checkpoint(path, DEMO_SEED))
+
+
+def cached_checkpoint_dir(name: str, write: Callable[[Path], object]) -> Path:
+    """Directory ``name`` of the cache (``$CONVEYOR_CACHE`` or ``~/.cache/conveyor``), written
+    by ``write(directory)`` on first use; ``name`` must change with whatever decides the contents.
 
     It is written to a temporary sibling directory and renamed into place, so a reader
     sees either no directory or a complete one; when two processes race, one rename wins
     and the other's copy is discarded.
     """
     root = Path(os.environ.get("CONVEYOR_CACHE") or Path.home() / ".cache" / "conveyor").expanduser()
-    target = root / f"demo-{_fingerprint()}"
+    target = root / name
     if target.is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-partial-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
     try:
-        write_demo_checkpoint(tmp, DEMO_SEED)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -143,7 +152,7 @@ def demo_checkpoint_dir() -> Path:
     return target
 
 
-def _fingerprint() -> str:
+def demo_fingerprint() -> str:
     """Short hash of the builder's parameters and the tokenizer files: names one cache entry."""
     h = hashlib.sha256()
     params = {"format": FORMAT_VERSION, "architecture": ARCHITECTURE, "init_std": INIT_STD, "seed": DEMO_SEED}

@@ -46,6 +46,7 @@ from conveyor.ipc.messages.frontend_scheduler import (
     TokenLogprobs,
     TokenOutputs,
     sequence_id,
+    speculation_rates,
 )
 from conveyor.ipc.messages.lora_updates import (
     LORA_ALREADY_LOADED,
@@ -134,4 +135,5 @@ __all__ = [
     "int_list",
     "message",
     "sequence_id",
+    "speculation_rates",
 ]

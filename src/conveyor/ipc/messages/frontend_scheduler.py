@@ -5,6 +5,9 @@ worker, inside :class:`~conveyor.ipc.messages.scheduler_worker.NewRequestData`."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from msgspec import field
 
 from conveyor.ipc.messages.tagged import Int32Array, Message, Positional, message
@@ -236,10 +239,15 @@ class SchedulerStats(Message, tag=12):
     num_timed_out: int = 0
     num_planned_ahead: int = 0
     # Speculative decoding since start: decode rows that verified a proposal, tokens proposed,
-    # proposed tokens accepted (acceptance rate: accepted / proposed).
+    # proposed tokens accepted, accepted ones by position in their proposal (entry i: the
+    # proposals whose first i + 1 tokens were accepted), steps that verified any, and steps the
+    # batch-size rule kept from proposing. speculation_rates() derives the ratios.
     spec_num_proposals: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_num_steps: int = 0
+    spec_num_limited_steps: int = 0
     # Every iteration's input tokens since start, per bucket of
     # ITERATION_TOKEN_BUCKETS (the last above every bound), and their sum.
     iteration_token_counts: list[int] = field(default_factory=list)
@@ -248,3 +256,19 @@ class SchedulerStats(Message, tag=12):
     recent_iterations: list[list[int | float]] = field(default_factory=list)
     # The LoRA adapters requests may name now (--lora-modules and those loaded since).
     lora_adapters: list[str] = field(default_factory=list)
+
+
+def speculation_rates(stats: Mapping[str, Any]) -> dict[str, float]:
+    """The speculative-decoding ratios of a stats map's counters (0.0 before any proposal):
+    ``spec_acceptance_rate`` (accepted / proposed tokens), ``spec_mean_acceptance_length``
+    (tokens a verifying row gains per step: 1 + accepted / proposals, vLLM's mean acceptance
+    length) and ``spec_proposals_per_step`` (proposals / steps that verified any). Derived
+    where the map is read (the ``stats`` reply, ``Engine.stats``), so replicas' counters are
+    summed first."""
+    proposals, proposed = stats["spec_num_proposals"], stats["spec_proposed_tokens"]
+    accepted, steps = stats["spec_accepted_tokens"], stats["spec_num_steps"]
+    return {
+        "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+        "spec_mean_acceptance_length": 1 + accepted / proposals if proposals else 0.0,
+        "spec_proposals_per_step": proposals / steps if steps else 0.0,
+    }

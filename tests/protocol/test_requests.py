@@ -306,3 +306,12 @@ def test_template_kwargs_are_bounded() -> None:
 def test_seeds_map_to_their_64_bit_pattern() -> None:
     for seed, stored in ((-1, -1), (2**64 - 1, -1), (2**63, -(2**63)), (2**63 - 1, 2**63 - 1), (0, 0)):
         assert client_requests.parse_client_message(gen(seed=seed)).sampling.seed == stored
+
+
+def test_a_type_of_any_value_is_refused_not_raised() -> None:
+    """The message type is looked up among the LoRA commands too: an unhashable one (a list, a
+    map) must be an unknown type, not a TypeError that takes the frontend down."""
+    for kind in ([1], {"a": 1}, 3.5, None):
+        with pytest.raises(wire.ProtocolError) as info:
+            client_requests.parse_client_message({"type": kind, "v": 1, "request_id": "r"})
+        assert info.value.code in (wire.UNKNOWN_TYPE, wire.INVALID_FIELD)

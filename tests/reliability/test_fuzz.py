@@ -211,6 +211,16 @@ def expect(frames: list[bytes], model: Model, undecodable_rid: str | None) -> Re
         return Runs("stats") if ok else refused_command
     if kind == "metrics":
         return refused_command if set(obj) - {"type", "v"} else Runs("metrics")
+    if kind in ("load_lora", "unload_lora"):  # the fuzzed server runs without --enable-lora-loading
+        name, path = obj.get("lora_name"), obj.get("lora_path")
+        fields = {"type", "v", "request_id", "lora_name"} | ({"lora_path"} if kind == "load_lora" else set())
+        ok = (
+            not set(obj) - fields
+            and rid is not None
+            and is_str(name, 256)
+            and (kind == "unload_lora" or is_str(path, 4096))
+        )
+        return Refusal(frozenset({wire.LORA_LOADING_DISABLED if ok else wire.INVALID_FIELD}), False, rid if ok else None)
     if kind == "profile":
         window, trace, series = obj.get("window_s"), obj.get("trace"), obj.get("series")
         ok = (
@@ -340,9 +350,9 @@ def cases(draw) -> tuple[list[bytes], str | None]:
     if kind == "request_id":  # a generate whose id is a random value
         return [_base({"request_id": draw(st.one_of(values, st.text(min_size=250, max_size=260)))})], None
     if kind == "map":  # any map, of any type, with or without the id
-        keys = st.sampled_from(["type", "v", "request_id", *FIELDS])
+        keys = st.sampled_from(["type", "v", "request_id", "lora_name", "lora_path", *FIELDS])
         obj = draw(st.dictionaries(keys, st.one_of(values, st.just(RID_SLOT)), max_size=5))
-        types = st.sampled_from(["generate", "abort", "stats", "profile", "metrics", "x"])
+        types = st.sampled_from(["generate", "abort", "stats", "profile", "metrics", "load_lora", "unload_lora", "x"])
         obj["type"] = draw(st.one_of(types, values))
         return [msgpack.packb(obj)], None
     if kind == "frames":  # more than one frame: the id of one is named

@@ -190,7 +190,7 @@ def parse_client_message(
         return StatsCommand(iterations=bool(iterations))
     if kind == PROFILE:
         return _parse_profile(obj)
-    if kind in LORA_FIELDS:
+    if isinstance(kind, str) and kind in LORA_FIELDS:  # a type may be any value: a list is unhashable
         return _parse_lora(obj, kind, rid_for_error)
     if kind == METRICS:
         unknown = set(obj) - METRICS_FIELDS

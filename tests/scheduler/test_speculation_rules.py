@@ -130,3 +130,33 @@ def test_a_request_whose_proposals_all_miss_backs_off():
     stats = h.scheduler.stats()
     assert stats["spec_accepted_tokens"] == 0 and stats["num_steps"] == 41
     assert stats["spec_num_proposals"] == 5
+
+
+def test_plans_ahead_while_every_request_backs_off_and_in_sync_while_one_may_propose():
+    """With overlap, the scheduler plans ahead only while speculation is quiet: the plan in
+    flight verifies nothing and every request that speculates is backing off. A plan formed
+    ahead proposes nothing (its decodes' last tokens are pending) but counts the back-off, so
+    the same five proposals are made as in sync, and the tokens are the same."""
+    prompt = list(range(100, 150))
+
+    def stride(request_id: str, position: int) -> int:
+        return 100 + (7 * position) % 50
+
+    h = harness(token_fn=stride, k=3)
+    h.overlap = True
+    h.add("r1", prompt=prompt, max_tokens=41, temperature=0.0, ignore_eos=True)
+    h.run()
+    h.check_outcomes()
+    stats = h.scheduler.stats()
+    assert stats["spec_num_proposals"] == 5 and stats["spec_accepted_tokens"] == 0
+    ahead = [plan.planned_ahead for plan in h.worker.plans]
+    assert sum(ahead) >= 20, ahead  # most of the 36 quiet decodes overlap the step before
+    for plan, was_ahead in zip(h.worker.plans, ahead):
+        assert not (was_ahead and plan.cached_requests.spec_rows), "a plan formed ahead proposed"
+    # A request that may propose (a cycle, every proposal accepted) is planned in sync.
+    h = harness(k=3)
+    h.overlap = True
+    add(h, "r1", max_tokens=17)
+    h.run()
+    h.check_outcomes()
+    assert not any(plan.planned_ahead for plan in h.worker.plans[1:])

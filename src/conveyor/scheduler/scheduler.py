@@ -132,7 +132,7 @@ from conveyor.scheduler.iteration_log import ITERATION_FIELDS, IterationLog
 from conveyor.scheduler.planning import plan_decodes, plan_prompts
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.results import apply_result
-from conveyor.scheduler.speculation import plan_speculation
+from conveyor.scheduler.speculation import plan_speculation, quiet as speculation_quiet
 from conveyor.scheduler.state import MAX_PLANS_IN_FLIGHT, SchedulerState
 from conveyor.scheduler.step import Step
 
@@ -363,10 +363,14 @@ class Scheduler:
         """Whether :meth:`schedule` may form the next plan now: exactly one plan is in
         flight, it is not doomed by the failure of the plan before it (the worker would fail
         a plan planned ahead of it too), and the last plan ahead did not stop short of a
-        preemption. Never with speculative decoding: a decode's next proposal depends on
-        how many tokens the plan in flight accepts (scheduler/speculation.py)."""
-        inflight = self.state.inflight
-        return not self.config.speculative_tokens and len(inflight) == 1 and not self.state.declined and not inflight.oldest.step.failed
+        preemption. With speculative decoding only while speculation is quiet: a decode's
+        next proposal depends on how many tokens the plan in flight accepts
+        (:func:`~conveyor.scheduler.speculation.quiet`)."""
+        st = self.state
+        inflight = st.inflight
+        if len(inflight) != 1 or st.declined or inflight.oldest.step.failed:
+            return False
+        return not self.config.speculative_tokens or speculation_quiet(st, inflight.oldest.step)
 
     def _record(self, step: Step, plan: StepPlan, now: float, started: float) -> None:
         """One row of the iteration log (fields as :data:`ITERATION_FIELDS`)."""

@@ -42,10 +42,11 @@ request does not repeat makes lookups that hit and miss-predict every step, each
 ``1 + k`` tokens to keep one; backed off, such a request proposes a few times in
 ``MAX_SKIP`` steps and costs about a plain decode, while one that copies never backs off.
 
-**Plans in sync.** A decode's next proposal depends on how many tokens its last step
-accepted, so with speculation on the scheduler does not plan ahead
-(:attr:`Scheduler.can_plan_ahead` is False): every plan is formed with the last result
-applied.
+**Plans in sync while anyone may propose.** A decode's next proposal depends on how many
+tokens its last step accepted, so the scheduler plans ahead only while speculation is quiet
+(:func:`quiet`: the plan in flight verifies nothing and no running request could propose
+next, all backing off or the batch rule holding); a plan formed ahead proposes nothing.
+Otherwise every plan is formed with the last result applied.
 
 **Rejected tokens** cost nothing to drop: their KV was written past the computed length,
 and :mod:`~conveyor.scheduler.results` moves ``num_computed_tokens`` back to the accepted
@@ -138,6 +139,8 @@ def plan_speculation(state: SchedulerState, step: Step) -> None:
         if req.spec_skip:  # the back-off
             req.spec_skip -= 1
             continue
+        if state.ahead:  # planned ahead: its last token is still pending in the plan in flight
+            continue
         proposal = None
         if not drafted:
             proposal = propose_ngram(np.asarray(req.token_ids, np.int64), limit, cfg.ngram_max, cfg.ngram_min)
@@ -151,3 +154,18 @@ def plan_speculation(state: SchedulerState, step: Step) -> None:
         blocks = gpu.allocate(need) if need > 0 else []
         req.block_ids += blocks
         step.add_speculation(row, slot, n, blocks, None if drafted else proposal[:n].tolist())
+
+
+def quiet(state: SchedulerState, inflight: Step) -> bool:
+    """Whether a plan formed now, ahead of the one plan in flight (``inflight``), loses no
+    proposal by being formed ahead (:attr:`Scheduler.can_plan_ahead`): the plan in flight
+    verifies none, so its results decide no proposal, and no running request could propose
+    in the next step: the batch rule holds, or each request that speculates is backing off.
+    A plan formed ahead proposes nothing but counts the back-off (:func:`plan_speculation`),
+    so speculation resumes in sync once a back-off ends."""
+    if inflight.spec:
+        return False
+    running = state.table.running
+    if 0 < state.config.speculative_max_batch < len(running):
+        return True
+    return not any(req.speculative and not req.spec_skip for req in running)

@@ -23,7 +23,7 @@ from conveyor.ipc.messages import (
     StepResult,
     int_list,
 )
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 from conveyor.scheduler.results import stop_reason
 from conveyor.scheduler.scheduler import Scheduler
 
@@ -232,10 +232,10 @@ def test_request_filling_max_model_len_ends_with_length():
 def test_model_length_stop_is_checked_after_max_tokens():
     # Unreachable through add_request (prompt + max_tokens <= max_model_len is enforced
     # there), so check the defensive condition on the stop check itself.
-    req = Request.from_message(AddRequest("r", [1] * 7, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8)
+    req = SchedulerRequest.from_message(AddRequest("r", [1] * 7, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8)
     req.token_ids.append(5)
     assert stop_reason(req, 5) == FinishReason.LENGTH
-    req = Request.from_message(AddRequest("r", [1] * 6, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8)
+    req = SchedulerRequest.from_message(AddRequest("r", [1] * 6, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8)
     req.token_ids.append(5)
     assert stop_reason(req, 5) is None
 

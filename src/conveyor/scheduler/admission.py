@@ -29,7 +29,7 @@ from conveyor.scheduler.groups import fork_source, sequence_id
 from conveyor.scheduler.kv_manager import PrefixMatch
 from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.preemption import make_room
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ NO_LORA_SLOT = -5  # its LoRA adapter is not running and max_loras distinct adap
 SWAPPED = RequestStatus.SWAPPED
 
 
-def rejection_reason(state: SchedulerState, req: Request) -> str | None:
+def rejection_reason(state: SchedulerState, req: SchedulerRequest) -> str | None:
     """Why a request just arrived (not queued yet) can never be served (the error text), or None."""
     cfg = state.config
     prompt = req.token_ids
@@ -100,7 +100,7 @@ def admission_open(state: SchedulerState, num_running_at_start: int, now: float)
     return policy.admission_open(n, queue.oldest_enqueue_time(policy.min_batch_size), now)
 
 
-def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reserved: int) -> int:
+def try_admit(state: SchedulerState, step: Step, req: SchedulerRequest, now: float, reserved: int) -> int:
     """Admit the queue head ``req`` if it can start: the blocks it reserves for later growth
     (>= 0, :meth:`~conveyor.scheduler.policy.SchedulingPolicy.blocks_lacking`; ``reserved``
     is what the running batch, earlier admissions of this plan included, reserves), or why
@@ -116,7 +116,7 @@ def try_admit(state: SchedulerState, step: Step, req: Request, now: float, reser
         return NO_LORA_SLOT
     reserve = state.policy.growth_reserve(req.num_prompt_tokens, req.sampling.max_tokens, len(req.token_ids))
     match: PrefixMatch | None = None
-    source: Request | None = None
+    source: SchedulerRequest | None = None
 
     def need() -> tuple[int, int]:
         """(blocks it needs, blocks available to it); the prefix match it would take in

@@ -1,7 +1,7 @@
 """Parallel sampling: one request, ``n`` sequences sharing the KV of its prompt.
 
 A request whose ``sampling.n`` is above 1 enters the scheduler as ``n`` *sequences*, each an
-ordinary :class:`~conveyor.scheduler.request.Request` named ``{request_id}/{i}``
+ordinary :class:`~conveyor.scheduler.request.SchedulerRequest` named ``{request_id}/{i}``
 (:func:`sequence_id`) with its own seed stream (``seed + i`` modulo 2**64: sequence ``i``
 draws exactly what a single request with that seed draws; unseeded sequences draw
 independently). From then on every rule of the scheduler treats a sequence as a request
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from conveyor.ipc.messages import sequence_id
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 
 if TYPE_CHECKING:
     from conveyor.scheduler.state import SchedulerState
@@ -58,16 +58,16 @@ class SeqGroup:
     """The sequences of one request; ``held`` are those not queued yet (module docstring)."""
 
     request_id: str
-    seqs: list[Request]
-    held: list[Request] = field(default_factory=list)
+    seqs: list[SchedulerRequest]
+    held: list[SchedulerRequest] = field(default_factory=list)
     num_live: int = 0
 
     @property
-    def leader(self) -> Request:
+    def leader(self) -> SchedulerRequest:
         return self.seqs[0]
 
     @classmethod
-    def fan_out(cls, req: Request, n: int) -> SeqGroup:
+    def fan_out(cls, req: SchedulerRequest, n: int) -> SeqGroup:
         """The group of ``n`` sequences of ``req`` (a request built from the message, never queued)."""
         group = cls(req.request_id, [])
         for i in range(n):
@@ -88,7 +88,7 @@ class SeqGroup:
         return group
 
 
-def fork_source(state: SchedulerState, req: Request) -> Request | None:
+def fork_source(state: SchedulerState, req: SchedulerRequest) -> SchedulerRequest | None:
     """The leader ``req`` forks from if admitted now: a never-admitted non-leader sequence whose
     leader runs with the KV of the prompt's first ``P - 1`` tokens written."""
     group = req.group
@@ -117,6 +117,6 @@ def release_held(state: SchedulerState) -> None:
     state.forking = keep
 
 
-def fork_ready(state: SchedulerState, leader: Request) -> bool:
+def fork_ready(state: SchedulerState, leader: SchedulerRequest) -> bool:
     """Whether ``leader`` runs with the KV of its prompt's first ``P - 1`` tokens written."""
     return leader.status is RequestStatus.RUNNING and state.done_tokens(leader) >= leader.num_prompt_tokens - 1

@@ -32,7 +32,7 @@ from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.block_pool import BlockPool
 from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.prefix_index import PrefixIndex
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 from conveyor.scheduler.swap import SwapSpace
 
 
@@ -63,7 +63,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ admission
 
-    def match(self, req: Request) -> PrefixMatch:
+    def match(self, req: SchedulerRequest) -> PrefixMatch:
         """Longest cached prefix of a request that holds no blocks; changes nothing.
 
         A request still owed prompt log-probabilities matches nothing: they come from the
@@ -91,13 +91,13 @@ class KVCacheManager:
         num_tokens = matched * bs + (partial[1] if partial else 0)
         return PrefixMatch(ids, gpu, cpu, partial, num_revived, num_tokens)
 
-    def admission_need(self, req: Request, match: PrefixMatch, extra_tokens: int = 0) -> tuple[int, int]:
+    def admission_need(self, req: SchedulerRequest, match: PrefixMatch, extra_tokens: int = 0) -> tuple[int, int]:
         """``(GPU blocks the request needs for all its tokens + extra_tokens, blocks available for it)``."""
         have = len(match.gpu_blocks) + (1 if match.partial else 0)
         need = blocks_for(len(req.token_ids) + extra_tokens, self.block_size) - have
         return need, self.gpu.num_available - match.num_revived
 
-    def admit(self, req: Request, match: PrefixMatch) -> None:
+    def admit(self, req: SchedulerRequest, match: PrefixMatch) -> None:
         """Give a request the matched blocks (shared, revived, taken over, or swapped in)."""
         assert not req.block_ids and req.num_computed_tokens == 0
         swap, gpu = self.swap, self.gpu
@@ -123,13 +123,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ forks (parallel sampling)
 
-    def fork_need(self, req: Request) -> tuple[int, int]:
+    def fork_need(self, req: SchedulerRequest) -> tuple[int, int]:
         """Like :meth:`admission_need` for a sequence forking from its leader (:meth:`fork`):
         the leader's full blocks are shared, everything else is fresh."""
         shared = (req.num_prompt_tokens - 1) // self.block_size
         return blocks_for(len(req.token_ids), self.block_size) - shared, self.gpu.num_available
 
-    def fork(self, req: Request, leader: Request) -> list[list[int]]:
+    def fork(self, req: SchedulerRequest, leader: SchedulerRequest) -> list[list[int]]:
         """Start a never-admitted sequence from its leader's KV of the prompt's first ``P - 1``
         tokens (written, see scheduler/groups.py): a reference to each full block of them,
         and a fresh block for the rest, filled by the returned ``[src, dst]`` copy (none when
@@ -153,7 +153,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ swapped requests
 
-    def resume_need(self, req: Request, extra_tokens: int = 0) -> tuple[int, int]:
+    def resume_need(self, req: SchedulerRequest, extra_tokens: int = 0) -> tuple[int, int]:
         """Like :meth:`admission_need` for a swapped-out request: CPU blocks whose content is
         back in the GPU cache meanwhile are shared instead of swapped in."""
         need = 0
@@ -169,7 +169,7 @@ class KVCacheManager:
         need += blocks_for(len(req.token_ids) + extra_tokens, self.block_size) - len(req.block_ids)
         return need, self.gpu.num_available - revived
 
-    def resume(self, req: Request) -> None:
+    def resume(self, req: SchedulerRequest) -> None:
         """Bring a swapped-out request's KV back: share what the GPU cache has, swap in the rest."""
         assert req.status is RequestStatus.SWAPPED
         gpu, swap = self.gpu, self.swap
@@ -195,12 +195,12 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ growth
 
-    def tokens_that_fit(self, req: Request, want: int) -> int:
+    def tokens_that_fit(self, req: SchedulerRequest, want: int) -> int:
         """How many of ``want`` more tokens fit in the request's blocks plus the available ones."""
         capacity = (len(req.block_ids) + self.gpu.num_available) * self.block_size
         return min(want, capacity - req.num_computed_tokens)
 
-    def grow(self, req: Request, num_tokens: int) -> list[int]:
+    def grow(self, req: SchedulerRequest, num_tokens: int) -> list[int]:
         """Extend the block table to cover ``num_tokens`` tokens; the new blocks (caller checked room)."""
         needed = blocks_for(num_tokens, self.block_size) - len(req.block_ids)
         if needed <= 0:
@@ -209,7 +209,7 @@ class KVCacheManager:
         req.block_ids.extend(new_blocks)
         return new_blocks
 
-    def register_full_blocks(self, req: Request, upto: int | None = None) -> None:
+    def register_full_blocks(self, req: SchedulerRequest, upto: int | None = None) -> None:
         """Make the request's newly completed blocks findable by their content id: those
         within its first ``upto`` tokens (default: its computed ones), which the caller
         knows to be written (not just planned)."""
@@ -241,16 +241,16 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ release
 
-    def exclusive_blocks(self, req: Request) -> int:
+    def exclusive_blocks(self, req: SchedulerRequest) -> int:
         """GPU blocks that only this request holds: what preempting it would give back."""
         refcount = self.gpu.refcount
         return sum(1 for b in req.block_ids if b >= 0 and refcount(b) == 1)
 
-    def blocks_to_swap(self, req: Request) -> int:
+    def blocks_to_swap(self, req: SchedulerRequest) -> int:
         """CPU blocks a swap-out of this running request would take: all its computed ones."""
         return blocks_for(req.num_computed_tokens, self.block_size)
 
-    def free(self, req: Request) -> None:
+    def free(self, req: SchedulerRequest) -> None:
         """Give back everything the request holds, on the GPU and (if swapped out) on the CPU."""
         if req.cpu_blocks:
             self.swap.release_after_step([c for _, c in req.cpu_blocks])
@@ -277,7 +277,7 @@ class KVCacheManager:
         else:
             self.gpu.free(reversed(table))
 
-    def swap_out(self, req: Request) -> None:
+    def swap_out(self, req: SchedulerRequest) -> None:
         """Copy the request's computed blocks to the CPU (planned as swap-out pairs) and give
         back all its GPU blocks. The caller checked room (:meth:`blocks_to_swap`).
 

@@ -23,7 +23,7 @@ import numpy as np
 from conveyor.scheduler.admission import NO_BLOCKS, NO_LORA_SLOT, try_admit
 from conveyor.scheduler.policy import BYPASS_LOOKAHEAD
 from conveyor.scheduler.preemption import make_room
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 from conveyor.scheduler.slot_columns import COMPUTED, GEN, KNOWN, STOP_LEN
 from conveyor.scheduler.step import Step
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 RUNNING = RequestStatus.RUNNING
 
 
-def plan_decodes(state: SchedulerState, step: Step, prefills: list[Request]) -> bool:
+def plan_decodes(state: SchedulerState, step: Step, prefills: list[SchedulerRequest]) -> bool:
     """Phase 1: every running request with one token to run gets it, best rank first, while
     the budget lasts; one at a block boundary gets a block, making room if none is left.
     Requests still prefilling are listed in ``prefills`` (rank order) for phase 2.
@@ -98,7 +98,7 @@ def plan_decodes(state: SchedulerState, step: Step, prefills: list[Request]) -> 
         start = end
 
 
-def plan_prompts(state: SchedulerState, step: Step, prefills: list[Request], admit_open: bool, now: float) -> None:
+def plan_prompts(state: SchedulerState, step: Step, prefills: list[SchedulerRequest], admit_open: bool, now: float) -> None:
     """Phase 2: prefill chunks of running requests (``prefills``, in rank order) and
     admissions from the waiting queue take the rest of the budget, whichever ranks better
     first. A waiting head that lacks blocks, or whose LoRA adapter finds no free device slot,
@@ -106,7 +106,7 @@ def plan_prompts(state: SchedulerState, step: Step, prefills: list[Request], adm
     :data:`BYPASS_LOOKAHEAD` per iteration), so base-model requests and those of running
     adapters go on; otherwise, or once the gate closes, admissions stop for this iteration."""
     policy, queue = state.policy, state.queue
-    skipped: list[Request] = []
+    skipped: list[SchedulerRequest] = []
     reserved: int | None = None  # blocks the running batch may still claim (at the first admission)
     k = 0
     while step.budget > 0:
@@ -144,7 +144,7 @@ def plan_prompts(state: SchedulerState, step: Step, prefills: list[Request], adm
         queue.push(blocked)
 
 
-def plan_prefill_chunk(state: SchedulerState, step: Step, req: Request) -> None:
+def plan_prefill_chunk(state: SchedulerState, step: Step, req: SchedulerRequest) -> None:
     """Give a running, still-prefilling request its next chunk, cut to the budget and to the
     blocks available, preempting worse-ranked requests only if not one token fits (if none
     ranks below it, it waits, keeping its KV)."""

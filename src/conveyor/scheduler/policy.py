@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING
 from conveyor.runtime.config import Batching, Policy, Preemption, SchedulerConfig
 
 if TYPE_CHECKING:
-    from conveyor.scheduler.request import Request
+    from conveyor.scheduler.request import SchedulerRequest
 
 BYPASS_LOOKAHEAD = 8
 
@@ -108,7 +108,7 @@ class SchedulingPolicy:
 
     # ------------------------------------------------------------ admission
 
-    def may_admit_into(self, num_running_at_start: int, head: Request) -> bool:
+    def may_admit_into(self, num_running_at_start: int, head: SchedulerRequest) -> bool:
         """Whether a plan may admit at all, ``head`` heading the line. Static batching: into
         the batch still forming (its members only, :meth:`may_join`), or into an empty one.
         A batch is empty when nobody runs and no member heads the line: members whose
@@ -126,7 +126,7 @@ class SchedulingPolicy:
         :meth:`admission_open` when it formed; the rest of them join without it)."""
         return self._forming
 
-    def may_join(self, req: Request) -> bool:
+    def may_join(self, req: SchedulerRequest) -> bool:
         """Whether ``req`` may join the running batch: always under continuous batching; under
         static batching, a new batch takes anyone, the batch still forming only requests that
         were waiting when it formed, a complete one nobody."""
@@ -169,7 +169,7 @@ class SchedulingPolicy:
         bs = self.config.block_size
         return blocks_for(num_prompt_tokens + max_tokens, bs) - blocks_for(num_tokens, bs)
 
-    def blocks_lacking(self, req: Request) -> int:
+    def blocks_lacking(self, req: SchedulerRequest) -> int:
         """Blocks a running request may still claim without preempting anyone: under static
         batching what it lacks for its prompt + max_tokens (the rest of its prompt and its
         whole output), none otherwise (continuous batching preempts under pressure instead)."""
@@ -178,7 +178,7 @@ class SchedulingPolicy:
         total = req.num_prompt_tokens + req.sampling.max_tokens
         return max(0, blocks_for(total, self.config.block_size) - len(req.block_ids))
 
-    def blocks_reserved(self, running: Sequence[Request]) -> int:
+    def blocks_reserved(self, running: Sequence[SchedulerRequest]) -> int:
         """What the running batch may still claim (:meth:`blocks_lacking` summed): blocks an
         admission must leave free. O(running) under static batching, O(1) otherwise."""
         if not self.static:
@@ -188,7 +188,7 @@ class SchedulingPolicy:
     # ------------------------------------------------------------ preemption
 
     @staticmethod
-    def choose_victim(running: Sequence[Request], req: Request, yields: bool) -> Request | None:
+    def choose_victim(running: Sequence[SchedulerRequest], req: SchedulerRequest, yields: bool) -> SchedulerRequest | None:
         """Who gives up its KV so that ``req`` can run: the worst-ranked running request, if it
         ranks below ``req``. When ``req`` is itself the worst-ranked, it yields (returned) if
         ``yields`` (a decode: rather than stall everyone), else nobody does (None: it waits)."""

@@ -19,14 +19,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from conveyor.runtime.config import Preemption
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:
     from conveyor.scheduler.state import SchedulerState
 
 
-def make_room(state: SchedulerState, step: Step, req: Request, fits: Callable[[], bool], *, yields: bool) -> bool:
+def make_room(state: SchedulerState, step: Step, req: SchedulerRequest, fits: Callable[[], bool], *, yields: bool) -> bool:
     """Preempt running requests, as the policy chooses them, until ``fits()``; whether it does.
 
     False when nobody ranks below ``req`` (with ``yields``, ``req`` itself was then preempted)
@@ -47,7 +47,7 @@ def make_room(state: SchedulerState, step: Step, req: Request, fits: Callable[[]
     return True
 
 
-def preempt(state: SchedulerState, step: Step, req: Request) -> None:
+def preempt(state: SchedulerState, step: Step, req: SchedulerRequest) -> None:
     """Swap out or drop ``req``'s KV and requeue it under its rank (it is running; only a
     plan formed in sync preempts, so no token of it is pending)."""
     assert req.num_computed_tokens < len(req.token_ids), f"{req.request_id} preempted with tokens pending"
@@ -69,7 +69,7 @@ def preempt(state: SchedulerState, step: Step, req: Request) -> None:
     state.queue.push(req)
 
 
-def drop_kv(state: SchedulerState, req: Request) -> None:
+def drop_kv(state: SchedulerState, req: SchedulerRequest) -> None:
     """Give back ``req``'s KV (GPU and swapped) for a recompute from the start: it waits as
     PREEMPTED, holding nothing (a victim, or a swapped victim whose copies failed)."""
     state.kv.free(req)

@@ -14,7 +14,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 
 
 class WaitingQueue:
@@ -24,16 +24,16 @@ class WaitingQueue:
         # Entries are [rank, request]; a removed request's entry has its request set to None.
         self._heap: list[list] = []
         self._size = 0
-        self._line: deque[Request] = deque()  # never-admitted requests, by arrival
+        self._line: deque[SchedulerRequest] = deque()  # never-admitted requests, by arrival
 
     def __len__(self) -> int:
         return self._size
 
-    def __iter__(self) -> Iterator[Request]:
+    def __iter__(self) -> Iterator[SchedulerRequest]:
         """Live entries in heap order (not sorted); O(heap size), for checks and stats."""
         return (entry[1] for entry in self._heap if entry[1] is not None)
 
-    def push(self, req: Request, track_timeout: bool = False) -> None:
+    def push(self, req: SchedulerRequest, track_timeout: bool = False) -> None:
         """Queue ``req`` under its (already set) rank; with ``track_timeout`` it also joins
         the arrival line that :meth:`pop_expired` reads."""
         assert req.queue_entry is None, f"{req.request_id} is queued twice"
@@ -44,14 +44,14 @@ class WaitingQueue:
         if track_timeout:
             self._line.append(req)
 
-    def peek(self) -> Request | None:
+    def peek(self) -> SchedulerRequest | None:
         """The best-ranked request, or None."""
         heap = self._heap
         while heap and heap[0][1] is None:
             heapq.heappop(heap)
         return heap[0][1] if heap else None
 
-    def pop(self) -> Request:
+    def pop(self) -> SchedulerRequest:
         """Remove and return the best-ranked request. The queue must not be empty."""
         heap = self._heap
         while heap[0][1] is None:
@@ -61,7 +61,7 @@ class WaitingQueue:
         self._size -= 1
         return req
 
-    def remove(self, req: Request) -> bool:
+    def remove(self, req: SchedulerRequest) -> bool:
         """Remove a queued request (aborted, timed out); False if it was not queued."""
         entry = req.queue_entry
         if entry is None:
@@ -75,7 +75,7 @@ class WaitingQueue:
             heapq.heapify(self._heap)
         return True
 
-    def pop_expired(self, deadline_arrival: float) -> list[Request]:
+    def pop_expired(self, deadline_arrival: float) -> list[SchedulerRequest]:
         """Remove and return the never-admitted requests that arrived before ``deadline_arrival``."""
         line = self._line
         expired = []

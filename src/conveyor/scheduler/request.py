@@ -56,7 +56,7 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False, slots=True)
-class Request:
+class SchedulerRequest:
     """Mutable per-request state. Compared by identity: ids can be reused after a request ends."""
 
     request_id: str
@@ -107,7 +107,7 @@ class Request:
     spec_skip: int = 0
 
     @classmethod
-    def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> Request:
+    def from_message(cls, msg: AddRequest, eos_token_ids: frozenset[int], max_model_len: int) -> SchedulerRequest:
         sp = msg.sampling
         stop_ids = _NO_STOP_IDS if sp.ignore_eos else eos_token_ids
         if sp.stop_token_ids:

@@ -12,10 +12,10 @@ import bisect
 
 import numpy as np
 
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 
 
-def _rank(req: Request) -> tuple:
+def _rank(req: SchedulerRequest) -> tuple:
     return req.rank
 
 
@@ -23,8 +23,8 @@ class RequestTable:
     """``live``: id -> request for every request not finished. ``running``: the batch, by rank."""
 
     def __init__(self) -> None:
-        self.live: dict[str, Request] = {}
-        self.running: list[Request] = []
+        self.live: dict[str, SchedulerRequest] = {}
+        self.running: list[SchedulerRequest] = []
         self._slots: np.ndarray | None = None  # the running requests' slots, until the batch changes
 
     def running_slots(self) -> np.ndarray:
@@ -43,19 +43,19 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self.live)
 
-    def get(self, request_id: str) -> Request | None:
+    def get(self, request_id: str) -> SchedulerRequest | None:
         return self.live.get(request_id)
 
-    def add(self, req: Request) -> None:
+    def add(self, req: SchedulerRequest) -> None:
         assert req.request_id not in self.live, f"{req.request_id} is already live"
         self.live[req.request_id] = req
 
-    def forget(self, req: Request) -> None:
+    def forget(self, req: SchedulerRequest) -> None:
         """Drop a finished request (the caller took it out of the batch or the queue)."""
         if self.live.get(req.request_id) is req:
             del self.live[req.request_id]
 
-    def start_running(self, req: Request) -> None:
+    def start_running(self, req: SchedulerRequest) -> None:
         self._slots = None
         running = self.running
         if not running or running[-1].rank < req.rank:
@@ -63,7 +63,7 @@ class RequestTable:
         else:
             bisect.insort(running, req, key=_rank)
 
-    def stop_running(self, req: Request) -> None:
+    def stop_running(self, req: SchedulerRequest) -> None:
         self._slots = None
         running = self.running
         if running and running[-1] is req:
@@ -71,7 +71,7 @@ class RequestTable:
         else:
             running.remove(req)
 
-    def prune_running(self, finished: list[Request] | None = None) -> None:
+    def prune_running(self, finished: list[SchedulerRequest] | None = None) -> None:
         """Drop members that finished during an update, given as ``finished`` or found by status.
 
         A removal scans the batch up to the member (about 15 ns a member passed, even in C:

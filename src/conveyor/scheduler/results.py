@@ -41,7 +41,7 @@ from conveyor.ipc.messages import (
     TokenOutputs,
 )
 from conveyor.scheduler.preemption import drop_kv
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 from conveyor.scheduler.slot_columns import ALARM, EOS, GEN, KNOWN
 from conveyor.scheduler.speculation import back_off
 from conveyor.scheduler.step import Step
@@ -55,7 +55,7 @@ _MISSING = -1  # no token sampled for the slot
 _PLAIN, _FIRST, _FINISHED = 0, 1, 2
 
 
-def stop_reason(req: Request, token: int) -> str | None:
+def stop_reason(req: SchedulerRequest, token: int) -> str | None:
     """Why ``req`` stops after ``token`` was appended to it, in order of precedence; None if it goes on."""
     if token in req.stop_ids:
         return FinishReason.STOP
@@ -86,7 +86,7 @@ def apply_result(state: SchedulerState, plan: StepPlan, step: Step, result: Step
     column_tokens: list[int] = []
     runs = _accepted_runs(state, step, result) if step.spec else None
     if len(step.sample_slots):
-        finished: list[Request] = []  # running requests this result retires
+        finished: list[SchedulerRequest] = []  # running requests this result retires
         complete = _grammar_ends(state, step, result, outputs, finished)
         column_ids, column_tokens = _apply_tokens(
             state, plan, step, slots, tokens, outputs, finished, complete, runs
@@ -128,7 +128,7 @@ def _accepted_runs(state: SchedulerState, step: Step, result: StepResult) -> dic
 
 
 def _grammar_ends(
-    state: SchedulerState, step: Step, result: StepResult, outputs: list[RequestOutput], finished: list[Request]
+    state: SchedulerState, step: Step, result: StepResult, outputs: list[RequestOutput], finished: list[SchedulerRequest]
 ) -> np.ndarray | None:
     """Finish the requests the worker's grammar left at a dead end (``error``); returns the slots
     whose grammar is complete (their token decides ``stop`` in :func:`_output`), None if none."""
@@ -149,7 +149,7 @@ def _grammar_ends(
     return np.asarray(complete, np.int64) if complete else None
 
 
-def _split_logprobs(step: Step, lp: StepLogprobs) -> list[tuple[Request, TokenLogprobs]]:
+def _split_logprobs(step: Step, lp: StepLogprobs) -> list[tuple[SchedulerRequest, TokenLogprobs]]:
     """A step's log-probability columns cut per request (the one the plan ran on each slot)."""
     chosen = np.frombuffer(lp.token_logprobs, "<f4")
     top_ids = np.asarray(lp.top_ids, np.int32)
@@ -247,7 +247,7 @@ def _by_slot(state: SchedulerState, slots: np.ndarray, tokens: np.ndarray) -> np
 
 def _apply_tokens(
     state: SchedulerState, plan: StepPlan, step: Step, answered: np.ndarray, sampled: np.ndarray,
-    outputs: list[RequestOutput], finished: list[Request], complete: np.ndarray | None = None,
+    outputs: list[RequestOutput], finished: list[SchedulerRequest], complete: np.ndarray | None = None,
     runs: dict[int, list[int]] | None = None,
 ) -> tuple[list[str], list[int]]:
     """Append each sampling row's token (the result's rows ``answered`` slots, ``sampled``
@@ -309,7 +309,7 @@ def _apply_tokens(
 
 
 def _output(
-    state: SchedulerState, req: Request, token: int, outputs: list[RequestOutput], now: float, complete: bool = False
+    state: SchedulerState, req: SchedulerRequest, token: int, outputs: list[RequestOutput], now: float, complete: bool = False
 ) -> int:
     """After ``token`` was appended to ``req``: finish it (``_FINISHED``), or give its first
     token a full output (``_FIRST``); a plain later token (``_PLAIN``) is left to the columns.
@@ -329,7 +329,7 @@ def _output(
     return _FINISHED
 
 
-def _output_run(state: SchedulerState, req: Request, tokens: list[int], outputs: list[RequestOutput], now: float) -> int:
+def _output_run(state: SchedulerState, req: SchedulerRequest, tokens: list[int], outputs: list[RequestOutput], now: float) -> int:
     """A speculative decode gained ``tokens`` (the first already appended to ``req``): append
     the others one at a time while it does not stop, a stop (id, length) ending the run
     there, and give what it kept one full output (``_FINISHED`` or ``_FIRST``: never the

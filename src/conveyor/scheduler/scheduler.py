@@ -130,7 +130,7 @@ from conveyor.scheduler.admission import admission_open, rejection_reason
 from conveyor.scheduler.groups import SeqGroup, release_held
 from conveyor.scheduler.iteration_log import ITERATION_FIELDS, IterationLog
 from conveyor.scheduler.planning import plan_decodes, plan_prompts
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 from conveyor.scheduler.results import apply_result
 from conveyor.scheduler.speculation import plan_speculation, quiet as speculation_quiet
 from conveyor.scheduler.state import MAX_PLANS_IN_FLIGHT, SchedulerState
@@ -200,7 +200,7 @@ class Scheduler:
     def add_request(self, msg: AddRequest) -> RequestOutput | None:
         """Queue a request, or return its error output if it cannot be served."""
         cfg = self.config
-        req = Request.from_message(msg, self.state.eos_token_ids, cfg.max_model_len)
+        req = SchedulerRequest.from_message(msg, self.state.eos_token_ids, cfg.max_model_len)
         if req.lora is not None:
             root = self._lora_roots.get(req.lora)
             if root is None:
@@ -314,7 +314,7 @@ class Scheduler:
         self._expire(now)
         step = Step(self.config.max_num_batched_tokens)
         num_running_at_start = len(st.table.running)
-        prefills: list[Request] = []
+        prefills: list[SchedulerRequest] = []
         if not plan_decodes(st, step, prefills):  # 1. decodes, best rank first
             st.declined = True  # someone would have to yield: only a plan in sync may decide who
             return None
@@ -435,7 +435,7 @@ class Scheduler:
         """Queued requests, and sequences of parallel-sampling requests held for their leader."""
         return len(self.state.queue) + sum(len(g.held) for g in self.state.forking)
 
-    def get_request(self, request_id: str) -> Request | None:
+    def get_request(self, request_id: str) -> SchedulerRequest | None:
         """The live request with this id (for tests and debugging)."""
         return self.state.table.get(request_id)
 

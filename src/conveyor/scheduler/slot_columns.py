@@ -14,7 +14,7 @@ whole batch with one gather (``state.take(slots, axis=1)``, each field then a co
 row). Its fields, for a slot held by a running request:
 
 - ``COMPUTED``: the request's ``num_computed_tokens``. This column *is* the value while the
-  request holds a slot (:class:`~conveyor.scheduler.request.Request` reads and writes it
+  request holds a slot (:class:`~conveyor.scheduler.request.SchedulerRequest` reads and writes it
   through its property); :meth:`assign` copies it in, :meth:`release` copies it back out.
 - ``KNOWN``: ``len(token_ids)``. A mirror: the token list stays the truth, and a slot
   holder's tokens grow only through :meth:`SlotColumns.append_sampled`, which adds one here
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from conveyor.scheduler.request import Request
+    from conveyor.scheduler.request import SchedulerRequest
 
 COMPUTED, KNOWN, GEN, STOP_LEN, ALARM, EOS = range(6)
 NUM_FIELDS = 6
@@ -59,7 +59,7 @@ class SlotColumns:
         self.state = np.zeros((NUM_FIELDS, num_slots), np.int64)
         self.flat = memoryview(self.state).cast("B").cast("q")
         self.computed, self.known = self.state[COMPUTED], self.state[KNOWN]  # (views)
-        self.owner: list[Request | None] = [None] * num_slots
+        self.owner: list[SchedulerRequest | None] = [None] * num_slots
         self.token_lists: list[list[int] | None] = [None] * num_slots
         self.ids = np.empty(num_slots, object)
         self.eos_ids = sorted(set(eos_token_ids))
@@ -67,7 +67,7 @@ class SlotColumns:
         self.ones.flags.writeable = False
         self.sampled = np.empty(num_slots, np.int64)  # scratch: a result's tokens by slot
 
-    def assign(self, req: Request, slot: int, eos_stops: bool) -> None:
+    def assign(self, req: SchedulerRequest, slot: int, eos_stops: bool) -> None:
         """``req`` takes ``slot``: its counters move into the columns (before ``req.slot`` is set)."""
         flat, n = self.flat, self.num_slots
         flat[slot] = req._computed  # (COMPUTED)
@@ -80,7 +80,7 @@ class SlotColumns:
         self.token_lists[slot] = req.token_ids
         self.ids[slot] = req.request_id
 
-    def release(self, req: Request, slot: int) -> None:
+    def release(self, req: SchedulerRequest, slot: int) -> None:
         """``req`` gives ``slot`` back: its computed count moves back into the request."""
         req._computed = self.flat[slot]  # (COMPUTED)
         self.flat[GEN * self.num_slots + slot] += 1
@@ -104,7 +104,7 @@ class SlotColumns:
     def generation(self, slot: int) -> int:
         return self.flat[GEN * self.num_slots + slot]
 
-    def first_token_done(self, req: Request) -> None:
+    def first_token_done(self, req: SchedulerRequest) -> None:
         """The request's first token was applied: its later tokens may take the vector path."""
         self.flat[ALARM * self.num_slots + req.slot] = _alarm(req)
 
@@ -117,7 +117,7 @@ class SlotColumns:
             hit |= tokens == eos
         return hit
 
-    def check(self, running: list[Request]) -> None:
+    def check(self, running: list[SchedulerRequest]) -> None:
         """The mirrors agree with the running requests (tests; O(slots))."""
         held = {r.slot for r in running}
         for slot in range(self.num_slots):
@@ -133,6 +133,6 @@ class SlotColumns:
             assert row[ALARM] == _alarm(owner), f"{owner.request_id}: alarm out of sync"
 
 
-def _alarm(req: Request) -> int:
+def _alarm(req: SchedulerRequest) -> int:
     """The KNOWN count from which an applied token takes the per-request path (docstring)."""
     return 0 if req.first_token_time is None or req.has_own_stop_ids else req.stop_len

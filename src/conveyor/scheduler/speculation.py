@@ -65,7 +65,7 @@ from conveyor.ipc.messages import SamplingParams
 from conveyor.scheduler.slot_columns import KNOWN, STOP_LEN
 
 if TYPE_CHECKING:
-    from conveyor.scheduler.request import Request
+    from conveyor.scheduler.request import SchedulerRequest
     from conveyor.scheduler.state import SchedulerState
     from conveyor.scheduler.step import Step
 
@@ -104,7 +104,7 @@ def propose_ngram(tokens: np.ndarray, k: int, ngram_max: int, ngram_min: int) ->
 MAX_SKIP = 15  # decodes a request skips proposing after 4 or more whole rejections in a row
 
 
-def back_off(req: Request, accepted: int) -> None:
+def back_off(req: SchedulerRequest, accepted: int) -> None:
     """A proposal of ``req`` was verified with ``accepted`` tokens kept: the back-off's count
     (module docstring)."""
     req.spec_misses = 0 if accepted else req.spec_misses + 1

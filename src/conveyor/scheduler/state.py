@@ -26,7 +26,7 @@ from conveyor.scheduler.groups import SeqGroup
 from conveyor.scheduler.kv_manager import KVCacheManager
 from conveyor.scheduler.policy import SchedulingPolicy
 from conveyor.scheduler.queue import WaitingQueue
-from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.request import SchedulerRequest, RequestStatus
 from conveyor.scheduler.request_table import RequestTable
 from conveyor.scheduler.slot_columns import SlotColumns
 from conveyor.scheduler.step import Step
@@ -136,7 +136,7 @@ class SchedulerState:
     ) -> SchedulerState:
         return cls(config, eos_token_ids, vocab_size, clock, SchedulingPolicy(config), KVCacheManager(config))
 
-    def done_tokens(self, req: Request) -> int:
+    def done_tokens(self, req: SchedulerRequest) -> int:
         """``num_computed_tokens`` minus what the plans still in flight compute for ``req``:
         the tokens whose KV is known to be written."""
         done = req.num_computed_tokens
@@ -146,7 +146,7 @@ class SchedulerState:
 
     def finish(
         self,
-        req: Request,
+        req: SchedulerRequest,
         reason: str,
         *,
         error: str | None = None,
@@ -182,7 +182,7 @@ class SchedulerState:
             req.num_cached_tokens,
         )
 
-    def take_slot(self, req: Request) -> None:
+    def take_slot(self, req: SchedulerRequest) -> None:
         """Give ``req`` a free slot (one exists: it is not running, and fewer than
         ``max_num_seqs`` are); its hot counters move into the slot columns."""
         slot = self.free_slots.pop()
@@ -190,7 +190,7 @@ class SchedulerState:
         req.columns = self.cols
         req.slot = slot
 
-    def release_slot(self, req: Request) -> None:
+    def release_slot(self, req: SchedulerRequest) -> None:
         """Give ``req``'s slot back, if it holds one: free for the next admission at once, and
         queued for the worker to drop with the next plan (which drops before it adds)."""
         slot = req.slot

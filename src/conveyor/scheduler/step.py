@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from conveyor.ipc.messages import CachedRequests, NewRequestData
-from conveyor.scheduler.request import Request
+from conveyor.scheduler.request import SchedulerRequest
 from conveyor.scheduler.slot_columns import GEN, SlotColumns
 
 _NO_ROWS = np.empty(0, np.int64)
@@ -59,10 +59,10 @@ class Step:
         self.dslots = self.dcomputed = self.dgens = _NO_ROWS
         self.sample_slots = self.sample_gens = self.answer_slots = _NO_ROWS
         self.answer_rows: np.ndarray | None = None
-        self._owners: list[Request | None] | None = None  # slot -> request, when the plan was formed
-        self._decodes: list[Request] | None = None
+        self._owners: list[SchedulerRequest | None] | None = None  # slot -> request, when the plan was formed
+        self._decodes: list[SchedulerRequest] | None = None
         self._row_gen: np.ndarray | None = None
-        self.scheduled: list[tuple[Request, int]] = []
+        self.scheduled: list[tuple[SchedulerRequest, int]] = []
         self.new: list[NewRequestData] = []
         self.slots: list[int] = []
         self.computed: list[int] = []
@@ -70,8 +70,8 @@ class Step:
         self.block_rows: list[int] = []
         self.block_ids: list[list[int]] = []
         self.preempted: set[int] = set()  # id() of requests preempted in this iteration
-        self.swapped_out: list[Request] = []  # of those, the ones swapped out
-        self._tokens_by_request: dict[Request, int] | None = None
+        self.swapped_out: list[SchedulerRequest] = []  # of those, the ones swapped out
+        self._tokens_by_request: dict[SchedulerRequest, int] | None = None
         self.copies: list[list[int]] = []  # [src, dst] block copies of forks (StepPlan.copy_blocks)
         self.spec: dict[int, int] = {}  # slot -> tokens proposed, of the widened decodes (rank order)
         self.proposals: dict[int, list[int]] = {}  # slot -> the proposed tokens, where the scheduler made them
@@ -85,7 +85,7 @@ class Step:
         return not len(self.dslots) and not self.scheduled
 
     @property
-    def decodes(self) -> list[Request]:
+    def decodes(self) -> list[SchedulerRequest]:
         """The decodes' requests, in row order (built on demand: the hot paths use the columns)."""
         if self._decodes is None:
             owners = self._owners
@@ -134,7 +134,7 @@ class Step:
                 self.block_rows.insert(at, row)
                 self.block_ids.insert(at, blocks)
 
-    def add_cached(self, req: Request, n: int, new_blocks: list[int]) -> None:
+    def add_cached(self, req: SchedulerRequest, n: int, new_blocks: list[int]) -> None:
         """A request the worker holds runs ``n`` more tokens (not a phase-1 decode)."""
         if new_blocks:
             self.block_rows.append(len(self.dslots) + len(self.slots))
@@ -144,13 +144,13 @@ class Step:
         self.counts.append(n)
         self.add_scheduled(req, n)
 
-    def add_scheduled(self, req: Request, n: int) -> None:
+    def add_scheduled(self, req: SchedulerRequest, n: int) -> None:
         """``req`` runs ``n`` tokens in this plan (a prefill chunk, or an admission's first)."""
         self.scheduled.append((req, n))
         self.count(req, n, +1)
         self.budget -= n
 
-    def count(self, req: Request, n: int, sign: int) -> None:
+    def count(self, req: SchedulerRequest, n: int, sign: int) -> None:
         """Keep the iteration's token counters (for the iteration log) in step with the plan."""
         if n == 1 and len(req.token_ids) - req.num_computed_tokens <= 1:  # (< 1: its input is pending)
             self.decode_tokens += sign
@@ -158,7 +158,7 @@ class Step:
             self.prefill_tokens += sign * n
         self.context_tokens += sign * (req.num_computed_tokens + n)
 
-    def unschedule(self, req: Request) -> None:
+    def unschedule(self, req: SchedulerRequest) -> None:
         """Take a request preempted after it was planned back out of the plan (rare path;
         only a plan being formed, before :meth:`commit`)."""
         hits = np.flatnonzero(self.dslots == req.slot)
@@ -264,11 +264,11 @@ class Step:
         else:
             self.answer_slots = slots
 
-    def owner(self, slot: int) -> Request | None:
+    def owner(self, slot: int) -> SchedulerRequest | None:
         """The request this (committed) plan ran on ``slot``."""
         return self._owners[slot] if self._owners is not None and 0 <= slot < len(self._owners) else None
 
-    def tokens_of(self, req: Request, cols: SlotColumns) -> int:
+    def tokens_of(self, req: SchedulerRequest, cols: SlotColumns) -> int:
         """Tokens this (formed) plan computes for ``req``, a live request; 0 if it is not in it."""
         slot = req.slot
         if slot >= 0 and len(self.dslots):

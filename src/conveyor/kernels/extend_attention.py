@@ -26,11 +26,11 @@ import triton
 import triton.language as tl
 
 from conveyor.kernels._common import (
+    attend_paged_span,
     cdiv,
     check_kv_cache,
     last_dim_contiguous,
     next_pow2,
-    tile_dot,
     upcast_dots,
 )
 from conveyor.kernels.paged_decode import gather_context
@@ -102,35 +102,11 @@ def _extend_kernel(
     else:
         kv_start = ctx_len * 0
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
-    v_base = k_base + stride_kv_kv
-    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(kv_start, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        block_ids = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        tok = block_ids * stride_kv_block + (offs_n % PAGE) * stride_kv_tok
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tile_dot(q, tl.trans(k), UPCAST) * qk_scale_log2
-        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        # A row may see nothing in this tile (a sliding window that starts later for it); keep
-        # its statistics finite by measuring against 0 instead of -inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+    acc, l_i, m_i = attend_paged_span(
+        q, q_pos, kv_ptr, kv_head, block_table_ptr, b, stride_bt, stride_kv_block, stride_kv_tok,
+        stride_kv_head, stride_kv_kv, offs_d, d_mask, kv_start, kv_end, qk_scale_log2, window,
+        BLOCK_M, BLOCK_N, BLOCK_D, PAGE, USE_WINDOW, UPCAST,
+    )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

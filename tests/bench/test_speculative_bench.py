@@ -109,3 +109,12 @@ def test_nolimit_runs_only_above_the_batch_rule():
     assert np.array_equal(speculative.method_flags("off", 4), [])
     assert speculative.method_flags("ngram", 3)[-2:] == ["--num-speculative-tokens", "3"]
     assert speculative.method_flags("off-nooverlap", 3) == ["--no-overlap"]
+    # The draft methods name real checkpoints: the served copy model itself, and the demo model
+    # (its vocabulary, random weights).
+    from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
+    from conveyor_tools.bench.copy_model import copy_checkpoint_dir
+
+    for method, draft in (("draft-self", copy_checkpoint_dir()), ("draft-random", demo_checkpoint_dir())):
+        flags = speculative.method_flags(method, 2)
+        assert flags == ["--speculative-method", "draft", "--speculative-model", str(draft), "--num-speculative-tokens", "2"]
+        assert (draft / "config.json").is_file()

@@ -11,7 +11,9 @@ Methods (:data:`METHODS`: a name and its bin/serve flags; a new proposer is one 
 ``ngram-nolimit`` (``--speculative-max-batch 0``: the rule lifted), run only at batch sizes
 above the rule's default, where it shows what the rule avoids; and, when asked for,
 ``off-nooverlap`` (``--no-overlap``: no speculation, every plan formed in sync as
-speculation forms them), which separates the cost of losing overlap from that of verifying.
+speculation forms them), which separates the cost of losing overlap from that of verifying;
+``draft-self`` and ``draft-random``, the draft-model proposer with the copy checkpoint as its
+own draft (acceptance ~100 %) and with the demo model, same vocabulary, random weights (~0 %).
 
 Per cell, from the run and the scheduler's counters over the measured window
 (:func:`conveyor_tools.bench.drivers.counter_deltas`): output tok/s, target forwards (steps),
@@ -34,11 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor_tools.bench.copy_model import COPY_WORKLOADS, copy_workload
+from conveyor_tools.bench.copy_model import COPY_WORKLOADS, copy_checkpoint_dir, copy_workload
 from conveyor_tools.bench.cpu import LOAD_GENERATOR
 from conveyor_tools.bench.drivers import run_offline
 from conveyor_tools.bench.server import BenchServer
 from conveyor_tools.bench.workloads import Workload
+from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
 from conveyor.ipc.messages import speculation_rates
 from conveyor.runtime.config import SchedulerConfig
 
@@ -49,6 +52,12 @@ METHODS: dict[str, list[str]] = {
     "ngram-nolimit": ["--speculative-method", "ngram", "--speculative-max-batch", "0"],
     # No speculation, plans formed in sync as speculation forms them: what losing overlap costs.
     "off-nooverlap": ["--no-overlap"],
+    # The draft-model proposer: the served copy checkpoint as its own draft (every proposal
+    # accepted), and the demo model as the draft (the copy model's architecture and vocabulary,
+    # random weights: nearly every proposal rejected). DRAFT_SELF / DRAFT_RANDOM are resolved
+    # to checkpoint directories by method_flags.
+    "draft-self": ["--speculative-method", "draft", "--speculative-model", "DRAFT_SELF"],
+    "draft-random": ["--speculative-method", "draft", "--speculative-model", "DRAFT_RANDOM"],
 }
 NOLIMIT_ABOVE = SchedulerConfig.speculative_max_batch  # ngram-nolimit only differs above the rule
 COLUMNS = (
@@ -75,7 +84,8 @@ def methods_at(settings: SpecSettings, batch: int) -> list[str]:
 
 
 def method_flags(method: str, k: int) -> list[str]:
-    flags = list(METHODS[method])
+    drafts = {"DRAFT_SELF": lambda: str(copy_checkpoint_dir()), "DRAFT_RANDOM": lambda: str(demo_checkpoint_dir())}
+    flags = [drafts[flag]() if flag in drafts else flag for flag in METHODS[method]]
     return flags + ["--num-speculative-tokens", str(k)] if "--speculative-method" in flags else flags
 
 

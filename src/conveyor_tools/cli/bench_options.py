@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec.add_argument("--batch-sizes", default="1,8,64", help="comma-separated concurrency caps (default 1,8,64)")
     spec.add_argument("--workloads", default="copy,mispredict", help="comma-separated, from copy,mispredict")
-    spec.add_argument("--methods", default="off,ngram,ngram-nolimit", help="comma-separated, from off,ngram,ngram-nolimit,off-nooverlap")
+    spec.add_argument("--methods", default="off,ngram,ngram-nolimit", help="comma-separated, from off,ngram,ngram-nolimit,off-nooverlap,draft-self,draft-random")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per decode and step")
     spec.add_argument("--batches", type=int, default=3, help="requests per run = this x the batch size")
     spec.add_argument("--output-len", type=int, default=96, help="output tokens per request (below the cycle, 128)")

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
 
 from conveyor.ipc.messages import CachedRequests, NewRequestData, SamplingParams, StepPlan  # noqa: E402
+from conveyor.runtime.config import RunnerConfig  # noqa: E402
 from conveyor.worker.model_runner import ModelRunner  # noqa: E402
 
 try:  # absent from trees before the fused layer ops, whose CUDA path is the Triton backend alone
@@ -166,7 +167,10 @@ def prefilled_runner(model: str, batch: int, attention: str, dtype: str) -> Mode
     with tempfile.TemporaryDirectory() as tmp:
         build_checkpoint(model, Path(tmp))
         runner = ModelRunner(
-            tmp, block_size=BLOCK_SIZE, num_blocks=batch * BLOCKS_PER_REQUEST + 1, dtype=dtype, attention=attention
+            RunnerConfig(
+                tmp, block_size=BLOCK_SIZE, num_blocks=batch * BLOCKS_PER_REQUEST + 1, dtype=dtype,
+                attention=attention,
+            ),
         )
     greedy = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     news = [

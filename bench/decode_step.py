@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from conveyor.ipc.messages import CachedRequests, NewRequestData, SamplingParams, StepPlan  # noqa: E402
+from conveyor.runtime.config import RunnerConfig  # noqa: E402
 from conveyor.worker.model_runner import ModelRunner  # noqa: E402
 
 # The GPU baseline's model (../shared/gpu-baseline/decode_step_profile.py, docs/benchmarks.md).
@@ -257,8 +258,10 @@ def run_grid(args, result: dict, directory: Path, device, dtype, batches, contex
     for graphs in graph_modes:
         start = time.perf_counter()
         runner = ModelRunner(
-            directory, device=str(device), dtype=dtype, block_size=BLOCK_SIZE, num_blocks=num_blocks,
-            max_num_seqs=max_batch, enforce_eager=not graphs,
+            RunnerConfig(
+                directory, device=str(device), dtype=dtype, block_size=BLOCK_SIZE, num_blocks=num_blocks,
+                max_num_seqs=max_batch, enforce_eager=not graphs,
+            ),
         )
         startup = {"startup_s": time.perf_counter() - start}
         if runner._graphs is not None:

@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import conveyor.engine.engine as engine_module
@@ -47,7 +48,7 @@ def run(system: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict
         config.update(speculative_method="ngram", num_speculative_tokens=args.k)
     build = engine_module.build_runner
     if system == "spec_ragged":  # a runner without a verify width sends proposals down the ragged path
-        engine_module.build_runner = lambda *a, **kw: build(*a, **{**kw, "num_speculative_tokens": 0})
+        engine_module.build_runner = lambda config, **kw: build(replace(config, num_speculative_tokens=0), **kw)
     try:
         engine = Engine(args.checkpoint, **config)
     finally:

@@ -22,6 +22,7 @@ import torch
 
 from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
 from conveyor.ipc.messages import CachedRequests, NewRequestData, SamplingParams, StepPlan
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -31,7 +32,9 @@ BLOCKS_PER_REQUEST = 32  # room for 512 tokens each
 
 def measure(n: int, steps: int) -> dict[str, float]:
     runner = ModelRunner(
-        demo_checkpoint_dir(), block_size=BLOCK_SIZE, num_blocks=n * BLOCKS_PER_REQUEST + 1, dtype="float32"
+        RunnerConfig(
+            demo_checkpoint_dir(), block_size=BLOCK_SIZE, num_blocks=n * BLOCKS_PER_REQUEST + 1, dtype="float32",
+        ),
     )
     hidden = runner.model_config.hidden_size
     vocab = runner.model_config.vocab_size

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams  # noqa: E402
+from conveyor.runtime.config import RunnerConfig  # noqa: E402
 from tests.e2e.conftest import hf_greedy, tiny_checkpoint  # noqa: E402, F401  (fixtures, registered here)
 from tests.plans import CachedRow, plan  # noqa: E402
 
@@ -55,7 +56,7 @@ def test_two_swapped_kv_blocks_change_the_workers_greedy_tokens(tiny_checkpoint,
     from conveyor.worker.model_runner import ModelRunner
 
     block, new_tokens = 4, 4
-    runner = ModelRunner(tiny_checkpoint, block_size=block, num_blocks=16)
+    runner = ModelRunner(RunnerConfig(tiny_checkpoint, block_size=block, num_blocks=16))
     greedy = SamplingParams(temperature=0.0)
     prompts = random_prompts(runner.model_config.vocab_size, 12, 14, 15, seed=2)
     step = iter(range(10**6))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import plans
-from conveyor.runtime.config import SchedulerConfig
+from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.ipc.messages import AddRequest, SamplingParams
 from conveyor.scheduler.scheduler import Scheduler
 
@@ -39,7 +39,11 @@ def runner_factory(tiny_checkpoint):
     torch.set_num_threads(2)
 
     def make(num_blocks: int = 256, num_cpu_blocks: int = 0) -> ModelRunner:
-        return ModelRunner(tiny_checkpoint, block_size=BLOCK_SIZE, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks)
+        return ModelRunner(
+            RunnerConfig(
+                tiny_checkpoint, block_size=BLOCK_SIZE, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks,
+            ),
+        )
 
     return make
 
@@ -211,7 +215,7 @@ def test_cuda_pipelined_steps_give_the_same_tokens(tiny_checkpoint):
     from conveyor.worker.model_runner import ModelRunner
 
     def serve(pipelined: bool) -> dict[str, list[int]]:
-        runner = ModelRunner(tiny_checkpoint, device="cuda", block_size=BLOCK_SIZE, num_blocks=256)
+        runner = ModelRunner(RunnerConfig(tiny_checkpoint, device="cuda", block_size=BLOCK_SIZE, num_blocks=256))
         driver = Driver(runner, overlap=True, pipelined=pipelined, max_num_seqs=6, max_num_batched_tokens=24)
         for rid, prompt in prompts().items():
             driver.add(rid, prompt, 12)

@@ -8,7 +8,7 @@ GPU (test_verify_step_graphs.py)."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import pytest
 
@@ -30,14 +30,22 @@ def record_static_steps(runner) -> list[tuple[int, int, int, tuple[int, ...]]]:
     return calls
 
 
+def pad_decode_runners(monkeypatch) -> None:
+    """Every runner built from now on (the engine's too) pads decode batches (pad_decode)."""
+    import conveyor.worker.model_runner as runner_module
+
+    real = runner_module.ModelRunner
+    monkeypatch.setattr(
+        runner_module, "ModelRunner", lambda config, **kw: real(dataclasses.replace(config, pad_decode=True), **kw)
+    )
+
+
 @pytest.mark.parametrize(
     "attention,pad", [("torch", False), ("torch", True), ("triton", True)], ids=["torch-eager", "torch-padded", "triton-padded"]
 )
 def test_static_verify_steps_equal_ragged_and_hf(attention, pad, tiny_engine, hf_greedy, monkeypatch):
     if pad:  # pad rows to the graph buckets and proposals to the fixed width, as with CUDA graphs
-        import conveyor.worker.model_runner as runner_module
-
-        monkeypatch.setattr(runner_module, "ModelRunner", functools.partial(runner_module.ModelRunner, pad_decode=True))
+        pad_decode_runners(monkeypatch)
     # (the Triton interpreter is slow: fewer requests, and no ragged run beside it)
     count, max_tokens = (6, 20) if attention == "torch" else (3, 12)
     prompts = {f"r{i}": repetitive(i) for i in range(count)}

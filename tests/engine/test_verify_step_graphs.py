@@ -6,14 +6,13 @@ by test_verify_step.py."""
 
 from __future__ import annotations
 
-import functools
 import shutil
 
 import pytest
 import torch
 
 from tests.engine.test_speculative import SPEC, _serve
-from tests.engine.test_verify_step import record_static_steps
+from tests.engine.test_verify_step import pad_decode_runners, record_static_steps
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +28,6 @@ def long_repetitive(i: int, length: int) -> list[int]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_graph_tokens_equal_eager_tokens_at_long_contexts(dtype, tiny_checkpoint, tmp_path, monkeypatch):
-    import conveyor.worker.model_runner as runner_module
     from conveyor import Engine
     from tests.worker.conftest import rewrite_config
 
@@ -37,7 +35,7 @@ def test_verify_graph_tokens_equal_eager_tokens_at_long_contexts(dtype, tiny_che
     shutil.copytree(tiny_checkpoint, directory)
     rewrite_config(directory, lambda config: config.update(max_position_embeddings=2048))
     # Eager runs pad like graphs (the same buckets and width: the same kernels, replayed or not).
-    monkeypatch.setattr(runner_module, "ModelRunner", functools.partial(runner_module.ModelRunner, pad_decode=True))
+    pad_decode_runners(monkeypatch)
     prompts = {f"r{i}": long_repetitive(i, n) for i, n in enumerate((300, 520, 700, 450))}
     config = dict(device="cuda", dtype=dtype, block_size=16, num_kv_blocks=256, max_batch_size=4, threads=2)
     outputs, verify = {}, {}

@@ -26,6 +26,7 @@ from conveyor.worker.attention.backend import AttentionMetadata, token_positions
 from conveyor.worker.attention.torch_batched import TorchBatchedAttention
 from conveyor.worker.attention.torch_ref import TorchReferenceAttention
 from conveyor.worker.attention.triton_backend import backend_for
+from conveyor.runtime.config import RunnerConfig
 
 HEAD_DIM = 8
 # (context_len, query_len): decode after 1 token, pure prefill, non-multiples, long chunk.
@@ -431,7 +432,7 @@ def test_reference_and_batched_backends_generate_the_same(checkpoint_factory, sc
         directory, _ = checkpoint_factory(name)
         outputs = {}
         for attention in ("torch", "torch-ref"):
-            runner = ModelRunner(directory, block_size=4, num_blocks=64, attention=attention)
+            runner = ModelRunner(RunnerConfig(directory, block_size=4, num_blocks=64, attention=attention))
             generator = torch.Generator().manual_seed(5)
             vocab = runner.model_config.vocab_size
             p = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (1, 11, 19, 6)]

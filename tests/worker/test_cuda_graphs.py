@@ -10,6 +10,7 @@ import torch
 
 from conveyor.ipc.messages import SamplingParams
 from conveyor.worker.model_runner import ModelRunner
+from conveyor.runtime.config import RunnerConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,8 +27,10 @@ def test_graph_tokens_equal_eager_tokens(name, dtype, checkpoint_factory, script
     outputs = {}
     for eager in (True, False):
         runner = ModelRunner(
-            directory, device="cuda", dtype=dtype, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=8,
-            enforce_eager=eager, pad_decode=True,  # the same buckets: the same kernels, replayed or not
+            RunnerConfig(
+                directory, device="cuda", dtype=dtype, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=8,
+                enforce_eager=eager, pad_decode=True,  # the same buckets: the same kernels, replayed or not
+            ),
         )
         assert (runner._graphs is None) == eager
         if not eager:
@@ -61,8 +64,10 @@ def test_graph_tokens_equal_eager_tokens_at_long_contexts(lengths, checkpoint_fa
     outputs = {}
     for eager in (True, False):
         runner = ModelRunner(
-            directory, device="cuda", dtype=torch.bfloat16, block_size=BLOCK_SIZE, num_blocks=256, max_num_seqs=2,
-            enforce_eager=eager, pad_decode=True,
+            RunnerConfig(
+                directory, device="cuda", dtype="bfloat16", block_size=BLOCK_SIZE, num_blocks=256, max_num_seqs=2,
+                enforce_eager=eager, pad_decode=True,
+            ),
         )
         assert runner.model_config.max_position_embeddings == 2048 and (runner._graphs is None) == eager
         vocab = runner.model_config.vocab_size

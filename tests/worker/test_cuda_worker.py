@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from conveyor.worker.model_runner import ModelRunner
+
+from conveyor.runtime.config import RunnerConfig
 from tests.worker.parity import assert_scripts_agree, parity_scripts
 
 pytestmark = [
@@ -25,7 +27,7 @@ def test_cuda_greedy_matches_transformers(name, dtype, checkpoint_factory, scrip
     directory, hf_cpu = checkpoint_factory(name)
     hf = type(hf_cpu).from_pretrained(directory, dtype=dtype).to("cuda").eval()
     hf.generation_config.eos_token_id = None
-    runner = ModelRunner(directory, device="cuda", dtype=dtype, block_size=BLOCK_SIZE, num_blocks=64)
+    runner = ModelRunner(RunnerConfig(directory, device="cuda", dtype=dtype, block_size=BLOCK_SIZE, num_blocks=64))
     scripts = parity_scripts(script, runner.model_config.vocab_size, preempted=True)
     # float32: token for token; bf16: up to a divergence at one of HF's own near-ties.
     assert_scripts_agree(scripted(runner, scripts).run(), scripts, hf, dtype, label=f"{name} {dtype}")

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from conveyor.worker.model_runner import ModelRunner
+
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.step_buffers import StepBuffers, context_buckets, decode_buckets, smallest_fitting
 from tests.worker.test_generation import hf_greedy, prompts
 
@@ -78,10 +80,14 @@ def test_static_decode_matches_ragged_path_and_transformers(name, checkpoint_fac
         return out
 
     # Padded to the graph buckets as on a GPU (eagerly, CPU runners pad nothing by default).
-    static_runner = ModelRunner(directory, block_size=BLOCK_SIZE, num_blocks=96, max_num_seqs=8, pad_decode=True)
+    static_runner = ModelRunner(
+        RunnerConfig(
+            directory, block_size=BLOCK_SIZE, num_blocks=96, max_num_seqs=8, pad_decode=True,
+        ),
+    )
     static_rows = decode_rows(static_runner)
     static = scripted(static_runner, scripts(static_runner.model_config.vocab_size, False)).run()
-    ragged_runner = ModelRunner(directory, block_size=BLOCK_SIZE, num_blocks=96, max_num_seqs=8)
+    ragged_runner = ModelRunner(RunnerConfig(directory, block_size=BLOCK_SIZE, num_blocks=96, max_num_seqs=8))
     ragged_rows = decode_rows(ragged_runner)
     mixed_scripts = scripts(ragged_runner.model_config.vocab_size, True)
     mixed = scripted(ragged_runner, mixed_scripts).run()
@@ -97,7 +103,7 @@ def test_a_step_beyond_max_num_seqs_is_refused(llama_dir):
     from conveyor.ipc.messages import NewRequestData, SamplingParams
     from tests.plans import plan
 
-    runner = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=2)
+    runner = ModelRunner(RunnerConfig(llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=2))
     new = [NewRequestData(f"r{i}", i, [5, 6], SamplingParams(temperature=0.0), [i], 0, 2) for i in range(3)]
     with pytest.raises(ValueError, match="at most 2"):
         runner.execute(plan(0, new))
@@ -131,8 +137,17 @@ def test_which_steps_run_through_the_static_buffers(llama_dir):
     def row(computed: int, proposal: tuple[int, ...] = (), scheduled: int | None = None) -> Work:
         return Work(0, computed, 1 + len(proposal) if scheduled is None else scheduled, [], proposal)
 
-    padded = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3, pad_decode=True)
-    eager = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3)
+    padded = ModelRunner(
+        RunnerConfig(
+            llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3,
+            pad_decode=True,
+        ),
+    )
+    eager = ModelRunner(
+        RunnerConfig(
+            llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3,
+        ),
+    )
     assert padded._context_bounds[-1] == 64  # the pool's 16 blocks of 4
     for runner, verify_q in ((padded, 4), (eager, 3)):
         assert runner._static_query_len([row(5), row(7)]) == 1
@@ -141,4 +156,8 @@ def test_which_steps_run_through_the_static_buffers(llama_dir):
         assert runner._static_query_len([row(5), row(7, scheduled=3)]) is None
         assert runner._static_query_len([row(64 - verify_q, (1, 2))]) == verify_q
         assert runner._static_query_len([row(65 - verify_q, (1, 2))]) is None
-    assert ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=16)._static_query_len([row(5, (1,))]) is None
+    assert ModelRunner(
+        RunnerConfig(
+            llama_dir, block_size=BLOCK_SIZE, num_blocks=16,
+        ),
+    )._static_query_len([row(5, (1,))]) is None

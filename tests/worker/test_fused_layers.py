@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from conveyor.kernels import layer_ops
 from conveyor.worker.model_runner import ModelRunner
+from conveyor.runtime.config import RunnerConfig
 from tests.worker.test_generation import hf_greedy, prompts
 
 
@@ -20,7 +21,7 @@ def test_fused_triton_layers_match_transformers(checkpoint_factory, scripted, sc
     monkeypatch.setattr(layer_ops, "_use_triton", lambda x: forced.append(True) or True)
     name = "qwen3"
     directory, hf_model = checkpoint_factory(name)
-    runner = ModelRunner(directory, block_size=4, num_blocks=64, attention="triton")
+    runner = ModelRunner(RunnerConfig(directory, block_size=4, num_blocks=64, attention="triton"))
     p = prompts(runner.model_config.vocab_size, [1, 11, 6])
     scripts = [
         script("one-token", p[0], max_new=4),

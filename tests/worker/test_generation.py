@@ -8,6 +8,8 @@ import torch
 
 from conveyor.worker.model_runner import ModelRunner
 
+from conveyor.runtime.config import RunnerConfig
+
 BLOCK_SIZE = 4
 
 
@@ -24,7 +26,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[i
 
 def test_greedy_matches_transformers(checkpoint, scripted, script):
     name, directory, hf_model = checkpoint
-    runner = ModelRunner(directory, block_size=BLOCK_SIZE, num_blocks=64)
+    runner = ModelRunner(RunnerConfig(directory, block_size=BLOCK_SIZE, num_blocks=64))
     # Lengths: 1, a block multiple, non-multiples; 19 and 9 exceed the Mistral window of 8.
     p = prompts(runner.model_config.vocab_size, [1, 9, 19, 4, 6])
     scripts = [
@@ -47,7 +49,7 @@ def test_triton_backend_greedy_matches_transformers(checkpoint_factory, scripted
     on a GPU): decode steps take the split-K decode kernel, the rest the extend kernel."""
     for name in ("llama", "qwen3", "mistral_window"):
         directory, hf_model = checkpoint_factory(name)
-        runner = ModelRunner(directory, block_size=BLOCK_SIZE, num_blocks=64, attention="triton")
+        runner = ModelRunner(RunnerConfig(directory, block_size=BLOCK_SIZE, num_blocks=64, attention="triton"))
         assert type(runner.model.layers[0].self_attn.backend).__name__ == "TritonPagedAttention"
         p = prompts(runner.model_config.vocab_size, [1, 11, 6])
         scripts = [

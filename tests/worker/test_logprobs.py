@@ -10,6 +10,7 @@ import torch
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams, StepLogprobs
 from conveyor.worker.model_runner import ModelRunner
+from conveyor.runtime.config import RunnerConfig
 from tests.plans import CachedRow, plan
 
 
@@ -54,7 +55,11 @@ CUDA = pytest.param(
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logprobs_match_hf_through_chunked_prefill_and_decode(checkpoint_factory, temperature, device):
     directory, model = checkpoint_factory("llama")
-    runner = ModelRunner(directory, device=device, dtype="float32", block_size=4, num_blocks=32, max_num_seqs=8)
+    runner = ModelRunner(
+        RunnerConfig(
+            directory, device=device, dtype="float32", block_size=4, num_blocks=32, max_num_seqs=8,
+        ),
+    )
     tol = 1e-4 if device == "cpu" else 1e-3
     asks = SamplingParams(temperature=temperature, seed=7, logprobs=5, prompt_logprobs=3)
     quiet = SamplingParams(temperature=0.0)
@@ -103,7 +108,7 @@ def test_logprobs_match_hf_through_chunked_prefill_and_decode(checkpoint_factory
 
 
 def test_a_step_nobody_asks_computes_none(llama_dir):
-    runner = ModelRunner(llama_dir, block_size=4, num_blocks=16)
+    runner = ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=16))
     params = SamplingParams(temperature=0.0)
     first = runner.execute(plan(0, [NewRequestData("a", 0, [1, 2, 3], params, [0], 0, 3, 3)]))
     second = runner.execute(plan(1, cached=[CachedRow(0, [], 3, 1)]))

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.worker.lora import LoraLoadError, LoraOptions
+from conveyor.worker.lora import LoraLoadError
 from conveyor.worker.lora_delta import LoraContext, LoraStack, build_batch
 from conveyor.worker.model_runner import ModelRunner
+from conveyor.runtime.config import RunnerConfig
 from tests.lora_adapters import make_adapter
 from tests.worker.parity import hf_greedy_with_logits
 
@@ -48,8 +49,12 @@ def adapters_of(tmp_path_factory, checkpoint_factory):
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3"])
 def test_adapters_and_base_in_one_batch_match_peft(family, adapters_of, scripted, script):
     directory, hf, adapters = adapters_of(family)
-    runner = ModelRunner(directory, block_size=4, num_blocks=96, lora=LoraOptions(max_loras=4, max_lora_rank=16),
-                         lora_modules={name: str(path) for name, (path, _) in adapters.items()})
+    runner = ModelRunner(
+        RunnerConfig(
+            directory, block_size=4, num_blocks=96, enable_lora=True, max_loras=4, max_lora_rank=16,
+            lora_modules=tuple((name, str(path)) for name, (path, _) in adapters.items()),
+        ),
+    )
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=generator).tolist() for n in (9, 17, 5, 23, 12)]
     names = [None, "a0", "a1", "a2", "a3"]
@@ -80,8 +85,12 @@ def test_triton_backend_in_the_model_matches_peft(adapters_of, scripted, script,
     monkeypatch.setattr(lora, "LoraContext", functools.partial(LoraContext, triton=True))
     directory, hf, adapters = adapters_of("qwen3")
     names = ["a1", "a2"]  # subsets of targets: zero blocks in the fused stacks
-    runner = ModelRunner(directory, block_size=4, num_blocks=32, lora=LoraOptions(max_loras=2, max_lora_rank=16),
-                         lora_modules={name: str(adapters[name][0]) for name in names})
+    runner = ModelRunner(
+        RunnerConfig(
+            directory, block_size=4, num_blocks=32, enable_lora=True, max_loras=2, max_lora_rank=16,
+            lora_modules=tuple((name, str(adapters[name][0])) for name in names),
+        ),
+    )
     assert runner.lora.context.kernels is not None
     prompt = list(range(3, 12))
     scripts = [script(f"{lora}", prompt, max_new=4, lora=lora, chunk=5) for lora in (None, *names)]
@@ -106,9 +115,12 @@ def test_lora_on_cuda_without_triton_fails_clearly(monkeypatch):
 
 def test_slots_evicted_lru_and_host_copies_reread(adapters_of, scripted, script):
     directory, hf, adapters = adapters_of("llama")
-    runner = ModelRunner(directory, block_size=4, num_blocks=64,
-                         lora=LoraOptions(max_loras=2, max_lora_rank=16, max_cpu_loras=2),
-                         lora_modules={name: str(path) for name, (path, _) in adapters.items()})
+    runner = ModelRunner(
+        RunnerConfig(
+            directory, block_size=4, num_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=16,
+            max_cpu_loras=2, lora_modules=tuple((name, str(path)) for name, (path, _) in adapters.items()),
+        ),
+    )
     prompt = list(range(3, 14))
     for pair in (("a0", "a1"), ("a2", "a3"), ("a1", "a2"), ("a3", "a0")):  # every round evicts
         scripts = [script(f"{name}-{pair}", prompt, max_new=5, lora=name) for name in pair]
@@ -156,7 +168,11 @@ def test_load_errors_are_clear_and_leave_the_runner_serving(adapters_of, checkpo
                                                              script):
     directory, hf, adapters = adapters_of("llama")
     good = adapters["a0"][0]
-    runner = ModelRunner(directory, block_size=4, num_blocks=32, lora=LoraOptions(max_loras=2, max_lora_rank=8))
+    runner = ModelRunner(
+        RunnerConfig(
+            directory, block_size=4, num_blocks=32, enable_lora=True, max_loras=2, max_lora_rank=8,
+        ),
+    )
     cases = {
         "rank": (adapters["a1"][0], "rank 16 is over --max-lora-rank 8"),
         "target": (_copy_adapter(good, tmp_path / "t", lambda c: c.update(target_modules=["q_proj", "lm_head"])),
@@ -183,9 +199,12 @@ def test_cuda_adapters_match_peft(dtype, adapters_of, scripted, script):
     from tests.worker.parity import assert_greedy_agrees
 
     directory, hf, adapters = adapters_of("llama")
-    runner = ModelRunner(directory, device="cuda", dtype=dtype, block_size=16, num_blocks=64,
-                         lora=LoraOptions(max_loras=4, max_lora_rank=16),
-                         lora_modules={name: str(path) for name, (path, _) in adapters.items()})
+    runner = ModelRunner(
+        RunnerConfig(
+            directory, device="cuda", dtype=dtype, block_size=16, num_blocks=64, enable_lora=True, max_loras=4,
+            max_lora_rank=16, lora_modules=tuple((name, str(path)) for name, (path, _) in adapters.items()),
+        ),
+    )
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=generator).tolist() for n in (6, 19, 11)]
     scripts = [script(f"r{i}-{lora}", prompt, max_new=8, lora=lora, chunk=7 if i == 1 else None)
@@ -204,7 +223,11 @@ def test_a_plan_naming_an_unknown_adapter_is_refused_unchanged(adapters_of):
     from tests.plans import plan
 
     directory, _, adapters = adapters_of("llama")
-    runner = ModelRunner(directory, block_size=4, num_blocks=16, lora_modules={"a0": str(adapters["a0"][0])})
+    runner = ModelRunner(
+        RunnerConfig(
+            directory, block_size=4, num_blocks=16, lora_modules=(("a0", str(adapters["a0"][0])),),
+        ),
+    )
     greedy = SamplingParams(temperature=0.0)
     with pytest.raises(PlanRefused, match="unknown LoRA adapter 'zz'"):
         runner.execute(plan(0, [NewRequestData("x", 0, [5, 6, 7], greedy, [0], 0, 3, lora="zz")]))

@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from conveyor.ipc.messages import SamplingParams
-from conveyor.worker.lora import LoraOptions
 from conveyor.worker.model_runner import ModelRunner
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.parallel import close_tensor_parallel, init_tensor_parallel
 from tests.lora_adapters import make_adapter
 from tests.worker.conftest import Script, ScriptedScheduler
@@ -39,8 +39,12 @@ def _rank(rank: int, init_file: str, cases: dict, out_dir: str) -> None:
     tp = init_tensor_parallel(rank, 2, f"file://{init_file}", "gloo", timeout_s=60)
     results = {}
     for family, (directory, adapters) in cases.items():
-        runner = ModelRunner(directory, block_size=4, num_blocks=64, tensor_parallel=tp,
-                             lora=LoraOptions(max_loras=2, max_lora_rank=16), lora_modules=adapters)
+        runner = ModelRunner(
+            RunnerConfig(
+                directory, block_size=4, num_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=16,
+                lora_modules=tuple(adapters.items()),
+            ), tensor_parallel=tp,
+        )
         results[family] = ScriptedScheduler(runner, _scripts()).run()
     close_tensor_parallel(tp)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -72,7 +76,11 @@ def _load_rank(rank: int, init_file: str, directory: str, good: str, out_dir: st
 
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, 2, f"file://{init_file}", "gloo", timeout_s=60)
-    runner = ModelRunner(directory, block_size=4, num_blocks=16, tensor_parallel=tp, lora=LoraOptions(max_loras=1))
+    runner = ModelRunner(
+        RunnerConfig(
+            directory, block_size=4, num_blocks=16, enable_lora=True, max_loras=1,
+        ), tensor_parallel=tp,
+    )
     outcome = []
     # Rank 1 misses the files of the first load: neither rank takes it, each says why.
     for name, path in (("x", good if rank == 0 else good + "-elsewhere"), ("y", good)):

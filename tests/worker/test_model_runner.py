@@ -10,13 +10,14 @@ from conveyor.ipc.messages import NewRequestData, SamplingParams
 from tests.plans import CachedRow, plan
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.model_runner import ModelRunner
+from conveyor.runtime.config import RunnerConfig
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture
 def runner(llama_dir) -> ModelRunner:
-    return ModelRunner(llama_dir, block_size=4, num_blocks=16)
+    return ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=16))
 
 
 def new(rid: str, slot: int, tokens: list[int], blocks: list[int], computed: int = 0, scheduled: int | None = None):
@@ -42,7 +43,7 @@ def test_block_tables_follow_the_requests_and_stay_small(llama_dir):
     """The runner's persistent block tables (a row per slot, gathered per step) hold each
     request's blocks and nothing of a slot's earlier owner, and grow with the largest slot
     and table seen, not beyond."""
-    runner = ModelRunner(llama_dir, block_size=4, num_blocks=64)
+    runner = ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=64))
     runner.execute(plan(0, [new(f"r{i}", i, [5, 6, 7], [2 * i, 2 * i + 1]) for i in range(9)]))
     assert runner._requests.tables.shape[0] <= 2 * 9 and runner._requests.tables.shape[1] <= 2 * 2
     runner.execute(plan(1, [new("x", 3, [9], [40])], [CachedRow(0, [30, 31, 32], 3, 1)], finished=[3]))
@@ -68,7 +69,7 @@ def test_slot_is_reused_in_the_plan_that_drops_it(runner, llama_dir):
     assert step2.slots == [1, 2, 0] and runner.slots == [0, 1, 2]
     assert runner.request_ids == ["c", "d", "b"]
     # c's tokens are those of a runner that never saw its slot change hands.
-    alone = ModelRunner(llama_dir, block_size=4, num_blocks=16)
+    alone = ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=16))
     first = alone.execute(plan(0, [new("c", 5, [1, 2, 3], [2])]))
     second = alone.execute(plan(1, cached=[CachedRow(5, [], 3, 1)]))
     assert [step1.sampled_token_ids[0], step2.sampled_token_ids[2]] == first.sampled_token_ids + second.sampled_token_ids
@@ -156,23 +157,27 @@ def test_plan_ahead_of_a_step_failing_at_its_finish_fails_too(runner):
 
 
 def test_pool_sized_from_memory_budget(llama_dir):
-    probe = ModelRunner(llama_dir, block_size=8, num_blocks=1)
+    probe = ModelRunner(RunnerConfig(llama_dir, block_size=8, num_blocks=1))
     per_block = KVCacheShape.of(probe.model_config, 8, torch.float32).bytes_per_block
     assert per_block == 2 * 2 * 8 * 2 * 16 * 4  # k/v, layers, block, kv heads, head dim, fp32
-    runner = ModelRunner(llama_dir, block_size=8, kv_cache_memory_bytes=10 * per_block + 5)
+    runner = ModelRunner(RunnerConfig(llama_dir, block_size=8, kv_cache_memory_bytes=10 * per_block + 5))
     assert runner.num_blocks == 10
     assert runner.kv_caches[0].shape == (2, 10, 8, 2, 16)
     with pytest.raises(ValueError, match="less than one block"):
-        ModelRunner(llama_dir, block_size=8, kv_cache_memory_bytes=per_block - 1)
+        ModelRunner(RunnerConfig(llama_dir, block_size=8, kv_cache_memory_bytes=per_block - 1))
     with pytest.raises(ValueError, match="exactly one"):
-        ModelRunner(llama_dir, block_size=8)
+        ModelRunner(RunnerConfig(llama_dir, block_size=8))
 
 
 def test_seeded_sampling_survives_batching_and_preemption(llama_dir, scripted, script):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
     prompt = [17, 4, 99, 250, 3, 8, 61]
 
-    alone = scripted(ModelRunner(llama_dir, block_size=4, num_blocks=32), [script("s", prompt, 6, sampling=seeded)])
+    alone = scripted(ModelRunner(
+        RunnerConfig(
+            llama_dir, block_size=4, num_blocks=32,
+        ),
+    ), [script("s", prompt, 6, sampling=seeded)])
     reference = alone.run()["s"]
 
     mates = [
@@ -180,6 +185,6 @@ def test_seeded_sampling_survives_batching_and_preemption(llama_dir, scripted, s
         script("m2", [1, 2, 3, 4, 5, 6, 7, 8, 9], 3),
         script("s", prompt, 6, join=1, chunk=3, sampling=seeded, preempt_after=2),
     ]
-    batched = scripted(ModelRunner(llama_dir, block_size=4, num_blocks=32), mates, seed=1).run()
+    batched = scripted(ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=32)), mates, seed=1).run()
     assert batched["s"] == reference
     assert len(set(reference)) > 1

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from conveyor.worker.model_runner import ModelRunner
+
+from conveyor.runtime.config import RunnerConfig
 from tests.worker.parity import assert_greedy_agrees, assert_scripts_agree, parity_scripts
 
 VOCAB = 50
@@ -86,6 +88,6 @@ def test_cpu_bf16_greedy_agrees_with_transformers(checkpoint_factory, scripted, 
     directory, hf_fp32 = checkpoint_factory(name)
     hf = type(hf_fp32).from_pretrained(directory, dtype=torch.bfloat16).eval()
     hf.generation_config.eos_token_id = None
-    runner = ModelRunner(directory, dtype=torch.bfloat16, block_size=16, num_blocks=64)
+    runner = ModelRunner(RunnerConfig(directory, dtype="bfloat16", block_size=16, num_blocks=64))
     scripts = parity_scripts(script, runner.model_config.vocab_size)
     assert_scripts_agree(scripted(runner, scripts).run(), scripts, hf, torch.bfloat16, label=name)

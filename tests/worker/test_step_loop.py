@@ -9,7 +9,6 @@ that records its calls.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections import deque
@@ -20,7 +19,7 @@ from conveyor import profiling
 from conveyor.ipc.messages import NewRequestData, SamplingParams, Shutdown, StepPlan, StepResult
 from tests import plans
 from conveyor.ipc.step_channel import PeerGone
-from conveyor.worker.main import StepLoop, build_runner, resolve_pipeline
+from conveyor.worker.main import StepLoop, resolve_pipeline
 
 
 class ScriptedRunner:
@@ -122,23 +121,32 @@ def test_pipeline_setting(setting, device, expected):
 
 
 def test_the_runner_is_built_from_the_worker_config_whole(tmp_path):
-    """_start hands build_runner every WorkerConfig field it takes (their names are its
-    keywords), so no setting of bin/serve's is left behind on the way to the runner."""
+    """_start builds the runner from WorkerConfig.runner(): every RunnerConfig field but
+    pad_decode is a worker field, carried over, so no setting of bin/serve's is left behind on
+    the way to the runner; the worker's defaults are the runner's (kv_cache_memory_bytes aside:
+    bin/serve's 1 GiB)."""
+    import dataclasses
+
     from conveyor.ipc.step_channel import StepChannels
     from conveyor.ipc.transport import ServerAddresses
-    from conveyor.runtime.config import WorkerConfig
-    from conveyor.worker.main import runner_fields
+    from conveyor.runtime.config import RunnerConfig, WorkerConfig
 
     addresses = ServerAddresses.in_run_dir(str(tmp_path), "tcp://127.0.0.1:1")
     channels = StepChannels.for_server(str(tmp_path), addresses.plans, addresses.results, shm=False)
     worker = WorkerConfig(
         "m", addresses, channels, block_size=8, num_blocks=40, max_num_seqs=7, enforce_eager=True, first_device=2
     )
-    fields = runner_fields(worker)
-    assert fields["block_size"] == 8 and fields["num_blocks"] == 40 and fields["max_num_seqs"] == 7
-    assert fields["enforce_eager"] is True and fields["model_dir"] == "m" and fields["first_device"] == 2
-    taken = set(inspect.signature(build_runner).parameters) - {"num_threads", "profiler", "tensor_parallel"}
-    assert set(fields) == taken
+    built = worker.runner(num_threads=3)
+    assert built == RunnerConfig(
+        "m", block_size=8, num_blocks=40, kv_cache_memory_bytes=1 << 30, max_num_seqs=7, enforce_eager=True,
+        first_device=2, num_threads=3,
+    )  # fmt: skip
+    worker_defaults, runner_defaults = (
+        {f.name: f.default for f in dataclasses.fields(view)} for view in (WorkerConfig, RunnerConfig)
+    )
+    assert set(runner_defaults) - set(worker_defaults) == {"pad_decode"}
+    differ = {name for name, default in runner_defaults.items() if worker_defaults.get(name, default) != default}
+    assert differ == {"kv_cache_memory_bytes"}
 
 
 @pytest.mark.parametrize("pipeline", [True, False])

@@ -13,6 +13,7 @@ from conveyor.ipc.messages import NewRequestData, SamplingParams
 from tests.plans import CachedRow, plan
 from conveyor.worker.block_transfer import transfer_blocks
 from conveyor.worker.model_runner import ModelRunner
+from conveyor.runtime.config import RunnerConfig
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [17, 4, 99, 250, 3, 8, 61, 12, 90, 5]
@@ -46,7 +47,7 @@ ON_CUDA = pytest.param(
 def test_a_request_swapped_out_and_back_in_continues_unchanged(llama_dir, device):
     """On CUDA the swap goes through the runner's own pinned, block-major swap space, the
     host side moving as runs of consecutive blocks (5-7 here) straight to and from it."""
-    runner = ModelRunner(llama_dir, device=device, block_size=4, num_blocks=16, num_cpu_blocks=8)
+    runner = ModelRunner(RunnerConfig(llama_dir, device=device, block_size=4, num_blocks=16, num_cpu_blocks=8))
     assert runner.swap_caches[0].shape[1] == 8 and runner.swap_caches[0].device.type == "cpu"
     assert runner.swap_caches[0].is_pinned() == (device == "cuda")
     reference = alone(runner, 8)
@@ -72,7 +73,7 @@ def test_a_request_swapped_out_and_back_in_continues_unchanged(llama_dir, device
 
 
 def test_a_second_request_starts_from_blocks_another_computed(llama_dir):
-    runner = ModelRunner(llama_dir, block_size=4, num_blocks=16)
+    runner = ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=16))
     reference = alone(runner, 3)
     runner.execute(plan(10, [NewRequestData("first", 1, PROMPT, GREEDY, [4, 5, 6], 0, len(PROMPT))], [], []))
     # Blocks 4 and 5 hold the KV of PROMPT[:8]; the second request (on the first's slot)
@@ -94,6 +95,6 @@ def test_a_second_request_starts_from_blocks_another_computed(llama_dir):
     ],
 )
 def test_bad_transfers_are_refused(llama_dir, swap_out, swap_in, message):
-    runner = ModelRunner(llama_dir, block_size=4, num_blocks=16, num_cpu_blocks=8)
+    runner = ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=16, num_cpu_blocks=8))
     with pytest.raises(ValueError, match=message):
         runner.execute(plan(1, [], [], [], swap_out=swap_out, swap_in=swap_in))

@@ -7,11 +7,12 @@ import torch
 
 from conveyor.kernels.block_copy import stacked
 from conveyor.worker.model_runner import ModelRunner
+from conveyor.runtime.config import RunnerConfig
 from tests.plans import plan
 
 
 def test_swap_out_then_in_within_one_plan(llama_dir):
-    runner = ModelRunner(llama_dir, block_size=4, num_blocks=8, num_cpu_blocks=6)
+    runner = ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=8, num_cpu_blocks=6))
     assert stacked(runner.kv_caches) is not None and stacked(runner.swap_caches) is not None
     gen = torch.Generator().manual_seed(0)
     for layer in runner.kv_caches + runner.swap_caches:

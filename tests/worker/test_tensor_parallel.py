@@ -34,6 +34,7 @@ from conveyor.worker.attention.torch_ref import TorchReferenceAttention
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 from conveyor.worker.model_runner import ModelRunner
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.models.llama import LlamaFamilyModel
 from conveyor.worker.parallel import (
     NO_TENSOR_PARALLEL,
@@ -143,7 +144,9 @@ def scripts(vocab_size: int) -> list[Script]:
 def generate(directory: str | Path, tp: TensorParallel, device: str = "cpu") -> dict:
     """The scripted run's outputs by request id, and the kv heads the rank caches."""
     runner = ModelRunner(
-        directory, device=rank_device(device, tp), block_size=BLOCK_SIZE, num_blocks=64, tensor_parallel=tp
+        RunnerConfig(
+            directory, device=rank_device(device, tp), block_size=BLOCK_SIZE, num_blocks=64,
+        ), tensor_parallel=tp,
     )
     outputs = ScriptedScheduler(runner, scripts(runner.model_config.vocab_size)).run()
     kv_heads, swap_kv_heads = runner.kv_caches[0].shape[3], runner.swap_caches[0].shape[3]
@@ -156,8 +159,9 @@ def swap_and_share(directory: str | Path, tp: TensorParallel, device: str = "cpu
     then swapped back into other blocks on another slot; ``shared`` starts from the blocks
     holding the KV of the prompt's first 8 tokens, which ``swapped`` computed."""
     runner = ModelRunner(
-        directory, device=rank_device(device, tp), block_size=BLOCK_SIZE, num_blocks=16, num_cpu_blocks=8,
-        tensor_parallel=tp,
+        RunnerConfig(
+            directory, device=rank_device(device, tp), block_size=BLOCK_SIZE, num_blocks=16, num_cpu_blocks=8,
+        ), tensor_parallel=tp,
     )
     prompt = scripts(runner.model_config.vocab_size)[1].prompt
     greedy = SamplingParams(temperature=0.0)

@@ -2,7 +2,8 @@
 
 :class:`Engine` builds the same pieces bin/serve starts, through the same functions: the
 checkpoint and the model length (:mod:`conveyor.runtime.model_source`), the settings turned
-into the runner's fields and the batcher's config (:mod:`conveyor.runtime.build`), the
+into the runner's config (:class:`~conveyor.runtime.config.RunnerConfig`) and the batcher's
+config (:mod:`conveyor.runtime.build`), the
 :class:`~conveyor.worker.model_runner.ModelRunner` with its KV pool, device and dtype
 (:func:`conveyor.worker.main.build_runner`), the
 :class:`~conveyor.scheduler.scheduler.Scheduler` with the model's EOS ids and vocabulary
@@ -62,8 +63,8 @@ from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id, speculation_rates
 from conveyor.protocol import sampling_fields, wire
 from conveyor.protocol import requests as client_requests
-from conveyor.runtime.build import batcher_config, worker_settings
-from conveyor.runtime.config import SchedulerConfig
+from conveyor.runtime.build import batcher_config, settings_view, worker_settings
+from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.worker.main import build_runner, failed_step
@@ -97,7 +98,7 @@ class Engine:
             draft_model_config(batcher.speculative_model, self.model_config, self.max_model_len)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._constraints = ConstraintCompiler(model_dir)
-        self.runner = build_runner(model_dir, **worker_settings(settings))
+        self.runner = build_runner(settings_view(RunnerConfig, worker_settings(settings), model_dir=model_dir))
         runner = self.runner
         batcher = replace(
             batcher, num_blocks=runner.num_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_bytes=runner.block_bytes

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.runtime.build import GIB
-from conveyor.runtime.config import Attention, Device, Dtype, FrontendConfig, SchedulerConfig, WorkerConfig
+from conveyor.runtime.config import Attention, Device, Dtype, FrontendConfig, RunnerConfig, SchedulerConfig, WorkerConfig
 
 # TGI's names -> the batcher's.
 ALIASES = {"max_batch_size": "max_num_seqs", "max_batch_tokens": "max_num_batched_tokens"}
@@ -46,15 +46,15 @@ class EngineOptions:
     num_cpu_blocks: int | None = None  # CPU swap space in blocks (instead of swap_space)
     swap_space: float | None = None  # GiB; None: the device's default (4 with cuda, 0 on CPU)
     threads: int | None = None  # torch CPU threads
-    enforce_eager: bool = WorkerConfig.enforce_eager  # no CUDA graphs for decode steps
+    enforce_eager: bool = RunnerConfig.enforce_eager  # no CUDA graphs for decode steps
     max_model_len: int | None = None  # prompt + output; None: the model's max_position_embeddings
     max_sessions: int = FrontendConfig.max_sessions  # finished requests remembered for continuation
     # LoRA adapters requests may name: {name: PEFT directory} (bin/serve --lora-modules); the
     # slots are the batcher's knob max_loras
     lora_modules: dict[str, str] | None = None
-    enable_lora: bool = False  # LoRA on even without lora_modules: Engine.load_lora adds adapters
-    max_lora_rank: int = WorkerConfig.max_lora_rank
-    max_cpu_loras: int | None = None  # host copies of adapters; None: as many as slots
+    enable_lora: bool = RunnerConfig.enable_lora  # LoRA on even without lora_modules: Engine.load_lora adds adapters
+    max_lora_rank: int = RunnerConfig.max_lora_rank
+    max_cpu_loras: int | None = RunnerConfig.max_cpu_loras  # host copies of adapters; None: as many as slots
     max_logprobs: int = FrontendConfig.max_logprobs  # the most top log-probabilities a request may ask for
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig knobs by their names
 

@@ -18,7 +18,7 @@ load it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from conveyor.ipc.step_channel import StepChannels
 from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback_host
@@ -240,25 +240,83 @@ class FrontendConfig:
 
 
 @dataclass(frozen=True)
+class RunnerConfig:
+    """What a model runner (:class:`conveyor.worker.model_runner.ModelRunner`) is built from,
+    every default written here once: the worker's view (:meth:`WorkerConfig.runner`) and the
+    in-process engine build one, the tests and benchmarks too.
+
+    ``device``: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (resolved, per rank, by
+    :func:`conveyor.worker.main.build_runner`; a runner takes a concrete one). ``dtype``: a
+    :class:`Dtype` name, or a torch dtype (this module does not import torch). The KV pool is
+    ``num_blocks`` blocks or as many as fit in ``kv_cache_memory_bytes`` (exactly one: the
+    runner refuses anything else); the CPU
+    swap space ``num_cpu_blocks`` blocks or ``swap_space_bytes`` (None for both: none, or the
+    device's default through build_runner). ``max_num_seqs`` (the scheduler's) bounds a step's
+    rows and sizes the static decode buffers; ``enforce_eager``: no CUDA graphs for decode
+    steps; ``pad_decode``: pad decode batches to the graph buckets (None: when graphs are used).
+    ``num_speculative_tokens``: the scheduler's speculative_tokens, the verify width the static
+    buffers are sized for. LoRA (conveyor.worker.lora) is on with ``lora_modules`` ((name, PEFT
+    directory) pairs registered at start) or ``enable_lora``, with ``max_loras`` device slots,
+    ranks up to ``max_lora_rank`` and ``max_cpu_loras`` host copies (None: as many as slots).
+    ``speculative_model``: the draft checkpoint of speculative decoding, loaded beside the model.
+    ``first_device``: the GPU of rank 0 (worker.parallel.rank_device); ``num_threads``: torch's
+    CPU threads (None: torch's default), set by build_runner.
+    """
+
+    model_dir: str
+    device: str = Device.CPU
+    dtype: Dtype = Dtype.AUTO  # or a torch.dtype, taken as it is
+    block_size: int = SchedulerConfig.block_size
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    attention: Attention = Attention.AUTO
+    num_cpu_blocks: int | None = None
+    swap_space_bytes: int | None = None
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    enforce_eager: bool = False
+    pad_decode: bool | None = None
+    num_speculative_tokens: int = 0
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
+    max_loras: int = SchedulerConfig.max_loras
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    speculative_model: str | None = None
+    first_device: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _parse_choices(self, attention=Attention)
+        if isinstance(self.dtype, str):
+            _parse_choices(self, dtype=Dtype)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_modules) or self.enable_lora
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """The worker process's view. The KV pool is ``num_blocks`` blocks, or as many as fit in
     ``kv_cache_memory_bytes`` (:func:`conveyor.runtime.build.worker_settings` sets exactly one;
     the latter's default, 1 GiB, is bin/serve's ``--kv-cache-memory`` default and the engine's); the CPU swap space ``num_cpu_blocks`` blocks, or
-    ``swap_space_bytes`` (None for both: the device's default, see worker/main.py)."""
+    ``swap_space_bytes`` (None for both: the device's default, see worker/main.py). The fields
+    it shares with :class:`RunnerConfig` take their defaults from it, ``kv_cache_memory_bytes``
+    aside; :meth:`runner` is the runner's config."""
 
     model_dir: str
     addresses: ServerAddresses
     channels: StepChannels  # plans from the scheduler, results back
-    device: Device = Device.CPU
-    dtype: Dtype = Dtype.AUTO
-    block_size: int = SchedulerConfig.block_size
-    num_blocks: int | None = None
+    device: Device = RunnerConfig.device
+    dtype: Dtype = RunnerConfig.dtype
+    block_size: int = RunnerConfig.block_size
+    num_blocks: int | None = RunnerConfig.num_blocks
     kv_cache_memory_bytes: int | None = 1 << 30
-    num_threads: int | None = None
-    attention: Attention = Attention.AUTO
+    num_threads: int | None = RunnerConfig.num_threads
+    attention: Attention = RunnerConfig.attention
     pipeline: PipelineSteps = PipelineSteps.AUTO  # launch step N+1 before finishing step N
-    num_cpu_blocks: int | None = None
-    swap_space_bytes: int | None = None
+    num_cpu_blocks: int | None = RunnerConfig.num_cpu_blocks
+    swap_space_bytes: int | None = RunnerConfig.swap_space_bytes
     profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
     # Tensor parallelism (bin/serve --tensor-parallel-size): this worker is rank
     # ``tensor_parallel_rank`` of ``tensor_parallel_size`` (one process each, every one reading
@@ -272,23 +330,20 @@ class WorkerConfig:
     distributed_timeout_s: float = 300.0
     # The GPU of this worker's rank 0 (data-parallel replica i: i * tensor_parallel_size), so
     # replicas run on GPUs of their own where the machine has enough (worker.parallel.rank_device).
-    first_device: int = 0
-    # The scheduler's max_num_seqs: bounds a step's rows and sizes the static decode buffers.
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
-    enforce_eager: bool = False  # bin/serve --enforce-eager: no CUDA graphs for decode steps
-    # The scheduler's speculative_tokens (0: speculation off): the verify width the static
-    # decode buffers and graphs are sized for (runtime.build.worker_settings sets it).
-    num_speculative_tokens: int = 0
-    # LoRA (conveyor.worker.lora): (name, PEFT directory) adapters registered at start (none:
-    # LoRA off), device slots, the rank bound, host copies (None: as many as slots).
-    lora_modules: tuple[tuple[str, str], ...] = ()
-    enable_lora: bool = False  # LoRA on without adapters at start (Engine.load_lora, --enable-lora-loading)
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    # Speculative decoding's draft model (SchedulerConfig.speculative_model): a checkpoint of the
-    # target's vocabulary the worker loads beside it, with a KV cache of its own (None: none).
-    speculative_model: str | None = None
+    first_device: int = RunnerConfig.first_device
+    # The runner's fields below (RunnerConfig says what each does): the scheduler's max_num_seqs
+    # and speculative_tokens (runtime.build.worker_settings sets them), --enforce-eager, LoRA
+    # (enable_lora: on without adapters at start, for Engine.load_lora and
+    # --enable-lora-loading) and the draft model (SchedulerConfig.speculative_model).
+    max_num_seqs: int = RunnerConfig.max_num_seqs
+    enforce_eager: bool = RunnerConfig.enforce_eager
+    num_speculative_tokens: int = RunnerConfig.num_speculative_tokens
+    lora_modules: tuple[tuple[str, str], ...] = RunnerConfig.lora_modules
+    enable_lora: bool = RunnerConfig.enable_lora
+    max_loras: int = RunnerConfig.max_loras
+    max_lora_rank: int = RunnerConfig.max_lora_rank
+    max_cpu_loras: int | None = RunnerConfig.max_cpu_loras
+    speculative_model: str | None = RunnerConfig.speculative_model
 
     def __post_init__(self) -> None:
         _parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
@@ -303,6 +358,12 @@ class WorkerConfig:
             )
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+
+    def runner(self, **fields_: object) -> RunnerConfig:
+        """This worker's runner: the fields it shares with :class:`RunnerConfig` (``pad_decode``
+        is left to the runner's default), with ``fields_`` over them."""
+        shared = {f.name: getattr(self, f.name) for f in fields(RunnerConfig) if hasattr(self, f.name)}
+        return RunnerConfig(**{**shared, **fields_})
 
 
 def rank_process_name(worker: str, rank: int) -> str:

@@ -68,11 +68,11 @@ class UnknownAdapter(KeyError):
 @dataclass(frozen=True)
 class LoraOptions:
     """``max_loras`` device slots, ranks up to ``max_lora_rank``, ``max_cpu_loras`` host copies
-    (at least ``max_loras``; None: as many as slots)."""
+    (at least ``max_loras``; None: as many as slots). The defaults are RunnerConfig's."""
 
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None
 
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:

@@ -51,12 +51,11 @@ result back by a step.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import os
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -75,7 +74,7 @@ from conveyor.ipc.messages import (
 )
 from conveyor.ipc.step_channel import PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
-from conveyor.runtime.config import Attention, Device, Dtype, PipelineSteps, WorkerConfig, rank_process_name
+from conveyor.runtime.config import Device, PipelineSteps, RunnerConfig, WorkerConfig, rank_process_name
 from conveyor.runtime.process import Started, run_process
 
 if TYPE_CHECKING:  # torch is imported when a runner is built, not with this module
@@ -122,77 +121,27 @@ def run_worker(config: WorkerConfig) -> None:
 
 
 def build_runner(
-    model_dir: str,
-    *,
-    device: str = Device.AUTO,
-    dtype: str = Dtype.AUTO,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    kv_cache_memory_bytes: int | None = None,
-    attention: str = Attention.AUTO,
-    num_cpu_blocks: int | None = None,
-    swap_space_bytes: int | None = None,
-    num_threads: int | None = None,
-    profiler: profiling.Profiler | None = None,
-    tensor_parallel: TensorParallel | None = None,
-    max_num_seqs: int = 256,
-    enforce_eager: bool = False,
-    num_speculative_tokens: int = 0,
-    first_device: int = 0,
-    lora_modules: tuple[tuple[str, str], ...] = (),
-    enable_lora: bool = False,
-    max_loras: int = 4,
-    max_lora_rank: int = 16,
-    max_cpu_loras: int | None = None,
-    speculative_model: str | None = None,
+    config: RunnerConfig, *, profiler: profiling.Profiler | None = None, tensor_parallel: TensorParallel | None = None
 ) -> ModelRunner:
-    """The worker's :class:`~conveyor.worker.model_runner.ModelRunner` as bin/serve's flags
-    describe it (the fields of :class:`WorkerConfig`): torch's CPU threads set when given, the
-    device resolved (:func:`resolve_device`), the KV pool from ``num_blocks`` or
-    ``kv_cache_memory_bytes``, the swap space from ``num_cpu_blocks`` or ``swap_space_bytes``
-    (neither: the device's default, :func:`default_swap_space`). The worker process and the
-    in-process engine (:mod:`conveyor.engine`) both build theirs here. ``tensor_parallel``:
-    the runner of one rank, None for a single process; on CUDA it runs on GPU
-    ``first_device + rank`` (:func:`~conveyor.worker.parallel.rank_device`). ``lora_modules``
-    (``(name, PEFT dir)`` pairs) or ``enable_lora`` turns LoRA on with those adapters and the
-    slot bounds. ``speculative_model``: the draft checkpoint of speculative decoding, loaded
-    beside the model with a KV cache of its own (:mod:`conveyor.worker.draft_model`)."""
+    """The :class:`~conveyor.worker.model_runner.ModelRunner` ``config`` describes, as the
+    worker process and the in-process engine (:mod:`conveyor.engine`) both build theirs:
+    torch's CPU threads set when ``num_threads`` is given, the device resolved
+    (:func:`resolve_device`; with ``tensor_parallel``, the runner of one rank, None for a single
+    process, on CUDA GPU ``first_device + rank``: :func:`~conveyor.worker.parallel.rank_device`),
+    and without ``num_cpu_blocks`` nor ``swap_space_bytes`` the device's default swap space
+    (:func:`default_swap_space`)."""
     import torch
 
-    from conveyor.worker.lora import LoraOptions
     from conveyor.worker.model_runner import ModelRunner
     from conveyor.worker.parallel import NO_TENSOR_PARALLEL, rank_device
 
-    if num_threads:
-        torch.set_num_threads(num_threads)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
     tensor_parallel = tensor_parallel or NO_TENSOR_PARALLEL
-    device = rank_device(resolve_device(device), tensor_parallel, first_device)
-    return ModelRunner(
-        model_dir,
-        device=device,
-        dtype=dtype,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        kv_cache_memory_bytes=kv_cache_memory_bytes,
-        attention=attention,
-        num_cpu_blocks=num_cpu_blocks,
-        swap_space_bytes=default_swap_space(device) if swap_space_bytes is None else swap_space_bytes,
-        profiler=profiler,
-        tensor_parallel=tensor_parallel,
-        max_num_seqs=max_num_seqs,
-        enforce_eager=enforce_eager,
-        num_speculative_tokens=num_speculative_tokens,
-        lora=LoraOptions(max_loras, max_lora_rank, max_cpu_loras) if lora_modules or enable_lora else None,
-        lora_modules=dict(lora_modules),
-        speculative_model=speculative_model,
-    )
-
-
-def runner_fields(config: WorkerConfig) -> dict[str, Any]:
-    """The fields of ``config`` that :func:`build_runner` takes, whose keywords are named as
-    those fields are (``num_threads`` aside: the process decides it, see :func:`_start`)."""
-    taken = set(inspect.signature(build_runner).parameters) - {"num_threads"}
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in taken}
+    device = rank_device(resolve_device(config.device), tensor_parallel, config.first_device)
+    swap = default_swap_space(device) if config.swap_space_bytes is None else config.swap_space_bytes
+    config = dataclasses.replace(config, device=device, swap_space_bytes=swap)
+    return ModelRunner(config, profiler=profiler, tensor_parallel=tensor_parallel)
 
 
 def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
@@ -224,7 +173,7 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         return idle / (idle + busy) if idle + busy > 0 else 1.0
 
     prof.derive("idle_fraction", idle_fraction)
-    runner = build_runner(**runner_fields(config), num_threads=num_threads, profiler=prof, tensor_parallel=tp)
+    runner = build_runner(config.runner(num_threads=num_threads), profiler=prof, tensor_parallel=tp)
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)
     loop = StepLoop(

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from conveyor import profiling
 from conveyor.ipc.messages import StepPlan, StepResult, int_list
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
@@ -105,21 +105,16 @@ class LaunchedStep:
 
 
 class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, LoraUpdates):
-    """The model, its KV cache, the sampler and per-request state of one worker.
+    """The model, its KV cache, the sampler and per-request state of one worker, as ``config``
+    (:class:`~conveyor.runtime.config.RunnerConfig`, which says what each field does) describes
+    them; ``config.device`` is a concrete device (:func:`conveyor.worker.main.build_runner`
+    resolves ``auto`` and a rank's GPU). ``attention`` picks the backend: ``auto`` (Triton on
+    CUDA, torch on CPU), ``triton`` or ``torch``. On CUDA the decode step is captured as CUDA
+    graphs unless ``enforce_eager``; a step with a proposal longer than
+    ``num_speculative_tokens`` runs ragged.
 
-    Give exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` (the pool then holds as
-    many blocks as fit in that many bytes). ``attention`` picks the backend: ``auto`` (Triton
-    on CUDA, torch on CPU), ``triton`` or ``torch``. ``num_cpu_blocks`` (or
-    ``swap_space_bytes``) sizes the CPU swap space that plans' swap-outs and swap-ins use.
-    ``max_num_seqs`` (the scheduler's) bounds the rows of a step and sizes the static decode
-    buffers; on CUDA the decode step is captured as CUDA graphs unless ``enforce_eager``.
-    ``pad_decode``: pad decode batches to the graph buckets (default: when graphs are used).
-    ``num_speculative_tokens``: the scheduler's proposal length bound, the verify width the
-    static buffers (and graphs) are sized for; a step with a longer proposal runs ragged.
-
-    ``lora``: serve LoRA adapters (:mod:`conveyor.worker.lora`) with these slot and rank
-    bounds; ``lora_modules`` (name -> PEFT directory) are registered at once (a bad one raises
-    :class:`~conveyor.worker.lora.LoraLoadError`). Requests name their adapter in
+    LoRA (:mod:`conveyor.worker.lora`): ``lora_modules`` are registered at once (a bad one
+    raises :class:`~conveyor.worker.lora.LoraLoadError`). Requests name their adapter in
     :class:`~conveyor.ipc.messages.NewRequestData`.
 
     ``speculative_model``: the draft checkpoint of speculative decoding's draft method
@@ -131,59 +126,51 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
     its kv heads (``kv_cache_memory_bytes`` is then this rank's budget); only rank 0 computes
     logits and samples, and broadcasts the ids (and a speculative step's targets), so every
     rank returns the same results and keeps the same request state. Every rank must be given the same plans.
+    ``profiler``: the worker process's, timing the step's parts.
     """
 
     def __init__(
         self,
-        model_dir: str | Path,
-        device: str = "cpu",
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        attention: str = "auto",
+        config: RunnerConfig,
+        *,
         profiler: profiling.Profiler | None = None,
-        num_cpu_blocks: int | None = None,
-        swap_space_bytes: int | None = None,
         tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL,
-        max_num_seqs: int = 256,
-        enforce_eager: bool = False,
-        pad_decode: bool | None = None,
-        num_speculative_tokens: int = 0,
-        lora: LoraOptions | None = None,
-        lora_modules: dict[str, str] | None = None,
-        speculative_model: str | Path | None = None,
     ) -> None:
-        if (num_blocks is None) == (kv_cache_memory_bytes is None):
+        if (config.num_blocks is None) == (config.kv_cache_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_memory_bytes")
-        self.device = torch.device(device)
-        self.block_size = block_size
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = block_size = config.block_size
         self.tensor_parallel = tp = tensor_parallel
-        backend = backend_for(self.device, attention)
-        self.model, self.model_config = load_model(model_dir, self.device, dtype, backend, tp)
+        backend = backend_for(self.device, config.attention)
+        self.model, self.model_config = load_model(config.model_dir, self.device, config.dtype, backend, tp)
         self.dtype = self.model.embed_tokens.weight.dtype
         self.lora: LoraManager | None = None
-        if lora is not None or lora_modules:
-            self.lora = LoraManager(self.model, lora or LoraOptions())
-            for name, directory in (lora_modules or {}).items():
+        if config.lora_enabled:
+            self.lora = LoraManager(self.model, LoraOptions(config.max_loras, config.max_lora_rank, config.max_cpu_loras))
+            for name, directory in config.lora_modules:
                 self.lora.register(name, directory)
         cache_shape = KVCacheShape.of(self.model_config, block_size, self.dtype, tp)
         self.draft: DraftModel | None = None
-        if speculative_model is not None:  # (one rank only: WorkerConfig refuses it with tensor parallelism)
-            draft_backend = backend_for(self.device, attention)  # its own (a backend may keep per-step plans)
-            self.draft = DraftModel(speculative_model, self.model_config, self.device, self.dtype, draft_backend, block_size)
+        if config.speculative_model is not None:  # (one rank only: WorkerConfig refuses it with tensor parallelism)
+            draft_backend = backend_for(self.device, config.attention)  # its own (a backend may keep per-step plans)
+            self.draft = DraftModel(
+                config.speculative_model, self.model_config, self.device, self.dtype, draft_backend, block_size
+            )
         self.block_bytes = cache_shape.bytes_per_block + (self.draft.bytes_per_block if self.draft else 0)
+        num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks = kv_cache_memory_bytes // self.block_bytes
+            num_blocks = config.kv_cache_memory_bytes // self.block_bytes
             if num_blocks < 1:
                 raise ValueError(
-                    f"kv_cache_memory_bytes={kv_cache_memory_bytes} is less than one block ({self.block_bytes} bytes)"
+                    f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is less than one block ({self.block_bytes} bytes)"
                 )
         self.num_blocks = num_blocks
         self.kv_caches = cache_shape.allocate(num_blocks, self.device)
         self.model.bind_kv_cache(self.kv_caches)
+        num_cpu_blocks = config.num_cpu_blocks
         if num_cpu_blocks is None:
-            num_cpu_blocks = (swap_space_bytes or 0) // self.block_bytes
+            num_cpu_blocks = (config.swap_space_bytes or 0) // self.block_bytes
         self.num_cpu_blocks = num_cpu_blocks
         self.swap_caches = cache_shape.allocate_swap(num_cpu_blocks, self.device)
         # (cache, swap space) pairs every block move of a plan applies to: the model's, the draft's
@@ -212,16 +199,18 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self._t_sample = prof.timer("sample")  # LM head on the sampled rows + the sampler
         self._t_swap = prof.timer("swap", arg_name="blocks")  # only steps that copy blocks
         self._t_draft = prof.timer("draft")  # the draft model's pass and proposals (draft method)
-        self._setup_decode_step(max_num_seqs, enforce_eager, pad_decode, backend, num_speculative_tokens)
+        self._setup_decode_step(
+            config.max_num_seqs, config.enforce_eager, config.pad_decode, backend, config.num_speculative_tokens
+        )
         # Structured output (conveyor.worker.grammar_rows): matchers of constrained requests,
         # and a per-slot flag so that a step without them is told apart in one numpy test.
-        self._grammars = GrammarRows(model_dir)
+        self._grammars = GrammarRows(config.model_dir)
         self._constrained = np.zeros(0, np.bool_)
         self._in_flight: LaunchedStep | None = None  # the unfinished step a launch may read tokens of
         self._ends: list[tuple[int, str]] = []
         self._spec_verdict: torch.Tensor | None = None  # of the step being launched (see _run_ragged)
         self._drafts: Drafts | None = None  # likewise, the draft method's proposals (dropped after the launch)
-        self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, max_num_seqs)
+        self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, config.max_num_seqs)
 
     @property
     def slots(self) -> list[int]:

@@ -18,8 +18,9 @@ group, every collective a no-op.
 - Each rank calls :func:`init_tensor_parallel` once (``rank``, ``size``, a shared
   ``init_method`` such as ``file:///tmp/x`` or ``tcp://127.0.0.1:port``, backend ``gloo`` on
   CPU or ``nccl`` on CUDA: :func:`default_backend`; ``timeout_s`` bounds every collective) and
-  passes the record to ``ModelRunner(..., device=..., tensor_parallel=tp)``. With NCCL, rank
-  ``r`` runs on ``cuda:r`` (:func:`rank_device` gives the device string to pass).
+  passes the record to ``ModelRunner(config, tensor_parallel=tp)`` (``config.device`` the
+  rank's). With NCCL, rank ``r`` runs on ``cuda:r`` (:func:`rank_device` gives the device
+  string; :func:`conveyor.worker.main.build_runner` sets it).
 - Every rank is given the same plans in the same order and makes the same ``launch`` /
   ``finish`` calls: each step runs the same collectives on every rank.
 - **Results**: every rank's ``finish`` returns the same :class:`StepResult` (slots and sampled

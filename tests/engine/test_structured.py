@@ -11,7 +11,7 @@ import re
 
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conveyor.protocol import wire
@@ -115,6 +115,13 @@ def shared_engine(tiny_checkpoint):
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Found by this test: the draw put a disallowed token (the grammar allowed only '"') because its
+# uniform noise rounded to 1.0 in float32 (worker/sampler.py, _NOISE_BITS).
+@example(
+    schemas=[{"type": "object", "properties": {"a": {"type": "string", "minLength": 0, "maxLength": 0}},
+              "required": [], "additionalProperties": False}],
+    seed=162, temperature=0.8,
+)
 @given(schemas=st.lists(SCHEMAS, min_size=1, max_size=3), seed=st.integers(0, 2**31), temperature=st.sampled_from([0.0, 0.8, 1.0]))
 def test_hypothesis_schemas_validate_through_the_model(shared_engine, schemas, seed, temperature):
     """The issue's property: hypothesis draws JSON schemas (tests/structured's strategy), the

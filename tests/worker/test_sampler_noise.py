@@ -71,3 +71,16 @@ def test_seeded_draw_is_the_same_alone_in_a_batch_and_padded():
         padded = draw(torch.cat([logits, torch.zeros(3, vocab)]), [seeded, greedy, greedy, greedy], [position, 0, 0, 0], 2)
         assert alone == in_batch == int(padded[0]), position
         assert padded[1:].tolist() == [0, 0, 0]  # padding rows: greedy over zeros
+
+
+def test_uniforms_at_the_extreme_buckets_stay_inside_0_1_in_float32() -> None:
+    """The top and bottom buckets' midpoints must be float32 values strictly inside (0, 1): a
+    uniform that rounds to 1.0 gives exponential noise 0, and a token of weight 0 then races
+    as 0 / 0 = NaN, which argmax picks (a masked token drawn). Their noise is finite and > 0."""
+    from conveyor.worker.sampler import _NOISE_BITS
+
+    extremes = torch.tensor([0, (1 << _NOISE_BITS) - 1], dtype=torch.int64)
+    u = (extremes.to(torch.float32) + 0.5) * (1.0 / (1 << _NOISE_BITS))
+    assert bool((u > 0).all()) and bool((u < 1).all()), u
+    noise = u.log().neg()
+    assert bool(torch.isfinite(noise).all()) and bool((noise > 0).all()), noise

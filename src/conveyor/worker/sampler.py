@@ -39,7 +39,11 @@ from conveyor.worker.sampling_controls import ControlRows, SamplingControls
 _GAMMA = 0x9E3779B97F4A7C15
 _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
-_NOISE_BITS = 24  # float32 holds 24-bit uniforms exactly
+# Uniforms are bucket midpoints (2k + 1) / 2**(_NOISE_BITS + 1): with 23 bits every one is exact in
+# float32 and below 1. (24 bits made the top bucket's midpoint 1 - 2**-25, which rounds to 1.0:
+# its exponential noise was 0, and a token of weight 0 then raced as 0 / 0 = NaN, which argmax
+# picks: a masked or filtered token drawn about once in 2**24 tokens' noise.)
+_NOISE_BITS = 23
 
 
 def _signed(value: int) -> int:
@@ -70,7 +74,7 @@ def draw_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def stream_uniforms(keys: torch.Tensor, first: int, count: int) -> torch.Tensor:
     """float32 ``[N, count]`` uniforms in ``(0, 1)``: entry ``(i, j)`` is element ``first + j``
-    of the splitmix64 stream started at ``keys[i]``, its top 24 bits (midpoints, never 0 or 1).
+    of the splitmix64 stream started at ``keys[i]``, its top ``_NOISE_BITS`` bits (bucket midpoints, exact in float32, never 0 or 1).
     Element 0 is the speculative verification's acceptance uniform, elements 1.. the
     exponential noise of :func:`exponential_noise`: one key, independent draws."""
     steps = torch.arange(first, first + count, dtype=torch.int64, device=keys.device) * _signed(_GAMMA)

@@ -7,9 +7,7 @@ HTTP face is on) and reads nothing else: no field is
 forwarded by hand from process to process, and nothing reads environment variables behind
 the user's back. A view crosses to its process once, pickled by multiprocessing's spawn.
 
-Modes are :class:`Choice` enums: a member compares equal to (and hashes as) its name on the
-command line, so ``config.policy == "priority"`` reads as it always did, and a config built
-with a plain string holds the member after construction (an unknown name is a ValueError).
+Modes are :class:`~conveyor.runtime.config_fields.Choice` enums, re-exported here.
 
 This module imports neither torch nor anything that does: the frontend and the scheduler
 load it.
@@ -17,97 +15,14 @@ load it.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, fields, replace
 
 from conveyor.ipc.step_channel import StepChannels
+from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exported: they are read from here)
+    Attention, Batching, Choice, Device, Dtype, PipelineSteps, PlanTransport, Policy, Preemption,
+    parse_choices, require_at_least,
+)  # fmt: skip
 from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback_host
-
-
-class Choice(str, enum.Enum):
-    """A mode named on the command line; prints and formats as that name."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @classmethod
-    def names(cls) -> list[str]:
-        """The names a flag accepts, in declaration order (argparse ``choices``)."""
-        return [member.value for member in cls]
-
-    @classmethod
-    def parse(cls, value: str, what: str) -> Choice:
-        """The member named ``value``; a ValueError naming ``what`` and the choices otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{what} must be one of {', '.join(cls.names())}, got {value!r}") from None
-
-
-class Batching(Choice):
-    CONTINUOUS = "continuous"  # iteration-level batching
-    STATIC = "static"  # form a batch, run it to completion: the baseline benchmarks compare against
-
-
-class Policy(Choice):
-    FCFS = "fcfs"  # arrival order
-    PRIORITY = "priority"  # AddRequest.priority, aged; preempts lower-ranked running requests
-
-
-class Preemption(Choice):
-    AUTO = "auto"  # the cheaper of swap and recompute, per victim
-    SWAP = "swap"  # KV to the CPU swap space
-    RECOMPUTE = "recompute"  # KV dropped, prefilled again
-
-
-class PlanTransport(Choice):
-    SHM = "shm"  # shared-memory rings
-    ZMQ = "zmq"  # ZeroMQ ipc sockets
-
-
-class Device(Choice):
-    AUTO = "auto"  # cuda when available
-    CPU = "cpu"
-    CUDA = "cuda"
-
-
-class Dtype(Choice):
-    AUTO = "auto"  # the checkpoint's on CUDA, float32 on CPU
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-
-class Attention(Choice):
-    AUTO = "auto"  # Triton on CUDA, batched torch on CPU
-    TRITON = "triton"
-    TORCH = "torch"
-    TORCH_REF = "torch-ref"  # the per-sequence torch reference (slow, for comparisons)
-
-
-class PipelineSteps(Choice):
-    AUTO = "auto"  # on with CUDA, off on CPU
-    ON = "on"
-    OFF = "off"
-
-
-def _parse_choices(config: object, **kinds: type[Choice]) -> None:
-    """Turn the named fields of a frozen dataclass into their Choice members, in place."""
-    for name, kind in kinds.items():
-        object.__setattr__(config, name, kind.parse(getattr(config, name), name))
-
-
-def _require_at_least(config: object, low: int, *names: str) -> None:
-    """ValueError naming the first of the fields ``names`` of ``config`` below ``low`` (a NaN
-    is below anything): one wording for every such bound, "positive" for 1, ">= 0" for 0."""
-    bound = {0: ">= 0", 1: "positive"}.get(low, f"at least {low}")
-    for name in names:
-        value = getattr(config, name)
-        if not value >= low:
-            raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -176,17 +91,17 @@ class SchedulerConfig:
     speculative_max_batch: int = 32
 
     def __post_init__(self) -> None:
-        _parse_choices(self, batching=Batching, policy=Policy, preemption=Preemption)
-        _require_at_least(self, 0, "num_cpu_blocks", "max_waiting", "block_bytes", "max_wait_ms", "max_queue_time", "aging_rate")
-        _require_at_least(self, 1, "min_batch_size", "max_loras")
-        _require_at_least(self, 0, "max_bypass", "speculative_max_batch")
+        parse_choices(self, batching=Batching, policy=Policy, preemption=Preemption)
+        require_at_least(self, 0, "num_cpu_blocks", "max_waiting", "block_bytes", "max_wait_ms", "max_queue_time", "aging_rate")
+        require_at_least(self, 1, "min_batch_size", "max_loras")
+        require_at_least(self, 0, "max_bypass", "speculative_max_batch")
         if self.swap_bandwidth <= 0 or self.prefill_rate <= 0:
             raise ValueError("swap_bandwidth and prefill_rate must be positive")
-        _require_at_least(self, 1, "iteration_log_size")
+        require_at_least(self, 1, "iteration_log_size")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        _require_at_least(self, 1, "num_blocks", "max_num_seqs", "max_num_batched_tokens")
-        _require_at_least(self, 2, "max_model_len")
+        require_at_least(self, 1, "num_blocks", "max_num_seqs", "max_num_batched_tokens")
+        require_at_least(self, 2, "max_model_len")
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError(f"speculative_method must be 'ngram', 'draft' or None, got {self.speculative_method!r}")
         if (self.speculative_method == "draft") != (self.speculative_model is not None):
@@ -235,8 +150,8 @@ class FrontendConfig:
     enable_lora_loading: bool = False
 
     def __post_init__(self) -> None:
-        _require_at_least(self, 1, "data_parallel_size")
-        _require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue", "max_logprobs")
+        require_at_least(self, 1, "data_parallel_size")
+        require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue", "max_logprobs")
 
 
 @dataclass(frozen=True)
@@ -286,9 +201,9 @@ class RunnerConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        _parse_choices(self, attention=Attention)
+        parse_choices(self, attention=Attention)
         if isinstance(self.dtype, str):
-            _parse_choices(self, dtype=Dtype)
+            parse_choices(self, dtype=Dtype)
 
     @property
     def lora_enabled(self) -> bool:
@@ -346,8 +261,8 @@ class WorkerConfig:
     speculative_model: str | None = RunnerConfig.speculative_model
 
     def __post_init__(self) -> None:
-        _parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
-        _require_at_least(self, 1, "tensor_parallel_size")
+        parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
+        require_at_least(self, 1, "tensor_parallel_size")
         if self.speculative_model is not None and self.tensor_parallel_size > 1:
             raise ValueError("a speculative draft model is not supported with tensor parallelism yet")
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
@@ -477,7 +392,7 @@ class ServerConfig:
     insecure_cluster: bool = False
 
     def __post_init__(self) -> None:
-        _require_at_least(self, 1, "nnodes")
+        require_at_least(self, 1, "nnodes")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.nnodes == 1:

@@ -1,21 +1,4 @@
 #!/usr/bin/env bash
-# bin/bench offline, the session's base (c91f743) against HEAD, interleaved rounds, one worker thread.
-set -u
-OUT=${OUT:-/tmp/bench-ab}
-AFTER=${AFTER:-/tmp/cv-after}
-ARGS=(offline --workload fixed --prompt-len 64 --output-len 64 --num-requests 64 --batch-size 32 --systems conveyor --no-progress --serve-arg=--threads --serve-arg=1)
-for round in 1 2 3; do
-  PYTHONPATH=/tmp/cv-before/src python3 -m conveyor.cli.bench "${ARGS[@]}" --json $OUT/before-$round.json > $OUT/before-$round.txt 2>&1
-  PYTHONPATH=$AFTER/src python3 -m conveyor_tools.cli.bench "${ARGS[@]}" --json $OUT/after-$round.json > $OUT/after-$round.txt 2>&1
-done
-python3 - "$OUT" <<'PY'
-import json, sys, statistics
-from pathlib import Path
-out = Path(sys.argv[1])
-for side in ("before", "after"):
-    vals = []
-    for f in sorted(out.glob(f"{side}-*.json")):
-        r = json.loads(f.read_text())
-        vals.append(r["systems"]["conveyor"]["median"]["output_tok_s"])
-    print(side, [round(v) for v in vals], "median", round(statistics.median(vals)) if vals else None)
-PY
+# How these results were made: bench/before_after.sh with the session's base c91f743 checked out in
+# /tmp/cv-before (that tree ran its own conveyor.cli.bench) and the session's end in /tmp/cv-after.
+BEFORE=/tmp/cv-before AFTER=/tmp/cv-after OUT=${OUT:-/tmp/bench-ab} exec "$(dirname "$0")/../../before_after.sh"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# bin/bench offline, the session's base (2459a0e) against its end, interleaved rounds, one worker thread.
-# BEFORE / AFTER: checkouts of the two trees (each run with its own src on PYTHONPATH).
+# bin/bench offline of two trees, interleaved rounds, one worker thread: a session's before/after
+# (docs/benchmarks.md). BEFORE / AFTER: checkouts of the two trees (each run with its own src on
+# PYTHONPATH, so the tree's own tools run it); OUT: where the JSON and logs go.
 set -u
 OUT=${OUT:-/tmp/bench-ab}
 BEFORE=${BEFORE:-/tmp/before}

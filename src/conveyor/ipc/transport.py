@@ -260,13 +260,7 @@ def bind_client_socket(
     try:
         if auth_keys is not None:
             public, secret = zmq.auth.load_certificate(server_secret_key_file(auth_keys))
-            # A synchronous view of the context: the ZAP thread runs its own sockets.
-            authenticator = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
-            authenticator.start()
-            authenticator.configure_curve_callback("*", AllowedClientKeys(auth_keys))
-            sock.setsockopt(zmq.CURVE_SERVER, 1)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            authenticator = curve_servers(ctx, [sock], public, secret, AllowedClientKeys(auth_keys))
         if monitor is not None:
             sock.monitor(monitor, monitor_events)
         sock.bind(address)
@@ -276,6 +270,31 @@ def bind_client_socket(
         sock.close(linger=0)
         raise
     return sock, authenticator
+
+
+def curve_servers(
+    ctx: zmq.Context, socks: list[zmq.Socket], public: bytes, secret: bytes, admits: Any
+) -> ThreadAuthenticator:
+    """Make ``socks`` (not yet bound) CurveZMQ servers with the key pair ``public``/``secret``,
+    admitting the clients ``admits.callback(domain, client_key)`` admits (pyzmq's credentials
+    provider);
+    returns the context's ZAP thread (stop it before terminating ``ctx``), which runs on a
+    synchronous view of the context with sockets of its own."""
+    authenticator = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
+    authenticator.start()
+    authenticator.configure_curve_callback("*", admits)
+    for sock in socks:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    return authenticator
+
+
+def curve_client(sock: zmq.Socket, public: bytes, secret: bytes, server_public: bytes) -> None:
+    """Make ``sock`` (not yet connected) a CurveZMQ client with its key pair and the server's public key."""
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
 
 
 def load_key_pair(path: str, what: str) -> tuple[bytes, bytes]:
@@ -299,9 +318,7 @@ def client_curve_keys(sock: zmq.Socket, client_key: str, server_key: str) -> Non
         server_public, _ = zmq.auth.load_certificate(server_key)
     except (OSError, ValueError) as exc:
         raise ValueError(f"server key {server_key}: {exc}") from None
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+    curve_client(sock, public, secret, server_public)
 
 
 # ---------------------------------------------------------------- the sockets between nodes
@@ -336,20 +353,11 @@ class ClusterKey:
     def serve(self, ctx: zmq.Context, socks: list[zmq.Socket]) -> ThreadAuthenticator:
         """Make ``socks`` (not yet bound) CurveZMQ servers admitting only this key; returns the
         context's ZAP thread (stop it before terminating ``ctx``)."""
-        authenticator = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
-        authenticator.start()
-        authenticator.configure_curve_callback("*", self)
-        for sock in socks:
-            sock.setsockopt(zmq.CURVE_SERVER, 1)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
-        return authenticator
+        return curve_servers(ctx, socks, self.public, self.secret, self)
 
     def join(self, sock: zmq.Socket) -> None:
         """Make ``sock`` (not yet connected) a CurveZMQ client of a node serving this key."""
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
-        sock.setsockopt(zmq.CURVE_SERVERKEY, self.public)
+        curve_client(sock, self.public, self.secret, self.public)
 
 
 def handshake_refusal(address: str) -> str:

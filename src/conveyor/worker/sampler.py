@@ -266,8 +266,6 @@ class Sampler:
         vocab = logits.shape[-1]
         device = logits.device
         sampling = batch.temperature > 0
-        if batch.all_greedy:
-            return torch.nn.functional.one_hot(greedy, vocab).to(torch.float32)
         logits = logits / torch.where(sampling, batch.temperature, 1.0)[:, None]
         if batch.any_top_k or batch.any_top_p:
             # Both filters act on ranks: mask in descending order, then put tokens back in

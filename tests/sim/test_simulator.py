@@ -295,3 +295,12 @@ def test_fit_takes_each_runs_load_as_a_level_not_as_a_features_cost():
     assert pooled.coef_s["decode_classes"] / max(pooled.coef_s["decode_seqs"], 1e-12) > 1.5 * ratio
     for cost in (leveled, pooled):  # either way the calibration's total is kept
         assert sum(cost.time(s[:-1], s[-1]) for s in shapes) == pytest.approx(times.sum(), rel=1e-9)
+
+
+def test_decode_length_classes_follow_the_cpu_attentions_padding_bound():
+    """``step_decode_classes`` prices the CPU attention's grouping: its ratio must be the bound
+    the batched torch backend pads a group to (two constants, since the profiler is torch-free)."""
+    from conveyor.profiling.step_records import LENGTH_CLASS_RATIO
+    from conveyor.worker.attention.torch_batched import MAX_PADDING
+
+    assert LENGTH_CLASS_RATIO == MAX_PADDING

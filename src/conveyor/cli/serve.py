@@ -1,8 +1,8 @@
 """bin/serve: flags in, one server out.
 
 The flags are parsed here and become one :class:`~conveyor.runtime.config.ServerConfig`
-(:func:`conveyor.runtime.build.server_config`, which the in-process engine shares); the
-processes are started and watched by :class:`conveyor.runtime.supervisor.Server`. One line
+(:func:`conveyor.assembly.build.server_config`, which the in-process engine shares); the
+processes are started and watched by :class:`conveyor.assembly.supervisor.Server`. One line
 with the client address and ``ready`` is printed when all of them have said ready; serve
 exits non-zero when a child dies (the supervisor's module says what it does then) and zero
 on SIGINT/SIGTERM.
@@ -15,7 +15,7 @@ import shutil
 import sys
 
 from conveyor.ipc import transport
-from conveyor.runtime import build
+from conveyor.assembly import build
 from conveyor.runtime.config import (
     Attention,
     Choice,
@@ -31,7 +31,7 @@ from conveyor.runtime.config import (
     WorkerConfig,
 )
 from conveyor.runtime.model_source import StartupError
-from conveyor.runtime.supervisor import Server, stop_on_signals
+from conveyor.assembly.supervisor import Server, stop_on_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,7 +273,7 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
-    """The parsed flags as one ServerConfig (:func:`conveyor.runtime.build.server_config`);
+    """The parsed flags as one ServerConfig (:func:`conveyor.assembly.build.server_config`);
     ValueError, OSError or StartupError when they do not make one."""
     return build.server_config(vars(args), run_dir)
 

@@ -35,7 +35,7 @@ import msgspec
 import prometheus_client
 from aiohttp import web
 
-from conveyor import __version__
+from conveyor.version import __version__
 from conveyor.http import adapters, prometheus
 from conveyor.http.adapters import LORAS
 from conveyor.http.errors import ApiError, bad_field, unavailable

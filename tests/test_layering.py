@@ -33,6 +33,105 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
+def _runtime_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports when it runs: every import, at module level or inside a
+    function, except those under ``if TYPE_CHECKING:`` (annotations only)."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            # `from conveyor import profiling` imports the subpackage, not the package facade.
+            subpackages = [f"{base}.{alias.name}" for alias in node.names]
+            found = [name for name in subpackages if _module_path(name) is not None]
+            names.update(found or [base])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return names
+
+
+def _module_path(name: str) -> Path | None:
+    parts = name.split(".")
+    if parts[0] != PACKAGE.name:
+        return None
+    base = PACKAGE.joinpath(*parts[1:])
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _floor(module: str) -> str:
+    """The folder (``conveyor.<name>``) a module stands in; the facade and top-level modules are their own."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        graph.setdefault(_floor(module), set())
+        for name in _runtime_imports(path):
+            if name.split(".")[0] == PACKAGE.name and _floor(name) != _floor(module):
+                graph[_floor(module)].add(_floor(name))
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph``, as the nodes along it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := walk(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := walk(node)) is not None:
+            return found
+    return None
+
+
+def test_the_folders_import_each_other_without_a_circle() -> None:
+    """Floors, not a web: no folder reaches, directly or through others, a folder that imports
+    it (function-level imports count; ``TYPE_CHECKING`` ones do not)."""
+    graph = _package_graph()
+    assert "conveyor.ipc" in graph["conveyor.protocol"] and "conveyor.worker" in graph["conveyor.assembly"]  # edges are seen
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_process_rooms_never_import_the_assembly_above_them() -> None:
+    graph = _package_graph()
+    for room in ("conveyor.runtime", "conveyor.frontend", "conveyor.scheduler", "conveyor.worker", "conveyor.ipc", "conveyor.protocol"):
+        assert not graph[room] & {"conveyor.assembly", "conveyor.engine", "conveyor.cli", "conveyor.http"}, (room, graph[room])
+
+
 def _importers_of(prefix: str, *, outside: str | None = None) -> dict[str, list[str]]:
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -47,8 +146,8 @@ def _importers_of(prefix: str, *, outside: str | None = None) -> dict[str, list[
 
 def test_the_walk_sees_imports_of_every_form() -> None:
     """The checker itself: absolute, from- and relative imports are all read."""
-    assert "conveyor.runtime.build" in _imported_modules(PACKAGE / "engine" / "engine.py")
-    assert "conveyor.runtime.supervisor.Server" in _imported_modules(PACKAGE / "cli" / "serve.py")
+    assert "conveyor.assembly.build" in _imported_modules(PACKAGE / "engine" / "engine.py")
+    assert "conveyor.assembly.supervisor.Server" in _imported_modules(PACKAGE / "cli" / "serve.py")
     assert "conveyor.cli.server_address" in _imported_modules(PACKAGE / "cli" / "client.py")
 
 

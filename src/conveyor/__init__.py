@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from conveyor.version import __version__
 __all__ = ["Engine"]
 
 if TYPE_CHECKING:

@@ -147,7 +147,7 @@ def test_serve_on_replica_death_decides_whether_one_death_stops_the_server(tmp_p
     only with --no-serve-on-replica-death or when it was the last replica; the frontend's
     or HTTP process's death always does."""
     from conveyor.cli.serve import build_parser, server_config
-    from conveyor.runtime.supervisor import Server
+    from conveyor.assembly.supervisor import Server
 
     def server_with(*flags: str) -> Server:
         args = build_parser().parse_args(["--host", f"ipc://{tmp_path}/c", *flags])

@@ -1,5 +1,5 @@
 """The sockets between nodes, without a server: the node link (joining, refusals, a lost or
-stopping peer; conveyor.runtime.node_link) and the plan channel's remote readers with the
+stopping peer; conveyor.assembly.node_link) and the plan channel's remote readers with the
 cluster key (CurveZMQ: a reader without the key gets no plan and is told why)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from conveyor.ipc.messages import Shutdown
 from conveyor.ipc.step_channel import ChannelSpec, PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.ipc.transport import ClusterKey
-from conveyor.runtime import node_link
+from conveyor.assembly import node_link
 from conveyor.runtime.model_source import StartupError
 
 SETTINGS = {"conveyor version": "1.0", "--block-size": "8"}
@@ -126,7 +126,7 @@ def test_a_node_gone_silent_is_seen_within_the_silence_bound(hub, keys) -> None:
     child = subprocess.Popen([sys.executable, "-c", f"""
 import time, zmq
 from conveyor.ipc.transport import ClusterKey
-from conveyor.runtime import node_link
+from conveyor.assembly import node_link
 member = node_link.NodeLinkMember(zmq.Context(), {hub.address!r}, ClusterKey.load({keys[0]!r}), 1, {SETTINGS!r}, 2.0)
 member.join(30, lambda: False)
 print("joined", flush=True)

@@ -19,6 +19,7 @@ import msgpack
 import zmq
 
 from conveyor.ipc import transport
+from conveyor.protocol import limits
 
 
 def user_id(frame: zmq.Frame) -> str:
@@ -35,7 +36,9 @@ def main() -> None:
     p.add_argument("--answer", action="store_true")
     args = p.parse_args()
     ctx = zmq.Context()
-    sock, _ = transport.bind_client_socket(ctx, args.address, auth_keys=args.auth_keys)
+    sock, _ = transport.bind_client_socket(
+        ctx, args.address, max_message_bytes=limits.MAX_CLIENT_MESSAGE_BYTES, auth_keys=args.auth_keys
+    )
     print("ready", flush=True)
     while True:
         identity, payload = sock.recv_multipart(copy=False)

@@ -1,8 +1,8 @@
 """bin/serve: flags in, one server out.
 
 The flags are parsed here and become one :class:`~conveyor.runtime.config.ServerConfig`
-(:func:`conveyor.runtime.build.server_config`, which the in-process engine shares); the
-processes are started and watched by :class:`conveyor.runtime.supervisor.Server`. One line
+(:func:`conveyor.assembly.build.server_config`, which the in-process engine shares); the
+processes are started and watched by :class:`conveyor.assembly.supervisor.Server`. One line
 with the client address and ``ready`` is printed when all of them have said ready; serve
 exits non-zero when a child dies (the supervisor's module says what it does then) and zero
 on SIGINT/SIGTERM.
@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from collections.abc import Callable
 
+from conveyor.assembly import build
+from conveyor.assembly.supervisor import Server, stop_on_signals
 from conveyor.ipc import transport
-from conveyor.runtime import build
 from conveyor.runtime.config import (
     Attention,
     Choice,
@@ -31,7 +33,6 @@ from conveyor.runtime.config import (
     WorkerConfig,
 )
 from conveyor.runtime.model_source import StartupError
-from conveyor.runtime.supervisor import Server, stop_on_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,24 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduling_arguments(p)
     _switch(p, "--overlap", SchedulerProcessConfig.overlap, "form step N+1's plan while the worker runs step N (--no-overlap: one plan at a time, for comparison)")
     _choice(p, "--plan-transport", PlanTransport.SHM, "scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)")
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=_positive_int,
-        default=WorkerConfig.tensor_parallel_size,
-        help="worker processes the model is split across (rank r on cuda:r; on CPU, processes on gloo)",
-    )
-    p.add_argument(
-        "--nnodes",
-        type=_positive_int,
-        default=ServerConfig.nnodes,
-        help="nodes the tensor-parallel ranks span (the size divides by it; node R runs ranks R*T/N .. (R+1)*T/N-1)",
-    )
-    p.add_argument(
-        "--node-rank",
-        type=_non_negative_int,
-        default=ServerConfig.node_rank,
-        help="this node's index: node 0 runs the frontend and scheduler beside its ranks, the others run ranks only",
-    )
+    _count(p, "--tensor-parallel-size", WorkerConfig.tensor_parallel_size, "worker processes the model is split across (rank r on cuda:r; on CPU, processes on gloo)")
+    _count(p, "--nnodes", ServerConfig.nnodes, "nodes the tensor-parallel ranks span (the size divides by it; node R runs ranks R*T/N .. (R+1)*T/N-1)")
+    _count(p, "--node-rank", ServerConfig.node_rank, "this node's index: node 0 runs the frontend and scheduler beside its ranks, the others run ranks only", minimum=0)
     p.add_argument(
         "--dist-init-addr",
         metavar="HOST:PORT",
@@ -102,13 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=WorkerConfig.distributed_timeout_s,
         help="seconds the tensor-parallel ranks wait for each other (start-up, every collective) before failing",
     )
-    p.add_argument(
-        "--data-parallel-size",
-        type=_positive_int,
-        default=FrontendConfig.data_parallel_size,
-        help="independent scheduler + worker replicas behind the one frontend, each with its own KV cache "
-        "(a new request goes to the least loaded, a continuation to the replica that ran its earlier turn)",
-    )
+    _count(p, "--data-parallel-size", FrontendConfig.data_parallel_size, "independent scheduler + worker replicas behind the one frontend, "
+           "each with its own KV cache (a new request goes to the least loaded, a continuation to the replica that ran its earlier turn)")
     _switch(
         p,
         "--serve-on-replica-death",
@@ -136,19 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(auto: on with CUDA, where launches are asynchronous; off on CPU, where it would only delay results)",
     )
     p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
-    p.add_argument(
-        "--tokenizer-threads",
-        type=_non_negative_int,
-        default=FrontendConfig.tokenizer_threads,
-        help="frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)",
-    )
-    p.add_argument(
-        "--client-send-queue",
-        type=_non_negative_int,
-        default=FrontendConfig.client_send_queue,
-        help="replies queued for one client connection; a client whose queue fills has stopped reading, "
-        "and its requests are aborted (0: no bound)",
-    )
+    _count(p, "--tokenizer-threads", FrontendConfig.tokenizer_threads, "frontend threads that tokenize inputs of 512+ characters off its event loop (0: all on the loop)", minimum=0)
+    _count(p, "--client-send-queue", FrontendConfig.client_send_queue, "replies queued for one client connection; a client whose queue fills "
+           "has stopped reading, and its requests are aborted (0: no bound)", minimum=0)
     _switch(p, "--profile", WorkerConfig.profile, "record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)")
     add_lora_arguments(p)
     add_http_arguments(p)
@@ -162,13 +133,13 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
         "--lora-modules", nargs="+", type=_lora_module, action="extend", default=[], metavar="NAME=DIR",
         help="PEFT LoRA adapters requests may name (the OpenAI 'model' field, the protocol's 'lora')",
     )
-    g.add_argument("--max-loras", type=_positive_int, default=SchedulerConfig.max_loras, help="adapters on the device at once (distinct adapters in one step)")
-    g.add_argument("--max-lora-rank", type=_positive_int, default=WorkerConfig.max_lora_rank, help="largest adapter rank accepted")
+    _count(g, "--max-loras", SchedulerConfig.max_loras, "adapters on the device at once (distinct adapters in one step)")
+    _count(g, "--max-lora-rank", WorkerConfig.max_lora_rank, "largest adapter rank accepted")
     g.add_argument(
         "--enable-lora-loading", action="store_true",
         help="let clients load and unload adapters while serving (load_lora, /v1/load_lora_adapter); off: a load reads any directory the client names",
     )
-    g.add_argument("--max-cpu-loras", type=_positive_int, help="adapters kept in host memory (default: --max-loras); others are read again when needed")
+    g.add_argument("--max-cpu-loras", type=_at_least(1), help="adapters kept in host memory (default: --max-loras); others are read again when needed")
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -182,6 +153,11 @@ def _choice(p: argparse._ActionsContainer, flag: str, default: Choice, help: str
     """A flag that picks a mode: its choices are the names of ``default``'s enum, so a mode
     added to the enum is a value of the flag at once, and the default is the config's own."""
     p.add_argument(flag, default=default, choices=type(default).names(), help=help)
+
+
+def _count(p: argparse._ActionsContainer, flag: str, default: int, help: str, *, minimum: int = 1) -> None:
+    """A whole-number flag with a lower bound (a size, a rank, a queue length) whose default is the config's own."""
+    p.add_argument(flag, type=_at_least(minimum), default=default, help=help)
 
 
 def _switch(p: argparse._ActionsContainer, flag: str, default: bool, help: str) -> None:
@@ -225,18 +201,17 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number no smaller than ``minimum``."""
 
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
+    return parse
 
 
 def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
@@ -273,7 +248,7 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def server_config(args: argparse.Namespace, run_dir: str) -> ServerConfig:
-    """The parsed flags as one ServerConfig (:func:`conveyor.runtime.build.server_config`);
+    """The parsed flags as one ServerConfig (:func:`conveyor.assembly.build.server_config`);
     ValueError, OSError or StartupError when they do not make one."""
     return build.server_config(vars(args), run_dir)
 

@@ -3,7 +3,7 @@
 :class:`Engine` builds the same pieces bin/serve starts, through the same functions: the
 checkpoint and the model length (:mod:`conveyor.runtime.model_source`), the settings turned
 into the runner's config (:class:`~conveyor.runtime.config.RunnerConfig`) and the batcher's
-config (:mod:`conveyor.runtime.build`), the
+config (:mod:`conveyor.assembly.build`), the
 :class:`~conveyor.worker.model_runner.ModelRunner` with its KV pool, device and dtype
 (:func:`conveyor.worker.main.build_runner`), the
 :class:`~conveyor.scheduler.scheduler.Scheduler` with the model's EOS ids and vocabulary
@@ -63,7 +63,7 @@ from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id, speculation_rates
 from conveyor.protocol import sampling_fields, wire
 from conveyor.protocol import requests as client_requests
-from conveyor.runtime.build import batcher_config, settings_view, worker_settings
+from conveyor.assembly.build import batcher_config, settings_view, worker_settings
 from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
 from conveyor.scheduler.scheduler import Scheduler

@@ -11,9 +11,9 @@ budget); ``min_batch_size`` and ``max_wait_ms`` are already the batcher's names.
 knob twice (``max_batch_size`` and ``max_num_seqs``) is a ValueError, an unknown name a
 TypeError.
 
-What the settings become is bin/serve's assembly (:mod:`conveyor.runtime.build`): the
-runner from :func:`~conveyor.runtime.build.worker_settings`, the batcher's config from
-:func:`~conveyor.runtime.build.batcher_config`, validated before the model loads with the
+What the settings become is bin/serve's assembly (:mod:`conveyor.assembly.build`): the
+runner from :func:`~conveyor.assembly.build.worker_settings`, the batcher's config from
+:func:`~conveyor.assembly.build.batcher_config`, validated before the model loads with the
 least valid pool and sized after, as in bin/serve (``ServerConfig.sized_scheduler``).
 """
 
@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.runtime.build import GIB
+from conveyor.assembly.build import GIB
 from conveyor.runtime.config import Attention, Device, Dtype, FrontendConfig, RunnerConfig, SchedulerConfig, WorkerConfig
 
 # TGI's names -> the batcher's.
@@ -80,7 +80,7 @@ class EngineOptions:
 
     def settings(self) -> dict[str, Any]:
         """Every setting by bin/serve's name for it (the batcher's knobs by their own), as
-        :mod:`conveyor.runtime.build` takes them; ``max_num_seqs`` always, since the runner
+        :mod:`conveyor.assembly.build` takes them; ``max_num_seqs`` always, since the runner
         sizes its decode buffers by it."""
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "scheduler"}
         return {**own, "max_num_seqs": SchedulerConfig.max_num_seqs, **self.scheduler}

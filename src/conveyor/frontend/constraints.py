@@ -21,7 +21,7 @@ from conveyor.protocol import wire
 from conveyor.protocol import requests as client_requests
 from conveyor.structured.compiler import DEFAULT_TIMEOUT_S, GrammarCompiler
 from conveyor.structured.constraint import ConstraintError
-from conveyor.structured.engine import EngineTokenizer
+from conveyor.structured.grammar_engine import EngineTokenizer
 
 
 class ConstraintCompiler:

@@ -154,6 +154,7 @@ from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import transport
 from conveyor.ipc.messages import LoraUpdated, ProcessProfile, SchedulerStats
+from conveyor.protocol import limits
 from conveyor.protocol import requests as client_requests
 from conveyor.runtime.config import FrontendConfig
 
@@ -227,6 +228,7 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         self.clients, self._authenticator = transport.bind_client_socket(
             self.ctx,
             addrs.client,
+            max_message_bytes=limits.MAX_CLIENT_MESSAGE_BYTES,
             auth_keys=config.auth_keys,
             send_queue=config.client_send_queue,
             monitor=monitor_addr,

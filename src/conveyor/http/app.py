@@ -35,7 +35,7 @@ import msgspec
 import prometheus_client
 from aiohttp import web
 
-from conveyor import __version__
+from conveyor.version import __version__
 from conveyor.http import adapters, prometheus
 from conveyor.http.adapters import LORAS
 from conveyor.http.errors import ApiError, bad_field, unavailable
@@ -94,6 +94,12 @@ def error_response(error: ApiError) -> web.Response:
     return web.Response(status=error.status, body=json_encode(error.body()), content_type="application/json")
 
 
+# Each handler carries its route: API_ROUTES are served by --http-port alone; PROBE_ROUTES
+# (/health, /metrics) by --http-port and by --metrics-port.
+API_ROUTES = web.RouteTableDef()
+PROBE_ROUTES = web.RouteTableDef()
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Every failure as the OpenAI error object with its status (cancellation passes through);
@@ -129,14 +135,17 @@ async def _body(request: web.Request) -> Any:
         raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
 
 
+@API_ROUTES.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, COMPLETION)
 
 
+@API_ROUTES.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, CHAT)
 
 
+@API_ROUTES.post("/invocations")
 async def invocations(request: web.Request) -> web.StreamResponse:
     """A completion or a chat request by the body's shape (``messages`` or ``prompt``)."""
     body = await _body(request)
@@ -173,12 +182,14 @@ def _lora_card(app: web.Application, name: str) -> dict[str, Any]:
     return {**_card(app), "id": name, "root": name, "parent": app[MODEL]}
 
 
+@API_ROUTES.get("/v1/models")
 async def models(request: web.Request) -> web.Response:
     app = request.app
     loras = await adapters.refresh_loras(app, app[LINK])
     return _json({"object": "list", "data": [_card(app), *(_lora_card(app, name) for name in loras)]})
 
 
+@API_ROUTES.get("/v1/models/{model:.+}")
 async def model_card(request: web.Request) -> web.Response:
     """``GET /v1/models/{id}``: the served model's or an adapter's card, or a 404 error object."""
     name = request.match_info["model"]
@@ -189,20 +200,24 @@ async def model_card(request: web.Request) -> web.Response:
     return _json(_card(request.app))
 
 
+@API_ROUTES.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}`` (:mod:`conveyor.http.adapters`)."""
     return await adapters.update(request.app, request.app[LINK], request.app[MODEL], await _body(request), load=True)
 
 
+@API_ROUTES.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     """``POST /v1/unload_lora_adapter`` ``{lora_name}`` (:mod:`conveyor.http.adapters`)."""
     return await adapters.update(request.app, request.app[LINK], request.app[MODEL], await _body(request), load=False)
 
 
+@API_ROUTES.get("/version")
 async def version(request: web.Request) -> web.Response:
     return _json({"version": __version__})
 
 
+@API_ROUTES.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
     """``POST /tokenize``: ``{prompt}`` or ``{messages}`` (vLLM's body, with its
     ``add_special_tokens``, ``add_generation_prompt``, ``continue_final_message``,
@@ -242,6 +257,7 @@ async def tokenize(request: web.Request) -> web.Response:
     return _json(reply)
 
 
+@API_ROUTES.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
     """``POST /detokenize``: ``{tokens}`` -> ``{prompt}``, the ids decoded as they are."""
     body = await _body(request)
@@ -255,6 +271,7 @@ async def detokenize(request: web.Request) -> web.Response:
     return _json({"prompt": await request.app[TOKENS].decode(ids)})
 
 
+@PROBE_ROUTES.get("/health")
 async def health(request: web.Request) -> web.Response:
     """200 when the frontend relayed a stats query that the scheduler answered within
     HEALTH_TIMEOUT_S (so all three processes are up); 503 otherwise."""
@@ -263,6 +280,7 @@ async def health(request: web.Request) -> web.Response:
     raise unavailable("the server is not healthy: the scheduler did not answer a stats query in time", "unhealthy")
 
 
+@PROBE_ROUTES.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     """The Prometheus exposition of the frontend's metrics and the scheduler's stats (the
     latter left out when the scheduler does not answer in time: the counters still scrape)."""
@@ -301,18 +319,8 @@ def api_app(
 ) -> web.Application:
     app = _app(link, model, max_model_len, created, tokens, access, loras)
     app[TOOL_PARSER] = tool_call_parser
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model:.+}", model_card)
-    app.router.add_post("/invocations", invocations)
-    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
-    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/version", version)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app.add_routes(API_ROUTES)
+    app.add_routes(PROBE_ROUTES)
     return app
 
 
@@ -321,6 +329,5 @@ def metrics_app(
     loras: Sequence[str] = (),
 ) -> web.Application:
     app = _app(link, model, max_model_len, created, tokens, access, loras)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app.add_routes(PROBE_ROUTES)
     return app

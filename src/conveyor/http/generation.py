@@ -11,7 +11,7 @@ followed by ``[DONE]``.
 Fields beyond the text (:class:`GenerationJob`): ``echo`` starts each choice's text with its
 prompt (the string sent, or a token-id prompt decoded), ``return_token_ids`` adds the token
 ids, ``continuous_usage_stats`` the usage so far to every chunk, ``logprobs`` the
-log-probabilities in OpenAI's shapes (:mod:`conveyor.http.logprobs`; with ``echo``, the
+log-probabilities in OpenAI's shapes (:mod:`conveyor.http.openai_logprobs`; with ``echo``, the
 prompt's first, and each streamed chunk's for its own tokens) and ``prompt_logprobs``
 vLLM's per-prompt-token list; the prompt's ids these need
 come from the HTTP process's tokenizer (:mod:`conveyor.http.tokens`), asked only when a
@@ -40,7 +40,7 @@ from aiohttp import web
 
 from conveyor.client import CompletionResult, StreamDelta
 from conveyor.http.errors import ApiError, from_final_error
-from conveyor.http.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from conveyor.http.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from conveyor.http.link import FrontendLink, api_error
 from conveyor.http.openai_requests import CHAT, COMPLETION, GenerationJob
 from conveyor.http.openai_responses import DONE, ChunkEncoder, completion_body, json_encode, response_id, usage_so_far

@@ -27,7 +27,6 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from conveyor.ipc import codec
-from conveyor.protocol.limits import MAX_CLIENT_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -111,12 +110,14 @@ def send(sock: zmq.Socket, msg: Any) -> None:
 
 # ---------------------------------------------------------------- the client-facing socket
 
-# libzmq drops a connection whose message exceeds this before reading it in full (a 200 MB
-# frame costs the server nothing). The margin over the protocol's limit lets a message just
-# over it arrive and get a reply that names the limit; conveyor.client refuses to send one.
-CLIENT_MAX_FRAME_BYTES = MAX_CLIENT_MESSAGE_BYTES + 64 * 1024
+# libzmq drops a connection whose frame exceeds the protocol's message limit plus this margin
+# before reading it in full (a 200 MB frame costs the server nothing). The margin lets a
+# message just over the limit arrive and get a reply that names it; conveyor.client refuses to
+# send one. The limit itself is the protocol's (the caller passes it: the transports sit below
+# conveyor.protocol, which parses what they carry).
+CLIENT_FRAME_MARGIN_BYTES = 64 * 1024
 # Messages queued from one connection before libzmq stops reading it (TCP back-pressure on
-# that client, nothing dropped): at most CLIENT_RCVHWM x CLIENT_MAX_FRAME_BYTES held per
+# that client, nothing dropped): at most CLIENT_RCVHWM frames of the bound above held per
 # connection, and far less for ordinary requests of a few hundred bytes.
 CLIENT_RCVHWM = 64
 # Replies queued for one connection (its libzmq pipe; the kernel's socket buffers hold more
@@ -226,6 +227,7 @@ def bind_client_socket(
     ctx: zmq.Context,
     address: str,
     *,
+    max_message_bytes: int,
     auth_keys: str | None,
     send_queue: int = CLIENT_SEND_QUEUE,
     monitor: str | None = None,
@@ -237,6 +239,8 @@ def bind_client_socket(
     Limits, heartbeats and ROUTER_HANDOVER (a new connection with a connected routing id takes
     it over, so a client that reconnects with its stable identity is served at once instead
     of being ignored while the old connection lingers) are set here; see the constants above.
+    ``max_message_bytes`` is the protocol's bound on one client message
+    (:data:`conveyor.protocol.limits.MAX_CLIENT_MESSAGE_BYTES`).
     ``send_queue`` is the send high-water mark, replies queued per connection (0: none):
     send with ``zmq.NOBLOCK``, and ``zmq.Again`` means that connection's queue is full.
     With ``auth_keys`` the socket is a CurveZMQ server: a client must know the server's public
@@ -250,7 +254,7 @@ def bind_client_socket(
     sock.setsockopt(zmq.LINGER, CLIENT_LINGER_MS)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client or a full queue raises instead of vanishing
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + CLIENT_FRAME_MARGIN_BYTES)
     sock.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
     sock.setsockopt(zmq.SNDHWM, send_queue)
     sock.setsockopt(zmq.HEARTBEAT_IVL, CLIENT_HEARTBEAT_IVL_MS)

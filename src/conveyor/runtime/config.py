@@ -213,7 +213,7 @@ class RunnerConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     """The worker process's view. The KV pool is ``num_blocks`` blocks, or as many as fit in
-    ``kv_cache_memory_bytes`` (:func:`conveyor.runtime.build.worker_settings` sets exactly one;
+    ``kv_cache_memory_bytes`` (:func:`conveyor.assembly.build.worker_settings` sets exactly one;
     the latter's default, 1 GiB, is bin/serve's ``--kv-cache-memory`` default and the engine's); the CPU swap space ``num_cpu_blocks`` blocks, or
     ``swap_space_bytes`` (None for both: the device's default, see worker/main.py). The fields
     it shares with :class:`RunnerConfig` take their defaults from it, ``kv_cache_memory_bytes``
@@ -247,7 +247,7 @@ class WorkerConfig:
     # replicas run on GPUs of their own where the machine has enough (worker.parallel.rank_device).
     first_device: int = RunnerConfig.first_device
     # The runner's fields below (RunnerConfig says what each does): the scheduler's max_num_seqs
-    # and speculative_tokens (runtime.build.worker_settings sets them), --enforce-eager, LoRA
+    # and speculative_tokens (assembly.build.worker_settings sets them), --enforce-eager, LoRA
     # (enable_lora: on without adapters at start, for Engine.load_lora and
     # --enable-lora-loading) and the draft model (SchedulerConfig.speculative_model).
     max_num_seqs: int = RunnerConfig.max_num_seqs
@@ -381,7 +381,7 @@ class ServerConfig:
     # node ``node_rank`` of ``nnodes``, running tensor-parallel ranks ``node_ranks()``. Node 0
     # runs the frontend, scheduler (and HTTP process) beside its ranks; the others run ranks
     # only. ``dist_init_addr`` (HOST:PORT, node 0's) is where the process group meets (TCP
-    # store on PORT), the supervisors' node link (PORT + 1, conveyor.runtime.node_link) and,
+    # store on PORT), the supervisors' node link (PORT + 1, conveyor.assembly.node_link) and,
     # from PORT + 2 on, the other nodes' ranks' plan sockets (:func:`remote_plans_address`).
     nnodes: int = 1
     node_rank: int = 0

@@ -1,6 +1,6 @@
 """What a server or an engine serves: the checkpoint directory and the length limit it allows.
 
-Both faces (bin/serve through :mod:`conveyor.runtime.build`, the in-process
+Both faces (bin/serve through :mod:`conveyor.assembly.build`, the in-process
 :class:`~conveyor.engine.Engine`) resolve their model here, so a missing checkpoint or a
 too-long ``max_model_len`` is refused with the same words by both, before any process starts
 or any weight loads. Imports neither torch nor the processes' code.
@@ -15,7 +15,7 @@ from conveyor.checkpoints.model_config import ModelConfig
 
 class StartupError(RuntimeError):
     """The server cannot start: a bad model source, or a process that failed or timed out
-    before it was ready (:mod:`conveyor.runtime.supervisor`)."""
+    before it was ready (:mod:`conveyor.assembly.supervisor`)."""
 
 
 def resolve_model(model: str | None) -> tuple[str, bool]:

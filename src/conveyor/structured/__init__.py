@@ -6,7 +6,7 @@ docs/structured-output.md has the engine choice and its figures."""
 
 from conveyor.structured.compiler import CompiledGrammar, CompileTimeout, GrammarCompiler
 from conveyor.structured.constraint import Constraint, ConstraintError
-from conveyor.structured.engine import EngineTokenizer, StructuredOutputUnavailable, available
+from conveyor.structured.grammar_engine import EngineTokenizer, StructuredOutputUnavailable, available
 from conveyor.structured.matcher import GrammarMatcher, allocate_bitmask, bitmask_width, fill_rows
 
 __all__ = [

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.structured.constraint import Constraint, ConstraintError
-from conveyor.structured.engine import EngineTokenizer, grammar_text, load_llguidance, validate
+from conveyor.structured.grammar_engine import EngineTokenizer, grammar_text, load_llguidance, validate
 from conveyor.structured.matcher import GrammarMatcher, allocate_bitmask
 
 DEFAULT_CACHE_ENTRIES = 256

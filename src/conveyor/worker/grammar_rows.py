@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from conveyor.structured.engine import EngineTokenizer, load_llguidance
+from conveyor.structured.grammar_engine import EngineTokenizer, load_llguidance
 from conveyor.structured.matcher import GrammarMatcher, allocate_bitmask, fill_rows
 
 # Prototype matchers kept by grammar text: a request's matcher is a deep copy (~10 us).

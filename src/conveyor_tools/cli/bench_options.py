@@ -11,7 +11,7 @@ from typing import Any
 
 from conveyor_tools.bench.workloads import WORKLOADS
 from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.runtime.build import GIB
+from conveyor.assembly.build import GIB
 from conveyor.runtime.config import Device, Dtype, WorkerConfig
 
 SERVED = {

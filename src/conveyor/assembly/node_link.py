@@ -44,7 +44,7 @@ from importlib import metadata
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-import conveyor
+from conveyor.version import __version__
 from conveyor.ipc import codec
 from conveyor.ipc.messages import PROTOCOL_VERSION, NodeHello, NodeVerdict, Shutdown
 from conveyor.ipc.transport import HANDSHAKE_FAILED, ClusterKey, handshake_refusal
@@ -77,7 +77,7 @@ def join_settings(config: ServerConfig) -> dict[str, str]:
     with open(config_json, "rb") as f:
         model = hashlib.sha256(f.read()).hexdigest()[:16]
     return {
-        "conveyor version": conveyor.__version__,
+        "conveyor version": __version__,
         "conveyor commit": _source_commit(),
         "message protocol": str(PROTOCOL_VERSION),
         "torch version": _installed_version("torch"),

@@ -22,7 +22,7 @@ seconds. Children also get SIGTERM from the kernel if the supervisor itself is k
 (PR_SET_PDEATHSIG), so no process is ever orphaned.
 
 Across nodes (``--nnodes N``): node 0 starts as above with its share of the ranks; node
-``R > 0`` first joins node 0 over the node link (:mod:`conveyor.runtime.node_link`: the
+``R > 0`` first joins node 0 over the node link (:mod:`conveyor.assembly.node_link`: the
 cluster key, then the settings every node must share), then starts its ranks alone (no rings,
 frontend, scheduler or HTTP process) and reports ready once they have joined node 0's process
 group. Each node watches its own children: a rank that dies stops its node. The supervisors
@@ -52,7 +52,7 @@ from conveyor.http.main import run_http
 from conveyor.ipc import codec, step_channel, transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.ipc.transport import ClusterKey
-from conveyor.runtime import node_link
+from conveyor.assembly import node_link
 from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
 from conveyor.runtime.model_source import StartupError
 from conveyor.scheduler.main import run_scheduler
@@ -122,7 +122,7 @@ class Server:
         self._wait_ready(schedulers)
 
     def _open_link(self) -> None:
-        """The node link (:mod:`conveyor.runtime.node_link`): node 0 binds it, another node joins
+        """The node link (:mod:`conveyor.assembly.node_link`): node 0 binds it, another node joins
         through it before it starts any rank (StartupError if node 0 refuses or never answers)."""
         config = self.config
         key = ClusterKey.load(config.cluster_key) if config.cluster_key is not None else None

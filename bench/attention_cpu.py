@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 
 from conveyor.checkpoints.demo.checkpoint import ARCHITECTURE
-from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
 from conveyor.worker.attention.torch_batched import TorchBatchedAttention
 from conveyor.worker.attention.torch_ref import TorchReferenceAttention
+from conveyor.worker.models.layers import RotaryEmbedding
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
@@ -112,17 +113,18 @@ HEADER = (
 
 def bench_attention(rounds: int, seed: int) -> list[str]:
     lines = ["attention forward, one layer: wall median (min) ms per call; process CPU median ms per call", HEADER]
-    scale = HEAD_DIM**-0.5
+    rotary = RotaryEmbedding(HEAD_DIM, 2 * PROMPT + 1, 10000.0, None, "cpu")  # forward reads no rotary table
     for name, make in CASES.items():
         generator = torch.Generator().manual_seed(seed)
         sequences = make(generator)
         metadata, num_blocks = _metadata(sequences, generator)
         cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator)
         query = torch.randn(sum(q for _, q in sequences), HEADS, HEAD_DIM, generator=generator)
+        layer = AttentionLayer(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, None, rotary, kv_cache=cache)
         reference, batched = TorchReferenceAttention(), TorchBatchedAttention()
 
         def run(backend: AttentionBackend) -> Callable[[], torch.Tensor]:
-            return lambda: backend.forward(query, cache, metadata, scale, None)
+            return lambda: backend.forward(layer, query, metadata)
 
         diff = (run(reference)() - run(batched)()).abs().max().item()
         times = _time_pair(run(reference), run(batched), rounds)

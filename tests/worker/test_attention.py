@@ -22,16 +22,25 @@ import torch
 
 from conveyor_tools.kernels.testing import assert_attention_close
 from conveyor.worker.attention import torch_batched
-from conveyor.worker.attention.backend import AttentionMetadata, token_positions
+from conveyor.worker.attention.backend import AttentionLayer, AttentionMetadata, token_positions
 from conveyor.worker.attention.torch_batched import TorchBatchedAttention
 from conveyor.worker.attention.torch_ref import TorchReferenceAttention
 from conveyor.worker.attention.triton_backend import backend_for
+from conveyor.worker.models.layers import RotaryEmbedding
 from conveyor.runtime.config import RunnerConfig
 
 HEAD_DIM = 8
 # (context_len, query_len): decode after 1 token, pure prefill, non-multiples, long chunk.
 SEQUENCES = [(1, 1), (0, 5), (7, 1), (16, 3), (33, 9), (5, 12)]
 BACKENDS = {"reference": TorchReferenceAttention, "batched": TorchBatchedAttention}
+
+
+def attention_layer(query: torch.Tensor, cache: torch.Tensor, window: int | None) -> AttentionLayer:
+    """The layer a model with ``query``'s heads over ``cache`` passes (scale 1/sqrt(head_dim));
+    ``forward`` reads no rotary table, but a layer always has one."""
+    num_heads, head_dim = query.shape[1:]
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, "cpu")
+    return AttentionLayer(num_heads, cache.shape[3], head_dim, head_dim**-0.5, window, rotary, kv_cache=cache)
 
 
 def dense_attention(q, k, v, context_len, scale, window):
@@ -86,7 +95,7 @@ def test_paged_attention_matches_dense(backend_name, num_heads, num_kv_heads, bl
     query = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=generator)
     scale = HEAD_DIM**-0.5
 
-    out = backend.forward(query, cache, metadata, scale, window)
+    out = backend.forward(attention_layer(query, cache, window), query, metadata)
 
     assert out.shape == query.shape
     starts = metadata.query_start_loc_host
@@ -139,7 +148,9 @@ class Step:
     query: torch.Tensor
     cache: torch.Tensor
     metadata: AttentionMetadata
-    scale: float
+
+    def layer(self, window: int | None) -> AttentionLayer:
+        return attention_layer(self.query, self.cache, window)
 
 
 def make_step(
@@ -193,15 +204,15 @@ def make_step(
             wide[row, :n] = torch.tensor(table, dtype=torch.int32)
         metadata.block_tables = wide
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(query_dtype)
-    return Step(query, cache, metadata, head_dim**-0.5)
+    return Step(query, cache, metadata)
 
 
 def assert_batched_matches_reference(
     step: Step, window: int | None, scratch_bytes: int | None = None, rtol: float = 1e-5, atol: float = 1e-5
 ) -> None:
     batched = TorchBatchedAttention() if scratch_bytes is None else TorchBatchedAttention(scratch_bytes)
-    out = batched.forward(step.query, step.cache, step.metadata, step.scale, window)
-    ref = TorchReferenceAttention().forward(step.query, step.cache, step.metadata, step.scale, window)
+    out = batched.forward(step.layer(window), step.query, step.metadata)
+    ref = TorchReferenceAttention().forward(step.layer(window), step.query, step.metadata)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all(), "non-finite outputs"
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
@@ -260,8 +271,8 @@ def test_batched_low_precision_cache(cache_dtype, window):
     step = make_step(KINDS["mixed"], cache_dtype=cache_dtype, seed=17)
     assert_batched_matches_reference(step, window)
     step = make_step(KINDS["mixed"], cache_dtype=cache_dtype, query_dtype=cache_dtype, seed=19)
-    batched = TorchBatchedAttention().forward(step.query, step.cache, step.metadata, step.scale, window)
-    ref = TorchReferenceAttention().forward(step.query, step.cache, step.metadata, step.scale, window)
+    batched = TorchBatchedAttention().forward(step.layer(window), step.query, step.metadata)
+    ref = TorchReferenceAttention().forward(step.layer(window), step.query, step.metadata)
     assert batched.dtype == cache_dtype
     assert_attention_close(batched, ref, cache_dtype)
 
@@ -275,7 +286,7 @@ def test_batched_small_scratch_budget_splits_prefills(scratch_bytes, window):
     sequences = [(0, 70), (5, 1), (40, 33), (9, 1), (0, 3)]
     step = make_step(sequences, block_size=4, seed=23)
     backend = TorchBatchedAttention(scratch_bytes)
-    groups = backend._groups(step.metadata, window, 8, 4, 16, torch.float32)
+    groups = backend._groups(step.metadata, step.layer(window))
     assert len(groups) > 2 and sum(int(g.out_rows.numel()) for g in groups) == step.query.shape[0]
     if scratch_bytes == 1:  # 8 heads, 4 kv heads, head_dim 16: rows floor (2*4*16*4) // (2*4*8) = 8
         assert all(g.n == 1 and g.rows <= 8 for g in groups)
@@ -291,7 +302,7 @@ def test_batched_long_prefill_beside_decodes_stays_within_budget():
     budget = 256 << 10
     backend = TorchBatchedAttention(budget)
     per_key, per_score = 2 * 2 * 16 * 4, 2 * 4 * 8
-    groups = backend._groups(step.metadata, None, 8, 2, 16, torch.float32)
+    groups = backend._groups(step.metadata, step.layer(None))
     for g in groups:
         assert g.n * g.keys * (per_key + g.rows * per_score) <= budget or (g.n == 1 and g.rows <= 4)
         if g.rows > 1:  # prefill tiles (rows 0..599) never share a group with the decodes
@@ -308,8 +319,8 @@ def test_batched_plan_follows_metadata_and_window():
     first = make_step(KINDS["mixed"], seed=31)
     second = make_step(KINDS["decode"], seed=37)
     for step, window in [(first, None), (first, 4), (first, None), (second, None), (second, 4), (first, 4)]:
-        out = backend.forward(step.query, step.cache, step.metadata, step.scale, window)
-        ref = TorchReferenceAttention().forward(step.query, step.cache, step.metadata, step.scale, window)
+        out = backend.forward(step.layer(window), step.query, step.metadata)
+        ref = TorchReferenceAttention().forward(step.layer(window), step.query, step.metadata)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -318,19 +329,19 @@ def test_batched_plan_follows_metadata_changed_in_place():
     first = make_step(KINDS["decode"], seed=47)
     second = make_step(KINDS["mixed"], seed=53)
     backend = TorchBatchedAttention()
-    backend.forward(first.query, first.cache, first.metadata, first.scale, None)
+    backend.forward(first.layer(None), first.query, first.metadata)
     reused = first.metadata
     for name in vars(second.metadata):
         setattr(reused, name, getattr(second.metadata, name))
-    out = backend.forward(second.query, second.cache, reused, second.scale, None)
-    ref = TorchReferenceAttention().forward(second.query, second.cache, second.metadata, second.scale, None)
+    out = backend.forward(second.layer(None), second.query, reused)
+    ref = TorchReferenceAttention().forward(second.layer(None), second.query, second.metadata)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_batched_empty_step():
     metadata = AttentionMetadata.build([], [], [], 4, "cpu")
     query = torch.empty(0, 8, 16)
-    out = TorchBatchedAttention().forward(query, torch.zeros(2, 4, 4, 4, 16), metadata, 0.25, None)
+    out = TorchBatchedAttention().forward(attention_layer(query, torch.zeros(2, 4, 4, 4, 16), None), query, metadata)
     assert out.shape == (0, 8, 16)
 
 
@@ -412,8 +423,8 @@ def test_a_wrong_kv_head_mapping_is_caught(monkeypatch):
     interleave = torch.arange(8).view(4, 2).t().reshape(-1)
     real_forward = TorchBatchedAttention.forward
 
-    def interleaved(self, query, *args):
-        out = real_forward(self, query[:, interleave], *args)
+    def interleaved(self, layer, query, metadata):
+        out = real_forward(self, layer, query[:, interleave], metadata)
         return out[:, torch.argsort(interleave)]
 
     monkeypatch.setattr(TorchBatchedAttention, "forward", interleaved)

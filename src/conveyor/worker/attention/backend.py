@@ -125,13 +125,59 @@ class AttentionMetadata:
         )
 
 
+@dataclass(frozen=True, eq=False)
+class AttentionLayer:
+    """One attention layer as a backend sees it: what every call for the layer reads.
+
+    Built once by the model's attention module (this rank's heads under tensor parallelism)
+    and rebuilt with its cache when that is bound, so a step passes one object per layer
+    instead of the same half-dozen constants to each backend method.
+
+    ``num_heads`` query heads share ``num_kv_heads`` kv heads in contiguous groups of
+    :attr:`group`; ``scale`` multiplies the scores; a ``sliding_window`` W limits a query at
+    position p to keys k > p - W (None: every earlier key); ``qk_norm`` is ``(q_norm,
+    k_norm)``, applied per head before ``rotary`` (Qwen3). ``kv_cache`` is the layer's cache
+    (laid out as this module's docstring says), None until bound.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+    rotary: RotaryEmbedding
+    qk_norm: tuple[RMSNorm, RMSNorm] | None = None
+    kv_cache: torch.Tensor | None = None
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head: query head ``h`` reads kv head ``h // group``."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def cache(self) -> torch.Tensor:
+        """The bound KV cache layer."""
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound to the model")
+        return self.kv_cache
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the fused projection ``qkv`` ``[T, (num_heads + 2 * num_kv_heads) * head_dim]``
+        (query heads, then key heads, then value heads): query ``[T, num_heads, head_dim]``,
+        key and value ``[T, num_kv_heads, head_dim]``."""
+        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        parts = qkv.split([n * self.head_dim for n in heads], dim=-1)
+        query, key, value = (part.view(qkv.shape[0], n, self.head_dim) for part, n in zip(parts, heads))
+        return query, key, value
+
+
 class AttentionBackend(abc.ABC):
     """Attention over the paged KV cache for a flattened ragged batch.
 
-    Per layer the model calls :meth:`store_kv` with the new tokens' keys and values, then
-    :meth:`forward`, which reads every key/value of each sequence (cached prefix and new
-    tokens alike) from the cache. Query heads share kv heads in contiguous groups: query
-    head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+    Per layer the model calls :meth:`rotate_and_store` with its fused q/k/v projection, which
+    stores the new tokens' keys and values (:meth:`store_kv`), then :meth:`forward`, which
+    reads every key/value of each sequence (cached prefix and new tokens alike) from the
+    layer's cache.
     """
 
     @abc.abstractmethod
@@ -141,40 +187,28 @@ class AttentionBackend(abc.ABC):
         """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their slots (-1 slots skipped)."""
 
     def rotate_and_store(
-        self,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        rotary: RotaryEmbedding,
-        qk_norm: tuple[RMSNorm, RMSNorm] | None,
-        kv_cache_layer: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, layer: AttentionLayer, positions: torch.Tensor, qkv: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """The step between the q/k/v projection and attention; returns the query to attend with.
+        """The step between the q/k/v projection ``qkv`` and attention; returns the query
+        ``[T, num_heads, head_dim]`` to attend with.
 
-        Normalizes ``query``/``key`` per head with ``qk_norm`` = ``(q_norm, k_norm)`` (Qwen3),
-        rotates both by their ``positions`` and stores the rotated keys and ``value`` with
-        :meth:`store_kv`. A backend with a fused kernel for all of it overrides this; the
-        result must be the same up to rounding.
+        Splits ``qkv`` (:meth:`AttentionLayer.split`), normalizes query and key per head with
+        the layer's ``qk_norm``, rotates both by their ``positions`` and stores the rotated
+        keys and the values in the layer's cache with :meth:`store_kv`. A backend with a fused
+        kernel for all of it overrides this; the result must be the same up to rounding.
         """
-        if qk_norm is not None:
-            query, key = qk_norm[0](query), qk_norm[1](key)
-        query, key = rotary(positions, query, key)
-        self.store_kv(key, value, kv_cache_layer, metadata)
+        query, key, value = layer.split(qkv)
+        if layer.qk_norm is not None:
+            query, key = layer.qk_norm[0](query), layer.qk_norm[1](key)
+        query, key = layer.rotary(positions, query, key)
+        self.store_kv(key, value, layer.cache, metadata)
         return query
 
     @abc.abstractmethod
-    def forward(
-        self,
-        query: torch.Tensor,
-        kv_cache_layer: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """Causal attention of ``query`` ``[T, num_heads, head_dim]``; returns ``[T, num_heads, head_dim]``.
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Causal attention of ``query`` ``[T, num_heads, head_dim]`` over the layer's cache;
+        returns ``[T, num_heads, head_dim]``.
 
         A new token at position ``p`` attends to positions ``k`` of its own sequence with
-        ``k <= p`` and, given a ``sliding_window`` ``W``, ``k > p - W``.
+        ``k <= p`` and, given the layer's ``sliding_window`` ``W``, ``k > p - W``.
         """

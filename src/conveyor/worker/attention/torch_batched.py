@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from conveyor.worker.attention.backend import AttentionMetadata
+from conveyor.worker.attention.backend import AttentionLayer, AttentionMetadata
 from conveyor.worker.attention.torch_ref import TorchStoreKV
 
 #: Default scratch budget per group (bytes of keys+values, scores, probabilities). Between
@@ -99,21 +99,14 @@ class TorchBatchedAttention(TorchStoreKV):
         self._plans: dict[tuple, list[_Group]] = {}
         self._scratch: dict[tuple, torch.Tensor] = {}
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        kv_cache_layer: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = query.shape
-        _, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
-        group_size = num_heads // num_kv_heads
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        kv_cache_layer = layer.cache
+        _, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+        num_heads, group_size = layer.num_heads, layer.group
         out = torch.empty_like(query)
-        if num_tokens == 0:
+        if query.shape[0] == 0:
             return out
-        groups = self._groups(metadata, sliding_window, num_heads, num_kv_heads, head_dim, kv_cache_layer.dtype)
+        groups = self._groups(metadata, layer)
         # [2, 1, kv_heads, num_blocks, block_size, head_dim]: a gather along blocks lands
         # kv-head-major. (The leading 1 matters: index_select over dim 1 of the 4-d view took
         # several times longer in torch 2.13 on CPU.)
@@ -132,11 +125,11 @@ class TorchBatchedAttention(TorchStoreKV):
             # [n, rows, kv_heads, group, dim] -> [kv_heads, n, group, rows, dim], float32, scaled
             q_by_head = self._buffer("q_by_head", (num_kv_heads, n, group_size, rows, head_dim), f32, device)
             q_by_head.copy_(q.view(n, rows, num_kv_heads, group_size, head_dim).permute(2, 0, 3, 1, 4))
-            q_by_head = q_by_head.mul_(scale).view(batch, group_size * rows, head_dim)
+            q_by_head = q_by_head.mul_(layer.scale).view(batch, group_size * rows, head_dim)
             scores = self._buffer("scores", (batch, group_size * rows, keys), f32, device)
             probs = self._buffer("probs", (batch, group_size * rows, keys), f32, device)
             attended = self._buffer("attended", (batch, group_size * rows, head_dim), f32, device)
-            bias = g.bias if g.bias is not None else _bias(g.query_pos, g.key_pos, sliding_window)
+            bias = g.bias if g.bias is not None else _bias(g.query_pos, g.key_pos, layer.sliding_window)
             values = value_t if value_t is not None else (g.value_rows, g.value_offsets, kv_cache_layer[1])
             _attend(q_by_head, key_t, values, g, bias, False, scores, probs, attended, num_kv_heads, group_size)
             if not torch.isfinite(attended).all():
@@ -178,19 +171,12 @@ class TorchBatchedAttention(TorchStoreKV):
                 self._scratch[key] = buffer
         return buffer[:numel].view(shape)
 
-    def _groups(
-        self,
-        metadata: AttentionMetadata,
-        sliding_window: int | None,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        cache_dtype: torch.dtype,
-    ) -> list[_Group]:
+    def _groups(self, metadata: AttentionMetadata, layer: AttentionLayer) -> list[_Group]:
         """The step's groups, planned on the first layer that asks and reused by the rest.
 
         A step is one metadata object (the runner builds one per step and shares it between
         its layers); the plans are also dropped if its lengths or block table object change.
+        Layers share a plan when their window, heads and cache dtype agree.
         """
         step = self._plans_for
         if (
@@ -207,16 +193,19 @@ class TorchBatchedAttention(TorchStoreKV):
                 list(metadata.seq_lens_host),
                 list(metadata.query_start_loc_host),
             )
-        key = (sliding_window, num_heads, num_kv_heads, head_dim, cache_dtype)
+        cache_dtype = layer.cache.dtype
+        key = (layer.sliding_window, layer.num_heads, layer.num_kv_heads, layer.head_dim, cache_dtype)
         if key not in self._plans:
             itemsize = torch.empty((), dtype=cache_dtype).element_size()
             # Scratch bytes per key slot of a tile (keys and values: as gathered, then float32)
             # and per (query row, key slot) (float32 scores and probabilities for every head).
-            per_key = 2 * num_kv_heads * head_dim * (4 + (itemsize if cache_dtype != torch.float32 else 0))
-            per_score = 2 * 4 * num_heads
+            gathered_bytes = 4 + (itemsize if cache_dtype != torch.float32 else 0)
+            per_key = 2 * layer.num_kv_heads * layer.head_dim * gathered_bytes
+            per_score = 2 * 4 * layer.num_heads
             # Decodes over a float32 cache read values through embedding_bag (no gather).
-            heads = (num_kv_heads, num_heads // num_kv_heads) if cache_dtype == torch.float32 else None
-            self._plans[key] = plan_groups(metadata, sliding_window, per_key, per_score, self.scratch_bytes, heads)
+            heads = (layer.num_kv_heads, layer.group) if cache_dtype == torch.float32 else None
+            budget = self.scratch_bytes
+            self._plans[key] = plan_groups(metadata, layer.sliding_window, per_key, per_score, budget, heads)
         return self._plans[key]
 
 

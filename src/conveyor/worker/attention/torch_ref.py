@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
 
 
 class TorchStoreKV(AttentionBackend):
@@ -32,17 +32,9 @@ class TorchStoreKV(AttentionBackend):
 class TorchReferenceAttention(TorchStoreKV):
     """:class:`AttentionBackend` with torch ops only; works on any device, loops on the host."""
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        kv_cache_layer: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = query.shape
-        block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
-        group = num_heads // num_kv_heads
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        kv_cache_layer = layer.cache
+        _, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
         out = torch.empty_like(query)
         starts = metadata.query_start_loc_host
         for i, seq_len in enumerate(metadata.seq_lens_host):
@@ -55,13 +47,13 @@ class TorchReferenceAttention(TorchStoreKV):
             keys = kv[0].transpose(0, 1).float()
             values = kv[1].transpose(0, 1).float()
             # [query_len, heads, dim] -> [kv_heads, group, query_len, dim]
-            q = query[start:end].view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).float()
-            scores = torch.einsum("hgqd,hkd->hgqk", q, keys) * scale
-            visible = _visible(seq_len - query_len, query_len, seq_len, sliding_window, query.device)
+            q = query[start:end].view(query_len, num_kv_heads, layer.group, head_dim).permute(1, 2, 0, 3).float()
+            scores = torch.einsum("hgqd,hkd->hgqk", q, keys) * layer.scale
+            visible = _visible(seq_len - query_len, query_len, seq_len, layer.sliding_window, query.device)
             scores.masked_fill_(~visible, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             attended = torch.einsum("hgqk,hkd->hgqd", probs, values)
-            out[start:end] = attended.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim).to(out.dtype)
+            out[start:end] = attended.permute(2, 0, 1, 3).reshape(query_len, layer.num_heads, head_dim).to(out.dtype)
         return out
 
 

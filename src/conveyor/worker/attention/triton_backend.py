@@ -13,14 +13,9 @@ tensors through Triton's interpreter).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
-
-if TYPE_CHECKING:
-    from conveyor.worker.models.layers import RMSNorm, RotaryEmbedding
+from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -41,33 +36,21 @@ class TritonPagedAttention(AttentionBackend):
         self._kv_store(key.to(kv_cache_layer.dtype), value.to(kv_cache_layer.dtype), kv_cache_layer, metadata.slot_mapping)
 
     def rotate_and_store(
-        self,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        rotary: RotaryEmbedding,
-        qk_norm: tuple[RMSNorm, RMSNorm] | None,
-        kv_cache_layer: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, layer: AttentionLayer, positions: torch.Tensor, qkv: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """One fused launch (:mod:`conveyor.kernels.rope_kv_store`): q/k norm, rotary, K/V
-        store; ``query`` (a view of the projection output) is rotated in place."""
-        norms = {} if qk_norm is None else {
-            "q_norm_weight": qk_norm[0].weight, "k_norm_weight": qk_norm[1].weight, "eps": qk_norm[0].eps
-        }
+        store; the query (a view of ``qkv``) is rotated in place."""
+        query, key, value = layer.split(qkv)
+        norms: dict[str, torch.Tensor | float] = {}
+        if layer.qk_norm is not None:
+            q_norm, k_norm = layer.qk_norm
+            norms = {"q_norm_weight": q_norm.weight, "k_norm_weight": k_norm.weight, "eps": q_norm.eps}
         return self._rope_kv_store(
-            query, key, value, positions, rotary.cos_sin, kv_cache_layer, metadata.slot_mapping, **norms
+            query, key, value, positions, layer.rotary.cos_sin, layer.cache, metadata.slot_mapping, **norms
         )
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        kv_cache_layer: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        kv_cache_layer = layer.cache
         query = query.to(kv_cache_layer.dtype)
         if metadata.max_query_len == 1 or metadata.uniform_query:
             return self._decode(
@@ -75,8 +58,8 @@ class TritonPagedAttention(AttentionBackend):
                 kv_cache_layer,
                 metadata.block_tables,
                 metadata.seq_lens,
-                scale,
-                sliding_window,
+                layer.scale,
+                layer.sliding_window,
                 max_seq_len=metadata.max_seq_len,
                 query_len=metadata.max_query_len,
             )
@@ -87,8 +70,8 @@ class TritonPagedAttention(AttentionBackend):
             metadata.query_start_loc,
             metadata.context_lens,
             metadata.seq_lens,
-            scale,
-            sliding_window,
+            layer.scale,
+            layer.sliding_window,
             max_query_len=metadata.max_query_len,
         )
 

@@ -17,13 +17,13 @@ each); the checkpoint layout names the slice of each checkpoint tensor a rank re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
 from conveyor.worker.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluGatedMLP
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, shard_heads
 
@@ -48,7 +48,9 @@ class WeightSlot:
 
 class LlamaAttention(nn.Module):
     """Self-attention of one layer. Writes this step's keys/values into its cache layer, then
-    attends over the cache; the cache must be bound (:meth:`LlamaFamilyModel.bind_kv_cache`)."""
+    attends over the cache; the cache must be bound (:meth:`LlamaFamilyModel.bind_kv_cache`).
+    ``attention`` holds what the backend reads of this layer (its heads on this rank, scale,
+    window, rotary table, q/k norms and, once bound, its cache)."""
 
     def __init__(
         self,
@@ -62,37 +64,31 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         heads = shard_heads(config.num_heads, config.num_kv_heads, tensor_parallel)  # this rank's
-        self.num_heads = heads.num_heads
-        self.num_kv_heads = heads.num_kv_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.sliding_window = config.layer_sliding_window(layer)
         q_size, kv_size = heads.num_heads * config.head_dim, heads.num_kv_heads * config.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias, dtype, device)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, config.o_proj_bias, dtype, device, tensor_parallel)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
-        self.qk_norm = config.qk_norm
-        self.rotary = rotary
+        self.attention = AttentionLayer(
+            num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads,
+            head_dim=config.head_dim,
+            scale=config.head_dim**-0.5,
+            sliding_window=config.layer_sliding_window(layer),
+            rotary=rotary,
+            qk_norm=(self.q_norm, self.k_norm) if config.qk_norm else None,
+        )
         self.backend = backend
-        self.kv_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        """Read and write ``cache`` from now on (its layout: :mod:`conveyor.worker.attention.backend`)."""
+        self.attention = replace(self.attention, kv_cache=cache)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        query, key, value = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.kv_cache is None:
-            raise RuntimeError("no KV cache bound to the model")
-        qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
-        query = self.backend.rotate_and_store(
-            positions, query, key, value, self.rotary, qk_norm, self.kv_cache, metadata
-        )
-        out = self.backend.forward(query, self.kv_cache, metadata, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        query = self.backend.rotate_and_store(self.attention, positions, self.qkv_proj(hidden), metadata)
+        out = self.backend.forward(self.attention, query, metadata)
+        return self.o_proj(out.flatten(1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -167,7 +163,7 @@ class LlamaFamilyModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV cache layers for {len(self.layers)} model layers")
         for layer, cache in zip(self.layers, kv_caches):
-            layer.self_attn.kv_cache = cache
+            layer.self_attn.bind_kv_cache(cache)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` of the flattened batch ``input_ids`` ``[T]``."""

@@ -7,7 +7,8 @@ scheduler and worker check the adapter. Statuses as vLLM gives them: 200 with a 
 ``Success: ...`` body; 400 for a missing field, a name already loaded or an adapter that does
 not fit the model; 404 for an adapter directory or file that is not there, an unload of a
 name not loaded, and the routes with loading off (vLLM leaves them out then). Conveyor adds
-409 for an unload refused while requests run or wait under the adapter.
+409 for an unload refused while requests run or wait under the adapter, or an update while
+another of the name is unanswered, and 504 for one some replica left unanswered.
 
 Which names are adapters: the frontend's ``stats`` lists them (``lora_adapters``), and the
 server may change them through any client, so this process keeps the list it last saw in
@@ -37,6 +38,8 @@ _STATUS_OF_CODE = {
     wire.LORA_NOT_FOUND: 404,
     wire.LORA_LOADING_DISABLED: 404,
     wire.LORA_IN_USE: 409,
+    wire.LORA_UPDATE_PENDING: 409,
+    wire.TIMEOUT: 504,
 }
 
 

@@ -3,11 +3,13 @@ replicas, so every update must reach both): a loaded adapter's greedy tokens equ
 transformers with PEFT on each replica, bad adapters are refused with their reason while a
 stream goes on, an adapter in use cannot be unloaded, an unloaded one is refused, a name
 loaded again serves its new weights, and no KV block is left held. With two tensor-parallel
-ranks (the asyncio client), both ranks take a load and serve it."""
+ranks (the asyncio client), both ranks take a load and serve it, also once its directory is
+deleted and its host copy evicted (read once, kept in the worker's spill file)."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 import torch
@@ -104,18 +106,25 @@ def test_two_tensor_parallel_ranks_load_it(serve_factory, tiny_checkpoint, tmp_p
     base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     base.generation_config.eos_token_id = None
     peft = make_adapter(base, tmp_path / "tp", seed=11, rank=8)
+    other = make_adapter(base, tmp_path / "other", seed=12, rank=4)
     shape = spoiled_copy(tmp_path / "tp", tmp_path / "shape", "shape")
     server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, "--tensor-parallel-size", "2",
-                           "--distributed-timeout", "30", "--enable-lora-loading")
+                           "--distributed-timeout", "30", "--enable-lora-loading", "--max-loras", "1", "--max-cpu-loras", "1")
 
-    async def main() -> list[int]:
+    async def main() -> list[list[int]]:
         async with AsyncClient(server.address, timeout=120) as client:
             with pytest.raises(ServerError) as caught:
                 await client.load_lora("tp", shape)
             assert caught.value.code == "invalid_lora" and "another base model" in str(caught.value)
-            assert (await client.load_lora("tp", tmp_path / "tp"))["loaded"] is True
-            tokens = (await client.generate(token_ids=PROMPT, max_tokens=8, temperature=0, ignore_eos=True, lora="tp")).token_ids
+            tokens = []
+            for name in ("tp", "other"):  # read once: their directories may go at once
+                assert (await client.load_lora(name, tmp_path / name))["loaded"] is True
+                shutil.rmtree(tmp_path / name)
+            for name in ("tp", "other", "tp"):  # one host copy and one slot: each evicts the other
+                request = dict(token_ids=PROMPT, max_tokens=8, temperature=0, ignore_eos=True, lora=name)
+                tokens.append((await client.generate(**request)).token_ids)
             assert (await client.unload_lora("tp"))["loaded"] is False
             return tokens
 
-    assert asyncio.run(main()) == greedy(peft, PROMPT, 8)
+    want_tp, want_other = greedy(peft, PROMPT, 8), greedy(other, PROMPT, 8)
+    assert want_tp != want_other and asyncio.run(main()) == [want_tp, want_other, want_tp]

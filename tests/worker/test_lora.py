@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,7 +114,7 @@ def test_lora_on_cuda_without_triton_fails_clearly(monkeypatch):
     assert LoraContext(torch.device("cpu"), torch.float32).kernels is None
 
 
-def test_slots_evicted_lru_and_host_copies_reread(adapters_of, scripted, script):
+def test_slots_evicted_lru_and_host_copies_spilled(adapters_of, scripted, script):
     directory, hf, adapters = adapters_of("llama")
     runner = ModelRunner(
         RunnerConfig(
@@ -129,6 +130,30 @@ def test_slots_evicted_lru_and_host_copies_reread(adapters_of, scripted, script)
             want, _ = hf_greedy_with_logits(adapters[s.lora][1], prompt, 5)
             assert outputs[s.request_id] == want, s.request_id
     assert len(runner.lora._host) == 2 and len(runner.lora._resident) == 2
+
+
+def test_an_adapter_is_read_once_and_served_after_its_directory_is_gone(adapters_of, scripted, script, tmp_path):
+    """Loaded, then its directory deleted: evicted from the one host copy and the one slot,
+    each adapter comes back from the worker's own spill file with the same tokens; an unload
+    removes that file."""
+    directory, hf, adapters = adapters_of("llama")
+    runner = ModelRunner(
+        RunnerConfig(directory, block_size=4, num_blocks=64, enable_lora=True, max_loras=1, max_lora_rank=16,
+                     max_cpu_loras=1),
+    )
+    names = ("a1", "a2")
+    for name in names:
+        copy_dir = shutil.copytree(adapters[name][0], tmp_path / name)
+        runner.load_lora(name, str(copy_dir))
+        shutil.rmtree(copy_dir)
+    prompt = list(range(3, 14))
+    for name in (*names, *names):  # every turn evicts the other's host copy and slot
+        outputs = scripted(runner, [script(name, prompt, max_new=5, lora=name)]).run()
+        assert outputs[name] == hf_greedy_with_logits(adapters[name][1], prompt, 5)[0], name
+    spill_dir = Path(runner.lora._spilled._dir.name)
+    assert len(list(spill_dir.iterdir())) == 2
+    runner.unload_lora("a1")
+    assert len(list(spill_dir.iterdir())) == 1
 
 
 @pytest.mark.parametrize("triton", [False, True])

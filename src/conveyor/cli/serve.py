@@ -139,7 +139,7 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
         "--enable-lora-loading", action="store_true",
         help="let clients load and unload adapters while serving (load_lora, /v1/load_lora_adapter); off: a load reads any directory the client names",
     )
-    g.add_argument("--max-cpu-loras", type=_at_least(1), help="adapters kept in host memory (default: --max-loras); others are read again when needed")
+    g.add_argument("--max-cpu-loras", type=_at_least(1), help="adapters kept in host memory (default: --max-loras); others wait in a spill file on local disk")
 
 
 def _lora_module(text: str) -> tuple[str, str]:

@@ -396,7 +396,8 @@ class Connection:
         ``name``, on every replica (docs/protocol.md, ``load_lora``; the server runs with
         --enable-lora-loading): the ``lora`` reply once requests may name it. A refusal
         raises :class:`ServerError` whose ``code`` says why (``lora_already_loaded``,
-        ``lora_not_found``, ``invalid_lora``, ``lora_loading_disabled``)."""
+        ``lora_not_found``, ``invalid_lora``, ``lora_loading_disabled``, ``lora_update_pending``;
+        ``timeout``: a replica did not answer, and the load was undone where it was taken)."""
         msg = lora_message(name, os.fspath(path))
         return self._command(msg["request_id"], msg)
 

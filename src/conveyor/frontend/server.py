@@ -148,12 +148,12 @@ from conveyor.frontend.output import OutputPath
 from conveyor.frontend.replicas import Gather, ReplicaSet, SchedulerLink
 from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
-from conveyor.frontend.scheduler_side import SchedulerSide
+from conveyor.frontend.scheduler_side import LoraWaiter, SchedulerSide
 from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import transport
-from conveyor.ipc.messages import LoraUpdated, ProcessProfile, SchedulerStats
+from conveyor.ipc.messages import ProcessProfile, SchedulerStats
 from conveyor.protocol import limits
 from conveyor.protocol import requests as client_requests
 from conveyor.runtime.config import FrontendConfig
@@ -204,8 +204,9 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         # query id -> (client, iterations asked for, the replicas' answers)
         self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
         self.sessions = Sessions(config.max_sessions)
-        # query id -> (client, its load_lora / unload_lora, the replicas' answers)
-        self._lora_waiters: dict[str, tuple[bytes, client_requests.LoraCommand, Gather[LoraUpdated]]] = {}
+        # query id -> a load_lora / unload_lora waiting for the replicas; timed-out ones still owed
+        self._lora_waiters: dict[str, LoraWaiter] = {}
+        self._lora_owed: dict[str, tuple[client_requests.LoraCommand, set[int]]] = {}
         self._profile_waiters: dict[
             str, tuple[bytes, client_requests.ProfileCommand, asyncio.TimerHandle, Gather[list[ProcessProfile]]]
         ] = {}

@@ -1,13 +1,15 @@
 """LoRA adapters over HTTP: vLLM's ``POST /v1/load_lora_adapter`` and ``POST
 /v1/unload_lora_adapter``, and the adapter names ``model`` may take.
 
+The bodies are vLLM's (:data:`LOAD_FIELDS`, :data:`UNLOAD_FIELDS`), checked here field by field.
 The routes are clients of the frontend's ``load_lora`` / ``unload_lora`` (docs/protocol.md):
 the frontend refuses them unless bin/serve runs with ``--enable-lora-loading``, the
 scheduler and worker check the adapter. Statuses as vLLM gives them: 200 with a plain-text
 ``Success: ...`` body; 400 for a missing field, a name already loaded or an adapter that does
 not fit the model; 404 for an adapter directory or file that is not there, an unload of a
 name not loaded, and the routes with loading off (vLLM leaves them out then). Conveyor adds
-409 for an unload refused while requests run or wait under the adapter.
+409 for an unload refused while requests run or wait under the adapter, or an update while
+another of the name is unanswered, and 504 for one some replica left unanswered.
 
 Which names are adapters: the frontend's ``stats`` lists them (``lora_adapters``), and the
 server may change them through any client, so this process keeps the list it last saw in
@@ -17,6 +19,7 @@ for ``/v1/models``, before it answers 404.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +40,8 @@ _STATUS_OF_CODE = {
     wire.LORA_NOT_FOUND: 404,
     wire.LORA_LOADING_DISABLED: 404,
     wire.LORA_IN_USE: 409,
+    wire.LORA_UPDATE_PENDING: 409,
+    wire.TIMEOUT: 504,
 }
 
 
@@ -59,27 +64,50 @@ async def known_model(app: web.Application, link: FrontendLink, model: Any, serv
     return app[LORAS]
 
 
-def _names(body: Any, fields: tuple[str, ...]) -> list[str]:
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _int_or_null(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+
+# The bodies of vLLM's LoadLoRAAdapterRequest and UnloadLoRAAdapterRequest: field -> (required,
+# its check, what it must be). Conveyor names adapters by name only: ``lora_int_id`` (vLLM's own
+# id of a loaded adapter) is checked and ignored; ``load_inplace`` true asks to replace a loaded
+# adapter's weights, which Conveyor does not do (:func:`update`).
+LOAD_FIELDS = {"lora_name": (True, _text, "a non-empty string"), "lora_path": (True, _text, "a non-empty string"),
+               "load_inplace": (False, _flag, "a boolean")}
+UNLOAD_FIELDS = {"lora_name": (True, _text, "a non-empty string"), "lora_int_id": (False, _int_or_null, "an integer or null")}
+
+
+def _fields(body: Any, spec: dict[str, tuple[bool, Callable[[Any], bool], str]]) -> dict[str, Any]:
+    """The body, checked against ``spec``: a JSON object of known fields, the required ones
+    present, each of its type (a 400 naming the first field that is not)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - set(fields))
+    unknown = sorted(set(body) - set(spec))
     if unknown:
         raise bad_field(unknown[0], f"unrecognized field(s): {', '.join(map(repr, unknown))}")
-    values = [body.get(name) for name in fields]
-    if not all(isinstance(value, str) and value for value in values):
-        raise bad_field(fields[0], f"{' and '.join(repr(f) for f in fields)} must be given as non-empty strings")
-    return values
+    for name, (required, valid, what) in spec.items():
+        if name in body and not valid(body[name]):
+            raise bad_field(name, f"{name!r} must be {what}")
+        if required and name not in body:
+            raise bad_field(name, f"{name!r} is required: {what}")
+    return body
 
 
 async def update(app: web.Application, link: FrontendLink, served: str, body: Any, load: bool) -> web.Response:
     """Load (``load``) or unload the adapter the body names; the plain-text success or the
     error object with its status (module docstring)."""
-    if load:
-        name, path = _names(body, ("lora_name", "lora_path"))
-        if name == served:
-            raise bad_field("lora_name", f"'{name}' is the served model's name; give the adapter another")
-    else:
-        (name,), path = _names(body, ("lora_name",)), None
+    body = _fields(body, LOAD_FIELDS if load else UNLOAD_FIELDS)
+    name, path = body["lora_name"], body.get("lora_path")
+    if load and name == served:
+        raise bad_field("lora_name", f"'{name}' is the served model's name; give the adapter another")
     await link.require_started()
     try:
         if load:
@@ -90,7 +118,11 @@ async def update(app: web.Application, link: FrontendLink, served: str, body: An
         status = _STATUS_OF_CODE.get(exc.code)
         if status is None:
             raise api_error(exc) from None
-        raise ApiError(status, str(exc), param="lora_name", code=exc.code) from None
+        message = str(exc)
+        if exc.code == wire.LORA_ALREADY_LOADED and body.get("load_inplace"):
+            message += ("; load_inplace: Conveyor does not replace a loaded adapter's weights in place: unload it "
+                        "(once no request uses it), then load the new ones")
+        raise ApiError(status, message, param="lora_name", code=exc.code) from None
     except Exception as exc:
         raise api_error(exc) from None
     await refresh_loras(app, link)

@@ -172,7 +172,8 @@ class RunnerConfig:
     ``num_speculative_tokens``: the scheduler's speculative_tokens, the verify width the static
     buffers are sized for. LoRA (conveyor.worker.lora) is on with ``lora_modules`` ((name, PEFT
     directory) pairs registered at start) or ``enable_lora``, with ``max_loras`` device slots,
-    ranks up to ``max_lora_rank`` and ``max_cpu_loras`` host copies (None: as many as slots).
+    ranks up to ``max_lora_rank`` and ``max_cpu_loras`` host copies (None: as many as slots;
+    the others spilled to local disk).
     ``speculative_model``: the draft checkpoint of speculative decoding, loaded beside the model.
     ``first_device``: the GPU of rank 0 (worker.parallel.rank_device); ``num_threads``: torch's
     CPU threads (None: torch's default), set by build_runner.

@@ -1,8 +1,11 @@
 """Per-request LoRA adapters: many fine-tunes of one base model served in one batch.
 
-**Where adapters live.** Every registered adapter has a host copy (float32 ``A`` and
-``B``, the PEFT scaling folded into ``B``), kept in an LRU of at most ``max_cpu_loras``
-(an adapter evicted from it is read again from its directory when next needed). The
+**Where adapters live.** An adapter's directory is read once, when it is loaded: a client
+may delete or rewrite it afterwards and the server still serves the weights it loaded. Every
+registered adapter has a host copy (float32 ``A`` and ``B``, the PEFT scaling folded into
+``B``), kept in an LRU of at most ``max_cpu_loras``; one evicted from it is kept in this
+worker's own spill file (:class:`SpilledAdapters`, written at its first eviction, removed on
+unload) and read back from there when next needed. The
 device holds ``max_loras`` *slots*: each projection the adapters may target carries a
 :class:`LoraStack`, ``A`` ``[slots, R, in]`` and ``B`` ``[slots, out, R]`` in the model's
 dtype, and an adapter in slot ``s`` fills row ``s`` of every stack (zeros for the targets it
@@ -26,8 +29,10 @@ the Triton kernels (segments of one slot each) on CUDA, :mod:`conveyor.worker.lo
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
@@ -173,6 +179,40 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
     return LoraAdapter(name, rank, weights)
 
 
+class SpilledAdapters:
+    """Host copies evicted from the LRU, each in a safetensors file of a private temporary
+    directory (made on the first spill, removed with this object or at exit): the float32
+    ``A`` and scaled ``B`` exactly as held, so a copy read back is the one spilled."""
+
+    def __init__(self) -> None:
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self._files: dict[str, Path] = {}
+        self._numbers = itertools.count()  # file names (adapter names may hold any character)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def write(self, adapter: LoraAdapter) -> None:
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="conveyor-lora-")
+        path = Path(self._dir.name) / f"{next(self._numbers)}.safetensors"
+        tensors = {f"{module}.{kind}": t for module, pair in adapter.weights.items() for kind, t in zip("AB", pair)}
+        save_file(tensors, str(path), metadata={"rank": str(adapter.rank)})
+        self._files[adapter.name] = path
+
+    def read(self, name: str) -> LoraAdapter:
+        with safe_open(str(self._files[name]), framework="pt", device="cpu") as reader:
+            rank = int(reader.metadata()["rank"])
+            tensors = {key: reader.get_tensor(key) for key in reader.keys()}
+        modules = {key.rsplit(".", 1)[0] for key in tensors}
+        return LoraAdapter(name, rank, {m: (tensors[f"{m}.A"], tensors[f"{m}.B"]) for m in modules})
+
+    def forget(self, name: str) -> None:
+        path = self._files.pop(name, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
 class LoraManager:
     """Registered adapters, their host copies and device slots, for one model (one rank).
 
@@ -199,10 +239,10 @@ class LoraManager:
                 linear.lora = LoraStack(options.max_loras, options.max_lora_rank, pieces, in_features, out_features,
                                         self.context)
                 self._stacks[module_name] = linear.lora
-        self._dirs: dict[str, Path] = {}
         self._ids: dict[str, int] = {}
         self._next_id = 1
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU, newest last
+        self._spilled = SpilledAdapters()  # those evicted from it
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU newest last
         self._free_slots = list(range(options.max_loras - 1, -1, -1))
 
@@ -232,29 +272,32 @@ class LoraManager:
             adapter = self.read(name, directory)
         self._ids[name] = self._next_id
         self._next_id += 1
-        self._dirs[name] = Path(directory)
         self._cache(adapter)
         return self._ids[name]
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (its slot is freed; running requests must not use it any more)."""
         adapter_id = self._ids.pop(name)  # KeyError: unknown
-        del self._dirs[name]
         self._host.pop(name, None)
+        self._spilled.forget(name)
         slot = self._resident.pop(adapter_id, None)
         if slot is not None:
             self._free_slots.append(slot)
 
     def _cache(self, adapter: LoraAdapter) -> None:
+        """Hold ``adapter``'s host copy (newest in the LRU); the least recent over
+        ``max_cpu_loras`` go to the spill files (written once: a copy never changes)."""
         self._host[adapter.name] = adapter
         self._host.move_to_end(adapter.name)
         while len(self._host) > self.options.host_capacity:
-            self._host.popitem(last=False)
+            _, evicted = self._host.popitem(last=False)
+            if evicted.name not in self._spilled:
+                self._spilled.write(evicted)
 
     def _host_copy(self, name: str) -> LoraAdapter:
         adapter = self._host.get(name)
-        if adapter is None:  # evicted from the host LRU: read again
-            adapter = read_adapter(name, self._dirs[name], self.config, self.options.max_lora_rank)
+        if adapter is None:  # evicted from the host LRU: back from its spill file, never the user's directory
+            adapter = self._spilled.read(name)
         self._cache(adapter)
         return adapter
 

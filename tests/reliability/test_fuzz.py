@@ -220,7 +220,9 @@ def expect(frames: list[bytes], model: Model, undecodable_rid: str | None) -> Re
             and is_str(name, 256)
             and (kind == "unload_lora" or is_str(path, 4096))
         )
-        return Refusal(frozenset({wire.LORA_LOADING_DISABLED if ok else wire.INVALID_FIELD}), False, rid if ok else None)
+        # The refusal names the request whenever its id is valid, bad fields or not: the
+        # client waits for the answer under that id.
+        return Refusal(frozenset({wire.LORA_LOADING_DISABLED if ok else wire.INVALID_FIELD}), False, rid)
     if kind == "profile":
         window, trace, series = obj.get("window_s"), obj.get("trace"), obj.get("series")
         ok = (

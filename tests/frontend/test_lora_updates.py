@@ -136,4 +136,5 @@ def test_shutdown_answers_every_waiting_query(live_frontend) -> None:
     by_kind = {(r["type"], r.get("request_id")): r for r in replies}
     assert by_kind[("error", "l1")]["code"] == "server_error" and by_kind[("error", "l1")]["message"] == "test over"
     assert by_kind[("error", None)]["code"] == "server_error" and by_kind[("error", None)]["message"] == "test over"
+    assert by_kind[("error", None)]["command"] == "stats"  # the client routes it to the stats call
     assert next(r for r in replies if r["type"] == "profile")["error"] == "test over"

@@ -81,6 +81,7 @@ class Refusal:
     codes: frozenset[str]
     final: bool
     rid: str | None
+    command: str | None = None  # a refused stats/metrics/profile: the error map names it
 
 
 @dataclass(frozen=True)
@@ -197,13 +198,14 @@ def expect(frames: list[bytes], model: Model, undecodable_rid: str | None) -> Re
     rid = obj.get("request_id")
     rid = rid if is_str(rid, 256) else None
     if "v" in obj and not (is_int(obj["v"]) and obj["v"] == 1):  # a version is an int; 1 is the one spoken
-        return Refusal(frozenset({wire.UNSUPPORTED_VERSION}), rid is not None, rid)
+        command = obj.get("type") if rid is None and is_str(obj.get("type")) and obj["type"] in wire.COMMANDS else None
+        return Refusal(frozenset({wire.UNSUPPORTED_VERSION}), rid is not None, rid, command)
     kind = obj.get("type")
     if kind == "generate":
         return expect_generate(obj, rid, model)
     # A refused command (abort, stats, metrics, profile) gets an error map naming no request:
     # only an abort carries an id, and its refusal is that it has none.
-    refused_command = Refusal(frozenset({wire.INVALID_FIELD}), False, None)
+    refused_command = Refusal(frozenset({wire.INVALID_FIELD}), False, None, kind if kind in wire.COMMANDS else None)
     if kind == "abort":
         return Runs("abort") if rid is not None else refused_command
     if kind == "stats":  # its one field; the doc names no others, which are not read
@@ -246,7 +248,8 @@ def check_refusal(reply: dict, want: Refusal, frames) -> None:
         assert is_str(reply["request_id"]), reply
         return
     assert reply["request_id"] == want.rid, (frames, want, reply)
-    if want.rid is None:  # an error that names no request says why
+    assert reply.get("command") == want.command, (frames, want, reply)
+    if want.rid is None and want.command is None:  # an error that names no request says why
         assert "no request_id could be read" in (reply.get("message") or reply.get("error")), reply
 
 

@@ -205,8 +205,14 @@ DRAIN_MAX = 256
 CONTROL_KEYS = {wire.STATS_REPLY: "__stats__", wire.PROFILE_REPLY: "__profile__", wire.METRICS_REPLY: "__metrics__"}
 
 
-def _reply_key(reply: dict[str, Any]) -> str | None:
-    return CONTROL_KEYS.get(reply.get("type")) or reply.get("request_id")
+def reply_key(reply: dict[str, Any]) -> str | None:
+    """Whose reply this is: a command's answer by its type; an ``error`` that names a command
+    (its refusal, or a server that could not answer it) goes to that command's caller; the
+    rest by request id."""
+    kind = reply.get("type")
+    if kind == wire.ERROR and reply.get("request_id") is None and reply.get("command") in wire.COMMANDS:
+        return CONTROL_KEYS[reply["command"]]
+    return CONTROL_KEYS.get(kind) or reply.get("request_id")
 
 
 def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) -> str | None:
@@ -428,7 +434,7 @@ class Connection:
         """Deliver ``reply`` to its request (or command), after noting that a final (or a
         command's one answer) ends its wait; a reply of an abandoned request is dropped, and
         its final frees the id."""
-        key = _reply_key(reply)
+        key = reply_key(reply)
         if reply.get("type") != wire.DELTA:  # its final, or a command's one answer
             self._awaiting.discard(key)
             self._aborted.discard(key)

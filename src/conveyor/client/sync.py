@@ -13,7 +13,7 @@ import zmq
 
 from conveyor.client.connection import (
     CONTROL_KEYS, DRAIN_MAX, CompletionResult, Connection, StreamDelta, abort_message, awaited_key,
-    check_error, completion_result, pack_request, to_delta,
+    check_error, completion_result, pack_request, reply_key, to_delta,
 )
 from conveyor.protocol import wire
 
@@ -107,14 +107,15 @@ class Client(Connection):
 
     def _take_replies(self, limit: int | None = DRAIN_MAX) -> None:
         """Buffer the replies already received, at most ``limit`` (None: all); an error that
-        names no request raises."""
+        names neither a request nor a command raises."""
         for _ in itertools.count() if limit is None else range(limit):
             try:
                 raw = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             reply = wire.unpack_map(raw)
-            check_error(reply)
+            if reply_key(reply) is None:
+                check_error(reply)
             self._route(reply)
 
     def _abandon(self, request_id: str) -> None:

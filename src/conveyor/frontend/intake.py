@@ -254,9 +254,10 @@ class ClientIntake:
         final is still to come: one final per id at a time); a frame that did not decode, or
         that refusal, gets an ``error`` map with the id it carried (None if none was readable)."""
         rid = exc.request_id
-        message = str(exc) if rid is not None else f"{exc} (no request_id could be read from this message)"
+        readable = rid is not None or exc.command is not None  # a command carries no id: its type routes the answer
+        message = str(exc) if readable else f"{exc} (no request_id could be read from this message)"
         if isinstance(exc, (wire.FrameError, wire.CommandError)) or (rid is not None and (key, rid) in self.in_flight):
             reply = replies.error_map(rid, message, exc.code)
         else:
-            reply = replies.error_reply(rid, message, exc.code)
+            reply = replies.error_reply(rid, message, exc.code, command=exc.command)
         await self.sender.send(identity, reply)

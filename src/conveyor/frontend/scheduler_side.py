@@ -144,7 +144,7 @@ class SchedulerSide:
         (:func:`merge_stats`), each replica's own under ``replicas``."""
         identity, iterations, gather = self._stats_waiters.pop(query_id)
         if not gather.answers:
-            error = replies.error_map(None, "no scheduler is alive to answer stats", wire.SERVER_ERROR)
+            error = replies.error_map(None, "no scheduler is alive to answer stats", wire.SERVER_ERROR, command=wire.STATS)
             await self.sender.send(identity, error)
             return
         reply = replies.stats_reply(merge_stats(gather.answers), len(self.in_flight), iterations=iterations)
@@ -304,7 +304,7 @@ class SchedulerSide:
             self.output.finish(state, FinishReason.ERROR, error=reason)
         for query_id in list(self._stats_waiters):
             identity = self._stats_waiters.pop(query_id)[0]
-            await self.sender.send(identity, replies.error_map(None, reason, wire.SERVER_ERROR))
+            await self.sender.send(identity, replies.error_map(None, reason, wire.SERVER_ERROR, command=wire.STATS))
         for query_id in list(self._profile_waiters):
             await self._reply_profile(query_id, error=reason)
         for query_id in list(self._lora_waiters):

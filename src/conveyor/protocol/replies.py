@@ -98,24 +98,28 @@ def final_reply(
     return reply
 
 
-def error_reply(request_id: str | None, message: str, code: str = INVALID_FIELD) -> dict[str, Any]:
+def error_reply(request_id: str | None, message: str, code: str = INVALID_FIELD, *, command: str | None = None) -> dict[str, Any]:
     """The answer to a message that cannot be served: the ``final`` of an ``error`` request
     when the message named a request (and no other final is coming under its id), else an
-    ``error`` map (:func:`error_map`)."""
+    ``error`` map (:func:`error_map`, naming ``command`` when the message was one)."""
     if request_id is None:
-        return error_map(None, message, code)
+        return error_map(None, message, code, command=command)
     timing = {"queue_time": None, "ttft": None, "total": 0.0}
     return final_reply(
         request_id, "", [], FinishReason.ERROR, message, prompt_tokens=0, cached_tokens=0, timing=timing, code=code
     )
 
 
-def error_map(request_id: str | None, message: str, code: str) -> dict[str, Any]:
+def error_map(request_id: str | None, message: str, code: str, *, command: str | None = None) -> dict[str, Any]:
     """An ``error`` map: the answer to a message that started no request and ends none (an
-    undecodable frame, wrong frames, a duplicate in-flight id). ``request_id`` is the id the
-    message carried when it could be read, else None; a client tells it from a request's
-    ``final`` by its ``type``."""
-    return {"type": ERROR, "v": CLIENT_PROTOCOL_VERSION, "request_id": request_id, "code": code, "message": message}
+    undecodable frame, wrong frames, a duplicate in-flight id, a refused or failed command).
+    ``request_id`` is the id the message carried when it could be read, else None; a client
+    tells it from a request's ``final`` by its ``type``. ``command`` (``stats``, ``profile``,
+    ``metrics``: they carry no id) names the command it answers, and only then is present."""
+    reply = {"type": ERROR, "v": CLIENT_PROTOCOL_VERSION, "request_id": request_id, "code": code, "message": message}
+    if command is not None:
+        reply["command"] = command
+    return reply
 
 
 def scheduler_error_code(error: str | None) -> str:

@@ -38,6 +38,7 @@ from conveyor.protocol.validation import is_int, is_number
 from conveyor.protocol.wire import (
     ABORT,
     CLIENT_PROTOCOL_VERSION,
+    COMMANDS,
     GENERATE,
     INVALID_INPUT,
     LOAD_LORA,
@@ -163,10 +164,22 @@ class LoraCommand:
     path: str | None = None
 
 
-def parse_client_message(
-    obj: dict[str, Any],
-) -> GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand | LoraCommand:
-    """Validate a decoded client map. Raises ProtocolError naming the problem."""
+ClientMessage = GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand | LoraCommand
+
+
+def parse_client_message(obj: dict[str, Any]) -> ClientMessage:
+    """Validate a decoded client map. Raises ProtocolError naming the problem (and, for a
+    ``stats``/``profile``/``metrics``, the command it refuses)."""
+    try:
+        return _parse_client_message(obj)
+    except ProtocolError as exc:
+        kind = obj.get("type")
+        if isinstance(kind, str) and kind in COMMANDS:
+            exc.command = kind
+        raise
+
+
+def _parse_client_message(obj: dict[str, Any]) -> ClientMessage:
     rid = obj.get("request_id")
     rid_for_error = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
     kind = obj.get("type")

@@ -65,14 +65,23 @@ METRICS_REPLY = "metrics"
 LORA_REPLY = "lora"
 
 
+# The commands that carry no request id: their answers (and refusals) are told apart by type.
+COMMANDS = (STATS, PROFILE, METRICS)
+
+
 class ProtocolError(ValueError):
     """A client message that cannot be served; ``request_id`` is set when it was readable,
-    ``code`` is one of the error codes above."""
+    ``code`` is one of the error codes above. ``command`` is set (one of :data:`COMMANDS`)
+    when the message was such a command: its ``error`` map names it, so a client routes the
+    refusal to the call waiting for that command's answer instead of leaving it waiting."""
 
-    def __init__(self, message: str, request_id: str | None = None, code: str = INVALID_FIELD) -> None:
+    def __init__(
+        self, message: str, request_id: str | None = None, code: str = INVALID_FIELD, command: str | None = None
+    ) -> None:
         super().__init__(message)
         self.request_id = request_id
         self.code = code
+        self.command = command
 
 
 class CommandError(ProtocolError):

@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "ROUNDED_TOLERANCES",
+    "ROW_CASES",
     "TOLERANCES",
     "AttentionCase",
     "assert_attention_close",
@@ -49,6 +50,20 @@ ROUNDED_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (4e-3, 4e-3),
     torch.bfloat16: (3e-2, 3e-2),
 }
+
+#: ``(rows, width, dtype)`` inputs of the row-wise kernels' tests (:mod:`.rms_norm`, whose block
+#: is the whole row, and :mod:`.silu_mul`, tiled by 1024 columns): widths under, at and over one
+#: column tile, powers of two and not (masked tails), every dtype.
+ROW_CASES: list[tuple[int, int, torch.dtype]] = [
+    (1, 64, torch.float32),
+    (7, 96, torch.float32),
+    (5, 1024, torch.float32),
+    (3, 1500, torch.float32),
+    (3, 2048, torch.float32),
+    (5, 80, torch.bfloat16),
+    (2, 2100, torch.bfloat16),
+    (4, 256, torch.float16),
+]
 
 
 def random_kv_cache(

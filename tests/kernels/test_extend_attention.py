@@ -17,8 +17,8 @@ import itertools
 import pytest
 import torch
 
-from conveyor.kernels.extend_attention import extend_attention, extend_attention_ref
-from conveyor_tools.kernels.testing import assert_attention_close, random_paged_kv, random_query
+from conveyor.kernels.extend_attention import extend_attention
+from conveyor_tools.kernels.testing import AttentionCase, assert_attention_close, paged_attention_ref
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 RATIOS = (1, 4, 8)
@@ -59,40 +59,36 @@ def _grid() -> list[tuple[int, int, int, tuple[tuple[int, int], ...]]]:
 
 
 def _run(
-    *,
     device: torch.device,
     gen: torch.Generator,
     batch: tuple[tuple[int, int], ...],
-    head_dim: int,
-    ratio: int,
-    block_size: int,
-    num_kv_heads: int = 2,
-    dtype: torch.dtype = torch.float32,
-    window: int | None = None,
+    case: AttentionCase,
+    *,
     max_query_len: int | None = None,
     strided_query: bool = False,
 ) -> None:
-    num_heads = num_kv_heads * ratio
-    ctx = [c for c, _ in batch]
-    new = [n for _, n in batch]
+    """Extend ``batch`` (``(context_len, new_tokens)`` per sequence) with ``case``'s shapes into a
+    NaN-filled ``out`` and compare with the reference."""
     seq_lens = [c + n for c, n in batch]
-    kv, tables = random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=gen)
     starts = [0]
-    for n in new:
+    for _, n in batch:
         starts.append(starts[-1] + n)
-    query = random_query(starts[-1], num_heads, head_dim, dtype=dtype, device=device, generator=gen, strided=strided_query)
+    query, kv, tables = case.inputs(seq_lens, starts[-1], device=device, generator=gen, strided_query=strided_query)
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    args = (query, kv, tables, as_i32(starts), as_i32(ctx), as_i32(seq_lens), head_dim**-0.5, window)
+    context_lens = as_i32([c for c, _ in batch])
     out = torch.full_like(query, float("nan"), memory_format=torch.contiguous_format)
 
-    result = extend_attention(*args, max_query_len=max_query_len, out=out)
+    result = extend_attention(
+        query, kv, tables, as_i32(starts), context_lens, as_i32(seq_lens), case.scale, case.window,
+        max_query_len=max_query_len, out=out,
+    )
     assert result is out
-    assert_attention_close(out, extend_attention_ref(*args), dtype)
+    assert_attention_close(out, paged_attention_ref(query, kv, tables, batch, case.scale, case.window), case.dtype)
 
 
 @pytest.mark.parametrize(("head_dim", "ratio", "block_size", "batch"), _grid())
 def test_extend_grid(device, gen, head_dim, ratio, block_size, batch) -> None:
-    _run(device=device, gen=gen, batch=batch, head_dim=head_dim, ratio=ratio, block_size=block_size, num_kv_heads=_kv_heads(ratio))
+    _run(device, gen, batch, AttentionCase(head_dim, ratio, block_size, num_kv_heads=_kv_heads(ratio)))
 
 
 def test_grid_covers_every_head_size_ratio_and_block_size() -> None:
@@ -113,7 +109,7 @@ def test_grid_covers_every_head_size_ratio_and_block_size() -> None:
     ],
 )
 def test_extend_sliding_window(device, gen, batch, window, block_size) -> None:
-    _run(device=device, gen=gen, batch=batch, head_dim=64, ratio=4, block_size=block_size, window=window)
+    _run(device, gen, batch, AttentionCase(64, 4, block_size, window=window))
 
 
 @pytest.mark.parametrize(
@@ -124,30 +120,22 @@ def test_extend_sliding_window(device, gen, batch, window, block_size) -> None:
     ],
 )
 def test_extend_bf16(device, gen, batch, head_dim, ratio, block_size) -> None:
-    _run(device=device, gen=gen, batch=batch, head_dim=head_dim, ratio=ratio, block_size=block_size, dtype=torch.bfloat16)
+    _run(device, gen, batch, AttentionCase(head_dim, ratio, block_size, dtype=torch.bfloat16))
 
 
 def test_extend_float16(device, gen) -> None:
-    _run(device=device, gen=gen, batch=((8, 24), (0, 9)), head_dim=80, ratio=1, block_size=8, dtype=torch.float16)
+    _run(device, gen, ((8, 24), (0, 9)), AttentionCase(80, 1, 8, dtype=torch.float16))
 
 
 def test_extend_strided_query_empty_sequence_and_padded_grid(device, gen) -> None:
     """A strided query, a sequence with no new tokens in the middle of the batch, and a grid
     sized for more query tiles than any sequence has."""
-    _run(
-        device=device,
-        gen=gen,
-        batch=((3, 10), (16, 0), (0, 21)),
-        head_dim=64,
-        ratio=4,
-        block_size=16,
-        strided_query=True,
-        max_query_len=200,
-    )
+    _run(device, gen, ((3, 10), (16, 0), (0, 21)), AttentionCase(64, 4, 16), strided_query=True, max_query_len=200)
 
 
 def test_reference_matches_direct_softmax(gen) -> None:
-    """The reference agrees with a hand-written causal attention for one tiny chunked case."""
+    """The reference agrees with a hand-written causal attention for one tiny chunked case
+    (its last row is a decode row: the one new token that sees the whole context)."""
     kv = torch.randn(2, 4, 2, 1, 4, generator=gen)
     table = torch.tensor([[3, 1]], dtype=torch.int32)  # positions 0,1 in block 3; 2,3 in block 1
     q = torch.randn(2, 1, 4, generator=gen)  # new tokens at positions 2 and 3
@@ -159,6 +147,5 @@ def test_reference_matches_direct_softmax(gen) -> None:
             torch.softmax(q[1, 0] @ keys.T * 0.5, dim=-1) @ values,
         ]
     )
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    got = extend_attention_ref(q, kv, table, i32([0, 2]), i32([2]), i32([4]), 0.5)
+    got = paged_attention_ref(q, kv, table, [(2, 2)], 0.5)
     torch.testing.assert_close(got[:, 0], want)

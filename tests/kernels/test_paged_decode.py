@@ -16,12 +16,8 @@ import itertools
 import pytest
 import torch
 
-from conveyor.kernels.paged_decode import (
-    paged_decode_attention,
-    paged_decode_attention_ref,
-    plan_decode_partitions,
-)
-from conveyor_tools.kernels.testing import assert_attention_close, random_paged_kv, random_query
+from conveyor.kernels.paged_decode import paged_decode_attention, plan_decode_partitions
+from conveyor_tools.kernels.testing import AttentionCase, assert_attention_close, paged_attention_ref
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 RATIOS = (1, 4, 8)
@@ -46,46 +42,42 @@ def _grid() -> list[tuple[int, int, int, tuple[int, ...], int | None]]:
 
 
 def _run(
-    *,
     device: torch.device,
     gen: torch.Generator,
     seq_lens: tuple[int, ...],
-    head_dim: int,
-    ratio: int,
-    block_size: int,
-    num_kv_heads: int = 2,
-    dtype: torch.dtype = torch.float32,
-    window: int | None = None,
+    case: AttentionCase,
+    *,
     partition_size: int | None = None,
     max_seq_len: int | None = None,
+    query_len: int = 1,
     strided_query: bool = False,
 ) -> None:
-    num_heads = num_kv_heads * ratio
-    kv, tables = random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=gen)
+    """Decode ``query_len`` tokens per sequence of ``seq_lens`` (the last positions of each) with
+    ``case``'s shapes into a NaN-filled ``out``: the rows of real sequences must match the
+    reference, those of ``seq_len == 0`` padding rows must be zeros."""
+    query, kv, tables = case.inputs(
+        seq_lens, len(seq_lens) * query_len, device=device, generator=gen, strided_query=strided_query
+    )
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    query = random_query(len(seq_lens), num_heads, head_dim, dtype=dtype, device=device, generator=gen, strided=strided_query)
-    scale = head_dim**-0.5
     out = torch.full_like(query, float("nan"), memory_format=torch.contiguous_format)
 
     result = paged_decode_attention(
-        query,
-        kv,
-        tables,
-        lens,
-        scale,
-        window,
-        max_seq_len=max_seq_len,
-        partition_size=partition_size,
-        out=out,
+        query, kv, tables, lens, case.scale, case.window,
+        max_seq_len=max_seq_len, partition_size=partition_size, out=out, query_len=query_len,
     )
     assert result is out
-    ref = paged_decode_attention_ref(query, kv, tables, lens, scale, window)
-    assert_attention_close(out, ref, dtype)
+    real = [b for b, n in enumerate(seq_lens) if n]
+    rows = [b * query_len + i for b in real for i in range(query_len)]
+    spans = [(seq_lens[b] - query_len, query_len) for b in real]
+    ref = paged_attention_ref(query[rows], kv, tables[real], spans, case.scale, case.window)
+    assert_attention_close(out[rows], ref, case.dtype)
+    padding = [b * query_len + i for b, n in enumerate(seq_lens) if not n for i in range(query_len)]
+    assert not out[padding].any()
 
 
 @pytest.mark.parametrize(("head_dim", "ratio", "block_size", "seq_lens", "partition_size"), _grid())
 def test_decode_grid(device, gen, head_dim, ratio, block_size, seq_lens, partition_size) -> None:
-    _run(device=device, gen=gen, seq_lens=seq_lens, head_dim=head_dim, ratio=ratio, block_size=block_size, partition_size=partition_size)
+    _run(device, gen, seq_lens, AttentionCase(head_dim, ratio, block_size), partition_size=partition_size)
 
 
 def test_grid_covers_every_head_size_ratio_and_block_size() -> None:
@@ -103,7 +95,7 @@ def test_automatic_plan_splits_long_context(device, gen) -> None:
     )
     assert plan.num_partitions > 1
     assert plan.partition_size % plan.block_n == 0
-    _run(device=device, gen=gen, seq_lens=seq_lens, head_dim=head_dim, ratio=4, block_size=16)
+    _run(device, gen, seq_lens, AttentionCase(head_dim, 4, 16))
 
 
 def test_automatic_plan_does_not_split_a_full_batch() -> None:
@@ -123,16 +115,7 @@ def test_automatic_plan_does_not_split_a_full_batch() -> None:
     ],
 )
 def test_decode_sliding_window(device, gen, seq_lens, window, partition_size, block_size) -> None:
-    _run(
-        device=device,
-        gen=gen,
-        seq_lens=seq_lens,
-        head_dim=64,
-        ratio=4,
-        block_size=block_size,
-        window=window,
-        partition_size=partition_size,
-    )
+    _run(device, gen, seq_lens, AttentionCase(64, 4, block_size, window=window), partition_size=partition_size)
 
 
 @pytest.mark.parametrize(
@@ -143,58 +126,32 @@ def test_decode_sliding_window(device, gen, seq_lens, window, partition_size, bl
     ],
 )
 def test_decode_bf16(device, gen, seq_lens, head_dim, ratio, block_size, partition_size) -> None:
-    _run(
-        device=device, gen=gen, seq_lens=seq_lens, head_dim=head_dim, ratio=ratio, block_size=block_size,
-        dtype=torch.bfloat16, partition_size=partition_size,
-    )
+    case = AttentionCase(head_dim, ratio, block_size, dtype=torch.bfloat16)
+    _run(device, gen, seq_lens, case, partition_size=partition_size)
 
 
 def test_decode_float16(device, gen) -> None:
-    _run(device=device, gen=gen, seq_lens=(12, 40), head_dim=96, ratio=1, block_size=16, dtype=torch.float16)
+    _run(device, gen, (12, 40), AttentionCase(96, 1, 16, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("partition_size", [None, 16])
-def test_decode_strided_query_and_padded_grid(device, gen, partition_size) -> None:
-    """Query as a strided slice, and a grid sized for max_seq_len far past the real lengths (as
-    a CUDA graph captured for the model's maximum length would be)."""
+@pytest.mark.parametrize(
+    ("seq_lens", "ratio", "block_size", "strided_query", "max_seq_len"),
+    [
+        # The query a strided slice, and a grid sized for max_seq_len far past the real lengths
+        # (as a CUDA graph captured for the model's maximum length would be).
+        ((3, 50, 18), 4, 16, True, 200),
+        # seq_len == 0 rows (batch padding) must come out as zeros, not NaN or stale data.
+        ((0, 37, 0), 1, 8, False, 40),
+    ],
+)
+def test_decode_padded_batch(
+    device, gen, seq_lens, ratio, block_size, strided_query, max_seq_len, partition_size
+) -> None:
     _run(
-        device=device,
-        gen=gen,
-        seq_lens=(3, 50, 18),
-        head_dim=64,
-        ratio=4,
-        block_size=16,
-        strided_query=True,
-        max_seq_len=200,
-        partition_size=partition_size,
+        device, gen, seq_lens, AttentionCase(64, ratio, block_size),
+        partition_size=partition_size, max_seq_len=max_seq_len, strided_query=strided_query,
     )
-
-
-@pytest.mark.parametrize("partition_size", [None, 16])
-def test_decode_padding_rows_are_zero(device, gen, partition_size) -> None:
-    """A ``seq_len == 0`` row (batch padding) must come out as zeros, not NaN or stale data."""
-    _run(
-        device=device,
-        gen=gen,
-        seq_lens=(0, 37, 0),
-        head_dim=64,
-        ratio=1,
-        block_size=8,
-        max_seq_len=40,
-        partition_size=partition_size,
-    )
-
-
-def test_reference_matches_direct_softmax(gen) -> None:
-    """The reference agrees with attention written out by hand for one tiny case."""
-    kv = torch.randn(2, 3, 2, 1, 4, generator=gen)
-    table = torch.tensor([[2, 0]], dtype=torch.int32)
-    q = torch.randn(1, 2, 4, generator=gen)
-    keys = torch.stack([kv[0, 2, 0, 0], kv[0, 2, 1, 0], kv[0, 0, 0, 0]])
-    values = torch.stack([kv[1, 2, 0, 0], kv[1, 2, 1, 0], kv[1, 0, 0, 0]])
-    want = torch.softmax(q[0] @ keys.T * 0.5, dim=-1) @ values
-    got = paged_decode_attention_ref(q, kv, table, torch.tensor([3]), 0.5)
-    torch.testing.assert_close(got[0], want)
 
 
 @pytest.mark.parametrize(
@@ -209,26 +166,7 @@ def test_reference_matches_direct_softmax(gen) -> None:
 )
 def test_decode_of_several_query_tokens_per_sequence(device, gen, seq_lens, query_len, ratio, window, partition_size, dtype) -> None:
     """``query_len`` tokens per sequence (a speculative verify in the static decode step): each
-    attends causally to its sequence's positions up to its own, as the extend kernel's
-    reference computes, across split-K partitions and windows."""
-    from conveyor.kernels.extend_attention import extend_attention_ref
-
-    num_kv_heads, head_dim, block_size = 2, 64, 16
-    kv, tables = random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=gen)
-    batch = len(seq_lens)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    query = random_query(batch * query_len, num_kv_heads * ratio, head_dim, dtype=dtype, device=device, generator=gen)
-    out = paged_decode_attention(
-        query, kv, tables, lens, head_dim**-0.5, window, max_seq_len=max(seq_lens), partition_size=partition_size,
-        query_len=query_len,
-    )
-    real = [b for b, n in enumerate(seq_lens) if n]  # (the reference needs seq_len >= query_len)
-    rows = torch.tensor([b * query_len + i for b in real for i in range(query_len)], device=device)
-    starts = torch.arange(len(real) + 1, dtype=torch.int32, device=device) * query_len
-    real_lens = lens[real]
-    ref = extend_attention_ref(
-        query[rows], kv, tables[real], starts, real_lens - query_len, real_lens, head_dim**-0.5, window
-    )
-    assert_attention_close(out[rows], ref, dtype)
-    padding = [b * query_len + i for b, n in enumerate(seq_lens) if not n for i in range(query_len)]
-    assert not out[padding].any()
+    attends causally to its sequence's positions up to its own, across split-K partitions and
+    windows."""
+    case = AttentionCase(64, ratio, 16, dtype=dtype, window=window)
+    _run(device, gen, seq_lens, case, partition_size=partition_size, max_seq_len=max(seq_lens), query_len=query_len)

@@ -8,18 +8,9 @@ import torch
 
 from conveyor.kernels.layer_ops import add_rms_norm
 from conveyor.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton
-from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, assert_close
+from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, ROW_CASES, assert_close
 
 EPS = 1e-6
-CASES = [
-    # (tokens, hidden, dtype)
-    (1, 64, torch.float32),
-    (7, 96, torch.float32),
-    (3, 2048, torch.float32),
-    (5, 80, torch.bfloat16),
-    (2, 1024, torch.bfloat16),
-    (4, 128, torch.float16),
-]
 
 
 def _inputs(gen, device, tokens, hidden, dtype, strided):
@@ -36,7 +27,7 @@ def _inputs(gen, device, tokens, hidden, dtype, strided):
 
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize(("tokens", "hidden", "dtype"), CASES)
+@pytest.mark.parametrize(("tokens", "hidden", "dtype"), ROW_CASES)
 def test_add_rms_norm_kernel_matches_reference(device, gen, tokens, hidden, dtype, with_residual, strided) -> None:
     x, residual, weight = _inputs(gen, device, tokens, hidden, dtype, strided)
     residual = residual if with_residual else None

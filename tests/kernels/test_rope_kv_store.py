@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.kernels.rope_kv_store import rope_kv_store, rope_kv_store_ref
+from conveyor.kernels.kv_store import kv_store_ref
+from conveyor.kernels.rope_kv_store import norm_rotate_ref, rope_kv_store
 from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, assert_close, random_kv_cache
 from conveyor.worker.models.layers import RotaryEmbedding
 
@@ -55,7 +56,9 @@ def test_rope_kv_store_matches_reference(device, gen, tokens, heads, kv_heads, h
         gen, device, tokens, heads, kv_heads, head_dim, block_size, dtype, qk_norm
     )
     assert tokens == 1 or not q.is_contiguous()
-    want_q, want_kv = rope_kv_store_ref(q, k, v, positions, cos_sin, kv, slots, eps=EPS, **norms)
+    want_q = norm_rotate_ref(q, positions, cos_sin, norms.get("q_norm_weight"), EPS)
+    want_k = norm_rotate_ref(k, positions, cos_sin, norms.get("k_norm_weight"), EPS)
+    want_kv = kv_store_ref(want_k.to(kv.dtype), v.to(kv.dtype), kv, slots)
     k_before, v_before = k.clone(), v.clone()
     out = rope_kv_store(q, k, v, positions, cos_sin, kv, slots, eps=EPS, **norms)
     assert out is q

@@ -7,21 +7,11 @@ import torch
 
 from conveyor.kernels.layer_ops import silu_and_mul
 from conveyor.kernels.silu_mul import silu_mul_ref, silu_mul_triton
-from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, assert_close
-
-CASES = [
-    # (tokens, intermediate, dtype): widths under, at and over one column tile
-    (1, 96, torch.float32),
-    (5, 1024, torch.float32),
-    (3, 1500, torch.float32),
-    (4, 200, torch.bfloat16),
-    (2, 2100, torch.bfloat16),
-    (3, 256, torch.float16),
-]
+from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, ROW_CASES, assert_close
 
 
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize(("tokens", "width", "dtype"), CASES)
+@pytest.mark.parametrize(("tokens", "width", "dtype"), ROW_CASES)
 def test_silu_mul_kernel_matches_reference(device, gen, tokens, width, dtype, strided) -> None:
     wide = torch.randn(tokens, 2 * width + (16 if strided else 0), generator=gen).mul(3).to(device=device, dtype=dtype)
     gate_up = wide[:, : 2 * width]

@@ -1,5 +1,7 @@
 """Helpers shared by the Triton kernels: tile sizing, the dot that stays exact where it must,
-and the checks every launch wrapper makes on a paged KV cache layer.
+the checks every launch wrapper makes on a paged KV cache layer, and what the two paged
+attention kernels (decode, extend) share: their tile loop and output store, their wrappers'
+checks and the launch arguments both declare alike.
 
 The KV cache layout is fixed by the worker: one tensor per layer,
 ``kv[2, num_blocks, block_size, num_kv_heads, head_dim]`` with index 0 = K and 1 = V.
@@ -10,6 +12,7 @@ Token position ``p`` of a sequence lives in block ``block_table[p // block_size]
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -17,6 +20,8 @@ import triton.language as tl
 
 #: Element types the kernels accept. Accumulation is always float32.
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: log2(e): the attention kernels exponentiate with exp2, so their wrappers pass scale * LOG2E.
+LOG2E = 1.4426950408889634
 
 
 def interpreting() -> bool:
@@ -64,7 +69,8 @@ def tile_dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def attend_paged_span(
-    q,
+    q_rows,
+    row_mask,
     q_pos,
     kv_ptr,
     kv_head,
@@ -75,29 +81,31 @@ def attend_paged_span(
     stride_kv_tok,
     stride_kv_head,
     stride_kv_kv,
-    offs_d,
-    d_mask,
+    head_dim,
     kv_start,
     kv_end,
     qk_scale_log2,
     window,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Online-softmax attention of the query tile ``q`` ``[BLOCK_M, BLOCK_D]`` (row i at position
-    ``q_pos[i]``) over positions ``kv_start .. kv_end`` of sequence ``b``'s paged K/V, causal and
-    with the sliding ``window`` when ``USE_WINDOW``: the tile loop the decode (split-K) and the
-    extend kernels share. Returns ``(acc, l, m)``: the unnormalized output, the softmax
-    denominators and the running maxima (base 2). A row that sees nothing in a tile (a window
-    that starts later for it, a causal end before the tile) is measured against 0, never
-    ``-inf - -inf``."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    """Online-softmax attention of a tile of ``BLOCK_M`` query rows (row i read from the pointer
+    ``q_rows[i]`` where ``row_mask[i]``, at position ``q_pos[i]``; ``BLOCK_M`` is their length)
+    over positions ``kv_start .. kv_end`` of sequence ``b``'s paged K/V, causal and with the
+    sliding ``window`` when ``USE_WINDOW``: what the decode (split-K) and the extend kernels
+    share, from the query load to the normalized output. Returns ``(o, lse)``: the output rows
+    ``[BLOCK_M, BLOCK_D]`` and their log-sum-exp (base 2), float32; a row that sees nothing gets
+    0 and -inf. A row that sees nothing in a tile (a window that starts later for it, a causal
+    end before the tile) is measured against 0, never ``-inf - -inf``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full(q_pos.shape, float("-inf"), tl.float32)
+    l_i = tl.zeros(q_pos.shape, tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
     v_base = k_base + stride_kv_kv
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
@@ -121,7 +129,17 @@ def attend_paged_span(
         v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
-    return acc, l_i, m_i
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    return acc / l_safe[:, None], m_i + tl.log2(l_safe)
+
+
+@triton.jit
+def store_rows(row_ptrs, row_mask, x, head_dim, BLOCK_D: tl.constexpr):
+    """Store the rows of the float32 tile ``x`` ``[BLOCK_M, BLOCK_D]`` (their first
+    ``head_dim`` elements, where ``row_mask``) at the pointers ``row_ptrs``, cast to their type."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = row_mask[:, None] & (offs_d < head_dim)[None, :]
+    tl.store(row_ptrs[:, None] + offs_d[None, :], x.to(row_ptrs.dtype.element_ty), mask=mask)
 
 
 def check_kv_cache(kv: torch.Tensor) -> tuple[int, int, int, int]:
@@ -140,6 +158,72 @@ def check_kv_cache(kv: torch.Tensor) -> tuple[int, int, int, int]:
         raise ValueError("kv cache head_dim must be contiguous (stride 1)")
     _, num_blocks, block_size, kv_heads, head_dim = kv.shape
     return num_blocks, block_size, kv_heads, head_dim
+
+
+class PagedAttentionInputs(NamedTuple):
+    """A paged attention launch's inputs after the checks the decode and the extend wrappers
+    share: ``query`` ``[tokens, heads, head_dim]`` with head_dim contiguous and kv's dtype,
+    ``block_tables`` ``[B, max_blocks]`` with contiguous rows, ``out`` shaped like ``query`` with
+    a contiguous last dim (allocated when not given). Each wrapper still checks its batch layout.
+    A NamedTuple: made on every launch, where a frozen dataclass's init costs a microsecond."""
+
+    query: torch.Tensor
+    kv: torch.Tensor
+    block_tables: torch.Tensor
+    out: torch.Tensor
+    block_size: int
+    num_kv_heads: int
+    sliding_window: int | None
+
+    def strides_scale_window(self, scale: float) -> tuple[int | float, ...]:
+        """The arguments both attention kernels declare after their pointers, in their order:
+        query and output token/head strides; ``stride_kv_kv, stride_kv_block, stride_kv_tok,
+        stride_kv_head, stride_bt``; ``qk_scale_log2`` (exp2 softmax); ``window`` (0: none)."""
+        return (
+            *self.query.stride()[:2],
+            *self.out.stride()[:2],
+            *self.kv.stride()[:4],
+            self.block_tables.stride(0),
+            scale * LOG2E,
+            self.sliding_window or 0,
+        )
+
+    @property
+    def constants(self) -> dict[str, int | bool]:
+        """The compile-time constants both attention kernels take alike (their tiles differ)."""
+        use_window = self.sliding_window is not None
+        return {"PAGE": self.block_size, "USE_WINDOW": use_window, "UPCAST": upcast_dots(self.kv.dtype)}
+
+
+def check_paged_attention(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+) -> PagedAttentionInputs:
+    """Validate what every paged attention wrapper takes alike; raise ``ValueError`` /
+    ``TypeError`` naming the first problem."""
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(kv)
+    if query.dim() != 3 or query.shape[2] != head_dim:
+        raise ValueError(f"query must be [tokens, heads, {head_dim}], got {tuple(query.shape)}")
+    num_heads = query.shape[1]
+    if query.dtype != kv.dtype:
+        raise TypeError(f"query dtype {query.dtype} differs from the kv cache's {kv.dtype}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [B, max_blocks], got {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError("sliding_window must be positive")
+    query = last_dim_contiguous(query)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    elif out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError("out must match query's shape with a contiguous last dim")
+    return PagedAttentionInputs(query, kv, block_tables, out, block_size, num_kv_heads, sliding_window)
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

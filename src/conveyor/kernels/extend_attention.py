@@ -25,19 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.kernels._common import (
-    attend_paged_span,
-    cdiv,
-    check_kv_cache,
-    last_dim_contiguous,
-    next_pow2,
-    upcast_dots,
-)
-from conveyor.kernels.paged_decode import gather_context
+from conveyor.kernels._common import attend_paged_span, cdiv, check_paged_attention, next_pow2, store_rows
 
-__all__ = ["extend_attention", "extend_attention_ref"]
-
-_LOG2E = 1.4426950408889634
+__all__ = ["extend_attention"]
 
 
 @triton.jit
@@ -83,16 +73,8 @@ def _extend_kernel(
     kv_head = h // group_size
 
     offs_m = first_row + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < q_len
-    d_mask = offs_d < head_dim
-    q_pos = ctx_len + offs_m
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
 
     # Visible span of the tile: through its last row's position (causal), from its first row's
     # window start.
@@ -102,19 +84,13 @@ def _extend_kernel(
     else:
         kv_start = ctx_len * 0
 
-    acc, l_i, m_i = attend_paged_span(
-        q, q_pos, kv_ptr, kv_head, block_table_ptr, b, stride_bt, stride_kv_block, stride_kv_tok,
-        stride_kv_head, stride_kv_kv, offs_d, d_mask, kv_start, kv_end, qk_scale_log2, window,
-        BLOCK_M, BLOCK_N, BLOCK_D, PAGE, USE_WINDOW, UPCAST,
+    o, _ = attend_paged_span(
+        q_ptr + rows * stride_qt + h * stride_qh, m_mask, ctx_len + offs_m, kv_ptr, kv_head,
+        block_table_ptr, b, stride_bt, stride_kv_block, stride_kv_tok, stride_kv_head, stride_kv_kv,
+        head_dim, kv_start, kv_end, qk_scale_log2, window,
+        BLOCK_N, BLOCK_D, PAGE, USE_WINDOW, UPCAST,
     )
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    tl.store(
-        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-        o.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
-    )
+    store_rows(out_ptr + rows * stride_ot + h * stride_oh, m_mask, o, head_dim, BLOCK_D)
 
 
 def _tiles(head_dim: int, dtype: torch.dtype, max_query_len: int) -> tuple[int, int, int, int]:
@@ -171,26 +147,12 @@ def extend_attention(
             sync and to fix the grid. Default: computed from ``query_start_loc``.
         out: optional ``[T, num_heads, head_dim]`` output buffer.
     """
-    _, block_size, num_kv_heads, head_dim = check_kv_cache(kv)
-    if query.dim() != 3 or query.shape[2] != head_dim:
-        raise ValueError(f"query must be [T, heads, {head_dim}], got {tuple(query.shape)}")
-    num_tokens, num_heads, _ = query.shape
-    if query.dtype != kv.dtype:
-        raise TypeError(f"query dtype {query.dtype} differs from the kv cache's {kv.dtype}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}")
+    inputs = check_paged_attention(query, kv, block_tables, sliding_window, out)
+    query, out = inputs.query, inputs.out
+    num_tokens, num_heads, head_dim = query.shape
     batch = context_lens.shape[0]
     if query_start_loc.shape != (batch + 1,) or seq_lens.shape != (batch,) or block_tables.shape[0] != batch:
         raise ValueError("query_start_loc must be [B+1]; context_lens, seq_lens, block_tables [B, ...]")
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError("sliding_window must be positive")
-    query = last_dim_contiguous(query)
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    elif out.shape != query.shape or out.stride(-1) != 1:
-        raise ValueError("out must match query's shape with a contiguous last dim")
     if num_tokens == 0 or batch == 0:
         return out
     if max_query_len is None:
@@ -204,66 +166,19 @@ def extend_attention(
         query,
         kv,
         out,
-        block_tables,
+        inputs.block_tables,
         query_start_loc,
         context_lens,
         seq_lens,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv.stride(0),
-        kv.stride(1),
-        kv.stride(2),
-        kv.stride(3),
-        block_tables.stride(0),
-        scale * _LOG2E,
-        sliding_window if sliding_window is not None else 0,
+        *inputs.strides_scale_window(scale),
         head_dim,
-        num_heads // num_kv_heads,
+        num_heads // inputs.num_kv_heads,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        PAGE=block_size,
-        USE_WINDOW=sliding_window is not None,
-        UPCAST=upcast_dots(kv.dtype),
+        **inputs.constants,
         num_warps=num_warps,
         num_stages=2,
     )
     return out
 
-
-def extend_attention_ref(
-    query: torch.Tensor,
-    kv: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Reference: per sequence, dense float32 attention of its new tokens over positions
-    ``[0, seq_len)`` with a causal (and optional window) mask; returns ``[T, heads, head_dim]``."""
-    num_tokens, num_heads, head_dim = query.shape
-    group = num_heads // kv.shape[3]
-    out = torch.zeros((num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
-    for b in range(context_lens.shape[0]):
-        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
-        ctx, length = int(context_lens[b]), int(seq_lens[b])
-        if end == start:
-            continue
-        assert length == ctx + end - start, "seq_lens must equal context_lens + new tokens"
-        k, v = gather_context(kv, block_tables[b], length)
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        q = query[start:end].to(torch.float32)  # [n, heads, D]
-        scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
-        q_pos = ctx + torch.arange(end - start, device=query.device)[:, None]
-        k_pos = torch.arange(length, device=query.device)[None, :]
-        visible = k_pos <= q_pos
-        if sliding_window is not None:
-            visible &= k_pos > q_pos - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
-    return out

@@ -45,23 +45,13 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.kernels._common import (
-    attend_paged_span,
-    cdiv,
-    check_kv_cache,
-    last_dim_contiguous,
-    next_pow2,
-    upcast_dots,
-)
+from conveyor.kernels._common import attend_paged_span, cdiv, check_paged_attention, next_pow2, store_rows
 
 __all__ = [
     "DecodePlan",
     "paged_decode_attention",
-    "paged_decode_attention_ref",
     "plan_decode_partitions",
 ]
-
-_LOG2E = 1.4426950408889634
 
 #: Upper bound on partitions per sequence; bounds the float32 scratch to
 #: ``batch * heads * MAX_PARTITIONS * head_dim`` elements.
@@ -83,18 +73,18 @@ def _decode_partial_kernel(
     mid_lse_ptr,
     stride_qb,
     stride_qh,
+    stride_ob,
+    stride_oh,
     stride_kv_kv,
     stride_kv_block,
     stride_kv_tok,
     stride_kv_head,
     stride_bt,
-    stride_ob,
-    stride_oh,
+    qk_scale_log2,
+    window,
     stride_mid_b,
     stride_mid_h,
     stride_mid_p,
-    qk_scale_log2,
-    window,
     partition_size,
     head_dim,
     group_size,
@@ -127,38 +117,22 @@ def _decode_partial_kernel(
     # Row r of the tile: query token r // group_size of the sequence, head r % group_size of
     # the group.
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < query_len * group_size
-    d_mask = offs_d < head_dim
     heads = kv_head * group_size + offs_m % group_size
     tokens = (b * query_len + offs_m // group_size).to(tl.int64)
-    q_pos = first_pos + offs_m // group_size
 
-    q = tl.load(
-        q_ptr + tokens[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :],
-        other=0.0,
+    o, lse = attend_paged_span(
+        q_ptr + tokens * stride_qb + heads * stride_qh, m_mask, first_pos + offs_m // group_size, kv_ptr,
+        kv_head, block_table_ptr, b, stride_bt, stride_kv_block, stride_kv_tok, stride_kv_head,
+        stride_kv_kv, head_dim, part_start, part_end, qk_scale_log2, window,
+        BLOCK_N, BLOCK_D, PAGE, USE_WINDOW, UPCAST,
     )
-
-    acc, l_i, m_i = attend_paged_span(
-        q, q_pos, kv_ptr, kv_head, block_table_ptr, b, stride_bt, stride_kv_block, stride_kv_tok,
-        stride_kv_head, stride_kv_kv, offs_d, d_mask, part_start, part_end, qk_scale_log2, window,
-        BLOCK_M, BLOCK_N, BLOCK_D, PAGE, USE_WINDOW, UPCAST,
-    )
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    out_mask = m_mask[:, None] & d_mask[None, :]
     if DIRECT_OUT:
-        tl.store(
-            out_ptr + tokens[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
+        store_rows(out_ptr + tokens * stride_ob + heads * stride_oh, m_mask, o, head_dim, BLOCK_D)
     else:
         mid = tokens * stride_mid_b + heads * stride_mid_h + part * stride_mid_p
-        tl.store(mid_o_ptr + mid[:, None] + offs_d[None, :], o, mask=out_mask)
-        tl.store(mid_lse_ptr + mid // BLOCK_D, m_i + tl.log2(l_safe), mask=m_mask)
+        store_rows(mid_o_ptr + mid, m_mask, o, head_dim, BLOCK_D)
+        tl.store(mid_lse_ptr + mid // BLOCK_D, lse, mask=m_mask)
 
 
 @triton.jit
@@ -310,28 +284,14 @@ def paged_decode_attention(
 
     Returns ``out`` (allocated with ``query``'s dtype when not given).
     """
-    _, block_size, num_kv_heads, head_dim = check_kv_cache(kv)
-    if query.dim() != 3 or query.shape[2] != head_dim:
-        raise ValueError(f"query must be [B, heads, {head_dim}], got {tuple(query.shape)}")
-    num_tokens, num_heads, _ = query.shape
+    inputs = check_paged_attention(query, kv, block_tables, sliding_window, out)
+    query, out, num_kv_heads = inputs.query, inputs.out, inputs.num_kv_heads
+    num_tokens, num_heads, head_dim = query.shape
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if batch * query_len != num_tokens:
         raise ValueError(f"query has {num_tokens} tokens for {batch} sequences of {query_len}")
-    if query.dtype != kv.dtype:
-        raise TypeError(f"query dtype {query.dtype} differs from the kv cache's {kv.dtype}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+    if block_tables.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError("block_tables must be [B, max_blocks] and seq_lens [B]")
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError("sliding_window must be positive")
-    query = last_dim_contiguous(query)
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    elif out.shape != query.shape or out.stride(-1) != 1:
-        raise ValueError("out must match query's shape with a contiguous last dim")
     if batch == 0:
         return out
 
@@ -362,27 +322,16 @@ def paged_decode_attention(
         mid_o = torch.empty((num_tokens, num_heads, parts, plan.block_d), dtype=torch.float32, device=query.device)
         mid_lse = torch.empty((num_tokens, num_heads, parts), dtype=torch.float32, device=query.device)
         mid_strides = mid_o.stride()[:3]
-    window = sliding_window if sliding_window is not None else 0
     _decode_partial_kernel[(batch, num_kv_heads, parts)](
         query,
         kv,
-        block_tables,
+        inputs.block_tables,
         seq_lens,
         out,
         mid_o,
         mid_lse,
-        query.stride(0),
-        query.stride(1),
-        kv.stride(0),
-        kv.stride(1),
-        kv.stride(2),
-        kv.stride(3),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *inputs.strides_scale_window(scale),
         *mid_strides,
-        scale * _LOG2E,
-        window,
         plan.partition_size,
         head_dim,
         group,
@@ -390,10 +339,8 @@ def paged_decode_attention(
         BLOCK_M=plan.block_g,
         BLOCK_N=plan.block_n,
         BLOCK_D=plan.block_d,
-        PAGE=block_size,
-        USE_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct,
-        UPCAST=upcast_dots(kv.dtype),
+        **inputs.constants,
         num_warps=4,
         num_stages=2,
     )
@@ -406,7 +353,7 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             *mid_strides,
-            window,
+            sliding_window or 0,
             plan.partition_size,
             head_dim,
             query_len,
@@ -417,41 +364,3 @@ def paged_decode_attention(
         )
     return out
 
-
-def gather_context(kv: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense float32 K and V ``[length, kv_heads, head_dim]`` of one sequence, read through its
-    block table position by position (the references' single source of truth for paging)."""
-    block_size = kv.shape[2]
-    positions = torch.arange(length, device=kv.device)
-    blocks = block_table.to(device=kv.device, dtype=torch.long)[positions // block_size]
-    offsets = positions % block_size
-    return kv[0, blocks, offsets].to(torch.float32), kv[1, blocks, offsets].to(torch.float32)
-
-
-def paged_decode_attention_ref(
-    query: torch.Tensor,
-    kv: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Reference: dense float32 softmax attention per sequence; returns ``[B, heads, head_dim]``."""
-    batch, num_heads, head_dim = query.shape
-    num_kv_heads = kv.shape[3]
-    group = num_heads // num_kv_heads
-    out = torch.zeros((batch, num_heads, head_dim), dtype=torch.float32, device=query.device)
-    for b in range(batch):
-        length = int(seq_lens[b])
-        if length == 0:
-            continue
-        k, v = gather_context(kv, block_tables[b], length)
-        k = k.repeat_interleave(group, dim=1)  # [L, heads, D]
-        v = v.repeat_interleave(group, dim=1)
-        q = query[b].to(torch.float32)  # [heads, D]
-        scores = torch.einsum("hd,lhd->hl", q, k) * scale
-        if sliding_window is not None:
-            visible = torch.arange(length, device=query.device) >= length - sliding_window
-            scores = scores.masked_fill(~visible, float("-inf"))
-        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
-    return out

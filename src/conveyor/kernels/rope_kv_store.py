@@ -22,9 +22,8 @@ import triton
 import triton.language as tl
 
 from conveyor.kernels._common import cdiv, check_kv_cache, next_pow2
-from conveyor.kernels.kv_store import kv_store_ref
 
-__all__ = ["rope_kv_store", "rope_kv_store_ref"]
+__all__ = ["norm_rotate_ref", "rope_kv_store"]
 
 
 @triton.jit
@@ -202,30 +201,18 @@ def rope_kv_store(
     return query
 
 
-def rope_kv_store_ref(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    kv: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: float32 ``(rotated query, cache after the store)``, computed in float32 and
-    rounded to the input dtype where the model rounds; leaves its inputs unchanged."""
-    dtype = query.dtype
+def norm_rotate_ref(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, norm_weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """Reference of the kernel's ``_norm_rotate`` on the query or the key ``[T, heads, head_dim]``:
+    per-head RMSNorm when ``norm_weight`` is given, then the rotation by each token's position,
+    in float32, rounded to ``x``'s dtype where the model rounds; returned as float32. (The
+    kernel's store of the rotated key and the value is :func:`.kv_store.kv_store_ref`'s rule.)"""
+    dtype = x.dtype
     cos, sin = cos_sin[positions.long()].unsqueeze(1).chunk(2, dim=-1)
-
-    def norm_rotate(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        x = x.float()
-        if weight is not None:
-            normed = (x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)).to(dtype).float()
-            x = (normed * weight.float()).to(dtype).float()
-        first, second = x.chunk(2, dim=-1)
-        return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(dtype).float()
-
-    rotated_key = norm_rotate(key, k_norm_weight).to(kv.dtype)
-    return norm_rotate(query, q_norm_weight), kv_store_ref(rotated_key, value.to(kv.dtype), kv, slot_mapping)
+    x = x.float()
+    if norm_weight is not None:
+        normed = (x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)).to(dtype).float()
+        x = (normed * norm_weight.float()).to(dtype).float()
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(dtype).float()

@@ -1,4 +1,5 @@
-"""Input builders and comparison rules shared by the kernel tests and the benchmark.
+"""Input builders, comparison rules and the paged attention reference shared by the kernel tests
+and the benchmark.
 
 Paged inputs are made to look like a real, fragmented pool: every sequence gets distinct blocks
 drawn at random from a pool larger than needed, in shuffled order, and the unused tail of each
@@ -8,15 +9,19 @@ end or ignores the table gets wrong numbers rather than lucky ones.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 __all__ = [
     "ROUNDED_TOLERANCES",
+    "ROW_CASES",
     "TOLERANCES",
+    "AttentionCase",
     "assert_attention_close",
     "assert_close",
+    "paged_attention_ref",
     "random_block_tables",
     "random_kv_cache",
     "random_paged_kv",
@@ -45,6 +50,20 @@ ROUNDED_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (4e-3, 4e-3),
     torch.bfloat16: (3e-2, 3e-2),
 }
+
+#: ``(rows, width, dtype)`` inputs of the row-wise kernels' tests (:mod:`.rms_norm`, whose block
+#: is the whole row, and :mod:`.silu_mul`, tiled by 1024 columns): widths under, at and over one
+#: column tile, powers of two and not (masked tails), every dtype.
+ROW_CASES: list[tuple[int, int, torch.dtype]] = [
+    (1, 64, torch.float32),
+    (7, 96, torch.float32),
+    (5, 1024, torch.float32),
+    (3, 1500, torch.float32),
+    (3, 2048, torch.float32),
+    (5, 80, torch.bfloat16),
+    (2, 2100, torch.bfloat16),
+    (4, 256, torch.float16),
+]
 
 
 def random_kv_cache(
@@ -125,6 +144,75 @@ def random_query(
     query = fused[:, 1 : num_heads + 1]
     assert not query.is_contiguous()
     return query
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """The head layout, paging, dtype and window of one paged attention test: what the decode
+    and the extend tests vary alike, and build their random inputs from."""
+
+    head_dim: int
+    ratio: int  # query heads per KV head
+    block_size: int
+    num_kv_heads: int = 2
+    dtype: torch.dtype = torch.float32
+    window: int | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def inputs(
+        self,
+        seq_lens: Sequence[int],
+        num_tokens: int,
+        *,
+        device: torch.device | str,
+        generator: torch.Generator,
+        strided_query: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(query, kv, block_tables)``: ``num_tokens`` random query rows of every head and a
+        cache paging ``seq_lens`` (drawn cache first, so a case's numbers never depend on the
+        query's layout)."""
+        draw = {"dtype": self.dtype, "device": device, "generator": generator}
+        kv, tables = random_paged_kv(seq_lens, self.block_size, self.num_kv_heads, self.head_dim, **draw)
+        num_heads = self.num_kv_heads * self.ratio
+        return random_query(num_tokens, num_heads, self.head_dim, strided=strided_query, **draw), kv, tables
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The float32 oracle of the paged attention kernels (extend and decode alike): sequence
+    ``b`` has ``spans[b] = (context_len, new_tokens)``, its new tokens are the next
+    ``new_tokens`` rows of ``query`` and new token ``i`` attends to positions
+    ``[0, context_len + i]`` (the last ``sliding_window`` of them), read through
+    ``block_tables[b]`` position by position. Returns ``[T, heads, head_dim]`` float32."""
+    num_tokens, num_heads, head_dim = query.shape
+    group = num_heads // kv.shape[3]
+    block_size = kv.shape[2]
+    out = torch.zeros((num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
+    start = 0
+    for b, (context_len, new_tokens) in enumerate(spans):
+        end, length = start + new_tokens, context_len + new_tokens
+        positions = torch.arange(length, device=kv.device)
+        blocks = block_tables[b].to(device=kv.device, dtype=torch.long)[positions // block_size]
+        k, v = (kv[i, blocks, positions % block_size].float().repeat_interleave(group, dim=1) for i in (0, 1))
+        scores = torch.einsum("nhd,lhd->hnl", query[start:end].float(), k) * scale
+        q_pos = context_len + torch.arange(new_tokens, device=query.device)[:, None]
+        visible = positions[None, :] <= q_pos
+        if sliding_window is not None:
+            visible &= positions[None, :] > q_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
+        start = end
+    assert start == num_tokens, f"spans hold {start} new tokens, query {num_tokens}"
+    return out
 
 
 def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None) -> None:

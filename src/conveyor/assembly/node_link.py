@@ -107,7 +107,7 @@ def _source_commit() -> str:
     """The git commit conveyor's source is checked out at ("" when it is not a git checkout)."""
     try:
         done = subprocess.run(
-            ["git", "-C", os.path.dirname(conveyor.__file__), "rev-parse", "HEAD"],
+            ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD"],
             capture_output=True, text=True, timeout=10,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):

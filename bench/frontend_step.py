@@ -50,6 +50,7 @@ from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
 from conveyor.ipc.messages import RequestOutput, TokenOutputs
 from conveyor.ipc.transport import ServerAddresses
 from frontend_load import dealer_sockets, waiting_messages  # bench/ is this script's directory
+from harness import write_report
 
 TEXT = (
     "The lighthouse keeper wrote in his log every night: the sea was calm, the café was closed, "
@@ -230,9 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=1))
     if cprof:
         print(cprof)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_report(args.json, result)
     return 0
 
 

@@ -42,7 +42,8 @@ import zmq
 
 from conveyor.ipc import step_channel
 from conveyor.ipc.messages import CachedRequests, Shutdown, StepPlan, StepResult
-from conveyor.ipc.step_channel import StepChannels, StepReceiver, StepSender
+from conveyor.ipc.step_channel import StepChannels, StepSender
+from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import PlanTransport
 from conveyor_tools.stand_in_worker import answer_plans
 from harness import write_report  # bench/ is this script's directory

@@ -41,7 +41,6 @@ from typing import Any
 
 from conveyor_tools.bench import experiments, plots, report
 from conveyor_tools.bench.drivers import run_offline, run_online
-from conveyor_tools.bench.http_driver import run_online_http
 from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
 from conveyor_tools.bench.workloads import constrain_fraction, poisson_arrivals, with_controls, with_logprobs, workload_from_args
@@ -186,12 +185,9 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                     probe = None if server is None else server.cpu_seconds
                     with progress_bar(args, len(workload.requests), label) as bar:
-                        if http_url is None:
-                            job = run_online(name, address, workload, arrivals, rate, *slo, bar, args.timeout, probe)
-                        else:
-                            job = run_online_http(
-                                name, http_url, address, workload, arrivals, rate, *slo, bar, args.timeout, probe
-                            )
+                        job = run_online(
+                            name, address, workload, arrivals, rate, *slo, bar, args.timeout, probe, http_url=http_url
+                        )
                         run = asyncio.run(job)
                     summary = run.summary()
                     done = [r for r in run.requests if r.ok]

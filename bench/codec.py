@@ -26,7 +26,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +34,7 @@ import msgspec
 import numpy as np
 
 from conveyor.ipc import codec, messages as current_messages
+from harness import per_call_us  # bench/ is this script's directory
 
 
 def messages(m: types.ModuleType, n: int) -> dict[str, Any]:
@@ -81,14 +81,7 @@ def read_out(msg: Any) -> None:
 
 def time_us(fn: Callable[[], Any], iters: int, repeats: int) -> float:
     """Median over ``repeats`` of the mean time of one call over ``iters`` calls, in us."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter_ns() - start) / iters / 1000)
-    return statistics.median(samples)
+    return statistics.median(per_call_us(fn, iters, repeats, warmup_calls=1))
 
 
 def _load(name: str, path: str) -> types.ModuleType:

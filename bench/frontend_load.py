@@ -48,6 +48,7 @@ import sys
 import time
 import uuid
 from array import array
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -198,6 +199,17 @@ def dealer_sockets(ctx: zmq.Context, address: str, identities: list[bytes]) -> t
     return socks, poller
 
 
+def waiting_messages(poller: zmq.Poller, timeout_ms: int) -> Iterator[bytes]:
+    """Every message waiting on the sockets ``poller`` finds readable within ``timeout_ms``,
+    each socket drained without blocking before the next: a client's receive loop."""
+    for s, _ in poller.poll(timeout_ms):
+        while True:
+            try:
+                yield s.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+
+
 def client_proc(address: str, num_sockets: int, conn) -> None:
     """``num_sockets`` streaming clients, one DEALER socket and one request each per phase."""
     ctx = zmq.Context()
@@ -215,31 +227,21 @@ def client_proc(address: str, num_sockets: int, conn) -> None:
         errors: list[str] = []
         end = time.monotonic_ns() + int(duration_s * 1e9)
         while (now := time.monotonic_ns()) < end:
-            for s, _ in poller.poll(max(1, (end - now) // 1_000_000)):
-                while True:
-                    try:
-                        data = s.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    t = time.monotonic_ns()
-                    msg = msgpack.unpackb(data)
-                    if msg["type"] == "delta":
-                        for tok in msg["token_ids"]:
-                            tokens.append(tok)
-                            stamps.append(t)
-                    elif msg.get("finish_reason") == "error" or msg["type"] == "error":
-                        errors.append(str(msg.get("error") or msg.get("message")))
+            for data in waiting_messages(poller, max(1, (end - now) // 1_000_000)):
+                t = time.monotonic_ns()
+                msg = msgpack.unpackb(data)
+                if msg["type"] == "delta":
+                    for tok in msg["token_ids"]:
+                        tokens.append(tok)
+                        stamps.append(t)
+                elif msg.get("finish_reason") == "error" or msg["type"] == "error":
+                    errors.append(str(msg.get("error") or msg.get("message")))
         for s, rid in zip(socks, rids):
             s.send(msgpack.packb({"type": "abort", "v": 1, "request_id": rid}))
         finals, deadline = 0, time.monotonic() + 30
         while finals < len(socks) - len(errors) and time.monotonic() < deadline:
-            for s, _ in poller.poll(1000):
-                while True:
-                    try:
-                        msg = msgpack.unpackb(s.recv(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    finals += msg["type"] == "final"
+            for data in waiting_messages(poller, 1000):
+                finals += msgpack.unpackb(data)["type"] == "final"
         conn.send((tokens.tobytes(), stamps.tobytes(), errors, finals))
     for s in socks:
         s.close(linger=0)

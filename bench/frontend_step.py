@@ -49,7 +49,8 @@ from conveyor.ipc import codec, transport
 from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
 from conveyor.ipc.messages import RequestOutput, TokenOutputs
 from conveyor.ipc.transport import ServerAddresses
-from frontend_load import dealer_sockets  # bench/ is this script's directory
+from frontend_load import dealer_sockets, waiting_messages  # bench/ is this script's directory
+from harness import write_report
 
 TEXT = (
     "The lighthouse keeper wrote in his log every night: the sea was calm, the café was closed, "
@@ -75,20 +76,16 @@ def drain_clients(address: str, identities: list[bytes], conn) -> None:
             stop_at = conn.recv()  # the number of finals to wait for
         if stop_at is not None and len(finals) >= stop_at:
             break
-        for s, _ in poller.poll(50):
-            while True:
-                try:
-                    msg = msgpack.unpackb(s.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                messages += 1
-                rid = msg["request_id"]
-                if msg["type"] == "delta":
-                    acc = deltas.setdefault(rid, [[], []])
-                    acc[0].append(msg["text"])  # each delta's text: the digest covers how the text was split
-                    acc[1].extend(msg["token_ids"])
-                else:
-                    finals[rid] = [msg["text"], msg["token_ids"], msg["finish_reason"]]
+        for data in waiting_messages(poller, 50):
+            msg = msgpack.unpackb(data)
+            messages += 1
+            rid = msg["request_id"]
+            if msg["type"] == "delta":
+                acc = deltas.setdefault(rid, [[], []])
+                acc[0].append(msg["text"])  # each delta's text: the digest covers how the text was split
+                acc[1].extend(msg["token_ids"])
+            else:
+                finals[rid] = [msg["text"], msg["token_ids"], msg["finish_reason"]]
     digest = hashlib.sha256(json.dumps([deltas, finals], sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     consistent = all(
         "".join(deltas.get(r, [[], []])[0]) == f[0] and deltas.get(r, [[], []])[1] == f[1] for r, f in finals.items()
@@ -234,9 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=1))
     if cprof:
         print(cprof)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_report(args.json, result)
     return 0
 
 

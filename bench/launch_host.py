@@ -28,7 +28,6 @@ import importlib
 import json
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+from harness import per_call_us  # bench/ is this script's directory
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 32, 8, 64, 2048, 8192
 BLOCK_SIZE, NUM_BLOCKS, CONTEXT = 16, 1024, 512
@@ -99,14 +100,8 @@ def calls(batch: int) -> dict[str, Callable[[], Any]]:
 
 
 def time_call(call: Callable[[], Any], calls_per_round: int, rounds: int) -> dict[str, float]:
-    for _ in range(calls_per_round):
-        call()
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls_per_round):
-            call()
-        per_call.append((time.perf_counter() - start) / calls_per_round * 1e6)
+    """Fastest and median round's us per call, after one untimed round."""
+    per_call = per_call_us(call, calls_per_round, rounds, warmup_calls=calls_per_round)
     return {"min_us": min(per_call), "median_us": statistics.median(per_call)}
 
 

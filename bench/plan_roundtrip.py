@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -43,9 +42,11 @@ import zmq
 
 from conveyor.ipc import step_channel
 from conveyor.ipc.messages import CachedRequests, Shutdown, StepPlan, StepResult
-from conveyor.ipc.step_channel import StepChannels, StepReceiver, StepSender
+from conveyor.ipc.step_channel import StepChannels, StepSender
+from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import PlanTransport
 from conveyor_tools.stand_in_worker import answer_plans
+from harness import write_report  # bench/ is this script's directory
 
 
 def answer(plan: StepPlan) -> StepResult:
@@ -206,9 +207,7 @@ def main() -> int:
             report["results"].append({"requests": n, "transport": t, **s})
             print(f"{n:>8} {t:>9} {s['p50_us']:>8.1f} {s['p90_us']:>8.1f} {s['p99_us']:>8.1f} {s['mean_us']:>8.1f}")
     report["machine"]["load_avg_after"] = os.getloadavg()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(args.json, report)
     return 0
 
 

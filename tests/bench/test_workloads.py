@@ -17,6 +17,7 @@ from conveyor_tools.bench.workloads import (
     make_workload,
     with_controls,
     poisson_arrivals,
+    workload_from_args,
 )
 
 VOCAB = 4096
@@ -37,6 +38,28 @@ def test_same_seed_same_requests(name) -> None:
     assert a.requests == b.requests
     assert name == "fixed" or a.requests != c.requests
     assert all(10 <= t < VOCAB for r in a.requests for t in r.prompt_ids)
+
+
+@pytest.mark.parametrize(
+    ("flags", "kwargs"),
+    [
+        (["--workload", "fixed", "--prompt-len", "7", "--output-len", "9"], {"prompt_len": 7, "output_len": 9}),
+        (["--workload", "uniform", "--min-len", "5", "--max-len", "12", "--seed", "3"], {"min_len": 5, "max_len": 12, "seed": 3}),
+        (["--workload", "sharegpt", "--scale", "0.25", "--num-requests", "9"], {"scale": 0.25}),
+        (["--workload", "lognormal", "--output-len", "20", "--output-sigma", "0.5"], {"output_len": 20, "output_sigma": 0.5}),
+    ],
+)
+def test_bench_and_sim_flags_name_the_same_workload(flags, kwargs) -> None:
+    """bin/sim replays bin/bench's requests: the same flags on either command line give the
+    workload make_workload gives for those values."""
+    from conveyor_tools.cli import bench_options, sim
+
+    bench_args = bench_options.build_parser().parse_args(["offline", *flags])
+    sim_args = sim.build_parser().parse_args(["run", "--cost", "unused.json", *flags])
+    name, n = flags[1], int(flags[flags.index("--num-requests") + 1]) if "--num-requests" in flags else 64
+    want = make_workload(name, n, vocab_size=VOCAB, max_model_len=4096, **kwargs)
+    for args in (bench_args, sim_args):
+        assert workload_from_args(args, vocab_size=VOCAB, max_model_len=4096).requests == want.requests
 
 
 def test_fixed_and_uniform_lengths() -> None:

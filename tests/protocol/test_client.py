@@ -9,15 +9,14 @@ import asyncio
 import threading
 import time
 
-import msgpack
 import pytest
-import zmq
 
 from conveyor.cli import client as client_cli
 from conveyor.cli import profile as profile_cli
 from conveyor.client import AsyncClient, Client, NoServerError
 from conveyor.protocol import wire
 from conveyor.protocol.replies import final_reply
+from tests.protocol.stand_in import RouterStandIn
 
 CONNECT_TIMEOUT = 0.5
 
@@ -62,41 +61,22 @@ def test_commands_say_no_server_and_exit_non_zero(cli, nowhere, capsys) -> None:
     assert f"no server at {nowhere}" in err and "Traceback" not in err
 
 
-class StandIn:
-    """A ROUTER bound at ``address`` that takes ``expect`` messages and records each: it answers
-    a generate with a final after ``delay_s`` (as a long prompt's prefill: nothing at all comes
-    meanwhile), and stats with a stats map."""
+class StandIn(RouterStandIn):
+    """Answers a generate with a final after ``delay_s`` (as a long prompt's prefill: nothing
+    at all comes meanwhile), and stats with an idle server's map."""
 
     def __init__(self, address: str, delay_s: float, expect: int) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(address)
         self.delay_s = delay_s
-        self.expect = expect
-        self.received: list[dict] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__(address, expect)
 
-    def _serve(self) -> None:
-        while len(self.received) < self.expect and self.sock.poll(10_000):
-            identity, payload = self.sock.recv_multipart()
-            msg = msgpack.unpackb(payload)
-            self.received.append(msg)
-            if msg["type"] == wire.GENERATE:
-                time.sleep(self.delay_s)
-                timing = {"queue_time": None, "ttft": None, "total": self.delay_s}
-                final = final_reply(
-                    msg["request_id"], "ok", [7], "length", None, prompt_tokens=1, cached_tokens=0, timing=timing
-                )
-                self.sock.send_multipart([identity, wire.pack(final)])
-            elif msg["type"] == wire.STATS:
-                self.sock.send_multipart([identity, wire.pack({"type": wire.STATS_REPLY, "v": 1, "in_flight": 0})])
-
-    def close(self) -> None:
-        self.thread.join(15)
-        self.sock.close(linger=0)
-        self.ctx.term()
+    def answer(self, msg: dict) -> dict | None:
+        if msg["type"] == wire.STATS:
+            return self.STATS
+        if msg["type"] != wire.GENERATE:
+            return None
+        time.sleep(self.delay_s)
+        timing = {"queue_time": None, "ttft": None, "total": self.delay_s}
+        return final_reply(msg["request_id"], "ok", [7], "length", None, prompt_tokens=1, cached_tokens=0, timing=timing)
 
 
 def test_a_slow_first_reply_is_waited_for(tmp_path) -> None:

@@ -4,17 +4,16 @@ clients' ``metrics()`` (routed by the reply's type, beside ``stats``)."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import msgpack
 import pytest
-import zmq
 
 from conveyor.client import AsyncClient, Client
 from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.protocol import wire
 from conveyor.protocol import requests as client_requests
 from conveyor.protocol import replies
+from tests.protocol.stand_in import RouterStandIn
 
 
 def test_metrics_parses_and_names_bad_fields() -> None:
@@ -33,33 +32,13 @@ def test_metrics_reply_carries_counters_and_histograms() -> None:
     assert msgpack.unpackb(wire.pack(reply)) == reply  # plain msgpack types only
 
 
-class MetricsStandIn:
-    """A ROUTER that answers ``metrics`` and ``stats`` with fixed maps, ``expect`` times."""
+class MetricsStandIn(RouterStandIn):
+    """Answers ``metrics`` with a fixed map, and anything else with the stats map."""
 
     METRICS = replies.metrics_reply(**FrontendMetrics().snapshot())
-    STATS = {"type": wire.STATS_REPLY, "v": 1, "in_flight": 0}
 
-    def __init__(self, address: str, expect: int) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(address)
-        self.received: list[dict] = []
-        self.thread = threading.Thread(target=self._serve, args=(expect,), daemon=True)
-        self.thread.start()
-
-    def _serve(self, expect: int) -> None:
-        while len(self.received) < expect and self.sock.poll(10_000):
-            identity, payload = self.sock.recv_multipart()
-            msg = msgpack.unpackb(payload)
-            self.received.append(msg)
-            reply = self.METRICS if msg["type"] == wire.METRICS else self.STATS
-            self.sock.send_multipart([identity, wire.pack(reply)])
-
-    def close(self) -> None:
-        self.thread.join(15)
-        self.sock.close(linger=0)
-        self.ctx.term()
+    def answer(self, msg: dict) -> dict | None:
+        return self.METRICS if msg["type"] == wire.METRICS else self.STATS
 
 
 def test_clients_ask_for_metrics(tmp_path) -> None:

@@ -35,6 +35,15 @@ def new_req(plan, rid):
     return r
 
 
+def check_arrives_computed(h: Harness, rid: str, computed: int, **request) -> None:
+    """Add ``rid``; its first plan must start it at ``computed`` tokens (what the prefix cache
+    or a continuation's kept KV saved it); then run everything out and check every output."""
+    h.add(rid, **request)
+    assert new_req(h.step(), rid).num_computed_tokens == computed
+    h.run()
+    h.check_outcomes()
+
+
 def run_until(h: Harness, predicate, limit: int = 500):
     for _ in range(limit):
         plan = h.step()
@@ -357,22 +366,14 @@ def test_the_last_token_is_always_computed_even_when_all_is_cached():
     prompt = list(range(200, 208))  # exactly two blocks
     h.add("a", prompt=prompt, max_tokens=2)
     h.run()
-    h.add("b", prompt=prompt, max_tokens=2)
-    plan = h.step()
-    assert new_req(plan, "b").num_computed_tokens == 4  # the second block is recomputed, not written into
-    h.run()
-    h.check_outcomes()
+    check_arrives_computed(h, "b", 4, prompt=prompt, max_tokens=2)  # the second block is recomputed, not written into
 
 
 def test_a_partly_filled_last_block_is_taken_over():
     h = Harness(cfg())
     h.add("a", prompt=list(range(300, 306)), max_tokens=1)  # 6 tokens: 1 full block + 2
     h.run()
-    h.add("b", prompt=list(range(300, 306)) + [7, 8, 9], max_tokens=1)
-    plan = h.step()
-    assert new_req(plan, "b").num_computed_tokens == 6
-    h.run()
-    h.check_outcomes()
+    check_arrives_computed(h, "b", 6, prompt=list(range(300, 306)) + [7, 8, 9], max_tokens=1)
 
 
 def test_cached_blocks_are_evicted_least_recently_used_first_and_from_the_end():
@@ -383,10 +384,7 @@ def test_cached_blocks_are_evicted_least_recently_used_first_and_from_the_end():
     h.run()
     h.add("filler", prompt_len=13, max_tokens=3)  # 4 blocks: evicts old's first, keeps new's
     h.run()
-    h.add("new-again", prompt=list(range(40, 48)) + [2], max_tokens=1)
-    plan = h.step()
-    assert new_req(plan, "new-again").num_computed_tokens == 8
-    h.run()
+    check_arrives_computed(h, "new-again", 8, prompt=list(range(40, 48)) + [2], max_tokens=1)
 
 
 # ---------------------------------------------------------------- continuation
@@ -432,11 +430,7 @@ def test_continuation_recomputes_when_its_kv_is_gone():
     context = h.context("chat")
     h.add("other", prompt_len=28, max_tokens=2)
     h.run()
-    h.add("chat", prompt=context + [5, 6], max_tokens=2)
-    plan = h.step()
-    assert new_req(plan, "chat").num_computed_tokens == 0
-    h.run()
-    h.check_outcomes()
+    check_arrives_computed(h, "chat", 0, prompt=context + [5, 6], max_tokens=2)
 
 
 # ---------------------------------------------------------------- batch formation

@@ -13,6 +13,7 @@ import torch
 
 from conveyor.ipc.messages import SamplingParams
 from conveyor.worker.sampler import Sampler, draw_keys
+from tests.worker.splitmix import U64_MASK, splitmix64_reference
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -59,17 +60,6 @@ def test_seeded_draws_ignore_batch_mates_and_order():
     assert alone != [int(sample(logits, SamplingParams(seed=1235), [pos])) for pos in range(20)]
 
 
-_U64 = (1 << 64) - 1
-
-
-def splitmix64_reference(x: int) -> int:
-    """The published splitmix64 step on unsigned Python ints (no torch, no int64 wrapping)."""
-    z = (x + 0x9E3779B97F4A7C15) & _U64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
-    return z ^ (z >> 31)
-
-
 def test_splitmix64_reference_gives_the_published_stream():
     """The first two outputs of splitmix64 seeded with 0, as published with the algorithm."""
     assert splitmix64_reference(0) == 0xE220A8397B1DCDAF
@@ -96,7 +86,7 @@ def test_draw_keys_are_the_reference_hash_in_every_process():
     )
     assert json.loads(fresh.stdout) == keys
     reference = [splitmix64_reference(splitmix64_reference(s) ^ p) for s, p in zip(seeds, positions)]
-    assert [k & _U64 for k in keys] == reference
+    assert [k & U64_MASK for k in keys] == reference
     assert len(set(keys)) == len(keys)
 
 

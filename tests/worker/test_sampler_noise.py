@@ -11,22 +11,14 @@ import torch
 
 from conveyor.ipc.messages import SamplingParams
 from conveyor.worker.sampler import Sampler, SamplingColumns, batch_from_rows, exponential_noise, splitmix64
-
-_MASK = (1 << 64) - 1
-
-
-def splitmix64_reference(value: int) -> int:
-    value = (value + 0x9E3779B97F4A7C15) & _MASK
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
-    return value ^ (value >> 31)
+from tests.worker.splitmix import U64_MASK, splitmix64_reference
 
 
 def test_int64_splitmix_equals_the_unsigned_algorithm():
     rng = random.Random(0)
-    values = [rng.getrandbits(64) for _ in range(2000)] + [0, 1, _MASK, 1 << 63, (1 << 63) - 1]
+    values = [rng.getrandbits(64) for _ in range(2000)] + [0, 1, U64_MASK, 1 << 63, (1 << 63) - 1]
     signed = torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in values], dtype=torch.int64)
-    assert [x & _MASK for x in splitmix64(signed).tolist()] == [splitmix64_reference(v) for v in values]
+    assert [x & U64_MASK for x in splitmix64(signed).tolist()] == [splitmix64_reference(v) for v in values]
 
 
 # 99.9% quantile of chi-square with 15 degrees of freedom

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from conveyor_tools.bench.cpu import CpuMeter, CpuProbe, per_token_us
@@ -137,6 +138,9 @@ def _profile_summary(profile: dict[str, Any]) -> dict[str, Any]:
 
 
 StreamOne = Callable[[BenchRequest, StreamTiming], Awaitable[None]]
+#: An online run's way to the server, opened and warmed up: ``stream_one``, and what the run
+#: adds to ``extra`` given its wall time and timings (read before the face closes).
+Face = tuple[StreamOne, Callable[[float, list[StreamTiming]], Awaitable[dict[str, Any]]]]
 
 
 async def drive_arrivals(
@@ -190,7 +194,7 @@ def online_run(
 
 async def run_online(
     system: str,
-    address: str,
+    address: str | None,
     workload: Workload,
     arrivals: list[float],
     rate: float,
@@ -199,9 +203,31 @@ async def run_online(
     progress: Any,
     timeout: float,
     cpu_probe: CpuProbe | None = None,
+    http_url: str | None = None,
 ) -> OnlineRun:
-    """Stream every request of ``workload`` at its arrival time; ``cpu_probe`` (the server
-    processes' CPU seconds) adds each process's CPU cost of the window to ``extra``."""
+    """Stream every request of ``workload`` at its arrival time through the client protocol at
+    ``address``, or with ``http_url`` through that server's OpenAI API
+    (:func:`conveyor_tools.bench.http_driver.http_face`; the server profile is then read from
+    ``address`` when given); ``cpu_probe`` (the server processes' CPU seconds) adds each
+    process's CPU cost of the window to ``extra``."""
+    if http_url is None:
+        if address is None:
+            raise ValueError("an online run through the client protocol needs its address")
+        face = client_face(address, timeout)
+    else:
+        from conveyor_tools.bench.http_driver import http_face  # it builds on this module
+
+        face = http_face(http_url, address, timeout)
+    async with face as (stream_one, extra_of):
+        timings, wall, cpu_s = await drive_arrivals(workload, arrivals, stream_one, progress, cpu_probe)
+        extra = await extra_of(wall, timings)
+    return online_run(system, rate, wall, timings, slo_ttft_s, slo_tpot_s, cpu_s, extra)
+
+
+@asynccontextmanager
+async def client_face(address: str, timeout: float) -> AsyncIterator[Face]:
+    """The client protocol at ``address`` (conveyor.client), warmed up; the run's extra is the
+    server profile of its window."""
     async with AsyncClient(address, timeout=timeout) as client:
         await _warmup(client)
 
@@ -219,8 +245,7 @@ async def run_online(
             result = last.result if last is not None else None
             timing.ok = result is not None and result.finish_reason == "length" and timing.num_tokens == req.output_len
 
-        timings, wall, cpu_s = await drive_arrivals(workload, arrivals, stream_one, progress, cpu_probe)
-        profile = await client.profile(wall + PROFILE_SLACK_S)
-    return online_run(
-        system, rate, wall, timings, slo_ttft_s, slo_tpot_s, cpu_s, {"server_profile": _profile_summary(profile)}
-    )
+        async def extra_of(wall: float, timings: list[StreamTiming]) -> dict[str, Any]:
+            return {"server_profile": _profile_summary(await client.profile(wall + PROFILE_SLACK_S))}
+
+        yield stream_one, extra_of

@@ -21,13 +21,10 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
         lo, hi = t["published"]["ratio"]
         lines = [
             f"1. Throughput, continuous vs static (output tok/s; published {lo}x to {hi}x on {t['published']['setup']})",
-            f"{'batch':>6} {'requests':>9} {'continuous':>11} {'static':>9} {'ratio':>7}",
+            f"{'batch':>6} {'requests':>9} {THROUGHPUT_HEADER}",
         ]
         for r in t["rows"]:
-            lines.append(
-                f"{r['batch_size']:>6} {r['num_requests']:>9} {number_text(r['continuous_tok_s'], 11, 1)} "
-                f"{number_text(r['static_tok_s'], 9, 1)} {number_text(r['ratio'], 6, 2)}x" + _na(r["unavailable"])
-            )
+            lines.append(f"{r['batch_size']:>6} {r['num_requests']:>9} {_throughput_cells(r)}" + _na(r["unavailable"]))
         out.append("\n".join(lines))
     if "2_latency" in tables:
         t = tables["2_latency"]
@@ -81,15 +78,24 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
         t = tables["5_variance"]
         lines = [
             f"5. Output-length spread at one mean, batch {t['batch_size']} (continuous / static throughput)",
-            f"{'spread':<7} {'sigma':>6} {'cv':>5} {'continuous':>11} {'static':>9} {'ratio':>7} {'published':>10}",
+            f"{'spread':<7} {'sigma':>6} {'cv':>5} {THROUGHPUT_HEADER} {'published':>10}",
         ]
         for r in t["rows"]:
             lines.append(
-                f"{r['spread']:<7} {r['sigma']:>6.2f} {number_text(r['output_len_cv'], 5, 2)} {number_text(r['continuous_tok_s'], 11, 1)} "
-                f"{number_text(r['static_tok_s'], 9, 1)} {number_text(r['ratio'], 6, 2)}x {r['published']:>9.1f}x" + _na(r["unavailable"])
+                f"{r['spread']:<7} {r['sigma']:>6.2f} {number_text(r['output_len_cv'], 5, 2)} {_throughput_cells(r)} "
+                f"{r['published']:>9.1f}x" + _na(r["unavailable"])
             )
         out.append("\n".join(lines))
     return "\n\n".join(out)
+
+
+#: The columns tables 1 and 5 end on (before 5's published figure): continuous and static
+#: output tok/s and their ratio, :func:`_throughput_cells` of a row.
+THROUGHPUT_HEADER = f"{'continuous':>11} {'static':>9} {'ratio':>7}"
+
+
+def _throughput_cells(row: dict[str, Any]) -> str:
+    return f"{number_text(row['continuous_tok_s'], 11, 1)} {number_text(row['static_tok_s'], 9, 1)} {number_text(row['ratio'], 6, 2)}x"
 
 
 def _system_rows(table: dict[str, Any], width: int, row: Callable[[dict[str, Any]], str]) -> list[str]:

@@ -1,6 +1,7 @@
 """The online load generator through the OpenAI HTTP API (``conveyor-http``).
 
-The same seeded requests as :func:`conveyor_tools.bench.drivers.run_online`, each a streamed
+The face :func:`conveyor_tools.bench.drivers.run_online` takes with ``http_url``: the same
+seeded requests as through the client protocol, each a streamed
 ``POST /v1/completions`` with the workload's token ids as ``prompt``, ``max_tokens`` its
 output length, ``ignore_eos`` and temperature 0, sent at its Poisson arrival time over
 aiohttp's client (one session, connections kept alive and unlimited in number, so a
@@ -26,15 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from conveyor_tools.bench.cpu import CpuProbe
-from conveyor_tools.bench.drivers import PROFILE_SLACK_S, WARMUP_REQUESTS, RunFailed, _profile_summary, drive_arrivals, online_run
-from conveyor_tools.bench.run_metrics import OnlineRun, StreamTiming
-from conveyor_tools.bench.workloads import BenchRequest, Workload
+from conveyor_tools.bench.drivers import PROFILE_SLACK_S, WARMUP_REQUESTS, Face, RunFailed, _profile_summary
+from conveyor_tools.bench.run_metrics import StreamTiming
+from conveyor_tools.bench.workloads import BenchRequest
 from conveyor.client import AsyncClient
 
 _DATA = b"data: "
@@ -103,21 +105,11 @@ async def stream_completion(
     return completion_tokens, finish_reason
 
 
-async def run_online_http(
-    system: str,
-    base_url: str,
-    profile_address: str | None,
-    workload: Workload,
-    arrivals: list[float],
-    rate: float,
-    slo_ttft_s: float,
-    slo_tpot_s: float,
-    progress: Any,
-    timeout: float,
-    cpu_probe: CpuProbe | None = None,
-) -> OnlineRun:
-    """As :func:`conveyor_tools.bench.drivers.run_online`, through ``base_url``'s OpenAI API;
-    the server profile is read over ZeroMQ from ``profile_address`` when given."""
+@asynccontextmanager
+async def http_face(base_url: str, profile_address: str | None, timeout: float) -> AsyncIterator[Face]:
+    """``base_url``'s OpenAI API, warmed up, for :func:`conveyor_tools.bench.drivers.run_online`;
+    the run's extra is the content events per token and, when ``profile_address`` is given,
+    the server profile read from it over ZeroMQ."""
     url = f"{base_url}/v1/completions"
     connector = aiohttp.TCPConnector(limit=0)
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
@@ -136,13 +128,15 @@ async def run_online_http(
             timing.num_tokens = tokens or 0
             timing.ok = reason == "length" and tokens == req.output_len
 
-        timings, wall, cpu_s = await drive_arrivals(workload, arrivals, stream_one, progress, cpu_probe)
-    output_tokens = sum(t.num_tokens for t in timings if t.ok)
-    extra: dict[str, Any] = {
-        "base_url": base_url,
-        "content_events_per_token": events / output_tokens if output_tokens else None,
-    }
-    if profile_address is not None:
-        async with AsyncClient(profile_address, timeout=timeout) as client:
-            extra["server_profile"] = _profile_summary(await client.profile(wall + PROFILE_SLACK_S))
-    return online_run(system, rate, wall, timings, slo_ttft_s, slo_tpot_s, cpu_s, extra)
+        async def extra_of(wall: float, timings: list[StreamTiming]) -> dict[str, Any]:
+            output_tokens = sum(t.num_tokens for t in timings if t.ok)
+            extra: dict[str, Any] = {
+                "base_url": base_url,
+                "content_events_per_token": events / output_tokens if output_tokens else None,
+            }
+            if profile_address is not None:
+                async with AsyncClient(profile_address, timeout=timeout) as client:
+                    extra["server_profile"] = _profile_summary(await client.profile(wall + PROFILE_SLACK_S))
+            return extra
+
+        yield stream_one, extra_of

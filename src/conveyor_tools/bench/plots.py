@@ -10,12 +10,15 @@ Experiments (bin/bench experiments): one figure per experiment, continuous besid
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 DPI = 80  # small PNGs: they are committed under bench/results/
+#: The two ways of batching the experiments compare, in their colours' order (C0, C1).
+BATCHING = ("continuous", "static")
 
 
 def missing_requirement() -> str | None:
@@ -41,12 +44,7 @@ def _cdf_figure(plt, curves: list[tuple[list[float], str]], xlabel: str, title: 
         if values:
             x = np.sort(np.asarray(values))
             ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=legend_size)
-    fig.tight_layout()
-    return _save(fig, path, plt)
+    return _finish(plt, fig, ax, path, title, xlabel, "fraction of requests", legend_size)
 
 
 def plot_offline(out_dir: str, title: str, systems: dict[str, dict[str, Any]]) -> list[str]:
@@ -111,19 +109,20 @@ def plot_online(out_dir: str, title: str, runs: list[dict[str, Any]]) -> list[st
         pts = [(run["summary"]["req_s"], run["summary"]["output_tok_s"]) for run in runs if run["system"] == name]
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.set_xlabel("achieved requests / s")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(f"Throughput vs load: {title}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(_save(fig, out / "online_throughput.png", plt))
+    written.append(
+        _finish(plt, fig, ax, out / "online_throughput.png", f"Throughput vs load: {title}", "achieved requests / s", "output tokens / s")
+    )
     return written
 
 
-def _titled(fig, ax, title: str, path: Path, plt) -> str:
-    """Title, legend and layout of a one-axes experiment figure, then saved."""
+def _finish(plt, fig, ax, path: Path, title: str, xlabel: str | None, ylabel: str, legend_size: int = 8) -> str:
+    """Labels (no x label where the ticks say it all), title, legend and layout of a one-axes
+    figure whose curves or bars are labelled, then saved: every such figure looks alike."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=legend_size)
     fig.tight_layout()
     return _save(fig, path, plt)
 
@@ -144,37 +143,21 @@ def plot_experiments(out_dir: str, payload: dict[str, Any]) -> list[str]:
     tables, runs = payload["tables"], payload["runs"]
     device = payload["environment"]["device"]["name"]
     written = []
-    systems = ("continuous", "static")
+
+    def row_figure(key: str, draw: Callable[[Any, list[dict[str, Any]]], tuple[str | None, str]], title: str) -> None:
+        """Experiment ``key``'s figure: one axes over its table's rows, drawn by ``draw``."""
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        xlabel, ylabel = draw(ax, tables[key]["rows"])
+        written.append(_finish(plt, fig, ax, out / f"{key}.png", title, xlabel, ylabel))
 
     if "1_throughput" in tables:
-        rows = tables["1_throughput"]["rows"]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for i, name in enumerate(systems):
-            pts = [(r["batch_size"], r[f"{name}_tok_s"]) for r in rows if r[f"{name}_tok_s"] is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}", label=name)
-        for r in rows:
-            if r["ratio"] is not None:
-                ax.annotate(f"{r['ratio']:.2f}x", (r["batch_size"], r["continuous_tok_s"]), fontsize=7, va="bottom")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([r["batch_size"] for r in rows], [str(r["batch_size"]) for r in rows])
-        ax.set_xlabel("batch size (max_num_seqs)")
-        ax.set_ylabel("output tokens / s")
-        written.append(_titled(fig, ax, f"1. Throughput over batch size ({device})", out / "1_throughput.png", plt))
-
+        row_figure("1_throughput", _throughput_over_batch, f"1. Throughput over batch size ({device})")
     if "2_latency" in tables:
-        rows = tables["2_latency"]["rows"]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        x = np.arange(len(rows))
-        for i, name in enumerate(systems):
-            values = [r[f"{name}_s"] or 0.0 for r in rows]
-            ax.bar(x + (i - 0.5) * 0.4, values, 0.4, color=f"C{i}", label=name)
-        ax.set_xticks(x, [f"p{r['percentile']}" for r in rows])
-        ax.set_ylabel("end-to-end latency (s)")
         rate = tables["2_latency"]["rate_req_s"]
-        written.append(_titled(fig, ax, f"2. Latency at {rate or 0:.2f} req/s ({device})", out / "2_latency.png", plt))
+        row_figure("2_latency", _latency_percentiles, f"2. Latency at {rate or 0:.2f} req/s ({device})")
 
     focus = payload["settings"]["sizes"]["focus_batch"]
-    focus_runs = {s: runs.get(f"{s}/b{focus}/sharegpt", {}) for s in systems}
+    focus_runs = {s: runs.get(f"{s}/b{focus}/sharegpt", {}) for s in BATCHING}
     if "3_occupancy" in tables and all(r.get("timeline", {}).get("t_s") for r in focus_runs.values()):
         fig, axes = plt.subplots(2, 1, figsize=(7, 3.8), sharex=True)
         for i, (ax, (name, run)) in enumerate(zip(axes, focus_runs.items())):
@@ -193,17 +176,40 @@ def plot_experiments(out_dir: str, payload: dict[str, Any]) -> list[str]:
         for i, (name, run) in enumerate(focus_runs.items()):
             series = run["kv"]["series"]
             ax.step(series["t_s"], series["held_blocks"], where="post", lw=0.7, color=f"C{i}", label=name)
-        ax.set_xlabel("time since the run started (s)")
-        ax.set_ylabel("KV blocks held")
-        written.append(_titled(fig, ax, f"4. KV blocks held, batch {focus} ({device})", out / "4_kv_blocks.png", plt))
+        title = f"4. KV blocks held, batch {focus} ({device})"
+        written.append(_finish(plt, fig, ax, out / "4_kv_blocks.png", title, "time since the run started (s)", "KV blocks held"))
 
     if "5_variance" in tables:
-        rows = tables["5_variance"]["rows"]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        x = np.arange(len(rows))
-        ax.bar(x - 0.2, [r["ratio"] or 0.0 for r in rows], 0.4, color="C0", label="ours")
-        ax.bar(x + 0.2, [r["published"] for r in rows], 0.4, color="C7", label="published")
-        ax.set_xticks(x, [f"{r['spread']}\ncv {r['output_len_cv'] or 0:.2f}" for r in rows])
-        ax.set_ylabel("continuous / static throughput")
-        written.append(_titled(fig, ax, f"5. Output-length spread at one mean ({device})", out / "5_variance.png", plt))
+        row_figure("5_variance", _ratio_over_spread, f"5. Output-length spread at one mean ({device})")
     return written
+
+
+def _throughput_over_batch(ax, rows: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """Experiment 1: output tok/s over batch size both ways, each ratio written at its point."""
+    for i, name in enumerate(BATCHING):
+        pts = [(r["batch_size"], r[f"{name}_tok_s"]) for r in rows if r[f"{name}_tok_s"] is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}", label=name)
+    for r in rows:
+        if r["ratio"] is not None:
+            ax.annotate(f"{r['ratio']:.2f}x", (r["batch_size"], r["continuous_tok_s"]), fontsize=7, va="bottom")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["batch_size"] for r in rows], [str(r["batch_size"]) for r in rows])
+    return "batch size (max_num_seqs)", "output tokens / s"
+
+
+def _latency_percentiles(ax, rows: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """Experiment 2: end-to-end latency at each percentile, a bar each way."""
+    x = np.arange(len(rows))
+    for i, name in enumerate(BATCHING):
+        ax.bar(x + (i - 0.5) * 0.4, [r[f"{name}_s"] or 0.0 for r in rows], 0.4, color=f"C{i}", label=name)
+    ax.set_xticks(x, [f"p{r['percentile']}" for r in rows])
+    return None, "end-to-end latency (s)"
+
+
+def _ratio_over_spread(ax, rows: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """Experiment 5: our continuous / static throughput ratio beside the published one, per spread."""
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["ratio"] or 0.0 for r in rows], 0.4, color="C0", label="ours")
+    ax.bar(x + 0.2, [r["published"] for r in rows], 0.4, color="C7", label="published")
+    ax.set_xticks(x, [f"{r['spread']}\ncv {r['output_len_cv'] or 0:.2f}" for r in rows])
+    return None, "continuous / static throughput"

@@ -25,6 +25,7 @@ were clamped is recorded, so a clamped run is never mistaken for the nominal wor
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,6 +233,19 @@ def make_workload(
         requests.append(BenchRequest(ids, o))
     return Workload(name, seed, requests, params, clamped)
 
+
+
+#: make_workload's length parameters: bin/bench's and bin/sim's flags of the same names set them.
+LENGTH_PARAMS = ("prompt_len", "output_len", "min_len", "max_len", "scale", "output_sigma")
+
+
+def workload_from_args(args: argparse.Namespace, *, vocab_size: int, max_model_len: int) -> Workload:
+    """The workload a command line names (``--workload``, ``--num-requests``, ``--seed`` and the
+    length flags): bin/sim replays bin/bench's requests, so both build them here."""
+    lengths = {name: getattr(args, name) for name in LENGTH_PARAMS}
+    return make_workload(
+        args.workload, args.num_requests, seed=args.seed, vocab_size=vocab_size, max_model_len=max_model_len, **lengths
+    )
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:

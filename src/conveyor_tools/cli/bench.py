@@ -41,10 +41,9 @@ from typing import Any
 
 from conveyor_tools.bench import experiments, plots, report
 from conveyor_tools.bench.drivers import run_offline, run_online
-from conveyor_tools.bench.http_driver import run_online_http
 from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
-from conveyor_tools.bench.workloads import constrain_fraction, make_workload, poisson_arrivals, with_controls, with_logprobs
+from conveyor_tools.bench.workloads import constrain_fraction, poisson_arrivals, with_controls, with_logprobs, workload_from_args
 from conveyor_tools.cli.bench_experiments import experiments_main
 from conveyor_tools.cli.bench_speculative import speculative_main
 from conveyor_tools.cli.bench_options import (
@@ -186,12 +185,9 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                     probe = None if server is None else server.cpu_seconds
                     with progress_bar(args, len(workload.requests), label) as bar:
-                        if http_url is None:
-                            job = run_online(name, address, workload, arrivals, rate, *slo, bar, args.timeout, probe)
-                        else:
-                            job = run_online_http(
-                                name, http_url, address, workload, arrivals, rate, *slo, bar, args.timeout, probe
-                            )
+                        job = run_online(
+                            name, address, workload, arrivals, rate, *slo, bar, args.timeout, probe, http_url=http_url
+                        )
                         run = asyncio.run(job)
                     summary = run.summary()
                     done = [r for r in run.requests if r.ok]
@@ -267,19 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     max_model_len = args.max_model_len or model.max_position_embeddings
-    workload = make_workload(
-        args.workload,
-        args.num_requests,
-        seed=args.seed,
-        vocab_size=model.vocab_size,
-        max_model_len=max_model_len,
-        prompt_len=args.prompt_len,
-        output_len=args.output_len,
-        min_len=args.min_len,
-        max_len=args.max_len,
-        scale=args.scale,
-        output_sigma=args.output_sigma,
-    )
+    workload = workload_from_args(args, vocab_size=model.vocab_size, max_model_len=max_model_len)
     # Only the conveyor systems driven over ZeroMQ send these fields (not HF, not conveyor-http).
     for flag, fraction, mark in (
         ("--controls-fraction", args.controls_fraction, with_controls),

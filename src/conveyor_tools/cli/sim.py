@@ -32,7 +32,7 @@ import numpy as np
 
 from conveyor.profiling import STEP_SERIES
 from conveyor.runtime.config import SchedulerConfig
-from conveyor_tools.bench.workloads import WORKLOADS, make_workload, poisson_arrivals
+from conveyor_tools.bench.workloads import WORKLOADS, poisson_arrivals, workload_from_args
 from conveyor_tools.sim.cost import CostModel, fit, records_arrays
 from conveyor_tools.sim.simulator import SimRequest, simulate
 
@@ -104,11 +104,7 @@ def workload_requests(args: argparse.Namespace, rate: float) -> list[SimRequest]
     seed as bin/bench online; inf: all at once, as bin/bench offline), or the trace."""
     if args.trace:
         return load_trace(args.trace, args.seed, args.vocab_size)
-    wl = make_workload(
-        args.workload, args.num_requests, seed=args.seed, vocab_size=args.vocab_size, max_model_len=args.max_model_len,
-        prompt_len=args.prompt_len, output_len=args.output_len, min_len=args.min_len, max_len=args.max_len,
-        scale=args.scale, output_sigma=args.output_sigma,
-    )  # fmt: skip
+    wl = workload_from_args(args, vocab_size=args.vocab_size, max_model_len=args.max_model_len)
     arrivals = poisson_arrivals(len(wl.requests), rate, args.seed)
     return [SimRequest(t, r.prompt_ids, r.output_len, str(i)) for i, (t, r) in enumerate(zip(arrivals, wl.requests))]
 

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.12
 
 __all__ = [
     "ROUNDED_TOLERANCES",
     "ROW_CASES",
     "TOLERANCES",
     "AttentionCase",
+    "Draw",
     "assert_attention_close",
     "assert_close",
     "paged_attention_ref",
@@ -66,20 +71,23 @@ ROW_CASES: list[tuple[int, int, torch.dtype]] = [
 ]
 
 
-def random_kv_cache(
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    generator: torch.Generator,
-) -> torch.Tensor:
-    """A layer cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` of N(0, 1) values
-    (drawn on the CPU with ``generator`` so every device sees the same numbers)."""
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+class Draw(TypedDict):
+    """How every random tensor here is drawn (keyword arguments of the builders): N(0, 1) on
+    the CPU from ``generator``, so every device sees the same numbers, then moved to
+    ``device`` in ``dtype``."""
+
+    dtype: torch.dtype
+    device: torch.device | str
+    generator: torch.Generator
+
+
+def _randn(shape: tuple[int, ...], draw: Draw) -> torch.Tensor:
+    return torch.randn(shape, generator=draw["generator"]).to(device=draw["device"], dtype=draw["dtype"])
+
+
+def random_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, **draw: Unpack[Draw]) -> torch.Tensor:
+    """A layer cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` of N(0, 1) values."""
+    return _randn((2, num_blocks, block_size, num_kv_heads, head_dim), draw)
 
 
 def random_block_tables(
@@ -109,38 +117,22 @@ def random_block_tables(
 
 
 def random_paged_kv(
-    seq_lens: Sequence[int],
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    generator: torch.Generator,
+    seq_lens: Sequence[int], block_size: int, num_kv_heads: int, head_dim: int, **draw: Unpack[Draw]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer cache and block tables for ``seq_lens``: the pool holds about twice the blocks the
     sequences need, so tables are scattered over it and unused blocks hold other numbers."""
     needed = sum(-(-n // block_size) for n in seq_lens)
     num_blocks = 2 * needed + 5
-    kv = random_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, generator=generator)
-    return kv, random_block_tables(seq_lens, block_size, num_blocks, generator=generator, device=device)
+    kv = random_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, **draw)
+    return kv, random_block_tables(seq_lens, block_size, num_blocks, generator=draw["generator"], device=draw["device"])
 
 
-def random_query(
-    num_tokens: int,
-    num_heads: int,
-    head_dim: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    generator: torch.Generator,
-    strided: bool = False,
-) -> torch.Tensor:
+def random_query(num_tokens: int, num_heads: int, head_dim: int, *, strided: bool = False, **draw: Unpack[Draw]) -> torch.Tensor:
     """``[num_tokens, num_heads, head_dim]`` N(0, 1) queries; ``strided``: a slice of a wider,
     fused projection (token stride > heads * head_dim), as a merged q/k/v output gives."""
     if not strided:
-        return torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(device=device, dtype=dtype)
-    fused = torch.randn(num_tokens, num_heads + 3, head_dim, generator=generator).to(device=device, dtype=dtype)
+        return _randn((num_tokens, num_heads, head_dim), draw)
+    fused = _randn((num_tokens, num_heads + 3, head_dim), draw)
     query = fused[:, 1 : num_heads + 1]
     assert not query.is_contiguous()
     return query
@@ -174,7 +166,7 @@ class AttentionCase:
         """``(query, kv, block_tables)``: ``num_tokens`` random query rows of every head and a
         cache paging ``seq_lens`` (drawn cache first, so a case's numbers never depend on the
         query's layout)."""
-        draw = {"dtype": self.dtype, "device": device, "generator": generator}
+        draw = Draw(dtype=self.dtype, device=device, generator=generator)
         kv, tables = random_paged_kv(seq_lens, self.block_size, self.num_kv_heads, self.head_dim, **draw)
         num_heads = self.num_kv_heads * self.ratio
         return random_query(num_tokens, num_heads, self.head_dim, strided=strided_query, **draw), kv, tables

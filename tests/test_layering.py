@@ -15,29 +15,44 @@ from tests.no_torch import run_without
 PACKAGE = Path(conveyor.__file__).resolve().parent
 
 
+def _package_of(path: Path) -> str:
+    """The package a relative import in ``path`` starts from."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _import_targets(node: ast.Import | ast.ImportFrom, package: str, *, submodules: bool) -> list[str]:
+    """The absolute module names one import statement names (relative ones resolved against
+    ``package``). ``submodules``: ``from pkg import name`` names ``pkg.name`` alone when that is
+    a module of this package (``from conveyor import profiling`` imports the subpackage, not
+    the facade), else ``pkg``; without it, both ``pkg`` and every ``pkg.name``."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")
+        base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+    names = [f"{base}.{alias.name}" for alias in node.names]
+    if not submodules:
+        return [base, *names]
+    return [name for name in names if _module_path(name) is not None] or [base]
+
+
 def _imported_modules(path: Path) -> set[str]:
     """Every module ``path`` imports (absolute names; relative imports resolved), anywhere in it."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
+    package = _package_of(path)
+    return {
+        name
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for name in _import_targets(node, package, submodules=False)
+    }
 
 
 def _runtime_imports(path: Path) -> set[str]:
     """The modules ``path`` imports when it runs: every import, at module level or inside a
     function, except those under ``if TYPE_CHECKING:`` (annotations only)."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package_of(path)
     names: set[str] = set()
 
     def visit(node: ast.AST) -> None:
@@ -45,17 +60,8 @@ def _runtime_imports(path: Path) -> set[str]:
             for child in node.orelse:
                 visit(child)
             return
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            # `from conveyor import profiling` imports the subpackage, not the package facade.
-            subpackages = [f"{base}.{alias.name}" for alias in node.names]
-            found = [name for name in subpackages if _module_path(name) is not None]
-            names.update(found or [base])
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(_import_targets(node, package, submodules=True))
         for child in ast.iter_child_nodes(node):
             visit(child)
 

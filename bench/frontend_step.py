@@ -49,7 +49,7 @@ from conveyor.ipc import codec, transport
 from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
 from conveyor.ipc.messages import RequestOutput, TokenOutputs
 from conveyor.ipc.transport import ServerAddresses
-from frontend_load import dealer_sockets, waiting_messages  # bench/ is this script's directory
+from frontend_load_procs import dealer_sockets, waiting_messages  # bench/ is this script's directory
 from harness import write_report
 
 TEXT = (

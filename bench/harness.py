@@ -1,6 +1,6 @@
 """What the scripts in bench/ share: timing a call per round, and writing the report a run
 asked for. A script imports it as a sibling (``python bench/<script>.py`` puts bench/ first on
-the path), as bench/frontend_step.py imports bench/frontend_load.py."""
+the path), as bench/frontend_step.py and bench/frontend_load.py import bench/frontend_load_procs.py."""
 
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+from tests.scheduler.scenario_helpers import assert_alone_tokens, ids
+from tests.scheduler.scenario_helpers import cfg as scenario_cfg
 from tests.scheduler.scheduler_harness import Harness
 
 from conveyor.ipc.messages import StepPlan
@@ -22,11 +25,8 @@ EQUAL_LENGTHS_BOUND = 0.05
 
 
 def cfg(**overrides) -> SchedulerConfig:
-    base = dict(
-        num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, batching="static"
-    )
-    base.update(overrides)
-    return SchedulerConfig(**base)
+    """The scenario pool, batching statically unless overridden."""
+    return scenario_cfg(**{"batching": "static", **overrides})
 
 
 def distinct_prompt(i: int, n: int) -> list[int]:
@@ -215,3 +215,46 @@ def test_static_batch_size_does_not_depend_on_the_token_budget():
         return run_to_completion(h).batches
 
     assert batches(8) == batches(64) == [[f"r{i}" for i in range(k, min(k + 5, 12))] for k in (0, 5, 10)]
+
+
+# ---------------------------------------------------------------- static batching baseline
+
+
+def test_static_batching_runs_each_batch_to_completion():
+    """The baseline admits only into an empty batch: a short request's slot idles until the
+    batch's longest member finishes, and nobody is preempted."""
+    h = Harness(cfg(batching="static", max_num_seqs=2, num_blocks=16))
+    h.add("short", prompt_len=4, max_tokens=1, ignore_eos=True)
+    h.add("long", prompt_len=4, max_tokens=6, ignore_eos=True)
+    h.add("next", prompt_len=4, max_tokens=2, ignore_eos=True)
+    first = h.step()
+    assert ids(first.new_requests) == ["short", "long"]
+    steps_until_next = 1
+    while True:
+        plan = h.step()
+        steps_until_next += 1
+        if plan.new_requests:
+            break
+    assert ids(plan.new_requests) == ["next"]
+    assert "long" in h.final and steps_until_next == 7  # 6 tokens for "long", then "next"
+    h.run()
+    assert h.scheduler.stats()["num_preemptions"] == 0
+    assert_alone_tokens(h, "short", "long", "next")
+
+
+def test_static_batch_reserves_blocks_for_whole_outputs():
+    """Members are admitted only while blocks for every member's prompt + max_tokens remain."""
+    h = Harness(cfg(batching="static", num_blocks=6, block_size=4))
+    h.add("a", prompt_len=4, max_tokens=8, ignore_eos=True)  # 12 tokens: 3 blocks
+    h.add("b", prompt_len=4, max_tokens=8, ignore_eos=True)  # 3 more: fills the pool
+    h.add("c", prompt_len=2, max_tokens=2, ignore_eos=True)  # would need a 7th block
+    plan = h.step()
+    assert ids(plan.new_requests) == ["a", "b"]
+    h.run()
+    assert h.scheduler.stats()["num_preemptions"] == 0
+    assert_alone_tokens(h, "a", "b", "c")
+
+
+def test_batching_mode_is_validated():
+    with pytest.raises(ValueError, match="batching"):
+        cfg(batching="dynamic")

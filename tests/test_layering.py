@@ -212,3 +212,21 @@ with contextlib.redirect_stderr(err):
 assert 'pip install "conveyor[convert]"' in err.getvalue(), err.getvalue()
 """
     run_without(("transformers",), body)
+
+
+# The one module allowed past the bound: the ring's layout, protocol and both ends read best together.
+LONG_MODULES = {"src/conveyor/ipc/shm_ring.py"}
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """Every Python module of the product, its tools, benchmarks and tests stays under the bound
+    (a longer one holds more than one responsibility: split it by topic)."""
+    root = PACKAGE.parent.parent
+    long = {
+        path.relative_to(root).as_posix(): lines
+        for folder in ("src", "bench", "tests")
+        for path in sorted((root / folder).rglob("*.py"))
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) >= MAX_MODULE_LINES
+    }
+    assert set(long) == LONG_MODULES, long

@@ -2,6 +2,7 @@
 # Everything a lent GPU owes the project, staged under one deadline: bench/gpu_checks.py says
 # what runs and why; docs/benchmarks.md ("What the GPU owes") says how to call it through the
 # device tool. Flags go to the driver: --deadline S (default 420), --cpu (the dry run CI makes).
+# Before a window, read docs/gpu-first-light.md: the risks found from the CPU and what to look for.
 #
 # The device image lacks pyzmq and msgspec: carry them as wheels in .whl/ (ignored by git);
 # whatever .whl/ holds is installed here first. The device gets a copy of the working tree

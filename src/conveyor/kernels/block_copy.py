@@ -136,7 +136,7 @@ def copy_blocks(caches: Caches, block_pairs: torch.Tensor) -> None:
         raise ValueError(f"block_pairs must be [N, 2], got {tuple(block_pairs.shape)}")
     if block_pairs.shape[0] == 0 or not layers:
         return
-    pairs = block_pairs.to(device=layers[0].device, dtype=torch.int64).contiguous()
+    pairs = block_pairs.to(device=layers[0].device, dtype=torch.int64, non_blocking=True).contiguous()
     for (stack,) in _stacks(layers):
         if stack.is_cuda or interpreting():
             _launch_copy_blocks(stack[0], pairs, stack.shape[0], stack.stride(0))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 
@@ -78,6 +78,16 @@ class DecodeGraphs:
     def width(self, bound: int) -> int:
         return -(-bound // self._block_size)
 
+    def captures(self) -> Iterator[tuple[tuple[int, int, int], DecodeInputs]]:
+        """Each distinct graph's key ``(rows, q, bound)`` and its uploaded inputs (every row
+        padding: a warm-up or capture writes no KV), largest first. What :meth:`capture`
+        runs the forward over; a CPU test runs it over the same (no device needed here)."""
+        for (rows, q), serving in sorted(self._serving.items(), reverse=True):
+            for bound in sorted(set(serving.values()), reverse=True):
+                width = self.width(bound)
+                self._buffers.stage(rows, width, q)
+                yield (rows, q, bound), self._buffers.upload(rows, width, q)
+
     def capture(self) -> None:
         """Capture every distinct graph, largest first, into one pool; log time and memory."""
         start = time.perf_counter()
@@ -85,21 +95,18 @@ class DecodeGraphs:
         reserved = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
-        for (rows, q), serving in sorted(self._serving.items(), reverse=True):
-            for bound in sorted(set(serving.values()), reverse=True):
-                width = self.width(bound)
-                self._buffers.stage(rows, width, q)  # all rows padding: the warm-up writes no KV
-                inputs = self._buffers.upload(rows, width, q)
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(WARMUP_RUNS):
-                        self._forward(inputs, bound)
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+        for key, inputs in self.captures():
+            bound = key[2]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
                     self._forward(inputs, bound)
-                self._graphs[rows, q, bound] = graph
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(inputs, bound)
+            self._graphs[key] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = torch.cuda.memory_reserved() - reserved

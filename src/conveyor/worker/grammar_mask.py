@@ -53,15 +53,18 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
         raise ValueError("expected logits [batch, vocab] and an int32 bitmask [batch, words]")
     if bitmask.shape[0] != logits.shape[0]:
         raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {logits.shape[0]} logits rows")
+    # Both copies non-blocking: a blocking one would wait for the step's forward (pageable
+    # memory is staged before the call returns, so the host may refill its buffers at once).
     bitmask = bitmask.to(logits.device, non_blocking=True)
+    index = torch.as_tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
     if backend_for(logits.device) == "xgrammar-triton":
         vocab = min(logits.shape[1], bitmask.shape[1] * 32)
-        _xgrammar_kernel()(logits, bitmask, vocab_size=vocab, indices=list(rows), backend="triton")
+        _xgrammar_kernel()(logits, bitmask, vocab_size=vocab, indices=index, backend="triton")
         if vocab < logits.shape[1]:
-            logits[list(rows), vocab:] = float("-inf")
+            logits[index, vocab:] = float("-inf")
         return
     with _on_the_calling_thread():
-        _apply_torch(logits, bitmask, torch.as_tensor(rows, dtype=torch.long, device=logits.device))
+        _apply_torch(logits, bitmask, index)
 
 
 @contextlib.contextmanager

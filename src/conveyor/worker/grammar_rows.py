@@ -112,4 +112,4 @@ class GrammarRows:
                 ends.append((slot, grammar.matcher.error or "no token is allowed here"))
             elif grammar.matcher.is_terminated:
                 ends.append((slot, ""))
-        return StepMask(torch.from_numpy(bitmask).to(device), [r for r, *_ in rows]), ends
+        return StepMask(torch.from_numpy(bitmask).to(device, non_blocking=True), [r for r, *_ in rows]), ends

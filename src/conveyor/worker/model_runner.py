@@ -462,7 +462,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
                 np.arange(end - item.num_scheduled, end - 1) for item, end in zip(work, ends.tolist()) if item.num_proposed
             ]
             logit_rows = np.concatenate([ends[sample_rows] - 1, *spec_index])
-            logits = self.model.compute_logits(hidden[torch.from_numpy(logit_rows).to(self.device)])
+            logits = self.model.compute_logits(hidden[torch.from_numpy(logit_rows).to(self.device, non_blocking=True)])
             if spec_index:
                 self._spec_verdict = self._verify_proposals(logits[len(sample_rows) :], work, slots, drafted)
                 logits = logits[: len(sample_rows)]

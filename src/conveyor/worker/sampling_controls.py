@@ -178,7 +178,7 @@ class SamplingControls:
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
                 values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
-                bias.index_put_((ids.to(dev),), values.to(dev))
+                bias.index_put_((ids.to(dev, non_blocking=True),), values.to(dev, non_blocking=True))
         stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids)))
         until = num_prompt + params.min_tokens if params.min_tokens > 0 and stop_ids else 0
         self.min_until_host[row] = until
@@ -186,7 +186,7 @@ class SamplingControls:
         if until:
             mask = self._dense("stop_ids")[row]
             mask.zero_()
-            mask[torch.tensor(stop_ids, dtype=torch.int64).to(dev)] = True
+            mask[torch.tensor(stop_ids, dtype=torch.int64).to(dev, non_blocking=True)] = True
 
     def release(self, slots: Iterable[int]) -> None:
         """The requests on ``slots`` are gone: their pool rows are free again."""

@@ -1,13 +1,17 @@
 """How a model splits over tensor-parallel ranks: which rank a worker is, how many items of a
-dimension it holds, which attention heads it computes. Imports no torch, so that what runs
-before any process starts can use it; the worker's model and KV cache build their shards with
-these functions (:mod:`conveyor.worker.parallel` re-exports them beside the collectives).
+dimension it holds, which attention heads it computes. Imports no torch, so bin/serve can
+refuse a model (the served one or a speculative draft) whose heads or MLP features cannot be
+split, before any process starts or any weight loads (:func:`check_shardable`); the worker's
+model and KV cache build their shards with the very same functions
+(:mod:`conveyor.worker.parallel` re-exports them beside the collectives).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from conveyor.checkpoints.model_config import ModelConfig
 
 if TYPE_CHECKING:  # the process group is the worker's; only its type is named here
     import torch.distributed as dist
@@ -80,3 +84,14 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSh
     ranks_per_kv_head = tp.size // num_kv_heads
     return HeadShard(local_heads, 1, tp.rank * local_heads, tp.rank // ranks_per_kv_head)
 
+
+def check_shardable(config: ModelConfig, size: int, source: str) -> None:
+    """ValueError, naming ``source`` (the flag and directory it came from), unless ``config``'s
+    heads (:func:`shard_heads`) and MLP features split over ``size`` ranks as every rank's shard
+    needs. Whether they do does not depend on the rank, so rank 0's split decides."""
+    tp = TensorParallel(0, size)
+    try:
+        shard_heads(config.num_heads, config.num_kv_heads, tp)
+        tp.split(config.intermediate_size, "intermediate_size")
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None

@@ -100,10 +100,11 @@ def draft_checkpoint(directory: Path, serving: Path, **overrides: Any) -> Path:
     """Save a draft model for the serving checkpoint in ``serving`` into ``directory``: its
     config and so its vocabulary, but one layer, 2 query heads and 1 KV head of 16 (a cache of
     another shape), tied embeddings and other weights; ``overrides`` change more of the config."""
-    config = LlamaConfig.from_pretrained(
-        serving, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, tie_word_embeddings=True, **overrides,
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, tie_word_embeddings=True,
     )  # fmt: skip
+    config = LlamaConfig.from_pretrained(serving, **{**sizes, **overrides})
     build(config, directory, SERVING_SEED + 1)
     return directory
 

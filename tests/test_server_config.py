@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 
+from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.cli import serve
 from conveyor.runtime.config import (
     FrontendConfig,
@@ -98,7 +99,8 @@ def test_the_draft_model_flags_reach_the_scheduler_and_the_worker_and_a_bad_draf
     from conveyor.runtime.model_source import StartupError, resolve_model
 
     demo, _ = resolve_model(None)
-    config = build("--speculative-method", "draft", "--speculative-model", demo, "--num-speculative-tokens", "3")
+    draft_flags = ("--speculative-method", "draft", "--speculative-model", demo, "--num-speculative-tokens", "3")
+    config = build(*draft_flags)
     batcher = config.scheduler.scheduler
     assert (batcher.speculative_method, batcher.speculative_model, batcher.speculative_tokens) == ("draft", demo, 3)
     assert config.worker.speculative_model == demo
@@ -106,14 +108,25 @@ def test_the_draft_model_flags_reach_the_scheduler_and_the_worker_and_a_bad_draf
         build("--speculative-method", "draft", "--num-speculative-tokens", "3")
     with pytest.raises(ValueError, match="go together"):
         build("--speculative-method", "ngram", "--speculative-model", demo, "--num-speculative-tokens", "3")
-    with pytest.raises(ValueError, match="draft model is not supported with tensor parallelism"):
-        build("--speculative-method", "draft", "--speculative-model", demo, "--num-speculative-tokens", "3", "--tensor-parallel-size", "2")
-    (tmp_path / "config.json").write_text(
-        '{"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, '
-        '"num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}'
-    )
+    split = build(*draft_flags, "--tensor-parallel-size", "2")  # every rank runs its shard of the draft
+    assert [w.speculative_model for w in split.worker_ranks()] == [demo, demo]
+
+    def write_draft(vocab_size: int, heads: int) -> None:
+        (tmp_path / "config.json").write_text(
+            f'{{"architectures": ["LlamaForCausalLM"], "vocab_size": {vocab_size}, "hidden_size": {16 * heads}, '
+            f'"intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": {heads}, "max_position_embeddings": 4096}}'
+        )
+
+    write_draft(320, 2)
     with pytest.raises(ValueError, match="320 tokens, the served model's"):
         build("--speculative-method", "draft", "--speculative-model", str(tmp_path), "--num-speculative-tokens", "3")
+    write_draft(ModelConfig.from_dir(demo).vocab_size, 3)
+    three_heads = ("--speculative-method", "draft", "--speculative-model", str(tmp_path), "--num-speculative-tokens", "3")
+    build(*three_heads)
+    with pytest.raises(ValueError, match=f"--speculative-model {tmp_path}: num_attention_heads 3 does not divide by the tensor-parallel size 2"):
+        build(*three_heads, "--tensor-parallel-size", "2")
+    with pytest.raises(ValueError, match="--model .*: num_attention_heads 8 does not divide by the tensor-parallel size 3"):
+        build("--tensor-parallel-size", "3")  # the served model's own heads, as well
     with pytest.raises(StartupError, match="speculative-model .*nowhere: no config.json"):  # (serve exits 2 with it)
         build("--speculative-method", "draft", "--speculative-model", str(tmp_path / "nowhere"), "--num-speculative-tokens", "2")
 

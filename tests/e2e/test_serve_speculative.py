@@ -1,19 +1,27 @@
 """bin/serve with speculative decoding by a draft model (--speculative-method draft
---speculative-model DIR): the worker process loads the draft beside the model, greedy streams
-served concurrently equal HF transformers' token for token, and the stats count the proposals."""
+--speculative-model DIR): the worker process loads the draft beside the model (each of two
+tensor-parallel ranks its shard of it), greedy streams served concurrently equal HF
+transformers' token for token, and the stats count the proposals."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from conveyor.client import AsyncClient, Client
 
 
-def test_draft_speculation_serves_hf_greedy(serve_factory, tiny_checkpoint, draft_checkpoint, hf_greedy) -> None:
+@pytest.mark.parametrize(
+    "ranks", [(), ("--tensor-parallel-size", "2", "--device", "cpu", "--distributed-timeout", "30")], ids=["tp1", "tp2"]
+)
+def test_draft_speculation_serves_hf_greedy(serve_factory, tiny_checkpoint, draft_checkpoint, hf_greedy, ranks) -> None:
     server = serve_factory(
         "--model", str(tiny_checkpoint), "--num-kv-blocks", "64", "--block-size", "8", "--threads", "1",
-        "--speculative-method", "draft", "--speculative-model", str(draft_checkpoint), "--num-speculative-tokens", "3",
+        "--speculative-method", "draft", "--speculative-model", str(draft_checkpoint), "--num-speculative-tokens", "3", *ranks,
     )  # fmt: skip
+    if ranks:
+        server._pid_of("worker-rank1")  # (raises unless the second rank started, with its shard of the draft)
     prompts = [[(5 * i + 3 * j) % 300 + 10 for j in range(4 + 3 * i)] for i in range(4)]
 
     async def run_all():

@@ -24,18 +24,39 @@ CONFIG = dict(TINY, max_batch_size=4, max_batch_tokens=16, threads=1, **SPEC)
 MAX_TOKENS = 16
 
 
-def serve(directory: str, tensor_parallel=None) -> dict:
-    """The prompts' greedy outputs from an engine whose runner is ``tensor_parallel``'s rank,
-    with the verify steps that ran the static path and the acceptance count."""
+def rank_engine(directory: str, config: dict, tensor_parallel=None):
+    """An engine of ``config`` whose runner is ``tensor_parallel``'s rank (one process when None)."""
     import conveyor.engine.engine as engine_module
     from conveyor import Engine
 
     build = engine_module.build_runner
     engine_module.build_runner = functools.partial(build, tensor_parallel=tensor_parallel)
     try:
-        engine = Engine(directory, **CONFIG)
+        return Engine(directory, **config)
     finally:
         engine_module.build_runner = build
+
+
+def run_ranks(target, size: int, tmp_path: Path, *args) -> list:
+    """Fork ``size`` gloo ranks, each calling ``target(*args, tp)`` with its rank's record (one
+    torch thread each), and return what each returned (through JSON), in rank order."""
+    spawn_args = (size, str(tmp_path / "init"), str(tmp_path), target, args)
+    mp.start_processes(_rank, args=spawn_args, nprocs=size, join=True, start_method="fork")
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(size)]
+
+
+def _rank(rank: int, size: int, init_file: str, out_dir: str, target, args: tuple) -> None:
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, size, f"file://{init_file}", default_backend("cpu"), timeout_s=60)
+    result = target(*args, tp)
+    close_tensor_parallel(tp)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def serve(directory: str, tensor_parallel=None) -> dict:
+    """The prompts' greedy outputs from an engine whose runner is ``tensor_parallel``'s rank,
+    with the verify steps that ran the static path and the acceptance count."""
+    engine = rank_engine(directory, CONFIG, tensor_parallel)
     steps = record_static_steps(engine.runner)
     ragged, run_ragged = [], engine.runner._run_ragged
 
@@ -53,18 +74,8 @@ def serve(directory: str, tensor_parallel=None) -> dict:
     }
 
 
-def _rank(rank: int, size: int, init_file: str, directory: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    tp = init_tensor_parallel(rank, size, f"file://{init_file}", default_backend("cpu"), timeout_s=60)
-    result = serve(directory, tp)
-    close_tensor_parallel(tp)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-
-
 def test_two_ranks_speculate_as_one(tiny_checkpoint, hf_greedy, tmp_path):
-    args = (2, str(tmp_path / "init"), str(tiny_checkpoint), str(tmp_path))
-    mp.start_processes(_rank, args=args, nprocs=2, join=True, start_method="fork")
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    ranks = run_ranks(serve, 2, tmp_path, str(tiny_checkpoint))
     single = serve(str(tiny_checkpoint))
     assert single["static_verify_steps"] > 0 and single["ragged_verify_steps"] > 0 and single["accepted"] > 0
     for rank in ranks:

@@ -34,6 +34,7 @@ from conveyor.runtime.config import (
     remote_plans_address,
 )
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
+from conveyor.runtime.tensor_shards import check_shardable
 
 T = TypeVar("T")
 
@@ -128,8 +129,8 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
     if flags.get("cluster_key") is not None:
         transport.ClusterKey.load(flags["cluster_key"])  # a wrong file fails here, before any process starts
     max_model_len = model_length(model, flags["max_model_len"])
-    if flags.get("speculative_model") is not None:
-        draft_model_config(flags["speculative_model"], model, max_model_len)
+    if flags.get("speculative_model") is not None:  # (every rank runs its shard of the draft too)
+        draft_model_config(flags["speculative_model"], model, max_model_len, flags["tensor_parallel_size"])
     addresses = ServerAddresses.in_run_dir(run_dir, transport.client_address(flags["host"], flags["port"]))
     nnodes, size = flags.get("nnodes", 1), flags["tensor_parallel_size"]
     multi_node = nnodes > 1 and flags.get("dist_init_addr") is not None and size % nnodes == 0  # else refused below
@@ -172,9 +173,13 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
             HttpConfig, flags, addresses=addresses, served_model_name=name, max_model_len=max_model_len,
             model_dir=str(model_dir), api_keys=api_keys(flags), lora_names=batcher.lora_names,
         )  # fmt: skip
-    return ServerConfig(
+    config = ServerConfig(
         model_dir, demo, run_dir, addresses, channels, frontend, worker, scheduler, http,
         serve_on_replica_death=flags["serve_on_replica_death"],
         nnodes=flags.get("nnodes", 1), node_rank=flags.get("node_rank", 0), dist_init_addr=flags.get("dist_init_addr"),
         cluster_key=flags.get("cluster_key"), insecure_cluster=flags.get("insecure_cluster", False),
     )  # fmt: skip
+    # Every rank runs its shard of the model (checked once the flags made a configuration, so
+    # that a size the nodes cannot share is reported as such first).
+    check_shardable(model, size, f"--model {model_dir}")
+    return config

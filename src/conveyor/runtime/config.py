@@ -264,8 +264,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
         require_at_least(self, 1, "tensor_parallel_size")
-        if self.speculative_model is not None and self.tensor_parallel_size > 1:
-            raise ValueError("a speculative draft model is not supported with tensor parallelism yet")
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_rank {self.tensor_parallel_rank} outside 0..{self.tensor_parallel_size - 1}")
         if self.channels.plans.readers != self.tensor_parallel_size:

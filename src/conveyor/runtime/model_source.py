@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.runtime.tensor_shards import check_shardable
 
 
 class StartupError(RuntimeError):
@@ -40,12 +41,16 @@ def model_length(model: ModelConfig, max_model_len: int | None) -> int:
     return length
 
 
-def draft_model_config(draft_dir: str, target: ModelConfig, max_model_len: int | None = None) -> ModelConfig:
+def draft_model_config(
+    draft_dir: str, target: ModelConfig, max_model_len: int | None = None, tensor_parallel_size: int = 1
+) -> ModelConfig:
     """The config of speculative decoding's draft checkpoint (``--speculative-model``), which
     must be a checkpoint directory (StartupError) of the target's vocabulary (ValueError): the
-    target verifies the draft's token ids as its own; and, given the served ``max_model_len``,
-    must have positions for all of it (ValueError). bin/serve and the engine check it before
-    any process starts or weight loads; the worker again when it loads the draft."""
+    target verifies the draft's token ids as its own; given the served ``max_model_len``,
+    must have positions for all of it (ValueError); and must split over the
+    ``tensor_parallel_size`` ranks as the target does (ValueError: every rank runs its shard of
+    the draft too). bin/serve and the engine check it before any process starts or weight
+    loads; the worker again when it loads the draft."""
     path = Path(draft_dir).expanduser()
     if not (path / "config.json").is_file():
         raise StartupError(f"--speculative-model {draft_dir}: no config.json there (a local HF checkpoint directory is required)")
@@ -60,4 +65,5 @@ def draft_model_config(draft_dir: str, target: ModelConfig, max_model_len: int |
             f"--speculative-model {draft_dir}: its max_position_embeddings {draft.max_position_embeddings} is below "
             f"the served max_model_len {max_model_len} (lower --max-model-len)"
         )
+    check_shardable(draft, tensor_parallel_size, f"--speculative-model {draft_dir}")
     return draft

@@ -32,6 +32,15 @@ enqueued; not past it), and :attr:`Drafts.probs` is their softmax
 (``[num_proposed, vocab]``, float32, in the order of the proposals): a draft that *samples*
 would pass them as ``draft_probs`` (not done yet: its draws would need a stream of their own,
 independent of the verification's). Nothing pays for the softmax until it is asked for.
+
+**Tensor parallelism.** The draft is split over the target's ranks as the target is
+(:mod:`~conveyor.worker.parallel`: its heads, its MLP, its KV cache of this rank's kv heads; a
+draft whose heads cannot be split is refused at start). Every rank runs the same forwards on
+the same inputs (the step's work and the per-slot last tokens are identical on every rank), so
+the collectives line up; only rank 0 holds the LM head, and it alone scores and picks each
+drafted token, then broadcasts the ids (one broadcast per draft forward), as it does the
+target's sampled ids. The proposals are thus rank 0's on every rank, never each rank's own
+argmax of float math that could differ, and the verify step that follows feeds them alike.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from conveyor.runtime.model_source import draft_model_config
 from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
+from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.ragged_inputs import RaggedInputs
 from conveyor.worker.request_state import Work
 
@@ -57,30 +67,35 @@ class Drafts:
     end in row order (``counts[i]`` for the ``i``-th such row), and the draft's distribution
     each was drawn from (its logits; :attr:`probs`)."""
 
-    tokens: torch.Tensor  # int64 [num_proposed]
-    logits: torch.Tensor  # float32 [num_proposed, vocab]
+    tokens: torch.Tensor  # int64 [num_proposed], the same on every tensor-parallel rank
+    logits: torch.Tensor | None  # float32 [num_proposed, vocab]; None off tensor-parallel rank 0
     counts: list[int]
 
     @property
     def probs(self) -> torch.Tensor:
-        """The draft's distribution at each proposed token, float32 ``[num_proposed, vocab]``."""
+        """The draft's distribution at each proposed token, float32 ``[num_proposed, vocab]``
+        (on tensor-parallel rank 0, the one that holds the logits)."""
+        if self.logits is None:
+            raise RuntimeError("the draft's logits are on tensor-parallel rank 0 only")
         return self.logits.softmax(dim=-1)
 
 
 class DraftModel:
     """The draft checkpoint loaded through the target's loader, and its KV cache (module
-    docstring). Refuses a directory that is no checkpoint (StartupError) or whose vocabulary
-    is not the target's (ValueError), before loading a weight."""
+    docstring); under ``tensor_parallel``, this rank's shard of both. Refuses a directory that
+    is no checkpoint (StartupError), whose vocabulary is not the target's or whose heads do not
+    split over the ranks (ValueError), before loading a weight."""
 
     def __init__(
         self, model_dir: str | Path, target: ModelConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend,
-        block_size: int,
+        block_size: int, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL,
     ) -> None:  # fmt: skip
-        draft_model_config(str(model_dir), target)
-        self.model, self.config = load_model(model_dir, device, dtype, backend)
+        draft_model_config(str(model_dir), target, tensor_parallel_size=tensor_parallel.size)
+        self.model, self.config = load_model(model_dir, device, dtype, backend, tensor_parallel)
         self.device = device
         self.block_size = block_size
-        self.cache_shape = KVCacheShape.of(self.config, block_size, dtype)
+        self.tensor_parallel = tensor_parallel
+        self.cache_shape = KVCacheShape.of(self.config, block_size, dtype, tensor_parallel)
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
 
@@ -111,14 +126,17 @@ class DraftModel:
         start = np.fromiter((work[i].num_computed for i in rows), np.int64, len(rows))  # its last known token's position
         row_tables = tables[rows]
         tokens = torch.empty(int(counts.sum()), dtype=torch.int64, device=self.device)
-        kept = torch.empty((len(tokens), self.config.vocab_size), dtype=torch.float32, device=self.device)
-        logits = self.model.compute_logits(hidden[self._index(inputs.ends[rows] - 1)])
+        kept = None
+        if self.tensor_parallel.rank == 0:
+            kept = torch.empty((len(tokens), self.config.vocab_size), dtype=torch.float32, device=self.device)
+        scored = hidden[self._index(inputs.ends[rows] - 1)]  # the rows whose next token is drafted
         feed = np.arange(len(rows))  # the rows drafting their j-th token
         for j in range(1, int(counts.max()) + 1):
-            drawn = logits.argmax(dim=-1)
+            drawn, logits = self._draw(scored)
             at = self._index(offsets[feed] + j - 1)
             tokens[at] = drawn
-            kept[at] = logits
+            if kept is not None:
+                kept[at] = logits
             positions = start[feed] + j
             metadata = AttentionMetadata.build(np.ones(len(feed), np.int64), positions, row_tables[feed], self.block_size, self.device)
             hidden = self.model(drawn, self._index(positions), metadata)
@@ -126,8 +144,19 @@ class DraftModel:
             if not len(more):
                 break
             feed = feed[more]
-            logits = self.model.compute_logits(hidden[self._index(more)])
+            scored = hidden[self._index(more)]
         return Drafts(tokens, kept, counts.tolist())
+
+    def _draw(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The argmax token of each row of ``hidden``, the same on every rank, and its logits
+        (None off rank 0). Rank 0 alone holds the LM head: it scores and picks, then broadcasts
+        the ids, which every rank feeds to its next forward (as the target's sampled ids)."""
+        if self.tensor_parallel.rank == 0:
+            logits = self.model.compute_logits(hidden)
+            drawn = logits.argmax(dim=-1)
+        else:
+            logits, drawn = None, torch.empty(len(hidden), dtype=torch.int64, device=self.device)
+        return broadcast_from_first_(drawn, self.tensor_parallel), logits
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device, non_blocking=True)

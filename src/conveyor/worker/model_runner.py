@@ -152,10 +152,10 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
                 self.lora.register(name, directory)
         cache_shape = KVCacheShape.of(self.model_config, block_size, self.dtype, tp)
         self.draft: DraftModel | None = None
-        if config.speculative_model is not None:  # (one rank only: WorkerConfig refuses it with tensor parallelism)
+        if config.speculative_model is not None:  # (this rank's shard of it, as of the model)
             draft_backend = backend_for(self.device, config.attention)  # its own (a backend may keep per-step plans)
             self.draft = DraftModel(
-                config.speculative_model, self.model_config, self.device, self.dtype, draft_backend, block_size
+                config.speculative_model, self.model_config, self.device, self.dtype, draft_backend, block_size, tp
             )
         self.block_bytes = cache_shape.bytes_per_block + (self.draft.bytes_per_block if self.draft else 0)
         num_blocks = config.num_blocks

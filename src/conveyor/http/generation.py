@@ -120,7 +120,9 @@ async def respond(
     prompt_ids = prompts.ids if job.return_token_ids else None
     extras = None
     if job.logprobs is not None or job.prompt_logprobs:
-        extras = [_logprob_fields(job, prompts, i, r.logprobs, r.prompt_logprobs, 0, True) for i, r in enumerate(results)]
+        extras = [
+            _logprob_fields(job, prompts, i, c.logprobs, r.prompt_logprobs, 0, True) for i, r in enumerate(results) for c in r.choices
+        ]
     body = completion_body(job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids, extras=extras)
     reader = _tool_reader(job, tool_parser)
     if reader is not None:
@@ -317,8 +319,10 @@ class _Encoder:
         self.n = job.n
         self.started = [False] * (len(finals) * job.n)  # by choice
         self.generated = [0] * len(finals)  # by input
-        # Text offset of the next token of each choice (completions' logprobs; n is 1 with them).
-        self.offsets = [0] * len(finals)
+        # Text offset of the next token of each choice (completions' logprobs), and each input's
+        # prompt columns once a delta brought them (every choice's first chunk echoes them).
+        self.offsets = [0] * len(self.started)
+        self.prompt_rows: dict[int, dict[str, Any]] = {}
 
     def __call__(self, index: int, delta: StreamDelta) -> int:
         """1 when ``delta`` was input ``index``'s final (ApiError if that final is an error)."""
@@ -372,11 +376,14 @@ class _Encoder:
         if self.token_ids:
             extra["token_ids"] = list(delta.token_ids)
         if self.logged:
-            fields = _logprob_fields(
-                self.job, self.prompts, index, delta.logprobs, delta.prompt_logprobs, self.offsets[index], first
-            )
+            prompt_rows = delta.prompt_logprobs
+            if prompt_rows is not None:
+                self.prompt_rows[index] = prompt_rows
+            elif first:  # n > 1: a sequence's first chunk after another's brought the prompt's
+                prompt_rows = self.prompt_rows.get(index)
+            fields = _logprob_fields(self.job, self.prompts, index, delta.logprobs, prompt_rows, self.offsets[choice], first)
             if fields.get("logprobs") and self.enc.kind == COMPLETION:
-                self.offsets[index] += sum(len(t) for t in fields["logprobs"]["tokens"])
+                self.offsets[choice] += sum(len(t) for t in fields["logprobs"]["tokens"])
             extra.update(fields)
         self.generated[index] += len(delta.token_ids)
         return self.enc.chunk(choice, text, None, extra, self._usage(index))

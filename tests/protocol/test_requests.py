@@ -48,6 +48,8 @@ def test_n_is_bounded_and_reaches_the_sampling_params() -> None:
     assert (asked.sampling.logprobs, asked.sampling.prompt_logprobs, asked.ranking_logprobs) == (3, 1, False)
     logged = client_requests.parse_client_message(gen(n=2, logprobs=0, prompt_logprobs=2))  # n > 1: per sequence
     assert (logged.sampling.n, logged.sampling.logprobs, logged.sampling.prompt_logprobs) == (2, 0, 2)
+    constrained = client_requests.parse_client_message(gen(n=2, constraint={"type": "regex", "pattern": "a+"}))
+    assert constrained.sampling.n == 2 and constrained.constraint is not None  # each sequence bound on its own
     same = client_requests.parse_client_message(gen(n=2, best_of=2, stream=True))  # best_of = n: plain n
     assert (same.sampling.n, same.sampling.logprobs, same.keep_best) == (2, None, None)
 
@@ -97,7 +99,6 @@ def test_priority_is_an_optional_integer() -> None:
         (gen(n=2, best_of=1), "'best_of' must be an integer in \\[n, 64\\]"),
         (gen(best_of=65), "'best_of'"),
         (gen(best_of=2, stream=True), "'best_of' > n is not supported with streaming"),
-        (gen(n=2, constraint={"type": "regex", "pattern": "a+"}), "'constraint' is not supported with n > 1"),
         (gen(stream=1), "'stream'"),
         (gen(bogus=1), "unknown field"),
         (gen(request_id=""), "'request_id'"),

@@ -346,14 +346,6 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
             req.keep_best = n
             req.ranking_logprobs = req.sampling.logprobs is None
             req.sampling = msgspec.structs.replace(req.sampling, n=best_of, logprobs=req.sampling.logprobs or 0)
-    if req.sampling.n > 1:
-        # Not yet per sequence: constraints (one grammar state per request); refused rather
-        # than answered wrongly.
-        asked = [name for name in ("constraint", "tools") if obj.get(name) is not None]
-        if req.constraint is not None and "constraint" not in asked:
-            asked.append("tool_choice")
-        if asked:
-            raise fail(f"'{asked[0]}' is not supported with n > 1 yet")
     return req
 
 

@@ -167,6 +167,9 @@ def test_engine_sequence_logprobs_are_single_requests_with_seed_plus_i(tiny_engi
         assert_same_logprobs(seq.logprobs, single.logprobs)
         assert len(seq.logprobs) == 8 and all(len(e.top) == 3 for e in seq.logprobs)
     assert together.logprobs == together.outputs[0].logprobs  # the request's own: sequence 0's
+    together.remove()
+    [result] = engine.generate([PROMPT], progress=False, n=3, seed=seed, **sampling)  # the offline job's outputs
+    assert [o.logprobs for o in result.outputs] == [s.logprobs for s in together.outputs]
     assert together.prompt_logprobs[0] is None and len(together.prompt_logprobs) == len(PROMPT)
     assert_same_logprobs(together.prompt_logprobs[1:], alone[0].prompt_logprobs[1:])
     assert engine.stats()["held_blocks"] == 0

@@ -319,6 +319,14 @@ def test_http_sequence_logprobs_completions_and_chat(http_server) -> None:
     for choice, single in zip(chat.choices, chat_alone, strict=True):
         assert [c.token for c in choice.logprobs.content] == single["tokens"]
         assert [c.logprob for c in choice.logprobs.content] == pytest.approx(single["token_logprobs"], abs=1e-5)
+    # prompt_logprobs: each completion choice of the input has the input's; a chat answer them once, at the top
+    asked = dict(temperature=1.0, max_tokens=2, n=2, extra_body={"prompt_logprobs": 1})
+    completion = client.completions.create(model=model, prompt=PROMPT, **asked)
+    prompts = [c.model_extra["prompt_logprobs"] for c in completion.choices]
+    assert len(prompts[0]) == len(PROMPT) and prompts[0][0] is None and prompts[1] == prompts[0]
+    answer = client.chat.completions.create(model=model, messages=messages, **asked)
+    assert answer.model_extra["prompt_logprobs"][0] is None and len(answer.model_extra["prompt_logprobs"]) > 1
+    assert all("prompt_logprobs" not in (c.model_extra or {}) for c in answer.choices)
 
 
 def test_http_echo_with_logprobs_leads_every_choice_with_the_prompt(http_server) -> None:

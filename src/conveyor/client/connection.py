@@ -151,9 +151,7 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
         timing=msg.get("timing") or {},
         error=msg.get("error"),
-        choices=[
-            Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"], c.get("logprobs")) for c in msg.get("choices") or ()
-        ],
+        choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"], c.get("logprobs")) for c in msg.get("choices") or ()],
         logprobs=msg.get("logprobs"),
         prompt_logprobs=msg.get("prompt_logprobs"),
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests import plans
 from tests.engine.conftest import TINY  # noqa: F401  (the tiny_engine fixture's config)
 
@@ -139,3 +141,56 @@ def test_engine_best_of_keeps_the_most_likely_sequences(tiny_engine):
     [result] = engine.generate([PROMPT], progress=False, n=2, best_of=3, seed=seed, **sampling)
     assert [o.token_ids for o in result.outputs] == ranked[:2] and [o.index for o in result.outputs] == [0, 1]
     assert engine.stats()["held_blocks"] == 0
+
+
+def test_engine_sequence_logprobs_are_single_requests_with_seed_plus_i(tiny_engine):
+    """n = 3 with logprobs and prompt_logprobs: sequence i's log-probabilities are those of a
+    single request with seed + i (token and top ids exactly; values to float32 rounding: the
+    rows run in batches of other shapes, which changes the last bits on CPU); the prompt's
+    are the request's, once, a single request's."""
+    engine = tiny_engine()
+    seed = 2**64 - 2
+    sampling = dict(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    alone = []
+    for s in (seed, seed + 1, 0):
+        request = engine.add_request(token_ids=PROMPT, seed=s, **sampling)
+        while not request.done:
+            engine.step()
+        alone.append(request)
+        request.remove()
+    together = engine.add_request(token_ids=PROMPT, n=3, seed=seed, **sampling)
+    while not together.done:
+        engine.step()
+    assert len({tuple(a.tokens) for a in alone}) > 1
+    for seq, single in zip(together.outputs, alone):
+        assert seq.tokens == single.tokens
+        assert_same_logprobs(seq.logprobs, single.logprobs)
+        assert len(seq.logprobs) == 8 and all(len(e.top) == 3 for e in seq.logprobs)
+    assert together.logprobs == together.outputs[0].logprobs  # the request's own: sequence 0's
+    together.remove()
+    [result] = engine.generate([PROMPT], progress=False, n=3, seed=seed, **sampling)  # the offline job's outputs
+    assert [o.logprobs for o in result.outputs] == [s.logprobs for s in together.outputs]
+    assert together.prompt_logprobs[0] is None and len(together.prompt_logprobs) == len(PROMPT)
+    assert_same_logprobs(together.prompt_logprobs[1:], alone[0].prompt_logprobs[1:])
+    assert engine.stats()["held_blocks"] == 0
+
+
+def assert_same_logprobs(got, expected) -> None:
+    """Entries of the same tokens and top tokens, with values equal to float32 rounding."""
+    assert [(e.token_id, [t.token_id for t in e.top]) for e in got] == [(e.token_id, [t.token_id for t in e.top]) for e in expected]
+    flat = lambda entries: [v for e in entries for v in (e.logprob, *(t.logprob for t in e.top))]  # noqa: E731
+    assert flat(got) == pytest.approx(flat(expected), abs=1e-5)
+
+
+def test_engine_prompt_logprobs_once_also_for_sequences_that_do_not_fork(tiny_engine):
+    """Sequences that start after their leader ended (max_tokens 1) are admitted like any
+    request; only the leader computes the prompt's log-probabilities, so they come once."""
+    engine = tiny_engine()
+    single = engine.add_request(token_ids=PROMPT, max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    while not single.done:
+        engine.step()
+    request = engine.add_request(token_ids=PROMPT, n=3, max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    while not request.done:
+        engine.step()
+    assert request.finish_reason == "length" and all(s.tokens == single.tokens for s in request.outputs)
+    assert_same_logprobs(request.prompt_logprobs[1:], single.prompt_logprobs[1:])

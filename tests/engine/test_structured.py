@@ -138,3 +138,21 @@ def test_hypothesis_schemas_validate_through_the_model(shared_engine, schemas, s
         jsonschema.validate(json.loads(request.text), schema)
         request.remove()
     assert shared_engine.stats()["held_blocks"] == 0
+
+
+def test_n_sequences_each_follow_the_constraint_as_single_requests(tiny_engine):
+    """n = 4 under a JSON schema: each sequence has its own matcher (the worker builds one per
+    slot; a fork starts its own at the prompt's end), so sequence i writes exactly what a
+    single request with seed + i writes, and every choice validates."""
+    engine = tiny_engine(max_batch_size=8)
+    common = dict(prompt="person:", max_tokens=120, temperature=1.0, constraint=json_schema(), logprobs=1)
+    alone = [engine.add_request(seed=7 + i, **common) for i in range(4)]
+    run_all(engine)
+    together = engine.add_request(seed=7, n=4, **common)
+    run_all(engine)
+    assert len({tuple(a.tokens) for a in alone}) > 1
+    for seq, single in zip(together.outputs, alone, strict=True):
+        assert seq.finish_reason == "stop" and seq.tokens == single.tokens, (seq.text, single.text)
+        jsonschema.validate(json.loads(seq.text), SCHEMA)
+        assert [e.token_id for e in seq.logprobs] == seq.tokens
+    assert engine.stats()["held_blocks"] == 0

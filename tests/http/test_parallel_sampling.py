@@ -236,3 +236,115 @@ def test_http_chat_n3_whole_and_streamed(http_server) -> None:
     assert texts == alone and finish == {0: "length", 1: "length", 2: "length"}
     with Client(http_server.address, timeout=60) as zmq_client:
         wait_until_free(zmq_client, 1.0)
+
+
+# ---------------------------------------------------------------- log-probabilities per sequence
+
+LOGGED = {**SAMPLED, "logprobs": 2, "prompt_logprobs": 1}
+
+
+def assert_same_columns(got: dict, expected: dict) -> None:
+    """The same rows (start, tokens, top ids) with values equal to float32 rounding (sequences
+    run in batches of other shapes than a single request, which moves the last bits on CPU)."""
+    for key in ("start", "tokens", "top_token_ids", "top_tokens"):
+        assert got[key] == expected[key], key
+    assert got["token_logprobs"] == pytest.approx(expected["token_logprobs"], abs=1e-5)
+    assert sum(got["top_logprobs"], []) == pytest.approx(sum(expected["top_logprobs"], []), abs=1e-5)
+
+
+def joined(parts: list[dict]) -> dict:
+    """Consecutive deltas' columns as one."""
+    out = {"start": parts[0]["start"]}
+    for key in ("tokens", "token_logprobs", "top_token_ids", "top_tokens", "top_logprobs"):
+        out[key] = sum((p[key] for p in parts), [])
+    return out
+
+
+def test_zmq_sequence_logprobs_are_single_requests_with_seed_plus_i(http_server) -> None:
+    """n = 3 with logprobs: choice i's columns are a single request's with seed + i, in the
+    final and added up from its deltas; the prompt's come once per request."""
+    with Client(http_server.address, timeout=60) as client:
+        alone = [client.generate(token_ids=PROMPT, seed=s, **LOGGED) for s in SEEDS]
+        whole = client.generate(token_ids=PROMPT, n=3, seed=SEED, **LOGGED)
+        deltas = list(client.stream(token_ids=PROMPT, n=3, seed=SEED, **LOGGED))
+        best = client.generate(token_ids=PROMPT, n=2, best_of=3, seed=SEED, **LOGGED)
+        wait_until_free(client, 1.0)
+    for choice, single in zip(whole.choices, alone, strict=True):
+        assert choice.token_ids == single.token_ids and len(choice.logprobs["token_logprobs"]) == 8
+        assert_same_columns(choice.logprobs, single.logprobs)
+    assert whole.logprobs == whole.choices[0].logprobs  # the top level's: choice 0's, as its text
+    assert_same_columns(whole.prompt_logprobs, alone[0].prompt_logprobs)
+    final = deltas[-1].result
+    assert [c.logprobs for c in final.choices] == [c.logprobs for c in whole.choices]
+    for i in range(3):
+        assert joined([d.logprobs for d in deltas if d.index == i and d.logprobs]) == final.choices[i].logprobs
+    prompt_parts = [d.prompt_logprobs for d in deltas if d.prompt_logprobs]
+    assert len(prompt_parts) == 1 and prompt_parts[0] == final.prompt_logprobs  # once, not per sequence
+    # best_of with logprobs: the kept choices carry theirs, most likely first.
+    by_tokens = {tuple(a.token_ids): a for a in alone}
+    scores = [sum(c.logprobs["token_logprobs"]) for c in best.choices]
+    assert scores == sorted(scores, reverse=True)
+    for choice in best.choices:
+        assert_same_columns(choice.logprobs, by_tokens[tuple(choice.token_ids)].logprobs)
+
+
+def test_http_sequence_logprobs_completions_and_chat(http_server) -> None:
+    """``choices[i].logprobs`` of an n = 3 completion (whole and streamed) and chat are
+    choice i's own: a single request's with seed + i."""
+    client = openai_client(http_server)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Say something"}]
+    with Client(http_server.address, timeout=60) as zmq_client:
+        alone = [zmq_client.generate(token_ids=PROMPT, seed=s, logprobs=2, **SAMPLED).logprobs for s in SEEDS]
+        chat_alone = [zmq_client.generate(messages=messages, seed=s, logprobs=2, **SAMPLED).logprobs for s in SEEDS]
+    body = dict(model=model, prompt=PROMPT, n=3, seed=SEED, temperature=1.0, max_tokens=8, logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**body)
+    for choice, single in zip(whole.choices, alone, strict=True):
+        assert choice.logprobs.tokens == single["tokens"]
+        assert choice.logprobs.token_logprobs == pytest.approx(single["token_logprobs"], abs=1e-5)
+        assert choice.logprobs.text_offset == [sum(len(t) for t in single["tokens"][:j]) for j in range(8)]
+    streamed: dict[int, list] = {0: [], 1: [], 2: []}
+    offsets: dict[int, list] = {0: [], 1: [], 2: []}
+    for chunk in client.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed[c.index] += c.logprobs.token_logprobs
+                offsets[c.index] += c.logprobs.text_offset
+    assert [streamed[i] for i in range(3)] == [c.logprobs.token_logprobs for c in whole.choices]
+    assert [offsets[i] for i in range(3)] == [c.logprobs.text_offset for c in whole.choices]
+    chat = client.chat.completions.create(
+        model=model, messages=messages, n=3, seed=SEED, temperature=1.0, max_tokens=8, logprobs=True, top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    for choice, single in zip(chat.choices, chat_alone, strict=True):
+        assert [c.token for c in choice.logprobs.content] == single["tokens"]
+        assert [c.logprob for c in choice.logprobs.content] == pytest.approx(single["token_logprobs"], abs=1e-5)
+    # prompt_logprobs: each completion choice of the input has the input's; a chat answer them once, at the top
+    asked = dict(temperature=1.0, max_tokens=2, n=2, extra_body={"prompt_logprobs": 1})
+    completion = client.completions.create(model=model, prompt=PROMPT, **asked)
+    prompts = [c.model_extra["prompt_logprobs"] for c in completion.choices]
+    assert len(prompts[0]) == len(PROMPT) and prompts[0][0] is None and prompts[1] == prompts[0]
+    answer = client.chat.completions.create(model=model, messages=messages, **asked)
+    assert answer.model_extra["prompt_logprobs"][0] is None and len(answer.model_extra["prompt_logprobs"]) > 1
+    assert all("prompt_logprobs" not in (c.model_extra or {}) for c in answer.choices)
+
+
+def test_http_echo_with_logprobs_leads_every_choice_with_the_prompt(http_server) -> None:
+    """echo + logprobs + n = 2: each choice's log-probabilities start with the prompt's (the
+    first with null), whole and in each choice's streamed chunks, although the server sends
+    the prompt's columns once per request."""
+    client = openai_client(http_server)
+    model = client.models.list().data[0].id
+    body = dict(model=model, prompt=PROMPT, n=2, seed=SEED, temperature=1.0, max_tokens=4, logprobs=1, echo=True,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**body)
+    streamed: dict[int, list] = {0: [], 1: []}
+    for chunk in client.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed[c.index] += c.logprobs.token_logprobs
+    for choice in whole.choices:
+        values = choice.logprobs.token_logprobs
+        assert len(values) == len(PROMPT) + 4 and values[0] is None and None not in values[1:]
+        assert values[: len(PROMPT)] == whole.choices[0].logprobs.token_logprobs[: len(PROMPT)]
+        assert streamed[choice.index] == values

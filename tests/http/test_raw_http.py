@@ -88,7 +88,10 @@ def test_unsupported_unknown_and_oversized(http_server) -> None:
     assert_error(request(http_server, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404, "model", "model_not_found")
     assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "n": 65}), 400, "n")
     # n > 1 with log-probabilities: not per sequence yet, refused naming the field
-    assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "n": 2, "logprobs": 1}), 400, "logprobs")
+    # n > 1 with logprobs is served (no longer refused): each choice's own logprobs object
+    served = {"model": model, "prompt": "hi", "n": 2, "logprobs": 1, "max_tokens": 3, "ignore_eos": True}
+    status, body = request(http_server, "POST", "/v1/completions", served)
+    assert status == 200 and [len(c["logprobs"]["tokens"]) for c in body["choices"]] == [3, 3], body
     # past --max-logprobs (20): the frontend's refusal names the field
     assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "logprobs": 21}), 400, "logprobs")
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}

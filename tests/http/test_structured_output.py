@@ -146,3 +146,51 @@ def test_bad_constraint_is_a_400_naming_it(server, extra, named) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         api.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], max_tokens=4, extra_body=extra)
     assert named in str(refused.value)
+
+
+def test_n_choices_are_each_constrained_and_parsed_on_their_own(server) -> None:
+    """n = 3 with a JSON schema, with a forcing tool_choice and with the Hermes parser: each
+    choice is a single request's with seed + i (its own grammar state), validates, and has its
+    own calls and finish_reason, whole and streamed."""
+    api, name = client(server), model(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
+    kw = dict(model=name, messages=[{"role": "user", "content": "weather"}], response_format=fmt, temperature=1.0, max_tokens=200)
+    alone = [api.chat.completions.create(seed=20 + i, **kw).choices[0].message.content for i in range(3)]
+    whole = api.chat.completions.create(seed=20, n=3, **kw)
+    assert [c.message.content for c in whole.choices] == alone and len(set(alone)) > 1
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    streamed = ["", "", ""]
+    for chunk in api.chat.completions.create(seed=20, n=3, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == alone
+
+    tools = dict(model=name, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, tool_choice="required",
+                 temperature=1.0, max_tokens=200)
+    single_calls = [[(t.function.name, t.function.arguments) for t in
+                     api.chat.completions.create(seed=30 + i, **tools).choices[0].message.tool_calls] for i in range(3)]
+    out = api.chat.completions.create(seed=30, n=3, **tools)
+    assert [[(t.function.name, t.function.arguments) for t in c.message.tool_calls] for c in out.choices] == single_calls
+    assert [c.finish_reason for c in out.choices] == ["tool_calls"] * 3
+    fns = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for calls in single_calls:
+        for fn, arguments in calls:
+            jsonschema.validate(json.loads(arguments), fns[fn])
+    calls: dict[int, list] = {0: [], 1: [], 2: []}
+    finish: dict[int, str] = {}
+    for chunk in api.chat.completions.create(seed=30, n=3, stream=True, **tools):
+        for c in chunk.choices:
+            calls[c.index] += [(d.function.name, d.function.arguments) for d in c.delta.tool_calls or []]
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [calls[i] for i in range(3)] == single_calls and finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+
+    hermes = dict(model=name, messages=[{"role": "user", "content": "time?"}], tools=TOOLS, temperature=1.0, max_tokens=80,
+                  extra_body={"guided_regex": HERMES_CALL})
+    zones = [json.loads(api.chat.completions.create(seed=40 + i, **hermes).choices[0].message.tool_calls[0].function.arguments)
+             for i in range(2)]
+    out = api.chat.completions.create(seed=40, n=2, **hermes)
+    assert [json.loads(c.message.tool_calls[0].function.arguments) for c in out.choices] == zones
+    assert [c.finish_reason for c in out.choices] == ["tool_calls"] * 2

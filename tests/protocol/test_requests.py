@@ -42,7 +42,14 @@ def test_n_is_bounded_and_reaches_the_sampling_params() -> None:
     assert client_requests.parse_client_message(gen(n=limits.MAX_N)).sampling.n == limits.MAX_N
     # best_of > n: best_of sequences at the scheduler, with their tokens' log-probabilities
     best = client_requests.parse_client_message(gen(n=2, best_of=5))
-    assert (best.sampling.n, best.sampling.logprobs, best.keep_best) == (5, 0, 2)
+    assert (best.sampling.n, best.sampling.logprobs, best.keep_best, best.ranking_logprobs) == (5, 0, 2, True)
+    # ... the client's k when it asked for them (then sent, not only ranked by)
+    asked = client_requests.parse_client_message(gen(n=2, best_of=5, logprobs=3, prompt_logprobs=1))
+    assert (asked.sampling.logprobs, asked.sampling.prompt_logprobs, asked.ranking_logprobs) == (3, 1, False)
+    logged = client_requests.parse_client_message(gen(n=2, logprobs=0, prompt_logprobs=2))  # n > 1: per sequence
+    assert (logged.sampling.n, logged.sampling.logprobs, logged.sampling.prompt_logprobs) == (2, 0, 2)
+    constrained = client_requests.parse_client_message(gen(n=2, constraint={"type": "regex", "pattern": "a+"}))
+    assert constrained.sampling.n == 2 and constrained.constraint is not None  # each sequence bound on its own
     same = client_requests.parse_client_message(gen(n=2, best_of=2, stream=True))  # best_of = n: plain n
     assert (same.sampling.n, same.sampling.logprobs, same.keep_best) == (2, None, None)
 
@@ -92,10 +99,6 @@ def test_priority_is_an_optional_integer() -> None:
         (gen(n=2, best_of=1), "'best_of' must be an integer in \\[n, 64\\]"),
         (gen(best_of=65), "'best_of'"),
         (gen(best_of=2, stream=True), "'best_of' > n is not supported with streaming"),
-        (gen(best_of=2, logprobs=1), "'logprobs' is not supported with n > 1"),
-        (gen(n=2, logprobs=0), "'logprobs' is not supported with n > 1"),
-        (gen(n=2, prompt_logprobs=1), "'prompt_logprobs' is not supported with n > 1"),
-        (gen(n=2, constraint={"type": "regex", "pattern": "a+"}), "'constraint' is not supported with n > 1"),
         (gen(stream=1), "'stream'"),
         (gen(bogus=1), "unknown field"),
         (gen(request_id=""), "'request_id'"),

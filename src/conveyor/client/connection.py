@@ -92,12 +92,14 @@ class Usage:
 
 @dataclass
 class Choice:
-    """One sequence of a request: its index (0 .. n - 1), text, tokens and why it ended."""
+    """One sequence of a request: its index (0 .. n - 1), text, tokens and why it ended, and
+    where asked for its output's log-probability columns (docs/protocol.md)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -121,7 +123,7 @@ class CompletionResult:
 
     def __post_init__(self) -> None:
         if not self.choices:  # n = 1: the one choice is the result itself
-            self.choices = [Choice(0, self.text, self.token_ids, self.finish_reason)]
+            self.choices = [Choice(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
 
 @dataclass
@@ -149,7 +151,7 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
         timing=msg.get("timing") or {},
         error=msg.get("error"),
-        choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"]) for c in msg.get("choices") or ()],
+        choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"], c.get("logprobs")) for c in msg.get("choices") or ()],
         logprobs=msg.get("logprobs"),
         prompt_logprobs=msg.get("prompt_logprobs"),
     )

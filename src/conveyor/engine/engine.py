@@ -200,7 +200,7 @@ class Engine:
             StopStringMatcher.for_request(req),
             arrival,
             (
-                None if req.sampling.logprobs is None or req.sampling.n > 1 else LogprobsLog(req.sampling.logprobs, len(prompt_ids), self.tokenizer),
+                None if req.sampling.n > 1 else self._output_log(req, prompt_ids),
                 None if req.sampling.prompt_logprobs is None else LogprobsLog(req.sampling.prompt_logprobs, 1, self.tokenizer),
             ),
         )
@@ -215,8 +215,8 @@ class Engine:
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
                 StopStringMatcher.for_request(req),
                 arrival,
-                # best_of > n: its sampled tokens' log-probabilities, to rank it at the end
-                (None if req.keep_best is None else LogprobsLog(0, len(prompt_ids), self.tokenizer), None),
+                # Its own output log (best_of > n: what ranks it at the end); the request's prompt log.
+                (self._output_log(req, prompt_ids), request._prompt_logprobs),
                 index=i,
                 parent=request,
             )
@@ -226,6 +226,11 @@ class Engine:
         self._by_id[rid] = request
         self._latest[rid] = request
         return request
+
+    def _output_log(self, req: client_requests.GenerateRequest, prompt_ids: list[int]) -> LogprobsLog | None:
+        """The log of a request's (or one sequence's) output log-probabilities, where asked."""
+        k = req.sampling.logprobs
+        return None if k is None else LogprobsLog(k, len(prompt_ids), self.tokenizer)
 
     def load_lora(self, name: str, directory: str | os.PathLike) -> None:
         """Register the PEFT LoRA adapter in ``directory`` under ``name`` while serving (the

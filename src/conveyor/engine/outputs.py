@@ -17,6 +17,7 @@ from conveyor.scheduler.iteration_log import ITERATION_FIELDS
 
 if TYPE_CHECKING:
     from conveyor.engine.request import Request
+    from conveyor.frontend.logprobs import Logprob
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,14 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class CompletionOutput:
-    """One sequence of a request: its index (0 .. n - 1), text, tokens and why it ended."""
+    """One sequence of a request: its index (0 .. n - 1), text, tokens and why it ended, and
+    its output's log-probabilities where asked for (:attr:`Request.logprobs`)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[Logprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class Result:
 
     @classmethod
     def of(cls, req: Request) -> Result:
-        outputs = [CompletionOutput(s.index, s.text, s.tokens, s.finish_reason) for s in req.outputs]
+        outputs = [CompletionOutput(s.index, s.text, s.tokens, s.finish_reason, s.logprobs) for s in req.outputs]
         return cls(
             req.request_id, req.prompt_token_ids, req.text, req.tokens, req.finish_reason, req.error, req.num_cached_tokens, outputs
         )

@@ -121,12 +121,15 @@ class Request:
 
     @property
     def logprobs(self) -> list[Logprob] | None:
-        """One entry per output token so far (None: not asked for)."""
-        return None if self._logprobs is None else self._logprobs.entries(self._tokens)
+        """One entry per output token so far (None: not asked for; sequence 0's for n > 1;
+        with best_of > n and none asked, the sampled tokens' that ranked it)."""
+        seq = self.outputs[0]
+        return None if seq._logprobs is None else seq._logprobs.entries(seq._tokens)
 
     @property
     def prompt_logprobs(self) -> list[Logprob | None] | None:
-        """One entry per prompt token computed so far, the first None (None: not asked for)."""
+        """One entry per prompt token computed so far, the first None (None: not asked for;
+        n > 1: the request's, which each of its sequences shows too)."""
         log = self._prompt_logprobs
         if log is None:
             return None

@@ -25,7 +25,6 @@ import zmq
 from conveyor import profiling
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
-from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.replicas import Gather
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.stop import StopStringMatcher
@@ -209,8 +208,7 @@ class ClientIntake:
         state.max_tokens = req.sampling.max_tokens
         state.history_len = len(history) if history is not None else 0
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
-        if req.sampling.n == 1:  # (n > 1 with log-probabilities asked is refused; best_of's are its own)
-            state.set_logprobs(req.sampling, self.tokenizer)
+        state.set_logprobs(req.sampling, self.tokenizer, send=not req.ranking_logprobs)
         state.keep_best = req.keep_best
         state.pending = False
         self.requests[state.scheduler_id] = state  # (n > 1: where a refusal of the whole request finds it)
@@ -230,8 +228,7 @@ class ClientIntake:
                 parent=state,
                 max_tokens=state.max_tokens,
             )
-            if req.keep_best is not None:  # its sampled tokens' log-probabilities, kept, never sent
-                seq.logprobs = LogprobsLog(0, state.prompt_len, self.tokenizer)
+            seq.set_sequence_logprobs(req.sampling, self.tokenizer)
             state.sequences.append(seq)
             self.requests[seq.scheduler_id] = seq
         self.metrics.add_prompt(state.prompt_len)

@@ -287,10 +287,7 @@ class OutputPath:
         num_tokens = len(state.token_ids)
         if state.sequences:
             state.ended = True
-            choices = [
-                {"index": seq.index, "text": "".join(seq.text), "token_ids": seq.token_ids, "finish_reason": seq.finish_reason or reason}
-                for seq in best_of(state.sequences, state.keep_best)
-            ]
+            choices = [_choice(seq, reason, state.choice_logprobs) for seq in best_of(state.sequences, state.keep_best)]
             reason = reason or choices[0]["finish_reason"]  # (None: every sequence ended; choice 0 is the best)
             leader = state.sequences[0]
             state.scheduled_time, state.cached_tokens = leader.scheduled_time, leader.cached_tokens
@@ -322,6 +319,8 @@ class OutputPath:
         )
         if state.logged:
             reply.update(state.logprob_fields(whole=True))
+            if state.choice_logprobs:  # the top level's are choice 0's, as its text is
+                reply["logprobs"] = choices[0]["logprobs"]  # type: ignore[index]
         self._sender.push_map(state.identity, reply)
 
     def _finish_sequence(
@@ -369,6 +368,15 @@ class OutputPath:
                 self._s_tpot.add((total - ttft) * 1e3 / (num_tokens - 1))
         if total is not None:
             self._s_e2e.add(total * 1e3)
+
+
+def _choice(seq: RequestState, reason: str | None, logprobs: bool) -> dict:
+    """A sequence's entry in its request's final ``choices`` (``reason``: the request's end,
+    for a sequence still running); ``logprobs``: with its output's log-probabilities."""
+    choice = {"index": seq.index, "text": "".join(seq.text), "token_ids": seq.token_ids, "finish_reason": seq.finish_reason or reason}
+    if logprobs:
+        choice["logprobs"] = seq.logprobs.columns(seq.token_ids)  # type: ignore[union-attr]
+    return choice
 
 
 def best_of(sequences: list, keep: int | None, score: Callable[[object], float] | None = None) -> list:

@@ -63,22 +63,36 @@ ends (an abort, an error of the request or of any of its sequences)."""
     ended: bool = False  # an n > 1 request: its final is sent
     keep_best: int | None = None  # best_of > n: the n of its sequences returned (the most likely)
     # Where it asked for them (set with its prompt): its output and prompt tokens' log-probabilities.
+    # n > 1: each sequence has its own output log; the prompt's is the request's, one log that
+    # its sequences share (the leader's prefill fills it; the next delta of any carries what is new).
     logprobs: LogprobsLog | None = None
     prompt_logprobs: LogprobsLog | None = None
     logged: bool = False  # either of them: its deltas and final carry log-probability fields
+    choice_logprobs: bool = False  # an n > 1 request: its final's choices carry their logprobs
 
     @property
     def key(self) -> tuple[bytes, str]:
         """The request's name in the frontend's tables and sessions: (client, client's id)."""
         return self.client_key, self.request_id
 
-    def set_logprobs(self, sampling: SamplingParams, tokenizer) -> None:
-        """The logs of the log-probabilities the request asked for (its prompt_ids set)."""
-        if sampling.logprobs is not None:
+    def set_logprobs(self, sampling: SamplingParams, tokenizer, *, send: bool = True) -> None:
+        """The logs of the log-probabilities the request asked for (its prompt_ids set). With
+        ``n`` > 1 the output log is each sequence's (:meth:`set_sequence_logprobs`);
+        ``send`` False: they are best_of's ranking, kept but never sent."""
+        if sampling.logprobs is not None and sampling.n == 1:
             self.logprobs = LogprobsLog(sampling.logprobs, len(self.prompt_ids), tokenizer)
         if sampling.prompt_logprobs is not None:
             self.prompt_logprobs = LogprobsLog(sampling.prompt_logprobs, 1, tokenizer)
-        self.logged = self.logprobs is not None or self.prompt_logprobs is not None
+        self.choice_logprobs = sampling.n > 1 and sampling.logprobs is not None and send
+        self.logged = self.logprobs is not None or self.prompt_logprobs is not None or self.choice_logprobs
+
+    def set_sequence_logprobs(self, sampling: SamplingParams, tokenizer) -> None:
+        """A sequence's logs (its parent's set): its own output log, its request's prompt log."""
+        parent = self.parent
+        assert parent is not None
+        if sampling.logprobs is not None:
+            self.logprobs = LogprobsLog(sampling.logprobs, parent.prompt_len, tokenizer)
+        self.prompt_ids, self.prompt_logprobs, self.logged = parent.prompt_ids, parent.prompt_logprobs, parent.logged
 
     def logprob_fields(self, whole: bool) -> dict:
         """The log-probability fields of its next delta (what is new) or its final (``whole``)."""

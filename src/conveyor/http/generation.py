@@ -120,16 +120,18 @@ async def respond(
     prompt_ids = prompts.ids if job.return_token_ids else None
     extras = None
     if job.logprobs is not None or job.prompt_logprobs:
-        extras = [_logprob_fields(job, prompts, i, r.logprobs, r.prompt_logprobs, 0, True) for i, r in enumerate(results)]
+        extras = [
+            _logprob_fields(job, prompts, i, c.logprobs, r.prompt_logprobs, 0, True) for i, r in enumerate(results) for c in r.choices
+        ]
     body = completion_body(job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids, extras=extras)
     reader = _tool_reader(job, tool_parser)
-    if reader is not None:
-        for choice, result in zip(body["choices"], results):
-            content, calls = reader.whole(result.text)
+    if reader is not None:  # each choice read on its own (n > 1: each sequence wrote its own calls)
+        for choice, seq in zip(body["choices"], [seq for r in results for seq in r.choices]):
+            content, calls = reader.whole(seq.text)
             if calls:
                 choice["message"] = {"role": "assistant", "content": content or None,
                                      "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
-                choice["finish_reason"] = _tool_finish(result.finish_reason)
+                choice["finish_reason"] = _tool_finish(seq.finish_reason)
     return web.Response(body=json_encode(body), content_type="application/json", headers=headers)
 
 
@@ -306,19 +308,21 @@ class _Encoder:
         tools: _ToolReader | None = None,
     ) -> None:
         self.enc, self.finals, self.out = enc, finals, out
-        self.tools = [tools.stream() for _ in finals] if tools is not None else None
-        self.called = [False] * len(finals)
+        self.n = job.n
+        self.started = [False] * (len(finals) * job.n)  # by choice
+        self.tools = [tools.stream() for _ in self.started] if tools is not None else None  # by choice
+        self.called = [False] * len(self.started)
         self.prompts = prompts
         self.token_ids = job.return_token_ids
         self.continuous = job.continuous_usage
         self.job = job
         self.logged = job.logprobs is not None or job.prompt_logprobs
         self.plain = not (self.token_ids or self.continuous or prompts.echoes is not None or self.logged)
-        self.n = job.n
-        self.started = [False] * (len(finals) * job.n)  # by choice
         self.generated = [0] * len(finals)  # by input
-        # Text offset of the next token of each choice (completions' logprobs; n is 1 with them).
-        self.offsets = [0] * len(finals)
+        # Text offset of the next token of each choice (completions' logprobs), and each input's
+        # prompt columns once a delta brought them (every choice's first chunk echoes them).
+        self.offsets = [0] * len(self.started)
+        self.prompt_rows: dict[int, dict[str, Any]] = {}
 
     def __call__(self, index: int, delta: StreamDelta) -> int:
         """1 when ``delta`` was input ``index``'s final (ApiError if that final is an error)."""
@@ -338,26 +342,29 @@ class _Encoder:
         return 1
 
     def _tool_delta(self, index: int, delta: StreamDelta) -> int:
-        """A chat with tools (plain otherwise; n is 1 with tools): content as the reader
-        releases it, each call as one ``tool_calls`` delta, ``finish_reason`` ``tool_calls``
-        when there were calls."""
-        feed = self.tools[index]  # type: ignore[index]
-        pieces = [feed(delta.text)] if delta.text else []
-        if delta.result is not None:
-            result = _checked(delta.result)
-            pieces.append(feed(None))
-        for content, calls in pieces:
-            if content:
-                self.out += self.enc.text(index, content)
-            if calls:
-                self.called[index] = True
-                self.out += self.enc.chunk(index, None, None, {"delta": {"tool_calls": calls}})
+        """A chat with tools (plain otherwise): each choice's text through its own reader,
+        content as it releases it, each call as one ``tool_calls`` delta; at the input's final
+        each of its choices ends, ``finish_reason`` ``tool_calls`` where it made calls."""
+        base = index * self.n
+        if delta.text:
+            self._tool_pieces(base + delta.index, delta.text)
         if delta.result is None:
             return 0
-        self.finals[index] = result
-        reason = _tool_finish(result.finish_reason) if self.called[index] else result.finish_reason
-        self.out += self.enc.finish(index, reason)
+        self.finals[index] = result = _checked(delta.result)
+        for seq in result.choices:
+            choice = base + seq.index
+            self._tool_pieces(choice, None)
+            self.out += self.enc.finish(choice, _tool_finish(seq.finish_reason) if self.called[choice] else seq.finish_reason)
         return 1
+
+    def _tool_pieces(self, choice: int, text: str | None) -> None:
+        """Feed ``text`` (None: the end) to choice ``choice``'s reader; its chunks to :attr:`out`."""
+        content, calls = self.tools[choice](text)  # type: ignore[index]
+        if content:
+            self.out += self.enc.text(choice, content)
+        if calls:
+            self.called[choice] = True
+            self.out += self.enc.chunk(choice, None, None, {"delta": {"tool_calls": calls}})
 
     def _detailed(self, index: int, choice: int, delta: StreamDelta) -> bytes:
         text = delta.text
@@ -372,11 +379,14 @@ class _Encoder:
         if self.token_ids:
             extra["token_ids"] = list(delta.token_ids)
         if self.logged:
-            fields = _logprob_fields(
-                self.job, self.prompts, index, delta.logprobs, delta.prompt_logprobs, self.offsets[index], first
-            )
+            prompt_rows = delta.prompt_logprobs
+            if prompt_rows is not None:
+                self.prompt_rows[index] = prompt_rows
+            elif first:  # n > 1: a sequence's first chunk after another's brought the prompt's
+                prompt_rows = self.prompt_rows.get(index)
+            fields = _logprob_fields(self.job, self.prompts, index, delta.logprobs, prompt_rows, self.offsets[choice], first)
             if fields.get("logprobs") and self.enc.kind == COMPLETION:
-                self.offsets[index] += sum(len(t) for t in fields["logprobs"]["tokens"])
+                self.offsets[choice] += sum(len(t) for t in fields["logprobs"]["tokens"])
             extra.update(fields)
         self.generated[index] += len(delta.token_ids)
         return self.enc.chunk(choice, text, None, extra, self._usage(index))

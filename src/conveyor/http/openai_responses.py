@@ -67,9 +67,9 @@ def completion_body(
     order: input ``i``'s sequence ``j`` is choice ``i * n + j``. ``echoes`` start each
     input's choices' texts (``echo``); with ``prompt_ids`` (``return_token_ids``) each choice
     carries its ``token_ids`` and the prompt's (a completion choice its own
-    ``prompt_token_ids``, a chat answer one at the top, as vLLM). ``extras`` (n is then 1):
-    per choice, its ``logprobs`` (replacing the null) and ``prompt_logprobs`` (a chat
-    answer's at the top, as vLLM)."""
+    ``prompt_token_ids``, a chat answer one at the top, as vLLM). ``extras``: per choice, its
+    ``logprobs`` (replacing the null) and its input's ``prompt_logprobs`` (a chat answer's
+    once, at the top, as vLLM)."""
     flat = [(i, seq) for i, r in enumerate(results) for seq in r.choices]
     texts = [seq.text if echoes is None else echoes[i] + seq.text for i, seq in flat]
     if kind == COMPLETION:
@@ -86,7 +86,7 @@ def completion_body(
         for choice, extra in zip(choices, extras):
             choice.update(extra)
         if kind == CHAT and "prompt_logprobs" in extras[0]:
-            body["prompt_logprobs"] = choices[0].pop("prompt_logprobs")
+            body["prompt_logprobs"] = [choice.pop("prompt_logprobs") for choice in choices][0]
     if prompt_ids is not None:
         for choice, (i, seq) in zip(choices, flat):
             choice["token_ids"] = seq.token_ids

@@ -117,9 +117,11 @@ class GenerateRequest:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # best_of > n: the scheduler runs ``sampling.n`` (= best_of) sequences, each with its
-    # sampled tokens' log-probabilities (``sampling.logprobs`` 0), and the ``keep_best`` (the
-    # client's n) with the highest cumulative log-probability are returned, best first.
+    # sampled tokens' log-probabilities (``sampling.logprobs``: the client's k, else 0), and the
+    # ``keep_best`` (the client's n) with the highest cumulative log-probability are returned,
+    # best first. ``ranking_logprobs``: the client did not ask for them (kept, never sent).
     keep_best: int | None = None
+    ranking_logprobs: bool = False
     # Structured output: what the output must match (compiled by the frontend, which then sets
     # ``sampling.grammar``), and the tools the chat template is given.
     constraint: Constraint | None = None
@@ -342,15 +344,8 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
             if req.stream:
                 raise fail("'best_of' > n is not supported with streaming (the best are known only at the end)")
             req.keep_best = n
-            req.sampling = msgspec.structs.replace(req.sampling, n=best_of, logprobs=0)
-    if req.sampling.n > 1:
-        # Not yet per sequence: log-probabilities (one log per request in the frontend) and
-        # constraints (one grammar state per request); refused rather than answered wrongly.
-        asked = [name for name in ("logprobs", "prompt_logprobs", "constraint", "tools") if obj.get(name) is not None]
-        if req.constraint is not None and "constraint" not in asked:
-            asked.append("tool_choice")
-        if asked:
-            raise fail(f"'{asked[0]}' is not supported with n > 1 yet")
+            req.ranking_logprobs = req.sampling.logprobs is None
+            req.sampling = msgspec.structs.replace(req.sampling, n=best_of, logprobs=req.sampling.logprobs or 0)
     return req
 
 

@@ -71,7 +71,12 @@ class SeqGroup:
         """The group of ``n`` sequences of ``req`` (a request built from the message, never queued)."""
         group = cls(req.request_id, [])
         for i in range(n):
-            sampling = msgspec.structs.replace(req.sampling, seed=sequence_seed(req.sampling.seed, i))
+            # Prompt log-probabilities are the request's, once: the leader's prefill computes
+            # them (a fork never runs the prompt, and asking would cost it the prefix match).
+            prompt_logprobs = req.sampling.prompt_logprobs if i == 0 else None
+            sampling = msgspec.structs.replace(
+                req.sampling, seed=sequence_seed(req.sampling.seed, i), prompt_logprobs=prompt_logprobs
+            )
             seq = dataclasses.replace(
                 req,
                 request_id=sequence_id(req.request_id, i),

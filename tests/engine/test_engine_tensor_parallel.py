@@ -2,10 +2,11 @@
 worker process the engine starts (bin/serve's worker entry), fed every plan on a shared-memory
 ring. Greedy outputs equal one rank's and HF transformers', a seeded sampled request one
 rank's, requests added between steps stream as with one rank, a LoRA adapter loaded while
-serving gives PEFT's tokens and a refused load leaves the ranks in step; close() (and the interpreter's
-exit, without close) leaves no rank process, no ring and no run directory; a killed rank makes
-the next step raise RanksFailed at once. One engine of two ranks serves the first tests (one
-process group per process: the later ones close it first)."""
+serving gives PEFT's tokens and a refused load leaves the ranks in step; close() (and the
+interpreter's exit, without close) leaves no rank process, no ring and no run directory; a
+killed rank makes the next step raise RanksFailed at once, and a rank dead before the group
+met ends the start at once. One engine of two ranks serves the first tests (one process
+group per process: the later ones close it first)."""
 
 from __future__ import annotations
 
@@ -174,6 +175,15 @@ def test_interpreter_exit_without_close_stops_the_ranks(tiny_checkpoint):
         time.sleep(0.05)
     assert not pid_alive(int(pid))
     assert not os.path.exists(run_dir) and not os.path.exists(ring)
+
+
+def test_a_script_without_a_main_guard_fails_at_once(tiny_checkpoint, tmp_path):
+    script = tmp_path / "unguarded.py"  # each spawned rank runs it again, and fails starting ranks of its own
+    script.write_text(f"from conveyor import Engine\nEngine({str(tiny_checkpoint)!r}, **{CONFIG!r}, **{TP!r})\n")
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and time.monotonic() - start < TP["distributed_timeout_s"]
+    assert 'RanksFailed: tensor-parallel rank 1' in run.stderr and 'needs `if __name__ == "__main__":`' in run.stderr
 
 
 def test_refused_before_any_rank_starts(tiny_checkpoint):

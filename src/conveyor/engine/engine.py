@@ -59,8 +59,8 @@ from typing import Any
 
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.engine.options import EngineOptions
-from conveyor.engine.ranks import RankGroup, RanksFailed
 from conveyor.engine.outputs import BatchInfo, Result, StepOutput
+from conveyor.engine.ranks import RankGroup, RanksFailed
 from conveyor.engine.request import Request
 from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
@@ -70,7 +70,8 @@ from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.frontend.output import best_of, cumulative_logprob, merge
-from conveyor.ipc.messages import AddRequest, CommitLora, FinishReason, LoadLora, UnloadLora, RequestOutput, StepPlan, StepResult, sequence_id, speculation_rates
+from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id, speculation_rates
+from conveyor.ipc.messages import CommitLora, LoadLora, UnloadLora
 from conveyor.protocol import sampling_fields, wire
 from conveyor.protocol import requests as client_requests
 from conveyor.assembly.build import batcher_config, settings_view, worker_settings

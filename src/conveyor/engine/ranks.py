@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -65,7 +66,7 @@ class RankGroup:
     """
 
     def __init__(self, worker: Mapping[str, Any], model_dir: str) -> None:
-        from conveyor.worker.parallel import default_backend, init_tensor_parallel, rank_device
+        from conveyor.worker.parallel import rank_device
 
         self.size = size = int(worker["tensor_parallel_size"])
         self.timeout_s = float(worker.get("distributed_timeout_s") or WorkerConfig.distributed_timeout_s)
@@ -105,11 +106,42 @@ class RankGroup:
                 proc = spawn.Process(target=run_worker, args=(replace(config, tensor_parallel_rank=rank),), name=name, daemon=True)
                 proc.start()
                 self.procs.append(proc)
-            own_device = rank_device(device, TensorParallel(0, size), config.first_device)
-            self.tp = init_tensor_parallel(0, size, rendezvous, default_backend(device), self.timeout_s, own_device)
+            self.tp = self._join(rendezvous, device, rank_device(device, TensorParallel(0, size), config.first_device))
         except BaseException:
             self.close()
             raise
+
+    def _join(self, rendezvous: str, device: str, own_device: str) -> TensorParallel:
+        """Rank 0 joins the group, watching the ranks meanwhile: one that dies first (a script
+        without ``if __name__ == "__main__":`` runs itself again in each spawned rank and fails
+        there) ends the wait at once rather than after ``distributed_timeout_s``. torch's
+        rendezvous cannot be interrupted, so it runs on a thread (left to time out if a rank
+        died); its CUDA device is then made current on this one too."""
+        import torch
+
+        from conveyor.worker.parallel import default_backend, init_tensor_parallel
+
+        backend = default_backend(device)
+        joined: list[TensorParallel | BaseException] = []
+
+        def join() -> None:
+            try:
+                joined.append(init_tensor_parallel(0, self.size, rendezvous, backend, self.timeout_s, own_device))
+            except BaseException as exc:  # (raised on the caller's thread below)
+                joined.append(exc)
+
+        thread = threading.Thread(target=join, name="conveyor-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if thread.is_alive() and self._dead():
+                raise RanksFailed(f"{_died(self._dead())} before the ranks met (a script that starts an engine "
+                                  'needs `if __name__ == "__main__":`: the ranks are spawned)')
+        if isinstance(joined[0], BaseException):
+            raise joined[0]
+        if backend == "nccl":
+            torch.cuda.set_device(own_device)
+        return joined[0]
 
     def wait_ready(self) -> None:
         """Wait until every rank has reported ready (loaded its shard, agreed on the pool);

@@ -122,6 +122,14 @@ def test_lora_loaded_and_unloaded_on_every_rank(tp_engine, tiny_checkpoint, tmp_
     tp_engine.unload_lora("ft")
 
 
+def test_a_second_tensor_parallel_engine_waits_for_the_first_to_close(tp_engine, tiny_checkpoint):
+    from conveyor import Engine
+
+    with pytest.raises(ValueError, match="one tensor-parallel engine per process at a time"):
+        Engine(tiny_checkpoint, **CONFIG, **TP)
+    assert tp_engine.generate([PROMPTS[0]], progress=False, max_tokens=2)  # the first serves on
+
+
 def test_close_leaves_no_process_nor_ring(tp_engine):
     ranks = tp_engine._ranks
     assert leftovers(ranks)["processes"]
@@ -193,3 +201,14 @@ def test_refused_before_any_rank_starts(tiny_checkpoint):
         Engine(tiny_checkpoint, **CONFIG, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer of at least 1"):
         Engine(tiny_checkpoint, **CONFIG, tensor_parallel_size=0)
+
+
+def test_cuda_needs_a_gpu_per_rank(tiny_checkpoint, monkeypatch):
+    import torch
+
+    from conveyor import Engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs one GPU per rank: 1 visible"):
+        Engine(tiny_checkpoint, **{**CONFIG, "device": "cuda"}, **TP)

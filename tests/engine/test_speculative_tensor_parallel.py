@@ -7,7 +7,6 @@ chunked prefills)."""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -30,11 +29,14 @@ def rank_engine(directory: str, config: dict, tensor_parallel=None):
     from conveyor import Engine
 
     build = engine_module.build_runner
-    engine_module.build_runner = functools.partial(build, tensor_parallel=tensor_parallel)
+    # (over the engine's own tensor_parallel: one rank's, as it runs in one process)
+    engine_module.build_runner = lambda runner_config, **kw: build(runner_config, **{**kw, "tensor_parallel": tensor_parallel})
     try:
-        return Engine(directory, **config)
+        engine = Engine(directory, **config)
     finally:
         engine_module.build_runner = build
+    assert engine.runner.tensor_parallel.size == (1 if tensor_parallel is None else tensor_parallel.size)
+    return engine
 
 
 def run_ranks(target, size: int, tmp_path: Path, *args) -> list:

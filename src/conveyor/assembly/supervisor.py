@@ -55,11 +55,11 @@ from conveyor.ipc.transport import ClusterKey
 from conveyor.assembly import node_link
 from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
 from conveyor.runtime.model_source import StartupError
+from conveyor.runtime.process import SHUTDOWN_GRACE_S, terminate
 from conveyor.scheduler.main import run_scheduler
 from conveyor.worker.main import run_worker
 
 STARTUP_TIMEOUT_S = 600.0
-SHUTDOWN_GRACE_S = 3.0
 CAUSE_GRACE_S = 5.0  # how long a dead scheduler's worker may take to exit too (Server._cause)
 LOST_NODE_GRACE_S = 1.0  # how long a dead worker's node link may take to report the node it lost
 
@@ -266,7 +266,7 @@ class Server:
         self.dead_replicas.add(replica)
         transport.send(self.frontend_control, ProcessFailed(process, reason))
         names = [name for name in self.procs if replica_of_process(name) == replica]
-        _terminate([self.procs[name] for name in names])
+        terminate([self.procs[name] for name in names])
         return names
 
     def stop(self, reason: str) -> None:
@@ -278,7 +278,7 @@ class Server:
         if frontend is not None and frontend.is_alive():
             transport.send(self.frontend_control, Shutdown(reason))
             frontend.join(SHUTDOWN_GRACE_S)
-        _terminate(list(self.procs.values()))
+        terminate(list(self.procs.values()))
 
     def close(self) -> None:
         if self.link is not None:
@@ -289,20 +289,6 @@ class Server:
         for index in range(self.config.data_parallel_size if self.config.node_rank == 0 else 0):
             step_channel.remove_rings(self.config.replica(index).channels)
         shutil.rmtree(self.config.run_dir, ignore_errors=True)
-
-
-def _terminate(procs: list[mp.process.BaseProcess]) -> None:
-    """SIGTERM every one of ``procs`` still alive, give them :data:`SHUTDOWN_GRACE_S` in all
-    to exit, then SIGKILL any left."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + SHUTDOWN_GRACE_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join(1.0)
 
 
 _STOP_SIGNAL: list[int] = []

@@ -33,6 +33,15 @@ context, without a BOS, and the prefix cache supplies the KV of the earlier turn
 their blocks are cached. :meth:`Request.remove` forgets the context. At most
 ``max_sessions`` contexts are kept, least recently finished dropped first.
 
+Tensor parallelism (``tensor_parallel_size`` N > 1, as ``bin/serve --tensor-parallel-size``):
+this process is rank 0, its runner rank 0's shard; ranks 1 .. N-1 are bin/serve's worker
+processes, sent every plan before rank 0 runs it (:mod:`conveyor.engine.ranks`: their start,
+their failures, their end). A step that fails on rank 0 then fails its requests only if the
+runner refused the plan (as on every rank alike); anything else leaves the ranks out of step,
+and that step and every later one raise :class:`~conveyor.engine.ranks.RanksFailed`.
+:meth:`Engine.close` (or ``with Engine(...)``) stops the ranks; an engine collected or left
+open at exit is closed then.
+
 Not thread-safe: one thread calls the engine. Not done here (bin/serve has them): planning
 one step ahead and pipelined launches (on a GPU they hide the host's time per step), the
 tokenizer thread pool, profiling.
@@ -51,6 +60,7 @@ from typing import Any
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.engine.options import EngineOptions
 from conveyor.engine.outputs import BatchInfo, Result, StepOutput
+from conveyor.engine.ranks import RankGroup, RanksFailed
 from conveyor.engine.request import Request
 from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
@@ -61,13 +71,16 @@ from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id, speculation_rates
+from conveyor.ipc.messages import CommitLora, LoadLora, UnloadLora
 from conveyor.protocol import sampling_fields, wire
 from conveyor.protocol import requests as client_requests
 from conveyor.assembly.build import batcher_config, settings_view, worker_settings
 from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
+from conveyor.runtime.tensor_shards import NO_TENSOR_PARALLEL, check_shardable
 from conveyor.scheduler.scheduler import Scheduler
-from conveyor.worker.main import build_runner, failed_step
+from conveyor.worker.main import build_runner, failed_step, pool_agreed_by_ranks, rank_threads
+from conveyor.worker.plan_check import PlanRefused
 
 
 # add_request's keyword arguments besides the input, the id and the priority: the generate
@@ -84,6 +97,9 @@ class Engine:
     ``max_model_len``, ``max_sessions``, ... and every scheduler knob by its
     :class:`~conveyor.runtime.config.SchedulerConfig` name, with TGI's ``max_batch_size``
     (``max_num_seqs``) and ``max_batch_tokens`` (``max_num_batched_tokens``).
+    ``tensor_parallel_size``: the model split over that many ranks, as bin/serve's (module
+    docstring); ``distributed_timeout_s`` bounds their start-up and every collective. A
+    context manager: :meth:`close` at the end.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **config: Any) -> None:
@@ -94,24 +110,52 @@ class Engine:
         self.max_model_len = model_length(self.model_config, options.max_model_len)
         settings = options.settings()
         batcher = batcher_config(settings, self.max_model_len)  # bad knobs fail before the model loads
+        size = options.tensor_parallel_size
         if batcher.speculative_model is not None:
-            draft_model_config(batcher.speculative_model, self.model_config, self.max_model_len)
+            draft_model_config(batcher.speculative_model, self.model_config, self.max_model_len, size)
+        check_shardable(self.model_config, size, f"model {model_dir}")
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._constraints = ConstraintCompiler(model_dir)
-        self.runner = build_runner(settings_view(RunnerConfig, worker_settings(settings), model_dir=model_dir))
-        runner = self.runner
-        batcher = replace(
-            batcher, num_blocks=runner.num_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_bytes=runner.block_bytes
-        )
+        worker = worker_settings(settings)
+        runner_config = settings_view(RunnerConfig, worker, model_dir=model_dir, num_threads=rank_threads(worker["num_threads"], size))
+        self._ranks = RankGroup(worker, model_dir) if size > 1 else None
+        self._close_ranks = None if self._ranks is None else weakref.finalize(self, self._ranks.close)
+        self._recoverable = Exception if size == 1 else PlanRefused  # (module docstring)
+        tp = NO_TENSOR_PARALLEL if self._ranks is None else self._ranks.tp
+        try:
+            self.runner = runner = build_runner(runner_config, tensor_parallel=tp)
+            num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
+            if self._ranks is not None:
+                self._ranks.wait_ready()
+        except BaseException as exc:
+            cause = None if self._ranks is None or isinstance(exc, RanksFailed) else self._ranks.start_failure()
+            self.close()
+            if cause is not None:
+                raise cause from exc
+            raise
+        batcher = replace(batcher, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_bytes=runner.block_bytes)
         self.scheduler = Scheduler(batcher, self.model_config.eos_token_ids, self.model_config.vocab_size)
         self._sessions = Sessions(options.max_sessions)
         self._max_logprobs = options.max_logprobs
         self._scheduler_ids = itertools.count(1)
+        self._lora_queries = itertools.count(1)  # (LoRA updates sent to tensor-parallel ranks)
         self._running: dict[str, Request] = {}  # by scheduler id: every request not done
         self._by_id: dict[str, Request] = {}  # the same, by the caller's id
         # The last request under each id that is not removed (held by the caller: a request
         # nobody holds cannot be removed; its context stays in the sessions until evicted).
         self._latest: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks and release what they hold (nothing to do with one
+        rank); idempotent. Stepping a closed tensor-parallel engine raises RanksFailed."""
+        if self._close_ranks is not None:
+            self._close_ranks()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def config(self) -> SchedulerConfig:
@@ -237,6 +281,10 @@ class Engine:
         engine must have LoRA on: ``lora_modules`` or ``enable_lora``). Requests may name it
         from now on. Raises :class:`~conveyor.worker.lora.LoraLoadError` (a ValueError) naming
         what is wrong with it, changing nothing: the engine serves on."""
+        if self._ranks is not None:  # every rank reads it, then registers it or agrees it cannot
+            query_id = f"engine-lora-{next(self._lora_queries)}"
+            self._ranks.send(LoadLora(query_id, name, str(directory)))
+            self._ranks.send(CommitLora(query_id))
         self.runner.load_lora(name, str(directory))
         self.scheduler.add_lora(name)
 
@@ -246,6 +294,8 @@ class Engine:
         if self.runner.lora is None:
             raise ValueError("LoRA is off: start the engine with lora_modules or enable_lora=True")
         self.scheduler.remove_lora(name)
+        if self._ranks is not None:
+            self._ranks.send(UnloadLora(f"engine-lora-{next(self._lora_queries)}", name))
         self.runner.unload_lora(name)
 
     def has_pending_requests(self) -> bool:
@@ -270,7 +320,10 @@ class Engine:
     def step(self) -> StepOutput:
         """Run one iteration: form the plan, run it on the model, apply its result. Returns
         the requests that got tokens or finished, and the batch's shape (None if nothing
-        could run: see :meth:`seconds_until_ready`). Never blocks waiting for requests."""
+        could run: see :meth:`seconds_until_ready`). Never blocks waiting for requests.
+        Raises :class:`~conveyor.engine.ranks.RanksFailed` once a tensor-parallel rank died."""
+        if self._ranks is not None:
+            self._ranks.check()
         sched = self.scheduler
         plan = sched.schedule()
         changed: list[Request] = []
@@ -338,12 +391,17 @@ class Engine:
     # ------------------------------------------------------------------ inside
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        """The runner's result for ``plan``; a step that raises fails its requests, as the
-        worker process reports it (worker/main.py), and the engine goes on."""
+        """The runner's result for ``plan`` (sent to the other tensor-parallel ranks first); a
+        step that raises fails its requests, as the worker process reports it (worker/main.py),
+        and the engine goes on, unless the ranks are out of step (module docstring)."""
+        if self._ranks is not None:
+            self._ranks.send(plan)
         try:
             return self.runner.execute(plan)
-        except Exception as exc:
+        except self._recoverable as exc:
             return failed_step(plan.step_id, exc)
+        except Exception as exc:  # (tensor-parallel only: anything else is recoverable with one rank)
+            raise self._ranks.failed(exc) from exc
 
     def _apply(self, outputs: list[RequestOutput], changed: list[Request]) -> None:
         """The scheduler's outputs (one per request) into each request's tokens and text,

@@ -56,7 +56,18 @@ class EngineOptions:
     max_lora_rank: int = RunnerConfig.max_lora_rank
     max_cpu_loras: int | None = RunnerConfig.max_cpu_loras  # host copies of adapters; None: as many as slots
     max_logprobs: int = FrontendConfig.max_logprobs  # the most top log-probabilities a request may ask for
+    # Ranks the model is split over (bin/serve --tensor-parallel-size): this process is rank 0,
+    # the others worker processes (conveyor.engine.ranks); gloo on CPU, one GPU per rank on CUDA
+    tensor_parallel_size: int = WorkerConfig.tensor_parallel_size
+    distributed_timeout_s: float = WorkerConfig.distributed_timeout_s  # the ranks' start-up and every collective
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig knobs by their names
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer of at least 1, got {size!r}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s!r}")
 
     @classmethod
     def from_kwargs(cls, config: dict[str, Any]) -> EngineOptions:

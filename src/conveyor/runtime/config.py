@@ -247,6 +247,9 @@ class WorkerConfig:
     # The GPU of this worker's rank 0 (data-parallel replica i: i * tensor_parallel_size), so
     # replicas run on GPUs of their own where the machine has enough (worker.parallel.rank_device).
     first_device: int = RunnerConfig.first_device
+    # Rank 0 is the planning process (conveyor.Engine: conveyor.engine.ranks) and reads no plans:
+    # the plan channel has a reader per other rank, rank r >= 1 being reader r - 1.
+    rank0_in_process: bool = False
     # The runner's fields below (RunnerConfig says what each does): the scheduler's max_num_seqs
     # and speculative_tokens (assembly.build.worker_settings sets them), --enforce-eager, LoRA
     # (enable_lora: on without adapters at start, for Engine.load_lora and
@@ -266,10 +269,9 @@ class WorkerConfig:
         require_at_least(self, 1, "tensor_parallel_size")
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_rank {self.tensor_parallel_rank} outside 0..{self.tensor_parallel_size - 1}")
-        if self.channels.plans.readers != self.tensor_parallel_size:
-            raise ValueError(
-                f"the plan channel has {self.channels.plans.readers} readers for {self.tensor_parallel_size} tensor-parallel ranks"
-            )
+        readers = self.tensor_parallel_size - self.rank0_in_process
+        if self.channels.plans.readers != readers:
+            raise ValueError(f"the plan channel has {self.channels.plans.readers} readers for {readers} tensor-parallel ranks")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +23,7 @@ from conveyor.ipc.messages import ProcessFailed, ProcessReady
 from conveyor.ipc.step_channel import PeerGone
 
 _PR_SET_PDEATHSIG = 1
+SHUTDOWN_GRACE_S = 3.0  # how long stopped children may take to exit before they are killed
 
 
 def die_with_parent() -> None:
@@ -109,3 +112,17 @@ def run_process(name: str, control_address: str, start: Callable[[zmq.Context], 
         started.close()
         control.close()
         ctx.term()
+
+
+def terminate(procs: list[mp.process.BaseProcess], grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """SIGTERM every one of ``procs`` still alive, give them ``grace_s`` in all to exit, then
+    SIGKILL any left (bin/serve's supervisor and the engine's ranks stop children so)."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)

@@ -63,7 +63,8 @@ class LoraUpdates:
         is only named, its log says why), leaving every rank as it was."""
         error: LoraLoadError | None = None
         try:
-            self.lora.register(name, directory, read())
+            adapter = read()  # (first: it raises the LoRA-off error, on every rank alike)
+            self.lora.register(name, directory, adapter)
         except LoraLoadError as exc:
             error = exc
         if not all_ranks_agree(error is None, self.tensor_parallel, self.device):

@@ -29,7 +29,9 @@ when the ranks span nodes, every collective bounded by ``distributed_timeout_s``
 pool: every rank computes its capacity and an all-reduce MIN gives the pool rank 0 reports
 (block ids below it are valid on every rank; a rank with room for more leaves it unused), so
 the scheduler sees one worker with that pool and knows nothing of N. Every rank reads every
-plan from the plan channel (reader ``r`` of N) and runs it, swaps and block copies included,
+plan from the plan channel (reader ``r`` of N; under ``conveyor.Engine`` rank 0 is the
+engine's own process, which plans and reads none, so rank ``r`` is reader ``r - 1``:
+:mod:`conveyor.engine.ranks`) and runs it, swaps and block copies included,
 each on its own kv heads; only rank 0 sends results and answers profile queries (the ranks'
 results are identical: rank 0 broadcasts its sampled ids). A plan the runner refuses
 (PlanRefused, raised on every rank alike before any collective) fails its step as with one
@@ -162,9 +164,6 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         rank, size, config.distributed_init_method, default_backend(device), config.distributed_timeout_s,
         rank_device(device, TensorParallel(rank, size, None), config.first_device),
     )
-    num_threads = config.num_threads
-    if num_threads is None and size > 1:
-        num_threads = max(1, (os.cpu_count() or 1) // size)  # CPU ranks share the cores (unused on CUDA)
     prof = profiling.Profiler("worker", enabled=config.profile)
 
     def idle_fraction(since_ns: int) -> float:
@@ -173,12 +172,13 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         return idle / (idle + busy) if idle + busy > 0 else 1.0
 
     prof.derive("idle_fraction", idle_fraction)
-    runner = build_runner(config.runner(num_threads=num_threads), profiler=prof, tensor_parallel=tp)
+    threads = rank_threads(config.num_threads, size)
+    runner = build_runner(config.runner(num_threads=threads), profiler=prof, tensor_parallel=tp)
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)
     loop = StepLoop(
         runner,
-        StepReceiver(ctx, config.channels.plans, bind=False, reader=rank),
+        StepReceiver(ctx, config.channels.plans, bind=False, reader=rank - config.rank0_in_process),
         StepSender(ctx, config.channels.results, bind=False) if rank == 0 else None,
         prof,
         resolve_pipeline(config.pipeline, device),
@@ -201,6 +201,14 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     if size > 1:
         ready["tensor_parallel"] = f"rank {rank} of {size}"
     return Started(run=loop.run, close=close, ready_info=ready)
+
+
+def rank_threads(num_threads: int | None, size: int) -> int | None:
+    """torch's CPU threads for each of ``size`` ranks: ``num_threads`` when given, else with
+    several ranks an even share of the cores (CPU ranks share them; unused on CUDA)."""
+    if num_threads is None and size > 1:
+        return max(1, (os.cpu_count() or 1) // size)
+    return num_threads
 
 
 def pool_agreed_by_ranks(runner: ModelRunner, tp: TensorParallel) -> tuple[int, int]:

@@ -5,7 +5,9 @@ input, requests given up on, ids reused as continuations, clients closing their 
 mid-request, stats and profile calls) for a few seconds; then the
 server must have drained with no block held, and greedy and seeded requests replayed alone
 must give the tokens they got under load, where they were chunked, preempted (swapped or
-recomputed) and served from the prefix cache.
+recomputed) and served from the prefix cache. The second soak adds the other kinds of
+request (n > 1, best_of, logprobs, prompt_logprobs, constraints, tool calls, speculate: false)
+under n-gram speculation.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 
 from conveyor_tools.cli.soak import soak
+from conveyor_tools.cli.soak_kinds import KIND_FIELDS, Mix
 
 SERVE_ARGS = (
     "--num-kv-blocks", "72", "--block-size", "4", "--max-num-batched-tokens", "48", "--max-num-seqs", "8",
@@ -23,7 +26,7 @@ SERVE_ARGS = (
 
 def test_soak_under_preemption_drains_and_replays(serve_factory, tiny_checkpoint) -> None:
     server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
-    report = asyncio.run(soak(server.address, duration=12, clients=10, seed=3, replay=25, timeout=60))
+    report = asyncio.run(soak(server.address, duration=12, clients=10, seed=3, replay=25, timeout=60, mix=Mix()))
     assert report.ok, "\n".join(report.failures)
     stats = report.server
     # The traffic did reach the paths it is meant to cover.
@@ -31,4 +34,16 @@ def test_soak_under_preemption_drains_and_replays(serve_factory, tiny_checkpoint
     assert stats["prefix_cache_hit_tokens"] and stats["num_planned_ahead"], stats
     assert report.given_up and report.continued and report.vanished and report.probes, report
     assert report.finish_reasons.get("error"), report  # bad input and prompts too long: error finals
+    assert report.replayed >= 10, report
+
+
+def test_soak_of_every_kind_under_speculation(serve_factory, tiny_checkpoint) -> None:
+    server = serve_factory(
+        "--model", str(tiny_checkpoint), *SERVE_ARGS, "--speculative-method", "ngram", "--num-speculative-tokens", "3"
+    )
+    report = asyncio.run(soak(server.address, duration=12, clients=10, seed=5, replay=25, timeout=60))
+    assert report.ok, "\n".join(report.failures)
+    assert set(report.kinds) == KIND_FIELDS - {"lora"}, report.kinds  # (the server serves no adapter)
+    stats = report.server
+    assert stats["spec_num_proposals"] and stats["num_preemptions_swap"] and stats["num_preemptions_recompute"], stats
     assert report.replayed >= 10, report

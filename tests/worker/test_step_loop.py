@@ -93,15 +93,27 @@ def test_plain_loop_finishes_each_step_before_the_next():
 
 def test_failed_launch_reports_after_the_step_before_it():
     calls, sent = run([plan(1, False), plan(2), plan(3), plan(4, False)], pipeline=True, fail_launch={2})
-    assert calls == ["launch 1", "launch 2", "finish 1", "launch 3", "launch 4", "finish 3", "finish 4"]
+    assert calls == ["launch 1", "launch 2", "finish 1", "launch 3", "finish 3", "launch 4", "finish 4"]
     # 2's error is sent after 1's result; the others are what the runner returned.
     assert sent == [(1, True), (2, False), (3, True), (4, True)]
 
 
 def test_failed_finish_is_sent_in_step_order():
     calls, sent = run([plan(1, False), plan(2), plan(3, False)], pipeline=True, fail_finish={1})
-    assert calls == ["launch 1", "launch 2", "finish 1", "launch 3", "finish 2", "finish 3"]
+    assert calls == ["launch 1", "launch 2", "finish 1", "finish 2", "launch 3", "finish 3"]
     assert sent == [(1, False), (2, True), (3, True)]
+
+
+def test_a_plan_not_planned_ahead_waits_for_the_step_before_to_finish():
+    """A tensor-parallel rank > 0 sends no results: the scheduler's next plan (formed on rank
+    0's result) can be waiting before this rank saw its step done. Launched first, it was
+    checked against state the step's finish had yet to change (a speculative step's rejected
+    tokens), and refused on this rank alone while rank 0 ran it: the group hung."""
+    runner, messages = ScriptedRunner(), ScriptedPlans([plan(1, False), plan(2, False), plan(3), plan(4, False)])
+    runner.step_done = lambda launched: not messages.ready()  # the next plan is always there first
+    loop = StepLoop(runner, messages, None, profiling.Profiler("worker", enabled=False), pipeline=True)
+    loop.run()
+    assert runner.calls == ["launch 1", "finish 1", "launch 2", "launch 3", "finish 2", "finish 3", "launch 4", "finish 4"]
 
 
 def test_shutdown_finishes_the_launched_step_first():

@@ -312,6 +312,12 @@ class StepLoop:
             launch_start = self.t_decode.record(received, arg=msg.step_id)
             # (read before the next receive releases the ring slot the plan's arrays view)
             shape = (profiling.plan_shape(msg), received) if self.steps.enabled else None
+            if self.pending is not None and not msg.planned_ahead:
+                # Formed once the scheduler had the step before's result: it reads that step's
+                # outcome (accepted speculative tokens move the computed counts back), so the
+                # step is finished first. Rank 0 has always finished it (it sent the result); a
+                # tensor-parallel rank > 0 that saw this plan before its step was done has not.
+                self._finish_pending()
             try:
                 launched = self.runner.launch(msg)
             except self.recoverable as exc:

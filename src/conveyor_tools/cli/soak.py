@@ -13,27 +13,39 @@ i.e. continues that conversation. Now and then a client sends a request on a con
 its own and closes it mid-request, or asks for the stats and the latency profile. Run it against a server with a small KV cache
 (``--num-kv-blocks``) and token budget to force chunked prefills and preemptions.
 
+Unless ``--plain``, requests also take the kinds of soak_kinds.py now and then: ``n`` in
+{2, 3} (and ``best_of``), ``logprobs`` / ``prompt_logprobs``, a JSON-schema, regex or choice
+``constraint`` (``tools`` with ``tool_choice: required`` for chats), ``speculate: false``,
+and ``lora`` naming one of the adapters the server's stats list. ``--lora-reload NAME=DIR``
+also loads and unloads an adapter under load (with each probe; bin/serve
+--enable-lora-loading), which requests then name too.
+
 What is checked (each failure is listed, and the exit status is 1):
 
 - every request ends exactly once with a final (an error final for bad input), within
   ``--timeout``, and no client call raises; an id reused after its request ended or was
   given up on is never refused as still in flight;
-- no result has more tokens than its ``max_tokens``, and no stop string shows in its text;
+- every choice of a final (one for ``n`` = 1) is checked as soak_kinds.py says: no more
+  tokens than ``max_tokens``, no stop string in its text, valid under its constraint when it
+  ended with ``stop``, one log-probability row per token; greedy choices agree;
 - afterwards the server drains: nothing running, waiting or in flight, no KV block held or
   swapped out, every GPU block free or cached;
-- a stream's deltas add up to its final (text and token ids);
+- a stream's deltas add up to its final, per choice (text, token ids, logprob rows);
 - ``--replay`` of the greedy and seeded requests that were neither continuations nor given
   up on (streamed or not) are sent again, unstreamed, one at a time on the idle server and
-  must produce the same token ids, finish reason and text as under load (where they were
-  chunked, preempted, swapped, recomputed or served from the prefix cache).
+  must produce the same token ids, finish reason and text as under load, per choice (where
+  they were chunked, preempted, swapped, recomputed or served from the prefix cache), and
+  log-probabilities within ``LOGPROB_TOLERANCE``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
+import re
 import sys
 import time
 import uuid
@@ -43,10 +55,20 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from conveyor.client import AsyncClient, CompletionResult, generate_message
+from conveyor.client import AsyncClient, CompletionResult, ServerError, generate_message
 from conveyor.protocol import wire
 from conveyor.cli.server_address import add_address_arguments, server_address
 from conveyor.runtime.config import replica_process_name
+from conveyor_tools.cli.soak_kinds import (
+    KIND_FIELDS,
+    LOGPROB_TOLERANCE,
+    Mix,
+    add_kinds,
+    check_choices,
+    logprobs_drift,
+    outcome,
+    unstreamable,
+)
 
 WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
@@ -67,9 +89,12 @@ class Report:
     given_up: int = 0
     vanished: int = 0  # requests whose client closed its connection mid-request
     probes: int = 0  # stats + profile calls made under load
+    lora_updates: int = 0  # --lora-reload loads and unloads done under load
     continued: int = 0
     streamed: int = 0
     replayed: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)  # requests drawn with each field of soak_kinds
+    errors: dict[str, int] = field(default_factory=dict)  # error finals by their message's start
     failures: list[str] = field(default_factory=list)
     server: dict[str, Any] = field(default_factory=dict)
 
@@ -99,7 +124,7 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def draw(rng: random.Random) -> _Drawn:
+def draw(rng: random.Random, mix: Mix = Mix()) -> _Drawn:
     fields: dict[str, Any] = {"max_tokens": rng.randint(1, 48), "temperature": 0}
     if rng.random() < 0.3:
         fields.update(temperature=0.9, seed=rng.randrange(1000))
@@ -116,6 +141,7 @@ def draw(rng: random.Random) -> _Drawn:
     if rng.random() < 0.03:
         fields["max_tokens"] = -1  # invalid: must come back as an error final
     kind = rng.random()
+    add_kinds(rng, mix, fields, chat=kind < 0.15)
     if kind < 0.15:
         user = _words(rng, rng.randint(1, 30))
         return _Drawn(None, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}], None, fields)
@@ -128,28 +154,30 @@ def draw(rng: random.Random) -> _Drawn:
 
 
 class _Soak:
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(self, address: str, timeout: float, mix: Mix, reload: tuple[str, str] | None) -> None:
         self.address = address
         self.timeout = timeout
+        self.mix = mix
+        self.reload = reload  # (name, directory) of the adapter loaded and unloaded under load
+        self.reloaded = False  # whether it is loaded now
+        self.reload_lock = asyncio.Lock()
         self.report = Report()
         self.replayable: list[tuple[_Drawn, CompletionResult]] = []
         self.run_id = uuid.uuid4().hex[:8]  # request ids of their own, whatever else the server serves
 
-    def _check_result(self, drawn: _Drawn, result: CompletionResult, text: str) -> None:
+    def _check_result(self, drawn: _Drawn, result: CompletionResult) -> None:
         report = self.report
         report.finish_reasons[result.finish_reason] = report.finish_reasons.get(result.finish_reason, 0) + 1
         if result.finish_reason == "abort":  # only what it gave up on is aborted, and that it no longer reads
             report.fail(f"{result.request_id}: ended by an abort nobody sent it")
         if result.finish_reason == "error":
+            reason = re.sub(r"\d+", "N", (result.error or "").split(":")[0])[:60]
+            report.errors[reason] = report.errors.get(reason, 0) + 1
             if "in flight" in (result.error or ""):  # ids are reused only once their request ended or was given up
                 report.fail(f"{result.request_id}: {result.error}")
             return
-        max_tokens = drawn.fields["max_tokens"]
-        if len(result.token_ids) > max_tokens:
-            report.fail(f"{result.request_id}: {len(result.token_ids)} tokens for max_tokens={max_tokens}")
-        for stop in drawn.fields.get("stop", ()):
-            if stop in text:
-                report.fail(f"{result.request_id}: stop string {stop!r} in its text {text[:80]!r}")
+        for failure in check_choices(drawn.fields, result, raw_prompt=drawn.token_ids is not None):
+            report.fail(f"{result.request_id} ({drawn.fields}): {failure}")
 
     async def vanish(self, rng: random.Random, drawn: _Drawn, request_id: str) -> None:
         """A client that sends a streamed request, reads a reply or two and closes its connection
@@ -181,10 +209,29 @@ class _Soak:
         if [p["process"] for p in processes] != expected:
             self.report.fail(f"profile names {[p['process'] for p in processes]}, expected {expected}")
         self.report.probes += 1
+        if self.reload:
+            await self.toggle_lora(client, load=not self.reloaded)
+
+    async def toggle_lora(self, client: AsyncClient, load: bool) -> None:
+        """Load (or unload) the ``--lora-reload`` adapter that requests name now and then
+        (those sent while it is unloaded end in errors); an unload is refused only while a
+        request runs or waits under it."""
+        name, path = self.reload
+        async with self.reload_lock:
+            if load == self.reloaded:
+                return
+            try:
+                await (client.load_lora(name, path) if load else client.unload_lora(name))
+            except ServerError as exc:
+                if exc.code != "lora_in_use":
+                    raise
+                return
+            self.reloaded = load
+            self.report.lora_updates += 1
 
     async def one(self, client: AsyncClient, rng: random.Random, ids: list[str], prefix: str) -> None:
         report = self.report
-        drawn = draw(rng)
+        drawn = draw(rng, self.mix)
         action = rng.random()
         if action < 0.05:
             try:
@@ -200,8 +247,10 @@ class _Soak:
         give_up = rng.random() < 0.2
         report.requests += 1
         report.continued += continued
+        for key in KIND_FIELDS & drawn.fields.keys():
+            report.kinds[key] = report.kinds.get(key, 0) + 1
         try:
-            if rng.random() < 0.5:
+            if rng.random() < 0.5 and not unstreamable(drawn.fields):
                 final = await self._streamed(client, rng, drawn, request_id, give_up)
             else:
                 final = await self._unstreamed(client, rng, drawn, request_id, give_up)
@@ -221,12 +270,16 @@ class _Soak:
     ) -> CompletionResult | None:
         """The request as a stream, checked; None if given up (left after a few deltas)."""
         self.report.streamed += 1
-        text, tokens, final, seen, limit = [], [], None, 0, rng.randint(0, 5)
+        final, seen, limit = None, 0, rng.randint(0, 5)
+        texts: dict[int, str] = {}  # per sequence (index), what its deltas added up to
+        tokens: dict[int, list[int]] = {}
+        rows: dict[int, int] = {}  # logprob rows its deltas carried
         stream = client.stream(request_id=request_id, **drawn.kwargs())
         async for delta in stream:  # (run to its end after the final: that ends the request on the client)
             seen += 1
-            text.append(delta.text)
-            tokens += delta.token_ids
+            texts[delta.index] = texts.get(delta.index, "") + delta.text
+            tokens[delta.index] = tokens.get(delta.index, []) + delta.token_ids
+            rows[delta.index] = rows.get(delta.index, 0) + len((delta.logprobs or {}).get("token_logprobs", ()))
             if delta.result is not None:
                 final = delta.result
             elif give_up and seen > limit:
@@ -234,9 +287,16 @@ class _Soak:
                 return None
         if final is None:
             raise AssertionError(f"{request_id}: the stream ended without a final")
-        self._check_result(drawn, final, "".join(text))
-        if final.finish_reason != "error" and ("".join(text) != final.text or tokens != final.token_ids):
-            self.report.fail(f"{request_id}: its deltas ({tokens}) do not add up to its final ({final.token_ids})")
+        self._check_result(drawn, final)
+        if final.finish_reason == "error":
+            return final
+        for choice in final.choices:
+            name = f"{request_id}: choice {choice.index}'s deltas"
+            added = (texts.get(choice.index, ""), tokens.get(choice.index, []))
+            if added != (choice.text, choice.token_ids):
+                self.report.fail(f"{name} ({added[1]}) do not add up to its final ({choice.token_ids})")
+            if "logprobs" in drawn.fields and rows.get(choice.index, 0) != len(choice.token_ids):
+                self.report.fail(f"{name} carried {rows.get(choice.index, 0)} logprob rows for {len(choice.token_ids)} tokens")
         return final
 
     async def _unstreamed(
@@ -250,7 +310,7 @@ class _Soak:
             if not give_up:
                 raise  # the client's own timeout: a hung request
             return None  # cancelled: the client aborts it
-        self._check_result(drawn, result, result.text)
+        self._check_result(drawn, result)
         return result
 
     async def client_loop(self, index: int, seed: int, deadline: float) -> None:
@@ -278,25 +338,43 @@ class _Soak:
         for drawn, under_load in rng.sample(self.replayable, min(n, len(self.replayable))):
             alone = await client.generate(**drawn.kwargs())
             self.report.replayed += 1
-            same = (alone.token_ids, alone.finish_reason, alone.text) == (
-                under_load.token_ids, under_load.finish_reason, under_load.text
-            )
-            if not same:
+            if outcome(alone) != outcome(under_load):
                 self.report.fail(
-                    f"replay of {under_load.request_id} ({drawn.fields}) differs: under load {under_load.token_ids} "
-                    f"({under_load.finish_reason}), alone {alone.token_ids} ({alone.finish_reason})"
+                    f"replay of {under_load.request_id} ({drawn.fields}) differs: under load {outcome(under_load)}, "
+                    f"alone {outcome(alone)}"
                 )
+            elif (drift := logprobs_drift(alone, under_load)) > LOGPROB_TOLERANCE:
+                self.report.fail(f"replay of {under_load.request_id} ({drawn.fields}): logprobs {drift:.3g} off")
 
 
 async def soak(
-    address: str, *, duration: float, clients: int, seed: int = 0, replay: int = 50, timeout: float = 120.0
+    address: str,
+    *,
+    duration: float,
+    clients: int,
+    seed: int = 0,
+    replay: int = 50,
+    timeout: float = 120.0,
+    mix: Mix | None = None,
+    reload: tuple[str, str] | None = None,
 ) -> Report:
-    """Run the soak of the module docstring against ``address``; the report lists every failed check."""
-    run = _Soak(address, timeout)
+    """Run the soak of the module docstring against ``address``; the report lists every failed
+    check. ``mix``: the kinds drawn beyond plain requests; None: every kind, with the LoRA
+    adapters the server's stats list. ``reload``: (name, directory) of an adapter the probes
+    load and unload under load (the server runs with --enable-lora-loading), which ``mix``
+    then names too; it is loaded for the replay."""
+    if mix is None:
+        async with AsyncClient(address, timeout=timeout) as client:
+            mix = Mix.every_kind(tuple((await client.stats()).get("lora_adapters", ())))
+    if reload:
+        mix = dataclasses.replace(mix, loras=(*mix.loras, reload[0]))
+    run = _Soak(address, timeout, mix, reload)
     deadline = time.monotonic() + duration
     await asyncio.gather(*(run.client_loop(i, seed, deadline) for i in range(clients)))
     async with AsyncClient(address, timeout=timeout) as client:
         await run.drain(client)
+        if reload:
+            await run.toggle_lora(client, load=True)
         await run.replay(client, random.Random(seed), replay)
     return run.report
 
@@ -309,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replay", type=int, default=50, help="greedy/seeded requests to replay alone afterwards")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take before it counts as hung")
+    p.add_argument("--plain", action="store_true", help="plain requests only: no n > 1, logprobs, constraints, LoRA")
+    p.add_argument("--lora-reload", metavar="NAME=DIR", help="an adapter to load and unload under load (--enable-lora-loading)")
     args = p.parse_args(argv)
     report = asyncio.run(
         soak(
@@ -318,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             replay=args.replay,
             timeout=args.timeout,
+            mix=Mix() if args.plain else None,
+            reload=tuple(args.lora_reload.split("=", 1)) if args.lora_reload else None,
         )
     )
     summary = {k: v for k, v in vars(report).items() if k != "failures"}

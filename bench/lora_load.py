@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 import tempfile
 import threading
 import time
@@ -55,6 +57,20 @@ def write_adapter(root: Path, rank: int) -> tuple[ModelConfig, Path]:
     return ModelConfig.from_dir(root), adapter
 
 
+@contextmanager
+def adapter_bench(doc: str, repeats: int) -> Iterator[tuple[argparse.Namespace, ModelConfig, Path]]:
+    """A LoRA bench script's setup: its ``--rank`` / ``--repeats`` flags (``doc``'s first
+    line the description), one torch thread, and :func:`write_adapter`'s adapter in a temporary
+    folder for the ``with`` block: (args, the base model's config, the adapter's directory)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        yield args, *write_adapter(Path(tmp), args.rank)
+
+
 def run(mode: str, read, steps: int = 400) -> tuple[float, float, float]:
     x, w = torch.randn(8, 256), torch.randn(256, 256)
     gaps, reader = [], None
@@ -77,13 +93,7 @@ def run(mode: str, read, steps: int = 400) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        config, adapter = write_adapter(Path(tmp), args.rank)
+    with adapter_bench(__doc__, repeats=3) as (args, config, adapter):
         size = (adapter / "adapter_model.safetensors").stat().st_size / 1e6
         read = lambda: read_adapter("bench", adapter, config, args.rank)  # noqa: E731
         began = time.perf_counter()

@@ -12,26 +12,18 @@ adapter's first eviction, ``spill read`` a miss now. The spill read back is chec
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from conveyor.worker.lora import SpilledAdapters, read_adapter
-from lora_load import write_adapter
+from lora_load import adapter_bench
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        config, directory = write_adapter(Path(tmp), args.rank)
+    with adapter_bench(__doc__, repeats=5) as (args, config, directory):
         spill = SpilledAdapters()
         times: dict[str, list[float]] = {"directory": [], "spill write": [], "spill read": []}
         for _ in range(args.repeats):

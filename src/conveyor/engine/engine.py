@@ -70,8 +70,9 @@ from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.frontend.output import best_of, cumulative_logprob, merge
-from conveyor.ipc.messages import AddRequest, FinishReason, RequestOutput, StepPlan, StepResult, sequence_id, speculation_rates
-from conveyor.ipc.messages import CommitLora, LoadLora, UnloadLora
+from conveyor.ipc.messages import (
+    AddRequest, CommitLora, FinishReason, LoadLora, RequestOutput, StepPlan, StepResult, UnloadLora, sequence_id, speculation_rates,
+)
 from conveyor.protocol import sampling_fields, wire
 from conveyor.protocol import requests as client_requests
 from conveyor.assembly.build import batcher_config, settings_view, worker_settings

@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from conveyor.client.connection import (
     DRAIN_MAX, CompletionResult, Connection, StreamDelta, abort_message, awaited_key, check_error,
-    completion_result, pack_request, reply_key, to_delta,
+    completion_result, pack_request, to_delta, unaddressed_error,
 )
 from conveyor.protocol import wire
 
@@ -175,7 +175,7 @@ class AsyncClient(Connection):
         """As :meth:`Connection._route`, but an error that names neither a request nor a
         command goes to every queue (the synchronous client raises it from its receive
         instead); one that names a command goes to that command's caller alone."""
-        if reply.get("type") == wire.ERROR and reply_key(reply) is None:
+        if unaddressed_error(reply):
             for queue in self._queues.values():
                 queue.put_nowait(reply)
             return

@@ -217,6 +217,11 @@ def reply_key(reply: dict[str, Any]) -> str | None:
     return CONTROL_KEYS.get(kind) or reply.get("request_id")
 
 
+def unaddressed_error(reply: dict[str, Any]) -> bool:
+    """An ``error`` that names neither a request nor a command: every caller's concern."""
+    return reply.get("type") == wire.ERROR and reply_key(reply) is None
+
+
 def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) -> str | None:
     """The key of the replies a message sent asks for (None: an abort asks for none).
 

@@ -13,7 +13,7 @@ import zmq
 
 from conveyor.client.connection import (
     CONTROL_KEYS, DRAIN_MAX, CompletionResult, Connection, StreamDelta, abort_message, awaited_key,
-    check_error, completion_result, pack_request, reply_key, to_delta,
+    check_error, completion_result, pack_request, to_delta, unaddressed_error,
 )
 from conveyor.protocol import wire
 
@@ -114,7 +114,7 @@ class Client(Connection):
             except zmq.Again:
                 return
             reply = wire.unpack_map(raw)
-            if reply_key(reply) is None:
+            if unaddressed_error(reply):
                 check_error(reply)
             self._route(reply)
 

@@ -10,10 +10,12 @@
 # Results: $OUT/gpu-results.tgz and $OUT/summary.txt, rewritten after every stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The interpreter: $PYTHON (the tests pass their own, a venv's python needs no activation), else python3.
+PYTHON="${PYTHON:-python3}"
 if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || echo "gpu_checks: installing the carried wheels failed (the preflight names what is missing)" >&2
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec python3 bench/gpu_checks.py "$@"
+exec "$PYTHON" bench/gpu_checks.py "$@"

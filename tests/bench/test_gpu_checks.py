@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def gpu_checks(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), **(env or {})}
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, **(env or {})}
     cmd = ["bash", str(REPO / "bench" / "gpu_checks.sh"), "--cpu", "--work", str(tmp_path / "work"), *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
     return proc, out

@@ -12,8 +12,8 @@ bandwidth, measured in the same run with a large device-to-device ``copy_`` (rea
 bytes over time). Swaps are compared with measured pinned host<->device copy bandwidth instead.
 Extend attention, which is compute-bound, also reports TFLOP/s (causal FLOPs only).
 
-    python bench/kernels.py --out bench/out/kernels.json            # full set
-    python bench/kernels.py --quick --kernels decode,extend          # a subset, fewer shapes
+    python bench/kernel_timings.py --out bench/out/kernels.json            # full set
+    python bench/kernel_timings.py --quick --kernels decode,extend          # a subset, fewer shapes
 
 Writes JSON with the device name, torch/triton versions, git commit and every row.
 """
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "bench/kernels.py needs a CUDA device, and torch.cuda.is_available() is False here "
+            "bench/kernel_timings.py needs a CUDA device, and torch.cuda.is_available() is False here "
             f"(torch {torch.__version__}). Run it on a GPU machine; the kernel tests run on CPU "
             "with `TRITON_INTERPRET=1 python -m pytest tests/kernels`.",
             file=sys.stderr,

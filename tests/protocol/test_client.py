@@ -6,8 +6,14 @@ stand-in server (a bare ROUTER socket) plays the frontend; no real server is sta
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +25,7 @@ from conveyor.protocol.replies import final_reply
 from tests.protocol.stand_in import RouterStandIn
 
 CONNECT_TIMEOUT = 0.5
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -135,3 +142,53 @@ def test_an_id_in_flight_is_refused_locally_unless_aborted(tmp_path) -> None:
     assert [(m["type"], m.get("prompt")) for m in server.received] == [
         (wire.GENERATE, "hi"), (wire.ABORT, None), (wire.GENERATE, "reused")
     ]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_json_output_parses_back(tmp_path, capsys, stream) -> None:
+    """``bin/client --json`` prints the whole result as one JSON object (the usage and the
+    choices nested), streamed or not."""
+    address = f"ipc://{tmp_path}/json"
+    server = StandIn(address, delay_s=0, expect=1)
+    try:
+        args = ["--host", address, "--connect-timeout", "5", "--json", "hi"] + ([] if stream else ["--no-stream"])
+        assert client_cli.main(args) == 0
+    finally:
+        server.close()
+    out = capsys.readouterr().out
+    result = json.loads(out)
+    assert (result["text"], result["token_ids"], result["finish_reason"]) == ("ok", [7], "length")
+    assert result["usage"] == {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}
+    assert result["choices"] == [{"index": 0, "text": "ok", "token_ids": [7], "finish_reason": "length", "logprobs": None}]
+
+
+class Silent(RouterStandIn):
+    """Takes a generate and never answers it (a long request), then records the abort."""
+
+    def answer(self, msg: dict) -> dict | None:
+        return None
+
+
+def test_ctrl_c_on_the_client_aborts_in_one_line(tmp_path) -> None:
+    """Ctrl-C while a request runs: one line on stderr, no traceback, exit 130, and the
+    request is aborted on the server."""
+    address = f"ipc://{tmp_path}/silent"
+    server = Silent(address, expect=2)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "bin" / "client"), "--host", address, "hi"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not server.received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.received, "the client never sent its request"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        server.close()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["client: interrupted"], err
+    assert [m["type"] for m in server.received] == [wire.GENERATE, wire.ABORT]

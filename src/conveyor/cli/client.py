@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -54,8 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConnectionError, TimeoutError, ServerError, ValueError) as exc:  # no server, lost, refused; too large
         print(f"client: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: leaving the client aborts the request on the server
+        print("\nclient: interrupted", file=sys.stderr)
+        return 130
     if args.json:
-        print(json.dumps({**vars(result), "usage": vars(result.usage)}))
+        # asdict, not vars: the result nests dataclasses (usage, choices) json cannot write.
+        print(json.dumps(dataclasses.asdict(result)))
     elif args.no_stream:
         print(result.text)
     else:

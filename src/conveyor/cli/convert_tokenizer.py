@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -28,7 +29,18 @@ def main(argv: list[str] | None = None) -> int:
         print('convert-tokenizer needs transformers: pip install "conveyor[convert]"', file=sys.stderr)
         return 1
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    # From the slow files alone: transformers would read the tokenizer.json being replaced
+    # (--force), and a broken one is a reason to convert again. The checkpoint's other files
+    # are linked, not copied, into a folder without it.
+    with tempfile.TemporaryDirectory() as slow_only:
+        for path in Path(args.model_dir).iterdir():
+            if path.name != "tokenizer.json":
+                (Path(slow_only) / path.name).symlink_to(path.resolve())
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(slow_only)
+        except (ImportError, OSError, ValueError) as exc:  # no sentencepiece/protobuf; no tokenizer files
+            print(f"convert-tokenizer: transformers could not load the tokenizer of {args.model_dir}: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 1
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         print(f"transformers could not build a fast tokenizer for {args.model_dir}", file=sys.stderr)

@@ -20,12 +20,13 @@ from conveyor.runtime.config import (
     WorkerConfig,
 )
 
-# Flags that name no field of a view: server_config converts each of them by hand. (Flags
+# Flags that name no field of a view: server_config converts each of them by hand (debug:
+# bin/serve's own, how it reports a start-up error). (Flags
 # the supervisor reads itself, serve_on_replica_death and the multi-node ones, are fields of
 # ServerConfig, the supervisor's view.)
 CONVERTED = {
     "model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space", "plan_transport",
-    "api_key", "api_key_file",
+    "api_key", "api_key_file", "debug",
 }  # fmt: skip
 
 
@@ -145,3 +146,22 @@ def test_the_exposed_http_warning_stays_until_a_key_is_set(capsys) -> None:
     assert "HTTP listeners" not in capsys.readouterr().err
     serve.warn_if_exposed(build("--http-port", "0"))  # loopback: nothing to warn about
     assert "HTTP listeners" not in capsys.readouterr().err
+
+
+def test_the_ready_line_counts_the_data_parallel_replicas() -> None:
+    """Every replica's cache, not replica 0's as if it were the server's."""
+    one = build("--num-kv-blocks", "64")
+    assert serve.ready_line(one, [{"num_blocks": 64, "device": "cpu"}]).endswith("on cpu with 64 KV blocks of 16 tokens")
+    two = build("--num-kv-blocks", "64", "--data-parallel-size", "2")
+    line = serve.ready_line(two, [{"num_blocks": 64, "device": "cpu"}] * 2)
+    assert line.endswith("on cpu with 2 data-parallel replicas of 64 KV blocks of 16 tokens each") and "replica 0" not in line
+    uneven = serve.ready_line(two, [{"num_blocks": 64, "device": "cuda:0"}, {"num_blocks": 60, "device": "cuda:1"}])
+    assert uneven.endswith("on cuda:0, cuda:1 with 2 data-parallel replicas of 64/60 KV blocks of 16 tokens")
+
+
+def test_config_errors_name_the_flags() -> None:
+    parser = serve.build_parser()
+    assert serve.in_flag_terms("max_num_seqs must be positive, got 0", parser) == "--max-num-seqs must be positive, got 0"
+    assert serve.in_flag_terms("num_blocks must be positive", parser) == "--num-kv-blocks must be positive"
+    # A field inside a path or a longer name is left alone; one with no flag too.
+    assert serve.in_flag_terms("/x/max_num_seqs/y: block_bytes", parser) == "/x/max_num_seqs/y: block_bytes"

@@ -70,7 +70,7 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     return {
         **named,
         "num_blocks": blocks,
-        "kv_cache_memory_bytes": None if blocks else gib_bytes(settings["kv_cache_memory"]),
+        "kv_cache_memory_bytes": None if blocks is not None else gib_bytes(settings["kv_cache_memory"]),
         "swap_space_bytes": None if swap is None else gib_bytes(swap),
         "num_threads": settings.get("threads"),
         "num_speculative_tokens": settings.get("num_speculative_tokens", 0) if settings.get("speculative_method") else 0,

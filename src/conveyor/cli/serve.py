@@ -11,11 +11,15 @@ on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shutil
 import sys
+import traceback
 from collections.abc import Callable
 
 from conveyor.assembly import build
+from conveyor.assembly.preflight import check_before_start
 from conveyor.assembly.supervisor import Server, stop_on_signals
 from conveyor.ipc import transport
 from conveyor.runtime.config import (
@@ -31,8 +35,10 @@ from conveyor.runtime.config import (
     SchedulerProcessConfig,
     ServerConfig,
     WorkerConfig,
+    replica_process_name,
 )
 from conveyor.runtime.model_source import StartupError
+from conveyor.runtime.process import DEBUG_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     _count(p, "--client-send-queue", FrontendConfig.client_send_queue, "replies queued for one client connection; a client whose queue fills "
            "has stopped reading, and its requests are aborted (0: no bound)", minimum=0)
     _switch(p, "--profile", WorkerConfig.profile, "record per-process latency profiles for bin/profile (measured cost: docs/benchmarks.md)")
+    p.add_argument("--debug", action="store_true", help="print the traceback of a start-up error too (it is one line without)")
     add_lora_arguments(p)
     add_http_arguments(p)
     return p
@@ -279,15 +286,48 @@ def warn_if_exposed(config: ServerConfig) -> None:
         )
 
 
+# Config fields a flag sets under another name (build.worker_settings converts them).
+FIELD_FLAGS = {"num_blocks": "--num-kv-blocks", "kv_cache_memory_bytes": "--kv-cache-memory", "num_threads": "--threads"}
+
+
+def in_flag_terms(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` with the config fields it names written as the flags that set them: the
+    configs check the settings for both faces (``Engine(max_num_seqs=0)`` is told of
+    ``max_num_seqs``) and name them as fields; on the command line the flag is the name."""
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
+    flags.update(FIELD_FLAGS)
+    pattern = re.compile(r"(?<![\w/.-])(" + "|".join(sorted(map(re.escape, flags), key=len, reverse=True)) + r")(?![\w/-])")
+    return pattern.sub(lambda m: flags[m.group(1)], message)
+
+
+def ready_line(config: ServerConfig, workers: list[dict]) -> str:
+    """The line that says the server is ready: where, what, and on what KV cache; with
+    data-parallel replicas, how many and each one's cache (they may differ)."""
+    what = "demo model (random weights: output is gibberish)" if config.demo else f"model {config.model_dir}"
+    blocks = [int(w["num_blocks"]) for w in workers]
+    devices = sorted({str(w.get("device")) for w in workers})
+    cache = f"{blocks[0]} KV blocks of {config.worker.block_size} tokens"
+    if len(workers) > 1:
+        each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} KV blocks of {config.worker.block_size} tokens"
+        cache = f"{len(workers)} data-parallel replicas of {each}"
+    return f"conveyor ready on {config.addresses.client} serving {what} on {', '.join(devices)} with {cache}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the children log an expected start-up error's traceback too
     stop_on_signals()
     run_dir = transport.make_run_dir()
     try:
         config = server_config(args, run_dir)
-    except (StartupError, ValueError, OSError) as exc:
+        check_before_start(config)
+    except (StartupError, ValueError, OSError) as exc:  # a mistake in the flags: one line, before any process starts
         shutil.rmtree(run_dir, ignore_errors=True)
-        print(f"conveyor: {exc}", file=sys.stderr)
+        if args.debug:
+            traceback.print_exc()
+        print(f"conveyor: {in_flag_terms(str(exc), parser)}", file=sys.stderr)
         return 2
     warn_if_exposed(config)
     server = Server(config)
@@ -312,17 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             return server.supervise()
         finally:
             server.close()
-    worker = server.ready["worker"].info
     if "http" in server.ready:
         _print_http_addresses(server.ready["http"].info)
-    what = "demo model (random weights: output is gibberish)" if config.demo else f"model {config.model_dir}"
     try:
-        print(
-            f"conveyor ready on {config.addresses.client} serving {what} "
-            f"on {worker.get('device')} with {worker['num_blocks']} KV blocks of {config.worker.block_size} tokens"
-            + (f" (replica 0 of {config.data_parallel_size})" if config.data_parallel_size > 1 else ""),
-            flush=True,
-        )
+        print(ready_line(config, [server.ready[replica_process_name("worker", i)].info for i in range(config.data_parallel_size)]), flush=True)
     except (BrokenPipeError, OSError):
         pass  # nobody reads our stdout any more: keep serving, never leave the children behind
     try:

@@ -320,7 +320,8 @@ class SchedulerSide:
             log.error("dropping malformed control message: %s", exc)
             return
         if isinstance(msg, Shutdown):
-            log.info("shutting down: %s", msg.reason)
+            # A start-up failure is bin/serve's one line to print; the echo would be a second.
+            (log.debug if msg.reason.startswith("startup failed") else log.info)("shutting down: %s", msg.reason)
             await self.fail_all(msg.reason)
             self._running = False
         elif isinstance(msg, ProcessFailed):  # bin/serve: a replica died, the others serve on

@@ -44,6 +44,7 @@ from conveyor.frontend.tokenizer_files import (
     read_json,
     rebuild_like_llama_tokenizer,
     token_content,
+    tokenizer_file,
 )
 
 # Named special tokens, in transformers' order; each is also a chat-template variable.
@@ -148,16 +149,7 @@ class Tokenizer:
     def from_dir(cls, path: str | Path, *, memo_max: int = STREAM_MEMO_MAX) -> Tokenizer:
         """Load ``tokenizer.json`` (required), ``tokenizer_config.json`` and chat template files from ``path``."""
         root = Path(path).expanduser()
-        if not root.is_dir():
-            raise FileNotFoundError(f"tokenizer directory {root} does not exist or is not a directory")
-        tok_file = root / "tokenizer.json"
-        if not tok_file.is_file():
-            raise FileNotFoundError(
-                f"{tok_file} not found: the frontend reads only the fast-tokenizer file. If this checkpoint ships "
-                f"a slow tokenizer (tokenizer.model, or vocab.json + merges.txt), run `bin/convert-tokenizer {root}` "
-                '(or conveyor-convert-tokenizer) once to write tokenizer.json from it; it needs transformers: '
-                'pip install "conveyor[convert]"'
-            )
+        tok_file = tokenizer_file(root)
         try:
             backend = BackendTokenizer.from_file(str(tok_file))
         except Exception as exc:  # the Rust side raises a bare Exception for malformed files

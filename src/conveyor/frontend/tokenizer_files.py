@@ -1,7 +1,7 @@
 """Reading a checkpoint's tokenizer files: what :meth:`conveyor.frontend.tokenizer.Tokenizer.from_dir`
 builds a tokenizer from, as transformers 5 reads the same files.
 
-``tokenizer_config.json`` (:func:`read_json`), its special-token entries
+``tokenizer.json`` itself (:func:`tokenizer_file`), ``tokenizer_config.json`` (:func:`read_json`), its special-token entries
 (:func:`token_content`), the tokens it declares that ``tokenizer.json`` lacks
 (:func:`add_missing_tokens`), the pipeline ``LlamaTokenizer`` rebuilds
 (:func:`rebuild_like_llama_tokenizer`) and the named chat templates (:func:`chat_templates`).
@@ -18,6 +18,22 @@ from typing import Any
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
+
+
+def tokenizer_file(root: Path) -> Path:
+    """``root``'s ``tokenizer.json``, the one file the frontend requires; FileNotFoundError saying
+    how to make one when it is missing (bin/serve checks it before any process starts)."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {root} does not exist or is not a directory")
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: the frontend reads only the fast-tokenizer file. If this checkpoint ships "
+            f"a slow tokenizer (tokenizer.model, or vocab.json + merges.txt), run `bin/convert-tokenizer {root}` "
+            '(or conveyor-convert-tokenizer) once to write tokenizer.json from it; it needs transformers: '
+            'pip install "conveyor[convert]"'
+        )
+    return path
 
 
 def read_json(path: Path) -> Any:

@@ -15,6 +15,7 @@ bin/serve and the clients.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import tempfile
@@ -78,6 +79,10 @@ def make_run_dir() -> str:
     path = tempfile.mkdtemp(prefix="conveyor-", dir=base)
     os.chmod(path, 0o700)
     return path
+
+
+class AddressInUse(OSError):
+    """A listening address something else holds: bin/serve says so in one line (--port)."""
 
 
 def client_address(host: str, port: int) -> str:
@@ -267,7 +272,12 @@ def bind_client_socket(
             authenticator = curve_servers(ctx, [sock], public, secret, AllowedClientKeys(auth_keys))
         if monitor is not None:
             sock.monitor(monitor, monitor_events)
-        sock.bind(address)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise AddressInUse(f"{address} is already in use: stop what listens there or pick another --port") from None
     except BaseException:
         if authenticator is not None:
             authenticator.stop()

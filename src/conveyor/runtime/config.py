@@ -106,8 +106,8 @@ class SchedulerConfig:
             raise ValueError(f"speculative_method must be 'ngram', 'draft' or None, got {self.speculative_method!r}")
         if (self.speculative_method == "draft") != (self.speculative_model is not None):
             raise ValueError("speculative_method 'draft' and speculative_model (the draft checkpoint) go together")
-        if self.speculative_method is not None and self.num_speculative_tokens < 1:
-            raise ValueError("speculative_method needs num_speculative_tokens >= 1")
+        if (self.speculative_method is None) == (self.num_speculative_tokens >= 1):  # (else tokens silently ignored)
+            raise ValueError("speculative_method needs num_speculative_tokens >= 1" if self.speculative_method else "num_speculative_tokens needs speculative_method (ngram or draft)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 
@@ -267,6 +267,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
         require_at_least(self, 1, "tensor_parallel_size")
+        if self.num_blocks is not None:  # (else sized from kv_cache_memory_bytes by the worker)
+            require_at_least(self, 1, "num_blocks")
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_rank {self.tensor_parallel_rank} outside 0..{self.tensor_parallel_size - 1}")
         readers = self.tensor_parallel_size - self.rank0_in_process

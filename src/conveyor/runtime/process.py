@@ -21,8 +21,11 @@ import zmq
 from conveyor.ipc import transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady
 from conveyor.ipc.step_channel import PeerGone
+from conveyor.runtime.model_source import StartupError
 
 _PR_SET_PDEATHSIG = 1
+# bin/serve --debug sets it for its children: an expected start-up error's traceback is logged too.
+DEBUG_ENV = "CONVEYOR_DEBUG"
 SHUTDOWN_GRACE_S = 3.0  # how long stopped children may take to exit before they are killed
 
 
@@ -82,12 +85,19 @@ class Started:
     ready_info: ReadyInfo = field(default_factory=dict)
 
 
-def run_process(name: str, control_address: str, start: Callable[[zmq.Context], Started]) -> None:
+def run_process(
+    name: str,
+    control_address: str,
+    start: Callable[[zmq.Context], Started],
+    expected: tuple[type[BaseException], ...] = (),
+) -> None:
     """Run one child process from start-up to exit.
 
     Start-up (``start``, given the process's ZeroMQ context) either reports ready to bin/serve
     with its ``ready_info``, or fails: then the reason goes to bin/serve, which stops the server
-    and prints it, and the process returns without closing anything (it is exiting, and a
+    and prints it in one line. An expected failure (a :class:`StartupError`, an address in use,
+    or one of ``expected``: a user's mistake the message explains) logs nothing more unless
+    $CONVEYOR_DEBUG is set; any other failure logs its traceback. The process returns without closing anything (it is exiting, and a
     context with a half-built socket open would block its term). After ready, ``close`` and
     the context's term always run; a peer process that went away (:class:`PeerGone`) ends the
     process with status 1 and one log line, any other exception with its traceback.
@@ -99,7 +109,8 @@ def run_process(name: str, control_address: str, start: Callable[[zmq.Context], 
     try:
         started = start(ctx)
     except Exception as exc:
-        log.exception("%s failed to start", name)
+        if not isinstance(exc, (StartupError, transport.AddressInUse, *expected)) or os.environ.get(DEBUG_ENV):
+            log.exception("%s failed to start", name)
         control.failed(f"{name}: {exc}")
         return
     control.ready(**started.ready_info)

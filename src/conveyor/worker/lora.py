@@ -30,8 +30,6 @@ the Triton kernels (segments of one slot each) on CUDA, :mod:`conveyor.worker.lo
 from __future__ import annotations
 
 import itertools
-import json
-import math
 import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -44,27 +42,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
+# The errors and TARGETS are lora_config's (torch-free, for bin/serve's checks); imported from here too.
+from conveyor.worker.lora_config import TARGETS, WEIGHTS_FILE, LoraFilesMissing, LoraLoadError, read_adapter_config  # noqa: F401
 from conveyor.worker.lora_delta import LoraContext, LoraStack
 
-# target -> (sub-module, piece index within its fused projection: q/k/v and gate/up in that order)
-TARGETS: dict[str, tuple[str, int]] = {
-    "q_proj": ("self_attn", 0),
-    "k_proj": ("self_attn", 1),
-    "v_proj": ("self_attn", 2),
-    "o_proj": ("self_attn", 0),
-    "gate_proj": ("mlp", 0),
-    "up_proj": ("mlp", 1),
-    "down_proj": ("mlp", 0),
-}
 _PEFT_PREFIX = "base_model.model."
-
-
-class LoraLoadError(ValueError):
-    """An adapter that cannot be served: its message says which and why."""
-
-
-class LoraFilesMissing(LoraLoadError):
-    """The adapter's directory or one of its files does not exist."""
 
 
 class UnknownAdapter(KeyError):
@@ -118,34 +100,9 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
     model lacks, or a tensor whose shape or layer does not fit the base model (an adapter of
     another base). Scaling is ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), folded into B.
     """
-    directory = Path(directory)
-    config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise LoraFilesMissing(f"adapter {name!r}: missing file {path}")
-    try:
-        peft = json.loads(config_path.read_text())
-    except ValueError as error:
-        raise LoraLoadError(f"adapter {name!r}: {config_path} is not JSON: {error}") from None
-    if peft.get("peft_type", "LORA") != "LORA":
-        raise LoraLoadError(f"adapter {name!r}: peft_type {peft.get('peft_type')!r} is not LORA")
-    if peft.get("use_dora") or peft.get("bias", "none") != "none" or peft.get("modules_to_save"):
-        raise LoraLoadError(f"adapter {name!r}: DoRA, trained biases and modules_to_save are not supported")
-    rank = int(peft.get("r", 8))
-    if not 1 <= rank <= max_rank:
-        raise LoraLoadError(f"adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank}")
-    if peft.get("rank_pattern") or peft.get("alpha_pattern"):
-        raise LoraLoadError(f"adapter {name!r}: per-module rank_pattern/alpha_pattern are not supported")
-    alpha = float(peft.get("lora_alpha", rank))
-    scaling = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
-    targets = peft.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    lacking = sorted(set(targets) - set(TARGETS))
-    if lacking:
-        raise LoraLoadError(
-            f"adapter {name!r}: target module(s) {', '.join(lacking)} the model lacks "
-            f"(supported: {', '.join(TARGETS)})"
-        )
+    checked = read_adapter_config(name, directory, max_rank)
+    rank, scaling = checked.rank, checked.scaling
+    weights_path = Path(directory) / WEIGHTS_FILE
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(weights_path), framework="pt", device="cpu") as reader:
         for key in reader.keys():

@@ -77,7 +77,9 @@ from conveyor.ipc.messages import (
 from conveyor.ipc.step_channel import PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import Device, PipelineSteps, RunnerConfig, WorkerConfig, rank_process_name
+from conveyor.runtime.model_source import StartupError
 from conveyor.runtime.process import Started, run_process
+from conveyor.worker.lora_config import LoraLoadError
 
 if TYPE_CHECKING:  # torch is imported when a runner is built, not with this module
     from conveyor.worker.model_runner import ModelRunner
@@ -106,7 +108,7 @@ def resolve_device(device: str) -> str:
     if device == Device.AUTO:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was requested but no CUDA device is available (torch.cuda.is_available() is False)")
+        raise StartupError(f"--device {device}: torch sees no CUDA device here (torch.cuda.is_available() is False); use --device cpu (or auto)")
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"unsupported device {device!r}: use cpu, cuda or auto")
     return device
@@ -119,7 +121,7 @@ def resolve_pipeline(pipeline: str, device: str) -> bool:
 
 def run_worker(config: WorkerConfig) -> None:
     name = rank_process_name("worker", config.tensor_parallel_rank)
-    run_process(name, config.addresses.control, lambda ctx: _start(config, ctx))
+    run_process(name, config.addresses.control, lambda ctx: _start(config, ctx), expected=(LoraLoadError,))
 
 
 def build_runner(

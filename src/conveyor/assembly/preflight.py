@@ -1,0 +1,85 @@
+"""bin/serve's checks before any process starts: mistakes found here cost no model load.
+
+Each check is one a user makes by hand and would otherwise learn of only from a child
+process's failure, seconds to minutes later (a tokenizer or a port in use after the
+frontend started, a missing GPU after the worker imported torch, an adapter's rank after the
+weights loaded). Each raises :class:`StartupError` with one line naming the flag and what
+to do, and each asks exactly what the process that would fail asks, through the same rule:
+the tokenizer file (:func:`conveyor.frontend.tokenizer_files.tokenizer_file`), an adapter's
+config (:func:`conveyor.worker.lora_config.read_adapter_config`), a listening port (a bind,
+as ZeroMQ and aiohttp bind). The device is asked of the CUDA driver, which is what torch
+asks too, without importing torch (seconds) into bin/serve. The processes still check
+again: a port can be taken between the check and the bind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+from pathlib import Path
+
+from conveyor.frontend.tokenizer_files import tokenizer_file
+from conveyor.runtime.config import ServerConfig
+from conveyor.runtime.model_source import StartupError
+from conveyor.worker.lora_config import LoraLoadError, read_adapter_config
+
+
+def check_before_start(config: ServerConfig) -> None:
+    """Refuse ``config`` (StartupError) for the mistakes found without loading the model."""
+    if config.node_rank == 0:  # the node that runs the frontend and the HTTP face
+        try:
+            tokenizer_file(Path(config.model_dir))
+        except FileNotFoundError as exc:
+            raise StartupError(f"--model {config.model_dir}: {exc}") from None
+        client = config.addresses.client
+        if client.startswith("tcp://"):
+            host, _, port = client.removeprefix("tcp://").rpartition(":")
+            check_port_free("--port", host, port)
+        if config.http is not None:
+            for flag, port in (("--http-port", config.http.http_port), ("--metrics-port", config.http.metrics_port)):
+                if port:
+                    check_port_free(flag, config.http.http_host, str(port))
+    device = str(config.worker.device)
+    if device.startswith("cuda") and cuda_device_count() == 0:
+        raise StartupError(f"--device {device}: no CUDA device is visible here; use --device cpu (or auto)")
+    for name, directory in config.worker.lora_modules:
+        try:
+            read_adapter_config(name, directory, config.worker.max_lora_rank)
+        except LoraLoadError as exc:
+            raise StartupError(f"--lora-modules {name}={directory}: {exc}") from None
+
+
+def check_port_free(flag: str, host: str, port: str) -> None:
+    """StartupError naming ``flag`` when ``host:port`` cannot be bound because something
+    listens there. A host that does not resolve or a port that is not a number is left to
+    the process that binds it (its own error names the address)."""
+    if not port.isdigit() or int(port) == 0:
+        return
+    host = "" if host in ("*", "") else host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ and aiohttp bind
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise StartupError(
+                f"{flag} {port}: {host or '*'}:{port} is already in use ({exc.strerror}); "
+                f"stop what listens there or pick another {flag}"
+            ) from None
+
+
+def cuda_device_count() -> int:
+    """CUDA devices the driver shows this process (CUDA_VISIBLE_DEVICES applies); 0 without a
+    driver. torch.cuda.is_available() asks the same driver."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value

@@ -11,24 +11,52 @@ SERVE_ARGS ?=
 # The interpreter conveyor was installed with, read by bin/* when the one running them lacks conveyor.
 RECORDED_PYTHON := .conveyor-python
 
-.PHONY: install install-torch serve test test-all test-frontend-notorch bench-smoke clean
+# The install runs only when something it depends on changed: pyproject.toml, or the
+# interpreter (PYTHON, and where it finds conveyor: none after a pip uninstall, another
+# checkout's). Each stamp is a file made after its install succeeded; `make -B install`
+# forces one. $(PROBE) is rewritten only when what it records changes, so its time says when.
+PROBE := .conveyor-probe
+SERVE_STAMP := .conveyor-installed-serve
+TEST_STAMP := .conveyor-installed-test
+PROBE_PY := import importlib.util, sys; spec = importlib.util.find_spec("conveyor"); print(sys.executable, spec and spec.origin)
+
+.PHONY: install install-serve install-torch serve test test-all test-frontend-notorch bench-smoke clean FORCE
 
 install-torch:
-	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
-		echo "torch already installed: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+	@if $(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then \
+		echo "torch already installed: $$($(PYTHON) -c 'from importlib.metadata import version; print(version("torch"))')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PIP) install $(TORCH_PIP_ARGS) "torch>=2.4"; \
 	else \
 		$(PIP) install $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"; \
 	fi
 
-# The extras the tests and the tools need (transformers, matplotlib ...); serving needs none of them.
-install: install-torch
+$(PROBE): FORCE
+	@$(PYTHON) -c '$(PROBE_PY)' > $@.new
+	@if cmp -s $@.new $@; then rm -f $@.new; else mv $@.new $@; fi
+
+# Serving alone: conveyor and its dependencies (torch; Triton only where the CUDA torch brings it).
+$(SERVE_STAMP): pyproject.toml $(PROBE)
+	@$(MAKE) --no-print-directory install-torch
+	$(PIP) install -e .
+	$(PYTHON) -c "import sys; print(sys.executable)" > $(RECORDED_PYTHON)
+	@$(PYTHON) -c '$(PROBE_PY)' > $(PROBE)
+	@touch $@
+
+# The extras the tests and the tools need (transformers, matplotlib, Triton for the kernel
+# tests in interpreter mode ...); serving needs none of them. It serves too: both stamps.
+$(TEST_STAMP): pyproject.toml $(PROBE)
+	@$(MAKE) --no-print-directory install-torch
 	$(PIP) install -e ".[test,bench]"
 	$(PYTHON) -c "import sys; print(sys.executable)" > $(RECORDED_PYTHON)
+	@$(PYTHON) -c '$(PROBE_PY)' > $(PROBE)
+	@touch $@ $(SERVE_STAMP)
+
+install: $(TEST_STAMP)
+install-serve: $(SERVE_STAMP)
 
 # Under the interpreter it was installed with: PYTHON=/path/to/venv/python serves from that venv.
-serve: install
+serve: install-serve
 	$(PYTHON) -m conveyor.cli.serve $(SERVE_ARGS)
 
 test: install
@@ -50,4 +78,4 @@ bench-smoke: install
 	$(PYTHON) -m pytest -q tests/e2e/test_bench_profile.py tests/bench tests/test_profiling.py
 
 clean:
-	rm -rf $(NOTORCH_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON)
+	rm -rf $(NOTORCH_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON) $(PROBE) $(PROBE).new $(SERVE_STAMP) $(TEST_STAMP)

@@ -111,3 +111,96 @@ def test_request_field_fractions_are_refused_before_the_run(monkeypatch, tiny_ch
     argv = ["offline", "--systems", systems, "--model", str(tiny_checkpoint), "--device", "cpu", flag, fraction]
     assert bench.main(argv) == 2
     assert f"bench: {flag} needs a value in [0, 1]" in capsys.readouterr().err
+
+
+def test_repeats_show_min_median_max_under_the_throughput_column() -> None:
+    runs = [dict(offline_result(v)["runs"][0]) for v in (290.0, 300.0, 330.0)]
+    repeated = {"runs": runs, "median": report.aggregate(runs, report.OFFLINE_KEYS)}
+    table, _ = report.offline_table({"conveyor": repeated, "hf": offline_result(100.0)})
+    header, _, conveyor_row, hf_row = table.splitlines()
+    column_end = header.index("out tok/s min/med/max") + len("out tok/s min/med/max")
+    cell = "290.0/300.0/330.0"
+    assert conveyor_row.index(cell) + len(cell) == column_end  # right-aligned under its own header
+    assert hf_row[:column_end].split()[-1] == "100.0/100.0/100.0"
+    assert conveyor_row.split()[-2:] == ["1.00x", "-%"]  # nothing trails the last column
+
+
+def test_a_run_too_short_to_compare_says_so_and_the_minimum() -> None:
+    warning = report.too_short(16, 32, {"conveyor": 2.1, "hf-cb": 30.0})
+    assert warning.startswith("warning:") and "\n" not in warning
+    assert "16 requests" in warning and f"--num-requests {report.MIN_BATCHES * 32}" in warning
+    assert "conveyor 2.1 s" in warning and "hf-cb" not in warning and f"{report.MIN_WALL_S:g} s" in warning
+    assert report.too_short(4 * 32, 32, {"conveyor": 12.0}) is None
+
+
+def test_the_progress_bar_starts_after_the_server_is_up(monkeypatch, tiny_checkpoint) -> None:
+    """A bar made before the server started would count its start-up in the rate and ETA."""
+    import contextlib
+
+    events: list[str] = []
+
+    class Server:
+        def __init__(self, args) -> None:
+            self.address = "ipc://unused"
+
+        def __enter__(self):
+            events.append("server up")
+            return self
+
+        def __exit__(self, *exc) -> None:
+            events.append("server down")
+
+    @contextlib.contextmanager
+    def bar(args, total, desc):
+        events.append("bar")
+        yield None
+
+    class Run:
+        latencies_s, extra = [1.0], {}
+
+        class timeline:
+            @staticmethod
+            def to_json():
+                return {"t_s": []}
+
+        @staticmethod
+        def summary():
+            return offline_result(100.0)["runs"][0]
+
+    async def run_offline(*args):
+        events.append("run")
+        return Run()
+
+    monkeypatch.setattr(bench, "BenchServer", Server)
+    monkeypatch.setattr(bench, "progress_bar", bar)
+    monkeypatch.setattr(bench, "run_offline", run_offline)
+    args = bench.build_parser().parse_args(["offline", "--systems", "conveyor", "--model", str(tiny_checkpoint)])
+    result = bench.offline(args, {"workload": type("W", (), {"requests": [None] * 8})(), "systems": ["conveyor"],
+                                  "device": "cpu", "model_dir": str(tiny_checkpoint)})
+    assert events == ["server up", "bar", "run", "server down"]
+    assert result["warning"].startswith("warning: this run is too short")
+
+
+def test_plots_show_the_spread_of_repeats(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.container import ErrorbarContainer
+
+    from conveyor_tools.bench import plots
+
+    drawn = {}
+    real_save = plots._save
+
+    def keep(fig, path, plt):
+        drawn[path.name] = [c for ax in fig.axes for c in ax.containers if isinstance(c, ErrorbarContainer)]
+        return real_save(fig, path, plt)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    runs = [dict(offline_result(v)["runs"][0]) for v in (290.0, 300.0, 330.0)]
+    system = {"runs": runs, "median": report.aggregate(runs, report.OFFLINE_KEYS), "latencies_s": [1.0], "timeline": {"t_s": []}}
+    plots.plot_offline(str(tmp_path), "t", {"conveyor": system})
+    assert len(drawn["throughput.png"]) == 1
+    online = [{"system": "conveyor", "repeat": i, "summary": online_summary(v), "raw": {"ttft_s": [0.1], "e2e_s": [1.0]}}
+              for i, v in enumerate((90.0, 100.0, 120.0))]
+    plots.plot_online(str(tmp_path), "t", online)
+    [bars] = drawn["online_throughput.png"]
+    assert bars.lines[0].get_ydata().tolist() == [100.0]  # the median, with the min-max range around it

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
+from conveyor_tools.cli import soak as soak_cli
 from conveyor_tools.cli.soak import soak
 from conveyor_tools.cli.soak_kinds import KIND_FIELDS, Mix
 
@@ -24,10 +25,15 @@ SERVE_ARGS = (
 )  # fmt: skip
 
 
-def test_soak_under_preemption_drains_and_replays(serve_factory, tiny_checkpoint) -> None:
+def test_soak_under_preemption_drains_and_replays(serve_factory, tiny_checkpoint, monkeypatch) -> None:
     server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
-    report = asyncio.run(soak(server.address, duration=12, clients=10, seed=3, replay=25, timeout=60, mix=Mix()))
+    monkeypatch.setattr(soak_cli, "PROGRESS_EVERY_S", 2.0)
+    lines: list[str] = []
+    report = asyncio.run(soak(server.address, duration=12, clients=10, seed=3, replay=25, timeout=60, mix=Mix(), progress=lines.append))
     assert report.ok, "\n".join(report.failures)
+    # It says where it is while it runs: ticks during the traffic, then each phase after it.
+    assert [line for line in lines if "(traffic, " in line and " s left): " in line], lines
+    assert "soak: draining the server" in lines and "soak: replaying up to 25 requests alone" in lines, lines
     stats = report.server
     # The traffic did reach the paths it is meant to cover.
     assert stats["num_preemptions_swap"] and stats["num_preemptions_recompute"], stats

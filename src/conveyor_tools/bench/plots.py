@@ -4,6 +4,8 @@ Offline: output throughput per system; the CDF of request completion latency; an
 batch-occupancy timeline, sequences in the batch over time, per system: the picture of
 static batching draining to its one long request while continuous batching refills.
 Online: TTFT and end-to-end latency CDFs per system and rate, and throughput vs rate.
+With ``--repeat``, the throughput plots show the spread: the median with the min-max range
+(offline, also each run's value), so a difference inside the noise looks like one.
 Experiments (bin/bench experiments): one figure per experiment, continuous beside static.
 """
 
@@ -58,9 +60,14 @@ def plot_offline(out_dir: str, title: str, systems: dict[str, dict[str, Any]]) -
     names = list(ran)
     values = [ran[n]["median"]["output_tok_s"] for n in names]
     bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
-    for bar, value in zip(bars, values):
-        ax.annotate(f"{value:.0f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("output tokens / s")
+    for i, (bar, name) in enumerate(zip(bars, names)):
+        x, runs = bar.get_x() + bar.get_width() / 2, [r["output_tok_s"] for r in ran[name]["runs"]]
+        if len(runs) > 1:  # the spread over --repeat: every run's value, and the min-max range
+            ax.errorbar([x], [values[i]], yerr=[[values[i] - min(runs)], [max(runs) - values[i]]], color="black", capsize=4, lw=1)
+            ax.plot([x] * len(runs), runs, "k.", ms=4)
+        ax.annotate(f"{values[i]:.0f}", (x, max(runs)), ha="center", va="bottom", fontsize=8)
+    repeats = max(len(r["runs"]) for r in ran.values()) if ran else 1
+    ax.set_ylabel("output tokens / s" + (f" (median of {repeats}, min-max)" if repeats > 1 else ""))
     ax.set_title(f"Throughput: {title}", fontsize=9)
     fig.tight_layout()
     written.append(_save(fig, out / "throughput.png", plt))
@@ -106,9 +113,15 @@ def plot_online(out_dir: str, title: str, runs: list[dict[str, Any]]) -> list[st
     fig, ax = plt.subplots(figsize=(6, 3.5))
     systems = sorted({run["system"] for run in runs})
     for name in systems:
-        pts = [(run["summary"]["req_s"], run["summary"]["output_tok_s"]) for run in runs if run["system"] == name]
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        by_rate: dict[str, list[tuple[float, float]]] = {}  # the --repeat runs of each offered rate
+        for run in runs:
+            if run["system"] == name:
+                by_rate.setdefault(str(run["summary"]["rate"]), []).append((run["summary"]["req_s"], run["summary"]["output_tok_s"]))
+        pts = sorted((float(np.median([p[0] for p in ps])), [p[1] for p in ps]) for ps in by_rate.values())
+        x, tok = [p[0] for p in pts], [p[1] for p in pts]
+        med = [float(np.median(t)) for t in tok]
+        spread = [[m - min(t) for m, t in zip(med, tok)], [max(t) - m for m, t in zip(med, tok)]]
+        ax.errorbar(x, med, yerr=spread, marker="o", capsize=3, label=name + (" (median, min-max)" if max(map(len, tok)) > 1 else ""))
     written.append(
         _finish(plt, fig, ax, out / "online_throughput.png", f"Throughput vs load: {title}", "achieved requests / s", "output tokens / s")
     )

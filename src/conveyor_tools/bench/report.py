@@ -117,8 +117,11 @@ def offline_table(systems: dict[str, dict[str, Any]], reference: str = "conveyor
     The table shows one of the two ratios, ``reference``'s speedup over each system
     (reference / system throughput); the JSON ratios keep both, as earlier results do."""
     ref = systems.get(reference, {}).get("median", {}).get("output_tok_s")
+    # With --repeat, the throughput column holds each system's min/median/max over its runs.
+    repeated = any(len(r.get("runs", ())) > 1 for r in systems.values())
+    tok_head, tok_width = ("out tok/s min/med/max", 21) if repeated else ("out tok/s", 10)
     header = (
-        f"{'system':<16} {'out tok/s':>10} {'total tok/s':>11} {'req/s':>7} {'wall s':>8} "
+        f"{'system':<16} {tok_head:>{tok_width}} {'total tok/s':>11} {'req/s':>7} {'wall s':>8} "
         f"{'lat p50 s':>9} {'lat p99 s':>9} {'occupancy':>9} {reference + ' speedup':>16} "
         f"{'worker idle':>11}"
     )
@@ -134,20 +137,48 @@ def offline_table(systems: dict[str, dict[str, Any]], reference: str = "conveyor
         ratio = tok / ref if ref else None
         speedup = ref / tok if ref and tok else None
         ratios[name] = {"throughput_vs_" + reference: ratio, reference + "_speedup": speedup}
-        spread = ""
-        if len(result["runs"]) > 1:
-            spread = f" ({med['output_tok_s_min']:.0f}-{med['output_tok_s_max']:.0f})"
+        tok_cell = f"{tok:.1f}"
+        if repeated:
+            tok_cell = f"{med['output_tok_s_min']:.1f}/{tok:.1f}/{med['output_tok_s_max']:.1f}"
         occupancy = med.get("mean_batch_occupancy")
         idle = med.get("worker_idle_fraction")
+        notes = ""
         if "spec_acceptance_rate" in med:  # a speculating server (--serve-arg --speculative-method ...)
-            spread += f"  speculation: acceptance {med['spec_acceptance_rate']:.2f}, mean length {med['spec_mean_acceptance_length']:.2f}"
+            notes = f"  speculation: acceptance {med['spec_acceptance_rate']:.2f}, mean length {med['spec_mean_acceptance_length']:.2f}"
         lines.append(
-            f"{name:<16} {tok:>10.1f} {med['total_tok_s']:>11.1f} {med['req_s']:>7.2f} {med['wall_s']:>8.2f} "
+            f"{name:<16} {tok_cell:>{tok_width}} {med['total_tok_s']:>11.1f} {med['req_s']:>7.2f} {med['wall_s']:>8.2f} "
             f"{_opt(last['latency_s']['p50'])} {_opt(last['latency_s']['p99'])} "
             f"{_opt(occupancy, 9, 1)} {_opt(speedup, 15, 2)}x "
-            f"{_opt(None if idle is None else 100 * idle, 10, 1)}%{spread}"
+            f"{_opt(None if idle is None else 100 * idle, 10, 1)}%{notes}"
         )
     return "\n".join(lines), ratios
+
+
+# A comparison needs at least this much of a run (bin/bench warns under it, the numbers stay):
+# the first batch filling and the last draining look alike for every way of batching, so a run
+# of few batches measures them and the start-up more than the batching; and under ~10 s a shared
+# machine's load swings and one-off costs (first steps, caches warming) are a large share.
+MIN_BATCHES = 4
+MIN_WALL_S = 10.0
+
+
+def too_short(num_requests: int, batch_size: int, walls_s: dict[str, float]) -> str | None:
+    """A one-line warning when a run is too short to compare systems (see MIN_BATCHES,
+    MIN_WALL_S) saying what minimum it is under; None when it is long enough.
+    ``walls_s``: each system's (median) wall time."""
+    reasons = []
+    if num_requests < MIN_BATCHES * batch_size:
+        reasons.append(
+            f"{num_requests} requests are {num_requests / batch_size:.2g} batches of {batch_size} "
+            f"(at least {MIN_BATCHES}: --num-requests {MIN_BATCHES * batch_size})"
+        )
+    short = {name: wall for name, wall in walls_s.items() if wall < MIN_WALL_S}
+    if short:
+        ran = ", ".join(f"{name} {wall:.1f} s" for name, wall in short.items())
+        reasons.append(f"{ran} (at least {MIN_WALL_S:g} s each)")
+    if not reasons:
+        return None
+    return "warning: this run is too short for its ratios to mean anything: " + "; ".join(reasons)
 
 
 def add_online_ratios(runs: list[dict[str, Any]], reference: str) -> dict[str, Any]:

@@ -92,20 +92,21 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             if "unavailable" in results[name]:
                 continue
             desc = name if args.repeat == 1 else f"{name} [{rep + 1}/{args.repeat}]"
-            with progress_bar(args, len(workload.requests), desc) as bar:
-                try:
-                    if name in SERVED:
-                        with BenchServer(offline_serve_args(args, model_dir, device, name)) as server:
+            try:  # the progress bar starts once the system is up: its rate and ETA are the run's alone
+                if name in SERVED:
+                    with BenchServer(offline_serve_args(args, model_dir, device, name)) as server:
+                        with progress_bar(args, len(workload.requests), desc) as bar:
                             run = asyncio.run(run_offline(name, server.address, workload, bar, args.timeout))
-                    else:
-                        from conveyor_tools.bench import hf
+                else:
+                    from conveyor_tools.bench import hf
 
-                        if hf_model is None:
-                            if args.threads:
-                                import torch
+                    if hf_model is None:
+                        if args.threads:
+                            import torch
 
-                                torch.set_num_threads(args.threads)
-                            hf_model = hf.load_model(model_dir, device, args.dtype)
+                            torch.set_num_threads(args.threads)
+                        hf_model = hf.load_model(model_dir, device, args.dtype)
+                    with progress_bar(args, len(workload.requests), desc) as bar:
                         if name in ("hf", "hf-compiled"):
                             run = hf.run_hf_generate(
                                 hf_model, workload, args.batch_size, bar, static_cache=name == "hf-compiled"
@@ -114,13 +115,13 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                             run = hf.run_hf_cb(
                                 hf_model, workload, args.batch_size, args.max_batched_tokens, args.kv_cache_memory, bar
                             )
-                except KeyboardInterrupt:
-                    raise
-                except Exception as exc:  # report, never invent a number
-                    reason = f"{type(exc).__name__}: {exc}".strip()
-                    print(f"\n{name} could not run: {reason}", file=sys.stderr)
-                    results[name] = {"unavailable": reason.splitlines()[0][:300], "detail": reason[:4000]}
-                    continue
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # report, never invent a number
+                reason = f"{type(exc).__name__}: {exc}".strip()
+                print(f"\n{name} could not run: {reason}", file=sys.stderr)
+                results[name] = {"unavailable": reason.splitlines()[0][:300], "detail": reason[:4000]}
+                continue
             record = _run_record(run)
             idle = report.worker_idle_fraction(run.extra.get("server_profile"))
             if idle is not None:
@@ -134,9 +135,13 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
         if "unavailable" not in result:
             result["median"] = report.aggregate(result["runs"], report.OFFLINE_KEYS)
     table, ratios = report.offline_table(results)
+    walls = {name: r["median"]["wall_s"] for name, r in results.items() if "wall_s" in r.get("median", {})}
+    warning = report.too_short(len(workload.requests), args.batch_size, walls)
     print()
     print(table)
-    return {"systems": results, "ratios": ratios, "table": table}
+    if warning:
+        print(warning)
+    return {"systems": results, "ratios": ratios, "table": table, **({"warning": warning} if warning else {})}
 
 
 def _online_targets(args: argparse.Namespace, systems: list[str]) -> list[tuple[str, list[str] | None, str | None]]:
@@ -212,12 +217,20 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     ratios = report.add_online_ratios(runs, reference)
     table = report.online_table(rows, reference if len(ratios) > 1 else None)
     cpu = report.online_cpu_table(runs)
+    walls: dict[str, float] = {}  # each system and rate's shortest run
+    for r in runs:
+        label = f"{r['system']} @ {r['summary']['rate']}/s"
+        walls[label] = min(walls.get(label, math.inf), r["summary"]["wall_s"])
+    warning = report.too_short(len(workload.requests), args.batch_size, walls)
     print()
     print(table)
     if cpu:
         print()
         print(cpu)
+    if warning:
+        print(warning)
     return {
+        **({"warning": warning} if warning else {}),
         "runs": runs,
         "table": table,
         "ratios": ratios,

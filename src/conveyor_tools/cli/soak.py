@@ -50,6 +50,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -347,6 +348,19 @@ class _Soak:
                 self.report.fail(f"replay of {under_load.request_id} ({drawn.fields}): logprobs {drift:.3g} off")
 
 
+PROGRESS_EVERY_S = 5.0
+
+
+async def _traffic_then_tail(traffic: asyncio.Future, deadline: float, phase: list[str], say, timeout: float) -> None:
+    """Wait for the clients' loops; past the deadline, say that what is left is their last
+    requests finishing (each may take up to ``timeout``), the part of a soak that runs over."""
+    done, _ = await asyncio.wait({traffic}, timeout=max(0.0, deadline - time.monotonic()))
+    if not done:
+        phase[0] = f"traffic over: waiting for the clients' last requests (each up to --timeout {timeout:g} s)"
+        say(f"soak: {phase[0]}")
+    await traffic
+
+
 async def soak(
     address: str,
     *,
@@ -357,25 +371,48 @@ async def soak(
     timeout: float = 120.0,
     mix: Mix | None = None,
     reload: tuple[str, str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Report:
     """Run the soak of the module docstring against ``address``; the report lists every failed
     check. ``mix``: the kinds drawn beyond plain requests; None: every kind, with the LoRA
     adapters the server's stats list. ``reload``: (name, directory) of an adapter the probes
     load and unload under load (the server runs with --enable-lora-loading), which ``mix``
-    then names too; it is loaded for the replay."""
+    then names too; it is loaded for the replay. ``progress``: where a line goes every
+    PROGRESS_EVERY_S and at each phase (traffic, its tail, the drain, the replay); None: nowhere."""
     if mix is None:
         async with AsyncClient(address, timeout=timeout) as client:
             mix = Mix.every_kind(tuple((await client.stats()).get("lora_adapters", ())))
     if reload:
         mix = dataclasses.replace(mix, loras=(*mix.loras, reload[0]))
     run = _Soak(address, timeout, mix, reload)
-    deadline = time.monotonic() + duration
-    await asyncio.gather(*(run.client_loop(i, seed, deadline) for i in range(clients)))
-    async with AsyncClient(address, timeout=timeout) as client:
-        await run.drain(client)
-        if reload:
-            await run.toggle_lora(client, load=True)
-        await run.replay(client, random.Random(seed), replay)
+    say = progress or (lambda line: None)
+    start = time.monotonic()
+    deadline = start + duration
+    phase = ["traffic"]
+
+    async def tick() -> None:  # a line every PROGRESS_EVERY_S: the soak is alive and where it is
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            r = run.report
+            where = f"traffic, {max(0.0, deadline - time.monotonic()):.0f} s left" if phase[0] == "traffic" else phase[0]
+            replayed = f", {r.replayed} replayed" if r.replayed else ""
+            say(f"soak: {time.monotonic() - start:.0f} s ({where}): {r.requests} requests{replayed}, {len(r.failures)} failure(s)")
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        traffic = asyncio.gather(*(run.client_loop(i, seed, deadline) for i in range(clients)))
+        await _traffic_then_tail(traffic, deadline, phase, say, timeout)
+        async with AsyncClient(address, timeout=timeout) as client:
+            phase[0] = "draining the server"
+            say(f"soak: {phase[0]}")
+            await run.drain(client)
+            if reload:
+                await run.toggle_lora(client, load=True)
+            phase[0] = f"replaying up to {replay} requests alone"
+            say(f"soak: {phase[0]}")
+            await run.replay(client, random.Random(seed), replay)
+    finally:
+        ticker.cancel()
     return run.report
 
 
@@ -389,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take before it counts as hung")
     p.add_argument("--plain", action="store_true", help="plain requests only: no n > 1, logprobs, constraints, LoRA")
     p.add_argument("--lora-reload", metavar="NAME=DIR", help="an adapter to load and unload under load (--enable-lora-loading)")
+    p.add_argument("--quiet", action="store_true", help=f"no progress lines on stderr (one every {PROGRESS_EVERY_S:g} s and at each phase)")
     args = p.parse_args(argv)
     report = asyncio.run(
         soak(
@@ -400,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout,
             mix=Mix() if args.plain else None,
             reload=tuple(args.lora_reload.split("=", 1)) if args.lora_reload else None,
+            progress=None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True),
         )
     )
     summary = {k: v for k, v in vars(report).items() if k != "failures"}

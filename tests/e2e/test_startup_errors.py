@@ -100,3 +100,10 @@ def test_bad_values_name_their_flag(tiny_checkpoint, tmp_path, flags, named) -> 
 def test_debug_shows_the_traceback(tiny_checkpoint, listening) -> None:
     code, _, err, _ = serve("--model", str(tiny_checkpoint), "--port", str(listening), "--debug")
     assert code != 0 and "Traceback" in err and err.strip().splitlines()[-1].startswith("conveyor: --port"), err
+
+
+def test_unreadable_tls_files(tiny_checkpoint, tmp_path) -> None:
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    args = ["--model", str(tiny_checkpoint), "--host", f"ipc://{tmp_path}/c", "--http-port", "0",
+            "--ssl-certfile", str(tmp_path / "cert.pem"), "--ssl-keyfile", str(tmp_path / "cert.pem")]
+    assert_one_line_before_start(args, "--ssl-certfile")

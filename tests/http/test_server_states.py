@@ -86,5 +86,5 @@ def test_a_port_in_use_fails_the_start(tiny_checkpoint, tmp_path) -> None:
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert out.returncode != 0
-    assert "startup failed: http:" in out.stderr and "in use" in out.stderr, out.stderr
+    assert f"--http-port {port}" in out.stderr and "in use" in out.stderr, out.stderr  # bin/serve's check before start
     assert "ready on" not in out.stdout

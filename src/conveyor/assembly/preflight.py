@@ -6,8 +6,8 @@ frontend started, a missing GPU after the worker imported torch, an adapter's ra
 weights loaded). Each raises :class:`StartupError` with one line naming the flag and what
 to do, and each asks exactly what the process that would fail asks, through the same rule:
 the tokenizer file (:func:`conveyor.frontend.tokenizer_files.tokenizer_file`), an adapter's
-config (:func:`conveyor.worker.lora_config.read_adapter_config`), a listening port (a bind,
-as ZeroMQ and aiohttp bind). The device is asked of the CUDA driver, which is what torch
+config (:func:`conveyor.worker.lora_config.read_adapter_config`), the TLS files
+(:func:`conveyor.http.main.ssl_context`), a listening port (a bind, as ZeroMQ and aiohttp bind). The device is asked of the CUDA driver, which is what torch
 asks too, without importing torch (seconds) into bin/serve. The processes still check
 again: a port can be taken between the check and the bind.
 """
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import socket
+import ssl
 from pathlib import Path
 
 from conveyor.frontend.tokenizer_files import tokenizer_file
+from conveyor.http.main import ssl_context
 from conveyor.runtime.config import ServerConfig
 from conveyor.runtime.model_source import StartupError
 from conveyor.worker.lora_config import LoraLoadError, read_adapter_config
@@ -39,6 +41,11 @@ def check_before_start(config: ServerConfig) -> None:
             for flag, port in (("--http-port", config.http.http_port), ("--metrics-port", config.http.metrics_port)):
                 if port:
                     check_port_free(flag, config.http.http_host, str(port))
+            if config.http.ssl_certfile is not None:
+                try:
+                    ssl_context(config.http.ssl_certfile, config.http.ssl_keyfile)  # type: ignore[arg-type]
+                except (OSError, ssl.SSLError) as exc:
+                    raise StartupError(f"--ssl-certfile/--ssl-keyfile: cannot load them: {exc}") from None
     device = str(config.worker.device)
     if device.startswith("cuda") and cuda_device_count() == 0:
         raise StartupError(f"--device {device}: no CUDA device is visible here; use --device cpu (or auto)")
@@ -72,14 +79,21 @@ def check_port_free(flag: str, host: str, port: str) -> None:
             ) from None
 
 
-def cuda_device_count() -> int:
-    """CUDA devices the driver shows this process (CUDA_VISIBLE_DEVICES applies); 0 without a
-    driver. torch.cuda.is_available() asks the same driver."""
+CUDA_ERROR_NO_DEVICE = 100  # cuInit's answer where the driver runs and sees no GPU
+
+
+def cuda_device_count() -> int | None:
+    """CUDA devices the driver shows this process (CUDA_VISIBLE_DEVICES applies): 0 without a
+    driver or where it sees none; None where it cannot tell (another driver error: left to the
+    worker, whose torch then says why). torch.cuda.is_available() asks the same driver."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return 0
-    count = ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+    status = cuda.cuInit(0)
+    if status == CUDA_ERROR_NO_DEVICE:
         return 0
+    count = ctypes.c_int(0)
+    if status != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return None
     return count.value

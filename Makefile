@@ -35,10 +35,12 @@ $(PROBE): FORCE
 	@$(PYTHON) -c '$(PROBE_PY)' > $@.new
 	@if cmp -s $@.new $@; then rm -f $@.new; else mv $@.new $@; fi
 
-# Serving alone: conveyor and its dependencies (torch; Triton only where the CUDA torch brings it).
+# Serving alone: conveyor and its dependencies (torch; Triton only where the CUDA torch brings
+# it), and the extras named in SERVE_EXTRAS (comma-separated, e.g. convert) if any.
+SERVE_EXTRAS ?=
 $(SERVE_STAMP): pyproject.toml $(PROBE)
 	@$(MAKE) --no-print-directory install-torch
-	$(PIP) install -e .
+	$(PIP) install -e "$(if $(SERVE_EXTRAS),.[$(SERVE_EXTRAS)],.)"
 	$(PYTHON) -c "import sys; print(sys.executable)" > $(RECORDED_PYTHON)
 	@$(PYTHON) -c '$(PROBE_PY)' > $(PROBE)
 	@touch $@

@@ -165,3 +165,4 @@ def test_config_errors_name_the_flags() -> None:
     assert serve.in_flag_terms("num_blocks must be positive", parser) == "--num-kv-blocks must be positive"
     # A field inside a path or a longer name is left alone; one with no flag too.
     assert serve.in_flag_terms("/x/max_num_seqs/y: block_bytes", parser) == "/x/max_num_seqs/y: block_bytes"
+    assert serve.in_flag_terms("no CUDA device on this host", parser) == "no CUDA device on this host"  # prose stays

@@ -294,7 +294,8 @@ def in_flag_terms(message: str, parser: argparse.ArgumentParser) -> str:
     """``message`` with the config fields it names written as the flags that set them: the
     configs check the settings for both faces (``Engine(max_num_seqs=0)`` is told of
     ``max_num_seqs``) and name them as fields; on the command line the flag is the name."""
-    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
+    # Only snake_case names: a one-word field (device, model, port) is also a word of the prose.
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings and "_" in a.dest}
     flags.update(FIELD_FLAGS)
     pattern = re.compile(r"(?<![\w/.-])(" + "|".join(sorted(map(re.escape, flags), key=len, reverse=True)) + r")(?![\w/-])")
     return pattern.sub(lambda m: flags[m.group(1)], message)

@@ -10,10 +10,14 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 REPO = Path(__file__).resolve().parents[1]
 PIP_RAN = "PIP-RAN"

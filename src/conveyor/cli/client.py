@@ -28,7 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the final result as JSON")
     args = p.parse_args(argv)
     options = client_options(p, args)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     fields = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -39,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos or None,
     )
-    inputs = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
     try:
+        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+        inputs = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
         address = server_address(args)
         with Client(address, **options) as client:
             if args.no_stream:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConnectionError, TimeoutError, ServerError, ValueError) as exc:  # no server, lost, refused; too large
         print(f"client: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: leaving the client aborts the request on the server
+    except KeyboardInterrupt:  # Ctrl-C (reading stdin, or waiting): leaving the client aborts its request
         print("\nclient: interrupted", file=sys.stderr)
         return 130
     if args.json:

@@ -36,7 +36,7 @@ def check_before_start(config: ServerConfig) -> None:
         client = config.addresses.client
         if client.startswith("tcp://"):
             host, _, port = client.removeprefix("tcp://").rpartition(":")
-            check_port_free("--port", host, port)
+            check_port_free("--port", host, port, ipv4_first=True)  # ZeroMQ binds IPv4 unless told otherwise
         if config.http is not None:
             for flag, port in (("--http-port", config.http.http_port), ("--metrics-port", config.http.metrics_port)):
                 if port:
@@ -56,10 +56,12 @@ def check_before_start(config: ServerConfig) -> None:
             raise StartupError(f"--lora-modules {name}={directory}: {exc}") from None
 
 
-def check_port_free(flag: str, host: str, port: str) -> None:
+def check_port_free(flag: str, host: str, port: str, *, ipv4_first: bool = False) -> None:
     """StartupError naming ``flag`` when ``host:port`` cannot be bound because something
-    listens there. A host that does not resolve or a port that is not a number is left to
-    the process that binds it (its own error names the address)."""
+    listens there, probed on the address the listener would take: the first ``host``
+    resolves to (the HTTP listeners), or its first IPv4 one (``ipv4_first``: ZeroMQ). A host
+    that does not resolve or a port that is not a number is left to the process that binds
+    it (its own error names the address)."""
     if not port.isdigit() or int(port) == 0:
         return
     host = "" if host in ("*", "") else host.strip("[]")
@@ -67,6 +69,8 @@ def check_port_free(flag: str, host: str, port: str) -> None:
         infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror:
         return
+    if ipv4_first:
+        infos = sorted(infos, key=lambda info: info[0] != socket.AF_INET)
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ and aiohttp bind

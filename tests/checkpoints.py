@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 MATRIX_STD = 0.15
 
@@ -41,10 +41,26 @@ SMALL = dict(
     max_position_embeddings=128,
 )
 
-# name -> (config class, architecture, overrides of SMALL)
+#: Gemma 3: local layers of window 6 around a global one (the tests' prompts cross the window),
+#: each kind with its own rope (the global one linearly scaled), a query scalar that is not
+#: head_dim, capped final logits, untied: every Gemma 3 difference changes the outputs.
+GEMMA3: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "sliding_window": 6,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "query_pre_attn_scalar": 24,
+    "final_logit_softcapping": 4.0,
+    "tie_word_embeddings": False,
+}
+
+# name -> (config class, architecture, overrides of SMALL); a family's seed is its index here.
 CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM", {}),
-    "llama_mha_bias": (LlamaConfig, "LlamaForCausalLM", {"num_key_value_heads": 4, "attention_bias": True}),
     "llama3_rope": (
         LlamaConfig,
         "LlamaForCausalLM",
@@ -59,12 +75,19 @@ CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
             }
         },
     ),
+    "llama_mha_bias": (LlamaConfig, "LlamaForCausalLM", {"num_key_value_heads": 4, "attention_bias": True}),
     "mistral_window": (MistralConfig, "MistralForCausalLM", {"sliding_window": 8}),
     "qwen2_tied": (Qwen2Config, "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 1}),
+    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM", GEMMA3),
+    # Tied embeddings, uncapped logits, the sliding layers' rope base from the default.
+    "gemma3_tied": (Gemma3TextConfig, "Gemma3ForCausalLM", {
+        **GEMMA3, "tie_word_embeddings": True, "final_logit_softcapping": None,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500.0}},
+    }),
 }
 
-# The serving checkpoint's seed for :func:`randomize` (the families take 0..5).
+# The serving checkpoint's seed for :func:`randomize` (the families take their index in CHECKPOINTS).
 SERVING_SEED = 100
 
 
@@ -93,7 +116,7 @@ def make_checkpoint(name: str, directory: Path) -> torch.nn.Module:
     """Save family ``name`` of :data:`CHECKPOINTS` into ``directory``; return the HF model."""
     config_class, architecture, overrides = CHECKPOINTS[name]
     config = config_class(**{**SMALL, **overrides, "architectures": [architecture]}, attn_implementation="eager")
-    return build(config, directory, seed=sorted(CHECKPOINTS).index(name))
+    return build(config, directory, seed=list(CHECKPOINTS).index(name))
 
 
 def draft_checkpoint(directory: Path, serving: Path, **overrides: Any) -> Path:

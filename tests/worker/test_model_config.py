@@ -112,5 +112,7 @@ def test_saved_checkpoints_parse(checkpoint):
     hf = hf_model.config
     assert config.head_dim == getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads)
     assert config.tie_word_embeddings == hf.tie_word_embeddings
-    assert config.sliding_window == (8 if name == "mistral_window" else None)
-    assert (config.rope_scaling or {}).get("rope_type") == ("llama3" if name == "llama3_rope" else None)
+    assert config.sliding_window == {"mistral_window": 8, "gemma3": 6, "gemma3_tied": 6}.get(name)
+    assert list(config.layer_types) == list(getattr(hf, "layer_types", None) or config.layer_types)
+    assert (config.rope_scaling or {}).get("rope_type") == {"llama3_rope": "llama3", "gemma3": "linear"}.get(name)
+    assert config.local_rope_theta == (10000.0 if name.startswith("gemma3") else None)

@@ -14,6 +14,8 @@ continuation (tests/test_checkpoints.py proves it for the serving checkpoint).
 - :func:`serving_checkpoint` builds the one Llama every serving-level test runs (bin/serve,
   the engine, HTTP, reliability, soak, tensor parallel, bin/bench): the demo tokenizer beside
   it, so text prompts work.
+- :func:`gemma3_serving_checkpoint` builds a Gemma 3 of the serving checkpoint's vocabulary,
+  with the demo tokenizer: the engine's Gemma 3 tests.
 - :func:`draft_checkpoint` builds a smaller Llama of the serving checkpoint's vocabulary (a
   speculative-decoding draft that disagrees with it).
 """
@@ -132,15 +134,32 @@ def draft_checkpoint(directory: Path, serving: Path, **overrides: Any) -> Path:
     return directory
 
 
-def serving_checkpoint(directory: Path) -> Path:
-    """Save the serving tests' Llama, with the demo tokenizer, into ``directory``: 2 layers,
-    4 query and 2 KV heads of 16, 256 positions, untied embeddings."""
+def _demo_tokenizer(directory: Path) -> Any:
+    """Copy the demo tokenizer into ``directory``; return it."""
     from conveyor.checkpoints.demo import checkpoint as demo
     from conveyor.frontend.tokenizer import Tokenizer
 
     for name in demo.TOKENIZER_FILES:
         shutil.copy(demo.TOKENIZER_DIR / name, directory / name)
-    tok = Tokenizer.from_dir(directory)
+    return Tokenizer.from_dir(directory)
+
+
+def gemma3_serving_checkpoint(directory: Path) -> Path:
+    """Save :data:`GEMMA3` (window 6) with the demo tokenizer into ``directory``: 256 positions."""
+    tok = _demo_tokenizer(directory)
+    sizes = {**SMALL, **GEMMA3, "max_position_embeddings": 256, "vocab_size": tok.vocab_size}
+    config = Gemma3TextConfig(
+        **sizes, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0,
+        architectures=["Gemma3ForCausalLM"],
+    )  # fmt: skip
+    build(config, directory, SERVING_SEED + 2)
+    return directory
+
+
+def serving_checkpoint(directory: Path) -> Path:
+    """Save the serving tests' Llama, with the demo tokenizer, into ``directory``: 2 layers,
+    4 query and 2 KV heads of 16, 256 positions, untied embeddings."""
+    tok = _demo_tokenizer(directory)
     config = LlamaConfig(
         **{**SMALL, "intermediate_size": 128, "max_position_embeddings": 256, "vocab_size": tok.vocab_size},
         bos_token_id=tok.bos_token_id,

@@ -29,6 +29,6 @@ def check_architecture(architecture: str) -> str:
     if architecture not in MODEL_CLASSES:
         raise ValueError(
             f"unsupported architecture {architecture!r} (config.json 'architectures'); "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(MODEL_CLASSES)}"
         )
     return architecture

@@ -137,6 +137,7 @@ def test_gemma3_configs_of_both_generations():
     assert [old.layer_sliding_window(i) for i in (4, 5)] == [512, None]
     assert parse({**GEMMA3, "sliding_window_pattern": 2}).layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
     assert old.hf_config["hidden_activation"] == "gelu_pytorch_tanh"
+    assert old.tie_word_embeddings and not parse({**GEMMA3, "tie_word_embeddings": False}).tie_word_embeddings
     llama = parse({})
     assert llama.layer_rope(0) == (10000.0, None) and llama.local_rope_theta is None
 

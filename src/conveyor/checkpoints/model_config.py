@@ -32,6 +32,8 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
 
 #: Gated-MLP activation per architecture (the config's ``hidden_act``, Gemma's ``hidden_activation``).
 _ACTIVATIONS = {"Gemma3ForCausalLM": "gelu_pytorch_tanh"}
+#: Architectures whose config class ties the embeddings when config.json does not say.
+_TIED_BY_DEFAULT = ("Gemma3ForCausalLM",)
 #: Architectures with an RMSNorm per query and key head before the rotation.
 _QK_NORM = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
 
@@ -146,7 +148,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_required(config, "max_position_embeddings"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", architecture in _TIED_BY_DEFAULT)),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             qk_norm=architecture in _QK_NORM,

@@ -101,7 +101,7 @@ class Gemma3Model(DecoderLM):
         self.tensor_parallel = tensor_parallel
         extra = config.hf_config
         self.final_softcap: float | None = extra.get("final_logit_softcapping")
-        scale = float(extra.get("query_pre_attn_scalar", config.head_dim)) ** -0.5
+        scale = float(extra.get("query_pre_attn_scalar", 256)) ** -0.5  # transformers' default
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
         rotaries = layer_rotaries(config, device)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import tempfile
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,12 +40,13 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
-# The errors and TARGETS are lora_config's (torch-free, for bin/serve's checks); imported from here too.
-from conveyor.worker.lora_config import TARGETS, WEIGHTS_FILE, LoraFilesMissing, LoraLoadError, read_adapter_config  # noqa: F401
+# The errors are lora_config's (torch-free, for bin/serve's checks); imported from here too.
+from conveyor.worker.lora_config import WEIGHTS_FILE, LoraFilesMissing, LoraLoadError, read_adapter_config  # noqa: F401
 from conveyor.worker.lora_delta import LoraContext, LoraStack
+from conveyor.worker.models.interface import CausalLM, LoraTarget
+from conveyor.worker.models.registry import model_class
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -84,7 +86,8 @@ class LoraAdapter:
 
 
 def _expected_shape(config: ModelConfig, target: str) -> tuple[int, int]:
-    """``(in, out)`` features of ``target`` in the unsplit base model."""
+    """``(in, out)`` features of ``target`` (one of
+    :data:`~conveyor.worker.models.interface.DECODER_LORA_TARGETS`) in the unsplit base model."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     h, m = config.hidden_size, config.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -101,8 +104,15 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
     another base). Scaling is ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), folded into B.
     """
     checked = read_adapter_config(name, directory, max_rank)
-    rank, scaling = checked.rank, checked.scaling
+    rank, scaling, targets = checked.rank, checked.scaling, checked.targets
     weights_path = Path(directory) / WEIGHTS_FILE
+    supported: Mapping[str, LoraTarget] = model_class(config.architecture).lora_targets
+    lacking = sorted(set(targets) - set(supported))
+    if lacking:
+        raise LoraLoadError(
+            f"adapter {name!r}: target module(s) {', '.join(lacking)} the model lacks "
+            f"(supported: {', '.join(supported)})"
+        )
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(weights_path), framework="pt", device="cpu") as reader:
         for key in reader.keys():
@@ -111,7 +121,7 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
             if kind not in ("A.weight", "B.weight") or len(parts) != 5 or parts[:2] != ["model", "layers"]:
                 raise LoraLoadError(f"adapter {name!r}: unexpected tensor {key!r}")
             layer, sub, target = parts[2], parts[3], parts[4]
-            if target not in TARGETS or TARGETS[target][0] != sub:
+            if target not in supported or supported[target].module != sub:
                 raise LoraLoadError(f"adapter {name!r}: tensor {key!r} targets a module the model lacks")
             if not layer.isdigit() or int(layer) >= config.num_layers:
                 raise LoraLoadError(
@@ -176,19 +186,19 @@ class LoraManager:
     Attaches a :class:`LoraStack` to every projection adapters may target. Adapter ids are
     positive ints, never reused (0: the base model)."""
 
-    def __init__(self, model: nn.Module, options: LoraOptions) -> None:
+    def __init__(self, model: CausalLM, options: LoraOptions) -> None:
         self.model = model
         self.options = options
         self.config: ModelConfig = model.config
-        weight = model.embed_tokens.weight
-        self.dtype, self.device = weight.dtype, weight.device
+        self.targets = model.lora_targets
+        self.dtype, self.device = model.dtype, model.device
         self.context = LoraContext(self.device, self.dtype)
         self._layout = model.checkpoint_layout()
         self._stacks: dict[str, LoraStack] = {}
         for layer in range(self.config.num_layers):
             columns: dict[str, list[tuple[int, int]]] = {}  # fused module -> its pieces' output columns
-            for target, (sub, _) in TARGETS.items():
-                slot = self._layout[f"model.layers.{layer}.{sub}.{target}.weight"]
+            for target, where in self.targets.items():
+                slot = self._layout[f"model.layers.{layer}.{where.module}.{target}.weight"]
                 columns.setdefault(slot.name.removesuffix(".weight"), []).append((slot.start, slot.end))
             for module_name, pieces in columns.items():
                 linear = model.get_submodule(module_name)
@@ -286,7 +296,7 @@ class LoraManager:
         r, rank = self.options.max_lora_rank, adapter.rank
         for module, (a, b) in adapter.weights.items():
             target = module.rsplit(".", 1)[1]
-            piece = TARGETS[target][1]
+            piece = self.targets[target].piece
             place = self._layout[f"{module}.weight"]
             stack = self._stacks[place.name.removesuffix(".weight")]
             if place.cols is not None:

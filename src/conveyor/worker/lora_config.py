@@ -1,8 +1,7 @@
 """A PEFT LoRA adapter's ``adapter_config.json``, checked without torch.
 
 What an adapter directory must say before its weights are worth reading (the files present,
-LoRA and nothing unsupported, a rank within ``--max-lora-rank``, targets the model has) is
-checked here, so that bin/serve refuses a bad ``--lora-modules`` entry before any process
+LoRA and nothing unsupported, a rank within ``--max-lora-rank``) is checked here, so that bin/serve refuses a bad ``--lora-modules`` entry before any process
 starts (:mod:`conveyor.assembly.preflight`) with the same words the worker uses when it loads
 the adapter (:func:`conveyor.worker.lora.read_adapter`, which starts with this).
 """
@@ -14,16 +13,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-# target -> (sub-module, piece index within its fused projection: q/k/v and gate/up in that order)
-TARGETS: dict[str, tuple[str, int]] = {
-    "q_proj": ("self_attn", 0),
-    "k_proj": ("self_attn", 1),
-    "v_proj": ("self_attn", 2),
-    "o_proj": ("self_attn", 0),
-    "gate_proj": ("mlp", 0),
-    "up_proj": ("mlp", 1),
-    "down_proj": ("mlp", 0),
-}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -37,10 +26,12 @@ class LoraFilesMissing(LoraLoadError):
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    """What the worker needs of ``adapter_config.json``: the rank and the PEFT scaling."""
+    """What the worker needs of ``adapter_config.json``: the rank, the PEFT scaling and the
+    target modules (which the model's class checks: :func:`conveyor.worker.lora.read_adapter`)."""
 
     rank: int
     scaling: float
+    targets: tuple[str, ...]
 
 
 def read_adapter_config(name: str, directory: str | Path, max_rank: int) -> AdapterConfig:
@@ -67,11 +58,6 @@ def read_adapter_config(name: str, directory: str | Path, max_rank: int) -> Adap
         raise LoraLoadError(f"adapter {name!r}: per-module rank_pattern/alpha_pattern are not supported")
     targets = peft.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    lacking = sorted(set(targets) - set(TARGETS))
-    if lacking:
-        raise LoraLoadError(
-            f"adapter {name!r}: target module(s) {', '.join(lacking)} the model lacks "
-            f"(supported: {', '.join(TARGETS)})"
-        )
     alpha = float(peft.get("lora_alpha", rank))
-    return AdapterConfig(rank, alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank)
+    scaling = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
+    return AdapterConfig(rank, scaling, tuple(targets))

@@ -107,3 +107,14 @@ def test_unreadable_tls_files(tiny_checkpoint, tmp_path) -> None:
     args = ["--model", str(tiny_checkpoint), "--host", f"ipc://{tmp_path}/c", "--http-port", "0",
             "--ssl-certfile", str(tmp_path / "cert.pem"), "--ssl-keyfile", str(tmp_path / "cert.pem")]
     assert_one_line_before_start(args, "--ssl-certfile")
+
+
+def test_a_mistake_only_the_worker_finds_is_one_line_too(tiny_checkpoint, tmp_path) -> None:
+    """A KV cache too small for one block needs the model's sizes: the worker finds it, and
+    bin/serve says so in one line naming the flags, with no traceback from the worker."""
+    code, out, err, _ = serve("--model", str(tiny_checkpoint), "--host", f"ipc://{tmp_path}/c", "--kv-cache-memory", "0.000001")
+    assert code != 0 and "ready on" not in out
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if "ready (pid" not in line]  # the processes that started say so
+    assert len(errors) == 1 and errors[0].startswith("conveyor: startup failed: worker: --kv-cache-memory"), err
+    assert "--num-kv-blocks" in errors[0]

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start()
     except StartupError as exc:
-        print(f"conveyor: startup failed: {exc}", file=sys.stderr, flush=True)
+        print(f"conveyor: startup failed: {in_flag_terms(str(exc), parser)}", file=sys.stderr, flush=True)
         server.stop("startup failed")
         server.close()
         return 1

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.runtime.model_source import StartupError
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, shard_heads
+
+
+class KVCacheTooSmall(StartupError, ValueError):
+    """The KV-cache memory asked for holds no block: a setting to change, said in one line
+    (a StartupError to bin/serve, a ValueError to the engine's callers)."""
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.draft_model import DraftModel, Drafts
 from conveyor.worker.grammar_rows import GrammarRows
 from conveyor.worker.grammar_steps import GrammarSteps
-from conveyor.worker.kv_cache import KVCacheShape
+from conveyor.worker.kv_cache import KVCacheShape, KVCacheTooSmall
 from conveyor.worker.loader import load_model
 from conveyor.worker.logprob_steps import LogprobRows, LogprobSteps
 from conveyor.worker.lora import LoraManager, LoraOptions
@@ -162,8 +162,9 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         if num_blocks is None:
             num_blocks = config.kv_cache_memory_bytes // self.block_bytes
             if num_blocks < 1:
-                raise ValueError(
-                    f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is less than one block ({self.block_bytes} bytes)"
+                raise KVCacheTooSmall(
+                    f"kv_cache_memory of {config.kv_cache_memory_bytes / 2**30:.3g} GiB is less than one KV block "
+                    f"({self.block_bytes} bytes): give more, or num_kv_blocks"
                 )
         self.num_blocks = num_blocks
         self.kv_caches = cache_shape.allocate(num_blocks, self.device)

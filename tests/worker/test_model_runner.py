@@ -163,7 +163,7 @@ def test_pool_sized_from_memory_budget(llama_dir):
     runner = ModelRunner(RunnerConfig(llama_dir, block_size=8, kv_cache_memory_bytes=10 * per_block + 5))
     assert runner.num_blocks == 10
     assert runner.kv_caches[0].shape == (2, 10, 8, 2, 16)
-    with pytest.raises(ValueError, match="less than one block"):
+    with pytest.raises(ValueError, match="less than one KV block"):
         ModelRunner(RunnerConfig(llama_dir, block_size=8, kv_cache_memory_bytes=per_block - 1))
     with pytest.raises(ValueError, match="exactly one"):
         ModelRunner(RunnerConfig(llama_dir, block_size=8))

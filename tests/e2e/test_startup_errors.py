@@ -109,12 +109,26 @@ def test_unreadable_tls_files(tiny_checkpoint, tmp_path) -> None:
     assert_one_line_before_start(args, "--ssl-certfile")
 
 
-def test_a_mistake_only_the_worker_finds_is_one_line_too(tiny_checkpoint, tmp_path) -> None:
-    """A KV cache too small for one block needs the model's sizes: the worker finds it, and
-    bin/serve says so in one line naming the flags, with no traceback from the worker."""
-    code, out, err, _ = serve("--model", str(tiny_checkpoint), "--host", f"ipc://{tmp_path}/c", "--kv-cache-memory", "0.000001")
+def assert_one_line_from_the_worker(args: list[str], *needles: str) -> None:
+    """A mistake only a started process can find: bin/serve's one line, no traceback."""
+    code, out, err, _ = serve(*args)
     assert code != 0 and "ready on" not in out
     assert "Traceback" not in err, err
     errors = [line for line in err.splitlines() if "ready (pid" not in line]  # the processes that started say so
-    assert len(errors) == 1 and errors[0].startswith("conveyor: startup failed: worker: --kv-cache-memory"), err
-    assert "--num-kv-blocks" in errors[0]
+    assert len(errors) == 1 and errors[0].startswith("conveyor: startup failed: worker: "), err
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def test_a_kv_cache_too_small_for_a_block(tiny_checkpoint, tmp_path) -> None:
+    """It needs the model's sizes, so the worker finds it; the line names the flags."""
+    args = ["--model", str(tiny_checkpoint), "--host", f"ipc://{tmp_path}/c", "--kv-cache-memory", "0.000001"]
+    assert_one_line_from_the_worker(args, "--kv-cache-memory", "--num-kv-blocks")
+
+
+def test_a_checkpoint_without_weights(tiny_checkpoint, tmp_path) -> None:
+    model = tmp_path / "no-weights"
+    shutil.copytree(tiny_checkpoint, model)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    assert_one_line_from_the_worker(["--model", str(model), "--host", f"ipc://{tmp_path}/c"], "safetensors", str(model))

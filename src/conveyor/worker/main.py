@@ -121,7 +121,8 @@ def resolve_pipeline(pipeline: str, device: str) -> bool:
 
 def run_worker(config: WorkerConfig) -> None:
     name = rank_process_name("worker", config.tensor_parallel_rank)
-    run_process(name, config.addresses.control, lambda ctx: _start(config, ctx), expected=(LoraLoadError,))
+    # Expected: a bad adapter, and a checkpoint file that is not there (its path is the message).
+    run_process(name, config.addresses.control, lambda ctx: _start(config, ctx), expected=(LoraLoadError, FileNotFoundError))
 
 
 def build_runner(

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage in plan:
         elapsed = time.monotonic() - begin
         if args.cpu and stage.cpu_skip:
-            outcome = Outcome(stage.name, f"{CPU_SKIPPED} {stage.cpu_skip}, checked once there")
+            outcome = Outcome(stage.name, f"{CPU_SKIPPED} {stage.cpu_skip}")
         elif elapsed + stage.limit_s > args.deadline:
             outcome = Outcome(stage.name, f"skipped: its {stage.limit_s} s limit would cross the deadline "
                                           f"({args.deadline - elapsed:.0f} s left)")

@@ -36,8 +36,9 @@ class Stage:
     outputs: list[str] = field(default_factory=list)  # result files the summary reads
     window: int = 1
     env: dict[str, str] = field(default_factory=dict)  # added to the driver's environment
-    # Why --cpu skips it (its command is another stage's at another size: the dry run checks
-    # each command once, to keep its CI cost down); empty: the dry run runs it.
+    # Why --cpu skips it: its command is another stage's at another setting, or tests the suite
+    # runs itself (the dry run checks each command once: each stage starts its own processes,
+    # seconds of CPU apiece, and CI pays for them); empty: the dry run runs it.
     cpu_skip: str = ""
 
 
@@ -78,15 +79,14 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     def limit(gpu_limit: int) -> int:
         return CPU_LIMIT_S if cpu else gpu_limit
 
-    def bench(name: str, systems: str, batch: int, requests: int, gpu_limit: int, window: int = 1, same_as: str = "") -> Stage:
+    def bench(name: str, systems: str, batch: int, requests: int, gpu_limit: int, window: int = 1, cpu_skip: str = "") -> Stage:
         json_path = str(results / f"{name}.json")
         timeout = str(max(10, limit(gpu_limit) - 10))  # a silent server fails the call before the stage's limit
         cmd = [*common, "--systems", systems, "--batch-size", str(batch), "--num-requests", str(requests),
                "--prompt-len", plen, "--output-len", olen, "--timeout", timeout, "--json", json_path]
         if systems == "conveyor":  # warmed on the workload's own shapes; the second timed window reported
             cmd += ["--warmup", "workload", "--timed-runs", "2"]
-        skip = f"{same_as}'s command at batch {batch}" if same_as else ""
-        return Stage(name, limit(gpu_limit), cmd, [json_path], window, cpu_skip=skip)
+        return Stage(name, limit(gpu_limit), cmd, [json_path], window, cpu_skip=cpu_skip)
 
     out = [Stage("checkpoint", limit(40), [py, str(REPO / "bench" / "gpu_checks.py"), "checkpoint", str(checkpoint),
                                            *(["--tiny"] if cpu else [])])]
@@ -108,8 +108,9 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     hide = {"PYTHONPATH": unimportable(work / "hidden-modules", HTTP_CLIENTS)} if cpu else {}
     out.append(Stage("gpu_tests", limit(90), [*pytest, "-m", "gpu", *gpu_test_files()], env=hide))
     # The rest of window 1, in what the stages above leave unused.
-    out.append(bench("conveyor_b1", "conveyor", 1, 2 if cpu else 4, 40, same_as="conveyor_b128"))
-    out.append(bench("conveyor_b8", "conveyor", 2 if cpu else 8, 4 if cpu else 16, 40, same_as="conveyor_b128"))
+    out.append(bench("conveyor_b1", "conveyor", 1, 2 if cpu else 4, 40, cpu_skip="conveyor_b128's command at batch 1"))
+    out.append(bench("conveyor_b8", "conveyor", 2 if cpu else 8, 4 if cpu else 16, 40,
+                     cpu_skip="conveyor_b128's command at batch 8"))
     # conveyor-sim's cost model, fitted to the three runs' per-step records (three batch sizes,
     # so the per-sequence cost is told apart from the per-step floor); seconds, no device. The
     # dry run has conveyor_b128's alone.
@@ -124,7 +125,8 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     out.append(half)
     # Speculative verify steps through the static buffers (issue 28): their graphs == eager
     # tests, then plain / ragged-verify / static-verify decoding side by side (bench/speculative.py).
-    out.append(Stage("spec_tests", limit(60), [*pytest, "-m", "gpu", SPEC_TESTS]))
+    out.append(Stage("spec_tests", limit(60), [*pytest, "-m", "gpu", SPEC_TESTS],
+                     cpu_skip="its tests need CUDA, and the suite collects the file itself"))
     spec_json = str(results / "speculative.json")
     spec_args = ["--smoke", "--threads", "1"] if cpu else ["--device", "cuda", "--dtype", "bfloat16", "--requests", "8",
                                                           "--prompt-len", "256", "--max-tokens", "64", "--kv-cache-memory", "20"]
@@ -133,7 +135,7 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     kernels = [*pytest, "tests/kernels/test_block_copy.py" if cpu else "tests/kernels"]
     if not cpu:
         kernels += ["-n", "8"] if has_xdist() else []
-    out.append(Stage("kernels", limit(60), kernels))
+    out.append(Stage("kernels", limit(60), kernels, cpu_skip="the suite runs tests/kernels itself, interpreted"))
     # LoRA: the Triton kernels' tests (compiled; the gpu-marked bf16 one at 1B shapes), then 8
     # adapters over the requests against the base model alone (docs/benchmarks.md); the
     # gpu-marked parity tests against PEFT run in gpu_tests. The bench runs even when a test
@@ -145,12 +147,14 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     lora_bench = [py, str(REPO / "bench" / "lora.py"), *lora_args, "--out", lora_json]
     out.append(Stage("lora", limit(90), ["sh", "-c", f"{shlex.join(lora_tests)}; tests=$?; {shlex.join(lora_bench)} && exit $tests"],
                      [lora_json]))
-    out.append(bench("hf_cb", "hf-cb", 4 if cpu else 128, 8 if cpu else 256, 45))
-    out.append(bench("static", "static", 4 if cpu else 128, 8 if cpu else 256, 45))
+    out.append(bench("hf_cb", "hf-cb", 4 if cpu else 128, 8 if cpu else 256, 45,
+                     cpu_skip="hf's command with --systems hf-cb, a system tests/e2e/test_bench_profile.py runs"))
+    out.append(bench("static", "static", 4 if cpu else 128, 8 if cpu else 256, 45,
+                     cpu_skip="bin/bench's command with --systems static, a system tests/e2e/test_bench_profile.py runs"))
     # Window 2: compiled HF, the batch-1 baseline (faster per token than compiled HF at batch 1).
     out.append(bench("hf_compiled_b1", "hf-compiled", 1, 2 if cpu else 4, 240, window=2))
     out.append(bench("hf_compiled_b8", "hf-compiled", 2 if cpu else 8, 4 if cpu else 16, 240, window=2,
-                     same_as="hf_compiled_b1"))
+                     cpu_skip="hf_compiled_b1's command at batch 8"))
     return out
 
 

@@ -13,7 +13,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # The interpreter: $PYTHON (the tests pass their own, a venv's python needs no activation), else python3.
 PYTHON="${PYTHON:-python3}"
-if compgen -G ".whl/*.whl" > /dev/null; then
+# Not for --cpu: the wheels are built for the device's Python 3.12, not this machine's.
+if compgen -G ".whl/*.whl" > /dev/null && [[ " $* " != *" --cpu "* ]]; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || echo "gpu_checks: installing the carried wheels failed (the preflight names what is missing)" >&2
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

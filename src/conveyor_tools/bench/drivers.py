@@ -33,6 +33,7 @@ SCHEDULER_COUNTERS = (
 )  # fmt: skip
 TIMELINE_SERIES = ["batch_seqs", "batch_tokens", "num_waiting"]
 PROFILE_SLACK_S = 0.05
+PROFILE_TRIES = 4
 
 
 class RunFailed(RuntimeError):
@@ -126,9 +127,7 @@ async def _timed_run(
     await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
     wall = time.perf_counter() - start
     cpu_s = meter.stop()
-    # The window is the run (plus the query's own trip): time-based values such as the
-    # worker's idle fraction then describe the run, not the quiet spell before it.
-    profile = await client.profile(wall + PROFILE_SLACK_S, series=[*TIMELINE_SERIES, *STEP_SERIES])
+    profile = await profile_of_run(client, start_mono, [*TIMELINE_SERIES, *STEP_SERIES])
     stats = await client.stats()
     # The worker's per-step records of the run (warmup excluded): conveyor-sim calibrate's input.
     steps = step_records(profile["processes"], start_mono, start_mono + int(wall * 1e9))
@@ -147,6 +146,24 @@ async def _timed_run(
             "profile": profile,  # popped by run_offline
         },
     )
+
+
+async def profile_of_run(client: AsyncClient, start_mono_ns: int, series: list[str] | None = None) -> dict[str, Any]:
+    """The server's profile over the run that began at ``start_mono_ns`` (CLOCK_MONOTONIC, which
+    every process of a local server stamps with), so time-based values such as the worker's
+    idle fraction describe the run, not the quiet spell before it. A process's window ends when
+    it answers: a query delayed on a loaded machine would start its window after the run did
+    (a 0.1 s run's window then held none of its steps). So the window is measured as the query
+    leaves and, where an answer shows its window began after the run, asked again widened by
+    twice the shortfall, a few times at most."""
+    window = (time.monotonic_ns() - start_mono_ns) / 1e9 + PROFILE_SLACK_S
+    for _ in range(PROFILE_TRIES):
+        profile = await client.profile(window, series=series)
+        late_ns = max(p["now_ns"] - int(p["window_s"] * 1e9) - start_mono_ns for p in profile["processes"])
+        if late_ns <= 0:
+            break
+        window += 2 * late_ns / 1e9 + PROFILE_SLACK_S
+    return profile
 
 
 def counter_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -185,8 +202,9 @@ def _profile_summary(profile: dict[str, Any]) -> dict[str, Any]:
 
 StreamOne = Callable[[BenchRequest, StreamTiming], Awaitable[None]]
 #: An online run's way to the server, opened and warmed up: ``stream_one``, and what the run
-#: adds to ``extra`` given its wall time and timings (read before the face closes).
-Face = tuple[StreamOne, Callable[[float, list[StreamTiming]], Awaitable[dict[str, Any]]]]
+#: adds to ``extra`` given the run's start (``time.monotonic_ns()``) and timings (read before
+#: the face closes).
+Face = tuple[StreamOne, Callable[[int, list[StreamTiming]], Awaitable[dict[str, Any]]]]
 
 
 async def drive_arrivals(
@@ -265,8 +283,9 @@ async def run_online(
 
         face = http_face(http_url, address, timeout)
     async with face as (stream_one, extra_of):
+        start_mono = time.monotonic_ns()
         timings, wall, cpu_s = await drive_arrivals(workload, arrivals, stream_one, progress, cpu_probe)
-        extra = await extra_of(wall, timings)
+        extra = await extra_of(start_mono, timings)
     return online_run(system, rate, wall, timings, slo_ttft_s, slo_tpot_s, cpu_s, extra)
 
 
@@ -291,7 +310,7 @@ async def client_face(address: str, timeout: float) -> AsyncIterator[Face]:
             result = last.result if last is not None else None
             timing.ok = result is not None and result.finish_reason == "length" and timing.num_tokens == req.output_len
 
-        async def extra_of(wall: float, timings: list[StreamTiming]) -> dict[str, Any]:
-            return {"server_profile": _profile_summary(await client.profile(wall + PROFILE_SLACK_S))}
+        async def extra_of(start_mono: int, timings: list[StreamTiming]) -> dict[str, Any]:
+            return {"server_profile": _profile_summary(await profile_of_run(client, start_mono))}
 
         yield stream_one, extra_of

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import prometheus_client
 from aiohttp import web
 
@@ -39,7 +38,8 @@ from conveyor.version import __version__
 from conveyor.http import adapters, prometheus
 from conveyor.http.adapters import LORAS
 from conveyor.http.errors import ApiError, bad_field, unavailable
-from conveyor.http.generation import respond
+from conveyor.http.generation import STARTED_RESPONSE, respond
+from conveyor.http.json_body import decode_body
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import CHAT, COMPLETION, parse_request
 from conveyor.http.openai_responses import json_encode
@@ -87,9 +87,6 @@ class Access:
             matched |= hmac.compare_digest(given, key)
         return matched
 
-_json_decode = msgspec.json.Decoder().decode
-
-
 def error_response(error: ApiError) -> web.Response:
     return web.Response(status=error.status, body=json_encode(error.body()), content_type="application/json")
 
@@ -122,17 +119,17 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         elif exc.status == 405:
             message = f"{request.method} is not allowed on {request.path}"
         return error_response(ApiError(exc.status, message, code=code))
-    except Exception as exc:
+    except Exception as exc:  # a bug: logged once here, answered once
         log.exception("%s %s failed", request.method, request.path)
+        started = request.get(STARTED_RESPONSE)
+        if started is not None:  # its status is sent already: the stream it began is the answer
+            return started
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
 
 
 async def _body(request: web.Request) -> Any:
     data = await request.read()  # 413 past client_max_size
-    try:
-        return _json_decode(data)
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    return decode_body(data)
 
 
 @API_ROUTES.post("/v1/completions")
@@ -247,10 +244,8 @@ async def tokenize(request: web.Request) -> web.Response:
     add_special = body.get("add_special_tokens")
     if chat and add_special:
         raise bad_field("add_special_tokens", "'add_special_tokens' with 'messages': only false or null is accepted (the template writes them)")
-    if add_special is False and "prompt" in job.inputs[0]:
-        ids = (await tokens.tokenizer()).encode(job.inputs[0]["prompt"], add_special_tokens=False)
-    else:
-        ids = await tokens.prompt_ids(job.inputs[0], {k: v for k, v in job.options.items() if k != "fill_context"})
+    options = {k: v for k, v in job.options.items() if k != "fill_context"}
+    ids = await tokens.prompt_ids(job.inputs[0], options, add_special_tokens=not (add_special is False and "prompt" in job.inputs[0]))
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": app[MAX_MODEL_LEN], "tokens": ids}
     if body.get("return_token_strs"):
         reply["token_strs"] = (await tokens.tokenizer()).convert_ids_to_tokens(ids)
@@ -307,7 +302,7 @@ def _app(
     app[LORAS] = list(loras)
     app[MAX_MODEL_LEN] = max_model_len
     app[CREATED] = created
-    app[TOKENS] = tokens or Tokens(None)
+    app[TOKENS] = tokens or Tokens(None, max_model_len)
     app[ACCESS] = access or Access()
     return app
 

@@ -53,6 +53,9 @@ log = logging.getLogger("conveyor.http")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 IGNORED_FIELDS_HEADER = "x-conveyor-ignored-fields"
+# The request's key of a stream response that is prepared (its 200 sent): the error middleware
+# answers a failure after that with the stream itself, never a second response.
+STARTED_RESPONSE = "conveyor.started_response"
 
 
 class _Prompts:
@@ -264,6 +267,7 @@ async def _stream(
         except Exception as exc:
             raise api_error(exc) from exc
         response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        request[STARTED_RESPONSE] = response  # a failure from here on cannot change the status
         await response.prepare(request)
         out = bytearray()
         if job.kind == CHAT:

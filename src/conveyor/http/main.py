@@ -89,7 +89,7 @@ class HttpServer:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         link = FrontendLink(self.config.addresses.client, self.config.auth_keys)
         created = int(time.time())
-        tokens = Tokens(self.config.model_dir)
+        tokens = Tokens(self.config.model_dir, self.config.max_model_len)
         access = Access.of(self.config.api_keys, self.config.api_key_everywhere)
         apps = []
         if self.api_socket is not None:

@@ -25,6 +25,7 @@ here is never refused by the frontend for its size.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from aiohttp import web
 from conveyor.version import __version__
 from conveyor.http import adapters, prometheus
 from conveyor.http.adapters import LORAS
+from conveyor.http.connections import BODY_TIMEOUT_S, Counts, Guard
 from conveyor.http.errors import ApiError, bad_field, unavailable
 from conveyor.http.generation import STARTED_RESPONSE, respond
 from conveyor.http.json_body import decode_body
@@ -60,6 +62,9 @@ CREATED = web.AppKey("created", int)
 TOKENS = web.AppKey("tokens", Tokens)
 TOOL_PARSER = web.AppKey("tool_parser", object)  # --tool-call-parser: a format of conveyor.structured.tool_calls, or None
 ACCESS = web.AppKey("access", object)
+GUARD = web.AppKey("guard", Guard)  # the listener's connection guard (absent: none, as in tests)
+COUNTS = web.AppKey("counts", Counts)  # the HTTP process's connection counts, for /metrics
+BODY_TIMEOUT = web.AppKey("body_timeout", float)  # --http-body-timeout
 # Routes open without a key unless --api-key-everywhere.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 # Most tokens one /tokenize or /detokenize call handles (the model length bounds real use).
@@ -100,13 +105,28 @@ PROBE_ROUTES = web.RouteTableDef()
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Every failure as the OpenAI error object with its status (cancellation passes through);
-    a request without a valid key (when keys are set) goes no further than here."""
+    a request without a valid key (when keys are set) goes no further than here. The
+    listener's guard is told when the request starts and ends (its header timer waits meanwhile)."""
+    guard = request.app.get(GUARD)
+    if guard is None:
+        return await _handled(request, handler)
+    guard.request_started(request.transport)
+    try:
+        return await _handled(request, handler)
+    finally:
+        guard.request_ended(request.transport)
+
+
+async def _handled(request: web.Request, handler) -> web.StreamResponse:
     try:
         if not request.app[ACCESS].allows(request):
             raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key", type="invalid_request_error")
         return await handler(request)
     except ApiError as exc:
-        return error_response(exc)
+        response = error_response(exc)
+        if exc.status == 408:  # the body's rest may still come: the connection cannot be reused
+            response.force_close()
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -128,7 +148,14 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 async def _body(request: web.Request) -> Any:
-    data = await request.read()  # 413 past client_max_size
+    try:
+        timeout = request.app.get(BODY_TIMEOUT, BODY_TIMEOUT_S)
+        data = await asyncio.wait_for(request.read(), timeout)  # 413 past client_max_size
+    except asyncio.TimeoutError:
+        counts = request.app.get(COUNTS)
+        if counts is not None:
+            counts.note("body_timeout")
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (--http-body-timeout)", code="request_timeout") from None
     return decode_body(data)
 
 
@@ -269,10 +296,10 @@ async def detokenize(request: web.Request) -> web.Response:
 @PROBE_ROUTES.get("/health")
 async def health(request: web.Request) -> web.Response:
     """200 when the frontend relayed a stats query that the scheduler answered within
-    HEALTH_TIMEOUT_S (so all three processes are up); 503 otherwise."""
+    HEALTH_TIMEOUT_S (so all three processes are up) and no worker is hung; 503 otherwise."""
     if await request.app[LINK].healthy():
         return web.Response(body=b'{"status":"ok"}', content_type="application/json")
-    raise unavailable("the server is not healthy: the scheduler did not answer a stats query in time", "unhealthy")
+    raise unavailable("the server is not healthy: the scheduler did not answer a stats query in time, or a worker is hung (--hang-timeout)", "unhealthy")
 
 
 @PROBE_ROUTES.get("/metrics")
@@ -288,7 +315,8 @@ async def metrics(request: web.Request) -> web.Response:
         stats = await link.stats(SCRAPE_TIMEOUT_S)
     except Exception:
         stats = None
-    body = prometheus.exposition(frontend_metrics, stats, request.app[MODEL])
+    counts = request.app.get(COUNTS)
+    body = prometheus.exposition(frontend_metrics, stats, request.app[MODEL], counts.snapshot() if counts is not None else None)
     return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 

@@ -59,12 +59,13 @@ class FrontendLink:
         return await self._shared("metrics", self.client.metrics, timeout)
 
     async def healthy(self) -> bool:
-        """Whether the frontend relayed a ``stats`` query the scheduler answered in time."""
+        """Whether the frontend relayed a ``stats`` query the scheduler answered in time, with
+        no worker hung (``num_hung``, conveyor.scheduler.liveness)."""
         try:
-            await self.stats(HEALTH_TIMEOUT_S)
+            stats = await self.stats(HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, TimeoutError, ConnectionError, ServerError):  # ConnectionError: none, lost, refused
             return False
-        return True
+        return not stats.get("num_hung")
 
     async def require_started(self) -> None:
         """Return once the server has answered a query; a 503 while it is starting."""

@@ -26,7 +26,8 @@ import time
 
 from aiohttp import web
 
-from conveyor.http.app import Access, api_app, metrics_app
+from conveyor.http.app import BODY_TIMEOUT, COUNTS, GUARD, Access, api_app, metrics_app
+from conveyor.http.connections import Counts, Guard, connection_cap
 from conveyor.http.link import FrontendLink
 from conveyor.http.tokens import Tokens
 from conveyor.runtime.config import HttpConfig
@@ -96,23 +97,30 @@ class HttpServer:
             apps.append((functools.partial(api_app, tool_call_parser=self.config.tool_call_parser), self.api_socket))
         if self.metrics_socket is not None:
             apps.append((metrics_app, self.metrics_socket))
-        runners = []
+        runners, listeners = [], []
+        config = self.config
+        counts, cap = Counts(), connection_cap(config.http_max_connections)
         try:
             for make, sock in apps:
+                app = make(link, self.config.served_model_name, self.config.max_model_len, created, tokens, access, loras=self.config.lora_names)
+                app[GUARD] = guard = Guard(counts, cap, config.http_header_timeout)
+                app[COUNTS] = counts
+                app[BODY_TIMEOUT] = config.http_body_timeout
                 runner = web.AppRunner(
-                    make(
-                        link, self.config.served_model_name, self.config.max_model_len, created, tokens, access,
-                        loras=self.config.lora_names,
-                    ),
+                    app,
                     handler_cancellation=True,  # a client that goes away cancels its handler, and so its request
                     shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                     access_log=None,
+                    keepalive_timeout=config.http_header_timeout + 5,  # the guard's timer closes idle connections first
                 )
                 await runner.setup()
                 runners.append(runner)
-                await web.SockSite(runner, sock, ssl_context=self.ssl).start()
+                # The listener itself (not an aiohttp site): its protocols go through the guard.
+                listeners.append(await loop.create_server(guard.factory(runner.server), sock=sock, ssl=self.ssl, backlog=LISTEN_BACKLOG))
             await stop.wait()
         finally:
+            for listener in listeners:
+                listener.close()
             await asyncio.gather(*(runner.cleanup() for runner in runners))  # in parallel: one grace period
             await link.close()
 

@@ -300,6 +300,17 @@ class SchedulerProcessConfig:
     vocab_size: int
     profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
     overlap: bool = True  # plan step N+1 while the worker runs step N (bin/serve --no-overlap)
+    # Liveness (conveyor.scheduler.liveness): a worker that gives no step result for
+    # hang_timeout s with a plan in flight is hung (0: never); on_hang "exit" stops the
+    # server, "wait" fails the requests and refuses new ones until it steps again.
+    hang_timeout: float = 30.0
+    on_hang: str = "exit"
+
+    def __post_init__(self) -> None:
+        if self.hang_timeout < 0:
+            raise ValueError(f"--hang-timeout must be >= 0 (0: no bound), got {self.hang_timeout}")
+        if self.on_hang not in ("exit", "wait"):
+            raise ValueError(f"--on-hang must be exit or wait, got {self.on_hang!r}")
 
 
 @dataclass(frozen=True)
@@ -337,8 +348,18 @@ class HttpConfig:
     # --ssl-certfile / --ssl-keyfile: serve HTTPS (both or neither).
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # Slow clients (conveyor.http.connections): a request's headers must be complete within
+    # http_header_timeout s of the connection opening or of its previous response (also the
+    # idle keep-alive limit), its body within http_body_timeout s; at most
+    # http_max_connections open per listener (fewer if the descriptor limit is lower), a 503 past it.
+    http_header_timeout: float = 10.0
+    http_body_timeout: float = 30.0
+    http_max_connections: int = 2048
 
     def __post_init__(self) -> None:
+        for name in ("http_header_timeout", "http_body_timeout", "http_max_connections"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together")
         if any(not k or k != k.strip() or any(c.isspace() for c in k) for k in self.api_keys):

@@ -232,6 +232,7 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
             max_message_bytes=limits.MAX_CLIENT_MESSAGE_BYTES,
             auth_keys=config.auth_keys,
             send_queue=config.client_send_queue,
+            internal=addrs.internal_client,
             monitor=monitor_addr,
             monitor_events=zmq.EVENT_DISCONNECTED,
         )

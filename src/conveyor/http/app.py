@@ -38,7 +38,7 @@ from aiohttp import web
 from conveyor.version import __version__
 from conveyor.http import adapters, prometheus
 from conveyor.http.adapters import LORAS
-from conveyor.http.connections import BODY_TIMEOUT_S, Counts, Guard
+from conveyor.http.connections import BODY_TIMEOUT, BODY_TIMEOUT_S, COUNTS, Guard
 from conveyor.http.errors import ApiError, bad_field, unavailable
 from conveyor.http.generation import STARTED_RESPONSE, respond
 from conveyor.http.json_body import decode_body
@@ -62,9 +62,8 @@ CREATED = web.AppKey("created", int)
 TOKENS = web.AppKey("tokens", Tokens)
 TOOL_PARSER = web.AppKey("tool_parser", object)  # --tool-call-parser: a format of conveyor.structured.tool_calls, or None
 ACCESS = web.AppKey("access", object)
+MAX_WAITING = web.AppKey("max_waiting", int)  # --max-waiting (absent: no per-request share)
 GUARD = web.AppKey("guard", Guard)  # the listener's connection guard (absent: none, as in tests)
-COUNTS = web.AppKey("counts", Counts)  # the HTTP process's connection counts, for /metrics
-BODY_TIMEOUT = web.AppKey("body_timeout", float)  # --http-body-timeout
 # Routes open without a key unless --api-key-everywhere.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 # Most tokens one /tokenize or /detokenize call handles (the model length bounds real use).
@@ -190,7 +189,25 @@ async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResp
     app = request.app
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     job = parse_request(kind, body, app[MODEL], loras)
+    _check_share(job, app.get(MAX_WAITING, 0))
     return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER])
+
+
+def _check_share(job: Any, max_waiting: int) -> None:
+    """A 400 for a request of more sequences (prompts x ``best_of`` or ``n``) than a quarter
+    of ``--max-waiting``: one request of 1,024 prompts x ``n`` 64 filled the queue, and every
+    other client got 429 until it ended. The whole HTTP face is one client of the frontend,
+    so the share is per HTTP request."""
+    share = max_waiting // 4
+    width = job.options.get("best_of") or job.n
+    if not share or not isinstance(width, int) or len(job.inputs) * width <= share:
+        return
+    name = "prompt" if width == 1 else ("best_of" if job.options.get("best_of") else "n")
+    raise bad_field(
+        name,
+        f"this request asks for {len(job.inputs) * width} sequences ({len(job.inputs)} prompt(s) x {width}); one request may take "
+        f"at most {share}, a quarter of the server's --max-waiting {max_waiting}: split it",
+    )
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:

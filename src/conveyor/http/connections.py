@@ -12,6 +12,9 @@ out of file descriptors: 20,000 half-open connections (slowloris) took the HTTP 
   had sent nothing (an idle keep-alive connection, a connect that never speaks);
 - **body timeout** (``--http-body-timeout``, :data:`BODY_TIMEOUT_S`, in :mod:`conveyor.http.app`): a body must arrive
   within this long of its headers; else a 408 and the connection closed (``body_timeout``);
+  and a streamed response's next bytes must be taken within as long once the socket buffers
+  are full, else the request is aborted and the connection closed (``not_reading``,
+  :mod:`conveyor.http.generation`);
 - **connection cap** (``--http-max-connections``, :func:`connection_cap`): past that many open connections on a listener a
   new one is answered ``503`` with ``Connection: close`` at once, unread (``refused``), so
   the process never runs out of descriptors and every connection it keeps is served.
@@ -34,6 +37,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from aiohttp import web
+
 from conveyor.runtime.config import HttpConfig
 
 log = logging.getLogger("conveyor.http")
@@ -46,11 +51,12 @@ MAX_CONNECTIONS = HttpConfig.http_max_connections
 # threads, files), out of the soft limit.
 RESERVED_FDS = 256
 
-CAUSES = ("header_timeout", "idle_timeout", "body_timeout", "refused")
+CAUSES = ("header_timeout", "idle_timeout", "body_timeout", "not_reading", "refused")
 _WHY = {
     "header_timeout": "a client did not finish a request's headers within --http-header-timeout: its connection was closed",
     "idle_timeout": "a connection sent nothing for --http-header-timeout (idle keep-alive, or it never spoke): closed",
     "body_timeout": "a client did not send its request body within --http-body-timeout: answered 408, connection closed",
+    "not_reading": "a client did not take its streamed response's bytes within --http-body-timeout: its request aborted, connection closed",
     "refused": "an HTTP listener is at its connection cap (--http-max-connections): a new connection was answered 503 and closed",
 }
 
@@ -70,6 +76,9 @@ def connection_cap(wanted: int = MAX_CONNECTIONS) -> int:
     return max(1, min(wanted, (soft - RESERVED_FDS) // 2))  # two listeners may share the limit
 
 
+BODY_TIMEOUT = web.AppKey("body_timeout", float)  # --http-body-timeout
+
+
 class Counts:
     """The closes of every listener by cause; each cause logged the first time only."""
 
@@ -84,6 +93,9 @@ class Counts:
 
     def snapshot(self) -> dict[str, Any]:
         return {"open": self.open, "closed": dict(self.closed)}
+
+
+COUNTS = web.AppKey("counts", Counts)  # the HTTP process's connection counts, for /metrics
 
 
 class Guard:

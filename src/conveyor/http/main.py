@@ -26,8 +26,8 @@ import time
 
 from aiohttp import web
 
-from conveyor.http.app import BODY_TIMEOUT, COUNTS, GUARD, Access, api_app, metrics_app
-from conveyor.http.connections import Counts, Guard, connection_cap
+from conveyor.http.app import GUARD, MAX_WAITING, Access, api_app, metrics_app
+from conveyor.http.connections import BODY_TIMEOUT, COUNTS, Counts, Guard, connection_cap
 from conveyor.http.link import FrontendLink
 from conveyor.http.tokens import Tokens
 from conveyor.runtime.config import HttpConfig
@@ -88,7 +88,8 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-        link = FrontendLink(self.config.addresses.client, self.config.auth_keys)
+        # The client socket's internal endpoint: --client-send-queue does not bound it.
+        link = FrontendLink(self.config.addresses.internal_client or self.config.addresses.client, self.config.auth_keys)
         created = int(time.time())
         tokens = Tokens(self.config.model_dir, self.config.max_model_len)
         access = Access.of(self.config.api_keys, self.config.api_key_everywhere)
@@ -106,6 +107,7 @@ class HttpServer:
                 app[GUARD] = guard = Guard(counts, cap, config.http_header_timeout)
                 app[COUNTS] = counts
                 app[BODY_TIMEOUT] = config.http_body_timeout
+                app[MAX_WAITING] = config.max_waiting
                 runner = web.AppRunner(
                     app,
                     handler_cancellation=True,  # a client that goes away cancels its handler, and so its request

@@ -352,6 +352,9 @@ class HttpConfig:
     # http_header_timeout s of the connection opening or of its previous response (also the
     # idle keep-alive limit), its body within http_body_timeout s; at most
     # http_max_connections open per listener (fewer if the descriptor limit is lower), a 503 past it.
+    # --max-waiting: one HTTP request may ask for at most a quarter of it in sequences
+    # (prompts x n), so that one request cannot fill the queue for everyone (0: no bound).
+    max_waiting: int = 4096
     http_header_timeout: float = 10.0
     http_body_timeout: float = 30.0
     http_max_connections: int = 2048

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,7 +25,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from conveyor.ipc import codec
+from conveyor.ipc import codec, run_dirs
 
 
 @dataclass(frozen=True)
@@ -78,11 +77,9 @@ class ServerAddresses:
 
 
 def make_run_dir() -> str:
-    """A fresh private directory for the ipc sockets (0700; short path, ipc paths are limited)."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    path = tempfile.mkdtemp(prefix="conveyor-", dir=base)
-    os.chmod(path, 0o700)
-    return path
+    """A fresh private run directory, claimed by this process (:mod:`conveyor.ipc.run_dirs`,
+    which first reaps those of servers killed without cleaning up)."""
+    return run_dirs.make_run_dir()
 
 
 def client_address(host: str, port: int) -> str:

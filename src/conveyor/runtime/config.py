@@ -23,6 +23,7 @@ from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exporte
     parse_choices, require_at_least,
 )  # fmt: skip
 from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback_host
+from conveyor.runtime.http_config import HttpConfig
 
 
 @dataclass(frozen=True)
@@ -300,83 +301,13 @@ class SchedulerProcessConfig:
     vocab_size: int
     profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
     overlap: bool = True  # plan step N+1 while the worker runs step N (bin/serve --no-overlap)
-    # Liveness (conveyor.scheduler.liveness): a worker that gives no step result for
-    # hang_timeout s with a plan in flight is hung (0: never); on_hang "exit" stops the
-    # server, "wait" fails the requests and refuses new ones until it steps again.
+    # A worker silent for hang_timeout s (0: never) with a plan in flight is hung; on_hang:
+    # "exit" or "wait" (conveyor.scheduler.liveness).
     hang_timeout: float = 30.0
     on_hang: str = "exit"
 
     def __post_init__(self) -> None:
-        if self.hang_timeout < 0:
-            raise ValueError(f"--hang-timeout must be >= 0 (0: no bound), got {self.hang_timeout}")
-        if self.on_hang not in ("exit", "wait"):
-            raise ValueError(f"--on-hang must be exit or wait, got {self.on_hang!r}")
-
-
-@dataclass(frozen=True)
-class HttpConfig:
-    """The HTTP process's view: the OpenAI-compatible API on ``http_port`` and/or the
-    Prometheus scrape endpoint on ``metrics_port``, both on ``http_host``.
-
-    The HTTP process is a client of the frontend over the client protocol (``addresses.client``);
-    it validates nothing the frontend validates. With only ``metrics_port`` it serves
-    ``/metrics`` and ``/health`` alone. Port 0 binds a free port (reported when ready).
-    """
-
-    addresses: ServerAddresses
-    served_model_name: str  # the base model's name: the ``model`` requests name for it
-    max_model_len: int  # shown by /v1/models
-    lora_names: tuple[str, ...] = ()  # LoRA adapters, the other models requests may name
-    http_host: str = "127.0.0.1"
-    http_port: int | None = None
-    metrics_port: int | None = None
-    # bin/serve --auth-keys: the HTTP process is a client of the frontend and connects with
-    # the server's own key pair from this directory (the frontend allows it).
-    auth_keys: str | None = None
-    # The model directory: its tokenizer serves /tokenize, /detokenize and the fields that need
-    # the prompt's tokens (conveyor.http.tokens), loaded on first use.
-    model_dir: str | None = None
-    # --api-key / --api-key-file / $CONVEYOR_API_KEY: the keys clients send as
-    # ``Authorization: Bearer``; empty: no key needed. ``api_key_everywhere``: /health,
-    # /metrics and /version need one too.
-    api_keys: tuple[str, ...] = ()
-    api_key_everywhere: bool = False
-    # --tool-call-parser: how a chat's output with tools is read for calls (hermes, llama3;
-    # conveyor.structured.tool_calls); None: not parsed (tools still reach the chat template,
-    # and a forcing tool_choice is still read from its constrained JSON).
-    tool_call_parser: str | None = None
-    # --ssl-certfile / --ssl-keyfile: serve HTTPS (both or neither).
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    # Slow clients (conveyor.http.connections): a request's headers must be complete within
-    # http_header_timeout s of the connection opening or of its previous response (also the
-    # idle keep-alive limit), its body within http_body_timeout s; at most
-    # http_max_connections open per listener (fewer if the descriptor limit is lower), a 503 past it.
-    # --max-waiting: one HTTP request may ask for at most a quarter of it in sequences
-    # (prompts x n), so that one request cannot fill the queue for everyone (0: no bound).
-    max_waiting: int = 4096
-    http_header_timeout: float = 10.0
-    http_body_timeout: float = 30.0
-    http_max_connections: int = 2048
-
-    def __post_init__(self) -> None:
-        for name in ("http_header_timeout", "http_body_timeout", "http_max_connections"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
-        if any(not k or k != k.strip() or any(c.isspace() for c in k) for k in self.api_keys):
-            raise ValueError("an API key must be non-empty and hold no whitespace")
-        if self.http_port is None and self.metrics_port is None:
-            raise ValueError("the HTTP process needs http_port or metrics_port")
-        for name in ("http_port", "metrics_port"):
-            port = getattr(self, name)
-            if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], got {port}")
-        if self.http_port is not None and self.http_port == self.metrics_port and self.http_port != 0:
-            raise ValueError(f"http_port and metrics_port are both {self.http_port}: /metrics is on the HTTP port already")
-        if not self.served_model_name:
-            raise ValueError("served_model_name must not be empty")
+        require_at_least(self, 0, "hang_timeout")
 
 
 @dataclass(frozen=True)

@@ -301,7 +301,7 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequests):
             self._pending.extend(self.scheduler.abort(msg.request_ids))
         elif isinstance(msg, StatsQuery):
-            transport.send(self.to_frontend, SchedulerStats(query_id=msg.query_id, num_hung=int(self.watch.hung), **self.scheduler.stats()))
+            transport.send(self.to_frontend, SchedulerStats(query_id=msg.query_id, **{**self.scheduler.stats(), "num_hung": int(self.watch.hung)}))
         elif isinstance(msg, ProfileQuery):
             # On the plan channel, behind any plan in flight: the worker answers between steps.
             self._profile_queries.append(msg)

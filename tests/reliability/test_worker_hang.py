@@ -22,13 +22,13 @@ HANG_TIMEOUT_S = 2.0
 NOTICE_BOUND_S = HANG_TIMEOUT_S + 2.0  # the timeout, a poll slice and this busy machine's slack
 
 
-def _stream_then_stop_worker(server: ServeProcess) -> tuple[object, float]:
-    """A long stream; once it has its first tokens, SIGSTOP the worker. Its final, and how
+def _stream_then_stop_worker(server: ServeProcess, victim: str = "worker") -> tuple[object, float]:
+    """A long stream; once it has its first tokens, SIGSTOP ``victim``. Its final, and how
     long after the SIGSTOP it came."""
     with Client(server.address, timeout=60) as client:
         stream = client.stream(prompt="the hung worker", max_tokens=200, ignore_eos=True)
         next(stream)
-        os.kill(server.pids["worker"], signal.SIGSTOP)
+        os.kill(server.pids[victim], signal.SIGSTOP)
         stopped = time.monotonic()
         final = None
         for delta in stream:
@@ -79,6 +79,44 @@ def test_on_hang_exit_fails_requests_and_stops_the_server(tiny_checkpoint, tmp_p
         assert took < NOTICE_BOUND_S, took
         assert serve.proc.wait(20) == 1
         assert "its worker hung" in serve.output()
+        assert not still_alive_after(tree, 5)
+    finally:
+        if serve.proc.poll() is None:
+            serve.kill()
+
+
+def test_a_hung_scheduler_is_noticed_by_the_frontend(tiny_checkpoint, tmp_path) -> None:
+    """SIGSTOP of the scheduler: ``wait`` fails its requests and refuses new ones until it runs
+    again; then (SIGCONT) it serves; ``exit`` (a second server) stops the server, exit status 1."""
+    args = ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--hang-timeout", str(HANG_TIMEOUT_S)]
+    (tmp_path / "wait").mkdir()
+    (tmp_path / "exit").mkdir()
+    serve = ServeProcess([*args, "--on-hang", "wait"], tmp_path / "wait")
+    tree = children_of(serve.proc.pid)
+    try:
+        final, took = _stream_then_stop_worker(serve, "scheduler")
+        assert final is not None and final.finish_reason == "error" and "scheduler hung" in final.error, final
+        assert took < NOTICE_BOUND_S, took
+        with Client(serve.address, timeout=30) as client:
+            refused = client.generate(prompt="meanwhile", max_tokens=2)
+            assert refused.finish_reason == "error" and "scheduler hung" in refused.error, refused
+            os.kill(serve.pids["scheduler"], signal.SIGCONT)
+            deadline = time.monotonic() + 10
+            while (result := client.generate(prompt="again", max_tokens=2)).finish_reason == "error":
+                assert time.monotonic() < deadline, result
+                time.sleep(0.2)
+            assert result.finish_reason == "length"
+    finally:
+        os.kill(serve.pids["scheduler"], signal.SIGCONT)
+        serve.shut_down(tree)
+    serve = ServeProcess(args, tmp_path / "exit")
+    tree = children_of(serve.proc.pid)
+    try:
+        final, took = _stream_then_stop_worker(serve, "scheduler")
+        assert final is not None and final.finish_reason == "error" and "scheduler hung" in final.error, final
+        assert took < NOTICE_BOUND_S, took
+        assert serve.proc.wait(20) == 1
+        assert "a scheduler hung" in serve.output()
         assert not still_alive_after(tree, 5)
     finally:
         if serve.proc.poll() is None:

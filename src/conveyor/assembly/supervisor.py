@@ -51,12 +51,11 @@ from conveyor.frontend.main import run_frontend
 from conveyor.http.main import run_http
 from conveyor.ipc import codec, step_channel, transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
-from conveyor.scheduler.liveness import HANG_EXIT_CODE
 from conveyor.ipc.transport import ClusterKey
 from conveyor.assembly import node_link
 from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
 from conveyor.runtime.model_source import StartupError
-from conveyor.runtime.process import SHUTDOWN_GRACE_S, terminate
+from conveyor.runtime.process import HANG_EXIT_CODE, SHUTDOWN_GRACE_S, terminate
 from conveyor.scheduler.main import run_scheduler
 from conveyor.worker.main import run_worker
 
@@ -296,6 +295,8 @@ def _death(name: str, code: int | None) -> str:
     """Why child ``name`` ended with exit status ``code``, for bin/serve and the clients."""
     if name.startswith("scheduler") and code == HANG_EXIT_CODE:
         return f"{name} process stopped: its worker hung (no step result within --hang-timeout; --on-hang exit)"
+    if name == "frontend" and code == HANG_EXIT_CODE:
+        return "frontend process stopped: a scheduler hung (no answer within --hang-timeout; --on-hang exit)"
     return f"{name} process died (exit code {code})"
 
 

@@ -76,6 +76,8 @@ def from_final_error(message: str) -> ApiError:
         return ApiError(404, message, param="model", code="model_not_found")
     if message.startswith("worker hung"):  # conveyor.scheduler.liveness: retry once it steps (or restarts)
         return unavailable(message, "worker_hung")
+    if message.startswith("scheduler hung"):  # conveyor.frontend.liveness
+        return unavailable(message, "scheduler_hung")
     if message.startswith("worker ") or message.startswith("malformed worker result"):
         return ApiError(500, message, code="internal_error")
     return ApiError(400, message, param=_field_named(message))

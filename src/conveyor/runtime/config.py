@@ -133,6 +133,10 @@ class FrontendConfig:
     tokenizer_threads: int = 2
     # Inputs shorter than this many characters are tokenized on the loop (a thread hop costs more).
     tokenize_inline_chars: int = 512
+    # A scheduler silent for hang_timeout s (0: never) while it owes requests is hung; on_hang:
+    # "exit" or "wait" (conveyor.frontend.liveness; the scheduler watches its worker alike).
+    hang_timeout: float = 30.0
+    on_hang: str = "exit"
     # bin/serve --auth-keys: the CurveZMQ key directory (conveyor.ipc.transport's layout); None:
     # no authentication, any client that reaches the address is served.
     auth_keys: str | None = None

@@ -9,7 +9,8 @@ plan was sent with none in flight; past ``timeout`` seconds the worker is hung:
 
 - every live request fails with an error final naming the hang ("worker hung: no step
   result for 30 s ...", an HTTP 503), and the stats carry ``num_hung`` = 1 (``/health`` 503);
-- ``--on-hang exit`` (the default) then ends the scheduler with :data:`HANG_EXIT_CODE`, and
+- ``--on-hang exit`` (the default) then ends the scheduler with
+  :data:`conveyor.runtime.process.HANG_EXIT_CODE`, and
   bin/serve stops the server saying why (a supervisor restarts it, as after a death);
 - ``--on-hang wait`` keeps serving what it can: new requests are refused with the same error
   until a result arrives, then ``num_hung`` goes back to 0 and requests are served again.
@@ -24,8 +25,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-# The scheduler's exit status after a hang under --on-hang exit: bin/serve names the cause.
-HANG_EXIT_CODE = 3
 
 
 class HangWatch:

@@ -80,7 +80,8 @@ from conveyor.ipc.messages import (
 from conveyor.runtime.process import Started, run_process
 from conveyor.ipc.step_channel import PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
-from conveyor.scheduler.liveness import HANG_EXIT_CODE, HangWatch
+from conveyor.runtime.process import HANG_EXIT_CODE
+from conveyor.scheduler.liveness import HangWatch
 from conveyor.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("conveyor.scheduler")

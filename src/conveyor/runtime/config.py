@@ -22,7 +22,7 @@ from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exporte
     Attention, Batching, Choice, Device, Dtype, PipelineSteps, PlanTransport, Policy, Preemption,
     parse_choices, require_at_least,
 )  # fmt: skip
-from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback_host
+from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback, is_loopback_host
 from conveyor.runtime.http_config import HttpConfig
 
 
@@ -353,6 +353,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "nnodes")
+        check_faces_keyed_alike(self)
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.nnodes == 1:
@@ -422,6 +423,27 @@ class ServerConfig:
             self.scheduler.scheduler, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_bytes=block_bytes
         )
         return replace(self.scheduler, scheduler=sized)
+
+
+def check_faces_keyed_alike(config: ServerConfig) -> None:
+    """One auth story across the faces: a server that keys one face (``--api-key`` for HTTP,
+    ``--auth-keys`` for ZeroMQ) does not start with the other one open to other hosts without
+    a key (a key on one face was no protection while the other served ``generate`` and
+    ``load_lora`` to anyone). Loopback faces stay open to local users, as without keys."""
+    http = config.http
+    if http is None or http.http_port is None:
+        return
+    zmq_keyed, http_keyed = config.frontend.auth_keys is not None, bool(http.api_keys)
+    if http_keyed and not zmq_keyed and not is_loopback(config.addresses.client):
+        raise ValueError(
+            f"--api-key keys the HTTP API, but the ZeroMQ client socket {config.addresses.client} is open to other hosts: "
+            "add --auth-keys DIR (bin/keygen) or bind --host to loopback"
+        )
+    if zmq_keyed and not http_keyed and not is_loopback_host(http.http_host):
+        raise ValueError(
+            f"--auth-keys keys the ZeroMQ socket, but the HTTP API on {http.http_host} is open to other hosts: "
+            "add --api-key (or --api-key-file) or bind --http-host to loopback"
+        )
 
 
 def dist_init_host_port(address: str) -> tuple[str, int]:

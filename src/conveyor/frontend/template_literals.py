@@ -8,7 +8,8 @@ As the fixes discussed for vLLM, SGLang and transformers do, only the template's
 are control tokens here: every occurrence of a special token's text (an added token flagged
 ``special``) inside a message's strings is encoded as plain text, the rest of the prompt as
 before. So a prompt without such text is encoded exactly as before (one encode of the whole
-text), and one with it differs only at those spans.
+text), and one with it differs only at those spans (with a sentencepiece tokenizer, the text
+after such a span is encoded as a text start: it may gain a leading space).
 
 How: each message string holding special-token text is found in the rendered prompt, in order
 (:func:`literal_spans`); the prompt is then encoded in pieces, those spans by a copy of the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,6 +22,7 @@ from conveyor_tools.bench.cpu import CpuMeter, CpuProbe, per_token_us
 from conveyor_tools.bench.run_metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
 from conveyor_tools.bench.workloads import BenchRequest, Workload
 from conveyor.client import AsyncClient
+from conveyor.kernels.jit_compiles import COUNTER as JIT_COMPILES
 from conveyor.profiling import STEP_SERIES, step_records
 
 WARMUP_REQUESTS = 4
@@ -55,35 +56,81 @@ def _check(result: Any, expected: int) -> None:
 
 
 async def run_offline(
-    system: str, address: str, workload: Workload, progress: Any, timeout: float, cpu_probe: CpuProbe | None = None
+    system: str,
+    address: str,
+    workload: Workload,
+    progress: Any,
+    timeout: float,
+    cpu_probe: CpuProbe | None = None,
+    *,
+    warmup: Workload | None = None,
+    reruns: Sequence[Workload] = (),
 ) -> OfflineRun:
     """Every request of ``workload`` at once, after a warm-up; with ``cpu_probe`` (the server's
-    processes' CPU seconds) the run's CPU cost by process is in ``extra["cpu_s"]``."""
+    processes' CPU seconds) the run's CPU cost by process is in ``extra["cpu_s"]``.
+
+    ``warmup``: the warm-up's requests (default: four 4-token prompts), e.g. the workload's
+    own prompt lengths, so that what the timed window meets is compiled before it. Each of
+    ``reruns`` (the workload's shapes with fresh tokens: no prefix-cache hits) is timed after
+    it on the same server and the last is the run reported; ``extra["timed_runs"]`` keeps
+    every window's throughput and the Triton kernels the worker compiled inside it (None where
+    the worker counts none: not on CUDA, or --no-profile)."""
     async with AsyncClient(address, timeout=timeout) as client:
-        await _warmup(client)
-        before = await client.stats()
-        meter = CpuMeter(cpu_probe)
-        start = time.perf_counter()
-        start_mono = time.monotonic_ns()
-        latencies = [0.0] * len(workload.requests)
-        ttfts: list[float] = []
+        if warmup is None:
+            await _warmup(client)
+        else:
+            await asyncio.gather(*[_generate(client, req) for req in warmup.requests])
+        windows = []
+        for timed in (workload, *reruns):
+            compiles_before = _compiles(await client.profile(PROFILE_SLACK_S))
+            if hasattr(progress, "reset"):  # a tqdm bar: its count, rate and ETA are this window's alone
+                progress.reset(total=len(timed.requests))
+            run = await _timed_run(client, system, timed, progress, cpu_probe)
+            compiles = _compiles(run.extra.pop("profile"))
+            windows.append({
+                "output_tok_s": run.summary()["output_tok_s"],
+                "wall_s": run.wall_s,
+                "triton_compiles": None if compiles is None else compiles - (compiles_before or 0),
+            })
+    run.extra["timed_runs"] = windows
+    return run
 
-        async def one(i: int) -> None:
-            req = workload.requests[i]
-            result = await client.generate(
-                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.sampling
-            )
-            latencies[i] = time.perf_counter() - start
-            _check(result, req.output_len)
-            if result.timing.get("ttft") is not None:
-                ttfts.append(result.timing["ttft"])
-            progress.update(1)
 
-        await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
-        wall = time.perf_counter() - start
-        cpu_s = meter.stop()
-        profile = await profile_of_run(client, start_mono, [*TIMELINE_SERIES, *STEP_SERIES])
-        stats = await client.stats()
+def _generate(client: AsyncClient, req: BenchRequest) -> Awaitable[Any]:
+    return client.generate(token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.sampling)
+
+
+def _compiles(profile: dict[str, Any]) -> int | None:
+    """The worker's count of Triton JIT compiles so far (conveyor.kernels.jit_compiles), or None."""
+    worker = next((p for p in profile["processes"] if p["process"] == "worker"), None)
+    counter = ((worker or {}).get("counters") or {}).get(JIT_COMPILES)
+    return None if counter is None else int(counter["total"])
+
+
+async def _timed_run(
+    client: AsyncClient, system: str, workload: Workload, progress: Any, cpu_probe: CpuProbe | None
+) -> OfflineRun:
+    before = await client.stats()
+    meter = CpuMeter(cpu_probe)
+    start = time.perf_counter()
+    start_mono = time.monotonic_ns()
+    latencies = [0.0] * len(workload.requests)
+    ttfts: list[float] = []
+
+    async def one(i: int) -> None:
+        req = workload.requests[i]
+        result = await _generate(client, req)
+        latencies[i] = time.perf_counter() - start
+        _check(result, req.output_len)
+        if result.timing.get("ttft") is not None:
+            ttfts.append(result.timing["ttft"])
+        progress.update(1)
+
+    await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
+    wall = time.perf_counter() - start
+    cpu_s = meter.stop()
+    profile = await profile_of_run(client, start_mono, [*TIMELINE_SERIES, *STEP_SERIES])
+    stats = await client.stats()
     # The worker's per-step records of the run (warmup excluded): conveyor-sim calibrate's input.
     steps = step_records(profile["processes"], start_mono, start_mono + int(wall * 1e9))
     return OfflineRun.of(
@@ -98,6 +145,7 @@ async def run_offline(
             "step_records": {**steps, "num_blocks": stats.get("total_blocks")},
             "scheduler_counters": counter_deltas(before, stats),
             "cpu_s": cpu_s,
+            "profile": profile,  # popped by run_offline
         },
     )
 

@@ -167,7 +167,7 @@ def test_the_progress_bar_starts_after_the_server_is_up(monkeypatch, tiny_checkp
         def summary():
             return offline_result(100.0)["runs"][0]
 
-    async def run_offline(*args):
+    async def run_offline(*args, **kwargs):
         events.append("run")
         return Run()
 
@@ -175,8 +175,9 @@ def test_the_progress_bar_starts_after_the_server_is_up(monkeypatch, tiny_checkp
     monkeypatch.setattr(bench, "progress_bar", bar)
     monkeypatch.setattr(bench, "run_offline", run_offline)
     args = bench.build_parser().parse_args(["offline", "--systems", "conveyor", "--model", str(tiny_checkpoint)])
-    result = bench.offline(args, {"workload": type("W", (), {"requests": [None] * 8})(), "systems": ["conveyor"],
-                                  "device": "cpu", "model_dir": str(tiny_checkpoint)})
+    workload = type("W", (), {"requests": [None] * 8, "name": "fixed", "seed": 0, "params": {}})()
+    result = bench.offline(args, {"workload": workload, "systems": ["conveyor"], "device": "cpu",
+                                  "model_dir": str(tiny_checkpoint), "vocab_size": 100})
     assert events == ["server up", "bar", "run", "server down"]
     assert result["warning"].startswith("warning: this run is too short")
 

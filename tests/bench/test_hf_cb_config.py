@@ -151,7 +151,7 @@ def test_bin_bench_offline_reports_hf_cb_or_why_not(tiny_checkpoint, monkeypatch
     args = bench.build_parser().parse_args(argv)
     reqs = [BenchRequest([5, 6, 7, 8][: 2 + i % 3], 2 + i) for i in range(3)]
     workload = Workload("tiny", 0, reqs)
-    ctx = {"workload": workload, "systems": ["hf-cb"], "device": "cpu", "model_dir": str(tiny_checkpoint)}
+    ctx = {"workload": workload, "systems": ["hf-cb"], "device": "cpu", "model_dir": str(tiny_checkpoint), "vocab_size": 128}
     result = bench.offline(args, ctx)["systems"]["hf-cb"]
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("hf-cb"))
     if spelling == "installed":

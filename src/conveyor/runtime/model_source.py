@@ -58,6 +58,17 @@ def resolve_model(model: str | None) -> tuple[str, bool]:
     return str(path), False
 
 
+def model_name(model_dir: str, demo: bool) -> str:
+    """What the served model is called (the OpenAI ``model`` field, the ready line):
+    ``conveyor-demo``, a GGUF file's name without ``.gguf``, or the checkpoint directory's name."""
+    if demo:
+        return "conveyor-demo"
+    from conveyor.checkpoints.gguf.prepare import gguf_file
+
+    source = gguf_file(model_dir)
+    return source.stem if source is not None else Path(model_dir).resolve().name
+
+
 def model_length(model: ModelConfig, max_model_len: int | None) -> int:
     """The prompt + output limit: ``max_model_len`` (--max-model-len), by default the model's
     ``max_position_embeddings``, which it may not exceed (ValueError)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,7 @@ def _convert_tokenizer(source: Path, out: Path) -> None:
         raise ImportError(
             f"{source}: converting a GGUF file's tokenizer (once, then cached) needs transformers: {CONVERT_HINT}"
         ) from None
+    print(f"conveyor: converting the tokenizer of {source.name} once (transformers) ...", file=sys.stderr, flush=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     except Exception as exc:  # transformers raises many kinds for a tokenizer it cannot convert

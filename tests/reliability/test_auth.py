@@ -146,7 +146,7 @@ def test_exposed_addresses_warn_once(tmp_path, keys, capsys) -> None:
     for args, warnings in cases:
         run_dir = tmp_path / f"run{len(args)}-{warnings}"
         run_dir.mkdir()
-        warn_if_exposed(server_config(build_parser().parse_args(args), str(run_dir)))
+        warn_if_exposed(server_config(build_parser().parse_args(["--model", "demo", *args]), str(run_dir)))
         err = capsys.readouterr().err
         assert err.count("WARNING") == warnings, (args, err)
 

@@ -28,6 +28,12 @@ FAMILIES = {"llama": ("llama", True), "llama_mha_bias": ("llama", False), "qwen2
 TYPES = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 4e-3, Q.Q8_0: 5e-3, Q.Q5_1: 4e-2, Q.Q5_0: 5e-2, Q.Q4_1: 8e-2, Q.Q4_0: 1e-1}
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch) -> None:
+    """The cached checkpoint directories of this module's throwaway files go to a temporary cache."""
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, torch.nn.Module]:
     root = tmp_path_factory.mktemp("hf")
@@ -122,11 +128,10 @@ from conveyor.runtime.model_source import StartupError, resolve_model
 with pytest.raises(StartupError, match=r"pip install 'conveyor\\[convert\\]'"):
     resolve_model({str(path)!r})
 """
-    run_without(("transformers",), body, env={**os.environ, "CONVEYOR_CACHE": str(tmp_path / "cache")})
+    run_without(("transformers",), body, env=dict(os.environ))
 
 
 def test_the_default_model_says_how_to_get_it_when_pip_cannot(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links"))
     (tmp_path / "links").mkdir()

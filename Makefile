@@ -11,7 +11,7 @@ SERVE_ARGS ?=
 # The interpreter conveyor was installed with, read by bin/* when the one running them lacks conveyor.
 RECORDED_PYTHON := .conveyor-python
 
-.PHONY: install install-torch serve test test-all test-frontend-notorch bench-smoke clean
+.PHONY: install install-torch serve test test-all test-frontend-notorch bench-smoke gpu-wheels device-venv clean
 
 install-torch:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -49,5 +49,25 @@ test-frontend-notorch:
 bench-smoke: install
 	$(PYTHON) -m pytest -q tests/e2e/test_bench_profile.py tests/bench tests/test_profiling.py
 
+# Every wheel a GPU window needs that the device image lacks (bench/gpu-wheels.txt lists them;
+# the preflight of bench/gpu_checks.sh checks each), for the device's Python 3.12 on x86-64,
+# into .whl/ (git-ignored), the folder the device tool's `carry` names: docs/gpu-first-light.md.
+GPU_WHEELS ?= .whl
+GPU_PLATFORMS := $(foreach n,31 28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 --platform manylinux1_x86_64
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	grep -v '^#' bench/gpu-wheels.txt | awk 'NF {print $$1}' | xargs $(PIP) download -q --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS)
+	@ls $(GPU_WHEELS)
+
+# A CPU venv with the device image's Triton and transformers over this machine's torch, for a
+# manual check before a GPU window (docs/gpu-first-light.md); not part of `make test`: it
+# downloads ~200 MB. numpy<2.4: Triton 3.6's interpreter fails under newer NumPy.
+DEVICE_VENV ?= .venv-device
+device-venv:
+	$(PYTHON) -m venv --system-site-packages $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/pip install -q "triton==3.6.0" "transformers==5.17.0" "numpy<2.4"
+	$(DEVICE_VENV)/bin/pip install -q --no-deps -e .
+
 clean:
-	rm -rf $(NOTORCH_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON)
+	rm -rf $(NOTORCH_VENV) $(DEVICE_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON)

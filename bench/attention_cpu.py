@@ -144,7 +144,7 @@ def bench_model_step(rounds: int, seed: int, batch: int = 256) -> list[str]:
     steps = {}
     for name, backend in (("reference", TorchReferenceAttention()), ("batched", TorchBatchedAttention())):
         model, config = load_model(directory, "cpu", "auto", backend)
-        caches = KVCacheShape.of(config, BLOCK_SIZE, model.embed_tokens.weight.dtype).allocate(num_blocks, "cpu")
+        caches = KVCacheShape.of(config, BLOCK_SIZE, model.dtype).allocate(num_blocks, "cpu")
         for cache in caches:  # as if the prompts and earlier tokens had been computed
             cache.normal_(generator=generator)
         model.bind_kv_cache(caches)

@@ -24,7 +24,8 @@ fused projection) against the whole run.
 On CUDA the deltas are the Triton shrink/expand kernels (:mod:`conveyor.kernels.lora`) and a
 decode step with adapter rows runs eagerly (the captured graphs hold no LoRA), so there the
 ratio also prices the graphs the adapters' steps give up; the time "in adapter deltas" is then
-the host's (launches), not the device's.
+the device's, from CUDA events around each delta (:class:`DeltaTimer`), and each run's clock
+starts and stops on a synchronized device.
 """
 
 from __future__ import annotations
@@ -66,13 +67,60 @@ def write_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) ->
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}))
 
 
+class DeltaTimer:
+    """Seconds spent inside :meth:`LoraStack.add_delta`. On CUDA the device's: a pair of CUDA
+    events around each call, read once the run is over (the host returns from the launches
+    long before the kernels end, so a host clock there would time the launches; a synchronize
+    per call would serialize the steps being measured). Elsewhere the host's, which is the
+    device's there."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self._host = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def wrap(self, add_delta):
+        def timed(stack, x, y):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = add_delta(stack, x, y)
+                end.record()
+                self._events.append((start, end))
+                return out
+            start = time.perf_counter()
+            out = add_delta(stack, x, y)
+            self._host += time.perf_counter() - start
+            return out
+
+        return timed
+
+    def reset(self) -> None:
+        self._host, self._events = 0.0, []
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self._host
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self._events) / 1e3
+
+
+def sync(engine: Engine) -> None:
+    """The device idle before the clock starts and after it stops (the last step's tokens are
+    read back, but the run's timing must not hang on that)."""
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)
+
+
 def run(engine: Engine, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> tuple[float, int]:
+    sync(engine)
     start = time.perf_counter()
     requests = [engine.add_request(token_ids=p, request_id=f"q{i}", max_tokens=max_tokens, temperature=0.0,
                                    ignore_eos=True, lora=lora)
                 for i, (p, lora) in enumerate(zip(prompts, loras))]
     while engine.has_pending_requests():
         engine.step()
+    sync(engine)
     seconds = time.perf_counter() - start
     tokens = sum(len(r.tokens) for r in requests)
     for r in requests:
@@ -113,27 +161,19 @@ def main() -> None:
         engine = Engine(**common, lora_modules={name: str(Path(tmp, name)) for name in names},
                         max_loras=args.adapters, max_lora_rank=args.rank)
     # Time inside the adapters' deltas (every fused projection's gather/shrink/expand/scatter).
-    delta_seconds = [0.0]
-    add_delta = lora_delta.LoraStack.add_delta
-
-    def timed(self, x, y):
-        start = time.perf_counter()
-        out = add_delta(self, x, y)
-        delta_seconds[0] += time.perf_counter() - start
-        return out
-
-    lora_delta.LoraStack.add_delta = timed
+    deltas = DeltaTimer(args.device)
+    lora_delta.LoraStack.add_delta = deltas.wrap(lora_delta.LoraStack.add_delta)
     runs = {"plain": (plain, [None] * args.requests), "base": (engine, [None] * args.requests),
             "adapters": (engine, [names[i % args.adapters] for i in range(args.requests)])}
     run(plain, fresh_prompts()[:2], [None, None], 2)  # warm-up
     results: dict[str, dict] = {}
     for _ in range(args.repeats):  # interleaved, so drift in the machine's load hits all three alike
         for label, (which, loras) in runs.items():
-            delta_seconds[0] = 0.0
+            deltas.reset()
             seconds, tokens = run(which, fresh_prompts(), loras, args.max_tokens)
             if label not in results or seconds < results[label]["seconds"]:
                 results[label] = {"seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 1),
-                                  "lora_delta_seconds": round(delta_seconds[0], 3)}
+                                  "lora_delta_seconds": round(deltas.seconds(), 3)}
             print(label, results[label], flush=True)
     ratio = results["adapters"]["tok_s"] / results["base"]["tok_s"]
     summary = {"model": "demo (hidden 256, 4 layers, intermediate 688)", "device": args.device, "dtype": args.dtype,

@@ -14,6 +14,8 @@ continuation (tests/test_checkpoints.py proves it for the serving checkpoint).
 - :func:`serving_checkpoint` builds the one Llama every serving-level test runs (bin/serve,
   the engine, HTTP, reliability, soak, tensor parallel, bin/bench): the demo tokenizer beside
   it, so text prompts work.
+- :func:`gemma3_serving_checkpoint` builds a Gemma 3 of the serving checkpoint's vocabulary,
+  with the demo tokenizer: the engine's Gemma 3 tests.
 - :func:`draft_checkpoint` builds a smaller Llama of the serving checkpoint's vocabulary (a
   speculative-decoding draft that disagrees with it).
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 MATRIX_STD = 0.15
 
@@ -41,10 +43,26 @@ SMALL = dict(
     max_position_embeddings=128,
 )
 
-# name -> (config class, architecture, overrides of SMALL)
+#: Gemma 3: local layers of window 6 around a global one (the tests' prompts cross the window),
+#: each kind with its own rope (the global one linearly scaled), a query scalar that is not
+#: head_dim, capped final logits, untied: every Gemma 3 difference changes the outputs.
+GEMMA3: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "sliding_window": 6,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "query_pre_attn_scalar": 24,
+    "final_logit_softcapping": 4.0,
+    "tie_word_embeddings": False,
+}
+
+# name -> (config class, architecture, overrides of SMALL); a family's seed is its index here.
 CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM", {}),
-    "llama_mha_bias": (LlamaConfig, "LlamaForCausalLM", {"num_key_value_heads": 4, "attention_bias": True}),
     "llama3_rope": (
         LlamaConfig,
         "LlamaForCausalLM",
@@ -59,12 +77,19 @@ CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
             }
         },
     ),
+    "llama_mha_bias": (LlamaConfig, "LlamaForCausalLM", {"num_key_value_heads": 4, "attention_bias": True}),
     "mistral_window": (MistralConfig, "MistralForCausalLM", {"sliding_window": 8}),
     "qwen2_tied": (Qwen2Config, "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 1}),
+    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM", GEMMA3),
+    # Tied embeddings, uncapped logits, the sliding layers' rope base from the default.
+    "gemma3_tied": (Gemma3TextConfig, "Gemma3ForCausalLM", {
+        **GEMMA3, "tie_word_embeddings": True, "final_logit_softcapping": None,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500.0}},
+    }),
 }
 
-# The serving checkpoint's seed for :func:`randomize` (the families take 0..5).
+# The serving checkpoint's seed for :func:`randomize` (the families take their index in CHECKPOINTS).
 SERVING_SEED = 100
 
 
@@ -93,7 +118,7 @@ def make_checkpoint(name: str, directory: Path) -> torch.nn.Module:
     """Save family ``name`` of :data:`CHECKPOINTS` into ``directory``; return the HF model."""
     config_class, architecture, overrides = CHECKPOINTS[name]
     config = config_class(**{**SMALL, **overrides, "architectures": [architecture]}, attn_implementation="eager")
-    return build(config, directory, seed=sorted(CHECKPOINTS).index(name))
+    return build(config, directory, seed=list(CHECKPOINTS).index(name))
 
 
 def draft_checkpoint(directory: Path, serving: Path, **overrides: Any) -> Path:
@@ -109,15 +134,32 @@ def draft_checkpoint(directory: Path, serving: Path, **overrides: Any) -> Path:
     return directory
 
 
-def serving_checkpoint(directory: Path) -> Path:
-    """Save the serving tests' Llama, with the demo tokenizer, into ``directory``: 2 layers,
-    4 query and 2 KV heads of 16, 256 positions, untied embeddings."""
+def _demo_tokenizer(directory: Path) -> Any:
+    """Copy the demo tokenizer into ``directory``; return it."""
     from conveyor.checkpoints.demo import checkpoint as demo
     from conveyor.frontend.tokenizer import Tokenizer
 
     for name in demo.TOKENIZER_FILES:
         shutil.copy(demo.TOKENIZER_DIR / name, directory / name)
-    tok = Tokenizer.from_dir(directory)
+    return Tokenizer.from_dir(directory)
+
+
+def gemma3_serving_checkpoint(directory: Path) -> Path:
+    """Save :data:`GEMMA3` (window 6) with the demo tokenizer into ``directory``: 256 positions."""
+    tok = _demo_tokenizer(directory)
+    sizes = {**SMALL, **GEMMA3, "max_position_embeddings": 256, "vocab_size": tok.vocab_size}
+    config = Gemma3TextConfig(
+        **sizes, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0,
+        architectures=["Gemma3ForCausalLM"],
+    )  # fmt: skip
+    build(config, directory, SERVING_SEED + 2)
+    return directory
+
+
+def serving_checkpoint(directory: Path) -> Path:
+    """Save the serving tests' Llama, with the demo tokenizer, into ``directory``: 2 layers,
+    4 query and 2 KV heads of 16, 256 positions, untied embeddings."""
+    tok = _demo_tokenizer(directory)
     config = LlamaConfig(
         **{**SMALL, "intermediate_size": 128, "max_position_embeddings": 256, "vocab_size": tok.vocab_size},
         bos_token_id=tok.bos_token_id,

@@ -142,3 +142,22 @@ def test_logprobs_fraction_marks_an_even_spread_of_requests() -> None:
     assert half.describe()["params"]["logprobs_fraction"] == 0.5 and half.describe()["params"]["logprobs"] == 3
     with pytest.raises(ValueError):
         with_logprobs(base, 1.5, 3)
+
+
+def test_retokenized_keeps_the_shapes_and_sampling_with_fresh_tokens():
+    """A warm-up or a second timed run (bin/bench --warmup workload, --timed-runs): the same
+    prompt lengths and sampling fields, tokens that share no first block with the original
+    (no prefix-cache hit), outputs capped when asked."""
+    from conveyor_tools.bench.workloads import retokenized
+
+    base = with_controls(make_workload("high-variance", 12, seed=3, vocab_size=VOCAB, max_model_len=2048), 0.5)
+    again = retokenized(base, 4, VOCAB)
+    capped = retokenized(base, 4, VOCAB, max_output_len=16)
+    assert [r.prompt_len for r in again.requests] == [r.prompt_len for r in base.requests]
+    assert [r.output_len for r in again.requests] == [r.output_len for r in base.requests]
+    assert [r.sampling for r in again.requests] == [r.sampling for r in base.requests]
+    assert [r.output_len for r in capped.requests] == [min(16, r.output_len) for r in base.requests]
+    assert [r.prompt_ids for r in capped.requests] == [r.prompt_ids for r in again.requests]  # the seed decides
+    firsts = {tuple(r.prompt_ids[:16]) for r in base.requests}
+    assert not firsts & {tuple(r.prompt_ids[:16]) for r in again.requests}
+    assert all(10 <= t < VOCAB for r in again.requests for t in r.prompt_ids)

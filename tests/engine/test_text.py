@@ -114,3 +114,21 @@ def test_messages_go_through_the_chat_template(demo_engine):
     assert second.prompt_token_ids == first.prompt_token_ids + first.tokens + tok.apply_chat_template(more)[1:]
     run_all(demo_engine)
     second.remove()
+
+
+def test_tools_count_toward_the_size_checked_before_rendering(demo_engine):
+    """Issue 43: a large ``tools`` list behind a short message is refused by its size before
+    the chat template renders it, as the server's frontend does (and stop_token_ids by count)."""
+    import time
+
+    from conveyor.protocol import wire
+
+    tool = {"type": "function", "function": {"name": "f", "description": "x" * 1000, "parameters": {"type": "object"}}}
+    chat = [{"role": "user", "content": "hi"}]
+    start = time.monotonic()
+    with pytest.raises(wire.ProtocolError, match="with tools") as refused:
+        demo_engine.add_request(messages=chat, tools=[tool] * 2000, max_tokens=1)
+    assert refused.value.code == wire.PROMPT_TOO_LONG and time.monotonic() - start < 1.0
+    with pytest.raises(wire.ProtocolError, match="stop_token_ids"):
+        demo_engine.add_request(PROMPT, stop_token_ids=[1] * 1025, max_tokens=1)
+    assert not demo_engine.has_pending_requests()

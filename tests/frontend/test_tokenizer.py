@@ -91,6 +91,8 @@ CONVERSATIONS = [
     [{"role": "user", "content": "special text in content: <|im_end|> <s> <|eot_id|>"}],
     [{"role": "user", "content": "tool calls are dropped when None", "tool_calls": None}],
 ]
+# transformers encodes the special-token text of this one as control tokens; Conveyor as text.
+SPECIAL_TEXT = 3
 SYSTEM = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 
 
@@ -103,6 +105,12 @@ def test_chat_template_matches_transformers(name, conversation, add_generation_p
     assert text == hf[name].apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     ids = ours[name].apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     expected = hf[name].apply_chat_template(messages, add_generation_prompt=add_generation_prompt, return_dict=False)
+    if conversation == SPECIAL_TEXT:  # by design (issue 43; test_template_injection.py): the message's special-token text stays text
+        control = ours[name].skipped_ids
+        assert len([i for i in ids if i in control]) < len([i for i in expected if i in control])
+        if name not in ("spm", "spm_legacy"):  # (sentencepiece: a space may start the text after such a span)
+            assert ours[name].decode(ids, skip_special_tokens=False) == text
+        return
     assert ids == list(expected)
 
 

@@ -151,6 +151,30 @@ def test_exposed_addresses_warn_once(tmp_path, keys, capsys) -> None:
         assert err.count("WARNING") == warnings, (args, err)
 
 
+def test_one_face_keyed_and_the_other_open_refuses_to_start(tmp_path, keys) -> None:
+    """One auth story across faces (issue 43): a key on one face and the other reachable from
+    other hosts without one is a start-up error naming both; loopback faces stay allowed."""
+    refused = [
+        (["--host", "0.0.0.0", "--http-port", "0", "--api-key", "k"], "--api-key keys the HTTP API"),
+        (["--host", "127.0.0.1", "--auth-keys", keys["dir"], "--http-port", "0", "--http-host", "0.0.0.0"], "--auth-keys keys the ZeroMQ socket"),
+    ]
+    allowed = [
+        ["--host", "127.0.0.1", "--http-port", "0", "--api-key", "k"],
+        ["--host", "0.0.0.0", "--auth-keys", keys["dir"], "--http-port", "0", "--http-host", "0.0.0.0", "--api-key", "k"],
+        ["--host", "0.0.0.0", "--auth-keys", keys["dir"], "--http-port", "0"],
+        ["--host", "0.0.0.0", "--http-port", "0", "--http-host", "0.0.0.0"],  # nothing keyed: the warnings say it
+    ]
+    for i, (args, message) in enumerate(refused):
+        run_dir = tmp_path / f"refused{i}"
+        run_dir.mkdir()
+        with pytest.raises(ValueError, match=message):
+            server_config(build_parser().parse_args(args), str(run_dir))
+    for i, args in enumerate(allowed):
+        run_dir = tmp_path / f"allowed{i}"
+        run_dir.mkdir()
+        server_config(build_parser().parse_args(args), str(run_dir))
+
+
 def test_bin_serve_with_auth_keys(serve_factory, tiny_checkpoint, keys) -> None:
     """The flag end to end: an allowed key generates, no key is refused, and the HTTP process
     (a client of the frontend) gets in with the server's own key pair."""

@@ -135,7 +135,7 @@ def field_problem(obj: dict) -> bool:
         "seed": lambda v: is_int(v) and -(2**63) <= v < 2**64,  # any 64-bit integer, signed or not
         "priority": lambda v: is_int(v) and -(2**31) + 1 <= v <= 2**31 - 1,
         "stop": lambda v: is_str(v, 256) or (type(v) is list and len(v) <= 16 and all(is_str(s, 256) for s in v)),
-        "stop_token_ids": lambda v: type(v) is list and all(is_int(t) and t >= 0 for t in v),
+        "stop_token_ids": lambda v: type(v) is list and len(v) <= 1024 and all(is_int(t) and t >= 0 for t in v),
         "prompt": lambda v: type(v) is str,
         "messages": lambda v: type(v) is list and len(v) > 0 and all(
             type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str for m in v
@@ -189,7 +189,7 @@ def expect(frames: list[bytes], model: Model, undecodable_rid: str | None) -> Re
     if len(frames) != 1 or not frames[0]:
         return Refusal(frozenset({wire.BAD_FRAMES}), False, undecodable_rid)
     try:  # msgpack with the documented decode limits; map keys are strings (or bin)
-        obj = msgpack.unpackb(frames[0], raw=False, strict_map_key=True, max_array_len=1 << 20, max_map_len=256,
+        obj = msgpack.unpackb(frames[0], raw=False, strict_map_key=True, max_array_len=1 << 20, max_map_len=16384,
                               max_ext_len=64)
     except Exception:
         return Refusal(frozenset({wire.MALFORMED, wire.TOO_LARGE}), False, undecodable_rid)
@@ -312,7 +312,7 @@ EDGES = {
     "prompt_logprobs": [-1, 0, MAX_LOGPROBS, MAX_LOGPROBS + 1, 1.0, False],
     "seed": [-(2**63), -1, 0, 2**63, 2**64 - 1, 1.0],  # msgpack holds no integer beyond these
     "priority": [-(2**31), -(2**31) + 1, 2**31 - 1, 2**31, 0.5],
-    "stop_token_ids": [[-1], [0], [2**31], [1.0], []],
+    "stop_token_ids": [[-1], [0], [2**31], [1.0], [], [0] * 1024, [0] * 1025],
     "stop": ["", [""], ["x"] * 16, ["x"] * 17, "y" * 256, "y" * 257, []],
     "token_ids": [[], [-1], [0], [2**40], [True]],
     "v": [0, 1, 2, True, 1.0, None],

@@ -9,17 +9,20 @@ per-head norm shape) through chunked prefill, batching and preemption.
 
 from __future__ import annotations
 
+import pytest
+
 from conveyor.kernels import layer_ops
 from conveyor.worker.model_runner import ModelRunner
 from conveyor.runtime.config import RunnerConfig
 from tests.worker.test_generation import hf_greedy, prompts
 
 
-def test_fused_triton_layers_match_transformers(checkpoint_factory, scripted, script, monkeypatch):
-    """Qwen3: the one variant that uses every fused kernel, q/k norm included."""
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_fused_triton_layers_match_transformers(name, checkpoint_factory, scripted, script, monkeypatch):
+    """Qwen3: the Llama variant that uses every fused kernel, q/k norm included; Gemma 3: the
+    same kernels with its (1 + w) norms, norms without a residual (post-norms) and GeGLU."""
     forced: list[bool] = []
     monkeypatch.setattr(layer_ops, "_use_triton", lambda x: forced.append(True) or True)
-    name = "qwen3"
     directory, hf_model = checkpoint_factory(name)
     runner = ModelRunner(RunnerConfig(directory, block_size=4, num_blocks=64, attention="triton"))
     p = prompts(runner.model_config.vocab_size, [1, 11, 6])

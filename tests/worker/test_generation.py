@@ -47,7 +47,7 @@ def test_greedy_matches_transformers(checkpoint, scripted, script):
 def test_triton_backend_greedy_matches_transformers(checkpoint_factory, scripted, script):
     """The same scheduler-like script through the Triton kernels (interpreted on CPU, compiled
     on a GPU): decode steps take the split-K decode kernel, the rest the extend kernel."""
-    for name in ("llama", "qwen3", "mistral_window"):
+    for name in ("llama", "qwen3", "mistral_window", "gemma3"):
         directory, hf_model = checkpoint_factory(name)
         runner = ModelRunner(RunnerConfig(directory, block_size=BLOCK_SIZE, num_blocks=64, attention="triton"))
         assert type(runner.model.layers[0].self_attn.backend).__name__ == "TritonPagedAttention"

@@ -73,7 +73,7 @@ def test_sharded_checkpoint_loads_the_same_weights(checkpoint_factory, tmp_path)
 
 def test_loads_into_requested_dtype(llama_dir):
     model, config = load_model(llama_dir, "cpu", "bfloat16")
-    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.dtype == torch.bfloat16
     assert resolve_dtype("auto", "cpu", config) == torch.float32
     assert resolve_dtype("auto", "cuda", config) == torch.float32  # the checkpoint was saved in float32
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):

@@ -47,7 +47,7 @@ def adapters_of(tmp_path_factory, checkpoint_factory):
     return make
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "gemma3"])
 def test_adapters_and_base_in_one_batch_match_peft(family, adapters_of, scripted, script):
     directory, hf, adapters = adapters_of(family)
     runner = ModelRunner(

@@ -23,7 +23,7 @@ def forward_logits(model, block_size, query_lens, context_lens, tables, tokens) 
 def test_prefill_logits_match_transformers(checkpoint):
     name, directory, hf_model = checkpoint
     model, config = load_model(directory, "cpu", "auto")
-    assert model.embed_tokens.weight.dtype == torch.float32
+    assert model.dtype == torch.float32
     model.bind_kv_cache(KVCacheShape.of(config, BLOCK_SIZE, torch.float32).allocate(16, "cpu"))
     generator = torch.Generator().manual_seed(1)
     long_prompt = torch.randint(0, config.vocab_size, (14,), generator=generator).tolist()

@@ -112,5 +112,47 @@ def test_saved_checkpoints_parse(checkpoint):
     hf = hf_model.config
     assert config.head_dim == getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads)
     assert config.tie_word_embeddings == hf.tie_word_embeddings
-    assert config.sliding_window == (8 if name == "mistral_window" else None)
-    assert (config.rope_scaling or {}).get("rope_type") == ("llama3" if name == "llama3_rope" else None)
+    assert config.sliding_window == {"mistral_window": 8, "gemma3": 6, "gemma3_tied": 6}.get(name)
+    assert list(config.layer_types) == list(getattr(hf, "layer_types", None) or config.layer_types)
+    assert (config.rope_scaling or {}).get("rope_type") == {"llama3_rope": "llama3", "gemma3": "linear"}.get(name)
+    assert config.local_rope_theta == (10000.0 if name.startswith("gemma3") else None)
+
+
+GEMMA3 = {**BASE, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 7,
+          "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 512}  # fmt: skip
+
+
+def test_gemma3_configs_of_both_generations():
+    """transformers v5 writes rope_parameters per layer type; older configs rope_theta,
+    rope_local_base_freq and a rope_scaling of the global layers. Without layer_types every
+    sliding_window_pattern-th layer is global (default 6)."""
+    old = parse({**GEMMA3, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    new = parse({**GEMMA3, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }})  # fmt: skip
+    assert old == new and old.qk_norm and old.hidden_act == "gelu_pytorch_tanh"
+    assert old.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    assert old.layer_rope(0) == (1e4, None) and old.layer_rope(5) == (1e6, {"rope_type": "linear", "factor": 8.0})
+    assert [old.layer_sliding_window(i) for i in (4, 5)] == [512, None]
+    assert parse({**GEMMA3, "sliding_window_pattern": 2}).layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
+    assert old.hf_config["hidden_activation"] == "gelu_pytorch_tanh"
+    assert old.tie_word_embeddings and not parse({**GEMMA3, "tie_word_embeddings": False}).tie_word_embeddings
+    llama = parse({})
+    assert llama.layer_rope(0) == (10000.0, None) and llama.local_rope_theta is None
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({**GEMMA3, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        ({**GEMMA3, "hidden_activation": "gelu"}, "unsupported hidden_act 'gelu': Gemma3ForCausalLM is implemented with gelu_pytorch_tanh"),
+        ({"hidden_act": "gelu_pytorch_tanh"}, "unsupported hidden_act 'gelu_pytorch_tanh': LlamaForCausalLM is implemented with silu"),
+        ({**GEMMA3, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({**GEMMA3, "sliding_window": None}, "sliding_window is not set"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "supported: .*Gemma3ForCausalLM"),
+    ],
+)
+def test_gemma3_rejects(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        parse(overrides)

@@ -81,10 +81,10 @@ def test_float32_allows_no_tie() -> None:
         assert_greedy_agrees(ours, REFERENCE, _logits(REFERENCE, ties={5: 30}), torch.float32, min_compared=1)
 
 
-def test_cpu_bf16_greedy_agrees_with_transformers(checkpoint_factory, scripted, script) -> None:
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_cpu_bf16_greedy_agrees_with_transformers(name, checkpoint_factory, scripted, script) -> None:
     """The CPU worker in bf16 (the torch path of every fused op) against HF in bf16, on Qwen3
-    (every fused op, q/k norm included)."""
-    name = "qwen3"
+    (every fused op, q/k norm included) and Gemma 3 (its (1 + w) norms rounded to bf16 once)."""
     directory, hf_fp32 = checkpoint_factory(name)
     hf = type(hf_fp32).from_pretrained(directory, dtype=torch.bfloat16).eval()
     hf.generation_config.eos_token_id = None

@@ -51,14 +51,14 @@ from tests.worker.conftest import Script, ScriptedScheduler
 from tests.worker.test_generation import hf_greedy, prompts
 
 BLOCK_SIZE = 4
-TP_CHECKPOINTS = ("llama", "llama_mha_bias", "qwen2_tied", "qwen3")
+TP_CHECKPOINTS = ("llama", "llama_mha_bias", "qwen2_tied", "qwen3", "gemma3")
 
 
 # ---------------------------------------------------------------- shards, in this process
 
 
 @pytest.mark.parametrize(
-    "name, size", [("llama", 2), ("llama", 4), ("llama_mha_bias", 4), ("qwen2_tied", 2), ("qwen3", 2)]
+    "name, size", [("llama", 2), ("llama", 4), ("llama_mha_bias", 4), ("qwen2_tied", 2), ("qwen3", 2), ("gemma3", 2)]
 )
 def test_each_rank_loads_exactly_its_slice(name, size, checkpoint_factory):
     directory, _ = checkpoint_factory(name)

@@ -55,7 +55,7 @@ from conveyor.ipc.transport import ClusterKey
 from conveyor.assembly import node_link
 from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
 from conveyor.runtime.model_source import StartupError
-from conveyor.runtime.process import SHUTDOWN_GRACE_S, terminate
+from conveyor.runtime.process import HANG_EXIT_CODE, SHUTDOWN_GRACE_S, terminate
 from conveyor.scheduler.main import run_scheduler
 from conveyor.worker.main import run_worker
 
@@ -202,14 +202,14 @@ class Server:
                 replica = replica_of_process(name)
                 if replica is not None and self._serves_on_without(replica):
                     print(
-                        f"conveyor: {name} process died (exit code {code}); stopping replica {replica}, serving on the others",
+                        f"conveyor: {_death(name, code)}; stopping replica {replica}, serving on the others",
                         file=sys.stderr,
                         flush=True,
                     )
-                    for gone in self.stop_replica(replica, name, f"{name} process died (exit code {code})"):
+                    for gone in self.stop_replica(replica, name, _death(name, code)):
                         sentinels.pop(self.procs[gone].sentinel, None)
                     continue
-                reason = f"{name} process died (exit code {code})"
+                reason = _death(name, code)
                 if self.config.nnodes > 1 and name.startswith("worker"):
                     # A collective with a dead node, or a lost plan socket: the link names the node.
                     lost = self._node_lost_within(LOST_NODE_GRACE_S)
@@ -289,6 +289,15 @@ class Server:
         for index in range(self.config.data_parallel_size if self.config.node_rank == 0 else 0):
             step_channel.remove_rings(self.config.replica(index).channels)
         shutil.rmtree(self.config.run_dir, ignore_errors=True)
+
+
+def _death(name: str, code: int | None) -> str:
+    """Why child ``name`` ended with exit status ``code``, for bin/serve and the clients."""
+    if name.startswith("scheduler") and code == HANG_EXIT_CODE:
+        return f"{name} process stopped: its worker hung (no step result within --hang-timeout; --on-hang exit)"
+    if name == "frontend" and code == HANG_EXIT_CODE:
+        return "frontend process stopped: a scheduler hung (no answer within --hang-timeout; --on-hang exit)"
+    return f"{name} process died (exit code {code})"
 
 
 _STOP_SIGNAL: list[int] = []

@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's max_position_embeddings)")
     _choice(p, "--batching", SchedulerConfig.batching, "static: run each batch to completion before forming the next (a baseline for benchmarks)")
     add_scheduling_arguments(p)
+    p.add_argument(
+        "--hang-timeout", type=float, default=SchedulerProcessConfig.hang_timeout,
+        help="seconds a worker may take over one step with work queued before it counts as hung (0: no bound; docs/reliability.md)",
+    )
+    p.add_argument(
+        "--on-hang", choices=("exit", "wait"), default=SchedulerProcessConfig.on_hang,
+        help="a hung worker: exit stops the server (exit code 1); wait fails the requests, /health 503 and new requests refused until it steps again",
+    )
     _switch(p, "--overlap", SchedulerProcessConfig.overlap, "form step N+1's plan while the worker runs step N (--no-overlap: one plan at a time, for comparison)")
     _choice(p, "--plan-transport", PlanTransport.SHM, "scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)")
     _count(p, "--tensor-parallel-size", WorkerConfig.tensor_parallel_size, "worker processes the model is split across (rank r on cuda:r; on CPU, processes on gloo)")
@@ -196,6 +204,11 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
     g.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
+    g.add_argument("--http-header-timeout", type=float, default=HttpConfig.http_header_timeout,
+                   help="seconds a connection may take to send a request's headers, from opening or its last response (also the idle keep-alive limit)")
+    g.add_argument("--http-body-timeout", type=float, default=HttpConfig.http_body_timeout, help="seconds a request's body may take once its headers are in (408 past it)")
+    g.add_argument("--http-max-connections", type=int, default=HttpConfig.http_max_connections,
+                   help="open connections per HTTP listener (fewer if the file descriptor limit is lower); a new one past it gets 503")
 
 
 def _port(text: str) -> int:

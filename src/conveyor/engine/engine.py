@@ -64,7 +64,7 @@ from conveyor.engine.ranks import RankGroup, RanksFailed
 from conveyor.engine.request import Request
 from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.inputs import context_ids, encode_input
+from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
 from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
@@ -73,8 +73,7 @@ from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.ipc.messages import (
     AddRequest, CommitLora, FinishReason, LoadLora, RequestOutput, StepPlan, StepResult, UnloadLora, sequence_id, speculation_rates,
 )
-from conveyor.protocol import sampling_fields, wire
-from conveyor.protocol import requests as client_requests
+from conveyor.protocol import requests as client_requests, sampling_fields, wire
 from conveyor.assembly.build import batcher_config, settings_view, worker_settings
 from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
@@ -220,6 +219,7 @@ class Engine:
             raise wire.ProtocolError(f"request id {rid!r} is already in flight", rid)
         self._constraints.compile(req)  # a bad constraint is refused before anything is queued
         history = self._sessions.context(rid)
+        check_input_chars(req, input_chars(req), len(history or ()), self.max_model_len, self.tokenizer.max_chars_per_token)  # before tokenizing
         prompt_ids = context_ids(
             req,
             history,

@@ -50,24 +50,34 @@ def encode_input(tokenizer: Tokenizer, req: client_requests.GenerateRequest, con
 
 
 def input_chars(req: client_requests.GenerateRequest) -> int:
-    """Characters to tokenize: the prompt, or every string in the messages (0 for token ids)."""
+    """Characters to tokenize: the prompt, or every string the chat template is given: the
+    messages' strings, the ``tools`` (keys too: templates write them as JSON) and the
+    ``chat_template_kwargs`` (0 for token ids). At any depth: the size check that reads this
+    bounds the rendering and tokenizing of everything a template sees, not only the turns'
+    text (a 5 MB tool list behind one short message was rendered whole on the loop)."""
     if req.prompt is not None:
         return len(req.prompt)
-    return _text_len(req.messages) if req.messages is not None else 0
-
-
-def _text_len(value, depth: int = 4) -> int:
-    """Total length of the strings in ``value`` down to ``depth`` levels (messages, their
-    fields, parts of a content list, ...): an estimate, deep enough for any chat template."""
-    if isinstance(value, str):
-        return len(value)
-    if depth == 0:
+    if req.messages is None:
         return 0
-    if isinstance(value, dict):
-        return sum(_text_len(v, depth - 1) for v in value.values())
-    if isinstance(value, list):
-        return sum(_text_len(v, depth - 1) for v in value)
-    return 0
+    return _text_len(req.messages, False) + _text_len(req.tools, True) + _text_len(req.chat_template_kwargs, True)
+
+
+def _text_len(value, keys: bool) -> int:
+    """Total length of the strings in ``value`` at any depth (``keys``: map keys too).
+    Iterative, so no nesting the decoder allows can exhaust the stack; linear in the items."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            if keys:
+                total += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def check_input_chars(
@@ -82,7 +92,7 @@ def check_input_chars(
     limit = max(0, max_model_len - history_len) * max_chars_per_token
     if chars > limit:
         raise wire.ProtocolError(
-            f"{'messages' if req.messages is not None else 'prompt'} of {chars} characters cannot fit the model length {max_model_len}"
+            f"{'messages (with tools)' if req.messages is not None else 'prompt'} of {chars} characters cannot fit the model length {max_model_len}"
             + (f" after {history_len} tokens of earlier turns" if history_len else "")
             + f": at most {limit} characters ({max_chars_per_token} per token at most for this tokenizer)",
             req.request_id,

@@ -106,6 +106,9 @@ class ClientIntake:
                 req.request_id,
                 wire.DUPLICATE_REQUEST_ID,
             )
+        hung = self.watch.refusal()
+        if hung is not None:
+            raise wire.ProtocolError(hung, req.request_id, wire.SERVER_ERROR)
         logprobs_problem = sampling_fields.logprobs_problem(req.sampling, self.config.max_logprobs)
         if logprobs_problem is not None:
             raise wire.ProtocolError(logprobs_problem, req.request_id)

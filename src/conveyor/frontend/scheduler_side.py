@@ -32,9 +32,11 @@ import zmq.asyncio
 
 from conveyor import profiling
 from conveyor.frontend.replicas import Gather, merge_stats, replica_profiles, replica_stats
-from conveyor.ipc import codec
+from conveyor.frontend.liveness import WATCH_INTERVAL_S
+from conveyor.ipc import codec, transport
 from conveyor.ipc.messages import (
     LORA_ALREADY_LOADED,
+    AbortRequests,
     LORA_NOT_FOUND,
     FinishReason,
     LoadLora,
@@ -50,6 +52,7 @@ from conveyor.ipc.messages import (
 from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
 from conveyor.runtime.config import replica_of_process
+from conveyor.runtime.process import HANG_EXIT_CODE
 
 log = logging.getLogger("conveyor.frontend")
 
@@ -88,6 +91,8 @@ class SchedulerSide:
         in order. Consecutive TokenOutputs are handled as one: a frontend that fell behind sends
         each stream one delta for all its new tokens instead of one per step, so its cost per
         step drops and it catches up."""
+        if self.watch.heard(replica):
+            self._scheduler_answers(replica)
         batch: list[TokenOutputs] = []
         for _ in range(SCHEDULER_DRAIN_LIMIT):
             try:
@@ -291,6 +296,43 @@ class SchedulerSide:
             waiting.discard(replica)
             if not waiting:
                 del self._lora_owed[query_id]
+
+    async def _watch_schedulers(self) -> None:
+        """Every WATCH_INTERVAL_S: a replica's scheduler silent past --hang-timeout while it owes
+        requests is hung (conveyor.frontend.liveness)."""
+        while self._running:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for replica, silent in self.watch.check():
+                await self._on_scheduler_hung(replica, silent)
+
+    async def _on_scheduler_hung(self, replica: int, silent: float) -> None:
+        """Fail what replica ``replica`` owes; stop the server (``exit``: the frontend's own
+        shutdown, then exit status HANG_EXIT_CODE, which bin/serve reports) or route nothing
+        there until it answers (``wait``; it is told to abort what was failed)."""
+        error = self.watch.error(replica, silent)
+        log.error("%s", error)
+        if self.watch.exit:  # through the frontend's own shutdown: its loop wakes on the control line
+            self._exit_code = HANG_EXIT_CODE
+            own = transport.socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH, self.config.addresses.frontend_control, bind=False)
+            own.setsockopt(zmq.LINGER, 1000)
+            transport.send(own, Shutdown(error))
+            own.close()
+            return
+        held = self.replicas.fail(replica, error)
+        for scheduler_id in held:
+            state = self.requests.get(scheduler_id)
+            if state is not None:
+                self._untrack(state)
+                self.output.finish(state, FinishReason.ERROR, error=error)
+        if held:
+            self.replicas.replicas[replica].link.send(AbortRequests(held))  # read once it runs again
+
+    def _scheduler_answers(self, replica: int) -> None:
+        """A hung replica's scheduler answered again: route to it again (``wait``)."""
+        state = self.replicas.replicas[replica]
+        if not state.alive and state.death is not None and state.death.startswith("scheduler hung"):
+            state.alive, state.death = True, None
+            log.warning("replica %d's scheduler answers again: routing requests to it", replica)
 
     async def fail_all(self, reason: str) -> None:
         """Give every in-flight request an error, and every query still waiting for the

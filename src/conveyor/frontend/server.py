@@ -153,6 +153,7 @@ from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import transport
+from conveyor.frontend.liveness import SchedulerWatch
 from conveyor.ipc.messages import ProcessProfile, SchedulerStats
 from conveyor.protocol import limits
 from conveyor.protocol import requests as client_requests
@@ -232,12 +233,15 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
             max_message_bytes=limits.MAX_CLIENT_MESSAGE_BYTES,
             auth_keys=config.auth_keys,
             send_queue=config.client_send_queue,
+            internal=addrs.internal_client,
             monitor=monitor_addr,
             monitor_events=zmq.EVENT_DISCONNECTED,
         )
         # One scheduler link per data-parallel replica (conveyor.frontend.replicas).
         self.links = [SchedulerLink(self.ctx, addrs.replica(i)) for i in range(config.data_parallel_size)]
         self.replicas = ReplicaSet(self.links, config.max_sessions)
+        self.watch = SchedulerWatch(config.hang_timeout, config.on_hang, self.replicas)
+        self._exit_code = 0  # set when the frontend stops the server itself (a hung scheduler)
         self.control = transport.socket(self.ctx, zmq.PULL, addrs.frontend_control, bind=True)
 
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
@@ -274,6 +278,8 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
     async def run(self) -> None:
         if self.profiler.enabled:  # ends with the loop (it checks _running; the runner cancels it)
             self._lag_probe = asyncio.ensure_future(self._probe_loop_lag())
+        if self.watch.timeout:  # ends with the loop, as the probe
+            self._watchdog = asyncio.ensure_future(self._watch_schedulers())
         poller = zmq.asyncio.Poller()
         for sock in (self.monitor, self.control, self.clients, *(link.from_scheduler for link in self.links)):
             poller.register(sock, zmq.POLLIN)
@@ -288,6 +294,8 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
             for index, link in enumerate(self.links):
                 if link.from_scheduler in ready and self._running:
                     await self._drain_scheduler(index, link.from_scheduler)
+        if self._exit_code:
+            raise SystemExit(self._exit_code)
 
     async def _drain(self, sock: zmq.asyncio.Socket, handler, *, multipart: bool = False, limit: int = 1024) -> None:
         for _ in range(limit):

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
 from conveyor.frontend import chat_template
+from conveyor.frontend.template_literals import literal_spans
 from conveyor.frontend.tokenizer_files import (
     add_missing_tokens,
     chat_templates,
@@ -130,6 +131,11 @@ class Tokenizer:
         ids = (backend.token_to_id(t) for t in dict.fromkeys(names))
         self._all_special_ids = [i for i in ids if i is not None]
         self._skipped_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        # Control-token texts, longest first, and a copy of the backend that encodes them as text
+        # (made on first need): conveyor.frontend.template_literals.
+        specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content}
+        self._special_texts = tuple(sorted(specials, key=len, reverse=True))
+        self._literal_backend: BackendTokenizer | None = None
         model = backend.model
         byte_fallback = isinstance(model, models.BPE) and model.byte_fallback
         vocab = backend.get_vocab(with_added_tokens=False) if byte_fallback else {}
@@ -431,12 +437,30 @@ class Tokenizer:
         variables: Mapping[str, Any] | None = None,
         release_gil: bool = False,
     ) -> list[int]:
-        """Token ids of :meth:`render_chat`'s text; no special tokens beyond those the template writes.
+        """Token ids of :meth:`render_chat`'s text; no special tokens beyond those the template
+        writes: special-token text inside the messages is encoded as text
+        (:mod:`conveyor.frontend.template_literals`; ValueError where the template changes such a message).
 
         ``release_gil`` as in :meth:`encode` (the template itself renders in Python, holding it).
         """
         text = self.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message, variables=variables)
-        return self.encode(text, add_special_tokens=False, release_gil=release_gil)
+        spans = literal_spans(text, messages, self._special_texts)
+        if not spans:
+            return self.encode(text, add_special_tokens=False, release_gil=release_gil)
+        if self._literal_backend is None:  # (two threads may both make one: either serves)
+            literal = BackendTokenizer.from_str(self._backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal_backend = literal
+        ids: list[int] = []
+        pos = 0
+        for start, end in spans:  # the template's text as before, special-token text in messages as text
+            if start > pos:
+                ids += self.encode(text[pos:start], add_special_tokens=False, release_gil=release_gil)
+            ids += self._literal_backend.encode(text[start:end], add_special_tokens=False).ids
+            pos = end
+        if pos < len(text):
+            ids += self.encode(text[pos:], add_special_tokens=False, release_gil=release_gil)
+        return ids
 
 
 # ---------------------------------------------------------------------- streaming helpers

@@ -25,21 +25,23 @@ here is never refused by the frontend for its size.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import prometheus_client
 from aiohttp import web
 
 from conveyor.version import __version__
 from conveyor.http import adapters, prometheus
 from conveyor.http.adapters import LORAS
+from conveyor.http.connections import BODY_TIMEOUT, BODY_TIMEOUT_S, COUNTS, Guard
 from conveyor.http.errors import ApiError, bad_field, unavailable
-from conveyor.http.generation import respond
+from conveyor.http.generation import STARTED_RESPONSE, respond
+from conveyor.http.json_body import decode_body
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import CHAT, COMPLETION, parse_request
 from conveyor.http.openai_responses import json_encode
@@ -60,6 +62,8 @@ CREATED = web.AppKey("created", int)
 TOKENS = web.AppKey("tokens", Tokens)
 TOOL_PARSER = web.AppKey("tool_parser", object)  # --tool-call-parser: a format of conveyor.structured.tool_calls, or None
 ACCESS = web.AppKey("access", object)
+MAX_WAITING = web.AppKey("max_waiting", int)  # --max-waiting (absent: no per-request share)
+GUARD = web.AppKey("guard", Guard)  # the listener's connection guard (absent: none, as in tests)
 # Routes open without a key unless --api-key-everywhere.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 # Most tokens one /tokenize or /detokenize call handles (the model length bounds real use).
@@ -87,9 +91,6 @@ class Access:
             matched |= hmac.compare_digest(given, key)
         return matched
 
-_json_decode = msgspec.json.Decoder().decode
-
-
 def error_response(error: ApiError) -> web.Response:
     return web.Response(status=error.status, body=json_encode(error.body()), content_type="application/json")
 
@@ -103,13 +104,28 @@ PROBE_ROUTES = web.RouteTableDef()
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Every failure as the OpenAI error object with its status (cancellation passes through);
-    a request without a valid key (when keys are set) goes no further than here."""
+    a request without a valid key (when keys are set) goes no further than here. The
+    listener's guard is told when the request starts and ends (its header timer waits meanwhile)."""
+    guard = request.app.get(GUARD)
+    if guard is None:
+        return await _handled(request, handler)
+    guard.request_started(request.transport)
+    try:
+        return await _handled(request, handler)
+    finally:
+        guard.request_ended(request.transport)
+
+
+async def _handled(request: web.Request, handler) -> web.StreamResponse:
     try:
         if not request.app[ACCESS].allows(request):
             raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key", type="invalid_request_error")
         return await handler(request)
     except ApiError as exc:
-        return error_response(exc)
+        response = error_response(exc)
+        if exc.status == 408:  # the body's rest may still come: the connection cannot be reused
+            response.force_close()
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -122,17 +138,24 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         elif exc.status == 405:
             message = f"{request.method} is not allowed on {request.path}"
         return error_response(ApiError(exc.status, message, code=code))
-    except Exception as exc:
+    except Exception as exc:  # a bug: logged once here, answered once
         log.exception("%s %s failed", request.method, request.path)
+        started = request.get(STARTED_RESPONSE)
+        if started is not None:  # its status is sent already: the stream it began is the answer
+            return started
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
 
 
 async def _body(request: web.Request) -> Any:
-    data = await request.read()  # 413 past client_max_size
     try:
-        return _json_decode(data)
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+        timeout = request.app.get(BODY_TIMEOUT, BODY_TIMEOUT_S)
+        data = await asyncio.wait_for(request.read(), timeout)  # 413 past client_max_size
+    except asyncio.TimeoutError:
+        counts = request.app.get(COUNTS)
+        if counts is not None:
+            counts.note("body_timeout")
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (--http-body-timeout)", code="request_timeout") from None
+    return decode_body(data)
 
 
 @API_ROUTES.post("/v1/completions")
@@ -166,7 +189,25 @@ async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResp
     app = request.app
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     job = parse_request(kind, body, app[MODEL], loras)
+    _check_share(job, app.get(MAX_WAITING, 0))
     return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER])
+
+
+def _check_share(job: Any, max_waiting: int) -> None:
+    """A 400 for a request of more sequences (prompts x ``best_of`` or ``n``) than a quarter
+    of ``--max-waiting``: one request of 1,024 prompts x ``n`` 64 filled the queue, and every
+    other client got 429 until it ended. The whole HTTP face is one client of the frontend,
+    so the share is per HTTP request."""
+    share = max_waiting // 4
+    width = job.options.get("best_of") or job.n
+    if not share or not isinstance(width, int) or len(job.inputs) * width <= share:
+        return
+    name = "prompt" if width == 1 else ("best_of" if job.options.get("best_of") else "n")
+    raise bad_field(
+        name,
+        f"this request asks for {len(job.inputs) * width} sequences ({len(job.inputs)} prompt(s) x {width}); one request may take "
+        f"at most {share}, a quarter of the server's --max-waiting {max_waiting}: split it",
+    )
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -247,10 +288,8 @@ async def tokenize(request: web.Request) -> web.Response:
     add_special = body.get("add_special_tokens")
     if chat and add_special:
         raise bad_field("add_special_tokens", "'add_special_tokens' with 'messages': only false or null is accepted (the template writes them)")
-    if add_special is False and "prompt" in job.inputs[0]:
-        ids = (await tokens.tokenizer()).encode(job.inputs[0]["prompt"], add_special_tokens=False)
-    else:
-        ids = await tokens.prompt_ids(job.inputs[0], {k: v for k, v in job.options.items() if k != "fill_context"})
+    options = {k: v for k, v in job.options.items() if k != "fill_context"}
+    ids = await tokens.prompt_ids(job.inputs[0], options, add_special_tokens=not (add_special is False and "prompt" in job.inputs[0]))
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": app[MAX_MODEL_LEN], "tokens": ids}
     if body.get("return_token_strs"):
         reply["token_strs"] = (await tokens.tokenizer()).convert_ids_to_tokens(ids)
@@ -274,10 +313,10 @@ async def detokenize(request: web.Request) -> web.Response:
 @PROBE_ROUTES.get("/health")
 async def health(request: web.Request) -> web.Response:
     """200 when the frontend relayed a stats query that the scheduler answered within
-    HEALTH_TIMEOUT_S (so all three processes are up); 503 otherwise."""
+    HEALTH_TIMEOUT_S (so all three processes are up) and no worker is hung; 503 otherwise."""
     if await request.app[LINK].healthy():
         return web.Response(body=b'{"status":"ok"}', content_type="application/json")
-    raise unavailable("the server is not healthy: the scheduler did not answer a stats query in time", "unhealthy")
+    raise unavailable("the server is not healthy: the scheduler did not answer a stats query in time, or a worker is hung (--hang-timeout)", "unhealthy")
 
 
 @PROBE_ROUTES.get("/metrics")
@@ -293,7 +332,8 @@ async def metrics(request: web.Request) -> web.Response:
         stats = await link.stats(SCRAPE_TIMEOUT_S)
     except Exception:
         stats = None
-    body = prometheus.exposition(frontend_metrics, stats, request.app[MODEL])
+    counts = request.app.get(COUNTS)
+    body = prometheus.exposition(frontend_metrics, stats, request.app[MODEL], counts.snapshot() if counts is not None else None)
     return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 
@@ -307,7 +347,7 @@ def _app(
     app[LORAS] = list(loras)
     app[MAX_MODEL_LEN] = max_model_len
     app[CREATED] = created
-    app[TOKENS] = tokens or Tokens(None)
+    app[TOKENS] = tokens or Tokens(None, max_model_len)
     app[ACCESS] = access or Access()
     return app
 

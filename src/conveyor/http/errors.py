@@ -2,7 +2,7 @@
 
 Every error the HTTP face answers is ``{"error": {"message", "type", "param", "code"}}``
 with one of: 400 (a bad field, named in ``param`` when it is known), 404 (an unknown model
-or path), 405, 413 (a body over the limit), 429 (the server's queue bound), 500 (the
+or path), 405, 408 (a body that did not arrive in time), 413 (a body over the limit), 429 (the server's queue bound), 500 (the
 server failed a request it had accepted), 503 (the server is starting, unreachable, or a
 process died). :func:`from_final_error` maps the error text of a client-protocol ``final``
 onto these: the protocol carries no error code, so the mapping reads the prefixes the
@@ -23,7 +23,7 @@ RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
 
-_TYPE_OF_STATUS = {400: INVALID_REQUEST, 404: NOT_FOUND, 405: INVALID_REQUEST, 413: INVALID_REQUEST, 429: RATE_LIMIT, 503: UNAVAILABLE}
+_TYPE_OF_STATUS = {400: INVALID_REQUEST, 404: NOT_FOUND, 405: INVALID_REQUEST, 408: INVALID_REQUEST, 413: INVALID_REQUEST, 429: RATE_LIMIT, 503: UNAVAILABLE}
 
 # Client-protocol field names that are spelled otherwise in the OpenAI API.
 _OPENAI_NAME = {"token_ids": "prompt"}
@@ -74,6 +74,10 @@ def from_final_error(message: str) -> ApiError:
         return unavailable(message, "server_stopping")
     if message.startswith("unknown LoRA adapter"):  # unloaded since this process last saw the names
         return ApiError(404, message, param="model", code="model_not_found")
+    if message.startswith("worker hung"):  # conveyor.scheduler.liveness: retry once it steps (or restarts)
+        return unavailable(message, "worker_hung")
+    if message.startswith("scheduler hung"):  # conveyor.frontend.liveness
+        return unavailable(message, "scheduler_hung")
     if message.startswith("worker ") or message.startswith("malformed worker result"):
         return ApiError(500, message, code="internal_error")
     return ApiError(400, message, param=_field_named(message))

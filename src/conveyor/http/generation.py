@@ -39,6 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from conveyor.client import CompletionResult, StreamDelta
+from conveyor.http.connections import BODY_TIMEOUT, BODY_TIMEOUT_S, COUNTS
 from conveyor.http.errors import ApiError, from_final_error
 from conveyor.http.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from conveyor.http.link import FrontendLink, api_error
@@ -53,6 +54,9 @@ log = logging.getLogger("conveyor.http")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 IGNORED_FIELDS_HEADER = "x-conveyor-ignored-fields"
+# The request's key of a stream response that is prepared (its 200 sent): the error middleware
+# answers a failure after that with the stream itself, never a second response.
+STARTED_RESPONSE = "conveyor.started_response"
 
 
 class _Prompts:
@@ -264,6 +268,7 @@ async def _stream(
         except Exception as exc:
             raise api_error(exc) from exc
         response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        request[STARTED_RESPONSE] = response  # a failure from here on cannot change the status
         await response.prepare(request)
         out = bytearray()
         if job.kind == CHAT:
@@ -276,24 +281,42 @@ async def _stream(
                 left -= encode(index, delta)
             while left:
                 if out:
-                    await response.write(bytes(out))
+                    await _write(request, response, bytes(out))
                     out.clear()
                 index, delta = await anext(replies)
                 left -= encode(index, delta)
         except ApiError as exc:
             out += enc.error(exc) + DONE
-            await response.write(bytes(out))
+            await _write(request, response, bytes(out))
             return response
         except Exception as exc:
             out += enc.error(api_error(exc)) + DONE
-            await response.write(bytes(out))
+            await _write(request, response, bytes(out))
             return response
     if job.include_usage:
         out += enc.usage(finals)  # type: ignore[arg-type]
     out += DONE
-    await response.write(bytes(out))
+    await _write(request, response, bytes(out))
     await response.write_eof()
     return response
+
+
+async def _write(request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+    """Send ``data`` on the stream, waiting at most ``--http-body-timeout`` for a client that
+    does not read (once the socket buffers are full): such a client's request is aborted (its
+    connection closed, the handler cancelled, the AsyncClient's abort) instead of its replies
+    piling up in this process for as long as it runs. This is the per-request bound that
+    stands in for ``--client-send-queue``, which does not bound this process's connection."""
+    timeout = request.app.get(BODY_TIMEOUT, BODY_TIMEOUT_S)
+    try:
+        await asyncio.wait_for(response.write(data), timeout)
+    except asyncio.TimeoutError:
+        counts = request.app.get(COUNTS)
+        if counts is not None:
+            counts.note("not_reading")
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError from None
 
 
 class _Encoder:

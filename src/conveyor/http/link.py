@@ -21,8 +21,11 @@ from typing import Any
 from conveyor.client import DEFAULT_TIMEOUT_S, AsyncClient, ServerError
 from conveyor.http.errors import ApiError, unavailable
 from conveyor.ipc import transport
+from conveyor.protocol import wire
 
 HEALTH_TIMEOUT_S = 1.0
+# Codes of an ``error`` map that blame the message (its size, shape or fields), not the server.
+_CLIENT_FAULTS = frozenset({wire.MALFORMED, wire.TOO_LARGE, wire.INVALID_FIELD, wire.INVALID_INPUT, wire.PROMPT_TOO_LONG})
 # A shared query gives up after this long (a caller's own deadline is usually shorter).
 QUERY_TIMEOUT_S = 10.0
 # How long a request's first send waits for the ZeroMQ handshake with the frontend.
@@ -56,12 +59,13 @@ class FrontendLink:
         return await self._shared("metrics", self.client.metrics, timeout)
 
     async def healthy(self) -> bool:
-        """Whether the frontend relayed a ``stats`` query the scheduler answered in time."""
+        """Whether the frontend relayed a ``stats`` query the scheduler answered in time, with
+        no worker hung (``num_hung``, conveyor.scheduler.liveness)."""
         try:
-            await self.stats(HEALTH_TIMEOUT_S)
+            stats = await self.stats(HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, TimeoutError, ConnectionError, ServerError):  # ConnectionError: none, lost, refused
             return False
-        return True
+        return not stats.get("num_hung")
 
     async def require_started(self) -> None:
         """Return once the server has answered a query; a 503 while it is starting."""
@@ -89,7 +93,9 @@ def api_error(exc: BaseException) -> ApiError:
         return unavailable(f"the server is not reachable: {exc}", "unreachable")
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return unavailable(f"the server did not answer: {exc}", "timeout")
-    if isinstance(exc, ServerError):
+    if isinstance(exc, ServerError):  # an error map: the message itself was refused
+        if exc.code in _CLIENT_FAULTS:
+            return ApiError(400, f"the request was refused: {exc}", code=exc.code)
         return ApiError(500, f"server error: {exc}", code="internal_error")
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 

@@ -26,7 +26,8 @@ import time
 
 from aiohttp import web
 
-from conveyor.http.app import Access, api_app, metrics_app
+from conveyor.http.app import GUARD, MAX_WAITING, Access, api_app, metrics_app
+from conveyor.http.connections import BODY_TIMEOUT, COUNTS, Counts, Guard, connection_cap
 from conveyor.http.link import FrontendLink
 from conveyor.http.tokens import Tokens
 from conveyor.runtime.config import HttpConfig
@@ -87,32 +88,41 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-        link = FrontendLink(self.config.addresses.client, self.config.auth_keys)
+        # The client socket's internal endpoint: --client-send-queue does not bound it.
+        link = FrontendLink(self.config.addresses.internal_client or self.config.addresses.client, self.config.auth_keys)
         created = int(time.time())
-        tokens = Tokens(self.config.model_dir)
+        tokens = Tokens(self.config.model_dir, self.config.max_model_len)
         access = Access.of(self.config.api_keys, self.config.api_key_everywhere)
         apps = []
         if self.api_socket is not None:
             apps.append((functools.partial(api_app, tool_call_parser=self.config.tool_call_parser), self.api_socket))
         if self.metrics_socket is not None:
             apps.append((metrics_app, self.metrics_socket))
-        runners = []
+        runners, listeners = [], []
+        config = self.config
+        counts, cap = Counts(), connection_cap(config.http_max_connections)
         try:
             for make, sock in apps:
+                app = make(link, self.config.served_model_name, self.config.max_model_len, created, tokens, access, loras=self.config.lora_names)
+                app[GUARD] = guard = Guard(counts, cap, config.http_header_timeout)
+                app[COUNTS] = counts
+                app[BODY_TIMEOUT] = config.http_body_timeout
+                app[MAX_WAITING] = config.max_waiting
                 runner = web.AppRunner(
-                    make(
-                        link, self.config.served_model_name, self.config.max_model_len, created, tokens, access,
-                        loras=self.config.lora_names,
-                    ),
+                    app,
                     handler_cancellation=True,  # a client that goes away cancels its handler, and so its request
                     shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                     access_log=None,
+                    keepalive_timeout=config.http_header_timeout + 5,  # the guard's timer closes idle connections first
                 )
                 await runner.setup()
                 runners.append(runner)
-                await web.SockSite(runner, sock, ssl_context=self.ssl).start()
+                # The listener itself (not an aiohttp site): its protocols go through the guard.
+                listeners.append(await loop.create_server(guard.factory(runner.server), sock=sock, ssl=self.ssl, backlog=LISTEN_BACKLOG))
             await stop.wait()
         finally:
+            for listener in listeners:
+                listener.close()
             await asyncio.gather(*(runner.cleanup() for runner in runners))  # in parallel: one grace period
             await link.close()
 

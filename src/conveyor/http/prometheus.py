@@ -91,14 +91,37 @@ _HISTOGRAM_HELP = {
 }
 
 
-def exposition(metrics: dict[str, Any], stats: dict[str, Any] | None, model_name: str) -> bytes:
+def exposition(metrics: dict[str, Any], stats: dict[str, Any] | None, model_name: str, http: dict[str, Any] | None = None) -> bytes:
     """One scrape in the Prometheus text format from a ``metrics`` reply and a ``stats`` reply
     (``Client.metrics()``, ``Client.stats()``), every series labelled ``model_name``.
     ``stats`` None (the scheduler did not answer) leaves the scheduler's families out; the
-    frontend's are still there."""
+    frontend's are still there. ``http``: the HTTP process's own connection counts
+    (:meth:`conveyor.http.connections.Counts.snapshot`), when it has listeners."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(metrics, stats, model_name))
+    if http is not None:
+        registry.register(_HttpConnections(http, model_name))
     return generate_latest(registry)
+
+
+class _HttpConnections:
+    """The HTTP listeners' open connections and the ones closed or refused, by cause."""
+
+    def __init__(self, counts: dict[str, Any], model_name: str) -> None:
+        self._counts, self._model = counts, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(PREFIX + "http_connections_open", "Open client connections of the HTTP listeners.", labels=["model_name"])
+        gauge.add_metric([self._model], self._counts["open"])
+        yield gauge
+        closed = CounterMetricFamily(
+            PREFIX + "http_connections_closed",
+            "HTTP connections the server closed or refused: header_timeout, idle_timeout, body_timeout (408), refused (503 at the cap).",
+            labels=["model_name", "cause"],
+        )
+        for cause, count in sorted(self._counts["closed"].items()):
+            closed.add_metric([self._model, cause], count)
+        yield closed
 
 
 class _Snapshot:

@@ -358,6 +358,12 @@ def _start_time(pid: int) -> int:
     return st[1] if st else 0
 
 
+def process_start_time(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot; 0 if unknown): with the pid, names a process
+    for :func:`pid_alive` even after the pid is reused."""
+    return _start_time(pid)
+
+
 def pid_alive(pid: int, start_time: int = 0) -> bool:
     """Whether ``pid`` is a running process (not a zombie) started at ``start_time`` (0: any)."""
     if pid <= 0:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,7 +25,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from conveyor.ipc import codec
+from conveyor.ipc import codec, run_dirs
 
 
 @dataclass(frozen=True)
@@ -40,6 +39,10 @@ class ServerAddresses:
     results: str  # worker -> scheduler: the step channel's ZeroMQ side (StepResult, ProfileReport)
     control: str  # children -> bin/serve (ProcessReady, ProcessFailed)
     frontend_control: str  # bin/serve -> frontend (Shutdown)
+    # The client socket's second endpoint, in the private run directory: the HTTP process's
+    # one connection for every HTTP request, which --client-send-queue does not bound (it
+    # reads on its own loop; each HTTP request is bounded there, conveyor.http.generation).
+    internal_client: str = ""
 
     @classmethod
     def in_run_dir(cls, run_dir: str, client: str) -> ServerAddresses:
@@ -54,6 +57,7 @@ class ServerAddresses:
             results=ipc("results"),
             control=ipc("control"),
             frontend_control=ipc("frontend-control"),
+            internal_client=ipc("internal-client"),
         )
 
     def replica(self, index: int) -> ServerAddresses:
@@ -73,11 +77,9 @@ class ServerAddresses:
 
 
 def make_run_dir() -> str:
-    """A fresh private directory for the ipc sockets (0700; short path, ipc paths are limited)."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    path = tempfile.mkdtemp(prefix="conveyor-", dir=base)
-    os.chmod(path, 0o700)
-    return path
+    """A fresh private run directory, claimed by this process (:mod:`conveyor.ipc.run_dirs`,
+    which first reaps those of servers killed without cleaning up)."""
+    return run_dirs.make_run_dir()
 
 
 def client_address(host: str, port: int) -> str:
@@ -230,6 +232,7 @@ def bind_client_socket(
     max_message_bytes: int,
     auth_keys: str | None,
     send_queue: int = CLIENT_SEND_QUEUE,
+    internal: str = "",
     monitor: str | None = None,
     monitor_events: int = 0,
 ) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
@@ -243,6 +246,10 @@ def bind_client_socket(
     (:data:`conveyor.protocol.limits.MAX_CLIENT_MESSAGE_BYTES`).
     ``send_queue`` is the send high-water mark, replies queued per connection (0: none):
     send with ``zmq.NOBLOCK``, and ``zmq.Again`` means that connection's queue is full.
+    ``internal`` (an ipc address in the private run directory, or empty) is bound first with
+    no such bound (libzmq takes ``SNDHWM`` per endpoint, at its bind): the HTTP process's
+    connection, one for every HTTP request, is not a client that stopped reading when its
+    queue is long.
     With ``auth_keys`` the socket is a CurveZMQ server: a client must know the server's public
     key and hold an allowed key pair, or its handshake is refused (a ZAP thread checks it, off
     the frontend's loop). The authenticated key, Z85 text, is every message's ``User-Id``
@@ -267,6 +274,10 @@ def bind_client_socket(
             authenticator = curve_servers(ctx, [sock], public, secret, AllowedClientKeys(auth_keys))
         if monitor is not None:
             sock.monitor(monitor, monitor_events)
+        if internal:
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.bind(internal)
+            sock.setsockopt(zmq.SNDHWM, send_queue)
         sock.bind(address)
     except BaseException:
         if authenticator is not None:

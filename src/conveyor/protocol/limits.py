@@ -12,16 +12,25 @@ MAX_CLIENT_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+# Most ``stop_token_ids`` one request may give: each is checked against every sampled token of
+# every step, so a million of them slowed every neighbour's steps (TTFT 1.3 s -> 7.9 s).
+MAX_STOP_TOKEN_IDS = 1024
 # Decode limits of a client frame (:func:`unpack_map`), besides its size: they bound the
 # objects one frame can make (a valid request needs far less: an array is at most a prompt's
 # token ids, a map a request's fields). Nesting deeper than msgpack's own stack (1024
 # levels) is refused by the decoder itself.
 MAX_ARRAY_LEN = 1 << 20
-MAX_MAP_LEN = 256
+# Maps: 16,384 keys, far above what a request needs (``logit_bias``: 1,024 entries; a JSON
+# schema's or a tool's ``properties``, whose OpenAI limit is 5,000 in all).
+MAX_MAP_LEN = 16384
 MAX_EXT_LEN = 64
 # How much of an undecodable frame is read for its request id (:func:`recover_request_id`).
 RECOVER_SCAN_BYTES = 1 << 20
 RECOVER_SCAN_KEYS = 64
+# Nesting of a JSON body of the HTTP face: far beyond any real schema or tool list, and well
+# below what would exhaust the decoders' stacks (msgpack's packer stops at 512 levels, Python's
+# recursion near 1,000), so a deeper body is a 400 naming its field, never a 500.
+MAX_JSON_DEPTH = 128
 # Most sequences one request may ask for (``n``): each is a sequence at the scheduler, with a
 # detokenizer and stop strings of its own in the frontend, so one message must not fan out
 # without bound. Each sequence must fit the KV pool on its own (the scheduler's check), and

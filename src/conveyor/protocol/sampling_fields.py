@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from conveyor.ipc.messages import MAX_LOGIT_BIAS, SamplingParams
-from conveyor.protocol.limits import MAX_N, MIN_SEED, SEED_END
+from conveyor.protocol.limits import MAX_N, MAX_STOP_TOKEN_IDS, MIN_SEED, SEED_END
 from conveyor.protocol.validation import is_int, is_number
 from conveyor.protocol.wire import ProtocolError
 
@@ -53,6 +53,8 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
             raise fail(f"'seed' must be a 64-bit integer, in [-2**63, 2**64), got {seed!r}")
         seed = signed_seed(seed)
     stop_token_ids = get("stop_token_ids", [])
+    if isinstance(stop_token_ids, list) and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:  # counted before read
+        raise fail(f"'stop_token_ids' has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
     if not isinstance(stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in stop_token_ids):
         raise fail("'stop_token_ids' must be an array of non-negative integers")
     flags = {name: get(name, default) for name, default in (("ignore_eos", False), ("speculate", True))}

@@ -22,7 +22,8 @@ from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exporte
     Attention, Batching, Choice, Device, Dtype, PipelineSteps, PlanTransport, Policy, Preemption,
     parse_choices, require_at_least,
 )  # fmt: skip
-from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback_host
+from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback, is_loopback_host
+from conveyor.runtime.http_config import HttpConfig
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,10 @@ class FrontendConfig:
     tokenizer_threads: int = 2
     # Inputs shorter than this many characters are tokenized on the loop (a thread hop costs more).
     tokenize_inline_chars: int = 512
+    # A scheduler silent for hang_timeout s (0: never) while it owes requests is hung; on_hang:
+    # "exit" or "wait" (conveyor.frontend.liveness; the scheduler watches its worker alike).
+    hang_timeout: float = 30.0
+    on_hang: str = "exit"
     # bin/serve --auth-keys: the CurveZMQ key directory (conveyor.ipc.transport's layout); None:
     # no authentication, any client that reaches the address is served.
     auth_keys: str | None = None
@@ -300,59 +305,13 @@ class SchedulerProcessConfig:
     vocab_size: int
     profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
     overlap: bool = True  # plan step N+1 while the worker runs step N (bin/serve --no-overlap)
-
-
-@dataclass(frozen=True)
-class HttpConfig:
-    """The HTTP process's view: the OpenAI-compatible API on ``http_port`` and/or the
-    Prometheus scrape endpoint on ``metrics_port``, both on ``http_host``.
-
-    The HTTP process is a client of the frontend over the client protocol (``addresses.client``);
-    it validates nothing the frontend validates. With only ``metrics_port`` it serves
-    ``/metrics`` and ``/health`` alone. Port 0 binds a free port (reported when ready).
-    """
-
-    addresses: ServerAddresses
-    served_model_name: str  # the base model's name: the ``model`` requests name for it
-    max_model_len: int  # shown by /v1/models
-    lora_names: tuple[str, ...] = ()  # LoRA adapters, the other models requests may name
-    http_host: str = "127.0.0.1"
-    http_port: int | None = None
-    metrics_port: int | None = None
-    # bin/serve --auth-keys: the HTTP process is a client of the frontend and connects with
-    # the server's own key pair from this directory (the frontend allows it).
-    auth_keys: str | None = None
-    # The model directory: its tokenizer serves /tokenize, /detokenize and the fields that need
-    # the prompt's tokens (conveyor.http.tokens), loaded on first use.
-    model_dir: str | None = None
-    # --api-key / --api-key-file / $CONVEYOR_API_KEY: the keys clients send as
-    # ``Authorization: Bearer``; empty: no key needed. ``api_key_everywhere``: /health,
-    # /metrics and /version need one too.
-    api_keys: tuple[str, ...] = ()
-    api_key_everywhere: bool = False
-    # --tool-call-parser: how a chat's output with tools is read for calls (hermes, llama3;
-    # conveyor.structured.tool_calls); None: not parsed (tools still reach the chat template,
-    # and a forcing tool_choice is still read from its constrained JSON).
-    tool_call_parser: str | None = None
-    # --ssl-certfile / --ssl-keyfile: serve HTTPS (both or neither).
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
+    # A worker silent for hang_timeout s (0: never) with a plan in flight is hung; on_hang:
+    # "exit" or "wait" (conveyor.scheduler.liveness).
+    hang_timeout: float = 30.0
+    on_hang: str = "exit"
 
     def __post_init__(self) -> None:
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
-        if any(not k or k != k.strip() or any(c.isspace() for c in k) for k in self.api_keys):
-            raise ValueError("an API key must be non-empty and hold no whitespace")
-        if self.http_port is None and self.metrics_port is None:
-            raise ValueError("the HTTP process needs http_port or metrics_port")
-        for name in ("http_port", "metrics_port"):
-            port = getattr(self, name)
-            if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], got {port}")
-        if self.http_port is not None and self.http_port == self.metrics_port and self.http_port != 0:
-            raise ValueError(f"http_port and metrics_port are both {self.http_port}: /metrics is on the HTTP port already")
-        if not self.served_model_name:
-            raise ValueError("served_model_name must not be empty")
+        require_at_least(self, 0, "hang_timeout")
 
 
 @dataclass(frozen=True)
@@ -394,6 +353,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "nnodes")
+        check_faces_keyed_alike(self)
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.nnodes == 1:
@@ -463,6 +423,27 @@ class ServerConfig:
             self.scheduler.scheduler, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_bytes=block_bytes
         )
         return replace(self.scheduler, scheduler=sized)
+
+
+def check_faces_keyed_alike(config: ServerConfig) -> None:
+    """One auth story across the faces: a server that keys one face (``--api-key`` for HTTP,
+    ``--auth-keys`` for ZeroMQ) does not start with the other one open to other hosts without
+    a key (a key on one face was no protection while the other served ``generate`` and
+    ``load_lora`` to anyone). Loopback faces stay open to local users, as without keys."""
+    http = config.http
+    if http is None or http.http_port is None:
+        return
+    zmq_keyed, http_keyed = config.frontend.auth_keys is not None, bool(http.api_keys)
+    if http_keyed and not zmq_keyed and not is_loopback(config.addresses.client):
+        raise ValueError(
+            f"--api-key keys the HTTP API, but the ZeroMQ client socket {config.addresses.client} is open to other hosts: "
+            "add --auth-keys DIR (bin/keygen) or bind --host to loopback"
+        )
+    if zmq_keyed and not http_keyed and not is_loopback_host(http.http_host):
+        raise ValueError(
+            f"--auth-keys keys the ZeroMQ socket, but the HTTP API on {http.http_host} is open to other hosts: "
+            "add --api-key (or --api-key-file) or bind --http-host to loopback"
+        )
 
 
 def dist_init_host_port(address: str) -> tuple[str, int]:

@@ -26,6 +26,11 @@ _PR_SET_PDEATHSIG = 1
 SHUTDOWN_GRACE_S = 3.0  # how long stopped children may take to exit before they are killed
 
 
+# The exit status of a process that stopped the server because a peer hung (--on-hang exit:
+# conveyor.scheduler.liveness, conveyor.frontend.liveness); bin/serve names the cause.
+HANG_EXIT_CODE = 3
+
+
 def die_with_parent() -> None:
     """Ignore SIGINT and ask the kernel to SIGTERM this process when bin/serve dies, even by SIGKILL.
 

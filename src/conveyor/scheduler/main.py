@@ -67,6 +67,7 @@ from conveyor.ipc.messages import (
     LoraUpdated,
     ProfileQuery,
     ProfileReport,
+    FinishReason,
     RequestOutput,
     SchedulerStats,
     Shutdown,
@@ -79,6 +80,8 @@ from conveyor.ipc.messages import (
 from conveyor.runtime.process import Started, run_process
 from conveyor.ipc.step_channel import PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
+from conveyor.runtime.process import HANG_EXIT_CODE
+from conveyor.scheduler.liveness import HangWatch
 from conveyor.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("conveyor.scheduler")
@@ -107,6 +110,7 @@ class SchedulerLoop:
         # query in flight, neither ring can fill while both ends wait on each other.
         self._profile_queries: deque[ProfileQuery] = deque()
         self._lora_loads: deque[LoadLora] = deque()  # likewise, each reserving its name
+        self.watch = HangWatch(config.hang_timeout, config.on_hang)
         self._init_profiling(config.profile)
 
     def _init_profiling(self, enabled: bool) -> None:
@@ -173,7 +177,10 @@ class SchedulerLoop:
             return
         self._t_schedule.record(start, arg=plan.step_id)
         self._record_plan(plan)
-        self.scheduler.state.inflight.newest.sent_ns = profiling.now_ns()
+        inflight = self.scheduler.state.inflight
+        if len(inflight) == 1:  # nothing was in flight: the worker's time on it starts now
+            self.watch.started()
+        inflight.newest.sent_ns = profiling.now_ns()
         self.to_worker.send(plan)
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:
@@ -285,13 +292,17 @@ class SchedulerLoop:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
+            refusal = self.watch.refusal()
+            if refusal is not None:
+                self._pending.append(RequestOutput(msg.request_id, [], FinishReason.ERROR, error=refusal))
+                return
             rejected = self.scheduler.add_request(msg)
             if rejected is not None:
                 self._pending.append(rejected)
         elif isinstance(msg, AbortRequests):
             self._pending.extend(self.scheduler.abort(msg.request_ids))
         elif isinstance(msg, StatsQuery):
-            transport.send(self.to_frontend, SchedulerStats(query_id=msg.query_id, **self.scheduler.stats()))
+            transport.send(self.to_frontend, SchedulerStats(query_id=msg.query_id, **{**self.scheduler.stats(), "num_hung": int(self.watch.hung)}))
         elif isinstance(msg, ProfileQuery):
             # On the plan channel, behind any plan in flight: the worker answers between steps.
             self._profile_queries.append(msg)
@@ -323,6 +334,9 @@ class SchedulerLoop:
                 if not isinstance(result, StepResult) or result.step_id != plan.step_id:
                     log.error("unexpected worker message %r", result)
                     continue
+                hung_for = self.watch.stepped()
+                if hung_for is not None:
+                    log.warning("the worker is stepping again after %.1f s without a result: serving requests again", hung_for)
                 end = self._t_round_trip.record(sent, arg=plan.step_id)
                 if clean:
                     self._s_transport.add(max(0.0, (end - sent) / 1e6 - result.forward_time * 1e3))
@@ -337,6 +351,25 @@ class SchedulerLoop:
                 self._take_frontend_messages(timeout_ms=0)
                 if not self.running:
                     return None
+                if self.watch.hung:  # refusals go out now, not after a step that may never end
+                    self._flush_outputs()
+            elif not worker_ready:
+                self._check_hang()
+
+    def _check_hang(self) -> None:
+        """A worker silent past --hang-timeout with a plan in flight: fail every live request
+        with the error (its plan's ones as aborted: update() drops what the worker may still
+        send for them), then stop (--on-hang exit) or refuse new requests until it steps
+        (--on-hang wait); conveyor.scheduler.liveness."""
+        error = self.watch.check()
+        if error is None:
+            return
+        log.error("%s", error)
+        sched = self.scheduler
+        self._pending.extend(sched.abort(list(sched.state.table.live), error=error))
+        self._flush_outputs()
+        if self.watch.exit:
+            raise SystemExit(HANG_EXIT_CODE)
 
     def _flush_outputs(self) -> None:
         if self._pending or self._column_ids:

@@ -255,9 +255,10 @@ class Scheduler:
             raise ValueError(f"LoRA adapter {name!r} is in use by {len(live)} live request(s)")
         del self._lora_roots[name]
 
-    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        """Finish live requests with "abort" and free their blocks now; unknown ids are ignored.
-        A parallel-sampling request's id aborts all its live sequences; a sequence id, that one.
+    def abort(self, request_ids: Iterable[str], error: str | None = None) -> list[RequestOutput]:
+        """Finish live requests with "abort" (with ``error``: "error", that text) and free their
+        blocks now; unknown ids are ignored. A parallel-sampling request's id aborts all its
+        live sequences; a sequence id, that one.
 
         A request in the plan in flight is only marked finished; :meth:`update` drops
         whatever the worker sampled for it.
@@ -273,7 +274,8 @@ class Scheduler:
                     self.state.table.stop_running(req)
                 else:
                     self.state.queue.remove(req)  # (a held sequence is not queued)
-                outputs.append(self.state.finish(req, FinishReason.ABORT))
+                reason = FinishReason.ABORT if error is None else FinishReason.ERROR
+                outputs.append(self.state.finish(req, reason, error=error))
         return outputs
 
     def take_outputs(self) -> list[RequestOutput]:
@@ -477,6 +479,7 @@ class Scheduler:
             "iteration_fields": list(ITERATION_FIELDS),
             "recent_iterations": self.iterations.rows(),
             "lora_adapters": self.lora_names,
+            "num_hung": 0,  # the process loop's liveness watch says otherwise (conveyor.scheduler.liveness)
         }
 
     def check_invariants(self) -> None:

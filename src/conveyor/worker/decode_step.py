@@ -252,7 +252,7 @@ class DecodeStep:
         from conveyor.kernels.paged_decode import plan_decode_partitions
         config = self.model_config
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        windows = sorted({layer.self_attn.attention.sliding_window or 0 for layer in self.model.layers})
+        windows = sorted({layer.sliding_window or 0 for layer in self.model.attention_layers()})
         plans = []
         for window in windows:
             plan = plan_decode_partitions(

@@ -34,11 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from conveyor.structured.grammar_engine import EngineTokenizer, load_llguidance
-from conveyor.structured.matcher import GrammarMatcher, allocate_bitmask, fill_rows
+from conveyor.structured.matcher import GrammarMatcher, allocate_bitmask, bitmask_width, fill_rows
 
 # Prototype matchers kept by grammar text: a request's matcher is a deep copy (~10 us).
 MAX_CACHED_GRAMMARS = 256
@@ -71,7 +70,7 @@ class GrammarRows:
         self._model_dir = model_dir
         self._tokenizer: EngineTokenizer | None = None
         self._prototypes: OrderedDict[str, object] = OrderedDict()
-        self._bitmask = np.zeros((0, 0), np.int32)
+        self._staging = MaskStaging()
 
     def row(self, grammar: str, num_prompt_tokens: int) -> GrammarRow:
         """A fresh matcher for ``grammar`` (compiled once per text, then copied)."""
@@ -96,9 +95,8 @@ class GrammarRows:
         "" when the grammar is complete, else why the row is a dead end."""
         assert self._tokenizer is not None
         vocab = self._tokenizer.mask_vocab
-        if self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != (vocab + 31) // 32:
-            self._bitmask = allocate_bitmask(max(num_rows, 2 * self._bitmask.shape[0]), vocab)
-        bitmask = self._bitmask[:num_rows]
+        host = self._staging.take(num_rows, vocab, device)
+        bitmask = host.numpy()
         for _, _, grammar, tokens, pending in rows:
             known = tokens if pending is None else tokens + [pending]
             for token in known[grammar.consumed :]:
@@ -112,4 +110,58 @@ class GrammarRows:
                 ends.append((slot, grammar.matcher.error or "no token is allowed here"))
             elif grammar.matcher.is_terminated:
                 ends.append((slot, ""))
-        return StepMask(torch.from_numpy(bitmask).to(device, non_blocking=True), [r for r, *_ in rows]), ends
+        return StepMask(self._staging.upload(host, device), [r for r, *_ in rows]), ends
+
+
+class MaskStaging:
+    """The host buffers a step's bitmask is filled in and uploaded from, allocated once (grown
+    when a step has more rows or the vocabulary is wider, never per step).
+
+    Beside a GPU they are pinned: a ``non_blocking`` copy from pageable memory makes the host
+    stage it through a driver buffer before returning (a wait of about 2 MB's copy a step at a
+    128K vocabulary and batch 128), while one from pinned memory is only enqueued. An enqueued
+    copy reads the buffer when the stream reaches it, after the forward it follows, so a buffer
+    is not written again before its last copy is done: two buffers are used in turn, each with
+    an event recorded after its copy and waited on before its next fill (two steps later: done
+    long since, unless nothing else made the host wait for the device in between). On a CPU
+    the "upload" is the buffer itself, used by the sampler before the next fill: one buffer."""
+
+    SLOTS_CUDA = 2
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._copied: list[torch.cuda.Event] = []  # beside a GPU, one per buffer
+        self._in_flight: list[bool] = []  # a copy from the buffer was enqueued since its last wait
+        self._turn = 0
+
+    def take(self, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """The next host buffer's first ``num_rows`` rows, free to be written."""
+        cuda = device.type == "cuda"
+        have = self._buffers[0].shape if self._buffers else (0, 0)
+        if have[0] < num_rows or have[1] != bitmask_width(vocab) or len(self._buffers) != (self.SLOTS_CUDA if cuda else 1):
+            rows = max(num_rows, 2 * have[0])
+            self._buffers = [self._allocate(rows, vocab, cuda) for _ in range(self.SLOTS_CUDA if cuda else 1)]
+            self._copied = [torch.cuda.Event() for _ in self._buffers] if cuda else []
+            self._in_flight = [False] * len(self._buffers)
+            self._turn = 0
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._buffers)
+        if self._in_flight[turn]:
+            self._copied[turn].synchronize()  # its previous copy has read it (long since, in practice)
+            self._in_flight[turn] = False
+        return self._buffers[turn][:num_rows]
+
+    @staticmethod
+    def _allocate(rows: int, vocab: int, cuda: bool) -> torch.Tensor:
+        host = torch.from_numpy(allocate_bitmask(rows, vocab))
+        return host.pin_memory() if cuda else host
+
+    def upload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``host`` (from :meth:`take`) on ``device``: an enqueued copy, its buffer's event recorded after it."""
+        if device.type != "cuda":
+            return host
+        mask = host.to(device, non_blocking=True)
+        turn = (self._turn - 1) % len(self._buffers)
+        self._copied[turn].record()
+        self._in_flight[turn] = True
+        return mask

@@ -1,4 +1,5 @@
-"""Build a :class:`LlamaFamilyModel` from a Hugging Face checkpoint directory.
+"""Build a model (the :class:`~conveyor.worker.models.interface.CausalLM` the registry names
+for the checkpoint's architecture) from a Hugging Face checkpoint directory.
 
 Strict on purpose: a tensor the model does not expect, a tensor it expects but the files
 lack, a shape mismatch or a tensor present twice all raise with the tensor's name. A
@@ -25,7 +26,8 @@ from conveyor.checkpoints.gguf.prepare import gguf_file
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.attention.backend import AttentionBackend
 from conveyor.worker.attention.triton_backend import backend_for
-from conveyor.worker.models.llama import LlamaFamilyModel, WeightSlot
+from conveyor.worker.models.interface import CausalLM, WeightSlot
+from conveyor.worker.models.registry import model_class
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel
 
 _DTYPES = {
@@ -73,7 +75,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     backend: AttentionBackend | None = None,
     tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL,
-) -> tuple[LlamaFamilyModel, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """Read ``config.json`` and all safetensors of ``model_dir`` into a model on ``device``
     (this rank's shard of it under ``tensor_parallel``).
 
@@ -84,7 +86,7 @@ def load_model(
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, device, config)
-    model = LlamaFamilyModel(config, backend or backend_for(device), torch_dtype, device, tensor_parallel)
+    model = model_class(config.architecture)(config, backend or backend_for(device), torch_dtype, device, tensor_parallel)
     load_weights(model, checkpoint_tensors(model_dir))
     return model.eval(), config
 
@@ -105,10 +107,11 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Any]]:
 
 
 @torch.no_grad()
-def load_weights(model: LlamaFamilyModel, tensors: Iterable[tuple[str, str, Any]]) -> None:
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]]) -> None:
     """Copy every tensor of ``tensors`` (:func:`checkpoint_tensors`; the part its slot names)
-    into the slot :meth:`LlamaFamilyModel.checkpoint_layout` gives it, converting dtype and
-    device on the way; raise unless every slot is filled once."""
+    into the slot :meth:`~conveyor.worker.models.interface.CausalLM.checkpoint_layout` gives it,
+    converting dtype and device on the way; raise unless every slot is filled once; then tell
+    the model (:meth:`~conveyor.worker.models.interface.CausalLM.weights_loaded`)."""
     layout = model.checkpoint_layout()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -132,6 +135,7 @@ def load_weights(model: LlamaFamilyModel, tensors: Iterable[tuple[str, str, Any]
     missing = sorted(name for name, slot in layout.items() if slot is not None and name not in loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing)}")
+    model.weights_loaded()
 
 
 def _index(slot: WeightSlot) -> tuple[slice, ...]:

@@ -34,6 +34,7 @@ import json
 import math
 import tempfile
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,21 +42,12 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.lora_delta import LoraContext, LoraStack
+from conveyor.worker.models.interface import CausalLM, LoraTarget
+from conveyor.worker.models.registry import model_class
 
-# target -> (sub-module, piece index within its fused projection: q/k/v and gate/up in that order)
-TARGETS: dict[str, tuple[str, int]] = {
-    "q_proj": ("self_attn", 0),
-    "k_proj": ("self_attn", 1),
-    "v_proj": ("self_attn", 2),
-    "o_proj": ("self_attn", 0),
-    "gate_proj": ("mlp", 0),
-    "up_proj": ("mlp", 1),
-    "down_proj": ("mlp", 0),
-}
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -102,7 +94,8 @@ class LoraAdapter:
 
 
 def _expected_shape(config: ModelConfig, target: str) -> tuple[int, int]:
-    """``(in, out)`` features of ``target`` in the unsplit base model."""
+    """``(in, out)`` features of ``target`` (one of
+    :data:`~conveyor.worker.models.interface.DECODER_LORA_TARGETS`) in the unsplit base model."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     h, m = config.hidden_size, config.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -138,13 +131,14 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
         raise LoraLoadError(f"adapter {name!r}: per-module rank_pattern/alpha_pattern are not supported")
     alpha = float(peft.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
+    supported: Mapping[str, LoraTarget] = model_class(config.architecture).lora_targets
     targets = peft.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    lacking = sorted(set(targets) - set(TARGETS))
+    lacking = sorted(set(targets) - set(supported))
     if lacking:
         raise LoraLoadError(
             f"adapter {name!r}: target module(s) {', '.join(lacking)} the model lacks "
-            f"(supported: {', '.join(TARGETS)})"
+            f"(supported: {', '.join(supported)})"
         )
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(weights_path), framework="pt", device="cpu") as reader:
@@ -154,7 +148,7 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
             if kind not in ("A.weight", "B.weight") or len(parts) != 5 or parts[:2] != ["model", "layers"]:
                 raise LoraLoadError(f"adapter {name!r}: unexpected tensor {key!r}")
             layer, sub, target = parts[2], parts[3], parts[4]
-            if target not in TARGETS or TARGETS[target][0] != sub:
+            if target not in supported or supported[target].module != sub:
                 raise LoraLoadError(f"adapter {name!r}: tensor {key!r} targets a module the model lacks")
             if not layer.isdigit() or int(layer) >= config.num_layers:
                 raise LoraLoadError(
@@ -219,19 +213,19 @@ class LoraManager:
     Attaches a :class:`LoraStack` to every projection adapters may target. Adapter ids are
     positive ints, never reused (0: the base model)."""
 
-    def __init__(self, model: nn.Module, options: LoraOptions) -> None:
+    def __init__(self, model: CausalLM, options: LoraOptions) -> None:
         self.model = model
         self.options = options
         self.config: ModelConfig = model.config
-        weight = model.embed_tokens.weight
-        self.dtype, self.device = weight.dtype, weight.device
+        self.targets = model.lora_targets
+        self.dtype, self.device = model.dtype, model.device
         self.context = LoraContext(self.device, self.dtype)
         self._layout = model.checkpoint_layout()
         self._stacks: dict[str, LoraStack] = {}
         for layer in range(self.config.num_layers):
             columns: dict[str, list[tuple[int, int]]] = {}  # fused module -> its pieces' output columns
-            for target, (sub, _) in TARGETS.items():
-                slot = self._layout[f"model.layers.{layer}.{sub}.{target}.weight"]
+            for target, where in self.targets.items():
+                slot = self._layout[f"model.layers.{layer}.{where.module}.{target}.weight"]
                 columns.setdefault(slot.name.removesuffix(".weight"), []).append((slot.start, slot.end))
             for module_name, pieces in columns.items():
                 linear = model.get_submodule(module_name)
@@ -329,7 +323,7 @@ class LoraManager:
         r, rank = self.options.max_lora_rank, adapter.rank
         for module, (a, b) in adapter.weights.items():
             target = module.rsplit(".", 1)[1]
-            piece = TARGETS[target][1]
+            piece = self.targets[target].piece
             place = self._layout[f"{module}.weight"]
             stack = self._stacks[place.name.removesuffix(".weight")]
             if place.cols is not None:

@@ -172,6 +172,10 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         return idle / (idle + busy) if idle + busy > 0 else 1.0
 
     prof.derive("idle_fraction", idle_fraction)
+    if device.startswith("cuda"):  # kernels compile only there (the CPU runs torch ops, Triton never imported)
+        from conveyor.kernels.jit_compiles import COUNTER, count_compiles
+
+        count_compiles(prof.counter(COUNTER).add)
     threads = rank_threads(config.num_threads, size)
     runner = build_runner(config.runner(num_threads=threads), profiler=prof, tensor_parallel=tp)
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)

@@ -144,7 +144,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self.tensor_parallel = tp = tensor_parallel
         backend = backend_for(self.device, config.attention)
         self.model, self.model_config = load_model(config.model_dir, self.device, config.dtype, backend, tp)
-        self.dtype = self.model.embed_tokens.weight.dtype
+        self.dtype = self.model.dtype
         self.lora: LoraManager | None = None
         if config.lora_enabled:
             self.lora = LoraManager(self.model, LoraOptions(config.max_loras, config.max_lora_rank, config.max_cpu_loras))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,6 +22,7 @@ from conveyor_tools.bench.cpu import CpuMeter, CpuProbe, per_token_us
 from conveyor_tools.bench.run_metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
 from conveyor_tools.bench.workloads import BenchRequest, Workload
 from conveyor.client import AsyncClient
+from conveyor.kernels.jit_compiles import COUNTER as JIT_COMPILES
 from conveyor.profiling import STEP_SERIES, step_records
 
 WARMUP_REQUESTS = 4
@@ -32,6 +33,7 @@ SCHEDULER_COUNTERS = (
 )  # fmt: skip
 TIMELINE_SERIES = ["batch_seqs", "batch_tokens", "num_waiting"]
 PROFILE_SLACK_S = 0.05
+PROFILE_TRIES = 4
 
 
 class RunFailed(RuntimeError):
@@ -54,37 +56,79 @@ def _check(result: Any, expected: int) -> None:
 
 
 async def run_offline(
-    system: str, address: str, workload: Workload, progress: Any, timeout: float, cpu_probe: CpuProbe | None = None
+    system: str,
+    address: str,
+    workload: Workload,
+    progress: Any,
+    timeout: float,
+    cpu_probe: CpuProbe | None = None,
+    *,
+    warmup: Workload | None = None,
+    reruns: Sequence[Workload] = (),
 ) -> OfflineRun:
     """Every request of ``workload`` at once, after a warm-up; with ``cpu_probe`` (the server's
-    processes' CPU seconds) the run's CPU cost by process is in ``extra["cpu_s"]``."""
+    processes' CPU seconds) the run's CPU cost by process is in ``extra["cpu_s"]``.
+
+    ``warmup``: the warm-up's requests (default: four 4-token prompts), e.g. the workload's
+    own prompt lengths, so that what the timed window meets is compiled before it. Each of
+    ``reruns`` (the workload's shapes with fresh tokens: no prefix-cache hits) is timed after
+    it on the same server and the last is the run reported; ``extra["timed_runs"]`` keeps
+    every window's throughput and the Triton kernels the worker compiled inside it (None where
+    the worker counts none: not on CUDA, or --no-profile)."""
     async with AsyncClient(address, timeout=timeout) as client:
-        await _warmup(client)
-        before = await client.stats()
-        meter = CpuMeter(cpu_probe)
-        start = time.perf_counter()
-        start_mono = time.monotonic_ns()
-        latencies = [0.0] * len(workload.requests)
-        ttfts: list[float] = []
+        if warmup is None:
+            await _warmup(client)
+        else:
+            await asyncio.gather(*[_generate(client, req) for req in warmup.requests])
+        windows = []
+        for timed in (workload, *reruns):
+            compiles_before = _compiles(await client.profile(PROFILE_SLACK_S))
+            run = await _timed_run(client, system, timed, progress, cpu_probe)
+            compiles = _compiles(run.extra.pop("profile"))
+            windows.append({
+                "output_tok_s": run.summary()["output_tok_s"],
+                "wall_s": run.wall_s,
+                "triton_compiles": None if compiles is None else compiles - (compiles_before or 0),
+            })
+    run.extra["timed_runs"] = windows
+    return run
 
-        async def one(i: int) -> None:
-            req = workload.requests[i]
-            result = await client.generate(
-                token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.sampling
-            )
-            latencies[i] = time.perf_counter() - start
-            _check(result, req.output_len)
-            if result.timing.get("ttft") is not None:
-                ttfts.append(result.timing["ttft"])
-            progress.update(1)
 
-        await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
-        wall = time.perf_counter() - start
-        cpu_s = meter.stop()
-        # The window is the run (plus the query's own trip): time-based values such as the
-        # worker's idle fraction then describe the run, not the quiet spell before it.
-        profile = await client.profile(wall + PROFILE_SLACK_S, series=[*TIMELINE_SERIES, *STEP_SERIES])
-        stats = await client.stats()
+def _generate(client: AsyncClient, req: BenchRequest) -> Awaitable[Any]:
+    return client.generate(token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.sampling)
+
+
+def _compiles(profile: dict[str, Any]) -> int | None:
+    """The worker's count of Triton JIT compiles so far (conveyor.kernels.jit_compiles), or None."""
+    worker = next((p for p in profile["processes"] if p["process"] == "worker"), None)
+    counter = ((worker or {}).get("counters") or {}).get(JIT_COMPILES)
+    return None if counter is None else int(counter["total"])
+
+
+async def _timed_run(
+    client: AsyncClient, system: str, workload: Workload, progress: Any, cpu_probe: CpuProbe | None
+) -> OfflineRun:
+    before = await client.stats()
+    meter = CpuMeter(cpu_probe)
+    start = time.perf_counter()
+    start_mono = time.monotonic_ns()
+    latencies = [0.0] * len(workload.requests)
+    ttfts: list[float] = []
+
+    async def one(i: int) -> None:
+        req = workload.requests[i]
+        result = await _generate(client, req)
+        latencies[i] = time.perf_counter() - start
+        _check(result, req.output_len)
+        if result.timing.get("ttft") is not None:
+            ttfts.append(result.timing["ttft"])
+        progress.update(1)
+
+    await asyncio.gather(*[one(i) for i in range(len(workload.requests))])
+    wall = time.perf_counter() - start
+    cpu_s = meter.stop()
+    profile = await profile_of_run(client, start_mono, [*TIMELINE_SERIES, *STEP_SERIES])
+    stats = await client.stats()
     # The worker's per-step records of the run (warmup excluded): conveyor-sim calibrate's input.
     steps = step_records(profile["processes"], start_mono, start_mono + int(wall * 1e9))
     return OfflineRun.of(
@@ -99,8 +143,27 @@ async def run_offline(
             "step_records": {**steps, "num_blocks": stats.get("total_blocks")},
             "scheduler_counters": counter_deltas(before, stats),
             "cpu_s": cpu_s,
+            "profile": profile,  # popped by run_offline
         },
     )
+
+
+async def profile_of_run(client: AsyncClient, start_mono_ns: int, series: list[str] | None = None) -> dict[str, Any]:
+    """The server's profile over the run that began at ``start_mono_ns`` (CLOCK_MONOTONIC, which
+    every process of a local server stamps with), so time-based values such as the worker's
+    idle fraction describe the run, not the quiet spell before it. A process's window ends when
+    it answers: a query delayed on a loaded machine would start its window after the run did
+    (a 0.1 s run's window then held none of its steps). So the window is measured as the query
+    leaves and, where an answer shows its window began after the run, asked again widened by
+    twice the shortfall, a few times at most."""
+    window = (time.monotonic_ns() - start_mono_ns) / 1e9 + PROFILE_SLACK_S
+    for _ in range(PROFILE_TRIES):
+        profile = await client.profile(window, series=series)
+        late_ns = max(p["now_ns"] - int(p["window_s"] * 1e9) - start_mono_ns for p in profile["processes"])
+        if late_ns <= 0:
+            break
+        window += 2 * late_ns / 1e9 + PROFILE_SLACK_S
+    return profile
 
 
 def counter_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -139,8 +202,9 @@ def _profile_summary(profile: dict[str, Any]) -> dict[str, Any]:
 
 StreamOne = Callable[[BenchRequest, StreamTiming], Awaitable[None]]
 #: An online run's way to the server, opened and warmed up: ``stream_one``, and what the run
-#: adds to ``extra`` given its wall time and timings (read before the face closes).
-Face = tuple[StreamOne, Callable[[float, list[StreamTiming]], Awaitable[dict[str, Any]]]]
+#: adds to ``extra`` given the run's start (``time.monotonic_ns()``) and timings (read before
+#: the face closes).
+Face = tuple[StreamOne, Callable[[int, list[StreamTiming]], Awaitable[dict[str, Any]]]]
 
 
 async def drive_arrivals(
@@ -219,8 +283,9 @@ async def run_online(
 
         face = http_face(http_url, address, timeout)
     async with face as (stream_one, extra_of):
+        start_mono = time.monotonic_ns()
         timings, wall, cpu_s = await drive_arrivals(workload, arrivals, stream_one, progress, cpu_probe)
-        extra = await extra_of(wall, timings)
+        extra = await extra_of(start_mono, timings)
     return online_run(system, rate, wall, timings, slo_ttft_s, slo_tpot_s, cpu_s, extra)
 
 
@@ -245,7 +310,7 @@ async def client_face(address: str, timeout: float) -> AsyncIterator[Face]:
             result = last.result if last is not None else None
             timing.ok = result is not None and result.finish_reason == "length" and timing.num_tokens == req.output_len
 
-        async def extra_of(wall: float, timings: list[StreamTiming]) -> dict[str, Any]:
-            return {"server_profile": _profile_summary(await client.profile(wall + PROFILE_SLACK_S))}
+        async def extra_of(start_mono: int, timings: list[StreamTiming]) -> dict[str, Any]:
+            return {"server_profile": _profile_summary(await profile_of_run(client, start_mono))}
 
         yield stream_one, extra_of

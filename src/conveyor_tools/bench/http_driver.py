@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from conveyor_tools.bench.drivers import PROFILE_SLACK_S, WARMUP_REQUESTS, Face, RunFailed, _profile_summary
+from conveyor_tools.bench.drivers import WARMUP_REQUESTS, Face, RunFailed, _profile_summary, profile_of_run
 from conveyor_tools.bench.run_metrics import StreamTiming
 from conveyor_tools.bench.workloads import BenchRequest
 from conveyor.client import AsyncClient
@@ -128,7 +128,7 @@ async def http_face(base_url: str, profile_address: str | None, timeout: float) 
             timing.num_tokens = tokens or 0
             timing.ok = reason == "length" and tokens == req.output_len
 
-        async def extra_of(wall: float, timings: list[StreamTiming]) -> dict[str, Any]:
+        async def extra_of(start_mono: int, timings: list[StreamTiming]) -> dict[str, Any]:
             output_tokens = sum(t.num_tokens for t in timings if t.ok)
             extra: dict[str, Any] = {
                 "base_url": base_url,
@@ -136,7 +136,7 @@ async def http_face(base_url: str, profile_address: str | None, timeout: float) 
             }
             if profile_address is not None:
                 async with AsyncClient(profile_address, timeout=timeout) as client:
-                    extra["server_profile"] = _profile_summary(await client.profile(wall + PROFILE_SLACK_S))
+                    extra["server_profile"] = _profile_summary(await profile_of_run(client, start_mono))
             return extra
 
         yield stream_one, extra_of

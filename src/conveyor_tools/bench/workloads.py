@@ -155,6 +155,11 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, clip
     return np.clip(np.rint(rng.lognormal(mu, sigma, n)), *clip).astype(np.int64)
 
 
+def lowest_token(vocab_size: int) -> int:
+    """Token ids are drawn well inside the vocabulary, away from the low ids tokenizers give special tokens."""
+    return 10 if vocab_size > 64 else 1
+
+
 def make_workload(
     name: str,
     num_requests: int,
@@ -220,8 +225,7 @@ def make_workload(
             "long_output": list(HV_LONG),
             "long_fraction": HV_LONG_FRACTION,
         }
-    # Token ids well inside the vocabulary, away from the low ids tokenizers give special tokens.
-    low = 10 if vocab_size > 64 else 1
+    low = lowest_token(vocab_size)
     requests, clamped = [], 0
     for p, o in zip(prompts.tolist(), outputs.tolist()):
         p = max(1, min(int(p), max_model_len - 1))
@@ -233,6 +237,20 @@ def make_workload(
         requests.append(BenchRequest(ids, o))
     return Workload(name, seed, requests, params, clamped)
 
+
+
+def retokenized(workload: Workload, seed: int, vocab_size: int, *, max_output_len: int | None = None) -> Workload:
+    """``workload``'s requests with the same prompt lengths and sampling but fresh random token
+    ids (``max_output_len``: outputs capped): a warm-up that compiles the shapes a run will
+    meet, or a second timed run, without hitting the prefix cache of the first."""
+    rng = np.random.default_rng(seed)
+    low = lowest_token(vocab_size)
+    requests = [
+        BenchRequest(rng.integers(low, vocab_size, r.prompt_len).tolist(),
+                     r.output_len if max_output_len is None else min(r.output_len, max_output_len), r.sampling)
+        for r in workload.requests
+    ]
+    return Workload(workload.name, seed, requests, workload.params, workload.num_clamped)
 
 
 #: make_workload's length parameters: bin/bench's and bin/sim's flags of the same names set them.

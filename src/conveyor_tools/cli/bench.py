@@ -43,7 +43,15 @@ from conveyor_tools.bench import experiments, plots, report
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
-from conveyor_tools.bench.workloads import constrain_fraction, poisson_arrivals, with_controls, with_logprobs, workload_from_args
+from conveyor_tools.bench.workloads import (
+    Workload,
+    constrain_fraction,
+    poisson_arrivals,
+    retokenized,
+    with_controls,
+    with_logprobs,
+    workload_from_args,
+)
 from conveyor_tools.cli.bench_experiments import experiments_main
 from conveyor_tools.cli.bench_speculative import speculative_main
 from conveyor_tools.cli.bench_options import (
@@ -60,6 +68,11 @@ from conveyor_tools.cli.bench_options import (
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.ipc.messages import speculation_rates
 from conveyor.worker.main import resolve_device
+
+
+# --warmup workload: the warm-up requests' output cap (enough decode steps to overlap the
+# batch's prefill chunks, as the timed run's first steps do).
+WARMUP_MAX_TOKENS = 32
 
 
 def offline_serve_args(args: argparse.Namespace, model_dir: str, device: str, system: str) -> list[str]:
@@ -87,6 +100,12 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
         if name in HTTP_SERVED:
             results[name] = {"unavailable": "online only: bin/bench online drives the HTTP API"}
     hf_model = None
+    vocab = ctx["vocab_size"]
+    warmup = None
+    if args.warmup == "workload":
+        first = Workload(workload.name, workload.seed, workload.requests[: args.batch_size], workload.params)
+        warmup = retokenized(first, workload.seed + 1, vocab, max_output_len=WARMUP_MAX_TOKENS)
+    reruns = [retokenized(workload, workload.seed + 2 + k, vocab) for k in range(args.timed_runs - 1)]
     for rep in range(args.repeat):
         for name in systems:
             if "unavailable" in results[name]:
@@ -96,7 +115,8 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                 try:
                     if name in SERVED:
                         with BenchServer(offline_serve_args(args, model_dir, device, name)) as server:
-                            run = asyncio.run(run_offline(name, server.address, workload, bar, args.timeout))
+                            run = asyncio.run(run_offline(name, server.address, workload, bar, args.timeout,
+                                                          warmup=warmup, reruns=reruns))
                     else:
                         from conveyor_tools.bench import hf
 
@@ -128,6 +148,8 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             counters = run.extra.get("scheduler_counters") or {}
             if counters.get("spec_num_proposals"):  # the server speculated: its acceptance
                 record["summary"].update(speculation_rates(counters))
+            if "timed_runs" in run.extra:  # the reported (last) window's compiles
+                record["summary"]["triton_compiles"] = run.extra["timed_runs"][-1]["triton_compiles"]
             results[name]["runs"].append(record["summary"])
             results[name].update({k: v for k, v in record.items() if k != "summary"})
     for name, result in results.items():
@@ -246,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"bench: unknown system(s) {', '.join(unknown)}; choose from {', '.join(ALL_SYSTEMS)}", file=sys.stderr)
         return 2
-    if args.repeat < 1:
-        print("bench: --repeat must be at least 1", file=sys.stderr)
+    if args.repeat < 1 or getattr(args, "timed_runs", 1) < 1:
+        print("bench: --repeat and --timed-runs must be at least 1", file=sys.stderr)
         return 2
     if args.mode == "online" and args.http_url and not args.address:
         print("bench: --http-url is for a running server: give its --address too", file=sys.stderr)
@@ -291,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if workload.num_clamped:
         print(f"note: {workload.num_clamped} requests clamped to max_model_len {max_model_len}", file=sys.stderr)
     env = report.environment(device)
-    ctx = {"workload": workload, "systems": systems, "device": device, "model_dir": model_dir}
+    ctx = {"workload": workload, "systems": systems, "device": device, "model_dir": model_dir, "vocab_size": model.vocab_size}
     result = offline(args, ctx) if args.mode == "offline" else online(args, ctx)
     if hasattr(os, "getloadavg"):
         env["machine"]["load_average_at_end"] = list(os.getloadavg())
@@ -311,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
             "max_model_len": max_model_len,
             "repeat": getattr(args, "repeat", 1),
+            "warmup": getattr(args, "warmup", "short"),
+            "timed_runs": getattr(args, "timed_runs", 1),
         },
         "environment": env,
         **result,

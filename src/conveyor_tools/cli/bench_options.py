@@ -81,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="mode", required=True)
     off = sub.add_parser("offline", parents=[common], help="all requests at once: throughput")
     off.add_argument("--repeat", type=int, default=1, help="runs per system, interleaved; the median is reported")
+    off.add_argument(
+        "--warmup", choices=("short", "workload"), default="short",
+        help="served systems' warm-up: four 4-token prompts, or a batch of the workload's own prompt lengths "
+        "(fresh tokens, at most 32 output tokens) so the kernel variants the run meets compile before it",
+    )
+    off.add_argument(
+        "--timed-runs", type=int, default=1,
+        help="served systems: time the workload this many times on one server (fresh tokens each time), report "
+        "the last; each window's throughput and Triton compiles are in the JSON (extra.timed_runs)",
+    )
     on = sub.add_parser("online", parents=[common], help="Poisson arrivals: latency and goodput")
     on.add_argument("--rate", default="4", help="requests/s; a comma-separated sweep; 'inf' for all at once")
     on.add_argument("--address", help="benchmark this running server instead of starting one")

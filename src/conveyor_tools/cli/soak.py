@@ -80,6 +80,9 @@ SYSTEM_PROMPT = " ".join(WORDS[:60])
 STOP_STRINGS = ("e", " a", "th", "xyz", ".")
 
 
+RARE_ACTIONS = (0.0, 0.04)  # a vanishing client, then a probe (Soak.one's action thresholds)
+
+
 @dataclass
 class Report:
     """What a soak saw; ``failures`` empty means every check passed."""
@@ -229,10 +232,13 @@ class _Soak:
             self.reloaded = load
             self.report.lora_updates += 1
 
-    async def one(self, client: AsyncClient, rng: random.Random, ids: list[str], prefix: str) -> None:
+    async def one(
+        self, client: AsyncClient, rng: random.Random, ids: list[str], prefix: str, action: float | None = None
+    ) -> None:
+        """One drawn action: under 0.03 a vanishing client, under 0.05 a probe, else a request."""
         report = self.report
         drawn = draw(rng, self.mix)
-        action = rng.random()
+        action = rng.random() if action is None else action
         if action < 0.05:
             try:
                 if action < 0.03:
@@ -316,9 +322,15 @@ class _Soak:
     async def client_loop(self, index: int, seed: int, deadline: float) -> None:
         rng = random.Random(seed * 1_000_003 + index)
         ids: list[str] = []
+        prefix = f"soak-{self.run_id}-{index}-"
         async with AsyncClient(self.address, timeout=self.timeout) as client:
+            # The rare paths come by chance (5 % of actions); the first client also takes each
+            # once at its start, so a soak that a busy machine slows to a few dozen actions
+            # still covers them.
+            for action in RARE_ACTIONS if index == 0 else ():
+                await self.one(client, rng, ids, prefix, action)
             while time.monotonic() < deadline:
-                await self.one(client, rng, ids, f"soak-{self.run_id}-{index}-")
+                await self.one(client, rng, ids, prefix)
 
     async def drain(self, client: AsyncClient) -> None:
         deadline = time.monotonic() + self.timeout

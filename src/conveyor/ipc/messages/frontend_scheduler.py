@@ -256,6 +256,9 @@ class SchedulerStats(Message, tag=12):
     recent_iterations: list[list[int | float]] = field(default_factory=list)
     # The LoRA adapters requests may name now (--lora-modules and those loaded since).
     lora_adapters: list[str] = field(default_factory=list)
+    # Workers hung now (no step result within --hang-timeout; conveyor.scheduler.liveness):
+    # /health answers 503 while any is.
+    num_hung: int = 0
 
 
 def speculation_rates(stats: Mapping[str, Any]) -> dict[str, float]:

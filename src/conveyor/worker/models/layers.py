@@ -101,8 +101,21 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class SiluGatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[2*intermediate, hidden]`` matmul.
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` of ``gate_up`` ``[..., 2 * I]`` (gate first): GeGLU, as
+    transformers' ``gelu_pytorch_tanh``; torch ops on every device (no fused kernel yet)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+#: Gated-MLP activation (ModelConfig.hidden_act) -> ``act(gate) * up`` of the fused projection.
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one ``[2*intermediate, hidden]``
+    matmul; ``activation`` one of :data:`GATED_ACTIVATIONS` (SwiGLU: ``silu``, GeGLU:
+    ``gelu_pytorch_tanh``).
 
     Tensor-parallel: ``intermediate_size`` is this rank's share of the features (gate/up
     column-parallel, their rows; down row-parallel, its columns, summed by one all-reduce).
@@ -115,13 +128,15 @@ class SiluGatedMLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tensor_parallel: TensorParallel,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        self.act_and_mul = GATED_ACTIVATIONS[activation]
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, device, tensor_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

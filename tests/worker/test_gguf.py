@@ -82,6 +82,7 @@ def test_a_quantized_gguf_serves_as_transformers_generates(tensor_parallel_size,
             out = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
         assert result.token_ids == out[0, len(prompt) :].tolist()
     assert chat.prompt_token_ids[0] == engine.tokenizer.bos_token_id
+    assert resolve_model(str(tmp_path)) == resolve_model(str(path)) == (engine.model_dir, False)  # the directory holding it
 
 
 def _bad(tmp_path: Path, hf_models, **kwargs) -> Path:

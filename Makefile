@@ -36,8 +36,9 @@ $(PROBE): FORCE
 	@if cmp -s $@.new $@; then rm -f $@.new; else mv $@.new $@; fi
 
 # Serving alone: conveyor and its dependencies (torch; Triton only where the CUDA torch brings
-# it), and the extras named in SERVE_EXTRAS (comma-separated, e.g. convert) if any.
-SERVE_EXTRAS ?=
+# it), and the extras named in SERVE_EXTRAS (comma-separated): by default convert, whose
+# transformers converts the default GGUF model's tokenizer once (then cached).
+SERVE_EXTRAS ?= convert
 $(SERVE_STAMP): pyproject.toml $(PROBE)
 	@$(MAKE) --no-print-directory install-torch
 	$(PIP) install -e "$(if $(SERVE_EXTRAS),.[$(SERVE_EXTRAS)],.)"

@@ -83,7 +83,7 @@ def run(system: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", help="model directory (default: the demo model)")
+    p.add_argument("--checkpoint", default="demo", help="model directory or GGUF file (default: demo, the demo model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--requests", type=int, default=8, help="requests, all in one batch")

@@ -22,7 +22,7 @@ from conveyor import Engine
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="HF checkpoint directory (default: the demo model)")
+    p.add_argument("--model", default="demo", help="HF checkpoint directory or GGUF file (default: demo, the demo model)")
     p.add_argument("--draft", action="append", default=[], help="a draft checkpoint to compare (repeatable)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)

@@ -1,9 +1,9 @@
 """conveyor.Engine in one process: requests added between steps, a continuation, an offline batch.
 
-Runs on the built-in demo model (random weights, so the text is gibberish; pass --model for a
-real Llama-family checkpoint directory):
+Runs on the default model, SmolLM2-135M-Instruct (fetched once into the cache); pass --model
+for another checkpoint directory or GGUF file, or --model demo for the random demo model:
 
-    python examples/engine_offline.py [--model DIR] [--max-tokens N]
+    python examples/engine_offline.py [--model DIR|FILE.gguf|demo] [--max-tokens N]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conveyor import Engine
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="local HF checkpoint directory (default: the demo model)")
+    parser.add_argument("--model", help="local HF checkpoint directory, GGUF file or 'demo' (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args()
 

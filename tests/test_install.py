@@ -50,13 +50,13 @@ def test_the_install_runs_only_when_something_changed(checkout, tmp_path) -> Non
     earlier = time.time() - 10  # pyproject.toml edited after the installs
     for stamp in checkout.glob(".conveyor-*"):
         os.utime(stamp, (earlier, earlier))
-    assert pip_runs(checkout, "install-serve") == [f"{PIP_RAN} install -e ."]
+    assert pip_runs(checkout, "install-serve") == [f"{PIP_RAN} install -e .[convert]"]
     assert pip_runs(checkout, "install-serve") == []
     assert pip_runs(checkout, "install") == [f"{PIP_RAN} install -e .[test,bench]"]
     venv = tmp_path / "venv"  # another interpreter
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    assert pip_runs(checkout, "install-serve", python) == [f"{PIP_RAN} install -e ."]
+    assert pip_runs(checkout, "install-serve", python) == [f"{PIP_RAN} install -e .[convert]"]
     assert (checkout / ".conveyor-python").read_text().strip() == python
     assert pip_runs(checkout, "install-serve", python) == []
 

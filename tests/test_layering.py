@@ -181,7 +181,7 @@ import conveyor.frontend.main, conveyor.scheduler.main, conveyor.worker.main, co
 import conveyor.worker.model_runner
 from conveyor import Engine
 
-engine = Engine(num_kv_blocks=32, threads=1, device="cpu", max_model_len=64)  # the demo model, built here
+engine = Engine("demo", num_kv_blocks=32, threads=1, device="cpu", max_model_len=64)  # built here
 [result] = engine.generate(["Hello"], max_tokens=3, temperature=0.0, ignore_eos=True, progress=False)
 assert len(result.token_ids) == 3, result
 """

@@ -31,6 +31,7 @@ CONVERTED = {
 
 
 def build(*flags: str, run_dir: str = "/tmp/conveyor-test-run"):
+    flags = flags if "--model" in flags else ("--model", "demo", *flags)  # (the default model is a real one, fetched)
     return serve.server_config(serve.build_parser().parse_args(list(flags)), run_dir)
 
 
@@ -99,7 +100,7 @@ def test_a_bad_value_is_refused_before_any_process_starts() -> None:
 def test_the_draft_model_flags_reach_the_scheduler_and_the_worker_and_a_bad_draft_stops_serve(tmp_path) -> None:
     from conveyor.runtime.model_source import StartupError, resolve_model
 
-    demo, _ = resolve_model(None)
+    demo, _ = resolve_model("demo")
     draft_flags = ("--speculative-method", "draft", "--speculative-model", demo, "--num-speculative-tokens", "3")
     config = build(*draft_flags)
     batcher = config.scheduler.scheduler

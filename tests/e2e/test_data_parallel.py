@@ -19,7 +19,7 @@ import pytest
 from conveyor.client import AsyncClient
 from tests.e2e.serve_harness import ServeProcess, alive
 
-SERVE_ARGS = ("--data-parallel-size", "2", "--num-kv-blocks", "64", "--threads", "1")
+SERVE_ARGS = ("--model", "demo", "--data-parallel-size", "2", "--num-kv-blocks", "64", "--threads", "1")
 GREEDY = dict(temperature=0, ignore_eos=True)
 # Fields of ``stats`` that are per-replica quantities: the server's is the sum of its replicas'.
 SUMMED = ("total_blocks", "free_blocks", "held_blocks", "cached_blocks", "num_steps", "prefix_cache_queried_tokens")
@@ -150,7 +150,7 @@ def test_serve_on_replica_death_decides_whether_one_death_stops_the_server(tmp_p
     from conveyor.assembly.supervisor import Server
 
     def server_with(*flags: str) -> Server:
-        args = build_parser().parse_args(["--host", f"ipc://{tmp_path}/c", *flags])
+        args = build_parser().parse_args(["--model", "demo", "--host", f"ipc://{tmp_path}/c", *flags])
         run_dir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         run_dir.mkdir()
         return Server(server_config(args, str(run_dir)))
@@ -185,7 +185,7 @@ def test_a_single_replica_keeps_the_plain_names_and_addresses(tmp_path) -> None:
     from conveyor.cli.serve import build_parser, server_config
     from conveyor.runtime.config import replica_of_process, replica_process_name
 
-    args = build_parser().parse_args(["--host", f"ipc://{tmp_path}/c", "--data-parallel-size", "3"])
+    args = build_parser().parse_args(["--model", "demo", "--host", f"ipc://{tmp_path}/c", "--data-parallel-size", "3"])
     config = server_config(args, str(tmp_path))
     assert config.replica(0) is config and config.frontend.data_parallel_size == 3
     replicas = [config.replica(i) for i in range(3)]

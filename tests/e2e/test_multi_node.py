@@ -208,7 +208,7 @@ def test_the_flags_split_the_ranks_over_the_nodes_and_send_remote_plans_over_tcp
     from conveyor.cli.serve import build_parser, server_config
 
     def config(*flags: str):
-        return server_config(build_parser().parse_args(["--num-kv-blocks", "8", *flags]), str(tmp_path))
+        return server_config(build_parser().parse_args(["--model", "demo", "--num-kv-blocks", "8", *flags]), str(tmp_path))
 
     remote = ("--tensor-parallel-size", "4", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000")
     multi = (*remote, "--cluster-key", cluster_key)

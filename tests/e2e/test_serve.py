@@ -353,7 +353,7 @@ def test_sigterm_leaves_no_process(serve_factory, tiny_checkpoint) -> None:
 
 
 def test_bin_client_streams_from_demo_model(serve_factory) -> None:
-    server = serve_factory("--num-kv-blocks", "64", "--threads", "1")
+    server = serve_factory("--model", "demo", "--num-kv-blocks", "64", "--threads", "1")
     assert "random weights" in "".join(server.stdout)
     out = subprocess.run(
         [sys.executable, str(REPO / "bin" / "client"), "--host", server.address, "--max-tokens", "8", "--ignore-eos", "Hello"],

@@ -112,7 +112,7 @@ def test_the_flag_makes_one_worker_view_per_rank_and_one_plan_reader_each(tmp_pa
     from conveyor.cli.serve import build_parser, server_config
     from conveyor.runtime.config import rank_process_name
 
-    args = build_parser().parse_args(["--tensor-parallel-size", "2", "--num-kv-blocks", "8", "--distributed-timeout", "12"])
+    args = build_parser().parse_args(["--model", "demo", "--tensor-parallel-size", "2", "--num-kv-blocks", "8", "--distributed-timeout", "12"])
     config = server_config(args, str(tmp_path))
     ranks = config.worker_ranks()
     assert [(w.tensor_parallel_rank, w.tensor_parallel_size) for w in ranks] == [(0, 2), (1, 2)]
@@ -121,7 +121,7 @@ def test_the_flag_makes_one_worker_view_per_rank_and_one_plan_reader_each(tmp_pa
     assert config.channels.plans.readers == 2 and config.channels.results.readers == 1
     assert [rank_process_name("worker", w.tensor_parallel_rank) for w in ranks] == ["worker", "worker-rank1"]
     assert config.scheduler.channels == config.channels  # the scheduler sends each plan once, to both
-    one = server_config(build_parser().parse_args(["--num-kv-blocks", "8"]), str(tmp_path))
+    one = server_config(build_parser().parse_args(["--model", "demo", "--num-kv-blocks", "8"]), str(tmp_path))
     assert len(one.worker_ranks()) == 1 and one.channels.plans.readers == 1
     with pytest.raises(SystemExit):  # argparse: "must be >= 1, got 0"
         build_parser().parse_args(["--tensor-parallel-size", "0"])

@@ -31,7 +31,7 @@ def demo_engine():
     """One engine on the demo model for a module (its requests are removed by each test)."""
     from conveyor import Engine
 
-    return Engine(num_kv_blocks=256, threads=2, device="cpu")
+    return Engine("demo", num_kv_blocks=256, threads=2, device="cpu")
 
 
 def run_all(engine) -> list:

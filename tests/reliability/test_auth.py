@@ -146,7 +146,7 @@ def test_exposed_addresses_warn_once(tmp_path, keys, capsys) -> None:
     for args, warnings in cases:
         run_dir = tmp_path / f"run{len(args)}-{warnings}"
         run_dir.mkdir()
-        warn_if_exposed(server_config(build_parser().parse_args(args), str(run_dir)))
+        warn_if_exposed(server_config(build_parser().parse_args(["--model", "demo", *args]), str(run_dir)))
         err = capsys.readouterr().err
         assert err.count("WARNING") == warnings, (args, err)
 
@@ -168,11 +168,11 @@ def test_one_face_keyed_and_the_other_open_refuses_to_start(tmp_path, keys) -> N
         run_dir = tmp_path / f"refused{i}"
         run_dir.mkdir()
         with pytest.raises(ValueError, match=message):
-            server_config(build_parser().parse_args(args), str(run_dir))
+            server_config(build_parser().parse_args(["--model", "demo", *args]), str(run_dir))
     for i, args in enumerate(allowed):
         run_dir = tmp_path / f"allowed{i}"
         run_dir.mkdir()
-        server_config(build_parser().parse_args(args), str(run_dir))
+        server_config(build_parser().parse_args(["--model", "demo", *args]), str(run_dir))
 
 
 def test_bin_serve_with_auth_keys(serve_factory, tiny_checkpoint, keys) -> None:

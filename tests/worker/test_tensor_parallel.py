@@ -284,7 +284,7 @@ def test_a_replicas_ranks_take_gpus_of_their_own_where_there_are_enough(monkeypa
     with fewer GPUs the replicas wrap around and share them. CPU devices are left alone."""
     from conveyor.cli.serve import build_parser, server_config
 
-    args = build_parser().parse_args(["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--device", "cuda"])
+    args = build_parser().parse_args(["--model", "demo", "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--device", "cuda"])
     ranks = server_config(args, "/tmp/conveyor-test-run").replica(1).worker_ranks()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     devices = [rank_device("cuda", TensorParallel(w.tensor_parallel_rank, 2, None), w.first_device) for w in ranks]

@@ -33,7 +33,7 @@ from conveyor.runtime.config import (
     WorkerConfig,
     remote_plans_address,
 )
-from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
+from conveyor.runtime.model_source import draft_model_config, model_length, model_name, resolve_model
 from conveyor.runtime.tensor_shards import check_shardable
 
 T = TypeVar("T")
@@ -168,7 +168,7 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
     )
     http = None
     if flags["http_port"] is not None or flags["metrics_port"] is not None:
-        name = flags["served_model_name"] or ("conveyor-demo" if demo else Path(model_dir).resolve().name)
+        name = flags["served_model_name"] or model_name(model_dir, demo)
         http = settings_view(
             HttpConfig, flags, addresses=addresses, served_model_name=name, max_model_len=max_model_len,
             model_dir=str(model_dir), api_keys=api_keys(flags), lora_names=batcher.lora_names,

@@ -37,7 +37,7 @@ from conveyor.runtime.config import (
     WorkerConfig,
     replica_process_name,
 )
-from conveyor.runtime.model_source import StartupError
+from conveyor.runtime.model_source import StartupError, model_name
 from conveyor.runtime.process import DEBUG_ENV
 
 
@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     """bin/serve's flags. Their defaults are the config classes' own (``SchedulerConfig.max_num_seqs``
     ...) and their choices the mode enums' names, so neither is written twice."""
     p = argparse.ArgumentParser(prog="serve", description="Serve a Llama-family model with continuous batching.")
-    p.add_argument("--model", help="local HF checkpoint directory (config.json + safetensors); default: the built-in demo model")
+    p.add_argument(
+        "--model",
+        help="local HF checkpoint directory (config.json + safetensors), a .gguf file (or a directory holding one), "
+        "or 'demo' (random weights, for tests); default: SmolLM2-135M-Instruct, fetched once into the cache",
+    )
     p.add_argument("--host", default="127.0.0.1", help="client address host, or a full ipc:// / tcp:// address")
     p.add_argument("--port", type=int, default=7700)
     p.add_argument(
@@ -188,7 +192,7 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=_port, help="serve /metrics and /health on this port (also without --http-port)")
     g.add_argument(
         "--served-model-name",
-        help="the model name clients send and /v1/models lists (default: the --model directory's name; conveyor-demo for the demo)",
+        help="the model name clients send and /v1/models lists (default: the --model directory's name, a GGUF file's name without .gguf; conveyor-demo for the demo)",
     )
     g.add_argument(
         "--api-key",
@@ -317,7 +321,7 @@ def in_flag_terms(message: str, parser: argparse.ArgumentParser) -> str:
 def ready_line(config: ServerConfig, workers: list[dict]) -> str:
     """The line that says the server is ready: where, what, and on what KV cache; with
     data-parallel replicas, how many and each one's cache (they may differ)."""
-    what = "demo model (random weights: output is gibberish)" if config.demo else f"model {config.model_dir}"
+    what = "demo model (random weights: output is gibberish)" if config.demo else f"model {model_name(config.model_dir, False)}"
     blocks = [int(w["num_blocks"]) for w in workers]
     devices = sorted({str(w.get("device")) for w in workers})
     cache = f"{blocks[0]} KV blocks of {config.worker.block_size} tokens"

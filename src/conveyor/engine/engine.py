@@ -91,8 +91,8 @@ _OPTIONS = frozenset(client_requests.OPTION_FIELDS) - {"priority"}
 class Engine:
     """bin/serve's batching engine as a library: add requests, step, read their tokens and text.
 
-    ``model``: a local HF checkpoint directory (None: the built-in demo model, random
-    weights). ``config``: bin/serve's settings by name (:mod:`conveyor.engine.options`):
+    ``model``: as bin/serve's ``--model`` (:func:`~conveyor.runtime.model_source.resolve_model`;
+    None: SmolLM2-135M-Instruct). ``config``: bin/serve's settings by name (:mod:`conveyor.engine.options`):
     ``device``, ``dtype``, ``attention``, ``num_kv_blocks`` or ``kv_cache_memory`` (GiB),
     ``max_model_len``, ``max_sessions``, ... and every scheduler knob by its
     :class:`~conveyor.runtime.config.SchedulerConfig` name, with TGI's ``max_batch_size``

@@ -19,17 +19,54 @@ class StartupError(RuntimeError):
     before it was ready (:mod:`conveyor.assembly.supervisor`)."""
 
 
+DEMO = "demo"
+
+
 def resolve_model(model: str | None) -> tuple[str, bool]:
-    """The checkpoint directory to serve and whether it is the demo model (``model`` None:
-    the built-in demo, built into the cache on first use)."""
-    if model is None:
+    """The checkpoint directory to serve and whether it is the demo model.
+
+    ``model``: None for the default real model (SmolLM2-135M-Instruct, fetched into the cache
+    on first use: :mod:`conveyor.checkpoints.gguf.default_model`); ``"demo"`` for the built-in
+    random demo model; a GGUF file, or a directory holding exactly one, served through its
+    cached checkpoint directory (:mod:`conveyor.checkpoints.gguf.prepare`); else a local HF
+    checkpoint directory. Every failure is a StartupError naming ``--model`` and the file.
+    """
+    if model == DEMO:
         from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
 
         return str(demo_checkpoint_dir()), True
+    try:
+        if model is None:
+            from conveyor.checkpoints.gguf.default_model import default_model_file
+
+            source = default_model_file()
+        else:
+            from conveyor.checkpoints.gguf.prepare import find_gguf
+
+            source = find_gguf(Path(model).expanduser())
+        if source is not None:
+            from conveyor.checkpoints.gguf.prepare import prepared_dir
+
+            return str(prepared_dir(source)), False
+    except (ValueError, ImportError, RuntimeError) as exc:  # GGUFError, the convert extra missing, FetchError
+        raise StartupError(f"--model {model or '(default)'}: {exc}") from None
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
-        raise StartupError(f"--model {model}: no config.json there (a local HF checkpoint directory is required)")
+        raise StartupError(
+            f"--model {model}: no config.json there (a local HF checkpoint directory, a .gguf file, or {DEMO!r} is required)"
+        )
     return str(path), False
+
+
+def model_name(model_dir: str, demo: bool) -> str:
+    """What the served model is called (the OpenAI ``model`` field, the ready line):
+    ``conveyor-demo``, a GGUF file's name without ``.gguf``, or the checkpoint directory's name."""
+    if demo:
+        return "conveyor-demo"
+    from conveyor.checkpoints.gguf.prepare import gguf_file
+
+    source = gguf_file(model_dir)
+    return source.stem if source is not None else Path(model_dir).resolve().name
 
 
 def model_length(model: ModelConfig, max_model_len: int | None) -> int:

@@ -7,17 +7,22 @@ silently half-loaded model produces fluent garbage, which is far harder to debug
 
 A tensor-parallel rank builds its shard of the model and reads only the slices of each
 checkpoint tensor its layout names (safetensors slices: the rest of the file is never
-copied), after checking the tensor's whole shape.
+copied), after checking the tensor's whole shape. A GGUF checkpoint (a prepared directory
+whose ``gguf.json`` names the file) is read through the same loop:
+:func:`checkpoint_tensors` is the one place the two formats differ.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from conveyor.checkpoints.gguf.prepare import gguf_file
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.attention.backend import AttentionBackend
 from conveyor.worker.attention.triton_backend import backend_for
@@ -82,41 +87,51 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, device, config)
     model = model_class(config.architecture)(config, backend or backend_for(device), torch_dtype, device, tensor_parallel)
-    load_weights(model, safetensors_files(model_dir))
+    load_weights(model, checkpoint_tensors(model_dir))
     return model.eval(), config
 
 
+def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Any]]:
+    """(file name, tensor name, slice) of every tensor of the checkpoint: safetensors slices,
+    or a GGUF file's tensors dequantized when reached (:mod:`conveyor.worker.gguf_tensors`)."""
+    source = gguf_file(model_dir)
+    if source is not None:
+        from conveyor.worker.gguf_tensors import gguf_tensors
+
+        yield from gguf_tensors(source, json.loads((model_dir / "config.json").read_text()))
+        return
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for name in reader.keys():
+                yield file.name, name, reader.get_slice(name)
+
+
 @torch.no_grad()
-def load_weights(model: CausalLM, files: list[Path]) -> None:
-    """Copy every tensor of ``files`` (the part its slot names) into the slot
-    :meth:`~conveyor.worker.models.interface.CausalLM.checkpoint_layout` gives it, converting
-    dtype and device on the way; raise unless every slot is filled once; then tell the model
-    (:meth:`~conveyor.worker.models.interface.CausalLM.weights_loaded`)."""
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]]) -> None:
+    """Copy every tensor of ``tensors`` (:func:`checkpoint_tensors`; the part its slot names)
+    into the slot :meth:`~conveyor.worker.models.interface.CausalLM.checkpoint_layout` gives it,
+    converting dtype and device on the way; raise unless every slot is filled once; then tell
+    the model (:meth:`~conveyor.worker.models.interface.CausalLM.weights_loaded`)."""
     layout = model.checkpoint_layout()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for name in reader.keys():
-                if name not in layout:
-                    raise ValueError(f"unexpected weight {name!r} in {file.name} for {model.config.architecture}")
-                slot = layout[name]
-                if slot is None:
-                    continue
-                if name in loaded:
-                    raise ValueError(f"weight {name!r} appears twice in the checkpoint (again in {file.name})")
-                stored = reader.get_slice(name)
-                shape = tuple(stored.get_shape())
-                if shape != slot.shape:
-                    raise ValueError(f"weight {name!r} has shape {shape}, expected {slot.shape}")
-                target = params[slot.name][slot.start : slot.end]
-                part = stored[_index(slot)]
-                if part.shape != target.shape:
-                    raise ValueError(
-                        f"slot of weight {name!r} reads shape {tuple(part.shape)} into {tuple(target.shape)}"
-                    )
-                target.copy_(part)
-                loaded.add(name)
+    for file_name, name, stored in tensors:
+        if name not in layout:
+            raise ValueError(f"unexpected weight {name!r} in {file_name} for {model.config.architecture}")
+        slot = layout[name]
+        if slot is None:
+            continue
+        if name in loaded:
+            raise ValueError(f"weight {name!r} appears twice in the checkpoint (again in {file_name})")
+        shape = tuple(stored.get_shape())
+        if shape != slot.shape:
+            raise ValueError(f"weight {name!r} has shape {shape}, expected {slot.shape}")
+        target = params[slot.name][slot.start : slot.end]
+        part = stored[_index(slot)]
+        if part.shape != target.shape:
+            raise ValueError(f"slot of weight {name!r} reads shape {tuple(part.shape)} into {tuple(target.shape)}")
+        target.copy_(part)
+        loaded.add(name)
     missing = sorted(name for name, slot in layout.items() if slot is not None and name not in loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing)}")

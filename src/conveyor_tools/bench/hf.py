@@ -85,6 +85,16 @@ def _not_about_psutil(record: logging.LogRecord) -> bool:
     return "psutil" not in record.getMessage()
 
 
+def pretrained_source(model_dir: str) -> tuple[str, dict[str, str]]:
+    """``from_pretrained``'s arguments for a checkpoint directory: a GGUF checkpoint's prepared
+    directory (:mod:`conveyor.checkpoints.gguf.prepare`) loads transformers from the GGUF file
+    itself, as a user of transformers would."""
+    from conveyor.checkpoints.gguf.prepare import gguf_file
+
+    source = gguf_file(model_dir)
+    return (model_dir, {}) if source is None else (str(source.parent), {"gguf_file": source.name})
+
+
 def load_model(model_dir: str, device: str, dtype: str) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -93,7 +103,8 @@ def load_model(model_dir: str, device: str, dtype: str) -> Any:
 
     config = AutoConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, device, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    source, gguf = pretrained_source(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(source, **gguf, dtype=torch_dtype)
     return model.to(device).eval()
 
 

@@ -31,7 +31,9 @@ TIMEOUT_S = 3600.0
 def build_parser() -> argparse.ArgumentParser:
     # What every mode shares: the model, the device and the server's sizes.
     engine = argparse.ArgumentParser(add_help=False)
-    engine.add_argument("--model", help="HF checkpoint directory (default: the built-in demo model)")
+    engine.add_argument(
+        "--model", help="HF checkpoint directory, a .gguf file (or a directory holding one), or 'demo' (the default: the built-in demo model)"
+    )
     engine.add_argument("--device", default="auto", choices=Device.names())
     engine.add_argument("--dtype", default="auto", choices=Dtype.names())
     engine.add_argument("--seed", type=int, default=0)
@@ -149,11 +151,11 @@ def serve_flags(args: argparse.Namespace, model_dir: str, device: str, extra: li
 
 
 def checkpoint_dir(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
+    """The checkpoint directory of ``--model``, resolved as bin/serve resolves it (a GGUF file
+    becomes its cached checkpoint directory); bin/bench measures the demo model by default."""
+    from conveyor.runtime.model_source import DEMO, resolve_model
 
-    return str(demo_checkpoint_dir())
+    return resolve_model(args.model or DEMO)[0]
 
 
 def model_settings(model: ModelConfig) -> dict[str, Any]:

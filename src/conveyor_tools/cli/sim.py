@@ -36,7 +36,7 @@ from conveyor_tools.bench.workloads import WORKLOADS, poisson_arrivals, workload
 from conveyor_tools.sim.cost import CostModel, fit, records_arrays
 from conveyor_tools.sim.simulator import SimRequest, simulate
 
-DEMO_VOCAB = 4096  # the demo model's (bin/serve without --model), as bin/bench uses it
+DEMO_VOCAB = 4096  # the demo model's (bin/serve --model demo), as bin/bench uses it by default
 DEMO_MAX_MODEL_LEN = 2048
 
 

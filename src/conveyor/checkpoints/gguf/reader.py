@@ -1,0 +1,235 @@
+"""Reading a GGUF checkpoint: its metadata as a Hugging Face ``config.json``, its tensors under
+Hugging Face names, dequantized to float32.
+
+GGUF (llama.cpp's single-file format) holds the config as ``{arch}.*`` metadata keys, the
+tokenizer as ``tokenizer.*`` keys and every weight, often block-quantized (Q8_0, Q4_1, Q4_K
+...). The `gguf` package (numpy only) parses the file and dequantizes each type it knows;
+this module maps what it reads onto what the rest of Conveyor already understands, so
+nothing downstream has a GGUF case: :func:`hf_config` gives the dicts
+:meth:`~conveyor.checkpoints.model_config.ModelConfig.from_dicts` parses, :func:`hf_tensors`
+the tensors under the names the worker's loader expects.
+
+llama.cpp's converter permutes the rows of Llama's q and k projections (it rotates
+interleaved pairs, HF rotates halves); :func:`_unpermute` undoes it as transformers' GGUF
+loader does, so the weights equal those transformers loads from the same file.
+
+Everything that can be wrong with a file (not GGUF, truncated, an architecture, a metadata
+field or a tensor type Conveyor cannot serve, a tensor it does not know) raises
+:class:`GGUFError` naming the file and the field or tensor. Torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+# general.architecture -> (HF architecture, model_type, whether q/k rows carry llama.cpp's rotary permutation)
+ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+}
+
+# GGUF tensor name -> HF name; per layer ({i}) and global.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+
+# general.file_type -> the dtype a GPU serves it in by default (--dtype auto): a float file
+# keeps its own; a quantized one is dequantized to bfloat16 (its values fit that range).
+_FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+class GGUFError(ValueError):
+    """A GGUF file Conveyor cannot serve; the message names the file and the field or tensor."""
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """The parsed file (memory-mapped: tensors are read when touched); GGUFError when ``path``
+    is not a GGUF file or is cut short."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise GGUFError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if magic != b"GGUF":
+        raise GGUFError(f"{path}: not a GGUF file (its first bytes are {magic!r}, not b'GGUF')")
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # numpy's reshape/index errors on a file cut short, gguf's own ValueErrors
+        raise GGUFError(f"{path}: cannot parse it as GGUF, the file is truncated or corrupt ({exc})") from None
+
+
+def hf_config(reader: GGUFReader, path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``config.json`` and ``generation_config.json`` contents of the checkpoint, from its metadata.
+
+    The keys transformers' GGUF loader reads (``{arch}.block_count`` -> ``num_hidden_layers``
+    ...), tied embeddings exactly when the file has no ``output.weight``, the vocabulary size
+    from ``{arch}.vocab_size`` or else the token list.
+    """
+    fields = _Fields(reader, path)
+    arch = fields.get("general.architecture")
+    if arch is None:
+        raise GGUFError(f"{path}: metadata field general.architecture is missing")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: general.architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    architecture, model_type, _ = ARCHITECTURES[arch]
+    names = {t.name for t in reader.tensors}
+    heads = fields.require(f"{arch}.attention.head_count")
+    hidden = fields.require(f"{arch}.embedding_length")
+    head_dim = fields.get(f"{arch}.attention.key_length") or hidden // heads
+    rotary = fields.get(f"{arch}.rope.dimension_count")
+    if rotary is not None and rotary != head_dim:
+        raise GGUFError(f"{path}: {arch}.rope.dimension_count {rotary} differs from the head size {head_dim} (partial rotary is not supported)")
+    scaling = fields.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none") or "rope_freqs.weight" in names:
+        what = f"{arch}.rope.scaling.type {scaling!r}" if scaling not in (None, "none") else "tensor rope_freqs.weight"
+        raise GGUFError(f"{path}: {what}: scaled RoPE from GGUF is not supported")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    vocab = fields.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise GGUFError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+    eos = [fields.get(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    eos = [token for i, token in enumerate(eos) if token is not None and token not in eos[:i]]
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
+        "intermediate_size": int(fields.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(fields.require(f"{arch}.block_count")),
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(fields.get(f"{arch}.attention.head_count_kv") or heads),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(fields.require(f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(fields.get(f"{arch}.rope.freq_base") or 10000.0),
+        "max_position_embeddings": int(fields.require(f"{arch}.context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "hidden_act": "silu",
+        "torch_dtype": _FILE_DTYPES.get(fields.get("general.file_type"), "bfloat16"),
+        "bos_token_id": bos,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+    }
+    generation = {key: config[key] for key in ("bos_token_id", "eos_token_id") if config[key] is not None}
+    return config, generation
+
+
+def check_tensors(reader: GGUFReader, path: str | Path) -> None:
+    """GGUFError for a tensor of a type `gguf` cannot dequantize or of a name Conveyor does not
+    map: both found before any weight is read."""
+    for tensor in reader.tensors:
+        hf_name(tensor.name, path)
+        if not dequantizable(tensor.tensor_type):
+            raise GGUFError(
+                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf package cannot dequantize"
+            )
+
+
+def hf_tensors(reader: GGUFReader, config: dict[str, Any], path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 array in HF layout) for every tensor, one at a time (each is
+    dequantized when reached, so at most one dequantized copy is alive)."""
+    arch = config["model_type"]
+    permuted = next(permuted for _, model_type, permuted in ARCHITECTURES.values() if model_type == arch)
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, path)
+        values = dequantize(tensor.data, tensor.tensor_type)
+        values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if permuted and name.endswith("self_attn.q_proj.weight"):
+            values = _unpermute(values, config["num_attention_heads"])
+        elif permuted and name.endswith("self_attn.k_proj.weight"):
+            values = _unpermute(values, config["num_key_value_heads"])
+        yield name, values
+
+
+def hf_name(name: str, path: str | Path) -> str:
+    """The HF name of GGUF tensor ``name``; GGUFError for one Conveyor does not know."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    raise GGUFError(f"{path}: tensor {name} has no counterpart in Conveyor's models")
+
+
+@cache
+def dequantizable(qtype: GGMLQuantizationType) -> bool:
+    """Whether `gguf` dequantizes ``qtype``: tried on one block of zeros."""
+    if qtype not in GGML_QUANT_SIZES or qtype in _INTEGER_TYPES:
+        return False
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    block = np.zeros((1, type_size), dtype=np.uint8)
+    try:
+        if qtype == GGMLQuantizationType.F32:
+            dequantize(block.view(np.float32), qtype)
+        elif qtype == GGMLQuantizationType.F16:
+            dequantize(block.view(np.float16), qtype)
+        else:
+            dequantize(block, qtype)
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True
+
+
+_INTEGER_TYPES = {getattr(GGMLQuantizationType, name) for name in ("I8", "I16", "I32", "I64", "F64")}
+
+
+def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: within each head it stores the rotary pairs
+    interleaved (row 2j, 2j+1), HF stores the two halves one after the other."""
+    half = weights.shape[0] // heads // 2
+    return weights.reshape(heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+class _Fields:
+    """Metadata values by key, plain Python values (str, int, float, list)."""
+
+    def __init__(self, reader: GGUFReader, path: str | Path) -> None:
+        self._fields = reader.fields
+        self._path = path
+
+    def get(self, key: str) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            return None
+        try:
+            return field.contents()
+        except Exception as exc:
+            raise GGUFError(f"{self._path}: metadata field {key} cannot be read ({exc})") from None
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise GGUFError(f"{self._path}: metadata field {key} is missing")
+        return value

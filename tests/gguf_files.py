@@ -1,0 +1,140 @@
+"""Tiny GGUF files written the way llama.cpp's converter writes them, for the GGUF tests.
+
+:func:`write_gguf` turns a transformers Llama (or Qwen2/Qwen3) into a GGUF file with
+``gguf.GGUFWriter``: the ``{arch}.*`` metadata, the q/k rows of a Llama permuted into
+llama.cpp's interleaved rotary order, every matrix quantized to one type by ``gguf.quants``
+(norms and biases stay F32, as llama.cpp keeps them), and optionally the demo model's
+byte-level BPE tokenizer with a chat template, so a file can be served end to end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
+
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{_LAYER[rest]}"
+
+
+def permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: the two rotary halves of each head interleaved."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def write_gguf(
+    path: Path,
+    model: torch.nn.Module,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    arch: str = "llama",
+    tokenizer: bool = False,
+    skip_metadata: tuple[str, ...] = (),
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """Write ``model`` (a transformers causal LM) as GGUF file ``path``; ``skip_metadata``
+    leaves those keys out, ``extra_tensors`` adds raw tensors or replaces those of its names
+    (the error cases)."""
+    config = model.config
+    writer = GGUFWriter(str(path), arch)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    metadata: dict[str, Any] = {
+        f"{arch}.block_count": ("uint32", config.num_hidden_layers),
+        f"{arch}.context_length": ("uint32", config.max_position_embeddings),
+        f"{arch}.embedding_length": ("uint32", config.hidden_size),
+        f"{arch}.feed_forward_length": ("uint32", config.intermediate_size),
+        f"{arch}.attention.head_count": ("uint32", heads),
+        f"{arch}.attention.head_count_kv": ("uint32", kv_heads),
+        f"{arch}.attention.key_length": ("uint32", head_dim),
+        f"{arch}.attention.value_length": ("uint32", head_dim),
+        f"{arch}.rope.dimension_count": ("uint32", head_dim),
+        f"{arch}.rope.freq_base": ("float32", float(config.rope_parameters["rope_theta"])),
+        f"{arch}.attention.layer_norm_rms_epsilon": ("float32", float(config.rms_norm_eps)),
+        f"{arch}.vocab_size": ("uint32", config.vocab_size),
+    }
+    for key, (kind, value) in metadata.items():
+        if key not in skip_metadata:
+            getattr(writer, f"add_{kind}")(key, value)
+    if tokenizer:
+        _add_demo_tokenizer(writer)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        values = tensor.detach().float().numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            values = permute(values, heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            values = permute(values, kv_heads)
+        if gguf_name(name) not in (extra_tensors or {}):
+            _add(writer, gguf_name(name), values, qtype if values.ndim == 2 else GGMLQuantizationType.F32)
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add(writer: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    if qtype == GGMLQuantizationType.F32:
+        writer.add_tensor(name, values)
+    elif qtype == GGMLQuantizationType.F16:
+        writer.add_tensor(name, values.astype(np.float16))
+    else:
+        writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+
+
+def _add_demo_tokenizer(writer: GGUFWriter) -> None:
+    """The demo tokenizer (byte-level BPE, Llama 3's pre-tokenizer) as llama.cpp's ``gpt2`` model."""
+    spec = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())
+    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    vocab = dict(spec["model"]["vocab"])
+    for added in spec["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    special = {added["id"] for added in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab[config["bos_token"]])
+    writer.add_eos_token_id(vocab[config["eos_token"]])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHAT_TEMPLATE)

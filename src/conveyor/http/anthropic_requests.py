@@ -17,7 +17,9 @@ names differ). What is translated:
 - ``tools`` (``name``, ``description``, ``input_schema``) -> function tools; ``tool_choice``
   ``auto`` / ``any`` / ``tool`` / ``none`` -> ``auto`` / ``required`` / the named function /
   ``none`` (``any`` and ``tool`` force calls through the JSON-schema constraint).
-- ``metadata``, ``service_tier`` and ``tool_choice.disable_parallel_tool_use``: no effect here,
+- ``output_config.format`` (a JSON schema) -> ``response_format`` (the JSON-schema constraint).
+- ``metadata``, ``service_tier``, ``cache_control`` and the other fields of :data:`_IGNORED`,
+  ``output_config.effort`` and ``tool_choice.disable_parallel_tool_use``: no effect here,
   reported in ``x-conveyor-ignored-fields``; ``thinking`` only ``{"type": "disabled"}`` (no
   reasoning output yet); other fields as the OpenAI routes take unknown ones (ignored and
   reported, a 400 with ``--strict-fields``). Blocks other than text, tool_use and tool_result
@@ -34,12 +36,11 @@ from conveyor.http.errors import ApiError, bad_field
 from conveyor.http.openai_requests import CHAT, GenerationJob, parse_request, unknown_fields
 
 # The Messages API's request fields (count_tokens takes all but the sampling ones).
-MESSAGE_FIELDS = frozenset({
-    "model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "tools",
-    "tool_choice", "stream", "metadata", "service_tier", "thinking",
-})
-COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
-_IGNORED = ("metadata", "service_tier")
+# Fields with no effect here (caching hints: the prefix cache is automatic; routing, billing and
+# speed tiers of Anthropic's service).
+_IGNORED = ("cache_control", "diagnostics", "inference_geo", "metadata", "service_tier", "speed", "user_profile_id", "workspace_id")
+COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", *_IGNORED})
+MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream"}
 
 
 def messages_job(body: Any, served_model: str, loras: Sequence[str] = (), strict: bool = False, count_only: bool = False) -> GenerationJob:
@@ -71,6 +72,9 @@ def messages_job(body: Any, served_model: str, loras: Sequence[str] = (), strict
     if turns[-1]["role"] == "assistant":  # a prefill: the answer continues it
         chat["add_generation_prompt"], chat["continue_final_message"] = False, True
     ignored = [n for n in _IGNORED if body.get(n) is not None]
+    output = body.get("output_config")
+    if output is not None:
+        chat.update(_output_config(output, ignored))
     tools = body.get("tools")
     if tools is not None:
         chat["tools"] = _tools(tools)
@@ -173,6 +177,21 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
     return out
+
+
+def _output_config(output: Any, ignored: list[str]) -> dict[str, Any]:
+    """``output_config``: its ``format`` (a JSON schema) as the chat's ``response_format``
+    (the JSON-schema constraint, strict); its ``effort`` has no effect here (reported)."""
+    if not isinstance(output, dict) or set(output) - {"format", "effort"}:
+        raise bad_field("output_config", "'output_config' must be an object of 'format' and/or 'effort'")
+    if output.get("effort") is not None:
+        ignored.append("output_config.effort")
+    fmt = output.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_field("output_config", "'output_config.format' must be {type: json_schema, schema: {...}}")
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}}
 
 
 def _tool_choice(choice: Any, tools: Any) -> tuple[Any, bool]:

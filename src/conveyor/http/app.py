@@ -3,7 +3,9 @@
 :func:`api_app` serves ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
 ``POST /invocations`` (a completion or a chat request, told apart by the body's
-``prompt`` or ``messages``, as vLLM routes it), ``POST /v1/load_lora_adapter`` and
+``prompt`` or ``messages``, as vLLM routes it), Anthropic's ``POST /v1/messages`` and ``POST
+/v1/messages/count_tokens`` (:mod:`conveyor.http.anthropic_requests`; their errors in
+Anthropic's shape, their key also as ``x-api-key``), ``GET /tokenizer_info``, ``POST /v1/load_lora_adapter`` and
 ``POST /v1/unload_lora_adapter`` (:mod:`conveyor.http.adapters`), ``GET /version``, ``GET /health`` and ``GET
 /metrics``; :func:`metrics_app` (the ``--metrics-port`` listener) ``/metrics`` and
 ``/health`` alone.
@@ -11,7 +13,8 @@
 API keys (``--api-key``, :class:`Access`): when the server has any, every route but
 :data:`OPEN_PATHS` (``/health``, ``/metrics``, ``/version``; those too with
 ``--api-key-everywhere``) needs ``Authorization: Bearer <key>``; anything else is a 401
-with the OpenAI error object. Keys are compared in constant time
+with the OpenAI error object. Every response carries ``x-request-id``
+(:mod:`conveyor.http.request_ids`). Keys are compared in constant time
 (:func:`hmac.compare_digest`, every key tried) so the time taken says nothing about them. Every error, aiohttp's own
 included (unknown path 404, wrong method 405, body over the limit 413), leaves as the OpenAI
 error object (:mod:`conveyor.http.errors`) through :func:`error_middleware`.

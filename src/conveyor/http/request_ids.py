@@ -22,8 +22,10 @@ from aiohttp import web
 REQUEST_ID_HEADER = "x-request-id"
 MAX_ID_CHARS = 128
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,%d}" % MAX_ID_CHARS)
-_KEY = "conveyor.request_id"
-_ECHO = "conveyor.request_id_echo"
+# Typed request keys where aiohttp has them (3.14+; a plain string key warns there).
+_RequestKey = getattr(web, "RequestKey", None)
+_KEY = _RequestKey("request_id", str) if _RequestKey else "conveyor.request_id"
+_ECHO = _RequestKey("request_id_echo", str) if _RequestKey else "conveyor.request_id_echo"
 
 
 def assign(request: web.Request) -> None:

@@ -52,6 +52,7 @@ def test_bodies_become_the_chat_request_they_mean() -> None:
     assert j.ignored == ("metadata", "tool_choice.disable_parallel_tool_use") and "fill_context" not in o
     assert job(tool_choice={"type": "any"}, tools=[TOOL]).forced_tool_choice == "required"
     assert job(tool_choice={"type": "none"}, tools=[TOOL]).tools is False
+    assert "tool_choice" not in job(tool_choice={"type": "auto"}).options  # no tools: nothing to choose
     unknown = job(foo=1)
     assert unknown.unknown == ("foo",) and unknown.ignored == ("foo",)
     with pytest.raises(ApiError) as info:

@@ -80,7 +80,9 @@ def messages_job(body: Any, served_model: str, loras: Sequence[str] = (), strict
         chat["tools"] = _tools(tools)
     choice = body.get("tool_choice")
     if choice is not None:
-        chat["tool_choice"], parallel = _tool_choice(choice, tools)
+        mapped, parallel = _tool_choice(choice)
+        if tools or mapped not in ("auto", "none"):  # auto / none without tools: nothing to choose
+            chat["tool_choice"] = mapped
         if parallel:
             ignored.append("tool_choice.disable_parallel_tool_use")
     job = parse_request(CHAT, chat, served_model, loras, strict=True)
@@ -194,7 +196,7 @@ def _output_config(output: Any, ignored: list[str]) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}}
 
 
-def _tool_choice(choice: Any, tools: Any) -> tuple[Any, bool]:
+def _tool_choice(choice: Any) -> tuple[Any, bool]:
     """The chat ``tool_choice`` of an Anthropic one, and whether it set ``disable_parallel_tool_use``."""
     kind = choice.get("type") if isinstance(choice, dict) else None
     parallel = isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is not None

@@ -13,9 +13,9 @@ log-probabilities in OpenAI's shapes (:mod:`conveyor.http.openai_logprobs`; with
 prompt's first, and each streamed chunk's for its own tokens) and ``prompt_logprobs``
 vLLM's per-prompt-token list; the prompt's ids these need
 come from the HTTP process's tokenizer (:mod:`conveyor.http.tokens`), asked only when a
-request needs them. The body's ignored fields are named in the ``x-conveyor-ignored-fields``
-header and a log line.
-
+request needs them. The body's ignored and unknown fields are named in the
+``x-conveyor-ignored-fields`` header and the log (:func:`ignored_fields`, which the Messages
+API uses too).
 """
 
 from __future__ import annotations

@@ -132,6 +132,21 @@ def test_streamed_events_of_text_a_stop_a_call_and_a_failure() -> None:
     assert [k for k, _ in got][2:] == ["content_block_start", "content_block_delta", "content_block_stop", "message_delta"]
     assert got[2][1]["content_block"]["type"] == "tool_use" and got[2][1]["content_block"]["input"] == {}
     assert json.loads(got[3][1]["delta"]["partial_json"]) == {"zone": "utc"} and got[-1][1]["delta"]["stop_reason"] == "tool_use"
+    # tool_choice auto with --tool-call-parser hermes: text first, then the parsed call as its own block.
+    parsed = tool_reader(job(tools=[TOOL]), "hermes")
+    enc = MessageEvents("msg_4", MODEL, None, parsed)
+    enc.start()
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>'
+    for piece in ("Let me check. ", call[:20], call[20:]):
+        enc(0, StreamDelta("r", piece, [1]))
+    enc(0, StreamDelta("r", "", [], "stop", result("Let me check. " + call)))
+    got = events(bytes(enc.out))
+    blocks = [d["content_block"] for k, d in got if k == "content_block_start"]
+    assert [b["type"] for b in blocks] == ["text", "tool_use"] and blocks[1]["name"] == "get_time"
+    assert "".join(d["delta"].get("text", "") for k, d in got if k == "content_block_delta").strip() == "Let me check."
+    assert [d["index"] for k, d in got if k == "content_block_stop"] == [0, 1] and got[-1][1]["delta"]["stop_reason"] == "tool_use"
+    whole = message_body("m", MODEL, result("Let me check. " + call), None, parsed)
+    assert [b["type"] for b in whole["content"]] == ["text", "tool_use"] and whole["content"][1]["input"] == {"zone": "cet"}
     enc = MessageEvents("msg_3", MODEL, None, None)
     enc.start()
     enc(0, StreamDelta("r", "partial", [1]))

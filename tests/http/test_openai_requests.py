@@ -81,8 +81,19 @@ def test_what_conveyor_cannot_do_is_refused_by_name() -> None:
                         ("allowed_token_ids", [1]), ("suffix", "end")):
         assert name in refused(400, name, **{name: value}).message
     refused(400, "add_special_tokens", CHAT, add_special_tokens=True)  # chat's do-nothing value is false
-    refused(400, "foo", foo=1)
-    refused(400, "prompt", CHAT, prompt="x")  # a completions field on the chat endpoint
+    refused(400, "prompt", CHAT, prompt="x")  # a completions field on the chat endpoint: always refused
+    refused(400, "add_generation_prompt", add_generation_prompt=True)
+
+
+def test_unknown_fields_are_ignored_and_reported_unless_strict() -> None:
+    """A field no schema knows is dropped and named (vLLM's behaviour), or with
+    --strict-fields a 400 naming it; it never reaches the protocol options."""
+    job = parse(foo=1, zeta={"x": 1}, user="u")
+    assert job.unknown == ("foo", "zeta") and job.ignored == ("foo", "user", "zeta")
+    assert "foo" not in job.options and "zeta" not in job.options
+    with pytest.raises(errors.ApiError) as info:
+        parse_request(COMPLETION, {"model": MODEL, "prompt": "hi", "foo": 1}, MODEL, strict=True)
+    assert (info.value.status, info.value.param) == (400, "foo") and "--strict-fields" in info.value.message
 
 
 def test_structured_output_fields_become_one_constraint() -> None:

@@ -209,6 +209,8 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         help="read chat answers with tools for calls in this format (Hermes/Qwen <tool_call> JSON, Llama 3 JSON); "
         "default: not parsed (the tools still reach the chat template)",
     )
+    _switch(g, "--strict-fields", HttpConfig.strict_fields,
+            "refuse a request field no schema knows with a 400 (default: ignore it, name it in the x-conveyor-ignored-fields header and warn once)")
     g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
     g.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
     g.add_argument("--http-header-timeout", type=float, default=HttpConfig.http_header_timeout,

@@ -3,7 +3,9 @@
 :func:`api_app` serves ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
 ``POST /invocations`` (a completion or a chat request, told apart by the body's
-``prompt`` or ``messages``, as vLLM routes it), ``POST /v1/load_lora_adapter`` and
+``prompt`` or ``messages``, as vLLM routes it), Anthropic's ``POST /v1/messages`` and ``POST
+/v1/messages/count_tokens`` (:mod:`conveyor.http.anthropic_requests`; their errors in
+Anthropic's shape, their key also as ``x-api-key``), ``GET /tokenizer_info``, ``POST /v1/load_lora_adapter`` and
 ``POST /v1/unload_lora_adapter`` (:mod:`conveyor.http.adapters`), ``GET /version``, ``GET /health`` and ``GET
 /metrics``; :func:`metrics_app` (the ``--metrics-port`` listener) ``/metrics`` and
 ``/health`` alone.
@@ -11,7 +13,8 @@
 API keys (``--api-key``, :class:`Access`): when the server has any, every route but
 :data:`OPEN_PATHS` (``/health``, ``/metrics``, ``/version``; those too with
 ``--api-key-everywhere``) needs ``Authorization: Bearer <key>``; anything else is a 401
-with the OpenAI error object. Keys are compared in constant time
+with the OpenAI error object. Every response carries ``x-request-id``
+(:mod:`conveyor.http.request_ids`). Keys are compared in constant time
 (:func:`hmac.compare_digest`, every key tried) so the time taken says nothing about them. Every error, aiohttp's own
 included (unknown path 404, wrong method 405, body over the limit 413), leaves as the OpenAI
 error object (:mod:`conveyor.http.errors`) through :func:`error_middleware`.
@@ -39,12 +42,18 @@ from conveyor.version import __version__
 from conveyor.http import adapters, prometheus
 from conveyor.http.adapters import LORAS
 from conveyor.http.connections import BODY_TIMEOUT, BODY_TIMEOUT_S, COUNTS, Guard
+from conveyor.http import request_ids
+from conveyor.http.anthropic_requests import messages_job
+from conveyor.http.anthropic_responses import error_body as anthropic_error_body
+from conveyor.http.anthropic_responses import respond_message
 from conveyor.http.errors import ApiError, bad_field, unavailable
-from conveyor.http.generation import STARTED_RESPONSE, respond
+from conveyor.http.generation import ignored_fields, respond
+from conveyor.http.job_runs import STARTED_RESPONSE
 from conveyor.http.json_body import decode_body
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import CHAT, COMPLETION, parse_request
 from conveyor.http.openai_responses import json_encode
+from conveyor.http.tokenizer_info import tokenizer_info
 from conveyor.http.tokens import Tokens
 from conveyor.protocol.limits import MAX_CLIENT_MESSAGE_BYTES, MAX_TEMPLATE_KWARGS_BYTES
 
@@ -64,6 +73,7 @@ TOOL_PARSER = web.AppKey("tool_parser", object)  # --tool-call-parser: a format 
 ACCESS = web.AppKey("access", object)
 MAX_WAITING = web.AppKey("max_waiting", int)  # --max-waiting (absent: no per-request share)
 GUARD = web.AppKey("guard", Guard)  # the listener's connection guard (absent: none, as in tests)
+STRICT_FIELDS = web.AppKey("strict_fields", bool)  # --strict-fields: an unknown request field is a 400
 # Routes open without a key unless --api-key-everywhere.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 # Most tokens one /tokenize or /detokenize call handles (the model length bounds real use).
@@ -86,13 +96,20 @@ class Access:
             return True
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not given and request.path.startswith(ANTHROPIC_PATH):  # Anthropic's clients send x-api-key
+            given = request.headers.get("x-api-key", "").strip().encode()
         matched = False
         for key in self.keys:  # every key compared, in constant time each
             matched |= hmac.compare_digest(given, key)
         return matched
 
-def error_response(error: ApiError) -> web.Response:
-    return web.Response(status=error.status, body=json_encode(error.body()), content_type="application/json")
+# The Messages API's routes: their errors are in Anthropic's shape, their key may come as x-api-key.
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def error_response(error: ApiError, path: str = "") -> web.Response:
+    body = anthropic_error_body(error) if path.startswith(ANTHROPIC_PATH) else error.body()
+    return web.Response(status=error.status, body=json_encode(body), content_type="application/json")
 
 
 # Each handler carries its route: API_ROUTES are served by --http-port alone; PROBE_ROUTES
@@ -117,12 +134,13 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 async def _handled(request: web.Request, handler) -> web.StreamResponse:
+    request_ids.assign(request)
     try:
         if not request.app[ACCESS].allows(request):
             raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key", type="invalid_request_error")
         return await handler(request)
     except ApiError as exc:
-        response = error_response(exc)
+        response = error_response(exc, request.path)
         if exc.status == 408:  # the body's rest may still come: the connection cannot be reused
             response.force_close()
         return response
@@ -137,13 +155,13 @@ async def _handled(request: web.Request, handler) -> web.StreamResponse:
             message = f"no such endpoint: {request.method} {request.path}"
         elif exc.status == 405:
             message = f"{request.method} is not allowed on {request.path}"
-        return error_response(ApiError(exc.status, message, code=code))
+        return error_response(ApiError(exc.status, message, code=code), request.path)
     except Exception as exc:  # a bug: logged once here, answered once
         log.exception("%s %s failed", request.method, request.path)
         started = request.get(STARTED_RESPONSE)
         if started is not None:  # its status is sent already: the stream it began is the answer
             return started
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"), request.path)
 
 
 async def _body(request: web.Request) -> Any:
@@ -188,9 +206,40 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResponse:
     app = request.app
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
-    job = parse_request(kind, body, app[MODEL], loras)
+    job = parse_request(kind, body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
     _check_share(job, app.get(MAX_WAITING, 0))
     return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER])
+
+
+@API_ROUTES.post("/v1/messages")
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic's Messages API: the body as the chat request it means
+    (:mod:`conveyor.http.anthropic_requests`), answered in Anthropic's shapes."""
+    app = request.app
+    body = await _body(request)
+    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    job = messages_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
+    headers = ignored_fields(request_ids.request_id(request), job)
+    return await respond_message(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOOL_PARSER], headers)
+
+
+@API_ROUTES.post("/v1/messages/count_tokens")
+async def count_tokens(request: web.Request) -> web.Response:
+    """``{input_tokens}``: the tokens a ``/v1/messages`` body's prompt renders to (its system,
+    messages and tools through the chat template), as ``/tokenize`` counts them."""
+    app = request.app
+    body = await _body(request)
+    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    job = messages_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False), count_only=True)
+    options = {k: v for k, v in job.options.items() if k not in ("fill_context", "lora")}
+    ids = await app[TOKENS].prompt_ids(job.inputs[0], options)
+    return _json({"input_tokens": len(ids)}, headers=ignored_fields(request_ids.request_id(request), job))
+
+
+@API_ROUTES.get("/tokenizer_info")
+async def get_tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's ``GET /tokenizer_info`` (:mod:`conveyor.http.tokenizer_info`)."""
+    return _json(await tokenizer_info(request.app[TOKENS]))
 
 
 def _check_share(job: Any, max_waiting: int) -> None:
@@ -210,8 +259,8 @@ def _check_share(job: Any, max_waiting: int) -> None:
     )
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=json_encode(obj), content_type="application/json")
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=json_encode(obj), content_type="application/json", headers=headers)
 
 
 def _card(app: web.Application) -> dict[str, Any]:
@@ -349,6 +398,7 @@ def _app(
     app[CREATED] = created
     app[TOKENS] = tokens or Tokens(None, max_model_len)
     app[ACCESS] = access or Access()
+    app.on_response_prepare.append(request_ids.echo)
     return app
 
 
@@ -356,9 +406,11 @@ def api_app(
     link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None,
     loras: Sequence[str] = (),
     tool_call_parser: str | None = None,
+    strict_fields: bool = False,
 ) -> web.Application:
     app = _app(link, model, max_model_len, created, tokens, access, loras)
     app[TOOL_PARSER] = tool_call_parser
+    app[STRICT_FIELDS] = strict_fields
     app.add_routes(API_ROUTES)
     app.add_routes(PROBE_ROUTES)
     return app

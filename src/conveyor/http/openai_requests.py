@@ -67,6 +67,8 @@ class GenerationJob:
     tools: bool = False
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    unknown: tuple[str, ...] = ()  # the fields no schema knows (also in ``ignored``): a warning each
+
 
     @property
     def n(self) -> int:
@@ -75,16 +77,21 @@ class GenerationJob:
         return n if isinstance(n, int) and not isinstance(n, bool) else 1
 
 
-def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] = ()) -> GenerationJob:
+def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] = (), strict: bool = False) -> GenerationJob:
     """The job for a decoded body of ``/v1/completions`` (``kind`` COMPLETION) or
     ``/v1/chat/completions`` (CHAT); :class:`ApiError` (400, 404) naming the field otherwise.
     ``model`` names the served model or one of the LoRA adapters ``loras``: an adapter's
-    name becomes the generate request's ``lora`` option."""
+    name becomes the generate request's ``lora`` option. A field neither schema has is
+    ignored and reported (:func:`unknown_fields`), or with ``strict`` (``--strict-fields``) a 400."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_json_type(body)}")
-    unknown = sorted(set(body) - _KNOWN[kind])
+    misplaced = sorted(set(body) - _KNOWN[kind] & FIELDS.keys())
+    if misplaced:
+        other = "chat" if kind == COMPLETION else "completion"
+        raise bad_field(misplaced[0], f"{', '.join(map(repr, misplaced))}: a field of {other} requests, not of this endpoint")
+    unknown = unknown_fields(body, _KNOWN[kind], strict)
     if unknown:
-        raise bad_field(unknown[0], f"unrecognized request field(s): {', '.join(map(repr, unknown))}")
+        body = {k: v for k, v in body.items() if k not in unknown}
     lora = _check_model(body.get("model"), served_model, loras)
     _check_inert(body, kind)
     stream, include_usage, continuous_usage = _stream_flags(body)
@@ -99,7 +106,7 @@ def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] 
             options["fill_context"] = True  # OpenAI's chat default: up to the model length
     if lora is not None:
         options["lora"] = lora
-    ignored = tuple(sorted(n for n in body if FIELDS[n].how == IGNORED and body[n] is not None))
+    ignored = tuple(sorted([*(n for n in body if FIELDS[n].how == IGNORED and body[n] is not None), *unknown]))
     constraint = _constraint(body)
     if constraint is not None:
         options["constraint"] = constraint
@@ -129,7 +136,18 @@ def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] 
         tools=bool(tools) and tool_choice != "none",
         logprobs=logprobs,
         prompt_logprobs=body.get("prompt_logprobs") is not None,
+        unknown=unknown,
     )
+
+
+def unknown_fields(body: dict[str, Any], known: frozenset[str] | set[str], strict: bool) -> tuple[str, ...]:
+    """The body's fields outside ``known``, sorted: accepted and reported, as vLLM does (a
+    client written for another server sends fields of its own), or with ``strict`` a 400
+    naming the first (a typo never falls back to a default)."""
+    unknown = tuple(sorted(set(body) - known))
+    if unknown and strict:
+        raise bad_field(unknown[0], f"unrecognized request field(s): {', '.join(map(repr, unknown))} (--strict-fields)")
+    return unknown
 
 
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")

@@ -21,7 +21,10 @@ schemas is taken (docs/http.md lists them):
   ``later`` (``bad_words``, beam search) become ``forward``
   fields once the worker computes them.
 
-A field in neither schema is a 400 naming it (a typo never falls back to a default).
+A field in neither schema is ignored and reported like an ``ignored`` one, with a warning
+the first time its name is seen (vLLM's behaviour: a client written for another server sends
+fields of its own); ``--strict-fields`` makes it a 400 naming it. A field of the other
+endpoint (``messages`` on completions) is always a 400.
 
 :mod:`conveyor.http.openai_requests` applies the table to a body; this module is the table
 alone (no torch: it runs in the HTTP process).

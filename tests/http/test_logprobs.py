@@ -137,13 +137,16 @@ def test_chat_logprobs_equal_the_zmq_ones(http_server) -> None:
     client, model = openai_client(http_server), model_of(http_server)
     messages = [{"role": "user", "content": "Tell me a story"}]
     common = dict(model=model, messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
-    # The first answer to a prompt computes it whole; every later one reuses its cached full
-    # blocks and computes only the tail, a different float32 summation order (a few ulps apart,
-    # as any batch shape change is). Warm the cache first so both faces compute from the same
-    # state: then the two answers are the same numbers, exactly.
+    # How much of a prompt is computed depends on what the prefix cache holds: the first answer
+    # computes it whole, a later one only what the cache lacks (after a 1-token answer even
+    # the partial last block is reused; after this 6-token one, the full blocks alone), each a
+    # different float32 summation order, a few ulps apart. So the cache is brought to the
+    # state every answer to this request leaves first: then both faces compute the same
+    # numbers, exactly.
     with Client(http_server.address, timeout=60) as zmq_client:
-        zmq_client.generate(messages=messages, max_tokens=1, temperature=0)
-        ref = zmq_client.generate(messages=messages, max_tokens=6, temperature=0, ignore_eos=True, logprobs=2).logprobs
+        ask = dict(messages=messages, max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+        zmq_client.generate(**ask)
+        ref = zmq_client.generate(**ask).logprobs
     content = client.chat.completions.create(logprobs=True, top_logprobs=2, **common).choices[0].logprobs.content
     assert [c.token for c in content] == ref["tokens"]
     assert [c.logprob for c in content] == ref["token_logprobs"]

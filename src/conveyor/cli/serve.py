@@ -279,6 +279,13 @@ def warn_if_exposed(config: ServerConfig) -> None:
         )
 
 
+def cpu_threads_note(worker: dict) -> str:
+    """`` (2 threads, OpenMP waits PASSIVE)`` for a CPU worker: what decides its speed on shared cores."""
+    if worker.get("device") != "cpu" or "threads" not in worker:
+        return ""
+    return f" ({worker['threads']} threads, OpenMP waits {worker['omp_wait_policy']})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stop_on_signals()
@@ -319,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(
             f"conveyor ready on {config.addresses.client} serving {what} "
-            f"on {worker.get('device')} with {worker['num_blocks']} KV blocks of {config.worker.block_size} tokens"
+            f"on {worker.get('device')}{cpu_threads_note(worker)} with {worker['num_blocks']} KV blocks of {config.worker.block_size} tokens"
             + (f" (replica 0 of {config.data_parallel_size})" if config.data_parallel_size > 1 else ""),
             flush=True,
         )

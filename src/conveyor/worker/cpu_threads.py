@@ -16,9 +16,15 @@ So the worker
 * sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported (GNU OpenMP reads it once, when
   the library loads), unless the environment already names a policy: the operator's choice
   stands (``OMP_WAIT_POLICY=ACTIVE`` for a machine whose cores are the worker's alone);
-* runs as many threads as the cores it may run on (``os.sched_getaffinity``, so ``taskset``
-  and container cpusets count, unlike torch's default of the machine's physical cores),
-  shared evenly by the tensor-parallel ranks, unless ``--threads`` says otherwise.
+* runs one thread per core it may run on (``os.sched_getaffinity``, so ``taskset`` and
+  container cpusets count, unlike torch's default of the machine's physical cores) but one,
+  which is left to the frontend and scheduler (they work during every step: the scheduler
+  plans the next one, the frontend streams the last one's tokens), shared evenly by the
+  tensor-parallel ranks, unless ``--threads`` says otherwise. vLLM's CPU build reserves a
+  core the same way. On the 2-core machine, while other work ran, two passive worker threads
+  took 1.08x, 1.15x and 1.41x one thread's decode step at batch 1, 8 and 32 (two runs
+  minutes apart), and a large copy ran no faster on two cores than on one: the decode step
+  is bound by a memory bandwidth one core nearly saturates there.
 
 :class:`conveyor.Engine` runs the model in the caller's process, where torch is usually
 imported already: there the caller's environment decides the wait policy.
@@ -47,12 +53,16 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+#: Cores left to the server's other processes when the worker's threads are not given.
+RESERVED_CORES = 1
+
+
 def worker_threads(num_threads: int | None, ranks: int) -> int:
     """torch's CPU threads for each of ``ranks`` worker ranks: ``num_threads`` when given,
-    else an even share of :func:`usable_cores` (at least one)."""
+    else an even share of :func:`usable_cores` less :data:`RESERVED_CORES` (at least one)."""
     if num_threads is not None:
         return num_threads
-    return max(1, usable_cores() // max(1, ranks))
+    return max(1, (usable_cores() - RESERVED_CORES) // max(1, ranks))
 
 
 def cpu_thread_info() -> dict[str, int | str]:

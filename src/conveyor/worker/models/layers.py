@@ -57,12 +57,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+#: The rows oneDNN lays a packed weight out for (any count runs on it). Measured on the real
+#: model's decode step, one thread: against no hint, 16 ran batch 1 1.23-1.39x as fast and
+#: batch 8 and 32 alike; 1 was slower at batch 8, 8 and 32 no better than 16.
+PACKED_ROWS_HINT = 16
+
+
 def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` ``[out, in]`` reordered for oneDNN's matmul, where that pays: float32 on a CPU
     with oneDNN (None elsewhere: CUDA, other dtypes)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS_HINT)
 
 
 def pack_cpu_weights(model: nn.Module) -> None:

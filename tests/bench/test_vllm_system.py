@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from conveyor_tools.bench.server import ServeError
-from conveyor_tools.bench.vllm_server import VllmServer, _process_group
+import os
+
+from conveyor_tools.bench.vllm_server import VllmServer, _cpu_seconds, _process_group
 from conveyor_tools.cli.bench_options import ALL_SYSTEMS
 
 
@@ -27,3 +29,8 @@ def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(tmp_pa
     with pytest.raises(ServeError, match="did not become ready"):
         server.start()
     assert server.proc is None and not _process_group(server.pids.get("vllm"))
+
+
+def test_cpu_seconds_of_a_process_group() -> None:
+    assert os.getpid() in _process_group(os.getpgid(0))
+    assert _cpu_seconds(os.getpid()) > 0

@@ -91,11 +91,7 @@ class VllmServer(BenchServer):
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds of the server and every process it started (its engine core), summed."""
-        total = 0.0
-        for pid in _process_group(self.proc.pid if self.proc is not None else None):
-            self.pids = {"vllm": pid}
-            total += super().cpu_seconds().get("vllm", 0.0)
-        return {"vllm": total}
+        return {"vllm": sum(_cpu_seconds(pid) for pid in _process_group(self.proc.pid if self.proc is not None else None))}
 
     def stop(self, failed: bool = False) -> None:
         proc = self.proc
@@ -119,6 +115,15 @@ def _healthy(url: str) -> bool:
             return resp.status == 200
     except OSError:
         return False
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) process ``pid`` has used so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _process_group(pgid: int | None) -> list[int]:

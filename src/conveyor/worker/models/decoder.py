@@ -27,7 +27,7 @@ from torch import nn
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
 from conveyor.worker.models.interface import DECODER_LORA_TARGETS, LoraTarget, WeightSlot
-from conveyor.worker.models.layers import Linear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from conveyor.worker.models.layers import Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, linear, pack_cpu_weight, pack_cpu_weights
 from conveyor.worker.parallel import TensorParallel, shard_heads
 
 
@@ -108,6 +108,8 @@ class DecoderLM(nn.Module):
     embed_tokens: nn.Module
     layers: nn.ModuleList
     lm_head: Linear | None
+    #: The tied LM head (the embedding) packed for the CPU matmul, or None (:meth:`weights_loaded`).
+    tied_head_packed: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -133,11 +135,18 @@ class DecoderLM(nn.Module):
         if self.tensor_parallel.rank != 0:
             rank = self.tensor_parallel.rank
             raise RuntimeError(f"tensor-parallel rank {rank} holds no LM head: rank 0 computes logits")
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed).float()
 
     def weights_loaded(self) -> None:
-        """Nothing to derive: the checkpoint stores every parameter as it is used."""
+        """Pack every projection's weight for the CPU matmul (:func:`~conveyor.worker.models.
+        layers.pack_cpu_weights`; a no-op off the CPU and in other dtypes), the tied LM head's
+        too (a packed copy of the embedding). A subclass that derives parameters from what the
+        checkpoint stores does so first, then calls this."""
+        pack_cpu_weights(self)
+        if self.lm_head is None and self.tensor_parallel.rank == 0:
+            self.tied_head_packed = pack_cpu_weight(self.embed_tokens.weight)
 
     def base_layout(self, layer_norms: tuple[str, ...]) -> dict[str, WeightSlot | None]:
         """The layout of the modules every decoder here has (embedding, final norm, LM head,

@@ -134,7 +134,9 @@ class Gemma3Model(DecoderLM):
 
     @torch.no_grad()
     def weights_loaded(self) -> None:
-        """Turn every norm's stored ``w`` into the ``1 + w`` it multiplies by (module docstring)."""
+        """Turn every norm's stored ``w`` into the ``1 + w`` it multiplies by (module docstring),
+        then what every decoder derives (:meth:`DecoderLM.weights_loaded`)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.add_(1.0)
+        super().weights_loaded()

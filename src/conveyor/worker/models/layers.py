@@ -28,6 +28,8 @@ class Linear(nn.Module):
     (None without adapters); it adds each token's adapter delta to the output."""
 
     lora = None
+    #: ``weight`` in oneDNN's layout for the CPU matmul (:func:`pack_cpu_weights`), or None.
+    packed = None
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
@@ -37,8 +39,45 @@ class Linear(nn.Module):
         self.bias = _empty_parameter(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return y if self.lora is None else self.lora.add_delta(x, y)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias``, through the packed weight when there is one."""
+        return linear(x, self.weight, bias, self.packed)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    """``x weight^T + bias``: with ``packed`` (``weight`` reordered by :func:`pack_cpu_weight`)
+    oneDNN's matmul on it, else ``F.linear``. On the CPU, MKL's float32 GEMM that F.linear
+    calls runs the decode step's few rows 1.4-2x slower than oneDNN on a packed weight
+    (docs/benchmarks.md, "CPU: where the time goes")."""
+    if packed is None or x.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+#: The rows oneDNN lays a packed weight out for (any count runs on it). Measured on the real
+#: model's decode step, one thread: against no hint, 16 ran batch 1 1.23-1.39x as fast and
+#: batch 8 and 32 alike; 1 was slower at batch 8, 8 and 32 no better than 16.
+PACKED_ROWS_HINT = 16
+
+
+def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` ``[out, in]`` reordered for oneDNN's matmul, where that pays: float32 on a CPU
+    with oneDNN (None elsewhere: CUDA, other dtypes)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS_HINT)
+
+
+def pack_cpu_weights(model: nn.Module) -> None:
+    """Give every :class:`Linear` of ``model`` its packed weight (:func:`pack_cpu_weight`),
+    once its weights are loaded. The dense ``weight`` stays: the loader, LoRA and the tied
+    embedding read it; the packed copy is what the forward reads."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed = pack_cpu_weight(module.weight)
 
 
 class RowParallelLinear(Linear):
@@ -63,8 +102,7 @@ class RowParallelLinear(Linear):
         self.tensor_parallel = tensor_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tensor_parallel.rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = self.matmul(x, self.bias if self.tensor_parallel.rank == 0 else None)
         if self.lora is not None:  # this rank's partial delta (A split on the input), summed with y
             y = self.lora.add_delta(x, y)
         return all_reduce_(y, self.tensor_parallel)

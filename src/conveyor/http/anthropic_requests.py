@@ -10,7 +10,8 @@ names differ). What is translated:
   ``text`` blocks are joined; a user turn's ``tool_result`` blocks become ``tool`` turns (before
   its text), an assistant turn's ``tool_use`` blocks its ``tool_calls``. A last assistant turn
   is a prefill: the answer continues it (``continue_final_message``).
-- ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k``, ``stream`` as they are;
+- ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k``, ``stream`` as they are, and
+  ``seed`` (not Anthropic's: the OpenAI routes' reproducible sampling, as vLLM accepts it);
   ``stop_sequences`` -> ``stop`` with the stop text kept in the output, so the answer can say
   which sequence ended it (``stop_sequence``; :class:`conveyor.http.anthropic_responses.StopTail`
   strips it).
@@ -40,7 +41,7 @@ from conveyor.http.openai_requests import CHAT, GenerationJob, parse_request, un
 # speed tiers of Anthropic's service).
 _IGNORED = ("cache_control", "diagnostics", "inference_geo", "metadata", "service_tier", "speed", "user_profile_id", "workspace_id")
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", *_IGNORED})
-MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream"}
+MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "seed", "stream"}
 
 
 def messages_job(body: Any, served_model: str, loras: Sequence[str] = (), strict: bool = False, count_only: bool = False) -> GenerationJob:
@@ -55,7 +56,7 @@ def messages_job(body: Any, served_model: str, loras: Sequence[str] = (), strict
         if max_tokens is None:
             raise bad_field("max_tokens", "'max_tokens' is required: the most tokens to generate")
         chat["max_tokens"] = max_tokens
-        for name in ("temperature", "top_p", "top_k", "stream"):
+        for name in ("temperature", "top_p", "top_k", "seed", "stream"):
             if body.get(name) is not None:
                 chat[name] = body[name]
         stops = body.get("stop_sequences")

@@ -205,3 +205,13 @@ def test_plots_show_the_spread_of_repeats(tmp_path, monkeypatch) -> None:
     plots.plot_online(str(tmp_path), "t", online)
     [bars] = drawn["online_throughput.png"]
     assert bars.lines[0].get_ydata().tolist() == [100.0]  # the median, with the min-max range around it
+
+
+def test_online_repeats_show_min_median_max_per_system_and_rate() -> None:
+    runs = [{"system": "conveyor", "repeat": i, "summary": online_summary(v)} for i, v in enumerate((120.0, 100.0, 90.0))]
+    runs.append({"system": "vllm-cpu", "repeat": 0, "summary": online_summary(80.0)})
+    header, _, conveyor, vllm = report.online_spread_table(runs).splitlines()
+    assert "min/med/max" in header
+    assert conveyor.split() == ["conveyor", "inf", "3", "90.0/100.0/120.0", "30.0/30.0/30.0"]
+    assert vllm.split() == ["vllm-cpu", "inf", "1", "80.0/80.0/80.0", "30.0/30.0/30.0"]
+    assert report.online_spread_table(runs[:1]) == ""  # one run each: the per-run table says it all

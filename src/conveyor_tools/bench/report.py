@@ -233,6 +233,30 @@ def online_table(rows: list[tuple[str, dict[str, Any]]], reference: str | None =
     return "\n".join(lines)
 
 
+def online_spread_table(runs: list[dict[str, Any]]) -> str:
+    """With ``--repeat``: per system and rate, output tok/s and TPOT p99 as min/median/max over
+    the repeats, the noise a single run's line cannot show; empty when each ran once."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["system"], run["summary"]["rate"]), []).append(run["summary"])
+    if all(len(summaries) < 2 for summaries in groups.values()):
+        return ""
+
+    def spread(values: list[float], digits: int) -> str:
+        if not values:
+            return "-"
+        return "/".join(f"{v:.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
+
+    header = f"{'system':<16} {'rate':>6} {'runs':>4} {'out tok/s min/med/max':>23} {'TPOT p99 ms min/med/max':>25}"
+    lines = [header, "-" * len(header)]
+    for (name, rate), summaries in groups.items():
+        tok = [s["output_tok_s"] for s in summaries]
+        tpot = [s["tpot_s"]["p99"] * 1e3 for s in summaries if s["tpot_s"]["p99"] is not None]
+        rate_text = rate if isinstance(rate, str) else f"{rate:g}"
+        lines.append(f"{name:<16} {rate_text:>6} {len(summaries):>4} {spread(tok, 1):>23} {spread(tpot, 1):>25}")
+    return "\n".join(lines)
+
+
 CPU_COLUMNS = ("load_generator", "http", "frontend", "scheduler", "worker")
 
 

@@ -264,8 +264,12 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
         label = f"{r['system']} @ {r['summary']['rate']}/s"
         walls[label] = min(walls.get(label, math.inf), r["summary"]["wall_s"])
     warning = report.too_short(len(workload.requests), args.batch_size, walls)
+    spread = report.online_spread_table(runs)
     print()
     print(table)
+    if spread:
+        print()
+        print(spread)
     if cpu:
         print()
         print(cpu)

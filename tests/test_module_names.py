@@ -10,6 +10,7 @@ checks the newest names."""
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.metadata
 import sys
@@ -27,6 +28,13 @@ def _bare_modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
+def _top_level_names() -> dict[str, list[str]]:
+    """Installed top-level module name -> the distributions that provide it (read once: it
+    walks every installed distribution's file list)."""
+    return importlib.metadata.packages_distributions()
+
+
 def _installed_elsewhere(name: str) -> str | None:
     """Where ``name`` would be found without the repository's folders on the path."""
     if name in sys.stdlib_module_names:
@@ -36,7 +44,7 @@ def _installed_elsewhere(name: str) -> str | None:
     spec = importlib.machinery.PathFinder.find_spec(name, path)
     if spec is not None and spec.origin not in (None, "namespace"):  # a module or a regular package
         return spec.origin
-    distributions = importlib.metadata.packages_distributions().get(name)
+    distributions = _top_level_names().get(name)
     return f"the distribution {distributions[0]}" if distributions else None
 
 

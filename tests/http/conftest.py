@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from conveyor.client import Client
 from tests.e2e.conftest import hf_controlled, hf_logprobs, serve_factory, tiny_checkpoint  # noqa: F401  (fixtures, registered here)
 from tests.e2e.serve_harness import ServeProcess, alive
 
@@ -75,6 +76,20 @@ def http_server(tiny_checkpoint, tmp_path_factory):  # noqa: F811
     server = http_serve(serve)
     yield server
     stop_and_check(server)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_checkpoint, tmp_path_factory):  # noqa: F811
+    """A module's own server that reads Hermes-format tool calls; it must end holding no KV."""
+    serve = ServeProcess(
+        ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0", "--tool-call-parser", "hermes"],
+        tmp_path_factory.mktemp("tools"),
+    )
+    running = http_serve(serve)
+    yield running
+    with Client(running.address, timeout=60) as watcher:
+        assert watcher.stats()["held_blocks"] == 0
+    stop_and_check(running)
 
 
 @pytest.fixture

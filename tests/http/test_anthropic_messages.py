@@ -13,10 +13,6 @@ import urllib.request
 
 import pytest
 
-from conveyor.client import Client
-from tests.e2e.serve_harness import ServeProcess
-from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
-
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
@@ -35,16 +31,8 @@ GREEDY, SAMPLED = {"temperature": 0}, {"temperature": 1.0, "seed": 5}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    serve = ServeProcess(
-        ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0", "--tool-call-parser", "hermes"],
-        tmp_path_factory.mktemp("anthropic"),
-    )
-    running = http_serve(serve)
-    yield running
-    with Client(running.address, timeout=60) as watcher:
-        assert watcher.stats()["held_blocks"] == 0
-    stop_and_check(running)
+def server(tool_server):
+    return tool_server
 
 
 def client(server) -> anthropic.Anthropic:

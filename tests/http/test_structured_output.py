@@ -13,8 +13,6 @@ import openai
 import pytest
 
 from conveyor.client import Client
-from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
-from tests.e2e.serve_harness import ServeProcess
 
 pytest.importorskip("llguidance")
 
@@ -34,16 +32,8 @@ HERMES_CALL = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "(utc|ce
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    serve = ServeProcess(
-        ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0", "--tool-call-parser", "hermes"],
-        tmp_path_factory.mktemp("structured"),
-    )
-    running = http_serve(serve)
-    yield running
-    with Client(running.address, timeout=60) as watcher:
-        assert watcher.stats()["held_blocks"] == 0
-    stop_and_check(running)
+def server(tool_server):
+    return tool_server
 
 
 def client(server) -> openai.OpenAI:

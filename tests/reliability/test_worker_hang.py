@@ -69,20 +69,25 @@ def test_on_hang_wait_fails_requests_and_serves_again_once_the_worker_steps(tiny
         serve.shut_down(tree)
 
 
-def test_on_hang_exit_fails_requests_and_stops_the_server(tiny_checkpoint, tmp_path) -> None:
-    args = ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--hang-timeout", str(HANG_TIMEOUT_S)]
-    serve = ServeProcess(args, tmp_path)
+def _hang_exits_the_server(serve: ServeProcess, victim: str, said: str) -> None:
+    """With ``--on-hang exit``: once ``victim`` is stopped, its stream fails naming it within the
+    notice bound, bin/serve exits 1 saying ``said``, and no process of its tree is left."""
     tree = children_of(serve.proc.pid)
     try:
-        final, took = _stream_then_stop_worker(serve)
-        assert final is not None and final.finish_reason == "error" and "worker hung" in final.error, final
+        final, took = _stream_then_stop_worker(serve, victim)
+        assert final is not None and final.finish_reason == "error" and f"{victim} hung" in final.error, final
         assert took < NOTICE_BOUND_S, took
         assert serve.proc.wait(20) == 1
-        assert "its worker hung" in serve.output()
+        assert said in serve.output()
         assert not still_alive_after(tree, 5)
     finally:
         if serve.proc.poll() is None:
             serve.kill()
+
+
+def test_on_hang_exit_fails_requests_and_stops_the_server(tiny_checkpoint, tmp_path) -> None:
+    args = ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--hang-timeout", str(HANG_TIMEOUT_S)]
+    _hang_exits_the_server(ServeProcess(args, tmp_path), "worker", "its worker hung")
 
 
 def test_a_hung_scheduler_is_noticed_by_the_frontend(tiny_checkpoint, tmp_path) -> None:
@@ -109,15 +114,4 @@ def test_a_hung_scheduler_is_noticed_by_the_frontend(tiny_checkpoint, tmp_path) 
     finally:
         os.kill(serve.pids["scheduler"], signal.SIGCONT)
         serve.shut_down(tree)
-    serve = ServeProcess(args, tmp_path / "exit")
-    tree = children_of(serve.proc.pid)
-    try:
-        final, took = _stream_then_stop_worker(serve, "scheduler")
-        assert final is not None and final.finish_reason == "error" and "scheduler hung" in final.error, final
-        assert took < NOTICE_BOUND_S, took
-        assert serve.proc.wait(20) == 1
-        assert "a scheduler hung" in serve.output()
-        assert not still_alive_after(tree, 5)
-    finally:
-        if serve.proc.poll() is None:
-            serve.kill()
+    _hang_exits_the_server(ServeProcess(args, tmp_path / "exit"), "scheduler", "a scheduler hung")

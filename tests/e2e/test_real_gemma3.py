@@ -20,7 +20,7 @@ import torch
 from conveyor.checkpoints.gguf.packaged import GEMMA3_270M, FetchError, packaged_file
 from conveyor.runtime.model_source import resolve_model
 
-ITEMS = ", ".join(f"item {i}: {word}" for i, word in enumerate(["apple", "river", "stone", "cloud", "lamp"] * 40))
+ITEMS = ", ".join(f"item {i}: {word}" for i, word in enumerate(["apple", "river", "stone", "cloud", "lamp"] * 20))
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What colour is the sky?"}],
@@ -53,7 +53,8 @@ def served(gemma_dir):
 
 @pytest.fixture(scope="module")
 def hf_logprobs(gemma_dir, served):
-    """transformers' log-softmax at every position of each served sequence (one right-padded batch)."""
+    """transformers' log-softmax where each served sequence's output tokens were chosen (one
+    forward per sequence, logits only at those positions: 262k-token rows are large)."""
     from transformers import AutoModelForCausalLM
 
     from conveyor.checkpoints.gguf.prepare import gguf_file
@@ -61,12 +62,13 @@ def hf_logprobs(gemma_dir, served):
     source = gguf_file(gemma_dir)
     model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32).eval()
     _, _, results = served
-    sequences = [r.prompt_token_ids + r.token_ids for r in results]
-    width = max(map(len, sequences))
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    rows = []
     with torch.no_grad():
-        return torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+        for r in results:
+            ids = torch.tensor([r.prompt_token_ids + r.token_ids[:-1]])
+            logits = model(input_ids=ids, logits_to_keep=len(r.token_ids)).logits[0]
+            rows.append(torch.log_softmax(logits.float(), dim=-1))  # row j: where output token j was chosen
+    return rows
 
 
 def test_the_packaged_file_is_gemma3_with_its_turn_format(served) -> None:
@@ -83,14 +85,13 @@ def test_the_packaged_file_is_gemma3_with_its_turn_format(served) -> None:
 
 def test_greedy_chat_and_logprobs_equal_transformers(served, hf_logprobs) -> None:
     _, _, results = served
-    assert "Paris" in results[0].text, results[0].text
+    # (the pretrained model, not instruction-tuned: its chat answers are not answers; that
+    # they are transformers' is the check)
     for i, result in enumerate(results):
-        start = len(result.prompt_token_ids)
-        expected = hf_logprobs[i, start - 1 : start - 1 + len(result.token_ids)].argmax(dim=-1).tolist()
-        assert result.token_ids == expected, (i, result.text)
+        assert result.token_ids == hf_logprobs[i].argmax(dim=-1).tolist(), (i, result.text)
         [output] = result.outputs
         for step, entry in enumerate(output.logprobs):
-            row = hf_logprobs[i, start - 1 + step]
+            row = hf_logprobs[i][step]
             assert {t.token_id for t in entry.top} == set(torch.topk(row, 5).indices.tolist()), (i, step)
             for t in entry.top:
                 assert abs(t.logprob - float(row[t.token_id])) <= 1e-4, (i, step, t)

@@ -115,6 +115,6 @@ def test_tensor_parallel_3_equals_transformers(real_model_dir, plain, hf_greedy_
     from conveyor import Engine
 
     with Engine(str(real_model_dir), device="cpu", threads=1, tensor_parallel_size=3, distributed_timeout_s=120) as engine:
-        results = engine.generate([chat(q) for q in QUESTIONS[:3]], max_tokens=12, progress=False, **GREEDY)
+        results = engine.generate([chat(q) for q in QUESTIONS[:2]], max_tokens=8, progress=False, **GREEDY)
     assert hf_greedy_check([(r.prompt_token_ids, r.token_ids) for r in results]) == []
-    assert [r.token_ids for r in results] == [r.token_ids[:12] for r in plain[0][:3]]
+    assert [r.token_ids for r in results] == [r.token_ids[:8] for r in plain[0][:2]]

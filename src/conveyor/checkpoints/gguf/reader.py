@@ -169,7 +169,7 @@ def hf_tensors(reader: GGUFReader, config: dict[str, Any], path: str | Path) -> 
         yield name, values
 
 
-def hf_name(name: str, path: str | Path, family: Family = FAMILIES["llama"]) -> str:
+def hf_name(name: str, path: str | Path, family: Family) -> str:
     """The HF name of GGUF tensor ``name`` in a file of ``family``; GGUFError for one Conveyor
     does not know."""
     if name in _GLOBAL_NAMES:

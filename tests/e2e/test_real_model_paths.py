@@ -2,8 +2,8 @@
 path a request can take besides those of tests/e2e/test_real_model.py (chunked prefill,
 recompute preemption): swap preemption, prefix reuse, continuation (by id, and
 ``continue_final_message``), n > 1 (greedy and seeded), n-gram speculative decoding and tensor
-parallelism (gloo) over 3 ranks: SmolLM2's 9 query heads do not split over 2 (the 2-rank case
-of a real model is Gemma 3's, tests/e2e/test_real_gemma3.py).
+parallelism (gloo) over 3 ranks: SmolLM2's 9 query heads do not split over 2 (2 ranks are
+tested on tiny checkpoints, tests/worker/test_tensor_parallel.py).
 
 Two engines: one rank with a KV pool too small for its batch (swap space beside it) and
 n-gram speculation on (requests opt out with ``speculate=False``, so plain and speculative

@@ -53,6 +53,8 @@ from conveyor.http.json_body import decode_body
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import CHAT, COMPLETION, parse_request
 from conveyor.http.openai_responses import json_encode
+from conveyor.http.responses_output import respond_response
+from conveyor.http.responses_requests import responses_job
 from conveyor.http.tokenizer_info import tokenizer_info
 from conveyor.http.tokens import Tokens
 from conveyor.protocol.limits import MAX_CLIENT_MESSAGE_BYTES, MAX_TEMPLATE_KWARGS_BYTES
@@ -70,6 +72,7 @@ MAX_MODEL_LEN = web.AppKey("max_model_len", int)
 CREATED = web.AppKey("created", int)
 TOKENS = web.AppKey("tokens", Tokens)
 TOOL_PARSER = web.AppKey("tool_parser", object)  # --tool-call-parser: a format of conveyor.structured.tool_calls, or None
+REASONING_PARSER = web.AppKey("reasoning_parser", object)  # --reasoning-parser: a format of conveyor.structured.reasoning, or None
 ACCESS = web.AppKey("access", object)
 MAX_WAITING = web.AppKey("max_waiting", int)  # --max-waiting (absent: no per-request share)
 GUARD = web.AppKey("guard", Guard)  # the listener's connection guard (absent: none, as in tests)
@@ -208,7 +211,21 @@ async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResp
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     job = parse_request(kind, body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
     _check_share(job, app.get(MAX_WAITING, 0))
-    return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER])
+    return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER], app.get(REASONING_PARSER))
+
+
+@API_ROUTES.post("/v1/responses")
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API: the body as the chat request it means
+    (:mod:`conveyor.http.responses_requests`), answered as response objects and their events."""
+    app = request.app
+    body = await _body(request)
+    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    parsed = responses_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
+    _check_share(parsed.job, app.get(MAX_WAITING, 0))
+    headers = ignored_fields(request_ids.request_id(request), parsed.job)
+    model = parsed.job.options.get("lora") or app[MODEL]
+    return await respond_response(request, app[LINK], parsed, model, app[TOOL_PARSER], app.get(REASONING_PARSER), headers)
 
 
 @API_ROUTES.post("/v1/messages")
@@ -220,7 +237,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     job = messages_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
     headers = ignored_fields(request_ids.request_id(request), job)
-    return await respond_message(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOOL_PARSER], headers)
+    return await respond_message(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOOL_PARSER], headers, app.get(REASONING_PARSER))
 
 
 @API_ROUTES.post("/v1/messages/count_tokens")
@@ -407,9 +424,11 @@ def api_app(
     loras: Sequence[str] = (),
     tool_call_parser: str | None = None,
     strict_fields: bool = False,
+    reasoning_parser: str | None = None,
 ) -> web.Application:
     app = _app(link, model, max_model_len, created, tokens, access, loras)
     app[TOOL_PARSER] = tool_call_parser
+    app[REASONING_PARSER] = reasoning_parser
     app[STRICT_FIELDS] = strict_fields
     app.add_routes(API_ROUTES)
     app.add_routes(PROBE_ROUTES)

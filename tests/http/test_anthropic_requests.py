@@ -16,7 +16,7 @@ from conveyor.http.anthropic_requests import messages_job
 from conveyor.http.anthropic_responses import MessageEvents, StopTail, error_body, message_body
 from conveyor.http.app import Access
 from conveyor.http.errors import ApiError
-from conveyor.http.output_reading import output_reader
+from conveyor.http.output_reading import OutputReader, output_reader
 
 MODEL = "tiny"
 TOOL = {"name": "get_time", "description": "d", "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}}}
@@ -168,3 +168,23 @@ def test_anthropic_routes_take_x_api_key_and_request_ids_are_safe() -> None:
         request = make_mocked_request("GET", "/", headers={"x-request-id": given})
         request_ids.assign(request)
         assert request_ids.request_id(request) == used if used else len(request_ids.request_id(request)) == 32
+
+
+def test_thinking_blocks_whole_and_streamed() -> None:
+    """With --reasoning-parser, the think block is a thinking block before the text, whole and streamed."""
+    reader = OutputReader("qwen3", None)
+    text = "<think>\nThe user greets me.\n</think>\n\nHello there"
+    body = message_body("m", MODEL, result(text), None, reader)
+    assert body["content"] == [{"type": "thinking", "thinking": "The user greets me.", "signature": ""}, {"type": "text", "text": "Hello there"}]
+    enc = MessageEvents("m", MODEL, None, reader)
+    enc.start()
+    for piece in ("<thi", "nk>\nThe user", " greets me.\n</th", "ink>\n\nHello", " there"):
+        enc(0, StreamDelta("r", piece, [1]))
+    enc(0, StreamDelta("r", "", [], "stop", result(text)))
+    got = events(bytes(enc.out))
+    blocks = [(d["index"], d["content_block"]["type"]) for k, d in got if k == "content_block_start"]
+    assert blocks == [(0, "thinking"), (1, "text")]
+    assert "".join(d["delta"].get("thinking", "") for k, d in got if k == "content_block_delta") == "The user greets me."
+    assert "".join(d["delta"].get("text", "") for k, d in got if k == "content_block_delta") == "Hello there"
+    assert messages_job({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                         "thinking": {"type": "disabled"}}, MODEL).options["chat_template_kwargs"] == {"enable_thinking": False}

@@ -10,7 +10,8 @@ paths, the frontend's refusals naming the chat field. What is translated:
   are dropped (the templates drop earlier reasoning too). ``instructions``: a first system turn.
 - ``max_output_tokens`` -> ``max_tokens``; ``temperature``, ``top_p``, ``stream`` as they are;
   vLLM's extras (``seed``, ``top_k``, ``min_p``, penalties, ``stop``, ``ignore_eos``,
-  ``chat_template_kwargs`` ...: :data:`_EXTRAS`) as the chat route takes them.
+  ``chat_template_kwargs``, ``structured_outputs`` ...: :data:`_EXTRAS`) as the chat route
+  takes them.
 - ``tools`` (``{type: function, name, description, parameters}``) -> chat's function tools;
   ``tool_choice`` ``auto`` / ``none`` / ``required`` / ``{type: function, name}`` as on chat.
 - ``text.format`` (``text``, ``json_object``, ``json_schema``) -> ``response_format``.
@@ -35,7 +36,7 @@ _IGNORED = ("include", "metadata", "parallel_tool_calls", "prompt_cache_key", "p
 _SAMPLING = ("temperature", "top_p", "stream")
 # vLLM's extras of its Responses request, taken as the chat route takes them.
 _EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "ignore_eos",
-           "min_tokens", "logit_bias", "priority", "chat_template_kwargs", "skip_special_tokens")
+           "min_tokens", "logit_bias", "priority", "chat_template_kwargs", "skip_special_tokens", "structured_outputs")
 _STATEFUL = ("store", "previous_response_id", "conversation", "background", "prompt")
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "top_logprobs",
                     *_IGNORED, *_SAMPLING, *_EXTRAS, *_STATEFUL})

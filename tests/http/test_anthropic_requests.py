@@ -188,3 +188,4 @@ def test_thinking_blocks_whole_and_streamed() -> None:
     assert "".join(d["delta"].get("text", "") for k, d in got if k == "content_block_delta") == "Hello there"
     assert messages_job({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
                          "thinking": {"type": "disabled"}}, MODEL).options["chat_template_kwargs"] == {"enable_thinking": False}
+

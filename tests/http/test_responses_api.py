@@ -200,3 +200,24 @@ def test_refusals_are_openai_errors(client, model) -> None:
     reply = client.responses.with_raw_response.create(model=model, input="hi", max_output_tokens=1, store=False, metadata={"k": "v"},
                                                       extra_body={"not_a_field": 1})
     assert reply.headers["x-conveyor-ignored-fields"] == "metadata,not_a_field"
+
+
+def test_reasoning_budget_closes_the_think_block(client, model) -> None:
+    """``max_reasoning_tokens`` 3: the model opens the block, thinks at most 3 tokens, and
+    ``</think>`` is then the only token allowed; the answer after it is free, or follows the
+    answer's own constraint."""
+    think, end = 4096, 4097
+    whole = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=10,
+        extra_body={"max_reasoning_tokens": 3, "ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    ids = whole.choices[0].model_extra["token_ids"]
+    assert ids[0] == think and end in ids[1:5] and len(ids) == 10
+    assert whole.choices[0].message.reasoning_content is not None
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    shaped = client.responses.create(model=model, input="hello", max_output_tokens=20, extra_body={"max_reasoning_tokens": 2},
+                                     text={"format": {"type": "json_schema", "name": "ok", "schema": schema, "strict": True}})
+    assert [item.type for item in shaped.output] == ["reasoning", "message"] and set(json.loads(shaped.output_text)) == {"ok"}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], extra_body={"max_reasoning_tokens": -1})
+    assert info.value.body["param"] == "max_reasoning_tokens"

@@ -103,6 +103,15 @@ def _thinking(thinking: Any) -> bool | None:
     return kind != "disabled"
 
 
+def thinking_budget(body: dict[str, Any]) -> Any:
+    """``thinking.budget_tokens`` of an ``enabled`` thinking (None: no budget), the reasoning
+    budget (:mod:`conveyor.http.reasoning_budget`) where the server has a reasoning parser."""
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        return thinking.get("budget_tokens")
+    return None
+
+
 def _system(system: Any) -> list[dict[str, Any]]:
     if system is None:
         return []

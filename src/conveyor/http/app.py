@@ -32,7 +32,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import prometheus_client
@@ -43,7 +43,7 @@ from conveyor.http import adapters, prometheus
 from conveyor.http.adapters import LORAS
 from conveyor.http.connections import BODY_TIMEOUT, BODY_TIMEOUT_S, COUNTS, Guard
 from conveyor.http import request_ids
-from conveyor.http.anthropic_requests import messages_job
+from conveyor.http.anthropic_requests import messages_job, thinking_budget
 from conveyor.http.anthropic_responses import error_body as anthropic_error_body
 from conveyor.http.anthropic_responses import respond_message
 from conveyor.http.errors import ApiError, bad_field, unavailable
@@ -53,6 +53,7 @@ from conveyor.http.json_body import decode_body
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import CHAT, COMPLETION, parse_request
 from conveyor.http.openai_responses import json_encode
+from conveyor.http.reasoning_budget import budgeted
 from conveyor.http.responses_output import respond_response
 from conveyor.http.responses_requests import responses_job
 from conveyor.http.tokenizer_info import tokenizer_info
@@ -210,6 +211,8 @@ async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResp
     app = request.app
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     job = parse_request(kind, body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
+    if kind == CHAT:
+        job = budgeted(job, body.get("max_reasoning_tokens"), app.get(REASONING_PARSER))
     _check_share(job, app.get(MAX_WAITING, 0))
     return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER], app.get(REASONING_PARSER))
 
@@ -222,6 +225,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     parsed = responses_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
+    parsed = replace(parsed, job=budgeted(parsed.job, body.get("max_reasoning_tokens"), app.get(REASONING_PARSER)))
     _check_share(parsed.job, app.get(MAX_WAITING, 0))
     headers = ignored_fields(request_ids.request_id(request), parsed.job)
     model = parsed.job.options.get("lora") or app[MODEL]
@@ -236,6 +240,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     job = messages_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
+    if app.get(REASONING_PARSER) is not None:  # without one, thinking.budget_tokens has nothing to cap
+        job = budgeted(job, thinking_budget(body), app[REASONING_PARSER], "thinking")
     headers = ignored_fields(request_ids.request_id(request), job)
     return await respond_message(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOOL_PARSER], headers, app.get(REASONING_PARSER))
 

@@ -14,7 +14,8 @@ paths, the frontend's refusals naming the chat field. What is translated:
   takes them.
 - ``tools`` (``{type: function, name, description, parameters}``) -> chat's function tools;
   ``tool_choice`` ``auto`` / ``none`` / ``required`` / ``{type: function, name}`` as on chat.
-- ``text.format`` (``text``, ``json_object``, ``json_schema``) -> ``response_format``.
+- ``text.format`` (``text``, ``json_object``, ``json_schema``) -> ``response_format``;
+  ``max_reasoning_tokens`` (Conveyor's, as on chat) is applied by :mod:`conveyor.http.reasoning_budget`.
 - No server-side state: ``store: true``, ``previous_response_id``, ``conversation`` and
   ``background: true`` are a 400 saying so (send the whole conversation in ``input``).
   ``metadata``, ``user``, ``include``, ``reasoning`` ... (:data:`_IGNORED`): no effect here,
@@ -38,7 +39,7 @@ _SAMPLING = ("temperature", "top_p", "stream")
 _EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "ignore_eos",
            "min_tokens", "logit_bias", "priority", "chat_template_kwargs", "skip_special_tokens", "structured_outputs")
 _STATEFUL = ("store", "previous_response_id", "conversation", "background", "prompt")
-FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "top_logprobs",
+FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "top_logprobs", "max_reasoning_tokens",
                     *_IGNORED, *_SAMPLING, *_EXTRAS, *_STATEFUL})
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -61,8 +62,11 @@ def responses_job(body: Any, served_model: str, loras: Sequence[str] = (), stric
     for name in (*_SAMPLING, *_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise bad_field("max_output_tokens", f"'max_output_tokens' must be an integer >= 1, got {limit!r}")
+        chat["max_tokens"] = limit
     if body.get("top_logprobs") not in (None, 0):
         raise bad_field("top_logprobs", "'top_logprobs' is not supported on /v1/responses (only 0 or null)")
     instructions = body.get("instructions")
@@ -150,7 +154,7 @@ def _call(turns: list[dict[str, Any]], item: dict[str, Any], i: int) -> None:
     try:
         arguments: Any = json.loads(item["arguments"])  # the templates write a mapping as JSON themselves
     except ValueError:
-        arguments = item["arguments"]
+        raise bad_field("input", f"'input'[{i}].arguments must be a JSON text") from None
     call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}}
     if not turns or turns[-1]["role"] != "assistant":
         turns.append({"role": "assistant", "content": None})

@@ -200,6 +200,9 @@ def test_refusals_are_openai_errors(client, model) -> None:
     reply = client.responses.with_raw_response.create(model=model, input="hi", max_output_tokens=1, store=False, metadata={"k": "v"},
                                                       extra_body={"not_a_field": 1})
     assert reply.headers["x-conveyor-ignored-fields"] == "metadata,not_a_field"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve(reply.parse().id)
+    assert "keeps no responses" in info.value.body["message"]
 
 
 def test_reasoning_budget_closes_the_think_block(client, model) -> None:

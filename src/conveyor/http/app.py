@@ -232,6 +232,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await respond_response(request, app[LINK], parsed, model, app[TOOL_PARSER], app.get(REASONING_PARSER), headers)
 
 
+@API_ROUTES.get("/v1/responses/{response_id}")
+async def stored_response(request: web.Request) -> web.Response:
+    """Always a 404: Conveyor keeps no responses (``store: true`` is refused)."""
+    raise ApiError(404, f"no response '{request.match_info['response_id']}': this server keeps no responses ('store' is not supported)",
+                   param="response_id", code="response_not_found")
+
+
 @API_ROUTES.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's Messages API: the body as the chat request it means
@@ -240,8 +247,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     job = messages_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
-    if app.get(REASONING_PARSER) is not None:  # without one, thinking.budget_tokens has nothing to cap
+    if app.get(REASONING_PARSER) is not None:
         job = budgeted(job, thinking_budget(body), app[REASONING_PARSER], "thinking")
+    elif thinking_budget(body) is not None:  # no reasoning parser: no think block to cap
+        job = replace(job, ignored=tuple(sorted([*job.ignored, "thinking.budget_tokens"])))
     headers = ignored_fields(request_ids.request_id(request), job)
     return await respond_message(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOOL_PARSER], headers, app.get(REASONING_PARSER))
 

@@ -118,6 +118,10 @@ def test_reasoning_items_on_responses_streamed_and_not(client, model) -> None:
     added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
     assert added == [(0, "reasoning"), (1, "message")] and events[-1].type == "response.completed"
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    # The SDK's own stream helper accumulates the events into the same response.
+    with client.responses.stream(model=model, input="hello", max_output_tokens=40, extra_body=forced(THOUGHT)) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == "Hello there" and final.output[0].content[0].text == "The user greets me."
 
 
 def test_enable_thinking_reaches_the_template(server, model) -> None:

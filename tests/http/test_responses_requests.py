@@ -127,7 +127,8 @@ def test_reasoning_budget_grammar_and_its_refusals() -> None:
     assert budgeted(plain, None, None) is plain
     forced = parse_request(CHAT, {**chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required"}, MODEL)
     grammar_job = parse_request(CHAT, {**chat, "guided_grammar": "start: \"a\""}, MODEL)
-    for job_, budget, parser in ((plain, 5, None), (plain, "5", "qwen3"), (plain, -1, "qwen3"), (forced, 5, "qwen3"), (grammar_job, 5, "qwen3")):
+    off = parse_request(CHAT, {**chat, "chat_template_kwargs": {"enable_thinking": False}}, MODEL)
+    for job_, budget, parser in ((off, 5, "qwen3"), (plain, 5, None), (plain, "5", "qwen3"), (plain, -1, "qwen3"), (forced, 5, "qwen3"), (grammar_job, 5, "qwen3")):
         with pytest.raises(ApiError) as info:
             budgeted(job_, budget, parser)
         assert (info.value.status, info.value.param) == (400, "max_reasoning_tokens"), info.value.message

@@ -32,6 +32,8 @@ def budgeted(job: GenerationJob, budget: Any, reasoning_parser: str | None, fiel
         raise bad_field(field, f"'{field}' must be an integer >= 0, got {budget!r}")
     if reasoning_parser is None:
         raise bad_field(field, f"'{field}' needs a server started with --reasoning-parser (which says where the think block is)")
+    if (job.options.get("chat_template_kwargs") or {}).get("enable_thinking") is False:
+        raise bad_field(field, f"'{field}' with thinking off (chat_template_kwargs.enable_thinking false): there is no think block to cap")
     if job.forced_tool_choice is not None:
         raise bad_field(field, f"'{field}' cannot be combined with a tool_choice that forces calls (the calls' JSON starts at the first token)")
     answer = _answer(job.options.get("constraint"), field)

@@ -11,6 +11,8 @@ CASES = [
     # (format, text, reasoning, content)
     ("qwen3", "<think>\nLet me see.\n</think>\n\nParis.", "Let me see.", "Paris."),
     ("qwen3", "Paris.", None, "Paris."),
+    ("qwen3", "\n\n  Paris.\n", None, "\n\n  Paris.\n"),  # no think block: the answer as it came
+    ("qwen3", " \n", None, " \n"),
     ("qwen3", "  <think>a</think>b", "a", "b"),
     ("qwen3", "<think>\nstill thinking", "still thinking", ""),  # cut short: all reasoning
     ("qwen3", "<thinking is a word", None, "<thinking is a word"),

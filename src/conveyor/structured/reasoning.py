@@ -10,9 +10,10 @@ Two formats, chosen by the server's ``--reasoning-parser`` (the model decides wh
   block never closes; an opening ``<think>`` the model writes anyway is dropped.
 
 The tags are left out, and so are the newlines around them (the templates write
-``<think>\\n...\\n</think>\\n\\n``). Streamed, text that may still become a tag is held back
-until the next piece or the end decides it, so concatenating the deltas of any chunking gives
-:func:`split_reasoning` of the whole text. Tool calls are read from the content alone.
+``<think>\\n...\\n</think>\\n\\n``); an answer without a think block is its content as it
+came. Streamed, text that may still become a tag is held back until the next piece or the end
+decides it, so concatenating the deltas of any chunking gives :func:`split_reasoning` of the
+whole text. Tool calls are read from the content alone.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ReasoningParser:
                     return out
                 else:
                     self._enter("reasoning" if self.implicit else "content")
+                    self.lead = self.implicit  # no think block: the content is the answer as it came
             elif self.state == "reasoning":
                 end = self.buffer.find(CLOSE)
                 if end < 0:
@@ -90,7 +92,7 @@ class ReasoningParser:
             if self.implicit:
                 self._enter("reasoning")
                 return ReasoningDelta(reasoning=self._shown(held.strip().removeprefix(OPEN).rstrip("\n")))
-            self._enter("content")
+            return ReasoningDelta(content=held)  # no think block: the answer as it came
         if self.state == "reasoning":
             return ReasoningDelta(reasoning=self._shown(held.rstrip("\n")))
         return ReasoningDelta(content=self._shown(held))

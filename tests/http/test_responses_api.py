@@ -106,6 +106,12 @@ def test_reasoning_on_chat_streamed_and_not(client, model) -> None:
     assert "".join(d.content or "" for d in deltas) == "Hello there"
     # A reasoning delta never also carries content: the think block streams before the answer.
     assert all(not (getattr(d, "reasoning_content", None) and d.content) for d in deltas)
+    # Log-probabilities and token ids still come, in chunks of their own, one entry a token.
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=40, stream=True, logprobs=True,
+                                                 extra_body={**forced(THOUGHT), "return_token_ids": True}))
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert ids[0] == 4096 and 4097 in ids and len(entries) == len(ids) == whole.usage.completion_tokens
 
 
 def test_reasoning_items_on_responses_streamed_and_not(client, model) -> None:

@@ -20,6 +20,7 @@ API uses too).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -213,15 +214,21 @@ class _Encoder:
         them, each call as one ``tool_calls`` delta; at the input's final
         each of its choices ends, ``finish_reason`` ``tool_calls`` where it made calls."""
         base = index * self.n
+        choice = base + delta.index
+        if not self.plain and (delta.token_ids or not self.started[choice]):
+            # The delta's ids, log-probabilities and usage so far in a chunk of their own: its
+            # text comes as the reader releases it.
+            self.out += self._detailed(index, choice, dataclasses.replace(delta, text=""))
         if delta.text:
-            self._tool_pieces(base + delta.index, delta.text)
+            self._tool_pieces(choice, delta.text)
         if delta.result is None:
             return 0
         self.finals[index] = result = checked(delta.result)
         for seq in result.choices:
             choice = base + seq.index
             self._tool_pieces(choice, None)
-            self.out += self.enc.finish(choice, _tool_finish(seq.finish_reason) if self.called[choice] else seq.finish_reason)
+            reason = _tool_finish(seq.finish_reason) if self.called[choice] else seq.finish_reason
+            self.out += self.enc.finish(choice, reason, None, self._usage(index))
         return 1
 
     def _tool_pieces(self, choice: int, text: str | None) -> None:

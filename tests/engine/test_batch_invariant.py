@@ -144,3 +144,24 @@ def test_without_the_mode_some_company_changes_the_bits(tiny_checkpoint):
         if not plain.matches(("chunked-recompute", "greedy", companions, 2, None)):
             return
     pytest.fail("six draws in a row matched without batch-invariant mode")
+
+
+def test_sampled_tokens_logprobs_equal_a_trainers_single_sequence_forward(invariant, hf_logprobs):
+    """The training-inference check: the log-probabilities served with the sampled tokens equal,
+    bit for bit, a single-sequence forward over prompt + output (the trainer's view, here the
+    engine's own prefill of the whole sequence), and HF's float32 forward within 1e-5."""
+    engine = invariant.engine("chunked-recompute")
+    served = engine.add_request(token_ids=TARGET, max_tokens=10, ignore_eos=True, logprobs=0, temperature=0.9, seed=3)
+    for prompt, max_tokens in ALWAYS["chunked-recompute"]:
+        engine.add_request(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    while engine.has_pending_requests():
+        engine.step()
+    sequence = TARGET + served.tokens
+    scored = engine.add_request(token_ids=sequence, max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    while engine.has_pending_requests():
+        engine.step()
+    forward = [entry.logprob for entry in scored.prompt_logprobs[len(TARGET) :]]
+    assert forward == [entry.logprob for entry in served.logprobs]
+    reference = hf_logprobs(sequence)
+    for position, (token, logprob) in enumerate(zip(served.tokens, forward), start=len(TARGET) - 1):
+        assert abs(logprob - reference[position, token].item()) < 1e-5

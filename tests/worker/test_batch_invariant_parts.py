@@ -94,4 +94,6 @@ def test_the_mode_refuses_what_it_cannot_hold():
         invariant_backend("cuda", "auto")
     with pytest.raises(ValueError, match="drop --attention torch"):
         invariant_backend("cpu", "torch")
+    with pytest.raises(ValueError, match="LoRA"):
+        invariant_backend("cpu", "auto", lora=True)
     assert isinstance(invariant_backend("cpu", "auto"), TorchInvariantAttention)

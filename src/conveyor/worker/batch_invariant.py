@@ -40,8 +40,10 @@ class BatchVarianceError(RuntimeError):
     """This machine's kernels give a row bits that depend on its batch: the mode cannot hold."""
 
 
-def invariant_backend(device: torch.device | str, attention: str) -> AttentionBackend:
+def invariant_backend(device: torch.device | str, attention: str, lora: bool = False) -> AttentionBackend:
     """The attention backend of batch-invariant mode, after checking the mode can run here."""
+    if lora:
+        raise ValueError("--batch-invariant does not cover LoRA adapters yet: serve without --lora-modules/--enable-lora")
     if torch.device(device).type != "cpu":
         raise ValueError("--batch-invariant runs on the CPU only (its CUDA kernels are not written yet): use --device cpu")
     if attention != "auto":

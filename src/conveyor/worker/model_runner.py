@@ -143,7 +143,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self.device = torch.device(config.device)
         self.block_size = block_size = config.block_size
         self.tensor_parallel = tp = tensor_parallel
-        backend = invariant_backend(self.device, config.attention) if config.batch_invariant else backend_for(self.device, config.attention)
+        backend = invariant_backend(self.device, config.attention, config.lora_enabled) if config.batch_invariant else backend_for(self.device, config.attention)
         self.model, self.model_config = load_model(config.model_dir, self.device, config.dtype, backend, tp)
         if config.batch_invariant:
             make_batch_invariant(self.model)

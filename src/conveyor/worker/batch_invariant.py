@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from conveyor.worker.attention.backend import AttentionBackend
-from conveyor.worker.attention.torch_invariant import TorchInvariantAttention
+from conveyor.worker.attention.torch_invariant import KEY_CHUNK, TorchInvariantAttention, padded_bmm
 from conveyor.worker.models.layers import Linear, RMSNorm, linear
 
 #: Rows per GEMM tile in batch-invariant mode: measured on x86 MKL and oneDNN (torch 2.13),
@@ -68,6 +68,8 @@ def make_batch_invariant(model: nn.Module) -> None:
         if key not in checked:
             checked.add(key)
             _check_rows(name, lambda x, m=module: m.matmul(x, m.bias), module.weight, generator)
+    for head_dim in sorted({layer.head_dim for layer in model.attention_layers()}) if hasattr(model, "attention_layers") else ():
+        _check_attention_products(head_dim, generator)
     if hasattr(model, "row_tile") and getattr(model, "lm_head", None) is None and hasattr(model, "embed_tokens"):
         model.row_tile = ROW_TILE
         weight, packed = model.embed_tokens.weight, getattr(model, "tied_head_packed", None)
@@ -86,4 +88,19 @@ def _check_rows(name: str, project, weight: torch.Tensor, generator: torch.Gener
                 raise BatchVarianceError(
                     f"--batch-invariant: {name} ({in_features} inputs) gives rows {start}..{start + count - 1} "
                     f"other bits in a batch of {rows} than in one of {count} on this machine's matmul"
+                )
+
+
+def _check_attention_products(head_dim: int, generator: torch.Generator) -> None:
+    """The attention's two products (scores over ``head_dim``, weighted values over a key
+    chunk): a row's bits the same in any row count and beside any batch entries."""
+    for inner, outer in ((head_dim, KEY_CHUNK), (KEY_CHUNK, head_dim)):
+        a = torch.randn(6, 40, inner, generator=generator)
+        b = torch.randn(6, inner, outer, generator=generator)
+        together = padded_bmm(a, b)
+        for start, count in _CHECK_SLICES:
+            if not torch.equal(padded_bmm(a[1:3, start : start + count], b[1:3]), together[1:3, start : start + count]):
+                raise BatchVarianceError(
+                    f"--batch-invariant: the attention's {inner}-long products give rows {start}..{start + count - 1} "
+                    "other bits beside other rows on this machine's matmul"
                 )

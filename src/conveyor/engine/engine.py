@@ -63,17 +63,14 @@ from conveyor.engine.outputs import BatchInfo, Result, StepOutput
 from conveyor.engine.ranks import RankGroup, RanksFailed
 from conveyor.engine.request import Request
 from conveyor.frontend.constraints import ConstraintCompiler
-from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
-from conveyor.frontend.logprobs import LogprobsLog
+from conveyor.frontend.processor import RequestProcessor
 from conveyor.frontend.sessions import Sessions
-from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.ipc.messages import (
-    AddRequest, CommitLora, FinishReason, LoadLora, RequestOutput, StepPlan, StepResult, UnloadLora, sequence_id, speculation_rates,
+    AddRequest, CommitLora, FinishReason, LoadLora, RequestOutput, StepPlan, StepResult, UnloadLora, speculation_rates,
 )
-from conveyor.protocol import requests as client_requests, sampling_fields, wire
+from conveyor.protocol import requests as client_requests, wire
 from conveyor.assembly.build import batcher_config, settings_view, worker_settings
 from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
@@ -136,7 +133,12 @@ class Engine:
         batcher = replace(batcher, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_bytes=runner.block_bytes)
         self.scheduler = Scheduler(batcher, self.model_config.eos_token_ids, self.model_config.vocab_size)
         self._sessions = Sessions(options.max_sessions)
-        self._max_logprobs = options.max_logprobs
+        self.processor = RequestProcessor(
+            self.tokenizer,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_logprobs=options.max_logprobs,
+        )
         self._scheduler_ids = itertools.count(1)
         self._lora_queries = itertools.count(1)  # (LoRA updates sent to tensor-parallel ranks)
         self._running: dict[str, Request] = {}  # by scheduler id: every request not done
@@ -212,22 +214,12 @@ class Engine:
         }
         req = client_requests.parse_client_message(fields)
         rid = req.request_id
-        problem = sampling_fields.logprobs_problem(req.sampling, self._max_logprobs)
-        if problem is not None:
-            raise wire.ProtocolError(problem, rid)
         if rid in self._by_id:
             raise wire.ProtocolError(f"request id {rid!r} is already in flight", rid)
-        self._constraints.compile(req)  # a bad constraint is refused before anything is queued
         history = self._sessions.context(rid)
-        check_input_chars(req, input_chars(req), len(history or ()), self.max_model_len, self.tokenizer.max_chars_per_token)  # before tokenizing
-        prompt_ids = context_ids(
-            req,
-            history,
-            encode_input(self.tokenizer, req, continuing=history is not None),
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            tokenizer_vocab_size=self.tokenizer.vocab_size,
-        )
+        self.processor.check(req, len(history or ()))  # before compiling or tokenizing
+        self._constraints.compile(req)  # a bad constraint is refused before anything is queued
+        prompt_ids = self.processor.prompt(req, history).prompt_ids
         scheduler_id = str(next(self._scheduler_ids))
         arrival = time.time()
         rejected = self.scheduler.add_request(AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority, lora=req.lora))
@@ -235,47 +227,19 @@ class Engine:
             raise wire.ProtocolError(rejected.error, rid)
         if history is not None:
             self._sessions.take(rid)  # back, extended, when this turn ends
-        request = Request(
-            self,
-            rid,
-            scheduler_id,
-            prompt_ids,
-            len(history) if history is not None else 0,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-            StopStringMatcher.for_request(req),
-            arrival,
-            (
-                None if req.sampling.n > 1 else self._output_log(req, prompt_ids),
-                None if req.sampling.prompt_logprobs is None else LogprobsLog(req.sampling.prompt_logprobs, 1, self.tokenizer),
-            ),
-        )
+        history_len = len(history) if history is not None else 0
+        prompt_log = self.processor.prompt_log(req)
+        request = Request(self, rid, scheduler_id, prompt_ids, history_len, self.processor.streams(req, prompt_ids), arrival, prompt_log)
         request._keep_best = req.keep_best
-        for i in range(req.sampling.n if req.sampling.n > 1 else 0):
-            seq = Request(
-                self,
-                rid,
-                sequence_id(scheduler_id, i),
-                prompt_ids,
-                request._history_len,
-                IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-                StopStringMatcher.for_request(req),
-                arrival,
-                # Its own output log (best_of > n: what ranks it at the end); the request's prompt log.
-                (self._output_log(req, prompt_ids), request._prompt_logprobs),
-                index=i,
-                parent=request,
-            )
+        for i, (seq_id, streams) in enumerate(self.processor.fork(req, prompt_ids, scheduler_id)):
+            # Its own output log (best_of > n: what ranks it at the end); the request's prompt log.
+            seq = Request(self, rid, seq_id, prompt_ids, history_len, streams, arrival, prompt_log, index=i, parent=request)
             request.sequences.append(seq)
         for seq in request.outputs:
             self._running[seq._scheduler_id] = seq
         self._by_id[rid] = request
         self._latest[rid] = request
         return request
-
-    def _output_log(self, req: client_requests.GenerateRequest, prompt_ids: list[int]) -> LogprobsLog | None:
-        """The log of a request's (or one sequence's) output log-probabilities, where asked."""
-        k = req.sampling.logprobs
-        return None if k is None else LogprobsLog(k, len(prompt_ids), self.tokenizer)
 
     def load_lora(self, name: str, directory: str | os.PathLike) -> None:
         """Register the PEFT LoRA adapter in ``directory`` under ``name`` while serving (the

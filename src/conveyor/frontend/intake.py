@@ -23,13 +23,11 @@ import uuid
 import zmq
 
 from conveyor import profiling
-from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
 from conveyor.frontend.replicas import Gather
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.stop import StopStringMatcher
-from conveyor.ipc.messages import AddRequest, FinishReason, StatsQuery, sequence_id
-from conveyor.protocol import replies, sampling_fields, wire
+from conveyor.ipc.messages import AddRequest, FinishReason, StatsQuery
+from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
 
 log = logging.getLogger("conveyor.frontend")
@@ -109,14 +107,8 @@ class ClientIntake:
         hung = self.watch.refusal()
         if hung is not None:
             raise wire.ProtocolError(hung, req.request_id, wire.SERVER_ERROR)
-        logprobs_problem = sampling_fields.logprobs_problem(req.sampling, self.config.max_logprobs)
-        if logprobs_problem is not None:
-            raise wire.ProtocolError(logprobs_problem, req.request_id)
         history = self.sessions.context((key, req.request_id))
-        chars = input_chars(req)
-        check_input_chars(
-            req, chars, len(history or ()), self.config.max_model_len, self.tokenizer.max_chars_per_token
-        )
+        chars = self.processor.check(req, len(history or ()))
         state = RequestState(
             request_id=req.request_id,
             scheduler_id=str(next(self._scheduler_ids)),
@@ -131,7 +123,7 @@ class ClientIntake:
             lora=req.lora,
         )
         if req.constraint is None and (self._pool is None or chars < self.config.tokenize_inline_chars):
-            prompt_ids, start, end = self._prepare_prompt(req, history, False)
+            prompt_ids, start, end = self.processor.prompt(req, history)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
             self.in_flight[state.key] = state
             self._admit(state, req, history, prompt_ids)
@@ -159,9 +151,9 @@ class ClientIntake:
             # a bad constraint is refused before its tokens are ever sent.
             await self.constraints.compile_async(req)
             if pool is None:
-                prompt_ids, start, end = self._prepare_prompt(req, history, False)
+                prompt_ids, start, end = self.processor.prompt(req, history)
             else:
-                prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
+                prompt_ids, start, end = await loop.run_in_executor(pool, self.processor.prompt, req, history, True)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
         except wire.ProtocolError as exc:
             error = exc
@@ -178,25 +170,6 @@ class ClientIntake:
             return
         self._admit(state, req, history, prompt_ids)
 
-    def _prepare_prompt(
-        self, req: client_requests.GenerateRequest, history: list[int] | None, release_gil: bool
-    ) -> tuple[list[int], int, int]:
-        """The whole context to send (earlier turns + this input), checked against the model's
-        limits (:mod:`conveyor.frontend.inputs`), and when its tokenization started and ended
-        (ns). Touches no mutable state of the frontend, so it runs on the loop or on a pool thread."""
-        start = profiling.now_ns()
-        input_ids = encode_input(self.tokenizer, req, continuing=history is not None, release_gil=release_gil)
-        end = profiling.now_ns()
-        prompt_ids = context_ids(
-            req,
-            history,
-            input_ids,
-            vocab_size=self.config.vocab_size,
-            max_model_len=self.config.max_model_len,
-            tokenizer_vocab_size=self.tokenizer.vocab_size,
-        )
-        return prompt_ids, start, end
-
     def _admit(
         self, state: RequestState, req: client_requests.GenerateRequest, history: list[int] | None, prompt_ids: list[int]
     ) -> None:
@@ -210,28 +183,31 @@ class ClientIntake:
         state.prompt_len = len(prompt_ids)
         state.max_tokens = req.sampling.max_tokens
         state.history_len = len(history) if history is not None else 0
-        state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
-        state.set_logprobs(req.sampling, self.tokenizer, send=not req.ranking_logprobs)
+        streams = self.processor.streams(req, prompt_ids)
+        state.detokenizer = streams.detokenizer
+        sampling = req.sampling
+        choices = sampling.n > 1 and sampling.logprobs is not None and not req.ranking_logprobs
+        state.set_logs(streams.logprobs, self.processor.prompt_log(req), choices=choices)
         state.keep_best = req.keep_best
         state.pending = False
         self.requests[state.scheduler_id] = state  # (n > 1: where a refusal of the whole request finds it)
-        for i in range(req.sampling.n if req.sampling.n > 1 else 0):
+        for i, (seq_id, seq_streams) in enumerate(self.processor.fork(req, prompt_ids, state.scheduler_id)):
             seq = RequestState(
                 request_id=state.request_id,
-                scheduler_id=sequence_id(state.scheduler_id, i),
+                scheduler_id=seq_id,
                 identity=state.identity,
                 stream=state.stream,
                 prompt_len=state.prompt_len,
                 arrival_time=state.arrival_time,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-                stop=StopStringMatcher.for_request(req),
+                detokenizer=seq_streams.detokenizer,
+                stop=seq_streams.stop,
                 client_key=state.client_key,
                 fd=state.fd,
                 index=i,
                 parent=state,
                 max_tokens=state.max_tokens,
             )
-            seq.set_sequence_logprobs(req.sampling, self.tokenizer)
+            seq.set_sequence_logs(seq_streams.logprobs)
             state.sequences.append(seq)
             self.requests[seq.scheduler_id] = seq
         self.metrics.add_prompt(state.prompt_len)

@@ -145,6 +145,7 @@ from conveyor.frontend.connections import ClientConnections
 from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.intake import ClientIntake
 from conveyor.frontend.output import OutputPath
+from conveyor.frontend.processor import RequestProcessor
 from conveyor.frontend.replicas import Gather, ReplicaSet, SchedulerLink
 from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
@@ -193,6 +194,9 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         self.config = config
         self.tokenizer = tokenizer
         self.constraints = ConstraintCompiler(config.model_dir)
+        self.processor = RequestProcessor(
+            tokenizer, vocab_size=config.vocab_size, max_model_len=config.max_model_len, max_logprobs=config.max_logprobs
+        )
         # Two views of the requests in flight (module docstring, "Request ids"): by the client's
         # id, every one from its generate on (a pending one too); by its id at the scheduler,
         # those admitted (sent to the scheduler), which is where scheduler outputs look.

@@ -29,6 +29,7 @@ from conveyor.frontend.stop import StopStringMatcher
 from conveyor.ipc.messages import AddRequest, FinishReason, StatsQuery
 from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
+from conveyor.protocol.token_commands import DetokenizeCommand, TokenizeCommand
 
 log = logging.getLogger("conveyor.frontend")
 
@@ -84,6 +85,10 @@ class ClientIntake:
                 await self._on_profile(identity, cmd)
             elif isinstance(cmd, client_requests.LoraCommand):
                 await self._on_lora(identity, cmd)
+            elif isinstance(cmd, TokenizeCommand):
+                self.tokens.tokenize(identity, cmd)
+            elif isinstance(cmd, DetokenizeCommand):
+                self.tokens.detokenize(identity, cmd)
             elif isinstance(cmd, client_requests.MetricsCommand):
                 await self.sender.send(identity, replies.metrics_reply(**self.metrics.snapshot()))
             else:

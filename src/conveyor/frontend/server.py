@@ -143,7 +143,7 @@ import zmq.asyncio
 from conveyor import profiling
 from conveyor.frontend.connections import ClientConnections
 from conveyor.frontend.constraints import ConstraintCompiler
-from conveyor.frontend.intake import ClientIntake
+from conveyor.frontend.intake import LARGE_INPUT_CHARS, ClientIntake
 from conveyor.frontend.output import OutputPath
 from conveyor.frontend.processor import RequestProcessor
 from conveyor.frontend.replicas import Gather, ReplicaSet, SchedulerLink
@@ -152,6 +152,7 @@ from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.scheduler_side import LoraWaiter, SchedulerSide
 from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
+from conveyor.frontend.token_service import TokenService
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import transport
 from conveyor.frontend.liveness import SchedulerWatch
@@ -268,6 +269,15 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         self._c_sched = prof.counter("scheduler_messages")
         self._c_tokens = prof.counter("output_tokens")
         self._c_pooled = prof.counter("pooled_tokenizations")
+        self.tokens = TokenService(
+            self.processor,
+            self.sender,
+            self._pool,
+            self._large_pool,
+            inline_chars=config.tokenize_inline_chars,
+            large_chars=LARGE_INPUT_CHARS,
+            trim=self._schedule_trim,
+        )
 
     async def _probe_loop_lag(self) -> None:
         """How late a timer wakes up: the time any handler holds the loop shows up here."""

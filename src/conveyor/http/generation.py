@@ -66,8 +66,7 @@ async def _prompts(job: GenerationJob, tokens: Tokens) -> _Prompts:
         echoes = [inp["prompt"] if "prompt" in inp else await tokens.decode(inp["token_ids"]) for inp in job.inputs]
     first_tokens = None
     if echo_logprobs:
-        tokenizer = await tokens.tokenizer()
-        first_tokens = [tokenizer.decode_one(p[0], False) for p in ids]  # type: ignore[union-attr]
+        first_tokens = [await tokens.decode(p[:1]) for p in ids]  # type: ignore[union-attr]
     return _Prompts(ids, echoes, first_tokens)
 
 

@@ -34,17 +34,20 @@ from conveyor.protocol.limits import (
     MAX_TEMPLATE_KWARGS_BYTES,
 )
 from conveyor.protocol.sampling_fields import LOGPROBS_FIELDS, SAMPLING_FIELDS, parse_sampling
+from conveyor.protocol.token_commands import DetokenizeCommand, TokenizeCommand, parse_detokenize, parse_tokenize
 from conveyor.protocol.validation import is_int, is_number
 from conveyor.protocol.wire import (
     ABORT,
     CLIENT_PROTOCOL_VERSION,
     COMMANDS,
+    DETOKENIZE,
     GENERATE,
     INVALID_INPUT,
     LOAD_LORA,
     METRICS,
     PROFILE,
     STATS,
+    TOKENIZE,
     UNKNOWN_TYPE,
     UNLOAD_LORA,
     UNSUPPORTED_VERSION,
@@ -166,7 +169,9 @@ class LoraCommand:
     path: str | None = None
 
 
-ClientMessage = GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand | LoraCommand
+ClientMessage = (
+    GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand | LoraCommand | TokenizeCommand | DetokenizeCommand
+)
 
 
 def parse_client_message(obj: dict[str, Any]) -> ClientMessage:
@@ -207,6 +212,10 @@ def _parse_client_message(obj: dict[str, Any]) -> ClientMessage:
         return _parse_profile(obj)
     if isinstance(kind, str) and kind in LORA_FIELDS:  # a type may be any value: a list is unhashable
         return _parse_lora(obj, kind, rid_for_error)
+    if kind == TOKENIZE:
+        return parse_tokenize(obj, _parse_client_message)
+    if kind == DETOKENIZE:
+        return parse_detokenize(obj)
     if kind == METRICS:
         unknown = set(obj) - METRICS_FIELDS
         if unknown:

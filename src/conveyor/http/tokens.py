@@ -51,7 +51,7 @@ class Tokens:
             fields["add_special_tokens"] = False
         if token_strs:
             fields["return_token_strs"] = True
-        return await self._ask(self._client().tokenize(None, **fields))
+        return await self._ask(self._client().tokenize(fields.pop("prompt", None), **fields))
 
     async def prompt_ids(self, inputs: dict[str, Any], options: dict[str, Any], add_special_tokens: bool = True) -> list[int]:
         """The token ids the frontend makes of one generate input (:meth:`tokenize`)."""

@@ -63,6 +63,7 @@ class ClientConnections:
         requests it sent, and only those; a newer connection under the same routing id may have
         requests in flight of its own."""
         self._connections.pop(fd, None)
+        self.shares.forget(fd)
         victims = [s for s in self.in_flight.values() if s.fd == fd]
         if victims:
             log.info("client connection %s; aborting %d request(s)", why, len(victims))

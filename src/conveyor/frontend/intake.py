@@ -130,10 +130,12 @@ class ClientIntake:
         if req.constraint is None and (self._pool is None or chars < self.config.tokenize_inline_chars):
             prompt_ids, start, end = self.processor.prompt(req, history)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
+            state.share = self.shares.take(key, fd, max(1, req.sampling.n), req.request_id)
             self.in_flight[state.key] = state
             self._admit(state, req, history, prompt_ids)
             return
         state.pending = True
+        state.share = self.shares.take(key, fd, max(1, req.sampling.n), req.request_id)
         self.in_flight[state.key] = state
         self._c_pooled.add()
         large = chars >= LARGE_INPUT_CHARS
@@ -171,6 +173,7 @@ class ClientIntake:
             return  # aborted, disconnected or failed meanwhile: the scheduler never heard of it
         if error is not None:
             del self.in_flight[state.key]
+            self.shares.give_back(state.client_key, state.share)
             await self._reply_error(state.identity, state.client_key, error)
             return
         self._admit(state, req, history, prompt_ids)

@@ -341,6 +341,7 @@ class SchedulerSide:
         waiting for a reply that will not come."""
         states = list(self.in_flight.values())
         self.in_flight.clear()
+        self.shares.held.clear()
         self.requests.clear()
         for state in states:
             self.output.finish(state, FinishReason.ERROR, error=reason)

@@ -152,6 +152,7 @@ from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.scheduler_side import LoraWaiter, SchedulerSide
 from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
+from conveyor.frontend.shares import ClientShares
 from conveyor.frontend.token_service import TokenService
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import transport
@@ -210,6 +211,7 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         # query id -> (client, iterations asked for, the replicas' answers)
         self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
         self.sessions = Sessions(config.max_sessions)
+        self.shares = ClientShares(config.max_waiting, config.addresses.internal_client)
         # query id -> a load_lora / unload_lora waiting for the replicas; timed-out ones still owed
         self._lora_waiters: dict[str, LoraWaiter] = {}
         self._lora_owed: dict[str, tuple[client_requests.LoraCommand, set[int]]] = {}
@@ -352,6 +354,7 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
             self.requests.pop(seq.scheduler_id, None)
         if self.in_flight.get(state.key) is state:  # absent in a hand-built table (bench)
             del self.in_flight[state.key]
+            self.shares.give_back(state.client_key, state.share)
 
     def _schedule_trim(self) -> None:
         """Trim the heap soon (:func:`release_freed_memory`), at most once per

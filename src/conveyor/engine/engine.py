@@ -1,51 +1,9 @@
 """The in-process engine: bin/serve's scheduler and model runner in one process, no sockets.
 
-:class:`Engine` builds the same pieces bin/serve starts, through the same functions: the
-checkpoint and the model length (:mod:`conveyor.runtime.model_source`), the settings turned
-into the runner's config (:class:`~conveyor.runtime.config.RunnerConfig`) and the batcher's
-config (:mod:`conveyor.assembly.build`), the
-:class:`~conveyor.worker.model_runner.ModelRunner` with its KV pool, device and dtype
-(:func:`conveyor.worker.main.build_runner`), the
-:class:`~conveyor.scheduler.scheduler.Scheduler` with the model's EOS ids and vocabulary
-(as the scheduler process does), the frontend's :class:`~conveyor.frontend.tokenizer.Tokenizer`.
-What the frontend process does to a request is done by the frontend's own code too: the
-generate fields are parsed and checked by :func:`conveyor.protocol.requests.parse_client_message`,
-the input is tokenized and checked against the model by :mod:`conveyor.frontend.inputs`, the
-text comes from the frontend's detokenizer and stop strings (:mod:`conveyor.engine.request`),
-continuations are kept by :class:`~conveyor.frontend.sessions.Sessions`. So a request gets
-the same tokens, the same text and the same errors here as through bin/serve.
-
-One :meth:`Engine.step` is one iteration of the scheduler process's loop without overlap:
-``schedule()``, the runner's ``execute(plan)``, ``update(plan, result)``, then the outputs
-turned into each request's tokens and text. A plan is formed, run and applied within the
-call (nothing in flight between calls), so requests added, removed or continued between
-steps are seen by the next plan. A step that raises in the runner fails that step's
-requests with an error, as the worker process reports a failed step, and the engine goes on.
-
-Request ids: the caller's id (or a generated one) names a request here; the scheduler knows
-each submission by an id of the engine's own (a counter, as the frontend does), so a
-continuation under the same id never meets the earlier turn at the scheduler.
-
-Continuation (as bin/serve's sessions, docs/protocol.md): a request that finished (stop,
-length or abort) leaves its context (its prompt, earlier turns included, then its output
-tokens) under its id; :meth:`Engine.add_request` with that id appends the new input to that
-context, without a BOS, and the prefix cache supplies the KV of the earlier turns while
-their blocks are cached. :meth:`Request.remove` forgets the context. At most
-``max_sessions`` contexts are kept, least recently finished dropped first.
-
-Tensor parallelism (``tensor_parallel_size`` N > 1, as ``bin/serve --tensor-parallel-size``):
-this process is rank 0, its runner rank 0's shard; ranks 1 .. N-1 are bin/serve's worker
-processes, sent every plan before rank 0 runs it (:mod:`conveyor.engine.ranks`: their start,
-their failures, their end). A step that fails on rank 0 then fails its requests only if the
-runner refused the plan (as on every rank alike); anything else leaves the ranks out of step,
-and that step and every later one raise :class:`~conveyor.engine.ranks.RanksFailed`.
-:meth:`Engine.close` (or ``with Engine(...)``) stops the ranks; an engine collected or left
-open at exit is closed then.
-
-Not thread-safe: one thread calls the engine. Not done here (bin/serve has them): planning
-one step ahead and pipelined launches (on a GPU they hide the host's time per step), the
-tokenizer thread pool, profiling.
-"""
+:class:`Engine` builds the pieces bin/serve starts through the same functions and reads every
+request through the frontend's request processor (:mod:`conveyor.frontend.processor`), so a
+request gets the same tokens, text and errors as through bin/serve. How a step, ids,
+continuations and tensor parallelism work here: docs/architecture.md, "conveyor.Engine"."""
 
 from __future__ import annotations
 
@@ -117,7 +75,7 @@ class Engine:
         runner_config = settings_view(RunnerConfig, worker, model_dir=model_dir, num_threads=worker_threads(worker["num_threads"], size))
         self._ranks = RankGroup(worker, model_dir) if size > 1 else None
         self._close_ranks = None if self._ranks is None else weakref.finalize(self, self._ranks.close)
-        self._recoverable = Exception if size == 1 else PlanRefused  # (module docstring)
+        self._recoverable = Exception if size == 1 else PlanRefused  # (docs/architecture.md, "conveyor.Engine")
         tp = NO_TENSOR_PARALLEL if self._ranks is None else self._ranks.tp
         try:
             self.runner = runner = build_runner(runner_config, tensor_parallel=tp)
@@ -192,7 +150,7 @@ class Engine:
         ``tools`` and ``tool_choice``. ``lora`` names the LoRA adapter to generate with (one
         of the options' ``lora_modules``, or one added by :meth:`load_lora`).
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
-        that was not removed continues it (module docstring).
+        that was not removed continues it (docs/architecture.md, "conveyor.Engine").
 
         Raises ValueError (a :class:`~conveyor.protocol.wire.ProtocolError`) with the
         server's own message when the request cannot be served: a bad field, an id still in
@@ -358,7 +316,7 @@ class Engine:
     def _execute(self, plan: StepPlan) -> StepResult:
         """The runner's result for ``plan`` (sent to the other tensor-parallel ranks first); a
         step that raises fails its requests, as the worker process reports it (worker/main.py),
-        and the engine goes on, unless the ranks are out of step (module docstring)."""
+        and the engine goes on, unless the ranks are out of step (docs/architecture.md, "conveyor.Engine")."""
         if self._ranks is not None:
             self._ranks.send(plan)
         try:

@@ -1,18 +1,6 @@
-"""The frontend's connection bookkeeping: which connection holds which routing id, and what
-happens to a connection's requests when it can receive nothing more.
-
-A request remembers the file descriptor of the connection that sent it
-(:attr:`RequestState.fd`); a connection is gone when it disconnects (a monitor event), when a
-newer connection takes its routing id over (ROUTER_HANDOVER, which libzmq reports no event
-for: :meth:`ClientConnections._note_connection`), or when it stops reading its replies
-(:meth:`ClientConnections._client_not_reading`). Its requests are then dropped: untracked,
-counted as aborts and aborted at the scheduler, with no final (the client cannot get one).
-
-:class:`ClientConnections` is the part of :class:`~conveyor.frontend.server.Frontend` that
-does this (a base class of it: it reads the frontend's ``_connections``, ``in_flight``,
-``metrics`` and ``config``, which :class:`~conveyor.frontend.server.Frontend` sets up, and
-calls its ``_untrack`` and ``_abort_at_scheduler``).
-"""
+"""The frontend's connection bookkeeping: which connection holds which routing id, and the
+requests of a connection that can receive nothing more (disconnected, taken over, not
+reading) dropped: untracked, counted as aborts, aborted at the scheduler, with no final."""
 
 from __future__ import annotations
 

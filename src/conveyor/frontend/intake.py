@@ -1,17 +1,7 @@
-"""The frontend's client intake: parsing and admitting client messages.
-
-Each client message is decoded and parsed (:mod:`conveyor.protocol.requests`) and answered or
-turned into a request: a ``generate`` is checked (duplicate id, log-probabilities, input
-size), tokenized on the loop or in a pool (:mod:`conveyor.frontend.server`'s docstring,
-"Tokenization") and admitted, that is sent to the scheduler under a scheduler id of its own;
-an ``abort`` finalizes its request; ``profile``, ``metrics`` and ``stats`` are relayed or
-answered. A refused message gets its one answer (:meth:`ClientIntake._reply_error`).
-
-:class:`ClientIntake` is the part of :class:`~conveyor.frontend.server.Frontend` that does
-this (a base class of it: it reads the frontend's tables, pools, sessions, replicas, sender,
-tokenizer and timers, which :class:`~conveyor.frontend.server.Frontend` sets up). The
-invariants it keeps are the frontend's (:mod:`conveyor.frontend.server`).
-"""
+"""The frontend's client intake: each client message parsed (:mod:`conveyor.protocol.requests`)
+and answered, or turned into a request: a ``generate`` checked, tokenized (on the loop or a
+pool) and admitted to a scheduler through the request processor (:mod:`conveyor.frontend.processor`).
+The rules it keeps are the frontend's (docs/architecture.md, "The frontend's rules")."""
 
 from __future__ import annotations
 

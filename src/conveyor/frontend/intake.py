@@ -52,11 +52,11 @@ class ClientIntake:
             # A disconnect queued before this message must be handled first, not after the rest
             # of this drain: its fd may be this message's (closed, then reused by a new client's
             # connection), and the disconnect would then drop the new client's requests too.
-            await self._drain(self.monitor, self._on_monitor_event, multipart=True)
+            await self._drain(self.monitor, self.connections.on_monitor_event, multipart=True)
         identity = frames[0].bytes
         payload = frames[-1]
         fd = payload.get(zmq.SRCFD)
-        self._note_connection(identity, fd)
+        self.connections.note(identity, fd)
         self._c_client.add()
         key = client_key(identity, payload)
         size = sum(len(f) for f in frames[1:])

@@ -63,13 +63,13 @@ def release_freed_memory() -> None:
         _malloc_trim(0)
 
 
-class Frontend(ClientIntake, ClientConnections, SchedulerSide):
-    """The frontend process's loop, its sockets and its tables of requests (see the module
-    docstring). Its handlers come from its base classes, one responsibility each: the client
-    intake (:class:`~conveyor.frontend.intake.ClientIntake`), the connection bookkeeping
-    (:class:`~conveyor.frontend.connections.ClientConnections`) and the scheduler side with
-    the relays of stats and profile queries (:class:`~conveyor.frontend.scheduler_side.SchedulerSide`);
-    the output path is :class:`OutputPath`."""
+class Frontend(ClientIntake, SchedulerSide):
+    """The frontend process's loop, its sockets and its tables of requests. Parts it holds,
+    each built from what it needs: the request processor (``processor``), the connection
+    bookkeeping (``connections``), ``tokenize`` / ``detokenize`` (``tokens``), the client
+    shares (``shares``), the output path (``output``); the client intake and the scheduler side
+    are still its base classes (:class:`~conveyor.frontend.intake.ClientIntake`,
+    :class:`~conveyor.frontend.scheduler_side.SchedulerSide`)."""
 
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer) -> None:
         self.config = config
@@ -83,9 +83,6 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         # those admitted (sent to the scheduler), which is where scheduler outputs look.
         self.in_flight: dict[tuple[bytes, str], RequestState] = {}  # by RequestState.key
         self.requests: dict[str, RequestState] = {}
-        # fd -> routing id of each open connection that has sent a message: which connection
-        # holds a routing id now (_note_connection), so a takeover drops the old one's requests.
-        self._connections: dict[int, bytes] = {}
         self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
         # query id -> (client, iterations asked for, the replicas' answers)
         self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
@@ -133,8 +130,11 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
         self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
         self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
-        self.sender = ClientSender(self.clients, self._client_gone, self._client_not_reading, prof)
         self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
+        self.connections = ClientConnections(
+            self.in_flight, self.metrics, self.shares, self._untrack, self._abort_at_scheduler, config.client_send_queue
+        )
+        self.sender = ClientSender(self.clients, self.connections.client_gone, self.connections.not_reading, prof)
         self.output = OutputPath(
             self.requests,
             self.sender,
@@ -181,7 +181,7 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         while self._running:
             ready = dict(await poller.poll())
             if self.monitor in ready:
-                await self._drain(self.monitor, self._on_monitor_event, multipart=True)
+                await self._drain(self.monitor, self.connections.on_monitor_event, multipart=True)
             if self.control in ready:
                 await self._drain(self.control, self._on_control)
             if self.clients in ready:

@@ -8,15 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 
 import zmq
 
-from conveyor import profiling
-from conveyor.frontend.replicas import Gather
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.stop import StopStringMatcher
-from conveyor.ipc.messages import AddRequest, FinishReason, StatsQuery
+from conveyor.ipc.messages import AddRequest, FinishReason
 from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
 from conveyor.protocol.token_commands import DetokenizeCommand, TokenizeCommand
@@ -72,9 +69,9 @@ class ClientIntake:
             elif isinstance(cmd, client_requests.AbortCommand):
                 await self._on_abort(key, cmd.request_id)
             elif isinstance(cmd, client_requests.ProfileCommand):
-                await self._on_profile(identity, cmd)
+                await self.relays.profile(identity, cmd)
             elif isinstance(cmd, client_requests.LoraCommand):
-                await self._on_lora(identity, cmd)
+                await self.relays.lora(identity, cmd)
             elif isinstance(cmd, TokenizeCommand):
                 self.tokens.tokenize(identity, cmd)
             elif isinstance(cmd, DetokenizeCommand):
@@ -82,9 +79,7 @@ class ClientIntake:
             elif isinstance(cmd, client_requests.MetricsCommand):
                 await self.sender.send(identity, replies.metrics_reply(**self.metrics.snapshot()))
             else:
-                query_id = uuid.uuid4().hex
-                asked = self.replicas.broadcast(StatsQuery(query_id))  # every live replica
-                self._stats_waiters[query_id] = (identity, cmd.iterations, Gather(asked))
+                self.relays.stats(identity, cmd.iterations)
         except wire.ProtocolError as exc:
             await self._reply_error(identity, key, exc)
         finally:

@@ -25,10 +25,11 @@ from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.intake import LARGE_INPUT_CHARS, ClientIntake
 from conveyor.frontend.output import OutputPath
 from conveyor.frontend.processor import RequestProcessor
-from conveyor.frontend.replicas import Gather, ReplicaSet, SchedulerLink
+from conveyor.frontend.replicas import ReplicaSet, SchedulerLink
 from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
-from conveyor.frontend.scheduler_side import LoraWaiter, SchedulerSide
+from conveyor.frontend.relays import Relays
+from conveyor.frontend.scheduler_side import SchedulerSide
 from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.shares import ClientShares
@@ -36,9 +37,7 @@ from conveyor.frontend.token_service import TokenService
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import transport
 from conveyor.frontend.liveness import SchedulerWatch
-from conveyor.ipc.messages import ProcessProfile, SchedulerStats
 from conveyor.protocol import limits
-from conveyor.protocol import requests as client_requests
 from conveyor.runtime.config import FrontendConfig
 
 log = logging.getLogger("conveyor.frontend")
@@ -84,16 +83,8 @@ class Frontend(ClientIntake, SchedulerSide):
         self.in_flight: dict[tuple[bytes, str], RequestState] = {}  # by RequestState.key
         self.requests: dict[str, RequestState] = {}
         self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
-        # query id -> (client, iterations asked for, the replicas' answers)
-        self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
         self.sessions = Sessions(config.max_sessions)
         self.shares = ClientShares(config.max_waiting, config.addresses.internal_client)
-        # query id -> a load_lora / unload_lora waiting for the replicas; timed-out ones still owed
-        self._lora_waiters: dict[str, LoraWaiter] = {}
-        self._lora_owed: dict[str, tuple[client_requests.LoraCommand, set[int]]] = {}
-        self._profile_waiters: dict[
-            str, tuple[bytes, client_requests.ProfileCommand, asyncio.TimerHandle, Gather[list[ProcessProfile]]]
-        ] = {}
         self._running = True
         self._pool = (
             ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -135,6 +126,7 @@ class Frontend(ClientIntake, SchedulerSide):
             self.in_flight, self.metrics, self.shares, self._untrack, self._abort_at_scheduler, config.client_send_queue
         )
         self.sender = ClientSender(self.clients, self.connections.client_gone, self.connections.not_reading, prof)
+        self.relays = Relays(self.replicas, self.sender, self.in_flight, prof, config.enable_lora_loading)
         self.output = OutputPath(
             self.requests,
             self.sender,

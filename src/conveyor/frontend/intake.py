@@ -6,17 +6,35 @@ The rules it keeps are the frontend's (docs/architecture.md, "The frontend's rul
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import zmq
 
+from conveyor import profiling
+from conveyor.frontend.connections import ClientConnections
+from conveyor.frontend.constraints import ConstraintCompiler
+from conveyor.frontend.liveness import SchedulerWatch
+from conveyor.frontend.output import OutputPath
+from conveyor.frontend.processor import RequestProcessor
+from conveyor.frontend.relays import Relays
+from conveyor.frontend.replicas import ReplicaSet
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
+from conveyor.frontend.sending import ClientSender
+from conveyor.frontend.sessions import Sessions
+from conveyor.frontend.shares import ClientShares
+from conveyor.frontend.token_service import TokenService
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.ipc.messages import AddRequest, FinishReason
 from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
 from conveyor.protocol.token_commands import DetokenizeCommand, TokenizeCommand
+from conveyor.runtime.config import FrontendConfig
 
 log = logging.getLogger("conveyor.frontend")
 
@@ -41,15 +59,66 @@ def client_key(identity: bytes, payload: zmq.Frame) -> bytes:
     return b"key:" + user.encode() if user else b"id:" + identity
 
 
-class ClientIntake:
-    """The client intake of the frontend (module docstring)."""
+@dataclass
+class IntakeParts:
+    """What the intake works with: the frontend's tables (``in_flight`` by key, ``requests`` by
+    scheduler id), its parts, and its tokenizer pools (None: everything on the loop)."""
 
-    async def _on_client_frames(self, frames) -> None:
-        if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
-            # A disconnect queued before this message must be handled first, not after the rest
-            # of this drain: its fd may be this message's (closed, then reused by a new client's
-            # connection), and the disconnect would then drop the new client's requests too.
-            await self._drain(self.monitor, self.connections.on_monitor_event, multipart=True)
+    config: FrontendConfig
+    processor: RequestProcessor
+    constraints: ConstraintCompiler
+    in_flight: dict[tuple[bytes, str], RequestState]
+    requests: dict[str, RequestState]
+    sessions: Sessions
+    shares: ClientShares
+    replicas: ReplicaSet
+    watch: SchedulerWatch
+    sender: ClientSender
+    output: OutputPath
+    metrics: FrontendMetrics
+    connections: ClientConnections
+    relays: Relays
+    tokens: TokenService
+    pool: ThreadPoolExecutor | None
+    large_pool: ThreadPoolExecutor | None
+
+
+class ClientIntake:
+    """The client intake of the frontend (module docstring). ``drain_disconnects``: handles the
+    disconnect events queued so far; ``untrack`` / ``abort``: the frontend's (forget a request,
+    abort scheduler ids at their replicas); ``schedule_trim``: trims the heap soon."""
+
+    def __init__(
+        self,
+        parts: IntakeParts,
+        profiler: profiling.Profiler,
+        *,
+        drain_disconnects: Callable[[], Awaitable[None]],
+        untrack: Callable[[RequestState], None],
+        abort: Callable[[list[str]], None],
+        schedule_trim: Callable[[], None],
+    ) -> None:
+        p = parts
+        self.config, self.processor, self.constraints = p.config, p.processor, p.constraints
+        self.in_flight, self.requests, self.sessions, self.shares = p.in_flight, p.requests, p.sessions, p.shares
+        self.replicas, self.watch, self.sender, self.output, self.metrics = p.replicas, p.watch, p.sender, p.output, p.metrics
+        self.connections, self.relays, self.tokens = p.connections, p.relays, p.tokens
+        self._pool, self._large_pool = p.pool, p.large_pool
+        self._drain_disconnects = drain_disconnects
+        self._untrack = untrack
+        self._abort_at_scheduler = abort
+        self._schedule_trim = schedule_trim
+        self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
+        self.tokenizing: set[asyncio.Future] = set()  # pool jobs in flight (kept referenced)
+        self._t_tokenize = profiler.timer("tokenize", arg_name="prompt_tokens")
+        self._c_client = profiler.counter("client_messages")
+        self._c_pooled = profiler.counter("pooled_tokenizations")
+
+    async def on_client_frames(self, frames) -> None:
+        # A disconnect queued before this message must be handled first, not after the rest
+        # of this drain: its fd may be this message's (closed, then reused by a new client's
+        # connection), and the disconnect would then drop the new client's requests too.
+        await self._drain_disconnects()
         identity = frames[0].bytes
         payload = frames[-1]
         fd = payload.get(zmq.SRCFD)
@@ -125,8 +194,8 @@ class ClientIntake:
         self._c_pooled.add()
         large = chars >= LARGE_INPUT_CHARS
         job = asyncio.ensure_future(self._tokenize_in_pool(state, req, history, large))
-        self._tokenizing.add(job)
-        job.add_done_callback(self._tokenizing.discard)
+        self.tokenizing.add(job)
+        job.add_done_callback(self.tokenizing.discard)
 
     async def _tokenize_in_pool(
         self, state: RequestState, req: client_requests.GenerateRequest, history: list[int] | None, large: bool

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import itertools
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ import zmq.asyncio
 from conveyor import profiling
 from conveyor.frontend.connections import ClientConnections
 from conveyor.frontend.constraints import ConstraintCompiler
-from conveyor.frontend.intake import LARGE_INPUT_CHARS, ClientIntake
+from conveyor.frontend.intake import LARGE_INPUT_CHARS, ClientIntake, IntakeParts
 from conveyor.frontend.output import OutputPath
 from conveyor.frontend.processor import RequestProcessor
 from conveyor.frontend.replicas import ReplicaSet, SchedulerLink
@@ -62,7 +61,7 @@ def release_freed_memory() -> None:
         _malloc_trim(0)
 
 
-class Frontend(ClientIntake, SchedulerSide):
+class Frontend(SchedulerSide):
     """The frontend process's loop, its sockets and its tables of requests. Parts it holds,
     each built from what it needs: the request processor (``processor``), the connection
     bookkeeping (``connections``), ``tokenize`` / ``detokenize`` (``tokens``), the client
@@ -82,7 +81,6 @@ class Frontend(ClientIntake, SchedulerSide):
         # those admitted (sent to the scheduler), which is where scheduler outputs look.
         self.in_flight: dict[tuple[bytes, str], RequestState] = {}  # by RequestState.key
         self.requests: dict[str, RequestState] = {}
-        self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
         self.sessions = Sessions(config.max_sessions)
         self.shares = ClientShares(config.max_waiting, config.addresses.internal_client)
         self._running = True
@@ -92,7 +90,6 @@ class Frontend(ClientIntake, SchedulerSide):
             else None
         )
         self._large_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-large") if self._pool else None
-        self._tokenizing: set[asyncio.Future] = set()  # pool jobs in flight (kept referenced)
         self._trim_handle: asyncio.TimerHandle | None = None  # a heap trim scheduled (release_freed_memory)
 
         self.ctx = zmq.asyncio.Context()
@@ -119,7 +116,6 @@ class Frontend(ClientIntake, SchedulerSide):
         self.control = transport.socket(self.ctx, zmq.PULL, addrs.frontend_control, bind=True)
 
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
-        self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
         self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
         self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
         self.connections = ClientConnections(
@@ -138,10 +134,8 @@ class Frontend(ClientIntake, SchedulerSide):
         )
         self._s_loop_lag = prof.series("event_loop_lag", "ms")
         self._s_merged = prof.series("merged_steps", "steps")  # behind: steps handled as one
-        self._c_client = prof.counter("client_messages")
         self._c_sched = prof.counter("scheduler_messages")
         self._c_tokens = prof.counter("output_tokens")
-        self._c_pooled = prof.counter("pooled_tokenizations")
         self.tokens = TokenService(
             self.processor,
             self.sender,
@@ -150,6 +144,19 @@ class Frontend(ClientIntake, SchedulerSide):
             inline_chars=config.tokenize_inline_chars,
             large_chars=LARGE_INPUT_CHARS,
             trim=self._schedule_trim,
+        )
+        parts = IntakeParts(
+            config, self.processor, self.constraints, self.in_flight, self.requests, self.sessions, self.shares,
+            self.replicas, self.watch, self.sender, self.output, self.metrics, self.connections, self.relays, self.tokens,
+            self._pool, self._large_pool,
+        )  # fmt: skip
+        self.intake = ClientIntake(
+            parts,
+            prof,
+            drain_disconnects=self._drain_disconnects,
+            untrack=self._untrack,
+            abort=self._abort_at_scheduler,
+            schedule_trim=self._schedule_trim,
         )
 
     async def _probe_loop_lag(self) -> None:
@@ -177,7 +184,7 @@ class Frontend(ClientIntake, SchedulerSide):
             if self.control in ready:
                 await self._drain(self.control, self._on_control)
             if self.clients in ready:
-                await self._drain(self.clients, self._on_client_frames, multipart=True, limit=256)
+                await self._drain(self.clients, self.intake.on_client_frames, multipart=True, limit=256)
             for index, link in enumerate(self.links):
                 if link.from_scheduler in ready and self._running:
                     await self._drain_scheduler(index, link.from_scheduler)
@@ -226,6 +233,11 @@ class Frontend(ClientIntake, SchedulerSide):
         if self.in_flight.get(state.key) is state:  # absent in a hand-built table (bench)
             del self.in_flight[state.key]
             self.shares.give_back(state.client_key, state.share)
+
+    async def _drain_disconnects(self) -> None:
+        """Handle the disconnect events queued so far (before a client message: see the intake)."""
+        if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            await self._drain(self.monitor, self.connections.on_monitor_event, multipart=True)
 
     def _schedule_trim(self) -> None:
         """Trim the heap soon (:func:`release_freed_memory`), at most once per

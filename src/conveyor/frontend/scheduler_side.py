@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from conveyor import profiling
-from conveyor.frontend.liveness import WATCH_INTERVAL_S
+from conveyor.frontend.liveness import WATCH_INTERVAL_S, SchedulerWatch
+from conveyor.frontend.output import OutputPath
+from conveyor.frontend.relays import Relays
+from conveyor.frontend.replicas import ReplicaSet
+from conveyor.frontend.request_state import RequestState
+from conveyor.frontend.shares import ClientShares
 from conveyor.ipc import codec, transport
 from conveyor.ipc.messages import AbortRequests, FinishReason, ProcessFailed, Shutdown, TokenOutputs
 from conveyor.runtime.config import replica_of_process
@@ -29,10 +36,44 @@ log = logging.getLogger("conveyor.frontend")
 SCHEDULER_DRAIN_LIMIT = 16
 
 
-class SchedulerSide:
-    """The scheduler side of the frontend (module docstring)."""
+@dataclass
+class LoopState:
+    """The frontend loop's fate, shared with the scheduler side: whether it runs on, and the
+    exit status the process ends with (nonzero: the frontend stopped the server itself)."""
 
-    async def _drain_scheduler(self, replica: int, sock: zmq.asyncio.Socket) -> None:
+    running: bool = True
+    exit_code: int = 0
+
+
+class SchedulerSide:
+    """The scheduler side of the frontend (module docstring): over the frontend's tables
+    (``in_flight`` by key, ``requests`` by scheduler id) and parts; ``untrack`` forgets a
+    request; ``ctx`` and ``control_address``: where a hung scheduler's shutdown is sent."""
+
+    def __init__(
+        self,
+        loop: LoopState,
+        in_flight: dict[tuple[bytes, str], RequestState],
+        requests: dict[str, RequestState],
+        parts: tuple[ClientShares, ReplicaSet, SchedulerWatch, OutputPath, Relays],
+        profiler: profiling.Profiler,
+        *,
+        untrack: Callable[[RequestState], None],
+        ctx: zmq.asyncio.Context,
+        control_address: str,
+    ) -> None:
+        self.loop = loop
+        self.in_flight, self.requests = in_flight, requests
+        self.shares, self.replicas, self.watch, self.output, self.relays = parts
+        self._untrack = untrack
+        self.ctx = ctx
+        self.control_address = control_address
+        self._t_outputs = profiler.timer("handle_outputs", arg_name="outputs")
+        self._s_merged = profiler.series("merged_steps", "steps")  # behind: steps handled as one
+        self._c_sched = profiler.counter("scheduler_messages")
+        self._c_tokens = profiler.counter("output_tokens")
+
+    async def drain(self, replica: int, sock: zmq.asyncio.Socket) -> None:
         """Handle what replica ``replica``'s scheduler has queued on ``sock`` (at most
         :data:`SCHEDULER_DRAIN_LIMIT` messages per wake-up, so clients are served in between),
         in order. Consecutive TokenOutputs are handled as one: a frontend that fell behind sends
@@ -57,15 +98,15 @@ class SchedulerSide:
                 batch.append(msg)
                 continue
             if batch:
-                self._on_token_outputs(batch)
+                self.on_token_outputs(batch)
                 batch = []
             await self._on_scheduler_message(replica, msg)
-            if not self._running:
+            if not self.loop.running:
                 return
         if batch:
-            self._on_token_outputs(batch)
+            self.on_token_outputs(batch)
 
-    def _on_token_outputs(self, batch: list[TokenOutputs]) -> None:
+    def on_token_outputs(self, batch: list[TokenOutputs]) -> None:
         """Steps' outputs, oldest first, through the output path (one pass for all of them)."""
         start = profiling.now_ns()
         num_tokens, num_outputs = self.output.on_token_outputs(batch)
@@ -92,10 +133,10 @@ class SchedulerSide:
                 self.output.finish(state, FinishReason.ERROR, error=error)
         await self.relays.replica_gone(replica)
 
-    async def _watch_schedulers(self) -> None:
+    async def watch_schedulers(self) -> None:
         """Every WATCH_INTERVAL_S: a replica's scheduler silent past --hang-timeout while it owes
         requests is hung (conveyor.frontend.liveness)."""
-        while self._running:
+        while self.loop.running:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for replica, silent in self.watch.check():
                 await self._on_scheduler_hung(replica, silent)
@@ -107,8 +148,8 @@ class SchedulerSide:
         error = self.watch.error(replica, silent)
         log.error("%s", error)
         if self.watch.exit:  # through the frontend's own shutdown: its loop wakes on the control line
-            self._exit_code = HANG_EXIT_CODE
-            own = transport.socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH, self.config.addresses.frontend_control, bind=False)
+            self.loop.exit_code = HANG_EXIT_CODE
+            own = transport.socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH, self.control_address, bind=False)
             own.setsockopt(zmq.LINGER, 1000)
             transport.send(own, Shutdown(error))
             own.close()
@@ -142,7 +183,7 @@ class SchedulerSide:
             self.output.finish(state, FinishReason.ERROR, error=reason)
         await self.relays.fail_all(reason)
 
-    async def _on_control(self, frame) -> None:
+    async def on_control(self, frame) -> None:
         try:
             msg = codec.decode(frame.buffer)
         except codec.DecodeError as exc:
@@ -152,12 +193,8 @@ class SchedulerSide:
             # A start-up failure is bin/serve's one line to print; the echo would be a second.
             (log.debug if msg.reason.startswith("startup failed") else log.info)("shutting down: %s", msg.reason)
             await self.fail_all(msg.reason)
-            self._running = False
+            self.loop.running = False
         elif isinstance(msg, ProcessFailed):  # bin/serve: a replica died, the others serve on
             replica = replica_of_process(msg.process)
             if replica is not None and replica < len(self.replicas) and self.replicas.replicas[replica].alive:
                 await self._on_replica_failed(replica, msg.reason)
-
-    def _abort_at_scheduler(self, request_ids: list[str]) -> None:
-        """Abort requests at the replicas that hold them (:meth:`ReplicaSet.abort`)."""
-        self.replicas.abort(request_ids)

@@ -28,7 +28,7 @@ from conveyor.frontend.replicas import ReplicaSet, SchedulerLink
 from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.relays import Relays
-from conveyor.frontend.scheduler_side import SchedulerSide
+from conveyor.frontend.scheduler_side import LoopState, SchedulerSide
 from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.shares import ClientShares
@@ -61,13 +61,12 @@ def release_freed_memory() -> None:
         _malloc_trim(0)
 
 
-class Frontend(SchedulerSide):
-    """The frontend process's loop, its sockets and its tables of requests. Parts it holds,
-    each built from what it needs: the request processor (``processor``), the connection
-    bookkeeping (``connections``), ``tokenize`` / ``detokenize`` (``tokens``), the client
-    shares (``shares``), the output path (``output``); the client intake and the scheduler side
-    are still its base classes (:class:`~conveyor.frontend.intake.ClientIntake`,
-    :class:`~conveyor.frontend.scheduler_side.SchedulerSide`)."""
+class Frontend:
+    """The frontend process's loop, its sockets and its tables of requests, and the parts it
+    holds, each built from what it needs: the client intake (``intake``), the scheduler side
+    (``scheduler_side``), the request processor (``processor``), the connection bookkeeping
+    (``connections``), the query relays (``relays``), ``tokenize`` / ``detokenize``
+    (``tokens``), the client shares (``shares``) and the output path (``output``)."""
 
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer) -> None:
         self.config = config
@@ -83,7 +82,7 @@ class Frontend(SchedulerSide):
         self.requests: dict[str, RequestState] = {}
         self.sessions = Sessions(config.max_sessions)
         self.shares = ClientShares(config.max_waiting, config.addresses.internal_client)
-        self._running = True
+        self.loop = LoopState()
         self._pool = (
             ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
             if config.tokenizer_threads
@@ -112,11 +111,9 @@ class Frontend(SchedulerSide):
         self.links = [SchedulerLink(self.ctx, addrs.replica(i)) for i in range(config.data_parallel_size)]
         self.replicas = ReplicaSet(self.links, config.max_sessions)
         self.watch = SchedulerWatch(config.hang_timeout, config.on_hang, self.replicas)
-        self._exit_code = 0  # set when the frontend stops the server itself (a hung scheduler)
         self.control = transport.socket(self.ctx, zmq.PULL, addrs.frontend_control, bind=True)
 
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
-        self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
         self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
         self.connections = ClientConnections(
             self.in_flight, self.metrics, self.shares, self._untrack, self._abort_at_scheduler, config.client_send_queue
@@ -133,9 +130,6 @@ class Frontend(SchedulerSide):
             metrics=self.metrics,
         )
         self._s_loop_lag = prof.series("event_loop_lag", "ms")
-        self._s_merged = prof.series("merged_steps", "steps")  # behind: steps handled as one
-        self._c_sched = prof.counter("scheduler_messages")
-        self._c_tokens = prof.counter("output_tokens")
         self.tokens = TokenService(
             self.processor,
             self.sender,
@@ -144,6 +138,16 @@ class Frontend(SchedulerSide):
             inline_chars=config.tokenize_inline_chars,
             large_chars=LARGE_INPUT_CHARS,
             trim=self._schedule_trim,
+        )
+        self.scheduler_side = SchedulerSide(
+            self.loop,
+            self.in_flight,
+            self.requests,
+            (self.shares, self.replicas, self.watch, self.output, self.relays),
+            prof,
+            untrack=self._untrack,
+            ctx=self.ctx,
+            control_address=addrs.frontend_control,
         )
         parts = IntakeParts(
             config, self.processor, self.constraints, self.in_flight, self.requests, self.sessions, self.shares,
@@ -162,7 +166,7 @@ class Frontend(SchedulerSide):
     async def _probe_loop_lag(self) -> None:
         """How late a timer wakes up: the time any handler holds the loop shows up here."""
         interval_ns = int(LOOP_LAG_PROBE_S * 1e9)
-        while self._running:
+        while self.loop.running:
             start = profiling.now_ns()
             await asyncio.sleep(LOOP_LAG_PROBE_S)
             self._s_loop_lag.add(max(0, profiling.now_ns() - start - interval_ns) / 1e6)
@@ -170,26 +174,26 @@ class Frontend(SchedulerSide):
     # ------------------------------------------------------------------ main loop
 
     async def run(self) -> None:
-        if self.profiler.enabled:  # ends with the loop (it checks _running; the runner cancels it)
+        if self.profiler.enabled:  # ends with the loop (it checks loop.running; the runner cancels it)
             self._lag_probe = asyncio.ensure_future(self._probe_loop_lag())
         if self.watch.timeout:  # ends with the loop, as the probe
-            self._watchdog = asyncio.ensure_future(self._watch_schedulers())
+            self._watchdog = asyncio.ensure_future(self.scheduler_side.watch_schedulers())
         poller = zmq.asyncio.Poller()
         for sock in (self.monitor, self.control, self.clients, *(link.from_scheduler for link in self.links)):
             poller.register(sock, zmq.POLLIN)
-        while self._running:
+        while self.loop.running:
             ready = dict(await poller.poll())
             if self.monitor in ready:
                 await self._drain(self.monitor, self.connections.on_monitor_event, multipart=True)
             if self.control in ready:
-                await self._drain(self.control, self._on_control)
+                await self._drain(self.control, self.scheduler_side.on_control)
             if self.clients in ready:
                 await self._drain(self.clients, self.intake.on_client_frames, multipart=True, limit=256)
             for index, link in enumerate(self.links):
-                if link.from_scheduler in ready and self._running:
-                    await self._drain_scheduler(index, link.from_scheduler)
-        if self._exit_code:
-            raise SystemExit(self._exit_code)
+                if link.from_scheduler in ready and self.loop.running:
+                    await self.scheduler_side.drain(index, link.from_scheduler)
+        if self.loop.exit_code:
+            raise SystemExit(self.loop.exit_code)
 
     async def _drain(self, sock: zmq.asyncio.Socket, handler, *, multipart: bool = False, limit: int = 1024) -> None:
         for _ in range(limit):
@@ -201,7 +205,7 @@ class Frontend(SchedulerSide):
             except zmq.Again:
                 return
             await handler(msg)
-            if not self._running:
+            if not self.loop.running:
                 return
 
     def close(self) -> None:
@@ -238,6 +242,15 @@ class Frontend(SchedulerSide):
         """Handle the disconnect events queued so far (before a client message: see the intake)."""
         if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
             await self._drain(self.monitor, self.connections.on_monitor_event, multipart=True)
+
+    def _abort_at_scheduler(self, request_ids: list[str]) -> None:
+        """Abort requests at the replicas that hold them (:meth:`ReplicaSet.abort`)."""
+        self.replicas.abort(request_ids)
+
+    async def fail_all(self, reason: str) -> None:
+        """Every in-flight request and waiting query answered with ``reason`` as its error
+        (:meth:`SchedulerSide.fail_all`)."""
+        await self.scheduler_side.fail_all(reason)
 
     def _schedule_trim(self) -> None:
         """Trim the heap soon (:func:`release_freed_memory`), at most once per

@@ -91,6 +91,11 @@ class Frontend:
         self._large_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-large") if self._pool else None
         self._trim_handle: asyncio.TimerHandle | None = None  # a heap trim scheduled (release_freed_memory)
 
+        self._open_sockets(config)
+        self._build_parts(config)
+
+    def _open_sockets(self, config: FrontendConfig) -> None:
+        """The client ROUTER (and its disconnect monitor), the replicas' links, the control line."""
         self.ctx = zmq.asyncio.Context()
         addrs = config.addresses
         monitor_addr = f"inproc://frontend-monitor-{uuid.uuid4().hex}"
@@ -113,6 +118,8 @@ class Frontend:
         self.watch = SchedulerWatch(config.hang_timeout, config.on_hang, self.replicas)
         self.control = transport.socket(self.ctx, zmq.PULL, addrs.frontend_control, bind=True)
 
+    def _build_parts(self, config: FrontendConfig) -> None:
+        """The parts the handlers are, each given what it works with."""
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
         self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
         self.connections = ClientConnections(
@@ -147,7 +154,7 @@ class Frontend:
             prof,
             untrack=self._untrack,
             ctx=self.ctx,
-            control_address=addrs.frontend_control,
+            control_address=config.addresses.frontend_control,
         )
         parts = IntakeParts(
             config, self.processor, self.constraints, self.in_flight, self.requests, self.sessions, self.shares,

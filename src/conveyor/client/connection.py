@@ -123,6 +123,7 @@ class CompletionResult:
     # Where asked for: the protocol's log-probability columns (docs/protocol.md), as sent.
     logprobs: dict[str, Any] | None = None
     prompt_logprobs: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None  # where asked (``return_prompt_token_ids``)
 
     def __post_init__(self) -> None:
         if not self.choices:  # n = 1: the one choice is the result itself
@@ -157,6 +158,7 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"], c.get("logprobs")) for c in msg.get("choices") or ()],
         logprobs=msg.get("logprobs"),
         prompt_logprobs=msg.get("prompt_logprobs"),
+        prompt_token_ids=msg.get("prompt_token_ids"),
     )
 
 

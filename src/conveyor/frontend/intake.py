@@ -251,6 +251,7 @@ class ClientIntake:
         choices = sampling.n > 1 and sampling.logprobs is not None and not req.ranking_logprobs
         state.set_logs(streams.logprobs, self.processor.prompt_log(req), choices=choices)
         state.keep_best = req.keep_best
+        state.return_prompt_ids = req.return_prompt_token_ids
         state.pending = False
         self.requests[state.scheduler_id] = state  # (n > 1: where a refusal of the whole request finds it)
         for i, (seq_id, seq_streams) in enumerate(self.processor.fork(req, prompt_ids, state.scheduler_id)):

@@ -281,6 +281,8 @@ class OutputPath:
             code=scheduler_error_code(error) if reason == FinishReason.ERROR else None,
             choices=choices,
         )
+        if state.return_prompt_ids:
+            reply["prompt_token_ids"] = state.prompt_ids
         if state.logged:
             reply.update(state.logprob_fields(whole=True))
             if state.choice_logprobs:  # the top level's are choice 0's, as its text is

@@ -68,6 +68,7 @@ ends (an abort, an error of the request or of any of its sequences)."""
     prompt_logprobs: LogprobsLog | None = None
     logged: bool = False  # either of them: its deltas and final carry log-probability fields
     choice_logprobs: bool = False  # an n > 1 request: its final's choices carry their logprobs
+    return_prompt_ids: bool = False  # its final carries prompt_token_ids (the whole context)
     share: int = 0  # the sequences it counts against its client's share (conveyor.frontend.shares)
 
     @property

@@ -68,6 +68,7 @@ FRONTEND_FIELDS = (
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "return_prompt_token_ids",
 )
 # Structured output (docs/structured-output.md): ``constraint`` (the output must match it),
 # ``tools`` (rendered by the chat template) and ``tool_choice`` ("required" or a named
@@ -119,6 +120,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    return_prompt_token_ids: bool = False  # the final carries the prompt's ids (prompt_token_ids)
     # best_of > n: the scheduler runs ``sampling.n`` (= best_of) sequences, each with its
     # sampled tokens' log-probabilities (``sampling.logprobs``: the client's k, else 0), and the
     # ``keep_best`` (the client's n) with the highest cumulative log-probability are returned,
@@ -416,7 +418,8 @@ def parse_constraint(value: Any) -> Constraint:
 def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
     """The :data:`FRONTEND_FIELDS` of a generate map into ``req``, each checked."""
     flags = {}
-    for name in ("fill_context", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message"):
+    for name in ("fill_context", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message",
+                 "return_prompt_token_ids"):
         value = obj.get(name)
         if value is not None and not isinstance(value, bool):
             raise fail(f"'{name}' must be a boolean, got {value!r}")
@@ -447,3 +450,4 @@ def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any)
     req.continue_final_message = bool(flags["continue_final_message"])
     req.add_generation_prompt = not req.continue_final_message if flags["add_generation_prompt"] is None else flags["add_generation_prompt"]
     req.chat_template_kwargs = dict(kwargs or {})
+    req.return_prompt_token_ids = bool(flags["return_prompt_token_ids"])

@@ -89,3 +89,19 @@ def test_the_client_calls(live_frontend, ours) -> None:
             assert exc.code == "invalid_input"
         else:
             raise AssertionError("an id outside the vocabulary was decoded")
+
+
+def test_a_final_carries_the_prompt_ids_when_asked(live_frontend, ours) -> None:
+    """``return_prompt_token_ids``: what the HTTP face asks instead of tokenizing the prompt again."""
+    from conveyor.ipc.messages import AddRequest, RequestOutput, TokenOutputs
+
+    fe = live_frontend()
+    sock = fe.client()
+    for rid, asked in (("with", True), ("without", False)):
+        fe.send(sock, type="generate", request_id=rid, prompt="Hello there", max_tokens=1, return_prompt_token_ids=asked)
+        add = fe.scheduler_recv()
+        while not isinstance(add, AddRequest):
+            add = fe.scheduler_recv()
+        fe.scheduler_send(TokenOutputs([RequestOutput(add.request_id, [7], finish_reason="length")]))
+        final = fe.until_final(sock)[-1]
+        assert final.get("prompt_token_ids") == (ours["demo"].encode("Hello there") if asked else None), final

@@ -26,6 +26,7 @@ class ScriptedRunner:
     def __init__(self, fail_launch=(), fail_finish=()) -> None:
         self.calls: list[str] = []
         self.fail_launch, self.fail_finish = set(fail_launch), set(fail_finish)
+        self.adapters = self  # (its LoRA side: LoraRunner scripts one)
 
     def launch(self, plan: StepPlan):
         self.calls.append(f"launch {plan.step_id}")

@@ -271,7 +271,7 @@ class StepLoop:
         self.pending_shape: tuple[tuple[int, int, int, int], int] | None = None  # (plan shape, read at)
         from conveyor.worker.lora_updates import AdapterReads  # (torch: imported with the runner, not this module)
 
-        self.reads = AdapterReads(runner)  # LoRA adapters being read off the loop
+        self.reads = AdapterReads(runner.adapters)  # LoRA adapters being read off the loop
 
     def run(self) -> None:
         idle_start = profiling.now_ns()
@@ -338,7 +338,7 @@ class StepLoop:
         if isinstance(msg, LoadLora):
             self.reads.start(msg)
         elif isinstance(msg, UnloadLora):
-            self.runner.unload_lora(msg.name)
+            self.runner.adapters.unload_lora(msg.name)
         else:
             answer = self.reads.commit(msg.query_id)
             if answer.ok:

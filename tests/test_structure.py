@@ -1,0 +1,100 @@
+"""The shape of the process rooms' code: parts held, not inherited, and no circle of imports.
+
+A class of worker/ (or frontend/) with more than one base is a partial class: each base
+reads state the others define, so no file holds one idea. The parts are objects the owner
+builds with what they need instead (the way scheduler/ works). Bases that only say what a
+class is (a Protocol, an exception, a msgspec Struct, an enum, ...) are not parts.
+Within one folder no module reaches, through its imports, a module that imports it: a folder
+whose modules import each other is one module in several files."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.test_layering import PACKAGE, _cycle, _runtime_imports
+
+# Bases that say what a class is, not a part it is made of.
+KIND_BASES = {
+    "Protocol", "Generic", "NamedTuple", "TypedDict", "Exception", "BaseException", "ValueError", "KeyError",
+    "RuntimeError", "TypeError", "OSError", "LookupError", "Struct", "Enum", "IntEnum", "StrEnum", "Flag", "IntFlag",
+    "Choice", "str", "int", "ABC",
+}  # fmt: skip
+
+# The folders whose classes hold their parts. frontend/ joins once its mixins are parts too
+# (issue 38: Frontend(ClientIntake, ClientConnections, SchedulerSide)).
+COMPOSED_FOLDERS = ("worker",)
+
+
+def _base_name(node: ast.expr) -> str:
+    """``Protocol`` for ``Protocol``, ``typing.Protocol`` and ``Generic[T]`` alike."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ast.unparse(node)
+
+
+def classes_with_parts(folder: Path) -> dict[str, list[str]]:
+    """``module.Class`` -> its bases, for every class under ``folder`` with more than one base
+    that is not a kind (:data:`KIND_BASES`)."""
+    found = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases = [_base_name(base) for base in node.bases]
+                parts = [base for base in bases if base not in KIND_BASES]
+                if len(parts) > 1:
+                    found[f"{path.relative_to(folder).as_posix()}:{node.name}"] = bases
+    return found
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_graph(folder: Path) -> dict[str, set[str]]:
+    """The modules of ``folder`` (its subfolders' too) -> those of them each imports when it
+    runs (function-level imports count, ``TYPE_CHECKING`` ones do not). A package's
+    ``__init__`` is left out: importing a submodule runs it, which is no dependency."""
+    modules = {_module_name(path): path for path in sorted(folder.rglob("*.py")) if path.name != "__init__.py"}
+    return {name: {target for target in _runtime_imports(path) if target in modules and target != name} for name, path in modules.items()}
+
+
+def _folders() -> list[str]:
+    return sorted(path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").is_file())
+
+
+@pytest.mark.parametrize("folder", COMPOSED_FOLDERS)
+def test_no_class_inherits_its_parts(folder: str) -> None:
+    assert classes_with_parts(PACKAGE / folder) == {}
+
+
+# frontend/ joins once its modules no longer import each other in a circle (issue 38).
+CIRCLE_FREE_FOLDERS = [folder for folder in _folders() if folder != "frontend"]
+
+
+@pytest.mark.parametrize("folder", CIRCLE_FREE_FOLDERS)
+def test_no_circle_of_imports_inside_a_folder(folder: str) -> None:
+    graph = import_graph(PACKAGE / folder)
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
+    """The checkers themselves, on a folder made for them: a partial class is found, kinds are
+    not; a circle through a function-level import is found, one under TYPE_CHECKING is not."""
+    room = PACKAGE / "worker"
+    assert "conveyor.worker.model_runner" in import_graph(room)  # (the real folder is read)
+    (tmp_path / "parts.py").write_text(
+        "import enum, typing\n"
+        "class A: ...\n"
+        "class B: ...\n"
+        "class Both(A, B): ...\n"
+        "class Kind(str, enum.Enum): ...\n"
+        "class Shape(typing.Protocol, typing.Generic[int]): ...\n"
+    )
+    assert classes_with_parts(tmp_path) == {"parts.py:Both": ["A", "B"]}
+    graph = {"a": {"b"}, "b": {"a"}}
+    assert _cycle(graph) == ["a", "b", "a"]

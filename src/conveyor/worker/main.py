@@ -163,10 +163,10 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     )
 
     rank, size = config.tensor_parallel_rank, config.tensor_parallel_size
-    device = resolve_device(config.device)
+    device = resolve_device(config.runner.device)
     tp = init_tensor_parallel(
         rank, size, config.distributed_init_method, default_backend(device), config.distributed_timeout_s,
-        rank_device(device, TensorParallel(rank, size, None), config.first_device),
+        rank_device(device, TensorParallel(rank, size, None), config.runner.first_device),
     )
     prof = profiling.Profiler("worker", enabled=config.profile)
 
@@ -180,8 +180,8 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         from conveyor.kernels.jit_compiles import COUNTER, count_compiles
 
         count_compiles(prof.counter(COUNTER).add)
-    threads = worker_threads(config.num_threads, size)
-    runner = build_runner(config.runner(num_threads=threads), profiler=prof, tensor_parallel=tp)
+    threads = worker_threads(config.runner.num_threads, size)
+    runner = build_runner(dataclasses.replace(config.runner, num_threads=threads), profiler=prof, tensor_parallel=tp)
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)
     loop = StepLoop(

@@ -82,6 +82,37 @@ def test_no_circle_of_imports_inside_a_folder(folder: str) -> None:
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
+# The modules of a step: they reach a model through CausalLM (worker/models/interface.py) only.
+STEP_MODULES = (
+    "model_runner.py", "decode_step.py", "ragged_step.py", "logprob_steps.py", "speculative_verify.py",
+    "grammar_steps.py", "draft_model.py", "step_parts.py",
+)  # fmt: skip
+
+
+def model_members_used(path: Path) -> set[str]:
+    """The attributes ``path`` reads off anything called ``model`` (``model.x``, ``self.model.x``)."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name == "model":
+                used.add(node.attr)
+    return used
+
+
+def test_the_step_reaches_a_model_only_through_its_interface() -> None:
+    """What the runner and its parts use of a model is what CausalLM declares, so a new
+    architecture that implements the interface runs through every step path."""
+    from conveyor.worker.models.interface import CausalLM
+
+    offered = {name for name in dir(CausalLM) if not name.startswith("_") or name == "__call__"}
+    offered |= set(CausalLM.__annotations__)
+    used = {name: model_members_used(PACKAGE / "worker" / name) for name in STEP_MODULES}
+    assert "compute_logits" in used["decode_step.py"]  # (the walk sees them)
+    assert {name: sorted(members - offered) for name, members in used.items() if members - offered} == {}
+
+
 def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
     """The checkers themselves, on a folder made for them: a partial class is found, kinds are
     not; a circle through a function-level import is found, one under TYPE_CHECKING is not."""

@@ -205,6 +205,7 @@ class RunnerConfig:
     speculative_model: str | None = None
     first_device: int = 0
     num_threads: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         parse_choices(self, attention=Attention)

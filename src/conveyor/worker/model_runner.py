@@ -19,6 +19,7 @@ from conveyor import profiling
 from conveyor.ipc.messages import NewRequestData, StepPlan, StepResult, int_list
 from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.attention.triton_backend import backend_for
+from conveyor.worker.batch_invariant import invariant_backend, make_batch_invariant
 from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.draft_model import DraftModel, Drafts
@@ -79,8 +80,13 @@ class ModelRunner:
         self.device = device = torch.device(config.device)
         self.block_size = config.block_size
         self.tensor_parallel = tp = tensor_parallel
-        backend = backend_for(device, config.attention)
+        if config.batch_invariant:
+            backend = invariant_backend(device, config.attention, config.lora_enabled)
+        else:
+            backend = backend_for(device, config.attention)
         self.model, self.model_config = load_model(config.model_dir, device, config.dtype, backend, tp)
+        if config.batch_invariant:
+            make_batch_invariant(self.model)
         self.dtype = self.model.dtype
         self.lora: LoraManager | None = None
         if config.lora_enabled:

@@ -255,6 +255,16 @@ class Scheduler:
             raise ValueError(f"LoRA adapter {name!r} is in use by {len(live)} live request(s)")
         del self._lora_roots[name]
 
+    def drop_prefix_cache(self) -> None:
+        """Forget the prefix cache, on the device and in the swap space (new weights, a KV cache
+        freed by sleep). Only between requests: ValueError while any request holds blocks."""
+        kv = self.state.kv
+        if kv.gpu.num_held or (kv.swap.pool is not None and kv.swap.pool.num_held):
+            raise ValueError("the prefix cache can be dropped only while no request holds KV blocks")
+        kv.gpu.drop_cached()
+        if kv.swap.pool is not None:
+            kv.swap.pool.drop_cached()
+
     def abort(self, request_ids: Iterable[str], error: str | None = None) -> list[RequestOutput]:
         """Finish live requests with "abort" (with ``error``: "error", that text) and free their
         blocks now; unknown ids are ignored. A parallel-sampling request's id aborts all its

@@ -29,6 +29,7 @@ from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.models.interface import CausalLM, WeightSlot
 from conveyor.worker.models.registry import model_class
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel
+from conveyor.worker.quantization.loading import load_part, quantize_linears
 
 _DTYPES = {
     "float32": torch.float32,
@@ -75,9 +76,15 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     backend: AttentionBackend | None = None,
     tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL,
+    quantization: str = "none",
 ) -> tuple[CausalLM, ModelConfig]:
     """Read ``config.json`` and all safetensors of ``model_dir`` into a model on ``device``
     (this rank's shard of it under ``tensor_parallel``).
+
+    ``quantization`` (bin/serve --quantization): ``none`` (float weights), ``int8`` / ``int4``
+    / ``fp8`` (a float checkpoint's linear layers quantized as they are read), ``auto`` (a
+    block-quantized GGUF file kept quantized, anything else float):
+    :mod:`conveyor.worker.quantization.loading`.
 
     ``backend`` defaults to the device's (:func:`backend_for`: Triton on CUDA, the torch
     reference on CPU). The model comes back in eval mode without gradients and with no KV
@@ -87,8 +94,23 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, device, config)
     model = model_class(config.architecture)(config, backend or backend_for(device), torch_dtype, device, tensor_parallel)
-    load_weights(model, checkpoint_tensors(model_dir))
+    load_weights(model, checkpoint_tensors(model_dir), resolve_quantization(quantization, model_dir))
     return model.eval(), config
+
+
+def resolve_quantization(quantization: str, model_dir: Path) -> str:
+    """The scheme ``quantization`` means for ``model_dir``: ``auto`` is ``gguf`` for a
+    block-quantized GGUF file, else ``none``; ``gguf`` only for a GGUF file."""
+    source = gguf_file(model_dir)
+    if quantization == "auto":
+        if source is None:
+            return "none"
+        from conveyor.worker.gguf_tensors import file_is_quantized
+
+        return "gguf" if file_is_quantized(source) else "none"
+    if quantization == "gguf" and source is None:
+        raise ValueError(f"--quantization gguf: {model_dir} is not a GGUF checkpoint; use int8, int4, fp8 or none")
+    return quantization
 
 
 def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Any]]:
@@ -107,12 +129,15 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Any]]:
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]]) -> None:
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]], quantization: str = "none") -> None:
     """Copy every tensor of ``tensors`` (:func:`checkpoint_tensors`; the part its slot names)
     into the slot :meth:`~conveyor.worker.models.interface.CausalLM.checkpoint_layout` gives it,
-    converting dtype and device on the way; raise unless every slot is filled once; then tell
-    the model (:meth:`~conveyor.worker.models.interface.CausalLM.weights_loaded`)."""
+    converting dtype and device on the way (a quantized layer's part quantized, or under
+    ``gguf`` kept as the file's blocks: :func:`~conveyor.worker.quantization.loading.load_part`);
+    raise unless every slot is filled once; then tell the model
+    (:meth:`~conveyor.worker.models.interface.CausalLM.weights_loaded`)."""
     layout = model.checkpoint_layout()
+    quantized = quantize_linears(model, quantization)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file_name, name, stored in tensors:
@@ -126,6 +151,15 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]]) -> No
         shape = tuple(stored.get_shape())
         if shape != slot.shape:
             raise ValueError(f"weight {name!r} has shape {shape}, expected {slot.shape}")
+        if slot.name in quantized:
+            linear = quantized[slot.name]
+            keep = quantization == "gguf" and getattr(stored, "is_quantized", False)
+            part = stored.quantized(_index(slot)) if keep else stored[_index(slot)]
+            if tuple(part.shape) != (slot.end - slot.start, linear.in_features):
+                raise ValueError(f"slot of weight {name!r} reads shape {tuple(part.shape)} into {(slot.end - slot.start, linear.in_features)}")
+            load_part(linear, slot.start, part, model.device)
+            loaded.add(name)
+            continue
         target = params[slot.name][slot.start : slot.end]
         part = stored[_index(slot)]
         if part.shape != target.shape:

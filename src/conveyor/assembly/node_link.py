@@ -85,6 +85,7 @@ def join_settings(config: ServerConfig) -> dict[str, str]:
         "--tensor-parallel-size": str(worker.tensor_parallel_size),
         "--nnodes": str(config.nnodes),
         "--dtype": str(worker.dtype),
+        "--quantization": str(worker.quantization),
         "--block-size": str(worker.block_size),
         "--max-num-seqs": str(worker.max_num_seqs),
         "--max-loras": str(worker.max_loras),

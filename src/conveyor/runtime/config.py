@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 
 from conveyor.ipc.step_channel import StepChannels
 from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exported: they are read from here)
-    Attention, Batching, Choice, Device, Dtype, PipelineSteps, PlanTransport, Policy, Preemption,
+    Attention, Batching, Choice, Device, Dtype, PipelineSteps, PlanTransport, Policy, Preemption, Quantization,
     parse_choices, require_at_least,
 )  # fmt: skip
 from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback, is_loopback_host
@@ -187,6 +187,7 @@ class RunnerConfig:
     model_dir: str
     device: str = Device.CPU
     dtype: Dtype = Dtype.AUTO  # or a torch.dtype, taken as it is
+    quantization: Quantization = Quantization.AUTO  # bin/serve --quantization (worker.quantization)
     block_size: int = SchedulerConfig.block_size
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -207,7 +208,7 @@ class RunnerConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        parse_choices(self, attention=Attention)
+        parse_choices(self, attention=Attention, quantization=Quantization)
         if isinstance(self.dtype, str):
             parse_choices(self, dtype=Dtype)
 
@@ -230,6 +231,7 @@ class WorkerConfig:
     channels: StepChannels  # plans from the scheduler, results back
     device: Device = RunnerConfig.device
     dtype: Dtype = RunnerConfig.dtype
+    quantization: Quantization = RunnerConfig.quantization
     block_size: int = RunnerConfig.block_size
     num_blocks: int | None = RunnerConfig.num_blocks
     kv_cache_memory_bytes: int | None = 1 << 30
@@ -270,7 +272,7 @@ class WorkerConfig:
     speculative_model: str | None = RunnerConfig.speculative_model
 
     def __post_init__(self) -> None:
-        parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
+        parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps, quantization=Quantization)
         require_at_least(self, 1, "tensor_parallel_size")
         if self.num_blocks is not None:  # (else sized from kv_cache_memory_bytes by the worker)
             require_at_least(self, 1, "num_blocks")

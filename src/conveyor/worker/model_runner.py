@@ -143,7 +143,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self.block_size = block_size = config.block_size
         self.tensor_parallel = tp = tensor_parallel
         backend = backend_for(self.device, config.attention)
-        self.model, self.model_config = load_model(config.model_dir, self.device, config.dtype, backend, tp)
+        self.model, self.model_config = load_model(config.model_dir, self.device, config.dtype, backend, tp, config.quantization)
         self.dtype = self.model.dtype
         self.lora: LoraManager | None = None
         if config.lora_enabled:

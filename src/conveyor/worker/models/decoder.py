@@ -194,8 +194,9 @@ class DecoderLM(nn.Module):
         whole("model.norm.weight", "norm.weight")
         if self.lm_head is None:
             layout["lm_head.weight"] = None
-        else:
-            whole("lm_head.weight", "lm_head.weight")
+        else:  # (from the layer: a quantized head has no float weight)
+            shape = (self.lm_head.out_features, self.lm_head.in_features)
+            layout["lm_head.weight"] = WeightSlot("lm_head.weight", 0, shape[0], shape)
         for i in range(config.num_layers):
             ours, theirs = f"layers.{i}", f"model.layers.{i}"
             attn, mlp = f"{ours}.self_attn", f"{ours}.mlp"

@@ -30,6 +30,7 @@ from conveyor.worker.models.interface import CausalLM, WeightSlot
 from conveyor.worker.models.registry import model_class
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel
 from conveyor.worker.quantization.loading import load_part, quantize_linears
+from conveyor.worker.quantization.packed_int4 import packed_method, packed_tensors
 
 _DTYPES = {
     "float32": torch.float32,
@@ -83,7 +84,7 @@ def load_model(
 
     ``quantization`` (bin/serve --quantization): ``none`` (float weights), ``int8`` / ``int4``
     / ``fp8`` (a float checkpoint's linear layers quantized as they are read), ``auto`` (a
-    block-quantized GGUF file kept quantized, anything else float):
+    block-quantized GGUF file or a GPTQ/AWQ checkpoint kept quantized, anything else float):
     :mod:`conveyor.worker.quantization.loading`.
 
     ``backend`` defaults to the device's (:func:`backend_for`: Triton on CUDA, the torch
@@ -99,31 +100,35 @@ def load_model(
 
 
 def resolve_quantization(quantization: str, model_dir: Path) -> str:
-    """The scheme ``quantization`` means for ``model_dir``: ``auto`` is ``gguf`` for a
-    block-quantized GGUF file, else ``none``; ``gguf`` only for a GGUF file."""
+    """The scheme ``quantization`` means for ``model_dir``: ``auto`` is ``checkpoint`` (kept
+    as the checkpoint holds it) for a block-quantized GGUF file or a GPTQ/AWQ checkpoint,
+    else ``none``."""
+    if quantization != "auto":
+        return quantization
     source = gguf_file(model_dir)
-    if quantization == "auto":
-        if source is None:
-            return "none"
-        from conveyor.worker.gguf_tensors import file_is_quantized
+    if source is None:
+        return "checkpoint" if packed_method(model_dir) is not None else "none"
+    from conveyor.worker.gguf_tensors import file_is_quantized
 
-        return "gguf" if file_is_quantized(source) else "none"
-    if quantization == "gguf" and source is None:
-        raise ValueError(f"--quantization gguf: {model_dir} is not a GGUF checkpoint; use int8, int4, fp8 or none")
-    return quantization
+    return "checkpoint" if file_is_quantized(source) else "none"
 
 
 def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Any]]:
-    """(file name, tensor name, slice) of every tensor of the checkpoint: safetensors slices,
-    or a GGUF file's tensors dequantized when reached (:mod:`conveyor.worker.gguf_tensors`)."""
+    """(file name, tensor name, slice) of every tensor of the checkpoint: safetensors slices
+    (a GPTQ/AWQ projection's parts as one, :mod:`conveyor.worker.quantization.packed_int4`),
+    or a GGUF file's tensors read when reached (:mod:`conveyor.worker.gguf_tensors`)."""
     source = gguf_file(model_dir)
     if source is not None:
         from conveyor.worker.gguf_tensors import gguf_tensors
 
         yield from gguf_tensors(source, json.loads((model_dir / "config.json").read_text()))
         return
+    packed = packed_method(model_dir)
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as reader:
+            if packed is not None:  # GPTQ / AWQ: a projection's parts as one tensor
+                yield from packed_tensors(file.name, reader, packed)
+                continue
             for name in reader.keys():
                 yield file.name, name, reader.get_slice(name)
 
@@ -153,7 +158,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]], quant
             raise ValueError(f"weight {name!r} has shape {shape}, expected {slot.shape}")
         if slot.name in quantized:
             linear = quantized[slot.name]
-            keep = quantization == "gguf" and getattr(stored, "is_quantized", False)
+            keep = quantization == "checkpoint" and getattr(stored, "is_quantized", False)
             part = stored.quantized(_index(slot)) if keep else stored[_index(slot)]
             if tuple(part.shape) != (slot.end - slot.start, linear.in_features):
                 raise ValueError(f"slot of weight {name!r} reads shape {tuple(part.shape)} into {(slot.end - slot.start, linear.in_features)}")

@@ -8,8 +8,9 @@ the checkpoint is already quantized); a float part is quantized at once, so no f
 more than one tensor ever exists, and once a layer's rows are all in, its parts become the
 method's kernel layout (:mod:`.methods`) and the staging is dropped.
 
-Schemes: ``int8`` / ``int4`` / ``fp8`` quantize a float checkpoint; ``gguf`` keeps a GGUF
-file's blocks (Q4_0/Q4_1 and 4-bit k-quants as int4, the rest as int8). The LM head is int8
+Schemes: ``int8`` / ``int4`` / ``fp8`` quantize a float checkpoint; ``checkpoint`` keeps a GGUF
+file's blocks (Q4_0/Q4_1 and 4-bit k-quants as int4, the rest as int8), and GPTQ/AWQ's
+groups as int4. The LM head is int8
 under every scheme (it is the largest matmul and the most sensitive one).
 """
 
@@ -18,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conveyor.worker.quantization.methods import Fp8Weights, Int4Weights, Int8Weights, QuantizedWeights
+from conveyor.worker.quantization.methods import CPU_INT4_GROUPS, Fp8Weights, Int4Weights, Int8Weights, QuantizedWeights
 from conveyor.worker.quantization.tensors import QuantizedTensor, quantize_int4, quantize_int8
 
-#: What --quantization takes for a float checkpoint; ``gguf`` is chosen by the loader for a
-#: quantized GGUF file (``auto``).
-SCHEMES = ("none", "int8", "int4", "fp8", "gguf")
+#: What --quantization takes for a float checkpoint; ``checkpoint`` (keep what a quantized
+#: checkpoint holds) is what ``auto`` means for a quantized GGUF file or a GPTQ/AWQ one.
+SCHEMES = ("none", "int8", "int4", "fp8", "checkpoint")
 #: int4's group size when quantizing a float checkpoint (llama.cpp's block, GPTQ's smallest
 #: common group); GGUF's blocks are 32 as well.
 INT4_GROUP_SIZE = 32
@@ -59,6 +60,9 @@ class PendingWeight:
         if self.scheme == "fp8":
             return Fp8Weights(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), device)
         groups = {(p.bits, p.group_size) for p in parts}
+        if torch.device(device).type == "cpu" and any(p.bits == 4 and p.group_size not in CPU_INT4_GROUPS for p in parts):
+            parts = [quantize_int4(p.dequantize(), INT4_GROUP_SIZE) for p in parts]  # groups the CPU kernel lacks
+            groups = {(4, INT4_GROUP_SIZE)}
         if len(groups) == 1 and next(iter(groups))[0] == 4:
             return Int4Weights(_concat(parts), device)
         return Int8Weights(_concat([quantize_int8(p.dequantize()) if p.bits == 4 else p for p in parts], per_channel=True), device)
@@ -89,7 +93,7 @@ def quantize_linears(model: nn.Module, scheme: str) -> dict[str, nn.Module]:
     targets: dict[str, nn.Module] = {}
     if scheme == "none":
         return targets
-    group = {"int4": INT4_GROUP_SIZE, "gguf": GGUF_BLOCK}.get(scheme)
+    group = {"int4": INT4_GROUP_SIZE, "checkpoint": GGUF_BLOCK}.get(scheme)
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue

@@ -14,6 +14,7 @@ whose ``gguf.json`` names the file) is read through the same loop:
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -175,6 +176,17 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]], quant
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing)}")
     model.weights_loaded()
+    _release_freed_memory()
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap pages the load freed (each tensor's float or dequantized copy) back to the
+    OS: glibc keeps them otherwise, and a quantized model's process would stay as large as the
+    load's peak."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _index(slot: WeightSlot) -> tuple[slice, ...]:

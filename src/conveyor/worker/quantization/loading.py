@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from conveyor.worker.quantization.methods import CPU_INT4_GROUPS, Fp8Weights, Int4Weights, Int8Weights, QuantizedWeights
-from conveyor.worker.quantization.tensors import QuantizedTensor, quantize_int4, quantize_int8
+from conveyor.worker.quantization.tensors import QuantizedTensor, as_int8_per_channel, quantize_int4, quantize_int8
 
 #: What --quantization takes for a float checkpoint; ``checkpoint`` (keep what a quantized
 #: checkpoint holds) is what ``auto`` means for a quantized GGUF file or a GPTQ/AWQ one.
@@ -65,15 +65,11 @@ class PendingWeight:
             groups = {(4, INT4_GROUP_SIZE)}
         if len(groups) == 1 and next(iter(groups))[0] == 4:
             return Int4Weights(_concat(parts), device)
-        return Int8Weights(_concat([quantize_int8(p.dequantize()) if p.bits == 4 else p for p in parts], per_channel=True), device)
+        return Int8Weights(_concat([as_int8_per_channel(p) for p in parts]), device)  # mixed parts: int8 per channel
 
 
-def _concat(parts: list[QuantizedTensor], per_channel: bool = False) -> QuantizedTensor:
-    """The parts stacked by rows (as int8 per-channel first when ``per_channel``)."""
-    if per_channel:
-        from conveyor.worker.quantization.tensors import as_int8_per_channel
-
-        parts = [as_int8_per_channel(p) for p in parts]
+def _concat(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """The parts (of one form) stacked by rows."""
     first = parts[0]
     offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
     return QuantizedTensor(

@@ -244,3 +244,20 @@ def test_a_group_straddling_a_tensor_parallel_shard_is_refused(checkpoint_factor
     with pytest.raises(ValueError, match=r"--quantization int4: layers\.0\.mlp\.down_proj has 48 input features .* group of 32"):
         quantize_linears(model, "int4")
     quantize_linears(model, "int8")  # per channel: any shard
+
+
+def test_a_layer_of_mixed_parts_is_served_as_int8_per_channel() -> None:
+    """A fused layer whose pieces the file stores in different types (q as Q4_1, v as Q8_0,
+    as llama.cpp's mixed files do): one int8 per-channel weight of each piece's values."""
+    from conveyor.worker.quantization.loading import PendingWeight
+
+    gen = np.random.default_rng(5)
+    top, bottom = (gen.standard_normal((n, 64)).astype(np.float32) * 0.2 for n in (32, 16))
+    pending = PendingWeight("checkpoint", 48, 64)
+    pending.add(32, decode_blocks(quantize(bottom, Q.Q8_0), Q.Q8_0, 16, 64))
+    pending.add(0, decode_blocks(quantize(top, Q.Q4_1), Q.Q4_1, 32, 64))
+    assert pending.complete
+    layer = pending.build("cpu")
+    assert isinstance(layer, Int8Weights)
+    values = torch.cat([gguf_by_definition(quantize(top, Q.Q4_1), Q.Q4_1, (32, 64)), gguf_by_definition(quantize(bottom, Q.Q8_0), Q.Q8_0, (16, 64))])
+    torch.testing.assert_close(layer.codes.float() * layer.scales[:, None], int8_by_definition(values))

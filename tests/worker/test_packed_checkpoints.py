@@ -116,3 +116,67 @@ def test_an_unknown_quantization_method_is_refused_by_name(checkpoint_factory, t
     (tmp_path / "x" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantization_config.quant_method 'bitsandbytes' is not supported"):
         load_model(tmp_path / "x")
+
+
+# ------------------------------------------------------------------ compressed-tensors
+
+
+def compressed_weight(w: torch.Tensor, scheme: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``w`` ``[out, in]`` stored as ``scheme``: its tensors (suffix -> tensor) and the float
+    weight they mean."""
+    if scheme == "w4a16":  # symmetric int4 in groups of GROUP, stored + 8, eight per int32 along in
+        g = w.reshape(w.shape[0], -1, GROUP)
+        scale = (g.abs().amax(2) / 7).clamp_min(1e-6)
+        q = torch.round(g / scale[..., None]).clamp(-8, 7)
+        packed = pack_rows((q.reshape(w.shape) + 8).t().int()).t()
+        return {"_packed": packed, "_scale": scale.half()}, (q * scale.half().float()[..., None]).reshape(w.shape)
+    if scheme == "w8a16":  # symmetric int8 per channel
+        scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-6)
+        q = torch.round(w / scale).clamp(-127, 127)
+        return {"": q.to(torch.int8), "_scale": scale}, q * scale
+    per_channel = scheme == "fp8-channel"
+    scale = (w.abs().amax(1, keepdim=True) if per_channel else w.abs().amax().reshape(1)) / 448
+    values = (w / scale).to(torch.float8_e4m3fn)
+    return {"": values, "_scale": scale}, values.float() * scale
+
+
+SCHEMES = {  # scheme -> (format, weights args)
+    "w4a16": ("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}),
+    "w8a16": ("int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}),
+    "fp8-tensor": ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}),
+    "fp8-channel": ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}),
+}
+
+
+def write_compressed(hf: torch.nn.Module, directory, scheme: str) -> torch.nn.Module:
+    reference = copy.deepcopy(hf)
+    tensors = {}
+    for name, param in hf.state_dict().items():
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+            stored, dequantized = compressed_weight(param.float(), scheme)
+            tensors.update({f"{name}{suffix}": t for suffix, t in stored.items()})
+            reference.get_parameter(name).data.copy_(dequantized)
+        elif not (name == "lm_head.weight" and hf.config.tie_word_embeddings):
+            tensors[name] = param
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    fmt, weights = SCHEMES[scheme]
+    config = hf.config.to_dict()
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        head = reference.get_output_embeddings()
+        head.weight = torch.nn.Parameter(int8_by_definition(head.weight.detach().clone()))
+    return reference.eval()
+
+
+@pytest.mark.parametrize(("scheme", "method"), [("w4a16", "Int4Weights"), ("w8a16", "Int8Weights"), ("fp8-tensor", "Fp8Weights"), ("fp8-channel", "Fp8Weights")])
+def test_a_compressed_tensors_checkpoint_is_served_quantized(scheme, method, checkpoint_factory, scripted, script, tmp_path) -> None:
+    _, hf = checkpoint_factory("llama")
+    reference = write_compressed(hf, tmp_path / scheme, scheme)
+    runner = ModelRunner(RunnerConfig(str(tmp_path / scheme), block_size=4, num_blocks=48))
+    assert type(runner.model.layers[0].mlp.down_proj.quant).__name__ == method
+    assert_matches(runner, reference, prompts_for(hf.config.vocab_size), scripted, script)

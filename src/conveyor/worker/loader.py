@@ -31,7 +31,7 @@ from conveyor.worker.models.interface import CausalLM, WeightSlot
 from conveyor.worker.models.registry import model_class
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel
 from conveyor.worker.quantization.loading import load_part, quantize_linears
-from conveyor.worker.quantization.packed_int4 import packed_method, packed_tensors
+from conveyor.worker.quantization.packed_int4 import checkpoint_reader
 
 _DTYPES = {
     "float32": torch.float32,
@@ -108,7 +108,7 @@ def resolve_quantization(quantization: str, model_dir: Path) -> str:
         return quantization
     source = gguf_file(model_dir)
     if source is None:
-        return "checkpoint" if packed_method(model_dir) is not None else "none"
+        return "checkpoint" if checkpoint_reader(model_dir) is not None else "none"
     from conveyor.worker.gguf_tensors import file_is_quantized
 
     return "checkpoint" if file_is_quantized(source) else "none"
@@ -116,7 +116,8 @@ def resolve_quantization(quantization: str, model_dir: Path) -> str:
 
 def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Any]]:
     """(file name, tensor name, slice) of every tensor of the checkpoint: safetensors slices
-    (a GPTQ/AWQ projection's parts as one, :mod:`conveyor.worker.quantization.packed_int4`),
+    (a GPTQ/AWQ/compressed-tensors projection's parts as one,
+    :func:`~conveyor.worker.quantization.packed_int4.checkpoint_reader`),
     or a GGUF file's tensors read when reached (:mod:`conveyor.worker.gguf_tensors`)."""
     source = gguf_file(model_dir)
     if source is not None:
@@ -124,11 +125,11 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Any]]:
 
         yield from gguf_tensors(source, json.loads((model_dir / "config.json").read_text()))
         return
-    packed = packed_method(model_dir)
+    quantized = checkpoint_reader(model_dir)
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as reader:
-            if packed is not None:  # GPTQ / AWQ: a projection's parts as one tensor
-                yield from packed_tensors(file.name, reader, packed)
+            if quantized is not None:  # GPTQ / AWQ / compressed-tensors: a projection's parts as one tensor
+                yield from quantized(file.name, reader)
                 continue
             for name in reader.keys():
                 yield file.name, name, reader.get_slice(name)

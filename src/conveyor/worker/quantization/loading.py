@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from conveyor.worker.quantization.methods import CPU_INT4_GROUPS, Fp8Weights, Int4Weights, Int8Weights, QuantizedWeights
-from conveyor.worker.quantization.tensors import QuantizedTensor, as_int8_per_channel, quantize_int4, quantize_int8
+from conveyor.worker.quantization.tensors import (
+    Fp8Tensor, QuantizedTensor, as_int8_per_channel, quantize_fp8, quantize_int4, quantize_int8,
+)  # fmt: skip
 
 #: What --quantization takes for a float checkpoint; ``checkpoint`` (keep what a quantized
 #: checkpoint holds) is what ``auto`` means for a quantized GGUF file or a GPTQ/AWQ one.
@@ -36,20 +38,19 @@ class PendingWeight:
 
     def __init__(self, scheme: str, out_features: int, in_features: int) -> None:
         self.scheme, self.out_features, self.in_features = scheme, out_features, in_features
-        self.parts: list[tuple[int, QuantizedTensor | tuple[torch.Tensor, torch.Tensor]]] = []
+        self.parts: list[tuple[int, QuantizedTensor | Fp8Tensor]] = []
         self.rows = 0
 
-    def add(self, start: int, part: torch.Tensor | QuantizedTensor) -> None:
+    def add(self, start: int, part: torch.Tensor | QuantizedTensor | Fp8Tensor) -> None:
         if isinstance(part, torch.Tensor):
             if self.scheme == "fp8":
-                quantized = Fp8Weights.quantize(part, "cpu")
-                part = (quantized.weight, quantized.scales.reshape(-1))
+                part = quantize_fp8(part)
             elif self.scheme == "int4":
                 part = quantize_int4(part, INT4_GROUP_SIZE)
             else:  # int8, the LM head, and a float tensor inside a quantized GGUF file
                 part = quantize_int8(part)
         self.parts.append((start, part))
-        self.rows += (part[0] if isinstance(part, tuple) else part.codes).shape[0]
+        self.rows += part.shape[0]
 
     @property
     def complete(self) -> bool:
@@ -57,8 +58,8 @@ class PendingWeight:
 
     def build(self, device: torch.device | str) -> QuantizedWeights:
         parts = [part for _, part in sorted(self.parts, key=lambda item: item[0])]
-        if self.scheme == "fp8":
-            return Fp8Weights(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), device)
+        if any(isinstance(p, Fp8Tensor) for p in parts):  # (a checkpoint's fp8 layers are fp8 throughout)
+            return Fp8Weights(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]), device)
         groups = {(p.bits, p.group_size) for p in parts}
         if torch.device(device).type == "cpu" and any(p.bits == 4 and p.group_size not in CPU_INT4_GROUPS for p in parts):
             parts = [quantize_int4(p.dequantize(), INT4_GROUP_SIZE) for p in parts]  # groups the CPU kernel lacks

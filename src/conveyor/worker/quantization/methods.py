@@ -19,7 +19,7 @@ docs/quantization.md says why these kernels (measured against the alternatives).
 from __future__ import annotations
 
 import torch
-from conveyor.worker.quantization.tensors import QuantizedTensor, as_int8_per_channel
+from conveyor.worker.quantization.tensors import QuantizedTensor, as_int8_per_channel, quantize_fp8
 
 #: Group sizes torch's CPU int4 matmul takes.
 CPU_INT4_GROUPS = (32, 64, 128, 256)
@@ -130,9 +130,8 @@ class Fp8Weights(QuantizedWeights):
     @classmethod
     def quantize(cls, weight: torch.Tensor, device: torch.device | str) -> Fp8Weights:
         """Per-output-channel e4m3 of a float weight."""
-        weight = weight.float()
-        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / cls.MAX
-        return cls((weight / scales[:, None]).to(torch.float8_e4m3fn), scales, device)
+        fp8 = quantize_fp8(weight)
+        return cls(fp8.values, fp8.scales, device)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] == 0:

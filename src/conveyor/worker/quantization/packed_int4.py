@@ -18,7 +18,8 @@ The two formats, 4 bits, ``G`` groups of ``group_size`` input features, ``W`` ``
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +33,26 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
-def packed_method(model_dir: Path) -> dict[str, Any] | None:
-    """The checkpoint's ``quantization_config`` when it is GPTQ or AWQ at 4 bits; None without
-    one; ValueError (naming the field) for one Conveyor cannot read."""
+def checkpoint_reader(model_dir: Path) -> Callable[[str, Any], Iterator[tuple[str, str, Any]]] | None:
+    """How to read the safetensors files of a quantized checkpoint (``quantization_config`` in
+    its config.json: GPTQ, AWQ or compressed-tensors): ``reader(file_name, safe_open reader)``
+    yields the loader's (file, name, slice) triples; None for a float checkpoint; ValueError
+    (naming the field) for one Conveyor cannot read."""
     config = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
     if config is None:
         return None
     method = config.get("quant_method")
+    if method == "compressed-tensors":
+        from conveyor.worker.quantization.compressed_tensors import compressed_scheme, compressed_tensors
+
+        return partial(compressed_tensors, scheme=compressed_scheme(config, f"{model_dir}: config.json"))
+    return partial(packed_tensors, config=_packed_config(config, method, model_dir))
+
+
+def _packed_config(config: dict[str, Any], method: Any, model_dir: Path) -> dict[str, Any]:
     if method not in METHODS:
-        raise ValueError(f"{model_dir}: config.json quantization_config.quant_method {method!r} is not supported (supported: {', '.join(METHODS)})")
+        supported = ", ".join((*METHODS, "compressed-tensors"))
+        raise ValueError(f"{model_dir}: config.json quantization_config.quant_method {method!r} is not supported (supported: {supported})")
     if config.get("bits") != 4:
         raise ValueError(f"{model_dir}: config.json quantization_config.bits {config.get('bits')!r}: {method} is read at 4 bits only")
     if method == "awq" and str(config.get("version", "gemm")).lower() != "gemm":

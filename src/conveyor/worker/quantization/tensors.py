@@ -54,6 +54,31 @@ class QuantizedTensor:
         return values
 
 
+@dataclass(frozen=True)
+class Fp8Tensor:
+    """e4m3 ``values`` ``[rows, cols]`` with float32 ``scales`` ``[rows]`` (``w = scale * value``)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> Fp8Tensor:
+        return Fp8Tensor(self.values[index], self.scales[index[0]])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scales[:, None]
+
+
+def quantize_fp8(weight: torch.Tensor) -> Fp8Tensor:
+    """Per-output-channel e4m3 (each row's largest magnitude at e4m3's largest value)."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return Fp8Tensor((weight / scales[:, None]).to(torch.float8_e4m3fn), scales)
+
+
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     """Symmetric per-output-channel int8 (codes -127..127, one scale per row)."""
     weight = weight.float()

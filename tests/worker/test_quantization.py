@@ -261,3 +261,33 @@ def test_a_layer_of_mixed_parts_is_served_as_int8_per_channel() -> None:
     assert isinstance(layer, Int8Weights)
     values = torch.cat([gguf_by_definition(quantize(top, Q.Q4_1), Q.Q4_1, (32, 64)), gguf_by_definition(quantize(bottom, Q.Q8_0), Q.Q8_0, (16, 64))])
     torch.testing.assert_close(layer.codes.float() * layer.scales[:, None], int8_by_definition(values))
+
+
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("rows", [1, 40])
+@CUDA[0]
+@CUDA[1]
+def test_each_method_on_cuda_multiplies_by_its_dequantized_weight(method, rows) -> None:
+    """The CUDA layouts and kernels (Triton dequantize-GEMM; ``_scaled_mm`` for fp8, sm_89+)."""
+    if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89 or newer")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 128, generator=gen) * 0.1
+    x, bias = torch.randn(rows, 128, generator=gen), torch.randn(96, generator=gen)
+    if method == "fp8":
+        layer, want_weight = Fp8Weights.quantize(weight, "cuda"), fp8_by_definition(weight)
+    elif method == "int8":
+        from conveyor.worker.quantization.tensors import quantize_int8
+
+        layer, want_weight = Int8Weights(quantize_int8(weight), "cuda"), int8_by_definition(weight)
+    else:
+        from conveyor.worker.quantization.tensors import quantize_int4
+
+        layer, want_weight = Int4Weights(quantize_int4(weight, 32), "cuda"), int4_by_definition(weight)
+    want = x @ want_weight.t() + bias
+    got = layer.apply(x.cuda(), bias.cuda()).cpu()
+    tolerance = 0.08 if method == "fp8" else 1e-3
+    assert (got - want).abs().max() <= tolerance * want.abs().max()

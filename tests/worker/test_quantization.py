@@ -291,3 +291,33 @@ def test_each_method_on_cuda_multiplies_by_its_dequantized_weight(method, rows) 
     got = layer.apply(x.cuda(), bias.cuda()).cpu()
     tolerance = 0.08 if method == "fp8" else 1e-3
     assert (got - want).abs().max() <= tolerance * want.abs().max()
+
+
+def test_a_weight_update_of_a_quantized_model_is_quantized_as_its_load_was(tmp_path) -> None:
+    """worker/weight_updates on an int4 model: the new float weights are quantized like a
+    fresh int4 load of them (same codes and scales), not copied into absent float weights."""
+    from transformers import LlamaConfig
+
+    from conveyor.worker.loader import load_model
+    from conveyor.worker.weight_updates import update_from_disk
+    from tests.checkpoints import SMALL, build
+
+    config = LlamaConfig(**SMALL, architectures=["LlamaForCausalLM"], tie_word_embeddings=True)
+    build(config, tmp_path / "old", seed=1)
+    build(config, tmp_path / "new", seed=2)
+    model, _ = load_model(tmp_path / "old", quantization="int4")
+    update_from_disk(model, tmp_path / "new")
+    fresh, _ = load_model(tmp_path / "new", quantization="int4")
+    for ours, theirs in zip(model.modules(), fresh.modules()):
+        if getattr(ours, "quant", None) is not None:
+            assert torch.equal(ours.quant.packed, theirs.quant.packed) and torch.equal(ours.quant.scale_zeros, theirs.quant.scale_zeros)
+    assert torch.equal(model.tied_head_quant.codes, fresh.tied_head_quant.codes)
+
+
+def test_batch_invariant_mode_refuses_quantized_weights(checkpoint_factory) -> None:
+    from conveyor.worker.batch_invariant import make_batch_invariant
+    from conveyor.worker.loader import load_model
+
+    model, _ = load_model(checkpoint_factory("llama")[0], quantization="int8")
+    with pytest.raises(ValueError, match="--batch-invariant with quantized weights \\(int8\\) is not supported: use --quantization none"):
+        make_batch_invariant(model)

@@ -25,6 +25,7 @@ from conveyor.ipc import transport
 from conveyor.runtime.config import (
     Attention,
     Choice,
+    KV_CACHE_MEMORY_BYTES,
     Device,
     Dtype,
     FrontendConfig,
@@ -32,6 +33,7 @@ from conveyor.runtime.config import (
     PipelineSteps,
     PlanTransport,
     Quantization,
+    RunnerConfig,
     SchedulerConfig,
     SchedulerProcessConfig,
     ServerConfig,
@@ -67,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")
     p.add_argument(
-        "--kv-cache-memory", type=float, default=WorkerConfig.kv_cache_memory_bytes / build.GIB, help="GiB for the KV cache when --num-kv-blocks is not given"
+        "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / build.GIB, help="GiB for the KV cache when --num-kv-blocks is not given"
     )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="most sequences in one iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens, help="token budget of one iteration")
@@ -128,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         "torch-ref is the per-sequence torch reference (slow, for comparisons)",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="batch-invariant mode (CPU): a request's tokens and log-probabilities are the same bits whatever "
+        "else runs in its steps (fixed-tile matmuls, a fixed-order attention; costs speed: docs/benchmarks.md)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run decode steps eagerly: no CUDA graphs (for comparison; graphs are captured only on CUDA)",
@@ -158,7 +166,7 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
         help="PEFT LoRA adapters requests may name (the OpenAI 'model' field, the protocol's 'lora')",
     )
     _count(g, "--max-loras", SchedulerConfig.max_loras, "adapters on the device at once (distinct adapters in one step)")
-    _count(g, "--max-lora-rank", WorkerConfig.max_lora_rank, "largest adapter rank accepted")
+    _count(g, "--max-lora-rank", RunnerConfig.max_lora_rank, "largest adapter rank accepted")
     g.add_argument(
         "--enable-lora-loading", action="store_true",
         help="let clients load and unload adapters while serving (load_lora, /v1/load_lora_adapter); off: a load reads any directory the client names",
@@ -213,6 +221,12 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         choices=("hermes", "llama3"),
         help="read chat answers with tools for calls in this format (Hermes/Qwen <tool_call> JSON, Llama 3 JSON); "
         "default: not parsed (the tools still reach the chat template)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3", "deepseek_r1"),
+        help="split an answer's <think>...</think> block off as reasoning (chat reasoning_content, Responses reasoning items, "
+        "Messages thinking blocks): qwen3 where the answer opens the block, deepseek_r1 where the prompt did; default: all content",
     )
     _switch(g, "--strict-fields", HttpConfig.strict_fields,
             "refuse a request field no schema knows with a 400 (default: ignore it, name it in the x-conveyor-ignored-fields header and warn once)")
@@ -331,9 +345,9 @@ def ready_line(config: ServerConfig, workers: list[dict]) -> str:
     what = "demo model (random weights: output is gibberish)" if config.demo else f"model {model_name(config.model_dir, False)}"
     blocks = [int(w["num_blocks"]) for w in workers]
     devices = sorted({f"{w.get('device')}{cpu_threads_note(w)}" for w in workers})
-    cache = f"{blocks[0]} KV blocks of {config.worker.block_size} tokens"
+    cache = f"{blocks[0]} KV blocks of {config.worker.runner.block_size} tokens"
     if len(workers) > 1:
-        each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} KV blocks of {config.worker.block_size} tokens"
+        each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} KV blocks of {config.worker.runner.block_size} tokens"
         cache = f"{len(workers)} data-parallel replicas of {each}"
     return f"conveyor ready on {config.addresses.client} serving {what} on {', '.join(devices)} with {cache}"
 

@@ -136,14 +136,18 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Any]]:
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]], quantization: str = "none") -> None:
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]], quantization: str | None = None) -> None:
     """Copy every tensor of ``tensors`` (:func:`checkpoint_tensors`; the part its slot names)
     into the slot :meth:`~conveyor.worker.models.interface.CausalLM.checkpoint_layout` gives it,
     converting dtype and device on the way (a quantized layer's part quantized, or under
     ``gguf`` kept as the file's blocks: :func:`~conveyor.worker.quantization.loading.load_part`);
     raise unless every slot is filled once; then tell the model
-    (:meth:`~conveyor.worker.models.interface.CausalLM.weights_loaded`)."""
+    (:meth:`~conveyor.worker.models.interface.CausalLM.weights_loaded`). ``quantization``
+    None: the model's own scheme (a weight update, :mod:`conveyor.worker.weight_updates`,
+    is quantized as the start-up load was)."""
     layout = model.checkpoint_layout()
+    if quantization is None:
+        quantization = getattr(model, "quantization", "none")
     quantized = quantize_linears(model, quantization)
     params = dict(model.named_parameters())
     loaded: set[str] = set()

@@ -116,6 +116,8 @@ class DecoderLM(nn.Module):
     #: the loader) and, under one, the tied LM head quantized (:meth:`weights_loaded`).
     quantization: str = "none"
     tied_head_quant: Int8Weights | None = None
+    #: The tied LM head's :attr:`Linear.row_tile <conveyor.worker.models.layers.Linear.row_tile>`.
+    row_tile = 1
 
     @property
     def dtype(self) -> torch.dtype:
@@ -145,7 +147,7 @@ class DecoderLM(nn.Module):
             return self.lm_head(hidden).float()
         if self.tied_head_quant is not None:
             return self.tied_head_quant.apply(hidden, None).float()
-        return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed).float()
+        return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed, self.row_tile).float()
 
     def weights_loaded(self) -> None:
         """Pack every projection's weight for the CPU matmul (:func:`~conveyor.worker.models.

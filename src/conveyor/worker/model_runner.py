@@ -84,7 +84,9 @@ class ModelRunner:
             backend = invariant_backend(device, config.attention, config.lora_enabled)
         else:
             backend = backend_for(device, config.attention)
-        self.model, self.model_config = load_model(config.model_dir, device, config.dtype, backend, tp)
+        # (batch-invariant mode checks float kernels: there --quantization auto means float weights)
+        quantization = "none" if config.batch_invariant and config.quantization == "auto" else config.quantization
+        self.model, self.model_config = load_model(config.model_dir, device, config.dtype, backend, tp, quantization)
         if config.batch_invariant:
             make_batch_invariant(self.model)
         self.dtype = self.model.dtype

@@ -48,7 +48,9 @@ def served(gemma_dir):
     transformers loads: one Gemma in memory at a time)."""
     from conveyor import Engine
 
-    with Engine(gemma_dir, device="cpu", dtype="float32", threads=2, block_size=16, num_kv_blocks=128) as engine:
+    with Engine(
+        gemma_dir, device="cpu", dtype="float32", quantization="none", threads=2, block_size=16, num_kv_blocks=128
+    ) as engine:
         results = engine.generate(CHATS, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=5, progress=False)
         return engine.model_config, engine.tokenizer, results
 

@@ -8,7 +8,8 @@ tested on tiny checkpoints, tests/worker/test_tensor_parallel.py).
 Two engines: one rank with a KV pool too small for its batch (swap space beside it) and
 n-gram speculation on (requests opt out with ``speculate=False``, so plain and speculative
 greedy run on one engine), and three ranks. Every greedy output is checked teacher-forced
-against transformers on the same file (conftest's ``hf_greedy_check``).
+against transformers on the same file (conftest's ``hf_greedy_check``), the weights served
+dequantized to float32 (``quantization="none"``) as transformers loads them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def engine(real_model_dir):
     from conveyor import Engine
 
     with Engine(
-        str(real_model_dir), device="cpu", threads=1, block_size=8, num_kv_blocks=24, num_cpu_blocks=64,
+        str(real_model_dir), device="cpu", quantization="none", threads=1, block_size=8, num_kv_blocks=24, num_cpu_blocks=64,
         preemption="swap", speculative_method="ngram", num_speculative_tokens=3, ngram_max=3, ngram_min=1,
     ) as engine:  # fmt: skip
         yield engine
@@ -114,7 +115,9 @@ def test_n2_greedy_both_equal_transformers_and_seeded_sampling_reproduces(engine
 def test_tensor_parallel_3_equals_transformers(real_model_dir, plain, hf_greedy_check) -> None:
     from conveyor import Engine
 
-    with Engine(str(real_model_dir), device="cpu", threads=1, tensor_parallel_size=3, distributed_timeout_s=120) as engine:
+    with Engine(
+        str(real_model_dir), device="cpu", quantization="none", threads=1, tensor_parallel_size=3, distributed_timeout_s=120
+    ) as engine:
         results = engine.generate([chat(q) for q in QUESTIONS[:2]], max_tokens=8, progress=False, **GREEDY)
     assert hf_greedy_check([(r.prompt_token_ids, r.token_ids) for r in results]) == []
     assert [r.token_ids for r in results] == [r.token_ids[:8] for r in plain[0][:2]]

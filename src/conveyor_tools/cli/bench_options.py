@@ -12,7 +12,7 @@ from typing import Any
 from conveyor_tools.bench.workloads import WORKLOADS
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.assembly.build import GIB
-from conveyor.runtime.config import Device, Dtype, WorkerConfig
+from conveyor.runtime.config import KV_CACHE_MEMORY_BYTES, Device, Dtype
 
 SERVED = {
     "conveyor": [],
@@ -21,6 +21,10 @@ SERVED = {
     "conveyor-nooverlap": ["--no-overlap"],
     "conveyor-zmq": ["--plan-transport", "zmq"],
     "conveyor-invariant": ["--batch-invariant"],  # batch-invariant mode: what it costs
+    # the weights (docs/quantization.md); plain ``conveyor`` is --quantization auto
+    "conveyor-f32": ["--quantization", "none"],
+    "conveyor-int8": ["--quantization", "int8"],
+    "conveyor-int4": ["--quantization", "int4"],
 }
 # Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
 HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}
@@ -45,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
     engine.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (conveyor, hf-cb)")
     engine.add_argument(
-        "--kv-cache-memory", type=float, default=WorkerConfig.kv_cache_memory_bytes / GIB, help="GiB of KV cache (conveyor, hf-cb)"
+        "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / GIB, help="GiB of KV cache (conveyor, hf-cb)"
     )
     engine.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
     engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")

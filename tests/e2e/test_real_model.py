@@ -5,7 +5,8 @@ served through its cached checkpoint directory. transformers loads the same GGUF
 to float32, as the reference: 16 chat prompts sent at once, through chunked prefill (32 tokens
 an iteration: every prompt is longer) and preemption of a small KV pool, must get its greedy
 tokens; the top-20 log-probabilities must be its log-softmax within 1e-4; the chat template
-must render as ``apply_chat_template``.
+must render as ``apply_chat_template``. The weights are served dequantized to float32
+(``quantization="none"``), as transformers loads them; ``auto`` would keep the file quantized.
 
 transformers checks the greedy tokens teacher-forced: one forward over each prompt and our
 output gives its next-token logits at every step, and our tokens are its greedy tokens exactly
@@ -47,7 +48,7 @@ def served(real_model_dir):
     from conveyor import Engine
 
     with Engine(
-        str(real_model_dir), device="cpu", threads=1, block_size=8, num_kv_blocks=28, max_num_batched_tokens=32,
+        str(real_model_dir), device="cpu", quantization="none", threads=1, block_size=8, num_kv_blocks=28, max_num_batched_tokens=32,
         preemption="recompute",
     ) as engine:  # fmt: skip
         results = engine.generate(chats(), max_tokens=MAX_TOKENS, temperature=0.0, logprobs=20, progress=False)

@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     _choice(p, "--dtype", Dtype.AUTO)
     _choice(
         p, "--quantization", Quantization.AUTO,
-        "weights: auto (a quantized GGUF file kept quantized, else float), none (float), int8 / int4 / fp8 (quantize a float checkpoint at load); docs/quantization.md",
+        "weights: auto (a GPTQ/AWQ/compressed-tensors checkpoint kept quantized, else float: a GGUF file dequantized), "
+        "gguf (a quantized GGUF file kept quantized), none (float), int8 / int4 / fp8 (quantize a float checkpoint at load); "
+        "docs/quantization.md",
     )  # fmt: skip
     p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")

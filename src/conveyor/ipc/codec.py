@@ -41,7 +41,8 @@ import re
 import struct
 import types
 import typing
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import msgspec
 import numpy as np
@@ -187,7 +188,8 @@ def _enc_hook(value: Any) -> Any:
 # ---------------------------------------------------------------------- messages
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_decoder = msgspec.msgpack.Decoder(Union[tuple(MESSAGE_TYPES.values())], ext_hook=_int32_view)  # type: ignore[misc]
+# UP007 (use X | Y) does not apply: this union is built from a tuple at run time.
+_decoder = msgspec.msgpack.Decoder(Union[tuple(MESSAGE_TYPES.values())], ext_hook=_int32_view)  # type: ignore[misc]  # noqa: UP007
 _VERSION = bytes([PROTOCOL_VERSION])
 _MESSAGE_PACKERS = {cls: _packer_of(cls) for cls in MESSAGE_TYPES.values()}
 

@@ -29,7 +29,10 @@ WEATHER = {
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False},
 }
 THOUGHT = "<think>\nThe user greets me.\n</think>\n\nHello there"
-CALL_AFTER_THOUGHT = '<think>\nI should look it up.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_AFTER_THOUGHT = (
+    '<think>\nI should look it up.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris"}}\n</tool_call>'
+)
 
 
 def forced(text: str) -> dict:
@@ -168,7 +171,10 @@ def test_tool_calls_are_read_after_the_reasoning(client, model) -> None:
     whole = client.responses.create(model=model, input="weather?", tools=[WEATHER], max_output_tokens=60, extra_body=forced(CALL_AFTER_THOUGHT))
     assert [item.type for item in whole.output] == ["reasoning", "function_call"]
     assert whole.output[0].content[0].text == "I should look it up." and json.loads(whole.output[1].arguments) == {"city": "Paris"}
-    inside = '<think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n</think>\n\nNo call'
+    inside = (
+        '<think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+        '"Paris"}}\n</tool_call>\n</think>\n\nNo call'
+    )
     chat = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "weather?"}], tools=[{"type": "function", "function": {
             k: WEATHER[k] for k in ("name", "description", "parameters")}}], max_tokens=60, extra_body=forced(inside))  # fmt: skip

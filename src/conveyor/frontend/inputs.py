@@ -92,7 +92,8 @@ def check_input_chars(
     limit = max(0, max_model_len - history_len) * max_chars_per_token
     if chars > limit:
         raise wire.ProtocolError(
-            f"{'messages (with tools)' if req.messages is not None else 'prompt'} of {chars} characters cannot fit the model length {max_model_len}"
+            f"{'messages (with tools)' if req.messages is not None else 'prompt'} of {chars} characters cannot fit "
+            f"the model length {max_model_len}"
             + (f" after {history_len} tokens of earlier turns" if history_len else "")
             + f": at most {limit} characters ({max_chars_per_token} per token at most for this tokenizer)",
             req.request_id,

@@ -215,7 +215,8 @@ class Scheduler:
                 msg.request_id,
                 [],
                 FinishReason.ERROR,
-                error=f"overloaded: {len(self.state.queue)} requests are waiting (max_waiting {cfg.max_waiting}); retry later",
+                error=f"overloaded: {len(self.state.queue)} requests are waiting (max_waiting {cfg.max_waiting}); "
+                    "retry later",
             )
         now = self.clock()
         req.enqueue_time = now

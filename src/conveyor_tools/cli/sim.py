@@ -174,7 +174,8 @@ def _ms(v: float | None) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'tp':>3} {'dp':>3} {'gpus':>4} {'seqs':>5} {'tokens':>6} {'req/s':>7} {'out tok/s':>9} "
-            f"{'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'queue p99':>9} {'preempt':>7} {'occ':>5}")  # fmt: skip
+            f"{'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'queue p99':>9} {'preempt':>7} "
+            f"{'occ':>5}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         mark = "" if "meets" not in r else ("  meets" if r["meets"] else "")
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         if best is None:
             print("no configuration tried meets the target")
         else:
-            print(f"cheapest: tp {best['tp']} x dp {best['dp']} = {best['gpus']} GPUs, max_num_seqs {best['max_num_seqs']}, "
+            print(f"cheapest: tp {best['tp']} x dp {best['dp']} = {best['gpus']} GPUs, max_num_seqs "
+                f"{best['max_num_seqs']}, "
                   f"max_num_batched_tokens {best['max_num_batched_tokens']}")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

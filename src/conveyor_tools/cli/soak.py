@@ -408,7 +408,8 @@ async def soak(
             r = run.report
             where = f"traffic, {max(0.0, deadline - time.monotonic()):.0f} s left" if phase[0] == "traffic" else phase[0]
             replayed = f", {r.replayed} replayed" if r.replayed else ""
-            say(f"soak: {time.monotonic() - start:.0f} s ({where}): {r.requests} requests{replayed}, {len(r.failures)} failure(s)")
+            say(f"soak: {time.monotonic() - start:.0f} s ({where}): {r.requests} requests{replayed}, "
+                f"{len(r.failures)} failure(s)")
 
     ticker = asyncio.ensure_future(tick())
     try:

@@ -25,7 +25,8 @@ from conveyor.runtime.config import (
 # the supervisor reads itself, serve_on_replica_death and the multi-node ones, are fields of
 # ServerConfig, the supervisor's view.)
 CONVERTED = {
-    "model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space", "plan_transport",
+    "model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space",
+    "plan_transport",
     "api_key", "api_key_file", "debug",
 }  # fmt: skip
 

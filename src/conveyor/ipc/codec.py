@@ -17,14 +17,14 @@ per-request columns of a plan) do not travel as msgpack lists of ints: each is a
 ``ext`` of type :data:`INT32_EXT` holding its values as raw little-endian int32. Decoding
 returns them as ``numpy`` arrays that are *views over the buffer given to* :func:`decode`
 (unaligned, wherever the ext falls: ``tolist()`` of 256 costs 1.5 us against 1.1 us
-aligned, measured; the codec as a whole is still faster): no per-element work, no copy. They are valid as long as that buffer is: forever for a ZeroMQ
-frame or bytes (the array keeps it alive), until the slot is released for a shared-memory
-ring (see :mod:`conveyor.ipc.step_channel`). A receiver that keeps values beyond that
-copies them (``.tolist()``, ``np.array``); an empty one is a shared read-only array.
-Encoding accepts a numpy array, an ``array.array('i')`` or any sequence of ints for such a
-field (a list, the common case, is packed by :mod:`struct`): the message handed to
-:func:`encode` is not changed; a struct whose Int32Array fields hold anything but numpy
-arrays is encoded from a copy with those values packed.
+aligned, measured; the codec as a whole is still faster): no per-element work, no copy. They are
+valid as long as that buffer is: forever for a ZeroMQ frame or bytes (the array keeps it alive),
+until the slot is released for a shared-memory ring (see :mod:`conveyor.ipc.step_channel`). A
+receiver that keeps values beyond that copies them (``.tolist()``, ``np.array``); an empty one is a
+shared read-only array. Encoding accepts a numpy array, an ``array.array('i')`` or any sequence of
+ints for such a field (a list, the common case, is packed by :mod:`struct`): the message handed to
+:func:`encode` is not changed; a struct whose Int32Array fields hold anything but numpy arrays is
+encoded from a copy with those values packed.
 
 Decoding validates everything it reads (version, tag known, arity, each field's type,
 array sizes) and raises :class:`DecodeError` naming the problem with field names

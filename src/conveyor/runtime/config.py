@@ -221,10 +221,10 @@ class RunnerConfig:
 class WorkerConfig:
     """The worker process's view. The KV pool is ``num_blocks`` blocks, or as many as fit in
     ``kv_cache_memory_bytes`` (:func:`conveyor.assembly.build.worker_settings` sets exactly one;
-    the latter's default, 1 GiB, is bin/serve's ``--kv-cache-memory`` default and the engine's); the CPU swap space ``num_cpu_blocks`` blocks, or
-    ``swap_space_bytes`` (None for both: the device's default, see worker/main.py). The fields
-    it shares with :class:`RunnerConfig` take their defaults from it, ``kv_cache_memory_bytes``
-    aside; :meth:`runner` is the runner's config."""
+    the latter's default, 1 GiB, is bin/serve's ``--kv-cache-memory`` default and the engine's); the
+    CPU swap space ``num_cpu_blocks`` blocks, or ``swap_space_bytes`` (None for both: the device's
+    default, see worker/main.py). The fields it shares with :class:`RunnerConfig` take their
+    defaults from it, ``kv_cache_memory_bytes`` aside; :meth:`runner` is the runner's config."""
 
     model_dir: str
     addresses: ServerAddresses

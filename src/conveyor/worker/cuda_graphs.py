@@ -3,9 +3,10 @@
 The runner's decode step (:meth:`ModelRunner._forward_decode`) reads only the fixed device
 views of :class:`~conveyor.worker.step_buffers.StepBuffers` and writes its logits into one
 fixed buffer, so the same call can be captured once per (row bucket, query tokens per row,
-context bound) and replayed (one token per row: a decode; ``1 + k``: a speculative verify): one launch instead of hundreds of kernel launches per step. The graphs share one
-memory pool (they never run at the same time, so their intermediates may overlap), captured
-largest first so the pool is sized by the largest graph.
+context bound) and replayed (one token per row: a decode; ``1 + k``: a speculative verify): one
+launch instead of hundreds of kernel launches per step. The graphs share one memory pool (they never
+run at the same time, so their intermediates may overlap), captured largest first so the pool is
+sized by the largest graph.
 
 The context bound fixes the split-K partitioning of the paged decode kernel, which sizes
 its grid from the bound (its surplus programs write nothing for shorter contexts). Bounds

@@ -1,9 +1,10 @@
 """A PEFT LoRA adapter's ``adapter_config.json``, checked without torch.
 
 What an adapter directory must say before its weights are worth reading (the files present,
-LoRA and nothing unsupported, a rank within ``--max-lora-rank``) is checked here, so that bin/serve refuses a bad ``--lora-modules`` entry before any process
-starts (:mod:`conveyor.assembly.preflight`) with the same words the worker uses when it loads
-the adapter (:func:`conveyor.worker.lora.read_adapter`, which starts with this).
+LoRA and nothing unsupported, a rank within ``--max-lora-rank``) is checked here, so that bin/serve
+refuses a bad ``--lora-modules`` entry before any process starts
+(:mod:`conveyor.assembly.preflight`) with the same words the worker uses when it loads the adapter
+(:func:`conveyor.worker.lora.read_adapter`, which starts with this).
 """
 
 from __future__ import annotations

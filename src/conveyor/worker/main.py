@@ -7,15 +7,15 @@ their blocks; the process itself only exits when told to or when its parent dies
 Profiling: the time blocked waiting for the next plan with nothing launched (``idle``),
 decoding it, launching it (``execute``: the runner's swaps, input preparation, forward and
 sampling inside; on a CPU the whole step), waiting for its sampled ids (``wait_tokens``: on a
-GPU, where the device time shows) and sending the result are timed per step; ``idle_fraction`` over the window says how much of the time the device
-waited for the scheduler and the transport. Each step also leaves one record of its plan's shape and
-busy time (:class:`conveyor.profiling.StepRecorder`, the ``step_*`` series): what
-``conveyor-sim calibrate`` fits its cost model to. A ProfileQuery is answered on the result socket
-as soon as it is read: it arrives on the plan socket, so always between two steps, and
-piggybacks on nothing (StepResult stays as small as it was).
-LoRA updates come on the plan socket too (LoadLora, CommitLora, UnloadLora): a load's files
-are read on a thread while steps run, and registered on the CommitLora, between two steps
-(:mod:`conveyor.worker.lora_updates` says why); rank 0 answers on the result socket.
+GPU, where the device time shows) and sending the result are timed per step; ``idle_fraction`` over
+the window says how much of the time the device waited for the scheduler and the transport. Each
+step also leaves one record of its plan's shape and busy time
+(:class:`conveyor.profiling.StepRecorder`, the ``step_*`` series): what ``conveyor-sim calibrate``
+fits its cost model to. A ProfileQuery is answered on the result socket as soon as it is read: it
+arrives on the plan socket, so always between two steps, and piggybacks on nothing (StepResult stays
+as small as it was). LoRA updates come on the plan socket too (LoadLora, CommitLora, UnloadLora): a
+load's files are read on a thread while steps run, and registered on the CommitLora, between two
+steps (:mod:`conveyor.worker.lora_updates` says why); rank 0 answers on the result socket.
 
 Plans arrive on the step channel (:mod:`conveyor.ipc.step_channel`; a shared-memory ring
 by default): a plan is decoded in place and its arrays view the ring slot, which is released
@@ -25,18 +25,18 @@ If the scheduler's process is gone, the wait for a plan ends (PeerGone) and the 
 **Tensor parallelism** (``tensor_parallel_size`` N > 1): bin/serve starts N worker processes,
 rank ``r`` on ``cuda:r`` (or N CPU processes, on gloo). They join one process group
 (:mod:`conveyor.worker.parallel`; rendezvous in the run directory, or at ``--dist-init-addr``
-when the ranks span nodes, every collective bounded by ``distributed_timeout_s``), each builds the runner of its shard, and they agree on the KV
-pool: every rank computes its capacity and an all-reduce MIN gives the pool rank 0 reports
-(block ids below it are valid on every rank; a rank with room for more leaves it unused), so
-the scheduler sees one worker with that pool and knows nothing of N. Every rank reads every
-plan from the plan channel (reader ``r`` of N; under ``conveyor.Engine`` rank 0 is the
-engine's own process, which plans and reads none, so rank ``r`` is reader ``r - 1``:
-:mod:`conveyor.engine.ranks`) and runs it, swaps and block copies included,
-each on its own kv heads; only rank 0 sends results and answers profile queries (the ranks'
-results are identical: rank 0 broadcasts its sampled ids). A plan the runner refuses
-(PlanRefused, raised on every rank alike before any collective) fails its step as with one
-rank; any other failure leaves the ranks out of step, so the rank exits: bin/serve watches
-every rank and stops the server, failing in-flight requests, when any of them dies.
+when the ranks span nodes, every collective bounded by ``distributed_timeout_s``), each builds the
+runner of its shard, and they agree on the KV pool: every rank computes its capacity and an
+all-reduce MIN gives the pool rank 0 reports (block ids below it are valid on every rank; a rank
+with room for more leaves it unused), so the scheduler sees one worker with that pool and knows
+nothing of N. Every rank reads every plan from the plan channel (reader ``r`` of N; under
+``conveyor.Engine`` rank 0 is the engine's own process, which plans and reads none, so rank ``r`` is
+reader ``r - 1``: :mod:`conveyor.engine.ranks`) and runs it, swaps and block copies included, each
+on its own kv heads; only rank 0 sends results and answers profile queries (the ranks' results are
+identical: rank 0 broadcasts its sampled ids). A plan the runner refuses (PlanRefused, raised on
+every rank alike before any collective) fails its step as with one rank; any other failure leaves
+the ranks out of step, so the rank exits: bin/serve watches every rank and stops the server, failing
+in-flight requests, when any of them dies.
 
 **Pipelined steps** (``pipeline``, on by default with CUDA): a step is launched (inputs
 prepared, kernels queued) and finished (its sampled ids awaited, the result sent) in two

@@ -20,7 +20,8 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
         t = tables["1_throughput"]
         lo, hi = t["published"]["ratio"]
         lines = [
-            f"1. Throughput, continuous vs static (output tok/s; published {lo}x to {hi}x on {t['published']['setup']})",
+            f"1. Throughput, continuous vs static (output tok/s; published {lo}x to {hi}x on "
+            f"{t['published']['setup']})",
             f"{'batch':>6} {'requests':>9} {THROUGHPUT_HEADER}",
         ]
         for r in t["rows"]:

@@ -147,7 +147,8 @@ def meets(summary: dict[str, Any], slo_ttft_s: float, slo_tpot_s: float) -> bool
 
 
 def sweep(args: argparse.Namespace, model: CostModel, requests: list[SimRequest], tps: list[int], dps: list[int],
-          seqs: list[int], batched: list[int], slo_ttft_s: float, slo_tpot_s: float) -> tuple[list[dict], dict | None]:  # fmt: skip
+          seqs: list[int], batched: list[int], slo_ttft_s: float, slo_tpot_s: float) -> tuple[list[dict],
+                                                                                              dict | None]:  # fmt: skip
     """Every configuration in order of GPUs (tp x dp), stopping after the first GPU count at
     which one meets the target: the rows tried, and the cheapest that met it (among those
     with as few GPUs, the lowest p99 TTFT), or None."""

@@ -10,8 +10,9 @@ strings, ``ignore_eos``, priorities; an invalid field now and then. One request 
 given up on (a stream left after a few deltas, a ``generate`` cancelled after a random
 wait), and one in five reuses the id of one of the client's finished or given-up requests,
 i.e. continues that conversation. Now and then a client sends a request on a connection of
-its own and closes it mid-request, or asks for the stats and the latency profile. Run it against a server with a small KV cache
-(``--num-kv-blocks``) and token budget to force chunked prefills and preemptions.
+its own and closes it mid-request, or asks for the stats and the latency profile. Run it against a
+server with a small KV cache (``--num-kv-blocks``) and token budget to force chunked prefills and
+preemptions.
 
 Unless ``--plain``, requests also take the kinds of soak_kinds.py now and then: ``n`` in
 {2, 3} (and ``best_of``), ``logprobs`` / ``prompt_logprobs``, a JSON-schema, regex or choice

@@ -24,16 +24,18 @@ error); its ``tokens`` and ``text`` are sequence 0's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.logprobs import Logprob, LogprobsLog
 from conveyor.frontend.output import end_text, stream_text
-from conveyor.frontend.stop import StopStringMatcher
+from conveyor.frontend.processor import Streams
 from conveyor.ipc.messages import FinishReason, TokenLogprobs
 
-if TYPE_CHECKING:
-    from conveyor.engine.engine import Engine
+class Owner(Protocol):
+    """The engine a request belongs to, as the request sees it (:class:`conveyor.Engine`,
+    which imports this module): what :meth:`Request.remove` asks of it."""
+
+    def _remove(self, request: Request) -> None: ...
 
 
 class TextDelta(NamedTuple):
@@ -57,21 +59,21 @@ class Request:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Owner,
         request_id: str,
         scheduler_id: str,
         prompt_token_ids: list[int],
         history_len: int,
-        detokenizer: IncrementalDetokenizer,
-        stop: StopStringMatcher,
+        streams: Streams,
         arrival_time: float,
-        logs: tuple[LogprobsLog | None, LogprobsLog | None] = (None, None),
+        prompt_logprobs: LogprobsLog | None = None,
         *,
         index: int = 0,
         parent: Request | None = None,
     ) -> None:
         self.request_id = request_id
-        self._logprobs, self._prompt_logprobs = logs
+        self._detokenizer, self._stop, self._logprobs = streams
+        self._prompt_logprobs = prompt_logprobs
         self.index = index  # its sequence's index in its request (0 unless n > 1)
         self.sequences: list[Request] = []  # n > 1: the request's sequences (:attr:`outputs`)
         self._parent = parent
@@ -86,8 +88,6 @@ class Request:
         self._engine = engine
         self._scheduler_id = scheduler_id
         self._history_len = history_len
-        self._detokenizer = detokenizer
-        self._stop = stop
         self._tokens: list[int] = []
         self._pieces: list[str] = []
         self._text_len = 0

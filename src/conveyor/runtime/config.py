@@ -418,7 +418,8 @@ def check_faces_keyed_alike(config: ServerConfig) -> None:
     zmq_keyed, http_keyed = config.frontend.auth_keys is not None, bool(http.api_keys)
     if http_keyed and not zmq_keyed and not is_loopback(config.addresses.client):
         raise ValueError(
-            f"--api-key keys the HTTP API, but the ZeroMQ client socket {config.addresses.client} is open to other hosts: "
+            f"--api-key keys the HTTP API, but the ZeroMQ client socket {config.addresses.client} is open to other "
+            "hosts: "
             "add --auth-keys DIR (bin/keygen) or bind --host to loopback"
         )
     if zmq_keyed and not http_keyed and not is_loopback_host(http.http_host):

@@ -36,15 +36,24 @@ class MoeConfig:
     sparse_layers: tuple[bool, ...]
 
 
+#: What transformers' config classes assume for a field config.json leaves out.
+_DEFAULTS = {
+    "MixtralForCausalLM": {"num_experts": 8, "num_experts_per_tok": 2},
+    "Qwen3MoeForCausalLM": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+}
+
+
 def parse_moe(config: dict[str, Any], architecture: str, num_layers: int) -> MoeConfig | None:
-    """The MoE config of ``config.json`` contents, None for a dense architecture; ValueError
-    naming the field for what cannot be served."""
+    """The MoE config of ``config.json`` contents (transformers' defaults for fields it leaves
+    out), None for a dense architecture; ValueError naming the field for what cannot be served."""
     if architecture not in MOE_ARCHITECTURES:
         return None
-    experts = config.get("num_experts") or config.get("num_local_experts")
-    top_k = config.get("num_experts_per_tok")
-    if not experts or not top_k:
-        raise ValueError(f"{architecture} config.json lacks num_experts/num_local_experts or num_experts_per_tok")
+    config = {key: value for key, value in config.items() if value is not None}
+    if "num_local_experts" in config:  # (both architectures' configs accept either name)
+        config.setdefault("num_experts", config["num_local_experts"])
+    config = {**_DEFAULTS[architecture], **config}
+    experts = config["num_experts"]
+    top_k = config["num_experts_per_tok"]
     if not 1 <= top_k <= experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts} experts")
     if config.get("shared_expert_intermediate_size"):
@@ -54,7 +63,4 @@ def parse_moe(config: dict[str, Any], architecture: str, num_layers: int) -> Moe
     dense = set(config.get("mlp_only_layers") or [])
     step = config.get("decoder_sparse_step") or 1
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    width = config.get("moe_intermediate_size")
-    if not width:
-        raise ValueError(f"{architecture} config.json lacks moe_intermediate_size")
-    return MoeConfig(experts, top_k, width, bool(config.get("norm_topk_prob", False)), sparse)
+    return MoeConfig(experts, top_k, config["moe_intermediate_size"], bool(config.get("norm_topk_prob", False)), sparse)

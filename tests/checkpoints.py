@@ -16,6 +16,9 @@ continuation (tests/test_checkpoints.py proves it for the serving checkpoint).
   it, so text prompts work.
 - :func:`gemma3_serving_checkpoint` builds a Gemma 3 of the serving checkpoint's vocabulary,
   with the demo tokenizer: the engine's Gemma 3 tests.
+- :func:`moe_serving_checkpoint` builds a Qwen3-MoE or Mixtral (:data:`QWEN3_MOE`,
+  :data:`MIXTRAL`) of the serving checkpoint's vocabulary, with the demo tokenizer: the
+  engine's mixture-of-experts tests and bin/bench's MoE row.
 - :func:`draft_checkpoint` builds a smaller Llama of the serving checkpoint's vocabulary (a
   speculative-decoding draft that disagrees with it).
 """
@@ -173,6 +176,20 @@ def gemma3_serving_checkpoint(directory: Path) -> Path:
         architectures=["Gemma3ForCausalLM"],
     )  # fmt: skip
     build(config, directory, SERVING_SEED + 2)
+    return directory
+
+
+def moe_serving_checkpoint(directory: Path, name: str = "qwen3_moe") -> Path:
+    """Save family ``name`` (``qwen3_moe`` or ``mixtral`` of :data:`CHECKPOINTS`) with the demo
+    tokenizer into ``directory``: 256 positions, untied embeddings."""
+    tok = _demo_tokenizer(directory)
+    config_class, architecture, overrides = CHECKPOINTS[name]
+    config = config_class(
+        **{**SMALL, **overrides, "max_position_embeddings": 256, "vocab_size": tok.vocab_size},
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0, tie_word_embeddings=False,
+        architectures=[architecture],
+    )  # fmt: skip
+    build(config, directory, SERVING_SEED + 3)
     return directory
 
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts models split over two ranks (gloo, CPU): tensor-sliced experts (each rank
+"""Mixture-of-experts models through the fused kernels (interpreted on CPU tensors, as CUDA runs
+them): logits equal transformers'. Split over two ranks (gloo, CPU): tensor-sliced experts (each rank
 a share of every expert's features) and expert-parallel (each rank half the experts whole),
 each giving the greedy tokens of one rank and of transformers on the scheduler-like script of
 tests/worker/test_tensor_parallel.py (chunked prefill, preemption with recompute, late joins).
@@ -20,10 +21,31 @@ from conveyor.runtime.tensor_shards import check_shardable
 from conveyor.worker.loader import load_model
 from conveyor.worker.models.moe import SparseMoe
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, close_tensor_parallel, init_tensor_parallel
+from conveyor.kernels import layer_ops
+from conveyor.worker.kv_cache import KVCacheShape
 from tests.worker.test_generation import hf_greedy
+from tests.worker.test_model import BLOCK_SIZE, forward_logits
 from tests.worker.test_tensor_parallel import generate, scripts, swap_and_share
 
 MOE_CHECKPOINTS = ("qwen3_moe", "mixtral")
+
+
+@pytest.mark.parametrize("name", MOE_CHECKPOINTS)
+def test_fused_kernels_in_the_model_match_transformers(name, checkpoint_factory, monkeypatch):
+    """The CUDA path (norms, SiLU-mul and the fused MoE kernels), interpreted: a prefill of
+    one prompt continued beside a fresh one, each row's logits equal transformers'."""
+    directory, hf_model = checkpoint_factory(name)
+    monkeypatch.setattr(layer_ops, "_use_triton", lambda x: True)
+    model, config = load_model(directory)
+    model.bind_kv_cache(KVCacheShape.of(config, BLOCK_SIZE, torch.float32).allocate(16, "cpu"))
+    generator = torch.Generator().manual_seed(2)
+    long, short = (torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in (11, 5))
+    forward_logits(model, BLOCK_SIZE, [6], [0], [[7, 2, 11]], long[:6])
+    logits = forward_logits(model, BLOCK_SIZE, [5, 5], [6, 0], [[7, 2, 11], [5, 9]], long[6:] + short)
+    with torch.no_grad():
+        want_long, want_short = (hf_model(torch.tensor([p])).logits[0].float() for p in (long, short))
+    torch.testing.assert_close(logits[:5], want_long[6:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[5:], want_short, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", MOE_CHECKPOINTS)

@@ -7,10 +7,11 @@ projections (``w13`` ``[E * 2I, H]`` viewed as ``[E, 2I, H]``, ``w2`` ``[E * H, 
 at ``e * 2I + I`` and its down rows at ``e * H`` (:meth:`SparseMoe.layout`), so per-expert
 checkpoint tensors are stacked at load through the loader's ordinary row slots.
 
-The experts run as a batch, never token by token: on CUDA one fused Triton kernel pair
-(:mod:`conveyor.kernels.fused_moe`: tokens sorted by expert, grouped GEMMs); elsewhere
-:func:`experts_torch`, the ``T * k`` (token, expert) pairs sorted by expert and one matmul
-per active expert over its token group.
+The experts run as a batch, never token by token
+(:func:`conveyor.kernels.layer_ops.moe_experts`): on CUDA one fused Triton kernel pair
+(:mod:`conveyor.kernels.fused_moe`: tokens sorted by expert, grouped GEMMs, no host sync, so
+decode steps are captured in CUDA graphs like dense ones); elsewhere the ``T * k`` (token,
+expert) pairs sorted by expert and one matmul per active expert over its token group.
 
 Tensor parallelism (:func:`~conveyor.runtime.tensor_shards.shard_experts`): tensor-sliced,
 each rank holds its share of every expert's features (the dense MLP's split, per expert);
@@ -25,11 +26,10 @@ attention), which Conveyor does not do: here it would move more data than the al
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.kernels.layer_ops import silu_and_mul
+from conveyor.kernels.layer_ops import moe_experts
 from conveyor.worker.models.interface import WeightSlot
 from conveyor.worker.models.layers import Linear
 from conveyor.worker.parallel import TensorParallel, all_reduce_, shard_experts
@@ -47,36 +47,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
-
-
-def experts_torch(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-) -> torch.Tensor:
-    """``sum_j weights[t, j] * mlp_{experts[t, j]}(x[t])`` ``[T, H]`` in ``x``'s dtype, where
-    ``mlp_e(x) = w2[e] (silu(gate_e x) * up_e x)`` and ``w13[e]`` stacks gate over up.
-
-    ``experts`` holds local expert indices; one outside ``0 .. E-1`` (an expert another rank
-    holds) contributes nothing. The pairs are sorted by expert, and each active expert runs
-    one matmul pair over its group of tokens (a loop over experts, not tokens).
-    """
-    num_experts, top_k = w13.shape[0], experts.shape[1]
-    flat = experts.flatten()
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # elsewhere: the sentinel group
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
-    tokens = order // top_k
-    pair_weights = weights.flatten()[order].to(x.dtype)
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = tokens[start : start + count]
-        hidden = silu_and_mul(F.linear(x[rows], w13[expert]))
-        y = F.linear(hidden, w2[expert]).mul_(pair_weights[start : start + count, None])
-        out.index_add_(0, rows, y)
-        start += count
-    return out
 
 
 class SparseMoe(nn.Module):
@@ -102,13 +72,7 @@ class SparseMoe(nn.Module):
         w13 = self.w13.view(self.shard.count, 2 * self.width, self.hidden_size)
         w2 = self.w2.view(self.shard.count, self.hidden_size, self.width)
         local = experts - self.shard.first  # other ranks' experts fall outside 0 .. count-1
-        if x.is_cuda:
-            from conveyor.kernels.fused_moe import fused_moe_triton
-
-            out = fused_moe_triton(x, w13, w2, weights, local)
-        else:
-            out = experts_torch(x, w13, w2, weights, local)
-        return all_reduce_(out, self.tensor_parallel)
+        return all_reduce_(moe_experts(x, w13, w2, weights, local), self.tensor_parallel)
 
     def layout(self, theirs: str, ours: str, names: tuple[str, tuple[str, str, str]], intermediate: int) -> dict[str, WeightSlot | None]:
         """Slots of layer ``theirs`` (``model.layers.N``) for this block at ``ours``

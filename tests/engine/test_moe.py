@@ -139,3 +139,20 @@ def test_attention_lora_equals_peft_and_expert_lora_is_refused(moe, tmp_path):
     engine = engine_of(directory, enable_lora=True)
     with pytest.raises(LoraLoadError, match="LoRA on a mixture-of-experts model's experts .* is not supported"):
         engine.load_lora("experts", expert_adapter)
+
+
+def test_two_ranks_with_the_experts_split_equal_transformers(moe):
+    """``Engine(tensor_parallel_size=2, expert_parallel=True)``: rank 1 a worker process holding
+    the other half of the experts (bin/serve's worker entry), a batch through chunked prefill."""
+    directory, _, greedy, _ = moe
+    engine = engine_of(directory, threads=1, max_batch_tokens=12, tensor_parallel_size=2, expert_parallel=True,
+                       distributed_timeout_s=60)  # fmt: skip
+    try:
+        prompts = [repetitive(i) for i in range(3)]
+        requests = [engine.add_request(token_ids=p, max_tokens=8, **GREEDY) for p in prompts]
+        run_all(engine)
+        assert engine.runner.model.layers[0].mlp.shard.count == engine.model_config.moe.num_experts // 2
+        for prompt, request in zip(prompts, requests):
+            assert request.tokens == greedy(prompt, 8)
+    finally:
+        engine.close()

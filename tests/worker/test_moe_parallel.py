@@ -127,3 +127,12 @@ def one_rank(checkpoint_factory) -> dict[str, dict]:
 def test_two_ranks_generate_the_tokens_of_one(name, expert_parallel, two_ranks, one_rank):
     key = f"{name}/{expert_parallel}"
     assert two_ranks[0][key] == one_rank[name] and two_ranks[1][key] == one_rank[name]
+
+
+def test_serve_passes_expert_parallel_to_every_rank(checkpoint_factory, tmp_path):
+    from conveyor.cli import serve
+
+    directory = str(checkpoint_factory("mixtral")[0])
+    args = serve.build_parser().parse_args(["--model", directory, "--tensor-parallel-size", "2", "--expert-parallel"])
+    config = serve.server_config(args, str(tmp_path / "run"))
+    assert all(worker.expert_parallel for worker in config.worker_ranks())

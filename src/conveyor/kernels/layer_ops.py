@@ -82,24 +82,23 @@ def moe_experts(
     On CUDA the fused kernels (:func:`conveyor.kernels.fused_moe.fused_moe_triton`: no host
     sync, so a CUDA graph captures it). Elsewhere the ``T * k`` (token, expert) pairs are
     sorted by expert and each active expert runs one matmul pair over its group of tokens (a
-    loop over experts, never over tokens; the group sizes are read on the host).
+    loop over experts, never over tokens; the group sizes are read on the host), the rows gathered
+    once, each group's output written in place, weighted and scattered back once.
     """
     if _use_triton(x):
         return _triton_module("fused_moe").fused_moe_triton(x, w13, w2, weights, experts)
     num_experts, top_k = w13.shape[0], experts.shape[1]
     flat = experts.flatten()
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # elsewhere: a group of its own
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # elsewhere: a last group, dropped
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    held = sum(counts)
+    order = order[:held]
     tokens = order // top_k
-    pair_weights = weights.flatten()[order].to(x.dtype)
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = tokens[start : start + count]
-        hidden = silu_and_mul(F.linear(x[rows], w13[expert]))
-        out.index_add_(0, rows, F.linear(hidden, w2[expert]).mul_(pair_weights[start : start + count, None]))
-        start += count
-    return out
+    grouped = x[tokens]  # the pairs' rows, grouped by expert
+    outputs = torch.empty_like(grouped)
+    for gate_up, down, rows, out in zip(w13.unbind(0), w2.unbind(0), grouped.split(counts), outputs.split(counts)):
+        if rows.shape[0]:
+            torch.mm(silu_and_mul(F.linear(rows, gate_up)), down.t(), out=out)
+    outputs.mul_(weights.flatten()[order].to(x.dtype)[:, None])
+    return torch.zeros_like(x).index_add_(0, tokens, outputs)

@@ -86,6 +86,7 @@ def join_settings(config: ServerConfig) -> dict[str, str]:
         "--expert-parallel": str(worker.expert_parallel),
         "--nnodes": str(config.nnodes),
         "--dtype": str(runner.dtype),
+        "--quantization": str(runner.quantization),
         "--block-size": str(runner.block_size),
         "--max-num-seqs": str(runner.max_num_seqs),
         "--max-loras": str(runner.max_loras),

@@ -32,6 +32,7 @@ from conveyor.runtime.config import (
     HttpConfig,
     PipelineSteps,
     PlanTransport,
+    Quantization,
     RunnerConfig,
     SchedulerConfig,
     SchedulerProcessConfig,
@@ -61,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _choice(p, "--device", Device.AUTO, "auto: cuda when available")
     _choice(p, "--dtype", Dtype.AUTO)
+    _choice(
+        p, "--quantization", Quantization.AUTO,
+        "weights: auto (a quantized GGUF file kept quantized, else float), none (float), int8 / int4 / fp8 (quantize a float checkpoint at load); docs/quantization.md",
+    )  # fmt: skip
     p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")
     p.add_argument(

@@ -24,15 +24,18 @@ error); its ``tokens`` and ``text`` are sequence 0's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from conveyor.frontend.logprobs import Logprob, LogprobsLog
 from conveyor.frontend.output import end_text, stream_text
 from conveyor.frontend.processor import Streams
 from conveyor.ipc.messages import FinishReason, TokenLogprobs
 
-if TYPE_CHECKING:
-    from conveyor.engine.engine import Engine
+class Owner(Protocol):
+    """The engine a request belongs to, as the request sees it (:class:`conveyor.Engine`,
+    which imports this module): what :meth:`Request.remove` asks of it."""
+
+    def _remove(self, request: Request) -> None: ...
 
 
 class TextDelta(NamedTuple):
@@ -52,11 +55,15 @@ class Request:
     ``time.time()`` values (None until they happen). ``logprobs`` / ``prompt_logprobs``:
     where asked for, the log-probabilities of its output and prompt tokens
     (:class:`~conveyor.frontend.logprobs.Logprob` entries; the first prompt token's is None).
+    ``weight_version``: the engine's :attr:`~conveyor.Engine.weight_version` it ran on (a
+    weight update lets requests in flight finish, or aborts them, before it loads).
     """
+
+    weight_version = 0
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Owner,
         request_id: str,
         scheduler_id: str,
         prompt_token_ids: list[int],

@@ -21,6 +21,10 @@ SERVED = {
     "conveyor-nooverlap": ["--no-overlap"],
     "conveyor-zmq": ["--plan-transport", "zmq"],
     "conveyor-invariant": ["--batch-invariant"],  # batch-invariant mode: what it costs
+    # the weights (docs/quantization.md); plain ``conveyor`` is --quantization auto
+    "conveyor-f32": ["--quantization", "none"],
+    "conveyor-int8": ["--quantization", "int8"],
+    "conveyor-int4": ["--quantization", "int4"],
 }
 # Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
 HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}

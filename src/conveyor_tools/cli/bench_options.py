@@ -25,6 +25,7 @@ SERVED = {
     "conveyor-f32": ["--quantization", "none"],
     "conveyor-int8": ["--quantization", "int8"],
     "conveyor-int4": ["--quantization", "int4"],
+    "conveyor-gguf": ["--quantization", "gguf"],  # a quantized GGUF file kept quantized
 }
 # Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
 HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 
 from conveyor.ipc.step_channel import StepChannels
 from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exported: they are read from here)
-    Attention, Batching, Choice, Device, Dtype, PipelineSteps, PlanTransport, Policy, Preemption,
+    Attention, Batching, Choice, Device, Dtype, KVCacheDtype, PipelineSteps, PlanTransport, Policy, Preemption,
     parse_choices, require_at_least,
 )  # fmt: skip
 from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback, is_loopback_host
@@ -169,7 +169,8 @@ class RunnerConfig:
     :func:`conveyor.worker.main.build_runner`; a runner takes a concrete one). ``dtype``: a
     :class:`Dtype` name, or a torch dtype (this module does not import torch). The KV pool is
     ``num_blocks`` blocks or as many as fit in ``kv_cache_memory_bytes`` (exactly one: the
-    runner refuses anything else); the CPU
+    runner refuses anything else), stored in ``kv_cache_dtype`` (``auto``: the model's dtype;
+    ``fp8``/``int8``: 8 bits with static per-layer scales, docs/architecture.md); the CPU
     swap space ``num_cpu_blocks`` blocks or ``swap_space_bytes`` (None for both: none, or the
     device's default through build_runner). ``max_num_seqs`` (the scheduler's) bounds a step's
     rows and sizes the static decode buffers; ``enforce_eager``: no CUDA graphs for decode
@@ -190,6 +191,7 @@ class RunnerConfig:
     block_size: int = SchedulerConfig.block_size
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     attention: Attention = Attention.AUTO
     num_cpu_blocks: int | None = None
     swap_space_bytes: int | None = None
@@ -207,7 +209,7 @@ class RunnerConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        parse_choices(self, attention=Attention)
+        parse_choices(self, attention=Attention, kv_cache_dtype=KVCacheDtype)
         if isinstance(self.dtype, str):
             parse_choices(self, dtype=Dtype)
 
@@ -233,6 +235,7 @@ class WorkerConfig:
     block_size: int = RunnerConfig.block_size
     num_blocks: int | None = RunnerConfig.num_blocks
     kv_cache_memory_bytes: int | None = 1 << 30
+    kv_cache_dtype: KVCacheDtype = RunnerConfig.kv_cache_dtype
     num_threads: int | None = RunnerConfig.num_threads
     attention: Attention = RunnerConfig.attention
     pipeline: PipelineSteps = PipelineSteps.AUTO  # launch step N+1 before finishing step N
@@ -270,7 +273,7 @@ class WorkerConfig:
     speculative_model: str | None = RunnerConfig.speculative_model
 
     def __post_init__(self) -> None:
-        parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
+        parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps, kv_cache_dtype=KVCacheDtype)
         require_at_least(self, 1, "tensor_parallel_size")
         if self.num_blocks is not None:  # (else sized from kv_cache_memory_bytes by the worker)
             require_at_least(self, 1, "num_blocks")

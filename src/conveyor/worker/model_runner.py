@@ -58,7 +58,9 @@ from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.draft_model import DraftModel, Drafts
 from conveyor.worker.grammar_rows import GrammarRows
 from conveyor.worker.grammar_steps import GrammarSteps
+from conveyor.worker.attention.kv_quant import cache_dtype
 from conveyor.worker.kv_cache import KVCacheShape, KVCacheTooSmall
+from conveyor.worker.kv_calibration import calibrate_kv_scales
 from conveyor.worker.loader import load_model
 from conveyor.worker.logprob_steps import LogprobRows, LogprobSteps
 from conveyor.worker.lora import LoraManager, LoraOptions
@@ -145,17 +147,21 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         backend = backend_for(self.device, config.attention)
         self.model, self.model_config = load_model(config.model_dir, self.device, config.dtype, backend, tp)
         self.dtype = self.model.dtype
+        # The KV cache's dtype (an 8-bit one's per-layer scales are measured before LoRA is on).
+        self.kv_cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        cache_shape = KVCacheShape.of(self.model_config, block_size, self.kv_cache_dtype, tp)
+        kv_scales = calibrate_kv_scales(self.model, cache_shape, self.kv_cache_dtype)
         self.lora: LoraManager | None = None
         if config.lora_enabled:
             self.lora = LoraManager(self.model, LoraOptions(config.max_loras, config.max_lora_rank, config.max_cpu_loras))
             for name, directory in config.lora_modules:
                 self.lora.register(name, directory)
-        cache_shape = KVCacheShape.of(self.model_config, block_size, self.dtype, tp)
         self.draft: DraftModel | None = None
         if config.speculative_model is not None:  # (this rank's shard of it, as of the model)
             draft_backend = backend_for(self.device, config.attention)  # its own (a backend may keep per-step plans)
             self.draft = DraftModel(
-                config.speculative_model, self.model_config, self.device, self.dtype, draft_backend, block_size, tp
+                config.speculative_model, self.model_config, self.device, self.dtype, draft_backend, block_size, tp,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
         self.block_bytes = cache_shape.bytes_per_block + (self.draft.bytes_per_block if self.draft else 0)
         num_blocks = config.num_blocks
@@ -168,7 +174,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
                 )
         self.num_blocks = num_blocks
         self.kv_caches = cache_shape.allocate(num_blocks, self.device)
-        self.model.bind_kv_cache(self.kv_caches)
+        self.model.bind_kv_cache(self.kv_caches, kv_scales)
         num_cpu_blocks = config.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = (config.swap_space_bytes or 0) // self.block_bytes

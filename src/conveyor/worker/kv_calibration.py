@@ -12,6 +12,7 @@ SmolLM2: real chats reached at most 1.4x the keys' and 1.8x the values' per-laye
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from conveyor.worker.attention.backend import AttentionMetadata
 from conveyor.worker.attention.kv_quant import FP8, KVScales, quantized, scales_for
@@ -32,8 +33,8 @@ def calibrate_kv_scales(model: CausalLM, shape: KVCacheShape, cache_dtype: torch
     """Per-layer scales for a cache of ``cache_dtype`` (None when it is not 8-bit, which needs
     none) from a calibration prefill of ``model`` into a cache shaped like ``shape`` in the
     model's dtype; the model is left bound to that cache (bind the real one after). Under
-    tensor parallelism every rank calls this at once (the forward's collectives) and measures
-    its own kv heads."""
+    tensor parallelism every rank calls this at once (the forward's collectives) and the ranks
+    share their maxima, so a layer has the scales it has unsplit."""
     if not quantized(cache_dtype):
         return None
     config, device = model.config, model.device
@@ -49,5 +50,8 @@ def calibrate_kv_scales(model: CausalLM, shape: KVCacheShape, cache_dtype: torch
     metadata = AttentionMetadata.build([num_tokens], [0], [list(range(num_blocks))], shape.block_size, device)
     model(tokens, positions, metadata)
     # The cache's unwritten slots are zeros: they never raise a maximum.
-    amax = torch.stack([cache.abs().amax(dim=(1, 2, 3, 4)).float() for cache in caches]).tolist()
-    return [scales_for(k, v, cache_dtype, HEADROOM[cache_dtype]) for k, v in amax]
+    amax = torch.stack([cache.abs().amax(dim=(1, 2, 3, 4)).float() for cache in caches])
+    tp = model.tensor_parallel
+    if tp.size > 1:  # the layer's maxima over every rank's heads: one scale per layer, as unsplit
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+    return [scales_for(k, v, cache_dtype, HEADROOM[cache_dtype]) for k, v in amax.tolist()]

@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         "torch-ref is the per-sequence torch reference (slow, for comparisons)",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="batch-invariant mode (CPU): a request's tokens and log-probabilities are the same bits whatever "
+        "else runs in its steps (fixed-tile matmuls, a fixed-order attention; costs speed: docs/benchmarks.md)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run decode steps eagerly: no CUDA graphs (for comparison; graphs are captured only on CUDA)",
@@ -211,6 +217,12 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         choices=("hermes", "llama3"),
         help="read chat answers with tools for calls in this format (Hermes/Qwen <tool_call> JSON, Llama 3 JSON); "
         "default: not parsed (the tools still reach the chat template)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3", "deepseek_r1"),
+        help="split an answer's <think>...</think> block off as reasoning (chat reasoning_content, Responses reasoning items, "
+        "Messages thinking blocks): qwen3 where the answer opens the block, deepseek_r1 where the prompt did; default: all content",
     )
     _switch(g, "--strict-fields", HttpConfig.strict_fields,
             "refuse a request field no schema knows with a 400 (default: ignore it, name it in the x-conveyor-ignored-fields header and warn once)")

@@ -68,12 +68,12 @@ def compare(reference: list, quantized: list, teacher: list) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--limit", type=int, default=None, help="first N items")
+    parser.add_argument("--every", type=int, default=1, help="every K-th item only (all categories still drawn)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="fp8,int8")
     args = parser.parse_args()
-    items = tasks()[: args.limit]
+    items = tasks()[:: args.every]
     config = dict(device="cpu", threads=args.threads, kv_cache_memory=0.25, max_num_seqs=len(items))
     engine = Engine(args.model, **config)
     reference = greedy(engine, items, args.max_tokens)

@@ -8,7 +8,8 @@
   logits by far more (tiny checkpoints' plain-float logits sit 0.2-1.3 away in log-probability
   from the 8-bit ones, so quantization is not a rounding detail there). A chunked prefill reads
   its first chunk's KV back from the 8-bit cache.
-* Both torch backends against the float32 oracle on a dequantized random cache.
+* The torch backends (batched, reference, batch-invariant) against the float32 oracle on a
+  dequantized random cache.
 * The pool: at equal memory an 8-bit cache holds exactly twice the blocks of a 16-bit one
   (four times float32's), and a runner reports it.
 """
@@ -25,6 +26,7 @@ from transformers.models.mistral import modeling_mistral
 from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.attention.backend import AttentionLayer, AttentionMetadata
 from conveyor.worker.attention.kv_quant import FP8, KVScales, from_cache, to_cache
+from conveyor.worker.attention.torch_invariant import TorchInvariantAttention
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.kv_calibration import calibrate_kv_scales
@@ -93,7 +95,7 @@ def test_logits_match_transformers_quantized_by_definition(checkpoint_factory, n
 
 
 @pytest.mark.parametrize("kv", sorted(DTYPES))
-@pytest.mark.parametrize("backend", ["torch", "torch-ref"])
+@pytest.mark.parametrize("backend", ["torch", "torch-ref", "invariant"])
 def test_torch_backends_dequantize(kv, backend):
     gen = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim, block_size = 8, 2, 16, 4
@@ -111,7 +113,8 @@ def test_torch_backends_dequantize(kv, backend):
     rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, "cpu")
     layer = AttentionLayer(heads, kv_heads, head_dim, head_dim**-0.5, None, rotary, kv_cache=cache, kv_scales=scales)
     metadata = AttentionMetadata.build([q for _, q in spans], [c for c, _ in spans], table_rows, block_size, "cpu")
-    out = backend_for("cpu", backend).forward(layer, query, metadata)
+    attention = TorchInvariantAttention() if backend == "invariant" else backend_for("cpu", backend)
+    out = attention.forward(layer, query, metadata)
 
     width = max(len(row) for row in table_rows)
     padded = torch.tensor([row + [0] * (width - len(row)) for row in table_rows], dtype=torch.int32)

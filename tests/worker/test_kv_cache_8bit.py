@@ -137,3 +137,18 @@ def test_pool_holds_more_blocks_in_the_same_memory(llama_dir, dtype, kv, factor)
     assert small.block_bytes * factor == full.block_bytes
     assert small.num_blocks == factor * full.num_blocks == factor * (memory // full.block_bytes)
     assert small.kv_caches[0].dtype == DTYPES[kv] and small.kv_caches[0].shape[1] == small.num_blocks
+
+
+def test_every_face_names_it():
+    """bin/serve's flag, the engine's option and the runner's config carry ``kv_cache_dtype``;
+    a bad name is refused, naming the field."""
+    from conveyor.assembly import build
+    from conveyor.cli import serve
+    from conveyor.engine.options import EngineOptions
+
+    assert serve.build_parser().parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--kv-cache-dtype", "fp4"])
+    assert build.worker_settings(EngineOptions(kv_cache_dtype="fp8").settings())["kv_cache_dtype"] == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, int8, got 'fp4'"):
+        RunnerConfig("unused", kv_cache_dtype="fp4")

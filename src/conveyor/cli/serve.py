@@ -25,6 +25,7 @@ from conveyor.ipc import transport
 from conveyor.runtime.config import (
     Attention,
     Choice,
+    KV_CACHE_MEMORY_BYTES,
     Device,
     Dtype,
     FrontendConfig,
@@ -32,6 +33,8 @@ from conveyor.runtime.config import (
     KVCacheDtype,
     PipelineSteps,
     PlanTransport,
+    Quantization,
+    RunnerConfig,
     SchedulerConfig,
     SchedulerProcessConfig,
     ServerConfig,
@@ -60,10 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _choice(p, "--device", Device.AUTO, "auto: cuda when available")
     _choice(p, "--dtype", Dtype.AUTO)
+    _choice(
+        p, "--quantization", Quantization.AUTO,
+        "weights: auto (a quantized GGUF file kept quantized, else float), none (float), int8 / int4 / fp8 (quantize a float checkpoint at load); docs/quantization.md",
+    )  # fmt: skip
     p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")
     p.add_argument(
-        "--kv-cache-memory", type=float, default=WorkerConfig.kv_cache_memory_bytes / build.GIB, help="GiB for the KV cache when --num-kv-blocks is not given"
+        "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / build.GIB, help="GiB for the KV cache when --num-kv-blocks is not given"
     )
     _choice(p, "--kv-cache-dtype", KVCacheDtype.AUTO, "fp8 or int8: store keys and values in 8 bits (static per-layer scales "
             "calibrated at start), twice the blocks of a 16-bit cache (four times float32's) in the same memory")
@@ -162,7 +169,7 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
         help="PEFT LoRA adapters requests may name (the OpenAI 'model' field, the protocol's 'lora')",
     )
     _count(g, "--max-loras", SchedulerConfig.max_loras, "adapters on the device at once (distinct adapters in one step)")
-    _count(g, "--max-lora-rank", WorkerConfig.max_lora_rank, "largest adapter rank accepted")
+    _count(g, "--max-lora-rank", RunnerConfig.max_lora_rank, "largest adapter rank accepted")
     g.add_argument(
         "--enable-lora-loading", action="store_true",
         help="let clients load and unload adapters while serving (load_lora, /v1/load_lora_adapter); off: a load reads any directory the client names",
@@ -341,10 +348,10 @@ def ready_line(config: ServerConfig, workers: list[dict]) -> str:
     what = "demo model (random weights: output is gibberish)" if config.demo else f"model {model_name(config.model_dir, False)}"
     blocks = [int(w["num_blocks"]) for w in workers]
     devices = sorted({f"{w.get('device')}{cpu_threads_note(w)}" for w in workers})
-    kind = "KV blocks" if config.worker.kv_cache_dtype == KVCacheDtype.AUTO else f"{config.worker.kv_cache_dtype} KV blocks"
-    cache = f"{blocks[0]} {kind} of {config.worker.block_size} tokens"
+    kind = "KV blocks" if config.worker.runner.kv_cache_dtype == KVCacheDtype.AUTO else f"{config.worker.runner.kv_cache_dtype} KV blocks"
+    cache = f"{blocks[0]} {kind} of {config.worker.runner.block_size} tokens"
     if len(workers) > 1:
-        each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} {kind} of {config.worker.block_size} tokens"
+        each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} {kind} of {config.worker.runner.block_size} tokens"
         cache = f"{len(workers)} data-parallel replicas of {each}"
     return f"conveyor ready on {config.addresses.client} serving {what} on {', '.join(devices)} with {cache}"
 

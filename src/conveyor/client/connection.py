@@ -15,6 +15,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from conveyor.client.commands import (
+    detokenize_message, lora_message, metrics_message, profile_message, stats_message, tokenize_message,
+)
 from conveyor.ipc import transport
 from conveyor.protocol import limits, wire
 from conveyor.protocol import requests as client_requests
@@ -120,6 +123,7 @@ class CompletionResult:
     # Where asked for: the protocol's log-probability columns (docs/protocol.md), as sent.
     logprobs: dict[str, Any] | None = None
     prompt_logprobs: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None  # where asked (``return_prompt_token_ids``)
 
     def __post_init__(self) -> None:
         if not self.choices:  # n = 1: the one choice is the result itself
@@ -154,6 +158,7 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"], c.get("logprobs")) for c in msg.get("choices") or ()],
         logprobs=msg.get("logprobs"),
         prompt_logprobs=msg.get("prompt_logprobs"),
+        prompt_token_ids=msg.get("prompt_token_ids"),
     )
 
 
@@ -230,7 +235,7 @@ def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) ->
     apart from the running request's own replies on this side. An id in one of the
     ``released`` sets (aborted by the caller, or given up on: the server frees it in order,
     before it reads this message) is free at once."""
-    if msg["type"] in LORA_TYPES:  # answered under its fresh id
+    if msg["type"] in ID_ROUTED_TYPES:  # answered under its fresh id
         return msg["request_id"]
     if msg["type"] == wire.GENERATE:
         rid = msg["request_id"]
@@ -240,35 +245,8 @@ def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) ->
     return CONTROL_KEYS.get(msg["type"])
 
 
-def profile_message(window_s: float, trace: bool, series: list[str] | None) -> dict[str, Any]:
-    msg: dict[str, Any] = {"type": wire.PROFILE, "v": wire.CLIENT_PROTOCOL_VERSION, "window_s": window_s, "trace": trace}
-    if series:
-        msg["series"] = list(series)
-    return msg
-
-
-LORA_TYPES = (wire.LOAD_LORA, wire.UNLOAD_LORA)
-
-
-def lora_message(name: str, path: str | None) -> dict[str, Any]:
-    """A ``load_lora`` of the adapter in directory ``path`` as ``name``, or (``path`` None) an ``unload_lora``."""
-    msg: dict[str, Any] = {"v": wire.CLIENT_PROTOCOL_VERSION, "request_id": str(uuid.uuid4()), "lora_name": name}
-    if path is None:
-        msg["type"] = wire.UNLOAD_LORA
-    else:
-        msg.update(type=wire.LOAD_LORA, lora_path=str(path))
-    return msg
-
-
-def stats_message(iterations: bool) -> dict[str, Any]:
-    msg: dict[str, Any] = {"type": wire.STATS, "v": wire.CLIENT_PROTOCOL_VERSION}
-    if iterations:
-        msg["iterations"] = True
-    return msg
-
-
-def metrics_message() -> dict[str, Any]:
-    return {"type": wire.METRICS, "v": wire.CLIENT_PROTOCOL_VERSION}
+# Commands answered under the fresh request id they carry.
+ID_ROUTED_TYPES = (wire.LOAD_LORA, wire.UNLOAD_LORA, wire.TOKENIZE, wire.DETOKENIZE)
 
 
 def abort_message(request_id: str) -> dict[str, Any]:
@@ -419,6 +397,20 @@ class Connection:
         :class:`ServerError` ``lora_in_use`` while requests run or wait under it,
         ``lora_not_found`` for a name not loaded."""
         msg = lora_message(name, None)
+        return self._command(msg["request_id"], msg)
+
+    def tokenize(self, prompt: str | None = None, **fields: Any) -> Any:
+        """The server's token ids of an input (docs/protocol.md, ``tokenize``): ``prompt``, or
+        the keyword ``messages`` (with the chat template's fields and ``tools``) or
+        ``token_ids``; ``add_special_tokens`` False: a prompt without BOS;
+        ``return_token_strs``: each id's token too. The ``tokens`` reply; a refusal raises
+        :class:`ServerError` with the generate request's message and code."""
+        msg = tokenize_message(prompt, fields)
+        return self._command(msg["request_id"], msg)
+
+    def detokenize(self, token_ids: list[int]) -> Any:
+        """The server's text of ``token_ids``, special tokens kept (docs/protocol.md, ``detokenize``): the ``text`` reply."""
+        msg = detokenize_message(token_ids)
         return self._command(msg["request_id"], msg)
 
     def metrics(self) -> Any:

@@ -24,16 +24,18 @@ error); its ``tokens`` and ``text`` are sequence 0's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.logprobs import Logprob, LogprobsLog
 from conveyor.frontend.output import end_text, stream_text
-from conveyor.frontend.stop import StopStringMatcher
+from conveyor.frontend.processor import Streams
 from conveyor.ipc.messages import FinishReason, TokenLogprobs
 
-if TYPE_CHECKING:
-    from conveyor.engine.engine import Engine
+class Owner(Protocol):
+    """The engine a request belongs to, as the request sees it (:class:`conveyor.Engine`,
+    which imports this module): what :meth:`Request.remove` asks of it."""
+
+    def _remove(self, request: Request) -> None: ...
 
 
 class TextDelta(NamedTuple):
@@ -53,25 +55,29 @@ class Request:
     ``time.time()`` values (None until they happen). ``logprobs`` / ``prompt_logprobs``:
     where asked for, the log-probabilities of its output and prompt tokens
     (:class:`~conveyor.frontend.logprobs.Logprob` entries; the first prompt token's is None).
+    ``weight_version``: the engine's :attr:`~conveyor.Engine.weight_version` it ran on (a
+    weight update lets requests in flight finish, or aborts them, before it loads).
     """
+
+    weight_version = 0
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Owner,
         request_id: str,
         scheduler_id: str,
         prompt_token_ids: list[int],
         history_len: int,
-        detokenizer: IncrementalDetokenizer,
-        stop: StopStringMatcher,
+        streams: Streams,
         arrival_time: float,
-        logs: tuple[LogprobsLog | None, LogprobsLog | None] = (None, None),
+        prompt_logprobs: LogprobsLog | None = None,
         *,
         index: int = 0,
         parent: Request | None = None,
     ) -> None:
         self.request_id = request_id
-        self._logprobs, self._prompt_logprobs = logs
+        self._detokenizer, self._stop, self._logprobs = streams
+        self._prompt_logprobs = prompt_logprobs
         self.index = index  # its sequence's index in its request (0 unless n > 1)
         self.sequences: list[Request] = []  # n > 1: the request's sequences (:attr:`outputs`)
         self._parent = parent
@@ -86,8 +92,6 @@ class Request:
         self._engine = engine
         self._scheduler_id = scheduler_id
         self._history_len = history_len
-        self._detokenizer = detokenizer
-        self._stop = stop
         self._tokens: list[int] = []
         self._pieces: list[str] = []
         self._text_len = 0

@@ -261,6 +261,12 @@ class BlockPool:
             elif hash_of[block_id] != block_hash:
                 index.discard(block_hash)
 
+    def drop_cached(self) -> None:
+        """Forget every cached block (freed, kept for the prefix cache): their contents no
+        longer hold (new weights, a cache freed by sleep). Held blocks are the caller's to end first."""
+        for block_id in list(self._lru):
+            self.unregister(block_id)
+
     def unregister(self, block_id: int) -> None:
         """Forget what a block holds (its contents are not what its id says, e.g. the copy
         that was to fill it never ran). A cached block becomes free, also a cached partial

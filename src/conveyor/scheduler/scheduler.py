@@ -127,10 +127,10 @@ from conveyor.ipc.messages import (
 from conveyor.runtime.config import Preemption, SchedulerConfig
 from conveyor.scheduler import invariants
 from conveyor.scheduler.admission import admission_open, rejection_reason
-from conveyor.scheduler.groups import SeqGroup, release_held
+from conveyor.scheduler.groups import release_held
 from conveyor.scheduler.iteration_log import ITERATION_FIELDS, IterationLog
 from conveyor.scheduler.planning import plan_decodes, plan_prompts
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest, SeqGroup
 from conveyor.scheduler.results import apply_result
 from conveyor.scheduler.speculation import plan_speculation, quiet as speculation_quiet
 from conveyor.scheduler.state import MAX_PLANS_IN_FLIGHT, SchedulerState
@@ -254,6 +254,16 @@ class Scheduler:
         if live:
             raise ValueError(f"LoRA adapter {name!r} is in use by {len(live)} live request(s)")
         del self._lora_roots[name]
+
+    def drop_prefix_cache(self) -> None:
+        """Forget the prefix cache, on the device and in the swap space (new weights, a KV cache
+        freed by sleep). Only between requests: ValueError while any request holds blocks."""
+        kv = self.state.kv
+        if kv.gpu.num_held or (kv.swap.pool is not None and kv.swap.pool.num_held):
+            raise ValueError("the prefix cache can be dropped only while no request holds KV blocks")
+        kv.gpu.drop_cached()
+        if kv.swap.pool is not None:
+            kv.swap.pool.drop_cached()
 
     def abort(self, request_ids: Iterable[str], error: str | None = None) -> list[RequestOutput]:
         """Finish live requests with "abort" (with ``error``: "error", that text) and free their

@@ -12,7 +12,7 @@ from typing import Any
 from conveyor_tools.bench.workloads import WORKLOADS
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.assembly.build import GIB
-from conveyor.runtime.config import Device, Dtype, KVCacheDtype, WorkerConfig
+from conveyor.runtime.config import KV_CACHE_MEMORY_BYTES, Device, Dtype, KVCacheDtype
 
 SERVED = {
     "conveyor": [],
@@ -21,6 +21,10 @@ SERVED = {
     "conveyor-nooverlap": ["--no-overlap"],
     "conveyor-zmq": ["--plan-transport", "zmq"],
     "conveyor-invariant": ["--batch-invariant"],  # batch-invariant mode: what it costs
+    # the weights (docs/quantization.md); plain ``conveyor`` is --quantization auto
+    "conveyor-f32": ["--quantization", "none"],
+    "conveyor-int8": ["--quantization", "int8"],
+    "conveyor-int4": ["--quantization", "int4"],
 }
 # Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
 HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}
@@ -44,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
     engine.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (conveyor, hf-cb)")
     engine.add_argument(
-        "--kv-cache-memory", type=float, default=WorkerConfig.kv_cache_memory_bytes / GIB, help="GiB of KV cache (conveyor, hf-cb)"
+        "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / GIB, help="GiB of KV cache (conveyor, hf-cb)"
     )
     engine.add_argument(
         "--kv-cache-dtype", default="auto", choices=KVCacheDtype.names(), help="conveyor's KV cache: fp8 / int8 store it in 8 bits"

@@ -203,7 +203,7 @@ def q4_1_file(tmp_path_factory):
     return path, ref.eval()
 
 
-def test_a_q4_1_gguf_is_served_as_int4_by_default(q4_1_file, scripted, script, tmp_path) -> None:
+def test_a_q4_1_gguf_is_served_as_int4_with_quantization_gguf(q4_1_file, scripted, script, tmp_path) -> None:
     import json
 
     from conveyor.checkpoints.gguf.prepare import POINTER
@@ -213,7 +213,9 @@ def test_a_q4_1_gguf_is_served_as_int4_by_default(q4_1_file, scripted, script, t
     config, _ = hf_config(open_gguf(path), path)  # the prepared directory, less the tokenizer this file lacks
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / POINTER).write_text(json.dumps({"path": str(path)}))
-    runner = ModelRunner(RunnerConfig(str(tmp_path), block_size=4, num_blocks=48))
+    default = ModelRunner(RunnerConfig(str(tmp_path), block_size=4, num_blocks=48))
+    assert default.model.layers[1].self_attn.qkv_proj.quant is None  # auto: dequantized, as transformers reads it
+    runner = ModelRunner(RunnerConfig(str(tmp_path), block_size=4, num_blocks=48, quantization="gguf"))
     qkv = runner.model.layers[1].self_attn.qkv_proj
     assert isinstance(qkv.quant, Int4Weights) and qkv.weight is None
     assert runner.model.embed_tokens.weight.dtype == torch.float32  # the embedding is looked up in float

@@ -247,6 +247,9 @@ class WorkerConfig:
     # died raises instead of waiting forever.
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0
+    # A mixture-of-experts model's ranks each hold 1/size of the experts whole (bin/serve
+    # --expert-parallel) rather than 1/size of every expert's features (runtime.tensor_shards).
+    expert_parallel: bool = False
     distributed_init_method: str = ""
     distributed_timeout_s: float = 300.0
     # Rank 0 is the planning process (conveyor.Engine: conveyor.engine.ranks) and reads no plans:
@@ -420,7 +423,8 @@ def check_faces_keyed_alike(config: ServerConfig) -> None:
     zmq_keyed, http_keyed = config.frontend.auth_keys is not None, bool(http.api_keys)
     if http_keyed and not zmq_keyed and not is_loopback(config.addresses.client):
         raise ValueError(
-            f"--api-key keys the HTTP API, but the ZeroMQ client socket {config.addresses.client} is open to other hosts: "
+            f"--api-key keys the HTTP API, but the ZeroMQ client socket {config.addresses.client} is open to other "
+            "hosts: "
             "add --auth-keys DIR (bin/keygen) or bind --host to loopback"
         )
     if zmq_keyed and not http_keyed and not is_loopback_host(http.http_host):

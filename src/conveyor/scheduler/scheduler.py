@@ -36,11 +36,11 @@ plan N+1, the worker running it right after N (the worker keeps every request's 
 feeds the token it sampled at N as the input of N+1). Such a plan *ahead* never preempts
 (the victim's token from N would be lost) and never schedules a request that will end by
 length at N; when it would have to preempt it stops there and :attr:`can_plan_ahead` turns
-false, so the caller applies N and plans the next step with everything known. A request that turns out to finish at N (a stop token) was
-still scheduled in N+1: its blocks and slot are freed when N is applied, the worker drops it
-with the next plan's ``finished_slots``, and the token N+1 sampled for it is discarded. Outputs
-are the same as without planning ahead; only decisions that depend on N's tokens (who
-finished, freeing slots and blocks) come one step later.
+false, so the caller applies N and plans the next step with everything known. A request that turns
+out to finish at N (a stop token) was still scheduled in N+1: its blocks and slot are freed when N
+is applied, the worker drops it with the next plan's ``finished_slots``, and the token N+1 sampled
+for it is discarded. Outputs are the same as without planning ahead; only decisions that depend on
+N's tokens (who finished, freeing slots and blocks) come one step later.
 
 Each iteration, within the token budget ``max_num_batched_tokens``:
 
@@ -215,7 +215,8 @@ class Scheduler:
                 msg.request_id,
                 [],
                 FinishReason.ERROR,
-                error=f"overloaded: {len(self.state.queue)} requests are waiting (max_waiting {cfg.max_waiting}); retry later",
+                error=f"overloaded: {len(self.state.queue)} requests are waiting (max_waiting {cfg.max_waiting}); "
+                    "retry later",
             )
         now = self.clock()
         req.enqueue_time = now

@@ -102,13 +102,16 @@ def load_model(
 
 def resolve_quantization(quantization: str, model_dir: Path) -> str:
     """The scheme ``quantization`` means for ``model_dir``: ``auto`` is ``checkpoint`` (kept
-    as the checkpoint holds it) for a block-quantized GGUF file or a GPTQ/AWQ checkpoint,
-    else ``none``."""
-    if quantization != "auto":
-        return quantization
+    as the checkpoint holds it) for a GPTQ/AWQ/compressed-tensors checkpoint, else ``none``
+    (a GGUF file dequantized: greedy output equal to transformers' on the file); ``gguf`` is
+    ``checkpoint`` for a block-quantized GGUF file (ValueError for any other checkpoint)."""
     source = gguf_file(model_dir)
+    if quantization == "auto":
+        return "checkpoint" if source is None and checkpoint_reader(model_dir) is not None else "none"
+    if quantization != "gguf":
+        return quantization
     if source is None:
-        return "checkpoint" if checkpoint_reader(model_dir) is not None else "none"
+        raise ValueError(f"--quantization gguf keeps a GGUF file's own quantization, and {model_dir} holds no .gguf file")
     from conveyor.worker.gguf_tensors import file_is_quantized
 
     return "checkpoint" if file_is_quantized(source) else "none"

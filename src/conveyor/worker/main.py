@@ -64,7 +64,8 @@ def resolve_device(device: str) -> str:
     if device == Device.AUTO:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise StartupError(f"--device {device}: torch sees no CUDA device here (torch.cuda.is_available() is False); use --device cpu (or auto)")
+        raise StartupError(f"--device {device}: torch sees no CUDA device here (torch.cuda.is_available() is False); use --device "
+            "cpu (or auto)")
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"unsupported device {device!r}: use cpu, cuda or auto")
     return device
@@ -122,7 +123,7 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     device = resolve_device(config.runner.device)
     tp = init_tensor_parallel(
         rank, size, config.distributed_init_method, default_backend(device), config.distributed_timeout_s,
-        rank_device(device, TensorParallel(rank, size, None), config.runner.first_device),
+        rank_device(device, TensorParallel(rank, size, None), config.runner.first_device), config.expert_parallel,
     )
     prof = profiling.Profiler("worker", enabled=config.profile)
 

@@ -110,7 +110,8 @@ def hf_config(reader: GGUFReader, path: str | Path) -> tuple[dict[str, Any], dic
     head_dim = fields.get(f"{arch}.attention.key_length") or hidden // heads
     rotary = fields.get(f"{arch}.rope.dimension_count")
     if rotary is not None and rotary != head_dim:
-        raise GGUFError(f"{path}: {arch}.rope.dimension_count {rotary} differs from the head size {head_dim} (partial rotary is not supported)")
+        raise GGUFError(f"{path}: {arch}.rope.dimension_count {rotary} differs from the head size {head_dim} (partial rotary "
+            "is not supported)")
     scaling = fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none") or "rope_freqs.weight" in names:
         what = f"{arch}.rope.scaling.type {scaling!r}" if scaling not in (None, "none") else "tensor rope_freqs.weight"
@@ -153,7 +154,8 @@ def check_tensors(reader: GGUFReader, path: str | Path) -> None:
         hf_name(tensor.name, path)
         if not dequantizable(tensor.tensor_type):
             raise GGUFError(
-                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf package cannot dequantize"
+                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf package cannot "
+                "dequantize"
             )
 
 

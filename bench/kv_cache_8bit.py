@@ -28,7 +28,10 @@ def _run(engine: Engine, requests: list) -> None:
 
 
 def greedy(engine: Engine, items, max_tokens: int) -> list:
-    requests = [engine.add_request(messages=item.messages(), max_tokens=max_tokens, temperature=0.0, logprobs=1) for item in items]
+    requests = [
+        engine.add_request(messages=item.messages(), max_tokens=max_tokens, temperature=0.0, logprobs=1)
+        for item in items
+    ]
     _run(engine, requests)
     return requests
 
@@ -48,7 +51,9 @@ def compare(reference: list, quantized: list, teacher: list) -> dict:
     errors: list[float] = []
     for ref, q, t in zip(reference, quantized, teacher):
         same_items += ref.tokens == q.tokens
-        prefix = next((i for i, (a, b) in enumerate(zip(ref.tokens, q.tokens)) if a != b), min(len(ref.tokens), len(q.tokens)))
+        prefix = next(
+            (i for i, (a, b) in enumerate(zip(ref.tokens, q.tokens)) if a != b), min(len(ref.tokens), len(q.tokens))
+        )
         same_tokens += prefix
         total += len(ref.tokens)
         n = len(ref.prompt_token_ids)

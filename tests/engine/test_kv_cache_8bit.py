@@ -26,7 +26,10 @@ PROMPTS = {f"r{i}": prompt(i) for i in range(5)} | {"again": prompt(4)}  # (a pr
 
 
 def _serve(engine, max_tokens: int = 20) -> dict[str, list[int]]:
-    requests = {rid: engine.add_request(token_ids=p, request_id=rid, max_tokens=max_tokens, **GREEDY) for rid, p in PROMPTS.items()}
+    requests = {
+        rid: engine.add_request(token_ids=p, request_id=rid, max_tokens=max_tokens, **GREEDY)
+        for rid, p in PROMPTS.items()
+    }
     run_all(engine)
     assert all(r.finish_reason == "length" for r in requests.values())
     assert engine.stats()["held_blocks"] == 0
@@ -43,7 +46,9 @@ def roomy(tiny_checkpoint):
 
     def tokens(kv: str) -> dict[str, list[int]]:
         if kv not in served:
-            engine = Engine(tiny_checkpoint, block_size=4, num_kv_blocks=256, threads=2, device="cpu", kv_cache_dtype=kv)
+            engine = Engine(
+                tiny_checkpoint, block_size=4, num_kv_blocks=256, threads=2, device="cpu", kv_cache_dtype=kv
+            )
             served[kv] = {}
             for rid, p in PROMPTS.items():
                 one = engine.add_request(token_ids=p, max_tokens=20, **GREEDY)

@@ -39,7 +39,9 @@ def _quantized_cache(gen, case: AttentionCase, seq_lens, num_tokens, cache_dtype
     """``(query, kv, tables, scales)``: a case's random inputs with the cache stored 8-bit."""
     query, kv, tables = case.inputs(seq_lens, num_tokens, device=device, generator=gen)
     scales = _scales(gen, cache_dtype)
-    stored = torch.stack([to_cache(kv[0] * 2, scales.inv_k, cache_dtype), to_cache(kv[1] * 2, scales.inv_v, cache_dtype)])
+    stored = torch.stack(
+        [to_cache(kv[0] * 2, scales.inv_k, cache_dtype), to_cache(kv[1] * 2, scales.inv_v, cache_dtype)]
+    )
     return query, stored, tables, scales
 
 
@@ -108,7 +110,9 @@ def test_paged_decode_dequantizes(device, gen, cache_dtype, dtype, window, parti
     out = paged_decode_attention(
         query, kv, tables, lens, case.scale, window, partition_size=partition_size, k_scale=scales.k, v_scale=scales.v
     )
-    ref = paged_attention_ref(query, _dequantized(kv, scales), tables, [(n - 1, 1) for n in seq_lens], case.scale, window)
+    ref = paged_attention_ref(
+        query, _dequantized(kv, scales), tables, [(n - 1, 1) for n in seq_lens], case.scale, window
+    )
     assert_attention_close(out, ref, dtype)
 
 
@@ -123,7 +127,9 @@ def test_extend_dequantizes(device, gen, cache_dtype, dtype, window) -> None:
     starts = torch.tensor([0, 9, 14, 15], dtype=torch.int32, device=device)
     context = torch.tensor([c for c, _ in spans], dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    out = extend_attention(query, kv, tables, starts, context, lens, case.scale, window, k_scale=scales.k, v_scale=scales.v)
+    out = extend_attention(
+        query, kv, tables, starts, context, lens, case.scale, window, k_scale=scales.k, v_scale=scales.v
+    )
     ref = paged_attention_ref(query, _dequantized(kv, scales), tables, spans, case.scale, window)
     assert_attention_close(out, ref, dtype)
 

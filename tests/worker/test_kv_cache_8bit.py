@@ -55,9 +55,7 @@ def _hf_logprobs(hf_model, module, prompt: list[int], scales: list[KVScales], dt
         return q, _fake_quant(k, scales[next(calls) % len(scales)].k, dtype)
 
     hooks = [
-        layer.self_attn.v_proj.register_forward_hook(
-            lambda _m, _i, out, s=layer_scales: _fake_quant(out, s.v, dtype)
-        )
+        layer.self_attn.v_proj.register_forward_hook(lambda _m, _i, out, s=layer_scales: _fake_quant(out, s.v, dtype))
         for layer, layer_scales in zip(hf_model.model.layers, scales)
     ]
     module.apply_rotary_pos_emb = quantized_rotation
@@ -122,7 +120,9 @@ def test_torch_backends_dequantize(kv, backend):
     assert_attention_close(out, paged_attention_ref(query, dequantized, padded, spans, layer.scale), torch.float32)
 
 
-@pytest.mark.parametrize(("dtype", "kv", "factor"), [(torch.bfloat16, "fp8", 2), (torch.bfloat16, "int8", 2), (torch.float32, "fp8", 4)])
+@pytest.mark.parametrize(
+    ("dtype", "kv", "factor"), [(torch.bfloat16, "fp8", 2), (torch.bfloat16, "int8", 2), (torch.float32, "fp8", 4)]
+)
 def test_pool_holds_more_blocks_in_the_same_memory(llama_dir, dtype, kv, factor):
     """``kv_cache_memory_bytes`` buys ``factor`` times the blocks (the worker reports
     ``num_blocks`` to the scheduler, which sizes its pool from it)."""
@@ -130,7 +130,9 @@ def test_pool_holds_more_blocks_in_the_same_memory(llama_dir, dtype, kv, factor)
 
     def runner(kv_cache_dtype: str) -> ModelRunner:
         return ModelRunner(
-            RunnerConfig(llama_dir, dtype=dtype, block_size=16, kv_cache_memory_bytes=memory, kv_cache_dtype=kv_cache_dtype)
+            RunnerConfig(
+                llama_dir, dtype=dtype, block_size=16, kv_cache_memory_bytes=memory, kv_cache_dtype=kv_cache_dtype
+            )
         )
 
     full, small = runner("auto"), runner(kv)

@@ -75,8 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / build.GIB, help="GiB for the KV cache when --num-kv-blocks is not given"
     )
-    _choice(p, "--kv-cache-dtype", KVCacheDtype.AUTO, "fp8 or int8: store keys and values in 8 bits (static per-layer scales "
-            "calibrated at start), twice the blocks of a 16-bit cache (four times float32's) in the same memory")
+    _choice(
+        p,
+        "--kv-cache-dtype",
+        KVCacheDtype.AUTO,
+        "fp8 or int8: store keys and values in 8 bits (static per-layer scales calibrated at start), "
+        "twice the blocks of a 16-bit cache (four times float32's) in the same memory",
+    )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="most sequences in one iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens, help="token budget of one iteration")
     p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's max_position_embeddings)")
@@ -366,10 +371,12 @@ def ready_line(config: ServerConfig, workers: list[dict]) -> str:
     what = "demo model (random weights: output is gibberish)" if config.demo else f"model {model_name(config.model_dir, False)}"
     blocks = [int(w["num_blocks"]) for w in workers]
     devices = sorted({f"{w.get('device')}{cpu_threads_note(w)}" for w in workers})
-    kind = "KV blocks" if config.worker.runner.kv_cache_dtype == KVCacheDtype.AUTO else f"{config.worker.runner.kv_cache_dtype} KV blocks"
-    cache = f"{blocks[0]} {kind} of {config.worker.runner.block_size} tokens"
+    runner = config.worker.runner
+    kind = "KV blocks" if runner.kv_cache_dtype == KVCacheDtype.AUTO else f"{runner.kv_cache_dtype} KV blocks"
+    cache = f"{blocks[0]} {kind} of {runner.block_size} tokens"
     if len(workers) > 1:
-        each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} {kind} of {config.worker.runner.block_size} tokens"
+        uneven = f"{'/'.join(map(str, blocks))} {kind} of {runner.block_size} tokens"
+        each = cache + " each" if len(set(blocks)) == 1 else uneven
         cache = f"{len(workers)} data-parallel replicas of {each}"
     return f"conveyor ready on {config.addresses.client} serving {what} on {', '.join(devices)} with {cache}"
 

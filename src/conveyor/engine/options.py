@@ -25,7 +25,8 @@ from typing import Any
 
 from conveyor.assembly.build import GIB
 from conveyor.runtime.config import (
-    KV_CACHE_MEMORY_BYTES, Attention, Device, Dtype, FrontendConfig, KVCacheDtype, RunnerConfig, SchedulerConfig, WorkerConfig,
+    KV_CACHE_MEMORY_BYTES, Attention, Device, Dtype, FrontendConfig, KVCacheDtype, RunnerConfig, SchedulerConfig,
+    WorkerConfig,
 )  # fmt: skip
 
 # TGI's names -> the batcher's.

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 
 from conveyor.ipc.step_channel import StepChannels
 from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exported: they are read from here)
-    Attention, Batching, Choice, Device, Dtype, KVCacheDtype, PipelineSteps, PlanTransport, Policy, Preemption, Quantization,
-    parse_choices, require_at_least,
+    Attention, Batching, Choice, Device, Dtype, KVCacheDtype, PipelineSteps, PlanTransport, Policy, Preemption,
+    Quantization, parse_choices, require_at_least,
 )  # fmt: skip
 from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback, is_loopback_host
 from conveyor.runtime.http_config import HttpConfig

@@ -124,7 +124,9 @@ class ModelRunner:
         self._sampled_host: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in range(2)]
         self._next_buffer = 0
 
-    def _allocate_caches(self, config: RunnerConfig, cache_shape: KVCacheShape, kv_scales: list[KVScales] | None) -> None:
+    def _allocate_caches(
+        self, config: RunnerConfig, cache_shape: KVCacheShape, kv_scales: list[KVScales] | None
+    ) -> None:
         """The KV pool (``num_blocks``, or as many as ``kv_cache_memory_bytes`` holds, blocks of
         ``cache_shape``; an 8-bit one read by ``kv_scales``) and the CPU swap space, the
         model's and the draft's, a block of the pool holding both."""

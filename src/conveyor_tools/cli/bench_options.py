@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / GIB, help="GiB of KV cache (conveyor, hf-cb)"
     )
     engine.add_argument(
-        "--kv-cache-dtype", default="auto", choices=KVCacheDtype.names(), help="conveyor's KV cache: fp8 / int8 store it in 8 bits"
+        "--kv-cache-dtype", default="auto", choices=KVCacheDtype.names(), help="conveyor's KV cache (fp8, int8: 8 bits)"
     )
     engine.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
     engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")

@@ -24,7 +24,9 @@ from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.draft_model import DraftModel, Drafts
 from conveyor.worker.grammar_steps import GrammarSteps
+from conveyor.worker.attention.kv_quant import KVScales, cache_dtype
 from conveyor.worker.kv_cache import KVCacheShape, KVCacheTooSmall
+from conveyor.worker.kv_calibration import calibrate_kv_scales
 from conveyor.worker.last_tokens import LastTokens
 from conveyor.worker.loader import load_model
 from conveyor.worker.logprob_steps import LogprobSteps
@@ -90,6 +92,10 @@ class ModelRunner:
         if config.batch_invariant:
             make_batch_invariant(self.model)
         self.dtype = self.model.dtype
+        # The KV cache's dtype (an 8-bit one's per-layer scales are measured before LoRA is on).
+        self.kv_cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        cache_shape = KVCacheShape.of(self.model_config, config.block_size, self.kv_cache_dtype, tp)
+        kv_scales = calibrate_kv_scales(self.model, cache_shape, self.kv_cache_dtype)
         self.lora: LoraManager | None = None
         if config.lora_enabled:
             self.lora = LoraManager(self.model, LoraOptions(config.max_loras, config.max_lora_rank, config.max_cpu_loras))
@@ -99,9 +105,10 @@ class ModelRunner:
         if config.speculative_model is not None:  # (this rank's shard of it, as of the model)
             draft_backend = backend_for(device, config.attention)  # its own (a backend may keep per-step plans)
             self.draft = DraftModel(
-                config.speculative_model, self.model_config, device, self.dtype, draft_backend, config.block_size, tp
+                config.speculative_model, self.model_config, device, self.dtype, draft_backend, config.block_size, tp,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
-        self._allocate_caches(config)
+        self._allocate_caches(config, cache_shape, kv_scales)
         self.adapters = LoraUpdates(self.lora, tp, device)
         self.parts = parts = self._step_parts(config, profiler)
         self.decode = DecodeStep(
@@ -117,10 +124,12 @@ class ModelRunner:
         self._sampled_host: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in range(2)]
         self._next_buffer = 0
 
-    def _allocate_caches(self, config: RunnerConfig) -> None:
-        """The KV pool (``num_blocks``, or as many as ``kv_cache_memory_bytes`` holds) and the
-        CPU swap space, the model's and the draft's, a block of the pool holding both."""
-        cache_shape = KVCacheShape.of(self.model_config, config.block_size, self.dtype, self.tensor_parallel)
+    def _allocate_caches(
+        self, config: RunnerConfig, cache_shape: KVCacheShape, kv_scales: list[KVScales] | None
+    ) -> None:
+        """The KV pool (``num_blocks``, or as many as ``kv_cache_memory_bytes`` holds, blocks of
+        ``cache_shape``; an 8-bit one read by ``kv_scales``) and the CPU swap space, the
+        model's and the draft's, a block of the pool holding both."""
         self.block_bytes = cache_shape.bytes_per_block + (self.draft.bytes_per_block if self.draft else 0)
         num_blocks = config.num_blocks
         if num_blocks is None:
@@ -132,7 +141,7 @@ class ModelRunner:
                 )
         self.num_blocks = num_blocks
         self.kv_caches = cache_shape.allocate(num_blocks, self.device)
-        self.model.bind_kv_cache(self.kv_caches)
+        self.model.bind_kv_cache(self.kv_caches, kv_scales)
         num_cpu_blocks = config.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = (config.swap_space_bytes or 0) // self.block_bytes

@@ -22,9 +22,8 @@ call (nothing in flight between calls), so requests added, removed or continued 
 steps are seen by the next plan. A step that raises in the runner fails that step's
 requests with an error, as the worker process reports a failed step, and the engine goes on.
 
-Request ids: the caller's id (or a generated one) names a request here; the scheduler knows
-each submission by an id of the engine's own (a counter, as the frontend does), so a
-continuation under the same id never meets the earlier turn at the scheduler.
+Request ids: the caller's id (or a generated one) names a request here; the scheduler knows each submission
+by an id of the engine's own (a counter, as the frontend's), so a continuation never meets its earlier turn there.
 
 Continuation (as bin/serve's sessions, docs/protocol.md): a request that finished (stop,
 length or abort) leaves its context (its prompt, earlier turns included, then its output
@@ -33,8 +32,7 @@ context, without a BOS, and the prefix cache supplies the KV of the earlier turn
 their blocks are cached. :meth:`Request.remove` forgets the context. At most
 ``max_sessions`` contexts are kept, least recently finished dropped first.
 
-Tensor parallelism (``tensor_parallel_size`` N > 1, as ``bin/serve --tensor-parallel-size``):
-this process is rank 0, its runner rank 0's shard; ranks 1 .. N-1 are bin/serve's worker
+Tensor parallelism (``tensor_parallel_size`` N > 1, as ``bin/serve --tensor-parallel-size``): this process is rank 0, its runner rank 0's shard; ranks 1 .. N-1 are bin/serve's worker
 processes, sent every plan before rank 0 runs it (:mod:`conveyor.engine.ranks`: their start,
 their failures, their end). A step that fails on rank 0 then fails its requests only if the
 runner refused the plan (as on every rank alike); anything else leaves the ranks out of step,
@@ -42,9 +40,9 @@ and that step and every later one raise :class:`~conveyor.engine.ranks.RanksFail
 :meth:`Engine.close` (or ``with Engine(...)``) stops the ranks; an engine collected or left
 open at exit is closed then.
 
-Not thread-safe: one thread calls the engine. Not done here (bin/serve has them): planning
-one step ahead and pipelined launches (on a GPU they hide the host's time per step), the
-tokenizer thread pool, profiling.
+Not thread-safe: one thread calls the engine. Not done here (bin/serve has them): planning one step
+ahead and pipelined launches (hiding the host's time per step on a GPU), the tokenizer pool, profiling.
+:meth:`Engine.embed` (embeddings: prompt-only pooling requests) is :mod:`conveyor.engine.embeddings`'s.
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ from dataclasses import replace
 from typing import Any
 
 from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.engine.embeddings import embed
 from conveyor.engine.options import EngineOptions
 from conveyor.engine.outputs import BatchInfo, Result, StepOutput
 from conveyor.engine.ranks import RankGroup, RanksFailed
@@ -83,8 +82,7 @@ from conveyor.worker.main import build_runner, failed_step, pool_agreed_by_ranks
 from conveyor.worker.plan_check import PlanRefused
 
 
-# add_request's keyword arguments besides the input, the id and the priority: the generate
-# fields a client passes as options (sampling and stop strings).
+# add_request's keyword arguments besides the input, the id and the priority: the generate fields a client passes as options.
 _OPTIONS = frozenset(client_requests.OPTION_FIELDS) - {"priority"}
 
 
@@ -389,6 +387,7 @@ class Engine:
             request.remove()
         return results
 
+    embed = embed  # (conveyor.engine.embeddings)
     # ------------------------------------------------------------------ inside
 
     def _execute(self, plan: StepPlan) -> StepResult:
@@ -420,6 +419,7 @@ class Engine:
                 request.first_token_time = out.first_token_time
             if out.prompt_logprobs is not None:
                 request._push_prompt_logprobs(out.prompt_logprobs)
+            request._embedding = out.embedding or request._embedding
             stopped = bool(out.new_token_ids) and request._push(out.new_token_ids, out.logprobs)
             if stopped and out.finish_reason is None:
                 self.scheduler.abort([out.request_id])

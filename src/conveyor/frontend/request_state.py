@@ -69,6 +69,7 @@ ends (an abort, an error of the request or of any of its sequences)."""
     prompt_logprobs: LogprobsLog | None = None
     logged: bool = False  # either of them: its deltas and final carry log-probability fields
     choice_logprobs: bool = False  # an n > 1 request: its final's choices carry their logprobs
+    embedding: bytes | None = None  # a pooling request's vector (float32 bytes): its final carries it
 
     @property
     def key(self) -> tuple[bytes, str]:

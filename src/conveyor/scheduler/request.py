@@ -121,7 +121,8 @@ class SchedulerRequest:
             priority=msg.priority,
             stop_ids=stop_ids,
             has_own_stop_ids=bool(sp.stop_token_ids),
-            stop_len=min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
+            # (a pooling request ends with its prompt: planned ahead, it is never given a decode)
+            stop_len=len(msg.prompt_token_ids) if sp.pooling else min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
             lora=msg.lora or None,
             speculative=speculates(sp),
         )

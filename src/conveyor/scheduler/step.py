@@ -51,7 +51,7 @@ class Step:
         "answer_rows",
         "preempted", "num_swap", "num_recompute", "num_admitted", "wait_sum", "wait_max", "hit_tokens",
         "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out", "_tokens_by_request", "failed", "copies",
-        "spec", "proposals",
+        "spec", "proposals", "poolers",
     )
 
     def __init__(self, budget: int) -> None:
@@ -75,6 +75,9 @@ class Step:
         self.copies: list[list[int]] = []  # [src, dst] block copies of forks (StepPlan.copy_blocks)
         self.spec: dict[int, int] = {}  # slot -> tokens proposed, of the widened decodes (rank order)
         self.proposals: dict[int, list[int]] = {}  # slot -> the proposed tokens, where the scheduler made them
+        # Pooling requests whose last prompt chunk this plan runs: they sample nothing, the
+        # result carries their vectors (StepResult.pooled) and they finish with it.
+        self.poolers: list[SchedulerRequest] = []
         self.failed = False  # planned ahead of a plan that failed: failed with it, its result is moot
         self.num_swap = self.num_recompute = self.num_admitted = self.hit_tokens = 0
         self.decode_tokens = self.prefill_tokens = self.context_tokens = 0
@@ -245,6 +248,9 @@ class Step:
         for req, n in self.scheduled:
             req.num_computed_tokens += n
             if req.num_computed_tokens == len(req.token_ids):  # the chunk ends the prompt: it samples
+                if req.sampling.pooling:  # (or, pooling, is pooled)
+                    self.poolers.append(req)
+                    continue
                 samplers.append(req.slot)
                 if req.slot in new_slots:
                     answered_first.append(req.slot)

@@ -35,7 +35,8 @@ of up to ``num_speculative_tokens``: a verify step) runs through static buffers 
 graphs (:mod:`conveyor.worker.decode_step`). Prefill, chunked prefill and mixed steps run
 the flattened ragged batch here.
 Sampling is batched over per-row parameter tensors (:mod:`conveyor.worker.sampler`).
-The runner's other parts are base classes of it, each in its own module:
+Pooling (embedding requests) is :mod:`conveyor.worker.pooling`'s. The runner's other parts are
+base classes of it, each in its own module:
 log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the verification (rejection
 sampling) of speculative rows (:mod:`conveyor.worker.speculative_verify`) and the grammar-constraint
 plumbing (:mod:`conveyor.worker.grammar_steps`).
@@ -65,6 +66,7 @@ from conveyor.worker.lora import LoraManager, LoraOptions
 from conveyor.worker.lora_updates import LoraUpdates
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
+from conveyor.worker.pooling import PooledRows, Pooler, result_fields
 from conveyor.worker.ragged_inputs import ragged_inputs
 from conveyor.worker.request_state import RequestState, SlotStates, Work
 from conveyor.worker.sampler import Sampler, SamplingColumns, batch_from_rows
@@ -102,6 +104,7 @@ class LaunchedStep:
     # ``spec_verdict``, and each speculative row's count; split into ``spec_proposals`` at the finish.
     drafted: torch.Tensor | None = None
     drafted_counts: list[int] | None = None
+    pooled: PooledRows | None = None  # the pooling requests' vectors (conveyor.worker.pooling)
 
 
 class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, LoraUpdates):
@@ -211,6 +214,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self._ends: list[tuple[int, str]] = []
         self._spec_verdict: torch.Tensor | None = None  # of the step being launched (see _run_ragged)
         self._drafts: Drafts | None = None  # likewise, the draft method's proposals (dropped after the launch)
+        self._pooler, self._pooled = Pooler(), None  # pooling (and the pooled rows of the step being launched)
         self._checker = PlanChecker(block_size, num_blocks, num_cpu_blocks, config.max_num_seqs)
 
     @property
@@ -242,6 +246,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         PlanChecker.check_dropped(dropped)
         requests.drop(dropped)
         self._controls.release(dropped)
+        self._pooler.forget(dropped)
         if plan.planned_ahead and before is not None and before.failed:
             raise PlanRefused(f"step {plan.step_id} was planned ahead of step {plan.step_id - 1}, which failed")
         work = self._checker.check(plan, requests.states, self.draft is not None)
@@ -262,6 +267,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
                 copy_blocks(caches, pairs)
         for new, adapter in zip(plan.new_requests, adapters):  # on free slots (checked), the finished ones dropped above
             requests.take_in(new, adapter)
+            self._pooler.forget([new.slot])
             self._sampling.set(new.slot, new.sampling)
             num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
             if self.tensor_parallel.rank == 0:  # (the rank that samples holds the controls' state)
@@ -277,14 +283,15 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         for item, state in zip(work, states):
             if item.new_block_ids:
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
-        samples = [
-            item.num_computed + item.num_scheduled == state.num_known + item.num_proposed
+        samples = [  # (a pooling request samples nothing: it is pooled)
+            item.num_computed + item.num_scheduled == state.num_known + item.num_proposed and not state.sampling.pooling
             for item, state in zip(work, states)
         ]
         self._in_flight, self._ends, self._spec_verdict = before, [], None
         self._drafts = self._run_draft(work, states) if self.draft is not None and work else None
         sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
         launched.ends, self._in_flight = self._ends, None
+        launched.pooled, self._pooled = self._pooled, None
         for item, state in zip(work, states):
             state.num_computed += item.num_scheduled
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
@@ -310,11 +317,11 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
             # the next steps' inputs, without a host round trip
             self._last_tokens.index_copy_(0, sample_slots, sampled)
             launched.sampled = self._copy_to_host(sampled)
-        for rows in (logprobs, prompt_logprobs):
+        for rows in (logprobs, prompt_logprobs, launched.pooled):
             if rows is not None:
                 rows.to_host(self._cuda)
         launched.logprobs, launched.prompt_logprobs = logprobs, prompt_logprobs
-        if sampling or prompt_logprobs is not None:
+        if sampling or prompt_logprobs is not None or launched.pooled is not None:
             if self._cuda:
                 launched.done = torch.cuda.Event()
                 launched.done.record()
@@ -415,6 +422,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
             prompt_logprobs=launched.prompt_logprobs.message() if launched.prompt_logprobs is not None else None,
             spec_slots=spec_slots,
             spec_token_ids=spec_runs,
+            **result_fields(launched.pooled),
         )
 
     def _run(
@@ -427,7 +435,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         decode-only step (every row runs one token, or a verify of its proposal) takes the
         static-buffer path (:meth:`_run_decode`), any other the flattened ragged one
         (:meth:`_run_ragged`)."""
-        q = None if self._scores_prompt(work, states) else self._static_query_len(work)
+        q = None if self._scores_prompt(work, states) or Pooler.in_step(states) else self._static_query_len(work)
         if q is not None:
             return self._run_decode(work, states, samples, q)
         return self._run_ragged(work, states, samples)
@@ -480,7 +488,9 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
             logprobs = self._sampled_logprobs(
                 logits, np.arange(len(sample_rows)), sampled, slots[sample_rows], draw_positions[sample_rows]
             )
-            prompt_logprobs = self._prompt_logprobs(hidden, work, states, ends - np.asarray(query_lens, np.int64))
+            offsets = ends - np.asarray(query_lens, np.int64)
+            prompt_logprobs = self._prompt_logprobs(hidden, work, states, offsets)
+            self._pooled = self._pooler.pool(hidden, work, states, offsets)
         else:  # rank 0 holds the LM head and samples; the next steps' inputs need its ids here too
             sampled = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device)
             logprobs = prompt_logprobs = None

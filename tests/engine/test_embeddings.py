@@ -1,0 +1,83 @@
+"""Embeddings through ``conveyor.Engine``: pooling requests (last and mean) equal HF
+transformers' final hidden states pooled the same way, chunked prefill included; they
+batch with generations in the same steps, take no decode step and hold no KV afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import GREEDY, run_all
+
+# Prompt lengths around the chunk budget below: the long ones are prefilled in several chunks.
+LENGTHS = (1, 5, 17, 40, 77)
+
+
+@pytest.fixture(scope="module")
+def hf_pooled(tiny_checkpoint):
+    """transformers' AutoModel (the decoder without its LM head) on the same checkpoint: the
+    last hidden state (after the final norm), pooled and L2-normalized."""
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+    def run(tokens: list[int], pooling: str) -> torch.Tensor:
+        with torch.inference_mode():
+            hidden = model(torch.tensor([tokens])).last_hidden_state[0].float()
+        vector = hidden[-1] if pooling == "last" else hidden.mean(0)
+        return torch.nn.functional.normalize(vector, dim=0)
+
+    return run
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * n) % 200 + 5 for i in range(n)] for n in LENGTHS]
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_equal_transformers(tiny_engine, hf_pooled, pooling):
+    import torch
+
+    engine = tiny_engine(max_num_batched_tokens=16)  # the 40- and 77-token prompts run in chunks
+    prompts = _prompts()
+    vectors = engine.embed(prompts, pooling=pooling)
+    assert len(vectors) == len(prompts)
+    for tokens, vector in zip(prompts, vectors):
+        ours = torch.tensor(vector)
+        ref = hf_pooled(tokens, pooling)
+        assert ours.shape == ref.shape
+        assert torch.allclose(ours, ref, atol=1e-4), (len(tokens), (ours - ref).abs().max())
+        assert torch.nn.functional.cosine_similarity(ours, ref, dim=0) > 0.9999
+    stats = engine.stats()
+    assert stats["held_blocks"] == 0, stats
+
+
+def test_embeddings_batch_with_generation(tiny_engine, hf_pooled, hf_greedy):
+    """Embedding requests join the steps of running generations: each step that runs an
+    embedding's prompt also runs a decode; the generations' tokens are transformers' greedy
+    ones and the vectors transformers' pooled ones; no block is held at the end."""
+    import torch
+
+    engine = tiny_engine(max_num_batched_tokens=16)
+    prompt = [11, 12, 13, 14, 15, 16]
+    gen = engine.add_request(token_ids=prompt, max_tokens=12, **GREEDY)
+    engine.step()  # its prefill: it decodes from now on
+    embeds = [engine.add_request(token_ids=tokens, pooling="mean", max_tokens=1) for tokens in _prompts()[2:]]
+    outs = run_all(engine)
+    mixed = [o for o in outs if o.batch is not None and o.batch.decode_tokens and o.batch.prefill_tokens]
+    assert mixed, "no step ran a decode beside an embedding's prompt"
+    assert gen.tokens == hf_greedy(prompt, 12)
+    for request, tokens in zip(embeds, _prompts()[2:]):
+        assert request.finish_reason == "stop" and request.tokens == []
+        assert torch.allclose(torch.tensor(request.embedding), hf_pooled(tokens, "mean"), atol=1e-4)
+    assert engine.stats()["held_blocks"] == 0
+
+
+def test_pooling_refusals(tiny_engine):
+    engine = tiny_engine()
+    with pytest.raises(ValueError, match="'pooling' must be one of"):
+        engine.embed([[1, 2, 3]], pooling="max")
+    with pytest.raises(ValueError, match="a pooling request samples none"):
+        engine.add_request(token_ids=[1, 2, 3], pooling="last", n=2)
+    with pytest.raises(ValueError, match="a pooling request samples none"):
+        engine.add_request(token_ids=[1, 2, 3], pooling="last", logprobs=1)

@@ -12,24 +12,6 @@ from tests.engine.conftest import GREEDY, run_all
 LENGTHS = (1, 5, 17, 40, 77)
 
 
-@pytest.fixture(scope="module")
-def hf_pooled(tiny_checkpoint):
-    """transformers' AutoModel (the decoder without its LM head) on the same checkpoint: the
-    last hidden state (after the final norm), pooled and L2-normalized."""
-    import torch
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-
-    def run(tokens: list[int], pooling: str) -> torch.Tensor:
-        with torch.inference_mode():
-            hidden = model(torch.tensor([tokens])).last_hidden_state[0].float()
-        vector = hidden[-1] if pooling == "last" else hidden.mean(0)
-        return torch.nn.functional.normalize(vector, dim=0)
-
-    return run
-
-
 def _prompts() -> list[list[int]]:
     return [[(7 * i + 3 * n) % 200 + 5 for i in range(n)] for n in LENGTHS]
 

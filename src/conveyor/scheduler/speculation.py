@@ -84,6 +84,7 @@ def speculates(sp: SamplingParams) -> bool:
         and sp.repetition_penalty == 1.0
         and not sp.logit_bias
         and sp.min_tokens == 0
+        and not sp.pooling
     )
 
 

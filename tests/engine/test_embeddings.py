@@ -30,8 +30,13 @@ def test_embeddings_equal_transformers(tiny_engine, hf_pooled, pooling):
         assert ours.shape == ref.shape
         assert torch.allclose(ours, ref, atol=1e-4), (len(tokens), (ours - ref).abs().max())
         assert torch.nn.functional.cosine_similarity(ours, ref, dim=0) > 0.9999
+    # Again: their blocks are in the prefix cache now, but a pooling request takes no hit
+    # (every position's hidden state is pooled), so the vectors are the same.
+    again = engine.add_request(token_ids=prompts[-1], pooling=pooling, max_tokens=1)
+    run_all(engine)
+    assert again.num_cached_tokens == 0 and torch.allclose(torch.tensor(again.embedding), torch.tensor(vectors[-1]), atol=1e-5)
     stats = engine.stats()
-    assert stats["held_blocks"] == 0, stats
+    assert stats["held_blocks"] == 0 and stats["cached_blocks"] > 0, stats
 
 
 def test_embeddings_batch_with_generation(tiny_engine, hf_pooled, hf_greedy):
@@ -63,3 +68,26 @@ def test_pooling_refusals(tiny_engine):
         engine.add_request(token_ids=[1, 2, 3], pooling="last", n=2)
     with pytest.raises(ValueError, match="a pooling request samples none"):
         engine.add_request(token_ids=[1, 2, 3], pooling="last", logprobs=1)
+
+
+def test_preempted_pooling_request_starts_over(tiny_engine, hf_pooled):
+    """A mean-pooling request preempted mid-prefill (a higher-priority generation needs its
+    blocks) is recomputed from its first token, never swapped (its running sum lives with its
+    slot), even on a server that swaps: its vector is still transformers' mean."""
+    import torch
+
+    engine = tiny_engine(
+        num_kv_blocks=24, max_num_batched_tokens=16, policy="priority", preemption="swap", num_cpu_blocks=64
+    )
+    long = _prompts()[-1]  # 77 tokens: 20 blocks of 4
+    embed = engine.add_request(token_ids=long, pooling="mean", max_tokens=1)
+    engine.step()
+    engine.step()  # two chunks of it are in
+    prompt = [(3 * i) % 90 + 21 for i in range(40)]
+    gen = engine.add_request(token_ids=prompt, max_tokens=24, priority=10, **GREEDY)
+    run_all(engine)
+    stats = engine.stats()
+    assert stats["num_preemptions_recompute"] >= 1 and stats["num_preemptions_swap"] == 0, stats
+    assert len(gen.tokens) == 24
+    assert torch.allclose(torch.tensor(embed.embedding), hf_pooled(long, "mean"), atol=1e-4)
+    assert stats["held_blocks"] == 0 and stats["swapped_blocks"] == 0

@@ -50,7 +50,10 @@ def test_embeddings_batch_with_generation(tiny_engine, hf_pooled, hf_greedy):
     gen = engine.add_request(token_ids=prompt, max_tokens=12, **GREEDY)
     engine.step()  # its prefill: it decodes from now on
     embeds = [engine.add_request(token_ids=tokens, pooling="mean", max_tokens=1) for tokens in _prompts()[2:]]
-    outs = run_all(engine)
+    outs = []
+    while engine.has_pending_requests():
+        outs.append(engine.step())
+        engine.scheduler.check_invariants()
     mixed = [o for o in outs if o.batch is not None and o.batch.decode_tokens and o.batch.prefill_tokens]
     assert mixed, "no step ran a decode beside an embedding's prompt"
     assert gen.tokens == hf_greedy(prompt, 12)

@@ -267,7 +267,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
                 copy_blocks(caches, pairs)
         for new, adapter in zip(plan.new_requests, adapters):  # on free slots (checked), the finished ones dropped above
             requests.take_in(new, adapter)
-            self._pooler.forget([new.slot])
+            self._pooler.take_in(new.slot, new.sampling.pooling)
             self._sampling.set(new.slot, new.sampling)
             num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
             if self.tensor_parallel.rank == 0:  # (the rank that samples holds the controls' state)
@@ -283,10 +283,10 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         for item, state in zip(work, states):
             if item.new_block_ids:
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
-        samples = [  # (a pooling request samples nothing: it is pooled)
-            item.num_computed + item.num_scheduled == state.num_known + item.num_proposed and not state.sampling.pooling
+        samples = self._pooler.sampling_rows(work, [
+            item.num_computed + item.num_scheduled == state.num_known + item.num_proposed
             for item, state in zip(work, states)
-        ]
+        ])
         self._in_flight, self._ends, self._spec_verdict = before, [], None
         self._drafts = self._run_draft(work, states) if self.draft is not None and work else None
         sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
@@ -435,7 +435,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         decode-only step (every row runs one token, or a verify of its proposal) takes the
         static-buffer path (:meth:`_run_decode`), any other the flattened ragged one
         (:meth:`_run_ragged`)."""
-        q = None if self._scores_prompt(work, states) or Pooler.in_step(states) else self._static_query_len(work)
+        q = None if self._scores_prompt(work, states) or self._pooler.in_step(work) else self._static_query_len(work)
         if q is not None:
             return self._run_decode(work, states, samples, q)
         return self._run_ragged(work, states, samples)

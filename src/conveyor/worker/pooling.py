@@ -39,21 +39,39 @@ class PooledRows:
 
 
 class Pooler:
-    """The running sums of a runner's mean-pooling requests, by slot (module docstring)."""
+    """The slots of a runner's pooling requests and the running sums of those that mean-pool
+    (module docstring). A step without pooling requests pays one empty-set test per question."""
 
     def __init__(self) -> None:
+        self.slots: set[int] = set()
         self._sums: dict[int, torch.Tensor] = {}
 
-    def forget(self, slots: list[int]) -> None:
-        """The requests on ``slots`` were dropped, or new ones take them: no sum carries over."""
-        for slot in slots:
-            self._sums.pop(slot, None)
+    def take_in(self, slot: int, pooling: str) -> None:
+        """A new request on ``slot`` (pooling or not): no sum carries over from its last holder."""
+        self.forget([slot])
+        if pooling:
+            self.slots.add(slot)
 
-    @staticmethod
-    def in_step(states: list[RequestState]) -> bool:
+    def forget(self, slots: list[int]) -> None:
+        """The requests on ``slots`` were dropped."""
+        if self.slots:
+            for slot in slots:
+                self.slots.discard(slot)
+                self._sums.pop(slot, None)
+
+    def in_step(self, work: list[Work]) -> bool:
         """Whether a row of the step pools (it then runs the ragged path, whose hidden states
         pooling reads)."""
-        return any(state.sampling.pooling for state in states)
+        slots = self.slots
+        return bool(slots) and any(item.slot in slots for item in work)
+
+    def sampling_rows(self, work: list[Work], samples: list[bool]) -> list[bool]:
+        """``samples`` (the rows that end their known tokens) less the pooling rows, which
+        sample nothing."""
+        slots = self.slots
+        if not slots:
+            return samples
+        return [flag and item.slot not in slots for item, flag in zip(work, samples)]
 
     def pool(
         self, hidden: torch.Tensor, work: list[Work], states: list[RequestState], offsets: np.ndarray
@@ -61,6 +79,8 @@ class Pooler:
         """Add this step's chunks of the pooling rows to their sums and pool the rows whose
         chunk ends the prompt. ``hidden``: the step's final hidden states, flat; row ``i``'s
         tokens start at ``offsets[i]``. None when no row finishes its prompt."""
+        if not self.slots:
+            return None
         slots: list[int] = []
         vectors: list[torch.Tensor] = []
         for i, (item, state) in enumerate(zip(work, states)):

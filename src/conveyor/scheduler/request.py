@@ -121,8 +121,9 @@ class SchedulerRequest:
             priority=msg.priority,
             stop_ids=stop_ids,
             has_own_stop_ids=bool(sp.stop_token_ids),
-            # (a pooling request ends with its prompt: planned ahead, it is never given a decode)
-            stop_len=len(msg.prompt_token_ids) if sp.pooling else min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
+            # (a pooling request runs its prompt and no more, as one of max_tokens 1 whose token
+            # is never sampled: planned ahead, its last prompt token runs, and nothing after it)
+            stop_len=min(len(msg.prompt_token_ids) + (1 if sp.pooling else sp.max_tokens), max_model_len),
             lora=msg.lora or None,
             speculative=speculates(sp),
         )

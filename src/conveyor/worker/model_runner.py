@@ -287,7 +287,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
             item.num_computed + item.num_scheduled == state.num_known + item.num_proposed
             for item, state in zip(work, states)
         ])
-        self._in_flight, self._ends, self._spec_verdict = before, [], None
+        self._in_flight, self._ends, self._spec_verdict, self._pooled = before, [], None, None
         self._drafts = self._run_draft(work, states) if self.draft is not None and work else None
         sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
         launched.ends, self._in_flight = self._ends, None

@@ -169,3 +169,56 @@ def serving_checkpoint(directory: Path) -> Path:
     )
     build(config, directory, SERVING_SEED)
     return directory
+
+
+#: A Qwen3-style chat template over the demo tokenizer's headers: tools listed in a system turn,
+#: Hermes ``<tool_call>`` calls and ``<tool_response>`` results, earlier answers' reasoning
+#: dropped, and ``enable_thinking=false`` rendering an empty think block after the generation
+#: prompt, as Qwen3's own template does.
+THINKING_TEMPLATE = (
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\n# Tools\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|eot_id|>{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- set content = message.content if message.content is string else '' %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{{ content }}"
+    "{%- for call in message.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}<|eot_id|>"
+    "{%- elif message.role == 'tool' %}<|start_header_id|>tool<|end_header_id|>\n\n<tool_response>\n{{ content }}\n</tool_response><|eot_id|>"
+    "{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n{{ content }}<|eot_id|>{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
+)
+THINKING_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
+def qwen3_thinking_checkpoint(directory: Path) -> Path:
+    """Save a tiny random Qwen3 whose chat template has a think block (:data:`THINKING_TEMPLATE`)
+    into ``directory``: the demo tokenizer with ``<think>``, ``</think>``, ``<tool_call>`` and
+    ``</tool_call>`` added as single, non-special tokens (Qwen3's are), 256 positions."""
+    import json
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    _demo_tokenizer(directory)
+    backend = Backend.from_file(str(directory / "tokenizer.json"))
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINKING_TOKENS])
+    backend.save(str(directory / "tokenizer.json"))
+    config_path = directory / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["chat_template"] = THINKING_TEMPLATE
+    for token in THINKING_TOKENS:
+        tok_config["added_tokens_decoder"][str(backend.token_to_id(token))] = {
+            "content": token, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False, "special": False,
+        }
+    config_path.write_text(json.dumps(tok_config, indent=2))
+    config = Qwen3Config(
+        **{**SMALL, **CHECKPOINTS["qwen3"][2], "max_position_embeddings": 256, "vocab_size": backend.get_vocab_size()},
+        bos_token_id=0, eos_token_id=4, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"],
+    )
+    build(config, directory, SERVING_SEED + 3)
+    return directory

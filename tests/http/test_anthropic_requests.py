@@ -16,7 +16,7 @@ from conveyor.http.anthropic_requests import messages_job
 from conveyor.http.anthropic_responses import MessageEvents, StopTail, error_body, message_body
 from conveyor.http.app import Access
 from conveyor.http.errors import ApiError
-from conveyor.http.tool_reading import tool_reader
+from conveyor.http.output_reading import OutputReader, output_reader
 
 MODEL = "tiny"
 TOOL = {"name": "get_time", "description": "d", "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}}}
@@ -70,7 +70,7 @@ def test_bodies_become_the_chat_request_they_mean() -> None:
     ({"stop_sequences": "END"}, "stop_sequences"),
     ({"tools": [{"name": "f"}]}, "tools"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking"),
+    ({"thinking": {"type": "sometimes"}}, "thinking"),
     ({"output_config": {"format": {"type": "xml"}}}, "output_config"),
     ({"model": 5}, "model"),
 ])
@@ -98,7 +98,7 @@ def test_stop_tail_and_the_unstreamed_message() -> None:
     assert body["usage"] == {"input_tokens": 7, "output_tokens": 3}
     assert message_body("m", MODEL, result("a", "length"), None, None)["stop_reason"] == "max_tokens"
     assert message_body("m", MODEL, result("a"), None, None)["stop_reason"] == "end_turn"
-    forced = tool_reader(job(tools=[TOOL], tool_choice={"type": "any"}), None)
+    forced = output_reader(job(tools=[TOOL], tool_choice={"type": "any"}), None, None)
     body = message_body("m", MODEL, result('[{"name": "get_time", "arguments": {"zone": "cet"}}]'), None, forced)
     assert body["stop_reason"] == "tool_use" and body["content"][0]["input"] == {"zone": "cet"} and body["content"][0]["type"] == "tool_use"
 
@@ -123,7 +123,7 @@ def test_streamed_events_of_text_a_stop_a_call_and_a_failure() -> None:
                                    "content_block_stop", "message_delta", "message_stop"]
     assert "".join(d["delta"]["text"] for k, d in got if k == "content_block_delta") == "hello "
     assert got[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"} and got[-2][1]["usage"]["input_tokens"] == 7
-    forced = tool_reader(job(tools=[TOOL], tool_choice={"type": "tool", "name": "get_time"}), None)
+    forced = output_reader(job(tools=[TOOL], tool_choice={"type": "tool", "name": "get_time"}), None, None)
     enc = MessageEvents("msg_2", MODEL, None, forced)
     enc.start()
     enc(0, StreamDelta("r", '{"zone": ', [1]))
@@ -133,7 +133,7 @@ def test_streamed_events_of_text_a_stop_a_call_and_a_failure() -> None:
     assert got[2][1]["content_block"]["type"] == "tool_use" and got[2][1]["content_block"]["input"] == {}
     assert json.loads(got[3][1]["delta"]["partial_json"]) == {"zone": "utc"} and got[-1][1]["delta"]["stop_reason"] == "tool_use"
     # tool_choice auto with --tool-call-parser hermes: text first, then the parsed call as its own block.
-    parsed = tool_reader(job(tools=[TOOL]), "hermes")
+    parsed = output_reader(job(tools=[TOOL]), "hermes", None)
     enc = MessageEvents("msg_4", MODEL, None, parsed)
     enc.start()
     call = '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>'
@@ -168,3 +168,24 @@ def test_anthropic_routes_take_x_api_key_and_request_ids_are_safe() -> None:
         request = make_mocked_request("GET", "/", headers={"x-request-id": given})
         request_ids.assign(request)
         assert request_ids.request_id(request) == used if used else len(request_ids.request_id(request)) == 32
+
+
+def test_thinking_blocks_whole_and_streamed() -> None:
+    """With --reasoning-parser, the think block is a thinking block before the text, whole and streamed."""
+    reader = OutputReader("qwen3", None)
+    text = "<think>\nThe user greets me.\n</think>\n\nHello there"
+    body = message_body("m", MODEL, result(text), None, reader)
+    assert body["content"] == [{"type": "thinking", "thinking": "The user greets me.", "signature": ""}, {"type": "text", "text": "Hello there"}]
+    enc = MessageEvents("m", MODEL, None, reader)
+    enc.start()
+    for piece in ("<thi", "nk>\nThe user", " greets me.\n</th", "ink>\n\nHello", " there"):
+        enc(0, StreamDelta("r", piece, [1]))
+    enc(0, StreamDelta("r", "", [], "stop", result(text)))
+    got = events(bytes(enc.out))
+    blocks = [(d["index"], d["content_block"]["type"]) for k, d in got if k == "content_block_start"]
+    assert blocks == [(0, "thinking"), (1, "text")]
+    assert "".join(d["delta"].get("thinking", "") for k, d in got if k == "content_block_delta") == "The user greets me."
+    assert "".join(d["delta"].get("text", "") for k, d in got if k == "content_block_delta") == "Hello there"
+    assert messages_job({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                         "thinking": {"type": "disabled"}}, MODEL).options["chat_template_kwargs"] == {"enable_thinking": False}
+

@@ -209,6 +209,12 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         help="read chat answers with tools for calls in this format (Hermes/Qwen <tool_call> JSON, Llama 3 JSON); "
         "default: not parsed (the tools still reach the chat template)",
     )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3", "deepseek_r1"),
+        help="split an answer's <think>...</think> block off as reasoning (chat reasoning_content, Responses reasoning items, "
+        "Messages thinking blocks): qwen3 where the answer opens the block, deepseek_r1 where the prompt did; default: all content",
+    )
     _switch(g, "--strict-fields", HttpConfig.strict_fields,
             "refuse a request field no schema knows with a 400 (default: ignore it, name it in the x-conveyor-ignored-fields header and warn once)")
     g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")

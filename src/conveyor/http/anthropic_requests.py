@@ -21,10 +21,12 @@ names differ). What is translated:
 - ``output_config.format`` (a JSON schema) -> ``response_format`` (the JSON-schema constraint).
 - ``metadata``, ``service_tier``, ``cache_control`` and the other fields of :data:`_IGNORED`,
   ``output_config.effort`` and ``tool_choice.disable_parallel_tool_use``: no effect here,
-  reported in ``x-conveyor-ignored-fields``; ``thinking`` only ``{"type": "disabled"}`` (no
-  reasoning output yet); other fields as the OpenAI routes take unknown ones (ignored and
-  reported, a 400 with ``--strict-fields``). Blocks other than text, tool_use and tool_result
-  (images, documents, thinking) are a 400 naming the message.
+  reported in ``x-conveyor-ignored-fields``; ``thinking`` ``enabled`` / ``adaptive`` /
+  ``disabled`` -> the templates' ``enable_thinking`` (the reasoning comes back as ``thinking``
+  blocks with ``--reasoning-parser``); other fields as the OpenAI routes take unknown ones
+  (ignored and reported, a 400 with ``--strict-fields``). An assistant turn's ``thinking``
+  blocks are dropped (as the templates drop earlier reasoning); blocks other than text,
+  tool_use, tool_result and thinking (images, documents) are a 400 naming the message.
 """
 
 from __future__ import annotations
@@ -65,9 +67,9 @@ def messages_job(body: Any, served_model: str, loras: Sequence[str] = (), strict
                 raise bad_field("stop_sequences", "'stop_sequences' must be an array of non-empty strings")
             if stops:
                 chat["stop"], chat["include_stop_str_in_output"] = stops, True
-    thinking = body.get("thinking")
-    if thinking is not None and thinking != {"type": "disabled"}:
-        raise bad_field("thinking", "'thinking' is not supported yet (no reasoning output): only {\"type\": \"disabled\"} or null")
+    thinking = _thinking(body.get("thinking"))
+    if thinking is not None:
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking}
     turns = _system(body.get("system")) + _turns(body.get("messages"))
     chat["messages"] = turns
     if turns[-1]["role"] == "assistant":  # a prefill: the answer continues it
@@ -88,6 +90,26 @@ def messages_job(body: Any, served_model: str, loras: Sequence[str] = (), strict
             ignored.append("tool_choice.disable_parallel_tool_use")
     job = parse_request(CHAT, chat, served_model, loras, strict=True)
     return replace(job, ignored=tuple(sorted([*job.ignored, *ignored, *unknown])), unknown=unknown)
+
+
+def _thinking(thinking: Any) -> bool | None:
+    """``thinking`` as the templates' ``enable_thinking`` (None: not given). Reasoning comes
+    back as ``thinking`` blocks where the server runs a ``--reasoning-parser``."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad_field("thinking", "'thinking' must be {type: enabled, budget_tokens}, {type: adaptive} or {type: disabled}")
+    return kind != "disabled"
+
+
+def thinking_budget(body: dict[str, Any]) -> Any:
+    """``thinking.budget_tokens`` of an ``enabled`` thinking (None: no budget), the reasoning
+    budget (:mod:`conveyor.http.reasoning_budget`) where the server has a reasoning parser."""
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        return thinking.get("budget_tokens")
+    return None
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
@@ -137,7 +159,7 @@ def _turns(messages: Any) -> list[dict[str, Any]]:
             if text or not isinstance(content, list):
                 turns.append({"role": "user", "content": text})
         else:
-            text = _texts(content, where, ("text", "tool_use"))
+            text = _texts(content, where, ("text", "tool_use", "thinking", "redacted_thinking"))  # earlier reasoning dropped
             calls = [_tool_use(b, where) for b in content if b.get("type") == "tool_use"] if isinstance(content, list) else []
             turn: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:

@@ -3,7 +3,8 @@ events of a streamed one (:class:`MessageEvents`), and errors in Anthropic's sha
 (:func:`error_body`).
 
 A stream is ``message_start``, ``ping``, then per content block ``content_block_start``,
-its ``content_block_delta`` events (``text_delta``; a tool call's arguments as one
+its ``content_block_delta`` events (``text_delta``; ``thinking_delta`` of a ``thinking`` block,
+the think block split off by ``--reasoning-parser``; a tool call's arguments as one
 ``input_json_delta``) and ``content_block_stop``, then ``message_delta`` (``stop_reason``,
 ``stop_sequence``, the usage) and ``message_stop``; each event is ``event: <type>`` and
 ``data: <json>``. The prompt's token count is known only at the end (the frontend tokenizes
@@ -18,7 +19,6 @@ text by :class:`StopTail`), else ``end_turn``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -30,7 +30,7 @@ from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import GenerationJob
 from conveyor.http.openai_responses import json_encode
 from conveyor.http.request_ids import request_id
-from conveyor.http.tool_reading import ToolReader, tool_reader
+from conveyor.http.output_reading import OutputReader, Reading, output_reader
 from conveyor.ipc.messages import FinishReason
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 503 (starting,
@@ -96,21 +96,27 @@ def usage(result: CompletionResult) -> dict[str, int]:
     return {"input_tokens": result.usage.prompt_tokens, "output_tokens": result.usage.completion_tokens}
 
 
-def message_body(rid: str, model: str, result: CompletionResult, stops: list[str] | None, reader: ToolReader | None) -> dict[str, Any]:
-    """The unstreamed message of ``result`` (its stop text dropped, its calls read by ``reader``)."""
+def message_body(rid: str, model: str, result: CompletionResult, stops: list[str] | None, reader: OutputReader | None) -> dict[str, Any]:
+    """The unstreamed message of ``result`` (its stop text dropped, its reasoning and calls
+    read by ``reader``)."""
     tail = StopTail(stops)
     text = tail.feed(result.text)
     rest, stop = tail.finish(result.finish_reason)
     text += rest
-    calls: list[dict[str, Any]] = []
-    if reader is not None:
-        text, calls = reader.whole(text)
-    content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
+    reasoning, text, calls = reader.whole(text) if reader is not None else (None, text, [])
+    content: list[dict[str, Any]] = [_thinking(reasoning)] if reasoning is not None else []
+    if text or not calls:
+        content.append({"type": "text", "text": text})
     content += [_tool_use(c) for c in calls]
     return {
         "id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
         "stop_reason": stop_reason(result.finish_reason, bool(calls), stop), "stop_sequence": stop, "usage": usage(result),
     }
+
+
+def _thinking(text: str) -> dict[str, Any]:
+    """A ``thinking`` block (its ``signature`` empty: nothing here signs reasoning)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def event(kind: str, obj: dict[str, Any]) -> bytes:
@@ -119,16 +125,16 @@ def event(kind: str, obj: dict[str, Any]) -> bytes:
 
 class MessageEvents:
     """The events of one streamed message (a :class:`conveyor.http.job_runs.StreamEncoder`):
-    text released by :class:`StopTail` and the tool reader, a text block opened on its first
-    text and closed before a call's block."""
+    text released by :class:`StopTail` and the output reader, a thinking or text block opened
+    on its first text and closed when another kind of block follows."""
 
-    def __init__(self, rid: str, model: str, stops: list[str] | None, reader: ToolReader | None) -> None:
+    def __init__(self, rid: str, model: str, stops: list[str] | None, reader: OutputReader | None) -> None:
         self.out = bytearray()
         self.rid, self.model = rid, model
         self.tail = StopTail(stops)
-        self.feed: Callable[[str | None], tuple[str, list[dict[str, Any]]]] | None = reader.stream() if reader else None
+        self.feed = reader.stream() if reader else None
         self.blocks = 0  # content blocks started
-        self.text_open = False
+        self.open: str | None = None  # the kind of the block being streamed (text, thinking)
         self.called = False
 
     def start(self) -> None:
@@ -144,45 +150,51 @@ class MessageEvents:
         result = checked(delta.result)
         rest, stop = self.tail.finish(result.finish_reason)
         self._pieces(rest, end=True)
-        self._close_text()
+        self._close()
         reason = stop_reason(result.finish_reason, self.called, stop)
         self.out += event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop}, "usage": usage(result)})
         return 1
 
     def _pieces(self, text: str, end: bool = False) -> None:
-        calls: list[dict[str, Any]] = []
-        if self.feed is not None:
-            content, calls = self.feed(text) if not end else self._last(text)
-            text = content
-        if text:
-            if not self.text_open:
-                self.out += event("content_block_start", {"index": self.blocks, "content_block": {"type": "text", "text": ""}})
-                self.text_open = True
-            self.out += event("content_block_delta", {"index": self.blocks, "delta": {"type": "text_delta", "text": text}})
-        for call in calls:
-            self._close_text()
-            block = _tool_use(call)
-            arguments = json_encode(block["input"]).decode()
-            self.out += event("content_block_start", {"index": self.blocks, "content_block": {**block, "input": {}}})
-            self.out += event("content_block_delta", {"index": self.blocks, "delta": {"type": "input_json_delta", "partial_json": arguments}})
+        if self.feed is None:
+            readings = [Reading(content=text)]
+        else:  # the reader's last release: ``text`` (the held stop tail) fed, then its end
+            readings = ([self.feed(text)] if text else []) + ([self.feed(None)] if end else [])
+        for reading in readings:
+            if reading.reasoning:
+                self._block("thinking", reading.reasoning)
+            if reading.content:
+                self._block("text", reading.content)
+            for call in reading.calls:
+                self._call(call)
+
+    def _block(self, kind: str, text: str) -> None:
+        if self.open != kind:
+            self._close()
+            start = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
+            self.out += event("content_block_start", {"index": self.blocks, "content_block": start})
+            self.open = kind
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta", "text": text}
+        self.out += event("content_block_delta", {"index": self.blocks, "delta": delta})
+
+    def _call(self, call: dict[str, Any]) -> None:
+        self._close()
+        block = _tool_use(call)
+        arguments = json_encode(block["input"]).decode()
+        self.out += event("content_block_start", {"index": self.blocks, "content_block": {**block, "input": {}}})
+        self.out += event("content_block_delta", {"index": self.blocks, "delta": {"type": "input_json_delta", "partial_json": arguments}})
+        self.out += event("content_block_stop", {"index": self.blocks})
+        self.blocks += 1
+        self.called = True
+
+    def _close(self) -> None:
+        if self.open is not None:
             self.out += event("content_block_stop", {"index": self.blocks})
             self.blocks += 1
-            self.called = True
-
-    def _last(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """The reader's last release: ``text`` (the held stop tail) fed, then its end."""
-        content, calls = self.feed(text) if text else ("", [])  # type: ignore[misc]
-        more, more_calls = self.feed(None)  # type: ignore[misc]
-        return content + more, calls + more_calls
-
-    def _close_text(self) -> None:
-        if self.text_open:
-            self.out += event("content_block_stop", {"index": self.blocks})
-            self.blocks += 1
-            self.text_open = False
+            self.open = None
 
     def fail(self, error: ApiError) -> None:
-        self._close_text()
+        self._close()
         self.out += event("error", {"error": error_body(error)["error"]})
 
     def end(self) -> None:
@@ -191,12 +203,13 @@ class MessageEvents:
 
 async def respond_message(
     request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tool_parser: str | None, headers: dict[str, str],
+    reasoning_parser: str | None = None,
 ) -> web.StreamResponse:
     """The answer to a ``/v1/messages`` job, through the one lifecycle of :mod:`conveyor.http.job_runs`."""
     await link.require_started()
     rid = message_id(request_id(request))
     stops = job.options.get("stop")
-    reader = tool_reader(job, tool_parser)
+    reader = output_reader(job, tool_parser, reasoning_parser)
     if job.stream:
         return await stream_events(request, link, job, MessageEvents(rid, model, stops, reader), headers)
     result = (await generate_all(link, job))[0]

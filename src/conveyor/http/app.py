@@ -32,7 +32,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import prometheus_client
@@ -44,7 +44,7 @@ from conveyor.http.adapters import LORAS
 from conveyor.http.connections import BODY_TIMEOUT, BODY_TIMEOUT_S, COUNTS, Guard
 from conveyor.http.embeddings import embeddings_body, embeddings_job
 from conveyor.http import request_ids
-from conveyor.http.anthropic_requests import messages_job
+from conveyor.http.anthropic_requests import messages_job, thinking_budget
 from conveyor.http.anthropic_responses import error_body as anthropic_error_body
 from conveyor.http.anthropic_responses import respond_message
 from conveyor.http.errors import ApiError, bad_field, unavailable
@@ -54,6 +54,9 @@ from conveyor.http.json_body import decode_body
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import CHAT, COMPLETION, parse_request
 from conveyor.http.openai_responses import json_encode
+from conveyor.http.reasoning_budget import budgeted
+from conveyor.http.responses_output import respond_response
+from conveyor.http.responses_requests import responses_job
 from conveyor.http.tokenizer_info import tokenizer_info
 from conveyor.http.tokens import Tokens
 from conveyor.protocol.limits import MAX_CLIENT_MESSAGE_BYTES, MAX_TEMPLATE_KWARGS_BYTES
@@ -71,6 +74,7 @@ MAX_MODEL_LEN = web.AppKey("max_model_len", int)
 CREATED = web.AppKey("created", int)
 TOKENS = web.AppKey("tokens", Tokens)
 TOOL_PARSER = web.AppKey("tool_parser", object)  # --tool-call-parser: a format of conveyor.structured.tool_calls, or None
+REASONING_PARSER = web.AppKey("reasoning_parser", object)  # --reasoning-parser: a format of conveyor.structured.reasoning, or None
 ACCESS = web.AppKey("access", object)
 MAX_WAITING = web.AppKey("max_waiting", int)  # --max-waiting (absent: no per-request share)
 GUARD = web.AppKey("guard", Guard)  # the listener's connection guard (absent: none, as in tests)
@@ -208,8 +212,32 @@ async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResp
     app = request.app
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     job = parse_request(kind, body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
+    if kind == CHAT:
+        job = budgeted(job, body.get("max_reasoning_tokens"), app.get(REASONING_PARSER))
     _check_share(job, app.get(MAX_WAITING, 0))
-    return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER])
+    return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER], app.get(REASONING_PARSER))
+
+
+@API_ROUTES.post("/v1/responses")
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API: the body as the chat request it means
+    (:mod:`conveyor.http.responses_requests`), answered as response objects and their events."""
+    app = request.app
+    body = await _body(request)
+    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    parsed = responses_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
+    parsed = replace(parsed, job=budgeted(parsed.job, body.get("max_reasoning_tokens"), app.get(REASONING_PARSER)))
+    _check_share(parsed.job, app.get(MAX_WAITING, 0))
+    headers = ignored_fields(request_ids.request_id(request), parsed.job)
+    model = parsed.job.options.get("lora") or app[MODEL]
+    return await respond_response(request, app[LINK], parsed, model, app[TOOL_PARSER], app.get(REASONING_PARSER), headers)
+
+
+@API_ROUTES.get("/v1/responses/{response_id}")
+async def stored_response(request: web.Request) -> web.Response:
+    """Always a 404: Conveyor keeps no responses (``store: true`` is refused)."""
+    raise ApiError(404, f"no response '{request.match_info['response_id']}': this server keeps no responses ('store' is not supported)",
+                   param="response_id", code="response_not_found")
 
 
 @API_ROUTES.post("/v1/embeddings")
@@ -233,8 +261,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
     job = messages_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
+    if app.get(REASONING_PARSER) is not None:
+        job = budgeted(job, thinking_budget(body), app[REASONING_PARSER], "thinking")
+    elif thinking_budget(body) is not None:  # no reasoning parser: no think block to cap
+        job = replace(job, ignored=tuple(sorted([*job.ignored, "thinking.budget_tokens"])))
     headers = ignored_fields(request_ids.request_id(request), job)
-    return await respond_message(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOOL_PARSER], headers)
+    return await respond_message(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOOL_PARSER], headers, app.get(REASONING_PARSER))
 
 
 @API_ROUTES.post("/v1/messages/count_tokens")
@@ -421,9 +453,11 @@ def api_app(
     loras: Sequence[str] = (),
     tool_call_parser: str | None = None,
     strict_fields: bool = False,
+    reasoning_parser: str | None = None,
 ) -> web.Application:
     app = _app(link, model, max_model_len, created, tokens, access, loras)
     app[TOOL_PARSER] = tool_call_parser
+    app[REASONING_PARSER] = reasoning_parser
     app[STRICT_FIELDS] = strict_fields
     app.add_routes(API_ROUTES)
     app.add_routes(PROBE_ROUTES)

@@ -20,6 +20,7 @@ API uses too).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -35,7 +36,7 @@ from conveyor.http.openai_requests import CHAT, COMPLETION, GenerationJob
 from conveyor.http.openai_responses import DONE, ChunkEncoder, completion_body, json_encode, response_id, usage_so_far
 from conveyor.http.request_ids import request_id
 from conveyor.http.tokens import Tokens
-from conveyor.http.tool_reading import ToolReader, tool_reader
+from conveyor.http.output_reading import OutputReader, output_reader
 from conveyor.ipc.messages import FinishReason
 
 log = logging.getLogger("conveyor.http")
@@ -91,11 +92,13 @@ def _logprob_fields(
 
 
 async def respond(
-    request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tokens: Tokens, tool_parser: str | None = None
+    request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tokens: Tokens, tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> web.StreamResponse:
     """The HTTP answer to ``job``; :class:`ApiError` for a failure known before it starts.
     ``tool_parser``: the server's ``--tool-call-parser`` (None: a chat's tools are rendered,
-    its output is not parsed for calls unless ``tool_choice`` forced them)."""
+    its output is not parsed for calls unless ``tool_choice`` forced them);
+    ``reasoning_parser``: its ``--reasoning-parser`` (a chat's think block as ``reasoning_content``)."""
     await link.require_started()
     rid = response_id(job.kind, request_id(request))
     created = int(time.time())
@@ -103,7 +106,8 @@ async def respond(
     prompts = await _prompts(job, tokens)
     if job.stream:
         enc = ChunkEncoder(job.kind, rid, created, model, job.include_usage)
-        return await stream_events(request, link, job, _Encoder(job, enc, prompts, tool_reader(job, tool_parser)), headers)
+        reader = output_reader(job, tool_parser, reasoning_parser)
+        return await stream_events(request, link, job, _Encoder(job, enc, prompts, reader), headers)
     results = await generate_all(link, job)
     prompt_ids = prompts.ids if job.return_token_ids else None
     extras = None
@@ -112,13 +116,18 @@ async def respond(
             _logprob_fields(job, prompts, i, c.logprobs, r.prompt_logprobs, 0, True) for i, r in enumerate(results) for c in r.choices
         ]
     body = completion_body(job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids, extras=extras)
-    reader = tool_reader(job, tool_parser)
+    reader = output_reader(job, tool_parser, reasoning_parser)
     if reader is not None:  # each choice read on its own (n > 1: each sequence wrote its own calls)
         for choice, seq in zip(body["choices"], [seq for r in results for seq in r.choices]):
-            content, calls = reader.whole(seq.text)
+            reasoning, content, calls = reader.whole(seq.text)
+            if reasoning is None and not calls:
+                continue
+            choice["message"] = message = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
-                choice["message"] = {"role": "assistant", "content": content or None,
-                                     "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
+                message["content"] = content or None
+                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
                 choice["finish_reason"] = _tool_finish(seq.finish_reason)
     return web.Response(body=json_encode(body), content_type="application/json", headers=headers)
 
@@ -150,7 +159,7 @@ class _Encoder:
     sequence ``j`` (``StreamDelta.index``) is choice ``i * n + j``; an input's final ends each of
     its choices (its ``finish_reason``), and continuous usage counts the input's tokens."""
 
-    def __init__(self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, tools: ToolReader | None = None) -> None:
+    def __init__(self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, tools: OutputReader | None = None) -> None:
         self.enc, self.out = enc, bytearray()
         self.finals: list[CompletionResult | None] = [None] * len(job.inputs)
         self.n = job.n
@@ -200,29 +209,38 @@ class _Encoder:
         return 1
 
     def _tool_delta(self, index: int, delta: StreamDelta) -> int:
-        """A chat with tools (plain otherwise): each choice's text through its own reader,
-        content as it releases it, each call as one ``tool_calls`` delta; at the input's final
+        """A chat with tools or a reasoning parser (plain otherwise): each choice's text through
+        its own reader, reasoning as ``reasoning_content`` deltas and content as it releases
+        them, each call as one ``tool_calls`` delta; at the input's final
         each of its choices ends, ``finish_reason`` ``tool_calls`` where it made calls."""
         base = index * self.n
+        choice = base + delta.index
+        if not self.plain and (delta.token_ids or not self.started[choice]):
+            # The delta's ids, log-probabilities and usage so far in a chunk of their own: its
+            # text comes as the reader releases it.
+            self.out += self._detailed(index, choice, dataclasses.replace(delta, text=""))
         if delta.text:
-            self._tool_pieces(base + delta.index, delta.text)
+            self._tool_pieces(choice, delta.text)
         if delta.result is None:
             return 0
         self.finals[index] = result = checked(delta.result)
         for seq in result.choices:
             choice = base + seq.index
             self._tool_pieces(choice, None)
-            self.out += self.enc.finish(choice, _tool_finish(seq.finish_reason) if self.called[choice] else seq.finish_reason)
+            reason = _tool_finish(seq.finish_reason) if self.called[choice] else seq.finish_reason
+            self.out += self.enc.finish(choice, reason, None, self._usage(index))
         return 1
 
     def _tool_pieces(self, choice: int, text: str | None) -> None:
         """Feed ``text`` (None: the end) to choice ``choice``'s reader; its chunks to :attr:`out`."""
-        content, calls = self.tools[choice](text)  # type: ignore[index]
-        if content:
-            self.out += self.enc.text(choice, content)
-        if calls:
+        reading = self.tools[choice](text)  # type: ignore[index]
+        if reading.reasoning:
+            self.out += self.enc.chunk(choice, None, None, {"delta": {"reasoning_content": reading.reasoning}})
+        if reading.content:
+            self.out += self.enc.text(choice, reading.content)
+        if reading.calls:
             self.called[choice] = True
-            self.out += self.enc.chunk(choice, None, None, {"delta": {"tool_calls": calls}})
+            self.out += self.enc.chunk(choice, None, None, {"delta": {"tool_calls": reading.calls}})
 
     def _detailed(self, index: int, choice: int, delta: StreamDelta) -> bytes:
         text = delta.text

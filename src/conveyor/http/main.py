@@ -95,7 +95,9 @@ class HttpServer:
         access = Access.of(self.config.api_keys, self.config.api_key_everywhere)
         apps = []
         if self.api_socket is not None:
-            apps.append((functools.partial(api_app, tool_call_parser=self.config.tool_call_parser, strict_fields=self.config.strict_fields), self.api_socket))
+            api = functools.partial(api_app, tool_call_parser=self.config.tool_call_parser, strict_fields=self.config.strict_fields,
+                                    reasoning_parser=self.config.reasoning_parser)
+            apps.append((api, self.api_socket))
         if self.metrics_socket is not None:
             apps.append((metrics_app, self.metrics_socket))
         runners, listeners = [], []

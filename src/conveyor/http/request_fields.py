@@ -143,5 +143,7 @@ FIELDS: dict[str, Field] = {
     "chat_template": _inert(endpoints=_CH),
     "documents": _inert([], endpoints=_CH),
     "mm_processor_kwargs": Field(IGNORED, _CH),
-    "include_reasoning": Field(IGNORED, _CH),  # no reasoning parser: the text is never split
+    "include_reasoning": Field(IGNORED, _CH),  # with --reasoning-parser the reasoning is always returned
+    # Conveyor's: the think block's most tokens (conveyor.http.reasoning_budget, with --reasoning-parser)
+    "max_reasoning_tokens": Field(HTTP, _CH),
 }

@@ -42,6 +42,9 @@ class HttpConfig:
     # conveyor.structured.tool_calls); None: not parsed (tools still reach the chat template,
     # and a forcing tool_choice is still read from its constrained JSON).
     tool_call_parser: str | None = None
+    # --reasoning-parser: how an answer's think block is split off as reasoning (qwen3,
+    # deepseek_r1; conveyor.structured.reasoning); None: the answer is all content.
+    reasoning_parser: str | None = None
     # --strict-fields: a request field no schema knows is a 400 (default: ignored, reported in
     # the x-conveyor-ignored-fields header and a warning, as vLLM does).
     strict_fields: bool = False

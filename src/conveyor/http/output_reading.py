@@ -1,0 +1,78 @@
+"""How a chat job's answer is read, for every API: its reasoning split off by the server's
+``--reasoning-parser`` (:mod:`conveyor.structured.reasoning`), then its content read for tool
+calls (:class:`conveyor.http.tool_reading.ToolReader`), so a call written inside the think
+block is reasoning, never a call. Each API writes the three parts its own way (chat's
+``reasoning_content``, a Responses ``reasoning`` item, a Messages ``thinking`` block)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.http.openai_requests import CHAT, GenerationJob
+from conveyor.http.tool_reading import ToolReader, tool_reader
+from conveyor.structured.reasoning import ReasoningParser, split_reasoning
+
+
+@dataclass
+class Reading:
+    """What a piece (or a whole answer) holds: reasoning, content, tool calls (OpenAI's shape)."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class OutputReader:
+    """The reasoning format (None: no split) and the tool reader (None: no calls read) of a job."""
+
+    def __init__(self, reasoning: str | None, tools: ToolReader | None) -> None:
+        self.reasoning, self.tools = reasoning, tools
+
+    def whole(self, text: str) -> tuple[str | None, str, list[dict[str, Any]]]:
+        """``(reasoning, content, calls)``; reasoning None where the answer had no think block."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = split_reasoning(text, self.reasoning)
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            text, calls = self.tools.whole(text)
+        return reasoning, text, calls
+
+    def stream(self) -> Callable[[str | None], Reading]:
+        """A feeder: ``feed(text)`` per delta, ``feed(None)`` at the end."""
+        split = ReasoningParser(self.reasoning) if self.reasoning is not None else None
+        tools = self.tools.stream() if self.tools is not None else None
+
+        def feed(text: str | None) -> Reading:
+            if split is None:
+                reading = Reading(content=text or "")
+            else:
+                delta = split.feed(text) if text is not None else split.finish()
+                reading = Reading(delta.reasoning, delta.content)
+            if tools is not None:
+                content, calls = tools(reading.content) if text is not None else _last(tools, reading.content)
+                reading.content, reading.calls = content, calls
+            return reading
+
+        return feed
+
+
+def _last(tools: Callable[[str | None], tuple[str, list[dict[str, Any]]]], text: str) -> tuple[str, list[dict[str, Any]]]:
+    """The tool reader's last release: ``text`` (what the splitter held) fed, then its end."""
+    content, calls = tools(text) if text else ("", [])
+    more, more_calls = tools(None)
+    return content + more, calls + more_calls
+
+
+def output_reader(job: GenerationJob, tool_parser: str | None, reasoning_parser: str | None) -> OutputReader | None:
+    """The reader of a chat job's answer (None: its text is all content). A forcing
+    ``tool_choice`` constrains the answer to the calls' JSON from its first token: no think block."""
+    if job.kind != CHAT:
+        return None
+    tools = tool_reader(job, tool_parser)
+    reasoning = reasoning_parser if job.forced_tool_choice is None else None
+    if tools is None and reasoning is None:
+        return None
+    return OutputReader(reasoning, tools)

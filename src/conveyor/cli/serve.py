@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         "torch-ref is the per-sequence torch reference (slow, for comparisons)",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="batch-invariant mode (CPU): a request's tokens and log-probabilities are the same bits whatever "
+        "else runs in its steps (fixed-tile matmuls, a fixed-order attention; costs speed: docs/benchmarks.md)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run decode steps eagerly: no CUDA graphs (for comparison; graphs are captured only on CUDA)",

@@ -47,6 +47,7 @@ class EngineOptions:
     swap_space: float | None = None  # GiB; None: the device's default (4 with cuda, 0 on CPU)
     threads: int | None = None  # torch CPU threads
     enforce_eager: bool = RunnerConfig.enforce_eager  # no CUDA graphs for decode steps
+    batch_invariant: bool = RunnerConfig.batch_invariant  # a request's bits independent of its batch
     max_model_len: int | None = None  # prompt + output; None: the model's max_position_embeddings
     max_sessions: int = FrontendConfig.max_sessions  # finished requests remembered for continuation
     # LoRA adapters requests may name: {name: PEFT directory} (bin/serve --lora-modules); the

@@ -205,6 +205,7 @@ class RunnerConfig:
     speculative_model: str | None = None
     first_device: int = 0
     num_threads: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         parse_choices(self, attention=Attention)
@@ -268,6 +269,7 @@ class WorkerConfig:
     max_lora_rank: int = RunnerConfig.max_lora_rank
     max_cpu_loras: int | None = RunnerConfig.max_cpu_loras
     speculative_model: str | None = RunnerConfig.speculative_model
+    batch_invariant: bool = RunnerConfig.batch_invariant
 
     def __post_init__(self) -> None:
         parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)

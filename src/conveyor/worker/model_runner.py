@@ -54,6 +54,7 @@ from conveyor import profiling
 from conveyor.ipc.messages import StepPlan, StepResult, int_list
 from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.attention.triton_backend import backend_for
+from conveyor.worker.batch_invariant import invariant_backend, make_batch_invariant
 from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.draft_model import DraftModel, Drafts
@@ -145,8 +146,10 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self.device = torch.device(config.device)
         self.block_size = block_size = config.block_size
         self.tensor_parallel = tp = tensor_parallel
-        backend = backend_for(self.device, config.attention)
+        backend = invariant_backend(self.device, config.attention, config.lora_enabled) if config.batch_invariant else backend_for(self.device, config.attention)
         self.model, self.model_config = load_model(config.model_dir, self.device, config.dtype, backend, tp)
+        if config.batch_invariant:
+            make_batch_invariant(self.model)
         self.dtype = self.model.dtype
         self.lora: LoraManager | None = None
         if config.lora_enabled:

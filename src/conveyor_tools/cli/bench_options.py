@@ -20,6 +20,7 @@ SERVED = {
     "conveyor-noprof": ["--no-profile"],
     "conveyor-nooverlap": ["--no-overlap"],
     "conveyor-zmq": ["--plan-transport", "zmq"],
+    "conveyor-invariant": ["--batch-invariant"],  # batch-invariant mode: what it costs
 }
 # Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
 HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}

@@ -110,6 +110,8 @@ class DecoderLM(nn.Module):
     lm_head: Linear | None
     #: The tied LM head (the embedding) packed for the CPU matmul, or None (:meth:`weights_loaded`).
     tied_head_packed: torch.Tensor | None = None
+    #: The tied LM head's :attr:`Linear.row_tile <conveyor.worker.models.layers.Linear.row_tile>`.
+    row_tile = 1
 
     @property
     def dtype(self) -> torch.dtype:
@@ -137,7 +139,7 @@ class DecoderLM(nn.Module):
             raise RuntimeError(f"tensor-parallel rank {rank} holds no LM head: rank 0 computes logits")
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed).float()
+        return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed, self.row_tile).float()
 
     def weights_loaded(self) -> None:
         """Pack every projection's weight for the CPU matmul (:func:`~conveyor.worker.models.

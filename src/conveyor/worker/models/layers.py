@@ -30,6 +30,9 @@ class Linear(nn.Module):
     lora = None
     #: ``weight`` in oneDNN's layout for the CPU matmul (:func:`pack_cpu_weights`), or None.
     packed = None
+    #: Rows are padded to a multiple of this before the matmul (batch-invariant mode,
+    #: :mod:`conveyor.worker.batch_invariant`); 1: no padding.
+    row_tile = 1
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
@@ -44,15 +47,27 @@ class Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + bias``, through the packed weight when there is one."""
-        return linear(x, self.weight, bias, self.packed)
+        return linear(x, self.weight, bias, self.packed, self.row_tile)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    row_tile: int = 1,
+) -> torch.Tensor:
     """``x weight^T + bias``: with ``packed`` (``weight`` reordered by :func:`pack_cpu_weight`)
     oneDNN's matmul on it, else ``F.linear``. On the CPU, MKL's float32 GEMM that F.linear
     calls runs the decode step's few rows 1.4-2x slower than oneDNN on a packed weight
-    (docs/benchmarks.md, "CPU: where the time goes")."""
-    if packed is None or x.shape[0] == 0:
+    (docs/benchmarks.md, "CPU: where the time goes"). ``row_tile`` > 1 pads ``x``'s rows
+    (zeros) to a multiple of it, so the GEMM never runs the row counts whose kernel choice
+    changes a row's bits (batch-invariant mode)."""
+    rows = x.shape[0]
+    if row_tile > 1 and rows % row_tile:
+        x = torch.cat([x, x.new_zeros(row_tile - rows % row_tile, *x.shape[1:])])
+        return linear(x, weight, bias, packed)[:rows]
+    if packed is None or rows == 0:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

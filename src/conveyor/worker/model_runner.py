@@ -36,8 +36,7 @@ graphs (:mod:`conveyor.worker.decode_step`). Prefill, chunked prefill and mixed 
 the flattened ragged batch here.
 Sampling is batched over per-row parameter tensors (:mod:`conveyor.worker.sampler`).
 Pooling (embedding requests) is :mod:`conveyor.worker.pooling`'s. The runner's other parts are
-base classes of it, each in its own module:
-log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the verification (rejection
+base classes of it, each in its own module: log-probability gathering (:mod:`conveyor.worker.logprob_steps`), the verification (rejection
 sampling) of speculative rows (:mod:`conveyor.worker.speculative_verify`) and the grammar-constraint
 plumbing (:mod:`conveyor.worker.grammar_steps`).
 """
@@ -293,8 +292,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
         self._in_flight, self._ends, self._spec_verdict, self._pooled = before, [], None, None
         self._drafts = self._run_draft(work, states) if self.draft is not None and work else None
         sampled, sample_slots, logprobs, prompt_logprobs = self._run(work, states, samples) if work else (None,) * 4
-        launched.ends, self._in_flight = self._ends, None
-        launched.pooled, self._pooled = self._pooled, None
+        launched.ends, launched.pooled, self._in_flight, self._pooled = self._ends, self._pooled, None, None
         for item, state in zip(work, states):
             state.num_computed += item.num_scheduled
         sampling = [(item.slot, state) for item, state, flag in zip(work, states, samples) if flag]
@@ -491,8 +489,7 @@ class ModelRunner(DecodeStep, LogprobSteps, SpeculativeVerify, GrammarSteps, Lor
             logprobs = self._sampled_logprobs(
                 logits, np.arange(len(sample_rows)), sampled, slots[sample_rows], draw_positions[sample_rows]
             )
-            offsets = ends - np.asarray(query_lens, np.int64)
-            prompt_logprobs = self._prompt_logprobs(hidden, work, states, offsets)
+            prompt_logprobs = self._prompt_logprobs(hidden, work, states, offsets := ends - np.asarray(query_lens, np.int64))
             self._pooled = self._pooler.pool(hidden, work, states, offsets)
         else:  # rank 0 holds the LM head and samples; the next steps' inputs need its ids here too
             sampled = torch.empty(len(sample_rows), dtype=torch.int64, device=self.device)

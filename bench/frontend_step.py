@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The frontend's output path alone: CPU per streamed token for one step of N streams.
 
-A microbenchmark (a script, not a test) of ``Frontend._on_token_outputs``, the handler of one
+A microbenchmark (a script, not a test) of ``SchedulerSide.on_token_outputs``, the handler of one
 scheduler TokenOutputs message: N tracked streaming requests (the demo tokenizer, a short
 prompt), one token each per step in the message's columns, as the real scheduler sends them
 (the first step's tokens as RequestOutputs with timing fields, the last step's as finishes).
@@ -163,7 +163,7 @@ async def run(args: argparse.Namespace) -> dict:
         if prof is not None:
             prof.enable()
         p0, c0, w0 = time.process_time_ns(), time.thread_time_ns(), time.perf_counter_ns()
-        fe._on_token_outputs(msgs)
+        fe.scheduler_side.on_token_outputs(msgs)
         w1, c1, p1 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
         if prof is not None:
             prof.disable()

@@ -1,4 +1,4 @@
-"""load_lora / unload_lora at the frontend (frontend/scheduler_side.py) with stand-in
+"""load_lora / unload_lora at the frontend (frontend/relays.py) with stand-in
 schedulers that answer late or never: the client gets a ``timeout`` error naming the silent
 replicas within the bound, a load taken by some replicas is undone there (and on a silent one
 when its late success arrives), the name is fenced until every replica answered, and a
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conveyor.frontend import scheduler_side
+from conveyor.frontend import relays
 from conveyor.ipc import codec
 from conveyor.ipc.messages import LoadLora, LoraUpdated, ProcessFailed, ProfileQuery, StatsQuery, UnloadLora
 from tests.frontend.test_replicas import SecondScheduler
@@ -20,7 +20,7 @@ BOUND_S = 0.4
 
 @pytest.fixture
 def short_bound(monkeypatch) -> None:
-    monkeypatch.setattr(scheduler_side, "LORA_UPDATE_TIMEOUT_S", BOUND_S)
+    monkeypatch.setattr(relays, "LORA_UPDATE_TIMEOUT_S", BOUND_S)
 
 
 def load(fe, sock, rid: str, name: str = "sql") -> None:
@@ -54,7 +54,7 @@ def test_a_load_one_replica_never_answers_times_out_and_converges(live_frontend,
     assert "undone on replica(s) [0]" in reply["message"] and waited < BOUND_S + 1.0
     undo = fe.scheduler_recv()
     assert isinstance(undo, UnloadLora) and undo.name == "sql"
-    assert fe.frontend._lora_waiters == {} and set(fe.frontend._lora_owed) == {asked0.query_id}
+    assert fe.frontend.relays.lora_waiters == {} and set(fe.frontend.relays.lora_owed) == {asked0.query_id}
 
     # Fenced while replica 1 owes its answer: a retry would race the late one.
     load(fe, sock, "l2")
@@ -66,7 +66,7 @@ def test_a_load_one_replica_never_answers_times_out_and_converges(live_frontend,
     second.send(LoraUpdated(asked1.query_id, "sql"))
     late_undo = second.recv()
     assert isinstance(late_undo, UnloadLora) and late_undo.name == "sql"
-    assert fe.wait_for(lambda: fe.frontend._lora_owed == {})
+    assert fe.wait_for(lambda: fe.frontend.relays.lora_owed == {})
     fe.scheduler_send(LoraUpdated(undo.query_id, "sql"))
     second.send(LoraUpdated(late_undo.query_id, "sql"))
     second.send(LoraUpdated(asked1.query_id, "sql"))  # a duplicate: ignored
@@ -79,7 +79,7 @@ def test_a_load_one_replica_never_answers_times_out_and_converges(live_frontend,
     fe.scheduler_send(LoraUpdated(retry0.query_id, "sql"))
     second.send(LoraUpdated(retry1.query_id, "sql"))
     assert fe.recv(sock) == {"type": "lora", "v": 1, "request_id": "l3", "lora_name": "sql", "loaded": True}
-    assert fe.frontend._lora_waiters == {} and fe.frontend._lora_owed == {}
+    assert fe.frontend.relays.lora_waiters == {} and fe.frontend.relays.lora_owed == {}
 
 
 def test_an_unanswered_unload_times_out_and_its_late_answer_changes_nothing(live_frontend, short_bound) -> None:
@@ -92,7 +92,7 @@ def test_an_unanswered_unload_times_out_and_its_late_answer_changes_nothing(live
     assert reply["code"] == "timeout" and waited < BOUND_S + 1.0, reply
     assert reply["message"] == f"the scheduler did not answer the unload of LoRA adapter 'sql' within {BOUND_S:g} s"
     fe.scheduler_send(LoraUpdated(asked.query_id, "sql"))
-    assert fe.wait_for(lambda: fe.frontend._lora_owed == {})
+    assert fe.wait_for(lambda: fe.frontend.relays.lora_owed == {})
     assert fe.scheduler_recv(timeout=0.2) is None and fe.recv(sock, timeout=0.2) is None
 
 
@@ -117,7 +117,7 @@ def test_a_replica_death_releases_what_it_owed(live_frontend, short_bound) -> No
     assert reply["code"] == "timeout"
     assert isinstance(fe.scheduler_recv(), UnloadLora)
     fe.control.send(codec.encode(ProcessFailed("scheduler.1", "scheduler.1 process died")))
-    assert fe.wait_for(lambda: fe.frontend._lora_owed == {})
+    assert fe.wait_for(lambda: fe.frontend.relays.lora_owed == {})
     load(fe, sock, "l2")
     assert isinstance(fe.scheduler_recv(), LoadLora)
 

@@ -99,7 +99,7 @@ def test_abort_while_tokenizing_sends_nothing_to_the_scheduler_and_one_final(liv
     assert msgs[0]["finish_reason"] == "abort" and msgs[0]["token_ids"] == [] and msgs[0]["usage"]["prompt_tokens"] == 0
     fe.send(sock, type="abort", request_id="x")  # idempotent: nothing more
     gated.gate.set()
-    assert fe.wait_for(lambda: not fe.frontend._tokenizing)  # the pool handed its tokens back
+    assert fe.wait_for(lambda: not fe.frontend.intake.tokenizing)  # the pool handed its tokens back
     assert fe.scheduler_recv(timeout=0.3) is None  # neither an AddRequest nor an AbortRequests
     assert fe.recv(sock, timeout=0.3) is None  # and no second final
     assert not fe.frontend.requests and not fe.frontend.in_flight
@@ -120,7 +120,7 @@ def test_disconnect_while_tokenizing_sends_nothing_to_the_scheduler(live_fronten
     gone.close(linger=0)
     assert fe.wait_for(lambda: gone_key not in fe.frontend.in_flight)  # the disconnect was handled
     gated.gate.set()
-    assert fe.wait_for(lambda: not fe.frontend._tokenizing)
+    assert fe.wait_for(lambda: not fe.frontend.intake.tokenizing)
     assert fe.scheduler_recv(timeout=0.3) is None
     assert list(fe.frontend.in_flight) == [fe.key(other, "stays")] and len(fe.frontend.requests) == 1
 
@@ -210,7 +210,7 @@ def test_pooled_continuation_and_an_abort_while_tokenizing_keep_the_context(live
     assert fe.until_final(sock)[-1]["finish_reason"] == "abort"
     assert fe.frontend.sessions.context(fe.key(sock, "chat")) == context
     gated.gate.set()
-    assert fe.wait_for(lambda: not fe.frontend._tokenizing)
+    assert fe.wait_for(lambda: not fe.frontend.intake.tokenizing)
     assert fe.scheduler_recv(timeout=0.2) is None
     # the retry continues the same context, its text without BOS
     generate(fe, sock, "chat", LONG)

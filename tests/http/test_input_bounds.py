@@ -2,7 +2,8 @@
 checked before the work it bounds, and no client input is a 500.
 
 - a prompt far past the model length with ``return_token_ids`` / ``continuous_usage_stats``,
-  and ``/tokenize``, are refused (400 ``prompt``) before the HTTP process tokenizes them
+  and ``/tokenize``, are refused (400 ``prompt``) by the frontend before it tokenizes them (the
+  HTTP process tokenizes nothing: tests/http/test_no_tokenizer.py)
   (before: tokenized whole, seconds and hundreds of MB per request);
 - a large ``tools`` list behind one short message is refused before the chat template renders
   it (before: rendered on the frontend's loop, stalling every other client);

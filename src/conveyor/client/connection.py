@@ -14,10 +14,13 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from conveyor.client.commands import (
+    detokenize_message, lora_message, metrics_message, profile_message, stats_message, tokenize_message,
+)
+from conveyor.client.results import Choice, CompletionResult, StreamDelta, Usage, completion_result, to_delta  # noqa: F401 (re-exported)
 from conveyor.ipc import transport
 from conveyor.protocol import limits, wire
 from conveyor.protocol import requests as client_requests
-from conveyor.client.results import Choice, CompletionResult, StreamDelta, Usage, completion_result, to_delta  # noqa: F401 (re-exported)
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
 DEFAULT_TIMEOUT_S = 300.0
@@ -83,13 +86,6 @@ for _event in _REFUSALS:
 _CONNECTION_LOST = "__connection_lost__"
 
 
-# Replies the asyncio reader takes per wake-up without awaiting (see AsyncClient._read_loop).
-DRAIN_MAX = 256
-
-# Replies that answer a command rather than a request are routed by their type.
-CONTROL_KEYS = {wire.STATS_REPLY: "__stats__", wire.PROFILE_REPLY: "__profile__", wire.METRICS_REPLY: "__metrics__"}
-
-
 def generate_message(
     prompt: str | None,
     messages: list[dict[str, str]] | None,
@@ -122,6 +118,13 @@ def _request_message(prompt: str | None, stream: bool, request: dict[str, Any]) 
     return generate_message(prompt, *inputs, stream, fields)
 
 
+# Replies the asyncio reader takes per wake-up without awaiting (see AsyncClient._read_loop).
+DRAIN_MAX = 256
+
+# Replies that answer a command rather than a request are routed by their type.
+CONTROL_KEYS = {wire.STATS_REPLY: "__stats__", wire.PROFILE_REPLY: "__profile__", wire.METRICS_REPLY: "__metrics__"}
+
+
 def reply_key(reply: dict[str, Any]) -> str | None:
     """Whose reply this is: a command's answer by its type; an ``error`` that names a command
     (its refusal, or a server that could not answer it) goes to that command's caller; the
@@ -145,7 +148,7 @@ def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) ->
     apart from the running request's own replies on this side. An id in one of the
     ``released`` sets (aborted by the caller, or given up on: the server frees it in order,
     before it reads this message) is free at once."""
-    if msg["type"] in LORA_TYPES:  # answered under its fresh id
+    if msg["type"] in ID_ROUTED_TYPES:  # answered under its fresh id
         return msg["request_id"]
     if msg["type"] == wire.GENERATE:
         rid = msg["request_id"]
@@ -155,35 +158,8 @@ def awaited_key(msg: dict[str, Any], awaiting: set[str], *released: set[str]) ->
     return CONTROL_KEYS.get(msg["type"])
 
 
-def profile_message(window_s: float, trace: bool, series: list[str] | None) -> dict[str, Any]:
-    msg: dict[str, Any] = {"type": wire.PROFILE, "v": wire.CLIENT_PROTOCOL_VERSION, "window_s": window_s, "trace": trace}
-    if series:
-        msg["series"] = list(series)
-    return msg
-
-
-LORA_TYPES = (wire.LOAD_LORA, wire.UNLOAD_LORA)
-
-
-def lora_message(name: str, path: str | None) -> dict[str, Any]:
-    """A ``load_lora`` of the adapter in directory ``path`` as ``name``, or (``path`` None) an ``unload_lora``."""
-    msg: dict[str, Any] = {"v": wire.CLIENT_PROTOCOL_VERSION, "request_id": str(uuid.uuid4()), "lora_name": name}
-    if path is None:
-        msg["type"] = wire.UNLOAD_LORA
-    else:
-        msg.update(type=wire.LOAD_LORA, lora_path=str(path))
-    return msg
-
-
-def stats_message(iterations: bool) -> dict[str, Any]:
-    msg: dict[str, Any] = {"type": wire.STATS, "v": wire.CLIENT_PROTOCOL_VERSION}
-    if iterations:
-        msg["iterations"] = True
-    return msg
-
-
-def metrics_message() -> dict[str, Any]:
-    return {"type": wire.METRICS, "v": wire.CLIENT_PROTOCOL_VERSION}
+# Commands answered under the fresh request id they carry.
+ID_ROUTED_TYPES = (wire.LOAD_LORA, wire.UNLOAD_LORA, wire.TOKENIZE, wire.DETOKENIZE)
 
 
 def abort_message(request_id: str) -> dict[str, Any]:
@@ -342,6 +318,20 @@ class Connection:
         :class:`ServerError` ``lora_in_use`` while requests run or wait under it,
         ``lora_not_found`` for a name not loaded."""
         msg = lora_message(name, None)
+        return self._command(msg["request_id"], msg)
+
+    def tokenize(self, prompt: str | None = None, **fields: Any) -> Any:
+        """The server's token ids of an input (docs/protocol.md, ``tokenize``): ``prompt``, or
+        the keyword ``messages`` (with the chat template's fields and ``tools``) or
+        ``token_ids``; ``add_special_tokens`` False: a prompt without BOS;
+        ``return_token_strs``: each id's token too. The ``tokens`` reply; a refusal raises
+        :class:`ServerError` with the generate request's message and code."""
+        msg = tokenize_message(prompt, fields)
+        return self._command(msg["request_id"], msg)
+
+    def detokenize(self, token_ids: list[int]) -> Any:
+        """The server's text of ``token_ids``, special tokens kept (docs/protocol.md, ``detokenize``): the ``text`` reply."""
+        msg = detokenize_message(token_ids)
         return self._command(msg["request_id"], msg)
 
     def metrics(self) -> Any:

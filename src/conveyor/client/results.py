@@ -48,6 +48,7 @@ class CompletionResult:
     # Where asked for: the protocol's log-probability columns (docs/protocol.md), as sent.
     logprobs: dict[str, Any] | None = None
     prompt_logprobs: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None  # where asked (``return_prompt_token_ids``)
     # An embedding request's (Connection.embed) L2-normalized pooled vector.
     embedding: list[float] | None = None
 
@@ -84,6 +85,7 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"], c.get("logprobs")) for c in msg.get("choices") or ()],
         logprobs=msg.get("logprobs"),
         prompt_logprobs=msg.get("prompt_logprobs"),
+        prompt_token_ids=msg.get("prompt_token_ids"),
         embedding=_floats(msg["embedding"]) if msg.get("embedding") is not None else None,
     )
 

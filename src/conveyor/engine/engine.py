@@ -1,49 +1,10 @@
 """The in-process engine: bin/serve's scheduler and model runner in one process, no sockets.
 
-:class:`Engine` builds the same pieces bin/serve starts, through the same functions: the
-checkpoint and the model length (:mod:`conveyor.runtime.model_source`), the settings turned
-into the runner's config (:class:`~conveyor.runtime.config.RunnerConfig`) and the batcher's
-config (:mod:`conveyor.assembly.build`), the
-:class:`~conveyor.worker.model_runner.ModelRunner` with its KV pool, device and dtype
-(:func:`conveyor.worker.main.build_runner`), the
-:class:`~conveyor.scheduler.scheduler.Scheduler` with the model's EOS ids and vocabulary
-(as the scheduler process does), the frontend's :class:`~conveyor.frontend.tokenizer.Tokenizer`.
-What the frontend process does to a request is done by the frontend's own code too: the
-generate fields are parsed and checked by :func:`conveyor.protocol.requests.parse_client_message`,
-the input is tokenized and checked against the model by :mod:`conveyor.frontend.inputs`, the
-text comes from the frontend's detokenizer and stop strings (:mod:`conveyor.engine.request`),
-continuations are kept by :class:`~conveyor.frontend.sessions.Sessions`. So a request gets
-the same tokens, the same text and the same errors here as through bin/serve.
-
-One :meth:`Engine.step` is one iteration of the scheduler process's loop without overlap:
-``schedule()``, the runner's ``execute(plan)``, ``update(plan, result)``, then the outputs
-turned into each request's tokens and text. A plan is formed, run and applied within the
-call (nothing in flight between calls), so requests added, removed or continued between
-steps are seen by the next plan. A step that raises in the runner fails that step's
-requests with an error, as the worker process reports a failed step, and the engine goes on.
-
-Request ids: the caller's id (or a generated one) names a request here; the scheduler knows each submission
-by an id of the engine's own (a counter, as the frontend's), so a continuation never meets its earlier turn there.
-
-Continuation (as bin/serve's sessions, docs/protocol.md): a request that finished (stop,
-length or abort) leaves its context (its prompt, earlier turns included, then its output
-tokens) under its id; :meth:`Engine.add_request` with that id appends the new input to that
-context, without a BOS, and the prefix cache supplies the KV of the earlier turns while
-their blocks are cached. :meth:`Request.remove` forgets the context. At most
-``max_sessions`` contexts are kept, least recently finished dropped first.
-
-Tensor parallelism (``tensor_parallel_size`` N > 1, as ``bin/serve --tensor-parallel-size``): this process is rank 0, its runner rank 0's shard; ranks 1 .. N-1 are bin/serve's worker
-processes, sent every plan before rank 0 runs it (:mod:`conveyor.engine.ranks`: their start,
-their failures, their end). A step that fails on rank 0 then fails its requests only if the
-runner refused the plan (as on every rank alike); anything else leaves the ranks out of step,
-and that step and every later one raise :class:`~conveyor.engine.ranks.RanksFailed`.
-:meth:`Engine.close` (or ``with Engine(...)``) stops the ranks; an engine collected or left
-open at exit is closed then.
-
-Not thread-safe: one thread calls the engine. Not done here (bin/serve has them): planning one step
-ahead and pipelined launches (hiding the host's time per step on a GPU), the tokenizer pool, profiling.
-:meth:`Engine.embed` (embeddings: prompt-only pooling requests) is :mod:`conveyor.engine.embeddings`'s.
-"""
+:class:`Engine` builds the pieces bin/serve starts through the same functions and reads every
+request through the frontend's request processor (:mod:`conveyor.frontend.processor`), so a
+request gets the same tokens, text and errors as through bin/serve. How a step, ids,
+continuations and tensor parallelism work here: docs/architecture.md, "conveyor.Engine".
+:meth:`Engine.embed` (embeddings: prompt-only pooling requests) is :mod:`conveyor.engine.embeddings`'s."""
 
 from __future__ import annotations
 
@@ -62,17 +23,14 @@ from conveyor.engine.outputs import BatchInfo, Result, StepOutput
 from conveyor.engine.ranks import RankGroup, RanksFailed
 from conveyor.engine.request import Request
 from conveyor.frontend.constraints import ConstraintCompiler
-from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
-from conveyor.frontend.logprobs import LogprobsLog
+from conveyor.frontend.processor import RequestProcessor
 from conveyor.frontend.sessions import Sessions
-from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.ipc.messages import (
-    AddRequest, CommitLora, FinishReason, LoadLora, RequestOutput, StepPlan, StepResult, UnloadLora, sequence_id, speculation_rates,
+    AddRequest, CommitLora, FinishReason, LoadLora, RequestOutput, StepPlan, StepResult, UnloadLora, speculation_rates,
 )
-from conveyor.protocol import requests as client_requests, sampling_fields, wire
+from conveyor.protocol import requests as client_requests, wire
 from conveyor.assembly.build import batcher_config, settings_view, worker_settings
 from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
@@ -118,7 +76,7 @@ class Engine:
         runner_config = settings_view(RunnerConfig, worker, model_dir=model_dir, num_threads=worker_threads(worker["num_threads"], size))
         self._ranks = RankGroup(worker, model_dir) if size > 1 else None
         self._close_ranks = None if self._ranks is None else weakref.finalize(self, self._ranks.close)
-        self._recoverable = Exception if size == 1 else PlanRefused  # (module docstring)
+        self._recoverable = Exception if size == 1 else PlanRefused  # (docs/architecture.md, "conveyor.Engine")
         tp = NO_TENSOR_PARALLEL if self._ranks is None else self._ranks.tp
         try:
             self.runner = runner = build_runner(runner_config, tensor_parallel=tp)
@@ -134,7 +92,12 @@ class Engine:
         batcher = replace(batcher, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_bytes=runner.block_bytes)
         self.scheduler = Scheduler(batcher, self.model_config.eos_token_ids, self.model_config.vocab_size)
         self._sessions = Sessions(options.max_sessions)
-        self._max_logprobs = options.max_logprobs
+        self.processor = RequestProcessor(
+            self.tokenizer,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_logprobs=options.max_logprobs,
+        )
         self._scheduler_ids = itertools.count(1)
         self._lora_queries = itertools.count(1)  # (LoRA updates sent to tensor-parallel ranks)
         self._running: dict[str, Request] = {}  # by scheduler id: every request not done
@@ -188,7 +151,7 @@ class Engine:
         ``tools`` and ``tool_choice``. ``lora`` names the LoRA adapter to generate with (one
         of the options' ``lora_modules``, or one added by :meth:`load_lora`).
         ``priority`` counts under ``policy="priority"``. A ``request_id`` of a finished request
-        that was not removed continues it (module docstring).
+        that was not removed continues it (docs/architecture.md, "conveyor.Engine").
 
         Raises ValueError (a :class:`~conveyor.protocol.wire.ProtocolError`) with the
         server's own message when the request cannot be served: a bad field, an id still in
@@ -210,22 +173,12 @@ class Engine:
         }
         req = client_requests.parse_client_message(fields)
         rid = req.request_id
-        problem = sampling_fields.logprobs_problem(req.sampling, self._max_logprobs)
-        if problem is not None:
-            raise wire.ProtocolError(problem, rid)
         if rid in self._by_id:
             raise wire.ProtocolError(f"request id {rid!r} is already in flight", rid)
-        self._constraints.compile(req)  # a bad constraint is refused before anything is queued
         history = self._sessions.context(rid)
-        check_input_chars(req, input_chars(req), len(history or ()), self.max_model_len, self.tokenizer.max_chars_per_token)  # before tokenizing
-        prompt_ids = context_ids(
-            req,
-            history,
-            encode_input(self.tokenizer, req, continuing=history is not None),
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            tokenizer_vocab_size=self.tokenizer.vocab_size,
-        )
+        self.processor.check(req, len(history or ()))  # before compiling or tokenizing
+        self._constraints.compile(req)  # a bad constraint is refused before anything is queued
+        prompt_ids = self.processor.prompt(req, history).prompt_ids
         scheduler_id = str(next(self._scheduler_ids))
         arrival = time.time()
         rejected = self.scheduler.add_request(AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority, lora=req.lora))
@@ -233,47 +186,19 @@ class Engine:
             raise wire.ProtocolError(rejected.error, rid)
         if history is not None:
             self._sessions.take(rid)  # back, extended, when this turn ends
-        request = Request(
-            self,
-            rid,
-            scheduler_id,
-            prompt_ids,
-            len(history) if history is not None else 0,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-            StopStringMatcher.for_request(req),
-            arrival,
-            (
-                None if req.sampling.n > 1 else self._output_log(req, prompt_ids),
-                None if req.sampling.prompt_logprobs is None else LogprobsLog(req.sampling.prompt_logprobs, 1, self.tokenizer),
-            ),
-        )
+        history_len = len(history) if history is not None else 0
+        prompt_log = self.processor.prompt_log(req)
+        request = Request(self, rid, scheduler_id, prompt_ids, history_len, self.processor.streams(req, prompt_ids), arrival, prompt_log)
         request._keep_best = req.keep_best
-        for i in range(req.sampling.n if req.sampling.n > 1 else 0):
-            seq = Request(
-                self,
-                rid,
-                sequence_id(scheduler_id, i),
-                prompt_ids,
-                request._history_len,
-                IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-                StopStringMatcher.for_request(req),
-                arrival,
-                # Its own output log (best_of > n: what ranks it at the end); the request's prompt log.
-                (self._output_log(req, prompt_ids), request._prompt_logprobs),
-                index=i,
-                parent=request,
-            )
+        for i, (seq_id, streams) in enumerate(self.processor.fork(req, prompt_ids, scheduler_id)):
+            # Its own output log (best_of > n: what ranks it at the end); the request's prompt log.
+            seq = Request(self, rid, seq_id, prompt_ids, history_len, streams, arrival, prompt_log, index=i, parent=request)
             request.sequences.append(seq)
         for seq in request.outputs:
             self._running[seq._scheduler_id] = seq
         self._by_id[rid] = request
         self._latest[rid] = request
         return request
-
-    def _output_log(self, req: client_requests.GenerateRequest, prompt_ids: list[int]) -> LogprobsLog | None:
-        """The log of a request's (or one sequence's) output log-probabilities, where asked."""
-        k = req.sampling.logprobs
-        return None if k is None else LogprobsLog(k, len(prompt_ids), self.tokenizer)
 
     def load_lora(self, name: str, directory: str | os.PathLike) -> None:
         """Register the PEFT LoRA adapter in ``directory`` under ``name`` while serving (the
@@ -393,7 +318,7 @@ class Engine:
     def _execute(self, plan: StepPlan) -> StepResult:
         """The runner's result for ``plan`` (sent to the other tensor-parallel ranks first); a
         step that raises fails its requests, as the worker process reports it (worker/main.py),
-        and the engine goes on, unless the ranks are out of step (module docstring)."""
+        and the engine goes on, unless the ranks are out of step (docs/architecture.md, "conveyor.Engine")."""
         if self._ranks is not None:
             self._ranks.send(plan)
         try:

@@ -27,10 +27,9 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.logprobs import Logprob, LogprobsLog
 from conveyor.frontend.output import end_text, stream_text
-from conveyor.frontend.stop import StopStringMatcher
+from conveyor.frontend.processor import Streams
 from conveyor.ipc.messages import FinishReason, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -63,16 +62,16 @@ class Request:
         scheduler_id: str,
         prompt_token_ids: list[int],
         history_len: int,
-        detokenizer: IncrementalDetokenizer,
-        stop: StopStringMatcher,
+        streams: Streams,
         arrival_time: float,
-        logs: tuple[LogprobsLog | None, LogprobsLog | None] = (None, None),
+        prompt_logprobs: LogprobsLog | None = None,
         *,
         index: int = 0,
         parent: Request | None = None,
     ) -> None:
         self.request_id = request_id
-        self._logprobs, self._prompt_logprobs = logs
+        self._detokenizer, self._stop, self._logprobs = streams
+        self._prompt_logprobs = prompt_logprobs
         self.index = index  # its sequence's index in its request (0 unless n > 1)
         self.sequences: list[Request] = []  # n > 1: the request's sequences (:attr:`outputs`)
         self._parent = parent
@@ -87,8 +86,6 @@ class Request:
         self._engine = engine
         self._scheduler_id = scheduler_id
         self._history_len = history_len
-        self._detokenizer = detokenizer
-        self._stop = stop
         self._tokens: list[int] = []
         self._pieces: list[str] = []
         self._text_len = 0

@@ -1,18 +1,6 @@
-"""The frontend's connection bookkeeping: which connection holds which routing id, and what
-happens to a connection's requests when it can receive nothing more.
-
-A request remembers the file descriptor of the connection that sent it
-(:attr:`RequestState.fd`); a connection is gone when it disconnects (a monitor event), when a
-newer connection takes its routing id over (ROUTER_HANDOVER, which libzmq reports no event
-for: :meth:`ClientConnections._note_connection`), or when it stops reading its replies
-(:meth:`ClientConnections._client_not_reading`). Its requests are then dropped: untracked,
-counted as aborts and aborted at the scheduler, with no final (the client cannot get one).
-
-:class:`ClientConnections` is the part of :class:`~conveyor.frontend.server.Frontend` that
-does this (a base class of it: it reads the frontend's ``_connections``, ``in_flight``,
-``metrics`` and ``config``, which :class:`~conveyor.frontend.server.Frontend` sets up, and
-calls its ``_untrack`` and ``_abort_at_scheduler``).
-"""
+"""The frontend's connection bookkeeping: which connection holds which routing id, and the
+requests of a connection that can receive nothing more (disconnected, taken over, not
+reading) dropped: untracked, counted as aborts, aborted at the scheduler, with no final."""
 
 from __future__ import annotations
 
@@ -21,21 +9,46 @@ import logging
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from collections.abc import Callable
+
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
+from conveyor.frontend.shares import ClientShares
 from conveyor.ipc.messages import FinishReason
 
 log = logging.getLogger("conveyor.frontend")
 
 
 class ClientConnections:
-    """The connection bookkeeping of the frontend (module docstring)."""
+    """The connection bookkeeping of the frontend (module docstring), over its table of requests
+    in flight (``in_flight``, by key); ``untrack`` and ``abort`` are the frontend's: forget a
+    request, abort scheduler ids at their replicas. ``send_queue``: --client-send-queue (logged)."""
 
-    async def _on_monitor_event(self, frames) -> None:
+    def __init__(
+        self,
+        in_flight: dict[tuple[bytes, str], RequestState],
+        metrics: FrontendMetrics,
+        shares: ClientShares,
+        untrack: Callable[[RequestState], None],
+        abort: Callable[[list[str]], None],
+        send_queue: int,
+    ) -> None:
+        self.in_flight = in_flight
+        self.metrics = metrics
+        self.shares = shares
+        self._untrack = untrack
+        self._abort_at_scheduler = abort
+        self.send_queue = send_queue
+        # fd -> routing id of each open connection that has sent a message: which connection
+        # holds a routing id now (note), so a takeover drops the old one's requests.
+        self._connections: dict[int, bytes] = {}
+
+    async def on_monitor_event(self, frames) -> None:
         event = parse_monitor_message([f.bytes for f in frames])
         if event["event"] == zmq.EVENT_DISCONNECTED:
-            self._connection_gone(event["value"], "disconnected")
+            self.gone(event["value"], "disconnected")
 
-    def _note_connection(self, identity: bytes, fd: int) -> None:
+    def note(self, identity: bytes, fd: int) -> None:
         """Record that the connection on ``fd`` holds routing id ``identity``; if it is the first
         message of a connection that took ``identity`` over from another (ROUTER_HANDOVER), that
         other connection is gone for every purpose of ours.
@@ -50,25 +63,26 @@ class ClientConnections:
         message is handled (so a ``generate`` under an id the old connection had in flight is
         the new connection's own request, not a duplicate). A disconnect of ``fd`` is always
         handled before a later connection's first message on the same fd
-        (:meth:`_on_client_frames`), so ``fd`` is never mistaken for the connection before it."""
+        (the intake's ``_on_client_frames``), so ``fd`` is never mistaken for the connection before it."""
         if self._connections.get(fd) == identity:
             return  # the common case: one dict lookup per message
         for old_fd in [f for f, held in self._connections.items() if held == identity]:
-            self._connection_gone(old_fd, "taken over by a new connection under its routing id")
+            self.gone(old_fd, "taken over by a new connection under its routing id")
         self._connections[fd] = identity
 
-    def _connection_gone(self, fd: int, why: str) -> None:
+    def gone(self, fd: int, why: str) -> None:
         """The connection on ``fd`` can receive nothing more (it disconnected, a newer
         connection took its routing id over, or it stopped reading its replies): drop the
         requests it sent, and only those; a newer connection under the same routing id may have
         requests in flight of its own."""
         self._connections.pop(fd, None)
+        self.shares.forget(fd)
         victims = [s for s in self.in_flight.values() if s.fd == fd]
         if victims:
             log.info("client connection %s; aborting %d request(s)", why, len(victims))
-            self._drop(victims)
+            self.drop(victims)
 
-    def _drop(self, states: list[RequestState]) -> None:
+    def drop(self, states: list[RequestState]) -> None:
         """Untrack the requests of a client that is gone (no final) and abort those the scheduler has."""
         for state in states:
             self._untrack(state)
@@ -77,14 +91,14 @@ class ClientConnections:
         if admitted:
             self._abort_at_scheduler(admitted)
 
-    def _client_not_reading(self, identity: bytes) -> None:
+    def not_reading(self, identity: bytes) -> None:
         """A send to ``identity`` found its connection's send queue full (``--client-send-queue``
         replies waiting, and the socket buffers behind them): the client has stopped reading,
         and every reply it is sent from now on would be held here for as long as its requests
-        run. Its connection is treated as gone (:meth:`_connection_gone`: its requests are
+        run. Its connection is treated as gone (:meth:`gone`: its requests are
         aborted and their KV blocks freed; no final, which could not be queued either) and
         counted. The connection that holds ``identity`` is the one whose queue is full (one
-        connection per routing id, :meth:`_note_connection`); none holds it when this
+        connection per routing id, :meth:`note`); none holds it when this
         connection was dropped already, by an earlier send of the same pass: nothing to do."""
         fd = next((f for f, held in self._connections.items() if held == identity), None)
         if fd is None:
@@ -93,13 +107,13 @@ class ClientConnections:
         log.warning(
             "client connection %s is not reading its replies (send queue of %d full); dropping its requests",
             identity.hex(),
-            self.config.client_send_queue,
+            self.send_queue,
         )
-        self._connection_gone(fd, "not reading its replies")
+        self.gone(fd, "not reading its replies")
 
-    def _client_gone(self, identity: bytes) -> None:
+    def client_gone(self, identity: bytes) -> None:
         """A send found the client gone: abort its in-flight requests."""
         victims = [s for s in self.in_flight.values() if s.identity == identity]
         if victims:
             log.info("client gone; aborting %d request(s)", len(victims))
-            self._drop(victims)
+            self.drop(victims)

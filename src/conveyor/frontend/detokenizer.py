@@ -1,59 +1,6 @@
 """Streamed detokenization: the text of each new token, emitted as soon as it is final.
 
-Decoding one token at a time is wrong: a character can span several tokens (byte-level BPE
-pieces of a multi-byte UTF-8 character, sentencepiece byte-fallback pieces like ``<0xE2>``),
-and a token's text can depend on its neighbours (sentencepiece decoders drop the leading
-space of the first token they see). Decoding the whole output every step is right but
-costs O(length) per token. So this keeps a short window of ids:
-
-    ids[:read]   context: already emitted (or prompt), decoded only to measure ``prefix_text``
-    ids[read:]   not emitted yet
-
-Each new token decodes the window and emits what it adds to ``prefix_text``, unless that
-text may still change: it ends in U+FFFD (an incomplete character), or the last visible
-token is a byte-fallback piece (the decoder turns a run of those into text as a whole,
-and an invalid run into one U+FFFD per byte). After an emission the emitted tokens become
-the context, so the window stays a few tokens long: O(window) work per token.
-
-That is the reference behaviour (``fast_paths=False``); two fast paths give exactly the same
-deltas without a decode for almost every token. Both apply only while the context is
-*clean*: everything is emitted, and the context ends at a character (its text does not end
-in U+FFFD), outside a byte-fallback run.
-
-- **Pieces** (``Tokenizer.stream_piece``): with a decoder whose text is the concatenation of
-  per-token texts (byte-level BPE; the sentencepiece chain ``Replace, ByteFallback, Fuse,
-  Strip``), a token that is a whole text of its own (not a byte piece, not skipped, no
-  U+FFFD) adds a fixed piece after a clean context. The piece comes from the tokenizer's
-  memo (bounded: a token dropped from it is asked for again), and the token alone becomes
-  the context, as the window decode would leave it. Most tokens of most text are such
-  tokens.
-- **Byte mode** (byte-level BPE only, ``Tokenizer.stream_token_bytes``): the text of any ids
-  is the lossy UTF-8 decode of their bytes concatenated, so once the context is clean the
-  window is replaced by the bytes held back since the last emission; a token adds its bytes,
-  and the held bytes are emitted (Python's ``decode("utf-8", "replace")``, which replaces
-  exactly as the Rust decoder does) as soon as their decode does not end in U+FFFD. A
-  character split over several tokens costs a few bytes operations instead of decodes.
-
-``tests/frontend/test_detokenizer.py`` checks delta for delta that both paths give what the
-window decode gives, on random ids (partial characters, special and unknown ids, every test
-tokenizer) and real text.
-
-Invariants:
-- The context holds a visible token (one that decodes to something: inside the vocabulary,
-  not skipped) unless the prompt has none, so both decodes apply a decoder's first-token
-  rule (sentencepiece's leading space) to the same token; with byte-fallback pieces it also
-  starts at a character.
-- Let P be the longest prefix of the prompt, at most ``MAX_PROMPT_TAIL_TOKENS`` shorter,
-  whose decode does not end in U+FFFD (the whole prompt if there is none): a character the
-  prompt leaves incomplete is completed by the output and shows there. After
-  :meth:`flush`, ``text == decode(prompt + output)[len(decode(P)):]`` with the same
-  ``skip_special_tokens``. With byte-level BPE and a prompt that ends at a character that
-  is just ``decode(output)``; with sentencepiece the first output token keeps its leading
-  space, as in the full text.
-- Text once emitted is never revised, so a stream shows no U+FFFD that the final text lacks
-  at that place. (No stream can follow one case: output bytes that extend a byte-fallback
-  run at the end of the prompt into invalid UTF-8 turn the prompt's own text into U+FFFDs.)
-"""
+How and why: docs/architecture.md, "Incremental detokenization"."""
 
 from __future__ import annotations
 
@@ -105,7 +52,7 @@ class IncrementalDetokenizer:
         last_visible = next((t for t in reversed(self._ids) if self._visible(t)), None)
         self._in_byte_run = last_visible in self._byte_pieces
         self._parts: list[str] = []
-        # Fast paths (see the module docstring): tokens whose text does not depend on what
+        # Fast paths (docs/architecture.md, "Incremental detokenization"): tokens whose text does not depend on what
         # precedes them come from a memo, and byte-level tokenizers decode held-back bytes
         # themselves; both only once the context is clean.
         self._pieces = (

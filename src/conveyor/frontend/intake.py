@@ -1,36 +1,40 @@
-"""The frontend's client intake: parsing and admitting client messages.
-
-Each client message is decoded and parsed (:mod:`conveyor.protocol.requests`) and answered or
-turned into a request: a ``generate`` is checked (duplicate id, log-probabilities, input
-size), tokenized on the loop or in a pool (:mod:`conveyor.frontend.server`'s docstring,
-"Tokenization") and admitted, that is sent to the scheduler under a scheduler id of its own;
-an ``abort`` finalizes its request; ``profile``, ``metrics`` and ``stats`` are relayed or
-answered. A refused message gets its one answer (:meth:`ClientIntake._reply_error`).
-
-:class:`ClientIntake` is the part of :class:`~conveyor.frontend.server.Frontend` that does
-this (a base class of it: it reads the frontend's tables, pools, sessions, replicas, sender,
-tokenizer and timers, which :class:`~conveyor.frontend.server.Frontend` sets up). The
-invariants it keeps are the frontend's (:mod:`conveyor.frontend.server`).
-"""
+"""The frontend's client intake: each client message parsed (:mod:`conveyor.protocol.requests`)
+and answered, or turned into a request: a ``generate`` checked, tokenized (on the loop or a
+pool) and admitted to a scheduler through the request processor (:mod:`conveyor.frontend.processor`).
+The rules it keeps are the frontend's (docs/architecture.md, "The frontend's rules")."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import zmq
 
 from conveyor import profiling
-from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.inputs import check_input_chars, context_ids, encode_input, input_chars
-from conveyor.frontend.replicas import Gather
+from conveyor.frontend.connections import ClientConnections
+from conveyor.frontend.constraints import ConstraintCompiler
+from conveyor.frontend.liveness import SchedulerWatch
+from conveyor.frontend.output import OutputPath
+from conveyor.frontend.processor import RequestProcessor
+from conveyor.frontend.relays import Relays
+from conveyor.frontend.replicas import ReplicaSet
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
+from conveyor.frontend.sending import ClientSender
+from conveyor.frontend.sessions import Sessions
+from conveyor.frontend.shares import ClientShares
+from conveyor.frontend.token_service import TokenService
 from conveyor.frontend.stop import StopStringMatcher
-from conveyor.ipc.messages import AddRequest, FinishReason, StatsQuery, sequence_id
-from conveyor.protocol import replies, sampling_fields, wire
+from conveyor.ipc.messages import AddRequest, FinishReason
+from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
+from conveyor.protocol.token_commands import DetokenizeCommand, TokenizeCommand
+from conveyor.runtime.config import FrontendConfig
 
 log = logging.getLogger("conveyor.frontend")
 
@@ -55,19 +59,70 @@ def client_key(identity: bytes, payload: zmq.Frame) -> bytes:
     return b"key:" + user.encode() if user else b"id:" + identity
 
 
-class ClientIntake:
-    """The client intake of the frontend (module docstring)."""
+@dataclass
+class IntakeParts:
+    """What the intake works with: the frontend's tables (``in_flight`` by key, ``requests`` by
+    scheduler id), its parts, and its tokenizer pools (None: everything on the loop)."""
 
-    async def _on_client_frames(self, frames) -> None:
-        if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
-            # A disconnect queued before this message must be handled first, not after the rest
-            # of this drain: its fd may be this message's (closed, then reused by a new client's
-            # connection), and the disconnect would then drop the new client's requests too.
-            await self._drain(self.monitor, self._on_monitor_event, multipart=True)
+    config: FrontendConfig
+    processor: RequestProcessor
+    constraints: ConstraintCompiler
+    in_flight: dict[tuple[bytes, str], RequestState]
+    requests: dict[str, RequestState]
+    sessions: Sessions
+    shares: ClientShares
+    replicas: ReplicaSet
+    watch: SchedulerWatch
+    sender: ClientSender
+    output: OutputPath
+    metrics: FrontendMetrics
+    connections: ClientConnections
+    relays: Relays
+    tokens: TokenService
+    pool: ThreadPoolExecutor | None
+    large_pool: ThreadPoolExecutor | None
+
+
+class ClientIntake:
+    """The client intake of the frontend (module docstring). ``drain_disconnects``: handles the
+    disconnect events queued so far; ``untrack`` / ``abort``: the frontend's (forget a request,
+    abort scheduler ids at their replicas); ``schedule_trim``: trims the heap soon."""
+
+    def __init__(
+        self,
+        parts: IntakeParts,
+        profiler: profiling.Profiler,
+        *,
+        drain_disconnects: Callable[[], Awaitable[None]],
+        untrack: Callable[[RequestState], None],
+        abort: Callable[[list[str]], None],
+        schedule_trim: Callable[[], None],
+    ) -> None:
+        p = parts
+        self.config, self.processor, self.constraints = p.config, p.processor, p.constraints
+        self.in_flight, self.requests, self.sessions, self.shares = p.in_flight, p.requests, p.sessions, p.shares
+        self.replicas, self.watch, self.sender, self.output, self.metrics = p.replicas, p.watch, p.sender, p.output, p.metrics
+        self.connections, self.relays, self.tokens = p.connections, p.relays, p.tokens
+        self._pool, self._large_pool = p.pool, p.large_pool
+        self._drain_disconnects = drain_disconnects
+        self._untrack = untrack
+        self._abort_at_scheduler = abort
+        self._schedule_trim = schedule_trim
+        self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
+        self.tokenizing: set[asyncio.Future] = set()  # pool jobs in flight (kept referenced)
+        self._t_tokenize = profiler.timer("tokenize", arg_name="prompt_tokens")
+        self._c_client = profiler.counter("client_messages")
+        self._c_pooled = profiler.counter("pooled_tokenizations")
+
+    async def on_client_frames(self, frames) -> None:
+        # A disconnect queued before this message must be handled first, not after the rest
+        # of this drain: its fd may be this message's (closed, then reused by a new client's
+        # connection), and the disconnect would then drop the new client's requests too.
+        await self._drain_disconnects()
         identity = frames[0].bytes
         payload = frames[-1]
         fd = payload.get(zmq.SRCFD)
-        self._note_connection(identity, fd)
+        self.connections.note(identity, fd)
         self._c_client.add()
         key = client_key(identity, payload)
         size = sum(len(f) for f in frames[1:])
@@ -83,15 +138,17 @@ class ClientIntake:
             elif isinstance(cmd, client_requests.AbortCommand):
                 await self._on_abort(key, cmd.request_id)
             elif isinstance(cmd, client_requests.ProfileCommand):
-                await self._on_profile(identity, cmd)
+                await self.relays.profile(identity, cmd)
             elif isinstance(cmd, client_requests.LoraCommand):
-                await self._on_lora(identity, cmd)
+                await self.relays.lora(identity, cmd)
+            elif isinstance(cmd, TokenizeCommand):
+                self.tokens.tokenize(identity, cmd)
+            elif isinstance(cmd, DetokenizeCommand):
+                self.tokens.detokenize(identity, cmd)
             elif isinstance(cmd, client_requests.MetricsCommand):
                 await self.sender.send(identity, replies.metrics_reply(**self.metrics.snapshot()))
             else:
-                query_id = uuid.uuid4().hex
-                asked = self.replicas.broadcast(StatsQuery(query_id))  # every live replica
-                self._stats_waiters[query_id] = (identity, cmd.iterations, Gather(asked))
+                self.relays.stats(identity, cmd.iterations)
         except wire.ProtocolError as exc:
             await self._reply_error(identity, key, exc)
         finally:
@@ -109,14 +166,8 @@ class ClientIntake:
         hung = self.watch.refusal()
         if hung is not None:
             raise wire.ProtocolError(hung, req.request_id, wire.SERVER_ERROR)
-        logprobs_problem = sampling_fields.logprobs_problem(req.sampling, self.config.max_logprobs)
-        if logprobs_problem is not None:
-            raise wire.ProtocolError(logprobs_problem, req.request_id)
         history = self.sessions.context((key, req.request_id))
-        chars = input_chars(req)
-        check_input_chars(
-            req, chars, len(history or ()), self.config.max_model_len, self.tokenizer.max_chars_per_token
-        )
+        chars = self.processor.check(req, len(history or ()))
         state = RequestState(
             request_id=req.request_id,
             scheduler_id=str(next(self._scheduler_ids)),
@@ -131,18 +182,20 @@ class ClientIntake:
             lora=req.lora,
         )
         if req.constraint is None and (self._pool is None or chars < self.config.tokenize_inline_chars):
-            prompt_ids, start, end = self._prepare_prompt(req, history, False)
+            prompt_ids, start, end = self.processor.prompt(req, history)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
+            state.share = self.shares.take(key, fd, max(1, req.sampling.n), req.request_id)
             self.in_flight[state.key] = state
             self._admit(state, req, history, prompt_ids)
             return
         state.pending = True
+        state.share = self.shares.take(key, fd, max(1, req.sampling.n), req.request_id)
         self.in_flight[state.key] = state
         self._c_pooled.add()
         large = chars >= LARGE_INPUT_CHARS
         job = asyncio.ensure_future(self._tokenize_in_pool(state, req, history, large))
-        self._tokenizing.add(job)
-        job.add_done_callback(self._tokenizing.discard)
+        self.tokenizing.add(job)
+        job.add_done_callback(self.tokenizing.discard)
 
     async def _tokenize_in_pool(
         self, state: RequestState, req: client_requests.GenerateRequest, history: list[int] | None, large: bool
@@ -159,9 +212,9 @@ class ClientIntake:
             # a bad constraint is refused before its tokens are ever sent.
             await self.constraints.compile_async(req)
             if pool is None:
-                prompt_ids, start, end = self._prepare_prompt(req, history, False)
+                prompt_ids, start, end = self.processor.prompt(req, history)
             else:
-                prompt_ids, start, end = await loop.run_in_executor(pool, self._prepare_prompt, req, history, True)
+                prompt_ids, start, end = await loop.run_in_executor(pool, self.processor.prompt, req, history, True)
             self._t_tokenize.record(start, end, arg=len(prompt_ids) - len(history or ()))
         except wire.ProtocolError as exc:
             error = exc
@@ -174,28 +227,10 @@ class ClientIntake:
             return  # aborted, disconnected or failed meanwhile: the scheduler never heard of it
         if error is not None:
             del self.in_flight[state.key]
+            self.shares.give_back(state.client_key, state.share)
             await self._reply_error(state.identity, state.client_key, error)
             return
         self._admit(state, req, history, prompt_ids)
-
-    def _prepare_prompt(
-        self, req: client_requests.GenerateRequest, history: list[int] | None, release_gil: bool
-    ) -> tuple[list[int], int, int]:
-        """The whole context to send (earlier turns + this input), checked against the model's
-        limits (:mod:`conveyor.frontend.inputs`), and when its tokenization started and ended
-        (ns). Touches no mutable state of the frontend, so it runs on the loop or on a pool thread."""
-        start = profiling.now_ns()
-        input_ids = encode_input(self.tokenizer, req, continuing=history is not None, release_gil=release_gil)
-        end = profiling.now_ns()
-        prompt_ids = context_ids(
-            req,
-            history,
-            input_ids,
-            vocab_size=self.config.vocab_size,
-            max_model_len=self.config.max_model_len,
-            tokenizer_vocab_size=self.tokenizer.vocab_size,
-        )
-        return prompt_ids, start, end
 
     def _admit(
         self, state: RequestState, req: client_requests.GenerateRequest, history: list[int] | None, prompt_ids: list[int]
@@ -210,28 +245,32 @@ class ClientIntake:
         state.prompt_len = len(prompt_ids)
         state.max_tokens = req.sampling.max_tokens
         state.history_len = len(history) if history is not None else 0
-        state.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens)
-        state.set_logprobs(req.sampling, self.tokenizer, send=not req.ranking_logprobs)
+        streams = self.processor.streams(req, prompt_ids)
+        state.detokenizer = streams.detokenizer
+        sampling = req.sampling
+        choices = sampling.n > 1 and sampling.logprobs is not None and not req.ranking_logprobs
+        state.set_logs(streams.logprobs, self.processor.prompt_log(req), choices=choices)
         state.keep_best = req.keep_best
+        state.return_prompt_ids = req.return_prompt_token_ids
         state.pending = False
         self.requests[state.scheduler_id] = state  # (n > 1: where a refusal of the whole request finds it)
-        for i in range(req.sampling.n if req.sampling.n > 1 else 0):
+        for i, (seq_id, seq_streams) in enumerate(self.processor.fork(req, prompt_ids, state.scheduler_id)):
             seq = RequestState(
                 request_id=state.request_id,
-                scheduler_id=sequence_id(state.scheduler_id, i),
+                scheduler_id=seq_id,
                 identity=state.identity,
                 stream=state.stream,
                 prompt_len=state.prompt_len,
                 arrival_time=state.arrival_time,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.skip_special_tokens),
-                stop=StopStringMatcher.for_request(req),
+                detokenizer=seq_streams.detokenizer,
+                stop=seq_streams.stop,
                 client_key=state.client_key,
                 fd=state.fd,
                 index=i,
                 parent=state,
                 max_tokens=state.max_tokens,
             )
-            seq.set_sequence_logprobs(req.sampling, self.tokenizer)
+            seq.set_sequence_logs(seq_streams.logprobs)
             state.sequences.append(seq)
             self.requests[seq.scheduler_id] = seq
         self.metrics.add_prompt(state.prompt_len)

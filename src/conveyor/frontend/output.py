@@ -1,42 +1,6 @@
 """The output path: the scheduler's TokenOutputs turned into each client's deltas and final.
 
-One rule per stream and handler call, in one loop (:meth:`OutputPath._advance`): the
-stream's new tokens are detokenized and fed to its stop strings one at a time (so a stop
-string ends the output at the very token that completes it, also when several steps' tokens
-come at once), then the stream gets one delta with all of them, or, when a stop string
-matched or the scheduler finished it, its last delta and its final. The same loop serves
-every shape a message has: the plain next tokens of a step (its columns, one token per
-stream: the streaming hot path), the first tokens and finishes of a step (its
-RequestOutputs, with timing fields), and the steps that queued up while the loop was busy,
-merged into one pass (:func:`merge`) so a frontend that fell behind catches up instead of
-falling further behind.
-
-What makes the hot path fast is inside that loop, not beside it: no call per stream (a
-method call per stream measured ~100 ns a token more; the tests that pick the one-token form
-cost ~40 ns over a loop that knew only columns), the detokenizer's fast paths
-(``IncrementalDetokenizer``), the stop-string scan only for requests that have stop strings,
-a delta's bytes put together from the request's packed head and a per-token packed tail
-(memoized in :attr:`OutputPath._delta_tails`), the per-token timers taken for one stream
-in :data:`PROFILE_SAMPLE_EVERY` (outputs with timing fields, rare, are timed every one), and
-the metrics' inter-token gaps collected as one list append per stream and bucketed once per
-call (:mod:`conveyor.frontend.request_metrics`).
-
-A call has two passes: first every stream's text and delta bytes, then the sends back to back
-on the raw socket (measured: about 10 % less CPU per token than sending each delta as soon as
-it is made, presumably because ZeroMQ's I/O thread, busy with the burst, needs waking less
-often; the first stream's delta leaves after the first pass, ~1-2 ms at 1,000 streams). A
-request that ends gets its last delta and final in the second pass, in its place among the
-others. ``bench/frontend_step.py`` measures this path alone; docs/benchmarks.md, "Frontend
-under load".
-
-Invariants:
-- A request is untracked (the ``untrack`` callback) in the first pass, the moment it ends,
-  so later outputs under its scheduler id find nothing and are dropped.
-- A request ended here by a stop string before the scheduler finished it is aborted at the
-  scheduler (the ``abort`` callback), so its KV blocks are freed at the next iteration.
-- Raw sends only: every method that sends runs inside the handlers ``Frontend.run`` calls
-  (see :mod:`conveyor.frontend.sending`).
-"""
+How and why: docs/architecture.md, "The output path"."""
 
 from __future__ import annotations
 
@@ -319,6 +283,8 @@ class OutputPath:
             code=scheduler_error_code(error) if reason == FinishReason.ERROR else None,
             choices=choices,
         )
+        if state.return_prompt_ids:
+            reply["prompt_token_ids"] = state.prompt_ids
         if state.embedding is not None:
             reply["embedding"] = state.embedding
         if state.logged:

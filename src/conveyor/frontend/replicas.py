@@ -1,53 +1,7 @@
 """Data-parallel replicas behind one frontend: which scheduler gets each request, and what
 each one still owes.
 
-A server of ``--data-parallel-size M`` runs M independent scheduler + worker pairs (each
-with its own KV cache, internal sockets and plan rings: :meth:`ServerAddresses.replica`);
-the frontend reaches each scheduler through a :class:`SchedulerLink` and keeps the
-:class:`ReplicaSet`, the one place that decides where a request goes and remembers where it
-went. M = 1 is the plain server: one link on the addresses it always had.
-
-Routing (:meth:`ReplicaSet.submit`). A continuation (a ``generate`` that continues a
-finished request's context) goes to the replica that ran the turn before, while it lives:
-that replica's prefix cache holds the conversation's KV, anywhere else the whole context
-would be prefilled again. Every other request goes to the live replica with the least
-outstanding work, counted as requests sent there and not yet finished or aborted, ties
-broken by their prompt tokens, then by which replica was picked least recently (so an idle
-server deals requests round-robin). Why requests and not a token estimate: a step's cost
-and a replica's batch slots grow with the sequences it runs, prompts are prefilled in
-chunks the token budget bounds, and the remaining output is unknown (``max_tokens`` is an
-upper bound that EOS usually cuts short), so an estimate from it would mislead; the prompt
-tokens still separate two replicas with as many requests. The counts change only when a
-request is sent, finishes there or is aborted, never per token, so routing costs nothing on
-the streaming hot path.
-
-Ownership: each request sent to a replica is held under its scheduler id until that
-replica reports its finish (:meth:`ReplicaSet.on_outputs`) or the frontend aborts it there
-(:meth:`ReplicaSet.abort`, which sends the abort to the owner only). An abort of a request
-the replica already finished names nothing and is dropped: the replica has freed it.
-
-Liveness (:meth:`ReplicaSet.fail`): bin/serve tells the frontend when a replica's scheduler
-or worker died (``ProcessFailed`` on the control line, the dead process's name; see
-:func:`conveyor.runtime.config.replica_of_process`). The replica is marked dead, the
-requests it held are handed back for the frontend to fail with an error, and no request is
-routed to it again (a continuation whose KV it held goes to the least loaded live replica
-and is prefilled there). bin/serve stops the server when the last replica dies (or at the
-first death with ``--no-serve-on-replica-death``); the frontend itself never sees every
-replica dead.
-
-Queries to every replica (``stats``, ``profile``) are collected by a :class:`Gather` until
-each live replica answered or died; :func:`merge_stats` sums the stats field by field,
-:func:`replica_stats` gives each replica's own, :func:`replica_profiles` names each
-replica's processes (``scheduler.1``, ``worker.1``; replica 0's keep their plain names).
-
-Invariants:
-- A scheduler id is owned by at most one replica, from its AddRequest until its finish or
-  abort; a dead replica owns nothing. An ``n`` > 1 request finishes there when all its
-  sequences (``{id}/{i}``) did; an abort of one sequence goes to its request's replica.
-- ``Replica.outstanding`` (and ``outstanding_prompt_tokens``) is the count (and prompt
-  length sum) of the requests it owns.
-- Nothing is sent to a dead replica.
-"""
+How and why: docs/architecture.md, "Data-parallel replicas in the frontend"."""
 
 from __future__ import annotations
 
@@ -117,7 +71,7 @@ class Replica:
 
 
 class ReplicaSet:
-    """The replicas behind this frontend: routing, ownership and liveness (module docstring).
+    """The replicas behind this frontend: routing, ownership and liveness (docs/architecture.md, "Data-parallel replicas in the frontend").
 
     ``max_sessions`` bounds the remembered placements of finished requests, as the
     frontend's sessions bound their contexts."""

@@ -1,51 +1,6 @@
 """Request-level metrics the frontend keeps: token and finish counters, latency histograms.
 
-The frontend sees every request (ZeroMQ clients and the HTTP face alike, which talks to it
-over the same protocol), so the request-level metrics live here; the scheduler's state
-(queues, KV blocks, prefix cache, preemptions) comes from its ``stats`` reply instead. A
-client reads these with the ``metrics`` message (:func:`conveyor.protocol.replies.metrics_reply`),
-and :func:`conveyor.http.prometheus.exposition` turns both into the Prometheus text format.
-
-What is counted, and when:
-
-- ``prompt_tokens``: each request's whole context (a continuation's earlier turns included,
-  as in its ``usage.prompt_tokens``) when it is sent to the scheduler.
-- ``generation_tokens``: every output token as it is delivered to its request, so once all
-  requests ended it equals the sum of their finals' ``usage.completion_tokens``.
-- ``request_success`` by finish reason (stop, length, abort, error): each request accepted
-  in flight (sent to the scheduler, or still tokenizing in the pool), when it ends; a client
-  that disconnects counts as abort. Requests refused before that (a bad field, a duplicate
-  id, a prompt that fails to tokenize or breaks the context rules) get their error final
-  but are not counted.
-- ``clients_not_reading``: client connections whose send queue filled (``--client-send-queue``
-  replies held for a client that stopped reading), whose requests were dropped for it; each
-  of those requests counts as an abort too.
-- Per request when it ends (vLLM's families): its prompt tokens, its output tokens and its
-  ``max_tokens`` (the value it ran with: a ``fill_context`` request's room), as histograms
-  over token counts; with a final sent, its prefill time (first scheduling to first token),
-  decode time (first token to final) and inference time (first scheduling to final).
-- Histograms, in seconds: time to first token, time per output token ((e2e - ttft) /
-  (tokens - 1), requests with at least two tokens), end-to-end latency and queue time, one
-  observation per request when its final is sent (a disconnected client's requests have
-  none); inter-token latency, one observation per gap between consecutive output tokens of a
-  stream as the frontend hands them out: the time since the stream's previous output for the
-  first token of an output, 0 for each further token delivered with it (steps merged while
-  the frontend was behind). So a request of n tokens adds n - 1 gaps whose sum is the time
-  from its first output to its last.
-
-Cost: the streaming hot path (:meth:`conveyor.frontend.output.OutputPath._advance`) only
-appends each stream's previous output time to a list, one list per handler call;
-:meth:`FrontendMetrics.observe_outputs` keeps the list and buckets the lists held back
-together with numpy (``searchsorted`` + ``bincount``) once they hold :data:`BUCKET_EVERY`
-outputs, and before every snapshot, so a reply is always exact. Never a call per token, and
-numpy's fixed cost (~6 us a pass) is shared by many calls even when each has few streams
-(bucketing every call cost ~110 ns a token at 64 streams; held back, ~25-40 ns from 16 on).
-
-Invariants: every :class:`Histogram` has ``sum(counts) == count``; its ``counts`` are per
-bucket (not cumulative), ``counts[i]`` the observations ``v`` with ``bounds[i-1] < v <=
-bounds[i]``, and a last entry for those above the largest bound (Prometheus' ``+Inf``).
-Everything runs on the frontend's event loop: no locks.
-"""
+How and why: docs/architecture.md, "Request metrics"."""
 
 from __future__ import annotations
 
@@ -147,7 +102,7 @@ class Histogram:
 
 
 class FrontendMetrics:
-    """The frontend's request-level counters and histograms (see the module docstring).
+    """The frontend's request-level counters and histograms (docs/architecture.md, "Request metrics").
 
     ``itl`` lags behind the outputs handed to :meth:`observe_outputs` by those held back;
     :meth:`flush` (which :meth:`snapshot` calls) brings it up to date."""

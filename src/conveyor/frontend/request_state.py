@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.logprobs import LogprobsLog
-from conveyor.ipc.messages import SamplingParams
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.protocol.replies import delta_head
 
@@ -69,6 +68,8 @@ ends (an abort, an error of the request or of any of its sequences)."""
     prompt_logprobs: LogprobsLog | None = None
     logged: bool = False  # either of them: its deltas and final carry log-probability fields
     choice_logprobs: bool = False  # an n > 1 request: its final's choices carry their logprobs
+    return_prompt_ids: bool = False  # its final carries prompt_token_ids (the whole context)
+    share: int = 0  # the sequences it counts against its client's share (conveyor.frontend.shares)
     embedding: bytes | None = None  # a pooling request's vector (float32 bytes): its final carries it
 
     @property
@@ -76,23 +77,19 @@ ends (an abort, an error of the request or of any of its sequences)."""
         """The request's name in the frontend's tables and sessions: (client, client's id)."""
         return self.client_key, self.request_id
 
-    def set_logprobs(self, sampling: SamplingParams, tokenizer, *, send: bool = True) -> None:
-        """The logs of the log-probabilities the request asked for (its prompt_ids set). With
-        ``n`` > 1 the output log is each sequence's (:meth:`set_sequence_logprobs`);
-        ``send`` False: they are best_of's ranking, kept but never sent."""
-        if sampling.logprobs is not None and sampling.n == 1:
-            self.logprobs = LogprobsLog(sampling.logprobs, len(self.prompt_ids), tokenizer)
-        if sampling.prompt_logprobs is not None:
-            self.prompt_logprobs = LogprobsLog(sampling.prompt_logprobs, 1, tokenizer)
-        self.choice_logprobs = sampling.n > 1 and sampling.logprobs is not None and send
-        self.logged = self.logprobs is not None or self.prompt_logprobs is not None or self.choice_logprobs
+    def set_logs(self, logprobs: LogprobsLog | None, prompt_logprobs: LogprobsLog | None, *, choices: bool) -> None:
+        """The logs of the log-probabilities the request asked for (made by the request
+        processor, :mod:`conveyor.frontend.processor`). ``choices``: an ``n`` > 1 request's
+        final carries each choice's (False with best_of ranking logs the client did not ask for)."""
+        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
+        self.choice_logprobs = choices
+        self.logged = logprobs is not None or prompt_logprobs is not None or self.choice_logprobs
 
-    def set_sequence_logprobs(self, sampling: SamplingParams, tokenizer) -> None:
+    def set_sequence_logs(self, logprobs: LogprobsLog | None) -> None:
         """A sequence's logs (its parent's set): its own output log, its request's prompt log."""
         parent = self.parent
         assert parent is not None
-        if sampling.logprobs is not None:
-            self.logprobs = LogprobsLog(sampling.logprobs, parent.prompt_len, tokenizer)
+        self.logprobs = logprobs
         self.prompt_ids, self.prompt_logprobs, self.logged = parent.prompt_ids, parent.prompt_logprobs, parent.logged
 
     def logprob_fields(self, whole: bool) -> dict:

@@ -1,130 +1,9 @@
 """The frontend process: the client socket, tokenization and streamed detokenization.
 
-One asyncio loop (uvloop) owns every socket of this process and serves them from
-a single poller, in a fixed order per wake-up: disconnect events first, then the
-control line, then client messages, then scheduler outputs. Handling a client's
-disconnect before any message that arrived after it keeps the requests' connections
-(:attr:`RequestState.fd`: a disconnect drops the requests its connection sent) honest when
-the kernel reuses a file descriptor: ZeroMQ queues the disconnect event
-before it closes the fd, so before any message of a later connection on that fd, and
-pending disconnect events are also handled before each client message of a drain. A
-connection whose routing id a newer connection took over (ROUTER_HANDOVER) is gone for the
-frontend too, from the new connection's first message on (libzmq reports no event for it):
-its requests are dropped on the same path
-(:meth:`~conveyor.frontend.connections.ClientConnections._note_connection`).
-
-This module holds the loop, its sockets and its tables; :class:`Frontend`'s handlers live in
-its base classes, one responsibility each: :mod:`conveyor.frontend.intake` (parsing and
-admitting client messages), :mod:`conveyor.frontend.connections` (which connection holds which
-routing id, and dropping a gone connection's requests) and :mod:`conveyor.frontend.scheduler_side`
-(scheduler outputs, the stats and profile relays, replica failures, the control line). The
-rules below hold across all of them.
-
-Clients: a request id names a request only within its client. A client is named by
-:func:`~conveyor.frontend.intake.client_key`: the authenticated CurveZMQ key when authentication is on, else the
-connection's ROUTER routing identity (a client that wants to continue its requests after a
-reconnect sets a stable one). Every table about requests (:attr:`Frontend.in_flight`, the
-continuation sessions, aborts, the "already in flight" check) is keyed by (client key,
-request id) (:attr:`RequestState.key`), so a client can neither abort, continue nor probe
-another's request, and two clients may use the same id for two requests.
-
-Request ids: a client names its requests (``request_id``); the scheduler knows each
-submission by an id of its own, the next value of a per-frontend counter (``"1"``, ``"2"``,
-...), so no two submissions share one, however the client reuses its ids. A client may
-reuse an id as soon as its final was sent (a retry after an abort, a continuation after a
-stop string), while the scheduler may still send outputs of the earlier request under that
-id: the tokens of steps it ran before it read the abort, then the abort's own output. Those
-name the earlier scheduler id, find nothing and are dropped, never attributed to the new
-request. :attr:`Frontend.in_flight` maps (client key, client id) to requests, :attr:`Frontend.requests`
-scheduler ids to the admitted ones (the one lookup a streamed token costs); every message
-to the client carries the client's id (``RequestState.request_id``), every message to the
-scheduler the scheduler's (``RequestState.scheduler_id``).
-
-Invariants:
-- Every request that reached :attr:`Frontend.in_flight` gets exactly one ``final``
-  message (or its client is gone), and leaves both tables when it does.
-- A request finalized here for any reason other than a scheduler-reported finish
-  (client abort, disconnect, stop string) is also aborted at the scheduler, so
-  its KV blocks are freed at the next iteration.
-- This process never imports torch.
-- A client's request id is in :attr:`Frontend.in_flight` from the moment its ``generate``
-  arrives, also while its prompt is still being tokenized, so a duplicate from the same
-  client is refused at once, with an ``error`` map (code ``duplicate_request_id``), never a
-  ``final``: the one final under that id stays the running request's; it is in
-  :attr:`Frontend.requests` (under its scheduler id) from its admission on.
-- Every client message gets an answer or starts a request that gets its one final: a frame
-  that does not decode, a message of other than one frame, a refused duplicate get an
-  ``error`` map carrying the request id that could still be read (None when none could); a
-  ``generate`` that names a request and is refused gets that request's error ``final``.
-- A request whose prompt is still tokenizing in the pool (``pending``) has sent nothing to
-  the scheduler. An abort, disconnect or shutdown meanwhile finalizes it here alone (an
-  abort or shutdown sends its one ``final``; a gone client gets none) and nothing about it
-  ever reaches the scheduler: its tokens are dropped when the pool hands them back. When
-  they are ready it is admitted (``pending`` cleared, put in :attr:`Frontend.requests`,
-  ``AddRequest`` queued on the socket) with no await in between, so any abort that comes
-  after reaches the scheduler after it.
-- Continuation: a request that finished (stop, length or abort) leaves its context (prompt
-  + the tokens returned to the client) in a bounded LRU of sessions under its client id
-  (:mod:`conveyor.frontend.sessions`); a
-  new request with that id continues it (under a scheduler id of its own, as every
-  submission): its input is appended to that context, only the new output is detokenized
-  and returned. The scheduler's prefix cache makes the earlier turns cost nothing to
-  recompute when their KV is still cached. Sessions are keyed like :attr:`Frontend.in_flight`,
-  so a client continues only its own requests. A continuation that fails (error), or is aborted
-  while its input is still tokenizing, leaves the earlier context in place, so the client
-  can retry.
-
-Tokenization: an input shorter than ``tokenize_inline_chars`` characters (a prompt, or the
-contents of all messages) is tokenized on the loop, since handing it to a thread costs more
-(~0.1 ms) than encoding it. A longer one goes to a pool of ``tokenizer_threads`` threads,
-where the Rust tokenizer runs with the GIL released (:meth:`Tokenizer.encode` with
-``release_gil``), so a 100k-token prompt does not stall every other stream; its request is
-sent to the scheduler when its tokens are ready, possibly after shorter requests that came
-later (its ``arrival_time`` is still when it came). ``tokenizer_threads=0`` tokenizes
-everything on the loop. Bounds: an input longer than the model length times the
-vocabulary's longest token (:attr:`Tokenizer.max_chars_per_token`) is refused before it is
-tokenized (:func:`~conveyor.frontend.inputs.check_input_chars`), so one request's
-tokenization is bounded by the model length; an input of
-:data:`~conveyor.frontend.intake.LARGE_INPUT_CHARS` or more
-is tokenized on a thread of its own, so large inputs queue behind each other, never in front
-of ordinary ones. After a large frame or input the process hands freed heap back to the
-system (:func:`release_freed_memory`).
-
-Outputs: scheduler messages are handled synchronously, each delta sent on the raw ROUTER
-socket (:mod:`conveyor.frontend.sending` says why that is safe only from the handlers
-:meth:`Frontend.run` calls); :mod:`conveyor.frontend.output` turns them into deltas and
-finals, one rule for every stream, the streaming hot path included. Scheduler messages that
-queued up while the loop was busy are handled as one pass: each stream gets one delta with
-all its new tokens, so a frontend that fell behind catches up instead of falling further
-behind. Replies are built by :mod:`conveyor.protocol.replies`; requests are validated by
-:mod:`conveyor.protocol.requests` (its fields on arrival, its token ids and lengths once
-tokenized, :func:`~conveyor.protocol.validation.check_tokenized`).
-
-Metrics (:mod:`conveyor.frontend.request_metrics`): prompt tokens are counted on admission, output
-tokens, inter-token gaps and each request's latencies and finish reason on the output path,
-a gone client's requests as aborts; a ``metrics`` message is answered here from them (so
-they cover every replica's requests).
-
-Profiling (:mod:`conveyor.profiling`): tokenize, detokenize, client sends, the
-handling of each scheduler message and the event loop's lag are timed here, and each
-request's queue time, TTFT, TPOT and inter-token latencies are recorded when it finishes.
-On the hot path detokenize and the inter-token latency are taken for one stream in
-:data:`~conveyor.frontend.output.PROFILE_SAMPLE_EVERY`, and client_send once per step (the
-mean send of its burst).
-A ``profile`` request is relayed to every live replica's scheduler (which adds its worker's
-snapshot); the reply carries this process and each replica's two, or those that answered
-with an error naming the schedulers that did not answer within
-:data:`~conveyor.frontend.scheduler_side.PROFILE_TIMEOUT_S`.
-
-Replicas (:mod:`conveyor.frontend.replicas`): the frontend talks to ``data_parallel_size``
-schedulers, one :class:`SchedulerLink` each, and :attr:`Frontend.replicas` decides where
-each admitted request goes (a continuation back to its earlier turn's replica), sends its
-aborts to that replica alone, and counts what each one holds. A ``stats`` query goes to
-every live replica and is answered once each answered or died: the sums, and each
-replica's own under ``replicas``. When bin/serve reports a replica dead (``ProcessFailed``
-on the control line) its requests get an error final and the others go on; a metrics
-message needs no replica, the frontend measures every request itself.
-"""
+:class:`Frontend` holds the loop, its sockets and its tables; its handlers are in ``intake.py``,
+``connections.py`` and ``scheduler_side.py``. The rules they keep together (clients, request
+ids, the one-final invariants, continuation, tokenization, outputs, replicas) are in
+docs/architecture.md, "The frontend's rules"."""
 
 
 from __future__ import annotations
@@ -132,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import itertools
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -143,20 +21,22 @@ import zmq.asyncio
 from conveyor import profiling
 from conveyor.frontend.connections import ClientConnections
 from conveyor.frontend.constraints import ConstraintCompiler
-from conveyor.frontend.intake import ClientIntake
+from conveyor.frontend.intake import LARGE_INPUT_CHARS, ClientIntake, IntakeParts
 from conveyor.frontend.output import OutputPath
-from conveyor.frontend.replicas import Gather, ReplicaSet, SchedulerLink
+from conveyor.frontend.processor import RequestProcessor
+from conveyor.frontend.replicas import ReplicaSet, SchedulerLink
 from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
-from conveyor.frontend.scheduler_side import LoraWaiter, SchedulerSide
+from conveyor.frontend.relays import Relays
+from conveyor.frontend.scheduler_side import LoopState, SchedulerSide
 from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
+from conveyor.frontend.shares import ClientShares
+from conveyor.frontend.token_service import TokenService
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import transport
 from conveyor.frontend.liveness import SchedulerWatch
-from conveyor.ipc.messages import ProcessProfile, SchedulerStats
 from conveyor.protocol import limits
-from conveyor.protocol import requests as client_requests
 from conveyor.runtime.config import FrontendConfig
 
 log = logging.getLogger("conveyor.frontend")
@@ -181,46 +61,41 @@ def release_freed_memory() -> None:
         _malloc_trim(0)
 
 
-class Frontend(ClientIntake, ClientConnections, SchedulerSide):
-    """The frontend process's loop, its sockets and its tables of requests (see the module
-    docstring). Its handlers come from its base classes, one responsibility each: the client
-    intake (:class:`~conveyor.frontend.intake.ClientIntake`), the connection bookkeeping
-    (:class:`~conveyor.frontend.connections.ClientConnections`) and the scheduler side with
-    the relays of stats and profile queries (:class:`~conveyor.frontend.scheduler_side.SchedulerSide`);
-    the output path is :class:`OutputPath`."""
+class Frontend:
+    """The frontend process's loop, its sockets and its tables of requests, and the parts it
+    holds, each built from what it needs: the client intake (``intake``), the scheduler side
+    (``scheduler_side``), the request processor (``processor``), the connection bookkeeping
+    (``connections``), the query relays (``relays``), ``tokenize`` / ``detokenize``
+    (``tokens``), the client shares (``shares``) and the output path (``output``)."""
 
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.constraints = ConstraintCompiler(config.model_dir)
-        # Two views of the requests in flight (module docstring, "Request ids"): by the client's
+        self.processor = RequestProcessor(
+            tokenizer, vocab_size=config.vocab_size, max_model_len=config.max_model_len, max_logprobs=config.max_logprobs
+        )
+        # Two views of the requests in flight (docs/architecture.md, "The frontend's rules"): by the client's
         # id, every one from its generate on (a pending one too); by its id at the scheduler,
         # those admitted (sent to the scheduler), which is where scheduler outputs look.
         self.in_flight: dict[tuple[bytes, str], RequestState] = {}  # by RequestState.key
         self.requests: dict[str, RequestState] = {}
-        # fd -> routing id of each open connection that has sent a message: which connection
-        # holds a routing id now (_note_connection), so a takeover drops the old one's requests.
-        self._connections: dict[int, bytes] = {}
-        self._scheduler_ids = itertools.count(1)  # the next submission's id at the scheduler
-        # query id -> (client, iterations asked for, the replicas' answers)
-        self._stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
         self.sessions = Sessions(config.max_sessions)
-        # query id -> a load_lora / unload_lora waiting for the replicas; timed-out ones still owed
-        self._lora_waiters: dict[str, LoraWaiter] = {}
-        self._lora_owed: dict[str, tuple[client_requests.LoraCommand, set[int]]] = {}
-        self._profile_waiters: dict[
-            str, tuple[bytes, client_requests.ProfileCommand, asyncio.TimerHandle, Gather[list[ProcessProfile]]]
-        ] = {}
-        self._running = True
+        self.shares = ClientShares(config.max_waiting, config.addresses.internal_client)
+        self.loop = LoopState()
         self._pool = (
             ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
             if config.tokenizer_threads
             else None
         )
         self._large_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-large") if self._pool else None
-        self._tokenizing: set[asyncio.Future] = set()  # pool jobs in flight (kept referenced)
         self._trim_handle: asyncio.TimerHandle | None = None  # a heap trim scheduled (release_freed_memory)
 
+        self._open_sockets(config)
+        self._build_parts(config)
+
+    def _open_sockets(self, config: FrontendConfig) -> None:
+        """The client ROUTER (and its disconnect monitor), the replicas' links, the control line."""
         self.ctx = zmq.asyncio.Context()
         addrs = config.addresses
         monitor_addr = f"inproc://frontend-monitor-{uuid.uuid4().hex}"
@@ -241,14 +116,17 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
         self.links = [SchedulerLink(self.ctx, addrs.replica(i)) for i in range(config.data_parallel_size)]
         self.replicas = ReplicaSet(self.links, config.max_sessions)
         self.watch = SchedulerWatch(config.hang_timeout, config.on_hang, self.replicas)
-        self._exit_code = 0  # set when the frontend stops the server itself (a hung scheduler)
         self.control = transport.socket(self.ctx, zmq.PULL, addrs.frontend_control, bind=True)
 
+    def _build_parts(self, config: FrontendConfig) -> None:
+        """The parts the handlers are, each given what it works with."""
         prof = self.profiler = profiling.Profiler("frontend", enabled=config.profile)
-        self._t_tokenize = prof.timer("tokenize", arg_name="prompt_tokens")
-        self._t_outputs = prof.timer("handle_outputs", arg_name="outputs")
-        self.sender = ClientSender(self.clients, self._client_gone, self._client_not_reading, prof)
         self.metrics = FrontendMetrics()  # request-level metrics, read by the ``metrics`` message
+        self.connections = ClientConnections(
+            self.in_flight, self.metrics, self.shares, self._untrack, self._abort_at_scheduler, config.client_send_queue
+        )
+        self.sender = ClientSender(self.clients, self.connections.client_gone, self.connections.not_reading, prof)
+        self.relays = Relays(self.replicas, self.sender, self.in_flight, prof, config.enable_lora_loading)
         self.output = OutputPath(
             self.requests,
             self.sender,
@@ -259,16 +137,43 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
             metrics=self.metrics,
         )
         self._s_loop_lag = prof.series("event_loop_lag", "ms")
-        self._s_merged = prof.series("merged_steps", "steps")  # behind: steps handled as one
-        self._c_client = prof.counter("client_messages")
-        self._c_sched = prof.counter("scheduler_messages")
-        self._c_tokens = prof.counter("output_tokens")
-        self._c_pooled = prof.counter("pooled_tokenizations")
+        self.tokens = TokenService(
+            self.processor,
+            self.sender,
+            self._pool,
+            self._large_pool,
+            inline_chars=config.tokenize_inline_chars,
+            large_chars=LARGE_INPUT_CHARS,
+            trim=self._schedule_trim,
+        )
+        self.scheduler_side = SchedulerSide(
+            self.loop,
+            self.in_flight,
+            self.requests,
+            (self.shares, self.replicas, self.watch, self.output, self.relays),
+            prof,
+            untrack=self._untrack,
+            ctx=self.ctx,
+            control_address=config.addresses.frontend_control,
+        )
+        parts = IntakeParts(
+            config, self.processor, self.constraints, self.in_flight, self.requests, self.sessions, self.shares,
+            self.replicas, self.watch, self.sender, self.output, self.metrics, self.connections, self.relays, self.tokens,
+            self._pool, self._large_pool,
+        )  # fmt: skip
+        self.intake = ClientIntake(
+            parts,
+            prof,
+            drain_disconnects=self._drain_disconnects,
+            untrack=self._untrack,
+            abort=self._abort_at_scheduler,
+            schedule_trim=self._schedule_trim,
+        )
 
     async def _probe_loop_lag(self) -> None:
         """How late a timer wakes up: the time any handler holds the loop shows up here."""
         interval_ns = int(LOOP_LAG_PROBE_S * 1e9)
-        while self._running:
+        while self.loop.running:
             start = profiling.now_ns()
             await asyncio.sleep(LOOP_LAG_PROBE_S)
             self._s_loop_lag.add(max(0, profiling.now_ns() - start - interval_ns) / 1e6)
@@ -276,26 +181,26 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
     # ------------------------------------------------------------------ main loop
 
     async def run(self) -> None:
-        if self.profiler.enabled:  # ends with the loop (it checks _running; the runner cancels it)
+        if self.profiler.enabled:  # ends with the loop (it checks loop.running; the runner cancels it)
             self._lag_probe = asyncio.ensure_future(self._probe_loop_lag())
         if self.watch.timeout:  # ends with the loop, as the probe
-            self._watchdog = asyncio.ensure_future(self._watch_schedulers())
+            self._watchdog = asyncio.ensure_future(self.scheduler_side.watch_schedulers())
         poller = zmq.asyncio.Poller()
         for sock in (self.monitor, self.control, self.clients, *(link.from_scheduler for link in self.links)):
             poller.register(sock, zmq.POLLIN)
-        while self._running:
+        while self.loop.running:
             ready = dict(await poller.poll())
             if self.monitor in ready:
-                await self._drain(self.monitor, self._on_monitor_event, multipart=True)
+                await self._drain(self.monitor, self.connections.on_monitor_event, multipart=True)
             if self.control in ready:
-                await self._drain(self.control, self._on_control)
+                await self._drain(self.control, self.scheduler_side.on_control)
             if self.clients in ready:
-                await self._drain(self.clients, self._on_client_frames, multipart=True, limit=256)
+                await self._drain(self.clients, self.intake.on_client_frames, multipart=True, limit=256)
             for index, link in enumerate(self.links):
-                if link.from_scheduler in ready and self._running:
-                    await self._drain_scheduler(index, link.from_scheduler)
-        if self._exit_code:
-            raise SystemExit(self._exit_code)
+                if link.from_scheduler in ready and self.loop.running:
+                    await self.scheduler_side.drain(index, link.from_scheduler)
+        if self.loop.exit_code:
+            raise SystemExit(self.loop.exit_code)
 
     async def _drain(self, sock: zmq.asyncio.Socket, handler, *, multipart: bool = False, limit: int = 1024) -> None:
         for _ in range(limit):
@@ -307,7 +212,7 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
             except zmq.Again:
                 return
             await handler(msg)
-            if not self._running:
+            if not self.loop.running:
                 return
 
     def close(self) -> None:
@@ -338,6 +243,21 @@ class Frontend(ClientIntake, ClientConnections, SchedulerSide):
             self.requests.pop(seq.scheduler_id, None)
         if self.in_flight.get(state.key) is state:  # absent in a hand-built table (bench)
             del self.in_flight[state.key]
+            self.shares.give_back(state.client_key, state.share)
+
+    async def _drain_disconnects(self) -> None:
+        """Handle the disconnect events queued so far (before a client message: see the intake)."""
+        if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            await self._drain(self.monitor, self.connections.on_monitor_event, multipart=True)
+
+    def _abort_at_scheduler(self, request_ids: list[str]) -> None:
+        """Abort requests at the replicas that hold them (:meth:`ReplicaSet.abort`)."""
+        self.replicas.abort(request_ids)
+
+    async def fail_all(self, reason: str) -> None:
+        """Every in-flight request and waiting query answered with ``reason`` as its error
+        (:meth:`SchedulerSide.fail_all`)."""
+        await self.scheduler_side.fail_all(reason)
 
     def _schedule_trim(self) -> None:
         """Trim the heap soon (:func:`release_freed_memory`), at most once per

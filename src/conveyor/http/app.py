@@ -384,10 +384,12 @@ async def tokenize(request: web.Request) -> web.Response:
     if chat and add_special:
         raise bad_field("add_special_tokens", "'add_special_tokens' with 'messages': only false or null is accepted (the template writes them)")
     options = {k: v for k, v in job.options.items() if k != "fill_context"}
-    ids = await tokens.prompt_ids(job.inputs[0], options, add_special_tokens=not (add_special is False and "prompt" in job.inputs[0]))
+    add = not (add_special is False and "prompt" in job.inputs[0])
+    answer = await tokens.tokenize(job.inputs[0], options, add_special_tokens=add, token_strs=bool(body.get("return_token_strs")))
+    ids = answer["token_ids"]
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": app[MAX_MODEL_LEN], "tokens": ids}
     if body.get("return_token_strs"):
-        reply["token_strs"] = (await tokens.tokenizer()).convert_ids_to_tokens(ids)
+        reply["token_strs"] = answer["token_strs"]
     return _json(reply)
 
 
@@ -442,7 +444,7 @@ def _app(
     app[LORAS] = list(loras)
     app[MAX_MODEL_LEN] = max_model_len
     app[CREATED] = created
-    app[TOKENS] = tokens or Tokens(None, max_model_len)
+    app[TOKENS] = tokens or Tokens(None, max_model_len, link)
     app[ACCESS] = access or Access()
     app.on_response_prepare.append(request_ids.echo)
     return app

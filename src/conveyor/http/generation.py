@@ -57,18 +57,24 @@ class _Prompts:
         self.first_tokens = first_tokens  # echo with logprobs: each prompt's first token's text (it has no value)
 
 
-async def _prompts(job: GenerationJob, tokens: Tokens) -> _Prompts:
-    ids = None
+def _needs_prompt_ids(job: GenerationJob) -> bool:
+    """Whether the answer shows the prompts' ids (``return_token_ids``, continuous usage,
+    prompt log-probabilities, ``echo`` with logprobs)."""
     echo_logprobs = job.echo and job.kind == COMPLETION and job.logprobs is not None
-    if job.return_token_ids or job.continuous_usage or job.prompt_logprobs or echo_logprobs:
+    return job.return_token_ids or job.continuous_usage or job.prompt_logprobs or echo_logprobs
+
+
+async def _prompts(job: GenerationJob, tokens: Tokens, ids: list[list[int]] | None = None) -> _Prompts:
+    """What the answer needs of its prompts. ``ids``: the prompts' ids as the finals carried them
+    (``return_prompt_token_ids``); None: a stream's, asked of the frontend before it starts."""
+    if ids is None and _needs_prompt_ids(job):
         ids = [await tokens.prompt_ids(inp, job.options) for inp in job.inputs]
     echoes = None
     if job.echo and job.kind == COMPLETION:
         echoes = [inp["prompt"] if "prompt" in inp else await tokens.decode(inp["token_ids"]) for inp in job.inputs]
     first_tokens = None
-    if echo_logprobs:
-        tokenizer = await tokens.tokenizer()
-        first_tokens = [tokenizer.decode_one(p[0], False) for p in ids]  # type: ignore[union-attr]
+    if job.echo and job.kind == COMPLETION and job.logprobs is not None:
+        first_tokens = [await tokens.decode(p[:1]) for p in ids]  # type: ignore[union-attr]
     return _Prompts(ids, echoes, first_tokens)
 
 
@@ -103,12 +109,16 @@ async def respond(
     rid = response_id(job.kind, request_id(request))
     created = int(time.time())
     headers = ignored_fields(rid, job)
-    prompts = await _prompts(job, tokens)
     if job.stream:
+        prompts = await _prompts(job, tokens)
         enc = ChunkEncoder(job.kind, rid, created, model, job.include_usage)
         reader = output_reader(job, tool_parser, reasoning_parser)
         return await stream_events(request, link, job, _Encoder(job, enc, prompts, reader), headers)
+    if _needs_prompt_ids(job):  # the finals carry them: the frontend tokenizes each prompt once
+        job.options["return_prompt_token_ids"] = True
     results = await generate_all(link, job)
+    ids = [r.prompt_token_ids for r in results] if _needs_prompt_ids(job) else None
+    prompts = await _prompts(job, tokens, ids)
     prompt_ids = prompts.ids if job.return_token_ids else None
     extras = None
     if job.logprobs is not None or job.prompt_logprobs:

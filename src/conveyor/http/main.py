@@ -91,7 +91,7 @@ class HttpServer:
         # The client socket's internal endpoint: --client-send-queue does not bound it.
         link = FrontendLink(self.config.addresses.internal_client or self.config.addresses.client, self.config.auth_keys)
         created = int(time.time())
-        tokens = Tokens(self.config.model_dir, self.config.max_model_len)
+        tokens = Tokens(self.config.model_dir, self.config.max_model_len, link)
         access = Access.of(self.config.api_keys, self.config.api_key_everywhere)
         apps = []
         if self.api_socket is not None:

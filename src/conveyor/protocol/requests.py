@@ -34,17 +34,20 @@ from conveyor.protocol.limits import (
     MAX_TEMPLATE_KWARGS_BYTES,
 )
 from conveyor.protocol.sampling_fields import LOGPROBS_FIELDS, SAMPLING_FIELDS, parse_sampling
+from conveyor.protocol.token_commands import DetokenizeCommand, TokenizeCommand, parse_detokenize, parse_tokenize
 from conveyor.protocol.validation import is_int, is_number
 from conveyor.protocol.wire import (
     ABORT,
     CLIENT_PROTOCOL_VERSION,
     COMMANDS,
+    DETOKENIZE,
     GENERATE,
     INVALID_INPUT,
     LOAD_LORA,
     METRICS,
     PROFILE,
     STATS,
+    TOKENIZE,
     UNKNOWN_TYPE,
     UNLOAD_LORA,
     UNSUPPORTED_VERSION,
@@ -65,6 +68,7 @@ FRONTEND_FIELDS = (
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "return_prompt_token_ids",
 )
 # Structured output (docs/structured-output.md): ``constraint`` (the output must match it),
 # ``tools`` (rendered by the chat template) and ``tool_choice`` ("required" or a named
@@ -116,6 +120,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    return_prompt_token_ids: bool = False  # the final carries the prompt's ids (prompt_token_ids)
     # best_of > n: the scheduler runs ``sampling.n`` (= best_of) sequences, each with its
     # sampled tokens' log-probabilities (``sampling.logprobs``: the client's k, else 0), and the
     # ``keep_best`` (the client's n) with the highest cumulative log-probability are returned,
@@ -166,7 +171,9 @@ class LoraCommand:
     path: str | None = None
 
 
-ClientMessage = GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand | LoraCommand
+ClientMessage = (
+    GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand | LoraCommand | TokenizeCommand | DetokenizeCommand
+)
 
 
 def parse_client_message(obj: dict[str, Any]) -> ClientMessage:
@@ -207,6 +214,10 @@ def _parse_client_message(obj: dict[str, Any]) -> ClientMessage:
         return _parse_profile(obj)
     if isinstance(kind, str) and kind in LORA_FIELDS:  # a type may be any value: a list is unhashable
         return _parse_lora(obj, kind, rid_for_error)
+    if kind == TOKENIZE:
+        return parse_tokenize(obj, _parse_client_message)
+    if kind == DETOKENIZE:
+        return parse_detokenize(obj)
     if kind == METRICS:
         unknown = set(obj) - METRICS_FIELDS
         if unknown:
@@ -407,7 +418,8 @@ def parse_constraint(value: Any) -> Constraint:
 def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
     """The :data:`FRONTEND_FIELDS` of a generate map into ``req``, each checked."""
     flags = {}
-    for name in ("fill_context", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message"):
+    for name in ("fill_context", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message",
+                 "return_prompt_token_ids"):
         value = obj.get(name)
         if value is not None and not isinstance(value, bool):
             raise fail(f"'{name}' must be a boolean, got {value!r}")
@@ -438,3 +450,4 @@ def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any)
     req.continue_final_message = bool(flags["continue_final_message"])
     req.add_generation_prompt = not req.continue_final_message if flags["add_generation_prompt"] is None else flags["add_generation_prompt"]
     req.chat_template_kwargs = dict(kwargs or {})
+    req.return_prompt_token_ids = bool(flags["return_prompt_token_ids"])

@@ -55,6 +55,8 @@ PROFILE = "profile"
 METRICS = "metrics"
 LOAD_LORA = "load_lora"
 UNLOAD_LORA = "unload_lora"
+TOKENIZE = "tokenize"
+DETOKENIZE = "detokenize"
 # Message types, server -> client
 DELTA = "delta"
 FINAL = "final"
@@ -63,6 +65,8 @@ STATS_REPLY = "stats"
 PROFILE_REPLY = "profile"
 METRICS_REPLY = "metrics"
 LORA_REPLY = "lora"
+TOKENS_REPLY = "tokens"  # answers tokenize
+TEXT_REPLY = "text"  # answers detokenize
 
 
 # The commands that carry no request id: their answers (and refusals) are told apart by type.

@@ -153,10 +153,13 @@ class FrontendConfig:
     # serves (load_lora / unload_lora); off by default, since a load reads any directory the
     # client names with the server's file permissions.
     enable_lora_loading: bool = False
+    # bin/serve --max-waiting: a ZeroMQ client may hold a quarter of it in sequences in flight
+    # (conveyor.frontend.shares; 0: no bound).
+    max_waiting: int = 0
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "data_parallel_size")
-        require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue", "max_logprobs")
+        require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue", "max_logprobs", "max_waiting")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,50 @@
+"""The client protocol's command maps (docs/protocol.md): what a client sends for ``stats``,
+``profile``, ``metrics``, ``load_lora`` / ``unload_lora``, ``tokenize`` and ``detokenize``."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from conveyor.protocol import wire
+
+
+def profile_message(window_s: float, trace: bool, series: list[str] | None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": wire.PROFILE, "v": wire.CLIENT_PROTOCOL_VERSION, "window_s": window_s, "trace": trace}
+    if series:
+        msg["series"] = list(series)
+    return msg
+
+
+def lora_message(name: str, path: str | None) -> dict[str, Any]:
+    """A ``load_lora`` of the adapter in directory ``path`` as ``name``, or (``path`` None) an ``unload_lora``."""
+    msg: dict[str, Any] = {"v": wire.CLIENT_PROTOCOL_VERSION, "request_id": str(uuid.uuid4()), "lora_name": name}
+    if path is None:
+        msg["type"] = wire.UNLOAD_LORA
+    else:
+        msg.update(type=wire.LOAD_LORA, lora_path=str(path))
+    return msg
+
+
+def stats_message(iterations: bool) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": wire.STATS, "v": wire.CLIENT_PROTOCOL_VERSION}
+    if iterations:
+        msg["iterations"] = True
+    return msg
+
+
+def metrics_message() -> dict[str, Any]:
+    return {"type": wire.METRICS, "v": wire.CLIENT_PROTOCOL_VERSION}
+
+
+def tokenize_message(prompt: str | None, fields: dict[str, Any]) -> dict[str, Any]:
+    """A ``tokenize`` of ``prompt`` (or of the input in ``fields``), answered under its fresh id."""
+    msg: dict[str, Any] = {"type": wire.TOKENIZE, "v": wire.CLIENT_PROTOCOL_VERSION, "request_id": str(uuid.uuid4())}
+    if prompt is not None:
+        msg["prompt"] = prompt
+    msg.update({k: v for k, v in fields.items() if v is not None})
+    return msg
+
+
+def detokenize_message(token_ids: list[int]) -> dict[str, Any]:
+    return {"type": wire.DETOKENIZE, "v": wire.CLIENT_PROTOCOL_VERSION, "request_id": str(uuid.uuid4()), "token_ids": list(token_ids)}

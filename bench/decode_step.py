@@ -264,9 +264,9 @@ def run_grid(args, result: dict, directory: Path, device, dtype, batches, contex
             ),
         )
         startup = {"startup_s": time.perf_counter() - start}
-        if runner._graphs is not None:
-            startup.update(graphs=len(runner._graphs), capture_s=runner._graphs.capture_seconds,
-                           graph_memory_mib=runner._graphs.memory_bytes / 2**20)
+        if runner.decode.graphs is not None:
+            startup.update(graphs=len(runner.decode.graphs), capture_s=runner.decode.graphs.capture_seconds,
+                           graph_memory_mib=runner.decode.graphs.memory_bytes / 2**20)
         result.setdefault("startup", {})["graphs" if graphs else "eager"] = startup
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         kv_per_token = runner.block_bytes // BLOCK_SIZE

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     runner = runner_for(args, device, True, num_blocks, max_seqs)
-    graphs = runner._graphs
+    graphs = runner.decode.graphs
     result["startup"] = {"graphs_runner_s": round(time.perf_counter() - start, 2),
                          "graphs": len(graphs) if graphs is not None else None,
                          "capture_s": graphs.capture_seconds if graphs is not None else None,

@@ -54,13 +54,13 @@ def run(system: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict
     finally:
         engine_module.build_runner = build
     runner, verify_steps = engine.runner, [0]
-    run_decode = runner._run_decode
+    run_decode = runner.decode.run
 
-    def counting(work, states, samples, q):
+    def counting(rows, q):
         verify_steps[0] += q > 1
-        return run_decode(work, states, samples, q)
+        return run_decode(rows, q)
 
-    runner._run_decode = counting
+    runner.decode.run = counting
     greedy = dict(temperature=0.0, ignore_eos=True)
     engine.add_request(token_ids=prompts[0][:32], request_id="warm-up", max_tokens=8, **greedy)
     while engine.has_pending_requests():

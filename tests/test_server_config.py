@@ -12,6 +12,7 @@ from conveyor.cli import serve
 from conveyor.runtime.config import (
     FrontendConfig,
     HttpConfig,
+    RunnerConfig,
     Policy,
     Preemption,
     SchedulerConfig,
@@ -36,7 +37,7 @@ def build(*flags: str, run_dir: str = "/tmp/conveyor-test-run"):
 
 
 def test_every_flag_reaches_a_view() -> None:
-    views = (FrontendConfig, WorkerConfig, SchedulerConfig, SchedulerProcessConfig, HttpConfig, ServerConfig)
+    views = (FrontendConfig, WorkerConfig, RunnerConfig, SchedulerConfig, SchedulerProcessConfig, HttpConfig, ServerConfig)
     fields = {f.name for view in views for f in dataclasses.fields(view)}
     dests = {a.dest for a in serve.build_parser()._actions if a.dest != "help"}
     assert dests - fields - CONVERTED == set()
@@ -62,12 +63,12 @@ def test_flags_land_in_every_view_that_has_them() -> None:
         "--swap-bandwidth", "2", "--preemption", "swap", "--threads", "3", "--tokenizer-threads", "0",
     )  # fmt: skip
     assert not config.frontend.profile and not config.worker.profile and not config.scheduler.profile
-    assert config.worker.block_size == config.scheduler.scheduler.block_size == 8
+    assert config.worker.runner.block_size == config.scheduler.scheduler.block_size == 8
     batcher = config.scheduler.scheduler
     assert batcher.policy is Policy.PRIORITY and batcher.policy == "priority"
     assert batcher.preemption is Preemption.SWAP and batcher.swap_bandwidth == 2e9
-    assert config.worker.num_blocks == 64 and config.worker.kv_cache_memory_bytes is None
-    assert config.worker.num_threads == 3 and config.frontend.tokenizer_threads == 0
+    assert config.worker.runner.num_blocks == 64 and config.worker.runner.kv_cache_memory_bytes is None
+    assert config.worker.runner.num_threads == 3 and config.frontend.tokenizer_threads == 0
     assert config.frontend.addresses is config.worker.addresses is config.scheduler.addresses
     assert config.frontend.max_model_len == batcher.max_model_len
 
@@ -77,7 +78,7 @@ def test_defaults_are_the_config_classes_own() -> None:
     assert config.scheduler.scheduler == dataclasses.replace(
         SchedulerConfig(num_blocks=1), max_model_len=config.frontend.max_model_len
     )
-    assert config.worker.kv_cache_memory_bytes == 2**30 and config.scheduler.overlap and config.frontend.profile
+    assert config.worker.runner.kv_cache_memory_bytes == 2**30 and config.scheduler.overlap and config.frontend.profile
 
 
 def test_the_scheduler_view_is_sized_by_the_worker_and_crosses_a_spawn() -> None:
@@ -105,13 +106,13 @@ def test_the_draft_model_flags_reach_the_scheduler_and_the_worker_and_a_bad_draf
     config = build(*draft_flags)
     batcher = config.scheduler.scheduler
     assert (batcher.speculative_method, batcher.speculative_model, batcher.speculative_tokens) == ("draft", demo, 3)
-    assert config.worker.speculative_model == demo
+    assert config.worker.runner.speculative_model == demo
     with pytest.raises(ValueError, match="go together"):
         build("--speculative-method", "draft", "--num-speculative-tokens", "3")
     with pytest.raises(ValueError, match="go together"):
         build("--speculative-method", "ngram", "--speculative-model", demo, "--num-speculative-tokens", "3")
     split = build(*draft_flags, "--tensor-parallel-size", "2")  # every rank runs its shard of the draft
-    assert [w.speculative_model for w in split.worker_ranks()] == [demo, demo]
+    assert [w.runner.speculative_model for w in split.worker_ranks()] == [demo, demo]
 
     def write_draft(vocab_size: int, heads: int) -> None:
         (tmp_path / "config.json").write_text(

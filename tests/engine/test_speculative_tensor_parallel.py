@@ -60,13 +60,13 @@ def serve(directory: str, tensor_parallel=None) -> dict:
     with the verify steps that ran the static path and the acceptance count."""
     engine = rank_engine(directory, CONFIG, tensor_parallel)
     steps = record_static_steps(engine.runner)
-    ragged, run_ragged = [], engine.runner._run_ragged
+    ragged, run_ragged = [], engine.runner.ragged.run
 
-    def spy(work, states, samples):
-        ragged.append(any(item.proposal for item in work))
-        return run_ragged(work, states, samples)
+    def spy(rows, drafts=None):
+        ragged.append(any(item.proposal for item in rows.work))
+        return run_ragged(rows, drafts)
 
-    engine.runner._run_ragged = spy
+    engine.runner.ragged.run = spy
     outputs = _serve(engine, PROMPTS, MAX_TOKENS)
     return {
         "outputs": outputs,

@@ -20,13 +20,14 @@ K = SPEC["num_speculative_tokens"]
 def record_static_steps(runner) -> list[tuple[int, int, int, tuple[int, ...]]]:
     """Record (rows, bucket, q, proposal lengths) of every step that takes the static path."""
     calls: list[tuple[int, int, int, tuple[int, ...]]] = []
-    run_decode = runner._run_decode
+    run_decode = runner.decode.run
 
-    def spy(work, states, samples, q):
-        calls.append((len(work), runner._buffers.bucket_for(len(work)), q, tuple(len(item.proposal) for item in work)))
-        return run_decode(work, states, samples, q)
+    def spy(rows, q):
+        work = rows.work
+        calls.append((len(work), runner.decode.buffers.bucket_for(len(work)), q, tuple(len(item.proposal) for item in work)))
+        return run_decode(rows, q)
 
-    runner._run_decode = spy
+    runner.decode.run = spy
     return calls
 
 
@@ -70,7 +71,7 @@ def test_static_verify_steps_equal_ragged_and_hf(attention, pad, tiny_engine, hf
         assert static[rid] == hf_greedy(prompt, max_tokens), rid
     if attention == "torch":  # the same run with verify steps on the ragged path (the buffers refuse proposals)
         ragged_engine = tiny_engine(**config, **SPEC)
-        ragged_engine.runner._verify_widths = [0]
+        ragged_engine.runner.decode.verify_widths = [0]
         ragged_steps = record_static_steps(ragged_engine.runner)
         ragged = _serve(ragged_engine, prompts, max_tokens)
         assert all(q == 1 for _, _, q, _ in ragged_steps)

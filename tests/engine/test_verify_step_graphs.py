@@ -41,7 +41,7 @@ def test_verify_graph_tokens_equal_eager_tokens_at_long_contexts(dtype, tiny_che
     outputs, verify = {}, {}
     for eager in (True, False):
         engine = Engine(directory, **config, **SPEC, enforce_eager=eager)
-        assert (engine.runner._graphs is None) == eager
+        assert (engine.runner.decode.graphs is None) == eager
         steps = record_static_steps(engine.runner)
         outputs[eager] = _serve(engine, prompts, 24)
         verify[eager] = [step for step in steps if step[2] > 1]

@@ -30,7 +30,7 @@ from conveyor.ipc.messages import (
     StepPlan,
     StepResult,
 )
-from conveyor.scheduler.groups import sequence_id
+from conveyor.ipc.messages import sequence_id
 from conveyor.scheduler.scheduler import Scheduler
 
 EOS = 0

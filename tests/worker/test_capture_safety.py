@@ -121,9 +121,9 @@ def test_captured_decode_forward_never_needs_the_host(name, split, checkpoint_fa
             num_speculative_tokens=2,
         )
     )
-    assert runner._context_bounds == [512, 2048]
+    assert runner.decode.context_bounds == [512, 2048]
     graphs = DecodeGraphs(
-        runner._forward_decode, runner._buffers, [1 + w for w in runner._verify_widths], runner._context_bounds,
+        runner.decode.forward, runner.decode.buffers, [1 + w for w in runner.decode.verify_widths], runner.decode.context_bounds,
         runner.block_size, lambda rows, q, bound: bound,
     )
     split_k = []
@@ -139,8 +139,8 @@ def test_captured_decode_forward_never_needs_the_host(name, split, checkpoint_fa
     with torch.inference_mode():
         for key, inputs in graphs.captures():
             with no_host_sync(monkeypatch):
-                runner._forward_decode(inputs, key[2])
+                runner.decode.forward(inputs, key[2])
             keys.append(key)
-            assert torch.isfinite(runner._logits[: key[0] * key[1]]).all()
+            assert torch.isfinite(runner.decode.logits[: key[0] * key[1]]).all()
     assert sorted(keys) == [(r, q, b) for r in (1, 2) for q in (1, 3) for b in (512, 2048)]
     assert any(split_k) == split

@@ -32,9 +32,9 @@ def test_graph_tokens_equal_eager_tokens(name, dtype, checkpoint_factory, script
                 enforce_eager=eager, pad_decode=True,  # the same buckets: the same kernels, replayed or not
             ),
         )
-        assert (runner._graphs is None) == eager
+        assert (runner.decode.graphs is None) == eager
         if not eager:
-            assert len(runner._graphs) > 0
+            assert len(runner.decode.graphs) > 0
         vocab = runner.model_config.vocab_size
         prompts = [torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1, 17, 40, 5, 9)]
         scripts = [
@@ -69,7 +69,7 @@ def test_graph_tokens_equal_eager_tokens_at_long_contexts(lengths, checkpoint_fa
                 enforce_eager=eager, pad_decode=True,
             ),
         )
-        assert runner.model_config.max_position_embeddings == 2048 and (runner._graphs is None) == eager
+        assert runner.model_config.max_position_embeddings == 2048 and (runner.decode.graphs is None) == eager
         vocab = runner.model_config.vocab_size
         scripts = [
             script(f"r{n}", torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist(),

@@ -52,13 +52,13 @@ def test_staged_fields_reach_their_device_views():
 def decode_rows(runner: ModelRunner) -> list[int]:
     """Record the row count of every step that takes the static decode path."""
     calls: list[int] = []
-    run_decode = runner._run_decode
+    run_decode = runner.decode.run
 
-    def spy(work, states, samples, q):
-        calls.append(len(work))
-        return run_decode(work, states, samples, q)
+    def spy(rows, q):
+        calls.append(len(rows.work))
+        return run_decode(rows, q)
 
-    runner._run_decode = spy
+    runner.decode.run = spy
     return calls
 
 
@@ -148,16 +148,16 @@ def test_which_steps_run_through_the_static_buffers(llama_dir):
             llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3,
         ),
     )
-    assert padded._context_bounds[-1] == 64  # the pool's 16 blocks of 4
+    assert padded.decode.context_bounds[-1] == 64  # the pool's 16 blocks of 4
     for runner, verify_q in ((padded, 4), (eager, 3)):
-        assert runner._static_query_len([row(5), row(7)]) == 1
-        assert runner._static_query_len([row(5, (1, 2)), row(7)]) == verify_q
-        assert runner._static_query_len([row(5, (1, 2, 3, 4))]) is None
-        assert runner._static_query_len([row(5), row(7, scheduled=3)]) is None
-        assert runner._static_query_len([row(64 - verify_q, (1, 2))]) == verify_q
-        assert runner._static_query_len([row(65 - verify_q, (1, 2))]) is None
+        assert runner.decode.static_query_len([row(5), row(7)]) == 1
+        assert runner.decode.static_query_len([row(5, (1, 2)), row(7)]) == verify_q
+        assert runner.decode.static_query_len([row(5, (1, 2, 3, 4))]) is None
+        assert runner.decode.static_query_len([row(5), row(7, scheduled=3)]) is None
+        assert runner.decode.static_query_len([row(64 - verify_q, (1, 2))]) == verify_q
+        assert runner.decode.static_query_len([row(65 - verify_q, (1, 2))]) is None
     assert ModelRunner(
         RunnerConfig(
             llama_dir, block_size=BLOCK_SIZE, num_blocks=16,
         ),
-    )._static_query_len([row(5, (1,))]) is None
+    ).decode.static_query_len([row(5, (1,))]) is None

@@ -144,7 +144,7 @@ def test_an_adapter_is_read_once_and_served_after_its_directory_is_gone(adapters
     names = ("a1", "a2")
     for name in names:
         copy_dir = shutil.copytree(adapters[name][0], tmp_path / name)
-        runner.load_lora(name, str(copy_dir))
+        runner.adapters.load_lora(name, str(copy_dir))
         shutil.rmtree(copy_dir)
     prompt = list(range(3, 14))
     for name in (*names, *names):  # every turn evicts the other's host copy and slot
@@ -152,7 +152,7 @@ def test_an_adapter_is_read_once_and_served_after_its_directory_is_gone(adapters
         assert outputs[name] == hf_greedy_with_logits(adapters[name][1], prompt, 5)[0], name
     spill_dir = Path(runner.lora._spilled._dir.name)
     assert len(list(spill_dir.iterdir())) == 2
-    runner.unload_lora("a1")
+    runner.adapters.unload_lora("a1")
     assert len(list(spill_dir.iterdir())) == 1
 
 

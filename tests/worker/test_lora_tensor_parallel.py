@@ -85,7 +85,7 @@ def _load_rank(rank: int, init_file: str, directory: str, good: str, out_dir: st
     # Rank 1 misses the files of the first load: neither rank takes it, each says why.
     for name, path in (("x", good if rank == 0 else good + "-elsewhere"), ("y", good)):
         try:
-            runner.load_lora(name, path)
+            runner.adapters.load_lora(name, path)
             outcome.append([name, "loaded"])
         except LoraLoadError as exc:
             outcome.append([name, str(exc)])

@@ -45,11 +45,11 @@ def test_block_tables_follow_the_requests_and_stay_small(llama_dir):
     and table seen, not beyond."""
     runner = ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=64))
     runner.execute(plan(0, [new(f"r{i}", i, [5, 6, 7], [2 * i, 2 * i + 1]) for i in range(9)]))
-    assert runner._requests.tables.shape[0] <= 2 * 9 and runner._requests.tables.shape[1] <= 2 * 2
+    assert runner.parts.requests.tables.shape[0] <= 2 * 9 and runner.parts.requests.tables.shape[1] <= 2 * 2
     runner.execute(plan(1, [new("x", 3, [9], [40])], [CachedRow(0, [30, 31, 32], 3, 1)], finished=[3]))
-    assert runner._requests.tables[0, :5].tolist() == [0, 1, 30, 31, 32]
-    assert runner._requests.tables[3].tolist()[:2] == [40, 0] and not runner._requests.tables[3, 1:].any()
-    assert runner._requests.tables.shape[1] <= 2 * 5
+    assert runner.parts.requests.tables[0, :5].tolist() == [0, 1, 30, 31, 32]
+    assert runner.parts.requests.tables[3].tolist()[:2] == [40, 0] and not runner.parts.requests.tables[3, 1:].any()
+    assert runner.parts.requests.tables.shape[1] <= 2 * 5
 
 
 def test_slot_is_reused_in_the_plan_that_drops_it(runner, llama_dir):

@@ -26,6 +26,7 @@ class ScriptedRunner:
     def __init__(self, fail_launch=(), fail_finish=()) -> None:
         self.calls: list[str] = []
         self.fail_launch, self.fail_finish = set(fail_launch), set(fail_finish)
+        self.adapters = self  # (its LoRA side: LoraRunner scripts one)
 
     def launch(self, plan: StepPlan):
         self.calls.append(f"launch {plan.step_id}")
@@ -132,33 +133,30 @@ def test_pipeline_setting(setting, device, expected):
         resolve_pipeline("sometimes", device)
 
 
-def test_the_runner_is_built_from_the_worker_config_whole(tmp_path):
-    """_start builds the runner from WorkerConfig.runner(): every RunnerConfig field but
-    pad_decode is a worker field, carried over, so no setting of bin/serve's is left behind on
-    the way to the runner; the worker's defaults are the runner's (kv_cache_memory_bytes aside:
-    bin/serve's 1 GiB)."""
+def test_the_worker_config_holds_its_runners_config(tmp_path):
+    """The worker's view nests the runner's config instead of mirroring its fields:
+    worker_config puts every setting named as a RunnerConfig field into it and the process's
+    settings beside it, and the two share no field name (nothing is copied by name)."""
     import dataclasses
 
+    from conveyor.assembly.build import worker_config
     from conveyor.ipc.step_channel import StepChannels
     from conveyor.ipc.transport import ServerAddresses
     from conveyor.runtime.config import RunnerConfig, WorkerConfig
 
     addresses = ServerAddresses.in_run_dir(str(tmp_path), "tcp://127.0.0.1:1")
     channels = StepChannels.for_server(str(tmp_path), addresses.plans, addresses.results, shm=False)
-    worker = WorkerConfig(
-        "m", addresses, channels, block_size=8, num_blocks=40, max_num_seqs=7, enforce_eager=True, first_device=2
-    )
-    built = worker.runner(num_threads=3)
-    assert built == RunnerConfig(
-        "m", block_size=8, num_blocks=40, kv_cache_memory_bytes=1 << 30, max_num_seqs=7, enforce_eager=True,
-        first_device=2, num_threads=3,
+    settings = dict(block_size=8, num_blocks=40, max_num_seqs=7, enforce_eager=True, first_device=2, profile=False, port=1)
+    worker = worker_config(settings, model_dir="m", addresses=addresses, channels=channels, pipeline="off")
+    assert worker.runner == RunnerConfig(
+        "m", block_size=8, num_blocks=40, max_num_seqs=7, enforce_eager=True, first_device=2
     )  # fmt: skip
-    worker_defaults, runner_defaults = (
-        {f.name: f.default for f in dataclasses.fields(view)} for view in (WorkerConfig, RunnerConfig)
-    )
-    assert set(runner_defaults) - set(worker_defaults) == {"pad_decode"}
-    differ = {name for name, default in runner_defaults.items() if worker_defaults.get(name, default) != default}
-    assert differ == {"kv_cache_memory_bytes"}
+    assert (worker.profile, worker.pipeline, worker.channels) == (False, "off", channels)
+    assert not {f.name for f in dataclasses.fields(WorkerConfig)} & {f.name for f in dataclasses.fields(RunnerConfig)}
+    with pytest.raises(ValueError, match="device must be one of"):
+        worker_config(settings, model_dir="m", addresses=addresses, channels=channels, device="tpu")
+    with pytest.raises(ValueError, match="num_blocks must be positive"):
+        worker_config(settings, model_dir="m", addresses=addresses, channels=channels, num_blocks=0)
 
 
 @pytest.mark.parametrize("pipeline", [True, False])

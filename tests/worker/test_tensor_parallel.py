@@ -287,7 +287,7 @@ def test_a_replicas_ranks_take_gpus_of_their_own_where_there_are_enough(monkeypa
     args = build_parser().parse_args(["--model", "demo", "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--device", "cuda"])
     ranks = server_config(args, "/tmp/conveyor-test-run").replica(1).worker_ranks()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    devices = [rank_device("cuda", TensorParallel(w.tensor_parallel_rank, 2, None), w.first_device) for w in ranks]
+    devices = [rank_device("cuda", TensorParallel(w.tensor_parallel_rank, 2, None), w.runner.first_device) for w in ranks]
     assert devices == expected
     assert rank_device("cpu", TensorParallel(1, 2, None), 2) == "cpu"
 
@@ -299,7 +299,7 @@ def test_a_worker_makes_its_replicas_gpu_current_before_loading(monkeypatch, tmp
     too, so Triton kernels launch on the replica's GPU and not on cuda:0."""
     import conveyor.worker.main as worker_main
     from conveyor.ipc.step_channel import StepChannels
-    from conveyor.runtime.config import WorkerConfig
+    from conveyor.runtime.config import RunnerConfig, WorkerConfig
 
     calls: list[str] = []
 
@@ -316,7 +316,7 @@ def test_a_worker_makes_its_replicas_gpu_current_before_loading(monkeypatch, tmp
     monkeypatch.setattr(worker_main, "build_runner", build_runner)
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: calls.append("init_process_group"))
     channels = StepChannels.for_server(str(tmp_path), "ipc://unused-p", "ipc://unused-r", shm=False, plan_readers=tp_size)
-    config = WorkerConfig("unused", None, channels, device="cuda", first_device=tp_size, tensor_parallel_size=tp_size)
+    config = WorkerConfig(RunnerConfig("unused", device="cuda", first_device=tp_size), None, channels, tensor_parallel_size=tp_size)
     with pytest.raises(Loaded):
         worker_main._start(config, None)
     group = ["init_process_group"] if tp_size > 1 else []

@@ -27,6 +27,7 @@ from conveyor.runtime.config import (
     FrontendConfig,
     HttpConfig,
     PlanTransport,
+    RunnerConfig,
     SchedulerConfig,
     SchedulerProcessConfig,
     ServerConfig,
@@ -55,14 +56,15 @@ def settings_view(view: type[T], settings: Mapping[str, Any], **fields: Any) -> 
 
 
 def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The :class:`WorkerConfig` fields the settings give, by their field names: those named
-    as fields as they are, the KV pool from ``num_kv_blocks`` or else ``kv_cache_memory`` GiB
+    """The :class:`WorkerConfig` and :class:`RunnerConfig` fields the settings give, by their
+    field names: those named as fields as they are, the KV pool from ``num_kv_blocks`` or else ``kv_cache_memory`` GiB
     (exactly one of ``num_blocks`` and ``kv_cache_memory_bytes`` is set), the swap space from
     ``swap_space`` GiB (None: the device's default), torch's CPU threads from ``threads``, the
     verify width from ``num_speculative_tokens`` when ``speculative_method`` is set (else 0).
-    The worker process's view is built from these (:func:`server_config`), and so is the
+    The worker process's view is built from these (:func:`worker_config`), and so is the
     engine's runner."""
-    named = {f.name: settings[f.name] for f in dataclasses.fields(WorkerConfig) if f.name in settings}
+    names = {f.name for view in (WorkerConfig, RunnerConfig) for f in dataclasses.fields(view)}
+    named = {name: settings[name] for name in names if name in settings}
     named["lora_modules"] = lora_modules(settings)
     named["enable_lora"] = bool(settings.get("enable_lora") or settings.get("enable_lora_loading"))
     blocks = settings.get("num_kv_blocks")
@@ -75,6 +77,13 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
         "num_threads": settings.get("threads"),
         "num_speculative_tokens": settings.get("num_speculative_tokens", 0) if settings.get("speculative_method") else 0,
     }
+
+
+def worker_config(settings: Mapping[str, Any], **fields: Any) -> WorkerConfig:
+    """The worker process's view from :func:`worker_settings`' dict, with ``fields`` over it:
+    the runner's fields in its :class:`RunnerConfig`, the process's beside it."""
+    merged = {**settings, **fields}
+    return settings_view(WorkerConfig, merged, runner=settings_view(RunnerConfig, merged))
 
 
 def lora_modules(settings: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -144,14 +153,8 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         remote_plans_address=remote_plans_address(flags["dist_init_addr"]) if multi_node else None,
         remote_plans_key=flags.get("cluster_key") if multi_node else None,
     )
-    worker = WorkerConfig(
-        **{
-            **worker_settings(flags),
-            "model_dir": model_dir,
-            "addresses": addresses,
-            "channels": channels,
-            "pipeline": flags["pipeline_steps"],
-        }
+    worker = worker_config(
+        worker_settings(flags), model_dir=model_dir, addresses=addresses, channels=channels, pipeline=flags["pipeline_steps"]
     )
     frontend = settings_view(
         FrontendConfig, flags, model_dir=model_dir, addresses=addresses, max_model_len=max_model_len, vocab_size=model.vocab_size

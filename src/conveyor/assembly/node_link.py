@@ -72,7 +72,7 @@ def join_settings(config: ServerConfig) -> dict[str, str]:
     """What every node must share, by a name an operator recognises: the code (a commit mismatch
     can change a message's fields without a version bump), torch (the process group's wire
     format), the model's config.json and the flags that shape plans or the group."""
-    worker = config.worker
+    worker, runner = config.worker, config.worker.runner
     config_json = os.path.join(config.model_dir, "config.json")
     with open(config_json, "rb") as f:
         model = hashlib.sha256(f.read()).hexdigest()[:16]
@@ -84,12 +84,12 @@ def join_settings(config: ServerConfig) -> dict[str, str]:
         "model config.json (sha256)": model,
         "--tensor-parallel-size": str(worker.tensor_parallel_size),
         "--nnodes": str(config.nnodes),
-        "--dtype": str(worker.dtype),
-        "--block-size": str(worker.block_size),
-        "--max-num-seqs": str(worker.max_num_seqs),
-        "--max-loras": str(worker.max_loras),
-        "--max-lora-rank": str(worker.max_lora_rank),
-        "--lora-modules (names)": ",".join(sorted(name for name, _ in worker.lora_modules)),
+        "--dtype": str(runner.dtype),
+        "--block-size": str(runner.block_size),
+        "--max-num-seqs": str(runner.max_num_seqs),
+        "--max-loras": str(runner.max_loras),
+        "--max-lora-rank": str(runner.max_lora_rank),
+        "--lora-modules (names)": ",".join(sorted(name for name, _ in runner.lora_modules)),
     }
 
 

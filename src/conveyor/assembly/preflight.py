@@ -46,12 +46,12 @@ def check_before_start(config: ServerConfig) -> None:
                     ssl_context(config.http.ssl_certfile, config.http.ssl_keyfile)  # type: ignore[arg-type]
                 except (OSError, ssl.SSLError) as exc:
                     raise StartupError(f"--ssl-certfile/--ssl-keyfile: cannot load them: {exc}") from None
-    device = str(config.worker.device)
+    device = str(config.worker.runner.device)
     if device.startswith("cuda") and cuda_device_count() == 0:
         raise StartupError(f"--device {device}: no CUDA device is visible here; use --device cpu (or auto)")
-    for name, directory in config.worker.lora_modules:
+    for name, directory in config.worker.runner.lora_modules:
         try:
-            read_adapter_config(name, directory, config.worker.max_lora_rank)
+            read_adapter_config(name, directory, config.worker.runner.max_lora_rank)
         except LoraLoadError as exc:
             raise StartupError(f"--lora-modules {name}={directory}: {exc}") from None
 

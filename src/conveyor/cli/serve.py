@@ -25,12 +25,14 @@ from conveyor.ipc import transport
 from conveyor.runtime.config import (
     Attention,
     Choice,
+    KV_CACHE_MEMORY_BYTES,
     Device,
     Dtype,
     FrontendConfig,
     HttpConfig,
     PipelineSteps,
     PlanTransport,
+    RunnerConfig,
     SchedulerConfig,
     SchedulerProcessConfig,
     ServerConfig,
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")
     p.add_argument(
-        "--kv-cache-memory", type=float, default=WorkerConfig.kv_cache_memory_bytes / build.GIB, help="GiB for the KV cache when --num-kv-blocks is not given"
+        "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / build.GIB, help="GiB for the KV cache when --num-kv-blocks is not given"
     )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="most sequences in one iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens, help="token budget of one iteration")
@@ -159,7 +161,7 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
         help="PEFT LoRA adapters requests may name (the OpenAI 'model' field, the protocol's 'lora')",
     )
     _count(g, "--max-loras", SchedulerConfig.max_loras, "adapters on the device at once (distinct adapters in one step)")
-    _count(g, "--max-lora-rank", WorkerConfig.max_lora_rank, "largest adapter rank accepted")
+    _count(g, "--max-lora-rank", RunnerConfig.max_lora_rank, "largest adapter rank accepted")
     g.add_argument(
         "--enable-lora-loading", action="store_true",
         help="let clients load and unload adapters while serving (load_lora, /v1/load_lora_adapter); off: a load reads any directory the client names",
@@ -338,9 +340,9 @@ def ready_line(config: ServerConfig, workers: list[dict]) -> str:
     what = "demo model (random weights: output is gibberish)" if config.demo else f"model {model_name(config.model_dir, False)}"
     blocks = [int(w["num_blocks"]) for w in workers]
     devices = sorted({f"{w.get('device')}{cpu_threads_note(w)}" for w in workers})
-    cache = f"{blocks[0]} KV blocks of {config.worker.block_size} tokens"
+    cache = f"{blocks[0]} KV blocks of {config.worker.runner.block_size} tokens"
     if len(workers) > 1:
-        each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} KV blocks of {config.worker.block_size} tokens"
+        each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} KV blocks of {config.worker.runner.block_size} tokens"
         cache = f"{len(workers)} data-parallel replicas of {each}"
     return f"conveyor ready on {config.addresses.client} serving {what} on {', '.join(devices)} with {cache}"
 

@@ -209,7 +209,7 @@ class Engine:
             query_id = f"engine-lora-{next(self._lora_queries)}"
             self._ranks.send(LoadLora(query_id, name, str(directory)))
             self._ranks.send(CommitLora(query_id))
-        self.runner.load_lora(name, str(directory))
+        self.runner.adapters.load_lora(name, str(directory))
         self.scheduler.add_lora(name)
 
     def unload_lora(self, name: str) -> None:
@@ -220,7 +220,7 @@ class Engine:
         self.scheduler.remove_lora(name)
         if self._ranks is not None:
             self._ranks.send(UnloadLora(f"engine-lora-{next(self._lora_queries)}", name))
-        self.runner.unload_lora(name)
+        self.runner.adapters.unload_lora(name)
 
     def has_pending_requests(self) -> bool:
         """Whether any request is not done yet."""

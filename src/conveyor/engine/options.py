@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.assembly.build import GIB
-from conveyor.runtime.config import Attention, Device, Dtype, FrontendConfig, RunnerConfig, SchedulerConfig, WorkerConfig
+from conveyor.runtime.config import (
+    KV_CACHE_MEMORY_BYTES, Attention, Device, Dtype, FrontendConfig, RunnerConfig, SchedulerConfig, WorkerConfig,
+)  # fmt: skip
 
 # TGI's names -> the batcher's.
 ALIASES = {"max_batch_size": "max_num_seqs", "max_batch_tokens": "max_num_batched_tokens"}
@@ -42,7 +44,7 @@ class EngineOptions:
     attention: str = Attention.AUTO
     block_size: int = SchedulerConfig.block_size
     num_kv_blocks: int | None = None  # KV-cache blocks; None: as many as kv_cache_memory holds
-    kv_cache_memory: float = WorkerConfig.kv_cache_memory_bytes / GIB  # GiB, when num_kv_blocks is not given
+    kv_cache_memory: float = KV_CACHE_MEMORY_BYTES / GIB  # GiB, when num_kv_blocks is not given
     num_cpu_blocks: int | None = None  # CPU swap space in blocks (instead of swap_space)
     swap_space: float | None = None  # GiB; None: the device's default (4 with cuda, 0 on CPU)
     threads: int | None = None  # torch CPU threads

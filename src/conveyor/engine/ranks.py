@@ -42,6 +42,7 @@ from conveyor.ipc import codec, step_channel, transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.ipc.step_channel import StepChannels, StepSender
 from conveyor.ipc.transport import ServerAddresses
+from conveyor.assembly.build import worker_config
 from conveyor.runtime.config import WorkerConfig, rank_process_name
 from conveyor.runtime.process import terminate
 from conveyor.runtime.tensor_shards import TensorParallel
@@ -88,17 +89,15 @@ class RankGroup:
             self._control = transport.socket(self._ctx, zmq.PULL, addresses.control, bind=True)
             self._plans = StepSender(self._ctx, self.channels.plans, bind=True)
             rendezvous = f"file://{self.run_dir}/tp-rendezvous"
-            config = WorkerConfig(
-                **{
-                    **worker,
-                    "model_dir": model_dir,
-                    "addresses": addresses,
-                    "channels": self.channels,
-                    "profile": False,  # nobody asks the ranks for profiles here
-                    "tensor_parallel_rank": 1,
-                    "distributed_init_method": rendezvous,
-                    "rank0_in_process": True,
-                }
+            config = worker_config(
+                worker,
+                model_dir=model_dir,
+                addresses=addresses,
+                channels=self.channels,
+                profile=False,  # nobody asks the ranks for profiles here
+                tensor_parallel_rank=1,
+                distributed_init_method=rendezvous,
+                rank0_in_process=True,
             )
             spawn = mp.get_context("spawn")
             for rank in range(1, size):
@@ -106,7 +105,7 @@ class RankGroup:
                 proc = spawn.Process(target=run_worker, args=(replace(config, tensor_parallel_rank=rank),), name=name, daemon=True)
                 proc.start()
                 self.procs.append(proc)
-            self.tp = self._join(rendezvous, device, rank_device(device, TensorParallel(0, size), config.first_device))
+            self.tp = self._join(rendezvous, device, rank_device(device, TensorParallel(0, size), config.runner.first_device))
         except BaseException:
             self.close()
             raise

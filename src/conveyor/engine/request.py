@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from conveyor.frontend.logprobs import Logprob, LogprobsLog
 from conveyor.frontend.output import end_text, stream_text
 from conveyor.frontend.processor import Streams
 from conveyor.ipc.messages import FinishReason, TokenLogprobs
 
-if TYPE_CHECKING:
-    from conveyor.engine.engine import Engine
+class Owner(Protocol):
+    """The engine a request belongs to, as the request sees it (:class:`conveyor.Engine`,
+    which imports this module): what :meth:`Request.remove` asks of it."""
+
+    def _remove(self, request: Request) -> None: ...
 
 
 class TextDelta(NamedTuple):
@@ -57,7 +60,7 @@ class Request:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Owner,
         request_id: str,
         scheduler_id: str,
         prompt_token_ids: list[int],

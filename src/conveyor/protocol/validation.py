@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from conveyor.protocol.wire import INVALID_INPUT, PROMPT_TOO_LONG, ProtocolError
 
-if TYPE_CHECKING:
-    from conveyor.protocol.requests import GenerateRequest
+class Checked(Protocol):
+    """What :func:`check_tokenized` reads of a parsed generate request
+    (:class:`~conveyor.protocol.requests.GenerateRequest`, whose module imports this one)."""
+
+    request_id: str
+    sampling: Any
 
 
 def is_int(v: Any) -> bool:
@@ -80,7 +84,7 @@ def _length_problem(n: int, max_tokens: int, max_model_len: int) -> str | None:
 
 
 def check_tokenized(
-    req: GenerateRequest, prompt_ids: list[int], vocab_size: int, max_model_len: int, *, check_ids: bool = True
+    req: Checked, prompt_ids: list[int], vocab_size: int, max_model_len: int, *, check_ids: bool = True
 ) -> None:
     """:func:`context_problem` for a parsed generate request, raised as :class:`ProtocolError`."""
     problem = context_problem(

@@ -15,7 +15,7 @@ load it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from conveyor.ipc.step_channel import StepChannels
 from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exported: they are read from here)
@@ -165,8 +165,8 @@ class FrontendConfig:
 @dataclass(frozen=True)
 class RunnerConfig:
     """What a model runner (:class:`conveyor.worker.model_runner.ModelRunner`) is built from,
-    every default written here once: the worker's view (:meth:`WorkerConfig.runner`) and the
-    in-process engine build one, the tests and benchmarks too.
+    every default written here once: the worker's view holds one (:attr:`WorkerConfig.runner`),
+    the in-process engine builds one, the tests and benchmarks too.
 
     ``device``: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (resolved, per rank, by
     :func:`conveyor.worker.main.build_runner`; a runner takes a concrete one). ``dtype``: a
@@ -220,28 +220,21 @@ class RunnerConfig:
         return bool(self.lora_modules) or self.enable_lora
 
 
+#: The KV cache's size when no block count is given: bin/serve's ``--kv-cache-memory`` default and the engine's.
+KV_CACHE_MEMORY_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
-    """The worker process's view. The KV pool is ``num_blocks`` blocks, or as many as fit in
-    ``kv_cache_memory_bytes`` (:func:`conveyor.assembly.build.worker_settings` sets exactly one;
-    the latter's default, 1 GiB, is bin/serve's ``--kv-cache-memory`` default and the engine's); the CPU swap space ``num_cpu_blocks`` blocks, or
-    ``swap_space_bytes`` (None for both: the device's default, see worker/main.py). The fields
-    it shares with :class:`RunnerConfig` take their defaults from it, ``kv_cache_memory_bytes``
-    aside; :meth:`runner` is the runner's config."""
+    """The worker process's view: its model runner's config (``runner``, which says what each
+    of its fields does; its ``device`` may be ``auto``, resolved per rank by the worker, and
+    its ``num_threads`` is the setting, shared among the ranks of a machine) and the process
+    around the runner. :func:`conveyor.assembly.build.worker_config` builds it from settings."""
 
-    model_dir: str
+    runner: RunnerConfig
     addresses: ServerAddresses
     channels: StepChannels  # plans from the scheduler, results back
-    device: Device = RunnerConfig.device
-    dtype: Dtype = RunnerConfig.dtype
-    block_size: int = RunnerConfig.block_size
-    num_blocks: int | None = RunnerConfig.num_blocks
-    kv_cache_memory_bytes: int | None = 1 << 30
-    num_threads: int | None = RunnerConfig.num_threads
-    attention: Attention = RunnerConfig.attention
     pipeline: PipelineSteps = PipelineSteps.AUTO  # launch step N+1 before finishing step N
-    num_cpu_blocks: int | None = RunnerConfig.num_cpu_blocks
-    swap_space_bytes: int | None = RunnerConfig.swap_space_bytes
     profile: bool = True  # record latency profiles (bin/serve --profile / --no-profile)
     # Tensor parallelism (bin/serve --tensor-parallel-size): this worker is rank
     # ``tensor_parallel_rank`` of ``tensor_parallel_size`` (one process each, every one reading
@@ -253,32 +246,16 @@ class WorkerConfig:
     tensor_parallel_rank: int = 0
     distributed_init_method: str = ""
     distributed_timeout_s: float = 300.0
-    # The GPU of this worker's rank 0 (data-parallel replica i: i * tensor_parallel_size), so
-    # replicas run on GPUs of their own where the machine has enough (worker.parallel.rank_device).
-    first_device: int = RunnerConfig.first_device
     # Rank 0 is the planning process (conveyor.Engine: conveyor.engine.ranks) and reads no plans:
     # the plan channel has a reader per other rank, rank r >= 1 being reader r - 1.
     rank0_in_process: bool = False
-    # The runner's fields below (RunnerConfig says what each does): the scheduler's max_num_seqs
-    # and speculative_tokens (assembly.build.worker_settings sets them), --enforce-eager, LoRA
-    # (enable_lora: on without adapters at start, for Engine.load_lora and
-    # --enable-lora-loading) and the draft model (SchedulerConfig.speculative_model).
-    max_num_seqs: int = RunnerConfig.max_num_seqs
-    enforce_eager: bool = RunnerConfig.enforce_eager
-    num_speculative_tokens: int = RunnerConfig.num_speculative_tokens
-    lora_modules: tuple[tuple[str, str], ...] = RunnerConfig.lora_modules
-    enable_lora: bool = RunnerConfig.enable_lora
-    max_loras: int = RunnerConfig.max_loras
-    max_lora_rank: int = RunnerConfig.max_lora_rank
-    max_cpu_loras: int | None = RunnerConfig.max_cpu_loras
-    speculative_model: str | None = RunnerConfig.speculative_model
-    batch_invariant: bool = RunnerConfig.batch_invariant
 
     def __post_init__(self) -> None:
-        parse_choices(self, device=Device, dtype=Dtype, attention=Attention, pipeline=PipelineSteps)
+        parse_choices(self, pipeline=PipelineSteps)
+        Device.parse(self.runner.device, "device")  # (a rank's concrete device is the worker's to resolve)
         require_at_least(self, 1, "tensor_parallel_size")
-        if self.num_blocks is not None:  # (else sized from kv_cache_memory_bytes by the worker)
-            require_at_least(self, 1, "num_blocks")
+        if self.runner.num_blocks is not None:  # (else sized from kv_cache_memory_bytes by the worker)
+            require_at_least(self.runner, 1, "num_blocks")
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_rank {self.tensor_parallel_rank} outside 0..{self.tensor_parallel_size - 1}")
         readers = self.tensor_parallel_size - self.rank0_in_process
@@ -286,12 +263,6 @@ class WorkerConfig:
             raise ValueError(f"the plan channel has {self.channels.plans.readers} readers for {readers} tensor-parallel ranks")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
-
-    def runner(self, **fields_: object) -> RunnerConfig:
-        """This worker's runner: the fields it shares with :class:`RunnerConfig` (``pad_decode``
-        is left to the runner's default), with ``fields_`` over them."""
-        shared = {f.name: getattr(self, f.name) for f in fields(RunnerConfig) if hasattr(self, f.name)}
-        return RunnerConfig(**{**shared, **fields_})
 
 
 def rank_process_name(worker: str, rank: int) -> str:
@@ -404,7 +375,10 @@ class ServerConfig:
             addresses=addresses,
             channels=channels,
             worker=replace(
-                self.worker, addresses=addresses, channels=channels, first_device=index * self.worker.tensor_parallel_size
+                self.worker,
+                addresses=addresses,
+                channels=channels,
+                runner=replace(self.worker.runner, first_device=index * self.worker.tensor_parallel_size),
             ),
             scheduler=replace(self.scheduler, addresses=addresses, channels=channels),
         )

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conveyor.ipc.messages import NewRequestData
+from conveyor.ipc.messages import NewRequestData, sequence_id
 from conveyor.protocol.validation import context_problem
-from conveyor.scheduler.groups import fork_source, sequence_id
+from conveyor.scheduler.groups import fork_source
 from conveyor.scheduler.kv_manager import PrefixMatch
 from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.preemption import make_room

@@ -29,69 +29,12 @@ Aborting the request id aborts every live sequence of it; a sequence id aborts t
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from conveyor.ipc.messages import sequence_id
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest, SeqGroup, sequence_seed
 
 if TYPE_CHECKING:
     from conveyor.scheduler.state import SchedulerState
-
-_SEED_MOD = 1 << 64
-
-
-def sequence_seed(seed: int | None, index: int) -> int | None:
-    """Sequence ``index``'s seed: ``seed + index`` wrapped into the 64-bit range seeds are
-    given in ([-2**63, 2**64)), which the sampler reads modulo 2**64."""
-    if seed is None:
-        return None
-    derived = seed + index
-    return derived - _SEED_MOD if derived >= _SEED_MOD else derived
-
-
-@dataclass(eq=False, slots=True)
-class SeqGroup:
-    """The sequences of one request; ``held`` are those not queued yet (module docstring)."""
-
-    request_id: str
-    seqs: list[SchedulerRequest]
-    held: list[SchedulerRequest] = field(default_factory=list)
-    num_live: int = 0
-
-    @property
-    def leader(self) -> SchedulerRequest:
-        return self.seqs[0]
-
-    @classmethod
-    def fan_out(cls, req: SchedulerRequest, n: int) -> SeqGroup:
-        """The group of ``n`` sequences of ``req`` (a request built from the message, never queued)."""
-        group = cls(req.request_id, [])
-        for i in range(n):
-            # Prompt log-probabilities are the request's, once: the leader's prefill computes
-            # them (a fork never runs the prompt, and asking would cost it the prefix match).
-            prompt_logprobs = req.sampling.prompt_logprobs if i == 0 else None
-            sampling = msgspec.structs.replace(
-                req.sampling, seed=sequence_seed(req.sampling.seed, i), prompt_logprobs=prompt_logprobs
-            )
-            seq = dataclasses.replace(
-                req,
-                request_id=sequence_id(req.request_id, i),
-                token_ids=list(req.token_ids),
-                sampling=sampling,
-                block_ids=[],
-                cpu_blocks=[],
-                block_hashes=[],
-            )
-            seq.group = group
-            group.seqs.append(seq)
-        group.held = group.seqs[1:]
-        group.num_live = n
-        return group
-
 
 def fork_source(state: SchedulerState, req: SchedulerRequest) -> SchedulerRequest | None:
     """The leader ``req`` forks from if admitted now: a never-admitted non-leader sequence whose

@@ -29,17 +29,40 @@ Invariants the scheduler keeps:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from conveyor.ipc.messages import AddRequest, SamplingParams, int_list
-from conveyor.scheduler.speculation import speculates
+import msgspec
 
-if TYPE_CHECKING:
-    from conveyor.scheduler.groups import SeqGroup
-    from conveyor.scheduler.slot_columns import SlotColumns
+from conveyor.ipc.messages import AddRequest, SamplingParams, int_list, sequence_id
+
+
+def speculates(sp: SamplingParams) -> bool:
+    """Whether a request with these parameters may verify proposals (:mod:`conveyor.scheduler.speculation`:
+    those whose output verification keeps exact, unless opted out)."""
+    return (
+        sp.speculate
+        and sp.n == 1
+        and sp.logprobs is None
+        and sp.prompt_logprobs is None
+        and not sp.grammar
+        and sp.presence_penalty == 0
+        and sp.frequency_penalty == 0
+        and sp.repetition_penalty == 1.0
+        and not sp.logit_bias
+        and sp.min_tokens == 0
+        and not sp.pooling
+    )
+
+
+class Columns(Protocol):
+    """What a request reads of the scheduler's per-slot columns
+    (:class:`~conveyor.scheduler.slot_columns.SlotColumns`, which import this module)."""
+
+    flat: memoryview
 
 
 # Requests without stop tokens of their own share one stop set (the EOS set, or this empty
@@ -91,7 +114,7 @@ class SchedulerRequest:
     # A recomputed prefill gives them again; only the owed ones are sent.
     prompt_logprobs_from: int = 1
     # The scheduler's per-slot columns, which hold num_computed_tokens while it holds a slot.
-    columns: SlotColumns | None = None
+    columns: Columns | None = None
     # The parallel-sampling request it is a sequence of (scheduler/groups.py), or None.
     group: SeqGroup | None = None
     # The LoRA adapter it runs under (None: the base model), and the root its prefix-cache
@@ -152,3 +175,55 @@ class SchedulerRequest:
     def all_token_ids(self) -> list[int]:
         """A fresh list of prompt + outputs (a copy: plans must not alias live state)."""
         return list(self.token_ids)
+
+
+_SEED_MOD = 1 << 64
+
+
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """Sequence ``index``'s seed: ``seed + index`` wrapped into the 64-bit range seeds are
+    given in ([-2**63, 2**64)), which the sampler reads modulo 2**64."""
+    if seed is None:
+        return None
+    derived = seed + index
+    return derived - _SEED_MOD if derived >= _SEED_MOD else derived
+
+
+@dataclass(eq=False, slots=True)
+class SeqGroup:
+    """The sequences of one request; ``held`` are those not queued yet (module docstring)."""
+
+    request_id: str
+    seqs: list[SchedulerRequest]
+    held: list[SchedulerRequest] = field(default_factory=list)
+    num_live: int = 0
+
+    @property
+    def leader(self) -> SchedulerRequest:
+        return self.seqs[0]
+
+    @classmethod
+    def fan_out(cls, req: SchedulerRequest, n: int) -> SeqGroup:
+        """The group of ``n`` sequences of ``req`` (a request built from the message, never queued)."""
+        group = cls(req.request_id, [])
+        for i in range(n):
+            # Prompt log-probabilities are the request's, once: the leader's prefill computes
+            # them (a fork never runs the prompt, and asking would cost it the prefix match).
+            prompt_logprobs = req.sampling.prompt_logprobs if i == 0 else None
+            sampling = msgspec.structs.replace(
+                req.sampling, seed=sequence_seed(req.sampling.seed, i), prompt_logprobs=prompt_logprobs
+            )
+            seq = dataclasses.replace(
+                req,
+                request_id=sequence_id(req.request_id, i),
+                token_ids=list(req.token_ids),
+                sampling=sampling,
+                block_ids=[],
+                cpu_blocks=[],
+                block_hashes=[],
+            )
+            seq.group = group
+            group.seqs.append(seq)
+        group.held = group.seqs[1:]
+        group.num_live = n
+        return group

@@ -127,10 +127,10 @@ from conveyor.ipc.messages import (
 from conveyor.runtime.config import Preemption, SchedulerConfig
 from conveyor.scheduler import invariants
 from conveyor.scheduler.admission import admission_open, rejection_reason
-from conveyor.scheduler.groups import SeqGroup, release_held
+from conveyor.scheduler.groups import release_held
 from conveyor.scheduler.iteration_log import ITERATION_FIELDS, IterationLog
 from conveyor.scheduler.planning import plan_decodes, plan_prompts
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest, SeqGroup
 from conveyor.scheduler.results import apply_result
 from conveyor.scheduler.speculation import plan_speculation, quiet as speculation_quiet
 from conveyor.scheduler.state import MAX_PLANS_IN_FLIGHT, SchedulerState

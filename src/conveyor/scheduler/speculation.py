@@ -19,7 +19,7 @@ blocks for it; the plan carries the count (``CachedRequests.spec_draft_counts``)
 KV lives in the same block ids as the target's (its own cache tensors), so this accounting
 covers both.
 
-**Which decodes speculate** (:func:`speculates`): greedy and sampling requests alike (the
+**Which decodes speculate** (:func:`conveyor.scheduler.request.speculates`): greedy and sampling requests alike (the
 worker's rejection sampling keeps the target's distribution exactly:
 :mod:`conveyor.worker.speculative_verify`), unless the request opts out (``speculate``
 false) or asks for what verification cannot keep exact yet: log-probabilities, structured
@@ -57,35 +57,15 @@ next proposals.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from conveyor.ipc.messages import SamplingParams
 from conveyor.scheduler.slot_columns import KNOWN, STOP_LEN
 
 if TYPE_CHECKING:
-    from conveyor.scheduler.request import SchedulerRequest
     from conveyor.scheduler.state import SchedulerState
     from conveyor.scheduler.step import Step
-
-
-def speculates(sp: SamplingParams) -> bool:
-    """Whether a request with these parameters may verify proposals (module docstring:
-    those whose output verification keeps exact, unless opted out)."""
-    return (
-        sp.speculate
-        and sp.n == 1
-        and sp.logprobs is None
-        and sp.prompt_logprobs is None
-        and not sp.grammar
-        and sp.presence_penalty == 0
-        and sp.frequency_penalty == 0
-        and sp.repetition_penalty == 1.0
-        and not sp.logit_bias
-        and sp.min_tokens == 0
-        and not sp.pooling
-    )
 
 
 def propose_ngram(tokens: np.ndarray, k: int, ngram_max: int, ngram_min: int) -> np.ndarray:
@@ -105,7 +85,15 @@ def propose_ngram(tokens: np.ndarray, k: int, ngram_max: int, ngram_min: int) ->
 MAX_SKIP = 15  # decodes a request skips proposing after 4 or more whole rejections in a row
 
 
-def back_off(req: SchedulerRequest, accepted: int) -> None:
+class BacksOff(Protocol):
+    """A request's back-off count (:class:`~conveyor.scheduler.request.SchedulerRequest`'s,
+    whose module imports this one for :func:`speculates`)."""
+
+    spec_misses: int
+    spec_skip: int
+
+
+def back_off(req: BacksOff, accepted: int) -> None:
     """A proposal of ``req`` was verified with ``accepted`` tokens kept: the back-off's count
     (module docstring)."""
     req.spec_misses = 0 if accepted else req.spec_misses + 1

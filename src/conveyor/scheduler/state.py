@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 
 from conveyor.ipc.messages import RequestOutput, StepPlan
 from conveyor.runtime.config import Preemption, SchedulerConfig
-from conveyor.scheduler.groups import SeqGroup
 from conveyor.scheduler.kv_manager import KVCacheManager
 from conveyor.scheduler.policy import SchedulingPolicy
 from conveyor.scheduler.queue import WaitingQueue
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest, SeqGroup
 from conveyor.scheduler.request_table import RequestTable
 from conveyor.scheduler.slot_columns import SlotColumns
 from conveyor.scheduler.step import Step

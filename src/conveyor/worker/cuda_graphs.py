@@ -1,21 +1,11 @@
 """CUDA graphs of the static-buffer decode forward (embedding to logits), one per bucket.
 
-The runner's decode step (:meth:`ModelRunner._forward_decode`) reads only the fixed device
-views of :class:`~conveyor.worker.step_buffers.StepBuffers` and writes its logits into one
-fixed buffer, so the same call can be captured once per (row bucket, query tokens per row,
-context bound) and replayed (one token per row: a decode; ``1 + k``: a speculative verify): one launch instead of hundreds of kernel launches per step. The graphs share one
-memory pool (they never run at the same time, so their intermediates may overlap), captured
-largest first so the pool is sized by the largest graph.
-
-The context bound fixes the split-K partitioning of the paged decode kernel, which sizes
-its grid from the bound (its surplus programs write nothing for shorter contexts). Bounds
-whose partition plans are equal for a row bucket would capture identical work, so they
-share the graph of the largest such bound: :meth:`DecodeGraphs.bound_for` names the bound
-(and so the block-table width) a step must stage with.
-
-Everything here runs only on CUDA; the runner builds it only when the device is CUDA, the
-attention backend is Triton (the torch store's boolean indexing syncs) and graphs are not
-turned off (``--enforce-eager``).
+:meth:`~conveyor.worker.decode_step.DecodeStep.forward` reads only the fixed device views of
+:class:`~conveyor.worker.step_buffers.StepBuffers` and writes one fixed logits buffer, so it is
+captured once per (row bucket, query tokens per row, context bound) and replayed: one launch
+instead of hundreds. The graphs share one memory pool, captured largest first; bounds whose
+decode-kernel plans are equal share a graph (:meth:`DecodeGraphs.bound_for`). CUDA only, with
+the Triton backend, unless ``--enforce-eager``.
 """
 
 from __future__ import annotations

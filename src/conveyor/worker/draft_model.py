@@ -2,45 +2,9 @@
 worker runs beside the target to propose the tokens a speculative row verifies
 (``--speculative-method draft --speculative-model DIR``).
 
-**Its KV cache** has tensors of its own, shaped by its layers and kv heads
-(:class:`~conveyor.worker.kv_cache.KVCacheShape`), with as many blocks as the target's, and it
-is addressed by the *same* block tables: block ``b`` of a request holds the target's KV of its
-tokens in the target's cache and the draft's KV of the same tokens in the draft's. The
-scheduler's block accounting thus covers both, and the runner applies every block move of a
-plan (swap-out, swap-in, fork copies) to both caches alike.
-
-**Invariant: the draft's KV is valid wherever the target's is**, token for token. Every step
-writes the same positions in both: the draft runs every row of the step (prefill chunks,
-decodes, whatever the request) over the tokens the target runs, one ragged batch
-(:func:`~conveyor.worker.ragged_inputs.ragged_inputs`, as the target's); a speculative row of
-``k`` draft tokens runs only its last known token there, then ``k`` small forwards, batched over
-the speculative rows, each feeding the token just drafted (its argmax), so the draft writes
-positions ``p .. p + k`` with the very tokens the target verifies there. When the target
-rejects some, the row's computed count moves back for both caches at once (one count,
-:class:`~conveyor.worker.request_state.RequestState`), and the KV past it is overwritten later,
-never copied. So whatever later reuses a block (a prefix-cache hit, a swapped-in or forked
-block, a continuation) finds the draft's KV valid too, and a recomputed request rebuilds both.
-The draft's KV affects only how many proposals are accepted, never the output: the target
-verifies every token.
-
-**Argmax, and q.** The draft proposes its argmax for every speculating row, greedy or sampled:
-a deterministic proposer, whose ``q`` is a point mass at each proposal, as the n-gram
-proposer's, so the runner verifies drafted tokens with point masses
-(:mod:`~conveyor.worker.speculative_verify`: exact for every request; greedy: token for token).
-The draft's logits at each proposed token are kept for the launch (where the verification is
-enqueued; not past it), and :attr:`Drafts.probs` is their softmax
-(``[num_proposed, vocab]``, float32, in the order of the proposals): a draft that *samples*
-would pass them as ``draft_probs`` (not done yet: its draws would need a stream of their own,
-independent of the verification's). Nothing pays for the softmax until it is asked for.
-
-**Tensor parallelism.** The draft is split over the target's ranks as the target is
-(:mod:`~conveyor.worker.parallel`: its heads, its MLP, its KV cache of this rank's kv heads; a
-draft whose heads cannot be split is refused at start). Every rank runs the same forwards on
-the same inputs (the step's work and the per-slot last tokens are identical on every rank), so
-the collectives line up; only rank 0 holds the LM head, and it alone scores and picks each
-drafted token, then broadcasts the ids (one broadcast per draft forward), as it does the
-target's sampled ids. The proposals are thus rank 0's on every rank, never each rank's own
-argmax of float math that could differ, and the verify step that follows feeds them alike.
+Its KV cache is addressed by the target's block tables and kept valid wherever the target's
+is; it proposes its argmax, split over the ranks as the target is (docs/architecture.md,
+"The draft model").
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """The worker's half of structured output: each constrained request's matcher, and the step's
 bitmask filled where the sampled tokens are known.
 
-**Why here.** The frontend compiles and validates a constraint (the 400 for a bad one, before
-any KV is allocated) and sends its serialized grammar with the request
-(``SamplingParams.grammar``); a matcher cannot cross a process boundary, so the worker builds
-one from that text with the same tokenizer (the model directory's ``tokenizer.json``, the
-model's end-of-sequence ids and vocabulary size: what the frontend compiled against) and keeps
-it with the request's state, by slot. The worker is where every sampled token is known first,
-so it advances the matcher and fills the next mask without a round trip through the scheduler.
-
-**When.** A step's forward is enqueued first; then, for the constrained rows that sample, the
-matchers are brought up to the request's known tokens (the token of the step in flight is read
-from that step's host copy, waiting for it if need be: on a GPU that wait overlaps the forward
-just enqueued) and the rows' bitmask is filled; the sampler applies it in its one pass, before
-temperature and the filters. A step without constrained rows never reaches this module past
-one flag test.
-
-**Matcher state across preemption.** One rule: a matcher consumes the request's output tokens
-(those after ``num_prompt_tokens``) that it has not consumed yet, before each fill. A request
-the worker takes in again (after a recompute or a swap) gets a fresh matcher that replays its
-outputs at its first fill, so no state has to survive the request's absence.
-
-**Ends.** A row whose matcher is terminated (the grammar is complete: only end-of-sequence is
-allowed) ends as ``stop`` after its token; a row with no allowed token, or whose matcher failed,
-is a dead end and ends as ``error`` with the engine's message. Both travel in the step's result
-(``StepResult.end_slots``) for the scheduler to finish the requests.
+The worker rebuilds the matcher from the grammar the frontend compiled and advances it with
+every sampled token, filling the next mask while the forward runs; a request taken in again
+replays its outputs into a fresh matcher (docs/architecture.md, "Structured output in the
+worker").
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Log-probabilities a step computes for the requests that ask, and their wire columns.
 
-:class:`LogprobRows` holds one step's values on the device until their copy to the host.
-:class:`LogprobSteps` is the part of :class:`~conveyor.worker.model_runner.ModelRunner` that
-computes them (a base class of it, like :class:`~conveyor.worker.decode_step.DecodeStep`: it
-reads the runner's model, device, request state and sampling columns): those of the sampled
-tokens, and those of the prompt positions a step computes. Which requests ask is read on the
-host, so a step where none does runs nothing extra.
+:class:`LogprobSteps`, a part of the runner, computes those of the sampled tokens and of the
+prompt positions a step computes; :class:`LogprobRows` holds one step's values on the device
+until their copy to the host. Which requests ask is read on the host, so a step where none
+does runs nothing extra.
 """
 
 from __future__ import annotations
@@ -16,8 +14,9 @@ import numpy as np
 import torch
 
 from conveyor.ipc.messages import StepLogprobs
-from conveyor.worker.request_state import RequestState, Work
-from conveyor.worker.sampler import logprobs_of
+from conveyor.worker.models.interface import CausalLM
+from conveyor.worker.request_state import RequestState, SlotStates, Work
+from conveyor.worker.sampler import SamplingColumns, logprobs_of
 
 
 @dataclass(eq=False)
@@ -66,33 +65,40 @@ class LogprobRows:
 
 
 class LogprobSteps:
-    """The log-probability gathering of a runner (module docstring)."""
+    """The log-probabilities of a runner's steps: the model's LM head (rank 0's) over the rows
+    the requests on ``requests``' slots ask for by their ``sampling`` columns."""
 
-    def _scores_prompt(self, work: list[Work], states: list[RequestState]) -> bool:
+    def __init__(self, model: CausalLM, requests: SlotStates, sampling: SamplingColumns, device: torch.device) -> None:
+        self.model = model
+        self.requests = requests
+        self.sampling = sampling
+        self.device = device
+
+    def scores_prompt(self, work: list[Work], states: list[RequestState]) -> bool:
         """Whether a row of the step computes a prompt position whose next token's
         log-probability its request asked for: such a step runs the ragged path, whose hidden
         states the prompt's scoring reads (the decode step's graphs keep only the last row's
         logits). The slots that may still need it are a set that forgets a slot once its
         request is gone or past its prompt, so once no such request is held a step pays one
         empty-set test."""
-        owed = self._sampling.prompt_logprobs_slots
+        owed = self.sampling.prompt_logprobs_slots
         if not owed:
             return False
-        table = self._requests.states
+        table = self.requests.states
         for slot in list(owed):
             state = table[slot] if slot < len(table) else None
             if state is None or state.sampling.prompt_logprobs is None or state.num_computed >= state.num_prompt - 1:
                 owed.discard(slot)  # (a recomputed request is taken in again, and set again)
         return bool(owed) and any(item.slot in owed for item in work)
 
-    def _sampled_logprobs(
+    def sampled(
         self, logits: torch.Tensor, rows: np.ndarray, sampled: torch.Tensor, slots: np.ndarray, positions: np.ndarray
     ) -> LogprobRows | None:
         """The sampled tokens' log-probabilities for the requests that ask: ``logits[rows[j]]``
         drew ``sampled[j]`` for the request on ``slots[j]`` at sequence index ``positions[j]``.
         Which requests ask is read on the host (the slots' column): None, and nothing run,
         when none does. The step's width is the largest k asked (each request keeps its own)."""
-        asked = self._sampling.logprobs[slots]
+        asked = self.sampling.logprobs[slots]
         wanted = np.flatnonzero(asked >= 0)
         if not len(wanted):
             return None
@@ -102,7 +108,7 @@ class LogprobSteps:
             logits, rows[wanted], tokens, width, slots[wanted], positions[wanted], np.ones(len(wanted), np.int64)
         )
 
-    def _prompt_logprobs(
+    def prompt(
         self, hidden: torch.Tensor, work: list[Work], states: list[RequestState], offsets: np.ndarray
     ) -> LogprobRows | None:
         """Log-probabilities of the prompt tokens this step's chunks predict, for the requests

@@ -1,30 +1,10 @@
 """Per-request LoRA adapters: many fine-tunes of one base model served in one batch.
 
-**Where adapters live.** An adapter's directory is read once, when it is loaded: a client
-may delete or rewrite it afterwards and the server still serves the weights it loaded. Every
-registered adapter has a host copy (float32 ``A`` and ``B``, the PEFT scaling folded into
-``B``), kept in an LRU of at most ``max_cpu_loras``; one evicted from it is kept in this
-worker's own spill file (:class:`SpilledAdapters`, written at its first eviction, removed on
-unload) and read back from there when next needed. The
-device holds ``max_loras`` *slots*: each projection the adapters may target carries a
-:class:`LoraStack`, ``A`` ``[slots, R, in]`` and ``B`` ``[slots, out, R]`` in the model's
-dtype, and an adapter in slot ``s`` fills row ``s`` of every stack (zeros for the targets it
-lacks; ranks under ``max_lora_rank`` zero-padded). Slots are given LRU among the adapters
-the current step does not use; the scheduler never plans more distinct adapters in one step
-than there are slots, so a step's adapters always fit.
-
-**Fusion kept.** q/k/v share one stack on ``qkv_proj`` and gate/up one on
-``gate_up_proj``: ``A`` stacks the pieces' ``A`` along the rank (``R = pieces *
-max_lora_rank``) and ``B`` is block-diagonal (piece ``k`` writes its output rows from rank
-rows ``k*r .. k*r + r``), so a fused projection still costs one shrink and one expand. The
-rows and columns come from the model's own checkpoint layout, so tensor parallelism splits an
-adapter exactly like the layer it attaches to: ``B`` of a column-parallel layer by this
-rank's output rows, ``A`` of a row-parallel layer by its input columns (each rank's partial
-``B (A_r x_r)`` is summed by the layer's existing all-reduce).
-
-**How a step gathers them:** the runner gives each token its row's slot (-1: base model) and
-every stack adds its delta, batched over all tokens and adapters: the torch backend on the CPU,
-the Triton kernels (segments of one slot each) on CUDA, :mod:`conveyor.worker.lora_delta`.
+An adapter's directory is read once, at its load, into a float32 host copy (an LRU, spilled to
+the worker's own file past ``max_cpu_loras``); ``max_loras`` device slots fill a
+:class:`LoraStack` per targeted projection, fused projections keeping one shrink and one
+expand; a step adds every token's delta batched (:mod:`conveyor.worker.lora_delta`).
+docs/architecture.md, "LoRA adapters", says why and how.
 """
 
 from __future__ import annotations

@@ -1,45 +1,60 @@
-"""LoRA adapters loaded and unloaded while the worker serves (:mod:`conveyor.ipc.messages.lora_updates`).
+"""The runner's LoRA side: a new request's adapter, each step's adapter batch, and the
+adapters loaded and unloaded while the worker serves (:mod:`conveyor.ipc.messages.lora_updates`).
 
-**Where the files are read: off the step loop.** Reading an adapter (safetensors, the checks,
-float32 copies) costs far more than a decode step (docs/architecture.md, "LoRA adapters"), so
-a ``LoadLora`` only starts the read on a thread of :class:`AdapterReads`; the loop runs its
-steps meanwhile. The read changes nothing the steps use. **Where it is registered: between
-two steps, at a point the scheduler orders.** Tensor-parallel ranks must agree (all take the
-adapter or none, by one collective), and a collective lines up with the others only at the same
-point of every rank's plan stream; a rank cannot tell the others when its thread is done. So
-rank 0 tells the scheduler (``LoraRead``), the scheduler sends ``CommitLora`` on the plan
-channel, and every rank, reading it between the same two plans, takes its read's outcome
-(waiting for its own thread if it is still reading), registers the adapter and agrees
-(:meth:`LoraUpdates.add_lora`); rank 0 answers ``LoraUpdated``. With one rank the same path runs:
-one more hop to the scheduler, no step waits for the files.
-
-:class:`LoraUpdates` is the part of :class:`~conveyor.worker.model_runner.ModelRunner` that
-does it (a base class of it: it uses the runner's ``lora``, ``tensor_parallel`` and ``device``).
+A load's files are read on a thread (:class:`AdapterReads`) while steps run, and registered
+between two steps at a point the scheduler orders, so tensor-parallel ranks agree
+(docs/architecture.md, "Loading adapters while serving").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+
+import numpy as np
+import torch
 
 from conveyor.ipc.messages import LORA_INVALID, LORA_NOT_FOUND, LoadLora, LoraUpdated
-from conveyor.worker.lora import LoraAdapter, LoraFilesMissing, LoraLoadError
-from conveyor.worker.parallel import all_ranks_agree
-
-if TYPE_CHECKING:
-    import torch
-
-    from conveyor.worker.lora import LoraManager
-    from conveyor.worker.parallel import TensorParallel
+from conveyor.worker.lora import LoraAdapter, LoraFilesMissing, LoraLoadError, LoraManager
+from conveyor.worker.parallel import TensorParallel, all_ranks_agree
+from conveyor.worker.plan_check import PlanRefused
+from conveyor.worker.request_state import RequestState
 
 
 class LoraUpdates:
-    """Reading, registering and forgetting adapters on one rank (module docstring)."""
+    """The adapters of one rank (``lora``, None: LoRA off), registered on every rank of
+    ``tensor_parallel`` or none."""
 
-    lora: LoraManager | None
-    tensor_parallel: TensorParallel
-    device: torch.device
+    def __init__(self, lora: LoraManager | None, tensor_parallel: TensorParallel, device: torch.device) -> None:
+        self.lora = lora
+        self.tensor_parallel = tensor_parallel
+        self.device = device
+
+    def adapter_id(self, name: str | None) -> int:
+        """The id of a new request's adapter; PlanRefused (before any state changes) for one
+        the runner does not hold (a race with an unload, or LoRA off)."""
+        if not name:
+            return 0
+        if self.lora is None or name not in self.lora.names:
+            raise PlanRefused(f"unknown LoRA adapter {name!r}")
+        return self.lora.adapter_id(name)
+
+    @contextmanager
+    def step(self, states: list[RequestState], row_tokens: np.ndarray) -> Iterator[bool]:
+        """The step's adapter batch while the forward runs (rows in ``states`` order,
+        ``row_tokens`` tokens each, padding rows past ``states`` run the base model); yields
+        whether any row has an adapter."""
+        if self.lora is None:
+            yield False
+            return
+        adapters = np.zeros(len(row_tokens), dtype=np.int64)
+        adapters[: len(states)] = [state.adapter for state in states]
+        with_adapters = self.lora.begin_step(adapters, row_tokens)
+        try:
+            yield with_adapters
+        finally:
+            self.lora.end_step()
 
     def read_lora(self, name: str, directory: str) -> LoraAdapter:
         """Read and check the adapter in ``directory`` (:meth:`LoraManager.read`); changes no
@@ -87,8 +102,8 @@ class AdapterReads:
     """The worker loop's adapter reads in progress: started on a ``LoadLora``, reported done
     once by rank 0 (:meth:`newly_done`), committed on the scheduler's ``CommitLora``."""
 
-    def __init__(self, runner: LoraUpdates) -> None:
-        self.runner = runner
+    def __init__(self, adapters: LoraUpdates) -> None:
+        self.adapters = adapters
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
         self._reads: dict[str, tuple[LoadLora, Future[LoraAdapter], bool]] = {}  # query id -> (load, read, reported)
 
@@ -96,7 +111,7 @@ class AdapterReads:
         return bool(self._reads)
 
     def start(self, msg: LoadLora) -> None:
-        self._reads[msg.query_id] = (msg, self._pool.submit(self.runner.read_lora, msg.name, msg.path), False)
+        self._reads[msg.query_id] = (msg, self._pool.submit(self.adapters.read_lora, msg.name, msg.path), False)
 
     def newly_done(self) -> list[str]:
         """Query ids whose read ended since the last call (rank 0 reports them: ``LoraRead``)."""
@@ -113,7 +128,7 @@ class AdapterReads:
         msg, read, _ = self._reads.pop(query_id)
         answer = LoraUpdated(query_id, msg.name)
         try:
-            self.runner.add_lora(msg.name, msg.path, read.result)
+            self.adapters.add_lora(msg.name, msg.path, read.result)
         except LoraLoadError as exc:
             answer.code = LORA_NOT_FOUND if isinstance(exc, LoraFilesMissing) else LORA_INVALID
             answer.error = str(exc)

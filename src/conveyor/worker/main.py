@@ -1,53 +1,9 @@
-"""The worker process: receives StepPlans, runs them on the device, returns StepResults.
+"""The worker process: receives StepPlans, runs them on its model runner, returns StepResults.
 
-A failing step (an exception from the model runner) is reported as a StepResult
-with ``error`` set, so the scheduler fails just that step's requests and frees
-their blocks; the process itself only exits when told to or when its parent dies.
-
-Profiling: the time blocked waiting for the next plan with nothing launched (``idle``),
-decoding it, launching it (``execute``: the runner's swaps, input preparation, forward and
-sampling inside; on a CPU the whole step), waiting for its sampled ids (``wait_tokens``: on a
-GPU, where the device time shows) and sending the result are timed per step; ``idle_fraction`` over the window says how much of the time the device
-waited for the scheduler and the transport. Each step also leaves one record of its plan's shape and
-busy time (:class:`conveyor.profiling.StepRecorder`, the ``step_*`` series): what
-``conveyor-sim calibrate`` fits its cost model to. A ProfileQuery is answered on the result socket
-as soon as it is read: it arrives on the plan socket, so always between two steps, and
-piggybacks on nothing (StepResult stays as small as it was).
-LoRA updates come on the plan socket too (LoadLora, CommitLora, UnloadLora): a load's files
-are read on a thread while steps run, and registered on the CommitLora, between two steps
-(:mod:`conveyor.worker.lora_updates` says why); rank 0 answers on the result socket.
-
-Plans arrive on the step channel (:mod:`conveyor.ipc.step_channel`; a shared-memory ring
-by default): a plan is decoded in place and its arrays view the ring slot, which is released
-when the next plan is asked for. The runner copies what it keeps while launching the step.
-If the scheduler's process is gone, the wait for a plan ends (PeerGone) and the worker exits.
-
-**Tensor parallelism** (``tensor_parallel_size`` N > 1): bin/serve starts N worker processes,
-rank ``r`` on ``cuda:r`` (or N CPU processes, on gloo). They join one process group
-(:mod:`conveyor.worker.parallel`; rendezvous in the run directory, or at ``--dist-init-addr``
-when the ranks span nodes, every collective bounded by ``distributed_timeout_s``), each builds the runner of its shard, and they agree on the KV
-pool: every rank computes its capacity and an all-reduce MIN gives the pool rank 0 reports
-(block ids below it are valid on every rank; a rank with room for more leaves it unused), so
-the scheduler sees one worker with that pool and knows nothing of N. Every rank reads every
-plan from the plan channel (reader ``r`` of N; under ``conveyor.Engine`` rank 0 is the
-engine's own process, which plans and reads none, so rank ``r`` is reader ``r - 1``:
-:mod:`conveyor.engine.ranks`) and runs it, swaps and block copies included,
-each on its own kv heads; only rank 0 sends results and answers profile queries (the ranks'
-results are identical: rank 0 broadcasts its sampled ids). A plan the runner refuses
-(PlanRefused, raised on every rank alike before any collective) fails its step as with one
-rank; any other failure leaves the ranks out of step, so the rank exits: bin/serve watches
-every rank and stops the server, failing in-flight requests, when any of them dies.
-
-**Pipelined steps** (``pipeline``, on by default with CUDA): a step is launched (inputs
-prepared, kernels queued) and finished (its sampled ids awaited, the result sent) in two
-calls of the runner. With a launched step unfinished, the worker launches the next plan as
-soon as it is there, *then* finishes the earlier step: the scheduler plans one step ahead,
-so the device finds step N+1 queued behind step N and never waits for the host to read N's
-tokens, send them and prepare N+1. While the launched step runs and no plan is there, the
-worker polls both (the step's completion event and the plan ring) rather than block in
-either. Results still leave in step order, each as soon as its tokens are read. Off on a
-CPU, where a launch computes the whole step: launching N+1 first would only hold N's
-result back by a step.
+A failed step is reported as a StepResult with ``error``; the process exits only when told
+to or when its parent dies. With ``pipeline`` (on with CUDA) the next plan is launched before
+the step in flight is finished. Tensor parallelism runs one such process per rank, every rank
+running every plan (docs/architecture.md, "The step loop").
 """
 
 from __future__ import annotations
@@ -163,10 +119,10 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     )
 
     rank, size = config.tensor_parallel_rank, config.tensor_parallel_size
-    device = resolve_device(config.device)
+    device = resolve_device(config.runner.device)
     tp = init_tensor_parallel(
         rank, size, config.distributed_init_method, default_backend(device), config.distributed_timeout_s,
-        rank_device(device, TensorParallel(rank, size, None), config.first_device),
+        rank_device(device, TensorParallel(rank, size, None), config.runner.first_device),
     )
     prof = profiling.Profiler("worker", enabled=config.profile)
 
@@ -180,8 +136,8 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         from conveyor.kernels.jit_compiles import COUNTER, count_compiles
 
         count_compiles(prof.counter(COUNTER).add)
-    threads = worker_threads(config.num_threads, size)
-    runner = build_runner(config.runner(num_threads=threads), profiler=prof, tensor_parallel=tp)
+    threads = worker_threads(config.runner.num_threads, size)
+    runner = build_runner(dataclasses.replace(config.runner, num_threads=threads), profiler=prof, tensor_parallel=tp)
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)
     loop = StepLoop(
@@ -271,7 +227,7 @@ class StepLoop:
         self.pending_shape: tuple[tuple[int, int, int, int], int] | None = None  # (plan shape, read at)
         from conveyor.worker.lora_updates import AdapterReads  # (torch: imported with the runner, not this module)
 
-        self.reads = AdapterReads(runner)  # LoRA adapters being read off the loop
+        self.reads = AdapterReads(runner.adapters)  # LoRA adapters being read off the loop
 
     def run(self) -> None:
         idle_start = profiling.now_ns()
@@ -338,7 +294,7 @@ class StepLoop:
         if isinstance(msg, LoadLora):
             self.reads.start(msg)
         elif isinstance(msg, UnloadLora):
-            self.runner.unload_lora(msg.name)
+            self.runner.adapters.unload_lora(msg.name)
         else:
             answer = self.reads.commit(msg.query_id)
             if answer.ok:

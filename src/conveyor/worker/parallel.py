@@ -1,44 +1,10 @@
 """Tensor parallelism on torch.distributed: which rank this worker is, which part of the
 model it holds, and the collectives the model calls.
 
-The model is split Megatron-style across ``N`` ranks (one process each): q/k/v and gate/up
-projections column-parallel (each rank computes its attention heads and its slice of the MLP's
-intermediate features), o and down projections row-parallel (each rank multiplies its input
-slice; one all-reduce sums the partial products). That is two all-reduces per layer and no
-other collective in the forward. Embedding, final norm and LM head are replicated, and only
-rank 0 runs the LM head and samples: the sampler (top-k/top-p/seeded draws) then needs full
-logits on one rank, which a vocab-parallel head would have to gather there anyway, and the
-other ranks skip the head's matmul and, for untied checkpoints, its weights. Rank 0 then
-broadcasts the sampled ids, the one extra collective per step: the next step's decode inputs
-are those ids, and every rank embeds them. Size 1 is exactly the unsplit model: no process
-group, every collective a no-op.
-
-**Interface for the process side** (one worker process per rank):
-
-- Each rank calls :func:`init_tensor_parallel` once (``rank``, ``size``, a shared
-  ``init_method`` such as ``file:///tmp/x`` or ``tcp://127.0.0.1:port``, backend ``gloo`` on
-  CPU or ``nccl`` on CUDA: :func:`default_backend`; ``timeout_s`` bounds every collective) and
-  passes the record to ``ModelRunner(config, tensor_parallel=tp)`` (``config.device`` the
-  rank's). With NCCL, rank ``r`` runs on ``cuda:r`` (:func:`rank_device` gives the device
-  string; :func:`conveyor.worker.main.build_runner` sets it).
-- Every rank is given the same plans in the same order and makes the same ``launch`` /
-  ``finish`` calls: each step runs the same collectives on every rank.
-- **Results**: every rank's ``finish`` returns the same :class:`StepResult` (slots and sampled
-  ids: rank 0's ids, broadcast), so every rank's request state stays identical to rank 0's.
-  The process side sends rank 0's result and drops the others'.
-- **Errors**: a plan the runner refuses (ValueError from validation, including one planned
-  ahead of a failed step) is refused identically on every rank before any collective, so the
-  group stays in step and the error is reported like today. Any other exception on any rank
-  (a device error; a collective that timed out or broke because a peer died) leaves the
-  group out of step: stop every rank. A rank blocked in a collective whose peer is gone
-  raises within ``timeout_s`` (gloo; NCCL's watchdog aborts the process), never hangs.
-- **KV capacity** is per rank: a rank caches only its own KV heads
-  (:attr:`HeadShard.num_kv_heads`), and ``ModelRunner.num_blocks`` is what its share of
-  ``kv_cache_memory_bytes`` holds (``KVCacheShape.of(..., tensor_parallel=tp).bytes_per_block``).
-  Ranks must agree on the pool the scheduler plans with: take the minimum across ranks (block
-  ids below it are valid on every rank). Swap-ins, swap-outs and block copies run on every
-  rank, each on its own heads.
-- At exit, :func:`close_tensor_parallel`.
+Megatron-style: q/k/v and gate/up column-parallel, o and down row-parallel (two all-reduces
+per layer); only rank 0 runs the LM head and samples, then broadcasts the ids. Size 1 is the
+unsplit model, every collective a no-op (docs/architecture.md, "Tensor parallelism: the
+contract of a rank").
 """
 
 from __future__ import annotations

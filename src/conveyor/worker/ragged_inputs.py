@@ -1,7 +1,7 @@
 """The flattened inputs of a ragged step: every row's new tokens laid end to end, unpadded.
 
 The target model's prefill, chunked-prefill, mixed and speculative steps
-(:meth:`~conveyor.worker.model_runner.ModelRunner._run_ragged`) and the draft model's pass over
+(:meth:`~conveyor.worker.ragged_step.RaggedStep.run`) and the draft model's pass over
 the same rows (:mod:`conveyor.worker.draft_model`) build their inputs here, so both models see
 the same tokens at the same positions in the same blocks: what keeps the draft's KV valid
 wherever the target's is.

@@ -1,27 +1,8 @@
 """Logits -> token ids for a whole batch in a fixed number of torch ops, no per-row Python.
 
-The sampling controls (penalties, ``logit_bias``, ``min_tokens``) come first, on the rows
-that use them only (:mod:`conveyor.worker.sampling_controls`), and the counts they keep are
-updated with what was sampled. Constrained rows (structured output) then have the tokens
-their grammar disallows set to -inf (:mod:`conveyor.worker.grammar_mask`), so greedy and
-every filter see only allowed tokens; a batch without them skips it on a host flag. Greedy
-rows (temperature 0) take the exact argmax of the logits then. Other rows are
-divided by their temperature, filtered (top-k, then top-p, then min-p; each disabled by
-its neutral value) and sampled with the exponential race: ``argmax(p / E)`` with
-``E ~ Exp(1)`` i.i.d. picks token ``i`` with probability ``p_i``. What a row draws from is one
-function, :meth:`Sampler.distribution` (greedy rows: a point mass at the argmax), which the
-speculative verification (:mod:`conveyor.worker.speculative_verify`) reads too.
-
-The parameters arrive as one tensor per field (:class:`SamplingBatch`), filled from the
-runner's per-slot host columns (:class:`SamplingColumns`); which filters run at all is
-decided on the host from those columns, so a batch of greedy rows costs one argmax.
-
-Noise is counter-based: ``E[i, j]`` is a pure function of row ``i``'s 64-bit *key* and the
-token index ``j`` (a splitmix64 stream in int64 torch arithmetic, which wraps like the
-unsigned original), so the whole batch's noise is one tensor expression. A seeded row's key
-is a hash of (seed, position of the token being drawn): its draw depends only on its own
-logits, never on batch mates, batch order, padding or an earlier preemption. Unseeded rows
-take their keys from the sampler's one generator.
+Controls, then grammar masks, then greedy argmax or temperature, top-k, top-p, min-p and the
+exponential race with counter-based noise, so a seeded row's draw depends only on its own
+logits; which filters run is decided on the host (docs/architecture.md, "Sampling").
 """
 
 from __future__ import annotations

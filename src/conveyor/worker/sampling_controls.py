@@ -1,45 +1,9 @@
 """Sampling controls on the device: penalties, ``logit_bias`` and ``min_tokens``, batched.
 
-The definitions are vLLM's (so are the ranges, checked by :mod:`conveyor.protocol.sampling_fields`).
-For one row, with ``counts[t]`` the occurrences of token ``t`` in the request's *output* so
-far and ``seen[t]`` whether ``t`` occurs in its prompt or output, in this order:
-
-1. ``logit_bias``: ``logits[t] += bias[t]``;
-2. ``min_tokens``: while fewer than ``min_tokens`` tokens are out (the token being drawn sits
-   before position ``num_prompt + min_tokens``), every stop id (EOS unless ``ignore_eos``,
-   and ``stop_token_ids``) gets ``-inf``, so the request cannot finish on one;
-3. ``repetition_penalty`` ``r``: where ``seen[t]``, a positive logit is divided by ``r`` and
-   any other multiplied by it; then ``logits[t] -= frequency_penalty * counts[t] +
-   presence_penalty * (counts[t] > 0)``.
-
-All of it runs before temperature and the filters, and greedy rows take the argmax of the
-result (:class:`~conveyor.worker.sampler.Sampler`).
-
-**State.** A request that uses any control takes a *pool row* when it takes its slot
-(:meth:`SamplingControls.assign`): dense ``[rows, vocab]`` device tensors hold its output
-counts (int32), its prompt's token set (bool), its bias (float32) and its stop-id set (bool),
-each tensor made only when a request first needs it and grown by doubling, so the memory is
-paid per concurrent *controlled* request, never per slot, and a server whose requests use
-no control holds none. Rows come from a free list and are given back with the slot.
-
-The counts live on the device and are updated by the step that samples (one ``index_put_``
-of the sampled ids, :meth:`ControlRows.record`), so a pipelined launch that has not yet
-shown the host its tokens reads them right. Chosen over a ``bincount`` of each row's token
-ids every step: that would re-read and re-upload the whole output every step (O(output
-length) host work and copy per row and step), where the count tensor costs one scatter of
-one id per row; the price is ``5 * vocab`` bytes per controlled request (0.75 MB at a
-152k vocabulary), which a request's KV blocks dwarf. Every (re)admission sends the worker
-all the request's tokens (a preemption by recompute or by swap, a prefix-cache hit and a
-continuation alike, :class:`~conveyor.ipc.messages.NewRequestData`), and
-:meth:`SamplingControls.assign` rebuilds the row from them, so the counts are right across
-all of these by construction.
-
-**Cost when unused.** Which passes run is decided on the host from per-row flags kept here
-(:meth:`SamplingControls.select`): a step none of whose sampling rows is controlled runs
-none of this (the selection is None, at the cost of one numpy gather; with no controlled
-request held, not even that), and a row past its ``min_tokens`` no longer costs the mask.
-Only the controlled rows are gathered, processed and written back, so the cost grows with
-their number, not the batch's.
+The definitions and ranges are vLLM's (docs/architecture.md, "Sampling controls: the
+definitions"). A request that uses any control takes a pool row of dense per-vocabulary
+tensors when it takes its slot, its output counts updated on the device by the step that
+samples; a step with no controlled row runs none of it ("Sampling controls").
 """
 
 from __future__ import annotations

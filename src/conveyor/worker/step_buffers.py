@@ -1,31 +1,9 @@
 """Persistent inputs of the static-buffer decode step: one host staging area, one device copy.
 
-A decode-only step (every scheduled row runs exactly one token, or, a speculative verify
-step, its last token and a proposal: ``q`` query tokens per row, shorter proposals padded)
-is padded to a *bucket* of rows (:func:`decode_buckets` where CUDA graphs replay it; eagerly, the runner makes every
-row count a bucket of its own) and reads all its inputs from views into one device byte
-buffer: token ids, positions, KV slots, the pending-token gather, which rows sample, the
-attention lengths and block tables, the sampling parameters and the rows using sampling
-controls. The runner fills the same
-fields in a host staging buffer (pinned on CUDA) and :meth:`StepBuffers.upload` moves the
-bucket's bytes in ONE host-to-device copy; nothing on the device is allocated for inputs,
-and nothing waits for the device. Because a bucket's device views never move, a CUDA graph
-captured over them (:mod:`conveyor.worker.cuda_graphs`) replays with each step's inputs.
-
-Padded rows are inert: tokens 0 at position 0, KV slot -1 (the store skips it), ``q`` tokens
-of context read from block 0 (whatever it holds, finite: blocks are zeroed at allocation and
-only ever written with keys and values), greedy, never sampled from. Their outputs are
-dropped.
-
-Two host staging buffers alternate, each with an event recorded after its copy: the host
-fills one while the previous step's copy from the other may still be queued (pipelined
-launches), and before refilling a buffer it waits for that buffer's last copy, which has
-long finished in steady state.
-
-Layout per bucket of ``B`` rows of ``q`` tokens and ``W`` block-table columns (offsets
-aligned to 8 bytes): the fields of :data:`FIELDS`, each ``B`` rows (``B * q`` for the
-per-token fields, ``B * W`` for the block table) in that order,
-from byte 0; every bucket's views alias the same device buffer.
+Every input of a decode step is a view into one device byte buffer, filled from a (pinned)
+host staging buffer of the same layout in one copy, so nothing is allocated or awaited and a
+CUDA graph captured over the views replays with each step's inputs (docs/architecture.md,
+"The decode step's buffers").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 from conveyor_tools.bench.workloads import WORKLOADS
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.assembly.build import GIB
-from conveyor.runtime.config import Device, Dtype, WorkerConfig
+from conveyor.runtime.config import KV_CACHE_MEMORY_BYTES, Device, Dtype
 
 SERVED = {
     "conveyor": [],
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
     engine.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (conveyor, hf-cb)")
     engine.add_argument(
-        "--kv-cache-memory", type=float, default=WorkerConfig.kv_cache_memory_bytes / GIB, help="GiB of KV cache (conveyor, hf-cb)"
+        "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / GIB, help="GiB of KV cache (conveyor, hf-cb)"
     )
     engine.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
     engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")

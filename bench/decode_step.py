@@ -307,12 +307,14 @@ def add_hf(result: dict, directory: Path, device, dtype, steps: int, out: Path) 
 
 def print_table(result: dict) -> None:
     print(f"{result['versions'].get('device')}: copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s")
-    print(f"{'graphs':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'roofline':>8} {'HF ms':>8} {'launches':>8} {'ops/layer':>9}")
+    print(f"{'graphs':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'roofline':>8} {'HF ms':>8} {'launches':>8} "
+        f"{'ops/layer':>9}")
     for r in result["rows"]:
         hf = r.get("hf_ms")
         print(
             f"{str(r['graphs']):>6} {r['batch']:>5} {r['context']:>5} {r['median_ms']:>8.3f} {r['roofline_ms']:>8.3f} "
-            f"{(f'{hf:.3f}' if hf is not None else '-'):>8} {r['kernel_launches_per_step']:>8.0f} {r['torch_ops_per_layer']:>9.1f}"
+            f"{(f'{hf:.3f}' if hf is not None else '-'):>8} {r['kernel_launches_per_step']:>8.0f} "
+            f"{r['torch_ops_per_layer']:>9.1f}"
         )
 
 

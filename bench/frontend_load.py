@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/frontend_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "environment": env,
-        "units": "latency_ms: client receive - stand-in send of the step (ms); frontend_profile: the frontend's own profile",
+        "units": "latency_ms: client receive - stand-in send of the step (ms); frontend_profile: the frontend's "
+            "own profile",
         "runs": runs,
     }
     if args.json:

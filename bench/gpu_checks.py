@@ -176,7 +176,10 @@ def select(plan: list[Stage], args: argparse.Namespace) -> tuple[list[Stage], li
         chosen = {name.strip() for name in args.stages.split(",") if name.strip()}
         unknown = chosen - {s.name for s in plan}
         if unknown:
-            return f"gpu_checks: unknown stage(s) {', '.join(sorted(unknown))}; the plan: {', '.join(s.name for s in plan)}"
+            return (
+                f"gpu_checks: unknown stage(s) {', '.join(sorted(unknown))}; the plan: "
+                f"{', '.join(s.name for s in plan)}"
+            )
         picked = [s for s in plan if s.name in chosen]
         return picked, [f"stages not selected: {', '.join(s.name for s in plan if s.name not in chosen) or 'none'}"]
     if args.cpu:

@@ -79,7 +79,8 @@ def figures(results: Path) -> list[str]:
             for r in data.get("rows", []):
                 hf = r.get("hf_ms")
                 lines.append(f"  {'graphs' if r['graphs'] else 'eager '} batch {r['batch']:>3} ctx {r['context']:>4}: "
-                             f"{r['median_ms']:.3f} ms (roofline {r['roofline_ms']:.3f}, HF {hf if hf is None else round(hf, 3)})")
+                             f"{r['median_ms']:.3f} ms (roofline {r['roofline_ms']:.3f}, HF "
+                             f"{hf if hf is None else round(hf, 3)})")
         elif name == "lora":
             lines.append(f"lora ({data.get('device')} {data.get('dtype')}, {data.get('adapters')} adapters): "
                          f"adapters/base {data.get('adapters_over_base')}x, base/plain {data.get('base_over_plain')}x")

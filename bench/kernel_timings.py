@@ -143,7 +143,7 @@ def measure_bandwidth(torch, timer: Timer, device) -> dict[str, float]:
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     d2d_us, _, _ = timer(lambda i: dst.copy_(src))
-    del src, dst
+    src = dst = None  # frees the device memory (the timed lambda reads these names, so no del)
     m = 256 << 20
     host = torch.empty(m, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(m, dtype=torch.uint8, device=device)
@@ -225,7 +225,7 @@ def bench_decode(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
         )
         moved = kv_bytes + 2 * qs[0].numel() * elem + tables[0].numel() * 4
         rows.append(Row.measured("decode", f"B={batch} ctx={ctx}", timing, moved, bw["device_copy_gbps"]))
-        del kv, tables, qs
+        kv = tables = qs = None  # frees the pool before the next shape's (no del: a lambda reads them)
     return rows
 
 
@@ -258,7 +258,7 @@ def bench_extend(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
         moved = kv_bytes + 2 * q_bytes
         config = f"B={batch} ctx={ctx} new={new}"
         rows.append(Row.measured("extend", config, timing, moved, bw["device_copy_gbps"], flops=flops))
-        del kv, tables, qs
+        kv = tables = qs = None  # frees the pool before the next shape's (no del: a lambda reads them)
     return rows
 
 
@@ -293,7 +293,7 @@ def bench_copy_blocks(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
         moved = 2 * n * block_bytes * args.layers
         config = f"pairs={n} layers={args.layers}"
         rows.append(Row.measured("copy_blocks", config, timing, moved, bw["device_copy_gbps"]))
-        del caches
+        caches = None  # frees them before the next shape's (no del: a lambda reads the name)
     return rows
 
 
@@ -314,7 +314,7 @@ def bench_swap(torch, args, timer, dtype, l2, device, bw) -> list[Row]:
             ("swap_in", lambda i: swap_blocks(cpu, gpu, host_ids, ids), "h2d_gbps"),
         ):
             rows.append(Row.measured(name, f"blocks={n} layers={args.layers}", timer(fn), moved, bw[link]))
-        del gpu, cpu
+        gpu = cpu = None  # frees them before the next shape's (no del: the lambdas read them)
     return rows
 
 

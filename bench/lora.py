@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Throughput with many LoRA adapters against the base model alone (a script, not a test).
 
-On the demo model (``conveyor.Engine()``, CPU and float32 unless ``--device``/``--dtype``), rank-16 adapters on all seven
-targets (random PEFT-format directories written to a temporary folder): 64 requests (prompts
-of 64 token ids, 64 greedy output tokens each, ignore_eos) run to completion, three ways in
-the same process, interleaved ``--repeats`` times (the best of each kept):
+On the demo model (``conveyor.Engine()``, CPU and float32 unless ``--device``/``--dtype``), rank-16
+adapters on all seven targets (random PEFT-format directories written to a temporary folder): 64
+requests (prompts of 64 token ids, 64 greedy output tokens each, ignore_eos) run to completion,
+three ways in the same process, interleaved ``--repeats`` times (the best of each kept):
 
 - ``plain``: an engine without LoRA (no stacks attached);
 - ``base``: the LoRA engine (8 adapters registered), every request on the base model (the

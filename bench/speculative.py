@@ -116,8 +116,10 @@ def main() -> None:
         "static_over_plain": systems["spec_static"]["median"]["output_tok_s"] / systems["plain"]["median"]["output_tok_s"],
     }
     for name, r in systems.items():
-        print(f"{name:<12} {r['median']['output_tok_s']:>10,.0f} out tok/s  cpu {r['cpu_seconds']:.2f} s  {r['num_steps']:>5} steps  "
-              f"accepted {r['spec_accepted_tokens']}/{r['spec_proposed_tokens']}  static verify steps {r['static_verify_steps']}")
+        print(f"{name:<12} {r['median']['output_tok_s']:>10,.0f} out tok/s  cpu {r['cpu_seconds']:.2f} s  "
+            f"{r['num_steps']:>5} steps  "
+              f"accepted {r['spec_accepted_tokens']}/{r['spec_proposed_tokens']}  static verify steps "
+              f"{r['static_verify_steps']}")
     print(f"spec_static / spec_ragged {result['static_over_ragged']:.2f}x, spec_static / plain "
           f"{result['static_over_plain']:.2f}x, outputs equal (static vs ragged) {result['outputs_equal']}, "
           f"(static vs plain) {result['outputs_equal_plain']}")

@@ -57,7 +57,8 @@ def main() -> None:
         reference = reference or tokens
         same = "same tokens" if tokens == reference else "TOKENS DIFFER"
         total = args.num_requests * args.output_len
-        print(f"{name:28s} {wall:7.2f} s {total / wall:8.1f} tok/s {steps:5d} steps  accepted {accepted}/{proposed}  {same}", flush=True)
+        print(f"{name:28s} {wall:7.2f} s {total / wall:8.1f} tok/s {steps:5d} steps  accepted {accepted}/{proposed}  "
+            f"{same}", flush=True)
 
 
 if __name__ == "__main__":

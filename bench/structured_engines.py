@@ -7,8 +7,9 @@ compile time (the compile call plus the first mask, since llguidance builds its 
 that sum is what a request waits for before its first constrained step) with the engines'
 own caches off, then per-token mask fill while a valid answer is fed back one token at a time,
 at batch 1 (one matcher) and batch 32 (32 matchers filling the rows of one bitmask one after
-another on one thread: the CPU work per step, which a thread pool divides by its cores). Both engines write the same bitmask layout (int32 words, bit i of
-word j = token 32j+i allowed). Figures are written up in docs/structured-output.md.
+another on one thread: the CPU work per step, which a thread pool divides by its cores). Both
+engines write the same bitmask layout (int32 words, bit i of word j = token 32j+i allowed). Figures
+are written up in docs/structured-output.md.
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         engines = [XGrammarEngine(path, eos), LLGuidanceEngine(path, eos)]
         for e in engines:
             print(f"{e.name}: tokenizer setup {_ms(e.tokenizer_s)} ms")
-        print("\n| constraint | engine | compile + first mask (ms) | fill, batch 1 (us/token) | fill, batch 32 (us/step) | batch 32 worst step (us) |")
+        print("\n| constraint | engine | compile + first mask (ms) | fill, batch 1 (us/token) | fill, batch 32 "
+            "(us/step) | batch 32 worst step (us) |")
         print("|---|---|---|---|---|---|")
         for case in CASES:
             tokens = backend.encode(case[3], add_special_tokens=False).ids

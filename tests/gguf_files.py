@@ -40,7 +40,8 @@ _LAYER = {
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt "
+    "%}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 
 

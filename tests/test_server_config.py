@@ -26,7 +26,8 @@ from conveyor.runtime.config import (
 # the supervisor reads itself, serve_on_replica_death and the multi-node ones, are fields of
 # ServerConfig, the supervisor's view.)
 CONVERTED = {
-    "model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space", "plan_transport",
+    "model", "host", "port", "num_kv_blocks", "kv_cache_memory", "threads", "pipeline_steps", "swap_space",
+    "plan_transport",
     "api_key", "api_key_file", "debug",
 }  # fmt: skip
 
@@ -117,7 +118,8 @@ def test_the_draft_model_flags_reach_the_scheduler_and_the_worker_and_a_bad_draf
     def write_draft(vocab_size: int, heads: int) -> None:
         (tmp_path / "config.json").write_text(
             f'{{"architectures": ["LlamaForCausalLM"], "vocab_size": {vocab_size}, "hidden_size": {16 * heads}, '
-            f'"intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": {heads}, "max_position_embeddings": 4096}}'
+            f'"intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": {heads}, '
+            f'"max_position_embeddings": 4096}}'
         )
 
     write_draft(320, 2)

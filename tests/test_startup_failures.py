@@ -23,8 +23,8 @@ CHILD = textwrap.dedent(
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(address)
-    errors = {"startup": StartupError("--flag x: what to do"), "in-use": transport.AddressInUse("tcp://h:1 is already in use"),
-              "bug": RuntimeError("unexpected")}
+    errors = {"startup": StartupError("--flag x: what to do"),
+              "in-use": transport.AddressInUse("tcp://h:1 is already in use"), "bug": RuntimeError("unexpected")}
 
     def start(ctx):
         raise errors[sys.argv[2]]

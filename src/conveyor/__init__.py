@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conveyor.version import __version__
-__all__ = ["Engine"]
+
+__all__ = ["Engine", "__version__"]
 
 if TYPE_CHECKING:
     from conveyor.engine import Engine

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.e2e.serve_harness import ServeProcess
+
+if TYPE_CHECKING:
+    import torch
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,8 @@ from conveyor.client import AsyncClient, Client
 def test_draft_speculation_serves_hf_greedy(serve_factory, tiny_checkpoint, draft_checkpoint, hf_greedy, ranks) -> None:
     server = serve_factory(
         "--model", str(tiny_checkpoint), "--num-kv-blocks", "64", "--block-size", "8", "--threads", "1",
-        "--speculative-method", "draft", "--speculative-model", str(draft_checkpoint), "--num-speculative-tokens", "3", *ranks,
+        "--speculative-method", "draft", "--speculative-model", str(draft_checkpoint), "--num-speculative-tokens",
+        "3", *ranks,
     )  # fmt: skip
     if ranks:
         server._pid_of("worker-rank1")  # (raises unless the second rank started, with its shard of the draft)

@@ -1,8 +1,8 @@
 """Speculative verify steps replayed from CUDA graphs give the tokens the same steps give run
 eagerly, at contexts of several hundred tokens (the split-K paged decode kernel with several
-query tokens per row, captured; more than one context bound), fp32 and bf16; in fp32 both equal plain greedy decoding without
-speculation. Needs a GPU (``pytest -m gpu``); on CPU the static verify step itself is covered
-by test_verify_step.py."""
+query tokens per row, captured; more than one context bound), fp32 and bf16; in fp32 both equal
+plain greedy decoding without speculation. Needs a GPU (``pytest -m gpu``); on CPU the static verify
+step itself is covered by test_verify_step.py."""
 
 from __future__ import annotations
 

@@ -89,7 +89,8 @@ def test_keys_guard_every_api_route_and_leave_health_open(secure, tiny_checkpoin
     guarded = [
         ("GET", "/v1/models", None), ("GET", f"/v1/models/{model}", None),
         ("POST", "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}),
-        ("POST", "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ("POST", "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 2}),
         ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [5]}),
         ("POST", "/invocations", {"model": model, "prompt": "hi", "max_tokens": 2}),
     ]  # fmt: skip
@@ -185,7 +186,8 @@ def test_chat_without_max_tokens_runs_to_the_context_limit(secure, tiny_checkpoi
 def test_continuous_usage_stats_stream(secure, tiny_checkpoint) -> None:
     stream = client(secure).completions.create(
         model=tiny_checkpoint.name, prompt="The quick brown", max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={**EXTRA, "return_token_ids": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={**EXTRA,
+                                                                                            "return_token_ids": True},
     )  # fmt: skip
     chunks = list(stream)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6

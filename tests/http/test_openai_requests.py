@@ -129,12 +129,15 @@ def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -
     with the value a client sends when it asks for nothing special; the no-effect ones are
     listed as ignored, and chat without max_tokens runs to the context limit."""
     both = dict(
-        n=1, best_of=1, logprobs=None, top_logprobs=0, presence_penalty=0.0, frequency_penalty=0, logit_bias={}, user="u",
+        n=1, best_of=1, logprobs=None, top_logprobs=0, presence_penalty=0.0, frequency_penalty=0, logit_bias={},
+        user="u",
         metadata={"a": "b"}, store=False, service_tier="auto", use_beam_search=False, length_penalty=1.0,
         repetition_penalty=1.0, min_tokens=0, bad_words=[], allowed_token_ids=None, prompt_logprobs=None,
-        spaces_between_special_tokens=True, request_id="abc", cache_salt="s", kv_transfer_params=None, vllm_xargs={"k": 1},
+        spaces_between_special_tokens=True, request_id="abc", cache_salt="s", kv_transfer_params=None,
+        vllm_xargs={"k": 1},
         return_tokens_as_token_ids=False, guided_decoding_backend="auto", guided_json=None, structured_outputs=None,
-        logits_processors=None, response_format={"type": "text"}, skip_special_tokens=True, include_stop_str_in_output=False,
+        logits_processors=None, response_format={"type": "text"}, skip_special_tokens=True,
+        include_stop_str_in_output=False,
         truncate_prompt_tokens=None, return_token_ids=False,
     )  # fmt: skip
     job = parse(echo=False, suffix="", add_special_tokens=True, prompt_embeds=None, **both)
@@ -142,7 +145,8 @@ def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -
     neutral = {"presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "repetition_penalty": 1.0, "min_tokens": 0}
     assert job.options == {"skip_special_tokens": True, "include_stop_str_in_output": False, "n": 1, "best_of": 1, **neutral}
     chat = parse(
-        CHAT, tools=[], tool_choice="none", parallel_tool_calls=True, add_generation_prompt=True, continue_final_message=False,
+        CHAT, tools=[], tool_choice="none", parallel_tool_calls=True, add_generation_prompt=True,
+        continue_final_message=False,
         chat_template_kwargs={"enable_thinking": False}, documents=None, chat_template=None, mm_processor_kwargs=None,
         include_reasoning=True, add_special_tokens=False, echo=False, max_completion_tokens=None, **both,
     )  # fmt: skip

@@ -29,7 +29,10 @@ WEATHER = {
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False},
 }
 THOUGHT = "<think>\nThe user greets me.\n</think>\n\nHello there"
-CALL_AFTER_THOUGHT = '<think>\nI should look it up.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_AFTER_THOUGHT = (
+    '<think>\nI should look it up.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris"}}\n</tool_call>'
+)
 
 
 def forced(text: str) -> dict:
@@ -158,7 +161,8 @@ def test_function_tool_round_trip_streamed_and_not(client, model) -> None:
     # The answer to the call's result: the earlier output passed back as it came, then its result.
     answer = client.responses.create(
         model=model, tools=[WEATHER], max_output_tokens=4, extra_body={"ignore_eos": True},
-        input=[question, *first.output, {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 24 C"}],
+        input=[question, *first.output, {"type": "function_call_output", "call_id": call.call_id,
+                                         "output": "sunny, 24 C"}],
     )  # fmt: skip
     assert [item.type for item in answer.output] == ["message"] and answer.usage.output_tokens == 4
     assert answer.usage.input_tokens > first.usage.input_tokens
@@ -168,10 +172,14 @@ def test_tool_calls_are_read_after_the_reasoning(client, model) -> None:
     whole = client.responses.create(model=model, input="weather?", tools=[WEATHER], max_output_tokens=60, extra_body=forced(CALL_AFTER_THOUGHT))
     assert [item.type for item in whole.output] == ["reasoning", "function_call"]
     assert whole.output[0].content[0].text == "I should look it up." and json.loads(whole.output[1].arguments) == {"city": "Paris"}
-    inside = '<think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n</think>\n\nNo call'
+    inside = (
+        '<think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+        '"Paris"}}\n</tool_call>\n</think>\n\nNo call'
+    )
     chat = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "weather?"}], tools=[{"type": "function", "function": {
-            k: WEATHER[k] for k in ("name", "description", "parameters")}}], max_tokens=60, extra_body=forced(inside))  # fmt: skip
+            k: WEATHER[k] for k in ("name", "description", "parameters")}}], max_tokens=60,
+            extra_body=forced(inside))  # fmt: skip
     message = chat.choices[0].message
     assert message.tool_calls is None and message.content == "No call" and "<tool_call>" in message.reasoning_content
 

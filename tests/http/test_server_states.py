@@ -81,7 +81,8 @@ def test_a_port_in_use_fails_the_start(tiny_checkpoint, tmp_path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         out = subprocess.run(
-            [sys.executable, str(REPO / "bin" / "serve"), "--host", f"ipc://{tmp_path}/s.sock", "--model", str(tiny_checkpoint),
+            [sys.executable, str(REPO / "bin" / "serve"), "--host", f"ipc://{tmp_path}/s.sock", "--model",
+             str(tiny_checkpoint),
              *SERVE_ARGS, "--http-port", str(port)],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip

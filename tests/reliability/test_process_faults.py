@@ -1,8 +1,8 @@
 """kill -9 of each of bin/serve's three processes with 20 requests in flight (issue 17,
 "Process faults"): every request ends with an error (a ``final`` with ``finish_reason:
 "error"`` naming the dead process, or, when the frontend itself dies, ServerGoneError from
-the client's liveness check) within 1 s (docs/reliability.md, "Faults"); bin/serve exits non-zero; nothing is left behind:
-no process of the tree, no run directory, no shared-memory ring.
+the client's liveness check) within 1 s (docs/reliability.md, "Faults"); bin/serve exits non-zero;
+nothing is left behind: no process of the tree, no run directory, no shared-memory ring.
 """
 
 from __future__ import annotations

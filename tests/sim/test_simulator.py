@@ -160,7 +160,8 @@ def synthetic_steps(n: int, rng: np.random.Generator) -> np.ndarray:
     return np.column_stack([shapes, peak_tokens(shapes)])
 
 
-TRUTH = {"prefill_tokens": 3e-5, "decode_seqs": 2e-4, "context_tokens": 4e-7, "copied_blocks": 0.0, "prefill_attention": 1e-8,
+TRUTH = {"prefill_tokens": 3e-5, "decode_seqs": 2e-4, "context_tokens": 4e-7, "copied_blocks": 0.0,
+         "prefill_attention": 1e-8,
          "decode_classes": 3e-4, "peak_tokens": 5e-5}  # fmt: skip
 
 

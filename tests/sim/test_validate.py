@@ -22,7 +22,8 @@ from conveyor_tools.sim.simulator import SimRequest, simulate
 
 TRUE_COST = StepCost(
     0.004,
-    {"prefill_tokens": 8e-5, "decode_seqs": 3e-4, "context_tokens": 5e-7, "prefill_attention": 2e-8, "decode_classes": 4e-4,
+    {"prefill_tokens": 8e-5, "decode_seqs": 3e-4, "context_tokens": 5e-7, "prefill_attention": 2e-8,
+     "decode_classes": 4e-4,
      "peak_tokens": 1e-4},
 )  # fmt: skip
 VOCAB, MAX_LEN, BLOCKS = 4096, 2048, 4096
@@ -43,7 +44,8 @@ def fake_bench(slow: dict[str, float]):
         wl = make_workload(args.workload, args.num_requests, seed=args.seed, vocab_size=VOCAB, max_model_len=MAX_LEN,
                            prompt_len=args.prompt_len, output_len=args.output_len, min_len=args.min_len,
                            max_len=args.max_len, scale=args.scale, output_sigma=args.output_sigma)  # fmt: skip
-        config = SchedulerConfig(num_blocks=BLOCKS, max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_batched_tokens,
+        config = SchedulerConfig(num_blocks=BLOCKS, max_num_seqs=args.batch_size,
+                                 max_num_batched_tokens=args.max_batched_tokens,
                                  max_model_len=MAX_LEN)  # fmt: skip
         factor = slow.get(args.workload, 1.0)
         # As a server takes them in: the first request alone, the rest while its step runs.

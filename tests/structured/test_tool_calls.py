@@ -21,13 +21,15 @@ CASES = [
     ("hermes", "plain answer, no call", "plain answer, no call", []),
     (
         "hermes",
-        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "units": "celsius"}}\n</tool_call>',
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "units": '
+        '"celsius"}}\n</tool_call>',
         "Let me check.\n",
         [("get_weather", WEATHER)],
     ),
     (
         "hermes",
-        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": "{\\"x\\": 1}"}</tool_call> done',
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": "{\\"x\\": '
+        '1}"}</tool_call> done',
         " done",
         [("a", {}), ("b", {"x": 1})],
     ),

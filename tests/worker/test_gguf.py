@@ -62,7 +62,7 @@ def test_dequantized_weights_equal_transformers_and_the_original(family, qtype, 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_a_quantized_gguf_serves_as_transformers_generates(tensor_parallel_size, hf_models, tmp_path) -> None:
-    """A Q8_0 Llama with a tokenizer and chat template, through the engine (its cached
+    """A Q8_0 Llama with a tokenizer and chat template, dequantized, through the engine (its cached
     checkpoint directory, the tokenizer converted once), greedy equal to transformers on the
     file; on two ranks (gloo) each slices the dequantized tensors as it slices safetensors."""
     from conveyor import Engine
@@ -73,7 +73,8 @@ def test_a_quantized_gguf_serves_as_transformers_generates(tensor_parallel_size,
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     prompts = [[5 + (7 * i + 3 * j) % 2000 for j in range(5 + i)] for i in range(4)]
     parallel = {"tensor_parallel_size": 2, "distributed_timeout_s": 60} if tensor_parallel_size == 2 else {}
-    with Engine(str(path), device="cpu", threads=1, num_kv_blocks=32, block_size=4, **parallel) as engine:
+    # --quantization none: the dequantized float path (tests/worker/test_quantization.py serves a file quantized)
+    with Engine(str(path), device="cpu", threads=1, num_kv_blocks=32, block_size=4, quantization="none", **parallel) as engine:
         assert engine.model_config.architecture == "LlamaForCausalLM" and not engine.demo
         results = engine.generate(prompts, max_tokens=8, temperature=0.0, ignore_eos=True, progress=False)
         [chat] = engine.generate([[{"role": "user", "content": "hi"}]], max_tokens=2, temperature=0.0, progress=False)

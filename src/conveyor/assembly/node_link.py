@@ -85,6 +85,7 @@ def join_settings(config: ServerConfig) -> dict[str, str]:
         "--tensor-parallel-size": str(worker.tensor_parallel_size),
         "--nnodes": str(config.nnodes),
         "--dtype": str(runner.dtype),
+        "--quantization": str(runner.quantization),
         "--block-size": str(runner.block_size),
         "--max-num-seqs": str(runner.max_num_seqs),
         "--max-loras": str(runner.max_loras),

@@ -7,9 +7,9 @@ weights loaded). Each raises :class:`StartupError` with one line naming the flag
 to do, and each asks exactly what the process that would fail asks, through the same rule:
 the tokenizer file (:func:`conveyor.frontend.tokenizer_files.tokenizer_file`), an adapter's
 config (:func:`conveyor.worker.lora_config.read_adapter_config`), the TLS files
-(:func:`conveyor.http.main.ssl_context`), a listening port (a bind, as ZeroMQ and aiohttp bind). The device is asked of the CUDA driver, which is what torch
-asks too, without importing torch (seconds) into bin/serve. The processes still check
-again: a port can be taken between the check and the bind.
+(:func:`conveyor.http.main.ssl_context`), a listening port (a bind, as ZeroMQ and aiohttp bind). The
+device is asked of the CUDA driver, which is what torch asks too, without importing torch (seconds)
+into bin/serve. The processes still check again: a port can be taken between the check and the bind.
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {result.error}", file=sys.stderr)
         return 1
     print(
-        f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + {result.usage.completion_tokens} completion tokens]",
+        f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + {result.usage.completion_tokens} "
+        "completion tokens]",
         file=sys.stderr,
     )
     return 0

@@ -32,6 +32,7 @@ from conveyor.runtime.config import (
     HttpConfig,
     PipelineSteps,
     PlanTransport,
+    Quantization,
     RunnerConfig,
     SchedulerConfig,
     SchedulerProcessConfig,
@@ -57,10 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--auth-keys",
         metavar="DIR",
-        help="require CurveZMQ authentication: DIR holds the server key pair and the allowed client keys (make them with bin/keygen)",
+        help="require CurveZMQ authentication: DIR holds the server key pair and the allowed client keys (make "
+            "them with bin/keygen)",
     )
     _choice(p, "--device", Device.AUTO, "auto: cuda when available")
     _choice(p, "--dtype", Dtype.AUTO)
+    _choice(
+        p, "--quantization", Quantization.AUTO,
+        "weights: auto (a GPTQ/AWQ/compressed-tensors checkpoint kept quantized, else float: a GGUF file dequantized), "
+        "gguf (a quantized GGUF file kept quantized), none (float), int8 / int4 / fp8 (quantize a float checkpoint at load); "
+        "docs/quantization.md",
+    )  # fmt: skip
     p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")
     p.add_argument(
@@ -73,11 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduling_arguments(p)
     p.add_argument(
         "--hang-timeout", type=float, default=SchedulerProcessConfig.hang_timeout,
-        help="seconds a worker may take over one step with work queued before it counts as hung (0: no bound; docs/reliability.md)",
+        help="seconds a worker may take over one step with work queued before it counts as hung (0: no bound; "
+            "docs/reliability.md)",
     )
     p.add_argument(
         "--on-hang", choices=("exit", "wait"), default=SchedulerProcessConfig.on_hang,
-        help="a hung worker: exit stops the server (exit code 1); wait fails the requests, /health 503 and new requests refused until it steps again",
+        help="a hung worker: exit stops the server (exit code 1); wait fails the requests, /health 503 and new "
+            "requests refused until it steps again",
     )
     _switch(p, "--overlap", SchedulerProcessConfig.overlap, "form step N+1's plan while the worker runs step N (--no-overlap: one plan at a time, for comparison)")
     _choice(p, "--plan-transport", PlanTransport.SHM, "scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)")
@@ -93,13 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cluster-key",
         metavar="FILE",
-        help="with --nnodes > 1: the cluster key pair every node holds (bin/keygen DIR --cluster makes DIR/cluster.key_secret); "
+        help="with --nnodes > 1: the cluster key pair every node holds (bin/keygen DIR --cluster makes "
+            "DIR/cluster.key_secret); "
         "the sockets between nodes are CurveZMQ with it and admit no other key",
     )
     p.add_argument(
         "--insecure-cluster",
         action="store_true",
-        help="with --nnodes > 1 on one host's loopback only (tests): no --cluster-key, the sockets between nodes unauthenticated",
+        help="with --nnodes > 1 on one host's loopback only (tests): no --cluster-key, the sockets between nodes "
+            "unauthenticated",
     )
     p.add_argument(
         "--distributed-timeout",
@@ -109,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the tensor-parallel ranks wait for each other (start-up, every collective) before failing",
     )
     _count(p, "--data-parallel-size", FrontendConfig.data_parallel_size, "independent scheduler + worker replicas behind the one frontend, "
-           "each with its own KV cache (a new request goes to the least loaded, a continuation to the replica that ran its earlier turn)")
+           "each with its own KV cache (a new request goes to the least loaded, a continuation to the replica that "
+           "ran its earlier turn)")
     _switch(
         p,
         "--serve-on-replica-death",
@@ -164,7 +177,8 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
     _count(g, "--max-lora-rank", RunnerConfig.max_lora_rank, "largest adapter rank accepted")
     g.add_argument(
         "--enable-lora-loading", action="store_true",
-        help="let clients load and unload adapters while serving (load_lora, /v1/load_lora_adapter); off: a load reads any directory the client names",
+        help="let clients load and unload adapters while serving (load_lora, /v1/load_lora_adapter); off: a load "
+            "reads any directory the client names",
     )
     g.add_argument("--max-cpu-loras", type=_at_least(1), help="adapters kept in host memory (default: --max-loras); others wait in a spill file on local disk")
 
@@ -200,7 +214,8 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=_port, help="serve /metrics and /health on this port (also without --http-port)")
     g.add_argument(
         "--served-model-name",
-        help="the model name clients send and /v1/models lists (default: the --model directory's name, a GGUF file's name without .gguf; conveyor-demo for the demo)",
+        help="the model name clients send and /v1/models lists (default: the --model directory's name, a GGUF "
+            "file's name without .gguf; conveyor-demo for the demo)",
     )
     g.add_argument(
         "--api-key",
@@ -220,18 +235,23 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--reasoning-parser",
         choices=("qwen3", "deepseek_r1"),
-        help="split an answer's <think>...</think> block off as reasoning (chat reasoning_content, Responses reasoning items, "
-        "Messages thinking blocks): qwen3 where the answer opens the block, deepseek_r1 where the prompt did; default: all content",
+        help="split an answer's <think>...</think> block off as reasoning (chat reasoning_content, Responses "
+            "reasoning items, "
+        "Messages thinking blocks): qwen3 where the answer opens the block, deepseek_r1 where the prompt did; "
+        "default: all content",
     )
     _switch(g, "--strict-fields", HttpConfig.strict_fields,
-            "refuse a request field no schema knows with a 400 (default: ignore it, name it in the x-conveyor-ignored-fields header and warn once)")
+            "refuse a request field no schema knows with a 400 (default: ignore it, name it in the "
+            "x-conveyor-ignored-fields header and warn once)")
     g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
     g.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
     g.add_argument("--http-header-timeout", type=float, default=HttpConfig.http_header_timeout,
-                   help="seconds a connection may take to send a request's headers, from opening or its last response (also the idle keep-alive limit)")
+                   help="seconds a connection may take to send a request's headers, from opening or its last response (also "
+                       "the idle keep-alive limit)")
     g.add_argument("--http-body-timeout", type=float, default=HttpConfig.http_body_timeout, help="seconds a request's body may take once its headers are in (408 past it)")
     g.add_argument("--http-max-connections", type=int, default=HttpConfig.http_max_connections,
-                   help="open connections per HTTP listener (fewer if the file descriptor limit is lower); a new one past it gets 503")
+                   help="open connections per HTTP listener (fewer if the file descriptor limit is lower); a new one past it "
+                       "gets 503")
 
 
 def _port(text: str) -> int:
@@ -269,7 +289,8 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-bypass", type=int, default=SchedulerConfig.max_bypass, help="times a request that does not fit may be passed by smaller ones")
     g.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting, help="queue bound: new requests past it get 'overloaded' (0: none)")
     g.add_argument("--max-queue-time", type=float, default=SchedulerConfig.max_queue_time, help="seconds a request may wait to start before 'timeout' (0: none)")
-    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=SchedulerConfig.speculative_method, help="speculative decoding of greedy requests: ngram (prompt lookup) or draft (a small model, --speculative-model); off by default")
+    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=SchedulerConfig.speculative_method, help="speculative decoding of greedy requests: ngram (prompt lookup) or draft (a small model, "
+        "--speculative-model); off by default")
     g.add_argument("--speculative-model", metavar="DIR", help="the draft model of --speculative-method draft: a local HF checkpoint with the served model's vocabulary")
     g.add_argument("--num-speculative-tokens", type=int, default=SchedulerConfig.num_speculative_tokens, help="tokens proposed per decode and step, with --speculative-method")
     g.add_argument("--ngram-max", type=int, default=SchedulerConfig.ngram_max, help="longest suffix the ngram proposer matches")

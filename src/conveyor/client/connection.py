@@ -330,7 +330,8 @@ class Connection:
         return self._command(msg["request_id"], msg)
 
     def detokenize(self, token_ids: list[int]) -> Any:
-        """The server's text of ``token_ids``, special tokens kept (docs/protocol.md, ``detokenize``): the ``text`` reply."""
+        """The server's text of ``token_ids``, special tokens kept (docs/protocol.md, ``detokenize``):
+        the ``text`` reply."""
         msg = detokenize_message(token_ids)
         return self._command(msg["request_id"], msg)
 

@@ -7,7 +7,8 @@ import collections
 import itertools
 import math
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import zmq
 

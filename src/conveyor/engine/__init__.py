@@ -4,7 +4,8 @@ the server and how a step runs).
 
 - :mod:`~conveyor.engine.engine`: :class:`Engine` (add requests, step, generate);
 - :mod:`~conveyor.engine.request`: :class:`Request`, what the caller reads (tokens, text, end);
-- :mod:`~conveyor.engine.outputs`: :class:`StepOutput` and its :class:`BatchInfo`, :class:`Result` (its :class:`CompletionOutput` per sequence);
+- :mod:`~conveyor.engine.outputs`: :class:`StepOutput` and its :class:`BatchInfo`, :class:`Result`
+  (its :class:`CompletionOutput` per sequence);
 - :mod:`~conveyor.engine.options`: ``Engine(**config)``'s names (bin/serve's, TGI's batch limits);
 - :mod:`~conveyor.engine.ranks`: the tensor-parallel ranks an engine starts, :class:`RanksFailed`.
 

@@ -38,6 +38,8 @@ from conveyor.runtime.tensor_shards import NO_TENSOR_PARALLEL, check_shardable
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.worker.main import build_runner, failed_step, pool_agreed_by_ranks, worker_threads
 from conveyor.worker.plan_check import PlanRefused
+from conveyor.worker.sleep import Sleep, fall_asleep, wake
+from conveyor.worker.weight_updates import WeightBroadcast, update_from_disk, update_from_group, update_from_tensors
 
 
 # add_request's keyword arguments besides the input, the id and the priority: the generate fields a client passes as options.
@@ -98,6 +100,8 @@ class Engine:
             max_model_len=self.max_model_len,
             max_logprobs=options.max_logprobs,
         )
+        self.weight_version = 0  # bumped by each weight update (every request reports the one it ran on)
+        self._sleep: Sleep | None = None
         self._scheduler_ids = itertools.count(1)
         self._lora_queries = itertools.count(1)  # (LoRA updates sent to tensor-parallel ranks)
         self._running: dict[str, Request] = {}  # by scheduler id: every request not done
@@ -160,6 +164,8 @@ class Engine:
         unknown = sorted(set(sampling) - _OPTIONS)
         if unknown:
             raise TypeError(f"add_request() got unexpected keyword argument(s): {', '.join(unknown)}")
+        if self._sleep is not None:
+            raise ValueError("the engine is asleep: wake_up() first")
         if token_ids is not None and not isinstance(token_ids, list):
             token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
         fields = {
@@ -190,6 +196,7 @@ class Engine:
         prompt_log = self.processor.prompt_log(req)
         request = Request(self, rid, scheduler_id, prompt_ids, history_len, self.processor.streams(req, prompt_ids), arrival, prompt_log)
         request._keep_best = req.keep_best
+        request.weight_version = self.weight_version
         for i, (seq_id, streams) in enumerate(self.processor.fork(req, prompt_ids, scheduler_id)):
             # Its own output log (best_of > n: what ranks it at the end); the request's prompt log.
             seq = Request(self, rid, seq_id, prompt_ids, history_len, streams, arrival, prompt_log, index=i, parent=request)
@@ -221,6 +228,67 @@ class Engine:
         if self._ranks is not None:
             self._ranks.send(UnloadLora(f"engine-lora-{next(self._lora_queries)}", name))
         self.runner.adapters.unload_lora(name)
+
+    # ------------------------------------------------------------------ RL rollouts
+
+    def update_weights(self, source: Any, *, in_flight: str = "finish") -> int:
+        """Load new weights in place and return the new :attr:`weight_version`. ``source``: a
+        checkpoint directory (or GGUF file's directory), ``(name, tensor)`` pairs (a mapping
+        too) in checkpoint names, or a :class:`~conveyor.worker.weight_updates.WeightBroadcast`
+        (the trainer's group). Requests in flight first ``finish`` on the old weights, or are
+        ``abort``-ed; the prefix cache is dropped. A bad update is refused whole (ValueError)."""
+        self._between_requests(in_flight, "weights updated")
+        model = self.runner.model
+        if isinstance(source, (str, os.PathLike)):
+            update_from_disk(model, source)
+        elif isinstance(source, WeightBroadcast):
+            update_from_group(model, source.group(), source.specs)
+        else:
+            update_from_tensors(model, source.items() if hasattr(source, "items") else source)
+        self.scheduler.drop_prefix_cache()
+        self.weight_version += 1
+        return self.weight_version
+
+    def sleep(self, level: int = 1, *, in_flight: str = "finish") -> int:
+        """Free the KV cache (level 1) and the weights too (level 2, read again from the model
+        directory on :meth:`wake_up`); returns the bytes freed. Requests in flight ``finish``
+        or are ``abort``-ed first; :meth:`add_request` refuses while asleep."""
+        if self._sleep is not None:
+            raise ValueError(f"the engine is already asleep (level {self._sleep.level})")
+        self._between_requests(in_flight, "engine put to sleep")
+        self._sleep = fall_asleep(self.runner, level)
+        self.scheduler.drop_prefix_cache()
+        return self._sleep.freed_bytes
+
+    def wake_up(self) -> None:
+        """Take back what :meth:`sleep` freed (a level-2 sleep reloads the checkpoint's weights:
+        a new :attr:`weight_version`)."""
+        if self._sleep is None:
+            return
+        wake(self.runner, self._sleep, self.model_dir)
+        self.weight_version += self._sleep.level == 2
+        self._sleep = None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep is not None
+
+    def _between_requests(self, in_flight: str, why: str) -> None:
+        """End every request in flight: run them to their end (``finish``) or abort them."""
+        if self._ranks is not None:
+            raise ValueError("weight updates and sleep are not supported under tensor parallelism yet")
+        if in_flight == "finish":
+            while self.has_pending_requests():
+                self.step()
+        elif in_flight == "abort":
+            for request in [r for r in self._by_id.values() if not r.done]:
+                if request.sequences:
+                    self._end_request(request, FinishReason.ABORT, why)
+                else:
+                    self.scheduler.abort([request._scheduler_id])
+                    self._finish(request, FinishReason.ABORT, why, flush=False)
+        else:
+            raise ValueError(f"in_flight must be 'finish' or 'abort', got {in_flight!r}")
 
     def has_pending_requests(self) -> bool:
         """Whether any request is not done yet."""

@@ -41,6 +41,7 @@ class EngineOptions:
 
     device: str = Device.AUTO
     dtype: str = Dtype.AUTO
+    quantization: str = RunnerConfig.quantization  # bin/serve --quantization
     attention: str = Attention.AUTO
     block_size: int = SchedulerConfig.block_size
     num_kv_blocks: int | None = None  # KV-cache blocks; None: as many as kv_cache_memory holds

@@ -56,7 +56,11 @@ class Request:
     ``time.time()`` values (None until they happen). ``logprobs`` / ``prompt_logprobs``:
     where asked for, the log-probabilities of its output and prompt tokens
     (:class:`~conveyor.frontend.logprobs.Logprob` entries; the first prompt token's is None).
+    ``weight_version``: the engine's :attr:`~conveyor.Engine.weight_version` it ran on (a
+    weight update lets requests in flight finish, or aborts them, before it loads).
     """
+
+    weight_version = 0
 
     def __init__(
         self,

@@ -29,8 +29,9 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 def render(template: str, messages: list, add_generation_prompt: bool, variables: Mapping[str, Any]) -> str:
     """The prompt text of ``messages`` under ``template``, with ``variables`` (the named special
-    tokens, and a request's ``chat_template_kwargs``) defined. ValueError for messages that are not a list of maps, a template that does
-    not compile, or one that fails while rendering (``raise_exception`` included)."""
+    tokens, and a request's ``chat_template_kwargs``) defined. ValueError for messages that are not
+    a list of maps, a template that does not compile, or one that fails while rendering
+    (``raise_exception`` included)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     chat = []

@@ -22,9 +22,10 @@ def encode_input(tokenizer: Tokenizer, req: client_requests.GenerateRequest, con
     """The request's input as token ids. A continuation's input follows earlier tokens, so
     no BOS is added to text, and a chat template's leading BOS is dropped. Messages are
     rendered with the request's ``add_generation_prompt``, ``continue_final_message``,
-    ``chat_template_kwargs`` and ``tools`` (the template's ``tools`` variable); ``truncate_prompt_tokens`` then keeps the input's last k ids
-    (the newest text, as vLLM truncates). A failure to tokenize (a template error) is the
-    client's input, raised as ProtocolError."""
+    ``chat_template_kwargs`` and ``tools`` (the template's ``tools`` variable);
+    ``truncate_prompt_tokens`` then keeps the input's last k ids (the newest text, as vLLM
+    truncates). A failure to tokenize (a template error) is the client's input, raised as
+    ProtocolError."""
     try:
         if req.prompt is not None:
             ids = tokenizer.encode(req.prompt, add_special_tokens=not continuing, release_gil=release_gil)
@@ -92,7 +93,8 @@ def check_input_chars(
     limit = max(0, max_model_len - history_len) * max_chars_per_token
     if chars > limit:
         raise wire.ProtocolError(
-            f"{'messages (with tools)' if req.messages is not None else 'prompt'} of {chars} characters cannot fit the model length {max_model_len}"
+            f"{'messages (with tools)' if req.messages is not None else 'prompt'} of {chars} characters cannot fit "
+            f"the model length {max_model_len}"
             + (f" after {history_len} tokens of earlier turns" if history_len else "")
             + f": at most {limit} characters ({max_chars_per_token} per token at most for this tokenizer)",
             req.request_id,

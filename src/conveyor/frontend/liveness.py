@@ -66,7 +66,10 @@ class SchedulerWatch:
 
     def error(self, index: int, silent: float) -> str:
         what = "the server is stopping (--on-hang exit)" if self.exit else "its requests are refused until it answers (--on-hang wait)"
-        return f"scheduler hung: replica {index}'s scheduler did not answer for {silent:.1f} s (--hang-timeout {self.timeout:g}); {what}"
+        return (
+            f"scheduler hung: replica {index}'s scheduler did not answer for {silent:.1f} s (--hang-timeout "
+            f"{self.timeout:g}); {what}"
+        )
 
     def refusal(self) -> str | None:
         """The error for a new request while every replica is hung (None: one answers)."""

@@ -152,7 +152,10 @@ class Relays:
             return
         users = sum(1 for state in self.in_flight.values() if state.lora == cmd.name)
         if cmd.path is None and users:  # refused here for every replica alike (each also checks its own)
-            message = f"LoRA adapter {cmd.name!r} is in use by {users} live request(s): unload it once they finish (or abort them)"
+            message = (
+                f"LoRA adapter {cmd.name!r} is in use by {users} live request(s): unload it once they finish "
+                "(or abort them)"
+            )
             await self.sender.send(identity, replies.error_map(cmd.request_id, message, wire.LORA_IN_USE))
             return
         pending = self._lora_pending(cmd.name)

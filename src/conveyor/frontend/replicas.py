@@ -71,7 +71,8 @@ class Replica:
 
 
 class ReplicaSet:
-    """The replicas behind this frontend: routing, ownership and liveness (docs/architecture.md, "Data-parallel replicas in the frontend").
+    """The replicas behind this frontend: routing, ownership and liveness (docs/architecture.md,
+    "Data-parallel replicas in the frontend").
 
     ``max_sessions`` bounds the remembered placements of finished requests, as the
     frontend's sessions bound their contexts."""

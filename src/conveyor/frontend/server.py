@@ -158,7 +158,8 @@ class Frontend:
         )
         parts = IntakeParts(
             config, self.processor, self.constraints, self.in_flight, self.requests, self.sessions, self.shares,
-            self.replicas, self.watch, self.sender, self.output, self.metrics, self.connections, self.relays, self.tokens,
+            self.replicas, self.watch, self.sender, self.output, self.metrics, self.connections, self.relays,
+            self.tokens,
             self._pool, self._large_pool,
         )  # fmt: skip
         self.intake = ClientIntake(

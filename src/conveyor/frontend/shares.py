@@ -32,8 +32,10 @@ class ClientShares:
         held = self.held.get(key, 0)
         if held + sequences > self.share:
             raise wire.ProtocolError(
-                f"overloaded: this client has {held} sequences in flight and asks for {sequences} more; a client may hold "
-                f"at most {self.share}, a quarter of the server's --max-waiting {self.max_waiting}: retry when some finish",
+                f"overloaded: this client has {held} sequences in flight and asks for {sequences} more; a client "
+                "may hold "
+                f"at most {self.share}, a quarter of the server's --max-waiting {self.max_waiting}: retry when "
+                "some finish",
                 request_id,
                 wire.OVERLOADED,
             )

@@ -53,7 +53,8 @@ def literal_spans(text: str, messages: Iterable[Any], specials: tuple[str, ...])
         at = text.find(string, cursor)
         if at < 0:
             raise ValueError(
-                f"a message holds the special token text {found[0]!r}, and the chat template does not write that message as "
+                f"a message holds the special token text {found[0]!r}, and the chat template does not write that "
+                "message as "
                 "it is: special tokens cannot be sent inside message text (send token ids to give control tokens)"
             )
         spans += _occurrences(string, specials, at)

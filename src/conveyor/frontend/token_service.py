@@ -73,7 +73,10 @@ class TokenService:
             return
         work = lambda pooled: self.processor.tokenizer.decode(cmd.token_ids, False)  # noqa: E731
         rid = cmd.request_id
-        reply = lambda text: {"type": wire.TEXT_REPLY, "v": wire.CLIENT_PROTOCOL_VERSION, "request_id": rid, "text": text}  # noqa: E731
+
+        def reply(text):
+            return {"type": wire.TEXT_REPLY, "v": wire.CLIENT_PROTOCOL_VERSION, "request_id": rid, "text": text}
+
         self._spawn(self._answer(identity, cmd.request_id, len(cmd.token_ids), work, reply))
 
     def _tokens_reply(self, cmd: TokenizeCommand, ids: list[int]) -> dict:

@@ -1,12 +1,12 @@
 """Reading a checkpoint's tokenizer files: what :meth:`conveyor.frontend.tokenizer.Tokenizer.from_dir`
 builds a tokenizer from, as transformers 5 reads the same files.
 
-``tokenizer.json`` itself (:func:`tokenizer_file`), ``tokenizer_config.json`` (:func:`read_json`), its special-token entries
-(:func:`token_content`), the tokens it declares that ``tokenizer.json`` lacks
-(:func:`add_missing_tokens`), the pipeline ``LlamaTokenizer`` rebuilds
-(:func:`rebuild_like_llama_tokenizer`) and the named chat templates (:func:`chat_templates`).
-Each mirrors transformers' rule for it (:mod:`conveyor.frontend.tokenizer` says which and
-why); none imports transformers.
+``tokenizer.json`` itself (:func:`tokenizer_file`), ``tokenizer_config.json`` (:func:`read_json`),
+its special-token entries (:func:`token_content`), the tokens it declares that ``tokenizer.json``
+lacks (:func:`add_missing_tokens`), the pipeline ``LlamaTokenizer`` rebuilds
+(:func:`rebuild_like_llama_tokenizer`) and the named chat templates (:func:`chat_templates`). Each
+mirrors transformers' rule for it (:mod:`conveyor.frontend.tokenizer` says which and why); none
+imports transformers.
 """
 
 from __future__ import annotations

@@ -300,7 +300,8 @@ def _check_share(job: Any, max_waiting: int) -> None:
     name = "prompt" if width == 1 else ("best_of" if job.options.get("best_of") else "n")
     raise bad_field(
         name,
-        f"this request asks for {len(job.inputs) * width} sequences ({len(job.inputs)} prompt(s) x {width}); one request may take "
+        f"this request asks for {len(job.inputs) * width} sequences ({len(job.inputs)} prompt(s) x {width}); one "
+        "request may take "
         f"at most {share}, a quarter of the server's --max-waiting {max_waiting}: split it",
     )
 
@@ -413,7 +414,8 @@ async def health(request: web.Request) -> web.Response:
     HEALTH_TIMEOUT_S (so all three processes are up) and no worker is hung; 503 otherwise."""
     if await request.app[LINK].healthy():
         return web.Response(body=b'{"status":"ok"}', content_type="application/json")
-    raise unavailable("the server is not healthy: the scheduler did not answer a stats query in time, or a worker is hung (--hang-timeout)", "unhealthy")
+    raise unavailable("the server is not healthy: the scheduler did not answer a stats query in time, or a worker is hung "
+        "(--hang-timeout)", "unhealthy")
 
 
 @PROBE_ROUTES.get("/metrics")

@@ -6,17 +6,18 @@ out of file descriptors: 20,000 half-open connections (slowloris) took the HTTP 
 ``/health`` with it, and nothing was logged. So each listener's connections pass through a
 :class:`Guard`:
 
-- **header timeout, idle keep-alive** (``--http-header-timeout``, :data:`HEADER_TIMEOUT_S`): a connection must complete a
-  request's headers within this long of opening, or of its previous response ending; else it is
-  closed, counted ``header_timeout`` when it had sent part of a request, ``idle_timeout`` when it
-  had sent nothing (an idle keep-alive connection, a connect that never speaks);
+- **header timeout, idle keep-alive** (``--http-header-timeout``, :data:`HEADER_TIMEOUT_S`): a
+  connection must complete a request's headers within this long of opening, or of its previous
+  response ending; else it is closed, counted ``header_timeout`` when it had sent part of a
+  request, ``idle_timeout`` when it had sent nothing (an idle keep-alive connection, a connect
+  that never speaks);
 - **body timeout** (``--http-body-timeout``, :data:`BODY_TIMEOUT_S`, in :mod:`conveyor.http.app`): a body must arrive
   within this long of its headers; else a 408 and the connection closed (``body_timeout``);
   and a streamed response's next bytes must be taken within as long once the socket buffers
   are full, else the request is aborted and the connection closed (``not_reading``,
   :mod:`conveyor.http.generation`);
-- **connection cap** (``--http-max-connections``, :func:`connection_cap`): past that many open connections on a listener a
-  new one is answered ``503`` with ``Connection: close`` at once, unread (``refused``), so
+- **connection cap** (``--http-max-connections``, :func:`connection_cap`): past that many open
+  connections on a listener a new one is answered ``503`` with ``Connection: close`` at once, unread (``refused``), so
   the process never runs out of descriptors and every connection it keeps is served.
 
 Each cause is logged once (a warning naming the bound) and counted in ``/metrics``
@@ -53,11 +54,15 @@ RESERVED_FDS = 256
 
 CAUSES = ("header_timeout", "idle_timeout", "body_timeout", "not_reading", "refused")
 _WHY = {
-    "header_timeout": "a client did not finish a request's headers within --http-header-timeout: its connection was closed",
+    "header_timeout": "a client did not finish a request's headers within --http-header-timeout: its connection "
+        "was closed",
     "idle_timeout": "a connection sent nothing for --http-header-timeout (idle keep-alive, or it never spoke): closed",
-    "body_timeout": "a client did not send its request body within --http-body-timeout: answered 408, connection closed",
-    "not_reading": "a client did not take its streamed response's bytes within --http-body-timeout: its request aborted, connection closed",
-    "refused": "an HTTP listener is at its connection cap (--http-max-connections): a new connection was answered 503 and closed",
+    "body_timeout": "a client did not send its request body within --http-body-timeout: answered 408, "
+    "connection closed",
+    "not_reading": "a client did not take its streamed response's bytes within --http-body-timeout: its request "
+        "aborted, connection closed",
+    "refused": "an HTTP listener is at its connection cap (--http-max-connections): a new connection was answered "
+        "503 and closed",
 }
 
 

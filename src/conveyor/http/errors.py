@@ -2,13 +2,13 @@
 
 Every error the HTTP face answers is ``{"error": {"message", "type", "param", "code"}}``
 with one of: 400 (a bad field, named in ``param`` when it is known), 404 (an unknown model
-or path), 405, 408 (a body that did not arrive in time), 413 (a body over the limit), 429 (the server's queue bound), 500 (the
-server failed a request it had accepted), 503 (the server is starting, unreachable, or a
-process died). :func:`from_final_error` maps the error text of a client-protocol ``final``
-onto these: the protocol carries no error code, so the mapping reads the prefixes the
-scheduler and bin/serve give their texts (``overloaded:``, ``timeout:``, "... process
-died ...", "server shutting down"); any other error final is a request the frontend or the
-scheduler refused (``ProtocolError`` and the context rules), a 400.
+or path), 405, 408 (a body that did not arrive in time), 413 (a body over the limit), 429 (the
+server's queue bound), 500 (the server failed a request it had accepted), 503 (the server is
+starting, unreachable, or a process died). :func:`from_final_error` maps the error text of a
+client-protocol ``final`` onto these: the protocol carries no error code, so the mapping reads the
+prefixes the scheduler and bin/serve give their texts (``overloaded:``, ``timeout:``, "... process
+died ...", "server shutting down"); any other error final is a request the frontend or the scheduler
+refused (``ProtocolError`` and the context rules), a 400.
 """
 
 from __future__ import annotations

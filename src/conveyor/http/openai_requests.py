@@ -175,7 +175,8 @@ def _constraint(body: dict[str, Any]) -> dict[str, Any] | None:
             spec = value["json_schema"]
             # OpenAI's strict defaults to false: keywords the engine lacks are then ignored.
             return {"type": "json_schema", "schema": spec.get("schema", {}), "strict": spec.get("strict") is True}
-        raise bad_field(name, "'response_format' must be {type: text}, {type: json_object} or {type: json_schema, json_schema: {name, schema, strict}}")
+        raise bad_field(name, "'response_format' must be {type: text}, {type: json_object} or {type: json_schema, json_schema: "
+            "{name, schema, strict}}")
     if name == "guided_json":
         return {"type": "json_schema", "schema": value, "strict": False}
     if name == "guided_regex":
@@ -200,7 +201,8 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     value, top = body.get("logprobs"), body.get("top_logprobs")
     if kind == COMPLETION:
         if top is not None and top != 0:
-            raise bad_field("top_logprobs", f"'top_logprobs' applies to chat completions (only 0 or null here): completions take 'logprobs': k, got {top!r}")
+            raise bad_field("top_logprobs", "'top_logprobs' applies to chat completions (only 0 or null here): completions take 'logprobs': "
+                f"k, got {top!r}")
         if value is not None and (not _is_int(value) or value < 0):
             raise bad_field("logprobs", f"'logprobs' must be an integer >= 0, got {value!r}")
         return value

@@ -116,7 +116,8 @@ class _HttpConnections:
         yield gauge
         closed = CounterMetricFamily(
             PREFIX + "http_connections_closed",
-            "HTTP connections the server closed or refused: header_timeout, idle_timeout, body_timeout (408), refused (503 at the cap).",
+            "HTTP connections the server closed or refused: header_timeout, idle_timeout, body_timeout (408), "
+            "refused (503 at the cap).",
             labels=["model_name", "cause"],
         )
         for cause, count in sorted(self._counts["closed"].items()):

@@ -35,7 +35,8 @@ def budgeted(job: GenerationJob, budget: Any, reasoning_parser: str | None, fiel
     if (job.options.get("chat_template_kwargs") or {}).get("enable_thinking") is False:
         raise bad_field(field, f"'{field}' with thinking off (chat_template_kwargs.enable_thinking false): there is no think block to cap")
     if job.forced_tool_choice is not None:
-        raise bad_field(field, f"'{field}' cannot be combined with a tool_choice that forces calls (the calls' JSON starts at the first token)")
+        raise bad_field(field, f"'{field}' cannot be combined with a tool_choice that forces calls (the calls' JSON starts at the "
+            "first token)")
     answer = _answer(job.options.get("constraint"), field)
     opening = "<think> " if reasoning_parser == "qwen3" else ""
     thought = f'thought[max_tokens={budget}]: /(?s:.*)/\n' if budget else 'thought: ""\n'

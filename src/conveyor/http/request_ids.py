@@ -21,7 +21,7 @@ from aiohttp import web
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_ID_CHARS = 128
-_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,%d}" % MAX_ID_CHARS)
+_SAFE_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_ID_CHARS}}}")
 # Typed request keys where aiohttp has them (3.14+; a plain string key warns there).
 _RequestKey = getattr(web, "RequestKey", None)
 _KEY = _RequestKey("request_id", str) if _RequestKey else "conveyor.request_id"

@@ -17,14 +17,14 @@ per-request columns of a plan) do not travel as msgpack lists of ints: each is a
 ``ext`` of type :data:`INT32_EXT` holding its values as raw little-endian int32. Decoding
 returns them as ``numpy`` arrays that are *views over the buffer given to* :func:`decode`
 (unaligned, wherever the ext falls: ``tolist()`` of 256 costs 1.5 us against 1.1 us
-aligned, measured; the codec as a whole is still faster): no per-element work, no copy. They are valid as long as that buffer is: forever for a ZeroMQ
-frame or bytes (the array keeps it alive), until the slot is released for a shared-memory
-ring (see :mod:`conveyor.ipc.step_channel`). A receiver that keeps values beyond that
-copies them (``.tolist()``, ``np.array``); an empty one is a shared read-only array.
-Encoding accepts a numpy array, an ``array.array('i')`` or any sequence of ints for such a
-field (a list, the common case, is packed by :mod:`struct`): the message handed to
-:func:`encode` is not changed; a struct whose Int32Array fields hold anything but numpy
-arrays is encoded from a copy with those values packed.
+aligned, measured; the codec as a whole is still faster): no per-element work, no copy. They are
+valid as long as that buffer is: forever for a ZeroMQ frame or bytes (the array keeps it alive),
+until the slot is released for a shared-memory ring (see :mod:`conveyor.ipc.step_channel`). A
+receiver that keeps values beyond that copies them (``.tolist()``, ``np.array``); an empty one is a
+shared read-only array. Encoding accepts a numpy array, an ``array.array('i')`` or any sequence of
+ints for such a field (a list, the common case, is packed by :mod:`struct`): the message handed to
+:func:`encode` is not changed; a struct whose Int32Array fields hold anything but numpy arrays is
+encoded from a copy with those values packed.
 
 Decoding validates everything it reads (version, tag known, arity, each field's type,
 array sizes) and raises :class:`DecodeError` naming the problem with field names
@@ -41,7 +41,8 @@ import re
 import struct
 import types
 import typing
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import msgspec
 import numpy as np
@@ -187,7 +188,8 @@ def _enc_hook(value: Any) -> Any:
 # ---------------------------------------------------------------------- messages
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_decoder = msgspec.msgpack.Decoder(Union[tuple(MESSAGE_TYPES.values())], ext_hook=_int32_view)  # type: ignore[misc]
+# UP007 (use X | Y) does not apply: this union is built from a tuple at run time.
+_decoder = msgspec.msgpack.Decoder(Union[tuple(MESSAGE_TYPES.values())], ext_hook=_int32_view)  # type: ignore[misc]  # noqa: UP007
 _VERSION = bytes([PROTOCOL_VERSION])
 _MESSAGE_PACKERS = {cls: _packer_of(cls) for cls in MESSAGE_TYPES.values()}
 

@@ -132,11 +132,11 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
 
 log = logging.getLogger("conveyor.shm_ring")
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 MAGIC = int.from_bytes(b"CNVYRING", "little")
 VERSION = 3  # 1: N readers (.bellN), 2: one reader (.bell); 3: N readers again

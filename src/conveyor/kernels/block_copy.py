@@ -32,7 +32,7 @@ happen before its writes, so overlapping ids within one chunk are harmless.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -43,8 +43,8 @@ from conveyor.kernels._common import interpreting, next_pow2
 
 __all__ = ["copy_blocks", "copy_blocks_ref", "stacked", "swap_blocks", "swap_blocks_ref"]
 
-Caches = Union[torch.Tensor, Sequence[torch.Tensor]]
-BlockIds = Union[torch.Tensor, Sequence[int]]
+Caches = torch.Tensor | Sequence[torch.Tensor]
+BlockIds = torch.Tensor | Sequence[int]
 
 #: Default cap on one swap chunk's staging buffer (per side).
 DEFAULT_MAX_STAGING_BYTES = 256 << 20

@@ -291,14 +291,24 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
             + (f" (got {', '.join(inputs)})" if inputs else "")
         )
     req = GenerateRequest(request_id=request_id, sampling=SamplingParams())
+    _parse_input(obj, inputs[0], req, fail, rid)
+    _parse_request_options(obj, req, fail)
+    req.sampling = parse_sampling(obj, rid)
+    _parse_frontend_fields(obj, req, fail)
+    _parse_structured_fields(obj, req, fail)
+    _parse_best_of(obj, req, fail)
+    return req
 
-    if "prompt" in inputs:
+
+def _parse_input(obj: dict[str, Any], kind: str, req: GenerateRequest, fail: Any, rid: str | None) -> None:
+    """The request's one input (``kind``: ``prompt``, ``messages`` or ``token_ids``) into ``req``."""
+    if kind == "prompt":
         if not isinstance(obj["prompt"], str):
             raise fail(f"'prompt' must be a string, got {type(obj['prompt']).__name__}")
         if not obj["prompt"]:
             raise ProtocolError("'prompt' is empty", rid, INVALID_INPUT)
         req.prompt = obj["prompt"]
-    elif "messages" in inputs:
+    elif kind == "messages":
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise fail("'messages' must be a non-empty array of {role, content} maps")
@@ -317,12 +327,14 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
             raise fail("'token_ids' must contain only integers")
         req.token_ids = ids
 
+
+def _parse_request_options(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
+    """``stream``, ``stop``, ``priority`` and ``lora`` into ``req``."""
     stream = obj.get("stream")
     stream = False if stream is None else stream  # null is the default, as for every optional field
     if not isinstance(stream, bool):
         raise fail("'stream' must be a boolean")
     req.stream = stream
-
     stop = obj.get("stop")
     if stop is None:
         stop = []
@@ -343,21 +355,22 @@ def _parse_generate(obj: dict[str, Any], rid: str | None) -> GenerateRequest:
         if not isinstance(lora, str) or not 0 < len(lora) <= MAX_LORA_NAME_LEN:
             raise fail(f"'lora' must be an adapter name: a non-empty string of at most {MAX_LORA_NAME_LEN} characters")
         req.lora = lora
-    req.sampling = parse_sampling(obj, rid)
-    _parse_frontend_fields(obj, req, fail)
-    _parse_structured_fields(obj, req, fail)
+
+
+def _parse_best_of(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
+    """``best_of`` > n: ``best_of`` sequences run, the ``n`` most likely are kept."""
     best_of = obj.get("best_of")
-    if best_of is not None:
-        n = req.sampling.n
-        if not is_int(best_of) or not n <= best_of <= MAX_N:
-            raise fail(f"'best_of' must be an integer in [n, {MAX_N}] (n is {n}), got {best_of!r}")
-        if best_of > n:
-            if req.stream:
-                raise fail("'best_of' > n is not supported with streaming (the best are known only at the end)")
-            req.keep_best = n
-            req.ranking_logprobs = req.sampling.logprobs is None
-            req.sampling = msgspec.structs.replace(req.sampling, n=best_of, logprobs=req.sampling.logprobs or 0)
-    return req
+    if best_of is None:
+        return
+    n = req.sampling.n
+    if not is_int(best_of) or not n <= best_of <= MAX_N:
+        raise fail(f"'best_of' must be an integer in [n, {MAX_N}] (n is {n}), got {best_of!r}")
+    if best_of > n:
+        if req.stream:
+            raise fail("'best_of' > n is not supported with streaming (the best are known only at the end)")
+        req.keep_best = n
+        req.ranking_logprobs = req.sampling.logprobs is None
+        req.sampling = msgspec.structs.replace(req.sampling, n=best_of, logprobs=req.sampling.logprobs or 0)
 
 
 def _parse_structured_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:

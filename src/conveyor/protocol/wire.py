@@ -40,7 +40,8 @@ INVALID_INPUT = "invalid_input"  # an input the model cannot take: empty, ids ou
 PROMPT_TOO_LONG = "prompt_too_long"  # the prompt (or prompt + max_tokens) does not fit the model length
 DUPLICATE_REQUEST_ID = "duplicate_request_id"  # the client already has a request in flight under this id
 OVERLOADED = "overloaded"  # refused by the scheduler's bounded queue: retry later
-TIMEOUT = "timeout"  # waited longer than --max-queue-time, or a load_lora / unload_lora some replica left unanswered: retry later
+# waited longer than --max-queue-time, or a load_lora / unload_lora some replica left unanswered: retry later
+TIMEOUT = "timeout"
 SERVER_ERROR = "server_error"  # the server failed the request: a process died, shutdown, an internal error
 LORA_LOADING_DISABLED = "lora_loading_disabled"  # load_lora / unload_lora: the server runs without --enable-lora-loading
 LORA_UPDATE_PENDING = "lora_update_pending"  # load_lora / unload_lora: another update of the name is unanswered yet

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from conveyor.ipc.step_channel import StepChannels
 from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exported: they are read from here)
-    Attention, Batching, Choice, Device, Dtype, PipelineSteps, PlanTransport, Policy, Preemption,
+    Attention, Batching, Choice, Device, Dtype, PipelineSteps, PlanTransport, Policy, Preemption, Quantization,
     parse_choices, require_at_least,
 )  # fmt: skip
 from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback, is_loopback_host
@@ -190,6 +190,7 @@ class RunnerConfig:
     model_dir: str
     device: str = Device.CPU
     dtype: Dtype = Dtype.AUTO  # or a torch.dtype, taken as it is
+    quantization: Quantization = Quantization.AUTO  # bin/serve --quantization (worker.quantization)
     block_size: int = SchedulerConfig.block_size
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -211,7 +212,7 @@ class RunnerConfig:
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        parse_choices(self, attention=Attention)
+        parse_choices(self, attention=Attention, quantization=Quantization)
         if isinstance(self.dtype, str):
             parse_choices(self, dtype=Dtype)
 
@@ -417,7 +418,8 @@ def check_faces_keyed_alike(config: ServerConfig) -> None:
     zmq_keyed, http_keyed = config.frontend.auth_keys is not None, bool(http.api_keys)
     if http_keyed and not zmq_keyed and not is_loopback(config.addresses.client):
         raise ValueError(
-            f"--api-key keys the HTTP API, but the ZeroMQ client socket {config.addresses.client} is open to other hosts: "
+            f"--api-key keys the HTTP API, but the ZeroMQ client socket {config.addresses.client} is open to other "
+            "hosts: "
             "add --auth-keys DIR (bin/keygen) or bind --host to loopback"
         )
     if zmq_keyed and not http_keyed and not is_loopback_host(http.http_host):

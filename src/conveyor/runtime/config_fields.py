@@ -68,6 +68,17 @@ class Dtype(Choice):
     FLOAT16 = "float16"
 
 
+class Quantization(Choice):
+    """How the weights are held (conveyor.worker.quantization; docs/quantization.md)."""
+
+    AUTO = "auto"  # a GPTQ/AWQ/compressed-tensors checkpoint kept quantized, any other (GGUF too) float
+    GGUF = "gguf"  # a block-quantized GGUF file kept quantized (its greedy agreement: docs/quantization.md)
+    NONE = "none"  # float weights (a GGUF file dequantized at load)
+    INT8 = "int8"  # int8 per channel, quantized at load
+    INT4 = "int4"  # int4 in groups of 32, quantized at load
+    FP8 = "fp8"  # e4m3 per channel, quantized at load
+
+
 class Attention(Choice):
     AUTO = "auto"  # Triton on CUDA, batched torch on CPU
     TRITON = "triton"

@@ -53,7 +53,8 @@ def resolve_model(model: str | None) -> tuple[str, bool]:
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise StartupError(
-            f"--model {model}: no config.json there (a local HF checkpoint directory, a .gguf file, or {DEMO!r} is required)"
+            f"--model {model}: no config.json there (a local HF checkpoint directory, a .gguf file, or {DEMO!r} is "
+            "required)"
         )
     return str(path), False
 

@@ -102,10 +102,11 @@ def run_process(
     with its ``ready_info``, or fails: then the reason goes to bin/serve, which stops the server
     and prints it in one line. An expected failure (a :class:`StartupError`, an address in use,
     or one of ``expected``: a user's mistake the message explains) logs nothing more unless
-    $CONVEYOR_DEBUG is set; any other failure logs its traceback. The process returns without closing anything (it is exiting, and a
-    context with a half-built socket open would block its term). After ready, ``close`` and
-    the context's term always run; a peer process that went away (:class:`PeerGone`) ends the
-    process with status 1 and one log line, any other exception with its traceback.
+    $CONVEYOR_DEBUG is set; any other failure logs its traceback. The process returns without
+    closing anything (it is exiting, and a context with a half-built socket open would block its
+    term). After ready, ``close`` and the context's term always run; a peer process that went away
+    (:class:`PeerGone`) ends the process with status 1 and one log line, any other exception with
+    its traceback.
     """
     die_with_parent()
     log = setup_logging(name)

@@ -8,8 +8,9 @@ Every block is in exactly one of three states:
 - **free**: reference count 0, no content worth keeping, on the free list;
 - **cached**: reference count 0 but its contents are a known prefix (a full block under its
   content id from :class:`~conveyor.scheduler.prefix_index.PrefixIndex`, or a *partial*
-  block: the first tokens of a block after a known parent), kept in an LRU so a later request with the same prefix can reuse it instead of
-  recomputing it; evicted (oldest first) when nothing is free;
+  block: the first tokens of a block after a known parent), kept in an LRU so a later request with
+  the same prefix can reuse it instead of recomputing it; evicted (oldest first) when nothing is
+  free;
 - **held**: reference count >= 1, one per request whose block table names it. A held full
   block may carry a content id too: other requests then share it by taking a reference.
 
@@ -260,6 +261,12 @@ class BlockPool:
                 block_of[block_hash] = block_id
             elif hash_of[block_id] != block_hash:
                 index.discard(block_hash)
+
+    def drop_cached(self) -> None:
+        """Forget every cached block (freed, kept for the prefix cache): their contents no
+        longer hold (new weights, a cache freed by sleep). Held blocks are the caller's to end first."""
+        for block_id in list(self._lru):
+            self.unregister(block_id)
 
     def unregister(self, block_id: int) -> None:
         """Forget what a block holds (its contents are not what its id says, e.g. the copy

@@ -27,10 +27,10 @@ gone (the ring's writer pid; on ZeroMQ, bin/serve notices a dead worker and stop
 Profiling: each iteration's schedule, update and output flush are timed, and so is the plan
 round trip (send to result); for a plan sent while none was in flight, the round trip minus
 the worker's own execute time is the transport cost (a plan sent ahead also waits for the
-step before it, so it says nothing about transport). Batch shape per step (sequences, tokens, waiting) is kept as series, the
-occupancy timeline bin/bench plots. A ProfileQuery is forwarded to the worker on the plan
-socket, so the worker answers between steps and never mid-step; its report comes back on
-the result socket (while a plan is in flight, or in the idle wait, which polls both
+step before it, so it says nothing about transport). Batch shape per step (sequences, tokens,
+waiting) is kept as series, the occupancy timeline bin/bench plots. A ProfileQuery is forwarded to
+the worker on the plan socket, so the worker answers between steps and never mid-step; its report
+comes back on the result socket (while a plan is in flight, or in the idle wait, which polls both
 sockets) and goes to the frontend with this process's snapshot in front.
 
 LoRA adapters loaded while serving (:mod:`conveyor.ipc.messages.lora_updates`): a LoadLora

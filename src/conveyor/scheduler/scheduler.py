@@ -36,11 +36,11 @@ plan N+1, the worker running it right after N (the worker keeps every request's 
 feeds the token it sampled at N as the input of N+1). Such a plan *ahead* never preempts
 (the victim's token from N would be lost) and never schedules a request that will end by
 length at N; when it would have to preempt it stops there and :attr:`can_plan_ahead` turns
-false, so the caller applies N and plans the next step with everything known. A request that turns out to finish at N (a stop token) was
-still scheduled in N+1: its blocks and slot are freed when N is applied, the worker drops it
-with the next plan's ``finished_slots``, and the token N+1 sampled for it is discarded. Outputs
-are the same as without planning ahead; only decisions that depend on N's tokens (who
-finished, freeing slots and blocks) come one step later.
+false, so the caller applies N and plans the next step with everything known. A request that turns
+out to finish at N (a stop token) was still scheduled in N+1: its blocks and slot are freed when N
+is applied, the worker drops it with the next plan's ``finished_slots``, and the token N+1 sampled
+for it is discarded. Outputs are the same as without planning ahead; only decisions that depend on
+N's tokens (who finished, freeing slots and blocks) come one step later.
 
 Each iteration, within the token budget ``max_num_batched_tokens``:
 
@@ -215,7 +215,8 @@ class Scheduler:
                 msg.request_id,
                 [],
                 FinishReason.ERROR,
-                error=f"overloaded: {len(self.state.queue)} requests are waiting (max_waiting {cfg.max_waiting}); retry later",
+                error=f"overloaded: {len(self.state.queue)} requests are waiting (max_waiting {cfg.max_waiting}); "
+                    "retry later",
             )
         now = self.clock()
         req.enqueue_time = now
@@ -254,6 +255,16 @@ class Scheduler:
         if live:
             raise ValueError(f"LoRA adapter {name!r} is in use by {len(live)} live request(s)")
         del self._lora_roots[name]
+
+    def drop_prefix_cache(self) -> None:
+        """Forget the prefix cache, on the device and in the swap space (new weights, a KV cache
+        freed by sleep). Only between requests: ValueError while any request holds blocks."""
+        kv = self.state.kv
+        if kv.gpu.num_held or (kv.swap.pool is not None and kv.swap.pool.num_held):
+            raise ValueError("the prefix cache can be dropped only while no request holds KV blocks")
+        kv.gpu.drop_cached()
+        if kv.swap.pool is not None:
+            kv.swap.pool.drop_cached()
 
     def abort(self, request_ids: Iterable[str], error: str | None = None) -> list[RequestOutput]:
         """Finish live requests with "abort" (with ``error``: "error", that text) and free their

@@ -55,6 +55,8 @@ def make_batch_invariant(model: nn.Module) -> None:
     """Pad every projection of ``model`` (and its tied LM head) to :data:`ROW_TILE` rows, then
     check, once per distinct projection, that a row's output is the same bits computed alone
     and among others (BatchVarianceError naming the shape where not)."""
+    if getattr(model, "quantization", "none") != "none":
+        raise ValueError(f"--batch-invariant with quantized weights ({model.quantization}) is not supported: use --quantization none")
     checked: set[tuple] = set()
     generator = torch.Generator(device="cpu").manual_seed(0)
     for name, module in model.named_modules():

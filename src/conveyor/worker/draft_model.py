@@ -51,7 +51,8 @@ class DraftModel:
     split over the ranks (ValueError), before loading a weight."""
 
     def __init__(
-        self, model_dir: str | Path, target: ModelConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend,
+        self, model_dir: str | Path, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+        backend: AttentionBackend,
         block_size: int, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL,
     ) -> None:  # fmt: skip
         draft_model_config(str(model_dir), target, tensor_parallel_size=tensor_parallel.size)

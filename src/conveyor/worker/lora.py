@@ -182,7 +182,7 @@ class LoraManager:
                 columns.setdefault(slot.name.removesuffix(".weight"), []).append((slot.start, slot.end))
             for module_name, pieces in columns.items():
                 linear = model.get_submodule(module_name)
-                out_features, in_features = linear.weight.shape
+                out_features, in_features = linear.out_features, linear.in_features
                 linear.lora = LoraStack(options.max_loras, options.max_lora_rank, pieces, in_features, out_features,
                                         self.context)
                 self._stacks[module_name] = linear.lora

@@ -1,9 +1,10 @@
 """A PEFT LoRA adapter's ``adapter_config.json``, checked without torch.
 
 What an adapter directory must say before its weights are worth reading (the files present,
-LoRA and nothing unsupported, a rank within ``--max-lora-rank``) is checked here, so that bin/serve refuses a bad ``--lora-modules`` entry before any process
-starts (:mod:`conveyor.assembly.preflight`) with the same words the worker uses when it loads
-the adapter (:func:`conveyor.worker.lora.read_adapter`, which starts with this).
+LoRA and nothing unsupported, a rank within ``--max-lora-rank``) is checked here, so that bin/serve
+refuses a bad ``--lora-modules`` entry before any process starts
+(:mod:`conveyor.assembly.preflight`) with the same words the worker uses when it loads the adapter
+(:func:`conveyor.worker.lora.read_adapter`, which starts with this).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def read_adapter_config(name: str, directory: str | Path, max_rank: int) -> Adap
         raise LoraLoadError(f"adapter {name!r}: DoRA, trained biases and modules_to_save are not supported")
     rank = int(peft.get("r", 8))
     if not 1 <= rank <= max_rank:
-        raise LoraLoadError(f"adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank} (raise --max-lora-rank to at least {rank})")
+        raise LoraLoadError(f"adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank} (raise --max-lora-rank to at least "
+            f"{rank})")
     if peft.get("rank_pattern") or peft.get("alpha_pattern"):
         raise LoraLoadError(f"adapter {name!r}: per-module rank_pattern/alpha_pattern are not supported")
     targets = peft.get("target_modules") or []

@@ -64,7 +64,8 @@ def resolve_device(device: str) -> str:
     if device == Device.AUTO:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise StartupError(f"--device {device}: torch sees no CUDA device here (torch.cuda.is_available() is False); use --device cpu (or auto)")
+        raise StartupError(f"--device {device}: torch sees no CUDA device here (torch.cuda.is_available() is False); use --device "
+            "cpu (or auto)")
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"unsupported device {device!r}: use cpu, cuda or auto")
     return device

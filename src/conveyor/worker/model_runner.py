@@ -85,7 +85,9 @@ class ModelRunner:
             backend = invariant_backend(device, config.attention, config.lora_enabled)
         else:
             backend = backend_for(device, config.attention)
-        self.model, self.model_config = load_model(config.model_dir, device, config.dtype, backend, tp)
+        # (batch-invariant mode checks float kernels: there --quantization auto means float weights)
+        quantization = "none" if config.batch_invariant and config.quantization == "auto" else config.quantization
+        self.model, self.model_config = load_model(config.model_dir, device, config.dtype, backend, tp, quantization)
         if config.batch_invariant:
             make_batch_invariant(self.model)
         self.dtype = self.model.dtype
@@ -138,10 +140,10 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self.swap_caches = cache_shape.allocate_swap(num_cpu_blocks, self.device)
         # (cache, swap space) pairs every block move of a plan applies to: the model's, the draft's
-        self._cache_sets = [(self.kv_caches, self.swap_caches)]
+        self.cache_sets = [(self.kv_caches, self.swap_caches)]
         if self.draft is not None:
             self.draft.allocate(num_blocks, num_cpu_blocks)
-            self._cache_sets.append((self.draft.kv_caches, self.draft.swap_caches))
+            self.cache_sets.append((self.draft.kv_caches, self.draft.swap_caches))
 
     def _step_parts(self, config: RunnerConfig, profiler: profiling.Profiler | None) -> StepParts:
         """The per-slot state and the parts a step runs through, each built from what it uses."""
@@ -227,13 +229,13 @@ class ModelRunner:
         block this plan swaps in (its first sequence resumed), so it is read after."""
         if plan.swap_out or plan.swap_in:
             swap_start = profiling.now_ns()
-            for caches, swap in self._cache_sets:
+            for caches, swap in self.cache_sets:
                 transfer_blocks(caches, swap, plan.swap_out)
                 transfer_blocks(swap, caches, plan.swap_in)
             self.parts.timers.swap.record(swap_start, arg=len(plan.swap_out) + len(plan.swap_in))
         if plan.copy_blocks:
             pairs = torch.tensor(plan.copy_blocks, dtype=torch.int64)
-            for caches, _ in self._cache_sets:
+            for caches, _ in self.cache_sets:
                 copy_blocks(caches, pairs)
 
     def _take_in(self, new_requests: list[NewRequestData], adapters: list[int]) -> None:

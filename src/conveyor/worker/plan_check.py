@@ -1,14 +1,14 @@
 """The worker's check of each plan against what it holds: its trust boundary with the scheduler.
 
-Requests were validated before they reached the scheduler (:mod:`conveyor.protocol.requests` and :mod:`conveyor.protocol.validation`:
-the frontend, and the scheduler at its own entry for in-process callers); the worker does not
-repeat those request rules. What it checks is the plan itself, because a plan that
-contradicts the worker's state would make the device read or write KV out of bounds or of
-another request: slots in range, new requests only on free slots and cached rows only on
-held ones, each slot once, counts that agree with the worker's, token ranges within what is
-known, block ids inside the pool, block tables long enough, swap pairs inside the caches,
-and at most ``max_num_seqs`` rows. A plan that fails is refused (:class:`PlanRefused`)
-before any state changes, apart from dropping its finished slots, which comes first.
+Requests were validated before they reached the scheduler (:mod:`conveyor.protocol.requests` and
+:mod:`conveyor.protocol.validation`: the frontend, and the scheduler at its own entry for in-process
+callers); the worker does not repeat those request rules. What it checks is the plan itself, because
+a plan that contradicts the worker's state would make the device read or write KV out of bounds or
+of another request: slots in range, new requests only on free slots and cached rows only on held
+ones, each slot once, counts that agree with the worker's, token ranges within what is known, block
+ids inside the pool, block tables long enough, swap pairs inside the caches, and at most
+``max_num_seqs`` rows. A plan that fails is refused (:class:`PlanRefused`) before any state changes,
+apart from dropping its finished slots, which comes first.
 """
 
 from __future__ import annotations

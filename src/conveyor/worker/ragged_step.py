@@ -47,7 +47,8 @@ class RaggedStep:
         return out
 
     def _sample(
-        self, rows: StepRows, hidden: torch.Tensor, ends: np.ndarray, query_lens: list[int], drafted: torch.Tensor | None,
+        self, rows: StepRows, hidden: torch.Tensor, ends: np.ndarray, query_lens: list[int],
+        drafted: torch.Tensor | None,
         sample_slots: torch.Tensor,
     ) -> StepOutput:  # fmt: skip
         """Rank 0's part: the LM head over the rows that sample (and a speculative row's

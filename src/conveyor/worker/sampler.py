@@ -55,9 +55,9 @@ def draw_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def stream_uniforms(keys: torch.Tensor, first: int, count: int) -> torch.Tensor:
     """float32 ``[N, count]`` uniforms in ``(0, 1)``: entry ``(i, j)`` is element ``first + j``
-    of the splitmix64 stream started at ``keys[i]``, its top ``_NOISE_BITS`` bits (bucket midpoints, exact in float32, never 0 or 1).
-    Element 0 is the speculative verification's acceptance uniform, elements 1.. the
-    exponential noise of :func:`exponential_noise`: one key, independent draws."""
+    of the splitmix64 stream started at ``keys[i]``, its top ``_NOISE_BITS`` bits (bucket midpoints,
+    exact in float32, never 0 or 1). Element 0 is the speculative verification's acceptance uniform,
+    elements 1.. the exponential noise of :func:`exponential_noise`: one key, independent draws."""
     steps = torch.arange(first, first + count, dtype=torch.int64, device=keys.device) * _signed(_GAMMA)
     bits = _shift_right(splitmix64(keys[:, None] + steps[None, :]), 64 - _NOISE_BITS)
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _NOISE_BITS))

@@ -11,6 +11,7 @@ first copy, so a bad update is refused whole and the model keeps serving its old
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,19 @@ def update_from_group(
     before the trainer starts sending."""
     check_update(model, {name: tuple(shape) for name, _, shape in specs}, "the trainer's group")
     load_weights(model, (("group", name, TensorSlice(t)) for name, t in broadcast_tensors(group, specs, None)))
+
+
+@dataclass(frozen=True)
+class WeightBroadcast:
+    """A weight update the trainer broadcasts: the group's ``address`` (``host:port``, hosted by
+    the trainer, group rank 0), this engine's ``rank`` in it, its ``world_size``, and the
+    ``specs`` (name, dtype, shape) of the tensors, in the order the trainer sends them."""
+
+    address: str
+    rank: int
+    world_size: int
+    specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]
+    timeout_s: float = 300.0
+
+    def group(self) -> dist.ProcessGroup:
+        return weight_update_group(self.address, self.rank, self.world_size, self.timeout_s)

@@ -20,7 +20,8 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
         t = tables["1_throughput"]
         lo, hi = t["published"]["ratio"]
         lines = [
-            f"1. Throughput, continuous vs static (output tok/s; published {lo}x to {hi}x on {t['published']['setup']})",
+            f"1. Throughput, continuous vs static (output tok/s; published {lo}x to {hi}x on "
+            f"{t['published']['setup']})",
             f"{'batch':>6} {'requests':>9} {THROUGHPUT_HEADER}",
         ]
         for r in t["rows"]:
@@ -37,7 +38,8 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
             f"{'pct':>5} {'continuous s':>13} {'static s':>9} {'ratio':>7}",
         ]
         for r in t["rows"]:
-            lines.append(f"{'p' + str(r['percentile']):>5} {number_text(r['continuous_s'], 13, 2)} {number_text(r['static_s'], 9, 2)} {number_text(r['ratio'], 6, 2)}x")
+            lines.append(f"{'p' + str(r['percentile']):>5} {number_text(r['continuous_s'], 13, 2)} "
+                f"{number_text(r['static_s'], 9, 2)} {number_text(r['ratio'], 6, 2)}x")
         out.append("\n".join(lines))
     if "3_occupancy" in tables:
         t = tables["3_occupancy"]
@@ -50,7 +52,8 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
         lines += _system_rows(
             t,
             11,
-            lambda o: f"{_pct(o['fraction_per_step'], 9)} {_pct(o['fraction_over_time'], 10)} {number_text(o['mean_per_step'], 10, 1)}",
+            lambda o: f"{_pct(o['fraction_per_step'], 9)} {_pct(o['fraction_over_time'], 10)} "
+                f"{number_text(o['mean_per_step'], 10, 1)}",
         )
         out.append("\n".join(lines))
     if "4_kv" in tables:
@@ -58,19 +61,23 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
         p = t["published"]
         per_token = t["kv_bytes_per_token"]
         lines = [
-            f"4. KV cache, batch {t['batch_size']} (blocks of {t['block_size']} tokens, {per_token} bytes of KV per token; "
+            f"4. KV cache, batch {t['batch_size']} (blocks of {t['block_size']} tokens, {per_token} bytes of KV "
+            "per token; "
             f"published waste: static {p['static_gb']:g} GB, continuous {p['continuous_gb']:g} GB)",
-            f"{'system':<15} {'avg blocks':>10} {'peak blocks':>11} {'avg slack tok':>13} {'peak waste':>11} {'coverage':>9}",
+            f"{'system':<15} {'avg blocks':>10} {'peak blocks':>11} {'avg slack tok':>13} {'peak waste':>11} "
+            f"{'coverage':>9}",
         ]
         lines += _system_rows(
             t,
             15,
             lambda kv: f"{number_text(kv['avg_held_blocks'], 10, 1)} {number_text(kv['peak_held_blocks'], 11, 0)} "
-            f"{number_text(kv['avg_slack_tokens'], 13, 1)} {_bytes(kv['peak_slack_tokens'] * per_token, 11)} {_pct(kv['coverage'], 9)}",
+            f"{number_text(kv['avg_slack_tokens'], 13, 1)} {_bytes(kv['peak_slack_tokens'] * per_token, 11)} "
+            f"{_pct(kv['coverage'], 9)}",
         )
         pad = t["padded_static"]
         lines.append(
-            f"{'padded static':<15} {'(computed)':>10} {'':>11} {'':>13} {_bytes(pad['peak_waste_tokens'] * per_token, 11)} "
+            f"{'padded static':<15} {'(computed)':>10} {'':>11} {'':>13} "
+            f"{_bytes(pad['peak_waste_tokens'] * per_token, 11)} "
             f"  {pad['fraction']:.0%} of padded slots never hold a token"
         )
         out.append("\n".join(lines))
@@ -95,7 +102,10 @@ THROUGHPUT_HEADER = f"{'continuous':>11} {'static':>9} {'ratio':>7}"
 
 
 def _throughput_cells(row: dict[str, Any]) -> str:
-    return f"{number_text(row['continuous_tok_s'], 11, 1)} {number_text(row['static_tok_s'], 9, 1)} {number_text(row['ratio'], 6, 2)}x"
+    return (
+        f"{number_text(row['continuous_tok_s'], 11, 1)} {number_text(row['static_tok_s'], 9, 1)} "
+        f"{number_text(row['ratio'], 6, 2)}x"
+    )
 
 
 def _system_rows(table: dict[str, Any], width: int, row: Callable[[dict[str, Any]], str]) -> list[str]:

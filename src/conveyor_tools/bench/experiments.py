@@ -307,7 +307,8 @@ class Experiments:
             )  # fmt: skip
         done = [r for r in run.requests if r.ok]
         e2e = latency_percentiles([r.e2e for r in done])
-        self.setup.note(f"{system} @ {self.rate:.2f} req/s: e2e p50 {number_text(e2e['p50'], 0, 2)} s, p99 {number_text(e2e['p99'], 0, 2)} s, "
+        self.setup.note(f"{system} @ {self.rate:.2f} req/s: e2e p50 {number_text(e2e['p50'], 0, 2)} s, p99 "
+            f"{number_text(e2e['p99'], 0, 2)} s, "
             f"{len(run.requests) - len(done)} failed")
         return {
             "system": system,

@@ -144,9 +144,13 @@ def offline_table(systems: dict[str, dict[str, Any]], reference: str = "conveyor
         idle = med.get("worker_idle_fraction")
         notes = ""
         if "spec_acceptance_rate" in med:  # a speculating server (--serve-arg --speculative-method ...)
-            notes = f"  speculation: acceptance {med['spec_acceptance_rate']:.2f}, mean length {med['spec_mean_acceptance_length']:.2f}"
+            notes = (
+                f"  speculation: acceptance {med['spec_acceptance_rate']:.2f}, mean length "
+                f"{med['spec_mean_acceptance_length']:.2f}"
+            )
         lines.append(
-            f"{name:<16} {tok_cell:>{tok_width}} {med['total_tok_s']:>11.1f} {med['req_s']:>7.2f} {med['wall_s']:>8.2f} "
+            f"{name:<16} {tok_cell:>{tok_width}} {med['total_tok_s']:>11.1f} {med['req_s']:>7.2f} "
+            f"{med['wall_s']:>8.2f} "
             f"{_opt(last['latency_s']['p50'])} {_opt(last['latency_s']['p99'])} "
             f"{_opt(occupancy, 9, 1)} {_opt(speedup, 15, 2)}x "
             f"{_opt(None if idle is None else 100 * idle, 10, 1)}%{notes}"

@@ -148,7 +148,8 @@ def median_cell(key: tuple[int, str, str], cells: list[dict[str, Any]]) -> dict[
     runs (:func:`cell`), and the runs."""
     batch, workload, method = key
     figures = ("output_tok_s", "tokens_per_forward", "ms_per_step", "cpu_ms_per_step", "output_tok_cpu_s",
-               "spec_acceptance_rate", "spec_mean_acceptance_length", "spec_proposals_per_step", "forwards")  # fmt: skip
+               "spec_acceptance_rate", "spec_mean_acceptance_length", "spec_proposals_per_step",
+               "forwards")  # fmt: skip
     median = {name: statistics.median(c[name] for c in cells) for name in figures if cells[0][name] is not None}
     return {"batch": batch, "workload": workload, "method": method, **median, "runs": cells}
 

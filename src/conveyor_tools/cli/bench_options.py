@@ -21,6 +21,11 @@ SERVED = {
     "conveyor-nooverlap": ["--no-overlap"],
     "conveyor-zmq": ["--plan-transport", "zmq"],
     "conveyor-invariant": ["--batch-invariant"],  # batch-invariant mode: what it costs
+    # the weights (docs/quantization.md); plain ``conveyor`` is --quantization auto
+    "conveyor-f32": ["--quantization", "none"],
+    "conveyor-int8": ["--quantization", "int8"],
+    "conveyor-int4": ["--quantization", "int4"],
+    "conveyor-gguf": ["--quantization", "gguf"],  # a quantized GGUF file kept quantized
 }
 # Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
 HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}
@@ -36,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     # What every mode shares: the model, the device and the server's sizes.
     engine = argparse.ArgumentParser(add_help=False)
     engine.add_argument(
-        "--model", help="HF checkpoint directory, a .gguf file (or a directory holding one), or 'demo' (the default: the built-in demo model)"
+        "--model", help="HF checkpoint directory, a .gguf file (or a directory holding one), or 'demo' (the default: the "
+            "built-in demo model)"
     )
     engine.add_argument("--device", default="auto", choices=Device.names())
     engine.add_argument("--dtype", default="auto", choices=Dtype.names())

@@ -68,7 +68,8 @@ def speculative_main(args: argparse.Namespace, argv: list[str] | None) -> int:
         report.write_json(args.json, {
             "benchmark": "speculative",
             "command": " ".join(["bin/bench", *(argv if argv is not None else sys.argv[1:])]),
-            "settings": {**dataclasses.asdict(settings), "model": "copy", "model_config": model_settings(model), "device": device,
+            "settings": {**dataclasses.asdict(settings), "model": "copy", "model_config": model_settings(model),
+                         "device": device,
                          "dtype": args.dtype, "threads": args.threads, "serve_args": list(args.serve_arg)},
             "environment": env,
             "table": text,

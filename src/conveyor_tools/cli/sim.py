@@ -147,7 +147,8 @@ def meets(summary: dict[str, Any], slo_ttft_s: float, slo_tpot_s: float) -> bool
 
 
 def sweep(args: argparse.Namespace, model: CostModel, requests: list[SimRequest], tps: list[int], dps: list[int],
-          seqs: list[int], batched: list[int], slo_ttft_s: float, slo_tpot_s: float) -> tuple[list[dict], dict | None]:  # fmt: skip
+          seqs: list[int], batched: list[int], slo_ttft_s: float, slo_tpot_s: float) -> tuple[list[dict],
+                                                                                              dict | None]:  # fmt: skip
     """Every configuration in order of GPUs (tp x dp), stopping after the first GPU count at
     which one meets the target: the rows tried, and the cheapest that met it (among those
     with as few GPUs, the lowest p99 TTFT), or None."""
@@ -174,7 +175,8 @@ def _ms(v: float | None) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'tp':>3} {'dp':>3} {'gpus':>4} {'seqs':>5} {'tokens':>6} {'req/s':>7} {'out tok/s':>9} "
-            f"{'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'queue p99':>9} {'preempt':>7} {'occ':>5}")  # fmt: skip
+            f"{'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'queue p99':>9} {'preempt':>7} "
+            f"{'occ':>5}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         mark = "" if "meets" not in r else ("  meets" if r["meets"] else "")
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         if best is None:
             print("no configuration tried meets the target")
         else:
-            print(f"cheapest: tp {best['tp']} x dp {best['dp']} = {best['gpus']} GPUs, max_num_seqs {best['max_num_seqs']}, "
+            print(f"cheapest: tp {best['tp']} x dp {best['dp']} = {best['gpus']} GPUs, max_num_seqs "
+                f"{best['max_num_seqs']}, "
                   f"max_num_batched_tokens {best['max_num_batched_tokens']}")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -10,8 +10,9 @@ strings, ``ignore_eos``, priorities; an invalid field now and then. One request 
 given up on (a stream left after a few deltas, a ``generate`` cancelled after a random
 wait), and one in five reuses the id of one of the client's finished or given-up requests,
 i.e. continues that conversation. Now and then a client sends a request on a connection of
-its own and closes it mid-request, or asks for the stats and the latency profile. Run it against a server with a small KV cache
-(``--num-kv-blocks``) and token budget to force chunked prefills and preemptions.
+its own and closes it mid-request, or asks for the stats and the latency profile. Run it against a
+server with a small KV cache (``--num-kv-blocks``) and token budget to force chunked prefills and
+preemptions.
 
 Unless ``--plain``, requests also take the kinds of soak_kinds.py now and then: ``n`` in
 {2, 3} (and ``best_of``), ``logprobs`` / ``prompt_logprobs``, a JSON-schema, regex or choice
@@ -408,7 +409,8 @@ async def soak(
             r = run.report
             where = f"traffic, {max(0.0, deadline - time.monotonic()):.0f} s left" if phase[0] == "traffic" else phase[0]
             replayed = f", {r.replayed} replayed" if r.replayed else ""
-            say(f"soak: {time.monotonic() - start:.0f} s ({where}): {r.requests} requests{replayed}, {len(r.failures)} failure(s)")
+            say(f"soak: {time.monotonic() - start:.0f} s ({where}): {r.requests} requests{replayed}, "
+                f"{len(r.failures)} failure(s)")
 
     ticker = asyncio.ensure_future(tick())
     try:

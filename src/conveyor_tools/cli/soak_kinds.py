@@ -49,7 +49,8 @@ TOOLS = [
 TOOL_CALLS_SCHEMA = {
     "type": "array",
     "minItems": 1,
-    "items": {"type": "object", "properties": {"name": {"const": "lookup"}, "arguments": TOOLS[0]["function"]["parameters"]},
+    "items": {"type": "object", "properties": {"name": {"const": "lookup"},
+                                               "arguments": TOOLS[0]["function"]["parameters"]},
               "required": ["name", "arguments"]},
 }  # fmt: skip
 

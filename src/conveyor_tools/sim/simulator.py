@@ -332,9 +332,10 @@ def simulate(
     """Replay ``requests`` (any order; ids default to their index) on ``replicas``
     data-parallel replicas, each a scheduler with ``config`` and steps priced by
     ``step_time``: a :class:`StepCost` prices each replica's steps with a pricer of its own
-    (a server's warm-up is its own), any other callable is shared as it is. Routing is the frontend's (:mod:`conveyor.frontend.replicas`): each request
-    goes to the replica with the fewest outstanding requests, ties broken by their prompt
-    tokens, then by the replica picked least recently."""
+    (a server's warm-up is its own), any other callable is shared as it is. Routing is the
+    frontend's (:mod:`conveyor.frontend.replicas`): each request goes to the replica with the fewest
+    outstanding requests, ties broken by their prompt tokens, then by the replica picked least
+    recently."""
     def pricer() -> Callable[[StepPlan], float]:
         return step_time.pricer() if isinstance(step_time, StepCost) else step_time
 
@@ -351,9 +352,10 @@ def simulate(
             rep.advance(now)
         while i < len(named) and named[i].arrival == now:
             req = named[i]
-            k = min(range(replicas), key=lambda j: (reps[j].outstanding + len(batch.get(j, [])),
-                                                     reps[j].outstanding_prompt_tokens + sum(len(r.prompt_ids) for r in batch.get(j, [])),
-                                                     last_pick[j]))  # fmt: skip
+            k = min(range(replicas), key=lambda j: (
+                reps[j].outstanding + len(batch.get(j, [])),
+                reps[j].outstanding_prompt_tokens + sum(len(r.prompt_ids) for r in batch.get(j, [])),
+                last_pick[j]))  # fmt: skip
             batch.setdefault(k, []).append(req)
             last_pick[k] = picks
             picks += 1

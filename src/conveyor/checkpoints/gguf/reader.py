@@ -10,7 +10,7 @@ nothing downstream has a GGUF case: :func:`hf_config` gives the dicts
 the tensors under the names the worker's loader expects.
 
 llama.cpp's converter permutes the rows of Llama's q and k projections (it rotates
-interleaved pairs, HF rotates halves); :func:`_unpermute` undoes it as transformers' GGUF
+interleaved pairs, HF rotates halves); :func:`unpermute` undoes it as transformers' GGUF
 loader does, so the weights equal those transformers loads from the same file.
 
 Everything that can be wrong with a file (not GGUF, truncated, an architecture, a metadata
@@ -110,7 +110,8 @@ def hf_config(reader: GGUFReader, path: str | Path) -> tuple[dict[str, Any], dic
     head_dim = fields.get(f"{arch}.attention.key_length") or hidden // heads
     rotary = fields.get(f"{arch}.rope.dimension_count")
     if rotary is not None and rotary != head_dim:
-        raise GGUFError(f"{path}: {arch}.rope.dimension_count {rotary} differs from the head size {head_dim} (partial rotary is not supported)")
+        raise GGUFError(f"{path}: {arch}.rope.dimension_count {rotary} differs from the head size {head_dim} (partial rotary "
+            "is not supported)")
     scaling = fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none") or "rope_freqs.weight" in names:
         what = f"{arch}.rope.scaling.type {scaling!r}" if scaling not in (None, "none") else "tensor rope_freqs.weight"
@@ -153,24 +154,34 @@ def check_tensors(reader: GGUFReader, path: str | Path) -> None:
         hf_name(tensor.name, path)
         if not dequantizable(tensor.tensor_type):
             raise GGUFError(
-                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf package cannot dequantize"
+                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf package cannot "
+                "dequantize"
             )
 
 
 def hf_tensors(reader: GGUFReader, config: dict[str, Any], path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, float32 array in HF layout) for every tensor, one at a time (each is
     dequantized when reached, so at most one dequantized copy is alive)."""
+    for name, tensor, heads in raw_tensors(reader, config, path):
+        values = dequantize(tensor.data, tensor.tensor_type)
+        values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        yield name, values if heads is None else unpermute(values, heads)
+
+
+def raw_tensors(reader: GGUFReader, config: dict[str, Any], path: str | Path) -> Iterator[tuple[str, Any, int | None]]:
+    """(HF name, the file's tensor as stored, the head count whose rotary row order
+    :func:`unpermute` must undo or None) for every tensor: what a reader keeping the blocks
+    quantized starts from."""
     arch = config["model_type"]
     permuted = next(permuted for _, model_type, permuted in ARCHITECTURES.values() if model_type == arch)
     for tensor in reader.tensors:
         name = hf_name(tensor.name, path)
-        values = dequantize(tensor.data, tensor.tensor_type)
-        values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        heads = None
         if permuted and name.endswith("self_attn.q_proj.weight"):
-            values = _unpermute(values, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif permuted and name.endswith("self_attn.k_proj.weight"):
-            values = _unpermute(values, config["num_key_value_heads"])
-        yield name, values
+            heads = config["num_key_value_heads"]
+        yield name, tensor, heads
 
 
 def hf_name(name: str, path: str | Path) -> str:
@@ -205,7 +216,7 @@ def dequantizable(qtype: GGMLQuantizationType) -> bool:
 _INTEGER_TYPES = {getattr(GGMLQuantizationType, name) for name in ("I8", "I16", "I32", "I64", "F64")}
 
 
-def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
+def unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order: within each head it stores the rotary pairs
     interleaved (row 2j, 2j+1), HF stores the two halves one after the other."""
     half = weights.shape[0] // heads // 2

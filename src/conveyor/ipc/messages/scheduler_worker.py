@@ -41,7 +41,9 @@ MAX_SLOTS = 1 << 20
 class StepLogprobs(Positional):
     """Log-probabilities a step computed, for several requests (named by slot), as columns:
     request ``slots[i]`` has ``counts[i]`` rows from sequence index ``starts[i]`` on, laid end to
-    end in the arrays, which are as in :class:`~conveyor.ipc.messages.frontend_scheduler.TokenLogprobs` (one ``width`` for the step)."""
+    end in the arrays, which are as in
+    :class:`~conveyor.ipc.messages.frontend_scheduler.TokenLogprobs` (one ``width`` for the
+    step)."""
 
     slots: Int32Array
     starts: Int32Array

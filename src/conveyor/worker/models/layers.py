@@ -30,6 +30,10 @@ class Linear(nn.Module):
     lora = None
     #: ``weight`` in oneDNN's layout for the CPU matmul (:func:`pack_cpu_weights`), or None.
     packed = None
+    #: The quantized weight (:mod:`conveyor.worker.quantization`), in place of ``weight``
+    #: (None then), and its parts while the loader reads them.
+    quant = None
+    pending = None
     #: Rows are padded to a multiple of this before the matmul (batch-invariant mode,
     #: :mod:`conveyor.worker.batch_invariant`); 1: no padding.
     row_tile = 1
@@ -38,6 +42,7 @@ class Linear(nn.Module):
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = _empty_parameter(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_parameter(out_features, dtype=dtype, device=device) if bias else None
 
@@ -46,7 +51,9 @@ class Linear(nn.Module):
         return y if self.lora is None else self.lora.add_delta(x, y)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + bias``, through the packed weight when there is one."""
+        """``x W^T + bias``, through the quantized or packed weight when there is one."""
+        if self.quant is not None:
+            return self.quant.apply(x, bias)
         return linear(x, self.weight, bias, self.packed, self.row_tile)
 
 
@@ -91,7 +98,7 @@ def pack_cpu_weights(model: nn.Module) -> None:
     once its weights are loaded. The dense ``weight`` stays: the loader, LoRA and the tied
     embedding read it; the packed copy is what the forward reads."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.weight is not None:
             module.packed = pack_cpu_weight(module.weight)
 
 

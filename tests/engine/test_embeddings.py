@@ -34,7 +34,9 @@ def test_embeddings_equal_transformers(tiny_engine, hf_pooled, pooling):
     # (every position's hidden state is pooled), so the vectors are the same.
     again = engine.add_request(token_ids=prompts[-1], pooling=pooling, max_tokens=1)
     run_all(engine)
-    assert again.num_cached_tokens == 0 and torch.allclose(torch.tensor(again.embedding), torch.tensor(vectors[-1]), atol=1e-5)
+    assert again.num_cached_tokens == 0 and torch.allclose(
+        torch.tensor(again.embedding), torch.tensor(vectors[-1]), atol=1e-5
+    )
     stats = engine.stats()
     assert stats["held_blocks"] == 0 and stats["cached_blocks"] > 0, stats
 

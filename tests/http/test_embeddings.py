@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conveyor.client import Client
-from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
 from tests.e2e.serve_harness import ServeProcess
+from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
 
 # A 16-token budget: the 100-token input runs in 7 chunks.
 ARGS = [a if a != "256" else "16" for a in SERVE_ARGS]
@@ -148,6 +148,8 @@ def test_refusals_name_the_field(server, body, param, text) -> None:
 def test_unknown_model_and_ignored_fields(server) -> None:
     status, _, reply = _post(server, "/v1/embeddings", {"model": "nope", "input": "x"})
     assert status == 404 and reply["error"]["code"] == "model_not_found"
-    status, headers, reply = _post(server, "/v1/embeddings", {"model": _model(server), "input": [3, 4], "user": "u", "extra_knob": 1})
+    status, headers, reply = _post(
+        server, "/v1/embeddings", {"model": _model(server), "input": [3, 4], "user": "u", "extra_knob": 1}
+    )
     assert status == 200 and headers.get("x-conveyor-ignored-fields") == "extra_knob,user"
     assert len(reply["data"][0]["embedding"]) == 64

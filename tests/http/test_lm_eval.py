@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.http.conftest import http_serve, stop_and_check
 from tests.e2e.serve_harness import ServeProcess
+from tests.http.conftest import http_serve, stop_and_check
 
 # A few multiple-choice items as lm-eval's loglikelihood requests: (context, continuation).
 # Contexts of several lengths, one-token and longer continuations, one empty-ish context
@@ -28,7 +28,18 @@ TASK = [
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    args = ["--model", str(tiny_checkpoint), "--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "--http-port", "0"]
+    args = [
+        "--model",
+        str(tiny_checkpoint),
+        "--num-kv-blocks",
+        "96",
+        "--block-size",
+        "8",
+        "--threads",
+        "1",
+        "--http-port",
+        "0",
+    ]
     running = http_serve(ServeProcess(args, tmp_path_factory.mktemp("lm-eval")))
     yield running
     stop_and_check(running)
@@ -63,7 +74,7 @@ def test_local_completions_loglikelihoods_equal_lm_eval_hf(server, tiny_checkpoi
     )
     theirs = reference.loglikelihood(_requests(), disable_tqdm=True)
     assert len(ours) == len(theirs) == len(TASK)
-    for (pair, (lp, greedy), (ref_lp, ref_greedy)) in zip(TASK, ours, theirs):
+    for pair, (lp, greedy), (ref_lp, ref_greedy) in zip(TASK, ours, theirs):
         assert lp == pytest.approx(ref_lp, abs=1e-4), pair
         assert greedy == ref_greedy, pair
     assert len({round(lp, 3) for lp, _ in ours}) > 4  # the items score differently: a real comparison

@@ -7,13 +7,16 @@ the policy would swap, and leave no block held."""
 from __future__ import annotations
 
 import pytest
+
 from tests.scheduler.fake_worker import pooled_vector
 from tests.scheduler.scenario_helpers import cfg
 from tests.scheduler.scheduler_harness import Harness, make_prompt
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("prompt_len", [1, 9, 16, 31])  # 16, 31: a last chunk of one token (15 a step beside the decode)
+@pytest.mark.parametrize(
+    "prompt_len", [1, 9, 16, 31]
+)  # 16, 31: a last chunk of one token (15 a step beside the decode)
 def test_pooling_requests_finish_with_their_vector_beside_decodes(overlap, prompt_len):
     h = Harness(cfg(max_num_batched_tokens=16, num_blocks=64), overlap=overlap)
     h.add("gen", prompt_len=5, max_tokens=40)
@@ -48,7 +51,16 @@ def test_pooling_request_takes_no_prefix_hit():
 
 
 def test_preempted_pooling_request_is_recomputed_not_swapped():
-    h = Harness(cfg(policy="priority", aging_rate=0.0, num_blocks=12, num_cpu_blocks=32, preemption="swap", max_num_batched_tokens=8))
+    h = Harness(
+        cfg(
+            policy="priority",
+            aging_rate=0.0,
+            num_blocks=12,
+            num_cpu_blocks=32,
+            preemption="swap",
+            max_num_batched_tokens=8,
+        )
+    )
     h.add("emb", prompt_len=40, pooling="mean", priority=0)
     h.step()
     h.step()

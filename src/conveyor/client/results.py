@@ -82,7 +82,10 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
         timing=msg.get("timing") or {},
         error=msg.get("error"),
-        choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"], c.get("logprobs")) for c in msg.get("choices") or ()],
+        choices=[
+            Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"], c.get("logprobs"))
+            for c in msg.get("choices") or ()
+        ],
         logprobs=msg.get("logprobs"),
         prompt_logprobs=msg.get("prompt_logprobs"),
         prompt_token_ids=msg.get("prompt_token_ids"),
@@ -99,9 +102,12 @@ def to_delta(msg: dict[str, Any]) -> StreamDelta:
     """Turn a server message of a streamed request into a StreamDelta."""
     if msg["type"] == wire.DELTA:
         return StreamDelta(
-            msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])),
-            logprobs=msg.get("logprobs"), prompt_logprobs=msg.get("prompt_logprobs"), index=msg.get("index", 0),
+            msg["request_id"],
+            msg.get("text", ""),
+            list(msg.get("token_ids", [])),
+            logprobs=msg.get("logprobs"),
+            prompt_logprobs=msg.get("prompt_logprobs"),
+            index=msg.get("index", 0),
         )
     result = completion_result(msg)
     return StreamDelta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
-

@@ -24,12 +24,16 @@ from conveyor.protocol.sampling_fields import POOLING_METHODS
 
 EMBEDDING = "embedding"
 # What this endpoint reads; "user" is accepted and ignored, as OpenAI's own attribution field.
-_KNOWN = frozenset({"input", "model", "encoding_format", "dimensions", "user", "pooling", "truncate_prompt_tokens", "priority"})
+_KNOWN = frozenset(
+    {"input", "model", "encoding_format", "dimensions", "user", "pooling", "truncate_prompt_tokens", "priority"}
+)
 _FORWARDED = ("truncate_prompt_tokens", "priority")
 _INPUT_SHAPE = "'input' must be a string, an array of strings, an array of token ids or an array of arrays of token ids"
 
 
-def embeddings_job(body: Any, served_model: str, loras: Sequence[str] = (), strict: bool = False) -> tuple[GenerationJob, str]:
+def embeddings_job(
+    body: Any, served_model: str, loras: Sequence[str] = (), strict: bool = False
+) -> tuple[GenerationJob, str]:
     """The pooling requests of an embeddings body and its ``encoding_format``; ApiError
     (400 naming the field, 404 for an unknown model) otherwise."""
     if not isinstance(body, dict):
@@ -40,7 +44,10 @@ def embeddings_job(body: Any, served_model: str, loras: Sequence[str] = (), stri
     if encoding not in ("float", "base64"):
         raise bad_field("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {encoding!r}")
     if body.get("dimensions") is not None:
-        raise bad_field("dimensions", "'dimensions' (shortened embeddings) is not supported: drop it; vectors have the model's hidden size")
+        raise bad_field(
+            "dimensions",
+            "'dimensions' (shortened embeddings) is not supported: drop it; vectors have the model's hidden size",
+        )
     pooling = body.get("pooling") or "last"
     if pooling not in POOLING_METHODS:
         raise bad_field("pooling", f"'pooling' must be one of {', '.join(map(repr, POOLING_METHODS))}, got {pooling!r}")
@@ -87,4 +94,9 @@ def embeddings_body(results: Sequence[Any], model: str, encoding: str) -> dict[s
             value = vector
         data.append({"object": "embedding", "index": index, "embedding": value})
     prompt_tokens = sum(result.usage.prompt_tokens for result in results)
-    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }

@@ -21,6 +21,7 @@ import torch
 
 from conveyor.worker.request_state import RequestState, Work
 
+
 @dataclass(eq=False)
 class PooledRows:
     """One step's pooled vectors: ``vectors[i]`` (float32) is the request on ``slots[i]``'s."""

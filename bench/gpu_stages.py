@@ -138,6 +138,12 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     if not cpu:
         kernels += ["-n", "8"] if has_xdist() else []
     out.append(Stage("kernels", limit(60), kernels, cpu_skip="the suite runs tests/kernels itself, interpreted"))
+    # Mixture of experts (issue 40): the fused MoE layer against the dense MLP of equal active
+    # parameters at Qwen3-30B-A3B's shapes (target: within 1.3x at batch 64); its kernel tests
+    # ran compiled in the kernels stage.
+    moe_json = str(results / "moe.json")
+    out.append(Stage("moe", limit(45), [py, str(REPO / "bench" / "moe_layer.py"), *(["--cpu"] if cpu else []),
+                                        "--out", moe_json], [moe_json]))
     # LoRA: the Triton kernels' tests (compiled; the gpu-marked bf16 one at 1B shapes), then 8
     # adapters over the requests against the base model alone (docs/benchmarks.md); the
     # gpu-marked parity tests against PEFT run in gpu_tests. The bench runs even when a test

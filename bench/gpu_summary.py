@@ -81,6 +81,11 @@ def figures(results: Path) -> list[str]:
                 lines.append(f"  {'graphs' if r['graphs'] else 'eager '} batch {r['batch']:>3} ctx {r['context']:>4}: "
                              f"{r['median_ms']:.3f} ms (roofline {r['roofline_ms']:.3f}, HF "
                              f"{hf if hf is None else round(hf, 3)})")
+        elif name == "moe":
+            target = data.get("target", {})
+            lines.append(f"moe ({data.get('device')} {data.get('dtype')}, {data.get('shape')}): " + ", ".join(
+                f"batch {r['batch']} {r['moe_over_dense']}x dense" for r in data.get("rows", []))
+                + f" (target <= {target.get('moe_over_dense_at_most')}x at batch {target.get('batch')}: {target.get('met')})")
         elif name == "lora":
             lines.append(f"lora ({data.get('device')} {data.get('dtype')}, {data.get('adapters')} adapters): "
                          f"adapters/base {data.get('adapters_over_base')}x, base/plain {data.get('base_over_plain')}x")

@@ -16,6 +16,9 @@ continuation (tests/test_checkpoints.py proves it for the serving checkpoint).
   it, so text prompts work.
 - :func:`gemma3_serving_checkpoint` builds a Gemma 3 of the serving checkpoint's vocabulary,
   with the demo tokenizer: the engine's Gemma 3 tests.
+- :func:`moe_serving_checkpoint` builds a Qwen3-MoE or Mixtral (:data:`QWEN3_MOE`,
+  :data:`MIXTRAL`) of the serving checkpoint's vocabulary, with the demo tokenizer: the
+  engine's mixture-of-experts tests and bin/bench's MoE row.
 - :func:`draft_checkpoint` builds a smaller Llama of the serving checkpoint's vocabulary (a
   speculative-decoding draft that disagrees with it).
 """
@@ -27,7 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 MATRIX_STD = 0.15
 
@@ -60,6 +72,15 @@ GEMMA3: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+#: Qwen3-MoE: 8 experts of width 32, 2 per token, weights not renormalized (its config's
+#: default), the middle of 3 layers dense (``mlp_only_layers``).
+QWEN3_MOE: dict[str, Any] = {
+    "num_hidden_layers": 3, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "norm_topk_prob": False, "mlp_only_layers": [1],
+}  # fmt: skip
+#: Mixtral: 8 experts of width 48, 2 per token (renormalized, as Mixtral always is), window 8.
+MIXTRAL: dict[str, Any] = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48, "sliding_window": 8}
+
 # name -> (config class, architecture, overrides of SMALL); a family's seed is its index here.
 CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM", {}),
@@ -87,6 +108,8 @@ CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
         **GEMMA3, "tie_word_embeddings": True, "final_logit_softcapping": None,
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500.0}},
     }),
+    "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", QWEN3_MOE),
+    "mixtral": (MixtralConfig, "MixtralForCausalLM", MIXTRAL),
 }
 
 # The serving checkpoint's seed for :func:`randomize` (the families take their index in CHECKPOINTS).
@@ -153,6 +176,20 @@ def gemma3_serving_checkpoint(directory: Path) -> Path:
         architectures=["Gemma3ForCausalLM"],
     )  # fmt: skip
     build(config, directory, SERVING_SEED + 2)
+    return directory
+
+
+def moe_serving_checkpoint(directory: Path, name: str = "qwen3_moe") -> Path:
+    """Save family ``name`` (``qwen3_moe`` or ``mixtral`` of :data:`CHECKPOINTS`) with the demo
+    tokenizer into ``directory``: 256 positions, untied embeddings."""
+    tok = _demo_tokenizer(directory)
+    config_class, architecture, overrides = CHECKPOINTS[name]
+    config = config_class(
+        **{**SMALL, **overrides, "max_position_embeddings": 256, "vocab_size": tok.vocab_size},
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0, tie_word_embeddings=False,
+        architectures=[architecture],
+    )  # fmt: skip
+    build(config, directory, SERVING_SEED + 3)
     return directory
 
 

@@ -29,9 +29,10 @@ def test_serve_refuses_an_unknown_architecture_before_any_process_starts(tmp_pat
     assert all(name in message for name in SUPPORTED_ARCHITECTURES)
 
 
-def test_the_table_is_torch_free_and_names_the_four_families_and_gemma3():
+def test_the_table_is_torch_free_and_names_the_four_families_gemma3_and_the_moes():
     code = "import sys, conveyor.checkpoints.architectures; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert set(MODEL_CLASSES) == {
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
+        "Qwen3MoeForCausalLM", "MixtralForCausalLM",
     }  # fmt: skip

@@ -160,3 +160,22 @@ def test_bench_online_http_gives_a_row_beside_zeromq(tiny_checkpoint, tmp_path) 
     assert result["ratios"]["conveyor"]["inf"]["throughput_vs_conveyor"] == 1.0
     assert result["ratios"]["conveyor-http"]["inf"]["throughput_vs_conveyor"] > 0
     assert "conveyor-http" in proc.stdout and "x conveyor" in proc.stdout and "CPU us/token" in proc.stdout
+
+
+def test_bench_offline_serves_a_mixture_of_experts_beside_hf(tmp_path) -> None:
+    """bin/bench on a tiny Qwen3-MoE (tests/checkpoints.py), Conveyor beside HF padded and HF
+    continuous batching in the same run, every system producing the workload's tokens."""
+    from tests.checkpoints import moe_serving_checkpoint
+
+    (tmp_path / "moe").mkdir()
+    model = moe_serving_checkpoint(tmp_path / "moe", "qwen3_moe")
+    out = tmp_path / "moe.json"
+    run_tool(
+        str(REPO / "bin" / "bench"), "offline", "--model", str(model), "--systems", "conveyor,hf,hf-cb",
+        "--workload", "fixed", "--prompt-len", "12", "--output-len", "6", "--num-requests", "4", "--batch-size", "2",
+        "--kv-cache-memory", "0.01", "--threads", "1", "--no-progress", "--json", str(out), timeout=180,
+    )  # fmt: skip
+    systems = json.loads(out.read_text())["systems"]
+    for name in ("conveyor", "hf"):
+        assert systems[name]["runs"][0]["output_tokens"] == 24 and systems[name]["runs"][0]["output_tok_s"] > 0, name
+    assert "unavailable" in systems["hf-cb"] or systems["hf-cb"]["runs"][0]["output_tokens"] == 24

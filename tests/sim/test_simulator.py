@@ -15,7 +15,16 @@ from conveyor.profiling import STEP_SERIES, STEP_SHAPE_SERIES, Profiler, StepRec
 from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.iteration_log import ITERATION_FIELDS
 from conveyor_tools.cli import sim as sim_cli
-from conveyor_tools.sim.cost import FEATURES, CostModel, StepCost, fit, nonnegative_lstsq, peak_tokens, records_arrays
+from conveyor_tools.sim.cost import (
+    FEATURES,
+    CostModel,
+    StepCost,
+    expert_groups,
+    fit,
+    nonnegative_lstsq,
+    peak_tokens,
+    records_arrays,
+)
 from conveyor_tools.sim.simulator import SAMPLED_TOKEN, SimRequest, simulate
 from tests.scheduler.scheduler_harness import Harness, make_prompt
 
@@ -150,19 +159,19 @@ def test_step_recorder_tiles_pipelined_steps():
     assert not StepRecorder(Profiler("worker", enabled=False)).enabled
 
 
-def synthetic_steps(n: int, rng: np.random.Generator) -> np.ndarray:
-    """Features of ``n`` steps of one server: plan shapes, then their peak tokens."""
+def synthetic_steps(n: int, rng: np.random.Generator, experts: tuple[int, int] | None = None) -> np.ndarray:
+    """Features of ``n`` steps of one server: plan shapes, then their peak tokens and expert groups."""
     prefill = rng.integers(0, 512, n) * (rng.random(n) < 0.3)
     prefill[: n // 4] //= 4  # the run's first steps small: peaks keep coming for a while
     decode = rng.integers(0, 64, n)
     classes = np.minimum(decode, rng.integers(1, 12, n))
     shapes = np.column_stack([prefill, decode, rng.integers(0, 20000, n), np.zeros(n), prefill * rng.integers(1, 600, n), classes])
-    return np.column_stack([shapes, peak_tokens(shapes)])
+    return np.column_stack([shapes, peak_tokens(shapes), expert_groups(shapes[:, 0] + shapes[:, 1], experts)])
 
 
 TRUTH = {"prefill_tokens": 3e-5, "decode_seqs": 2e-4, "context_tokens": 4e-7, "copied_blocks": 0.0,
          "prefill_attention": 1e-8,
-         "decode_classes": 3e-4, "peak_tokens": 5e-5}  # fmt: skip
+         "decode_classes": 3e-4, "peak_tokens": 5e-5, "expert_groups": 4e-4}  # fmt: skip
 
 
 def test_fit_recovers_known_coefficients(tmp_path):
@@ -171,10 +180,10 @@ def test_fit_recovers_known_coefficients(tmp_path):
     times = 0.005 + shapes @ np.array([TRUTH[f] for f in FEATURES]) + rng.normal(0, 1e-5, len(shapes))
     cost = fit(shapes, times)
     assert cost.intercept_s == pytest.approx(0.005, rel=0.02)
-    assert (shapes[:, -1] > 0).sum() >= 5
+    assert (shapes[:, -2] > 0).sum() >= 5
     for name in ("prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "decode_classes", "peak_tokens"):
         assert cost.coef_s[name] == pytest.approx(TRUTH[name], rel=0.05), name
-    assert cost.coef_s["copied_blocks"] == 0.0  # never varied: no coefficient invented
+    assert cost.coef_s["copied_blocks"] == cost.coef_s["expert_groups"] == 0.0  # never varied: none invented
     # The calibrate command finds the records in a bin/bench JSON and writes the same fit.
     records = {name: col.tolist() for name, col in zip(STEP_SHAPE_SERIES, shapes.T)}  # peaks: recomputed
     records["step_time"] = (times * 1e3).tolist()
@@ -201,7 +210,7 @@ def test_fit_is_nonnegative_ignores_spikes_and_keeps_the_total():
     times[spiked] *= rng.uniform(3, 10, spiked.sum())
     cost = fit(shapes, times)
     assert cost.num_trimmed >= spiked.sum() and cost.num_trimmed < 2 * spiked.sum()
-    predicted = np.array([cost.time(s[:-1], s[-1]) for s in shapes])
+    predicted = np.array([cost.time(s[:-2], s[-2]) for s in shapes])
     assert predicted.sum() == pytest.approx(times.sum(), rel=1e-9)
     scale = times.sum() / clean.sum()
     assert cost.intercept_s == pytest.approx(0.005 * scale, rel=0.05)
@@ -273,8 +282,8 @@ def test_each_replica_pays_its_own_warm_up_as_the_records_count_it():
         records = {name: [float(x[i]) for x in shapes] for i, name in enumerate(STEP_SHAPE_SERIES)}
         records["step_time"] = [(s.end - s.start) * 1e3 for s in rep.steps]
         features, times = records_arrays(records)
-        assert times == pytest.approx([cost.time(f[:-1], f[-1]) for f in features])
-        peaks = features[:, -1]
+        assert times == pytest.approx([cost.time(f[:-2], f[-2]) for f in features])
+        peaks = features[:, -2]
         second = [i for i, s in enumerate(rep.steps) if s.start >= 5.0]
         assert peaks[0] > 0 and second and not peaks[second].any()
     assert peak_tokens(np.array([[10, 0], [0, 5], [16, 4], [20, 0], [3, 1]])).tolist() == [10, 0, 20, 0, 0]
@@ -295,7 +304,7 @@ def test_fit_takes_each_runs_load_as_a_level_not_as_a_features_cost():
     assert leveled.coef_s["decode_classes"] / leveled.coef_s["decode_seqs"] == pytest.approx(ratio, rel=0.1)
     assert pooled.coef_s["decode_classes"] / max(pooled.coef_s["decode_seqs"], 1e-12) > 1.5 * ratio
     for cost in (leveled, pooled):  # either way the calibration's total is kept
-        assert sum(cost.time(s[:-1], s[-1]) for s in shapes) == pytest.approx(times.sum(), rel=1e-9)
+        assert sum(cost.time(s[:-2], s[-2]) for s in shapes) == pytest.approx(times.sum(), rel=1e-9)
 
 
 def test_decode_length_classes_follow_the_cpu_attentions_padding_bound():
@@ -305,3 +314,27 @@ def test_decode_length_classes_follow_the_cpu_attentions_padding_bound():
     from conveyor.worker.attention.torch_batched import MAX_PADDING
 
     assert LENGTH_CLASS_RATIO == MAX_PADDING
+
+
+def test_a_moe_models_expert_gemms_are_priced_per_active_expert(tmp_path):
+    """Steps of a model of 64 experts, 8 per token: the fit recovers the cost per expert a
+    step touches (E (1 - (1 - k/E)^N) for N tokens: 8 at one decode row, nearly 64 for a
+    large prefill), calibrate --experts keeps (E, k), and pricing adds the term."""
+    assert expert_groups(np.array([0, 1, 10_000]), (64, 8)).tolist() == pytest.approx([0.0, 8.0, 64.0])
+    rng = np.random.default_rng(5)
+    shapes = synthetic_steps(400, rng, experts=(64, 8))
+    times = 0.005 + shapes @ np.array([TRUTH[f] for f in FEATURES]) + rng.normal(0, 1e-5, len(shapes))
+    cost = fit(shapes, times, experts=(64, 8))
+    assert cost.coef_s["expert_groups"] == pytest.approx(TRUTH["expert_groups"], rel=0.05)
+    dense = StepCost(cost.intercept_s, {**cost.coef_s, "expert_groups": 0.0})
+    decode_step = (0, 1, 50, 0, 0, 1)
+    assert cost.time(decode_step) - dense.time(decode_step) == pytest.approx(8 * cost.coef_s["expert_groups"])
+    records = {name: col.tolist() for name, col in zip(STEP_SHAPE_SERIES, shapes.T)}
+    records["step_time"] = (times * 1e3).tolist()
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"extra": {"step_records": records}}))
+    out = tmp_path / "cost.json"
+    assert sim_cli.main(["calibrate", str(bench), "--out", str(out), "--experts", "64:8"]) == 0
+    loaded = CostModel.load(str(out)).by_tp[1]
+    assert loaded.experts == (64, 8)
+    assert loaded.coef_s["expert_groups"] == pytest.approx(TRUTH["expert_groups"], rel=0.05)

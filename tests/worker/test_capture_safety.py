@@ -104,7 +104,7 @@ def test_the_guard_catches_host_syncs(monkeypatch):
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreted kernels on CPU tensors; a GPU captures for real (test_cuda_graphs.py)"
 )
-@pytest.mark.parametrize("name,split", [("qwen3", True), ("mistral_window", False)])
+@pytest.mark.parametrize("name,split", [("qwen3", True), ("mistral_window", False), ("qwen3_moe", True)])
 def test_captured_decode_forward_never_needs_the_host(name, split, checkpoint_factory, tmp_path, monkeypatch):
     """Every (rows, q, context bound) a graph would be captured for, q = 1 and a verify's 1 + 2,
     and bounds long enough for the split-K decode and its reduce: the forward runs through the

@@ -1,5 +1,6 @@
 """Decode steps replayed from CUDA graphs give the tokens the same steps give run eagerly
-(``enforce_eager``), fp32 and bf16, for every supported family; sampled (seeded) requests too.
+(``enforce_eager``), fp32 and bf16, for every supported family (the mixtures of experts through
+the fused MoE kernels); sampled (seeded) requests too.
 Needs a GPU (``pytest -m gpu``); on CPU the static decode step itself is covered by
 test_decode_step.py."""
 
@@ -21,7 +22,7 @@ BLOCK_SIZE = 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "qwen3", "mistral_window", "qwen3_moe", "mixtral"])
 def test_graph_tokens_equal_eager_tokens(name, dtype, checkpoint_factory, scripted, script):
     directory, _ = checkpoint_factory(name)
     outputs = {}

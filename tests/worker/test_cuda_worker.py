@@ -22,7 +22,7 @@ BLOCK_SIZE = 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "qwen3_moe", "mixtral"])
 def test_cuda_greedy_matches_transformers(name, dtype, checkpoint_factory, scripted, script):
     directory, hf_cpu = checkpoint_factory(name)
     hf = type(hf_cpu).from_pretrained(directory, dtype=dtype).to("cuda").eval()

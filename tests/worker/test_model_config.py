@@ -110,9 +110,11 @@ def test_saved_checkpoints_parse(checkpoint):
     name, directory, hf_model = checkpoint
     config = ModelConfig.from_dir(directory)
     hf = hf_model.config
-    assert config.head_dim == getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads)
+    assert config.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert config.tie_word_embeddings == hf.tie_word_embeddings
-    assert config.sliding_window == {"mistral_window": 8, "gemma3": 6, "gemma3_tied": 6}.get(name)
+    assert config.sliding_window == {"mistral_window": 8, "gemma3": 6, "gemma3_tied": 6, "mixtral": 8}.get(name)
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+    assert (config.moe.num_experts if config.moe else None) == experts
     assert list(config.layer_types) == list(getattr(hf, "layer_types", None) or config.layer_types)
     assert (config.rope_scaling or {}).get("rope_type") == {"llama3_rope": "llama3", "gemma3": "linear"}.get(name)
     assert config.local_rope_theta == (10000.0 if name.startswith("gemma3") else None)

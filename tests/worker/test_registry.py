@@ -19,6 +19,8 @@ from conveyor.worker.parallel import TensorParallel
 CONFIG = {
     "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "max_position_embeddings": 16, "sliding_window": 4,
+    "num_experts": 4, "num_local_experts": 4, "moe_intermediate_size": 8, "num_experts_per_tok": 2,
+    "use_sliding_window": True,
 }  # fmt: skip
 
 

@@ -184,5 +184,5 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
     )  # fmt: skip
     # Every rank runs its shard of the model (checked once the flags made a configuration, so
     # that a size the nodes cannot share is reported as such first).
-    check_shardable(model, size, f"--model {model_dir}")
+    check_shardable(model, size, f"--model {model_dir}", flags.get("expert_parallel", False))
     return config

@@ -83,6 +83,7 @@ def join_settings(config: ServerConfig) -> dict[str, str]:
         "torch version": _installed_version("torch"),
         "model config.json (sha256)": model,
         "--tensor-parallel-size": str(worker.tensor_parallel_size),
+        "--expert-parallel": str(worker.expert_parallel),
         "--nnodes": str(config.nnodes),
         "--dtype": str(runner.dtype),
         "--quantization": str(runner.quantization),

@@ -11,6 +11,7 @@ Adding an architecture is one model file in ``conveyor/worker/models/`` (impleme
 from __future__ import annotations
 
 _LLAMA = "conveyor.worker.models.llama:LlamaFamilyModel"
+_MOE = "conveyor.worker.models.moe_decoder:MoeDecoderModel"
 
 #: HF architecture name -> ``"module:Class"`` of the model that serves it.
 MODEL_CLASSES: dict[str, str] = {
@@ -19,6 +20,8 @@ MODEL_CLASSES: dict[str, str] = {
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
     "Gemma3ForCausalLM": "conveyor.worker.models.gemma3:Gemma3Model",
+    "Qwen3MoeForCausalLM": _MOE,
+    "MixtralForCausalLM": _MOE,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.checkpoints.architectures import SUPPORTED_ARCHITECTURES, check_architecture
+from conveyor.checkpoints.moe_config import MoeConfig, parse_moe
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
 
@@ -35,7 +36,7 @@ _ACTIVATIONS = {"Gemma3ForCausalLM": "gelu_pytorch_tanh"}
 #: Architectures whose config class ties the embeddings when config.json does not say.
 _TIED_BY_DEFAULT = ("Gemma3ForCausalLM",)
 #: Architectures with an RMSNorm per query and key head before the rotation.
-_QK_NORM = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 
 # rope type -> the parameters it needs (beyond rope_theta).
 _ROPE_TYPE_KEYS: dict[str, tuple[str, ...]] = {
@@ -58,6 +59,7 @@ class ModelConfig:
     ``config.attention_bias``; Qwen2 has q/k/v bias only). ``hidden_act`` is the gated MLP's
     activation (``silu``; Gemma 3's ``gelu_pytorch_tanh``). ``local_rope_theta`` is ``None``
     unless sliding layers rotate with their own base (then ``local_rope_scaling`` is theirs).
+    ``moe``: the experts of a mixture-of-experts checkpoint (:mod:`.moe_config`), else None.
     ``hf_config``: the (text) config.json as read, not compared.
     """
 
@@ -86,6 +88,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
+    moe: MoeConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -160,6 +163,7 @@ class ModelConfig:
             hidden_act=hidden_act,
             local_rope_theta=local_rope[0] if local_rope else None,
             local_rope_scaling=local_rope[1] if local_rope else None,
+            moe=parse_moe(config, architecture, num_layers),
             hf_config=dict(config),
         )
 
@@ -228,14 +232,17 @@ def _normalize_rope(scaling: dict[str, Any], default_theta: float) -> tuple[floa
 def _layer_types(config: dict[str, Any], architecture: str, num_layers: int) -> tuple[str, ...]:
     """Which layers use sliding-window attention, the way transformers decides it.
 
-    Mistral slides in every layer when it has a window. Qwen2/Qwen3 slide only with
-    ``use_sliding_window`` and a window: in the layers an explicit ``layer_types`` marks, or
-    else from layer ``max_window_layers`` on. Llama never slides.
+    Mistral and Mixtral slide in every layer when they have a window, Qwen3-MoE too when
+    ``use_sliding_window`` is set. Qwen2/Qwen3 slide only with ``use_sliding_window`` and a
+    window: in the layers an explicit ``layer_types`` marks, or else from layer
+    ``max_window_layers`` on. Llama never slides.
     """
     window = config.get("sliding_window")
     explicit = config.get("layer_types")
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         types = [SLIDING_ATTENTION if window else FULL_ATTENTION] * num_layers
+    elif architecture == "Qwen3MoeForCausalLM":
+        types = [SLIDING_ATTENTION if window and config.get("use_sliding_window") else FULL_ATTENTION] * num_layers
     elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not (config.get("use_sliding_window", False) and window):
             types = [FULL_ATTENTION] * num_layers

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     _switch(p, "--overlap", SchedulerProcessConfig.overlap, "form step N+1's plan while the worker runs step N (--no-overlap: one plan at a time, for comparison)")
     _choice(p, "--plan-transport", PlanTransport.SHM, "scheduler <-> worker hop: shm (shared-memory rings) or zmq (ZeroMQ ipc sockets)")
     _count(p, "--tensor-parallel-size", WorkerConfig.tensor_parallel_size, "worker processes the model is split across (rank r on cuda:r; on CPU, processes on gloo)")
+    _switch(p, "--expert-parallel", WorkerConfig.expert_parallel, "a mixture-of-experts model's ranks each hold 1/N of the experts whole "
+            "(default: 1/N of every expert's features); one all-reduce per MoE layer either way")
     _count(p, "--nnodes", ServerConfig.nnodes, "nodes the tensor-parallel ranks span (the size divides by it; node R runs ranks R*T/N .. (R+1)*T/N-1)")
     _count(p, "--node-rank", ServerConfig.node_rank, "this node's index: node 0 runs the frontend and scheduler beside its ranks, the others run ranks only", minimum=0)
     p.add_argument(

@@ -71,7 +71,7 @@ class Engine:
         size = options.tensor_parallel_size
         if batcher.speculative_model is not None:
             draft_model_config(batcher.speculative_model, self.model_config, self.max_model_len, size)
-        check_shardable(self.model_config, size, f"model {model_dir}")
+        check_shardable(self.model_config, size, f"model {model_dir}", options.expert_parallel)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._constraints = ConstraintCompiler(model_dir)
         worker = worker_settings(settings)

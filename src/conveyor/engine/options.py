@@ -64,6 +64,7 @@ class EngineOptions:
     # the others worker processes (conveyor.engine.ranks); gloo on CPU, one GPU per rank on CUDA
     tensor_parallel_size: int = WorkerConfig.tensor_parallel_size
     distributed_timeout_s: float = WorkerConfig.distributed_timeout_s  # the ranks' start-up and every collective
+    expert_parallel: bool = WorkerConfig.expert_parallel  # a MoE model's experts split whole over the ranks
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig knobs by their names
 
     def __post_init__(self) -> None:

@@ -71,6 +71,7 @@ class RankGroup:
 
         self.size = size = int(worker["tensor_parallel_size"])
         self.timeout_s = float(worker.get("distributed_timeout_s") or WorkerConfig.distributed_timeout_s)
+        self.expert_parallel = bool(worker.get("expert_parallel", False))
         device = resolve_device(worker["device"])
         _check_devices(device, size)
         self.run_dir = transport.make_run_dir()
@@ -125,7 +126,9 @@ class RankGroup:
 
         def join() -> None:
             try:
-                joined.append(init_tensor_parallel(0, self.size, rendezvous, backend, self.timeout_s, own_device))
+                joined.append(init_tensor_parallel(
+                    0, self.size, rendezvous, backend, self.timeout_s, own_device, self.expert_parallel
+                ))
             except BaseException as exc:  # (raised on the caller's thread below)
                 joined.append(exc)
 

@@ -1,7 +1,8 @@
-"""The decoder layer's elementwise and normalization steps, one function each for every device.
+"""The decoder layer's elementwise and normalization steps and its experts, one function each
+for every device.
 
 The model calls these and never branches on the device itself: on CUDA they launch the fused
-Triton kernels (:mod:`.rms_norm`, :mod:`.silu_mul`); elsewhere they run torch's own ops with the
+Triton kernels (:mod:`.rms_norm`, :mod:`.silu_mul`, :mod:`.fused_moe`); elsewhere they run torch's own ops with the
 fewest operators that keep the reference's rounding order (each torch operator on a CPU costs a
 dispatch and usually an allocation, which a small decode batch pays per layer). Both paths give
 the same numbers up to reduction order.
@@ -18,7 +19,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_rms_norm", "silu_and_mul"]
+__all__ = ["add_rms_norm", "moe_experts", "silu_and_mul"]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -69,3 +70,35 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return _triton_module("silu_mul").silu_mul_triton(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate, inplace=True).mul_(up)
+
+
+def moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """``sum_j weights[t, j] * w2[e] (silu(gate_e x_t) * up_e x_t)`` with ``e = experts[t, j]``,
+    ``[T, H]`` in ``x``'s dtype: ``w13`` ``[E, 2I, H]`` stacks each expert's gate over its up
+    rows, ``w2`` ``[E, H, I]``; an id outside ``0 .. E-1`` (another rank's expert) adds nothing.
+
+    On CUDA the fused kernels (:func:`conveyor.kernels.fused_moe.fused_moe_triton`: no host
+    sync, so a CUDA graph captures it). Elsewhere the ``T * k`` (token, expert) pairs are
+    sorted by expert and each active expert runs one matmul pair over its group of tokens (a
+    loop over experts, never over tokens; the group sizes are read on the host), the rows gathered
+    once, each group's output written in place, weighted and scattered back once.
+    """
+    if _use_triton(x):
+        return _triton_module("fused_moe").fused_moe_triton(x, w13, w2, weights, experts)
+    num_experts, top_k = w13.shape[0], experts.shape[1]
+    flat = experts.flatten()
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # elsewhere: a last group, dropped
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    held = sum(counts)
+    order = order[:held]
+    tokens = order // top_k
+    grouped = x[tokens]  # the pairs' rows, grouped by expert
+    outputs = torch.empty_like(grouped)
+    for gate_up, down, rows, out in zip(w13.unbind(0), w2.unbind(0), grouped.split(counts), outputs.split(counts)):
+        if rows.shape[0]:
+            torch.mm(silu_and_mul(F.linear(rows, gate_up)), down.t(), out=out)
+    outputs.mul_(weights.flatten()[order].to(x.dtype)[:, None])
+    return torch.zeros_like(x).index_add_(0, tokens, outputs)

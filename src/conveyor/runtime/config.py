@@ -245,6 +245,9 @@ class WorkerConfig:
     # died raises instead of waiting forever.
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0
+    # A mixture-of-experts model's ranks each hold 1/size of the experts whole (bin/serve
+    # --expert-parallel) rather than 1/size of every expert's features (runtime.tensor_shards).
+    expert_parallel: bool = False
     distributed_init_method: str = ""
     distributed_timeout_s: float = 300.0
     # Rank 0 is the planning process (conveyor.Engine: conveyor.engine.ranks) and reads no plans:

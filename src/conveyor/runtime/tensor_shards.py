@@ -23,11 +23,14 @@ class TensorParallel:
 
     Invariant: ``0 <= rank < size``; ``group`` is the process group the collectives run on
     (``None`` at size 1, where there is none, and in tests that only build shards).
+    ``expert_parallel``: a mixture-of-experts model's ranks each hold ``1/size`` of the experts
+    whole rather than ``1/size`` of every expert's features (:func:`shard_experts`).
     """
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -85,13 +88,38 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSh
     return HeadShard(local_heads, 1, tp.rank * local_heads, tp.rank // ranks_per_kv_head)
 
 
-def check_shardable(config: ModelConfig, size: int, source: str) -> None:
+@dataclass(frozen=True)
+class ExpertShard:
+    """The experts one rank holds: checkpoint experts ``first .. first + count - 1``, each
+    with its intermediate features ``features[0] .. features[1] - 1``."""
+
+    first: int
+    count: int
+    features: tuple[int, int]
+
+
+def shard_experts(num_experts: int, intermediate_size: int, tp: TensorParallel) -> ExpertShard:
+    """Tensor-sliced (default): every expert on every rank, each rank its share of every
+    expert's features. Expert-parallel (``tp.expert_parallel``): each rank ``num_experts /
+    size`` whole experts. ValueError naming what does not divide."""
+    if tp.expert_parallel:
+        count = tp.split(num_experts, "num_experts")
+        return ExpertShard(tp.rank * count, count, (0, intermediate_size))
+    return ExpertShard(0, num_experts, tp.shard(intermediate_size, "moe intermediate_size"))
+
+
+def check_shardable(config: ModelConfig, size: int, source: str, expert_parallel: bool = False) -> None:
     """ValueError, naming ``source`` (the flag and directory it came from), unless ``config``'s
-    heads (:func:`shard_heads`) and MLP features split over ``size`` ranks as every rank's shard
-    needs. Whether they do does not depend on the rank, so rank 0's split decides."""
-    tp = TensorParallel(0, size)
+    heads (:func:`shard_heads`), MLP features and experts (:func:`shard_experts`) split over
+    ``size`` ranks as every rank's shard needs. Whether they do does not depend on the rank, so
+    rank 0's split decides."""
+    tp = TensorParallel(0, size, expert_parallel=expert_parallel)
     try:
         shard_heads(config.num_heads, config.num_kv_heads, tp)
-        tp.split(config.intermediate_size, "intermediate_size")
+        moe = config.moe
+        if moe is None or not all(moe.sparse_layers):
+            tp.split(config.intermediate_size, "intermediate_size")
+        if moe is not None:
+            shard_experts(moe.num_experts, moe.intermediate_size, tp)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None

@@ -88,6 +88,11 @@ def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank
     weights_path = Path(directory) / WEIGHTS_FILE
     supported: Mapping[str, LoraTarget] = model_class(config.architecture).lora_targets
     lacking = sorted(set(targets) - set(supported))
+    if lacking and config.moe is not None and set(lacking) <= {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"}:
+        raise LoraLoadError(
+            f"adapter {name!r}: LoRA on a mixture-of-experts model's experts ({', '.join(lacking)}) is not "
+            f"supported; target the attention projections ({', '.join(supported)})"
+        )
     if lacking:
         raise LoraLoadError(
             f"adapter {name!r}: target module(s) {', '.join(lacking)} the model lacks "

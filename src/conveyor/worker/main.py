@@ -123,7 +123,7 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     device = resolve_device(config.runner.device)
     tp = init_tensor_parallel(
         rank, size, config.distributed_init_method, default_backend(device), config.distributed_timeout_s,
-        rank_device(device, TensorParallel(rank, size, None), config.runner.first_device),
+        rank_device(device, TensorParallel(rank, size, None), config.runner.first_device), config.expert_parallel,
     )
     prof = profiling.Profiler("worker", enabled=config.profile)
 

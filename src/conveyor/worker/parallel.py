@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 # The group's arithmetic is torch-free (bin/serve checks that a model splits before any process
 # starts); the model and its cache import it from here, beside the collectives.
-from conveyor.runtime.tensor_shards import NO_TENSOR_PARALLEL, HeadShard, TensorParallel, shard_heads  # noqa: F401
+from conveyor.runtime.tensor_shards import NO_TENSOR_PARALLEL, ExpertShard, HeadShard, TensorParallel, shard_experts, shard_heads  # noqa: F401
 
 
 def default_backend(device: str) -> str:
@@ -35,7 +35,13 @@ def rank_device(device: str, tp: TensorParallel, first_device: int = 0) -> str:
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str, backend: str, timeout_s: float, device: str | None = None
+    rank: int,
+    size: int,
+    init_method: str,
+    backend: str,
+    timeout_s: float,
+    device: str | None = None,
+    expert_parallel: bool = False,
 ) -> TensorParallel:
     """Join the ``size``-rank group as ``rank`` and return its record; every rank must call
     this with the same ``init_method``, ``backend`` and ``size``. Blocks until all have joined
@@ -48,13 +54,14 @@ def init_tensor_parallel(
     (``device``, by default ``cuda:<rank>``; see :func:`rank_device`) is made current here, the
     one place a worker selects its GPU: Triton launches on the current device, so a
     data-parallel replica on cuda:1 that skipped this would run its kernels on cuda:0.
+    ``expert_parallel``: the record's (a mixture-of-experts model's split, not the group's).
     """
     device_id = None
     if backend == "nccl":
         device_id = torch.device(device or f"cuda:{rank}")
         torch.cuda.set_device(device_id)
     if size == 1:
-        return TensorParallel(rank, 1, None)
+        return TensorParallel(rank, 1, None, expert_parallel)
     try:
         dist.init_process_group(
             backend,
@@ -69,7 +76,7 @@ def init_tensor_parallel(
             f"rank {rank}: the {size} tensor-parallel ranks did not all join at {init_method} within {timeout_s:g} s "
             f"(a node that never started or cannot reach it?): {exc}"
         ) from exc
-    return TensorParallel(rank, size, dist.group.WORLD)
+    return TensorParallel(rank, size, dist.group.WORLD, expert_parallel)
 
 
 def close_tensor_parallel(tp: TensorParallel) -> None:

@@ -58,12 +58,14 @@ def find_step_records(data: Any) -> list[dict[str, Any]]:
     return found
 
 
-def calibrate(paths: list[str], tp: int, out: str, sync_overhead_s: float | None) -> CostModel:
+def calibrate(
+    paths: list[str], tp: int, out: str, sync_overhead_s: float | None, experts: tuple[int, int] | None = None
+) -> CostModel:
     shapes, times, blocks = [], [], []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             for rec in find_step_records(json.load(f)):
-                s, t = records_arrays(rec)
+                s, t = records_arrays(rec, experts)
                 shapes.append(s)
                 times.append(t)
                 if rec.get("num_blocks"):
@@ -74,7 +76,7 @@ def calibrate(paths: list[str], tp: int, out: str, sync_overhead_s: float | None
             "(bin/bench offline with a profiling server writes them; a run of an older tree lacks the newer series)"
         )
     runs = np.concatenate([np.full(len(t), k) for k, t in enumerate(times)])
-    cost = fit(np.concatenate(shapes), np.concatenate(times), source=", ".join(paths), runs=runs)
+    cost = fit(np.concatenate(shapes), np.concatenate(times), source=", ".join(paths), runs=runs, experts=experts)
     cost.num_blocks = min(blocks) if blocks else None
     model = CostModel.load(out) if Path(out).exists() else CostModel({})
     model.by_tp[tp] = cost
@@ -82,6 +84,17 @@ def calibrate(paths: list[str], tp: int, out: str, sync_overhead_s: float | None
         model.sync_overhead_s = sync_overhead_s
     model.save(out)
     return model
+
+
+def _experts(text: str) -> tuple[int, int]:
+    """``E:K`` -> ``(E, K)``, 1 <= K <= E."""
+    try:
+        num, top_k = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--experts wants E:K (e.g. 128:8), got {text!r}") from None
+    if not 1 <= top_k <= num:
+        raise argparse.ArgumentTypeError(f"--experts {text}: K must be between 1 and E")
+    return num, top_k
 
 
 # ---------------------------------------------------------------------- requests
@@ -222,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--tp", type=int, default=1, help="the runs' tensor-parallel size")
     cal.add_argument("--out", required=True, help="cost model JSON (updated in place: other TP sizes kept)")
     cal.add_argument("--sync-overhead-ms", type=float, help="host ms a plan formed in sync pays (default: keep, or 0)")
+    cal.add_argument("--experts", type=_experts, metavar="E:K",
+                     help="a mixture-of-experts model's num_experts:num_experts_per_tok (prices expert GEMMs per active expert)")
     run = sub.add_parser("run", parents=[work], help="replay one configuration")
     run.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson (default inf: all at once)")
     run.add_argument("--tp", type=int, default=1)
@@ -243,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.mode == "calibrate":
         sync = None if args.sync_overhead_ms is None else args.sync_overhead_ms / 1e3
-        model = calibrate(args.inputs, args.tp, args.out, sync)
+        model = calibrate(args.inputs, args.tp, args.out, sync, args.experts)
         c = model.by_tp[args.tp]
         coefs = ", ".join(f"{k} {v * 1e6:.3f} us" for k, v in c.coef_s.items())
         print(f"tp {args.tp}: {c.num_steps} steps, intercept {c.intercept_s * 1e3:.3f} ms, {coefs}; "

@@ -2,7 +2,7 @@
 
     t = c0 + c_prefill * prefill_tokens + c_decode * decode_seqs
            + c_context * context_tokens + c_copy * copied_blocks + c_pairs * prefill_attention
-           + c_classes * decode_classes + c_peak * peak_tokens
+           + c_classes * decode_classes + c_peak * peak_tokens + c_experts * expert_groups
 
 per tensor-parallel size (one set of coefficients each: a TP group is a different machine
 as far as step time goes). The shape is :func:`conveyor.profiling.plan_shape`, the same
@@ -20,6 +20,14 @@ residual and by the validation table of docs/benchmarks.md. One term is not the 
 for the first time, on a CPU up to twice a step's time; it is what makes a run's first wave
 slower than the next, which every request's TTFT after it carries. A run's steps are priced
 in order (:meth:`StepCost.pricer`), each server (replica) from zero.
+
+``expert_groups`` prices a mixture-of-experts model's expert GEMMs: a step runs one GEMM pair
+per expert its tokens picked, each reading that expert's weights, so beside the per-token
+work (in the token terms) a step pays per active expert. Which experts a step picks is the
+model's, not the plan's; the term is the number a step of ``N`` tokens touches on average
+under uniform routing over ``E`` experts, ``k`` per token: ``E * (1 - (1 - k/E)^N)`` (one at
+N = 1 decode row per expert picked, all ``E`` for a large prefill), for the ``(E, k)`` the
+cost model was calibrated with (``experts``; None for a dense model: the term is 0).
 
 How :func:`fit` fits: every coefficient is non-negative (no feature makes a step cheaper;
 a free least-squares fit gives a negative one to a feature that hardly varied, which then
@@ -59,7 +67,7 @@ from conveyor.profiling import STEP_SHAPE_SERIES, STEP_TIME_SERIES, plan_shape
 PLAN_FEATURES: tuple[str, ...] = (
     "prefill_tokens", "decode_seqs", "context_tokens", "copied_blocks", "prefill_attention", "decode_classes",
 )  # fmt: skip
-FEATURES: tuple[str, ...] = (*PLAN_FEATURES, "peak_tokens")
+FEATURES: tuple[str, ...] = (*PLAN_FEATURES, "peak_tokens", "expert_groups")
 VERSION = 1  # a file without a feature (written before it existed) prices it at 0
 TRIM_DEVIATIONS = 4.0  # a step this many robust deviations off the first fit is left out of the next
 MAX_LEVEL_PASSES = 50  # fits alternating with the runs' levels (they settle within 1e-4 in about 10)
@@ -76,8 +84,11 @@ class StepCost:
     rel_rmse: float = 0.0  # root-mean-square residual over the mean step time
     source: str = ""
     num_blocks: int | None = None  # the calibrated server's KV pool (blocks), the simulator's default
+    experts: tuple[int, int] | None = None  # a MoE model's (num_experts, top_k): the expert_groups term
 
     def __post_init__(self) -> None:
+        if self.experts is not None:
+            self.experts = (int(self.experts[0]), int(self.experts[1]))
         unknown = set(self.coef_s) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown cost features {sorted(unknown)}; known: {', '.join(FEATURES)}")
@@ -86,7 +97,8 @@ class StepCost:
     def time(self, shape: tuple[int, ...], peak_tokens: int = 0) -> float:
         """Seconds of a step of plan shape ``shape`` (:func:`conveyor.profiling.plan_shape`)
         and ``peak_tokens`` (never below zero: a hand-written coefficient may be negative)."""
-        x = np.asarray((*shape, peak_tokens), np.float64)
+        groups = float(expert_groups(np.asarray([shape[0] + shape[1]], np.float64), self.experts)[0])
+        x = np.asarray((*shape, peak_tokens, groups), np.float64)
         return max(0.0, self.intercept_s + float(self._vector @ x))
 
     def pricer(self) -> Callable[[Any], float]:
@@ -113,6 +125,7 @@ class StepCost:
             "rel_rmse": self.rel_rmse,
             "source": self.source,
             "num_blocks": self.num_blocks,
+            "experts": None if self.experts is None else list(self.experts),
         }
 
 
@@ -156,12 +169,19 @@ class CostModel:
             return cls.from_json(json.load(f))
 
 
-def fit(shapes: np.ndarray, times_s: np.ndarray, source: str = "", runs: np.ndarray | None = None) -> StepCost:
+def fit(
+    shapes: np.ndarray,
+    times_s: np.ndarray,
+    source: str = "",
+    runs: np.ndarray | None = None,
+    experts: tuple[int, int] | None = None,
+) -> StepCost:
     """Non-negative coefficients of :data:`FEATURES` (columns of ``shapes``) and an intercept
     for step times ``times_s``, with outliers left out, each run (``runs``: a label per step)
     at its own level, and scaled to the measured total (the module docstring says why). A
     feature that never varies (no swaps in the run) gets a zero coefficient, not an arbitrary
-    one; the residual is reported relative to the mean step time, over every step."""
+    one; the residual is reported relative to the mean step time, over every step.
+    ``experts``: the ``(E, k)`` the ``expert_groups`` column was computed for, kept for pricing."""
     shapes = np.asarray(shapes, np.float64)
     times_s = np.asarray(times_s, np.float64)
     if shapes.ndim != 2 or shapes.shape[1] != len(FEATURES) or len(shapes) != len(times_s):
@@ -185,7 +205,7 @@ def fit(shapes: np.ndarray, times_s: np.ndarray, source: str = "", runs: np.ndar
     rel_rmse = float(np.sqrt(np.mean(residual**2)) / times_s.mean()) if times_s.mean() > 0 else 0.0
     return StepCost(
         float(solution[0]), dict(zip(FEATURES, coef.tolist())), num_steps=len(times_s), num_trimmed=int((~keep).sum()),
-        rel_rmse=rel_rmse, source=source,
+        rel_rmse=rel_rmse, source=source, experts=experts,
     )  # fmt: skip
 
 
@@ -228,12 +248,26 @@ def nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
     return best / norms
 
 
-def records_arrays(records: dict[str, list[float]]) -> tuple[np.ndarray, np.ndarray]:
+def records_arrays(
+    records: dict[str, list[float]], experts: tuple[int, int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(features, step times in seconds) of one server's step records
-    (:func:`conveyor.profiling.step_records` columns, in step order): the plan shapes and
-    their ``peak_tokens``, the columns :func:`fit` takes."""
+    (:func:`conveyor.profiling.step_records` columns, in step order): the plan shapes, their
+    ``peak_tokens`` and ``expert_groups`` (for a MoE model's ``experts``), the columns
+    :func:`fit` takes."""
     shapes = np.column_stack([np.asarray(records[name], np.float64) for name in STEP_SHAPE_SERIES])
-    return np.column_stack([shapes, peak_tokens(shapes)]), np.asarray(records[STEP_TIME_SERIES], np.float64) / 1e3
+    groups = expert_groups(shapes[:, 0] + shapes[:, 1], experts)
+    times = np.asarray(records[STEP_TIME_SERIES], np.float64) / 1e3
+    return np.column_stack([shapes, peak_tokens(shapes), groups]), times
+
+
+def expert_groups(tokens: np.ndarray, experts: tuple[int, int] | None) -> np.ndarray:
+    """The experts a step of ``tokens`` tokens touches on average, ``E * (1 - (1 - k/E)^N)``
+    for ``experts`` ``(E, k)`` (module docstring); zeros for a dense model (None)."""
+    if experts is None:
+        return np.zeros(len(tokens))
+    num, top_k = experts
+    return num * (1.0 - (1.0 - top_k / num) ** np.asarray(tokens, np.float64))
 
 
 def peak_tokens(shapes: np.ndarray) -> np.ndarray:

@@ -156,7 +156,7 @@ def replay(run: dict[str, Any], model: CostModel) -> dict[str, Any]:
 def cost_error(records: dict[str, Any], cost: StepCost) -> float | None:
     """The cost model's total over recorded steps against their measured total, minus 1."""
     features, times = records_arrays(records)
-    predicted = sum(cost.time(f[:-1], f[-1]) for f in features)
+    predicted = sum(cost.time(f[:-2], f[-2]) for f in features)
     return predicted / times.sum() - 1 if times.sum() > 0 else None
 
 

@@ -26,7 +26,8 @@ __all__ = ["LlamaDecoderLayer", "LlamaFamilyModel"]
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block around ``self_attn`` (built by the model, which alone knows the layer's
-    index, rotary table and attention backend); the residual stream travels beside the
+    index, rotary table and attention backend) and ``mlp`` (a mixture-of-experts model's
+    sparse block; by default the dense gated MLP); the residual stream travels beside the
     normalized hidden state so each residual add happens inside the following norm."""
 
     def __init__(
@@ -36,13 +37,16 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tensor_parallel: TensorParallel,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        intermediate = tensor_parallel.split(config.intermediate_size, "intermediate_size")  # this rank's
-        self.mlp = GatedMLP(config.hidden_size, intermediate, dtype, device, tensor_parallel, config.hidden_act)
+        if mlp is None:
+            intermediate = tensor_parallel.split(config.intermediate_size, "intermediate_size")  # this rank's
+            mlp = GatedMLP(config.hidden_size, intermediate, dtype, device, tensor_parallel, config.hidden_act)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -83,10 +87,18 @@ class LlamaFamilyModel(DecoderLM):
         scale = config.head_dim**-0.5
         for layer in range(config.num_layers):
             attention = DecoderAttention(config, layer, rotaries[layer], scale, backend, dtype, device, tensor_parallel)
-            self.layers.append(LlamaDecoderLayer(config, attention, dtype, device, tensor_parallel))
+            mlp = self.layer_mlp(layer, dtype, device, tensor_parallel)
+            self.layers.append(LlamaDecoderLayer(config, attention, dtype, device, tensor_parallel, mlp))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         separate_head = not config.tie_word_embeddings and tensor_parallel.rank == 0
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device) if separate_head else None
+
+    def layer_mlp(
+        self, layer: int, dtype: torch.dtype, device: torch.device | str, tensor_parallel: TensorParallel
+    ) -> nn.Module | None:
+        """Layer ``layer``'s MLP when it is not the dense gated one (None): a mixture-of-experts
+        subclass's sparse block (:mod:`.moe_decoder`)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` of the flattened batch ``input_ids`` ``[T]``."""

@@ -34,6 +34,7 @@ from conveyor.worker.lora import LoraManager, LoraOptions
 from conveyor.worker.lora_updates import LoraUpdates
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
+from conveyor.worker.pooling import Pooler, result_fields
 from conveyor.worker.ragged_inputs import ragged_inputs
 from conveyor.worker.ragged_step import RaggedStep
 from conveyor.worker.request_state import SlotStates, Work
@@ -174,6 +175,7 @@ class ModelRunner:
             logprobs=LogprobSteps(model, requests, sampling, device),
             verifier=SpeculativeVerify(sampler, sampling, last_tokens, tp, device),
             adapters=self.adapters,
+            pooler=Pooler(),
             tensor_parallel=tp,
             timers=StepTimers.of(profiler),
         )
@@ -227,6 +229,7 @@ class ModelRunner:
         PlanChecker.check_dropped(dropped)
         self.parts.requests.drop(dropped)
         self.parts.controls.release(dropped)
+        self.parts.pooler.forget(dropped)
 
     def _move_blocks(self, plan: StepPlan) -> None:
         """Copies out, copies in, then the forks' block copies, all before the forward (see
@@ -250,6 +253,7 @@ class ModelRunner:
         parts = self.parts
         for new, adapter in zip(new_requests, adapters):
             parts.requests.take_in(new, adapter)
+            parts.pooler.take_in(new.slot, new.sampling.pooling)
             parts.sampling.set(new.slot, new.sampling)
             num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
             if self.tensor_parallel.rank == 0:  # (the rank that samples holds the controls' state)
@@ -265,10 +269,10 @@ class ModelRunner:
         for item, state in zip(work, states):
             if item.new_block_ids:
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
-        samples = [
+        samples = self.parts.pooler.sampling_rows(work, [  # (a pooling row samples nothing: it is pooled)
             item.num_computed + item.num_scheduled == state.num_known + item.num_proposed
             for item, state in zip(work, states)
-        ]
+        ])
         return StepRows(work, states, samples, before)
 
     def _run_draft(self, rows: StepRows) -> Drafts | None:
@@ -285,8 +289,8 @@ class ModelRunner:
     def _forward(self, rows: StepRows, drafts: Drafts | None) -> StepOutput:
         """Forward the step and sample: a decode-only step (every row runs one token, or a
         verify of its proposal) through the static buffers, any other (or one scoring prompt
-        positions, whose hidden states the decode step does not keep) the flattened ragged way."""
-        scores_prompt = self.parts.logprobs.scores_prompt(rows.work, rows.states)
+        positions or pooling, whose hidden states the decode step does not keep) the flattened ragged way."""
+        scores_prompt = self.parts.logprobs.scores_prompt(rows.work, rows.states) or self.parts.pooler.in_step(rows.work)
         q = None if scores_prompt else self.decode.static_query_len(rows.work)
         if q is not None:
             return self.decode.run(rows, q)
@@ -307,11 +311,11 @@ class ModelRunner:
             self.parts.last_tokens.scatter(out.sample_slots, out.sampled)  # (without a host round trip)
             launched.sampled = self._copy_to_host(out.sampled)
         if out is not None:
-            for logprob_rows in (out.logprobs, out.prompt_logprobs):
+            for logprob_rows in (out.logprobs, out.prompt_logprobs, out.pooled):
                 if logprob_rows is not None:
                     logprob_rows.to_host(self._cuda)
-            launched.logprobs, launched.prompt_logprobs = out.logprobs, out.prompt_logprobs
-        if (sampling or launched.prompt_logprobs is not None) and self._cuda:
+            launched.logprobs, launched.prompt_logprobs, launched.pooled = out.logprobs, out.prompt_logprobs, out.pooled
+        if (sampling or launched.prompt_logprobs is not None or launched.pooled is not None) and self._cuda:
             launched.done = torch.cuda.Event()
             launched.done.record()
 
@@ -402,5 +406,6 @@ class ModelRunner:
             prompt_logprobs=launched.prompt_logprobs.message() if launched.prompt_logprobs is not None else None,
             spec_slots=spec_slots,
             spec_token_ids=spec_runs,
+            **result_fields(launched.pooled),
         )
 

@@ -90,6 +90,24 @@ def hf_logprobs(tiny_checkpoint):
     return run
 
 
+@pytest.fixture(scope="session")
+def hf_pooled(tiny_checkpoint):
+    """HF transformers' AutoModel (the decoder without its LM head) on the tiny checkpoint: its
+    last hidden state (after the final norm) pooled (``last`` or ``mean``) and L2-normalized,
+    the embeddings' reference."""
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+    def run(tokens: list[int], pooling: str) -> torch.Tensor:
+        with torch.inference_mode():
+            hidden = model(torch.tensor([tokens])).last_hidden_state[0].float()
+        return torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(0), dim=0)
+
+    return run
+
+
 class PresenceFrequency:
     """vLLM's (OpenAI's) presence / frequency penalties over the output tokens, float32."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import draft_checkpoint, hf_controlled, hf_greedy, hf_logprobs, tiny_checkpoint  # noqa: F401  (fixtures, registered here)
+from tests.e2e.conftest import draft_checkpoint, hf_controlled, hf_greedy, hf_logprobs, hf_pooled, tiny_checkpoint  # noqa: F401  (fixtures, registered here)
 
 # Small blocks, so prompts span several and the prefix cache's reuse shows in block counts.
 TINY = dict(block_size=4, num_kv_blocks=128, threads=2, device="cpu")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from conveyor.client import Client
-from tests.e2e.conftest import hf_controlled, hf_logprobs, serve_factory, tiny_checkpoint  # noqa: F401  (fixtures, registered here)
+from tests.e2e.conftest import hf_controlled, hf_greedy, hf_logprobs, hf_pooled, serve_factory, tiny_checkpoint  # noqa: F401  (fixtures, registered here)
 from tests.e2e.serve_harness import ServeProcess, alive
 
 SERVE_ARGS = ("--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")

@@ -20,6 +20,7 @@ same tokens whatever it is batched with and however often it is preempted or res
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,11 @@ def default_token(request_id: str, position: int, low: int = 1, high: int = 1000
     return low + zlib.crc32(f"{request_id}:{position}".encode()) % (high - low)
 
 
+def pooled_vector(tokens: list[int]) -> bytes:
+    """The fake worker's vector of a pooling request: its prompt's length and sum, float32."""
+    return struct.pack("<2f", len(tokens), sum(tokens))
+
+
 @dataclass
 class _State:
     request_id: str
@@ -40,6 +46,7 @@ class _State:
     blocks: list[int]
     computed: int
     idents: list[int] = field(default_factory=list)
+    pooling: bool = False  # a pooling request: pooled (pooled_vector) when its prompt is computed, never sampled
 
     def ident(self, position: int) -> int:
         """The identity of the prefix ``tokens[:position + 1]`` (what its KV slot must hold)."""
@@ -171,7 +178,12 @@ class FakeWorker:
             assert 0 <= new.num_computed_tokens < len(new.token_ids)
             assert len(new.block_ids) * bs >= new.num_computed_tokens
             self._claim(slot, new.block_ids)
-            self.state[slot] = _State(rid, list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            # A pooling request's chunks are pooled here in order from its first token: it takes
+            # no cached prefix and is never resumed from a swap (the real worker's sum would be lost).
+            assert not new.sampling.pooling or new.num_computed_tokens == 0, f"{rid!r} pools but arrives computed"
+            self.state[slot] = _State(
+                rid, list(new.token_ids), list(new.block_ids), new.num_computed_tokens, pooling=bool(new.sampling.pooling)
+            )
             self.num_computed_at_arrival.setdefault(rid, []).append(new.num_computed_tokens)
             work.append((slot, new.num_scheduled_tokens))
         for row in cached:
@@ -203,6 +215,8 @@ class FakeWorker:
         sampled: list[int] = []
         spec_slots: list[int] = []
         spec_tokens: list[list[int]] = []
+        pooled_slots: list[int] = []
+        pooled: list[bytes] = []
         for slot, n in work:
             st = self.state[slot]
             rid = st.request_id
@@ -217,7 +231,10 @@ class FakeWorker:
                 self._write(slot, st, p)
             st.computed += n
             self.num_tokens_computed += n
-            if st.computed == len(st.tokens):
+            if st.computed == len(st.tokens) and st.pooling:
+                pooled_slots.append(slot)
+                pooled.append(pooled_vector(st.tokens))
+            elif st.computed == len(st.tokens):
                 token = self.token_for(rid, len(st.tokens))
                 st.tokens.append(token)
                 slots.append(slot)
@@ -225,7 +242,9 @@ class FakeWorker:
                 if slot in proposals:
                     spec_slots.append(slot)
                     spec_tokens.append(self._verify(slot, st, proposals[slot]))
-        return StepResult(plan.step_id, slots, sampled, spec_slots=spec_slots, spec_token_ids=spec_tokens)
+        return StepResult(
+            plan.step_id, slots, sampled, spec_slots=spec_slots, spec_token_ids=spec_tokens, pooled_slots=pooled_slots, pooled=pooled
+        )
 
     def _verify(self, slot: int, st: _State, proposal: list[int]) -> list[int]:
         """Greedy verification, as the real worker's: the proposal's tokens are kept while each

@@ -30,6 +30,7 @@ from conveyor.runtime.config import (
     Dtype,
     FrontendConfig,
     HttpConfig,
+    KVCacheDtype,
     PipelineSteps,
     PlanTransport,
     Quantization,
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from --kv-cache-memory)")
     p.add_argument(
         "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / build.GIB, help="GiB for the KV cache when --num-kv-blocks is not given"
+    )
+    _choice(
+        p,
+        "--kv-cache-dtype",
+        KVCacheDtype.AUTO,
+        "fp8 or int8: store keys and values in 8 bits (static per-layer scales calibrated at start), "
+        "twice the blocks of a 16-bit cache (four times float32's) in the same memory",
     )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="most sequences in one iteration")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens, help="token budget of one iteration")
@@ -364,9 +372,12 @@ def ready_line(config: ServerConfig, workers: list[dict]) -> str:
     what = "demo model (random weights: output is gibberish)" if config.demo else f"model {model_name(config.model_dir, False)}"
     blocks = [int(w["num_blocks"]) for w in workers]
     devices = sorted({f"{w.get('device')}{cpu_threads_note(w)}" for w in workers})
-    cache = f"{blocks[0]} KV blocks of {config.worker.runner.block_size} tokens"
+    runner = config.worker.runner
+    kind = "KV blocks" if runner.kv_cache_dtype == KVCacheDtype.AUTO else f"{runner.kv_cache_dtype} KV blocks"
+    cache = f"{blocks[0]} {kind} of {runner.block_size} tokens"
     if len(workers) > 1:
-        each = cache + " each" if len(set(blocks)) == 1 else f"{'/'.join(map(str, blocks))} KV blocks of {config.worker.runner.block_size} tokens"
+        uneven = f"{'/'.join(map(str, blocks))} {kind} of {runner.block_size} tokens"
+        each = cache + " each" if len(set(blocks)) == 1 else uneven
         cache = f"{len(workers)} data-parallel replicas of {each}"
     return f"conveyor ready on {config.addresses.client} serving {what} on {', '.join(devices)} with {cache}"
 

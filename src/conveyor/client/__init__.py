@@ -6,7 +6,8 @@ requests can be in flight on one client at once. Keyword arguments of
 ``generate``/``stream`` are the request fields of the protocol (max_tokens,
 temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, n, priority ...).
 With ``n`` > 1 a result has ``n`` :class:`Choice` objects (``CompletionResult.choices``) and
-each streamed :class:`StreamDelta` names its sequence (``index``).
+each streamed :class:`StreamDelta` names its sequence (``index``). ``embed`` asks for an
+embedding (a prompt-only pooling request; its result's ``embedding``).
 Sending ``request_id`` of a finished request continues it (docs/protocol.md).
 
 Failure is always an exception, never a hang:
@@ -38,7 +39,8 @@ is refused here (ValueError) rather than sent for the server to drop the connect
 A zmq socket is not thread-safe: use one ``Client`` per thread.
 
 The package: :mod:`~conveyor.client.connection` holds what both clients share (the
-connection, request bookkeeping, reply routing, messages and results);
+connection, request bookkeeping, reply routing, messages), :mod:`~conveyor.client.results`
+what replies become;
 :mod:`~conveyor.client.sync` and :mod:`~conveyor.client.aio` add only their I/O.
 """
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -18,6 +17,7 @@ from zmq.utils.monitor import parse_monitor_message
 from conveyor.client.commands import (
     detokenize_message, lora_message, metrics_message, profile_message, stats_message, tokenize_message,
 )
+from conveyor.client.results import Choice, CompletionResult, StreamDelta, Usage, completion_result, to_delta  # noqa: F401 (re-exported)
 from conveyor.ipc import transport
 from conveyor.protocol import limits, wire
 from conveyor.protocol import requests as client_requests
@@ -86,82 +86,6 @@ for _event in _REFUSALS:
 _CONNECTION_LOST = "__connection_lost__"
 
 
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose KV the server reused (prefix cache, continuation)
-
-
-@dataclass
-class Choice:
-    """One sequence of a request: its index (0 .. n - 1), text, tokens and why it ended, and
-    where asked for its output's log-probability columns (docs/protocol.md)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    logprobs: dict[str, Any] | None = None
-
-
-@dataclass
-class CompletionResult:
-    """A request's outcome. ``choices``: its ``n`` sequences in index order (one for
-    ``n`` = 1); ``text``, ``token_ids`` are choice 0's, ``finish_reason`` the request's
-    (``abort``/``error`` when it ended as a whole, else choice 0's), ``usage`` counts
-    every choice's tokens."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    usage: Usage
-    timing: dict[str, float | None] = field(default_factory=dict)
-    error: str | None = None
-    choices: list[Choice] = field(default_factory=list)
-    # Where asked for: the protocol's log-probability columns (docs/protocol.md), as sent.
-    logprobs: dict[str, Any] | None = None
-    prompt_logprobs: dict[str, Any] | None = None
-    prompt_token_ids: list[int] | None = None  # where asked (``return_prompt_token_ids``)
-
-    def __post_init__(self) -> None:
-        if not self.choices:  # n = 1: the one choice is the result itself
-            self.choices = [Choice(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
-
-
-@dataclass
-class StreamDelta:
-    """One piece of a stream. The last one has ``finish_reason`` set and carries ``result``.
-    ``index``: the sequence it belongs to (0 unless the request asked for ``n`` > 1)."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    result: CompletionResult | None = None
-    index: int = 0
-    logprobs: dict[str, Any] | None = None  # of this delta's tokens, where asked for
-    prompt_logprobs: dict[str, Any] | None = None  # of prompt tokens not sent before
-
-
-def completion_result(msg: dict[str, Any]) -> CompletionResult:
-    usage = msg.get("usage") or {}
-    return CompletionResult(
-        request_id=msg["request_id"],
-        text=msg.get("text", ""),
-        token_ids=list(msg.get("token_ids", [])),
-        finish_reason=msg["finish_reason"],
-        usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
-        timing=msg.get("timing") or {},
-        error=msg.get("error"),
-        choices=[Choice(c["index"], c["text"], list(c["token_ids"]), c["finish_reason"], c.get("logprobs")) for c in msg.get("choices") or ()],
-        logprobs=msg.get("logprobs"),
-        prompt_logprobs=msg.get("prompt_logprobs"),
-        prompt_token_ids=msg.get("prompt_token_ids"),
-    )
-
-
 def generate_message(
     prompt: str | None,
     messages: list[dict[str, str]] | None,
@@ -192,17 +116,6 @@ def _request_message(prompt: str | None, stream: bool, request: dict[str, Any]) 
     fields = dict(request)
     inputs = [fields.pop(name, None) for name in ("messages", "token_ids", "request_id")]
     return generate_message(prompt, *inputs, stream, fields)
-
-
-def to_delta(msg: dict[str, Any]) -> StreamDelta:
-    """Turn a server message of a streamed request into a StreamDelta."""
-    if msg["type"] == wire.DELTA:
-        return StreamDelta(
-            msg["request_id"], msg.get("text", ""), list(msg.get("token_ids", [])),
-            logprobs=msg.get("logprobs"), prompt_logprobs=msg.get("prompt_logprobs"), index=msg.get("index", 0),
-        )
-    result = completion_result(msg)
-    return StreamDelta(result.request_id, "", [], finish_reason=result.finish_reason, result=result)
 
 
 # Replies the asyncio reader takes per wake-up without awaiting (see AsyncClient._read_loop).
@@ -356,6 +269,14 @@ class Connection:
         id continues it); the other keywords are the request fields of the protocol (module
         docstring of :mod:`conveyor.client`)."""
         return self._complete(_request_message(prompt, False, request))
+
+    def embed(self, prompt: str | None = None, *, pooling: str = "last", **request: Any) -> Any:
+        """An embedding of ``prompt`` (or the keyword ``token_ids``): a prompt-only request
+        that samples nothing. Its :class:`CompletionResult` (awaited, with
+        :class:`AsyncClient`) carries ``embedding``, the final hidden states (after the
+        model's final norm) pooled by ``pooling`` (``last``: the last prompt position's;
+        ``mean``: over the prompt) and L2-normalized; ``usage.prompt_tokens`` counts the prompt."""
+        return self._complete(_request_message(prompt, False, {**request, "pooling": pooling, "max_tokens": 1}))
 
     def stream(self, prompt: str | None = None, **request: Any) -> Any:
         """As :meth:`generate`, streamed: an iterator of :class:`StreamDelta` (async, with

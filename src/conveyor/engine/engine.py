@@ -3,7 +3,8 @@
 :class:`Engine` builds the pieces bin/serve starts through the same functions and reads every
 request through the frontend's request processor (:mod:`conveyor.frontend.processor`), so a
 request gets the same tokens, text and errors as through bin/serve. How a step, ids,
-continuations and tensor parallelism work here: docs/architecture.md, "conveyor.Engine"."""
+continuations and tensor parallelism work here: docs/architecture.md, "conveyor.Engine".
+:meth:`Engine.embed` (embeddings: prompt-only pooling requests) is :mod:`conveyor.engine.embeddings`'s."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.engine.embeddings import embed
 from conveyor.engine.options import EngineOptions
 from conveyor.engine.outputs import BatchInfo, Result, StepOutput
 from conveyor.engine.ranks import RankGroup, RanksFailed
@@ -40,8 +42,7 @@ from conveyor.worker.sleep import Sleep, fall_asleep, wake
 from conveyor.worker.weight_updates import WeightBroadcast, update_from_disk, update_from_group, update_from_tensors
 
 
-# add_request's keyword arguments besides the input, the id and the priority: the generate
-# fields a client passes as options (sampling and stop strings).
+# add_request's keyword arguments besides the input, the id and the priority: the generate fields a client passes as options.
 _OPTIONS = frozenset(client_requests.OPTION_FIELDS) - {"priority"}
 
 
@@ -379,6 +380,7 @@ class Engine:
             request.remove()
         return results
 
+    embed = embed  # (conveyor.engine.embeddings)
     # ------------------------------------------------------------------ inside
 
     def _execute(self, plan: StepPlan) -> StepResult:
@@ -410,6 +412,7 @@ class Engine:
                 request.first_token_time = out.first_token_time
             if out.prompt_logprobs is not None:
                 request._push_prompt_logprobs(out.prompt_logprobs)
+            request._embedding = out.embedding or request._embedding
             stopped = bool(out.new_token_ids) and request._push(out.new_token_ids, out.logprobs)
             if stopped and out.finish_reason is None:
                 self.scheduler.abort([out.request_id])

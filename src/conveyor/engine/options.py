@@ -1,7 +1,7 @@
 """``Engine(**config)``'s keyword arguments: which part of the engine each one configures.
 
 The names are bin/serve's flags (``device``, ``dtype``, ``attention``, ``num_kv_blocks``,
-``kv_cache_memory`` in GiB, ``swap_space`` in GiB, ``threads``, ``block_size``,
+``kv_cache_memory`` in GiB, ``kv_cache_dtype``, ``swap_space`` in GiB, ``threads``, ``block_size``,
 ``max_model_len``, ``max_sessions`` ...) and :class:`~conveyor.runtime.config.SchedulerConfig`'s
 own fields for every knob of the batcher (``policy``, ``preemption``, ``max_waiting`` ...),
 with the defaults bin/serve has (the config classes' own). TGI's names for the batch limits
@@ -25,7 +25,8 @@ from typing import Any
 
 from conveyor.assembly.build import GIB
 from conveyor.runtime.config import (
-    KV_CACHE_MEMORY_BYTES, Attention, Device, Dtype, FrontendConfig, RunnerConfig, SchedulerConfig, WorkerConfig,
+    KV_CACHE_MEMORY_BYTES, Attention, Device, Dtype, FrontendConfig, KVCacheDtype, RunnerConfig, SchedulerConfig,
+    WorkerConfig,
 )  # fmt: skip
 
 # TGI's names -> the batcher's.
@@ -46,6 +47,7 @@ class EngineOptions:
     block_size: int = SchedulerConfig.block_size
     num_kv_blocks: int | None = None  # KV-cache blocks; None: as many as kv_cache_memory holds
     kv_cache_memory: float = KV_CACHE_MEMORY_BYTES / GIB  # GiB, when num_kv_blocks is not given
+    kv_cache_dtype: str = KVCacheDtype.AUTO  # fp8 / int8: 8-bit KV cache (twice the blocks of a 16-bit one)
     num_cpu_blocks: int | None = None  # CPU swap space in blocks (instead of swap_space)
     swap_space: float | None = None  # GiB; None: the device's default (4 with cuda, 0 on CPU)
     threads: int | None = None  # torch CPU threads

@@ -23,6 +23,7 @@ error); its ``tokens`` and ``text`` are sequence 0's.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -97,6 +98,7 @@ class Request:
         self._text_len = 0
         self._read_tokens = 0  # take_new's marks
         self._read_chars = 0
+        self._embedding: bytes | None = None  # a pooling request's vector, as the scheduler sent it
 
     def __repr__(self) -> str:
         state = f"done: {self.finish_reason}" if self.done else "running"
@@ -138,6 +140,12 @@ class Request:
         if log is None:
             return None
         return [None, *log.entries(self.prompt_token_ids[1:])]
+
+    @property
+    def embedding(self) -> list[float] | None:
+        """A pooling request's L2-normalized vector (``pooling`` set; :meth:`Engine.embed`)."""
+        data = self._embedding
+        return None if data is None else list(struct.unpack(f"<{len(data) // 4}f", data))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -141,6 +141,8 @@ class OutputPath:
                 logprobs = new.logprobs if state.logprobs is not None else None
                 if new.prompt_logprobs is not None and state.prompt_logprobs is not None:
                     state.prompt_logprobs.add(new.prompt_logprobs)
+                if new.embedding is not None:
+                    state.embedding = new.embedding
                 timed = bool(token_ids)
                 if len(token_ids) == 1:
                     token, token_ids = token_ids[0], None
@@ -283,6 +285,8 @@ class OutputPath:
         )
         if state.return_prompt_ids:
             reply["prompt_token_ids"] = state.prompt_ids
+        if state.embedding is not None:
+            reply["embedding"] = state.embedding
         if state.logged:
             reply.update(state.logprob_fields(whole=True))
             if state.choice_logprobs:  # the top level's are choice 0's, as its text is
@@ -412,12 +416,13 @@ def merge(batch: list[TokenOutputs]) -> list[RequestOutput]:
                     out.num_cached_tokens,
                     out.logprobs,
                     out.prompt_logprobs,
+                    out.embedding,
                 )
             elif acc.finish_reason is None:
                 acc.new_token_ids.extend(out.new_token_ids)
                 acc.logprobs = join(acc.logprobs, out.logprobs)
                 acc.prompt_logprobs = join(acc.prompt_logprobs, out.prompt_logprobs)
-                acc.finish_reason, acc.error = out.finish_reason, out.error
+                acc.finish_reason, acc.error, acc.embedding = out.finish_reason, out.error, out.embedding
                 if acc.scheduled_time is None and out.scheduled_time is not None:
                     acc.scheduled_time, acc.num_cached_tokens = out.scheduled_time, out.num_cached_tokens
                 if acc.first_token_time is None:

@@ -70,6 +70,7 @@ ends (an abort, an error of the request or of any of its sequences)."""
     choice_logprobs: bool = False  # an n > 1 request: its final's choices carry their logprobs
     return_prompt_ids: bool = False  # its final carries prompt_token_ids (the whole context)
     share: int = 0  # the sequences it counts against its client's share (conveyor.frontend.shares)
+    embedding: bytes | None = None  # a pooling request's vector (float32 bytes): its final carries it
 
     @property
     def key(self) -> tuple[bytes, str]:

@@ -1,6 +1,6 @@
 """The aiohttp applications of the HTTP process: the OpenAI API and the metrics-only one.
 
-:func:`api_app` serves ``POST /v1/completions``, ``POST /v1/chat/completions``,
+:func:`api_app` serves ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``,
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
 ``POST /invocations`` (a completion or a chat request, told apart by the body's
 ``prompt`` or ``messages``, as vLLM routes it), Anthropic's ``POST /v1/messages`` and ``POST
@@ -42,13 +42,14 @@ from conveyor.version import __version__
 from conveyor.http import adapters, prometheus
 from conveyor.http.adapters import LORAS
 from conveyor.http.connections import BODY_TIMEOUT, BODY_TIMEOUT_S, COUNTS, Guard
+from conveyor.http.embeddings import embeddings_body, embeddings_job
 from conveyor.http import request_ids
 from conveyor.http.anthropic_requests import messages_job, thinking_budget
 from conveyor.http.anthropic_responses import error_body as anthropic_error_body
 from conveyor.http.anthropic_responses import respond_message
 from conveyor.http.errors import ApiError, bad_field, unavailable
 from conveyor.http.generation import ignored_fields, respond
-from conveyor.http.job_runs import STARTED_RESPONSE
+from conveyor.http.job_runs import STARTED_RESPONSE, generate_all
 from conveyor.http.json_body import decode_body
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import CHAT, COMPLETION, parse_request
@@ -237,6 +238,19 @@ async def stored_response(request: web.Request) -> web.Response:
     """Always a 404: Conveyor keeps no responses (``store: true`` is refused)."""
     raise ApiError(404, f"no response '{request.match_info['response_id']}': this server keeps no responses ('store' is not supported)",
                    param="response_id", code="response_not_found")
+
+
+@API_ROUTES.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    """OpenAI's embeddings: pooling requests, one per input (:mod:`conveyor.http.embeddings`)."""
+    app, body = request.app, await _body(request)
+    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    job, encoding = embeddings_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
+    _check_share(job, app.get(MAX_WAITING, 0))
+    await app[LINK].require_started()
+    results = await generate_all(app[LINK], job)
+    headers = ignored_fields(request_ids.request_id(request), job)
+    return _json(embeddings_body(results, job.options.get("lora") or app[MODEL], encoding), headers=headers)
 
 
 @API_ROUTES.post("/v1/messages")

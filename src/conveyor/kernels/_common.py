@@ -1,5 +1,5 @@
-"""Helpers shared by the Triton kernels: tile sizing, the dot that stays exact where it must,
-the checks every launch wrapper makes on a paged KV cache layer, and what the two paged
+"""Helpers shared by the Triton kernels: tile sizing, the dot that stays exact where it must, the
+8-bit KV cache's store rule, the checks every launch wrapper makes on a paged KV cache layer, and what the two paged
 attention kernels (decode, extend) share: their tile loop and output store, their wrappers'
 checks and the launch arguments both declare alike.
 
@@ -20,6 +20,11 @@ import triton.language as tl
 
 #: Element types the kernels accept. Accumulation is always float32.
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: 8-bit KV cache dtypes, by the ``QUANT`` constant of the kernels that store and read them
+#: (0: a float cache, values as they are).
+QUANT_DTYPES = {torch.int8: 1, torch.float8_e4m3fn: 2}
+#: A KV cache layer's element types: the float ones, and 8-bit ones of scaled values.
+KV_CACHE_DTYPES = SUPPORTED_DTYPES + tuple(QUANT_DTYPES)
 #: log2(e): the attention kernels exponentiate with exp2, so their wrappers pass scale * LOG2E.
 LOG2E = 1.4426950408889634
 
@@ -67,6 +72,42 @@ def tile_dot(a, b, UPCAST: tl.constexpr):
         return tl.dot(a, b)
 
 
+def quant_mode(dtype: torch.dtype) -> int:
+    """The ``QUANT`` constant for a cache of ``dtype`` (:data:`QUANT_DTYPES`; 0 for float)."""
+    return QUANT_DTYPES.get(dtype, 0)
+
+
+@triton.jit
+def quantize_kv(x, inv_scale, QUANT: tl.constexpr):
+    """float32 ``x`` as an 8-bit cache stores it, still as float32 (the cast to the cache's
+    type is then exact): ``x * inv_scale`` clamped to the type's range and rounded to nearest,
+    ties to even (``QUANT`` 1: int8, to integers; 2: float8 e4m3fn, to 3 mantissa bits, or to
+    multiples of 2**-9 below its smallest normal 2**-6). The rounding is done here, in float32
+    arithmetic, rather than by the cast: Triton's interpreter casts float32 to float8 with the
+    wrong exponent where rounding carries into it, and flushes subnormals. ``QUANT`` 0: ``x``."""
+    if QUANT == 0:
+        return x
+    x = x * inv_scale
+    if QUANT == 1:
+        x = tl.minimum(tl.maximum(x, -127.0), 127.0)
+        return (x + 12582912.0) - 12582912.0  # 1.5 * 2**23: float32 addition rounds to integers
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    # Round the float32 mantissa to its top 3 bits, to nearest even (a carry moves the exponent).
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    tiny = (x + 24576.0) - 24576.0  # 1.5 * 2**14: float32 addition rounds to multiples of 2**-9
+    return tl.where(tl.abs(x) < 0.015625, tiny, normal)
+
+
+@triton.jit
+def _as_query(x, q):
+    """A tile of an 8-bit cache in the query's dtype (through float32: Triton's interpreter
+    casts int8 to bfloat16 as bits); a float cache's tile as it is (its dtype is the query's)."""
+    if x.dtype != q.dtype:
+        x = x.to(tl.float32).to(q.dtype)
+    return x
+
+
 @triton.jit
 def attend_paged_span(
     q_rows,
@@ -86,6 +127,7 @@ def attend_paged_span(
     kv_end,
     qk_scale_log2,
     window,
+    v_scale,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
@@ -99,7 +141,11 @@ def attend_paged_span(
     share, from the query load to the normalized output. Returns ``(o, lse)``: the output rows
     ``[BLOCK_M, BLOCK_D]`` and their log-sum-exp (base 2), float32; a row that sees nothing gets
     0 and -inf. A row that sees nothing in a tile (a window that starts later for it, a causal
-    end before the tile) is measured against 0, never ``-inf - -inf``."""
+    end before the tile) is measured against 0, never ``-inf - -inf``.
+
+    An 8-bit cache's keys and values are converted to the query's dtype as they are loaded;
+    its key scale is in ``qk_scale_log2`` and its value scale ``v_scale`` multiplies the
+    output (1 for a float cache)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
@@ -115,7 +161,7 @@ def attend_paged_span(
         block_ids = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         tok = block_ids * stride_kv_block + (offs_n % PAGE) * stride_kv_tok
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _as_query(tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0), q)
         s = tile_dot(q, tl.trans(k), UPCAST) * qk_scale_log2
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -126,11 +172,11 @@ def attend_paged_span(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
+        v = _as_query(tl.load(v_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0), q)
+        acc = acc * alpha[:, None] + tile_dot(p.to(q.dtype), v, UPCAST)
         m_i = m_new
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    return acc / l_safe[:, None], m_i + tl.log2(l_safe)
+    return acc * (v_scale / l_safe)[:, None], m_i + tl.log2(l_safe)
 
 
 @triton.jit
@@ -152,7 +198,7 @@ def check_kv_cache(kv: torch.Tensor) -> tuple[int, int, int, int]:
         raise ValueError(
             f"kv cache must be [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv.shape)}"
         )
-    if kv.dtype not in SUPPORTED_DTYPES:
+    if kv.dtype not in KV_CACHE_DTYPES:
         raise TypeError(f"unsupported kv cache dtype {kv.dtype}")
     if kv.stride(-1) != 1:
         raise ValueError("kv cache head_dim must be contiguous (stride 1)")
@@ -175,24 +221,27 @@ class PagedAttentionInputs(NamedTuple):
     num_kv_heads: int
     sliding_window: int | None
 
-    def strides_scale_window(self, scale: float) -> tuple[int | float, ...]:
+    def strides_scale_window(self, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[int | float, ...]:
         """The arguments both attention kernels declare after their pointers, in their order:
         query and output token/head strides; ``stride_kv_kv, stride_kv_block, stride_kv_tok,
-        stride_kv_head, stride_bt``; ``qk_scale_log2`` (exp2 softmax); ``window`` (0: none)."""
+        stride_kv_head, stride_bt``; ``qk_scale_log2`` (exp2 softmax, an 8-bit cache's key
+        scale ``k_scale`` in it); ``window`` (0: none); ``v_scale``, its value scale."""
         return (
             *self.query.stride()[:2],
             *self.out.stride()[:2],
             *self.kv.stride()[:4],
             self.block_tables.stride(0),
-            scale * LOG2E,
+            scale * k_scale * LOG2E,
             self.sliding_window or 0,
+            v_scale,
         )
 
     @property
     def constants(self) -> dict[str, int | bool]:
-        """The compile-time constants both attention kernels take alike (their tiles differ)."""
+        """The compile-time constants both attention kernels take alike (their tiles differ);
+        the dots run in the query's dtype (an 8-bit cache's tiles are converted to it)."""
         use_window = self.sliding_window is not None
-        return {"PAGE": self.block_size, "USE_WINDOW": use_window, "UPCAST": upcast_dots(self.kv.dtype)}
+        return {"PAGE": self.block_size, "USE_WINDOW": use_window, "UPCAST": upcast_dots(self.query.dtype)}
 
 
 def check_paged_attention(
@@ -208,7 +257,10 @@ def check_paged_attention(
     if query.dim() != 3 or query.shape[2] != head_dim:
         raise ValueError(f"query must be [tokens, heads, {head_dim}], got {tuple(query.shape)}")
     num_heads = query.shape[1]
-    if query.dtype != kv.dtype:
+    if kv.dtype in QUANT_DTYPES:
+        if query.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"query dtype {query.dtype} is not one of {SUPPORTED_DTYPES}")
+    elif query.dtype != kv.dtype:
         raise TypeError(f"query dtype {query.dtype} differs from the kv cache's {kv.dtype}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}")

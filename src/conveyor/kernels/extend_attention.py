@@ -50,6 +50,7 @@ def _extend_kernel(
     stride_bt,
     qk_scale_log2,
     window,
+    v_scale,
     head_dim,
     group_size,
     BLOCK_M: tl.constexpr,
@@ -87,7 +88,7 @@ def _extend_kernel(
     o, _ = attend_paged_span(
         q_ptr + rows * stride_qt + h * stride_qh, m_mask, ctx_len + offs_m, kv_ptr, kv_head,
         block_table_ptr, b, stride_bt, stride_kv_block, stride_kv_tok, stride_kv_head, stride_kv_kv,
-        head_dim, kv_start, kv_end, qk_scale_log2, window,
+        head_dim, kv_start, kv_end, qk_scale_log2, window, v_scale,
         BLOCK_N, BLOCK_D, PAGE, USE_WINDOW, UPCAST,
     )
     store_rows(out_ptr + rows * stride_ot + h * stride_oh, m_mask, o, head_dim, BLOCK_D)
@@ -128,6 +129,8 @@ def extend_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of new tokens over their sequences' paged KV.
 
@@ -146,6 +149,7 @@ def extend_attention(
         max_query_len: upper bound on new tokens per sequence; pass it to avoid a device->host
             sync and to fix the grid. Default: computed from ``query_start_loc``.
         out: optional ``[T, num_heads, head_dim]`` output buffer.
+        k_scale, v_scale: an 8-bit cache's scales (its keys and values are stored / scale).
     """
     inputs = check_paged_attention(query, kv, block_tables, sliding_window, out)
     query, out = inputs.query, inputs.out
@@ -160,7 +164,7 @@ def extend_attention(
     if max_query_len <= 0:
         return out
 
-    block_m, block_n, block_d, num_warps = _tiles(head_dim, kv.dtype, max_query_len)
+    block_m, block_n, block_d, num_warps = _tiles(head_dim, query.dtype, max_query_len)
     grid = (cdiv(max_query_len, block_m), num_heads, batch)
     _extend_kernel[grid](
         query,
@@ -170,7 +174,7 @@ def extend_attention(
         query_start_loc,
         context_lens,
         seq_lens,
-        *inputs.strides_scale_window(scale),
+        *inputs.strides_scale_window(scale, k_scale, v_scale),
         head_dim,
         num_heads // inputs.num_kv_heads,
         BLOCK_M=block_m,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.kernels._common import cdiv, check_kv_cache, last_dim_contiguous, next_pow2
+from conveyor.kernels._common import cdiv, check_kv_cache, last_dim_contiguous, next_pow2, quant_mode, quantize_kv
 
 __all__ = ["kv_store", "kv_store_ref"]
 
@@ -38,8 +38,11 @@ def _kv_store_kernel(
     num_kv_heads,
     head_dim,
     block_size,
+    inv_k_scale,
+    inv_v_scale,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One program stores BLOCK_H heads of one token's K and V (grid: tokens x head tiles)."""
     t = tl.program_id(0)
@@ -53,8 +56,8 @@ def _kv_store_kernel(
     t64 = t.to(tl.int64)
     src_k = key_ptr + t64 * stride_kt + heads[:, None] * stride_kh + dims[None, :]
     src_v = value_ptr + t64 * stride_vt + heads[:, None] * stride_vh + dims[None, :]
-    k = tl.load(src_k, mask=mask)
-    v = tl.load(src_v, mask=mask)
+    k = quantize_kv(tl.load(src_k, mask=mask).to(tl.float32), inv_k_scale, QUANT)
+    v = quantize_kv(tl.load(src_v, mask=mask).to(tl.float32), inv_v_scale, QUANT)
 
     # int64 from here on: block_id * stride_kv_block overflows int32 for pools past 2^31 elements.
     block = slot // block_size
@@ -64,11 +67,20 @@ def _kv_store_kernel(
     tl.store(dst + stride_kv_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
-def kv_store(key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def kv_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    inv_k_scale: float = 1.0,
+    inv_v_scale: float = 1.0,
+) -> None:
     """Store ``key``/``value`` ``[T, kv_heads, head_dim]`` into ``kv`` at ``slot_mapping [T]``.
 
     ``kv`` is one layer's cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` and is
-    modified in place; values are cast to its dtype. Negative slots are skipped.
+    modified in place; values are cast to its dtype, an 8-bit one's first multiplied by
+    ``inv_k_scale`` / ``inv_v_scale`` and rounded (:func:`._common.quantize_kv`). Negative
+    slots are skipped.
     """
     _, block_size, kv_heads, head_dim = check_kv_cache(kv)
     if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != (kv_heads, head_dim):
@@ -100,8 +112,11 @@ def kv_store(key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor, slot_mapp
         kv_heads,
         head_dim,
         block_size,
+        inv_k_scale,
+        inv_v_scale,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        QUANT=quant_mode(kv.dtype),
         num_warps=4,
     )
 

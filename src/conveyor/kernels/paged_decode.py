@@ -82,6 +82,7 @@ def _decode_partial_kernel(
     stride_bt,
     qk_scale_log2,
     window,
+    v_scale,
     stride_mid_b,
     stride_mid_h,
     stride_mid_p,
@@ -124,7 +125,7 @@ def _decode_partial_kernel(
     o, lse = attend_paged_span(
         q_ptr + tokens * stride_qb + heads * stride_qh, m_mask, first_pos + offs_m // group_size, kv_ptr,
         kv_head, block_table_ptr, b, stride_bt, stride_kv_block, stride_kv_tok, stride_kv_head,
-        stride_kv_kv, head_dim, part_start, part_end, qk_scale_log2, window,
+        stride_kv_kv, head_dim, part_start, part_end, qk_scale_log2, window, v_scale,
         BLOCK_N, BLOCK_D, PAGE, USE_WINDOW, UPCAST,
     )
     if DIRECT_OUT:
@@ -265,6 +266,8 @@ def paged_decode_attention(
     partition_size: int | None = None,
     out: torch.Tensor | None = None,
     query_len: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``query_len`` query tokens per sequence (usually one) over its paged KV
     cache: the sequence's last ``query_len`` positions, each causally (a speculative verify).
@@ -281,6 +284,7 @@ def paged_decode_attention(
             keep the grid fixed across CUDA-graph replays. Default: ``seq_lens.max()``.
         partition_size: force the split-K partition length in tokens (tests, tuning).
         out: optional ``[B, num_heads, head_dim]`` output buffer.
+        k_scale, v_scale: an 8-bit cache's scales (its keys and values are stored / scale).
 
     Returns ``out`` (allocated with ``query``'s dtype when not given).
     """
@@ -303,7 +307,7 @@ def paged_decode_attention(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        dtype=kv.dtype,
+        dtype=query.dtype,
         max_context=span,
         num_sms=_num_sms(query.device),
         partition_size=partition_size,
@@ -330,7 +334,7 @@ def paged_decode_attention(
         out,
         mid_o,
         mid_lse,
-        *inputs.strides_scale_window(scale),
+        *inputs.strides_scale_window(scale, k_scale, v_scale),
         *mid_strides,
         plan.partition_size,
         head_dim,

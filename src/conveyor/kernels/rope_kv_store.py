@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.kernels._common import cdiv, check_kv_cache, next_pow2
+from conveyor.kernels._common import cdiv, check_kv_cache, next_pow2, quant_mode, quantize_kv
 
 __all__ = ["norm_rotate_ref", "rope_kv_store"]
 
@@ -68,9 +68,12 @@ def _rope_kv_store_kernel(
     half,
     block_size,
     eps,
+    inv_k_scale,
+    inv_v_scale,
     QK_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Grid (tokens, query head tiles + kv head tiles): a program rotates one tile of query
     heads in place, or rotates one tile of key heads and stores it with its value heads."""
@@ -101,8 +104,10 @@ def _rope_kv_store_kernel(
             x2 = tl.load(src_k + half, mask=mask, other=0.0).to(tl.float32)
             r1, r2 = _norm_rotate(x1, x2, k_norm_ptr, half, cos, sin, eps, offs, dmask, QK_NORM, k_ptr.dtype.element_ty)
             src_v = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
-            v1 = tl.load(src_v, mask=mask, other=0.0)
-            v2 = tl.load(src_v + half, mask=mask, other=0.0)
+            v1 = quantize_kv(tl.load(src_v, mask=mask, other=0.0).to(tl.float32), inv_v_scale, QUANT)
+            v2 = quantize_kv(tl.load(src_v + half, mask=mask, other=0.0).to(tl.float32), inv_v_scale, QUANT)
+            r1 = quantize_kv(r1.to(tl.float32), inv_k_scale, QUANT)
+            r2 = quantize_kv(r2.to(tl.float32), inv_k_scale, QUANT)
             # int64: block * stride_kv_block overflows int32 for pools past 2^31 elements.
             dst = (
                 kv_ptr
@@ -129,6 +134,8 @@ def rope_kv_store(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    inv_k_scale: float = 1.0,
+    inv_v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate ``query`` in place and store rotated ``key`` and ``value`` into the cache ``kv``.
 
@@ -141,6 +148,9 @@ def rope_kv_store(
         slot_mapping: ``[T]`` flat slots, ``-1`` = do not store.
         q_norm_weight, k_norm_weight: ``[head_dim]`` per-head RMSNorm weights applied before
             the rotation (Qwen3), both or neither; ``eps`` their epsilon.
+        inv_k_scale, inv_v_scale: an 8-bit cache stores the rotated key (rounded to the input
+            dtype first, as a float cache would hold it) times ``inv_k_scale`` and the value times
+            ``inv_v_scale``, rounded by :func:`._common.quantize_kv`.
 
     Returns ``query`` (rotated in place).
     """
@@ -193,9 +203,12 @@ def rope_kv_store(
         half,
         block_size,
         eps,
+        inv_k_scale,
+        inv_v_scale,
         QK_NORM=qk_norm,
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
+        QUANT=quant_mode(kv.dtype),
         num_warps=4,
     )
     return query

@@ -15,11 +15,14 @@ from conveyor.protocol.wire import ProtocolError
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "n",
-    "speculate",
+    "speculate", "pooling",
 )
 # Log-probabilities asked for (None: none; k: the token's own and the k most likely), bounded
 # by the server's max_logprobs (:func:`logprobs_problem`).
 LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")
+# Pooling of an embedding request (conveyor.worker.pooling): the last prompt position's final
+# hidden state, or their mean over the prompt; both L2-normalized.
+POOLING_METHODS = ("last", "mean")
 
 
 def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> SamplingParams:
@@ -81,6 +84,7 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         value = obj.get(name)
         if value is not None and (not is_int(value) or value < 0):
             raise fail(f"'{name}' must be an integer >= 0 (the number of top log-probabilities), got {value!r}")
+    pooling = _parse_pooling(obj, n, fail)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -97,7 +101,24 @@ def parse_sampling(obj: dict[str, Any], request_id: str | None = None) -> Sampli
         **flags,
         logprobs=obj.get("logprobs"),
         prompt_logprobs=obj.get("prompt_logprobs"),
+        pooling=pooling,
     )
+
+
+def _parse_pooling(obj: dict[str, Any], n: int, fail: Any) -> str:
+    """``pooling``: an embedding request ("last" or "mean"; absent: a generate request). It
+    samples nothing, so it takes no ``n`` > 1 nor log-probabilities."""
+    pooling = obj.get("pooling")
+    if pooling is None:
+        return ""
+    if pooling not in POOLING_METHODS:
+        raise fail(f"'pooling' must be one of {', '.join(map(repr, POOLING_METHODS))}, got {pooling!r}")
+    if n > 1:
+        raise fail("'n' > 1 asks for several sequences; a pooling request samples none: drop 'n' or 'pooling'")
+    for name in LOGPROBS_FIELDS:
+        if obj.get(name) is not None:
+            raise fail(f"'{name}' asks for log-probabilities; a pooling request samples none: drop '{name}' or 'pooling'")
+    return pooling
 
 
 def _parse_logit_bias(value: Any, fail: Any) -> dict[int, float]:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 
 from conveyor.ipc.step_channel import StepChannels
 from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exported: they are read from here)
-    Attention, Batching, Choice, Device, Dtype, PipelineSteps, PlanTransport, Policy, Preemption, Quantization,
-    parse_choices, require_at_least,
+    Attention, Batching, Choice, Device, Dtype, KVCacheDtype, PipelineSteps, PlanTransport, Policy, Preemption,
+    Quantization, parse_choices, require_at_least,
 )  # fmt: skip
 from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback, is_loopback_host
 from conveyor.runtime.http_config import HttpConfig
@@ -172,7 +172,8 @@ class RunnerConfig:
     :func:`conveyor.worker.main.build_runner`; a runner takes a concrete one). ``dtype``: a
     :class:`Dtype` name, or a torch dtype (this module does not import torch). The KV pool is
     ``num_blocks`` blocks or as many as fit in ``kv_cache_memory_bytes`` (exactly one: the
-    runner refuses anything else); the CPU
+    runner refuses anything else), stored in ``kv_cache_dtype`` (``auto``: the model's dtype;
+    ``fp8``/``int8``: 8 bits with static per-layer scales, docs/architecture.md); the CPU
     swap space ``num_cpu_blocks`` blocks or ``swap_space_bytes`` (None for both: none, or the
     device's default through build_runner). ``max_num_seqs`` (the scheduler's) bounds a step's
     rows and sizes the static decode buffers; ``enforce_eager``: no CUDA graphs for decode
@@ -194,6 +195,7 @@ class RunnerConfig:
     block_size: int = SchedulerConfig.block_size
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     attention: Attention = Attention.AUTO
     num_cpu_blocks: int | None = None
     swap_space_bytes: int | None = None
@@ -212,7 +214,7 @@ class RunnerConfig:
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        parse_choices(self, attention=Attention, quantization=Quantization)
+        parse_choices(self, attention=Attention, quantization=Quantization, kv_cache_dtype=KVCacheDtype)
         if isinstance(self.dtype, str):
             parse_choices(self, dtype=Dtype)
 

@@ -86,6 +86,12 @@ class Attention(Choice):
     TORCH_REF = "torch-ref"  # the per-sequence torch reference (slow, for comparisons)
 
 
+class KVCacheDtype(Choice):
+    AUTO = "auto"  # the model's dtype
+    FP8 = "fp8"  # float8_e4m3fn, one static scale per layer for keys and one for values
+    INT8 = "int8"  # int8, likewise
+
+
 class PipelineSteps(Choice):
     AUTO = "auto"  # on with CUDA, off on CPU
     ON = "on"

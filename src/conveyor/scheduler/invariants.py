@@ -132,11 +132,14 @@ def check_slots(state: SchedulerState) -> None:
         for r, slot in expected:
             if r.status is RUNNING:
                 assert r.slot == slot, f"{r.request_id} holds slot {r.slot}, step {plan.step_id} names it {slot}"
-        # The rows that sample: every decode, and other rows, each once; a row whose slot
-        # still has the generation it was planned with names a running request of this plan.
+        # The rows that sample: every decode but a pooling request's last prompt token (it is
+        # pooled), and other rows, each once; a row whose slot still has the generation it was
+        # planned with names a running request of this plan.
         sampling = step.sample_slots.tolist()
         assert len(set(sampling)) == len(sampling), f"step {plan.step_id} samples a slot twice"
-        assert set(step.dslots.tolist()) <= set(sampling), f"step {plan.step_id}: a decode does not sample"
+        pooled = {s for s in step.dslots.tolist() if step.owner(s).sampling.pooling}
+        assert set(step.dslots.tolist()) - pooled <= set(sampling), f"step {plan.step_id}: a decode does not sample"
+        assert not pooled & set(sampling), f"step {plan.step_id}: a pooling request samples"
         # The worker answers in plan order: new requests that sample, then cached rows that do.
         sampling_set = set(sampling)
         answer_order = [d.slot for d in plan.new_requests if d.slot in sampling_set]

@@ -68,9 +68,10 @@ class KVCacheManager:
 
         A request still owed prompt log-probabilities matches nothing: they come from the
         prefill's logits, which a cached prefix would skip (it is computed whole, once; its
-        blocks are registered for others as usual)."""
+        blocks are registered for others as usual). So does a pooling request: its vector is
+        pooled over the hidden states of every prompt position, which a cached prefix would skip."""
         bs = self.block_size
-        if req.sampling.prompt_logprobs is not None and req.prompt_logprobs_from < req.num_prompt_tokens:
+        if req.sampling.pooling or (req.sampling.prompt_logprobs is not None and req.prompt_logprobs_from < req.num_prompt_tokens):
             return PrefixMatch([], [], [], None, 0, 0)
         tokens = req.token_ids
         limit = len(tokens) - 1

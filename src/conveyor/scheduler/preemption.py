@@ -55,6 +55,8 @@ def preempt(state: SchedulerState, step: Step, req: SchedulerRequest) -> None:
     step.unschedule(req)
     kv = state.kv
     mode = state.policy.preemption_mode(kv.blocks_to_swap(req), req.num_computed_tokens, kv.swap.num_available)
+    if req.sampling.pooling:  # the worker's running pool of its chunks goes with its slot: start over
+        mode = Preemption.RECOMPUTE
     if mode is Preemption.SWAP:
         kv.swap_out(req)
         req.status = RequestStatus.SWAPPED

@@ -54,6 +54,7 @@ def speculates(sp: SamplingParams) -> bool:
         and sp.repetition_penalty == 1.0
         and not sp.logit_bias
         and sp.min_tokens == 0
+        and not sp.pooling
     )
 
 
@@ -143,7 +144,9 @@ class SchedulerRequest:
             priority=msg.priority,
             stop_ids=stop_ids,
             has_own_stop_ids=bool(sp.stop_token_ids),
-            stop_len=min(len(msg.prompt_token_ids) + sp.max_tokens, max_model_len),
+            # (a pooling request runs its prompt and no more, as one of max_tokens 1 whose token
+            # is never sampled: planned ahead, its last prompt token runs, and nothing after it)
+            stop_len=min(len(msg.prompt_token_ids) + (1 if sp.pooling else sp.max_tokens), max_model_len),
             lora=msg.lora or None,
             speculative=speculates(sp),
         )

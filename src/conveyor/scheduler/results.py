@@ -23,6 +23,9 @@ Structured output: the worker names the constrained rows its grammar ended
 are applied, so its token (not a valid one) is dropped like any token of a released slot; a
 complete grammar makes its row take the decision path and finish as ``stop`` after its token,
 like an end-of-sequence token does (:func:`_grammar_ends`).
+
+Pooling requests sample nothing: the plan's ``poolers`` finish as ``stop`` with the vectors
+the result carries (:func:`_finish_pooled`).
 """
 
 from __future__ import annotations
@@ -93,9 +96,33 @@ def apply_result(state: SchedulerState, plan: StepPlan, step: Step, result: Step
         )
         if finished:
             state.table.prune_running(finished)
+    if step.poolers:
+        _finish_pooled(state, plan, step, result, outputs)
     if result.logprobs is not None or result.prompt_logprobs is not None:
         column_ids, column_tokens = _attach_logprobs(step, result, outputs, column_ids, column_tokens)
     return TokenOutputs(outputs, column_ids, column_tokens)
+
+
+def _finish_pooled(state: SchedulerState, plan: StepPlan, step: Step, result: StepResult, outputs: list[RequestOutput]) -> None:
+    """The pooling requests whose last prompt chunk the plan ran finish with their vectors
+    (``stop``; ``error`` for one the worker pooled none for), their blocks freed now."""
+    vectors = dict(zip(result.pooled_slots, result.pooled))
+    finished = []
+    now = state.clock()
+    for req in step.poolers:
+        if req.status is not RUNNING:  # ended while the step ran
+            continue
+        vector = vectors.get(req.slot)
+        if vector is None:
+            error = f"worker pooled no vector for this request (slot {req.slot}, step {plan.step_id})"
+            outputs.append(state.finish(req, FinishReason.ERROR, error=error))
+        else:
+            req.first_token_time = now  # (its one output)
+            out = state.finish(req, FinishReason.STOP)
+            out.embedding = vector
+            outputs.append(out)
+        finished.append(req)
+    state.table.prune_running(finished)
 
 
 def _accepted_runs(state: SchedulerState, step: Step, result: StepResult) -> dict[int, list[int]]:

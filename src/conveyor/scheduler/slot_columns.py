@@ -66,6 +66,7 @@ class SlotColumns:
         self.ones = np.ones(num_slots, np.int32)  # a plan's decode counts: a slice of it
         self.ones.flags.writeable = False
         self.sampled = np.empty(num_slots, np.int64)  # scratch: a result's tokens by slot
+        self.num_pooling = 0  # slots held by pooling requests (a plan's one-token rows may pool, not sample)
 
     def assign(self, req: SchedulerRequest, slot: int, eos_stops: bool) -> None:
         """``req`` takes ``slot``: its counters move into the columns (before ``req.slot`` is set)."""
@@ -79,6 +80,7 @@ class SlotColumns:
         self.owner[slot] = req
         self.token_lists[slot] = req.token_ids
         self.ids[slot] = req.request_id
+        self.num_pooling += bool(req.sampling.pooling)
 
     def release(self, req: SchedulerRequest, slot: int) -> None:
         """``req`` gives ``slot`` back: its computed count moves back into the request."""
@@ -87,6 +89,7 @@ class SlotColumns:
         self.owner[slot] = None
         self.token_lists[slot] = None
         self.ids[slot] = None
+        self.num_pooling -= bool(req.sampling.pooling)
 
     def append_sampled(self, slots: np.ndarray, slot_list: list[int], tokens: list[int]) -> None:
         """Append ``tokens[i]`` to the token list of the request on ``slots[i]`` (distinct

@@ -51,7 +51,7 @@ class Step:
         "answer_rows",
         "preempted", "num_swap", "num_recompute", "num_admitted", "wait_sum", "wait_max", "hit_tokens",
         "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out", "_tokens_by_request", "failed", "copies",
-        "spec", "proposals",
+        "spec", "proposals", "poolers",
     )
 
     def __init__(self, budget: int) -> None:
@@ -75,6 +75,9 @@ class Step:
         self.copies: list[list[int]] = []  # [src, dst] block copies of forks (StepPlan.copy_blocks)
         self.spec: dict[int, int] = {}  # slot -> tokens proposed, of the widened decodes (rank order)
         self.proposals: dict[int, list[int]] = {}  # slot -> the proposed tokens, where the scheduler made them
+        # Pooling requests whose last prompt chunk this plan runs: they sample nothing, the
+        # result carries their vectors (StepResult.pooled) and they finish with it.
+        self.poolers: list[SchedulerRequest] = []
         self.failed = False  # planned ahead of a plan that failed: failed with it, its result is moot
         self.num_swap = self.num_recompute = self.num_admitted = self.hit_tokens = 0
         self.decode_tokens = self.prefill_tokens = self.context_tokens = 0
@@ -235,8 +238,14 @@ class Step:
         cols.computed[self.dslots] += 1  # (slots are distinct within a plan)
         for slot, proposed in self.spec.items():
             cols.computed[slot] += proposed
-        self.sample_slots = self.answer_slots = self.dslots
-        self.sample_gens = self.dgens
+        dslots, dgens = self.dslots, self.dgens  # the decodes that sample
+        if cols.num_pooling and len(dslots):  # a pooling request's last prompt token is pooled
+            pooled = np.fromiter((bool(self._owners[s].sampling.pooling) for s in dslots.tolist()), np.bool_, len(dslots))
+            if pooled.any():
+                self.poolers += [self._owners[s] for s in dslots[pooled].tolist()]
+                dslots, dgens = dslots[~pooled], dgens[~pooled]
+        self.sample_slots = self.answer_slots = dslots
+        self.sample_gens = dgens
         if not self.scheduled:
             return
         new_slots = {d.slot for d in self.new}
@@ -245,19 +254,22 @@ class Step:
         for req, n in self.scheduled:
             req.num_computed_tokens += n
             if req.num_computed_tokens == len(req.token_ids):  # the chunk ends the prompt: it samples
+                if req.sampling.pooling:  # (or, pooling, is pooled)
+                    self.poolers.append(req)
+                    continue
                 samplers.append(req.slot)
                 if req.slot in new_slots:
                     answered_first.append(req.slot)
         if not samplers:
             return
-        slots = self.sample_slots = np.concatenate((self.dslots, np.array(samplers, np.int64)))
+        slots = self.sample_slots = np.concatenate((dslots, np.array(samplers, np.int64)))
         self.sample_gens = cols.state[GEN].take(slots)  # (the decodes' are still their dgens)
         if answered_first:  # the worker's order differs from the rows': map it (class docstring)
             answered_last = [slot for slot in samplers if slot not in new_slots]
             self.answer_slots = np.concatenate(
-                (np.array(answered_first, np.int64), self.dslots, np.array(answered_last, np.int64))
+                (np.array(answered_first, np.int64), dslots, np.array(answered_last, np.int64))
             )
-            nf, nd = len(answered_first), len(self.dslots)
+            nf, nd = len(answered_first), len(dslots)
             first, last = iter(range(nf)), iter(range(nf + nd, len(slots)))
             rows = [next(first) if slot in new_slots else next(last) for slot in samplers]
             self.answer_rows = np.concatenate((np.arange(nf, nf + nd), np.array(rows, np.int64)))

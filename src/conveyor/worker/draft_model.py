@@ -18,7 +18,9 @@ import torch
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.runtime.model_source import draft_model_config
 from conveyor.worker.attention.backend import AttentionBackend, AttentionMetadata
+from conveyor.worker.attention.kv_quant import cache_dtype
 from conveyor.worker.kv_cache import KVCacheShape
+from conveyor.worker.kv_calibration import calibrate_kv_scales
 from conveyor.worker.loader import load_model
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, broadcast_from_first_
 from conveyor.worker.ragged_inputs import RaggedInputs
@@ -53,14 +55,16 @@ class DraftModel:
     def __init__(
         self, model_dir: str | Path, target: ModelConfig, device: torch.device, dtype: torch.dtype,
         backend: AttentionBackend,
-        block_size: int, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL,
+        block_size: int, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL, kv_cache_dtype: str = "auto",
     ) -> None:  # fmt: skip
         draft_model_config(str(model_dir), target, tensor_parallel_size=tensor_parallel.size)
         self.model, self.config = load_model(model_dir, device, dtype, backend, tensor_parallel)
         self.device = device
         self.block_size = block_size
         self.tensor_parallel = tensor_parallel
-        self.cache_shape = KVCacheShape.of(self.config, block_size, dtype, tensor_parallel)
+        # Its cache in the target's KV dtype, 8-bit with scales of its own.
+        self.cache_shape = KVCacheShape.of(self.config, block_size, cache_dtype(kv_cache_dtype, dtype), tensor_parallel)
+        self.kv_scales = calibrate_kv_scales(self.model, self.cache_shape, self.cache_shape.dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
 
@@ -72,7 +76,7 @@ class DraftModel:
     def allocate(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Its cache and swap space, as many blocks as the target's."""
         self.kv_caches = self.cache_shape.allocate(num_blocks, self.device)
-        self.model.bind_kv_cache(self.kv_caches)
+        self.model.bind_kv_cache(self.kv_caches, self.kv_scales)
         self.swap_caches = self.cache_shape.allocate_swap(num_cpu_blocks, self.device)
 
     @torch.inference_mode()

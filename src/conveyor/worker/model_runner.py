@@ -24,7 +24,9 @@ from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.draft_model import DraftModel, Drafts
 from conveyor.worker.grammar_steps import GrammarSteps
+from conveyor.worker.attention.kv_quant import KVScales, cache_dtype
 from conveyor.worker.kv_cache import KVCacheShape, KVCacheTooSmall
+from conveyor.worker.kv_calibration import calibrate_kv_scales
 from conveyor.worker.last_tokens import LastTokens
 from conveyor.worker.loader import load_model
 from conveyor.worker.logprob_steps import LogprobSteps
@@ -32,6 +34,7 @@ from conveyor.worker.lora import LoraManager, LoraOptions
 from conveyor.worker.lora_updates import LoraUpdates
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel
 from conveyor.worker.plan_check import PlanChecker, PlanRefused
+from conveyor.worker.pooling import Pooler, result_fields
 from conveyor.worker.ragged_inputs import ragged_inputs
 from conveyor.worker.ragged_step import RaggedStep
 from conveyor.worker.request_state import SlotStates, Work
@@ -90,6 +93,10 @@ class ModelRunner:
         if config.batch_invariant:
             make_batch_invariant(self.model)
         self.dtype = self.model.dtype
+        # The KV cache's dtype (an 8-bit one's per-layer scales are measured before LoRA is on).
+        self.kv_cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        cache_shape = KVCacheShape.of(self.model_config, config.block_size, self.kv_cache_dtype, tp)
+        kv_scales = calibrate_kv_scales(self.model, cache_shape, self.kv_cache_dtype)
         self.lora: LoraManager | None = None
         if config.lora_enabled:
             self.lora = LoraManager(self.model, LoraOptions(config.max_loras, config.max_lora_rank, config.max_cpu_loras))
@@ -99,9 +106,10 @@ class ModelRunner:
         if config.speculative_model is not None:  # (this rank's shard of it, as of the model)
             draft_backend = backend_for(device, config.attention)  # its own (a backend may keep per-step plans)
             self.draft = DraftModel(
-                config.speculative_model, self.model_config, device, self.dtype, draft_backend, config.block_size, tp
+                config.speculative_model, self.model_config, device, self.dtype, draft_backend, config.block_size, tp,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
-        self._allocate_caches(config)
+        self._allocate_caches(config, cache_shape, kv_scales)
         self.adapters = LoraUpdates(self.lora, tp, device)
         self.parts = parts = self._step_parts(config, profiler)
         self.decode = DecodeStep(
@@ -117,10 +125,12 @@ class ModelRunner:
         self._sampled_host: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in range(2)]
         self._next_buffer = 0
 
-    def _allocate_caches(self, config: RunnerConfig) -> None:
-        """The KV pool (``num_blocks``, or as many as ``kv_cache_memory_bytes`` holds) and the
-        CPU swap space, the model's and the draft's, a block of the pool holding both."""
-        cache_shape = KVCacheShape.of(self.model_config, config.block_size, self.dtype, self.tensor_parallel)
+    def _allocate_caches(
+        self, config: RunnerConfig, cache_shape: KVCacheShape, kv_scales: list[KVScales] | None
+    ) -> None:
+        """The KV pool (``num_blocks``, or as many as ``kv_cache_memory_bytes`` holds, blocks of
+        ``cache_shape``; an 8-bit one read by ``kv_scales``) and the CPU swap space, the
+        model's and the draft's, a block of the pool holding both."""
         self.block_bytes = cache_shape.bytes_per_block + (self.draft.bytes_per_block if self.draft else 0)
         num_blocks = config.num_blocks
         if num_blocks is None:
@@ -132,7 +142,7 @@ class ModelRunner:
                 )
         self.num_blocks = num_blocks
         self.kv_caches = cache_shape.allocate(num_blocks, self.device)
-        self.model.bind_kv_cache(self.kv_caches)
+        self.model.bind_kv_cache(self.kv_caches, kv_scales)
         num_cpu_blocks = config.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = (config.swap_space_bytes or 0) // self.block_bytes
@@ -165,6 +175,7 @@ class ModelRunner:
             logprobs=LogprobSteps(model, requests, sampling, device),
             verifier=SpeculativeVerify(sampler, sampling, last_tokens, tp, device),
             adapters=self.adapters,
+            pooler=Pooler(),
             tensor_parallel=tp,
             timers=StepTimers.of(profiler),
         )
@@ -218,6 +229,7 @@ class ModelRunner:
         PlanChecker.check_dropped(dropped)
         self.parts.requests.drop(dropped)
         self.parts.controls.release(dropped)
+        self.parts.pooler.forget(dropped)
 
     def _move_blocks(self, plan: StepPlan) -> None:
         """Copies out, copies in, then the forks' block copies, all before the forward (see
@@ -241,6 +253,7 @@ class ModelRunner:
         parts = self.parts
         for new, adapter in zip(new_requests, adapters):
             parts.requests.take_in(new, adapter)
+            parts.pooler.take_in(new.slot, new.sampling.pooling)
             parts.sampling.set(new.slot, new.sampling)
             num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
             if self.tensor_parallel.rank == 0:  # (the rank that samples holds the controls' state)
@@ -256,10 +269,10 @@ class ModelRunner:
         for item, state in zip(work, states):
             if item.new_block_ids:
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
-        samples = [
+        samples = self.parts.pooler.sampling_rows(work, [  # (a pooling row samples nothing: it is pooled)
             item.num_computed + item.num_scheduled == state.num_known + item.num_proposed
             for item, state in zip(work, states)
-        ]
+        ])
         return StepRows(work, states, samples, before)
 
     def _run_draft(self, rows: StepRows) -> Drafts | None:
@@ -276,8 +289,8 @@ class ModelRunner:
     def _forward(self, rows: StepRows, drafts: Drafts | None) -> StepOutput:
         """Forward the step and sample: a decode-only step (every row runs one token, or a
         verify of its proposal) through the static buffers, any other (or one scoring prompt
-        positions, whose hidden states the decode step does not keep) the flattened ragged way."""
-        scores_prompt = self.parts.logprobs.scores_prompt(rows.work, rows.states)
+        positions or pooling, whose hidden states the decode step does not keep) the flattened ragged way."""
+        scores_prompt = self.parts.logprobs.scores_prompt(rows.work, rows.states) or self.parts.pooler.in_step(rows.work)
         q = None if scores_prompt else self.decode.static_query_len(rows.work)
         if q is not None:
             return self.decode.run(rows, q)
@@ -298,11 +311,11 @@ class ModelRunner:
             self.parts.last_tokens.scatter(out.sample_slots, out.sampled)  # (without a host round trip)
             launched.sampled = self._copy_to_host(out.sampled)
         if out is not None:
-            for logprob_rows in (out.logprobs, out.prompt_logprobs):
+            for logprob_rows in (out.logprobs, out.prompt_logprobs, out.pooled):
                 if logprob_rows is not None:
                     logprob_rows.to_host(self._cuda)
-            launched.logprobs, launched.prompt_logprobs = out.logprobs, out.prompt_logprobs
-        if (sampling or launched.prompt_logprobs is not None) and self._cuda:
+            launched.logprobs, launched.prompt_logprobs, launched.pooled = out.logprobs, out.prompt_logprobs, out.pooled
+        if (sampling or launched.prompt_logprobs is not None or launched.pooled is not None) and self._cuda:
             launched.done = torch.cuda.Event()
             launched.done.record()
 
@@ -393,5 +406,6 @@ class ModelRunner:
             prompt_logprobs=launched.prompt_logprobs.message() if launched.prompt_logprobs is not None else None,
             spec_slots=spec_slots,
             spec_token_ids=spec_runs,
+            **result_fields(launched.pooled),
         )
 

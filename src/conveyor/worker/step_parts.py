@@ -15,6 +15,7 @@ from conveyor.worker.logprob_steps import LogprobSteps
 from conveyor.worker.lora_updates import LoraUpdates
 from conveyor.worker.models.interface import CausalLM
 from conveyor.worker.parallel import TensorParallel
+from conveyor.worker.pooling import Pooler
 from conveyor.worker.request_state import SlotStates
 from conveyor.worker.sampler import Sampler, SamplingColumns
 from conveyor.worker.sampling_controls import SamplingControls
@@ -63,5 +64,6 @@ class StepParts:
     logprobs: LogprobSteps
     verifier: SpeculativeVerify
     adapters: LoraUpdates
+    pooler: Pooler  # the pooling requests' slots and running sums (conveyor.worker.pooling)
     tensor_parallel: TensorParallel
     timers: StepTimers

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from conveyor.worker.logprob_steps import LogprobRows
+from conveyor.worker.pooling import PooledRows
 from conveyor.worker.request_state import RequestState, Work
 
 
@@ -43,6 +44,7 @@ class LaunchedStep:
     # ``spec_verdict``, and each speculative row's count; split into ``spec_proposals`` at the finish.
     drafted: torch.Tensor | None = None
     drafted_counts: list[int] | None = None
+    pooled: PooledRows | None = None  # the pooling requests' vectors (conveyor.worker.pooling)
 
 
 @dataclass(eq=False)
@@ -77,3 +79,4 @@ class StepOutput:
     prompt_logprobs: LogprobRows | None = None
     verdict: torch.Tensor | None = None
     ends: list[tuple[int, str]] = field(default_factory=list)
+    pooled: PooledRows | None = None  # the vectors of the pooling rows whose prompt this step ends

@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": args.batch_size,
             "max_batched_tokens": args.max_batched_tokens,
             "kv_cache_memory_gib": args.kv_cache_memory,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "threads": args.threads,
             "max_model_len": max_model_len,
             "repeat": getattr(args, "repeat", 1),

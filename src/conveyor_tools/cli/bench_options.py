@@ -12,7 +12,7 @@ from typing import Any
 from conveyor_tools.bench.workloads import WORKLOADS
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.assembly.build import GIB
-from conveyor.runtime.config import KV_CACHE_MEMORY_BYTES, Device, Dtype
+from conveyor.runtime.config import KV_CACHE_MEMORY_BYTES, Device, Dtype, KVCacheDtype
 
 SERVED = {
     "conveyor": [],
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (conveyor, hf-cb)")
     engine.add_argument(
         "--kv-cache-memory", type=float, default=KV_CACHE_MEMORY_BYTES / GIB, help="GiB of KV cache (conveyor, hf-cb)"
+    )
+    engine.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KVCacheDtype.names(), help="conveyor's KV cache (fp8, int8: 8 bits)"
     )
     engine.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
     engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")
@@ -153,6 +156,7 @@ def serve_flags(args: argparse.Namespace, model_dir: str, device: str, extra: li
         "--max-num-seqs", str(args.batch_size),
         "--max-num-batched-tokens", str(args.max_batched_tokens),
         "--kv-cache-memory", str(args.kv_cache_memory),
+        "--kv-cache-dtype", args.kv_cache_dtype,
     ]  # fmt: skip
     if args.threads:
         out += ["--threads", str(args.threads)]

@@ -71,6 +71,11 @@ class SamplingParams(Positional, frozen=True):
     # (scheduler/speculation.py); false opts out. The output's distribution is the same
     # either way; the worker never reads it.
     speculate: bool = True
+    # Pooling (an embedding request): "last" or "mean" pooling of the final hidden states over
+    # the prompt, L2-normalized; "" for none. Such a request is prompt-only: it samples no
+    # token, holds no KV past its last prefill chunk and finishes with its pooled vector
+    # (RequestOutput.embedding; conveyor.worker.pooling computes it).
+    pooling: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -180,6 +185,8 @@ class RequestOutput(Message, tag=10):
     # of prompt tokens computed by this iteration (the first prompt token has none).
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
+    # A pooling request's final: its pooled vector, little-endian float32 bytes.
+    embedding: bytes | None = None
 
 
 @message

@@ -197,3 +197,8 @@ class StepResult(Message, tag=30):
     # ``spec_token_ids[i]`` (the rest; possibly none).
     spec_slots: list[int] = field(default_factory=list)
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # Pooling requests (``SamplingParams.pooling``) whose last prompt chunk the step ran: the
+    # request on ``pooled_slots[i]`` has the L2-normalized vector ``pooled[i]`` (little-endian
+    # float32 bytes); such rows sample nothing.
+    pooled_slots: list[int] = field(default_factory=list)
+    pooled: list[bytes] = field(default_factory=list)

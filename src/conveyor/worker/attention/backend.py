@@ -8,6 +8,8 @@ the block pool; every layer of the step reads the same metadata.
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (index 0 keys, 1 values). Token ``p`` of a sequence lives in block ``block_table[p //
 block_size]`` at offset ``p % block_size``, i.e. flat slot ``block_id * block_size + offset``.
+An 8-bit cache (int8, float8_e4m3fn) holds scaled values: a backend stores and reads them by
+:mod:`~conveyor.worker.attention.kv_quant`'s rule with the layer's :class:`KVScales`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from conveyor.worker.attention.kv_quant import UNIT_SCALES, KVScales
 
 if TYPE_CHECKING:
     from conveyor.worker.models.layers import RMSNorm, RotaryEmbedding
@@ -137,7 +141,8 @@ class AttentionLayer:
     :attr:`group`; ``scale`` multiplies the scores; a ``sliding_window`` W limits a query at
     position p to keys k > p - W (None: every earlier key); ``qk_norm`` is ``(q_norm,
     k_norm)``, applied per head before ``rotary`` (Qwen3). ``kv_cache`` is the layer's cache
-    (laid out as this module's docstring says), None until bound.
+    (laid out as this module's docstring says), None until bound; ``kv_scales`` the scales of
+    its keys and values (an 8-bit cache's; 1 for a float cache).
     """
 
     num_heads: int
@@ -148,6 +153,7 @@ class AttentionLayer:
     rotary: RotaryEmbedding
     qk_norm: tuple[RMSNorm, RMSNorm] | None = None
     kv_cache: torch.Tensor | None = None
+    kv_scales: KVScales = UNIT_SCALES
 
     @property
     def group(self) -> int:
@@ -182,9 +188,15 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+        scales: KVScales = UNIT_SCALES,
     ) -> None:
-        """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their slots (-1 slots skipped)."""
+        """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their slots (-1 slots
+        skipped), by ``scales`` into an 8-bit cache."""
 
     def rotate_and_store(
         self, layer: AttentionLayer, positions: torch.Tensor, qkv: torch.Tensor, metadata: AttentionMetadata
@@ -201,7 +213,7 @@ class AttentionBackend(abc.ABC):
         if layer.qk_norm is not None:
             query, key = layer.qk_norm[0](query), layer.qk_norm[1](key)
         query, key = layer.rotary(positions, query, key)
-        self.store_kv(key, value, layer.cache, metadata)
+        self.store_kv(key, value, layer.cache, metadata, layer.kv_scales)
         return query
 
     @abc.abstractmethod

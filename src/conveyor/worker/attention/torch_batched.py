@@ -19,7 +19,9 @@ How a step is cut up (once per step and sliding window; every layer reuses the p
 * Per group, one op each: gather the tiles' key blocks (``index_select`` through the block
   table, straight into kv-head-major ``[kv_heads * n, L, head_dim]``), a batched matmul for
   the scores, the mask as an added 0/-inf bias, softmax, then the weighted sum of values,
-  and an ``index_copy_`` of the real rows into the output. Prefill groups gather the values
+  and an ``index_copy_`` of the real rows into the output (an 8-bit cache is gathered as
+stored and converted to float32; its layer's key scale multiplies the query and its value
+scale the output: attention over the dequantized cache, up to rounding). Prefill groups gather the values
   like the keys and take a second batched matmul; decode groups over a float32 cache read
   the values with one ``embedding_bag`` (per query head, the sum of its value rows from the
   cache weighted by its probabilities), which never copies them: on a CPU this path is
@@ -112,6 +114,7 @@ class TorchBatchedAttention(TorchStoreKV):
         # several times longer in torch 2.13 on CPU.)
         by_head = kv_cache_layer.permute(0, 3, 1, 2, 4).unsqueeze(1)
         f32, device = torch.float32, query.device
+        k_scale, v_scale = layer.kv_scales.k, layer.kv_scales.v
         for g in groups:
             n, rows, keys = g.n, g.rows, g.keys
             batch = num_kv_heads * n  # bmm batch: (kv head, tile)
@@ -125,7 +128,8 @@ class TorchBatchedAttention(TorchStoreKV):
             # [n, rows, kv_heads, group, dim] -> [kv_heads, n, group, rows, dim], float32, scaled
             q_by_head = self._buffer("q_by_head", (num_kv_heads, n, group_size, rows, head_dim), f32, device)
             q_by_head.copy_(q.view(n, rows, num_kv_heads, group_size, head_dim).permute(2, 0, 3, 1, 4))
-            q_by_head = q_by_head.mul_(layer.scale).view(batch, group_size * rows, head_dim)
+            # (An 8-bit cache's key scale folds into the query's: q . (k * s) = (q * s) . k.)
+            q_by_head = q_by_head.mul_(layer.scale * k_scale).view(batch, group_size * rows, head_dim)
             scores = self._buffer("scores", (batch, group_size * rows, keys), f32, device)
             probs = self._buffer("probs", (batch, group_size * rows, keys), f32, device)
             attended = self._buffer("attended", (batch, group_size * rows, head_dim), f32, device)
@@ -137,6 +141,8 @@ class TorchBatchedAttention(TorchStoreKV):
                 # NaN, or 0 * inf, poisoned a row. Zero them and mask exactly, then only a
                 # sequence's own non-finite keys/values can show, as in the reference.
                 _attend(q_by_head, key_t, values, g, bias, True, scores, probs, attended, num_kv_heads, group_size)
+            if v_scale != 1.0:  # (likewise the value scale: sum p (v * s) = (sum p v) * s)
+                attended.mul_(v_scale)
             # [kv_heads, n, group, rows, dim] -> [n, rows, heads, dim] in the output's dtype
             result = self._buffer("result", (n, rows, num_kv_heads, group_size, head_dim), out.dtype, device)
             result.copy_(attended.view(num_kv_heads, n, group_size, rows, head_dim).permute(1, 3, 0, 2, 4))

@@ -66,7 +66,8 @@ class TorchInvariantAttention(TorchStoreKV):
         keys = cache[0].reshape(-1, num_kv_heads, head_dim)
         values = cache[1].reshape(-1, num_kv_heads, head_dim)
         device = query.device
-        q = query.float().view(num_rows, num_kv_heads, group, head_dim) * layer.scale
+        # (An 8-bit cache's scales: the key scale folds into the query's, the value scale into the output.)
+        q = query.float().view(num_rows, num_kv_heads, group, head_dim) * (layer.scale * layer.kv_scales.k)
         best = torch.full((num_rows, num_kv_heads, group), float("-inf"), device=device)
         total = torch.zeros((num_rows, num_kv_heads, group), device=device)
         acc = torch.zeros((num_rows, num_kv_heads, group, head_dim), device=device)
@@ -94,7 +95,10 @@ class TorchInvariantAttention(TorchStoreKV):
                 best[g.rows] = new_best
                 total[g.rows] = total[g.rows] * rescale + probs.sum(dim=-1)
                 acc[g.rows] = acc[g.rows] * rescale[..., None] + weighted.permute(0, 2, 1, 3, 4)
-        out.copy_((acc / total[..., None]).view(num_rows, layer.num_heads, head_dim))
+        attended = acc / total[..., None]
+        if layer.kv_scales.v != 1.0:
+            attended.mul_(layer.kv_scales.v)
+        out.copy_(attended.view(num_rows, layer.num_heads, head_dim))
         return out
 
     def _plan(self, metadata: AttentionMetadata, sliding_window: int | None, block_size: int) -> list[list[_Group]]:

@@ -1,7 +1,8 @@
 """Paged attention in plain torch, one sequence at a time: the reference.
 
 Clarity over speed: one sequence at a time, keys and values gathered through the block
-table into a dense ``[seq_len, kv_heads, head_dim]`` view, scores and softmax in float32.
+table into a dense ``[seq_len, kv_heads, head_dim]`` view (an 8-bit cache's dequantized by
+definition: stored value times the layer's scale), scores and softmax in float32.
 The fast CPU backend (:mod:`.torch_batched`) is tested against this one; ``backend_for(...,
 "torch-ref")`` serves with it.
 """
@@ -11,22 +12,29 @@ from __future__ import annotations
 import torch
 
 from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
+from conveyor.worker.attention.kv_quant import UNIT_SCALES, KVScales, from_cache, to_cache
 
 
 class TorchStoreKV(AttentionBackend):
     """The torch backends' shared half: writing new keys and values into the paged cache."""
 
     def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+        scales: KVScales = UNIT_SCALES,
     ) -> None:
-        """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their flat slots, skipping -1 slots."""
+        """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into their flat slots, skipping
+        -1 slots (by :func:`~conveyor.worker.attention.kv_quant.to_cache`'s rule)."""
         num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
         keys = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
         values = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
         keep = metadata.slot_mapping >= 0
         slots = metadata.slot_mapping[keep]
-        keys[slots] = key[keep].to(keys.dtype)
-        values[slots] = value[keep].to(values.dtype)
+        keys[slots] = to_cache(key[keep], scales.inv_k, keys.dtype)
+        values[slots] = to_cache(value[keep], scales.inv_v, values.dtype)
 
 
 class TorchReferenceAttention(TorchStoreKV):
@@ -44,8 +52,8 @@ class TorchReferenceAttention(TorchStoreKV):
             blocks = metadata.block_tables[i, :num_blocks].long()
             # [2, seq_len, kv_heads, head_dim] -> keys/values [kv_heads, seq_len, head_dim]
             kv = kv_cache_layer[:, blocks].reshape(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]
-            keys = kv[0].transpose(0, 1).float()
-            values = kv[1].transpose(0, 1).float()
+            keys = from_cache(kv[0].transpose(0, 1), layer.kv_scales.k)
+            values = from_cache(kv[1].transpose(0, 1), layer.kv_scales.v)
             # [query_len, heads, dim] -> [kv_heads, group, query_len, dim]
             q = query[start:end].view(query_len, num_kv_heads, layer.group, head_dim).permute(1, 2, 0, 3).float()
             scores = torch.einsum("hgqd,hkd->hgqk", q, keys) * layer.scale

@@ -4,7 +4,9 @@ A step whose every sequence has exactly one new token is a pure decode and goes 
 split-K paged decode kernel, and so does a static decode-verify step (every sequence the same
 few new tokens, ``uniform_query``); any other step (prefill, chunked prefill, mixed prefill
 and decode) goes through the extend kernel, which handles one-token sequences too. Both read
-keys and values only from the paged cache, so :meth:`store_kv` runs first.
+keys and values only from the paged cache, so :meth:`store_kv` runs first. An 8-bit cache is
+quantized by the stores and dequantized by the attention kernels as they read it, by each
+layer's scales (:mod:`~conveyor.worker.attention.kv_quant`).
 
 The kernel modules are imported on first use: importing them decorates Triton functions,
 which must happen after ``TRITON_INTERPRET`` is settled (tests run these kernels on CPU
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
+from conveyor.worker.attention.kv_quant import UNIT_SCALES, KVScales
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -31,9 +34,14 @@ class TritonPagedAttention(AttentionBackend):
         self._extend = extend_attention
 
     def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: AttentionMetadata
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: AttentionMetadata,
+        scales: KVScales = UNIT_SCALES,
     ) -> None:
-        self._kv_store(key.to(kv_cache_layer.dtype), value.to(kv_cache_layer.dtype), kv_cache_layer, metadata.slot_mapping)
+        self._kv_store(key, value, kv_cache_layer, metadata.slot_mapping, scales.inv_k, scales.inv_v)
 
     def rotate_and_store(
         self, layer: AttentionLayer, positions: torch.Tensor, qkv: torch.Tensor, metadata: AttentionMetadata
@@ -45,13 +53,14 @@ class TritonPagedAttention(AttentionBackend):
         if layer.qk_norm is not None:
             q_norm, k_norm = layer.qk_norm
             norms = {"q_norm_weight": q_norm.weight, "k_norm_weight": k_norm.weight, "eps": q_norm.eps}
+        scales = layer.kv_scales
         return self._rope_kv_store(
-            query, key, value, positions, layer.rotary.cos_sin, layer.cache, metadata.slot_mapping, **norms
-        )
+            query, key, value, positions, layer.rotary.cos_sin, layer.cache, metadata.slot_mapping, **norms,
+            inv_k_scale=scales.inv_k, inv_v_scale=scales.inv_v,
+        )  # fmt: skip
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        kv_cache_layer = layer.cache
-        query = query.to(kv_cache_layer.dtype)
+        kv_cache_layer, scales = layer.cache, layer.kv_scales
         if metadata.max_query_len == 1 or metadata.uniform_query:
             return self._decode(
                 query,
@@ -62,6 +71,8 @@ class TritonPagedAttention(AttentionBackend):
                 layer.sliding_window,
                 max_seq_len=metadata.max_seq_len,
                 query_len=metadata.max_query_len,
+                k_scale=scales.k,
+                v_scale=scales.v,
             )
         return self._extend(
             query,
@@ -73,6 +84,8 @@ class TritonPagedAttention(AttentionBackend):
             layer.scale,
             layer.sliding_window,
             max_query_len=metadata.max_query_len,
+            k_scale=scales.k,
+            v_scale=scales.v,
         )
 
 

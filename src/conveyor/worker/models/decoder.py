@@ -26,6 +26,7 @@ from torch import nn
 
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
+from conveyor.worker.attention.kv_quant import UNIT_SCALES, KVScales
 from conveyor.worker.models.interface import DECODER_LORA_TARGETS, LoraTarget, WeightSlot
 from conveyor.worker.models.layers import Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, linear, pack_cpu_weight, pack_cpu_weights
 from conveyor.worker.parallel import TensorParallel, shard_heads
@@ -85,9 +86,10 @@ class DecoderAttention(nn.Module):
         )
         self.backend = backend
 
-    def bind_kv_cache(self, cache: torch.Tensor) -> None:
-        """Read and write ``cache`` from now on (its layout: :mod:`conveyor.worker.attention.backend`)."""
-        self.attention = replace(self.attention, kv_cache=cache)
+    def bind_kv_cache(self, cache: torch.Tensor, scales: KVScales = UNIT_SCALES) -> None:
+        """Read and write ``cache`` from now on (its layout: :mod:`conveyor.worker.attention.backend`),
+        by ``scales`` when it is 8-bit."""
+        self.attention = replace(self.attention, kv_cache=cache, kv_scales=scales)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         query = self.backend.rotate_and_store(self.attention, positions, self.qkv_proj(hidden), metadata)
@@ -130,12 +132,16 @@ class DecoderLM(nn.Module):
     def attention_layers(self) -> list[AttentionLayer]:
         return [layer.self_attn.attention for layer in self.layers]
 
-    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give layer ``i`` the cache tensor ``kv_caches[i]``; later forwards read and write it."""
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor], scales: list[KVScales] | None = None) -> None:
+        """Give layer ``i`` the cache tensor ``kv_caches[i]`` (and, 8-bit, its ``scales[i]``);
+        later forwards read and write it."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV cache layers for {len(self.layers)} model layers")
-        for layer, cache in zip(self.layers, kv_caches):
-            layer.self_attn.bind_kv_cache(cache)
+        scales = scales if scales is not None else [UNIT_SCALES] * len(kv_caches)
+        if len(scales) != len(kv_caches):
+            raise ValueError(f"{len(scales)} KV scales for {len(kv_caches)} KV cache layers")
+        for layer, cache, layer_scales in zip(self.layers, kv_caches, scales):
+            layer.self_attn.bind_kv_cache(cache, layer_scales)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 ``[N, vocab]`` logits of the rows of ``hidden`` the caller selected (on

@@ -48,6 +48,7 @@ import torch
 
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
+from conveyor.worker.attention.kv_quant import KVScales
 from conveyor.worker.parallel import TensorParallel
 
 
@@ -124,8 +125,9 @@ class CausalLM(Protocol):
         """float32 ``[N, vocab]`` logits of ``hidden`` ``[N, hidden]`` (rank 0 only)."""
         ...
 
-    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
-        """Read and write layer ``i``'s keys and values in ``kv_caches[i]`` from now on."""
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor], scales: list[KVScales] | None = None) -> None:
+        """Read and write layer ``i``'s keys and values in ``kv_caches[i]`` from now on, by
+        ``scales[i]`` in an 8-bit cache (None: 1 for every layer)."""
         ...
 
     def attention_layers(self) -> list[AttentionLayer]:

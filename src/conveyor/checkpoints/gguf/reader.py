@@ -30,12 +30,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-# general.architecture -> (HF architecture, model_type, whether q/k rows carry llama.cpp's rotary permutation)
-ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
-}
+from conveyor.checkpoints.gguf.families import FAMILIES, Family, family_of_model_type
+
+# general.architecture -> what sets it apart (q/k row order, names, norms, config keys)
+ARCHITECTURES = FAMILIES
 
 # GGUF tensor name -> HF name; per layer ({i}) and global.
 _GLOBAL_NAMES = {
@@ -96,14 +94,7 @@ def hf_config(reader: GGUFReader, path: str | Path) -> tuple[dict[str, Any], dic
     from ``{arch}.vocab_size`` or else the token list.
     """
     fields = _Fields(reader, path)
-    arch = fields.get("general.architecture")
-    if arch is None:
-        raise GGUFError(f"{path}: metadata field general.architecture is missing")
-    if arch not in ARCHITECTURES:
-        raise GGUFError(
-            f"{path}: general.architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        )
-    architecture, model_type, _ = ARCHITECTURES[arch]
+    arch, family = _family(fields, path)
     names = {t.name for t in reader.tensors}
     heads = fields.require(f"{arch}.attention.head_count")
     hidden = fields.require(f"{arch}.embedding_length")
@@ -121,11 +112,12 @@ def hf_config(reader: GGUFReader, path: str | Path) -> tuple[dict[str, Any], dic
     if vocab is None:
         raise GGUFError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
     eos = [fields.get(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    eos += [tokens.index(text) for text in family.end_of_turn if tokens and text in tokens]
     eos = [token for i, token in enumerate(eos) if token is not None and token not in eos[:i]]
     bos = fields.get("tokenizer.ggml.bos_token_id")
     config = {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": int(vocab),
         "hidden_size": int(hidden),
         "intermediate_size": int(fields.require(f"{arch}.feed_forward_length")),
@@ -138,11 +130,13 @@ def hf_config(reader: GGUFReader, path: str | Path) -> tuple[dict[str, Any], dic
         "max_position_embeddings": int(fields.require(f"{arch}.context_length")),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "hidden_act": "silu",
+        "hidden_act": family.hidden_act,
         "torch_dtype": _FILE_DTYPES.get(fields.get("general.file_type"), "bfloat16"),
         "bos_token_id": bos,
         "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
     }
+    if family.config is not None:
+        config.update(family.config(arch, fields.get))
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id") if config[key] is not None}
     return config, generation
 
@@ -150,8 +144,9 @@ def hf_config(reader: GGUFReader, path: str | Path) -> tuple[dict[str, Any], dic
 def check_tensors(reader: GGUFReader, path: str | Path) -> None:
     """GGUFError for a tensor of a type `gguf` cannot dequantize or of a name Conveyor does not
     map: both found before any weight is read."""
+    _, family = _family(_Fields(reader, path), path)
     for tensor in reader.tensors:
-        hf_name(tensor.name, path)
+        hf_name(tensor.name, path, family)
         if not dequantizable(tensor.tensor_type):
             raise GGUFError(
                 f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf package cannot "
@@ -162,36 +157,54 @@ def check_tensors(reader: GGUFReader, path: str | Path) -> None:
 def hf_tensors(reader: GGUFReader, config: dict[str, Any], path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, float32 array in HF layout) for every tensor, one at a time (each is
     dequantized when reached, so at most one dequantized copy is alive)."""
-    for name, tensor, heads in raw_tensors(reader, config, path):
+    for name, tensor, heads, offset in raw_tensors(reader, config, path):
         values = dequantize(tensor.data, tensor.tensor_type)
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
-        yield name, values if heads is None else unpermute(values, heads)
+        values = values if heads is None else unpermute(values, heads)
+        yield name, values - np.float32(offset) if offset else values
 
 
-def raw_tensors(reader: GGUFReader, config: dict[str, Any], path: str | Path) -> Iterator[tuple[str, Any, int | None]]:
+def raw_tensors(
+    reader: GGUFReader, config: dict[str, Any], path: str | Path
+) -> Iterator[tuple[str, Any, int | None, float]]:
     """(HF name, the file's tensor as stored, the head count whose rotary row order
-    :func:`unpermute` must undo or None) for every tensor: what a reader keeping the blocks
-    quantized starts from."""
-    arch = config["model_type"]
-    permuted = next(permuted for _, model_type, permuted in ARCHITECTURES.values() if model_type == arch)
+    :func:`unpermute` must undo or None, what to subtract from its dequantized values: a
+    Gemma norm's 1, else 0) for every tensor: what a reader keeping the blocks quantized
+    starts from."""
+    family = family_of_model_type(config["model_type"])
     for tensor in reader.tensors:
-        name = hf_name(tensor.name, path)
+        name = hf_name(tensor.name, path, family)
         heads = None
-        if permuted and name.endswith("self_attn.q_proj.weight"):
+        if family.permuted_qk and name.endswith("self_attn.q_proj.weight"):
             heads = config["num_attention_heads"]
-        elif permuted and name.endswith("self_attn.k_proj.weight"):
+        elif family.permuted_qk and name.endswith("self_attn.k_proj.weight"):
             heads = config["num_key_value_heads"]
-        yield name, tensor, heads
+        offset = family.norm_offset if name.endswith("norm.weight") else 0.0
+        yield name, tensor, heads, offset
 
 
-def hf_name(name: str, path: str | Path) -> str:
-    """The HF name of GGUF tensor ``name``; GGUFError for one Conveyor does not know."""
+def hf_name(name: str, path: str | Path, family: Family) -> str:
+    """The HF name of GGUF tensor ``name`` in a file of ``family``; GGUFError for one Conveyor
+    does not know."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_TENSOR.fullmatch(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    suffix = match.group(2) if match else None
+    if suffix in family.layer_names or suffix in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{family.layer_names.get(suffix) or _LAYER_NAMES[suffix]}"
     raise GGUFError(f"{path}: tensor {name} has no counterpart in Conveyor's models")
+
+
+def _family(fields: _Fields, path: str | Path) -> tuple[str, Family]:
+    """The file's ``general.architecture`` and its family; GGUFError when missing or unknown."""
+    arch = fields.get("general.architecture")
+    if arch is None:
+        raise GGUFError(f"{path}: metadata field general.architecture is missing")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: general.architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    return arch, ARCHITECTURES[arch]
 
 
 @cache

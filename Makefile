@@ -68,6 +68,7 @@ serve: install-serve
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) test-frontend-notorch
+	$(MAKE) lint
 
 # Formatting and lint (ruff, configured in pyproject.toml); `ruff format .` fixes the formatting,
 # `ruff check --fix .` what it can of the rest.

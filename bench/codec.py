@@ -32,9 +32,10 @@ from typing import Any
 
 import msgspec
 import numpy as np
-
-from conveyor.ipc import codec, messages as current_messages
 from harness import per_call_us  # bench/ is this script's directory
+
+from conveyor.ipc import codec
+from conveyor.ipc import messages as current_messages
 
 
 def messages(m: types.ModuleType, n: int) -> dict[str, Any]:
@@ -44,8 +45,11 @@ def messages(m: types.ModuleType, n: int) -> dict[str, Any]:
     array; the frontend's prompt a list)."""
     rows = list(range(0, n, 16))  # one request in 16 crosses a block boundary this step
     cached = m.CachedRequests(
-        np.arange(n, dtype=np.int32), np.arange(100, 100 + n, dtype=np.int32), np.ones(n, np.int32),
-        rows, [[1000 + r] for r in rows],
+        np.arange(n, dtype=np.int32),
+        np.arange(100, 100 + n, dtype=np.int32),
+        np.ones(n, np.int32),
+        rows,
+        [[1000 + r] for r in rows],
     )
     return {
         "StepPlan": m.StepPlan(7, [], cached, [n] if n > 1 else []),
@@ -60,8 +64,12 @@ def messages(m: types.ModuleType, n: int) -> dict[str, Any]:
 # The Int32Array fields each receiver reads out as Python ints (the model runner, the
 # scheduler): the same reads for every variant.
 ARRAY_FIELDS = {
-    "StepPlan": [("cached_requests", "slots"), ("cached_requests", "num_computed_tokens"),
-                 ("cached_requests", "num_scheduled_tokens"), ("finished_slots",)],
+    "StepPlan": [
+        ("cached_requests", "slots"),
+        ("cached_requests", "num_computed_tokens"),
+        ("cached_requests", "num_scheduled_tokens"),
+        ("finished_slots",),
+    ],
     "StepResult": [("slots",), ("sampled_token_ids",)],
     "TokenOutputs": [],
     "AddRequest": [("prompt_token_ids",)],
@@ -137,10 +145,20 @@ def main() -> int:
             print(f"{name:<13} {n:>5} " + " ".join(f"{row[v]:>9.2f} us" for v in variants))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"unit": "us per encode + decode + reading the arrays", "baseline": args.baseline,
-                       "baseline_messages": args.baseline_messages, "python": sys.version.split()[0],
-                       "msgspec": msgspec.__version__, "platform": platform.platform(),
-                       "processor": platform.processor(), "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "unit": "us per encode + decode + reading the arrays",
+                    "baseline": args.baseline,
+                    "baseline_messages": args.baseline_messages,
+                    "python": sys.version.split()[0],
+                    "msgspec": msgspec.__version__,
+                    "platform": platform.platform(),
+                    "processor": platform.processor(),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -81,10 +81,37 @@ SPLITS = {"split", "split_with_sizes", "chunk", "unbind"}
 #: Operators that only make tensor metadata, views or uninitialised storage (no element work),
 #: or are no-ops here (``to``/``type_as`` to the tensor's own dtype return it unchanged).
 METADATA_LEAVES = {
-    "as_strided", "as_strided_", "view", "_unsafe_view", "reshape", "slice", "select", "unsqueeze", "squeeze",
-    "transpose", "t", "permute", "expand", "alias", "detach", "narrow", "flatten", "unflatten", "chunk",
-    "split", "split_with_sizes", "unbind", "resolve_conj", "resolve_neg", "result_type", "empty",
-    "empty_strided", "empty_like", "to", "type_as", "lift_fresh",
+    "as_strided",
+    "as_strided_",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "transpose",
+    "t",
+    "permute",
+    "expand",
+    "alias",
+    "detach",
+    "narrow",
+    "flatten",
+    "unflatten",
+    "chunk",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "resolve_conj",
+    "resolve_neg",
+    "result_type",
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "to",
+    "type_as",
+    "lift_fresh",
 }
 
 
@@ -168,15 +195,23 @@ def prefilled_runner(model: str, batch: int, attention: str, dtype: str) -> Mode
         build_checkpoint(model, Path(tmp))
         runner = ModelRunner(
             RunnerConfig(
-                tmp, block_size=BLOCK_SIZE, num_blocks=batch * BLOCKS_PER_REQUEST + 1, dtype=dtype,
+                tmp,
+                block_size=BLOCK_SIZE,
+                num_blocks=batch * BLOCKS_PER_REQUEST + 1,
+                dtype=dtype,
                 attention=attention,
             ),
         )
     greedy = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     news = [
         NewRequestData(
-            f"r{i}", i, [3 + i] * PROMPT, greedy,
-            list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)), 0, PROMPT,
+            f"r{i}",
+            i,
+            [3 + i] * PROMPT,
+            greedy,
+            list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)),
+            0,
+            PROMPT,
         )
         for i in range(batch)
     ]
@@ -263,8 +298,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="bfloat16 adds the casts the GPU baseline ran (its 1B model was bf16)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bfloat16 adds the casts the GPU baseline ran (its 1B model was bf16)",
+    )
     p.add_argument("--label", default="current", help="key of this run's figures in --out")
     p.add_argument("--out", type=Path, help="JSON file to merge this run's figures into")
     args = p.parse_args()
@@ -275,22 +314,31 @@ def main() -> int:
             r = count_decode_step(model, batch, args.dtype)
             r.update(count_cuda_path(model, batch, args.dtype))
             results[f"{model} batch {batch}"] = r
-            print(f"{model:6s} batch {batch:3d}: {r['ops_per_layer']:3d} ops per layer "
-                  f"({r['compute_ops_per_layer']} not views), "
-                  f"{r['ops_first_layer']:3d} in layer 0, {r['ops_outside_layers']:3d} outside layers, "
-                  f"{r['ops_per_step']:4d} per step")
+            print(
+                f"{model:6s} batch {batch:3d}: {r['ops_per_layer']:3d} ops per layer "
+                f"({r['compute_ops_per_layer']} not views), "
+                f"{r['ops_first_layer']:3d} in layer 0, {r['ops_outside_layers']:3d} outside layers, "
+                f"{r['ops_per_step']:4d} per step"
+            )
             print("    one layer: " + ", ".join(f"{op} x{n}" for op, n in r["layer_ops"].items()))
-            print(f"    {r['leaf_ops_per_layer']} leaf operators doing element work (profiler): "
-                  + ", ".join(f"{op} x{n}" for op, n in r["layer_leaf_ops"].items()))
-            print(f"    CUDA path: {r['launches_per_layer']} launches per layer: "
-                  + ", ".join(f"{op} x{n}" for op, n in r["layer_launches"].items()))
+            print(
+                f"    {r['leaf_ops_per_layer']} leaf operators doing element work (profiler): "
+                + ", ".join(f"{op} x{n}" for op, n in r["layer_leaf_ops"].items())
+            )
+            print(
+                f"    CUDA path: {r['launches_per_layer']} launches per layer: "
+                + ", ".join(f"{op} x{n}" for op, n in r["layer_launches"].items())
+            )
     if args.out:
         merged = json.loads(args.out.read_text()) if args.out.exists() else {}
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
         merged[args.label] = {
             "config": {**SHAPE, "block_size": BLOCK_SIZE, "prompt": PROMPT, "dtype": args.dtype, "device": "cpu"},
-            "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                         "commit": commit.stdout.strip()},
+            "versions": {
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "commit": commit.stdout.strip(),
+            },
             "results": results,
         }
         args.out.write_text(json.dumps(merged, indent=1) + "\n")

@@ -48,12 +48,22 @@ from conveyor.worker.model_runner import ModelRunner  # noqa: E402
 
 # The GPU baseline's model (../shared/gpu-baseline/decode_step_profile.py, docs/benchmarks.md).
 MODEL_1B = dict(
-    vocab_size=4096, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+    vocab_size=4096,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
 )
 MODEL_SMOKE = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
 )
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0)
@@ -178,7 +188,9 @@ def hf_decode_ms(model, batch: int, context: int, steps: int, device: torch.devi
     dtype = next(model.parameters()).dtype
     cache = DynamicCache()
     for layer in range(config.num_hidden_layers):
-        cache.update(torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device), layer)
+        cache.update(
+            torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device), layer
+        )
     ids = torch.full((batch, 1), 7, dtype=torch.int64, device=device)
     positions = torch.full((batch, 1), context, dtype=torch.int64, device=device)
     times = []
@@ -228,8 +240,13 @@ def main(argv: list[str] | None = None) -> dict:
         if args.checkpoint is None:
             write_checkpoint(MODEL_SMOKE if args.smoke else MODEL_1B, dtype, directory)
         config = json.loads((directory / "config.json").read_text())
-        result: dict = {"config": {k: config.get(k) for k in MODEL_1B}, "dtype": str(dtype), "block_size": BLOCK_SIZE,
-                        "versions": versions(device), "rows": []}
+        result: dict = {
+            "config": {k: config.get(k) for k in MODEL_1B},
+            "dtype": str(dtype),
+            "block_size": BLOCK_SIZE,
+            "versions": versions(device),
+            "rows": [],
+        }
         result["copy_bandwidth_gbps"] = copy_bandwidth(device) / 1e9
         run_grid(args, result, directory, device, dtype, batches, contexts, steps, graph_modes)
         if not args.no_hf:
@@ -259,14 +276,22 @@ def run_grid(args, result: dict, directory: Path, device, dtype, batches, contex
         start = time.perf_counter()
         runner = ModelRunner(
             RunnerConfig(
-                directory, device=str(device), dtype=dtype, block_size=BLOCK_SIZE, num_blocks=num_blocks,
-                max_num_seqs=max_batch, enforce_eager=not graphs,
+                directory,
+                device=str(device),
+                dtype=dtype,
+                block_size=BLOCK_SIZE,
+                num_blocks=num_blocks,
+                max_num_seqs=max_batch,
+                enforce_eager=not graphs,
             ),
         )
         startup = {"startup_s": time.perf_counter() - start}
         if runner.decode.graphs is not None:
-            startup.update(graphs=len(runner.decode.graphs), capture_s=runner.decode.graphs.capture_seconds,
-                           graph_memory_mib=runner.decode.graphs.memory_bytes / 2**20)
+            startup.update(
+                graphs=len(runner.decode.graphs),
+                capture_s=runner.decode.graphs.capture_seconds,
+                graph_memory_mib=runner.decode.graphs.memory_bytes / 2**20,
+            )
         result.setdefault("startup", {})["graphs" if graphs else "eager"] = startup
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         kv_per_token = runner.block_bytes // BLOCK_SIZE
@@ -307,8 +332,10 @@ def add_hf(result: dict, directory: Path, device, dtype, steps: int, out: Path) 
 
 def print_table(result: dict) -> None:
     print(f"{result['versions'].get('device')}: copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s")
-    print(f"{'graphs':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'roofline':>8} {'HF ms':>8} {'launches':>8} "
-        f"{'ops/layer':>9}")
+    print(
+        f"{'graphs':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'roofline':>8} {'HF ms':>8} {'launches':>8} "
+        f"{'ops/layer':>9}"
+    )
     for r in result["rows"]:
         hf = r.get("hf_ms")
         print(

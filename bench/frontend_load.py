@@ -53,11 +53,6 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import zmq
-
-from conveyor.ipc import codec, transport
-from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
-from conveyor.ipc.messages import ProcessReady, Shutdown
-from conveyor.ipc.transport import ServerAddresses
 from frontend_load_procs import (  # bench/ is this script's directory
     TOKEN_BASE,
     TOKEN_SPAN,
@@ -65,6 +60,11 @@ from frontend_load_procs import (  # bench/ is this script's directory
     long_prompt_client,
     standin_scheduler,
 )
+
+from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
+from conveyor.ipc import codec, transport
+from conveyor.ipc.messages import ProcessReady, Shutdown
+from conveyor.ipc.transport import ServerAddresses
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = REPO / "bench" / "results" / "frontend-load.json"
@@ -148,7 +148,9 @@ class Harness:
         self.sched = self.mp.Process(target=standin_scheduler, args=(self.addrs, step_ms, child))
         self.sched.start()
         self.clients = []
-        share = [num_clients // args.client_procs + (i < num_clients % args.client_procs) for i in range(args.client_procs)]
+        share = [
+            num_clients // args.client_procs + (i < num_clients % args.client_procs) for i in range(args.client_procs)
+        ]
         for n in share:
             if n:
                 conn, child = self.mp.Pipe()
@@ -334,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "environment": env,
         "units": "latency_ms: client receive - stand-in send of the step (ms); frontend_profile: the frontend's "
-            "own profile",
+        "own profile",
         "runs": runs,
     }
     if args.json:

@@ -44,13 +44,13 @@ import uuid
 
 import msgpack
 import zmq
-
-from conveyor.ipc import codec, transport
-from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
-from conveyor.ipc.messages import RequestOutput, TokenOutputs
-from conveyor.ipc.transport import ServerAddresses
 from frontend_load_procs import dealer_sockets, waiting_messages  # bench/ is this script's directory
 from harness import write_report
+
+from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
+from conveyor.ipc import codec, transport
+from conveyor.ipc.messages import RequestOutput, TokenOutputs
+from conveyor.ipc.transport import ServerAddresses
 
 TEXT = (
     "The lighthouse keeper wrote in his log every night: the sea was calm, the café was closed, "
@@ -100,9 +100,9 @@ async def run(args: argparse.Namespace) -> dict:
     from conveyor.frontend.detokenizer import IncrementalDetokenizer
     from conveyor.frontend.request_state import RequestState
     from conveyor.frontend.server import Frontend
-    from conveyor.runtime.config import FrontendConfig
     from conveyor.frontend.stop import StopStringMatcher
     from conveyor.frontend.tokenizer import Tokenizer
+    from conveyor.runtime.config import FrontendConfig
 
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     run_dir = transport.make_run_dir()

@@ -62,14 +62,27 @@ if "torch" in sys.modules:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpu", action="store_true", help="dry run on CPU: every stage of both windows, tiny checkpoint, CPU flags")
-    p.add_argument("--window", type=int, choices=WINDOWS, default=1,
-                   help="the GPU stages of this window (1: the first call of a session; 2: compiled HF, a later call)")
-    p.add_argument("--deadline", type=float,
-                   help=f"seconds for the whole run (default {GPU_DEADLINE_S}; --cpu: every stage's limit added up)")
+    p.add_argument(
+        "--cpu", action="store_true", help="dry run on CPU: every stage of both windows, tiny checkpoint, CPU flags"
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        choices=WINDOWS,
+        default=1,
+        help="the GPU stages of this window (1: the first call of a session; 2: compiled HF, a later call)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        help=f"seconds for the whole run (default {GPU_DEADLINE_S}; --cpu: every stage's limit added up)",
+    )
     p.add_argument("--out", type=Path, help="where the tgz and summary land (default $OUT, else bench/out/gpu)")
-    p.add_argument("--stages", help="comma-separated stages to run, from any window, in the plan's order (default: "
-                   "the window's; a rerun that continues a window: the checkpoint stage and those not reached)")
+    p.add_argument(
+        "--stages",
+        help="comma-separated stages to run, from any window, in the plan's order (default: "
+        "the window's; a rerun that continues a window: the checkpoint stage and those not reached)",
+    )
     p.add_argument("--work", type=Path, help="results and checkpoint folder (default: a new temporary one)")
     sub = p.add_subparsers(dest="command")
     ck = sub.add_parser("checkpoint", help="(a stage) write the benchmark checkpoint")
@@ -98,7 +111,9 @@ def commit() -> str:
     if path.exists():
         return path.read_text().strip() + " (bench/COMMIT)"
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+        )
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown (no bench/COMMIT, no git)"
@@ -122,8 +137,12 @@ def preflight(cpu: bool, results: Path, env: dict[str, str]) -> list[str]:
             problems.append("nvidia-smi not found: no NVIDIA driver on this machine")
         else:
             try:
-                r = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                                   capture_output=True, text=True, timeout=10)
+                r = subprocess.run(
+                    [smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                )
                 lines.append(f"gpu {r.stdout.strip() or r.stderr.strip()}")
                 if r.returncode or not r.stdout.strip():
                     problems.append(f"nvidia-smi failed (rc {r.returncode}): {r.stderr.strip()[:200]}")
@@ -132,14 +151,26 @@ def preflight(cpu: bool, results: Path, env: dict[str, str]) -> list[str]:
     carried = carried_modules()
     modules = [*BASE_MODULES, *carried]
     try:
-        r = subprocess.run([sys.executable, "-c", VERSIONS, *modules], capture_output=True, text=True,
-                           timeout=PREFLIGHT_S - 10, cwd=REPO, env=env)
+        r = subprocess.run(
+            [sys.executable, "-c", VERSIONS, *modules],
+            capture_output=True,
+            text=True,
+            timeout=PREFLIGHT_S - 10,
+            cwd=REPO,
+            env=env,
+        )
         lines += r.stdout.strip().splitlines()
         for line in r.stdout.splitlines():
             if line.startswith("MISSING "):
                 name = line.split()[1].rstrip(":")
-                fix = (f" (carry its wheel: `make gpu-wheels` fetches {carried[name]} into .whl/, which the call's "
-                       "carry must name)") if name in carried else ""
+                fix = (
+                    (
+                        f" (carry its wheel: `make gpu-wheels` fetches {carried[name]} into .whl/, which the call's "
+                        "carry must name)"
+                    )
+                    if name in carried
+                    else ""
+                )
                 problems.append(line.removeprefix("MISSING ") + fix)
         if r.returncode:
             problems.append(f"the version check failed (rc {r.returncode}): {r.stderr.strip()[-300:]}")
@@ -162,8 +193,9 @@ def run_stage(stage: Stage, results: Path, env: dict[str, str]) -> Outcome:
     with open(log, "w") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
-                            env=stage_env).returncode
+        rc = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=stage_env
+        ).returncode
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     status = "passed" if rc == 0 else f"timed out after {stage.limit_s} s" if rc in (124, 137) else f"failed (rc {rc})"
@@ -207,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     plan, notes = selected
     if args.deadline is None:
         args.deadline = PREFLIGHT_S + sum(s.limit_s for s in plan if not s.cpu_skip) if args.cpu else GPU_DEADLINE_S
-    header = [f"bench/gpu_checks {'--cpu ' if args.cpu else ''}deadline {args.deadline:.0f} s, commit {commit()}", *notes]
+    header = [
+        f"bench/gpu_checks {'--cpu ' if args.cpu else ''}deadline {args.deadline:.0f} s, commit {commit()}",
+        *notes,
+    ]
     names = ["preflight", *(s.name for s in plan)]
     print(f"== preflight (at most {PREFLIGHT_S} s)", flush=True)
     problems = preflight(args.cpu, results, env)
@@ -226,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu and stage.cpu_skip:
             outcome = Outcome(stage.name, f"{CPU_SKIPPED} {stage.cpu_skip}")
         elif elapsed + stage.limit_s > args.deadline:
-            outcome = Outcome(stage.name, f"skipped: its {stage.limit_s} s limit would cross the deadline "
-                                          f"({args.deadline - elapsed:.0f} s left)")
+            outcome = Outcome(
+                stage.name,
+                f"skipped: its {stage.limit_s} s limit would cross the deadline ({args.deadline - elapsed:.0f} s left)",
+            )
         else:
             print(f"== {stage.name} (limit {stage.limit_s} s, at +{elapsed:.0f} s)", flush=True)
             outcome = run_stage(stage, results, env)

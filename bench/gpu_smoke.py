@@ -61,12 +61,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def runner_for(args: argparse.Namespace, device: torch.device, graphs: bool, num_blocks: int, max_seqs: int) -> ModelRunner:
+def runner_for(
+    args: argparse.Namespace, device: torch.device, graphs: bool, num_blocks: int, max_seqs: int
+) -> ModelRunner:
     """``pad_decode`` on both: the eager runner pads to the same buckets, so the same kernels run."""
-    return ModelRunner(RunnerConfig(
-        str(args.checkpoint), device=str(device), dtype=getattr(torch, args.dtype), block_size=BLOCK_SIZE,
-        num_blocks=num_blocks, max_num_seqs=max_seqs, enforce_eager=not graphs, pad_decode=True,
-    ))
+    return ModelRunner(
+        RunnerConfig(
+            str(args.checkpoint),
+            device=str(device),
+            dtype=getattr(torch, args.dtype),
+            block_size=BLOCK_SIZE,
+            num_blocks=num_blocks,
+            max_num_seqs=max_seqs,
+            enforce_eager=not graphs,
+            pad_decode=True,
+        )
+    )
 
 
 def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int, step_id: int) -> tuple[list[list[int]], int]:
@@ -116,28 +126,41 @@ def main(argv: list[str] | None = None) -> int:
     per_request = -(-(args.context + args.steps + 16) // BLOCK_SIZE)
     num_blocks = max(max(batches) * per_request, sum(-(-(n + args.new_tokens) // BLOCK_SIZE) for n in lengths))
     max_seqs = max(max(batches), len(lengths))
-    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "dtype": args.dtype, "context": args.context, "decode_step": []}
+    result: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "context": args.context,
+        "decode_step": [],
+    }
 
     start = time.perf_counter()
     runner = runner_for(args, device, True, num_blocks, max_seqs)
     graphs = runner.decode.graphs
-    result["startup"] = {"graphs_runner_s": round(time.perf_counter() - start, 2),
-                         "graphs": len(graphs) if graphs is not None else None,
-                         "capture_s": graphs.capture_seconds if graphs is not None else None,
-                         "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs is not None else None}
+    result["startup"] = {
+        "graphs_runner_s": round(time.perf_counter() - start, 2),
+        "graphs": len(graphs) if graphs is not None else None,
+        "capture_s": graphs.capture_seconds if graphs is not None else None,
+        "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs is not None else None,
+    }
     write(result, args.out)
     print(f"graphs runner in {result['startup']['graphs_runner_s']} s: {result['startup']}", flush=True)
 
     step_id = 0
     for batch in batches:  # the figure first
         load = DecodeLoad(runner, batch, args.context, args.steps + 10, step_id)
-        row = {"batch": batch, "graphs": graphs is not None, **time_steps(load, args.steps, device),
-               "target_ms": TARGET_MS.get(batch)}
+        row = {
+            "batch": batch,
+            "graphs": graphs is not None,
+            **time_steps(load, args.steps, device),
+            "target_ms": TARGET_MS.get(batch),
+        }
         step_id = load.close()
         result["decode_step"].append(row)
         write(result, args.out)
-        print(f"decode step batch {batch} ctx {args.context}: {row['median_ms']:.3f} ms (target {row['target_ms']})", flush=True)
+        print(
+            f"decode step batch {batch} ctx {args.context}: {row['median_ms']:.3f} ms (target {row['target_ms']})",
+            flush=True,
+        )
 
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
@@ -152,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     result["greedy"] = {"prompt_lens": lengths, "new_tokens": args.new_tokens, "graphs_equal_eager": equal, **tokens}
     result["seconds"] = round(time.perf_counter() - start, 2)
     write(result, args.out)
-    print(f"greedy tokens, graphs == eager: {equal} (prompts of {lengths} tokens, {args.new_tokens} new each)", flush=True)
+    print(
+        f"greedy tokens, graphs == eager: {equal} (prompts of {lengths} tokens, {args.new_tokens} new each)", flush=True
+    )
     return 0 if equal else 1
 
 

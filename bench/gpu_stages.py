@@ -63,7 +63,8 @@ def unimportable(folder: Path, names: tuple[str, ...]) -> str:
     for name in names:
         (folder / name).mkdir(parents=True, exist_ok=True)
         (folder / name / "__init__.py").write_text(
-            f"raise ImportError('{name} is not on the device image (bench/gpu_checks.py --cpu hides it)')\n")
+            f"raise ImportError('{name} is not on the device image (bench/gpu_checks.py --cpu hides it)')\n"
+        )
     return str(folder)
 
 
@@ -72,8 +73,19 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     py = sys.executable
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short"]
     device = ["--device", "cpu", "--dtype", "float32"] if cpu else ["--device", "cuda", "--dtype", "bfloat16"]
-    common = [py, str(REPO / "bin" / "bench"), "offline", "--model", str(checkpoint), *device,
-              "--kv-cache-memory", "0.05" if cpu else "20", "--no-progress", "--workload", "fixed"]
+    common = [
+        py,
+        str(REPO / "bin" / "bench"),
+        "offline",
+        "--model",
+        str(checkpoint),
+        *device,
+        "--kv-cache-memory",
+        "0.05" if cpu else "20",
+        "--no-progress",
+        "--workload",
+        "fixed",
+    ]
     if cpu:
         common += ["--threads", "1"]
     plen, olen = ("16", "8") if cpu else ("128", "128")
@@ -81,45 +93,132 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     def limit(gpu_limit: int) -> int:
         return CPU_LIMIT_S if cpu else gpu_limit
 
-    def bench(name: str, systems: str, batch: int, requests: int, gpu_limit: int, window: int = 1, cpu_skip: str = "") -> Stage:
+    def bench(
+        name: str, systems: str, batch: int, requests: int, gpu_limit: int, window: int = 1, cpu_skip: str = ""
+    ) -> Stage:
         json_path = str(results / f"{name}.json")
         timeout = str(max(10, limit(gpu_limit) - 10))  # a silent server fails the call before the stage's limit
-        cmd = [*common, "--systems", systems, "--batch-size", str(batch), "--num-requests", str(requests),
-               "--prompt-len", plen, "--output-len", olen, "--timeout", timeout, "--json", json_path]
+        cmd = [
+            *common,
+            "--systems",
+            systems,
+            "--batch-size",
+            str(batch),
+            "--num-requests",
+            str(requests),
+            "--prompt-len",
+            plen,
+            "--output-len",
+            olen,
+            "--timeout",
+            timeout,
+            "--json",
+            json_path,
+        ]
         if systems == "conveyor":  # warmed on the workload's own shapes; the second timed window reported
             cmd += ["--warmup", "workload", "--timed-runs", "2"]
         return Stage(name, limit(gpu_limit), cmd, [json_path], window, cpu_skip=cpu_skip)
 
-    out = [Stage("checkpoint", limit(40), [py, str(REPO / "bench" / "gpu_checks.py"), "checkpoint", str(checkpoint),
-                                           *(["--tiny"] if cpu else [])])]
+    out = [
+        Stage(
+            "checkpoint",
+            limit(40),
+            [py, str(REPO / "bench" / "gpu_checks.py"), "checkpoint", str(checkpoint), *(["--tiny"] if cpu else [])],
+        )
+    ]
     smoke_json = str(results / "smoke.json")
-    smoke_args = ["--device", "cpu", "--dtype", "float32", "--batches", "1,4", "--context", "32", "--steps", "2",
-                  "--prompt-lens", "3,16,100", "--new-tokens", "4", "--threads", "1"] if cpu else []
-    out.append(Stage("smoke", limit(60), [py, str(REPO / "bench" / "gpu_smoke.py"), "--checkpoint", str(checkpoint),
-                                          *smoke_args, "--out", smoke_json], [smoke_json]))
+    smoke_args = (
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--batches",
+            "1,4",
+            "--context",
+            "32",
+            "--steps",
+            "2",
+            "--prompt-lens",
+            "3,16,100",
+            "--new-tokens",
+            "4",
+            "--threads",
+            "1",
+        ]
+        if cpu
+        else []
+    )
+    out.append(
+        Stage(
+            "smoke",
+            limit(60),
+            [
+                py,
+                str(REPO / "bench" / "gpu_smoke.py"),
+                "--checkpoint",
+                str(checkpoint),
+                *smoke_args,
+                "--out",
+                smoke_json,
+            ],
+            [smoke_json],
+        )
+    )
     out.append(bench("conveyor_b128", "conveyor", 4 if cpu else 128, 8 if cpu else 256, 90))
     # The baseline the throughput target is stated against (issue 24: >= 20x padded HF generate).
     out.append(bench("hf", "hf", 4 if cpu else 128, 8 if cpu else 256, 50))
-    grid = ["--batches", "1", "--contexts", "32", "--steps", "2"] if cpu else \
-        ["--batches", "1,32,128", "--contexts", "512,2048", "--steps", "10"]
+    grid = (
+        ["--batches", "1", "--contexts", "32", "--steps", "2"]
+        if cpu
+        else ["--batches", "1,32,128", "--contexts", "512,2048", "--steps", "10"]
+    )
     step_json = str(results / "decode_step.json")
-    out.append(Stage("decode_step", limit(60), [py, str(REPO / "bench" / "decode_step.py"), "--checkpoint",
-                     str(checkpoint), *(["--device", "cpu", "--dtype", "float32"] if cpu else []), *grid,
-                     "--out", step_json], [step_json]))
+    out.append(
+        Stage(
+            "decode_step",
+            limit(60),
+            [
+                py,
+                str(REPO / "bench" / "decode_step.py"),
+                "--checkpoint",
+                str(checkpoint),
+                *(["--device", "cpu", "--dtype", "float32"] if cpu else []),
+                *grid,
+                "--out",
+                step_json,
+            ],
+            [step_json],
+        )
+    )
     # Graphs == eager at long contexts, HF parity, swaps, LoRA against PEFT, NCCL where two GPUs exist.
     hide = {"PYTHONPATH": unimportable(work / "hidden-modules", HTTP_CLIENTS)} if cpu else {}
     out.append(Stage("gpu_tests", limit(90), [*pytest, "-m", "gpu", *gpu_test_files()], env=hide))
     # The rest of window 1, in what the stages above leave unused.
     out.append(bench("conveyor_b1", "conveyor", 1, 2 if cpu else 4, 40, cpu_skip="conveyor_b128's command at batch 1"))
-    out.append(bench("conveyor_b8", "conveyor", 2 if cpu else 8, 4 if cpu else 16, 40,
-                     cpu_skip="conveyor_b128's command at batch 8"))
+    out.append(
+        bench(
+            "conveyor_b8",
+            "conveyor",
+            2 if cpu else 8,
+            4 if cpu else 16,
+            40,
+            cpu_skip="conveyor_b128's command at batch 8",
+        )
+    )
     # conveyor-sim's cost model, fitted to the three runs' per-step records (three batch sizes,
     # so the per-sequence cost is told apart from the per-step floor); seconds, no device. The
     # dry run has conveyor_b128's alone.
     cost_json = str(results / "sim_cost.json")
     runs = [str(results / f"conveyor_{b}.json") for b in (("b128",) if cpu else ("b128", "b1", "b8"))]
-    out.append(Stage("sim_calibrate", limit(20), [py, str(REPO / "bin" / "sim"), "calibrate", *runs, "--out", cost_json],
-                     [cost_json]))
+    out.append(
+        Stage(
+            "sim_calibrate",
+            limit(20),
+            [py, str(REPO / "bin" / "sim"), "calibrate", *runs, "--out", cost_json],
+            [cost_json],
+        )
+    )
     # Structured output (issue 27): conveyor_b128's batch with half its requests under a JSON
     # schema; its throughput over conveyor_b128's is the figure owed (target >= 0.9x).
     half = bench("conveyor_b128_json_half", "conveyor", 4 if cpu else 128, 8 if cpu else 256, 60)
@@ -127,13 +226,49 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     out.append(half)
     # Speculative verify steps through the static buffers (issue 28): their graphs == eager
     # tests, then plain / ragged-verify / static-verify decoding side by side (bench/speculative.py).
-    out.append(Stage("spec_tests", limit(60), [*pytest, "-m", "gpu", SPEC_TESTS],
-                     cpu_skip="its tests need CUDA, and the suite collects the file itself"))
+    out.append(
+        Stage(
+            "spec_tests",
+            limit(60),
+            [*pytest, "-m", "gpu", SPEC_TESTS],
+            cpu_skip="its tests need CUDA, and the suite collects the file itself",
+        )
+    )
     spec_json = str(results / "speculative.json")
-    spec_args = ["--smoke", "--threads", "1"] if cpu else ["--device", "cuda", "--dtype", "bfloat16", "--requests", "8",
-                                                          "--prompt-len", "256", "--max-tokens", "64", "--kv-cache-memory", "20"]
-    out.append(Stage("speculative", limit(75), [py, str(REPO / "bench" / "speculative.py"), "--checkpoint",
-                     str(checkpoint), *spec_args, "--out", spec_json], [spec_json]))
+    spec_args = (
+        ["--smoke", "--threads", "1"]
+        if cpu
+        else [
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--requests",
+            "8",
+            "--prompt-len",
+            "256",
+            "--max-tokens",
+            "64",
+            "--kv-cache-memory",
+            "20",
+        ]
+    )
+    out.append(
+        Stage(
+            "speculative",
+            limit(75),
+            [
+                py,
+                str(REPO / "bench" / "speculative.py"),
+                "--checkpoint",
+                str(checkpoint),
+                *spec_args,
+                "--out",
+                spec_json,
+            ],
+            [spec_json],
+        )
+    )
     kernels = [*pytest, "tests/kernels/test_block_copy.py" if cpu else "tests/kernels"]
     if not cpu:
         kernels += ["-n", "8"] if has_xdist() else []
@@ -142,27 +277,67 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     # parameters at Qwen3-30B-A3B's shapes (target: within 1.3x at batch 64); its kernel tests
     # ran compiled in the kernels stage.
     moe_json = str(results / "moe.json")
-    out.append(Stage("moe", limit(45), [py, str(REPO / "bench" / "moe_layer.py"), *(["--cpu"] if cpu else []),
-                                        "--out", moe_json], [moe_json]))
+    out.append(
+        Stage(
+            "moe",
+            limit(45),
+            [py, str(REPO / "bench" / "moe_layer.py"), *(["--cpu"] if cpu else []), "--out", moe_json],
+            [moe_json],
+        )
+    )
     # LoRA: the Triton kernels' tests (compiled; the gpu-marked bf16 one at 1B shapes), then 8
     # adapters over the requests against the base model alone (docs/benchmarks.md); the
     # gpu-marked parity tests against PEFT run in gpu_tests. The bench runs even when a test
     # fails; either fails the stage.
     lora_json = str(results / "lora.json")
-    lora_args = ["--requests", "4", "--adapters", "2", "--prompt-len", "8", "--max-tokens", "4", "--repeats", "1"] \
-        if cpu else ["--device", "cuda", "--dtype", "bfloat16"]
+    lora_args = (
+        ["--requests", "4", "--adapters", "2", "--prompt-len", "8", "--max-tokens", "4", "--repeats", "1"]
+        if cpu
+        else ["--device", "cuda", "--dtype", "bfloat16"]
+    )
     lora_tests = [*pytest, *(["-m", "gpu"] if cpu else []), "tests/kernels/test_lora.py"]
     lora_bench = [py, str(REPO / "bench" / "lora.py"), *lora_args, "--out", lora_json]
-    out.append(Stage("lora", limit(90), ["sh", "-c", f"{shlex.join(lora_tests)}; tests=$?; {shlex.join(lora_bench)} && exit $tests"],
-                     [lora_json]))
-    out.append(bench("hf_cb", "hf-cb", 4 if cpu else 128, 8 if cpu else 256, 45,
-                     cpu_skip="hf's command with --systems hf-cb, a system tests/e2e/test_bench_profile.py runs"))
-    out.append(bench("static", "static", 4 if cpu else 128, 8 if cpu else 256, 45,
-                     cpu_skip="bin/bench's command with --systems static, a system tests/e2e/test_bench_profile.py runs"))
+    out.append(
+        Stage(
+            "lora",
+            limit(90),
+            ["sh", "-c", f"{shlex.join(lora_tests)}; tests=$?; {shlex.join(lora_bench)} && exit $tests"],
+            [lora_json],
+        )
+    )
+    out.append(
+        bench(
+            "hf_cb",
+            "hf-cb",
+            4 if cpu else 128,
+            8 if cpu else 256,
+            45,
+            cpu_skip="hf's command with --systems hf-cb, a system tests/e2e/test_bench_profile.py runs",
+        )
+    )
+    out.append(
+        bench(
+            "static",
+            "static",
+            4 if cpu else 128,
+            8 if cpu else 256,
+            45,
+            cpu_skip="bin/bench's command with --systems static, a system tests/e2e/test_bench_profile.py runs",
+        )
+    )
     # Window 2: compiled HF, the batch-1 baseline (faster per token than compiled HF at batch 1).
     out.append(bench("hf_compiled_b1", "hf-compiled", 1, 2 if cpu else 4, 240, window=2))
-    out.append(bench("hf_compiled_b8", "hf-compiled", 2 if cpu else 8, 4 if cpu else 16, 240, window=2,
-                     cpu_skip="hf_compiled_b1's command at batch 8"))
+    out.append(
+        bench(
+            "hf_compiled_b8",
+            "hf-compiled",
+            2 if cpu else 8,
+            4 if cpu else 16,
+            240,
+            window=2,
+            cpu_skip="hf_compiled_b1's command at batch 8",
+        )
+    )
     return out
 
 

@@ -28,14 +28,20 @@ class Outcome:
 
 def smoke_lines(data: dict) -> list[str]:
     start = data.get("startup") or {}
-    lines = [f"smoke ({data.get('device')} {data.get('dtype')}): graphs runner in {start.get('graphs_runner_s')} s, "
-             f"{start.get('graphs')} graphs captured in {start.get('capture_s')} s"]
+    lines = [
+        f"smoke ({data.get('device')} {data.get('dtype')}): graphs runner in {start.get('graphs_runner_s')} s, "
+        f"{start.get('graphs')} graphs captured in {start.get('capture_s')} s"
+    ]
     for r in data.get("decode_step", []):
-        lines.append(f"  decode step {'graphs' if r['graphs'] else 'eager '} batch {r['batch']:>3} ctx {data.get('context')}: "
-                     f"{r['median_ms']:.3f} ms (min {r['min_ms']:.3f}; target {r.get('target_ms')})")
+        lines.append(
+            f"  decode step {'graphs' if r['graphs'] else 'eager '} batch {r['batch']:>3} ctx {data.get('context')}: "
+            f"{r['median_ms']:.3f} ms (min {r['min_ms']:.3f}; target {r.get('target_ms')})"
+        )
     greedy = data.get("greedy")
     if greedy:
-        lines.append(f"  greedy graphs == eager: {greedy['graphs_equal_eager']} (prompts of {greedy['prompt_lens']} tokens)")
+        lines.append(
+            f"  greedy graphs == eager: {greedy['graphs_equal_eager']} (prompts of {greedy['prompt_lens']} tokens)"
+        )
     return lines
 
 
@@ -52,13 +58,17 @@ def bench_lines(name: str, data: dict) -> list[str]:
         tok_s = median.get("output_tok_s") or 0.0
         idle = median.get("worker_idle_fraction")
         per_token = f"{1e3 * batch / tok_s:.2f}" if tok_s and batch else "-"
-        line = (f"{name}: {system} batch {batch}: {tok_s:,.0f} out tok/s, per-token {per_token} ms"
-                + (f", worker idle {100 * idle:.1f}%" if idle is not None else ""))
+        line = f"{name}: {system} batch {batch}: {tok_s:,.0f} out tok/s, per-token {per_token} ms" + (
+            f", worker idle {100 * idle:.1f}%" if idle is not None else ""
+        )
         windows = (result.get("extra") or {}).get("timed_runs")
         if windows and len(windows) > 1:
             line += " (timed runs " + ", ".join(f"{w['output_tok_s']:,.0f}" for w in windows) + " tok/s"
-            line += "; Triton compiles in each: " + ", ".join(
-                "n/a" if w["triton_compiles"] is None else str(w["triton_compiles"]) for w in windows) + ")"
+            line += (
+                "; Triton compiles in each: "
+                + ", ".join("n/a" if w["triton_compiles"] is None else str(w["triton_compiles"]) for w in windows)
+                + ")"
+            )
         lines.append(line)
     return lines
 
@@ -74,21 +84,30 @@ def figures(results: Path) -> list[str]:
     lines = smoke_lines(loaded.pop("smoke")) if "smoke" in loaded else []
     for name, data in loaded.items():
         if name == "decode_step":
-            lines.append(f"decode_step ({data.get('versions', {}).get('device')}, "
-                         f"copy {data.get('copy_bandwidth_gbps', 0):.0f} GB/s):")
+            lines.append(
+                f"decode_step ({data.get('versions', {}).get('device')}, "
+                f"copy {data.get('copy_bandwidth_gbps', 0):.0f} GB/s):"
+            )
             for r in data.get("rows", []):
                 hf = r.get("hf_ms")
-                lines.append(f"  {'graphs' if r['graphs'] else 'eager '} batch {r['batch']:>3} ctx {r['context']:>4}: "
-                             f"{r['median_ms']:.3f} ms (roofline {r['roofline_ms']:.3f}, HF "
-                             f"{hf if hf is None else round(hf, 3)})")
+                lines.append(
+                    f"  {'graphs' if r['graphs'] else 'eager '} batch {r['batch']:>3} ctx {r['context']:>4}: "
+                    f"{r['median_ms']:.3f} ms (roofline {r['roofline_ms']:.3f}, HF "
+                    f"{hf if hf is None else round(hf, 3)})"
+                )
         elif name == "moe":
             target = data.get("target", {})
-            lines.append(f"moe ({data.get('device')} {data.get('dtype')}, {data.get('shape')}): " + ", ".join(
-                f"batch {r['batch']} {r['moe_over_dense']}x dense" for r in data.get("rows", []))
-                + f" (target <= {target.get('moe_over_dense_at_most')}x at batch {target.get('batch')}: {target.get('met')})")
+            lines.append(
+                f"moe ({data.get('device')} {data.get('dtype')}, {data.get('shape')}): "
+                + ", ".join(f"batch {r['batch']} {r['moe_over_dense']}x dense" for r in data.get("rows", []))
+                + f" (target <= {target.get('moe_over_dense_at_most')}x"
+                + f" at batch {target.get('batch')}: {target.get('met')})"
+            )
         elif name == "lora":
-            lines.append(f"lora ({data.get('device')} {data.get('dtype')}, {data.get('adapters')} adapters): "
-                         f"adapters/base {data.get('adapters_over_base')}x, base/plain {data.get('base_over_plain')}x")
+            lines.append(
+                f"lora ({data.get('device')} {data.get('dtype')}, {data.get('adapters')} adapters): "
+                f"adapters/base {data.get('adapters_over_base')}x, base/plain {data.get('base_over_plain')}x"
+            )
         elif "systems" in data:
             lines += bench_lines(name, data)
     return lines

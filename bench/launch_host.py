@@ -34,11 +34,10 @@ from typing import Any
 
 import torch
 import triton
+from harness import per_call_us  # bench/ is this script's directory
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
-
-from harness import per_call_us  # bench/ is this script's directory
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 32, 8, 64, 2048, 8192
 BLOCK_SIZE, NUM_BLOCKS, CONTEXT = 16, 1024, 512
@@ -81,11 +80,14 @@ def calls(batch: int) -> dict[str, Callable[[], Any]]:
     wanted: dict[str, tuple[str, str, Callable[[Callable[..., Any]], Callable[[], Any]]]] = {
         "kv_store": ("kv_store", "kv_store", lambda f: lambda: f(k, v, kv, slots)),
         "paged_decode": (
-            "paged_decode", "paged_decode_attention",
+            "paged_decode",
+            "paged_decode_attention",
             lambda f: lambda: f(q, kv, tables, seq_lens, HEAD_DIM**-0.5, None, max_seq_len=CONTEXT),
         ),
         "rope_kv_store": (
-            "rope_kv_store", "rope_kv_store", lambda f: lambda: f(q, k, v, positions, cos_sin, kv, slots)
+            "rope_kv_store",
+            "rope_kv_store",
+            lambda f: lambda: f(q, k, v, positions, cos_sin, kv, slots),
         ),
         "add_rms_norm": ("rms_norm", "add_rms_norm_triton", lambda f: lambda: f(x, residual, weight, 1e-5)),
         "silu_mul": ("silu_mul", "silu_mul_triton", lambda f: lambda: f(gate_up)),
@@ -126,15 +128,28 @@ def main() -> int:
                 row["wrapper+bind" if bind else "wrapper"] = time_call(call, args.calls, args.rounds)
             results[f"{name} batch {batch}"] = row
             w, b = row["wrapper"], row["wrapper+bind"]
-            print(f"{name:16s} {batch:5d} {w['min_us']:11.1f} / {w['median_us']:6.1f}   "
-                  f"{b['min_us']:8.1f} / {b['median_us']:6.1f}")
+            print(
+                f"{name:16s} {batch:5d} {w['min_us']:11.1f} / {w['median_us']:6.1f}   "
+                f"{b['min_us']:8.1f} / {b['median_us']:6.1f}"
+            )
     if args.out:
         merged = json.loads(args.out.read_text()) if args.out.exists() else {}
         merged[args.label] = {
-            "shapes": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "hidden": HIDDEN,
-                       "intermediate": INTERMEDIATE, "context": CONTEXT, "dtype": str(DTYPE)},
-            "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                         "python": platform.python_version(), "machine": platform.processor() or platform.machine()},
+            "shapes": {
+                "heads": HEADS,
+                "kv_heads": KV_HEADS,
+                "head_dim": HEAD_DIM,
+                "hidden": HIDDEN,
+                "intermediate": INTERMEDIATE,
+                "context": CONTEXT,
+                "dtype": str(DTYPE),
+            },
+            "versions": {
+                "torch": torch.__version__,
+                "triton": triton.__version__,
+                "python": platform.python_version(),
+                "machine": platform.processor() or platform.machine(),
+            },
             "results": results,
         }
         args.out.write_text(json.dumps(merged, indent=1) + "\n")

@@ -43,8 +43,15 @@ from conveyor import Engine
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker import lora_delta
 
-TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+TARGETS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def write_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) -> None:
@@ -52,8 +59,15 @@ def write_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) ->
     directory.mkdir(parents=True)
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     h, m = config.hidden_size, config.intermediate_size
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h)}
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, m),
+        "up_proj": (h, m),
+        "down_proj": (m, h),
+    }
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_layers):
@@ -63,8 +77,9 @@ def write_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) ->
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=generator) * 0.05
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=generator) * 0.05
     save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}))
+    (directory / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)})
+    )
 
 
 class DeltaTimer:
@@ -115,9 +130,12 @@ def sync(engine: Engine) -> None:
 def run(engine: Engine, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> tuple[float, int]:
     sync(engine)
     start = time.perf_counter()
-    requests = [engine.add_request(token_ids=p, request_id=f"q{i}", max_tokens=max_tokens, temperature=0.0,
-                                   ignore_eos=True, lora=lora)
-                for i, (p, lora) in enumerate(zip(prompts, loras))]
+    requests = [
+        engine.add_request(
+            token_ids=p, request_id=f"q{i}", max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora=lora
+        )
+        for i, (p, lora) in enumerate(zip(prompts, loras))
+    ]
     while engine.has_pending_requests():
         engine.step()
     sync(engine)
@@ -144,27 +162,38 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.requests, args.prompt_len, args.max_tokens, args.repeats = 16, 16, 16, 1
-    common = dict(device=args.device, dtype=args.dtype, threads=args.threads, num_kv_blocks=1024,
-                  max_num_seqs=args.requests)
+    common = dict(
+        device=args.device, dtype=args.dtype, threads=args.threads, num_kv_blocks=1024, max_num_seqs=args.requests
+    )
     plain = Engine(**common)
     config = ModelConfig.from_dir(plain.model_dir)
     generator = torch.Generator().manual_seed(0)
 
     def fresh_prompts() -> list[list[int]]:
         """New random prompts for every run: a repeat must not hit the prefix cache of an earlier one."""
-        return [torch.randint(3, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
-                for _ in range(args.requests)]
+        return [
+            torch.randint(3, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+            for _ in range(args.requests)
+        ]
+
     names = [f"lora{k}" for k in range(args.adapters)]
     with tempfile.TemporaryDirectory() as tmp:
         for k, name in enumerate(names):
             write_adapter(Path(tmp, name), config, args.rank, seed=k)
-        engine = Engine(**common, lora_modules={name: str(Path(tmp, name)) for name in names},
-                        max_loras=args.adapters, max_lora_rank=args.rank)
+        engine = Engine(
+            **common,
+            lora_modules={name: str(Path(tmp, name)) for name in names},
+            max_loras=args.adapters,
+            max_lora_rank=args.rank,
+        )
     # Time inside the adapters' deltas (every fused projection's gather/shrink/expand/scatter).
     deltas = DeltaTimer(args.device)
     lora_delta.LoraStack.add_delta = deltas.wrap(lora_delta.LoraStack.add_delta)
-    runs = {"plain": (plain, [None] * args.requests), "base": (engine, [None] * args.requests),
-            "adapters": (engine, [names[i % args.adapters] for i in range(args.requests)])}
+    runs = {
+        "plain": (plain, [None] * args.requests),
+        "base": (engine, [None] * args.requests),
+        "adapters": (engine, [names[i % args.adapters] for i in range(args.requests)]),
+    }
     run(plain, fresh_prompts()[:2], [None, None], 2)  # warm-up
     results: dict[str, dict] = {}
     for _ in range(args.repeats):  # interleaved, so drift in the machine's load hits all three alike
@@ -172,18 +201,31 @@ def main() -> None:
             deltas.reset()
             seconds, tokens = run(which, fresh_prompts(), loras, args.max_tokens)
             if label not in results or seconds < results[label]["seconds"]:
-                results[label] = {"seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 1),
-                                  "lora_delta_seconds": round(deltas.seconds(), 3)}
+                results[label] = {
+                    "seconds": round(seconds, 3),
+                    "tokens": tokens,
+                    "tok_s": round(tokens / seconds, 1),
+                    "lora_delta_seconds": round(deltas.seconds(), 3),
+                }
             print(label, results[label], flush=True)
     ratio = results["adapters"]["tok_s"] / results["base"]["tok_s"]
-    summary = {"model": "demo (hidden 256, 4 layers, intermediate 688)", "device": args.device, "dtype": args.dtype,
-               "rank": args.rank,
-               "adapters": args.adapters, "requests": args.requests, "prompt_len": args.prompt_len,
-               "max_tokens": args.max_tokens, "threads": args.threads, "runs": results,
-               "adapters_over_base": round(ratio, 3),
-               "base_over_plain": round(results["base"]["tok_s"] / results["plain"]["tok_s"], 3),
-               "delta_share_of_adapters_run": round(results["adapters"]["lora_delta_seconds"]
-                                                    / results["adapters"]["seconds"], 3)}
+    summary = {
+        "model": "demo (hidden 256, 4 layers, intermediate 688)",
+        "device": args.device,
+        "dtype": args.dtype,
+        "rank": args.rank,
+        "adapters": args.adapters,
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "runs": results,
+        "adapters_over_base": round(ratio, 3),
+        "base_over_plain": round(results["base"]["tok_s"] / results["plain"]["tok_s"], 3),
+        "delta_share_of_adapters_run": round(
+            results["adapters"]["lora_delta_seconds"] / results["adapters"]["seconds"], 3
+        ),
+    }
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")

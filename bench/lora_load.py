@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,14 +34,30 @@ from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.lora import read_adapter
 
 HIDDEN, INTERMEDIATE, LAYERS, KV = 2048, 8192, 16, 512
-SHAPES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN, KV), "v_proj": (HIDDEN, KV), "o_proj": (HIDDEN, HIDDEN),
-          "gate_proj": (HIDDEN, INTERMEDIATE), "up_proj": (HIDDEN, INTERMEDIATE), "down_proj": (INTERMEDIATE, HIDDEN)}
+SHAPES = {
+    "q_proj": (HIDDEN, HIDDEN),
+    "k_proj": (HIDDEN, KV),
+    "v_proj": (HIDDEN, KV),
+    "o_proj": (HIDDEN, HIDDEN),
+    "gate_proj": (HIDDEN, INTERMEDIATE),
+    "up_proj": (HIDDEN, INTERMEDIATE),
+    "down_proj": (INTERMEDIATE, HIDDEN),
+}
 
 
 def write_adapter(root: Path, rank: int) -> tuple[ModelConfig, Path]:
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-              "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": 32,
-              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "bfloat16",
+    }
     (root / "config.json").write_text(json.dumps(config))
     weights = {}
     for layer in range(LAYERS):
@@ -52,8 +68,9 @@ def write_adapter(root: Path, rank: int) -> tuple[ModelConfig, Path]:
     adapter = root / "adapter"
     adapter.mkdir()
     save_file(weights, adapter / "adapter_model.safetensors")
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                                                             "target_modules": list(SHAPES)}))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(SHAPES)})
+    )
     return ModelConfig.from_dir(root), adapter
 
 
@@ -100,8 +117,13 @@ def main() -> None:
         read()
         print(f"rank {args.rank}: {size:.1f} MB, one read alone {(time.perf_counter() - began) * 1e3:.0f} ms")
         for _ in range(args.repeats):
-            print("; ".join(f"{mode}: longest step {a:.0f} ms, p99 {b:.1f} ms, loop {c:.0f} ms"
-                            for mode in ("none", "sync", "thread") for a, b, c in [run(mode, read)]))
+            print(
+                "; ".join(
+                    f"{mode}: longest step {a:.0f} ms, p99 {b:.1f} ms, loop {c:.0f} ms"
+                    for mode in ("none", "sync", "thread")
+                    for a, b, c in [run(mode, read)]
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import torch
+from lora_load import adapter_bench
 
 from conveyor.worker.lora import SpilledAdapters, read_adapter
-from lora_load import adapter_bench
 
 
 def main() -> None:
@@ -41,8 +41,12 @@ def main() -> None:
             torch.equal(x, y) for m, pair in adapter.weights.items() for x, y in zip(pair, back.weights[m])
         )
         size = sum(f.stat().st_size for f in Path(spill._dir.name).iterdir())
-    print(f"rank {args.rank}, spill file {size / 1e6:.1f} MB: " + ", ".join(
-        f"{name} median {statistics.median(t) * 1e3:.0f} ms (min {min(t) * 1e3:.0f})" for name, t in times.items()))
+    print(
+        f"rank {args.rank}, spill file {size / 1e6:.1f} MB: "
+        + ", ".join(
+            f"{name} median {statistics.median(t) * 1e3:.0f} ms (min {min(t) * 1e3:.0f})" for name, t in times.items()
+        )
+    )
 
 
 if __name__ == "__main__":

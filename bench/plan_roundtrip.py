@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import zmq
+from harness import write_report  # bench/ is this script's directory
 
 from conveyor.ipc import step_channel
 from conveyor.ipc.messages import CachedRequests, Shutdown, StepPlan, StepResult
@@ -46,7 +47,6 @@ from conveyor.ipc.step_channel import StepChannels, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import PlanTransport
 from conveyor_tools.stand_in_worker import answer_plans
-from harness import write_report  # bench/ is this script's directory
 
 
 def answer(plan: StepPlan) -> StepResult:
@@ -68,7 +68,9 @@ def decode_plan(step: int, slots: list[int]) -> StepPlan:
 def server_channels(transport: str, spin_us: float | None = None) -> Iterator[StepChannels]:
     """The step channels bin/serve would make (rings created), removed again on exit."""
     run_dir = tempfile.mkdtemp(prefix="cv-rt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    channels = StepChannels.for_server(run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", shm=transport == "shm")
+    channels = StepChannels.for_server(
+        run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", shm=transport == "shm"
+    )
     if spin_us is not None:
         channels = StepChannels(
             dataclasses.replace(channels.plans, spin_us=spin_us), dataclasses.replace(channels.results, spin_us=spin_us)

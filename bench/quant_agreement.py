@@ -29,12 +29,22 @@ def main() -> None:
     items = tasks()
     runs = {}
     for scheme in ("none", "auto"):
-        with Engine(args.model, device="cpu", threads=args.threads, num_kv_blocks=512, max_batch_size=32, quantization=scheme) as engine:
-            results = engine.generate([i.messages() for i in items], max_tokens=args.max_tokens, temperature=0.0, progress=False)
-        runs[scheme] = [{"id": i.id, "tokens": list(r.token_ids), "reply": r.text, "correct": i.correct(r.text)} for i, r in zip(items, results)]
+        with Engine(
+            args.model, device="cpu", threads=args.threads, num_kv_blocks=512, max_batch_size=32, quantization=scheme
+        ) as engine:
+            results = engine.generate(
+                [i.messages() for i in items], max_tokens=args.max_tokens, temperature=0.0, progress=False
+            )
+        runs[scheme] = [
+            {"id": i.id, "tokens": list(r.token_ids), "reply": r.text, "correct": i.correct(r.text)}
+            for i, r in zip(items, results)
+        ]
     same = sum(a["tokens"] == b["tokens"] for a, b in zip(runs["none"], runs["auto"]))
     correct = {scheme: sum(row["correct"] for row in rows) for scheme, rows in runs.items()}
-    print(f"{same}/{len(items)} items with equal tokens; correct: float32 {correct['none']}, kept quantized {correct['auto']}")
+    print(
+        f"{same}/{len(items)} items with equal tokens; "
+        f"correct: float32 {correct['none']}, kept quantized {correct['auto']}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"equal_tokens": same, "items": len(items), "correct": correct, "runs": runs}, f, indent=1)

@@ -43,9 +43,15 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'scheme':>8} {'RSS MiB':>9} {'peak MiB':>9} {'weights MiB':>12}  methods")
     for scheme in args.schemes.split(","):
-        out = subprocess.run([sys.executable, "-c", CHILD, args.model, scheme], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, args.model, scheme], capture_output=True, text=True, check=True
+        )
         row = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{scheme:>8} {row['rss_mib']:>9.0f} {row['peak_mib']:>9.0f} {row['weights_mib']:>12.0f}  {','.join(row['methods'])}", flush=True)
+        print(
+            f"{scheme:>8} {row['rss_mib']:>9.0f} {row['peak_mib']:>9.0f} {row['weights_mib']:>12.0f}"
+            f"  {','.join(row['methods'])}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -163,7 +163,8 @@ def main() -> int:
         for size in args.sizes:
             iters = args.iters if size < 65536 else max(1000, args.iters // 4)
             rows = [
-                (f"ring spin={s:g}us", lambda s=s: bench_ring(run_dir, size, iters, args.warmup, s)) for s in args.spin_us
+                (f"ring spin={s:g}us", lambda s=s: bench_ring(run_dir, size, iters, args.warmup, s))
+                for s in args.spin_us
             ]
             if not args.no_zmq:
                 rows.append(("zmq ipc push/pull", lambda: bench_zmq(run_dir, size, iters, args.warmup)))

@@ -66,7 +66,9 @@ def main() -> None:
                     step(*case)
                 times[k].append((time.perf_counter() - start) / args.steps * 1e3)
         for k, values in times.items():
-            print(f"vocab {vocab:6d}, {n} rows, {k:3d} controlled: {statistics.median(values):7.2f} ms per step (median)")
+            print(
+                f"vocab {vocab:6d}, {n} rows, {k:3d} controlled: {statistics.median(values):7.2f} ms per step (median)"
+            )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ from collections import deque
 
 import numpy as np
 
-from conveyor.runtime.config import SchedulerConfig
 from conveyor.ipc.messages import AddRequest, SamplingParams, StepPlan, StepResult, int_list
+from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 16
@@ -165,8 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default="decode,mixed")
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--repeat", type=int, default=3, help="runs per cell; the table shows the fastest median")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
-                   help="plan step N+1 before applying step N, as the server does by default")
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="plan step N+1 before applying step N, as the server does by default",
+    )
     args = p.parse_args(argv)
     print(
         f"python {sys.version.split()[0]}, gc {'on' if gc.isenabled() else 'off'}, block size {BLOCK_SIZE}, "

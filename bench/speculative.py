@@ -42,8 +42,13 @@ def repetitive(i: int, length: int, vocab: int) -> list[int]:
 
 
 def run(system: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    config = dict(device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                  max_batch_size=args.requests, threads=args.threads)
+    config = dict(
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_batch_size=args.requests,
+        threads=args.threads,
+    )
     if system != "plain":
         config.update(speculative_method="ngram", num_speculative_tokens=args.k)
     build = engine_module.build_runner
@@ -66,19 +71,29 @@ def run(system: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict
     while engine.has_pending_requests():
         engine.step()
     before, verify_steps[0] = engine.stats(), 0
-    requests = [engine.add_request(token_ids=p, request_id=f"r{i}", max_tokens=args.max_tokens, **greedy)
-                for i, p in enumerate(prompts)]
+    requests = [
+        engine.add_request(token_ids=p, request_id=f"r{i}", max_tokens=args.max_tokens, **greedy)
+        for i, p in enumerate(prompts)
+    ]
     start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_pending_requests():
         engine.step()
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = engine.stats()
     tokens = sum(len(r.tokens) for r in requests)
-    delta = {key: stats.get(key, 0) - before.get(key, 0)
-             for key in ("num_steps", "spec_proposed_tokens", "spec_accepted_tokens")}
-    return {"median": {"output_tok_s": tokens / seconds}, "seconds": seconds, "cpu_seconds": cpu_seconds,
-            "output_tokens": tokens,
-            "static_verify_steps": verify_steps[0], **delta, "outputs": [r.tokens for r in requests]}
+    delta = {
+        key: stats.get(key, 0) - before.get(key, 0)
+        for key in ("num_steps", "spec_proposed_tokens", "spec_accepted_tokens")
+    }
+    return {
+        "median": {"output_tok_s": tokens / seconds},
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "output_tokens": tokens,
+        "static_verify_steps": verify_steps[0],
+        **delta,
+        "outputs": [r.tokens for r in requests],
+    }
 
 
 def main() -> None:
@@ -106,23 +121,35 @@ def main() -> None:
 
     outputs = {name: result.pop("outputs") for name, result in systems.items()}
     result = {
-        "settings": {"batch_size": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-                     "k": args.k, "device": args.device, "dtype": args.dtype, "checkpoint": args.checkpoint},
+        "settings": {
+            "batch_size": args.requests,
+            "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens,
+            "k": args.k,
+            "device": args.device,
+            "dtype": args.dtype,
+            "checkpoint": args.checkpoint,
+        },
         "systems": systems,
         "outputs_equal": outputs["spec_static"] == outputs["spec_ragged"],
         "outputs_equal_plain": outputs["spec_static"] == outputs["plain"],
         "static_over_ragged": systems["spec_static"]["median"]["output_tok_s"]
         / systems["spec_ragged"]["median"]["output_tok_s"],
-        "static_over_plain": systems["spec_static"]["median"]["output_tok_s"] / systems["plain"]["median"]["output_tok_s"],
+        "static_over_plain": systems["spec_static"]["median"]["output_tok_s"]
+        / systems["plain"]["median"]["output_tok_s"],
     }
     for name, r in systems.items():
-        print(f"{name:<12} {r['median']['output_tok_s']:>10,.0f} out tok/s  cpu {r['cpu_seconds']:.2f} s  "
+        print(
+            f"{name:<12} {r['median']['output_tok_s']:>10,.0f} out tok/s  cpu {r['cpu_seconds']:.2f} s  "
             f"{r['num_steps']:>5} steps  "
-              f"accepted {r['spec_accepted_tokens']}/{r['spec_proposed_tokens']}  static verify steps "
-              f"{r['static_verify_steps']}")
-    print(f"spec_static / spec_ragged {result['static_over_ragged']:.2f}x, spec_static / plain "
-          f"{result['static_over_plain']:.2f}x, outputs equal (static vs ragged) {result['outputs_equal']}, "
-          f"(static vs plain) {result['outputs_equal_plain']}")
+            f"accepted {r['spec_accepted_tokens']}/{r['spec_proposed_tokens']}  static verify steps "
+            f"{r['static_verify_steps']}"
+        )
+    print(
+        f"spec_static / spec_ragged {result['static_over_ragged']:.2f}x, spec_static / plain "
+        f"{result['static_over_plain']:.2f}x, outputs equal (static vs ragged) {result['outputs_equal']}, "
+        f"(static vs plain) {result['outputs_equal_plain']}"
+    )
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     if systems["spec_static"]["static_verify_steps"] == 0 or systems["spec_ragged"]["static_verify_steps"] != 0:

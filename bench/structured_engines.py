@@ -201,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         engines = [XGrammarEngine(path, eos), LLGuidanceEngine(path, eos)]
         for e in engines:
             print(f"{e.name}: tokenizer setup {_ms(e.tokenizer_s)} ms")
-        print("\n| constraint | engine | compile + first mask (ms) | fill, batch 1 (us/token) | fill, batch 32 "
-            "(us/step) | batch 32 worst step (us) |")
+        print(
+            "\n| constraint | engine | compile + first mask (ms) | fill, batch 1 (us/token) | fill, batch 32 "
+            "(us/step) | batch 32 worst step (us) |"
+        )
         print("|---|---|---|---|---|---|")
         for case in CASES:
             tokens = backend.encode(case[3], add_special_tokens=False).ids

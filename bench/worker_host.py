@@ -33,7 +33,10 @@ BLOCKS_PER_REQUEST = 32  # room for 512 tokens each
 def measure(n: int, steps: int) -> dict[str, float]:
     runner = ModelRunner(
         RunnerConfig(
-            demo_checkpoint_dir(), block_size=BLOCK_SIZE, num_blocks=n * BLOCKS_PER_REQUEST + 1, dtype="float32",
+            demo_checkpoint_dir(),
+            block_size=BLOCK_SIZE,
+            num_blocks=n * BLOCKS_PER_REQUEST + 1,
+            dtype="float32",
         ),
     )
     hidden = runner.model_config.hidden_size
@@ -44,8 +47,13 @@ def measure(n: int, steps: int) -> dict[str, float]:
     greedy = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     news = [
         NewRequestData(
-            f"r{i}", i, [5 + i % 50] * PROMPT, greedy,
-            list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)), 0, PROMPT,
+            f"r{i}",
+            i,
+            [5 + i % 50] * PROMPT,
+            greedy,
+            list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)),
+            0,
+            PROMPT,
         )
         for i in range(n)
     ]

@@ -15,7 +15,9 @@ from conveyor import Engine
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="local HF checkpoint directory, GGUF file or 'demo' (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", help="local HF checkpoint directory, GGUF file or 'demo' (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args()
 
@@ -27,8 +29,10 @@ def main() -> None:
         """Print an iteration that admitted requests; take every request's new tokens."""
         b = out.batch
         if b is not None and b.num_admitted:
-            print(f"step {b.step}: {b.batch_size} requests, {b.input_tokens} input tokens, "
-                  f"admitted {b.num_admitted} (max wait {b.max_wait * 1e3:.2f} ms)")
+            print(
+                f"step {b.step}: {b.batch_size} requests, {b.input_tokens} input tokens, "
+                f"admitted {b.num_admitted} (max wait {b.max_wait * 1e3:.2f} ms)"
+            )
         for request in out.requests:
             if request.has_available_tokens():
                 request.take_new()  # a streaming caller would print this delta

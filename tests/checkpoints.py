@@ -79,7 +79,12 @@ QWEN3_MOE: dict[str, Any] = {
     "norm_topk_prob": False, "mlp_only_layers": [1],
 }  # fmt: skip
 #: Mixtral: 8 experts of width 48, 2 per token (renormalized, as Mixtral always is), window 8.
-MIXTRAL: dict[str, Any] = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48, "sliding_window": 8}
+MIXTRAL: dict[str, Any] = {
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 48,
+    "sliding_window": 8,
+}
 
 # name -> (config class, architecture, overrides of SMALL); a family's seed is its index here.
 CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
@@ -104,10 +109,16 @@ CHECKPOINTS: dict[str, tuple[type, str, dict[str, Any]]] = {
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 1}),
     "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM", GEMMA3),
     # Tied embeddings, uncapped logits, the sliding layers' rope base from the default.
-    "gemma3_tied": (Gemma3TextConfig, "Gemma3ForCausalLM", {
-        **GEMMA3, "tie_word_embeddings": True, "final_logit_softcapping": None,
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500.0}},
-    }),
+    "gemma3_tied": (
+        Gemma3TextConfig,
+        "Gemma3ForCausalLM",
+        {
+            **GEMMA3,
+            "tie_word_embeddings": True,
+            "final_logit_softcapping": None,
+            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500.0}},
+        },
+    ),
     "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", QWEN3_MOE),
     "mixtral": (MixtralConfig, "MixtralForCausalLM", MIXTRAL),
 }
@@ -220,7 +231,7 @@ THINKING_TEMPLATE = (
     "{%- if message.role == 'assistant' %}"
     "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
     "<|start_header_id|>assistant<|end_header_id|>\n\n{{ content }}"
-    "{%- for call in message.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    '{%- for call in message.tool_calls or [] %}<tool_call>\n{"name": "{{ call.function.name }}", "arguments": '
     "{{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson "
     "}}}\n</tool_call>"
     "{%- endfor %}<|eot_id|>"
@@ -252,12 +263,20 @@ def qwen3_thinking_checkpoint(directory: Path) -> Path:
     tok_config["chat_template"] = THINKING_TEMPLATE
     for token in THINKING_TOKENS:
         tok_config["added_tokens_decoder"][str(backend.token_to_id(token))] = {
-            "content": token, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False, "special": False,
+            "content": token,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+            "special": False,
         }
     config_path.write_text(json.dumps(tok_config, indent=2))
     config = Qwen3Config(
         **{**SMALL, **CHECKPOINTS["qwen3"][2], "max_position_embeddings": 256, "vocab_size": backend.get_vocab_size()},
-        bos_token_id=0, eos_token_id=4, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"],
+        bos_token_id=0,
+        eos_token_id=4,
+        tie_word_embeddings=False,
+        architectures=["Qwen3ForCausalLM"],
     )
     build(config, directory, SERVING_SEED + 3)
     return directory

@@ -43,7 +43,11 @@ _GEMMA3_LAYER = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
     "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt "
@@ -60,7 +64,11 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
 
 def permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's q/k row order: the two rotary halves of each head interleaved."""
-    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def write_gguf(

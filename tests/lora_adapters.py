@@ -29,8 +29,9 @@ def make_adapter(
     return the PEFT model (eval mode), the reference for greedy tokens under it."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, lora_dropout=0.0,
-                        use_rslora=rslora)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, lora_dropout=0.0, use_rslora=rslora
+    )
     model = get_peft_model(copy.deepcopy(base), config)
     generator = torch.Generator().manual_seed(1000 + seed)
     with torch.no_grad():

@@ -34,7 +34,9 @@ _NONE_LOADED = textwrap.dedent(
 )
 
 
-def run_without(blocked: tuple[str, ...], body: str, *, unloaded: tuple[str, ...] = (), env=None, timeout: float = 120) -> None:
+def run_without(
+    blocked: tuple[str, ...], body: str, *, unloaded: tuple[str, ...] = (), env=None, timeout: float = 120
+) -> None:
     """Run ``body`` with the packages ``blocked`` unimportable, then check that none of them
     nor of ``unloaded`` got loaded; fails the test with the child's stderr if anything did not hold."""
     names = set(blocked) | set(unloaded)

@@ -36,7 +36,10 @@ def pip_runs(checkout: Path, target: str, python: str = sys.executable) -> list[
         pytest.skip("no make")
     result = subprocess.run(
         ["make", "--no-print-directory", target, f"PYTHON={python}", f"PIP=echo {PIP_RAN}"],
-        cwd=checkout, capture_output=True, text=True, timeout=120,
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return [line for line in result.stdout.splitlines() if line.startswith(PIP_RAN)]

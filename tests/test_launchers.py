@@ -38,7 +38,9 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def serve_help(python: str, checkout: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([python, str(checkout / "bin" / "serve"), "--help"], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [python, str(checkout / "bin" / "serve"), "--help"], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_command_moves_to_the_interpreter_conveyor_was_installed_with(checkout, bare_python) -> None:
@@ -75,6 +77,7 @@ def test_every_command_runs_a_main_that_exists() -> None:
     lists are the same commands."""
     import importlib
     import re
+
     import tomllib
 
     launched = {}

@@ -106,7 +106,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := walk(nxt)) is not None:
                 return found
         path.pop()
@@ -123,7 +123,9 @@ def test_the_folders_import_each_other_without_a_circle() -> None:
     """Floors, not a web: no folder reaches, directly or through others, a folder that imports
     it (function-level imports count; ``TYPE_CHECKING`` ones do not)."""
     graph = _package_graph()
-    assert "conveyor.ipc" in graph["conveyor.protocol"] and "conveyor.worker" in graph["conveyor.assembly"]  # edges are seen
+    assert (
+        "conveyor.ipc" in graph["conveyor.protocol"] and "conveyor.worker" in graph["conveyor.assembly"]
+    )  # edges are seen
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
@@ -134,8 +136,18 @@ def test_the_circle_finder_finds_a_circle() -> None:
 
 def test_the_process_rooms_never_import_the_assembly_above_them() -> None:
     graph = _package_graph()
-    for room in ("conveyor.runtime", "conveyor.frontend", "conveyor.scheduler", "conveyor.worker", "conveyor.ipc", "conveyor.protocol"):
-        assert not graph[room] & {"conveyor.assembly", "conveyor.engine", "conveyor.cli", "conveyor.http"}, (room, graph[room])
+    for room in (
+        "conveyor.runtime",
+        "conveyor.frontend",
+        "conveyor.scheduler",
+        "conveyor.worker",
+        "conveyor.ipc",
+        "conveyor.protocol",
+    ):
+        assert not graph[room] & {"conveyor.assembly", "conveyor.engine", "conveyor.cli", "conveyor.http"}, (
+            room,
+            graph[room],
+        )
 
 
 def _importers_of(prefix: str, *, outside: str | None = None) -> dict[str, list[str]]:
@@ -191,7 +203,10 @@ def test_serving_never_needs_transformers(tmp_path) -> None:
     """Every process's entry, the CLI that serves, and the engine building the demo model
     and generating from it, with transformers unimportable."""
     run_without(
-        ("transformers",), SERVES_WITHOUT_TRANSFORMERS, env={**os.environ, "CONVEYOR_CACHE": str(tmp_path / "cache")}, timeout=240
+        ("transformers",),
+        SERVES_WITHOUT_TRANSFORMERS,
+        env={**os.environ, "CONVEYOR_CACHE": str(tmp_path / "cache")},
+        timeout=240,
     )
 
 

@@ -63,7 +63,9 @@ def test_derived_values_and_window_total() -> None:
     idle.record(now - 10 * NS_PER_MS, now)
     prof.derive(
         "idle_fraction",
-        lambda since: prof.window_total("idle", since) / (prof.window_total("idle", since) + prof.window_total("execute", since)),
+        lambda since: (
+            prof.window_total("idle", since) / (prof.window_total("idle", since) + prof.window_total("execute", since))
+        ),
     )
     assert prof.snapshot(60.0).values["idle_fraction"] == pytest.approx(0.25)
 

@@ -12,9 +12,9 @@ from conveyor.cli import serve
 from conveyor.runtime.config import (
     FrontendConfig,
     HttpConfig,
-    RunnerConfig,
     Policy,
     Preemption,
+    RunnerConfig,
     SchedulerConfig,
     SchedulerProcessConfig,
     ServerConfig,
@@ -38,7 +38,15 @@ def build(*flags: str, run_dir: str = "/tmp/conveyor-test-run"):
 
 
 def test_every_flag_reaches_a_view() -> None:
-    views = (FrontendConfig, WorkerConfig, RunnerConfig, SchedulerConfig, SchedulerProcessConfig, HttpConfig, ServerConfig)
+    views = (
+        FrontendConfig,
+        WorkerConfig,
+        RunnerConfig,
+        SchedulerConfig,
+        SchedulerProcessConfig,
+        HttpConfig,
+        ServerConfig,
+    )
     fields = {f.name for view in views for f in dataclasses.fields(view)}
     dests = {a.dest for a in serve.build_parser()._actions if a.dest != "help"}
     assert dests - fields - CONVERTED == set()
@@ -126,14 +134,33 @@ def test_the_draft_model_flags_reach_the_scheduler_and_the_worker_and_a_bad_draf
     with pytest.raises(ValueError, match="320 tokens, the served model's"):
         build("--speculative-method", "draft", "--speculative-model", str(tmp_path), "--num-speculative-tokens", "3")
     write_draft(ModelConfig.from_dir(demo).vocab_size, 3)
-    three_heads = ("--speculative-method", "draft", "--speculative-model", str(tmp_path), "--num-speculative-tokens", "3")
+    three_heads = (
+        "--speculative-method",
+        "draft",
+        "--speculative-model",
+        str(tmp_path),
+        "--num-speculative-tokens",
+        "3",
+    )
     build(*three_heads)
-    with pytest.raises(ValueError, match=f"--speculative-model {tmp_path}: num_attention_heads 3 does not divide by the tensor-parallel size 2"):
+    with pytest.raises(
+        ValueError,
+        match=f"--speculative-model {tmp_path}: num_attention_heads 3 does not divide by the tensor-parallel size 2",
+    ):
         build(*three_heads, "--tensor-parallel-size", "2")
-    with pytest.raises(ValueError, match="--model .*: num_attention_heads 8 does not divide by the tensor-parallel size 3"):
+    with pytest.raises(
+        ValueError, match="--model .*: num_attention_heads 8 does not divide by the tensor-parallel size 3"
+    ):
         build("--tensor-parallel-size", "3")  # the served model's own heads, as well
     with pytest.raises(StartupError, match="speculative-model .*nowhere: no config.json"):  # (serve exits 2 with it)
-        build("--speculative-method", "draft", "--speculative-model", str(tmp_path / "nowhere"), "--num-speculative-tokens", "2")
+        build(
+            "--speculative-method",
+            "draft",
+            "--speculative-model",
+            str(tmp_path / "nowhere"),
+            "--num-speculative-tokens",
+            "2",
+        )
 
 
 def test_a_mode_given_as_a_string_becomes_its_enum_member() -> None:
@@ -155,17 +182,24 @@ def test_the_exposed_http_warning_stays_until_a_key_is_set(capsys) -> None:
 def test_the_ready_line_counts_the_data_parallel_replicas() -> None:
     """Every replica's cache, not replica 0's as if it were the server's."""
     one = build("--num-kv-blocks", "64")
-    assert serve.ready_line(one, [{"num_blocks": 64, "device": "cpu"}]).endswith("on cpu with 64 KV blocks of 16 tokens")
+    assert serve.ready_line(one, [{"num_blocks": 64, "device": "cpu"}]).endswith(
+        "on cpu with 64 KV blocks of 16 tokens"
+    )
     two = build("--num-kv-blocks", "64", "--data-parallel-size", "2")
     line = serve.ready_line(two, [{"num_blocks": 64, "device": "cpu"}] * 2)
-    assert line.endswith("on cpu with 2 data-parallel replicas of 64 KV blocks of 16 tokens each") and "replica 0" not in line
+    assert (
+        line.endswith("on cpu with 2 data-parallel replicas of 64 KV blocks of 16 tokens each")
+        and "replica 0" not in line
+    )
     uneven = serve.ready_line(two, [{"num_blocks": 64, "device": "cuda:0"}, {"num_blocks": 60, "device": "cuda:1"}])
     assert uneven.endswith("on cuda:0, cuda:1 with 2 data-parallel replicas of 64/60 KV blocks of 16 tokens")
 
 
 def test_config_errors_name_the_flags() -> None:
     parser = serve.build_parser()
-    assert serve.in_flag_terms("max_num_seqs must be positive, got 0", parser) == "--max-num-seqs must be positive, got 0"
+    assert (
+        serve.in_flag_terms("max_num_seqs must be positive, got 0", parser) == "--max-num-seqs must be positive, got 0"
+    )
     assert serve.in_flag_terms("num_blocks must be positive", parser) == "--num-kv-blocks must be positive"
     # A field inside a path or a longer name is left alone; one with no flag too.
     assert serve.in_flag_terms("/x/max_num_seqs/y: block_bytes", parser) == "/x/max_num_seqs/y: block_bytes"

@@ -40,7 +40,11 @@ def run_child(tmp_path, kind: str, debug: bool = False) -> tuple[str, str]:
     if debug:
         env["CONVEYOR_DEBUG"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, f"ipc://{tmp_path}/control", kind], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", CHILD, f"ipc://{tmp_path}/control", kind],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip(), proc.stderr

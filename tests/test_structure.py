@@ -71,7 +71,10 @@ def import_graph(folder: Path) -> dict[str, set[str]]:
     """The modules of ``folder`` (its subfolders' too) -> those of them each imports. A
     package's ``__init__`` is left out: importing a submodule runs it, which is no dependency."""
     modules = {_module_name(path): path for path in sorted(folder.rglob("*.py")) if path.name != "__init__.py"}
-    return {name: {target for target in _all_imports(path) if target in modules and target != name} for name, path in modules.items()}
+    return {
+        name: {target for target in _all_imports(path) if target in modules and target != name}
+        for name, path in modules.items()
+    }
 
 
 def _folders() -> list[str]:

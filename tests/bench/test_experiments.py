@@ -16,7 +16,6 @@ from conveyor_tools.bench.batch_stats import kv_usage, occupancy, padded_waste
 from conveyor_tools.bench.experiments import SPREADS
 from conveyor_tools.bench.workloads import SHAREGPT_MEAN_OUTPUT, BenchRequest, Workload, make_workload
 from conveyor_tools.cli import bench
-
 from tests.e2e.serve_harness import REPO
 
 VOCAB = 4096
@@ -60,7 +59,9 @@ def test_occupancy_per_step_and_over_time() -> None:
 
 @pytest.mark.parametrize("sigma", [0.0, *SPREADS.values()])
 def test_lognormal_workload_keeps_its_mean_at_every_spread(sigma) -> None:
-    w = make_workload("lognormal", 4000, vocab_size=VOCAB, max_model_len=8192, prompt_len=32, output_len=64, output_sigma=sigma)
+    w = make_workload(
+        "lognormal", 4000, vocab_size=VOCAB, max_model_len=8192, prompt_len=32, output_len=64, output_sigma=sigma
+    )
     outputs = np.array([r.output_len for r in w.requests])
     assert {r.prompt_len for r in w.requests} == {32}
     assert outputs.mean() == pytest.approx(64, rel=0.05)
@@ -99,7 +100,9 @@ def positive(x) -> bool:
 
 
 def test_quick_run_gives_every_table(tiny_checkpoint, tmp_path) -> None:
-    proc = run_experiments("--quick", "--model", str(tiny_checkpoint), "--kv-cache-memory", "0.01", "--out", str(tmp_path))
+    proc = run_experiments(
+        "--quick", "--model", str(tiny_checkpoint), "--kv-cache-memory", "0.01", "--out", str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "experiments.json").read_text())
     assert result["environment"]["machine"]["cpu"] and result["environment"]["device"]["kind"] == "cpu"

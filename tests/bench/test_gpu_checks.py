@@ -32,7 +32,9 @@ import gpu_stages  # noqa: E402
 FIRST = ["checkpoint", "smoke", "conveyor_b128", "hf", "decode_step", "gpu_tests"]
 
 
-def gpu_checks_sh(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+def gpu_checks_sh(
+    tmp_path: Path, *flags: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, **(env or {})}
     cmd = ["bash", str(REPO / "bench" / "gpu_checks.sh"), "--cpu", "--work", str(tmp_path / "work"), *flags]
@@ -127,7 +129,9 @@ def test_the_first_window_fits_its_deadline_and_compiled_hf_waits_for_a_later_on
     second, _ = gpu_checks.select(plan, gpu_checks.parse_args(["--window", "2", "--out", str(tmp_path)]))
     assert [s.name for s in second] == ["checkpoint", "hf_compiled_b1", "hf_compiled_b8"]
     assert all(s.limit_s >= 180 for s in second[1:])  # a cold torch.compile of 16 layers takes minutes
-    rerun, notes = gpu_checks.select(plan, gpu_checks.parse_args(["--stages", "hf_compiled_b1,checkpoint", "--out", str(tmp_path)]))
+    rerun, notes = gpu_checks.select(
+        plan, gpu_checks.parse_args(["--stages", "hf_compiled_b1,checkpoint", "--out", str(tmp_path)])
+    )
     assert [s.name for s in rerun] == ["checkpoint", "hf_compiled_b1"] and "gpu_tests" in notes[0]
     bench = next(s for s in first if s.name == "conveyor_b128").command
     assert bench[bench.index("--warmup") + 1] == "workload" and bench[bench.index("--timed-runs") + 1] == "2"

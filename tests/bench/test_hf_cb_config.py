@@ -81,8 +81,13 @@ def tiny_model():
     torch.manual_seed(0)
     return LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128,
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
         )
     ).eval()
 
@@ -101,7 +106,10 @@ def test_installed_transformers_builds_the_config_for_a_tiny_model(tiny_model):
     fields = hf.accepted_names(ContinuousBatchingConfig)
     page_field = "page_size" if "page_size" in fields else "block_size"
     assert (getattr(cb, page_field), cb.num_blocks, cb.max_batch_tokens, cb.max_requests_per_batch) == (
-        hf.HF_CB_PAGE_SIZE, num_blocks, 64, 3
+        hf.HF_CB_PAGE_SIZE,
+        num_blocks,
+        64,
+        3,
     ), transformers.__version__
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=4)
     init = model.init_continuous_batching
@@ -151,7 +159,13 @@ def test_bin_bench_offline_reports_hf_cb_or_why_not(tiny_checkpoint, monkeypatch
     args = bench.build_parser().parse_args(argv)
     reqs = [BenchRequest([5, 6, 7, 8][: 2 + i % 3], 2 + i) for i in range(3)]
     workload = Workload("tiny", 0, reqs)
-    ctx = {"workload": workload, "systems": ["hf-cb"], "device": "cpu", "model_dir": str(tiny_checkpoint), "vocab_size": 128}
+    ctx = {
+        "workload": workload,
+        "systems": ["hf-cb"],
+        "device": "cpu",
+        "model_dir": str(tiny_checkpoint),
+        "vocab_size": 128,
+    }
     result = bench.offline(args, ctx)["systems"]["hf-cb"]
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("hf-cb"))
     if spelling == "installed":

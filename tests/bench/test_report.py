@@ -67,7 +67,12 @@ def online_summary(output_tok_s: float) -> dict:
 def test_online_ratios_pair_runs_of_the_same_repeat() -> None:
     runs = [
         {"system": "conveyor", "repeat": 0, "summary": online_summary(100.0)},
-        {"system": "conveyor-http", "repeat": 0, "summary": online_summary(90.0), "extra": {"cpu_us_per_token": {"http": 40.0}}},
+        {
+            "system": "conveyor-http",
+            "repeat": 0,
+            "summary": online_summary(90.0),
+            "extra": {"cpu_us_per_token": {"http": 40.0}},
+        },
         {"system": "conveyor", "repeat": 1, "summary": online_summary(200.0)},
         {"system": "conveyor-http", "repeat": 1, "summary": online_summary(190.0)},
     ]
@@ -99,8 +104,12 @@ def test_offline_static_gathers_a_full_batch_and_continuous_does_not() -> None:
 
 
 @pytest.mark.parametrize("flag", ["--controls-fraction", "--constrained-fraction"])
-@pytest.mark.parametrize(("systems", "fraction"), [("conveyor,hf", "0.5"), ("conveyor,conveyor-http", "0.5"), ("conveyor", "1.5")])
-def test_request_field_fractions_are_refused_before_the_run(monkeypatch, tiny_checkpoint, capsys, flag, systems, fraction) -> None:
+@pytest.mark.parametrize(
+    ("systems", "fraction"), [("conveyor,hf", "0.5"), ("conveyor,conveyor-http", "0.5"), ("conveyor", "1.5")]
+)
+def test_request_field_fractions_are_refused_before_the_run(
+    monkeypatch, tiny_checkpoint, capsys, flag, systems, fraction
+) -> None:
     """A fraction outside [0, 1], or a system whose driver cannot send the fields, is refused
     with the flag named, before anything runs."""
 
@@ -176,8 +185,16 @@ def test_the_progress_bar_starts_after_the_server_is_up(monkeypatch, tiny_checkp
     monkeypatch.setattr(bench, "run_offline", run_offline)
     args = bench.build_parser().parse_args(["offline", "--systems", "conveyor", "--model", str(tiny_checkpoint)])
     workload = type("W", (), {"requests": [None] * 8, "name": "fixed", "seed": 0, "params": {}})()
-    result = bench.offline(args, {"workload": workload, "systems": ["conveyor"], "device": "cpu",
-                                  "model_dir": str(tiny_checkpoint), "vocab_size": 100})
+    result = bench.offline(
+        args,
+        {
+            "workload": workload,
+            "systems": ["conveyor"],
+            "device": "cpu",
+            "model_dir": str(tiny_checkpoint),
+            "vocab_size": 100,
+        },
+    )
     assert events == ["server up", "bar", "run", "server down"]
     assert result["warning"].startswith("warning: this run is too short")
 
@@ -197,18 +214,27 @@ def test_plots_show_the_spread_of_repeats(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(plots, "_save", keep)
     runs = [dict(offline_result(v)["runs"][0]) for v in (290.0, 300.0, 330.0)]
-    system = {"runs": runs, "median": report.aggregate(runs, report.OFFLINE_KEYS), "latencies_s": [1.0], "timeline": {"t_s": []}}
+    system = {
+        "runs": runs,
+        "median": report.aggregate(runs, report.OFFLINE_KEYS),
+        "latencies_s": [1.0],
+        "timeline": {"t_s": []},
+    }
     plots.plot_offline(str(tmp_path), "t", {"conveyor": system})
     assert len(drawn["throughput.png"]) == 1
-    online = [{"system": "conveyor", "repeat": i, "summary": online_summary(v), "raw": {"ttft_s": [0.1], "e2e_s": [1.0]}}
-              for i, v in enumerate((90.0, 100.0, 120.0))]
+    online = [
+        {"system": "conveyor", "repeat": i, "summary": online_summary(v), "raw": {"ttft_s": [0.1], "e2e_s": [1.0]}}
+        for i, v in enumerate((90.0, 100.0, 120.0))
+    ]
     plots.plot_online(str(tmp_path), "t", online)
     [bars] = drawn["online_throughput.png"]
     assert bars.lines[0].get_ydata().tolist() == [100.0]  # the median, with the min-max range around it
 
 
 def test_online_repeats_show_min_median_max_per_system_and_rate() -> None:
-    runs = [{"system": "conveyor", "repeat": i, "summary": online_summary(v)} for i, v in enumerate((120.0, 100.0, 90.0))]
+    runs = [
+        {"system": "conveyor", "repeat": i, "summary": online_summary(v)} for i, v in enumerate((120.0, 100.0, 90.0))
+    ]
     runs.append({"system": "vllm-cpu", "repeat": 0, "summary": online_summary(80.0)})
     header, _, conveyor, vllm = report.online_spread_table(runs).splitlines()
     assert "min/med/max" in header

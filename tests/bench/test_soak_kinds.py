@@ -61,12 +61,20 @@ def test_constrained_choices_must_be_valid_under_their_constraint() -> None:
     schema, regex, choice = CONSTRAINTS
     good = json.dumps({"word": "abc", "count": 3}, separators=(",", ":"))
     assert check_choices({"max_tokens": 3, "constraint": schema}, final(good), raw_prompt=False) == []
-    (bad,) = check_choices({"max_tokens": 3, "constraint": schema}, final('{"word":"abcdefgh","count":3}'), raw_prompt=False)
+    (bad,) = check_choices(
+        {"max_tokens": 3, "constraint": schema}, final('{"word":"abcdefgh","count":3}'), raw_prompt=False
+    )
     assert "choice 0" in bad and "is too long" in bad, bad
     assert "Expecting" in check_choices({"max_tokens": 3, "constraint": schema}, final('{"word"'), raw_prompt=False)[0]
     assert check_choices({"max_tokens": 3, "constraint": regex}, final("the cat dog"), raw_prompt=False) == []
-    assert f"does not match {REGEX!r}" in check_choices({"max_tokens": 3, "constraint": regex}, final("cat"), raw_prompt=False)[0]
-    assert check_choices({"max_tokens": 3, "n": 2, "constraint": choice}, final("maybe later", "no"), raw_prompt=False) == []
+    assert (
+        f"does not match {REGEX!r}"
+        in check_choices({"max_tokens": 3, "constraint": regex}, final("cat"), raw_prompt=False)[0]
+    )
+    assert (
+        check_choices({"max_tokens": 3, "n": 2, "constraint": choice}, final("maybe later", "no"), raw_prompt=False)
+        == []
+    )
     (bad,) = check_choices({"max_tokens": 3, "n": 2, "constraint": choice}, final("no", "nope"), raw_prompt=False)
     assert bad.startswith("choice 1") and f"is none of {CHOICES}" in bad
     calls = {"max_tokens": 3, "tools": [], "tool_choice": "required"}
@@ -122,7 +130,9 @@ def test_greedy_choices_agree_and_take_the_most_likely_token() -> None:
     assert check_choices(fields, result, raw_prompt=False) == [
         "choice 1: greedy tokens [0, 1, 2] are not the most likely [0, 1, 9]"
     ]
-    assert check_choices({**fields, "ignore_eos": True}, result, raw_prompt=False) == []  # EOS masked: not the raw argmax
+    assert (
+        check_choices({**fields, "ignore_eos": True}, result, raw_prompt=False) == []
+    )  # EOS masked: not the raw argmax
     result.choices[1].token_ids = [0, 1, 9]
     assert "greedy choices differ" in check_choices(fields, result, raw_prompt=False)[0]
 

@@ -77,7 +77,9 @@ def test_the_copy_checkpoint_repeats_the_passage_through_the_engine_and_hf(copy_
     assert logits[-5:].argmax(-1).tolist() == result.token_ids[:5]
 
 
-def _cell(batch, workload, method, tok_s, forwards, cpu, wall=2.0, tokens=96, accepted=0, proposals=0, proposed=0, steps=0):
+def _cell(
+    batch, workload, method, tok_s, forwards, cpu, wall=2.0, tokens=96, accepted=0, proposals=0, proposed=0, steps=0
+):
     counters = {"num_steps": forwards, "spec_num_proposals": proposals, "spec_proposed_tokens": proposed,
                 "spec_accepted_tokens": accepted, "spec_num_steps": steps}  # fmt: skip
     run = {"output_tok_s": tok_s, "wall_s": wall, "output_tokens": tokens}
@@ -116,5 +118,12 @@ def test_nolimit_runs_only_above_the_batch_rule():
 
     for method, draft in (("draft-self", copy_checkpoint_dir()), ("draft-random", demo_checkpoint_dir())):
         flags = speculative.method_flags(method, 2)
-        assert flags == ["--speculative-method", "draft", "--speculative-model", str(draft), "--num-speculative-tokens", "2"]
+        assert flags == [
+            "--speculative-method",
+            "draft",
+            "--speculative-model",
+            str(draft),
+            "--num-speculative-tokens",
+            "2",
+        ]
         assert (draft / "config.json").is_file()

@@ -3,13 +3,12 @@ environment is missing or it does not start, and never a process left behind."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
 from conveyor_tools.bench.server import ServeError
-import os
-
 from conveyor_tools.bench.vllm_server import VllmServer, _cpu_seconds, _process_group
 from conveyor_tools.cli.bench_options import ALL_SYSTEMS
 

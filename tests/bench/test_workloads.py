@@ -11,12 +11,12 @@ from conveyor_tools.bench.run_metrics import OnlineRun, StreamTiming, Timeline, 
 from conveyor_tools.bench.workloads import (
     HV_LONG,
     HV_SHORT,
+    SAMPLING_CONTROLS,
     SHAREGPT_MEAN_OUTPUT,
     SHAREGPT_MEAN_PROMPT,
-    SAMPLING_CONTROLS,
     make_workload,
-    with_controls,
     poisson_arrivals,
+    with_controls,
     workload_from_args,
 )
 
@@ -44,9 +44,15 @@ def test_same_seed_same_requests(name) -> None:
     ("flags", "kwargs"),
     [
         (["--workload", "fixed", "--prompt-len", "7", "--output-len", "9"], {"prompt_len": 7, "output_len": 9}),
-        (["--workload", "uniform", "--min-len", "5", "--max-len", "12", "--seed", "3"], {"min_len": 5, "max_len": 12, "seed": 3}),
+        (
+            ["--workload", "uniform", "--min-len", "5", "--max-len", "12", "--seed", "3"],
+            {"min_len": 5, "max_len": 12, "seed": 3},
+        ),
         (["--workload", "sharegpt", "--scale", "0.25", "--num-requests", "9"], {"scale": 0.25}),
-        (["--workload", "lognormal", "--output-len", "20", "--output-sigma", "0.5"], {"output_len": 20, "output_sigma": 0.5}),
+        (
+            ["--workload", "lognormal", "--output-len", "20", "--output-sigma", "0.5"],
+            {"output_len": 20, "output_sigma": 0.5},
+        ),
     ],
 )
 def test_bench_and_sim_flags_name_the_same_workload(flags, kwargs) -> None:

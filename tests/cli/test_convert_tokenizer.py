@@ -40,14 +40,29 @@ def sentencepiece_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("spm-checkpoint")
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS * 20), model_writer=model, vocab_size=320, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, split_digits=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        sentence_iterator=iter(CORPUS * 20),
+        model_writer=model,
+        vocab_size=320,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
         minloglevel=2,
     )
     (out / "tokenizer.model").write_bytes(model.getvalue())
-    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-              "add_bos_token": True}
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 

@@ -68,7 +68,7 @@ def hf_greedy(tiny_checkpoint):
                 out = model.generate(
                     ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
                 )
-            longest[key] = out[0, len(prompt_ids):].tolist()
+            longest[key] = out[0, len(prompt_ids) :].tolist()
         return longest[key][:n]
 
     return run

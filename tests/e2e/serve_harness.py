@@ -82,13 +82,24 @@ def mapped_ring_files(pid: int) -> set[str]:
     """The shared-memory ring files process ``pid`` has mapped (its own server's, whatever
     else runs on this host)."""
     with open(f"/proc/{pid}/maps") as maps:
-        return {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5 and line.rstrip().endswith(".ring")}
+        return {
+            line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5 and line.rstrip().endswith(".ring")
+        }
 
 
 # A request that would run far longer than any test waits: its disconnect, not its end, frees it.
 LONG_MODEL_LEN = 4096
 LONG_MAX_TOKENS = 4000  # ~16 s of decoding at the tiny model's ~250 tok/s on this CPU
-LONG_SERVE_ARGS = ("--max-model-len", str(LONG_MODEL_LEN), "--num-kv-blocks", "300", "--block-size", "16", "--threads", "1")
+LONG_SERVE_ARGS = (
+    "--max-model-len",
+    str(LONG_MODEL_LEN),
+    "--num-kv-blocks",
+    "300",
+    "--block-size",
+    "16",
+    "--threads",
+    "1",
+)
 ABORT_BOUND_S = 1.0  # disconnect -> the request's KV blocks free (docs/reliability.md)
 
 
@@ -157,7 +168,9 @@ async def kill_during_streams(
         async def long_request(i: int) -> tuple[object, float]:
             last = None
             try:
-                async for delta in client.stream(token_ids=[4 + i] * 10, max_tokens=max_tokens, ignore_eos=True, temperature=0):
+                async for delta in client.stream(
+                    token_ids=[4 + i] * 10, max_tokens=max_tokens, ignore_eos=True, temperature=0
+                ):
                     if last is None:
                         in_flight.release()
                     last = delta
@@ -232,5 +245,3 @@ class ServeProcess:
                 pass
         self.proc.kill()
         self.proc.wait(10)
-
-

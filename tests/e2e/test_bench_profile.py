@@ -12,12 +12,19 @@ import subprocess
 import sys
 
 from conveyor.client import Client
-
 from tests.e2e.serve_harness import REPO
 
 SERVE_ARGS = ("--num-kv-blocks", "64", "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "128")
 STAGES = {
-    "frontend": {"tokenize", "detokenize", "client_send", "event_loop_lag", "handle_outputs", "request_ttft", "request_itl"},
+    "frontend": {
+        "tokenize",
+        "detokenize",
+        "client_send",
+        "event_loop_lag",
+        "handle_outputs",
+        "request_ttft",
+        "request_itl",
+    },
     "scheduler": {"schedule", "update", "plan_round_trip", "transport_overhead", "batch_seqs"},
     "worker": {"idle", "execute", "prepare_inputs", "forward", "sample"},
 }

@@ -44,7 +44,9 @@ def test_worker_threads_waits_and_no_spinning_while_idle(serve_factory, tiny_che
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to pin to fewer")
-def test_worker_threads_follow_the_affinity_and_a_chosen_wait_policy(serve_factory, tiny_checkpoint, monkeypatch) -> None:
+def test_worker_threads_follow_the_affinity_and_a_chosen_wait_policy(
+    serve_factory, tiny_checkpoint, monkeypatch
+) -> None:
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(mine)})  # bin/serve and its processes inherit it, as under taskset

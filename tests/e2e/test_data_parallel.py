@@ -88,6 +88,7 @@ def test_a_continuation_after_an_abort_stays_on_the_replica_that_holds_its_kv(se
 
     before, first, middle, second, after = asyncio.run(run())
     assert first.finish_reason == "abort"
+
     def moved(later: dict, earlier: dict, name: str) -> list[int]:
         return [a - b for a, b in zip(replica_field(later, name), replica_field(earlier, name))]
 
@@ -121,7 +122,9 @@ def test_a_dead_replica_fails_only_its_own_requests_and_the_server_serves_on(ser
             os.kill(worker1, signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks), 60)  # no request hangs
             after = await client.stats()
-            fresh = await asyncio.gather(*(client.generate(token_ids=[500 + i, 11], max_tokens=3, **GREEDY) for i in range(4)))
+            fresh = await asyncio.gather(
+                *(client.generate(token_ids=[500 + i, 11], max_tokens=3, **GREEDY) for i in range(4))
+            )
             return held, results, after, fresh, await client.stats()
 
     held, results, after, fresh, final = asyncio.run(run())
@@ -139,15 +142,17 @@ def test_a_dead_replica_fails_only_its_own_requests_and_the_server_serves_on(ser
     assert [r.finish_reason for r in fresh] == ["length"] * 4
     assert replica_field(final, "routed")[1] == replica_field(after, "routed")[1]
     assert final["held_blocks"] == 0 and final["replicas"][0]["held_blocks"] == 0
-    assert eventually(lambda: "stopping replica 1, serving on the others" in server.output())  # stderr is pumped by a thread
+    assert eventually(
+        lambda: "stopping replica 1, serving on the others" in server.output()
+    )  # stderr is pumped by a thread
 
 
 def test_serve_on_replica_death_decides_whether_one_death_stops_the_server(tmp_path) -> None:
     """The supervision rule alone (no process started): a replica's death stops the server
     only with --no-serve-on-replica-death or when it was the last replica; the frontend's
     or HTTP process's death always does."""
-    from conveyor.cli.serve import build_parser, server_config
     from conveyor.assembly.supervisor import Server
+    from conveyor.cli.serve import build_parser, server_config
 
     def server_with(*flags: str) -> Server:
         args = build_parser().parse_args(["--model", "demo", "--host", f"ipc://{tmp_path}/c", *flags])
@@ -203,4 +208,10 @@ def test_a_single_replica_keeps_the_plain_names_and_addresses(tmp_path) -> None:
         assert r.worker.channels == r.scheduler.channels == r.channels
         assert r.worker.addresses == r.scheduler.addresses == r.addresses
     assert [replica_process_name("worker", i) for i in range(3)] == ["worker", "worker.1", "worker.2"]
-    assert [replica_of_process(n) for n in ("scheduler", "scheduler.2", "worker.1-rank1", "frontend", "http")] == [0, 2, 1, None, None]
+    assert [replica_of_process(n) for n in ("scheduler", "scheduler.2", "worker.1-rank1", "frontend", "http")] == [
+        0,
+        2,
+        1,
+        None,
+        None,
+    ]

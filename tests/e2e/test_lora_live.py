@@ -24,8 +24,10 @@ SERVE_ARGS = ("--num-kv-blocks", "96", "--block-size", "8", "--threads", "1", "-
 def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         ids = torch.tensor([prompt])
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def refused(call, code: str, *words: str) -> None:
@@ -44,8 +46,18 @@ def test_load_serve_unload_over_zeromq(serve_factory, tiny_checkpoint, tmp_path)
     first = make_adapter(base, tmp_path / "first", seed=5, rank=8)
     second = make_adapter(base, tmp_path / "second", seed=6, rank=4, targets=["q_proj", "v_proj", "down_proj"])
     make_adapter(base, tmp_path / "wide", seed=7, rank=32)
-    server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, "--data-parallel-size", "2",
-                           "--enable-lora-loading", "--max-loras", "2", "--max-lora-rank", "16")
+    server = serve_factory(
+        "--model",
+        str(tiny_checkpoint),
+        *SERVE_ARGS,
+        "--data-parallel-size",
+        "2",
+        "--enable-lora-loading",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "16",
+    )
     request = {"token_ids": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with Client(server.address) as client, Client(server.address) as other:
         stream = other.stream(token_ids=PROMPT, max_tokens=200, temperature=0, ignore_eos=True)
@@ -99,7 +111,6 @@ def test_load_serve_unload_over_zeromq(serve_factory, tiny_checkpoint, tmp_path)
         assert stats["held_blocks"] == 0 and stats["free_blocks"] + stats["cached_blocks"] == stats["total_blocks"]
 
 
-
 def test_two_tensor_parallel_ranks_load_it(serve_factory, tiny_checkpoint, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -108,8 +119,20 @@ def test_two_tensor_parallel_ranks_load_it(serve_factory, tiny_checkpoint, tmp_p
     peft = make_adapter(base, tmp_path / "tp", seed=11, rank=8)
     other = make_adapter(base, tmp_path / "other", seed=12, rank=4)
     shape = spoiled_copy(tmp_path / "tp", tmp_path / "shape", "shape")
-    server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS, "--tensor-parallel-size", "2",
-                           "--distributed-timeout", "30", "--enable-lora-loading", "--max-loras", "1", "--max-cpu-loras", "1")
+    server = serve_factory(
+        "--model",
+        str(tiny_checkpoint),
+        *SERVE_ARGS,
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-timeout",
+        "30",
+        "--enable-lora-loading",
+        "--max-loras",
+        "1",
+        "--max-cpu-loras",
+        "1",
+    )
 
     async def main() -> list[list[int]]:
         async with AsyncClient(server.address, timeout=120) as client:

@@ -27,7 +27,7 @@ import pytest
 
 from conveyor.client import Client
 from tests.e2e.serve_harness import SERVE, alive, children_of, kill_during_streams, still_alive_after
-from tests.e2e.test_tensor_parallel_serve import N, TP_ARGS, generate_all, max_tokens, prompt
+from tests.e2e.test_tensor_parallel_serve import TP_ARGS, N, generate_all, max_tokens, prompt
 
 TIMEOUT_S = 20  # --distributed-timeout
 
@@ -53,7 +53,9 @@ class Node:
     """A ``--node-rank R > 0`` bin/serve in a subprocess (it becomes ready only with node 0)."""
 
     def __init__(self, args: list[str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(SERVE), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SERVE), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.lines: list[str] = []
         self.ready = threading.Event()
         for stream in (self.proc.stdout, self.proc.stderr):
@@ -127,7 +129,9 @@ def test_two_nodes_match_one_node_and_hf_then_a_dead_node_stops_the_server(
         assert outputs[i] == expected[i] == hf_greedy(prompt(i), max_tokens(i)), i
 
     # The node dies: its bin/serve by SIGKILL, its rank (PR_SET_PDEATHSIG) with it.
-    outcomes = asyncio.run(kill_during_streams(node0.address, node1.proc.pid, num_requests=3, max_tokens=200, timeout=60))
+    outcomes = asyncio.run(
+        kill_during_streams(node0.address, node1.proc.pid, num_requests=3, max_tokens=200, timeout=60)
+    )
     for d, _ in outcomes:
         assert not isinstance(d, Exception), d
         assert d.finish_reason == "error" and "lost contact with node 1" in d.result.error, d
@@ -186,7 +190,9 @@ def test_a_node_with_other_settings_is_refused_and_both_nodes_say_why(tiny_check
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     _, node0_err = node0.communicate(timeout=60)
-    assert node1.returncode == 1 and "refused this node: --block-size: node 1 has '16', node 0 '8'" in node1.stderr, node1.stderr
+    assert node1.returncode == 1 and "refused this node: --block-size: node 1 has '16', node 0 '8'" in node1.stderr, (
+        node1.stderr
+    )
     assert node0.returncode == 1 and "node 1 cannot join: --block-size" in node0_err, node0_err
 
 
@@ -208,7 +214,9 @@ def test_the_flags_split_the_ranks_over_the_nodes_and_send_remote_plans_over_tcp
     from conveyor.cli.serve import build_parser, server_config
 
     def config(*flags: str):
-        return server_config(build_parser().parse_args(["--model", "demo", "--num-kv-blocks", "8", *flags]), str(tmp_path))
+        return server_config(
+            build_parser().parse_args(["--model", "demo", "--num-kv-blocks", "8", *flags]), str(tmp_path)
+        )
 
     remote = ("--tensor-parallel-size", "4", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000")
     multi = (*remote, "--cluster-key", cluster_key)
@@ -252,7 +260,9 @@ def test_a_remote_reader_gets_every_plan_in_order_and_sees_the_sender_go() -> No
 
     port = free_ports(1)
     with tempfile.TemporaryDirectory() as run_dir:
-        spec = ChannelSpec(f"ipc://{run_dir}/plans", readers=2, local_readers=1, remote_address=f"tcp://127.0.0.1:{port}")
+        spec = ChannelSpec(
+            f"ipc://{run_dir}/plans", readers=2, local_readers=1, remote_address=f"tcp://127.0.0.1:{port}"
+        )
         ctx = zmq.Context()
         remote = StepReceiver(ctx, spec, bind=False, reader=1)
         local = StepReceiver(ctx, spec, bind=False, reader=0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 
 from conveyor.client import AsyncClient, Client
-
 from tests.e2e.test_serve import wait_for_free_blocks
 
 # 40 blocks of 8 tokens for 20 concurrent requests of up to ~95 tokens: preemption happens.

@@ -82,7 +82,10 @@ def test_the_packaged_file_is_gemma3_with_its_turn_format(served) -> None:
     assert (config.rope_theta, config.local_rope_theta) == (1_000_000.0, 10_000.0)
     assert set(config.eos_token_ids) == {tokenizer.encode("<eos>", add_special_tokens=False)[0], 106}
     rendered = tokenizer.render_chat(CHATS[1])
-    assert rendered == "<bos><start_of_turn>user\nAnswer in one word.\n\nWhat colour is the sky?<end_of_turn>\n<start_of_turn>model\n"
+    assert (
+        rendered == "<bos><start_of_turn>user\nAnswer in one word.\n\nWhat colour is the sky?<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
     assert results[1].prompt_token_ids.count(tokenizer.bos_token_id) == 1
     assert len(results[2].prompt_token_ids) > 512, "the long prompt fits the sliding window"
 
@@ -99,4 +102,3 @@ def test_greedy_chat_and_logprobs_equal_transformers(served, hf_logprobs) -> Non
             assert {t.token_id for t in entry.top} == set(torch.topk(row, 5).indices.tolist()), (i, step)
             for t in entry.top:
                 assert abs(t.logprob - float(row[t.token_id])) <= 5e-4, (i, step, t)
-

@@ -48,7 +48,8 @@ def served(real_model_dir):
     from conveyor import Engine
 
     with Engine(
-        str(real_model_dir), device="cpu", quantization="none", threads=1, block_size=8, num_kv_blocks=28, max_num_batched_tokens=32,
+        str(real_model_dir), device="cpu", quantization="none", threads=1, block_size=8, num_kv_blocks=28,
+        max_num_batched_tokens=32,
         preemption="recompute",
     ) as engine:  # fmt: skip
         results = engine.generate(chats(), max_tokens=MAX_TOKENS, temperature=0.0, logprobs=20, progress=False)
@@ -76,7 +77,10 @@ def test_the_chat_template_renders_as_transformers(served, hf) -> None:
     for messages in chats()[:4] + [[{"role": "system", "content": "Be brief."}, *chats()[0]]]:
         ours = engine.tokenizer.render_chat(messages)
         assert ours == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert engine.tokenizer.encode(ours, add_special_tokens=False) == tokenizer(ours, add_special_tokens=False)["input_ids"]
+        assert (
+            engine.tokenizer.encode(ours, add_special_tokens=False)
+            == tokenizer(ours, add_special_tokens=False)["input_ids"]
+        )
 
 
 def test_greedy_chat_equals_transformers_through_chunking_and_preemption(served, hf) -> None:

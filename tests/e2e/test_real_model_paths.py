@@ -42,7 +42,8 @@ def engine(real_model_dir):
     from conveyor import Engine
 
     with Engine(
-        str(real_model_dir), device="cpu", quantization="none", threads=1, block_size=8, num_kv_blocks=24, num_cpu_blocks=64,
+        str(real_model_dir), device="cpu", quantization="none", threads=1, block_size=8, num_kv_blocks=24,
+        num_cpu_blocks=64,
         preemption="swap", speculative_method="ngram", num_speculative_tokens=3, ngram_max=3, ngram_min=1,
     ) as engine:  # fmt: skip
         yield engine
@@ -72,9 +73,13 @@ def test_ngram_speculation_equals_plain_greedy(engine, plain, hf_greedy_check) -
 
 
 def test_prefix_reuse_of_a_shared_system_prompt(engine, hf_greedy_check) -> None:
-    first = engine.add_request(messages=chat("What is the capital of Italy?", SYSTEM), max_tokens=8, speculate=False, **GREEDY)
+    first = engine.add_request(
+        messages=chat("What is the capital of Italy?", SYSTEM), max_tokens=8, speculate=False, **GREEDY
+    )
     run_all(engine)
-    second = engine.add_request(messages=chat("What is the capital of Spain?", SYSTEM), max_tokens=8, speculate=False, **GREEDY)
+    second = engine.add_request(
+        messages=chat("What is the capital of Spain?", SYSTEM), max_tokens=8, speculate=False, **GREEDY
+    )
     run_all(engine)
     shared = next(i for i, (a, b) in enumerate(zip(first.prompt_token_ids, second.prompt_token_ids)) if a != b)
     assert shared > 20 and second.num_cached_tokens >= shared - shared % 8 - 8, (shared, second.num_cached_tokens)
@@ -84,7 +89,9 @@ def test_prefix_reuse_of_a_shared_system_prompt(engine, hf_greedy_check) -> None
 
 
 def test_continuation_by_id_and_of_the_final_message(engine, hf_greedy_check) -> None:
-    first = engine.add_request(messages=chat("What is the capital of France?"), request_id="conv", max_tokens=12, **GREEDY)
+    first = engine.add_request(
+        messages=chat("What is the capital of France?"), request_id="conv", max_tokens=12, **GREEDY
+    )
     run_all(engine)
     context = first.prompt_token_ids + first.tokens
     second = engine.add_request(messages=chat("And of Germany?"), request_id="conv", max_tokens=12, **GREEDY)
@@ -116,7 +123,12 @@ def test_tensor_parallel_3_equals_transformers(real_model_dir, plain, hf_greedy_
     from conveyor import Engine
 
     with Engine(
-        str(real_model_dir), device="cpu", quantization="none", threads=1, tensor_parallel_size=3, distributed_timeout_s=120
+        str(real_model_dir),
+        device="cpu",
+        quantization="none",
+        threads=1,
+        tensor_parallel_size=3,
+        distributed_timeout_s=120,
     ) as engine:
         results = engine.generate([chat(q) for q in QUESTIONS[:2]], max_tokens=8, progress=False, **GREEDY)
     assert hf_greedy_check([(r.prompt_token_ids, r.token_ids) for r in results]) == []

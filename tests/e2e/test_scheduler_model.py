@@ -15,10 +15,10 @@ from collections import deque
 import pytest
 import torch
 
-from tests import plans
-from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.ipc.messages import AddRequest, SamplingParams
+from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.scheduler.scheduler import Scheduler
+from tests import plans
 
 BLOCK_SIZE = 4
 SYSTEM = [5, 17, 29, 41, 53, 65, 77, 89]  # two full blocks shared by several prompts
@@ -41,7 +41,10 @@ def runner_factory(tiny_checkpoint):
     def make(num_blocks: int = 256, num_cpu_blocks: int = 0) -> ModelRunner:
         return ModelRunner(
             RunnerConfig(
-                tiny_checkpoint, block_size=BLOCK_SIZE, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks,
+                tiny_checkpoint,
+                block_size=BLOCK_SIZE,
+                num_blocks=num_blocks,
+                num_cpu_blocks=num_cpu_blocks,
             ),
         )
 
@@ -57,7 +60,9 @@ class Driver:
     """
 
     def __init__(self, runner, overlap: bool = False, pipelined: bool = False, **config) -> None:
-        cfg = dict(num_blocks=runner.num_blocks, block_size=BLOCK_SIZE, max_model_len=256, num_cpu_blocks=runner.num_cpu_blocks)
+        cfg = dict(
+            num_blocks=runner.num_blocks, block_size=BLOCK_SIZE, max_model_len=256, num_cpu_blocks=runner.num_cpu_blocks
+        )
         cfg.update(config)
         self.scheduler = Scheduler(SchedulerConfig(**cfg), eos_token_ids=[], vocab_size=runner.model_config.vocab_size)
         self.runner = runner
@@ -159,7 +164,10 @@ def test_preempted_and_chunked_requests_match_hf(runner_factory, hf_greedy, mode
     stats = driver.scheduler.stats()
     assert stats[f"num_preemptions_{mode}"] > 0, stats
     chunked = [
-        r for p in driver.plans for r in p.new_requests if r.num_computed_tokens + r.num_scheduled_tokens < len(r.token_ids)
+        r
+        for p in driver.plans
+        for r in p.new_requests
+        if r.num_computed_tokens + r.num_scheduled_tokens < len(r.token_ids)
     ]
     assert chunked, "no prompt was prefilled in chunks"
     if mode == "swap":

@@ -18,7 +18,6 @@ import pytest
 import zmq
 
 from conveyor.client import AsyncClient, Client
-
 from tests.e2e.serve_harness import (
     LONG_MAX_TOKENS,
     LONG_SERVE_ARGS,
@@ -32,7 +31,16 @@ from tests.e2e.serve_harness import (
 )
 
 NUM_BLOCKS = 96
-SERVE_ARGS = ("--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "8", "--threads", "1", "--max-num-batched-tokens", "256")
+SERVE_ARGS = (
+    "--num-kv-blocks",
+    str(NUM_BLOCKS),
+    "--block-size",
+    "8",
+    "--threads",
+    "1",
+    "--max-num-batched-tokens",
+    "256",
+)
 
 
 def wait_for_free_blocks(client: Client, timeout: float = 5.0) -> dict:
@@ -93,7 +101,9 @@ def test_text_prompt_chat_and_sync_client(server, hf_greedy) -> None:
         assert result.finish_reason == "length"
         assert result.token_ids == hf_greedy(tok.encode("The quick brown fox"), 6)
         assert result.text == tok.decode(result.token_ids)
-        chat = client.generate(messages=[{"role": "user", "content": "hello"}], max_tokens=3, temperature=0, ignore_eos=True)
+        chat = client.generate(
+            messages=[{"role": "user", "content": "hello"}], max_tokens=3, temperature=0, ignore_eos=True
+        )
         assert chat.usage.prompt_tokens == len(tok.apply_chat_template([{"role": "user", "content": "hello"}]))
         # sampling with a seed is reproducible
         a = client.generate("abc", max_tokens=8, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
@@ -134,7 +144,9 @@ def test_stop_token_ids_and_stop_strings(server) -> None:
 
 def test_abort_mid_stream_frees_blocks(server) -> None:
     with Client(server.address, timeout=60) as client:
-        stream = client.stream(token_ids=list(range(10, 60)), max_tokens=150, temperature=0, ignore_eos=True, request_id="victim")
+        stream = client.stream(
+            token_ids=list(range(10, 60)), max_tokens=150, temperature=0, ignore_eos=True, request_id="victim"
+        )
         for i, delta in enumerate(stream):
             if i == 3:
                 break
@@ -143,7 +155,17 @@ def test_abort_mid_stream_frees_blocks(server) -> None:
         assert stats["held_blocks"] == 0 and stats["in_flight"] == 0
         # explicit abort by id while another client waits for its result
         with Client(server.address, timeout=60) as other:
-            other._send({"type": "generate", "v": 1, "request_id": "r-abort", "token_ids": [5] * 30, "max_tokens": 200, "ignore_eos": True, "stream": True})
+            other._send(
+                {
+                    "type": "generate",
+                    "v": 1,
+                    "request_id": "r-abort",
+                    "token_ids": [5] * 30,
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+            )
             first = other._next("r-abort")
             assert first["type"] == "delta"
             client.abort("r-abort")  # ids are per client: this names no request of `client`
@@ -168,8 +190,14 @@ def test_client_disconnect_aborts_its_request(serve_factory, tiny_checkpoint, tm
         for stream in (True, False):
             sock = ctx.socket(zmq.DEALER)
             sock.connect(server.address)
-            req = {"type": "generate", "v": 1, "token_ids": [9] * 40, "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True,
-                   "stream": stream}
+            req = {
+                "type": "generate",
+                "v": 1,
+                "token_ids": [9] * 40,
+                "max_tokens": LONG_MAX_TOKENS,
+                "ignore_eos": True,
+                "stream": stream,
+            }
             sock.send(msgpack.packb(req))
             if stream:  # streaming: its first delta is here
                 assert sock.poll(30_000) and msgpack.unpackb(sock.recv())["type"] == "delta"
@@ -197,16 +225,43 @@ def test_new_client_on_a_reused_fd_is_not_taken_for_the_gone_one(server) -> None
         for i in range(8):
             gone = ctx.socket(zmq.DEALER)
             gone.connect(server.address)
-            gone.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"gone{i}", "token_ids": [5] * 8, "max_tokens": 100, "ignore_eos": True, "stream": True}))
+            gone.send(
+                msgpack.packb(
+                    {
+                        "type": "generate",
+                        "v": 1,
+                        "request_id": f"gone{i}",
+                        "token_ids": [5] * 8,
+                        "max_tokens": 100,
+                        "ignore_eos": True,
+                        "stream": True,
+                    }
+                )
+            )
             assert gone.poll(30_000), "no first token"
             for _ in range(200):  # a burst the frontend drains in one pass
                 n += 1
-                busy.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"busy{n}", "token_ids": [7] * 4, "max_tokens": 1}))
+                busy.send(
+                    msgpack.packb(
+                        {"type": "generate", "v": 1, "request_id": f"busy{n}", "token_ids": [7] * 4, "max_tokens": 1}
+                    )
+                )
             time.sleep(0.002)
             gone.close(linger=0)
             new = ctx.socket(zmq.DEALER)
             new.connect(server.address)
-            new.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"new{i}", "token_ids": [6] * 8, "max_tokens": 2, "ignore_eos": True}))
+            new.send(
+                msgpack.packb(
+                    {
+                        "type": "generate",
+                        "v": 1,
+                        "request_id": f"new{i}",
+                        "token_ids": [6] * 8,
+                        "max_tokens": 2,
+                        "ignore_eos": True,
+                    }
+                )
+            )
             assert new.poll(30_000), f"round {i}: the new client's request was dropped with the gone one's"
             reply = msgpack.unpackb(new.recv())
             assert reply["request_id"] == f"new{i}" and reply["finish_reason"] == "length", reply
@@ -296,7 +351,17 @@ BAD_INPUTS = [
 def test_bad_inputs_get_errors_while_others_are_served(server) -> None:
     ctx = zmq.Context.instance()
     with Client(server.address, timeout=60) as good:
-        good._send({"type": "generate", "v": 1, "request_id": "good", "token_ids": [3] * 20, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+        good._send(
+            {
+                "type": "generate",
+                "v": 1,
+                "request_id": "good",
+                "token_ids": [3] * 20,
+                "max_tokens": 40,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        )
         sock = ctx.socket(zmq.DEALER)
         sock.connect(server.address)
         for i, (fields, needle) in enumerate(BAD_INPUTS):
@@ -321,7 +386,18 @@ def test_bad_inputs_get_errors_while_others_are_served(server) -> None:
         assert reply["type"] == "final" and reply["finish_reason"] != "error", reply
         # An id already in flight on the same client is refused (an `error`, not a `final`)
         # without touching the original, which ends with its own final.
-        sock.send(msgpack.packb({"type": "generate", "v": 1, "request_id": "mine", "token_ids": [3] * 20, "max_tokens": 40, "ignore_eos": True}))
+        sock.send(
+            msgpack.packb(
+                {
+                    "type": "generate",
+                    "v": 1,
+                    "request_id": "mine",
+                    "token_ids": [3] * 20,
+                    "max_tokens": 40,
+                    "ignore_eos": True,
+                }
+            )
+        )
         sock.send(msgpack.packb({"type": "generate", "v": 1, "request_id": "mine", "prompt": "x"}))
         reply = msgpack.unpackb(sock.recv())
         assert reply["type"] == "error" and reply["code"] == "duplicate_request_id", reply
@@ -356,8 +432,19 @@ def test_bin_client_streams_from_demo_model(serve_factory) -> None:
     server = serve_factory("--model", "demo", "--num-kv-blocks", "64", "--threads", "1")
     assert "random weights" in "".join(server.stdout)
     out = subprocess.run(
-        [sys.executable, str(REPO / "bin" / "client"), "--host", server.address, "--max-tokens", "8", "--ignore-eos", "Hello"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            str(REPO / "bin" / "client"),
+            "--host",
+            server.address,
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "Hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert "[length; " in out.stderr and "8 completion tokens" in out.stderr
@@ -377,7 +464,9 @@ def test_startup_failures_are_clear(args, needle, tiny_checkpoint, tmp_path) -> 
         args = ["--model", str(tiny_checkpoint), *args]
     out = subprocess.run(
         [sys.executable, str(REPO / "bin" / "serve"), "--host", f"ipc://{tmp_path}/s.sock", *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode != 0
     assert needle in out.stderr, out.stderr

@@ -40,7 +40,10 @@ def test_prefix_reuse_and_continuation(serve_factory, tiny_checkpoint, hf_greedy
         assert second.usage.prompt_tokens == len(context) + 3
         assert second.usage.cached_tokens == len(context) - 1  # the last output token and the new input run
         assert second.token_ids == hf_greedy(context + [9, 10, 11], 5)
-        assert second.text == tok.decode(context + [9, 10, 11] + second.token_ids)[len(tok.decode(context + [9, 10, 11])):]
+        assert (
+            second.text
+            == tok.decode(context + [9, 10, 11] + second.token_ids)[len(tok.decode(context + [9, 10, 11])) :]
+        )
 
         # A third turn streams just as well.
         context += [9, 10, 11] + second.token_ids

@@ -17,7 +17,9 @@ def test_serving_on_cpu_never_imports_triton(serve_factory, tiny_checkpoint, hf_
     (blocked / "triton").mkdir(parents=True)
     (blocked / "triton" / "__init__.py").write_text(BLOCKER)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(blocked), os.environ.get("PYTHONPATH", "")]))
-    server = serve_factory("--model", str(tiny_checkpoint), "--device", "cpu", "--threads", "1", "--num-kv-blocks", "64")
+    server = serve_factory(
+        "--model", str(tiny_checkpoint), "--device", "cpu", "--threads", "1", "--num-kv-blocks", "64"
+    )
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
     with Client(server.address, timeout=120) as client:
         for _ in range(2):  # the second reuses the first's cached prefix

@@ -29,7 +29,9 @@ def test_soak_under_preemption_drains_and_replays(serve_factory, tiny_checkpoint
     server = serve_factory("--model", str(tiny_checkpoint), *SERVE_ARGS)
     monkeypatch.setattr(soak_cli, "PROGRESS_EVERY_S", 2.0)
     lines: list[str] = []
-    report = asyncio.run(soak(server.address, duration=12, clients=10, seed=3, replay=25, timeout=60, mix=Mix(), progress=lines.append))
+    report = asyncio.run(
+        soak(server.address, duration=12, clients=10, seed=3, replay=25, timeout=60, mix=Mix(), progress=lines.append)
+    )
     assert report.ok, "\n".join(report.failures)
     # It says where it is while it runs: ticks during the traffic, then each phase after it.
     assert [line for line in lines if "(traffic, " in line and " s left): " in line], lines

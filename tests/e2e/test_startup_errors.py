@@ -70,9 +70,20 @@ def test_device_cuda_without_a_gpu(tiny_checkpoint, tmp_path) -> None:
 def test_lora_rank_over_the_limit(tiny_checkpoint, tmp_path) -> None:
     adapter = tmp_path / "big"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 64, "target_modules": ["q_proj"]}))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 64, "target_modules": ["q_proj"]})
+    )
     (adapter / "adapter_model.safetensors").write_bytes(b"")  # never read: the rank refuses it first
-    args = ["--model", str(tiny_checkpoint), "--host", f"ipc://{tmp_path}/c", "--lora-modules", f"big={adapter}", "--max-lora-rank", "16"]
+    args = [
+        "--model",
+        str(tiny_checkpoint),
+        "--host",
+        f"ipc://{tmp_path}/c",
+        "--lora-modules",
+        f"big={adapter}",
+        "--max-lora-rank",
+        "16",
+    ]
     assert_one_line_before_start(args, "--lora-modules big=", "rank 64", "--max-lora-rank")
 
 
@@ -80,7 +91,9 @@ def test_missing_tokenizer_json(tiny_checkpoint, tmp_path) -> None:
     model = tmp_path / "no-tokenizer"
     shutil.copytree(tiny_checkpoint, model)
     (model / "tokenizer.json").unlink()
-    assert_one_line_before_start(["--model", str(model), "--host", f"ipc://{tmp_path}/c"], "--model", "bin/convert-tokenizer")
+    assert_one_line_before_start(
+        ["--model", str(model), "--host", f"ipc://{tmp_path}/c"], "--model", "bin/convert-tokenizer"
+    )
 
 
 def test_speculative_tokens_without_a_method(tiny_checkpoint, tmp_path) -> None:
@@ -90,10 +103,16 @@ def test_speculative_tokens_without_a_method(tiny_checkpoint, tmp_path) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "named"),
-    [(["--max-num-seqs", "0"], "--max-num-seqs"), (["--block-size", "3"], "--block-size"), (["--num-kv-blocks", "0"], "--num-kv-blocks")],
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--block-size", "3"], "--block-size"),
+        (["--num-kv-blocks", "0"], "--num-kv-blocks"),
+    ],
 )
 def test_bad_values_name_their_flag(tiny_checkpoint, tmp_path, flags, named) -> None:
-    line = assert_one_line_before_start(["--model", str(tiny_checkpoint), "--host", f"ipc://{tmp_path}/c", *flags], named)
+    line = assert_one_line_before_start(
+        ["--model", str(tiny_checkpoint), "--host", f"ipc://{tmp_path}/c", *flags], named
+    )
     assert "_" not in line.split(":", 1)[1].split()[0], line  # the flag, not the config field
 
 
@@ -104,8 +123,18 @@ def test_debug_shows_the_traceback(tiny_checkpoint, listening) -> None:
 
 def test_unreadable_tls_files(tiny_checkpoint, tmp_path) -> None:
     (tmp_path / "cert.pem").write_text("not a certificate")
-    args = ["--model", str(tiny_checkpoint), "--host", f"ipc://{tmp_path}/c", "--http-port", "0",
-            "--ssl-certfile", str(tmp_path / "cert.pem"), "--ssl-keyfile", str(tmp_path / "cert.pem")]
+    args = [
+        "--model",
+        str(tiny_checkpoint),
+        "--host",
+        f"ipc://{tmp_path}/c",
+        "--http-port",
+        "0",
+        "--ssl-certfile",
+        str(tmp_path / "cert.pem"),
+        "--ssl-keyfile",
+        str(tmp_path / "cert.pem"),
+    ]
     assert_one_line_before_start(args, "--ssl-certfile")
 
 

@@ -20,7 +20,6 @@ import torch
 
 from conveyor.client import AsyncClient, Client
 from conveyor.ipc import shm_ring
-
 from tests.e2e.serve_harness import alive, kill_during_streams, mapped_ring_files, still_alive_after
 from tests.e2e.test_serve import wait_for_free_blocks
 
@@ -57,7 +56,15 @@ def test_two_ranks_match_hf_with_swap_and_prefix_reuse_then_a_killed_rank_stops_
     serve_factory, tiny_checkpoint, hf_greedy
 ) -> None:
     server = serve_factory(
-        "--model", str(tiny_checkpoint), *TP_ARGS, "--preemption", "swap", "--num-cpu-blocks", "64", "--plan-transport", "shm"
+        "--model",
+        str(tiny_checkpoint),
+        *TP_ARGS,
+        "--preemption",
+        "swap",
+        "--num-cpu-blocks",
+        "64",
+        "--plan-transport",
+        "shm",
     )
     rank1 = server._pid_of("worker-rank1")
     ranks = [server.pids["worker"], rank1]
@@ -92,10 +99,20 @@ def test_two_ranks_match_hf_with_swap_and_prefix_reuse_then_a_killed_rank_stops_
     assert all(not alive(p) for p in ranks)
 
 
-def test_two_ranks_over_zmq_match_hf_with_recompute_and_pipelined_steps(serve_factory, tiny_checkpoint, hf_greedy) -> None:
+def test_two_ranks_over_zmq_match_hf_with_recompute_and_pipelined_steps(
+    serve_factory, tiny_checkpoint, hf_greedy
+) -> None:
     """Also the worker's pipelined loop (step N+1 launched before N's tokens are read, on every rank)."""
     server = serve_factory(
-        "--model", str(tiny_checkpoint), *TP_ARGS, "--preemption", "recompute", "--plan-transport", "zmq", "--pipeline-steps", "on"
+        "--model",
+        str(tiny_checkpoint),
+        *TP_ARGS,
+        "--preemption",
+        "recompute",
+        "--plan-transport",
+        "zmq",
+        "--pipeline-steps",
+        "on",
     )
     outputs = generate_all(server.address)
     for i in range(N):
@@ -112,7 +129,9 @@ def test_the_flag_makes_one_worker_view_per_rank_and_one_plan_reader_each(tmp_pa
     from conveyor.cli.serve import build_parser, server_config
     from conveyor.runtime.config import rank_process_name
 
-    args = build_parser().parse_args(["--model", "demo", "--tensor-parallel-size", "2", "--num-kv-blocks", "8", "--distributed-timeout", "12"])
+    args = build_parser().parse_args(
+        ["--model", "demo", "--tensor-parallel-size", "2", "--num-kv-blocks", "8", "--distributed-timeout", "12"]
+    )
     config = server_config(args, str(tmp_path))
     ranks = config.worker_ranks()
     assert [(w.tensor_parallel_rank, w.tensor_parallel_size) for w in ranks] == [(0, 2), (1, 2)]
@@ -139,7 +158,9 @@ def test_a_rank_loop_sends_from_rank_0_only_and_stops_on_a_failure_that_may_spli
 
     def rank_loop(runner, results) -> StepLoop:
         plans = ScriptedPlans([plan(1, False), plan(2), plan(3, False)])
-        return StepLoop(runner, plans, results, profiling.Profiler("worker", enabled=False), False, recoverable=ValueError)
+        return StepLoop(
+            runner, plans, results, profiling.Profiler("worker", enabled=False), False, recoverable=ValueError
+        )
 
     runner = ScriptedRunner(fail_launch={2})  # refused alike on every rank (ValueError): that step fails alone
     rank_loop(runner, None).run()  # a rank other than 0: runs every plan, sends nothing
@@ -159,8 +180,17 @@ def test_a_rank_loop_sends_from_rank_0_only_and_stops_on_a_failure_that_may_spli
 def test_two_ranks_on_two_gpus_over_nccl_match_hf(serve_factory, tiny_checkpoint, hf_greedy) -> None:
     """The same server on NCCL: rank 0 on cuda:0, rank 1 on cuda:1, float32 to compare with HF."""
     server = serve_factory(
-        "--model", str(tiny_checkpoint), *TP_ARGS, "--device", "cuda", "--dtype", "float32", "--num-cpu-blocks", "64",
-        "--preemption", "swap",
+        "--model",
+        str(tiny_checkpoint),
+        *TP_ARGS,
+        "--device",
+        "cuda",
+        "--dtype",
+        "float32",
+        "--num-cpu-blocks",
+        "64",
+        "--preemption",
+        "swap",
     )
     assert "on cuda:0 with 40 KV blocks" in server.output()
     outputs = generate_all(server.address)

@@ -75,9 +75,7 @@ def _serve_target(engine, sampling: str, companions, before: int, shared: int | 
     target = None
     for item in added:
         if item is None:
-            target = engine.add_request(
-                token_ids=TARGET, max_tokens=10, ignore_eos=True, **SAMPLINGS[sampling]
-            )
+            target = engine.add_request(token_ids=TARGET, max_tokens=10, ignore_eos=True, **SAMPLINGS[sampling])
         else:
             engine.add_request(token_ids=item[0], max_tokens=item[1], ignore_eos=True, temperature=0.0)
     while engine.has_pending_requests():
@@ -140,7 +138,9 @@ def test_without_the_mode_some_company_changes_the_bits(tiny_checkpoint):
     plain = Served(tiny_checkpoint, batch_invariant=False)
     rng = random.Random(1)
     for _ in range(6):
-        companions = [([rng.randrange(5, 300) for _ in range(rng.randint(1, 60))], rng.randint(1, 12)) for _ in range(5)]
+        companions = [
+            ([rng.randrange(5, 300) for _ in range(rng.randint(1, 60))], rng.randint(1, 12)) for _ in range(5)
+        ]
         if not plain.matches(("chunked-recompute", "greedy", companions, 2, None)):
             return
     pytest.fail("six draws in a row matched without batch-invariant mode")

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from conveyor.engine.options import EngineOptions
-from conveyor.protocol import validation, wire
 from conveyor.protocol import requests as client_requests
+from conveyor.protocol import validation, wire
 from tests.engine.conftest import GREEDY, run_all
 
 SYSTEM = [5, 17, 29, 41, 53, 65, 77, 89]
@@ -158,12 +158,21 @@ def test_validation_errors_are_the_servers(tiny_engine):
 
 def test_options_by_meaning_and_by_name(tiny_engine):
     engine = tiny_engine(
-        max_batch_size=3, max_batch_tokens=32, min_batch_size=2, max_wait_ms=5, policy="priority", preemption="recompute"
+        max_batch_size=3,
+        max_batch_tokens=32,
+        min_batch_size=2,
+        max_wait_ms=5,
+        policy="priority",
+        preemption="recompute",
     )
     cfg = engine.config
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.min_batch_size, cfg.max_wait_ms) == (3, 32, 2, 5)
     assert (cfg.policy, cfg.preemption, cfg.block_size, cfg.num_blocks, cfg.max_model_len) == (
-        "priority", "recompute", 4, 128, 256
+        "priority",
+        "recompute",
+        4,
+        128,
+        256,
     )
     assert engine.runner.num_blocks == 128 and str(engine.runner.device) == "cpu"
     assert EngineOptions.from_kwargs({"max_num_seqs": 7}).scheduler == {"max_num_seqs": 7}
@@ -289,5 +298,8 @@ def test_frontend_fields_through_the_engine(tiny_engine, hf_greedy):
     assert result.prompt_token_ids == ids[-6:] and result.token_ids == hf_greedy(ids[-6:], 3)
     full = engine.generate([ids[:10]], fill_context=True, progress=False, **GREEDY)[0]
     assert full.finish_reason == "length" and len(full.token_ids) == 40 - 10
-    sampled = [engine.generate([ids[:5]], seed=-7, max_tokens=6, temperature=1.0, progress=False)[0].token_ids for _ in range(2)]
+    sampled = [
+        engine.generate([ids[:5]], seed=-7, max_tokens=6, temperature=1.0, progress=False)[0].token_ids
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]

@@ -191,7 +191,7 @@ def test_a_script_without_a_main_guard_fails_at_once(tiny_checkpoint, tmp_path):
     start = time.monotonic()
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and time.monotonic() - start < TP["distributed_timeout_s"]
-    assert 'RanksFailed: tensor-parallel rank 1' in run.stderr and 'needs `if __name__ == "__main__":`' in run.stderr
+    assert "RanksFailed: tensor-parallel rank 1" in run.stderr and 'needs `if __name__ == "__main__":`' in run.stderr
 
 
 def test_refused_before_any_rank_starts(tiny_checkpoint):

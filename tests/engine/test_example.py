@@ -11,7 +11,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "engine_offline.py"
 
 def test_the_offline_example_runs():
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--model", "demo", "--max-tokens", "4"], capture_output=True, text=True, timeout=240
+        [sys.executable, str(EXAMPLE), "--model", "demo", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

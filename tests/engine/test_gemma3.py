@@ -17,8 +17,9 @@ WINDOW = 6
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     """``(checkpoint dir, HF model)``."""
-    from tests.checkpoints import gemma3_serving_checkpoint
     from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import gemma3_serving_checkpoint
 
     directory = gemma3_serving_checkpoint(tmp_path_factory.mktemp("tiny-gemma3"))
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -29,7 +30,9 @@ def gemma3(tmp_path_factory):
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -46,7 +49,9 @@ def test_a_batch_through_chunked_prefill_matches_transformers(gemma3):
     requests = [engine.add_request(token_ids=prompt, max_tokens=8, logprobs=2, **GREEDY) for prompt in prompts]
     batches = [out.batch for out in run_all(engine)]
     assert min(lengths) > WINDOW
-    assert max(b.batch_size for b in batches if b) >= 4 and any(b.prefill_tokens and b.decode_tokens for b in batches if b)
+    assert max(b.batch_size for b in batches if b) >= 4 and any(
+        b.prefill_tokens and b.decode_tokens for b in batches if b
+    )
     for prompt, request in zip(prompts, requests):
         assert request.tokens == hf_greedy(model, prompt, 8), len(prompt)
         with torch.inference_mode():

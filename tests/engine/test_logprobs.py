@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import TINY, run_all
+from tests.engine.conftest import run_all
 
 
 def check(entry, ref_row: torch.Tensor, token: int, k: int) -> None:
@@ -23,7 +23,9 @@ def check(entry, ref_row: torch.Tensor, token: int, k: int) -> None:
 def test_engine_logprobs_match_hf(tiny_engine, hf_logprobs):
     engine = tiny_engine(max_num_batched_tokens=8)  # the 21-token prompt runs in chunks
     prompt = list(range(3, 24))
-    plain = engine.add_request(token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)  # fills the prefix cache
+    plain = engine.add_request(
+        token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True
+    )  # fills the prefix cache
     run_all(engine)
     assert plain.logprobs is None and plain.prompt_logprobs is None
     asked = engine.add_request(
@@ -51,7 +53,9 @@ def test_logprobs_follow_a_stop_string_and_the_bound(demo_engine):
     full = req.tokens
     req.remove()
     cut_text = req.text[2:6]
-    stopped = demo_engine.add_request("Hello", max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, stop=[cut_text])
+    stopped = demo_engine.add_request(
+        "Hello", max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, stop=[cut_text]
+    )
     run_all(demo_engine)
     stopped.remove()
     assert len(stopped.tokens) < len(full)

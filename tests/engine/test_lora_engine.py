@@ -14,9 +14,10 @@ from tests.lora_adapters import make_adapter
 def _peft_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         ids = torch.tensor([prompt])
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
@@ -28,12 +29,19 @@ def test_adapters_and_base_share_steps_through_preemption(preemption, tiny_engin
     refs = {None: base}
     for i, name in enumerate(["alpha", "beta"]):
         refs[name] = make_adapter(base, tmp_path / name, seed=10 + i, rank=8)
-    engine = tiny_engine(lora_modules={name: str(tmp_path / name) for name in ("alpha", "beta")}, max_loras=2,
-                         num_kv_blocks=16, preemption=preemption, num_cpu_blocks=64)
+    engine = tiny_engine(
+        lora_modules={name: str(tmp_path / name) for name in ("alpha", "beta")},
+        max_loras=2,
+        num_kv_blocks=16,
+        preemption=preemption,
+        num_cpu_blocks=64,
+    )
     prompt = [5 + (7 * i) % 300 for i in range(13)]
     loras = [None, "alpha", "beta", "alpha", None, "beta"]
-    requests = [engine.add_request(token_ids=prompt, request_id=f"r{i}", max_tokens=12, lora=lora, **GREEDY)
-                for i, lora in enumerate(loras)]
+    requests = [
+        engine.add_request(token_ids=prompt, request_id=f"r{i}", max_tokens=12, lora=lora, **GREEDY)
+        for i, lora in enumerate(loras)
+    ]
     outs = run_all(engine)
     assert max(out.batch.batch_size for out in outs if out.batch) >= 4  # base and both adapters in one step
     assert engine.scheduler.stats()[f"num_preemptions_{preemption}"] > 0
@@ -103,15 +111,27 @@ def test_cuda_adapters_and_base_share_steps_like_peft(dtype, tiny_engine, tiny_c
     base.generation_config.eos_token_id = None
     refs = {None: base}
     for i, name in enumerate(["alpha", "beta"]):
-        refs[name] = make_adapter(base, tmp_path / name, seed=50 + i, rank=8,
-                                  targets=None if i == 0 else ["q_proj", "v_proj", "up_proj", "down_proj"])
-    engine = tiny_engine(device="cuda", dtype=str(dtype).removeprefix("torch."), block_size=16,
-                         lora_modules={name: str(tmp_path / name) for name in ("alpha", "beta")}, max_loras=2)
+        refs[name] = make_adapter(
+            base,
+            tmp_path / name,
+            seed=50 + i,
+            rank=8,
+            targets=None if i == 0 else ["q_proj", "v_proj", "up_proj", "down_proj"],
+        )
+    engine = tiny_engine(
+        device="cuda",
+        dtype=str(dtype).removeprefix("torch."),
+        block_size=16,
+        lora_modules={name: str(tmp_path / name) for name in ("alpha", "beta")},
+        max_loras=2,
+    )
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (7, 21, 12, 30, 9, 16)]
     loras = [None, "alpha", "beta", "alpha", None, "beta"]
-    requests = [engine.add_request(token_ids=p, request_id=f"r{i}", max_tokens=10, lora=lora, **GREEDY)
-                for i, (p, lora) in enumerate(zip(prompts, loras))]
+    requests = [
+        engine.add_request(token_ids=p, request_id=f"r{i}", max_tokens=10, lora=lora, **GREEDY)
+        for i, (p, lora) in enumerate(zip(prompts, loras))
+    ]
     outs = run_all(engine)
     assert max(out.batch.batch_size for out in outs if out.batch) >= 4  # base and both adapters in one step
     for request, prompt, lora in zip(requests, prompts, loras):

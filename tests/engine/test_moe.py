@@ -19,6 +19,7 @@ from tests.engine.test_structured import SCHEMA, json_schema
 
 pytest.importorskip("llguidance")
 
+
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def moe(request, tmp_path_factory):
     """``(checkpoint dir, HF model, greedy(prompt, n), log_softmax(tokens))``."""
@@ -33,7 +34,9 @@ def moe(request, tmp_path_factory):
     def greedy(prompt: list[int], n: int) -> list[int]:
         with torch.inference_mode():
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+            )
         return out[0, len(prompt) :].tolist()
 
     def log_softmax(tokens: list[int]) -> torch.Tensor:
@@ -72,7 +75,9 @@ def test_speculative_greedy_through_chunks_and_preemption_equals_transformers(mo
     prompts = {f"r{i}": p for i, p in enumerate(echoed(greedy, 14))}
     config = dict(max_batch_size=4, max_batch_tokens=12, num_kv_blocks=20, preemption=preemption, swap_space=0.01)
     engine = engine_of(directory, **config, **SPEC)
-    requests = {rid: engine.add_request(token_ids=p, request_id=rid, max_tokens=14, **GREEDY) for rid, p in prompts.items()}
+    requests = {
+        rid: engine.add_request(token_ids=p, request_id=rid, max_tokens=14, **GREEDY) for rid, p in prompts.items()
+    }
     run_all(engine)
     stats = engine.stats()
     assert stats[f"num_preemptions_{preemption}"] > 0 and stats["spec_proposed_tokens"] > 0, stats
@@ -130,7 +135,9 @@ def test_attention_lora_equals_peft_and_expert_lora_is_refused(moe, tmp_path):
     run_all(engine)
     with torch.inference_mode():
         ids = torch.tensor([prompt])
-        want = peft.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        want = peft.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
     assert with_lora.tokens == want[0, len(prompt) :].tolist() != base.tokens == greedy(prompt, 8)
 
     expert_adapter = tmp_path / "experts"

@@ -8,10 +8,9 @@ import time
 
 import pytest
 
+from conveyor.ipc.messages import AddRequest, SamplingParams
 from tests import plans
 from tests.engine.conftest import TINY  # noqa: F401  (the tiny_engine fixture's config)
-
-from conveyor.ipc.messages import AddRequest, SamplingParams
 
 PROMPT = [5, 17, 33, 2, 41, 9, 12, 28, 3, 50]  # 10 tokens: two full blocks of 4 and a partial one
 
@@ -177,7 +176,9 @@ def test_engine_sequence_logprobs_are_single_requests_with_seed_plus_i(tiny_engi
 
 def assert_same_logprobs(got, expected) -> None:
     """Entries of the same tokens and top tokens, with values equal to float32 rounding."""
-    assert [(e.token_id, [t.token_id for t in e.top]) for e in got] == [(e.token_id, [t.token_id for t in e.top]) for e in expected]
+    assert [(e.token_id, [t.token_id for t in e.top]) for e in got] == [
+        (e.token_id, [t.token_id for t in e.top]) for e in expected
+    ]
     flat = lambda entries: [v for e in entries for v in (e.logprob, *(t.logprob for t in e.top))]  # noqa: E731
     assert flat(got) == pytest.approx(flat(expected), abs=1e-5)
 

@@ -48,7 +48,9 @@ def both(tmp_path_factory):
     from conveyor import Engine
 
     engine = Engine("demo", num_kv_blocks=128, threads=1, device="cpu")
-    serve = ServeProcess(["--model", "demo", "--num-kv-blocks", "128", "--threads", "1"], tmp_path_factory.mktemp("serve"))
+    serve = ServeProcess(
+        ["--model", "demo", "--num-kv-blocks", "128", "--threads", "1"], tmp_path_factory.mktemp("serve")
+    )
     try:
         with Client(serve.address) as client:
             yield engine, client

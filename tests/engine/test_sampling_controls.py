@@ -42,7 +42,10 @@ def test_penalties_and_bias_match_hf_under_preemption(tiny_engine, hf_controlled
         assert request.tokens == hf_controlled(request.prompt_token_ids, 24, **controls), controls
     assert plain.tokens == hf_greedy(plain.prompt_token_ids, 24)
     # The controls changed something: the references differ from the plain greedy text.
-    changed = [hf_controlled(r.prompt_token_ids, 24, **c) != hf_greedy(r.prompt_token_ids, 24) for r, c in zip(requests, CONTROLS)]
+    changed = [
+        hf_controlled(r.prompt_token_ids, 24, **c) != hf_greedy(r.prompt_token_ids, 24)
+        for r, c in zip(requests, CONTROLS)
+    ]
     assert all(changed), changed
 
 

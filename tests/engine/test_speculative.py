@@ -21,7 +21,10 @@ def repetitive(i: int) -> list[int]:
 
 
 def _serve(engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
-    requests = {rid: engine.add_request(token_ids=p, request_id=rid, max_tokens=max_tokens, **GREEDY) for rid, p in prompts.items()}
+    requests = {
+        rid: engine.add_request(token_ids=p, request_id=rid, max_tokens=max_tokens, **GREEDY)
+        for rid, p in prompts.items()
+    }
     run_all(engine)
     for request in requests.values():
         assert request.done and request.finish_reason == "length", request

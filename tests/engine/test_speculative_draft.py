@@ -21,10 +21,16 @@ PRESSED = dict(max_batch_size=4, max_batch_tokens=14, num_kv_blocks=16, num_cpu_
 
 
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
-def test_target_as_its_own_draft_accepts_nearly_all_and_stays_exact(tiny_engine, tiny_checkpoint, hf_greedy, preemption):
+def test_target_as_its_own_draft_accepts_nearly_all_and_stays_exact(
+    tiny_engine, tiny_checkpoint, hf_greedy, preemption
+):
     prompts = {f"r{i}": prompt(i) for i in range(5)}
     spec_engine = tiny_engine(
-        **PRESSED, preemption=preemption, speculative_method="draft", speculative_model=str(tiny_checkpoint), num_speculative_tokens=3
+        **PRESSED,
+        preemption=preemption,
+        speculative_method="draft",
+        speculative_model=str(tiny_checkpoint),
+        num_speculative_tokens=3,
     )
     spec = _serve(spec_engine, prompts, 20)
     stats = spec_engine.stats()
@@ -54,7 +60,11 @@ def test_target_as_its_own_draft_accepts_nearly_all_and_stays_exact(tiny_engine,
 def test_a_different_draft_is_mostly_rejected_and_stays_exact(tiny_engine, draft_checkpoint, hf_greedy):
     prompts = {f"r{i}": prompt(i) for i in range(5)}
     spec_engine = tiny_engine(
-        **PRESSED, preemption="swap", speculative_method="draft", speculative_model=str(draft_checkpoint), num_speculative_tokens=4
+        **PRESSED,
+        preemption="swap",
+        speculative_method="draft",
+        speculative_model=str(draft_checkpoint),
+        num_speculative_tokens=4,
     )
     spec = _serve(spec_engine, prompts, 16)
     stats = spec_engine.stats()
@@ -127,7 +137,9 @@ def test_sampled_requests_keep_their_seeded_stream_with_a_draft(tiny_engine, tin
     model = tiny_checkpoint if draft == "self" else draft_checkpoint
     config = dict(max_batch_size=8, max_batch_tokens=32)
     pair = {"pair": dict(token_ids=prompt(2), max_tokens=8, temperature=0.7, seed=5, n=2)}
-    spec_engine = tiny_engine(**config, speculative_method="draft", speculative_model=str(model), num_speculative_tokens=3)
+    spec_engine = tiny_engine(
+        **config, speculative_method="draft", speculative_model=str(model), num_speculative_tokens=3
+    )
     spec = _sampled(spec_engine, pair)
     stats = spec_engine.stats()
     plain = _sampled(tiny_engine(**config), pair)

@@ -18,13 +18,25 @@ from tests.engine.test_speculative_tensor_parallel import rank_engine, run_ranks
 
 PROMPTS = {f"r{i}": prompt(i) for i in range(5)}
 MAX_TOKENS = 20
-STATS = ("spec_proposed_tokens", "spec_accepted_tokens", "num_preemptions_swap", "num_preemptions_recompute", "held_blocks")
+STATS = (
+    "spec_proposed_tokens",
+    "spec_accepted_tokens",
+    "num_preemptions_swap",
+    "num_preemptions_recompute",
+    "held_blocks",
+)
 # case -> (draft: the target itself or the small one, preemption, proposal length)
-GREEDY_CASES = {"self-swap": ("self", "swap", 3), "self-recompute": ("self", "recompute", 3), "small-swap": ("small", "swap", 4)}
+GREEDY_CASES = {
+    "self-swap": ("self", "swap", 3),
+    "self-recompute": ("self", "recompute", 3),
+    "small-swap": ("small", "swap", 4),
+}
 
 
 def draft_config(draft_dir: str, k: int, **config) -> dict:
-    return dict(TINY, threads=1, speculative_method="draft", speculative_model=draft_dir, num_speculative_tokens=k, **config)
+    return dict(
+        TINY, threads=1, speculative_method="draft", speculative_model=draft_dir, num_speculative_tokens=k, **config
+    )
 
 
 def run_cases(target: str, drafts: dict[str, str], tensor_parallel=None) -> dict:
@@ -38,7 +50,9 @@ def run_cases(target: str, drafts: dict[str, str], tensor_parallel=None) -> dict
             second = engine.add_request(token_ids=[40, 41, 40, 41], request_id="r4", max_tokens=12, **GREEDY)
             run_all(engine)
             results[case]["continued"] = (second.prompt_token_ids, second.tokens)
-    engine = rank_engine(target, draft_config(drafts["small"], 3, max_batch_size=8, max_batch_tokens=32), tensor_parallel)
+    engine = rank_engine(
+        target, draft_config(drafts["small"], 3, max_batch_size=8, max_batch_tokens=32), tensor_parallel
+    )
     results["sampled"] = {rid: request.tokens for rid, request in _sampled(engine, {}).items()}
     return results
 
@@ -58,7 +72,9 @@ def test_two_ranks_draft_as_one(tiny_checkpoint, draft_checkpoint, hf_greedy, tm
                 assert two["spec_accepted_tokens"] >= 0.9 * two["spec_proposed_tokens"] > 0, (case, two)
                 assert [list(part) for part in two["continued"]] == [list(part) for part in one["continued"]], case
             else:
-                assert 0 < two["spec_proposed_tokens"] and two["spec_accepted_tokens"] < 0.5 * two["spec_proposed_tokens"]
+                assert (
+                    0 < two["spec_proposed_tokens"] and two["spec_accepted_tokens"] < 0.5 * two["spec_proposed_tokens"]
+                )
         for rid, p in PROMPTS.items():
             assert one["outputs"][rid] == hf_greedy(p, MAX_TOKENS), (case, rid)
         if draft == "self":
@@ -79,5 +95,10 @@ def test_a_draft_whose_heads_cannot_be_split_is_refused_before_loading(tiny_chec
 
     draft_checkpoint(tmp_path, tiny_checkpoint, num_attention_heads=3, hidden_size=48)
     target = ModelConfig.from_dir(tiny_checkpoint)
-    with pytest.raises(ValueError, match=f"--speculative-model {tmp_path}: num_attention_heads 3 does not divide by the tensor-parallel size 2"):
-        DraftModel(tmp_path, target, torch.device("cpu"), torch.float32, TorchReferenceAttention(), 4, TensorParallel(1, 2))
+    with pytest.raises(
+        ValueError,
+        match=f"--speculative-model {tmp_path}: num_attention_heads 3 does not divide by the tensor-parallel size 2",
+    ):
+        DraftModel(
+            tmp_path, target, torch.device("cpu"), torch.float32, TorchReferenceAttention(), 4, TensorParallel(1, 2)
+        )

@@ -30,7 +30,9 @@ def rank_engine(directory: str, config: dict, tensor_parallel=None):
 
     build = engine_module.build_runner
     # (over the engine's own tensor_parallel: one rank's, as it runs in one process)
-    engine_module.build_runner = lambda runner_config, **kw: build(runner_config, **{**kw, "tensor_parallel": tensor_parallel})
+    engine_module.build_runner = lambda runner_config, **kw: build(
+        runner_config, **{**kw, "tensor_parallel": tensor_parallel}
+    )
     try:
         engine = Engine(directory, **config)
     finally:

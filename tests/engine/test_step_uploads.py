@@ -76,10 +76,22 @@ def test_no_step_uploads_host_data_blocking(tiny_engine, monkeypatch):
     engine = tiny_engine(max_batch_size=6, max_batch_tokens=16, attention="triton", **SPEC)
     requests = [
         engine.add_request(token_ids=repetitive(1) * 2, max_tokens=10, **GREEDY),  # chunked; proposals verified
-        engine.add_request(token_ids=[5, 17, 29, 41], max_tokens=8, temperature=0.8, seed=1, min_tokens=4,
-                           logit_bias={7: 5.0, 9: -100.0}, presence_penalty=0.5),
-        engine.add_request(prompt="pick", max_tokens=20, temperature=1.0, seed=2,
-                           constraint={"type": "choice", "choices": ["yes", "no"]}),
+        engine.add_request(
+            token_ids=[5, 17, 29, 41],
+            max_tokens=8,
+            temperature=0.8,
+            seed=1,
+            min_tokens=4,
+            logit_bias={7: 5.0, 9: -100.0},
+            presence_penalty=0.5,
+        ),
+        engine.add_request(
+            prompt="pick",
+            max_tokens=20,
+            temperature=1.0,
+            seed=2,
+            constraint={"type": "choice", "choices": ["yes", "no"]},
+        ),
         # n = 2 over a partly filled last block: the forked sequence's block copy
         engine.add_request(token_ids=[3, 4, 5, 6, 7, 8], max_tokens=4, n=2, temperature=1.0, seed=5),
     ]

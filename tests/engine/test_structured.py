@@ -45,10 +45,20 @@ def test_mixed_batch_constrained_rows_match_and_free_rows_equal_hf(tiny_engine, 
         engine.add_request(prompt=f"person {i}:", max_tokens=120, temperature=t, seed=i, constraint=json_schema())
         for i, t in enumerate([0.0, 1.0, 1.0, 0.7])
     ]
-    regex = engine.add_request(prompt="a date", max_tokens=40, temperature=1.0, seed=3,
-                               constraint={"type": "regex", "pattern": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})
-    choice = engine.add_request(prompt="pick", max_tokens=40, temperature=1.0, seed=4,
-                                constraint={"type": "choice", "choices": ["yes", "no", "maybe later"]})
+    regex = engine.add_request(
+        prompt="a date",
+        max_tokens=40,
+        temperature=1.0,
+        seed=3,
+        constraint={"type": "regex", "pattern": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"},
+    )
+    choice = engine.add_request(
+        prompt="pick",
+        max_tokens=40,
+        temperature=1.0,
+        seed=4,
+        constraint={"type": "choice", "choices": ["yes", "no", "maybe later"]},
+    )
     run_all(engine)
     for request, prompt in zip(free, free_prompts):
         assert request.tokens == hf_greedy(prompt, 12)
@@ -62,8 +72,14 @@ def test_mixed_batch_constrained_rows_match_and_free_rows_equal_hf(tiny_engine, 
 
 def test_complete_grammar_stops_even_when_eos_is_ignored(tiny_engine):
     engine = tiny_engine()
-    request = engine.add_request(prompt="x", max_tokens=60, temperature=1.0, seed=1, ignore_eos=True,
-                                 constraint={"type": "choice", "choices": ["alpha", "beta"]})
+    request = engine.add_request(
+        prompt="x",
+        max_tokens=60,
+        temperature=1.0,
+        seed=1,
+        ignore_eos=True,
+        constraint={"type": "choice", "choices": ["alpha", "beta"]},
+    )
     run_all(engine)
     assert request.finish_reason == "stop" and request.text in ("alpha", "beta")
 
@@ -92,8 +108,9 @@ def test_preempted_constrained_requests_stay_valid(tiny_engine, preemption):
     grammar's start would reject the resumed output and end it as a dead end)."""
     engine = tiny_engine(num_kv_blocks=40, preemption=preemption, swap_space=0.01, max_batch_size=6)
     requests = [
-        engine.add_request(prompt=f"record number {i} follows:", max_tokens=110, temperature=1.0, seed=10 + i,
-                           constraint=json_schema())
+        engine.add_request(
+            prompt=f"record number {i} follows:", max_tokens=110, temperature=1.0, seed=10 + i, constraint=json_schema()
+        )
         for i in range(6)
     ]
     run_all(engine)
@@ -118,18 +135,34 @@ def shared_engine(tiny_checkpoint):
 # Found by this test: the draw put a disallowed token (the grammar allowed only '"') because its
 # uniform noise rounded to 1.0 in float32 (worker/sampler.py, _NOISE_BITS).
 @example(
-    schemas=[{"type": "object", "properties": {"a": {"type": "string", "minLength": 0, "maxLength": 0}},
-              "required": [], "additionalProperties": False}],
-    seed=162, temperature=0.8,
+    schemas=[
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string", "minLength": 0, "maxLength": 0}},
+            "required": [],
+            "additionalProperties": False,
+        }
+    ],
+    seed=162,
+    temperature=0.8,
 )
-@given(schemas=st.lists(SCHEMAS, min_size=1, max_size=3), seed=st.integers(0, 2**31), temperature=st.sampled_from([0.0, 0.8, 1.0]))
+@given(
+    schemas=st.lists(SCHEMAS, min_size=1, max_size=3),
+    seed=st.integers(0, 2**31),
+    temperature=st.sampled_from([0.0, 0.8, 1.0]),
+)
 def test_hypothesis_schemas_validate_through_the_model(shared_engine, schemas, seed, temperature):
     """The issue's property: hypothesis draws JSON schemas (tests/structured's strategy), the
     random tiny model writes under them in one batch, and every output parses and validates;
     nothing is left held."""
     requests = [
-        shared_engine.add_request(prompt=f"record {i}:", max_tokens=200, temperature=temperature, seed=seed + i,
-                                  constraint=json_schema(schema))
+        shared_engine.add_request(
+            prompt=f"record {i}:",
+            max_tokens=200,
+            temperature=temperature,
+            seed=seed + i,
+            constraint=json_schema(schema),
+        )
         for i, schema in enumerate(schemas)
     ]
     run_all(shared_engine)

@@ -72,7 +72,9 @@ def test_stop_strings_cut_the_text_as_the_server_does(demo_engine, baseline, pic
         assert text.find(candidates[-1]) > text.find(middle)
     cut = min(text.find(s) for s in stop)
     # The output ends at the very token that completes the stop string.
-    completing = next(n for n in range(1, len(tokens) + 1) if any(s in decoded(tok, prompt_ids, tokens[:n]) for s in stop))
+    completing = next(
+        n for n in range(1, len(tokens) + 1) if any(s in decoded(tok, prompt_ids, tokens[:n]) for s in stop)
+    )
 
     request = demo_engine.add_request(PROMPT, max_tokens=48, stop=stop, **GREEDY)
     deltas = streamed(demo_engine, request)
@@ -95,7 +97,9 @@ def test_a_continued_text_prompt_gets_no_bos(demo_engine):
     first = demo_engine.add_request(PROMPT, request_id="turns", max_tokens=6, **GREEDY)
     run_all(demo_engine)
     second = demo_engine.add_request(" and then", request_id="turns", max_tokens=6, **GREEDY)
-    assert second.prompt_token_ids == first.prompt_token_ids + first.tokens + tok.encode(" and then", add_special_tokens=False)
+    assert second.prompt_token_ids == first.prompt_token_ids + first.tokens + tok.encode(
+        " and then", add_special_tokens=False
+    )
     run_all(demo_engine)
     assert second.num_cached_tokens > 0
     assert second.text == decoded(tok, second.prompt_token_ids, second.tokens)

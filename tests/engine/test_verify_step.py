@@ -24,7 +24,9 @@ def record_static_steps(runner) -> list[tuple[int, int, int, tuple[int, ...]]]:
 
     def spy(rows, q):
         work = rows.work
-        calls.append((len(work), runner.decode.buffers.bucket_for(len(work)), q, tuple(len(item.proposal) for item in work)))
+        calls.append(
+            (len(work), runner.decode.buffers.bucket_for(len(work)), q, tuple(len(item.proposal) for item in work))
+        )
         return run_decode(rows, q)
 
     runner.decode.run = spy
@@ -42,7 +44,9 @@ def pad_decode_runners(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "attention,pad", [("torch", False), ("torch", True), ("triton", True)], ids=["torch-eager", "torch-padded", "triton-padded"]
+    "attention,pad",
+    [("torch", False), ("torch", True), ("triton", True)],
+    ids=["torch-eager", "torch-padded", "triton-padded"],
 )
 def test_static_verify_steps_equal_ragged_and_hf(attention, pad, tiny_engine, hf_greedy, monkeypatch):
     if pad:  # pad rows to the graph buckets and proposals to the fixed width, as with CUDA graphs

@@ -191,6 +191,7 @@ def ours(tokenizer_dirs):
 def hf(tokenizer_dirs):
     """Name -> transformers AutoTokenizer, the reference (skipped where transformers is absent)."""
     import transformers
+
     return {name: transformers.AutoTokenizer.from_pretrained(str(path)) for name, path in tokenizer_dirs.items()}
 
 
@@ -220,9 +221,17 @@ class GatedTokenizer:
         return self._base.encode(text, add_special_tokens, release_gil=release_gil)
 
     def apply_chat_template(
-        self, messages, add_generation_prompt: bool = True, *, continue_final_message=False, variables=None, release_gil: bool = False
+        self,
+        messages,
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message=False,
+        variables=None,
+        release_gil: bool = False,
     ):
-        text = self._base.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message, variables=variables)
+        text = self._base.render_chat(
+            messages, add_generation_prompt, continue_final_message=continue_final_message, variables=variables
+        )
         return self.encode(text, add_special_tokens=False, release_gil=release_gil)
 
 
@@ -234,8 +243,8 @@ class LiveFrontend:
         import uvloop
         import zmq
 
-        from conveyor.ipc.transport import ServerAddresses, make_run_dir
         from conveyor.frontend.server import Frontend
+        from conveyor.ipc.transport import ServerAddresses, make_run_dir
         from conveyor.runtime.config import FrontendConfig
 
         self.zmq = zmq

@@ -76,4 +76,3 @@ def test_demo_checkpoint_dir_is_built_once_even_when_raced(tmp_path, monkeypatch
     stamp = (target / "model.safetensors").stat().st_mtime_ns
     assert demo.demo_checkpoint_dir() == target
     assert (target / "model.safetensors").stat().st_mtime_ns == stamp
-

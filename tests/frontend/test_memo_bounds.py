@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from conveyor.ipc.messages import AddRequest, RequestOutput, TokenOutputs
 from conveyor.frontend import output
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.tokenizer import STREAM_MEMO_MAX, Tokenizer
+from conveyor.ipc.messages import AddRequest, RequestOutput, TokenOutputs
 
 TEXT = "Café déjà vu — naïve Straße! 😀 你好世界 👨‍👩‍👧 🇫🇷 日本語. The lighthouse keeper wrote in his log."
 STREAMS = 16

@@ -45,7 +45,6 @@ def test_values_fall_in_the_bucket_of_the_first_bound_they_do_not_exceed() -> No
     assert batched.to_map() == {"buckets": [0.01, 0.1, 1.0], "counts": [5, 2, 2, 1], "sum": batched.sum, "count": 10}
 
 
-
 @pytest.mark.parametrize("bounds", [(), (0.1, 0.1), (1.0, 0.5)])
 def test_bounds_must_increase(bounds) -> None:
     with pytest.raises(ValueError, match="increasing"):

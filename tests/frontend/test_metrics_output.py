@@ -13,13 +13,12 @@ import pytest
 from conveyor import profiling
 from conveyor.frontend import request_metrics as fm
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
-from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.output import OutputPath
+from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.ipc.messages import AddRequest, RequestOutput, TokenOutputs
-
 from tests.frontend.test_metrics import per_token_counts
 
 MS = 1_000_000
@@ -48,7 +47,12 @@ def test_gaps_of_every_output_shape_count_as_per_token_observation(ours, monkeyp
     requests: dict[str, RequestState] = {}
     metrics = FrontendMetrics()
     path = OutputPath(
-        requests, sender, Sessions(8), profiler, untrack=lambda s: requests.pop(s.scheduler_id), abort=lambda ids: None,
+        requests,
+        sender,
+        Sessions(8),
+        profiler,
+        untrack=lambda s: requests.pop(s.scheduler_id),
+        abort=lambda ids: None,
         metrics=metrics,
     )
     t = tok.encode(" the", add_special_tokens=False)[0]
@@ -56,8 +60,14 @@ def test_gaps_of_every_output_shape_count_as_per_token_observation(ours, monkeyp
     prompt = tok.encode("Say:")
     for rid, stop in (("a", []), ("b", []), ("c", ["lighthouse"]), ("d", [])):
         requests[rid] = RequestState(
-            request_id=rid, identity=b"x", stream=False, prompt_len=len(prompt), arrival_time=time.time(),
-            detokenizer=IncrementalDetokenizer(tok, prompt), stop=StopStringMatcher(stop), prompt_ids=list(prompt),
+            request_id=rid,
+            identity=b"x",
+            stream=False,
+            prompt_len=len(prompt),
+            arrival_time=time.time(),
+            detokenizer=IncrementalDetokenizer(tok, prompt),
+            stop=StopStringMatcher(stop),
+            prompt_ids=list(prompt),
         )
     states = dict(requests)  # still readable after they end
     clock = {"now": 0}

@@ -46,7 +46,9 @@ def finished(*sids: str) -> TokenOutputs:
     return TokenOutputs([RequestOutput(sid, [7], finish_reason="length") for sid in sids])
 
 
-def submit(replicas: ReplicaSet, sid: str, session: str | None = None, num_tokens: int = 4, continuing: bool = False) -> int:
+def submit(
+    replicas: ReplicaSet, sid: str, session: str | None = None, num_tokens: int = 4, continuing: bool = False
+) -> int:
     replica = replicas.submit(add(sid, num_tokens), session or sid, continuing=continuing)
     assert replica is not None
     return replica.index
@@ -224,7 +226,13 @@ def test_replica_entries_name_each_replica_and_a_dead_one_says_why() -> None:
     entries = replica_stats(replicas, {0: stats("q", 100, 60, 40, 3, [[1, 10.0]])})
     assert entries[0]["replica"] == 0 and entries[0]["alive"] and entries[0]["total_blocks"] == 100
     assert entries[0]["in_flight"] == 1 and entries[0]["routed"] == 1 and "iterations" not in entries[0]
-    assert entries[1] == {"replica": 1, "alive": False, "routed": 0, "in_flight": 0, "error": "replica 1 failed: scheduler.1 process died"}
+    assert entries[1] == {
+        "replica": 1,
+        "alive": False,
+        "routed": 0,
+        "in_flight": 0,
+        "error": "replica 1 failed: scheduler.1 process died",
+    }
 
 
 # ---------------------------------------------------------------- the frontend with two replicas
@@ -326,8 +334,14 @@ def test_prometheus_shows_each_replica_beside_the_sums() -> None:
     m = ("model_name", "m")
     r0, r1 = (m, ("replica", "0")), (m, ("replica", "1"))
     assert (samples[("conveyor:replica_up", r0)], samples[("conveyor:replica_up", r1)]) == (1, 0)
-    assert (samples[("conveyor:replica_requests_in_flight", r0)], samples[("conveyor:replica_requests_in_flight", r1)]) == (2, 0)
-    assert (samples[("conveyor:replica_requests_routed_total", r0)], samples[("conveyor:replica_requests_routed_total", r1)]) == (2, 1)
+    assert (
+        samples[("conveyor:replica_requests_in_flight", r0)],
+        samples[("conveyor:replica_requests_in_flight", r1)],
+    ) == (2, 0)
+    assert (
+        samples[("conveyor:replica_requests_routed_total", r0)],
+        samples[("conveyor:replica_requests_routed_total", r1)],
+    ) == (2, 1)
     assert samples[("conveyor:replica_kv_cache_usage_perc", r0)] == pytest.approx(0.4)
     assert ("conveyor:replica_kv_cache_usage_perc", r1) not in samples  # dead: no pool to show
     assert samples[("conveyor:kv_blocks_used", (m,))] == 40  # the sums, as before

@@ -28,7 +28,9 @@ def _add(fe, **fields) -> tuple[object, AddRequest]:
 
 def _finish(fe, sock, add: AddRequest, tokens: list[int], reason: str = "length") -> dict:
     now = time.time()
-    fe.scheduler_send(TokenOutputs([RequestOutput(add.request_id, tokens, reason, scheduled_time=now, first_token_time=now)]))
+    fe.scheduler_send(
+        TokenOutputs([RequestOutput(add.request_id, tokens, reason, scheduled_time=now, first_token_time=now)])
+    )
     return fe.until_final(sock)[-1]
 
 
@@ -45,7 +47,9 @@ def test_truncation_and_fill_context_shape_what_the_scheduler_gets(live_frontend
     assert add.sampling.max_tokens == 16  # the protocol's default without fill_context
 
 
-@pytest.mark.parametrize(("seed", "stored"), [(-1, -1), (-(2**63), -(2**63)), (2**64 - 1, -1), (2**63, -(2**63)), (7, 7)])
+@pytest.mark.parametrize(
+    ("seed", "stored"), [(-1, -1), (-(2**63), -(2**63)), (2**64 - 1, -1), (2**63, -(2**63)), (7, 7)]
+)
 def test_any_64_bit_seed_reaches_the_sampler_as_its_bit_pattern(live_frontend, seed, stored) -> None:
     fe = live_frontend()
     _, add = _add(fe, prompt="hi", seed=seed)
@@ -55,10 +59,14 @@ def test_any_64_bit_seed_reaches_the_sampler_as_its_bit_pattern(live_frontend, s
 def test_chat_fields_render_as_transformers_does(live_frontend, ours, hf) -> None:
     fe = live_frontend()
     _, add = _add(fe, messages=CHAT, continue_final_message=True)
-    expected = hf["demo"].apply_chat_template(CHAT, continue_final_message=True, add_generation_prompt=False, return_dict=False)
+    expected = hf["demo"].apply_chat_template(
+        CHAT, continue_final_message=True, add_generation_prompt=False, return_dict=False
+    )
     assert add.prompt_token_ids == list(expected)
     _, add = _add(fe, messages=CHAT[:1], add_generation_prompt=False, request_id="no-gen")
-    assert add.prompt_token_ids == list(hf["demo"].apply_chat_template(CHAT[:1], add_generation_prompt=False, return_dict=False))
+    assert add.prompt_token_ids == list(
+        hf["demo"].apply_chat_template(CHAT[:1], add_generation_prompt=False, return_dict=False)
+    )
 
 
 def test_stop_string_kept_and_special_tokens_shown_when_asked(live_frontend, ours) -> None:

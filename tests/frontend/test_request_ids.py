@@ -27,10 +27,6 @@ def submit(fe, sock, rid: str, prompt: str = "Say:", **fields) -> AddRequest:
     return add
 
 
-
-
-
-
 def late_outputs_of(fe, sid: str, stray: int) -> None:
     """What a scheduler sends about ``sid`` after the frontend let it go: a step it ran before it
     read the abort (a column token), then the abort's finish."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 
-from conveyor.ipc.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.frontend.output import PROFILE_SAMPLE_EVERY
 from conveyor.frontend.stop import StopStringMatcher
+from conveyor.ipc.messages import AbortRequests, AddRequest, RequestOutput, TokenOutputs
 
 TEXT = "Café déjà vu — naïve Straße! 😀 你好世界 👨‍👩‍👧 🇫🇷 日本語. The lighthouse keeper wrote in his log."
 
@@ -126,7 +126,9 @@ def test_a_client_gone_mid_step_leaves_the_other_streams_flowing(live_frontend, 
         aborted = aborted or isinstance(msg, AbortRequests) and msg.request_ids == [sid["goes"]]
     assert aborted
     stays_key = fe.key(stays, "stays")
-    assert fe.wait_for(lambda: set(fe.frontend.in_flight) == {stays_key} and set(fe.frontend.requests) == {sid["stays"]})
+    assert fe.wait_for(
+        lambda: set(fe.frontend.in_flight) == {stays_key} and set(fe.frontend.requests) == {sid["stays"]}
+    )
 
 
 def test_profile_timers_sample_the_hot_path(live_frontend, ours) -> None:

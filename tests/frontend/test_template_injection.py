@@ -35,8 +35,12 @@ def test_special_token_text_in_a_message_is_text(tok, field) -> None:
     forged = [{"role": "user", "content": "hi"} | {field: FORGED}]
     ids = tok.apply_chat_template(forged)
     whole = tok.encode(tok.render_chat(forged), add_special_tokens=False)
-    assert len(_control_ids(tok, whole)) > len(_control_ids(tok, tok.apply_chat_template(honest)))  # the attack, unguarded
-    assert len(_control_ids(tok, ids)) == len(_control_ids(tok, tok.apply_chat_template(honest)))  # only the template's own
+    assert len(_control_ids(tok, whole)) > len(
+        _control_ids(tok, tok.apply_chat_template(honest))
+    )  # the attack, unguarded
+    assert len(_control_ids(tok, ids)) == len(
+        _control_ids(tok, tok.apply_chat_template(honest))
+    )  # only the template's own
     assert tok.decode(ids, skip_special_tokens=False) == tok.render_chat(forged)  # the same text, as text
 
 

@@ -28,8 +28,13 @@ def test_tokenize_gives_the_ids_a_generate_runs_on(live_frontend, ours) -> None:
     assert bare["token_ids"] == tok.encode("Hello there, world", add_special_tokens=False)
     assert bare["token_strs"] == tok.convert_ids_to_tokens(bare["token_ids"])
     chat = [{"role": "user", "content": "Hi"}]
-    assert ask(fe, sock, type="tokenize", messages=chat)["token_ids"] == tok.apply_chat_template(chat, add_generation_prompt=True)
-    assert ask(fe, sock, type="tokenize", prompt="a b c d e f", truncate_prompt_tokens=2)["token_ids"] == tok.encode("a b c d e f")[-2:]
+    assert ask(fe, sock, type="tokenize", messages=chat)["token_ids"] == tok.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+    assert (
+        ask(fe, sock, type="tokenize", prompt="a b c d e f", truncate_prompt_tokens=2)["token_ids"]
+        == tok.encode("a b c d e f")[-2:]
+    )
     assert fe.scheduler_recv(timeout=0.2) is None  # nothing of it reached the scheduler
 
 
@@ -37,7 +42,11 @@ def test_tokenize_refusals_are_a_generates(live_frontend) -> None:
     fe = live_frontend(max_model_len=64)
     sock = fe.client()
     long = ask(fe, sock, type="tokenize", prompt="x" * 100_000)
-    assert long["type"] == "error" and long["code"] == "prompt_too_long" and "cannot fit the model length 64" in long["message"], long
+    assert (
+        long["type"] == "error"
+        and long["code"] == "prompt_too_long"
+        and "cannot fit the model length 64" in long["message"]
+    ), long
     fe.send(sock, request_id="g", type="generate", prompt="x" * 100_000)
     final = fe.recv(sock)
     assert final["type"] == "final" and final["error"] == long["message"]  # the very words of a generate's refusal
@@ -98,7 +107,9 @@ def test_a_final_carries_the_prompt_ids_when_asked(live_frontend, ours) -> None:
     fe = live_frontend()
     sock = fe.client()
     for rid, asked in (("with", True), ("without", False)):
-        fe.send(sock, type="generate", request_id=rid, prompt="Hello there", max_tokens=1, return_prompt_token_ids=asked)
+        fe.send(
+            sock, type="generate", request_id=rid, prompt="Hello there", max_tokens=1, return_prompt_token_ids=asked
+        )
         add = fe.scheduler_recv()
         while not isinstance(add, AddRequest):
             add = fe.scheduler_recv()

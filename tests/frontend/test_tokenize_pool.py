@@ -23,12 +23,8 @@ def generate(fe, sock, rid: str, prompt: str, **fields) -> None:
     fe.send(sock, type="generate", request_id=rid, prompt=prompt, max_tokens=1000, stream=True, **fields)
 
 
-
-
 def finish(sid: str, token: int) -> TokenOutputs:
     return TokenOutputs([RequestOutput(sid, [token], finish_reason="length")])
-
-
 
 
 def admit(fe, sock, rid: str, prompt: str = SHORT) -> AddRequest:
@@ -314,9 +310,15 @@ def test_merge_keeps_step_order_first_timings_and_stops_at_a_finish() -> None:
     from conveyor.frontend.output import merge
 
     batch = [
-        TokenOutputs([RequestOutput("a", [1], scheduled_time=5.0, first_token_time=6.0, num_cached_tokens=3)], ["b"], [10]),
+        TokenOutputs(
+            [RequestOutput("a", [1], scheduled_time=5.0, first_token_time=6.0, num_cached_tokens=3)], ["b"], [10]
+        ),
         TokenOutputs([], ["a", "b"], [2, 11]),
-        TokenOutputs([RequestOutput("b", [12], finish_reason="length"), RequestOutput("c", [20], first_token_time=7.0)], ["a"], [3]),
+        TokenOutputs(
+            [RequestOutput("b", [12], finish_reason="length"), RequestOutput("c", [20], first_token_time=7.0)],
+            ["a"],
+            [3],
+        ),
     ]
     merged = {out.request_id: out for out in merge(batch)}
     assert merged["a"].new_token_ids == [1, 2, 3] and merged["a"].finish_reason is None
@@ -392,5 +394,5 @@ def test_max_chars_per_token_bounds_every_token_of_every_test_vocabulary(ours) -
         a = tok.encode("a", add_special_tokens=False)
         for token in range(tok.vocab_size):
             alone = tok.decode([token], skip_special_tokens=False)
-            after = tok.decode([*a, token], skip_special_tokens=False)[len(tok.decode(a, skip_special_tokens=False)):]
+            after = tok.decode([*a, token], skip_special_tokens=False)[len(tok.decode(a, skip_special_tokens=False)) :]
             assert max(len(alone), len(after)) <= bound, (name, token, alone, after, bound)

@@ -47,7 +47,9 @@ def test_encode_matches_transformers(ours, hf, text) -> None:
         assert plain == hf[name].encode(text, add_special_tokens=False), name
 
 
-@pytest.mark.parametrize(("name", "bos"), [("bytelevel", 0), ("demo", 0), ("spm", 1), ("spm_legacy", 1), ("chatml", None)])
+@pytest.mark.parametrize(
+    ("name", "bos"), [("bytelevel", 0), ("demo", 0), ("spm", 1), ("spm_legacy", 1), ("chatml", None)]
+)
 def test_bos_comes_from_the_post_processor(name, bos, ours) -> None:
     """transformers 5 ignores add_bos_token when tokenizer.json exists (spm's config says True; chatml has no BOS)."""
     with_special = ours[name].encode("Hello world")
@@ -57,6 +59,7 @@ def test_bos_comes_from_the_post_processor(name, bos, ours) -> None:
 
 def test_add_bos_token_in_the_config_is_ignored_like_transformers(tmp_path, tokenizer_dirs) -> None:
     import transformers
+
     root = _copy(tokenizer_dirs["spm"], tmp_path / "tok")
     config = json.loads((root / "tokenizer_config.json").read_text())
     (root / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False, "add_eos_token": True}))
@@ -105,7 +108,9 @@ def test_chat_template_matches_transformers(name, conversation, add_generation_p
     assert text == hf[name].apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     ids = ours[name].apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     expected = hf[name].apply_chat_template(messages, add_generation_prompt=add_generation_prompt, return_dict=False)
-    if conversation == SPECIAL_TEXT:  # by design (issue 43; test_template_injection.py): the message's special-token text stays text
+    if (
+        conversation == SPECIAL_TEXT
+    ):  # by design (issue 43; test_template_injection.py): the message's special-token text stays text
         control = ours[name].skipped_ids
         assert len([i for i in ids if i in control]) < len([i for i in expected if i in control])
         if name not in ("spm", "spm_legacy"):  # (sentencepiece: a space may start the text after such a span)
@@ -166,6 +171,7 @@ FEATURE_TEMPLATE = (
 
 def test_template_features_match_transformers(tmp_path) -> None:
     import transformers
+
     root = _copy(TOKENIZER_DIR, tmp_path / "tok")
     (root / "chat_template.jinja").write_text(FEATURE_TEMPLATE)  # overrides tokenizer_config's template
     messages = [
@@ -196,6 +202,7 @@ def test_processor_style_chat_template_json_is_a_fallback(tmp_path, tokenizer_di
 
 def test_special_token_missing_from_tokenizer_json_is_added_like_transformers(tmp_path, tokenizer_dirs) -> None:
     import transformers
+
     root = _copy(tokenizer_dirs["bytelevel"], tmp_path / "tok")
     config = json.loads((root / "tokenizer_config.json").read_text())
     (root / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<pad>"}))
@@ -336,7 +343,9 @@ def test_token_bytes_decode_like_the_backend(name, ours, data) -> None:
 @settings(max_examples=500, deadline=None)
 @given(
     raw=st.lists(
-        st.one_of(st.integers(0, 255), st.integers(0x80, 0xBF), st.sampled_from([0xC0, 0xC2, 0xE0, 0xED, 0xF0, 0xF4, 0xF5])),
+        st.one_of(
+            st.integers(0, 255), st.integers(0x80, 0xBF), st.sampled_from([0xC0, 0xC2, 0xE0, 0xED, 0xF0, 0xF4, 0xF5])
+        ),
         max_size=16,
     )
 )

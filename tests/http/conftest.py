@@ -72,7 +72,9 @@ def stop_and_check(server: HttpServe) -> None:
 
 @pytest.fixture(scope="module")
 def http_server(tiny_checkpoint, tmp_path_factory):  # noqa: F811
-    serve = ServeProcess(["--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0"], tmp_path_factory.mktemp("http"))
+    serve = ServeProcess(
+        ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0"], tmp_path_factory.mktemp("http")
+    )
     server = http_serve(serve)
     yield server
     stop_and_check(server)

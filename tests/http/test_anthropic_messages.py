@@ -18,11 +18,25 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
 TOOLS = [
-    {"name": "get_time", "description": "the time in a zone", "input_schema": {
-        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}},
-    {"name": "get_weather", "input_schema": {
-        "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["days"],
-        "additionalProperties": False}},
+    {
+        "name": "get_time",
+        "description": "the time in a zone",
+        "input_schema": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "get_weather",
+        "input_schema": {
+            "type": "object",
+            "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["days"],
+            "additionalProperties": False,
+        },
+    },
 ]
 MESSAGES = [{"role": "user", "content": "what time is it?"}]
 # The SDK of 2026 types no sampling fields; the Messages API still takes them (as extra_body sends them).
@@ -57,7 +71,8 @@ def test_text_answer_is_the_chat_answer_and_counts_match(server) -> None:
     system = "be brief"
     msg = api.messages.create(model=name, system=system, messages=MESSAGES, max_tokens=12, extra_body=GREEDY)
     chat = openai.OpenAI(base_url=server.url + "/v1", api_key="unused").chat.completions.create(
-        model=name, messages=[{"role": "system", "content": system}, *MESSAGES], max_tokens=12, extra_body=GREEDY)
+        model=name, messages=[{"role": "system", "content": system}, *MESSAGES], max_tokens=12, extra_body=GREEDY
+    )
     assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_") and msg.model == name
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == chat.choices[0].message.content
     assert msg.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
@@ -70,8 +85,13 @@ def test_text_answer_is_the_chat_answer_and_counts_match(server) -> None:
     assert with_tools.input_tokens == answered.usage.input_tokens  # the prompt as the template renders it, tools too
     # output_config.format: the JSON-schema constraint, as the chat's response_format.
     schema = TOOLS[0]["input_schema"]
-    out = api.messages.create(model=name, messages=MESSAGES, max_tokens=40, extra_body=SAMPLED,
-                              output_config={"format": {"type": "json_schema", "schema": schema}})
+    out = api.messages.create(
+        model=name,
+        messages=MESSAGES,
+        max_tokens=40,
+        extra_body=SAMPLED,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
     assert json.loads(out.content[0].text)["zone"] in ("utc", "cet") and out.stop_reason == "end_turn"
 
 
@@ -81,9 +101,13 @@ def test_stop_sequences_end_the_answer_and_are_named(server) -> None:
     stop = full[6:8]
     assert len(full) >= 10 and stop.strip(), full
     expected = full[: full.index(stop)]
-    msg = api.messages.create(model=name, messages=MESSAGES, max_tokens=24, extra_body=GREEDY, stop_sequences=["\x00never", stop])
+    msg = api.messages.create(
+        model=name, messages=MESSAGES, max_tokens=24, extra_body=GREEDY, stop_sequences=["\x00never", stop]
+    )
     assert (msg.content[0].text, msg.stop_reason, msg.stop_sequence) == (expected, "stop_sequence", stop)
-    with api.messages.stream(model=name, messages=MESSAGES, max_tokens=24, extra_body=GREEDY, stop_sequences=[stop]) as stream:
+    with api.messages.stream(
+        model=name, messages=MESSAGES, max_tokens=24, extra_body=GREEDY, stop_sequences=[stop]
+    ) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == expected and (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
@@ -93,26 +117,50 @@ def test_stop_sequences_end_the_answer_and_are_named(server) -> None:
 
 def test_forced_tool_calls_made_streamed_and_answered(server) -> None:
     api, name = client(server), model(server)
-    msg = api.messages.create(model=name, messages=MESSAGES, max_tokens=60, tools=TOOLS, extra_body=SAMPLED,
-                              tool_choice={"type": "tool", "name": "get_time"})
+    msg = api.messages.create(
+        model=name,
+        messages=MESSAGES,
+        max_tokens=60,
+        tools=TOOLS,
+        extra_body=SAMPLED,
+        tool_choice={"type": "tool", "name": "get_time"},
+    )
     assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
     call = msg.content[0]
     assert call.name == "get_time" and call.input["zone"] in ("utc", "cet") and call.id.startswith("toolu_")
     # "any" may make several calls: room for them, as the chat route's "required" test gives.
-    msg = api.messages.create(model=name, messages=MESSAGES, max_tokens=200, tools=TOOLS, extra_body=SAMPLED, tool_choice={"type": "any"})
+    msg = api.messages.create(
+        model=name, messages=MESSAGES, max_tokens=200, tools=TOOLS, extra_body=SAMPLED, tool_choice={"type": "any"}
+    )
     assert msg.stop_reason == "tool_use" and msg.content and all(b.type == "tool_use" for b in msg.content)
     assert all(b.name in ("get_time", "get_weather") for b in msg.content)
-    with api.messages.stream(model=name, messages=MESSAGES, max_tokens=60, tools=TOOLS, extra_body=SAMPLED,
-                             tool_choice={"type": "tool", "name": "get_time"}) as stream:
+    with api.messages.stream(
+        model=name,
+        messages=MESSAGES,
+        max_tokens=60,
+        tools=TOOLS,
+        extra_body=SAMPLED,
+        tool_choice={"type": "tool", "name": "get_time"},
+    ) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
     assert "input_json" in kinds and final.stop_reason == "tool_use"
     assert final.content[0].type == "tool_use" and final.content[0].input["zone"] in ("utc", "cet")
     # The call and its result in the conversation: rendered as the chat's tool_calls and tool turns.
-    follow = [*MESSAGES, {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.input}]},
-              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "12:00"},
-                                           {"type": "text", "text": "and now?"}]}]
-    answer = api.messages.create(model=name, messages=follow, max_tokens=4, tools=TOOLS, extra_body=GREEDY, tool_choice={"type": "none"})
+    follow = [
+        *MESSAGES,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.input}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": call.id, "content": "12:00"},
+                {"type": "text", "text": "and now?"},
+            ],
+        },
+    ]
+    answer = api.messages.create(
+        model=name, messages=follow, max_tokens=4, tools=TOOLS, extra_body=GREEDY, tool_choice={"type": "none"}
+    )
     assert answer.content[0].type == "text" and answer.usage.input_tokens > msg.usage.input_tokens
 
 
@@ -127,7 +175,11 @@ def test_raw_event_order(server) -> None:
         events.append((kind[7:], json.loads(data[6:])))
     assert all(kind == data["type"] for kind, data in events)
     kinds = [kind for kind, _ in events]
-    assert kinds[:3] == ["message_start", "ping", "content_block_start"] and kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert set(kinds[3:-3]) == {"content_block_delta"}
     start, delta = events[0][1]["message"], events[-2][1]
     assert start["content"] == [] and start["stop_reason"] is None
@@ -153,7 +205,10 @@ def test_errors_are_in_anthropic_shape(server) -> None:
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "image"),
         ({"messages": MESSAGES, "max_tokens": 4, "tool_choice": {"type": "maybe"}}, "tool_choice"),
         ({"messages": MESSAGES, "max_tokens": 4, "thinking": {"type": "sometimes"}}, "thinking"),
-        ({"messages": MESSAGES, "max_tokens": 4, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
+        (
+            {"messages": MESSAGES, "max_tokens": 4, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+            "server tools",
+        ),
     ]
     for body, named in cases:
         status, _, raw = post(server, "/v1/messages", {"model": name, **body})
@@ -163,6 +218,9 @@ def test_errors_are_in_anthropic_shape(server) -> None:
     status, _, raw = post(server, "/v1/messages/nope", {})
     assert status == 404 and json.loads(raw)["error"]["type"] == "not_found_error"
     # Ignored and unknown fields are accepted and named.
-    status, headers, raw = post(server, "/v1/messages", {"model": name, "messages": MESSAGES, "max_tokens": 2,
-                                                         "metadata": {"user_id": "u"}, "container": "c"})
+    status, headers, raw = post(
+        server,
+        "/v1/messages",
+        {"model": name, "messages": MESSAGES, "max_tokens": 2, "metadata": {"user_id": "u"}, "container": "c"},
+    )
     assert status == 200 and headers["x-conveyor-ignored-fields"] == "container,metadata"

@@ -19,35 +19,71 @@ from conveyor.http.errors import ApiError
 from conveyor.http.output_reading import OutputReader, output_reader
 
 MODEL = "tiny"
-TOOL = {"name": "get_time", "description": "d", "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}}}
+TOOL = {
+    "name": "get_time",
+    "description": "d",
+    "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}},
+}
 
 
 def job(**body):
-    return messages_job({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **body}, MODEL)
+    return messages_job(
+        {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **body}, MODEL
+    )
 
 
 def test_bodies_become_the_chat_request_they_mean() -> None:
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "calling"},
-                                          {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "utc"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "12:00"}]},
-                                     {"type": "tool_result", "tool_use_id": "toolu_2", "content": "boom", "is_error": True},
-                                     {"type": "text", "text": "thanks"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "calling"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "utc"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "12:00"}]},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "boom", "is_error": True},
+                {"type": "text", "text": "thanks"},
+            ],
+        },
         {"role": "assistant", "content": "Sure"},
     ]
-    j = job(system=[{"type": "text", "text": "sys"}], messages=messages, stop_sequences=["END"], temperature=0.5, top_k=3,
-            tools=[TOOL], tool_choice={"type": "tool", "name": "get_time", "disable_parallel_tool_use": True},
-            metadata={"user_id": "u"}, stream=True)
+    j = job(
+        system=[{"type": "text", "text": "sys"}],
+        messages=messages,
+        stop_sequences=["END"],
+        temperature=0.5,
+        top_k=3,
+        tools=[TOOL],
+        tool_choice={"type": "tool", "name": "get_time", "disable_parallel_tool_use": True},
+        metadata={"user_id": "u"},
+        stream=True,
+    )
     turns = j.inputs[0]["messages"]
     assert [t["role"] for t in turns] == ["system", "user", "assistant", "tool", "tool", "user", "assistant"]
     assert turns[1]["content"] == "ab" and turns[2]["content"] == "calling"
-    assert turns[2]["tool_calls"] == [{"id": "toolu_1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "utc"}}}]
+    assert turns[2]["tool_calls"] == [
+        {"id": "toolu_1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "utc"}}}
+    ]
     assert (turns[3]["tool_call_id"], turns[3]["content"], turns[4]["content"]) == ("toolu_1", "12:00", "Error: boom")
     o = j.options
-    assert (o["max_tokens"], o["stop"], o["include_stop_str_in_output"], o["temperature"], o["top_k"]) == (8, ["END"], True, 0.5, 3)
-    assert o["add_generation_prompt"] is False and o["continue_final_message"] is True  # the last assistant turn: a prefill
-    assert o["tools"] == [{"type": "function", "function": {"name": "get_time", "parameters": TOOL["input_schema"], "description": "d"}}]
+    assert (o["max_tokens"], o["stop"], o["include_stop_str_in_output"], o["temperature"], o["top_k"]) == (
+        8,
+        ["END"],
+        True,
+        0.5,
+        3,
+    )
+    assert (
+        o["add_generation_prompt"] is False and o["continue_final_message"] is True
+    )  # the last assistant turn: a prefill
+    assert o["tools"] == [
+        {"type": "function", "function": {"name": "get_time", "parameters": TOOL["input_schema"], "description": "d"}}
+    ]
     assert j.forced_tool_choice == {"type": "function", "function": {"name": "get_time"}} and j.stream
     assert j.ignored == ("metadata", "tool_choice.disable_parallel_tool_use") and "fill_context" not in o
     assert job(tool_choice={"type": "any"}, tools=[TOOL]).forced_tool_choice == "required"
@@ -56,24 +92,38 @@ def test_bodies_become_the_chat_request_they_mean() -> None:
     unknown = job(foo=1)
     assert unknown.unknown == ("foo",) and unknown.ignored == ("foo",)
     with pytest.raises(ApiError) as info:
-        messages_job({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "foo": 1}, MODEL, strict=True)
+        messages_job(
+            {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "foo": 1},
+            MODEL,
+            strict=True,
+        )
     assert info.value.param == "foo"
     counted = messages_job({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, MODEL, count_only=True)
     assert "max_tokens" not in counted.options
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"max_tokens": None}, "max_tokens"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages"),
-    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": "no"}]}]}, "messages"),
-    ({"stop_sequences": "END"}, "stop_sequences"),
-    ({"tools": [{"name": "f"}]}, "tools"),
-    ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
-    ({"thinking": {"type": "sometimes"}}, "thinking"),
-    ({"output_config": {"format": {"type": "xml"}}}, "output_config"),
-    ({"model": 5}, "model"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": None}, "max_tokens"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": "no"}]}
+                ]
+            },
+            "messages",
+        ),
+        ({"stop_sequences": "END"}, "stop_sequences"),
+        ({"tools": [{"name": "f"}]}, "tools"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
+        ({"thinking": {"type": "sometimes"}}, "thinking"),
+        ({"output_config": {"format": {"type": "xml"}}}, "output_config"),
+        ({"model": 5}, "model"),
+    ],
+)
 def test_bad_bodies_name_the_field(body, param) -> None:
     with pytest.raises(ApiError) as info:
         job(**body)
@@ -94,13 +144,20 @@ def test_stop_tail_and_the_unstreamed_message() -> None:
     tail = StopTail(["END"])
     assert tail.feed("hello END") + tail.finish("length")[0] == "hello END"  # cut by length: not a stop
     body = message_body("msg_1", MODEL, result("fine END"), ["END"], None)
-    assert body["content"] == [{"type": "text", "text": "fine "}] and (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", "END")
+    assert body["content"] == [{"type": "text", "text": "fine "}] and (body["stop_reason"], body["stop_sequence"]) == (
+        "stop_sequence",
+        "END",
+    )
     assert body["usage"] == {"input_tokens": 7, "output_tokens": 3}
     assert message_body("m", MODEL, result("a", "length"), None, None)["stop_reason"] == "max_tokens"
     assert message_body("m", MODEL, result("a"), None, None)["stop_reason"] == "end_turn"
     forced = output_reader(job(tools=[TOOL], tool_choice={"type": "any"}), None, None)
     body = message_body("m", MODEL, result('[{"name": "get_time", "arguments": {"zone": "cet"}}]'), None, forced)
-    assert body["stop_reason"] == "tool_use" and body["content"][0]["input"] == {"zone": "cet"} and body["content"][0]["type"] == "tool_use"
+    assert (
+        body["stop_reason"] == "tool_use"
+        and body["content"][0]["input"] == {"zone": "cet"}
+        and body["content"][0]["type"] == "tool_use"
+    )
 
 
 def events(raw: bytes) -> list[tuple[str, dict]]:
@@ -119,19 +176,38 @@ def test_streamed_events_of_text_a_stop_a_call_and_a_failure() -> None:
     assert enc(0, StreamDelta("r", "", [], "stop", result("hello END"))) == 1
     enc.end()
     got = events(bytes(enc.out))
-    assert [k for k, _ in got] == ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_delta",
-                                   "content_block_stop", "message_delta", "message_stop"]
+    assert [k for k, _ in got] == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert "".join(d["delta"]["text"] for k, d in got if k == "content_block_delta") == "hello "
-    assert got[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"} and got[-2][1]["usage"]["input_tokens"] == 7
+    assert (
+        got[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+        and got[-2][1]["usage"]["input_tokens"] == 7
+    )
     forced = output_reader(job(tools=[TOOL], tool_choice={"type": "tool", "name": "get_time"}), None, None)
     enc = MessageEvents("msg_2", MODEL, None, forced)
     enc.start()
     enc(0, StreamDelta("r", '{"zone": ', [1]))
     enc(0, StreamDelta("r", '"utc"}', [1], "stop", result('{"zone": "utc"}')))
     got = events(bytes(enc.out))
-    assert [k for k, _ in got][2:] == ["content_block_start", "content_block_delta", "content_block_stop", "message_delta"]
+    assert [k for k, _ in got][2:] == [
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+    ]
     assert got[2][1]["content_block"]["type"] == "tool_use" and got[2][1]["content_block"]["input"] == {}
-    assert json.loads(got[3][1]["delta"]["partial_json"]) == {"zone": "utc"} and got[-1][1]["delta"]["stop_reason"] == "tool_use"
+    assert (
+        json.loads(got[3][1]["delta"]["partial_json"]) == {"zone": "utc"}
+        and got[-1][1]["delta"]["stop_reason"] == "tool_use"
+    )
     # tool_choice auto with --tool-call-parser hermes: text first, then the parsed call as its own block.
     parsed = output_reader(job(tools=[TOOL]), "hermes", None)
     enc = MessageEvents("msg_4", MODEL, None, parsed)
@@ -144,9 +220,13 @@ def test_streamed_events_of_text_a_stop_a_call_and_a_failure() -> None:
     blocks = [d["content_block"] for k, d in got if k == "content_block_start"]
     assert [b["type"] for b in blocks] == ["text", "tool_use"] and blocks[1]["name"] == "get_time"
     assert "".join(d["delta"].get("text", "") for k, d in got if k == "content_block_delta").strip() == "Let me check."
-    assert [d["index"] for k, d in got if k == "content_block_stop"] == [0, 1] and got[-1][1]["delta"]["stop_reason"] == "tool_use"
+    assert [d["index"] for k, d in got if k == "content_block_stop"] == [0, 1] and got[-1][1]["delta"][
+        "stop_reason"
+    ] == "tool_use"
     whole = message_body("m", MODEL, result("Let me check. " + call), None, parsed)
-    assert [b["type"] for b in whole["content"]] == ["text", "tool_use"] and whole["content"][1]["input"] == {"zone": "cet"}
+    assert [b["type"] for b in whole["content"]] == ["text", "tool_use"] and whole["content"][1]["input"] == {
+        "zone": "cet"
+    }
     enc = MessageEvents("msg_3", MODEL, None, None)
     enc.start()
     enc(0, StreamDelta("r", "partial", [1]))
@@ -162,7 +242,9 @@ def test_anthropic_routes_take_x_api_key_and_request_ids_are_safe() -> None:
     access = Access.of(["k1"])
     assert access.allows(make_mocked_request("POST", "/v1/messages", headers={"x-api-key": "k1"}))
     assert not access.allows(make_mocked_request("POST", "/v1/messages", headers={"x-api-key": "k2"}))
-    assert not access.allows(make_mocked_request("POST", "/v1/chat/completions", headers={"x-api-key": "k1"}))  # OpenAI routes: Bearer
+    assert not access.allows(
+        make_mocked_request("POST", "/v1/chat/completions", headers={"x-api-key": "k1"})
+    )  # OpenAI routes: Bearer
     assert access.allows(make_mocked_request("POST", "/v1/messages", headers={"Authorization": "Bearer k1"}))
     for given, used in (("abc-1", "abc-1"), ("a" * 129, None), ("x y", None), ("é", None)):
         request = make_mocked_request("GET", "/", headers={"x-request-id": given})
@@ -175,7 +257,10 @@ def test_thinking_blocks_whole_and_streamed() -> None:
     reader = OutputReader("qwen3", None)
     text = "<think>\nThe user greets me.\n</think>\n\nHello there"
     body = message_body("m", MODEL, result(text), None, reader)
-    assert body["content"] == [{"type": "thinking", "thinking": "The user greets me.", "signature": ""}, {"type": "text", "text": "Hello there"}]
+    assert body["content"] == [
+        {"type": "thinking", "thinking": "The user greets me.", "signature": ""},
+        {"type": "text", "text": "Hello there"},
+    ]
     enc = MessageEvents("m", MODEL, None, reader)
     enc.start()
     for piece in ("<thi", "nk>\nThe user", " greets me.\n</th", "ink>\n\nHello", " there"):
@@ -184,8 +269,16 @@ def test_thinking_blocks_whole_and_streamed() -> None:
     got = events(bytes(enc.out))
     blocks = [(d["index"], d["content_block"]["type"]) for k, d in got if k == "content_block_start"]
     assert blocks == [(0, "thinking"), (1, "text")]
-    assert "".join(d["delta"].get("thinking", "") for k, d in got if k == "content_block_delta") == "The user greets me."
+    assert (
+        "".join(d["delta"].get("thinking", "") for k, d in got if k == "content_block_delta") == "The user greets me."
+    )
     assert "".join(d["delta"].get("text", "") for k, d in got if k == "content_block_delta") == "Hello there"
-    assert messages_job({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
-                         "thinking": {"type": "disabled"}}, MODEL).options["chat_template_kwargs"] == {"enable_thinking": False}
-
+    assert messages_job(
+        {
+            "model": MODEL,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "disabled"},
+        },
+        MODEL,
+    ).options["chat_template_kwargs"] == {"enable_thinking": False}

@@ -16,8 +16,8 @@ import openai
 import pytest
 import transformers
 
-from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
 from tests.e2e.serve_harness import ServeProcess
+from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
 
 KEYS = ("key-one", "key-two")
 MAX_MODEL_LEN = 48
@@ -44,7 +44,9 @@ def _self_signed(directory) -> tuple[str, str]:
     )  # fmt: skip
     certfile, keyfile = directory / "cert.pem", directory / "key.pem"
     certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    keyfile.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(certfile), str(keyfile)
 
 
@@ -68,7 +70,9 @@ def call(server, method: str, path: str, body=None, key: str | None = KEYS[0]) -
     """(status, JSON body, headers) of one HTTPS request, the server's certificate trusted."""
     context = ssl.create_default_context(cafile=server.certfile)
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        server.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     if key is not None:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -103,7 +107,9 @@ def test_keys_guard_every_api_route_and_leave_health_open(secure, tiny_checkpoin
             assert status == 200, (path, reply)
     for path in ("/health", "/version", "/metrics"):
         req = urllib.request.Request(secure.url + path)
-        with urllib.request.urlopen(req, context=ssl.create_default_context(cafile=secure.certfile), timeout=30) as response:
+        with urllib.request.urlopen(
+            req, context=ssl.create_default_context(cafile=secure.certfile), timeout=30
+        ) as response:
             assert response.status == 200
     with pytest.raises(openai.AuthenticationError):
         client(secure, "nope").models.list()
@@ -124,7 +130,9 @@ def test_models_retrieve_version_tokenize_detokenize(secure, tiny_checkpoint) ->
     hf = transformers.AutoTokenizer.from_pretrained(str(tiny_checkpoint))
     status, body, _ = call(secure, "POST", "/tokenize", {"model": model, "prompt": "The quick brown fox"})
     assert status == 200 and body["tokens"] == hf.encode("The quick brown fox") and body["count"] == len(body["tokens"])
-    assert call(secure, "POST", "/tokenize", {"prompt": "The fox", "add_special_tokens": False})[1]["tokens"] == hf.encode("The fox", add_special_tokens=False)
+    assert call(secure, "POST", "/tokenize", {"prompt": "The fox", "add_special_tokens": False})[1][
+        "tokens"
+    ] == hf.encode("The fox", add_special_tokens=False)
     messages = [{"role": "user", "content": "Hello there"}]
     status, body, _ = call(secure, "POST", "/tokenize", {"messages": messages})
     assert body["tokens"] == list(hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
@@ -139,7 +147,10 @@ def test_invocations_route_by_body_shape(secure, tiny_checkpoint) -> None:
     base = {"model": model, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     completion = call(secure, "POST", "/invocations", {**base, "prompt": "The quick"})[1]
     assert completion["object"] == "text_completion"
-    assert completion["choices"][0]["text"] == call(secure, "POST", "/v1/completions", {**base, "prompt": "The quick"})[1]["choices"][0]["text"]
+    assert (
+        completion["choices"][0]["text"]
+        == call(secure, "POST", "/v1/completions", {**base, "prompt": "The quick"})[1]["choices"][0]["text"]
+    )
     chat = call(secure, "POST", "/invocations", {**base, "messages": [{"role": "user", "content": "hi"}]})[1]
     assert chat["object"] == "chat.completion"
     status, body, _ = call(secure, "POST", "/invocations", {"model": model})
@@ -169,7 +180,10 @@ def test_echo_token_ids_ignored_fields_and_seeds(secure, tiny_checkpoint) -> Non
         b = call(secure, "POST", "/v1/completions", {**sampled, "seed": seed})[1]["choices"][0]["text"]
         assert a == b, seed
     # -1 and 2**64 - 1 have one bit pattern, so one stream
-    assert call(secure, "POST", "/v1/completions", {**sampled, "seed": -1})[1] ["choices"][0]["text"] == call(secure, "POST", "/v1/completions", {**sampled, "seed": 2**64 - 1})[1]["choices"][0]["text"]
+    assert (
+        call(secure, "POST", "/v1/completions", {**sampled, "seed": -1})[1]["choices"][0]["text"]
+        == call(secure, "POST", "/v1/completions", {**sampled, "seed": 2**64 - 1})[1]["choices"][0]["text"]
+    )
     status, body, _ = call(secure, "POST", "/v1/completions", {**sampled, "seed": 2**64})
     assert status == 400 and body["error"]["param"] == "seed"
 
@@ -196,7 +210,10 @@ def test_continuous_usage_stats_stream(secure, tiny_checkpoint) -> None:
     assert all(c.usage.prompt_tokens == prompt_tokens for c in chunks) and counts == sorted(counts) and counts[-1] == 6
     ids = [t for c in chunks[:-1] for t in (c.choices[0].model_extra.get("token_ids") or [])]
     assert len(ids) == 6
-    assert chunks[0].choices[0].model_extra["prompt_token_ids"] and len(chunks[0].choices[0].model_extra["prompt_token_ids"]) == prompt_tokens
+    assert (
+        chunks[0].choices[0].model_extra["prompt_token_ids"]
+        and len(chunks[0].choices[0].model_extra["prompt_token_ids"]) == prompt_tokens
+    )
 
 
 DASHBOARD = __import__("pathlib").Path(__file__).resolve().parents[2] / "docs" / "grafana" / "conveyor.json"
@@ -240,7 +257,14 @@ def test_every_dashboard_query_names_an_exported_series(secure, tiny_checkpoint)
     missing = sorted(named - exported)
     assert not missing, f"dashboard queries name series the server does not export: {missing}"
     # a vLLM dashboard's names are there too
-    for name in ("vllm:num_requests_running", "vllm:gpu_cache_usage_perc", "vllm:e2e_request_latency_seconds_bucket",
-                 "vllm:request_prompt_tokens_bucket", "vllm:iteration_tokens_total_bucket", "vllm:request_success_total",
-                 "vllm:num_preemptions_total", "vllm:time_per_output_token_seconds_bucket"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:iteration_tokens_total_bucket",
+        "vllm:request_success_total",
+        "vllm:num_preemptions_total",
+        "vllm:time_per_output_token_seconds_bucket",
+    ):
         assert name in exported, name

@@ -38,7 +38,11 @@ def test_while_starting_generation_and_health_are_503_and_bad_bodies_still_400(t
 
     (health, health_body), (gen, gen_body), bad, models = run_app(tmp_path, scenario)
     assert health == 503 and health_body["error"]["code"] == "unhealthy"
-    assert gen == 503 and gen_body["error"]["code"] == "starting" and gen_body["error"]["type"] == "service_unavailable_error"
+    assert (
+        gen == 503
+        and gen_body["error"]["code"] == "starting"
+        and gen_body["error"]["type"] == "service_unavailable_error"
+    )
     assert bad == 400
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
 

@@ -65,8 +65,16 @@ def test_long_prompts_are_refused_before_the_http_process_tokenizes_them(http_se
     rss_before = _rss_mb(http_server.pids["http"])
     attacks = [
         ("/v1/completions", {"model": model, "prompt": text, "max_tokens": 1, "return_token_ids": True}),
-        ("/v1/completions", {"model": model, "prompt": text, "max_tokens": 1, "stream": True,
-                             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+        (
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": text,
+                "max_tokens": 1,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+        ),
         ("/tokenize", {"model": model, "prompt": text}),
         ("/tokenize", {"model": model, "prompt": text, "add_special_tokens": False}),
         ("/tokenize", {"model": model, "messages": [{"role": "user", "content": text}]}),
@@ -83,7 +91,12 @@ def test_long_prompts_are_refused_before_the_http_process_tokenizes_them(http_se
 def test_a_large_tools_list_is_refused_before_it_is_rendered(http_server) -> None:
     model = model_of(http_server)
     tool = {"type": "function", "function": {"name": "f", "description": "x" * 1000, "parameters": {"type": "object"}}}
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "tools": [tool] * (BIG // 1000), "max_tokens": 1}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [tool] * (BIG // 1000),
+        "max_tokens": 1,
+    }
     answers, during, alone = _neighbour_meanwhile(http_server, [("/v1/chat/completions", body)] * 3)
     for status, reply, took in answers:
         assert_error((status, reply), 400, param="messages", code=None)
@@ -95,7 +108,9 @@ def test_a_large_tools_list_is_refused_before_it_is_rendered(http_server) -> Non
 def test_stop_token_ids_have_a_count_bound(http_server) -> None:
     model = model_of(http_server)
     base = {"model": model, "prompt": "hi", "max_tokens": 2}
-    assert request(http_server, "POST", "/v1/completions", {**base, "stop_token_ids": [5] * MAX_STOP_TOKEN_IDS})[0] == 200
+    assert (
+        request(http_server, "POST", "/v1/completions", {**base, "stop_token_ids": [5] * MAX_STOP_TOKEN_IDS})[0] == 200
+    )
     reply = request(http_server, "POST", "/v1/completions", {**base, "stop_token_ids": [5] * (MAX_STOP_TOKEN_IDS + 1)})
     assert_error(reply, 400, param="stop_token_ids")
 
@@ -103,7 +118,9 @@ def test_stop_token_ids_have_a_count_bound(http_server) -> None:
 def test_objects_over_256_keys_are_served(http_server) -> None:
     model = model_of(http_server)
     base = {"model": model, "prompt": "hi", "max_tokens": 2}
-    status, body = request(http_server, "POST", "/v1/completions", {**base, "logit_bias": {str(i): 0.5 for i in range(257)}})
+    status, body = request(
+        http_server, "POST", "/v1/completions", {**base, "logit_bias": {str(i): 0.5 for i in range(257)}}
+    )
     assert status == 200, body
     schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
     status, body = request(http_server, "POST", "/v1/completions", {**base, "guided_json": schema})

@@ -41,7 +41,9 @@ def joined(parts: list[dict]) -> dict:
 
 
 def test_zmq_logprobs_whole_and_streamed(http_server, hf_logprobs) -> None:
-    request = dict(token_ids=PROMPT_IDS, max_tokens=6, temperature=0.8, seed=11, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    request = dict(
+        token_ids=PROMPT_IDS, max_tokens=6, temperature=0.8, seed=11, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
     with Client(http_server.address, timeout=60) as client:
         whole = client.generate(**request)
         deltas = list(client.stream(**request))
@@ -104,7 +106,7 @@ def test_completions_logprobs_whole_streamed_and_echoed(http_server, hf_logprobs
     assert echoed.token_logprobs[0] is None and echoed.top_logprobs[0] is None
     for i in range(1, len(PROMPT_IDS)):
         assert echoed.token_logprobs[i] == pytest.approx(ref[i - 1, PROMPT_IDS[i]].item(), abs=1e-4)
-    assert echoed.token_logprobs[len(PROMPT_IDS):] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert echoed.token_logprobs[len(PROMPT_IDS) :] == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
 def test_prompt_logprobs_extension_and_the_bound(http_server, hf_logprobs) -> None:
@@ -130,7 +132,9 @@ def test_prompt_logprobs_extension_and_the_bound(http_server, hf_logprobs) -> No
             model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, logprobs=True, top_logprobs=21
         )
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, top_logprobs=2)
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, top_logprobs=2
+        )
 
 
 def test_chat_logprobs_equal_the_zmq_ones(http_server) -> None:
@@ -154,7 +158,8 @@ def test_chat_logprobs_equal_the_zmq_ones(http_server) -> None:
     assert [[t.token for t in c.top_logprobs] for c in content] == ref["top_tokens"]
     assert all(bytes(c.bytes) == c.token.encode() for c in content)
     streamed = [
-        c.choices[0].logprobs for c in client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **common)
+        c.choices[0].logprobs
+        for c in client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **common)
         if c.choices and c.choices[0].logprobs is not None
     ]
     assert [c.logprob for part in streamed for c in part.content] == ref["token_logprobs"]

@@ -74,12 +74,20 @@ LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 def test_vllm_bodies_are_taken_and_lora_int_id_is_ignored() -> None:
     assert post(UNLOAD, {"lora_name": "sql", "lora_int_id": 3}) == (
-        200, "Success: LoRA adapter 'sql' unloaded.", [("unload", "sql")])
+        200,
+        "Success: LoRA adapter 'sql' unloaded.",
+        [("unload", "sql")],
+    )
     assert post(UNLOAD, {"lora_name": "sql", "lora_int_id": None})[2] == [("unload", "sql")]
     assert post(LOAD, {"lora_name": "sql", "lora_path": "/a/sql", "load_inplace": False}) == (
-        200, "Success: LoRA adapter 'sql' loaded from /a/sql.", [("load", "sql", "/a/sql")])
+        200,
+        "Success: LoRA adapter 'sql' loaded from /a/sql.",
+        [("load", "sql", "/a/sql")],
+    )
     assert post(LOAD, {"lora_name": "sql", "lora_path": "/a/sql", "load_inplace": True})[:2] == (
-        200, "Success: LoRA adapter 'sql' loaded from /a/sql.")  # a new name: loaded as vLLM does
+        200,
+        "Success: LoRA adapter 'sql' loaded from /a/sql.",
+    )  # a new name: loaded as vLLM does
 
 
 @pytest.mark.parametrize(
@@ -108,8 +116,16 @@ def test_bad_bodies_are_400_naming_the_field(path, body, param, says) -> None:
 
 @pytest.mark.parametrize(
     "code, status",
-    [("lora_already_loaded", 400), ("invalid_lora", 400), ("lora_not_found", 404), ("lora_loading_disabled", 404),
-     ("lora_in_use", 409), ("lora_update_pending", 409), ("timeout", 504), ("server_error", 500)],
+    [
+        ("lora_already_loaded", 400),
+        ("invalid_lora", 400),
+        ("lora_not_found", 404),
+        ("lora_loading_disabled", 404),
+        ("lora_in_use", 409),
+        ("lora_update_pending", 409),
+        ("timeout", 504),
+        ("server_error", 500),
+    ],
 )
 def test_refusals_get_their_status(code, status) -> None:
     got, error, _ = post(LOAD, {"lora_name": "sql", "lora_path": "/a"}, ServerError("why", code))
@@ -118,7 +134,10 @@ def test_refusals_get_their_status(code, status) -> None:
 
 
 def test_load_inplace_on_a_loaded_name_says_it_is_not_replaced() -> None:
-    status, error, _ = post(LOAD, {"lora_name": "sql", "lora_path": "/b", "load_inplace": True},
-                            ServerError("LoRA adapter 'sql' is already loaded", "lora_already_loaded"))
+    status, error, _ = post(
+        LOAD,
+        {"lora_name": "sql", "lora_path": "/b", "load_inplace": True},
+        ServerError("LoRA adapter 'sql' is already loaded", "lora_already_loaded"),
+    )
     assert status == 400 and error["code"] == "lora_already_loaded"
     assert "does not replace a loaded adapter's weights in place" in error["message"]

@@ -67,14 +67,33 @@ def test_exposition_names_types_and_values() -> None:
     stats = {**STATS, "iteration_token_counts": [3, 1] + [0] * 11 + [1], "iteration_token_sum": 3 + 8 + 20000}
     text = exposition(metrics_reply(**metrics.snapshot()), stats, "m")
     types = family_types(text)
-    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
-                 "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "num_requests_swapped",
+        "kv_cache_usage_perc",
+        "kv_blocks_used",
+        "kv_blocks_free",
+        "kv_blocks_cached",
+    ):
         assert types["conveyor:" + name] == "gauge", name
-    for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-                 "generation_tokens", "request_success", "clients_not_reading"):
+    for name in (
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+        "prompt_tokens",
+        "generation_tokens",
+        "request_success",
+        "clients_not_reading",
+    ):
         assert types["conveyor:" + name] == "counter", name
-    for name in ("time_to_first_token", "time_per_output_token", "inter_token_latency", "e2e_request_latency",
-                 "request_queue_time"):
+    for name in (
+        "time_to_first_token",
+        "time_per_output_token",
+        "inter_token_latency",
+        "e2e_request_latency",
+        "request_queue_time",
+    ):
         assert types[f"conveyor:{name}_seconds"] == "histogram", name
 
     s = parse(text, "m")
@@ -107,7 +126,9 @@ def test_exposition_names_types_and_values() -> None:
     assert one("conveyor:request_decode_time_seconds_sum") == pytest.approx(0.45)
     assert one("conveyor:request_inference_time_seconds_sum") == pytest.approx(0.498 + 2.996)
     prompt = {dict(k)["le"]: v for k, v in s["conveyor:request_prompt_tokens_bucket"].items()}
-    assert (prompt["2.0"], prompt["5.0"], prompt["10.0"]) == (0, 1, 2) and one("conveyor:request_prompt_tokens_sum") == 11
+    assert (prompt["2.0"], prompt["5.0"], prompt["10.0"]) == (0, 1, 2) and one(
+        "conveyor:request_prompt_tokens_sum"
+    ) == 11
     assert one("conveyor:request_generation_tokens_sum") == 3
     max_tokens = {dict(k)["le"]: v for k, v in s["conveyor:request_params_max_tokens_bucket"].items()}
     assert (max_tokens["2.0"], max_tokens["200.0"], max_tokens["500.0"]) == (1, 1, 2)
@@ -120,9 +141,17 @@ def test_exposition_names_types_and_values() -> None:
             alias = "vllm:" + name.split(":", 1)[1]
             if alias in s:
                 assert s[alias] == samples, name
-    for name in ("num_requests_running", "kv_cache_usage_perc", "prompt_tokens_total", "request_success_total",
-                 "time_to_first_token_seconds_bucket", "e2e_request_latency_seconds_count", "request_prompt_tokens_bucket",
-                 "iteration_tokens_total_bucket", "request_params_max_tokens_sum"):
+    for name in (
+        "num_requests_running",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "request_success_total",
+        "time_to_first_token_seconds_bucket",
+        "e2e_request_latency_seconds_count",
+        "request_prompt_tokens_bucket",
+        "iteration_tokens_total_bucket",
+        "request_params_max_tokens_sum",
+    ):
         assert s["vllm:" + name] == s["conveyor:" + name], name
     assert one("vllm:num_preemptions_total") == 11 and one("vllm:gpu_cache_usage_perc") == pytest.approx(0.25)
     assert "vllm:kv_blocks_used" not in s  # vLLM has no such family
@@ -250,9 +279,7 @@ SPECULATIVE = ("--speculative-method", "ngram", "--num-speculative-tokens", "3",
 
 
 def spec_counters(s: dict[str, dict[tuple, float]]) -> dict[str, float]:
-    out = {
-        name: s[f"vllm:spec_decode_num_{name}_total"][()] for name in ("drafts", "draft_tokens", "accepted_tokens")
-    }
+    out = {name: s[f"vllm:spec_decode_num_{name}_total"][()] for name in ("drafts", "draft_tokens", "accepted_tokens")}
     out["per_position"] = [v for _, v in sorted(s["vllm:spec_decode_num_accepted_tokens_per_pos_total"].items())]
     return out
 

@@ -11,7 +11,13 @@ import ast
 from pathlib import Path
 
 HTTP = Path(__file__).resolve().parents[2] / "src" / "conveyor" / "http"
-ENCODERS = {"conveyor.frontend.inputs", "conveyor.frontend.processor", "conveyor.frontend.detokenizer", "tokenizers", "transformers"}
+ENCODERS = {
+    "conveyor.frontend.inputs",
+    "conveyor.frontend.processor",
+    "conveyor.frontend.detokenizer",
+    "tokenizers",
+    "transformers",
+}
 ENCODING_CALLS = {"encode", "decode", "decode_one", "apply_chat_template", "convert_ids_to_tokens", "render_chat"}
 
 

@@ -42,7 +42,12 @@ def test_sync_completion_streamed_and_not_equal_the_zmq_client(http_server) -> N
     assert whole.usage.total_tokens == reference.usage.prompt_tokens + 8
     chunks = list(
         client.completions.create(
-            model=model, prompt="The quick brown fox", stream=True, stream_options={"include_usage": True}, extra_body=EXTRA, **GREEDY
+            model=model,
+            prompt="The quick brown fox",
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=EXTRA,
+            **GREEDY,
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == reference.text
@@ -78,14 +83,22 @@ def test_async_client_many_at_once(http_server) -> None:
         model = (await client.models.list()).data[0].id
 
         async def streamed(prompt: str) -> str:
-            stream = await client.completions.create(model=model, prompt=prompt, stream=True, extra_body=EXTRA, **GREEDY)
+            stream = await client.completions.create(
+                model=model, prompt=prompt, stream=True, extra_body=EXTRA, **GREEDY
+            )
             return "".join([c.choices[0].text async for c in stream])
 
         async def whole(prompt: str) -> str:
-            return (await client.completions.create(model=model, prompt=prompt, extra_body=EXTRA, **GREEDY)).choices[0].text
+            return (
+                (await client.completions.create(model=model, prompt=prompt, extra_body=EXTRA, **GREEDY))
+                .choices[0]
+                .text
+            )
 
         async def chat(prompt: str) -> str:
-            reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], **GREEDY)
+            reply = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], **GREEDY
+            )
             return reply.choices[0].message.content
 
         async def chat_streamed(prompt: str) -> str:
@@ -109,10 +122,15 @@ def test_prompt_as_token_ids_and_several_prompts(http_server) -> None:
     with Client(http_server.address, timeout=60) as zmq_client:
         by_ids = zmq_client.generate(token_ids=[11, 12, 13], ignore_eos=True, **GREEDY).text
         by_text = zmq_client.generate("abc", ignore_eos=True, **GREEDY).text
-    assert client.completions.create(model=model, prompt=[11, 12, 13], extra_body=EXTRA, **GREEDY).choices[0].text == by_ids
+    assert (
+        client.completions.create(model=model, prompt=[11, 12, 13], extra_body=EXTRA, **GREEDY).choices[0].text
+        == by_ids
+    )
     both = client.completions.create(model=model, prompt=[[11, 12, 13], [11, 12, 13]], extra_body=EXTRA, **GREEDY)
     assert [c.text for c in both.choices] == [by_ids, by_ids] and both.usage.completion_tokens == 16
-    stream = client.completions.create(model=model, prompt=["abc", "abc", "abc"], stream=True, extra_body=EXTRA, **GREEDY)
+    stream = client.completions.create(
+        model=model, prompt=["abc", "abc", "abc"], stream=True, extra_body=EXTRA, **GREEDY
+    )
     texts = ["", "", ""]
     for chunk in stream:
         for choice in chunk.choices:
@@ -123,7 +141,9 @@ def test_prompt_as_token_ids_and_several_prompts(http_server) -> None:
 def test_seed_and_stop(http_server) -> None:
     client, model = sync_client(http_server), model_of(http_server)
     sampled = [
-        client.completions.create(model=model, prompt="abc", max_tokens=8, temperature=1.0, seed=1234, extra_body=EXTRA).choices[0].text
+        client.completions.create(model=model, prompt="abc", max_tokens=8, temperature=1.0, seed=1234, extra_body=EXTRA)
+        .choices[0]
+        .text
         for _ in range(2)
     ]
     assert sampled[0] == sampled[1]
@@ -174,13 +194,19 @@ def test_sampling_controls_match_hf(http_server, hf_controlled, tiny_checkpoint)
     )  # fmt: skip
     eos = Tokenizer.from_dir(tiny_checkpoint).eos_token_id
     prompt_ids = chat.model_extra["prompt_token_ids"]
-    assert chat.choices[0].model_extra["token_ids"] == hf_controlled(prompt_ids, 12, stop=(40, eos), logit_bias={40: 100.0}, min_tokens=3)
+    assert chat.choices[0].model_extra["token_ids"] == hf_controlled(
+        prompt_ids, 12, stop=(40, eos), logit_bias={40: 100.0}, min_tokens=3
+    )
     assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 4
-    for field, value in (("presence_penalty", 3), ("logit_bias", {"9": 101}), ("logit_bias", {"99999": 1}), ("logit_bias", [1])):
+    for field, value in (
+        ("presence_penalty", 3),
+        ("logit_bias", {"9": 101}),
+        ("logit_bias", {"99999": 1}),
+        ("logit_bias", [1]),
+    ):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=model, prompt="hi", **{field: value})
         assert info.value.body["param"] == field, info.value.body
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt="hi", max_tokens=4, extra_body={"min_tokens": 5})
     assert info.value.body["param"] == "min_tokens", info.value.body
-

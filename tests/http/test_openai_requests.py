@@ -50,7 +50,9 @@ def test_fields_map_onto_the_protocol() -> None:
     refused(400, "logit_bias", logit_bias={str(i): 1 for i in range(1025)})
     assert parse(max_completion_tokens=9, max_tokens=3).options["max_tokens"] == 9
     stream = parse(CHAT, stream=True, stream_options={"include_usage": True})
-    assert stream.stream and stream.include_usage and stream.inputs[0]["messages"] == [{"role": "user", "content": "hi"}]
+    assert (
+        stream.stream and stream.include_usage and stream.inputs[0]["messages"] == [{"role": "user", "content": "hi"}]
+    )
 
 
 def test_prompt_shapes() -> None:
@@ -64,9 +66,17 @@ def test_prompt_shapes() -> None:
 
 
 def test_chat_content_parts_are_joined_and_other_content_refused() -> None:
-    job = parse(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    job = parse(
+        CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    )
     assert job.inputs[0]["messages"] == [{"role": "user", "content": "ab"}]
-    for bad in ([], "hi", [{"content": "x"}], [{"role": "user", "content": None}], [{"role": "user", "content": [{"type": "image_url"}]}]):
+    for bad in (
+        [],
+        "hi",
+        [{"content": "x"}],
+        [{"role": "user", "content": None}],
+        [{"role": "user", "content": [{"type": "image_url"}]}],
+    ):
         refused(400, "messages", CHAT, messages=bad)
 
 
@@ -76,9 +86,13 @@ def test_what_conveyor_cannot_do_is_refused_by_name() -> None:
     parse(CHAT, logprobs=False)
     refused(400, "echo", CHAT, echo=True)
     assert parse(echo=True).echo
-    for name, value in (("use_beam_search", True), ("bad_words", ["x"]),
-                        ("add_special_tokens", False),
-                        ("allowed_token_ids", [1]), ("suffix", "end")):
+    for name, value in (
+        ("use_beam_search", True),
+        ("bad_words", ["x"]),
+        ("add_special_tokens", False),
+        ("allowed_token_ids", [1]),
+        ("suffix", "end"),
+    ):
         assert name in refused(400, name, **{name: value}).message
     refused(400, "add_special_tokens", CHAT, add_special_tokens=True)  # chat's do-nothing value is false
     refused(400, "prompt", CHAT, prompt="x")  # a completions field on the chat endpoint: always refused
@@ -99,10 +113,19 @@ def test_unknown_fields_are_ignored_and_reported_unless_strict() -> None:
 def test_structured_output_fields_become_one_constraint() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     cases = [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}},
-         {"type": "json_schema", "schema": schema, "strict": True}),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
-         {"type": "json_schema", "schema": schema, "strict": False}),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": schema, "strict": True},
+                }
+            },
+            {"type": "json_schema", "schema": schema, "strict": True},
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+            {"type": "json_schema", "schema": schema, "strict": False},
+        ),
         ({"response_format": {"type": "json_object"}}, {"type": "json_object"}),
         ({"guided_json": schema}, {"type": "json_schema", "schema": schema, "strict": False}),
         ({"guided_regex": "a+"}, {"type": "regex", "pattern": "a+"}),
@@ -119,7 +142,12 @@ def test_structured_output_fields_become_one_constraint() -> None:
     refused(400, "structured_outputs", CHAT, structured_outputs={"regex": "a", "choice": ["b"]})
     tools = [{"type": "function", "function": {"name": "f"}}]
     job = parse(CHAT, tools=tools, tool_choice="required")
-    assert (job.options["tools"], job.options["tool_choice"], job.forced_tool_choice, job.tools) == (tools, "required", "required", True)
+    assert (job.options["tools"], job.options["tool_choice"], job.forced_tool_choice, job.tools) == (
+        tools,
+        "required",
+        "required",
+        True,
+    )
     job = parse(CHAT, tools=tools, tool_choice="none")
     assert (job.forced_tool_choice, job.tools) == (None, False)
 
@@ -141,9 +169,32 @@ def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -
         truncate_prompt_tokens=None, return_token_ids=False,
     )  # fmt: skip
     job = parse(echo=False, suffix="", add_special_tokens=True, prompt_embeds=None, **both)
-    assert set(job.ignored) == {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "request_id", "cache_salt", "vllm_xargs", "return_tokens_as_token_ids", "guided_decoding_backend"}
-    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "repetition_penalty": 1.0, "min_tokens": 0}
-    assert job.options == {"skip_special_tokens": True, "include_stop_str_in_output": False, "n": 1, "best_of": 1, **neutral}
+    assert set(job.ignored) == {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "spaces_between_special_tokens",
+        "request_id",
+        "cache_salt",
+        "vllm_xargs",
+        "return_tokens_as_token_ids",
+        "guided_decoding_backend",
+    }
+    neutral = {
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0,
+        "logit_bias": {},
+        "repetition_penalty": 1.0,
+        "min_tokens": 0,
+    }
+    assert job.options == {
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
+        "n": 1,
+        "best_of": 1,
+        **neutral,
+    }
     chat = parse(
         CHAT, tools=[], tool_choice="none", parallel_tool_calls=True, add_generation_prompt=True,
         continue_final_message=False,
@@ -156,7 +207,9 @@ def test_every_field_of_the_vllm_schemas_is_known_and_do_nothing_values_pass() -
     assert "fill_context" not in parse(CHAT, max_tokens=5).options and "fill_context" not in parse().options
     stream = parse(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     assert stream.include_usage and stream.continuous_usage
-    assert not parse(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage  # only with include_usage
+    assert not parse(
+        stream=True, stream_options={"continuous_usage_stats": True}
+    ).continuous_usage  # only with include_usage
     refused(400, "chat_template_kwargs", CHAT, chat_template_kwargs={"x": "a" * 40000})
     refused(400, "add_generation_prompt", COMPLETION, add_generation_prompt=True)  # a chat field on completions
 
@@ -224,7 +277,10 @@ def test_the_fast_chunk_is_the_chunk_object(kind: str, include_usage: bool) -> N
 
 def test_unstreamed_bodies() -> None:
     body = completion_body(CHAT, "id", 1, MODEL, [result("hello", 3, 2)])
-    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "hello",
+    }
     assert body["usage"]["total_tokens"] == 5
     body = completion_body(COMPLETION, "id", 1, MODEL, [result("a", 1, 1), result("b", 1, 1)])
     assert [c["text"] for c in body["choices"]] == ["a", "b"] and [c["index"] for c in body["choices"]] == [0, 1]

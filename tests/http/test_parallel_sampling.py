@@ -14,7 +14,6 @@ import pytest
 import zmq
 
 from conveyor.client import AsyncClient, Client
-
 from tests.e2e.conftest import hf_greedy  # noqa: F401  (fixture, registered here)
 
 PROMPT = [5, 17, 33, 2, 41, 9, 12, 28, 3, 50, 7]  # 11 tokens: a partial last block of 8
@@ -206,7 +205,13 @@ def test_http_best_of(http_server) -> None:
     with Client(http_server.address, timeout=60) as zmq_client:
         ranked = ranked_singles(zmq_client)
     whole = client.completions.create(
-        model=model, prompt=PROMPT, n=2, best_of=3, seed=SEED, temperature=1.0, max_tokens=8,
+        model=model,
+        prompt=PROMPT,
+        n=2,
+        best_of=3,
+        seed=SEED,
+        temperature=1.0,
+        max_tokens=8,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     assert [c.token_ids for c in whole.choices] == [ranked[0][1], ranked[1][1]]  # type: ignore[attr-defined]
@@ -221,7 +226,9 @@ def test_http_chat_n3_whole_and_streamed(http_server) -> None:
     messages = [{"role": "user", "content": "Say something"}]
     with Client(http_server.address, timeout=60) as zmq_client:
         alone = [zmq_client.generate(messages=messages, seed=s, **SAMPLED).text for s in SEEDS]
-    body = dict(model=model, messages=messages, n=3, seed=SEED, temperature=1.0, max_tokens=8, extra_body={"ignore_eos": True})
+    body = dict(
+        model=model, messages=messages, n=3, seed=SEED, temperature=1.0, max_tokens=8, extra_body={"ignore_eos": True}
+    )
     whole = client.chat.completions.create(**body)
     assert [c.index for c in whole.choices] == [0, 1, 2]
     assert [c.message.content for c in whole.choices] == alone
@@ -297,7 +304,16 @@ def test_http_sequence_logprobs_completions_and_chat(http_server) -> None:
     with Client(http_server.address, timeout=60) as zmq_client:
         alone = [zmq_client.generate(token_ids=PROMPT, seed=s, logprobs=2, **SAMPLED).logprobs for s in SEEDS]
         chat_alone = [zmq_client.generate(messages=messages, seed=s, logprobs=2, **SAMPLED).logprobs for s in SEEDS]
-    body = dict(model=model, prompt=PROMPT, n=3, seed=SEED, temperature=1.0, max_tokens=8, logprobs=2, extra_body={"ignore_eos": True})
+    body = dict(
+        model=model,
+        prompt=PROMPT,
+        n=3,
+        seed=SEED,
+        temperature=1.0,
+        max_tokens=8,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.completions.create(**body)
     for choice, single in zip(whole.choices, alone, strict=True):
         assert choice.logprobs.tokens == single["tokens"]
@@ -313,7 +329,14 @@ def test_http_sequence_logprobs_completions_and_chat(http_server) -> None:
     assert [streamed[i] for i in range(3)] == [c.logprobs.token_logprobs for c in whole.choices]
     assert [offsets[i] for i in range(3)] == [c.logprobs.text_offset for c in whole.choices]
     chat = client.chat.completions.create(
-        model=model, messages=messages, n=3, seed=SEED, temperature=1.0, max_tokens=8, logprobs=True, top_logprobs=2,
+        model=model,
+        messages=messages,
+        n=3,
+        seed=SEED,
+        temperature=1.0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
         extra_body={"ignore_eos": True},
     )
     for choice, single in zip(chat.choices, chat_alone, strict=True):
@@ -335,8 +358,17 @@ def test_http_echo_with_logprobs_leads_every_choice_with_the_prompt(http_server)
     the prompt's columns once per request."""
     client = openai_client(http_server)
     model = client.models.list().data[0].id
-    body = dict(model=model, prompt=PROMPT, n=2, seed=SEED, temperature=1.0, max_tokens=4, logprobs=1, echo=True,
-                extra_body={"ignore_eos": True})
+    body = dict(
+        model=model,
+        prompt=PROMPT,
+        n=2,
+        seed=SEED,
+        temperature=1.0,
+        max_tokens=4,
+        logprobs=1,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.completions.create(**body)
     streamed: dict[int, list] = {0: [], 1: []}
     for chunk in client.completions.create(**body, stream=True):

@@ -59,7 +59,9 @@ def test_models_and_health(http_server, tiny_checkpoint) -> None:
 
 def test_malformed_json_and_wrong_types_are_400_naming_the_field(http_server) -> None:
     model = model_of(http_server)
-    assert_error(request(http_server, "POST", "/v1/completions", raw=b'{"model": "x", "prompt": '), 400, code="invalid_json")
+    assert_error(
+        request(http_server, "POST", "/v1/completions", raw=b'{"model": "x", "prompt": '), 400, code="invalid_json"
+    )
     assert_error(request(http_server, "POST", "/v1/completions", raw=b"\xff\xfe"), 400, code="invalid_json")
     assert_error(request(http_server, "POST", "/v1/completions", ["not", "an", "object"]), 400)
     cases = [
@@ -74,10 +76,18 @@ def test_malformed_json_and_wrong_types_are_400_naming_the_field(http_server) ->
         ("/v1/completions", {"prompt": "hi", "priority": 1.5}, "priority"),
         ("/v1/completions", {"prompt": [999999]}, "prompt"),  # outside the vocabulary: the frontend says so
         ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "tools": []}, "tools"),  # a chat field (an unknown one is ignored: test_compat_fields)
+        (
+            "/v1/completions",
+            {"prompt": "hi", "tools": []},
+            "tools",
+        ),  # a chat field (an unknown one is ignored: test_compat_fields)
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": -1, "stream": True}, "top_k"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "top_k": -1, "stream": True},
+            "top_k",
+        ),
     ]
     for path, body, param in cases:
         assert_error(request(http_server, "POST", path, {"model": model, **body}), 400, param)
@@ -85,7 +95,12 @@ def test_malformed_json_and_wrong_types_are_400_naming_the_field(http_server) ->
 
 def test_unsupported_unknown_and_oversized(http_server) -> None:
     model = model_of(http_server)
-    assert_error(request(http_server, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404, "model", "model_not_found")
+    assert_error(
+        request(http_server, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}),
+        404,
+        "model",
+        "model_not_found",
+    )
     assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "n": 65}), 400, "n")
     # n > 1 with log-probabilities: not per sequence yet, refused naming the field
     # n > 1 with logprobs is served (no longer refused): each choice's own logprobs object
@@ -93,7 +108,11 @@ def test_unsupported_unknown_and_oversized(http_server) -> None:
     status, body = request(http_server, "POST", "/v1/completions", served)
     assert status == 200 and [len(c["logprobs"]["tokens"]) for c in body["choices"]] == [3, 3], body
     # past --max-logprobs (20): the frontend's refusal names the field
-    assert_error(request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "logprobs": 21}), 400, "logprobs")
+    assert_error(
+        request(http_server, "POST", "/v1/completions", {"model": model, "prompt": "hi", "logprobs": 21}),
+        400,
+        "logprobs",
+    )
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}
     assert_error(request(http_server, "POST", "/v1/chat/completions", chat), 400, "logprobs")
     assert_error(request(http_server, "GET", "/v1/nothing-here"), 404, code="not_found")
@@ -128,7 +147,9 @@ def test_a_stream_dropped_mid_way_is_aborted(http_server, path, n) -> None:
     ``n`` = 3, every sequence's blocks."""
     model = model_of(http_server)
     body = {"model": model, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "n": n}
-    body.update({"prompt": [10] * 40} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi " * 20}]})
+    body.update(
+        {"prompt": [10] * 40} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi " * 20}]}
+    )
 
     async def drop_after_a_few_chunks(watcher: Client) -> tuple[dict[str, int], float]:
         async with aiohttp.ClientSession() as session:
@@ -150,8 +171,13 @@ def test_a_stream_dropped_mid_way_is_aborted(http_server, path, n) -> None:
 def test_an_unstreamed_request_given_up_is_aborted(http_server) -> None:
     """A whole (unstreamed) request of LONG_MAX_TOKENS whose client gives up while it runs:
     aborted and freed within ABORT_BOUND_S, as a stream is."""
-    body = {"model": model_of(http_server), "prompt": [11] * 40, "max_tokens": LONG_MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": model_of(http_server),
+        "prompt": [11] * 40,
+        "max_tokens": LONG_MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
     async def give_up(watcher: Client) -> tuple[dict[str, int], float]:
         async with aiohttp.ClientSession() as session:

@@ -28,7 +28,9 @@ def server(tmp_path_factory):
         default_model_file()
     except FetchError as exc:
         pytest.skip(f"the default model cannot be fetched here: {exc}")
-    served = http_serve(ServeProcess(["--threads", "1", "--num-kv-blocks", "64", "--http-port", "0"], tmp_path_factory.mktemp("real")))
+    served = http_serve(
+        ServeProcess(["--threads", "1", "--num-kv-blocks", "64", "--http-port", "0"], tmp_path_factory.mktemp("real"))
+    )
     yield served
     stop_and_check(served)
 

@@ -25,8 +25,15 @@ from tests.e2e.serve_harness import ServeProcess
 from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
 
 WEATHER = {
-    "type": "function", "name": "get_weather", "description": "the weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False},
+    "type": "function",
+    "name": "get_weather",
+    "description": "the weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
 }
 THOUGHT = "<think>\nThe user greets me.\n</think>\n\nHello there"
 CALL_AFTER_THOUGHT = (
@@ -40,7 +47,11 @@ def forced(text: str) -> dict:
     ``structured_outputs`` grammar, the added tokens as themselves (a grammar names them as
     ``<think>``; spelled out as text they would be the characters, not the tokens)."""
     pieces = re.split("(" + "|".join(map(re.escape, THINKING_TOKENS)) + ")", text)
-    return {"structured_outputs": {"grammar": "start: " + " ".join(p if p in THINKING_TOKENS else json.dumps(p) for p in pieces if p)}}
+    return {
+        "structured_outputs": {
+            "grammar": "start: " + " ".join(p if p in THINKING_TOKENS else json.dumps(p) for p in pieces if p)
+        }
+    }
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +64,17 @@ def thinking_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(thinking_checkpoint, tmp_path_factory):
     serve = ServeProcess(
-        ["--model", str(thinking_checkpoint), *SERVE_ARGS, "--http-port", "0", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
+        [
+            "--model",
+            str(thinking_checkpoint),
+            *SERVE_ARGS,
+            "--http-port",
+            "0",
+            "--tool-call-parser",
+            "hermes",
+            "--reasoning-parser",
+            "qwen3",
+        ],
         tmp_path_factory.mktemp("responses"),
     )
     running = http_serve(serve)
@@ -90,8 +111,18 @@ def test_text_response_streamed_and_not_is_the_chat_answer(client, model) -> Non
 
     events = list(client.responses.create(model=model, instructions="Be brief.", input="hello", stream=True, **greedy))
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
@@ -103,15 +134,27 @@ def test_reasoning_on_chat_streamed_and_not(client, model) -> None:
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=40, extra_body=forced(THOUGHT))
     message = whole.choices[0].message
     assert (message.reasoning_content, message.content) == ("The user greets me.", "Hello there")
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=40, stream=True, extra_body=forced(THOUGHT)))
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=40, stream=True, extra_body=forced(THOUGHT)
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "The user greets me."
     assert "".join(d.content or "" for d in deltas) == "Hello there"
     # A reasoning delta never also carries content: the think block streams before the answer.
     assert all(not (getattr(d, "reasoning_content", None) and d.content) for d in deltas)
     # Log-probabilities and token ids still come, in chunks of their own, one entry a token.
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=40, stream=True, logprobs=True,
-                                                 extra_body={**forced(THOUGHT), "return_token_ids": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=40,
+            stream=True,
+            logprobs=True,
+            extra_body={**forced(THOUGHT), "return_token_ids": True},
+        )
+    )
     ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
     entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert ids[0] == 4096 and 4097 in ids and len(entries) == len(ids) == whole.usage.completion_tokens
@@ -121,14 +164,20 @@ def test_reasoning_items_on_responses_streamed_and_not(client, model) -> None:
     whole = client.responses.create(model=model, input="hello", max_output_tokens=40, extra_body=forced(THOUGHT))
     assert whole.status == "completed" and [item.type for item in whole.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].text == "The user greets me." and whole.output_text == "Hello there"
-    events = list(client.responses.create(model=model, input="hello", max_output_tokens=40, stream=True, extra_body=forced(THOUGHT)))
+    events = list(
+        client.responses.create(
+            model=model, input="hello", max_output_tokens=40, stream=True, extra_body=forced(THOUGHT)
+        )
+    )
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "The user greets me."
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there"
     added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
     assert added == [(0, "reasoning"), (1, "message")] and events[-1].type == "response.completed"
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
     # The SDK's own stream helper accumulates the events into the same response.
-    with client.responses.stream(model=model, input="hello", max_output_tokens=40, extra_body=forced(THOUGHT)) as stream:
+    with client.responses.stream(
+        model=model, input="hello", max_output_tokens=40, extra_body=forced(THOUGHT)
+    ) as stream:
         final = stream.get_final_response()
     assert final.output_text == "Hello there" and final.output[0].content[0].text == "The user greets me."
 
@@ -136,7 +185,9 @@ def test_reasoning_items_on_responses_streamed_and_not(client, model) -> None:
 def test_enable_thinking_reaches_the_template(server, model) -> None:
     def ids(kwargs: dict) -> list[int]:
         body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
-        request = urllib.request.Request(server.url + "/tokenize", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            server.url + "/tokenize", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as reply:
             return json.loads(reply.read())["tokens"]
 
@@ -148,16 +199,26 @@ def test_enable_thinking_reaches_the_template(server, model) -> None:
 
 def test_function_tool_round_trip_streamed_and_not(client, model) -> None:
     question = {"role": "user", "content": "What is the weather in Paris?"}
-    named = {"type": "function", "name": "get_weather"}  # one call (random weights make "required" list calls on and on)
-    first = client.responses.create(model=model, input=[question], tools=[WEATHER], tool_choice=named, max_output_tokens=40)
+    named = {
+        "type": "function",
+        "name": "get_weather",
+    }  # one call (random weights make "required" list calls on and on)
+    first = client.responses.create(
+        model=model, input=[question], tools=[WEATHER], tool_choice=named, max_output_tokens=40
+    )
     [call] = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments), dict) and call.call_id
-    events = list(client.responses.create(
-        model=model, input=[question], tools=[WEATHER], tool_choice=named, max_output_tokens=40, stream=True))
+    events = list(
+        client.responses.create(
+            model=model, input=[question], tools=[WEATHER], tool_choice=named, max_output_tokens=40, stream=True
+        )
+    )
     kinds = [e.type for e in events]
     assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
-    assert json.loads(done.arguments) == json.loads(next(e for e in events if e.type == "response.output_item.done").item.arguments)
+    assert json.loads(done.arguments) == json.loads(
+        next(e for e in events if e.type == "response.output_item.done").item.arguments
+    )
     # The answer to the call's result: the earlier output passed back as it came, then its result.
     answer = client.responses.create(
         model=model, tools=[WEATHER], max_output_tokens=4, extra_body={"ignore_eos": True},
@@ -169,9 +230,13 @@ def test_function_tool_round_trip_streamed_and_not(client, model) -> None:
 
 
 def test_tool_calls_are_read_after_the_reasoning(client, model) -> None:
-    whole = client.responses.create(model=model, input="weather?", tools=[WEATHER], max_output_tokens=60, extra_body=forced(CALL_AFTER_THOUGHT))
+    whole = client.responses.create(
+        model=model, input="weather?", tools=[WEATHER], max_output_tokens=60, extra_body=forced(CALL_AFTER_THOUGHT)
+    )
     assert [item.type for item in whole.output] == ["reasoning", "function_call"]
-    assert whole.output[0].content[0].text == "I should look it up." and json.loads(whole.output[1].arguments) == {"city": "Paris"}
+    assert whole.output[0].content[0].text == "I should look it up." and json.loads(whole.output[1].arguments) == {
+        "city": "Paris"
+    }
     inside = (
         '<think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
         '"Paris"}}\n</tool_call>\n</think>\n\nNo call'
@@ -190,14 +255,27 @@ class City(BaseModel):
 
 
 def test_structured_output_and_the_sdks_parse_helpers(client, model) -> None:
-    schema = {"type": "object", "properties": {"name": {"enum": ["Paris", "Rome"]}, "population": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["name", "population"], "additionalProperties": False}
-    whole = client.responses.create(model=model, input="A city?", max_output_tokens=60,
-                                    text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}})
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"enum": ["Paris", "Rome"]},
+            "population": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "population"],
+        "additionalProperties": False,
+    }
+    whole = client.responses.create(
+        model=model,
+        input="A city?",
+        max_output_tokens=60,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
+    )
     assert set(json.loads(whole.output_text)) == {"name", "population"}
     parsed = client.responses.parse(model=model, input="A city?", max_output_tokens=60, text_format=City)
     assert isinstance(parsed.output_parsed, City)
-    completion = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "A city?"}], max_tokens=60, response_format=City)
+    completion = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "A city?"}], max_tokens=60, response_format=City
+    )
     assert isinstance(completion.choices[0].message.parsed, City)
 
 
@@ -215,8 +293,9 @@ def test_refusals_are_openai_errors(client, model) -> None:
         assert info.value.body["param"] == param, info.value.body
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="hi")
-    reply = client.responses.with_raw_response.create(model=model, input="hi", max_output_tokens=1, store=False, metadata={"k": "v"},
-                                                      extra_body={"not_a_field": 1})
+    reply = client.responses.with_raw_response.create(
+        model=model, input="hi", max_output_tokens=1, store=False, metadata={"k": "v"}, extra_body={"not_a_field": 1}
+    )
     assert reply.headers["x-conveyor-ignored-fields"] == "metadata,not_a_field"
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.retrieve(reply.parse().id)
@@ -235,10 +314,24 @@ def test_reasoning_budget_closes_the_think_block(client, model) -> None:
     ids = whole.choices[0].model_extra["token_ids"]
     assert ids[0] == think and end in ids[1:5] and len(ids) == 10
     assert whole.choices[0].message.reasoning_content is not None
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
-    shaped = client.responses.create(model=model, input="hello", max_output_tokens=20, extra_body={"max_reasoning_tokens": 2},
-                                     text={"format": {"type": "json_schema", "name": "ok", "schema": schema, "strict": True}})
-    assert [item.type for item in shaped.output] == ["reasoning", "message"] and set(json.loads(shaped.output_text)) == {"ok"}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    shaped = client.responses.create(
+        model=model,
+        input="hello",
+        max_output_tokens=20,
+        extra_body={"max_reasoning_tokens": 2},
+        text={"format": {"type": "json_schema", "name": "ok", "schema": schema, "strict": True}},
+    )
+    assert [item.type for item in shaped.output] == ["reasoning", "message"] and set(
+        json.loads(shaped.output_text)
+    ) == {"ok"}
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], extra_body={"max_reasoning_tokens": -1})
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], extra_body={"max_reasoning_tokens": -1}
+        )
     assert info.value.body["param"] == "max_reasoning_tokens"

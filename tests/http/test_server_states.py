@@ -64,7 +64,9 @@ def test_the_queue_bound_is_429(http_factory, tiny_checkpoint) -> None:
                 {"model": model, "prompt": [10 + i] * 8, "max_tokens": 40, "ignore_eos": True, "stream": i % 2 == 1}
                 for i in range(8)
             ]
-            return await asyncio.gather(*(fetch(session, "POST", server.url + "/v1/completions", json=b) for b in bodies))
+            return await asyncio.gather(
+                *(fetch(session, "POST", server.url + "/v1/completions", json=b) for b in bodies)
+            )
 
     replies = asyncio.run(burst())
     statuses = sorted(status for status, _, _ in replies)

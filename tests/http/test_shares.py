@@ -28,7 +28,17 @@ def shared(tiny_checkpoint, tmp_path_factory):
     from tests.e2e.serve_harness import ServeProcess
     from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
 
-    args = ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0", "--client-send-queue", "32", "--max-waiting", "64"]
+    args = [
+        "--model",
+        str(tiny_checkpoint),
+        *SERVE_ARGS,
+        "--http-port",
+        "0",
+        "--client-send-queue",
+        "32",
+        "--max-waiting",
+        "64",
+    ]
     server = http_serve(ServeProcess(args, tmp_path_factory.mktemp("shares")))
     yield server
     stop_and_check(server)
@@ -48,7 +58,9 @@ def test_a_burst_of_streams_through_the_http_process_is_not_dropped(shared) -> N
 
     for status, text in asyncio.run(burst()):
         assert status == 200, text
-        assert text.rstrip().endswith("data: [DONE]") and '"error":{' not in text and '"finish_reason":"length"' in text, text[-500:]
+        assert (
+            text.rstrip().endswith("data: [DONE]") and '"error":{' not in text and '"finish_reason":"length"' in text
+        ), text[-500:]
     assert "not reading its replies" not in shared.serve.output()
 
 
@@ -61,6 +73,8 @@ def test_one_request_may_take_a_quarter_of_the_queue(shared) -> None:
     reply = request(shared, "POST", "/v1/completions", {**base, "prompt": ["a"] * 4, "n": 8})
     assert_error(reply, 400, param="n")
     assert "a quarter of the server's --max-waiting 64" in reply[1]["error"]["message"]
-    reply = request(shared, "POST", "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": "hi"}], "n": 17})
+    reply = request(
+        shared, "POST", "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": "hi"}], "n": 17}
+    )
     assert_error(reply, 400, param="n")
     assert request(shared, "POST", "/v1/completions", {**base, "prompt": "still served"})[0] == 200

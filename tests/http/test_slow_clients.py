@@ -28,10 +28,12 @@ LIMITS = ("--http-header-timeout", "1", "--http-body-timeout", "1", "--http-max-
 
 @pytest.fixture(scope="module")
 def limited(tiny_checkpoint, tmp_path_factory):
-    from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
     from tests.e2e.serve_harness import ServeProcess
+    from tests.http.conftest import SERVE_ARGS, http_serve, stop_and_check
 
-    serve = ServeProcess(["--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0", *LIMITS], tmp_path_factory.mktemp("slow"))
+    serve = ServeProcess(
+        ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0", *LIMITS], tmp_path_factory.mktemp("slow")
+    )
     server = http_serve(serve)
     yield server
     stop_and_check(server)
@@ -75,7 +77,9 @@ def _closed_counts(server) -> dict[str, float]:
 
 def _timed_request(server) -> float:
     start = time.monotonic()
-    status, body = request(server, "POST", "/v1/completions", {"model": server_model(server), "prompt": "hi", "max_tokens": 2})
+    status, body = request(
+        server, "POST", "/v1/completions", {"model": server_model(server), "prompt": "hi", "max_tokens": 2}
+    )
     assert status == 200, body
     return time.monotonic() - start
 
@@ -128,7 +132,9 @@ def test_silent_idle_and_slow_body_connections_are_closed(limited) -> None:
     assert data.startswith(b"HTTP/1.1 200") and closed_after < 3, (data, closed_after)
     keep.close()
     slow = _connect(limited)
-    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
+    slow.sendall(
+        b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"mo'
+    )
     data, closed_after = _read_all(slow, 5)
     assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data and closed_after < 3, (data, closed_after)
     slow.close()

@@ -18,15 +18,28 @@ pytest.importorskip("llguidance")
 
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
-                   "metric": {"type": "boolean"}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "metric": {"type": "boolean"},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["utc", "cet"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 HERMES_CALL = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "(utc|cet)"\}\}</tool_call>'
 
@@ -48,16 +61,34 @@ def test_response_format_json_schema_always_validates(server) -> None:
     api, name = client(server), model(server)
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
     for seed in range(4):
-        out = api.chat.completions.create(model=name, messages=[{"role": "user", "content": f"weather {seed}"}],
-                                          response_format=fmt, temperature=1.0, seed=seed, max_tokens=200)
+        out = api.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": f"weather {seed}"}],
+            response_format=fmt,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+        )
         assert out.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
-    chunks = api.chat.completions.create(model=name, messages=[{"role": "user", "content": "streamed"}],
-                                         response_format=fmt, temperature=1.0, seed=9, max_tokens=200, stream=True)
+    chunks = api.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "streamed"}],
+        response_format=fmt,
+        temperature=1.0,
+        seed=9,
+        max_tokens=200,
+        stream=True,
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
-    obj = api.completions.create(model=name, prompt="an object", temperature=0.0, max_tokens=200,
-                                 extra_body={"ignore_eos": True, "response_format": {"type": "json_object"}})
+    obj = api.completions.create(
+        model=name,
+        prompt="an object",
+        temperature=0.0,
+        max_tokens=200,
+        extra_body={"ignore_eos": True, "response_format": {"type": "json_object"}},
+    )
     if obj.choices[0].finish_reason == "stop":  # json_object is unbounded: a random model may run out first
         assert isinstance(json.loads(obj.choices[0].text), dict)
     else:
@@ -66,16 +97,32 @@ def test_response_format_json_schema_always_validates(server) -> None:
 
 def test_guided_fields_over_http_and_constraint_over_zmq(server) -> None:
     api, name = client(server), model(server)
-    out = api.completions.create(model=name, prompt="date", temperature=1.0, seed=1, max_tokens=40,
-                                 extra_body={"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})
+    out = api.completions.create(
+        model=name,
+        prompt="date",
+        temperature=1.0,
+        seed=1,
+        max_tokens=40,
+        extra_body={"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"},
+    )
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", out.choices[0].text)
-    out = api.completions.create(model=name, prompt="pick", temperature=1.0, seed=2, max_tokens=40,
-                                 extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    out = api.completions.create(
+        model=name,
+        prompt="pick",
+        temperature=1.0,
+        seed=2,
+        max_tokens=40,
+        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}},
+    )
     assert out.choices[0].text in ("red", "green", "blue") and out.choices[0].finish_reason == "stop"
     with Client(server.address, timeout=60) as zmq:
-        reply = zmq.generate("pick", temperature=1.0, seed=3, max_tokens=40, constraint={"type": "choice", "choices": ["on", "off"]})
+        reply = zmq.generate(
+            "pick", temperature=1.0, seed=3, max_tokens=40, constraint={"type": "choice", "choices": ["on", "off"]}
+        )
         assert reply.text in ("on", "off") and reply.finish_reason == "stop"
-        reply = zmq.generate("n", temperature=1.0, seed=4, max_tokens=40, constraint={"type": "regex", "pattern": "[a-c]{3}x"})
+        reply = zmq.generate(
+            "n", temperature=1.0, seed=4, max_tokens=40, constraint={"type": "regex", "pattern": "[a-c]{3}x"}
+        )
         assert re.fullmatch("[a-c]{3}x", reply.text)
 
 
@@ -83,8 +130,9 @@ def test_tool_choice_required_and_named_yield_tool_calls(server) -> None:
     api, name = client(server), model(server)
     messages = [{"role": "user", "content": "weather in Paris?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-        out = api.chat.completions.create(model=name, messages=messages, tools=TOOLS, tool_choice=choice,
-                                          temperature=1.0, seed=5, max_tokens=200)
+        out = api.chat.completions.create(
+            model=name, messages=messages, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=5, max_tokens=200
+        )
         calls = out.choices[0].message.tool_calls
         assert out.choices[0].finish_reason == "tool_calls" and calls
         for call in calls:
@@ -92,15 +140,30 @@ def test_tool_choice_required_and_named_yield_tool_calls(server) -> None:
             jsonschema.validate(json.loads(call.function.arguments), fn)
         if choice != "required":
             assert [c.function.name for c in calls] == ["get_time"]
-    chunks = list(api.chat.completions.create(model=name, messages=messages, tools=TOOLS, tool_choice="required",
-                                              temperature=1.0, seed=6, max_tokens=200, stream=True))
+    chunks = list(
+        api.chat.completions.create(
+            model=name,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=1.0,
+            seed=6,
+            max_tokens=200,
+            stream=True,
+        )
+    )
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas and all(json.loads(d.function.arguments) is not None for d in deltas)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     # A tool's answer in the conversation, and the earlier call with null content.
     follow = messages + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
     ]
     out = api.chat.completions.create(model=name, messages=follow, tools=TOOLS, temperature=0, max_tokens=4)
@@ -110,8 +173,15 @@ def test_tool_choice_required_and_named_yield_tool_calls(server) -> None:
 def test_hermes_parser_reads_calls_whole_and_streamed(server) -> None:
     """The output is forced into Hermes' format by a regex, so the --tool-call-parser path runs."""
     api, name = client(server), model(server)
-    kw = dict(model=name, messages=[{"role": "user", "content": "time?"}], tools=TOOLS, temperature=1.0, seed=7,
-              max_tokens=80, extra_body={"guided_regex": HERMES_CALL})
+    kw = dict(
+        model=name,
+        messages=[{"role": "user", "content": "time?"}],
+        tools=TOOLS,
+        temperature=1.0,
+        seed=7,
+        max_tokens=80,
+        extra_body={"guided_regex": HERMES_CALL},
+    )
     out = api.chat.completions.create(**kw)
     call = out.choices[0].message.tool_calls[0]
     assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("utc", "cet")
@@ -125,7 +195,10 @@ def test_hermes_parser_reads_calls_whole_and_streamed(server) -> None:
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, "json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+            "json_schema",
+        ),
         ({"guided_regex": "([a-z]"}, "regex"),
         ({"guided_grammar": "start: foo("}, "grammar"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -134,7 +207,9 @@ def test_hermes_parser_reads_calls_whole_and_streamed(server) -> None:
 def test_bad_constraint_is_a_400_naming_it(server, extra, named) -> None:
     api, name = client(server), model(server)
     with pytest.raises(openai.BadRequestError) as refused:
-        api.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], max_tokens=4, extra_body=extra)
+        api.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "x"}], max_tokens=4, extra_body=extra
+        )
     assert named in str(refused.value)
 
 
@@ -144,7 +219,13 @@ def test_n_choices_are_each_constrained_and_parsed_on_their_own(server) -> None:
     own calls and finish_reason, whole and streamed."""
     api, name = client(server), model(server)
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
-    kw = dict(model=name, messages=[{"role": "user", "content": "weather"}], response_format=fmt, temperature=1.0, max_tokens=200)
+    kw = dict(
+        model=name,
+        messages=[{"role": "user", "content": "weather"}],
+        response_format=fmt,
+        temperature=1.0,
+        max_tokens=200,
+    )
     alone = [api.chat.completions.create(seed=20 + i, **kw).choices[0].message.content for i in range(3)]
     whole = api.chat.completions.create(seed=20, n=3, **kw)
     assert [c.message.content for c in whole.choices] == alone and len(set(alone)) > 1
@@ -157,12 +238,25 @@ def test_n_choices_are_each_constrained_and_parsed_on_their_own(server) -> None:
             streamed[c.index] += c.delta.content or ""
     assert streamed == alone
 
-    tools = dict(model=name, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, tool_choice="required",
-                 temperature=1.0, max_tokens=200)
-    single_calls = [[(t.function.name, t.function.arguments) for t in
-                     api.chat.completions.create(seed=30 + i, **tools).choices[0].message.tool_calls] for i in range(3)]
+    tools = dict(
+        model=name,
+        messages=[{"role": "user", "content": "weather?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=1.0,
+        max_tokens=200,
+    )
+    single_calls = [
+        [
+            (t.function.name, t.function.arguments)
+            for t in api.chat.completions.create(seed=30 + i, **tools).choices[0].message.tool_calls
+        ]
+        for i in range(3)
+    ]
     out = api.chat.completions.create(seed=30, n=3, **tools)
-    assert [[(t.function.name, t.function.arguments) for t in c.message.tool_calls] for c in out.choices] == single_calls
+    assert [
+        [(t.function.name, t.function.arguments) for t in c.message.tool_calls] for c in out.choices
+    ] == single_calls
     assert [c.finish_reason for c in out.choices] == ["tool_calls"] * 3
     fns = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for calls in single_calls:
@@ -175,12 +269,26 @@ def test_n_choices_are_each_constrained_and_parsed_on_their_own(server) -> None:
             calls[c.index] += [(d.function.name, d.function.arguments) for d in c.delta.tool_calls or []]
             if c.finish_reason:
                 finish[c.index] = c.finish_reason
-    assert [calls[i] for i in range(3)] == single_calls and finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+    assert [calls[i] for i in range(3)] == single_calls and finish == {
+        0: "tool_calls",
+        1: "tool_calls",
+        2: "tool_calls",
+    }
 
-    hermes = dict(model=name, messages=[{"role": "user", "content": "time?"}], tools=TOOLS, temperature=1.0, max_tokens=80,
-                  extra_body={"guided_regex": HERMES_CALL})
-    zones = [json.loads(api.chat.completions.create(seed=40 + i, **hermes).choices[0].message.tool_calls[0].function.arguments)
-             for i in range(2)]
+    hermes = dict(
+        model=name,
+        messages=[{"role": "user", "content": "time?"}],
+        tools=TOOLS,
+        temperature=1.0,
+        max_tokens=80,
+        extra_body={"guided_regex": HERMES_CALL},
+    )
+    zones = [
+        json.loads(
+            api.chat.completions.create(seed=40 + i, **hermes).choices[0].message.tool_calls[0].function.arguments
+        )
+        for i in range(2)
+    ]
     out = api.chat.completions.create(seed=40, n=2, **hermes)
     assert [json.loads(c.message.tool_calls[0].function.arguments) for c in out.choices] == zones
     assert [c.finish_reason for c in out.choices] == ["tool_calls"] * 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import tempfile
 
 import pytest
+
 from tests.ipc.ring_helpers import ring_base_dir
 
 

@@ -9,13 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conveyor.ipc import codec
-from tests.plans import CachedRow, columns, rows
 from conveyor.ipc.messages import (
+    MAX_SLOTS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     AbortRequests,
     AddRequest,
-    MAX_SLOTS,
     CachedRequests,
     NewRequestData,
     ProcessReady,
@@ -25,6 +24,8 @@ from conveyor.ipc.messages import (
     StepResult,
     TokenOutputs,
 )
+from tests.plans import CachedRow, columns, rows
+
 
 def plain(obj):
     """A message as nested plain values: Int32Array fields (numpy views after decode) as lists."""
@@ -135,7 +136,9 @@ def test_arrays_travel_raw_and_decode_as_views() -> None:
 
 def test_encode_leaves_the_message_as_it_was() -> None:
     """Lists in Int32Array fields are packed in a copy: the sender's message keeps its lists."""
-    plan = StepPlan(1, [NewRequestData("a", 0, [1, 2], SamplingParams(), [3], 0, 2)], columns([CachedRow(0, [], 2, 1)]), [4])
+    plan = StepPlan(
+        1, [NewRequestData("a", 0, [1, 2], SamplingParams(), [3], 0, 2)], columns([CachedRow(0, [], 2, 1)]), [4]
+    )
     before = plain(plan)
     codec.encode(plan)
     assert plain(plan) == before and type(plan.finished_slots) is list and type(plan.new_requests[0].token_ids) is list
@@ -178,24 +181,58 @@ def test_encode_rejects_unregistered_objects() -> None:
         (framed([AbortRequests.TAG, ["a"], 1]), "AbortRequests: expected array of at most length"),
         (framed([AbortRequests.TAG, "a"]), r"AbortRequests.request_ids: expected array, got str"),
         (framed([AbortRequests.TAG, [1]]), r"AbortRequests.request_ids\[0\]: expected str, got int"),
-        (framed([RequestOutput.TAG, "r", [1, True], None, None, None, None, 0]), r"new_token_ids\[1\]: expected int, got bool"),
-        (framed([RequestOutput.TAG, "r", [1, "x"], None, None, None, None, 0]), r"new_token_ids\[1\]: expected int, got str"),
+        (
+            framed([RequestOutput.TAG, "r", [1, True], None, None, None, None, 0]),
+            r"new_token_ids\[1\]: expected int, got bool",
+        ),
+        (
+            framed([RequestOutput.TAG, "r", [1, "x"], None, None, None, None, 0]),
+            r"new_token_ids\[1\]: expected int, got str",
+        ),
         (
             framed([AddRequest.TAG, "r", NO_INTS, [*msgspec.structs.astuple(SamplingParams()), 9], 0.0, 0]),
             f"AddRequest.sampling: expected array of at most length {len(msgspec.structs.fields(SamplingParams))}",
         ),
-        (framed([AddRequest.TAG, "r", NO_INTS, [1, "x"], 0.0, 0]), r"AddRequest.sampling.temperature: expected float, got str"),
-        (framed([AddRequest.TAG, "r", [1, 2], [], 0.0, 0]), "AddRequest.prompt_token_ids: expected int32 array, got list"),
+        (
+            framed([AddRequest.TAG, "r", NO_INTS, [1, "x"], 0.0, 0]),
+            r"AddRequest.sampling.temperature: expected float, got str",
+        ),
+        (
+            framed([AddRequest.TAG, "r", [1, 2], [], 0.0, 0]),
+            "AddRequest.prompt_token_ids: expected int32 array, got list",
+        ),
         (framed([StepResult.TAG, 1.5, NO_INTS, NO_INTS, None, 0.0]), "StepResult.step_id: expected int, got float"),
         (framed([StepResult.TAG, 1, NO_INTS, NO_INTS, 3, 0.0]), r"StepResult.error: expected str \| null, got int"),
-        (framed([StepResult.TAG, 1, NO_INTS, NO_INTS, None, True]), "StepResult.forward_time: expected float, got bool"),
+        (
+            framed([StepResult.TAG, 1, NO_INTS, NO_INTS, None, True]),
+            "StepResult.forward_time: expected float, got bool",
+        ),
         (framed([StepResult.TAG, ints(1), NO_INTS, NO_INTS, None, 0.0]), "StepResult.step_id: expected int, got ext"),
-        (framed([StepResult.TAG, 1, NO_INTS, msgspec.msgpack.Ext(codec.INT32_EXT, b"\0\0\0"), None, 0.0]), "sampled_token_ids: int32 array of 3 bytes is not a whole number"),
-        (framed([StepResult.TAG, 1, ints(1, code=7), NO_INTS, None, 0.0]), "StepResult.slots: unknown msgpack ext type 7"),
-        (framed([StepResult.TAG, 1, [1, 2, 3], NO_INTS, None, 0.0]), "StepResult.slots: expected int32 array, got list"),
+        (
+            framed([StepResult.TAG, 1, NO_INTS, msgspec.msgpack.Ext(codec.INT32_EXT, b"\0\0\0"), None, 0.0]),
+            "sampled_token_ids: int32 array of 3 bytes is not a whole number",
+        ),
+        (
+            framed([StepResult.TAG, 1, ints(1, code=7), NO_INTS, None, 0.0]),
+            "StepResult.slots: unknown msgpack ext type 7",
+        ),
+        (
+            framed([StepResult.TAG, 1, [1, 2, 3], NO_INTS, None, 0.0]),
+            "StepResult.slots: expected int32 array, got list",
+        ),
         (framed([StepResult.TAG, 1, ["a"], NO_INTS, None, 0.0]), "StepResult.slots"),
-        (framed([StepPlan.TAG, 1, [[NewRequestData.TAG, "a", 0, ints(1), [], ints(1, code=2), 0, 1]], [NO_INTS, NO_INTS, NO_INTS], NO_INTS]),
-         r"StepPlan.new_requests\[0\].block_ids: unknown msgpack ext type 2"),
+        (
+            framed(
+                [
+                    StepPlan.TAG,
+                    1,
+                    [[NewRequestData.TAG, "a", 0, ints(1), [], ints(1, code=2), 0, 1]],
+                    [NO_INTS, NO_INTS, NO_INTS],
+                    NO_INTS,
+                ]
+            ),
+            r"StepPlan.new_requests\[0\].block_ids: unknown msgpack ext type 2",
+        ),
         (framed([ProcessReady.TAG, "worker", 1, {3: 1}]), "ProcessReady.info key: expected str, got int"),
     ],
 )

@@ -16,12 +16,12 @@ import time
 import pytest
 import zmq
 
+from conveyor.assembly import node_link
 from conveyor.cli.keygen import make_cluster_key
 from conveyor.ipc.messages import Shutdown
 from conveyor.ipc.step_channel import ChannelSpec, PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.ipc.transport import ClusterKey
-from conveyor.assembly import node_link
 from conveyor.runtime.model_source import StartupError
 
 SETTINGS = {"conveyor version": "1.0", "--block-size": "8"}
@@ -180,7 +180,11 @@ def test_with_the_cluster_key_only_a_key_holder_reads_plans(keys, tmp_path) -> N
     a peer, so none takes a plan from the holder either: PUSH would deal them round-robin)."""
     port = free_port()
     spec = ChannelSpec(
-        f"ipc://{tmp_path}/plans", readers=2, local_readers=1, remote_address=f"tcp://127.0.0.1:{port}", remote_key=keys[0]
+        f"ipc://{tmp_path}/plans",
+        readers=2,
+        local_readers=1,
+        remote_address=f"tcp://127.0.0.1:{port}",
+        remote_key=keys[0],
     )
     ctx = zmq.Context()
     sender = StepSender(ctx, spec, bind=True)
@@ -233,6 +237,8 @@ def test_keygen_makes_one_private_cluster_key_and_keeps_it(tmp_path) -> None:
     before = secret.read_bytes()
     assert make_cluster_key(str(tmp_path)) == str(secret) and secret.read_bytes() == before  # every node needs the same
     key = ClusterKey.load(str(secret))
-    assert key.callback("*", key.public) and not key.callback("*", ClusterKey.load(make_cluster_key(str(tmp_path / "x"))).public)
+    assert key.callback("*", key.public) and not key.callback(
+        "*", ClusterKey.load(make_cluster_key(str(tmp_path / "x"))).public
+    )
     with pytest.raises(ValueError, match="holds no secret key"):
         ClusterKey.load(str(tmp_path / "cluster.key"))

@@ -41,7 +41,9 @@ def test_close_drains_then_ends_and_everything_is_idempotent(ring_dir: str) -> N
 
 
 def test_endpoints_dropped_without_close_are_finalized(ring_dir: str) -> None:
-    with RingWriter.create(os.path.join(ring_dir, "forgotten-reader"), slot_bytes=64, num_slots=2, num_readers=2) as writer:
+    with RingWriter.create(
+        os.path.join(ring_dir, "forgotten-reader"), slot_bytes=64, num_slots=2, num_readers=2
+    ) as writer:
         forgotten, kept = RingReader(writer.path, 0), RingReader(writer.path, 1)
         assert writer.reader_status().state == "attached"
         del forgotten

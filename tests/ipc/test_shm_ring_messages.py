@@ -15,10 +15,10 @@ import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.ipc.ring_helpers import check_stamped, stamped
-from tests.ipc.ring_helpers import ring_base_dir as _base_dir
 
 from conveyor.ipc.shm_ring import Diverted, MessageTooLarge, RingError, RingFull, RingReader, RingWriter
+from tests.ipc.ring_helpers import check_stamped, stamped
+from tests.ipc.ring_helpers import ring_base_dir as _base_dir
 
 
 @settings(max_examples=40, deadline=None)

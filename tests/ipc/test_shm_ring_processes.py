@@ -18,10 +18,10 @@ import textwrap
 import time
 
 import pytest
-from tests.ipc.ring_helpers import check_stamped, stamped
 
 from conveyor.ipc import shm_ring
 from conveyor.ipc.shm_ring import RingClosed, RingFull, RingReader, RingWriter, WriterDied
+from tests.ipc.ring_helpers import check_stamped, stamped
 
 SPAWN = mp.get_context("spawn")
 CHILD_TIMEOUT_S = 20

@@ -15,10 +15,10 @@ import threading
 import time
 
 import pytest
-from tests.ipc.ring_helpers import check_stamped, stamped
 
 from conveyor.ipc import shm_ring
 from conveyor.ipc.shm_ring import Diverted, ReaderDropped, RingFull, RingReader, RingWriter
+from tests.ipc.ring_helpers import check_stamped, stamped
 
 
 def test_full_ring_applies_back_pressure_in_process(ring_dir: str) -> None:

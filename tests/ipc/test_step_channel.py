@@ -27,7 +27,11 @@ def _channels(transport: str, plan_readers: int = 1):
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="cv-chan-", dir=base) as run_dir:
         chans = StepChannels.for_server(
-            run_dir, f"ipc://{run_dir}/plans", f"ipc://{run_dir}/results", shm=transport == "shm", plan_readers=plan_readers
+            run_dir,
+            f"ipc://{run_dir}/plans",
+            f"ipc://{run_dir}/results",
+            shm=transport == "shm",
+            plan_readers=plan_readers,
         )
         step_channel.create_rings(chans)
         try:

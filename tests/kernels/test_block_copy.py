@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.kernels.block_copy import _swap_staged, copy_blocks, copy_blocks_ref, stacked, swap_blocks, swap_blocks_ref
+from conveyor.kernels.block_copy import (
+    _swap_staged,
+    copy_blocks,
+    copy_blocks_ref,
+    stacked,
+    swap_blocks,
+    swap_blocks_ref,
+)
 from conveyor_tools.kernels.testing import random_kv_cache
 
 

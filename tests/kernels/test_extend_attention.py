@@ -79,8 +79,16 @@ def _run(
     out = torch.full_like(query, float("nan"), memory_format=torch.contiguous_format)
 
     result = extend_attention(
-        query, kv, tables, as_i32(starts), context_lens, as_i32(seq_lens), case.scale, case.window,
-        max_query_len=max_query_len, out=out,
+        query,
+        kv,
+        tables,
+        as_i32(starts),
+        context_lens,
+        as_i32(seq_lens),
+        case.scale,
+        case.window,
+        max_query_len=max_query_len,
+        out=out,
     )
     assert result is out
     assert_attention_close(out, paged_attention_ref(query, kv, tables, batch, case.scale, case.window), case.dtype)

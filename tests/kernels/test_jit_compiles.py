@@ -28,7 +28,10 @@ def test_each_compile_is_counted_and_an_earlier_hook_still_runs(monkeypatch):
     counted = []
     assert count_compiles(counted.append)
     hook = getattr(owner, name)
-    assert hook(key="k1", repr="kernel[...]", fn=None, compile={}, is_manual_warmup=False, already_compiled=False) == "kept"
+    assert (
+        hook(key="k1", repr="kernel[...]", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+        == "kept"
+    )
     hook(key="k2", repr="kernel[...]", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
     assert counted == [1, 1] and earlier == ["k1", "k2"]
 

@@ -62,8 +62,16 @@ def _run(
     out = torch.full_like(query, float("nan"), memory_format=torch.contiguous_format)
 
     result = paged_decode_attention(
-        query, kv, tables, lens, case.scale, case.window,
-        max_seq_len=max_seq_len, partition_size=partition_size, out=out, query_len=query_len,
+        query,
+        kv,
+        tables,
+        lens,
+        case.scale,
+        case.window,
+        max_seq_len=max_seq_len,
+        partition_size=partition_size,
+        out=out,
+        query_len=query_len,
     )
     assert result is out
     real = [b for b, n in enumerate(seq_lens) if n]
@@ -149,8 +157,13 @@ def test_decode_padded_batch(
     device, gen, seq_lens, ratio, block_size, strided_query, max_seq_len, partition_size
 ) -> None:
     _run(
-        device, gen, seq_lens, AttentionCase(64, ratio, block_size),
-        partition_size=partition_size, max_seq_len=max_seq_len, strided_query=strided_query,
+        device,
+        gen,
+        seq_lens,
+        AttentionCase(64, ratio, block_size),
+        partition_size=partition_size,
+        max_seq_len=max_seq_len,
+        strided_query=strided_query,
     )
 
 
@@ -164,7 +177,9 @@ def test_decode_padded_batch(
         ((0, 33), 4, 2, None, 16, torch.float32),  # a padding row (no context): zeros
     ],
 )
-def test_decode_of_several_query_tokens_per_sequence(device, gen, seq_lens, query_len, ratio, window, partition_size, dtype) -> None:
+def test_decode_of_several_query_tokens_per_sequence(
+    device, gen, seq_lens, query_len, ratio, window, partition_size, dtype
+) -> None:
     """``query_len`` tokens per sequence (a speculative verify in the static decode step): each
     attends causally to its sequence's positions up to its own, across split-K partitions and
     windows."""

@@ -60,8 +60,11 @@ def test_rms_norm_dispatch_per_head(device, gen) -> None:
     weight = (1.0 + 0.2 * torch.randn(32, generator=gen)).to(device)
     normed, same = add_rms_norm(heads, None, weight, EPS)
     assert same is heads
-    assert_close(normed, add_rms_norm_ref(heads.reshape(-1, 32), None, weight, EPS)[0].view(3, 4, 32),
-                 ROUNDED_TOLERANCES[torch.float32])
+    assert_close(
+        normed,
+        add_rms_norm_ref(heads.reshape(-1, 32), None, weight, EPS)[0].view(3, 4, 32),
+        ROUNDED_TOLERANCES[torch.float32],
+    )
 
 
 def test_add_rms_norm_rejects_bad_shapes(device) -> None:

@@ -13,8 +13,8 @@ import torch
 
 from conveyor.kernels.kv_store import kv_store_ref
 from conveyor.kernels.rope_kv_store import norm_rotate_ref, rope_kv_store
-from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, assert_close, random_kv_cache
 from conveyor.worker.models.layers import RotaryEmbedding
+from conveyor_tools.kernels.testing import ROUNDED_TOLERANCES, assert_close, random_kv_cache
 
 EPS = 1e-6
 MAX_POSITIONS = 512
@@ -31,7 +31,7 @@ CASES = [
 
 def _inputs(gen, device, tokens, heads, kv_heads, head_dim, block_size, dtype, qk_norm):
     fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim + 8, generator=gen).to(device=device, dtype=dtype)
-    q, k, v = fused[:, : -8].split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = fused[:, :-8].split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = q.view(tokens, heads, head_dim)
     k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
     num_blocks = 2 * (-(-tokens // block_size)) + 5

@@ -83,7 +83,9 @@ class StandIn(RouterStandIn):
             return None
         time.sleep(self.delay_s)
         timing = {"queue_time": None, "ttft": None, "total": self.delay_s}
-        return final_reply(msg["request_id"], "ok", [7], "length", None, prompt_tokens=1, cached_tokens=0, timing=timing)
+        return final_reply(
+            msg["request_id"], "ok", [7], "length", None, prompt_tokens=1, cached_tokens=0, timing=timing
+        )
 
 
 def test_a_slow_first_reply_is_waited_for(tmp_path) -> None:
@@ -121,7 +123,10 @@ def test_stats_asks_for_the_iteration_log_only_when_told(tmp_path) -> None:
     finally:
         server.close()
     version = wire.CLIENT_PROTOCOL_VERSION
-    assert server.received == [{"type": wire.STATS, "v": version}, {"type": wire.STATS, "v": version, "iterations": True}]
+    assert server.received == [
+        {"type": wire.STATS, "v": version},
+        {"type": wire.STATS, "v": version, "iterations": True},
+    ]
 
 
 def test_an_id_in_flight_is_refused_locally_unless_aborted(tmp_path) -> None:
@@ -140,7 +145,9 @@ def test_an_id_in_flight_is_refused_locally_unless_aborted(tmp_path) -> None:
     finally:
         server.close()
     assert [(m["type"], m.get("prompt")) for m in server.received] == [
-        (wire.GENERATE, "hi"), (wire.ABORT, None), (wire.GENERATE, "reused")
+        (wire.GENERATE, "hi"),
+        (wire.ABORT, None),
+        (wire.GENERATE, "reused"),
     ]
 
 
@@ -159,7 +166,9 @@ def test_client_json_output_parses_back(tmp_path, capsys, stream) -> None:
     result = json.loads(out)
     assert (result["text"], result["token_ids"], result["finish_reason"]) == ("ok", [7], "length")
     assert result["usage"] == {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}
-    assert result["choices"] == [{"index": 0, "text": "ok", "token_ids": [7], "finish_reason": "length", "logprobs": None}]
+    assert result["choices"] == [
+        {"index": 0, "text": "ok", "token_ids": [7], "finish_reason": "length", "logprobs": None}
+    ]
 
 
 class Silent(RouterStandIn):
@@ -177,7 +186,10 @@ def test_ctrl_c_on_the_client_aborts_in_one_line(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "bin" / "client"), "--host", address, "hi"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         deadline = time.monotonic() + 60

@@ -10,9 +10,8 @@ import pytest
 
 from conveyor.client import AsyncClient, Client
 from conveyor.frontend.request_metrics import FrontendMetrics
-from conveyor.protocol import wire
+from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
-from conveyor.protocol import replies
 from tests.protocol.stand_in import RouterStandIn
 
 

@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.ipc.messages import SchedulerStats
-from conveyor.protocol import limits, wire
-from conveyor.protocol import replies
+from conveyor.protocol import limits, replies, wire
 
 
 @settings(max_examples=200, deadline=None)
@@ -31,7 +30,13 @@ def test_delta_bytes_are_the_packed_map(rid, text, ids, index) -> None:
 def test_error_replies() -> None:
     unnamed = replies.error_reply(None, "malformed msgpack", wire.MALFORMED)
     version = wire.CLIENT_PROTOCOL_VERSION
-    expected = {"type": wire.ERROR, "v": version, "request_id": None, "code": wire.MALFORMED, "message": "malformed msgpack"}
+    expected = {
+        "type": wire.ERROR,
+        "v": version,
+        "request_id": None,
+        "code": wire.MALFORMED,
+        "message": "malformed msgpack",
+    }
     assert unnamed == expected
     named = replies.error_map("r1", "already in flight", wire.DUPLICATE_REQUEST_ID)
     assert named == {**expected, "request_id": "r1", "code": wire.DUPLICATE_REQUEST_ID, "message": "already in flight"}

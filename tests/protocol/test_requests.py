@@ -15,8 +15,19 @@ def gen(**fields):
 
 def test_valid_generate_parses_all_fields() -> None:
     req = client_requests.parse_client_message(
-        gen(max_tokens=5, temperature=0, top_p=0.5, top_k=3, min_p=0.1, seed=7, stop=["x"], stop_token_ids=[2],
-            ignore_eos=True, stream=True, speculate=False)
+        gen(
+            max_tokens=5,
+            temperature=0,
+            top_p=0.5,
+            top_k=3,
+            min_p=0.1,
+            seed=7,
+            stop=["x"],
+            stop_token_ids=[2],
+            ignore_eos=True,
+            stream=True,
+            speculate=False,
+        )
     )
     assert isinstance(req, client_requests.GenerateRequest)
     assert req.request_id == "r1" and req.prompt == "hi" and req.stream and req.stop == ["x"]
@@ -84,7 +95,7 @@ def test_priority_is_an_optional_integer() -> None:
         (gen(top_p=1.5), "'top_p'"),
         (gen(top_k=-1), "'top_k'"),
         (gen(min_p=2), "'min_p'"),
-        (gen(seed=-2**63 - 1), "'seed'"),
+        (gen(seed=-(2**63) - 1), "'seed'"),
         (gen(seed=2**64), "'seed'"),
         (gen(seed="x"), "'seed'"),
         (gen(stop=[""]), "'stop'"),
@@ -131,7 +142,9 @@ def test_profile_defaults_and_fields() -> None:
     cmd = client_requests.parse_client_message({"type": "profile", "v": 1})
     assert isinstance(cmd, client_requests.ProfileCommand)
     assert (cmd.window_s, cmd.trace, cmd.series) == (limits.DEFAULT_PROFILE_WINDOW_S, False, [])
-    cmd = client_requests.parse_client_message({"type": "profile", "window_s": 5, "trace": True, "series": ["batch_seqs"]})
+    cmd = client_requests.parse_client_message(
+        {"type": "profile", "window_s": 5, "trace": True, "series": ["batch_seqs"]}
+    )
     assert (cmd.window_s, cmd.trace, cmd.series) == (5.0, True, ["batch_seqs"])
 
 
@@ -153,8 +166,12 @@ def test_profile_bad_fields_are_named(fields, needle) -> None:
 
 
 def test_stats_leaves_the_iteration_log_out_unless_asked() -> None:
-    assert client_requests.parse_client_message({"type": "stats", "v": 1}) == client_requests.StatsCommand(iterations=False)
-    assert client_requests.parse_client_message({"type": "stats", "v": 1, "iterations": True}) == client_requests.StatsCommand(iterations=True)
+    assert client_requests.parse_client_message({"type": "stats", "v": 1}) == client_requests.StatsCommand(
+        iterations=False
+    )
+    assert client_requests.parse_client_message(
+        {"type": "stats", "v": 1, "iterations": True}
+    ) == client_requests.StatsCommand(iterations=True)
     with pytest.raises(wire.ProtocolError, match="'iterations'"):
         client_requests.parse_client_message({"type": "stats", "v": 1, "iterations": 1})
 
@@ -258,7 +275,9 @@ def test_error_codes_of_parsed_messages() -> None:
         with pytest.raises(wire.ProtocolError) as info:
             client_requests.parse_client_message(msg)
         assert (info.value.code, info.value.request_id) == (code, "r"), msg
-    req = client_requests.parse_client_message({"type": "generate", "request_id": "r", "token_ids": [1], "max_tokens": 8})
+    req = client_requests.parse_client_message(
+        {"type": "generate", "request_id": "r", "token_ids": [1], "max_tokens": 8}
+    )
     for ids, code in (([1] * 10, wire.PROMPT_TOO_LONG), ([99], wire.INVALID_INPUT), ([1] * 3, None)):
         try:
             validation.check_tokenized(req, ids, vocab_size=50, max_model_len=12)
@@ -278,7 +297,9 @@ def test_a_null_stream_is_the_default() -> None:
     assert client_requests.parse_client_message(gen(stream=None)).stream is False
 
 
-@pytest.mark.parametrize("fields", [{"prompt": None}, {"token_ids": [1]}, {"max_tokens": 0}, {"stream": 1}, {"prompt": ""}])
+@pytest.mark.parametrize(
+    "fields", [{"prompt": None}, {"token_ids": [1]}, {"max_tokens": 0}, {"stream": 1}, {"prompt": ""}]
+)
 def test_a_refused_generate_without_an_id_names_none(fields) -> None:
     """The id assigned to a generate that carried none is the accepted request's: a refusal
     never names an id the client did not send."""
@@ -290,20 +311,35 @@ def test_a_refused_generate_without_an_id_names_none(fields) -> None:
 
 def test_frontend_fields_parse_with_their_defaults() -> None:
     req = client_requests.parse_client_message(gen())
-    assert (req.fill_context, req.truncate_prompt_tokens, req.skip_special_tokens, req.include_stop_str_in_output) == (False, None, True, False)
+    assert (req.fill_context, req.truncate_prompt_tokens, req.skip_special_tokens, req.include_stop_str_in_output) == (
+        False,
+        None,
+        True,
+        False,
+    )
     chat = {**gen(prompt=None), "messages": [{"role": "user", "content": "hi"}]}
     req = client_requests.parse_client_message(chat)
     assert (req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs) == (True, False, {})
-    req = client_requests.parse_client_message({**chat, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}})
-    assert (req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs) == (False, True, {"enable_thinking": False})
+    req = client_requests.parse_client_message(
+        {**chat, "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert (req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs) == (
+        False,
+        True,
+        {"enable_thinking": False},
+    )
     assert client_requests.parse_client_message(gen(fill_context=True)).fill_context
-    assert not client_requests.parse_client_message(gen(fill_context=True, max_tokens=3)).fill_context  # an explicit max_tokens wins
+    assert not client_requests.parse_client_message(
+        gen(fill_context=True, max_tokens=3)
+    ).fill_context  # an explicit max_tokens wins
 
 
 def test_template_kwargs_are_bounded() -> None:
     chat = {**gen(prompt=None), "messages": [{"role": "user", "content": "hi"}]}
     with pytest.raises(wire.ProtocolError, match="'chat_template_kwargs' exceeds"):
-        client_requests.parse_client_message({**chat, "chat_template_kwargs": {"x": "a" * limits.MAX_TEMPLATE_KWARGS_BYTES}})
+        client_requests.parse_client_message(
+            {**chat, "chat_template_kwargs": {"x": "a" * limits.MAX_TEMPLATE_KWARGS_BYTES}}
+        )
 
 
 def test_seeds_map_to_their_64_bit_pattern() -> None:

@@ -50,8 +50,14 @@ def main() -> None:
         sock.send_multipart([identity, msgpack.packb(reply)])
         if args.answer:
             final = {
-                "type": "final", "request_id": rid, "text": user_id(payload), "token_ids": [1], "finish_reason": "stop",
-                "error": None, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}, "timing": {},
+                "type": "final",
+                "request_id": rid,
+                "text": user_id(payload),
+                "token_ids": [1],
+                "finish_reason": "stop",
+                "error": None,
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0},
+                "timing": {},
             }
             sock.send_multipart([identity, msgpack.packb(final)])
 

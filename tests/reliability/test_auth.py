@@ -23,7 +23,6 @@ from conveyor.cli import keygen
 from conveyor.cli.serve import build_parser, server_config, warn_if_exposed
 from conveyor.client import AsyncClient, AuthenticationError, Client
 from conveyor.ipc import transport
-
 from tests.e2e.serve_harness import REPO
 from tests.http.conftest import http_serve
 
@@ -81,7 +80,9 @@ def test_allowed_keys_are_served_and_identified(fake_server, keys) -> None:
         assert result.text == zmq.auth.load_certificate(keys[name])[0].decode()  # the User-Id is its public key
 
     async def scenario():
-        async with AsyncClient(server.address, timeout=10, client_key=keys["alice"], server_key=keys["server"]) as client:
+        async with AsyncClient(
+            server.address, timeout=10, client_key=keys["alice"], server_key=keys["server"]
+        ) as client:
             return await client.generate(prompt="hi")
 
     assert asyncio.run(scenario()).finish_reason == "stop"
@@ -122,7 +123,9 @@ def test_wrong_or_missing_keys_are_refused(fake_server, keys, client_key, server
 def test_a_deleted_client_key_is_refused_from_the_next_connection(fake_server, keys) -> None:
     server = fake_server("--auth-keys", keys["dir"], "--answer")
     os.unlink(os.path.join(transport.client_keys_dir(keys["dir"]), "bob.key"))
-    with Client(server.address, connect_timeout=REFUSAL_TIMEOUT_S, client_key=keys["bob"], server_key=keys["server"]) as client:
+    with Client(
+        server.address, connect_timeout=REFUSAL_TIMEOUT_S, client_key=keys["bob"], server_key=keys["server"]
+    ) as client:
         with pytest.raises(AuthenticationError, match="not allowed"):
             client.generate(prompt="hi")
 
@@ -156,11 +159,25 @@ def test_one_face_keyed_and_the_other_open_refuses_to_start(tmp_path, keys) -> N
     other hosts without one is a start-up error naming both; loopback faces stay allowed."""
     refused = [
         (["--host", "0.0.0.0", "--http-port", "0", "--api-key", "k"], "--api-key keys the HTTP API"),
-        (["--host", "127.0.0.1", "--auth-keys", keys["dir"], "--http-port", "0", "--http-host", "0.0.0.0"], "--auth-keys keys the ZeroMQ socket"),
+        (
+            ["--host", "127.0.0.1", "--auth-keys", keys["dir"], "--http-port", "0", "--http-host", "0.0.0.0"],
+            "--auth-keys keys the ZeroMQ socket",
+        ),
     ]
     allowed = [
         ["--host", "127.0.0.1", "--http-port", "0", "--api-key", "k"],
-        ["--host", "0.0.0.0", "--auth-keys", keys["dir"], "--http-port", "0", "--http-host", "0.0.0.0", "--api-key", "k"],
+        [
+            "--host",
+            "0.0.0.0",
+            "--auth-keys",
+            keys["dir"],
+            "--http-port",
+            "0",
+            "--http-host",
+            "0.0.0.0",
+            "--api-key",
+            "k",
+        ],
         ["--host", "0.0.0.0", "--auth-keys", keys["dir"], "--http-port", "0"],
         ["--host", "0.0.0.0", "--http-port", "0", "--http-host", "0.0.0.0"],  # nothing keyed: the warnings say it
     ]
@@ -179,7 +196,16 @@ def test_bin_serve_with_auth_keys(serve_factory, tiny_checkpoint, keys) -> None:
     """The flag end to end: an allowed key generates, no key is refused, and the HTTP process
     (a client of the frontend) gets in with the server's own key pair."""
     server = serve_factory(
-        "--model", str(tiny_checkpoint), "--num-kv-blocks", "32", "--threads", "1", "--auth-keys", keys["dir"], "--http-port", "0"
+        "--model",
+        str(tiny_checkpoint),
+        "--num-kv-blocks",
+        "32",
+        "--threads",
+        "1",
+        "--auth-keys",
+        keys["dir"],
+        "--http-port",
+        "0",
     )
     with Client(server.address, timeout=60, client_key=keys["alice"], server_key=keys["server"]) as client:
         result = client.generate(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True, temperature=0)
@@ -189,15 +215,31 @@ def test_bin_serve_with_auth_keys(serve_factory, tiny_checkpoint, keys) -> None:
             client.generate(token_ids=[5], max_tokens=1)
     with urllib.request.urlopen(f"{http_serve(server).url}/health", timeout=30) as response:
         assert response.status == 200
-    bin_client = [sys.executable, str(REPO / "bin" / "client"), "--host", server.address, "--max-tokens", "4", "--ignore-eos"]
+    bin_client = [
+        sys.executable,
+        str(REPO / "bin" / "client"),
+        "--host",
+        server.address,
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+    ]
     keyed = subprocess.run(
-        [*bin_client, "--client-key", keys["bob"], "--server-key", keys["server"], "Hello"], capture_output=True, text=True, timeout=60
+        [*bin_client, "--client-key", keys["bob"], "--server-key", keys["server"], "Hello"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert keyed.returncode == 0 and "4 completion tokens" in keyed.stderr, keyed.stderr
     keyless = subprocess.run([*bin_client, "Hello"], capture_output=True, text=True, timeout=60)
     assert keyless.returncode == 1 and "refused the connection" in keyless.stderr, keyless.stderr
     profile = [sys.executable, str(REPO / "bin" / "profile"), "--host", server.address, "--window", "5"]
-    keyed = subprocess.run([*profile, "--client-key", keys["alice"], "--server-key", keys["server"]], capture_output=True, text=True, timeout=60)
+    keyed = subprocess.run(
+        [*profile, "--client-key", keys["alice"], "--server-key", keys["server"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert keyed.returncode == 0 and "worker" in keyed.stdout, keyed.stderr
     half = subprocess.run([*profile, "--client-key", keys["alice"]], capture_output=True, text=True, timeout=60)
     assert half.returncode == 2 and "go together" in half.stderr, half.stderr

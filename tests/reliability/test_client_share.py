@@ -57,7 +57,11 @@ def finals(fe: LiveFrontend, sock, count: int) -> list[dict]:
 def test_one_client_cannot_take_the_queue(fe) -> None:
     greedy, other = fe.client(), fe.client()
     for i in range(1024):  # 1,024 prompts x n = 64: 65,536 sequences
-        greedy.send(msgpack.packb({"v": 1, "type": "generate", "request_id": f"g{i}", "prompt": "Say:", "n": 64, "max_tokens": 4}))
+        greedy.send(
+            msgpack.packb(
+                {"v": 1, "type": "generate", "request_id": f"g{i}", "prompt": "Say:", "n": 64, "max_tokens": 4}
+            )
+        )
     refusals = finals(fe, greedy, 1024 - SHARE // 64)
     assert len(refusals) == 1024 - SHARE // 64
     assert all(r["type"] == "final" and r["finish_reason"] == "error" for r in refusals), refusals[0]
@@ -67,7 +71,9 @@ def test_one_client_cannot_take_the_queue(fe) -> None:
     fe.send(other, type="generate", request_id="mine", prompt="Hello", max_tokens=4)
     assert next_add(fe) is not None  # the other client is served
     # The share comes back as the greedy client's requests end: one finished, one more fits.
-    fe.scheduler_send(TokenOutputs([RequestOutput(f"{taken[0].request_id}/{i}", [5], finish_reason="length") for i in range(64)]))
+    fe.scheduler_send(
+        TokenOutputs([RequestOutput(f"{taken[0].request_id}/{i}", [5], finish_reason="length") for i in range(64)])
+    )
     assert fe.until_final(greedy)[-1]["finish_reason"] == "length"
     fe.send(greedy, type="generate", request_id="again", prompt="Say:", n=64, max_tokens=4)
     assert next_add(fe) is not None

@@ -94,7 +94,9 @@ def test_a_stable_identity_continues_across_a_reconnect(fe, tok) -> None:
     assert turn.prompt_token_ids == first.prompt_token_ids + [300] + tok.encode("Hello there", add_special_tokens=False)
     final = finish(fe, a2, turn.request_id, 301)
     assert (final["request_id"], final["token_ids"], final["usage"]["prompt_tokens"]) == (
-        "chat", [301], len(turn.prompt_token_ids)
+        "chat",
+        [301],
+        len(turn.prompt_token_ids),
     )
     other = client(fe, b"client-b-other-id")  # another identity: its "chat" is new
     assert submit(fe, other, "chat", prompt="Hello there").prompt_token_ids == tok.encode("Hello there")

@@ -45,8 +45,16 @@ def good_request(sock: zmq.Socket, rid: str) -> list[int]:
     """One greedy streamed request; its tokens (the deltas', checked equal to the final's)."""
     sock.send(
         msgpack.packb(
-            {"type": "generate", "v": 1, "request_id": rid, "token_ids": GOOD_PROMPT, "max_tokens": GOOD_TOKENS,
-             "temperature": 0, "ignore_eos": True, "stream": True}
+            {
+                "type": "generate",
+                "v": 1,
+                "request_id": rid,
+                "token_ids": GOOD_PROMPT,
+                "max_tokens": GOOD_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
         )
     )
     streamed = []
@@ -65,9 +73,27 @@ def good_request(sock: zmq.Socket, rid: str) -> list[int]:
 # docs/protocol.md's rules, written out independently of conveyor.protocol.
 
 MAX_FRAME = 8 * 1024 * 1024
-GENERATE_KEYS = {"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", "max_tokens", "temperature",
-                 "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "priority",
-                 "logprobs", "prompt_logprobs"}
+GENERATE_KEYS = {
+    "type",
+    "v",
+    "request_id",
+    "prompt",
+    "messages",
+    "token_ids",
+    "stream",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "priority",
+    "logprobs",
+    "prompt_logprobs",
+}
 MAX_LOGPROBS = 20  # the server's default --max-logprobs
 
 
@@ -119,6 +145,7 @@ def is_str(v, longest: int | None = None) -> bool:
 def field_problem(obj: dict) -> bool:
     """True when a field of a generate breaks its rule (docs/protocol.md, the generate table;
     ``null`` means the default, so a null field is never wrong)."""
+
     def has(name):
         return obj.get(name) is not None
 
@@ -137,8 +164,10 @@ def field_problem(obj: dict) -> bool:
         "stop": lambda v: is_str(v, 256) or (type(v) is list and len(v) <= 16 and all(is_str(s, 256) for s in v)),
         "stop_token_ids": lambda v: type(v) is list and len(v) <= 1024 and all(is_int(t) and t >= 0 for t in v),
         "prompt": lambda v: type(v) is str,
-        "messages": lambda v: type(v) is list and len(v) > 0 and all(
-            type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str for m in v
+        "messages": lambda v: (
+            type(v) is list
+            and len(v) > 0
+            and all(type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str for m in v)
         ),
         "token_ids": lambda v: type(v) is list and len(v) > 0 and all(is_int(t) for t in v),
     }
@@ -161,6 +190,7 @@ def expect_generate(obj: dict, rid: str | None, model: Model) -> Refusal | Runs:
         return refuse(wire.INVALID_FIELD)
     if obj.get("prompt") == "":
         return refuse(wire.INVALID_INPUT)
+
     # The fields are right, so the request is accepted (under an id of the server's when it
     # carried none) and ends in a final: an error one where the model cannot take its input.
     def cannot(code: str) -> Refusal:
@@ -189,8 +219,9 @@ def expect(frames: list[bytes], model: Model, undecodable_rid: str | None) -> Re
     if len(frames) != 1 or not frames[0]:
         return Refusal(frozenset({wire.BAD_FRAMES}), False, undecodable_rid)
     try:  # msgpack with the documented decode limits; map keys are strings (or bin)
-        obj = msgpack.unpackb(frames[0], raw=False, strict_map_key=True, max_array_len=1 << 20, max_map_len=16384,
-                              max_ext_len=64)
+        obj = msgpack.unpackb(
+            frames[0], raw=False, strict_map_key=True, max_array_len=1 << 20, max_map_len=16384, max_ext_len=64
+        )
     except Exception:
         return Refusal(frozenset({wire.MALFORMED, wire.TOO_LARGE}), False, undecodable_rid)
     if type(obj) is not dict:
@@ -291,8 +322,13 @@ def _base(extra: dict) -> bytes:
 
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.integers(-3, 300), st.floats(allow_nan=True),
-    st.text(max_size=20), st.binary(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.integers(-3, 300),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
 )
 values = st.recursive(
     scalars,
@@ -321,10 +357,25 @@ EDGES = {
 
 @st.composite
 def cases(draw) -> tuple[list[bytes], str | None]:
-    kind = draw(st.sampled_from(
-        ["bytes", "truncated", "flipped", "deep", "huge", "utf8", "wrong_type", "edge", "edge", "request_id", "map",
-         "frames", "empty"]
-    ))
+    kind = draw(
+        st.sampled_from(
+            [
+                "bytes",
+                "truncated",
+                "flipped",
+                "deep",
+                "huge",
+                "utf8",
+                "wrong_type",
+                "edge",
+                "edge",
+                "request_id",
+                "map",
+                "frames",
+                "empty",
+            ]
+        )
+    )
     if kind == "bytes":
         return [draw(st.binary(max_size=300))], None
     if kind == "truncated":  # cut anywhere: the id is readable once its value is whole
@@ -371,7 +422,9 @@ def cases(draw) -> tuple[list[bytes], str | None]:
 # ---------------------------------------------------------------------- the test
 
 
-def test_fuzzed_frames_each_get_what_the_protocol_says_while_a_good_stream_is_unchanged(server, tiny_checkpoint) -> None:
+def test_fuzzed_frames_each_get_what_the_protocol_says_while_a_good_stream_is_unchanged(
+    server, tiny_checkpoint
+) -> None:
     config = json.loads((tiny_checkpoint / "config.json").read_text())
     tokenizer = Tokenizer.from_dir(tiny_checkpoint)
     model = Model(tokenizer.vocab_size, config["max_position_embeddings"], tokenizer)
@@ -403,8 +456,12 @@ def _run(ctx: zmq.Context, address: str, model: Model) -> None:
     fuzz = dealer(ctx, address)
     sent = {"refused": 0, "served": 0}
 
-    @settings(max_examples=FUZZ_CASES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=FUZZ_CASES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(case=cases())
     def one(case) -> None:
         frames, undecodable_rid = case
@@ -427,7 +484,9 @@ def _run(ctx: zmq.Context, address: str, model: Model) -> None:
     # every example was sent (none filtered out), and both kinds of verdict were exercised
     assert sum(sent.values()) >= FUZZ_CASES * 0.95 and sent["refused"] >= 500 and sent["served"] >= 10, sent
     assert streamed and all(tokens == alone for tokens in streamed), (alone, streamed)
-    print(f"{sent} fuzz messages, each answered as the rules say; {len(streamed)} good streams beside them, all as alone")
+    print(
+        f"{sent} fuzz messages, each answered as the rules say; {len(streamed)} good streams beside them, all as alone"
+    )
     stats = dealer(ctx, address)
     deadline = time.monotonic() + 10
     while True:  # the last abort-free request has finished: every block is free within an iteration

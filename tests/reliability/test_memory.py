@@ -36,8 +36,11 @@ def recv(sock: zmq.Socket, timeout: float = 30.0) -> dict:
 def short_request_s(sock: zmq.Socket, rid: str) -> float:
     """Seconds from sending a short greedy request to its final."""
     start = time.monotonic()
-    sock.send(msgpack.packb({"type": "generate", "v": 1, "request_id": rid, "prompt": "Hello", "max_tokens": 4,
-                             "temperature": 0}))
+    sock.send(
+        msgpack.packb(
+            {"type": "generate", "v": 1, "request_id": rid, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        )
+    )
     final = recv(sock)
     assert final["type"] == "final" and final["finish_reason"] == "length", final
     return time.monotonic() - start

@@ -13,9 +13,9 @@ import os
 import pytest
 
 from conveyor.client import ServerGoneError
-
 from tests.e2e.serve_harness import children_of, kill_during_streams, mapped_ring_files, run_dir_of, still_alive_after
 from tests.reliability.conftest import SERVE_ARGS
+
 NUM_REQUESTS = 20
 FAULT_BOUND_S = 1.0  # docs/reliability.md: kill -> every request's error (measured 0.003-0.16 s)
 REQUEST_TIMEOUT_S = 60.0  # far past it: a request that hangs fails as TimeoutError
@@ -30,7 +30,9 @@ def test_kill_9_fails_every_request_and_leaves_nothing(serve_factory, tiny_check
     assert os.path.isdir(run_dir) and len(rings) == 2 and set(server.pids.values()) <= set(tree)
 
     outcomes = asyncio.run(
-        kill_during_streams(server.address, server.pids[victim], NUM_REQUESTS, max_tokens=240, timeout=REQUEST_TIMEOUT_S)
+        kill_during_streams(
+            server.address, server.pids[victim], NUM_REQUESTS, max_tokens=240, timeout=REQUEST_TIMEOUT_S
+        )
     )
 
     for outcome, _ in outcomes:

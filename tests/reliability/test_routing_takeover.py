@@ -15,7 +15,14 @@ import time
 import pytest
 
 from conveyor.client import Client
-from tests.e2e.serve_harness import ABORT_BOUND_S, LONG_MAX_TOKENS, LONG_SERVE_ARGS, finished_counts, long_context_copy, wait_until_freed
+from tests.e2e.serve_harness import (
+    ABORT_BOUND_S,
+    LONG_MAX_TOKENS,
+    LONG_SERVE_ARGS,
+    finished_counts,
+    long_context_copy,
+    wait_until_freed,
+)
 
 IDENTITY = b"takeover-test-identity"
 OLD_TIMEOUT_S = 2.0
@@ -34,7 +41,9 @@ def test_a_new_connection_under_a_routing_id_takes_it_over(serve_factory, tiny_c
             served = time.monotonic() - took_over
             assert result.finish_reason == "length" and len(result.token_ids) == 4, result
             assert served < ABORT_BOUND_S, served
-            wait_until_freed(watcher, took_over, "the takeover")  # the old connection's request: aborted, its blocks free
+            wait_until_freed(
+                watcher, took_over, "the takeover"
+            )  # the old connection's request: aborted, its blocks free
             after = finished_counts(watcher)
             assert after["abort"] == before["abort"] + 1, (before, after)
             assert after["length"] == before["length"] + 1, (before, after)  # the new connection's request only

@@ -26,8 +26,18 @@ from tests.reliability.test_memory import rss_mb
 NUM_STREAMS = 3
 SEND_QUEUE = 32  # replies queued for one connection: small, so the test's client fills it soon
 # A KV pool that holds every stream whole (no preemption slows them down).
-SERVE_ARGS = ("--max-model-len", str(LONG_MODEL_LEN), "--num-kv-blocks", str(NUM_STREAMS * LONG_MODEL_LEN // 16 + 64),
-              "--block-size", "16", "--threads", "1", "--client-send-queue", str(SEND_QUEUE))
+SERVE_ARGS = (
+    "--max-model-len",
+    str(LONG_MODEL_LEN),
+    "--num-kv-blocks",
+    str(NUM_STREAMS * LONG_MODEL_LEN // 16 + 64),
+    "--block-size",
+    "16",
+    "--threads",
+    "1",
+    "--client-send-queue",
+    str(SEND_QUEUE),
+)
 # Stall -> every request of the slow client aborted and its KV blocks free: the sends that
 # fill what the kernel buffers for a client that never reads (tens of KB) and then SEND_QUEUE
 # replies, at ~1,000 deltas a second. Measured 0.5-1.3 s on this shared 2-core machine over ipc://;
@@ -44,7 +54,9 @@ def short_request_s(client: Client) -> float:
     return time.monotonic() - start
 
 
-def test_a_client_that_stops_reading_is_dropped_when_its_send_queue_fills(serve_factory, tiny_checkpoint, tmp_path) -> None:
+def test_a_client_that_stops_reading_is_dropped_when_its_send_queue_fills(
+    serve_factory, tiny_checkpoint, tmp_path
+) -> None:
     server = serve_factory("--model", str(long_context_copy(tiny_checkpoint, tmp_path)), *SERVE_ARGS)
     pid = server.pids["frontend"]
     ctx = zmq.Context()
@@ -60,8 +72,20 @@ def test_a_client_that_stops_reading_is_dropped_when_its_send_queue_fills(serve_
         slow.setsockopt(zmq.RCVBUF, 4096)
         slow.connect(server.address)
         for i in range(NUM_STREAMS):
-            slow.send(msgpack.packb({"type": "generate", "v": 1, "request_id": f"slow-{i}", "token_ids": [7 + i] * 16,
-                                     "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}))
+            slow.send(
+                msgpack.packb(
+                    {
+                        "type": "generate",
+                        "v": 1,
+                        "request_id": f"slow-{i}",
+                        "token_ids": [7 + i] * 16,
+                        "max_tokens": LONG_MAX_TOKENS,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                        "stream": True,
+                    }
+                )
+            )
         stalled = time.monotonic()  # it never reads
         latencies, peak_rss, running = [], idle_rss, 0
         while True:
@@ -85,6 +109,8 @@ def test_a_client_that_stops_reading_is_dropped_when_its_send_queue_fills(serve_
     assert max(latencies) < 2 * idle_latency + 1.0, (idle_latency, latencies)
     assert peak_rss - idle_rss < RSS_SLACK_MB, (idle_rss, peak_rss)
     assert "not reading its replies" in server.output()
-    print(f"dropped {took:.2f} s after the stall; short requests {idle_latency * 1000:.0f} ms idle, "
-          f"{min(latencies) * 1000:.0f}-{max(latencies) * 1000:.0f} ms meanwhile ({len(latencies)}); "
-          f"frontend RSS {idle_rss:.0f} -> peak {peak_rss:.0f} MB")
+    print(
+        f"dropped {took:.2f} s after the stall; short requests {idle_latency * 1000:.0f} ms idle, "
+        f"{min(latencies) * 1000:.0f}-{max(latencies) * 1000:.0f} ms meanwhile ({len(latencies)}); "
+        f"frontend RSS {idle_rss:.0f} -> peak {peak_rss:.0f} MB"
+    )

@@ -10,7 +10,7 @@ import signal
 
 from conveyor.ipc import run_dirs
 from conveyor.ipc.shm_ring import process_start_time
-from tests.e2e.serve_harness import ServeProcess, children_of, mapped_ring_files, run_dir_of, still_alive_after
+from tests.e2e.serve_harness import children_of, mapped_ring_files, run_dir_of, still_alive_after
 from tests.reliability.conftest import SERVE_ARGS
 
 

@@ -43,8 +43,17 @@ def _completion(server) -> tuple[int, dict]:
 
 
 def test_on_hang_wait_fails_requests_and_serves_again_once_the_worker_steps(tiny_checkpoint, tmp_path) -> None:
-    args = ["--model", str(tiny_checkpoint), *SERVE_ARGS, "--http-port", "0",
-            "--hang-timeout", str(HANG_TIMEOUT_S), "--on-hang", "wait"]
+    args = [
+        "--model",
+        str(tiny_checkpoint),
+        *SERVE_ARGS,
+        "--http-port",
+        "0",
+        "--hang-timeout",
+        str(HANG_TIMEOUT_S),
+        "--on-hang",
+        "wait",
+    ]
     serve = ServeProcess(args, tmp_path)
     server = http_serve(serve)
     tree = children_of(serve.proc.pid)

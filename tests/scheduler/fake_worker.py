@@ -25,8 +25,8 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tests import plans
 from conveyor.ipc.messages import StepPlan, StepResult
+from tests import plans
 
 
 def default_token(request_id: str, position: int, low: int = 1, high: int = 1000) -> int:
@@ -182,7 +182,11 @@ class FakeWorker:
             # no cached prefix and is never resumed from a swap (the real worker's sum would be lost).
             assert not new.sampling.pooling or new.num_computed_tokens == 0, f"{rid!r} pools but arrives computed"
             self.state[slot] = _State(
-                rid, list(new.token_ids), list(new.block_ids), new.num_computed_tokens, pooling=bool(new.sampling.pooling)
+                rid,
+                list(new.token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                pooling=bool(new.sampling.pooling),
             )
             self.num_computed_at_arrival.setdefault(rid, []).append(new.num_computed_tokens)
             work.append((slot, new.num_scheduled_tokens))
@@ -201,7 +205,9 @@ class FakeWorker:
                     f"{st.request_id!r}: {row.num_scheduled_tokens} scheduled for a proposal of {len(proposal)}"
                 )
                 assert st.computed + 1 == len(st.tokens), f"{st.request_id!r}: a speculative row is not a decode"
-                assert len(st.blocks) * bs >= len(st.tokens) + len(proposal), f"{st.request_id!r}: no blocks for its proposal"
+                assert len(st.blocks) * bs >= len(st.tokens) + len(proposal), (
+                    f"{st.request_id!r}: no blocks for its proposal"
+                )
             work.append((slot, 1 if proposal is not None else row.num_scheduled_tokens))
 
         self.scheduled.append({self.state[slot].request_id: n for slot, n in work})
@@ -243,7 +249,13 @@ class FakeWorker:
                     spec_slots.append(slot)
                     spec_tokens.append(self._verify(slot, st, proposals[slot]))
         return StepResult(
-            plan.step_id, slots, sampled, spec_slots=spec_slots, spec_token_ids=spec_tokens, pooled_slots=pooled_slots, pooled=pooled
+            plan.step_id,
+            slots,
+            sampled,
+            spec_slots=spec_slots,
+            spec_token_ids=spec_tokens,
+            pooled_slots=pooled_slots,
+            pooled=pooled,
         )
 
     def _verify(self, slot: int, st: _State, proposal: list[int]) -> list[int]:

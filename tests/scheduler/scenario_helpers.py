@@ -8,10 +8,9 @@ static batching baseline) puts its own defaults in front of the scenario's overr
 
 from __future__ import annotations
 
-from tests.scheduler.scheduler_harness import Harness
-
 from conveyor.ipc.messages import NewRequestData, StepPlan
 from conveyor.runtime.config import SchedulerConfig
+from tests.scheduler.scheduler_harness import Harness
 
 # 64 blocks of 4 tokens, 8 slots, a 64-token budget, a 128-token model.
 SCENARIO_POOL = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)

@@ -19,19 +19,18 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tests.scheduler.fake_worker import FakeWorker
-
-from tests import plans
-from conveyor.runtime.config import SchedulerConfig
 from conveyor.ipc.messages import (
     AddRequest,
     RequestOutput,
     SamplingParams,
     StepPlan,
     StepResult,
+    sequence_id,
 )
-from conveyor.ipc.messages import sequence_id
+from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.scheduler import Scheduler
+from tests import plans
+from tests.scheduler.fake_worker import FakeWorker
 
 EOS = 0
 
@@ -221,11 +220,15 @@ class Harness:
         while self.scheduler.has_work() or self.inflight:
             if self.step() is None and self.scheduler.has_work():  # (a queue timeout may have ended the last one)
                 wait = self.scheduler.seconds_until_ready()
-                assert wait is not None, "live requests but no plan and nothing to wait for: " + "; ".join(
-                    f"{r.request_id} {r.status.name} computed={r.num_computed_tokens}/{r.num_tokens} "
-                    f"blocks={r.block_ids} cpu={r.cpu_blocks}"
-                    for r in list(self.scheduler.state.table.running) + list(self.scheduler.state.queue)
-                ) + f" pool available={self.scheduler.state.kv.gpu.num_available}"
+                assert wait is not None, (
+                    "live requests but no plan and nothing to wait for: "
+                    + "; ".join(
+                        f"{r.request_id} {r.status.name} computed={r.num_computed_tokens}/{r.num_tokens} "
+                        f"blocks={r.block_ids} cpu={r.cpu_blocks}"
+                        for r in list(self.scheduler.state.table.running) + list(self.scheduler.state.queue)
+                    )
+                    + f" pool available={self.scheduler.state.kv.gpu.num_available}"
+                )
                 self.clock.advance(wait + 1e-6)
             steps += 1
             assert steps <= max_steps, "no progress"

@@ -13,9 +13,8 @@ contents: every slot a request relies on must hold its own prefix.
 
 from __future__ import annotations
 
-from tests.scheduler.scheduler_harness import Harness
-
 from conveyor.runtime.config import SchedulerConfig
+from tests.scheduler.scheduler_harness import Harness
 
 
 def first_fork(h: Harness):
@@ -32,8 +31,15 @@ def test_fork_copy_into_the_block_of_a_victim_swapped_out_by_the_same_plan():
     # second sequence (ranked ahead of r1) can fork only by swapping r1 out, and takes r1's
     # block as its copy destination.
     cfg = SchedulerConfig(
-        num_blocks=5, block_size=4, max_num_seqs=2, max_num_batched_tokens=3, max_model_len=16,
-        policy="priority", aging_rate=0.0, preemption="swap", num_cpu_blocks=2,
+        num_blocks=5,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=3,
+        max_model_len=16,
+        policy="priority",
+        aging_rate=0.0,
+        preemption="swap",
+        num_cpu_blocks=2,
     )
     h = Harness(cfg)
     assert h.add("r0", prompt_len=14, max_tokens=2, n=2) is None
@@ -51,8 +57,13 @@ def test_fork_copy_into_a_cached_block_offloaded_by_the_same_plan():
     # 4 blocks of 4: "a" leaves its 2 full blocks cached, the first sequence takes the 2 free
     # ones, and the fork's copy destination evicts a cached block, offloaded to the CPU.
     cfg = SchedulerConfig(
-        num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16,
-        num_cpu_blocks=4, offload_evicted=True,
+        num_blocks=4,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=16,
+        num_cpu_blocks=4,
+        offload_evicted=True,
     )
     h = Harness(cfg)
     a = [50 + i for i in range(8)]
@@ -76,8 +87,14 @@ def test_fork_from_a_first_sequence_swapped_in_by_the_same_plan():
     # is swapped out; the second, queued behind it, waits; once hog finishes, one plan
     # resumes the first sequence and forks the second from the block it swaps in.
     cfg = SchedulerConfig(
-        num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=16,
-        preemption="swap", num_cpu_blocks=8, max_bypass=0,
+        num_blocks=4,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        max_model_len=16,
+        preemption="swap",
+        num_cpu_blocks=8,
+        max_bypass=0,
     )
     h = Harness(cfg)
     assert h.add("hog", prompt_len=4, max_tokens=10) is None

@@ -10,8 +10,9 @@ from tests.scheduler.scheduler_harness import Harness
 
 
 def _config(**kw) -> SchedulerConfig:
-    return SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=256,
-                           lora_names=("a", "b", "c"), **kw)
+    return SchedulerConfig(
+        num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=256, lora_names=("a", "b", "c"), **kw
+    )
 
 
 def test_unknown_adapter_is_an_error_output():

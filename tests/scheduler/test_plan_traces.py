@@ -97,35 +97,88 @@ def _scenario(name: str) -> list:
         cfg = SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=96)
         arrivals = _arrivals(rng, 24, 30, (1, 40), (1, 30))
     elif name == "recompute_tight":
-        cfg = SchedulerConfig(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                              max_model_len=64, preemption="recompute")
+        cfg = SchedulerConfig(
+            num_blocks=20,
+            block_size=4,
+            max_num_seqs=6,
+            max_num_batched_tokens=32,
+            max_model_len=64,
+            preemption="recompute",
+        )
         arrivals = _arrivals(rng, 20, 20, (2, 20), (5, 30))
     elif name == "swap_overlap":
-        cfg = SchedulerConfig(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                              max_model_len=64, preemption="swap", num_cpu_blocks=32)
+        cfg = SchedulerConfig(
+            num_blocks=24,
+            block_size=4,
+            max_num_seqs=6,
+            max_num_batched_tokens=32,
+            max_model_len=64,
+            preemption="swap",
+            num_cpu_blocks=32,
+        )
         arrivals = _arrivals(rng, 20, 20, (2, 20), (5, 30))
         overlap = True
     elif name == "priority_aging":
-        cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                              max_model_len=64, policy="priority", aging_rate=0.5, num_cpu_blocks=16)
-        arrivals = [(s, rid, p, m, {"priority": rng.randint(-3, 3)}) for s, rid, p, m, _ in
-                    _arrivals(rng, 20, 25, (2, 24), (2, 20))]
+        cfg = SchedulerConfig(
+            num_blocks=32,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            max_model_len=64,
+            policy="priority",
+            aging_rate=0.5,
+            num_cpu_blocks=16,
+        )
+        arrivals = [
+            (s, rid, p, m, {"priority": rng.randint(-3, 3)})
+            for s, rid, p, m, _ in _arrivals(rng, 20, 25, (2, 24), (2, 20))
+        ]
         overlap = True
     elif name == "static_batches":
-        cfg = SchedulerConfig(num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                              max_model_len=64, batching="static", min_batch_size=4, max_wait_ms=50.0)
+        cfg = SchedulerConfig(
+            num_blocks=48,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            batching="static",
+            min_batch_size=4,
+            max_wait_ms=50.0,
+        )
         arrivals = _arrivals(rng, 14, 20, (1, 16), (1, 12))
     elif name == "prefix_offload":
-        cfg = SchedulerConfig(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                              max_model_len=80, num_cpu_blocks=24, offload_evicted=True)
+        cfg = SchedulerConfig(
+            num_blocks=24,
+            block_size=4,
+            max_num_seqs=6,
+            max_num_batched_tokens=32,
+            max_model_len=80,
+            num_cpu_blocks=24,
+            offload_evicted=True,
+        )
         base = [1 + (7 * i) % 500 for i in range(40)]
-        arrivals = [(rng.randrange(30), f"p{k}", 0, rng.randint(1, 10),
-                     {"prompt": base[: rng.randint(4, 40)] + [rng.randint(1, 999) for _ in range(rng.randint(0, 6))]})
-                    for k in range(18)]
+        arrivals = [
+            (
+                rng.randrange(30),
+                f"p{k}",
+                0,
+                rng.randint(1, 10),
+                {"prompt": base[: rng.randint(4, 40)] + [rng.randint(1, 999) for _ in range(rng.randint(0, 6))]},
+            )
+            for k in range(18)
+        ]
         overlap = True
     elif name == "aborts_failures_timeouts":
-        cfg = SchedulerConfig(num_blocks=28, block_size=4, max_num_seqs=5, max_num_batched_tokens=20,
-                              max_model_len=64, max_waiting=12, max_queue_time=0.05, num_cpu_blocks=8)
+        cfg = SchedulerConfig(
+            num_blocks=28,
+            block_size=4,
+            max_num_seqs=5,
+            max_num_batched_tokens=20,
+            max_model_len=64,
+            max_waiting=12,
+            max_queue_time=0.05,
+            num_cpu_blocks=8,
+        )
         arrivals = _arrivals(rng, 26, 30, (1, 24), (1, 20))
         aborts = {5: ["r3", "r7"], 11: ["r1", "r12", "nope"], 17: ["r20"]}
         worker = {"fail_steps": {6, 14, 15}, "eos_at": {"r2": 9, "r5": 12}}
@@ -133,14 +186,25 @@ def _scenario(name: str) -> list:
     else:
         raise KeyError(name)
     h = TracingHarness(cfg, worker_kwargs=worker, overlap=overlap)
-    _drive(h, rng, [(s, rid, p, m, dict(kw, prompt=kw["prompt"]) if "prompt" in kw else kw)
-                    for s, rid, p, m, kw in arrivals], aborts)
+    _drive(
+        h,
+        rng,
+        [(s, rid, p, m, dict(kw, prompt=kw["prompt"]) if "prompt" in kw else kw) for s, rid, p, m, kw in arrivals],
+        aborts,
+    )
     h.check_idle()
     return h.trace
 
 
-SCENARIOS = ["fcfs_chunked", "recompute_tight", "swap_overlap", "priority_aging", "static_batches",
-             "prefix_offload", "aborts_failures_timeouts"]
+SCENARIOS = [
+    "fcfs_chunked",
+    "recompute_tight",
+    "swap_overlap",
+    "priority_aging",
+    "static_batches",
+    "prefix_offload",
+    "aborts_failures_timeouts",
+]
 
 
 def test_traces_match_the_committed_ones():

@@ -10,12 +10,10 @@ invariants (free + held == total among them) after it; every scenario ends with
 
 from __future__ import annotations
 
-from tests.scheduler.scenario_helpers import assert_alone_tokens, cfg, ids
-from tests.scheduler.scheduler_harness import Harness
-
 from conveyor.ipc.messages import FinishReason
 from conveyor.scheduler.request import RequestStatus
-
+from tests.scheduler.scenario_helpers import assert_alone_tokens, cfg, ids
+from tests.scheduler.scheduler_harness import Harness
 
 # ---------------------------------------------------------------- admission
 

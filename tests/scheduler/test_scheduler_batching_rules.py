@@ -11,12 +11,12 @@ the per-iteration log.
 from __future__ import annotations
 
 import pytest
-from tests.scheduler.scenario_helpers import new_ids, new_req
-from tests.scheduler.scenario_helpers import rules_cfg as cfg
-from tests.scheduler.scheduler_harness import Harness
 
 from conveyor.ipc.messages import FinishReason
 from conveyor.scheduler.iteration_log import ITERATION_FIELDS
+from tests.scheduler.scenario_helpers import new_ids, new_req
+from tests.scheduler.scenario_helpers import rules_cfg as cfg
+from tests.scheduler.scheduler_harness import Harness
 
 
 def check_arrives_computed(h: Harness, rid: str, computed: int, **request) -> None:
@@ -206,7 +206,11 @@ def test_each_iteration_records_its_batch_and_block_state():
     assert row["prefill_tokens"] == 10 and row["decode_tokens"] == 0 and row["input_tokens"] == 10
     assert row["avg_wait"] == pytest.approx(0.25) and row["max_wait"] == pytest.approx(0.5)
     pool = h.scheduler.state.kv.gpu
-    assert (row["free_blocks"], row["held_blocks"], row["cached_blocks"]) == (pool.num_free, pool.num_held, pool.num_cached)
+    assert (row["free_blocks"], row["held_blocks"], row["cached_blocks"]) == (
+        pool.num_free,
+        pool.num_held,
+        pool.num_cached,
+    )
     h.step()
     row = h.scheduler.iterations.last()
     assert row["decode_tokens"] == 1 and row["prefill_tokens"] == 6 and row["admitted"] == 0

@@ -11,12 +11,12 @@ recompute / auto preemption, and a failed swap out or in.
 from __future__ import annotations
 
 import pytest
-from tests.scheduler.scenario_helpers import new_ids, new_req
-from tests.scheduler.scenario_helpers import rules_cfg as cfg
-from tests.scheduler.scheduler_harness import Harness
 
 from conveyor.ipc.messages import FinishReason
 from conveyor.scheduler.request import RequestStatus
+from tests.scheduler.scenario_helpers import new_ids, new_req
+from tests.scheduler.scenario_helpers import rules_cfg as cfg
+from tests.scheduler.scheduler_harness import Harness
 
 
 def run_until(h: Harness, predicate, limit: int = 500):

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import random
 
-from tests.scheduler.fake_worker import default_token
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tests.scheduler.scheduler_harness import Harness
 
-from conveyor.runtime.config import SchedulerConfig
 from conveyor.ipc.messages import FinishReason
+from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.request import RequestStatus
+from tests.scheduler.fake_worker import default_token
+from tests.scheduler.scheduler_harness import Harness
 
 SYSTEM_PROMPT = [900 + i for i in range(24)]  # shared by some prompts: prefix-cache hits
 
@@ -60,9 +60,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         static=st.booleans(),
         overlap=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, max_num_seqs, budget, max_model_len, policy, aging_rate, preemption,
-              num_cpu_blocks, offload, max_bypass, max_waiting, max_queue_time, min_batch_size, max_wait_ms,
-              block_bytes, static, overlap) -> None:
+    def setup(
+        self,
+        block_size,
+        num_blocks,
+        max_num_seqs,
+        budget,
+        max_model_len,
+        policy,
+        aging_rate,
+        preemption,
+        num_cpu_blocks,
+        offload,
+        max_bypass,
+        max_waiting,
+        max_queue_time,
+        min_batch_size,
+        max_wait_ms,
+        block_bytes,
+        static,
+        overlap,
+    ) -> None:
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -148,8 +166,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def continuable(self) -> list[str]:
         h = self.h
         return sorted(
-            k for k, o in h.final.items()
-            if o.finish_reason in ("stop", "length", "abort") and h.rid_of[k] not in h.live_key
+            k
+            for k, o in h.final.items()
+            if o.finish_reason in ("stop", "length", "abort")
+            and h.rid_of[k] not in h.live_key
             and h.submissions[h.rid_of[k]] == self._turns(k)
         )
 
@@ -157,8 +177,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _turns(key: str) -> int:
         return 1 if "#" not in key else int(key.split("#")[1]) + 1
 
-    def _add(self, rid, prompt, prompt_len, max_tokens, priority, eos_offset, stop_offset, ignore_eos, new_id=True,
-             n=1):
+    def _add(
+        self, rid, prompt, prompt_len, max_tokens, priority, eos_offset, stop_offset, ignore_eos, new_id=True, n=1
+    ):
         h = self.h
         if new_id:
             self.n += 1
@@ -167,8 +188,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         stop_ids = [] if stop_offset is None else [default_token(rid, prompt_len + stop_offset)]
         waiting_before = h.scheduler.num_waiting
         out = h.add(
-            rid, prompt_len=prompt_len, max_tokens=max_tokens, prompt=prompt, priority=priority,
-            stop_token_ids=stop_ids, ignore_eos=ignore_eos, n=n,
+            rid,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            prompt=prompt,
+            priority=priority,
+            stop_token_ids=stop_ids,
+            ignore_eos=ignore_eos,
+            n=n,
         )
         cfg = self.config
         total = prompt_len + max_tokens
@@ -390,8 +417,14 @@ def _random_load(seed: int) -> dict:
             if rng.random() < 0.2:
                 h.worker.eos_at[rid] = plen + rng.randint(0, 10)
             prompt = (SYSTEM_PROMPT + [n % 900 + 1] * plen)[:plen] if rng.random() < 0.3 else None
-            h.add(rid, prompt_len=plen, max_tokens=max_tokens, prompt=prompt, priority=rng.randint(0, 3),
-                  ignore_eos=rng.random() < 0.1)
+            h.add(
+                rid,
+                prompt_len=plen,
+                max_tokens=max_tokens,
+                prompt=prompt,
+                priority=rng.randint(0, 3),
+                ignore_eos=rng.random() < 0.1,
+            )
         if n and rng.random() < 0.05:
             h.abort(f"q{rng.randrange(n)}")
         h.clock.advance(rng.choice([0.0, 0.1, 1.0]))

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from tests.scheduler.scenario_helpers import assert_alone_tokens, cfg, ids
-from tests.scheduler.scheduler_harness import EOS, Harness
 
 from conveyor.ipc.messages import AddRequest, FinishReason, SamplingParams, SchedulerStats, StepResult
 from conveyor.scheduler.scheduler import Scheduler
-
+from tests.scheduler.scenario_helpers import assert_alone_tokens, cfg, ids
+from tests.scheduler.scheduler_harness import EOS, Harness
 
 # ---------------------------------------------------------------- worker error
 

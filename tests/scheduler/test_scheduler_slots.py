@@ -11,13 +11,12 @@ invariants (free + held == total among them) after it; every scenario ends with
 from __future__ import annotations
 
 import pytest
-from tests.scheduler.scenario_helpers import assert_alone_tokens, cfg
-from tests.scheduler.scheduler_harness import EOS, Harness
 
 from conveyor.ipc.messages import MAX_SLOTS
 from conveyor.scheduler.request import RequestStatus
 from conveyor.scheduler.scheduler import Scheduler
-
+from tests.scheduler.scenario_helpers import assert_alone_tokens, cfg
+from tests.scheduler.scheduler_harness import EOS, Harness
 
 # ---------------------------------------------------------------- slots
 

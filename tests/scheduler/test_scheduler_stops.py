@@ -10,10 +10,6 @@ invariants (free + held == total among them) after it; every scenario ends with
 
 from __future__ import annotations
 
-from tests.scheduler.fake_worker import default_token
-from tests.scheduler.scenario_helpers import assert_alone_tokens, cfg, ids
-from tests.scheduler.scheduler_harness import EOS, Harness
-
 from conveyor.ipc.messages import (
     AddRequest,
     FinishReason,
@@ -25,7 +21,9 @@ from conveyor.ipc.messages import (
 from conveyor.scheduler.request import SchedulerRequest
 from conveyor.scheduler.results import stop_reason
 from conveyor.scheduler.scheduler import Scheduler
-
+from tests.scheduler.fake_worker import default_token
+from tests.scheduler.scenario_helpers import assert_alone_tokens, cfg, ids
+from tests.scheduler.scheduler_harness import EOS, Harness
 
 # ---------------------------------------------------------------- stop conditions
 
@@ -65,7 +63,10 @@ def test_decode_columns_apply_each_requests_own_stop_rules():
     own rules, and every plain token must reach the output columns in order."""
     sched = Scheduler(cfg(), eos_token_ids=[5, 9], vocab_size=None)
     script = {
-        "eos2": [1, 2, 9, 3], "ignore": [9, 5, 9, 9], "own": [3, 4, 77, 2], "own_only": [3, 5, 9, 77, 2],
+        "eos2": [1, 2, 9, 3],
+        "ignore": [9, 5, 9, 9],
+        "own": [3, 4, 77, 2],
+        "own_only": [3, 5, 9, 77, 2],
         "long": [6, 7, 8, 6, 7],
     }
     sched.add_request(AddRequest("eos2", [11, 12], SamplingParams(max_tokens=8), 0.0))
@@ -98,11 +99,19 @@ def test_decode_columns_apply_each_requests_own_stop_rules():
                 finals[o.request_id] = o
         sched.check_invariants()
     assert streamed == {
-        "eos2": [1, 2, 9], "ignore": [9, 5, 9, 9], "own": [3, 4, 77], "own_only": [3, 5, 9, 77], "long": [6, 7, 8, 6, 7],
+        "eos2": [1, 2, 9],
+        "ignore": [9, 5, 9, 9],
+        "own": [3, 4, 77],
+        "own_only": [3, 5, 9, 77],
+        "long": [6, 7, 8, 6, 7],
     }
     stop, length = FinishReason.STOP, FinishReason.LENGTH
     assert {rid: o.finish_reason for rid, o in finals.items()} == {
-        "eos2": stop, "ignore": length, "own": stop, "own_only": stop, "long": length,
+        "eos2": stop,
+        "ignore": length,
+        "own": stop,
+        "own_only": stop,
+        "long": length,
     }
 
 
@@ -125,10 +134,14 @@ def test_request_filling_max_model_len_ends_with_length():
 def test_model_length_stop_is_checked_after_max_tokens():
     # Unreachable through add_request (prompt + max_tokens <= max_model_len is enforced
     # there), so check the defensive condition on the stop check itself.
-    req = SchedulerRequest.from_message(AddRequest("r", [1] * 7, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8)
+    req = SchedulerRequest.from_message(
+        AddRequest("r", [1] * 7, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8
+    )
     req.token_ids.append(5)
     assert stop_reason(req, 5) == FinishReason.LENGTH
-    req = SchedulerRequest.from_message(AddRequest("r", [1] * 6, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8)
+    req = SchedulerRequest.from_message(
+        AddRequest("r", [1] * 6, SamplingParams(max_tokens=100), 0.0), frozenset([EOS]), 8
+    )
     req.token_ids.append(5)
     assert stop_reason(req, 5) is None
 

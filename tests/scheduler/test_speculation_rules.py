@@ -8,10 +8,9 @@ accepted in full."""
 
 from __future__ import annotations
 
-from tests.scheduler.scheduler_harness import Harness
-
 from conveyor.ipc.messages import SchedulerStats, speculation_rates
 from conveyor.runtime.config import SchedulerConfig
+from tests.scheduler.scheduler_harness import Harness
 
 PHRASE = 5  # tokens of each request's phrase
 

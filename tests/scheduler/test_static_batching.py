@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from tests.scheduler.scenario_helpers import assert_alone_tokens, ids
-from tests.scheduler.scenario_helpers import cfg as scenario_cfg
-from tests.scheduler.scheduler_harness import Harness
 
 from conveyor.ipc.messages import StepPlan
 from conveyor.runtime.config import SchedulerConfig
+from tests.scheduler.scenario_helpers import assert_alone_tokens, ids
+from tests.scheduler.scenario_helpers import cfg as scenario_cfg
+from tests.scheduler.scheduler_harness import Harness
 
 # Equal lengths: total iterations of static within this fraction of continuous batching's.
 EQUAL_LENGTHS_BOUND = 0.05
@@ -73,7 +73,10 @@ def run_to_completion(h: Harness, max_steps: int = 100_000) -> Run:
 def equal_lengths(batching: str, n: int, max_num_seqs: int, prompt_len: int, output_len: int, budget: int) -> Run:
     h = Harness(
         cfg(
-            batching=batching, num_blocks=4096, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+            batching=batching,
+            num_blocks=4096,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
             max_model_len=prompt_len + output_len,
         )
     )
@@ -208,6 +211,7 @@ def test_static_formation_over_iterations_leaves_what_earlier_members_lack():
 def test_static_batch_size_does_not_depend_on_the_token_budget():
     """The same requests with a budget of one prompt or of all of them per iteration: the
     same batches (only the chunking differs)."""
+
     def batches(budget: int) -> list[list[str]]:
         h = Harness(cfg(max_num_seqs=5, max_num_batched_tokens=budget, num_blocks=256))
         for i in range(12):

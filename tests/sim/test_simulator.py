@@ -30,7 +30,12 @@ from tests.scheduler.scheduler_harness import Harness, make_prompt
 
 # Tight on blocks and slots, so the replay preempts, chunks prompts and plans ahead.
 CONFIG = SchedulerConfig(
-    num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=128, iteration_log_size=100_000
+    num_blocks=40,
+    block_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=24,
+    max_model_len=128,
+    iteration_log_size=100_000,
 )
 COST = StepCost(0.004, {"prefill_tokens": 2e-4, "decode_seqs": 1e-3, "context_tokens": 1e-5})
 
@@ -88,7 +93,10 @@ def harness_replay(requests: list[SimRequest]) -> Harness:
             h.clock.now = origin + next_arrival
             while pending and pending[0].arrival == next_arrival:
                 r = pending.popleft()
-                assert h.add(r.request_id, prompt=r.prompt_ids, max_tokens=r.output_len, temperature=0.0, ignore_eos=True) is None
+                assert (
+                    h.add(r.request_id, prompt=r.prompt_ids, max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+                    is None
+                )
             if not h.inflight:
                 plan(next_arrival)
     h.check_idle()
@@ -165,7 +173,9 @@ def synthetic_steps(n: int, rng: np.random.Generator, experts: tuple[int, int] |
     prefill[: n // 4] //= 4  # the run's first steps small: peaks keep coming for a while
     decode = rng.integers(0, 64, n)
     classes = np.minimum(decode, rng.integers(1, 12, n))
-    shapes = np.column_stack([prefill, decode, rng.integers(0, 20000, n), np.zeros(n), prefill * rng.integers(1, 600, n), classes])
+    shapes = np.column_stack(
+        [prefill, decode, rng.integers(0, 20000, n), np.zeros(n), prefill * rng.integers(1, 600, n), classes]
+    )
     return np.column_stack([shapes, peak_tokens(shapes), expert_groups(shapes[:, 0] + shapes[:, 1], experts)])
 
 
@@ -181,7 +191,14 @@ def test_fit_recovers_known_coefficients(tmp_path):
     cost = fit(shapes, times)
     assert cost.intercept_s == pytest.approx(0.005, rel=0.02)
     assert (shapes[:, -2] > 0).sum() >= 5
-    for name in ("prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "decode_classes", "peak_tokens"):
+    for name in (
+        "prefill_tokens",
+        "decode_seqs",
+        "context_tokens",
+        "prefill_attention",
+        "decode_classes",
+        "peak_tokens",
+    ):
         assert cost.coef_s[name] == pytest.approx(TRUTH[name], rel=0.05), name
     assert cost.coef_s["copied_blocks"] == cost.coef_s["expert_groups"] == 0.0  # never varied: none invented
     # The calibrate command finds the records in a bin/bench JSON and writes the same fit.
@@ -214,13 +231,21 @@ def test_fit_is_nonnegative_ignores_spikes_and_keeps_the_total():
     assert predicted.sum() == pytest.approx(times.sum(), rel=1e-9)
     scale = times.sum() / clean.sum()
     assert cost.intercept_s == pytest.approx(0.005 * scale, rel=0.05)
-    for name, rel in (("prefill_tokens", 0.05), ("decode_seqs", 0.05), ("prefill_attention", 0.1), ("decode_classes", 0.1)):
+    for name, rel in (
+        ("prefill_tokens", 0.05),
+        ("decode_seqs", 0.05),
+        ("prefill_attention", 0.1),
+        ("decode_classes", 0.1),
+    ):
         assert cost.coef_s[name] == pytest.approx(truth[name] * scale, rel=rel), name
     assert 0.0 <= cost.coef_s["context_tokens"] < 2e-8  # 5 % of what TRUTH gives it elsewhere
     # Plain least squares on the same steps is what this replaces: the spikes bend it.
     design = np.column_stack([np.ones(len(times)), shapes[:, [0, 1, 2, 4, 5, 6]]])
     plain, *_ = np.linalg.lstsq(design, times, rcond=None)
-    assert abs(plain[1] / plain[0] - truth["prefill_tokens"] / 0.005) > 0.05 * truth["prefill_tokens"] / 0.005 or plain[3] < 0
+    assert (
+        abs(plain[1] / plain[0] - truth["prefill_tokens"] / 0.005) > 0.05 * truth["prefill_tokens"] / 0.005
+        or plain[3] < 0
+    )
 
 
 def test_nonnegative_lstsq_matches_a_brute_force_optimum():

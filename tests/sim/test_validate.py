@@ -58,12 +58,18 @@ def fake_bench(slow: dict[str, float]):
         summary = result.summary()
         run = {
             "workload": wl.describe(),
-            "settings": {"model_config": {"vocab_size": VOCAB}, "max_model_len": MAX_LEN, "batch_size": args.batch_size,
-                         "max_batched_tokens": args.max_batched_tokens},  # fmt: skip
-            "systems": {"conveyor": {
-                "runs": [{"output_tok_s": summary["output_tok_s"], "ttft_s": summary["ttft_s"]}],
-                "extra": {"step_records": {**records, "num_blocks": BLOCKS}},
-            }},  # fmt: skip
+            "settings": {
+                "model_config": {"vocab_size": VOCAB},
+                "max_model_len": MAX_LEN,
+                "batch_size": args.batch_size,
+                "max_batched_tokens": args.max_batched_tokens,
+            },  # fmt: skip
+            "systems": {
+                "conveyor": {
+                    "runs": [{"output_tok_s": summary["output_tok_s"], "ttft_s": summary["ttft_s"]}],
+                    "extra": {"step_records": {**records, "num_blocks": BLOCKS}},
+                }
+            },  # fmt: skip
         }
         json_path.write_text(json.dumps(run))
 
@@ -86,11 +92,15 @@ def test_one_command_measures_calibrates_and_passes_a_faithful_simulator(tmp_pat
         assert abs(row["cost_error"]) < 0.1 and row["steps"]["measured"] == row["steps"]["simulated"]
     # Fitted on the calibration runs alone, the model finds the true decode cost.
     coef = result["cost_model"]["coef_s"]
-    assert coef["decode_seqs"] == pytest.approx(3e-4, rel=0.15) and coef["decode_classes"] == pytest.approx(4e-4, rel=0.25)
+    assert coef["decode_seqs"] == pytest.approx(3e-4, rel=0.15) and coef["decode_classes"] == pytest.approx(
+        4e-4, rel=0.25
+    )
     table = (tmp_path / "validation.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 7 and "18 of 18 cells within 15%" in table
     assert "[10/10] high-variance-b4" in capsys.readouterr().out
-    assert set(json.loads((tmp_path / "loads.json").read_text())) == {f"{w}-b{b}" for b in (2, 4) for w in validate.WORKLOAD_ARGS}
+    assert set(json.loads((tmp_path / "loads.json").read_text())) == {
+        f"{w}-b{b}" for b in (2, 4) for w in validate.WORKLOAD_ARGS
+    }
 
 
 def test_a_cell_off_by_more_than_the_tolerance_fails_and_evaluate_refits_in_place(tmp_path):

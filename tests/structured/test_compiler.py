@@ -203,4 +203,3 @@ def test_without_the_engine_constraints_get_a_clear_error() -> None:
             raise AssertionError("no error without the engine")
         """
     )
-

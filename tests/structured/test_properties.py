@@ -23,14 +23,24 @@ WORDS = st.text(alphabet=string.ascii_letters + " -", min_size=1, max_size=6)
 # otherwise write a string until it ran out of tokens. additionalProperties is false for the
 # same reason (and because OpenAI's strict mode requires it).
 LEAF = st.one_of(
-    st.builds(lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra}, st.integers(0, 3), st.integers(0, 6)),
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span}, st.integers(-1000, 1000), st.integers(0, 5000)),
+    st.builds(
+        lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra},
+        st.integers(0, 3),
+        st.integers(0, 6),
+    ),
+    st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-1000, 1000),
+        st.integers(0, 5000),
+    ),
     st.just({"type": "boolean"}),
     st.lists(WORDS, min_size=1, max_size=4, unique=True).map(lambda xs: {"enum": xs}),
 )
 ARRAY = st.builds(
     lambda item, lo, extra: {"type": "array", "items": item, "minItems": lo, "maxItems": lo + extra},
-    LEAF, st.integers(0, 2), st.integers(0, 2),
+    LEAF,
+    st.integers(0, 2),
+    st.integers(0, 2),
 )
 
 

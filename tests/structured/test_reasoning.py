@@ -42,7 +42,9 @@ def _streamed(fmt: str, pieces: list[str]) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(("fmt", "text", "reasoning", "content"), CASES)
-def test_every_two_and_three_piece_cut_equals_the_whole(fmt: str, text: str, reasoning: str | None, content: str) -> None:
+def test_every_two_and_three_piece_cut_equals_the_whole(
+    fmt: str, text: str, reasoning: str | None, content: str
+) -> None:
     expected = (reasoning or "", content)
     for i in range(len(text) + 1):
         assert _streamed(fmt, [text[:i], text[i:]]) == expected, i

@@ -36,8 +36,18 @@ CASES = [
     ("hermes", "<tool_call>{not json}</tool_call> after", "<tool_call>{not json}</tool_call> after", []),
     ("hermes", 'cut off <tool_call>{"name": "a", "arguments": {"k": 2}}', "cut off ", [("a", {"k": 2})]),
     ("hermes", "a < b and <tool", "a < b and <tool", []),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "units": "celsius"}}', "", [("get_weather", WEATHER)]),
-    ("llama3", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"y": [1]}}', "", [("a", {}), ("b", {"y": [1]})]),
+    (
+        "llama3",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "units": "celsius"}}',
+        "",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"y": [1]}}',
+        "",
+        [("a", {}), ("b", {"y": [1]})],
+    ),
     ("llama3", "The answer is 4.", "The answer is 4.", []),
     ("llama3", '{"not": "a call"}', '{"not": "a call"}', []),
 ]
@@ -75,13 +85,33 @@ def test_content_is_released_before_the_call_ends() -> None:
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "units": {"enum": ["c", "f"]}},
-        "required": ["city", "units"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                          "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}, "units": {"enum": ["c", "f"]}},
+                "required": ["city", "units"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 

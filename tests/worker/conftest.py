@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams
+from conveyor.worker.model_runner import ModelRunner
 from tests.checkpoints import CHECKPOINTS, make_checkpoint
 from tests.plans import CachedRow, plan
-from conveyor.worker.model_runner import ModelRunner
 
 torch.set_num_threads(2)
 

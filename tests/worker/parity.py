@@ -50,8 +50,9 @@ def assert_greedy_agrees(
     is within that margin of HF's top logit, and only after at least ``min_compared`` tokens.
     """
     if len(ours) != len(reference) or reference_logits.shape[0] != len(reference):
-        raise AssertionError(f"{label}: {len(ours)} tokens of ours, {len(reference)} of HF's, "
-                             f"{reference_logits.shape[0]} logit rows")
+        raise AssertionError(
+            f"{label}: {len(ours)} tokens of ours, {len(reference)} of HF's, {reference_logits.shape[0]} logit rows"
+        )
     resolution = RELATIVE_RESOLUTION[dtype]
     logits = reference_logits.detach().to(device="cpu", dtype=torch.float32)
     for step, (got, want) in enumerate(zip(ours, reference)):
@@ -70,8 +71,10 @@ def assert_greedy_agrees(
                 f"HF {list(reference)}"
             )
         if step < min_compared:
-            raise AssertionError(f"{where} at a tie, but only {step} tokens agreed before it (at least "
-                                 f"{min_compared} must, or the run tested nothing): pick other prompts")
+            raise AssertionError(
+                f"{where} at a tie, but only {step} tokens agreed before it (at least "
+                f"{min_compared} must, or the run tested nothing): pick other prompts"
+            )
         return step
     return len(reference)
 
@@ -85,10 +88,16 @@ def hf_greedy_with_logits(
     with torch.no_grad():
         ids = torch.tensor([list(prompt)], device=device)
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
-            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 
 def parity_scripts(script: Callable[..., Any], vocab: int, *, preempted: bool = False) -> list[Any]:
@@ -116,5 +125,6 @@ def assert_scripts_agree(
     divergence at one of HF's own near-ties, after at least two agreeing tokens."""
     for s in scripts:
         reference, logits = hf_greedy_with_logits(hf, s.prompt, s.max_new)
-        assert_greedy_agrees(outputs[s.request_id], reference, logits, dtype, min_compared=2,
-                             label=f"{label} {s.request_id}")
+        assert_greedy_agrees(
+            outputs[s.request_id], reference, logits, dtype, min_compared=2, label=f"{label} {s.request_id}"
+        )

@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor_tools.kernels.testing import assert_attention_close
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.attention import torch_batched
 from conveyor.worker.attention.backend import AttentionLayer, AttentionMetadata, token_positions
 from conveyor.worker.attention.torch_batched import TorchBatchedAttention
 from conveyor.worker.attention.torch_ref import TorchReferenceAttention
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.models.layers import RotaryEmbedding
-from conveyor.runtime.config import RunnerConfig
+from conveyor_tools.kernels.testing import assert_attention_close
 
 HEAD_DIM = 8
 # (context_len, query_len): decode after 1 token, pure prefill, non-multiples, long chunk.

@@ -30,9 +30,21 @@ from tests.worker.conftest import rewrite_config
 
 #: Tensor methods and functions that wait for the device or build a tensor from host data.
 HOST_SYNCS = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-    torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
-    torch.Tensor.masked_select, torch.masked_select, torch.Tensor.unique, torch.unique, torch.tensor,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+    torch.Tensor.masked_select,
+    torch.masked_select,
+    torch.Tensor.unique,
+    torch.unique,
+    torch.tensor,
     torch.as_tensor,
 }
 
@@ -92,9 +104,16 @@ def no_host_sync(monkeypatch: pytest.MonkeyPatch) -> Iterator[NoHostSync]:
 def test_the_guard_catches_host_syncs(monkeypatch):
     """The check fails the code it is meant to fail (else the test below proves nothing)."""
     x = torch.arange(4)
-    for bad in (lambda: x.sum().item(), lambda: x.tolist(), lambda: bool(x[0]), lambda: x[x > 1],
-                lambda: x.nonzero(), lambda: torch.tensor([1]), lambda: torch.from_numpy(x.numpy()),
-                lambda: range(x[1])):
+    for bad in (
+        lambda: x.sum().item(),
+        lambda: x.tolist(),
+        lambda: bool(x[0]),
+        lambda: x[x > 1],
+        lambda: x.nonzero(),
+        lambda: torch.tensor([1]),
+        lambda: torch.from_numpy(x.numpy()),
+        lambda: range(x[1]),
+    ):
         with pytest.raises(HostSyncError), no_host_sync(monkeypatch):
             bad()
     with no_host_sync(monkeypatch):
@@ -102,7 +121,8 @@ def test_the_guard_catches_host_syncs(monkeypatch):
 
 
 @pytest.mark.skipif(
-    torch.cuda.is_available(), reason="interpreted kernels on CPU tensors; a GPU captures for real (test_cuda_graphs.py)"
+    torch.cuda.is_available(),
+    reason="interpreted kernels on CPU tensors; a GPU captures for real (test_cuda_graphs.py)",
 )
 @pytest.mark.parametrize("name,split", [("qwen3", True), ("mistral_window", False), ("qwen3_moe", True)])
 def test_captured_decode_forward_never_needs_the_host(name, split, checkpoint_factory, tmp_path, monkeypatch):
@@ -117,14 +137,23 @@ def test_captured_decode_forward_never_needs_the_host(name, split, checkpoint_fa
     monkeypatch.setattr(layer_ops, "_use_triton", lambda x: True)
     runner = ModelRunner(
         RunnerConfig(
-            str(directory), block_size=16, num_blocks=128, max_num_seqs=2, attention="triton", pad_decode=True,
+            str(directory),
+            block_size=16,
+            num_blocks=128,
+            max_num_seqs=2,
+            attention="triton",
+            pad_decode=True,
             num_speculative_tokens=2,
         )
     )
     assert runner.decode.context_bounds == [512, 2048]
     graphs = DecodeGraphs(
-        runner.decode.forward, runner.decode.buffers, [1 + w for w in runner.decode.verify_widths], runner.decode.context_bounds,
-        runner.block_size, lambda rows, q, bound: bound,
+        runner.decode.forward,
+        runner.decode.buffers,
+        [1 + w for w in runner.decode.verify_widths],
+        runner.decode.context_bounds,
+        runner.block_size,
+        lambda rows, q, bound: bound,
     )
     split_k = []
     real_plan = paged_decode.plan_decode_partitions

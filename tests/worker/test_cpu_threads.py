@@ -9,7 +9,9 @@ import pytest
 from conveyor.worker import cpu_threads
 
 
-@pytest.mark.parametrize(("cores", "ranks", "expected"), [(2, 1, 1), (16, 1, 15), (17, 4, 4), (2, 4, 1), (1, 1, 1), (8, 2, 3)])
+@pytest.mark.parametrize(
+    ("cores", "ranks", "expected"), [(2, 1, 1), (16, 1, 15), (17, 4, 4), (2, 4, 1), (1, 1, 1), (8, 2, 3)]
+)
 def test_threads_are_the_usable_cores_but_one_shared_by_the_ranks(monkeypatch, cores, ranks, expected) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert cpu_threads.worker_threads(None, ranks) == expected

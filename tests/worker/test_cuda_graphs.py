@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conveyor.ipc.messages import SamplingParams
-from conveyor.worker.model_runner import ModelRunner
 from conveyor.runtime.config import RunnerConfig
+from conveyor.worker.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,21 +29,32 @@ def test_graph_tokens_equal_eager_tokens(name, dtype, checkpoint_factory, script
     for eager in (True, False):
         runner = ModelRunner(
             RunnerConfig(
-                directory, device="cuda", dtype=dtype, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=8,
-                enforce_eager=eager, pad_decode=True,  # the same buckets: the same kernels, replayed or not
+                directory,
+                device="cuda",
+                dtype=dtype,
+                block_size=BLOCK_SIZE,
+                num_blocks=64,
+                max_num_seqs=8,
+                enforce_eager=eager,
+                pad_decode=True,  # the same buckets: the same kernels, replayed or not
             ),
         )
         assert (runner.decode.graphs is None) == eager
         if not eager:
             assert len(runner.decode.graphs) > 0
         vocab = runner.model_config.vocab_size
-        prompts = [torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1, 17, 40, 5, 9)]
+        prompts = [
+            torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            for n in (1, 17, 40, 5, 9)
+        ]
         scripts = [
             script("one-token", prompts[0], max_new=10),
             script("chunked", prompts[1], max_new=9, join=0, chunk=7),
             script("long", prompts[2], max_new=8, join=1),
             script("preempted", prompts[3], max_new=10, join=2, preempt_after=3),
-            script("seeded", prompts[4], max_new=8, join=1, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=3)),
+            script(
+                "seeded", prompts[4], max_new=8, join=1, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+            ),
         ]
         outputs[eager] = scripted(runner, scripts).run()
     assert outputs[False] == outputs[True]
@@ -66,15 +77,25 @@ def test_graph_tokens_equal_eager_tokens_at_long_contexts(lengths, checkpoint_fa
     for eager in (True, False):
         runner = ModelRunner(
             RunnerConfig(
-                directory, device="cuda", dtype="bfloat16", block_size=BLOCK_SIZE, num_blocks=256, max_num_seqs=2,
-                enforce_eager=eager, pad_decode=True,
+                directory,
+                device="cuda",
+                dtype="bfloat16",
+                block_size=BLOCK_SIZE,
+                num_blocks=256,
+                max_num_seqs=2,
+                enforce_eager=eager,
+                pad_decode=True,
             ),
         )
         assert runner.model_config.max_position_embeddings == 2048 and (runner.decode.graphs is None) == eager
         vocab = runner.model_config.vocab_size
         scripts = [
-            script(f"r{n}", torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
-                   max_new=24, join=i)
+            script(
+                f"r{n}",
+                torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+                max_new=24,
+                join=i,
+            )
             for i, n in enumerate(lengths)
         ]
         outputs[eager] = scripted(runner, scripts).run()

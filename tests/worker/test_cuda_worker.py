@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.worker.model_runner import ModelRunner
-
 from conveyor.runtime.config import RunnerConfig
+from conveyor.worker.model_runner import ModelRunner
 from tests.worker.parity import assert_scripts_agree, parity_scripts
 
 pytestmark = [

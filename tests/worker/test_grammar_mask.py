@@ -19,7 +19,9 @@ def _reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> 
     return out
 
 
-@pytest.mark.parametrize(("batch", "vocab", "words", "rows"), [(4, 100, 4, [1, 3]), (3, 70, 2, [0, 1, 2]), (5, 64, 2, [])])
+@pytest.mark.parametrize(
+    ("batch", "vocab", "words", "rows"), [(4, 100, 4, [1, 3]), (3, 70, 2, [0, 1, 2]), (5, 64, 2, [])]
+)
 def test_masks_only_the_constrained_rows(batch, vocab, words, rows) -> None:
     """vocab 70 over 2 words: tokens 64..69 lie past the mask and are never allowed."""
     gen = torch.Generator().manual_seed(batch * vocab)

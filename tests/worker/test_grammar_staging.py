@@ -58,7 +58,9 @@ class DeviceCalls(TorchFunctionMode):
             self.pinned.add(args[0].data_ptr())
             FakeEvent.log.append("pin")
             return args[0]
-        if func is torch.Tensor.to and (args[1:] and str(args[1]).startswith("cuda") or "cuda" in str(kwargs.get("device"))):
+        if func is torch.Tensor.to and (
+            args[1:] and str(args[1]).startswith("cuda") or "cuda" in str(kwargs.get("device"))
+        ):
             source = args[0]
             self.copies.append((source.data_ptr(), source.data_ptr() in self.pinned, bool(kwargs.get("non_blocking"))))
             FakeEvent.log.append("copy")
@@ -83,8 +85,18 @@ def test_cuda_stages_through_two_pinned_buffers_uploaded_non_blocking(monkeypatc
     assert calls.copies == [(p, True, True) for p in ptrs]  # every copy from pinned memory, non_blocking
     assert [int(mask[0, 0]) for _, mask in uploads] == [0, 1, 2, 3]
     # Each buffer's event is recorded after its copy and waited on before it is written again.
-    assert FakeEvent.log[4:] == ["copy", "record event0", "copy", "record event1",
-                                 "wait event0", "copy", "record event0", "wait event1", "copy", "record event1"]
+    assert FakeEvent.log[4:] == [
+        "copy",
+        "record event0",
+        "copy",
+        "record event1",
+        "wait event0",
+        "copy",
+        "record event0",
+        "wait event1",
+        "copy",
+        "record event1",
+    ]
 
 
 @pytest.mark.gpu

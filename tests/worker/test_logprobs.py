@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams, StepLogprobs
-from conveyor.worker.model_runner import ModelRunner
 from conveyor.runtime.config import RunnerConfig
+from conveyor.worker.model_runner import ModelRunner
 from tests.plans import CachedRow, plan
 
 
@@ -57,7 +57,12 @@ def test_logprobs_match_hf_through_chunked_prefill_and_decode(checkpoint_factory
     directory, model = checkpoint_factory("llama")
     runner = ModelRunner(
         RunnerConfig(
-            directory, device=device, dtype="float32", block_size=4, num_blocks=32, max_num_seqs=8,
+            directory,
+            device=device,
+            dtype="float32",
+            block_size=4,
+            num_blocks=32,
+            max_num_seqs=8,
         ),
     )
     tol = 1e-4 if device == "cpu" else 1e-3
@@ -68,15 +73,22 @@ def test_logprobs_match_hf_through_chunked_prefill_and_decode(checkpoint_factory
     # a: 9-token prompt in chunks of 4 and 5, with b (no logprobs) in the same steps.
     results = [
         runner.execute(
-            plan(0, [NewRequestData("a", 0, prompt, asks, [0, 1, 2], 0, 4, len(prompt)),
-                     NewRequestData("b", 1, other, quiet, [3, 5], 0, 3, len(other))])
+            plan(
+                0,
+                [
+                    NewRequestData("a", 0, prompt, asks, [0, 1, 2], 0, 4, len(prompt)),
+                    NewRequestData("b", 1, other, quiet, [3, 5], 0, 3, len(other)),
+                ],
+            )
         )
     ]
     results.append(runner.execute(plan(1, cached=[CachedRow(0, [], 4, 5), CachedRow(1, [], 3, 1)])))
     for step in range(2, 6):  # decodes: the static step
         n = len(prompt) + step - 2
         results.append(
-            runner.execute(plan(step, cached=[CachedRow(0, [4] if n == 12 else [], n, 1), CachedRow(1, [], 2 + step, 1)]))
+            runner.execute(
+                plan(step, cached=[CachedRow(0, [4] if n == 12 else [], n, 1), CachedRow(1, [], 2 + step, 1)])
+            )
         )
     assert all(r.error is None for r in results)
     sampled = [tok for r in results for slot, tok in zip(r.slots, r.sampled_token_ids) if slot == 0]
@@ -92,7 +104,10 @@ def test_logprobs_match_hf_through_chunked_prefill_and_decode(checkpoint_factory
     assert (start2, len(chosen2)) == (5, 4)
     assert all(r.prompt_logprobs is None for r in results[2:])
     for index, value, row_ids, row_top in zip(
-        range(1, len(prompt)), np.concatenate([chosen, chosen2]), np.concatenate([ids, ids2]), np.concatenate([top, top2])
+        range(1, len(prompt)),
+        np.concatenate([chosen, chosen2]),
+        np.concatenate([ids, ids2]),
+        np.concatenate([top, top2]),
     ):
         check_row(reference[index - 1], prompt[index], float(value), row_ids, row_top, 3, tol)
 
@@ -114,7 +129,10 @@ def test_a_step_nobody_asks_computes_none(llama_dir):
     second = runner.execute(plan(1, cached=[CachedRow(0, [], 3, 1)]))
     assert first.logprobs is None and first.prompt_logprobs is None and second.logprobs is None
     # A k of 0 asks for the sampled token's alone.
-    runner.execute(plan(2, [NewRequestData("z", 2, [4, 5], SamplingParams(temperature=0.0, logprobs=0), [1], 0, 2, 2)],
-                        finished=[0]))
+    runner.execute(
+        plan(
+            2, [NewRequestData("z", 2, [4, 5], SamplingParams(temperature=0.0, logprobs=0), [1], 0, 2, 2)], finished=[0]
+        )
+    )
     third = runner.execute(plan(3, cached=[CachedRow(2, [], 2, 1)]))
     assert third.logprobs.width == 0 and len(np.frombuffer(third.logprobs.token_logprobs, "<f4")) == 1

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.lora import LoraLoadError
 from conveyor.worker.lora_delta import LoraContext, LoraStack, build_batch
 from conveyor.worker.model_runner import ModelRunner
-from conveyor.runtime.config import RunnerConfig
 from tests.lora_adapters import make_adapter
 from tests.worker.parity import hf_greedy_with_logits
 
@@ -39,8 +39,10 @@ def adapters_of(tmp_path_factory, checkpoint_factory):
             made = {}
             for i, (rank, alpha, targets, rslora) in enumerate(ADAPTERS):
                 target = tmp_path_factory.mktemp(f"{family}-lora{i}")
-                made[f"a{i}"] = (target, make_adapter(hf, target, seed=i, rank=rank, alpha=alpha,
-                                                      targets=targets, rslora=rslora))
+                made[f"a{i}"] = (
+                    target,
+                    make_adapter(hf, target, seed=i, rank=rank, alpha=alpha, targets=targets, rslora=rslora),
+                )
             built[family] = (directory, hf, made)
         return built[family]
 
@@ -52,7 +54,12 @@ def test_adapters_and_base_in_one_batch_match_peft(family, adapters_of, scripted
     directory, hf, adapters = adapters_of(family)
     runner = ModelRunner(
         RunnerConfig(
-            directory, block_size=4, num_blocks=96, enable_lora=True, max_loras=4, max_lora_rank=16,
+            directory,
+            block_size=4,
+            num_blocks=96,
+            enable_lora=True,
+            max_loras=4,
+            max_lora_rank=16,
             lora_modules=tuple((name, str(path)) for name, (path, _) in adapters.items()),
         ),
     )
@@ -60,8 +67,15 @@ def test_adapters_and_base_in_one_batch_match_peft(family, adapters_of, scripted
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=generator).tolist() for n in (9, 17, 5, 23, 12)]
     names = [None, "a0", "a1", "a2", "a3"]
     scripts = [
-        script(f"r{i}-{name}", prompts[i], max_new=7, chunk=6 if i % 2 else None, join=i % 3, lora=name,
-               preempt_after=3 if i in (1, 4) else None)
+        script(
+            f"r{i}-{name}",
+            prompts[i],
+            max_new=7,
+            chunk=6 if i % 2 else None,
+            join=i % 3,
+            lora=name,
+            preempt_after=3 if i in (1, 4) else None,
+        )
         for i, name in enumerate(names)
     ]
     # the same prompt under the base and an adapter: its rows must not mix
@@ -88,7 +102,12 @@ def test_triton_backend_in_the_model_matches_peft(adapters_of, scripted, script,
     names = ["a1", "a2"]  # subsets of targets: zero blocks in the fused stacks
     runner = ModelRunner(
         RunnerConfig(
-            directory, block_size=4, num_blocks=32, enable_lora=True, max_loras=2, max_lora_rank=16,
+            directory,
+            block_size=4,
+            num_blocks=32,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=16,
             lora_modules=tuple((name, str(adapters[name][0])) for name in names),
         ),
     )
@@ -118,8 +137,14 @@ def test_slots_evicted_lru_and_host_copies_spilled(adapters_of, scripted, script
     directory, hf, adapters = adapters_of("llama")
     runner = ModelRunner(
         RunnerConfig(
-            directory, block_size=4, num_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=16,
-            max_cpu_loras=2, lora_modules=tuple((name, str(path)) for name, (path, _) in adapters.items()),
+            directory,
+            block_size=4,
+            num_blocks=64,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=16,
+            max_cpu_loras=2,
+            lora_modules=tuple((name, str(path)) for name, (path, _) in adapters.items()),
         ),
     )
     prompt = list(range(3, 14))
@@ -138,8 +163,9 @@ def test_an_adapter_is_read_once_and_served_after_its_directory_is_gone(adapters
     removes that file."""
     directory, hf, adapters = adapters_of("llama")
     runner = ModelRunner(
-        RunnerConfig(directory, block_size=4, num_blocks=64, enable_lora=True, max_loras=1, max_lora_rank=16,
-                     max_cpu_loras=1),
+        RunnerConfig(
+            directory, block_size=4, num_blocks=64, enable_lora=True, max_loras=1, max_lora_rank=16, max_cpu_loras=1
+        ),
     )
     names = ("a1", "a2")
     for name in names:
@@ -189,19 +215,27 @@ def _copy_adapter(src, dst, edit=None):
     return dst
 
 
-def test_load_errors_are_clear_and_leave_the_runner_serving(adapters_of, checkpoint_factory, tmp_path, scripted,
-                                                             script):
+def test_load_errors_are_clear_and_leave_the_runner_serving(
+    adapters_of, checkpoint_factory, tmp_path, scripted, script
+):
     directory, hf, adapters = adapters_of("llama")
     good = adapters["a0"][0]
     runner = ModelRunner(
         RunnerConfig(
-            directory, block_size=4, num_blocks=32, enable_lora=True, max_loras=2, max_lora_rank=8,
+            directory,
+            block_size=4,
+            num_blocks=32,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=8,
         ),
     )
     cases = {
         "rank": (adapters["a1"][0], "rank 16 is over --max-lora-rank 8"),
-        "target": (_copy_adapter(good, tmp_path / "t", lambda c: c.update(target_modules=["q_proj", "lm_head"])),
-                   "lm_head the model lacks"),
+        "target": (
+            _copy_adapter(good, tmp_path / "t", lambda c: c.update(target_modules=["q_proj", "lm_head"])),
+            "lm_head the model lacks",
+        ),
         "base": (adapters_of("qwen3")[2]["a0"][0], "another base model"),
         "missing": (tmp_path / "nowhere", "missing file"),
     }
@@ -226,14 +260,24 @@ def test_cuda_adapters_match_peft(dtype, adapters_of, scripted, script):
     directory, hf, adapters = adapters_of("llama")
     runner = ModelRunner(
         RunnerConfig(
-            directory, device="cuda", dtype=dtype, block_size=16, num_blocks=64, enable_lora=True, max_loras=4,
-            max_lora_rank=16, lora_modules=tuple((name, str(path)) for name, (path, _) in adapters.items()),
+            directory,
+            device="cuda",
+            dtype=dtype,
+            block_size=16,
+            num_blocks=64,
+            enable_lora=True,
+            max_loras=4,
+            max_lora_rank=16,
+            lora_modules=tuple((name, str(path)) for name, (path, _) in adapters.items()),
         ),
     )
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=generator).tolist() for n in (6, 19, 11)]
-    scripts = [script(f"r{i}-{lora}", prompt, max_new=8, lora=lora, chunk=7 if i == 1 else None)
-               for i, prompt in enumerate(prompts) for lora in (None, "a0", "a3")]
+    scripts = [
+        script(f"r{i}-{lora}", prompt, max_new=8, lora=lora, chunk=7 if i == 1 else None)
+        for i, prompt in enumerate(prompts)
+        for lora in (None, "a0", "a3")
+    ]
     outputs = scripted(runner, scripts).run()
     for s in scripts:
         reference = hf if s.lora is None else adapters[s.lora][1]
@@ -250,7 +294,10 @@ def test_a_plan_naming_an_unknown_adapter_is_refused_unchanged(adapters_of):
     directory, _, adapters = adapters_of("llama")
     runner = ModelRunner(
         RunnerConfig(
-            directory, block_size=4, num_blocks=16, lora_modules=(("a0", str(adapters["a0"][0])),),
+            directory,
+            block_size=4,
+            num_blocks=16,
+            lora_modules=(("a0", str(adapters["a0"][0])),),
         ),
     )
     greedy = SamplingParams(temperature=0.0)

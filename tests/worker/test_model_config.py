@@ -128,7 +128,14 @@ def test_gemma3_configs_of_both_generations():
     """transformers v5 writes rope_parameters per layer type; older configs rope_theta,
     rope_local_base_freq and a rope_scaling of the global layers. Without layer_types every
     sliding_window_pattern-th layer is global (default 6)."""
-    old = parse({**GEMMA3, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    old = parse(
+        {
+            **GEMMA3,
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        }
+    )
     new = parse({**GEMMA3, "rope_parameters": {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
@@ -137,7 +144,11 @@ def test_gemma3_configs_of_both_generations():
     assert old.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
     assert old.layer_rope(0) == (1e4, None) and old.layer_rope(5) == (1e6, {"rope_type": "linear", "factor": 8.0})
     assert [old.layer_sliding_window(i) for i in (4, 5)] == [512, None]
-    assert parse({**GEMMA3, "sliding_window_pattern": 2}).layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
+    assert parse({**GEMMA3, "sliding_window_pattern": 2}).layer_types[:3] == (
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+    )
     assert old.hf_config["hidden_activation"] == "gelu_pytorch_tanh"
     assert old.tie_word_embeddings and not parse({**GEMMA3, "tie_word_embeddings": False}).tie_word_embeddings
     llama = parse({})
@@ -148,8 +159,14 @@ def test_gemma3_configs_of_both_generations():
     "overrides,message",
     [
         ({**GEMMA3, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
-        ({**GEMMA3, "hidden_activation": "gelu"}, "unsupported hidden_act 'gelu': Gemma3ForCausalLM is implemented with gelu_pytorch_tanh"),
-        ({"hidden_act": "gelu_pytorch_tanh"}, "unsupported hidden_act 'gelu_pytorch_tanh': LlamaForCausalLM is implemented with silu"),
+        (
+            {**GEMMA3, "hidden_activation": "gelu"},
+            "unsupported hidden_act 'gelu': Gemma3ForCausalLM is implemented with gelu_pytorch_tanh",
+        ),
+        (
+            {"hidden_act": "gelu_pytorch_tanh"},
+            "unsupported hidden_act 'gelu_pytorch_tanh': LlamaForCausalLM is implemented with silu",
+        ),
         ({**GEMMA3, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({**GEMMA3, "sliding_window": None}, "sliding_window is not set"),
         ({"architectures": ["Gemma3ForConditionalGeneration"]}, "supported: .*Gemma3ForCausalLM"),

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams
-from tests.plans import CachedRow, plan
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.model_runner import ModelRunner
-from conveyor.runtime.config import RunnerConfig
+from tests.plans import CachedRow, plan
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -72,7 +72,10 @@ def test_slot_is_reused_in_the_plan_that_drops_it(runner, llama_dir):
     alone = ModelRunner(RunnerConfig(llama_dir, block_size=4, num_blocks=16))
     first = alone.execute(plan(0, [new("c", 5, [1, 2, 3], [2])]))
     second = alone.execute(plan(1, cached=[CachedRow(5, [], 3, 1)]))
-    assert [step1.sampled_token_ids[0], step2.sampled_token_ids[2]] == first.sampled_token_ids + second.sampled_token_ids
+    assert [
+        step1.sampled_token_ids[0],
+        step2.sampled_token_ids[2],
+    ] == first.sampled_token_ids + second.sampled_token_ids
 
 
 @pytest.mark.parametrize(
@@ -173,11 +176,16 @@ def test_seeded_sampling_survives_batching_and_preemption(llama_dir, scripted, s
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
     prompt = [17, 4, 99, 250, 3, 8, 61]
 
-    alone = scripted(ModelRunner(
-        RunnerConfig(
-            llama_dir, block_size=4, num_blocks=32,
+    alone = scripted(
+        ModelRunner(
+            RunnerConfig(
+                llama_dir,
+                block_size=4,
+                num_blocks=32,
+            ),
         ),
-    ), [script("s", prompt, 6, sampling=seeded)])
+        [script("s", prompt, 6, sampling=seeded)],
+    )
     reference = alone.run()["s"]
 
     mates = [

@@ -17,12 +17,12 @@ import torch
 import torch.multiprocessing as mp
 
 from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.kernels import layer_ops
 from conveyor.runtime.tensor_shards import check_shardable
+from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 from conveyor.worker.models.moe import SparseMoe
 from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel, close_tensor_parallel, init_tensor_parallel
-from conveyor.kernels import layer_ops
-from conveyor.worker.kv_cache import KVCacheShape
 from tests.worker.test_generation import hf_greedy
 from tests.worker.test_model import BLOCK_SIZE, forward_logits
 from tests.worker.test_tensor_parallel import generate, scripts, swap_and_share
@@ -53,7 +53,10 @@ def test_fused_kernels_in_the_model_match_transformers(name, checkpoint_factory,
 def test_each_rank_loads_exactly_its_experts(name, expert_parallel, checkpoint_factory):
     directory, _ = checkpoint_factory(name)
     whole, config = load_model(directory)
-    shards = [load_model(directory, tensor_parallel=TensorParallel(r, 2, expert_parallel=expert_parallel))[0] for r in range(2)]
+    shards = [
+        load_model(directory, tensor_parallel=TensorParallel(r, 2, expert_parallel=expert_parallel))[0]
+        for r in range(2)
+    ]
     experts, width = config.moe.num_experts, config.moe.intermediate_size
     for i, layer in enumerate(whole.layers):
         if not isinstance(layer.mlp, SparseMoe):
@@ -78,7 +81,9 @@ def test_experts_that_cannot_be_split_are_refused(checkpoint_factory):
     odd = dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=6, intermediate_size=42))
     with pytest.raises(ValueError, match="--model x: num_experts 6 does not divide by the tensor-parallel size 4"):
         check_shardable(odd, 4, "--model x", expert_parallel=True)
-    with pytest.raises(ValueError, match="--model x: moe intermediate_size 42 does not divide by the tensor-parallel size 4"):
+    with pytest.raises(
+        ValueError, match="--model x: moe intermediate_size 42 does not divide by the tensor-parallel size 4"
+    ):
         check_shardable(odd, 4, "--model x")
     check_shardable(config, 4, "--model x", expert_parallel=True)
     check_shardable(config, 4, "--model x")

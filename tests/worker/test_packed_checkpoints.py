@@ -74,7 +74,8 @@ def write_packed(hf: torch.nn.Module, directory, method: str) -> torch.nn.Module
     config = hf.config.to_dict()
     config["quantization_config"] = (
         {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": False, "desc_act": False}
-        if method == "gptq" else {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
+        if method == "gptq"
+        else {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
     )  # fmt: skip
     (directory / "config.json").write_text(json.dumps(config))
     with torch.no_grad():
@@ -84,7 +85,9 @@ def write_packed(hf: torch.nn.Module, directory, method: str) -> torch.nn.Module
 
 
 @pytest.mark.parametrize(("method", "family"), [("gptq", "llama"), ("awq", "qwen2_tied")])
-def test_a_packed_int4_checkpoint_is_served_quantized(method, family, checkpoint_factory, scripted, script, tmp_path) -> None:
+def test_a_packed_int4_checkpoint_is_served_quantized(
+    method, family, checkpoint_factory, scripted, script, tmp_path
+) -> None:
     _, hf = checkpoint_factory(family)
     reference = write_packed(hf, tmp_path / method, method)
     runner = ModelRunner(RunnerConfig(str(tmp_path / method), block_size=4, num_blocks=48))
@@ -93,7 +96,9 @@ def test_a_packed_int4_checkpoint_is_served_quantized(method, family, checkpoint
     assert_matches(runner, reference, prompts_for(hf.config.vocab_size), scripted, script)
 
 
-def test_a_packed_checkpoint_dequantizes_by_its_definition_under_quantization_none(checkpoint_factory, tmp_path) -> None:
+def test_a_packed_checkpoint_dequantizes_by_its_definition_under_quantization_none(
+    checkpoint_factory, tmp_path
+) -> None:
     from conveyor.worker.loader import load_model
 
     _, hf = checkpoint_factory("llama")
@@ -103,7 +108,9 @@ def test_a_packed_checkpoint_dequantizes_by_its_definition_under_quantization_no
     torch.testing.assert_close(got, reference.model.layers[1].mlp.down_proj.weight, atol=1e-6, rtol=1e-6)
     rows = reference.model.layers[1].self_attn.k_proj.weight.shape[0]
     q = reference.model.layers[1].self_attn.q_proj.weight.shape[0]
-    torch.testing.assert_close(model.layers[1].self_attn.qkv_proj.weight[q : q + rows], reference.model.layers[1].self_attn.k_proj.weight)
+    torch.testing.assert_close(
+        model.layers[1].self_attn.qkv_proj.weight[q : q + rows], reference.model.layers[1].self_attn.k_proj.weight
+    )
 
 
 def test_an_unknown_quantization_method_is_refused_by_name(checkpoint_factory, tmp_path) -> None:
@@ -141,7 +148,10 @@ def compressed_weight(w: torch.Tensor, scheme: str) -> tuple[dict[str, torch.Ten
 
 
 SCHEMES = {  # scheme -> (format, weights args)
-    "w4a16": ("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}),
+    "w4a16": (
+        "pack-quantized",
+        {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP},
+    ),
     "w8a16": ("int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}),
     "fp8-tensor": ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}),
     "fp8-channel": ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}),
@@ -173,8 +183,13 @@ def write_compressed(hf: torch.nn.Module, directory, scheme: str) -> torch.nn.Mo
     return reference.eval()
 
 
-@pytest.mark.parametrize(("scheme", "method"), [("w4a16", "Int4Weights"), ("w8a16", "Int8Weights"), ("fp8-tensor", "Fp8Weights"), ("fp8-channel", "Fp8Weights")])
-def test_a_compressed_tensors_checkpoint_is_served_quantized(scheme, method, checkpoint_factory, scripted, script, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("scheme", "method"),
+    [("w4a16", "Int4Weights"), ("w8a16", "Int8Weights"), ("fp8-tensor", "Fp8Weights"), ("fp8-channel", "Fp8Weights")],
+)
+def test_a_compressed_tensors_checkpoint_is_served_quantized(
+    scheme, method, checkpoint_factory, scripted, script, tmp_path
+) -> None:
     _, hf = checkpoint_factory("llama")
     reference = write_compressed(hf, tmp_path / scheme, scheme)
     runner = ModelRunner(RunnerConfig(str(tmp_path / scheme), block_size=4, num_blocks=48))

@@ -106,12 +106,26 @@ def test_each_method_multiplies_by_its_dequantized_weight(method, rows) -> None:
     else:
         group = 64 if method.endswith("g64") else (32 if method.startswith("int4") else k)
         bits = 8 if method == "int8" else 4
-        codes = torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8) if bits == 8 else torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8)
+        codes = (
+            torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8)
+            if bits == 8
+            else torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8)
+        )
         scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.005
-        offsets = None if bits == 8 else (-8 * scales if "sym" in method and "asym" not in method else torch.randn(n, k // group, generator=gen) * 0.1)
+        offsets = (
+            None
+            if bits == 8
+            else (
+                -8 * scales
+                if "sym" in method and "asym" not in method
+                else torch.randn(n, k // group, generator=gen) * 0.1
+            )
+        )
         q = QuantizedTensor(codes, scales, offsets, bits, group)
         layer = (Int8Weights if bits == 8 else Int4Weights)(q, "cpu")
-        weight = codes.float() * scales.repeat_interleave(group, 1) + (0 if offsets is None else offsets.repeat_interleave(group, 1))
+        weight = codes.float() * scales.repeat_interleave(group, 1) + (
+            0 if offsets is None else offsets.repeat_interleave(group, 1)
+        )
         tolerance = 0.02  # int8 activations per token / bfloat16 activations and scales
     want = x @ weight.t() + bias
     got = layer.apply(x, bias)
@@ -124,7 +138,9 @@ def test_each_method_multiplies_by_its_dequantized_weight(method, rows) -> None:
 
 
 def greedy(runner: ModelRunner, scripted, script, prompts, max_new: int, lora=None) -> dict[str, list[int]]:
-    scripts = [script(f"r{i}", p, max_new=max_new, chunk=5 if i % 2 else None, lora=lora) for i, p in enumerate(prompts)]
+    scripts = [
+        script(f"r{i}", p, max_new=max_new, chunk=5 if i % 2 else None, lora=lora) for i, p in enumerate(prompts)
+    ]
     return scripted(runner, scripts).run()
 
 
@@ -140,11 +156,19 @@ def prompts_for(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (7, 12, 4)]
 
 
-RULES = {"int8": (int8_by_definition, Int8Weights), "int4": (int4_by_definition, Int4Weights), "fp8": (fp8_by_definition, Fp8Weights)}
+RULES = {
+    "int8": (int8_by_definition, Int8Weights),
+    "int4": (int4_by_definition, Int4Weights),
+    "fp8": (fp8_by_definition, Fp8Weights),
+}
 
 
-@pytest.mark.parametrize(("family", "scheme"), [("llama", "int8"), ("qwen2_tied", "int4"), ("llama", "int4"), ("qwen3", "fp8")])
-def test_a_float_checkpoint_quantized_at_load_generates_as_its_dequantized_weights(family, scheme, checkpoint_factory, scripted, script) -> None:
+@pytest.mark.parametrize(
+    ("family", "scheme"), [("llama", "int8"), ("qwen2_tied", "int4"), ("llama", "int4"), ("qwen3", "fp8")]
+)
+def test_a_float_checkpoint_quantized_at_load_generates_as_its_dequantized_weights(
+    family, scheme, checkpoint_factory, scripted, script
+) -> None:
     directory, hf = checkpoint_factory(family)
     rule, method = RULES[scheme]
     runner = ModelRunner(RunnerConfig(directory, block_size=4, num_blocks=48, quantization=scheme))
@@ -222,7 +246,9 @@ def test_a_q4_1_gguf_is_served_as_int4_with_quantization_gguf(q4_1_file, scripte
     assert_matches(runner, reference, prompts_for(reference.config.vocab_size), scripted, script)
 
 
-def test_lora_on_a_quantized_base_matches_peft_on_the_dequantized_base(checkpoint_factory, scripted, script, tmp_path) -> None:
+def test_lora_on_a_quantized_base_matches_peft_on_the_dequantized_base(
+    checkpoint_factory, scripted, script, tmp_path
+) -> None:
     directory, hf = checkpoint_factory("llama")
     reference = dequantized_copy(hf, int8_by_definition)
     peft = make_adapter(reference, tmp_path / "adapter", seed=0, rank=8, alpha=16.0)
@@ -242,8 +268,12 @@ def test_a_group_straddling_a_tensor_parallel_shard_is_refused(checkpoint_factor
 
     directory, _ = checkpoint_factory("llama")
     config = ModelConfig.from_dir(directory)
-    model = model_class(config.architecture)(config, backend_for("cpu"), torch.float32, "cpu", TensorParallel(0, 2, None))
-    with pytest.raises(ValueError, match=r"--quantization int4: layers\.0\.mlp\.down_proj has 48 input features .* group of 32"):
+    model = model_class(config.architecture)(
+        config, backend_for("cpu"), torch.float32, "cpu", TensorParallel(0, 2, None)
+    )
+    with pytest.raises(
+        ValueError, match=r"--quantization int4: layers\.0\.mlp\.down_proj has 48 input features .* group of 32"
+    ):
         quantize_linears(model, "int4")
     quantize_linears(model, "int8")  # per channel: any shard
 
@@ -261,7 +291,12 @@ def test_a_layer_of_mixed_parts_is_served_as_int8_per_channel() -> None:
     assert pending.complete
     layer = pending.build("cpu")
     assert isinstance(layer, Int8Weights)
-    values = torch.cat([gguf_by_definition(quantize(top, Q.Q4_1), Q.Q4_1, (32, 64)), gguf_by_definition(quantize(bottom, Q.Q8_0), Q.Q8_0, (16, 64))])
+    values = torch.cat(
+        [
+            gguf_by_definition(quantize(top, Q.Q4_1), Q.Q4_1, (32, 64)),
+            gguf_by_definition(quantize(bottom, Q.Q8_0), Q.Q8_0, (16, 64)),
+        ]
+    )
     torch.testing.assert_close(layer.codes.float() * layer.scales[:, None], int8_by_definition(values))
 
 
@@ -312,7 +347,9 @@ def test_a_weight_update_of_a_quantized_model_is_quantized_as_its_load_was(tmp_p
     fresh, _ = load_model(tmp_path / "new", quantization="int4")
     for ours, theirs in zip(model.modules(), fresh.modules()):
         if getattr(ours, "quant", None) is not None:
-            assert torch.equal(ours.quant.packed, theirs.quant.packed) and torch.equal(ours.quant.scale_zeros, theirs.quant.scale_zeros)
+            assert torch.equal(ours.quant.packed, theirs.quant.packed) and torch.equal(
+                ours.quant.scale_zeros, theirs.quant.scale_zeros
+            )
     assert torch.equal(model.tied_head_quant.codes, fresh.tied_head_quant.codes)
 
 
@@ -321,5 +358,8 @@ def test_batch_invariant_mode_refuses_quantized_weights(checkpoint_factory) -> N
     from conveyor.worker.loader import load_model
 
     model, _ = load_model(checkpoint_factory("llama")[0], quantization="int8")
-    with pytest.raises(ValueError, match="--batch-invariant with quantized weights \\(int8\\) is not supported: use --quantization none"):
+    with pytest.raises(
+        ValueError,
+        match="--batch-invariant with quantized weights \\(int8\\) is not supported: use --quantization none",
+    ):
         make_batch_invariant(model)

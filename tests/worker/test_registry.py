@@ -45,7 +45,9 @@ def test_every_registered_architecture_implements_the_interface(architecture, ra
 
 
 def test_an_unknown_architecture_is_named_with_the_supported_ones():
-    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*supported: LlamaForCausalLM.*Gemma3ForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*supported: LlamaForCausalLM.*Gemma3ForCausalLM"
+    ):
         model_class("GPT2LMHeadModel")
     with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'"):
         ModelConfig.from_dicts({**CONFIG, "architectures": ["GPT2LMHeadModel"]})
@@ -53,5 +55,7 @@ def test_an_unknown_architecture_is_named_with_the_supported_ones():
 
 def test_a_registered_class_without_the_interface_is_refused(monkeypatch):
     monkeypatch.setitem(architectures.MODEL_CLASSES, "LinearForCausalLM", "conveyor.worker.models.layers:Linear")
-    with pytest.raises(TypeError, match=r"layers\.Linear \(registered for LinearForCausalLM\) lacks lora_targets, compute_logits"):
+    with pytest.raises(
+        TypeError, match=r"layers\.Linear \(registered for LinearForCausalLM\) lacks lora_targets, compute_logits"
+    ):
         model_class("LinearForCausalLM")

@@ -82,7 +82,11 @@ def test_draw_keys_are_the_reference_hash_in_every_process():
     positions = [p for _ in range(30) for p in range(30)] + [5, 2**20]
     keys = draw_keys(torch.tensor(seeds), torch.tensor(positions)).tolist()
     fresh = subprocess.run(
-        [sys.executable, "-c", KEY_SCRIPT], input=json.dumps([seeds, positions]), capture_output=True, text=True, check=True
+        [sys.executable, "-c", KEY_SCRIPT],
+        input=json.dumps([seeds, positions]),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert json.loads(fresh.stdout) == keys
     reference = [splitmix64_reference(splitmix64_reference(s) ^ p) for s, p in zip(seeds, positions)]

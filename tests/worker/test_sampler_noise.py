@@ -58,9 +58,18 @@ def test_seeded_draw_is_the_same_alone_in_a_batch_and_padded():
     for position in range(12):
         alone = int(draw(logits, [seeded], [position], sampler_seed=1)[0])
         batch = torch.cat([mates[:3], logits, mates[3:]])
-        params = [SamplingParams(temperature=1.2), greedy, SamplingParams(min_p=0.2, seed=5), seeded, SamplingParams(), greedy]
+        params = [
+            SamplingParams(temperature=1.2),
+            greedy,
+            SamplingParams(min_p=0.2, seed=5),
+            seeded,
+            SamplingParams(),
+            greedy,
+        ]
         in_batch = int(draw(batch, params, [3, 9, position, position, 0, 1], sampler_seed=position)[3])
-        padded = draw(torch.cat([logits, torch.zeros(3, vocab)]), [seeded, greedy, greedy, greedy], [position, 0, 0, 0], 2)
+        padded = draw(
+            torch.cat([logits, torch.zeros(3, vocab)]), [seeded, greedy, greedy, greedy], [position, 0, 0, 0], 2
+        )
         assert alone == in_batch == int(padded[0]), position
         assert padded[1:].tolist() == [0, 0, 0]  # padding rows: greedy over zeros
 

@@ -14,7 +14,9 @@ VOCAB = 40
 EOS = [3, 7]
 
 
-def reference(logits: torch.Tensor, p: SamplingParams, tokens: list[int], num_prompt: int, position: int) -> torch.Tensor:
+def reference(
+    logits: torch.Tensor, p: SamplingParams, tokens: list[int], num_prompt: int, position: int
+) -> torch.Tensor:
     """vLLM's definitions, one row, float32, token by token."""
     row = logits.clone()
     for token, bias in p.logit_bias.items():

@@ -17,9 +17,9 @@ import pytest
 
 from conveyor import profiling
 from conveyor.ipc.messages import NewRequestData, SamplingParams, Shutdown, StepPlan, StepResult
-from tests import plans
 from conveyor.ipc.step_channel import PeerGone
 from conveyor.worker.main import StepLoop, resolve_pipeline
+from tests import plans
 
 
 class ScriptedRunner:
@@ -114,7 +114,16 @@ def test_a_plan_not_planned_ahead_waits_for_the_step_before_to_finish():
     runner.step_done = lambda launched: not messages.ready()  # the next plan is always there first
     loop = StepLoop(runner, messages, None, profiling.Profiler("worker", enabled=False), pipeline=True)
     loop.run()
-    assert runner.calls == ["launch 1", "finish 1", "launch 2", "launch 3", "finish 2", "finish 3", "launch 4", "finish 4"]
+    assert runner.calls == [
+        "launch 1",
+        "finish 1",
+        "launch 2",
+        "launch 3",
+        "finish 2",
+        "finish 3",
+        "launch 4",
+        "finish 4",
+    ]
 
 
 def test_shutdown_finishes_the_launched_step_first():
@@ -125,7 +134,13 @@ def test_shutdown_finishes_the_launched_step_first():
 
 @pytest.mark.parametrize(
     ("setting", "device", "expected"),
-    [("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False), ("on", "cpu", True), ("off", "cuda", False)],
+    [
+        ("auto", "cuda", True),
+        ("auto", "cuda:1", True),
+        ("auto", "cpu", False),
+        ("on", "cpu", True),
+        ("off", "cuda", False),
+    ],
 )
 def test_pipeline_setting(setting, device, expected):
     assert resolve_pipeline(setting, device) is expected
@@ -146,7 +161,9 @@ def test_the_worker_config_holds_its_runners_config(tmp_path):
 
     addresses = ServerAddresses.in_run_dir(str(tmp_path), "tcp://127.0.0.1:1")
     channels = StepChannels.for_server(str(tmp_path), addresses.plans, addresses.results, shm=False)
-    settings = dict(block_size=8, num_blocks=40, max_num_seqs=7, enforce_eager=True, first_device=2, profile=False, port=1)
+    settings = dict(
+        block_size=8, num_blocks=40, max_num_seqs=7, enforce_eager=True, first_device=2, profile=False, port=1
+    )
     worker = worker_config(settings, model_dir="m", addresses=addresses, channels=channels, pipeline="off")
     assert worker.runner == RunnerConfig(
         "m", block_size=8, num_blocks=40, max_num_seqs=7, enforce_eager=True, first_device=2
@@ -164,7 +181,9 @@ def test_profiling_loop_records_each_good_steps_shape_in_step_order(pipeline):
     """One step record per step that succeeded (the failed one has none), each with its own
     plan's shape even when the next plan was launched before it finished."""
     shaped = [
-        plans.plan(s, [NewRequestData(f"r{s}", s, list(range(3 * s)), SamplingParams(), [0], 0, 3 * s)], planned_ahead=s > 1)
+        plans.plan(
+            s, [NewRequestData(f"r{s}", s, list(range(3 * s)), SamplingParams(), [0], 0, 3 * s)], planned_ahead=s > 1
+        )
         for s in (1, 2, 3)
     ]
     prof = profiling.Profiler("worker")
@@ -223,18 +242,27 @@ class ScheduledPlans(ScriptedPlans):
 @pytest.mark.parametrize("fail", [False, True])
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_an_adapter_is_read_while_steps_run(pipeline: bool, fail: bool) -> None:
-    from conveyor.ipc.messages import LoadLora, LoraRead, LoraUpdated, UnloadLora
+    from conveyor.ipc.messages import LoadLora, LoraUpdated, UnloadLora
 
     release, results = threading.Event(), Results()
     runner = LoraRunner(release, fail)
     messages = [LoadLora("q", "sql", "/adapters/sql"), plan(1, False), plan(2), UnloadLora("u", "old")]
-    loop = StepLoop(runner, ScheduledPlans(messages, release, results), results, profiling.Profiler("worker", enabled=False), pipeline)
+    loop = StepLoop(
+        runner,
+        ScheduledPlans(messages, release, results),
+        results,
+        profiling.Profiler("worker", enabled=False),
+        pipeline,
+    )
     loop.run()
     loop.reads.close()
     # The steps ran while the read waited (an unload between them, pipelined while step 2 runs);
     # the adapter was registered on the commit alone.
-    steps = ["launch 1", "launch 2", "finish 1", "unload old", "finish 2"] if pipeline else \
-        ["launch 1", "finish 1", "launch 2", "finish 2", "unload old"]
+    steps = (
+        ["launch 1", "launch 2", "finish 1", "unload old", "finish 2"]
+        if pipeline
+        else ["launch 1", "finish 1", "launch 2", "finish 2", "unload old"]
+    )
     assert runner.calls == [*steps, "read sql", *([] if fail else ["add sql"])]
     assert [type(m).__name__ for m in results.sent] == ["StepResult", "StepResult", "LoraRead", "LoraUpdated"]
     answer = results.sent[-1]

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conveyor.ipc.messages import NewRequestData, SamplingParams
-from tests.plans import CachedRow, plan
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.block_transfer import transfer_blocks
 from conveyor.worker.model_runner import ModelRunner
-from conveyor.runtime.config import RunnerConfig
+from tests.plans import CachedRow, plan
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [17, 4, 99, 250, 3, 8, 61, 12, 90, 5]
@@ -30,7 +30,11 @@ def test_transfer_blocks_moves_whole_blocks_of_every_layer():
 
 
 def alone(runner: ModelRunner, steps: int) -> list[int]:
-    out = [runner.execute(plan(1, [NewRequestData("a", 0, PROMPT, GREEDY, [0, 1, 2, 3, 4], 0, len(PROMPT))], [], [])).sampled_token_ids[0]]
+    out = [
+        runner.execute(
+            plan(1, [NewRequestData("a", 0, PROMPT, GREEDY, [0, 1, 2, 3, 4], 0, len(PROMPT))], [], [])
+        ).sampled_token_ids[0]
+    ]
     for step in range(2, steps + 1):
         computed = len(PROMPT) + len(out) - 1
         out += runner.execute(plan(step, [], [CachedRow(0, [], computed, 1)], [])).sampled_token_ids
@@ -52,14 +56,22 @@ def test_a_request_swapped_out_and_back_in_continues_unchanged(llama_dir, device
     assert runner.swap_caches[0].is_pinned() == (device == "cuda")
     reference = alone(runner, 8)
 
-    out = [runner.execute(plan(10, [NewRequestData("a", 0, PROMPT, GREEDY, [0, 1, 2], 0, len(PROMPT))], [], [])).sampled_token_ids[0]]
+    out = [
+        runner.execute(
+            plan(10, [NewRequestData("a", 0, PROMPT, GREEDY, [0, 1, 2], 0, len(PROMPT))], [], [])
+        ).sampled_token_ids[0]
+    ]
     for step in (11, 12):
         computed = len(PROMPT) + len(out) - 1
         out += runner.execute(plan(step, [], [CachedRow(0, [], computed, 1)], [])).sampled_token_ids
     computed = len(PROMPT) + len(out) - 1  # 12 tokens in blocks 0, 1, 2
     # Swap out into CPU blocks 5, 6, 7; another request, on a's slot and GPU blocks,
     # overwrites them meanwhile.
-    runner.execute(plan(13, [NewRequestData("b", 0, [1] * 12, GREEDY, [0, 1, 2], 0, 12)], [], [0], swap_out=[[0, 5], [1, 6], [2, 7]]))
+    runner.execute(
+        plan(
+            13, [NewRequestData("b", 0, [1] * 12, GREEDY, [0, 1, 2], 0, 12)], [], [0], swap_out=[[0, 5], [1, 6], [2, 7]]
+        )
+    )
     runner.execute(plan(14, [], [], [0]))
     # Resume in other GPU blocks (and another slot), swapped in by the same plan: no recompute.
     resumed = NewRequestData("a", 3, PROMPT + out, GREEDY, [9, 10, 11, 12], computed, 1)

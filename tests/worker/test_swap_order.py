@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from conveyor.kernels.block_copy import stacked
-from conveyor.worker.model_runner import ModelRunner
 from conveyor.runtime.config import RunnerConfig
+from conveyor.worker.model_runner import ModelRunner
 from tests.plans import plan
 
 

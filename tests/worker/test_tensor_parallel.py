@@ -30,11 +30,11 @@ import torch.multiprocessing as mp
 
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.ipc.messages import NewRequestData, SamplingParams
+from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.attention.torch_ref import TorchReferenceAttention
 from conveyor.worker.kv_cache import KVCacheShape
 from conveyor.worker.loader import load_model
 from conveyor.worker.model_runner import ModelRunner
-from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.models.llama import LlamaFamilyModel
 from conveyor.worker.parallel import (
     NO_TENSOR_PARALLEL,
@@ -145,8 +145,12 @@ def generate(directory: str | Path, tp: TensorParallel, device: str = "cpu") -> 
     """The scripted run's outputs by request id, and the kv heads the rank caches."""
     runner = ModelRunner(
         RunnerConfig(
-            directory, device=rank_device(device, tp), block_size=BLOCK_SIZE, num_blocks=64,
-        ), tensor_parallel=tp,
+            directory,
+            device=rank_device(device, tp),
+            block_size=BLOCK_SIZE,
+            num_blocks=64,
+        ),
+        tensor_parallel=tp,
     )
     outputs = ScriptedScheduler(runner, scripts(runner.model_config.vocab_size)).run()
     kv_heads, swap_kv_heads = runner.kv_caches[0].shape[3], runner.swap_caches[0].shape[3]
@@ -160,8 +164,13 @@ def swap_and_share(directory: str | Path, tp: TensorParallel, device: str = "cpu
     holding the KV of the prompt's first 8 tokens, which ``swapped`` computed."""
     runner = ModelRunner(
         RunnerConfig(
-            directory, device=rank_device(device, tp), block_size=BLOCK_SIZE, num_blocks=16, num_cpu_blocks=8,
-        ), tensor_parallel=tp,
+            directory,
+            device=rank_device(device, tp),
+            block_size=BLOCK_SIZE,
+            num_blocks=16,
+            num_cpu_blocks=8,
+        ),
+        tensor_parallel=tp,
     )
     prompt = scripts(runner.model_config.vocab_size)[1].prompt
     greedy = SamplingParams(temperature=0.0)
@@ -278,16 +287,22 @@ def test_a_collective_whose_peer_never_joins_raises_after_the_timeout(tmp_path):
     assert outcome.startswith("raised") and "Timed out" in outcome, outcome
 
 
-@pytest.mark.parametrize("gpus, expected", [(8, ["cuda:2", "cuda:3"]), (2, ["cuda:0", "cuda:1"]), (1, ["cuda:0", "cuda:0"])])
+@pytest.mark.parametrize(
+    "gpus, expected", [(8, ["cuda:2", "cuda:3"]), (2, ["cuda:0", "cuda:1"]), (1, ["cuda:0", "cuda:0"])]
+)
 def test_a_replicas_ranks_take_gpus_of_their_own_where_there_are_enough(monkeypatch, gpus, expected) -> None:
     """Replica 1 of a --data-parallel-size 2 --tensor-parallel-size 2 server starts at GPU 2;
     with fewer GPUs the replicas wrap around and share them. CPU devices are left alone."""
     from conveyor.cli.serve import build_parser, server_config
 
-    args = build_parser().parse_args(["--model", "demo", "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--device", "cuda"])
+    args = build_parser().parse_args(
+        ["--model", "demo", "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--device", "cuda"]
+    )
     ranks = server_config(args, "/tmp/conveyor-test-run").replica(1).worker_ranks()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    devices = [rank_device("cuda", TensorParallel(w.tensor_parallel_rank, 2, None), w.runner.first_device) for w in ranks]
+    devices = [
+        rank_device("cuda", TensorParallel(w.tensor_parallel_rank, 2, None), w.runner.first_device) for w in ranks
+    ]
     assert devices == expected
     assert rank_device("cpu", TensorParallel(1, 2, None), 2) == "cpu"
 
@@ -315,8 +330,12 @@ def test_a_worker_makes_its_replicas_gpu_current_before_loading(monkeypatch, tmp
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(f"set_device {torch.device(device)}"))
     monkeypatch.setattr(worker_main, "build_runner", build_runner)
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: calls.append("init_process_group"))
-    channels = StepChannels.for_server(str(tmp_path), "ipc://unused-p", "ipc://unused-r", shm=False, plan_readers=tp_size)
-    config = WorkerConfig(RunnerConfig("unused", device="cuda", first_device=tp_size), None, channels, tensor_parallel_size=tp_size)
+    channels = StepChannels.for_server(
+        str(tmp_path), "ipc://unused-p", "ipc://unused-r", shm=False, plan_readers=tp_size
+    )
+    config = WorkerConfig(
+        RunnerConfig("unused", device="cuda", first_device=tp_size), None, channels, tensor_parallel_size=tp_size
+    )
     with pytest.raises(Loaded):
         worker_main._start(config, None)
     group = ["init_process_group"] if tp_size > 1 else []

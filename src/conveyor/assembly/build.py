@@ -75,7 +75,9 @@ def worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
         "kv_cache_memory_bytes": None if blocks is not None else gib_bytes(settings["kv_cache_memory"]),
         "swap_space_bytes": None if swap is None else gib_bytes(swap),
         "num_threads": settings.get("threads"),
-        "num_speculative_tokens": settings.get("num_speculative_tokens", 0) if settings.get("speculative_method") else 0,
+        "num_speculative_tokens": settings.get("num_speculative_tokens", 0)
+        if settings.get("speculative_method")
+        else 0,
     }
 
 
@@ -154,10 +156,19 @@ def server_config(flags: Mapping[str, Any], run_dir: str) -> ServerConfig:
         remote_plans_key=flags.get("cluster_key") if multi_node else None,
     )
     worker = worker_config(
-        worker_settings(flags), model_dir=model_dir, addresses=addresses, channels=channels, pipeline=flags["pipeline_steps"]
+        worker_settings(flags),
+        model_dir=model_dir,
+        addresses=addresses,
+        channels=channels,
+        pipeline=flags["pipeline_steps"],
     )
     frontend = settings_view(
-        FrontendConfig, flags, model_dir=model_dir, addresses=addresses, max_model_len=max_model_len, vocab_size=model.vocab_size
+        FrontendConfig,
+        flags,
+        model_dir=model_dir,
+        addresses=addresses,
+        max_model_len=max_model_len,
+        vocab_size=model.vocab_size,
     )
     batcher = batcher_config(flags, max_model_len, swap_bandwidth=flags["swap_bandwidth"] * 1e9)
     scheduler = settings_view(

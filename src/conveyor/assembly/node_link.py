@@ -44,12 +44,12 @@ from importlib import metadata
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from conveyor.version import __version__
 from conveyor.ipc import codec
 from conveyor.ipc.messages import PROTOCOL_VERSION, NodeHello, NodeVerdict, Shutdown
 from conveyor.ipc.transport import HANDSHAKE_FAILED, ClusterKey, handshake_refusal
 from conveyor.runtime.config import ServerConfig, dist_init_host_port
 from conveyor.runtime.model_source import StartupError
+from conveyor.version import __version__
 
 HEARTBEAT_S = 1.0
 MAX_SILENCE_S = 10.0
@@ -183,7 +183,13 @@ class NodeLinkHub(_Link):
     watches their connections."""
 
     def __init__(
-        self, ctx: zmq.Context, address: str, key: ClusterKey | None, nnodes: int, settings: dict[str, str], silence_s: float
+        self,
+        ctx: zmq.Context,
+        address: str,
+        key: ClusterKey | None,
+        nnodes: int,
+        settings: dict[str, str],
+        silence_s: float,
     ) -> None:
         super().__init__(ctx, zmq.ROUTER, address, key, silence_s)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -221,7 +227,9 @@ class NodeLinkHub(_Link):
             if not refusal:
                 self.joined[rank] = frames[0].bytes
                 self._node_of_fd[frames[-1].get(zmq.SRCFD)] = rank
-                print(f"conveyor: node {rank} joined from {frames[-1].get('Peer-Address')}", file=sys.stderr, flush=True)
+                print(
+                    f"conveyor: node {rank} joined from {frames[-1].get('Peer-Address')}", file=sys.stderr, flush=True
+                )
 
     def watch(self, starting: bool = False) -> NodeStop | None:
         """A joined node whose connection was lost (None while all are there); hellos are
@@ -264,7 +272,13 @@ class NodeLinkMember(_Link):
     """Node ``node_rank``'s end: joins node 0 (:meth:`join`) and watches the connection."""
 
     def __init__(
-        self, ctx: zmq.Context, address: str, key: ClusterKey | None, node_rank: int, settings: dict[str, str], silence_s: float
+        self,
+        ctx: zmq.Context,
+        address: str,
+        key: ClusterKey | None,
+        node_rank: int,
+        settings: dict[str, str],
+        silence_s: float,
     ) -> None:
         super().__init__(ctx, zmq.DEALER, address, key, silence_s)
         self.sock.connect(address)
@@ -306,4 +320,3 @@ class NodeLinkMember(_Link):
                     f"for {self.silence_s:g} s)"
                 )
         return None
-

@@ -47,12 +47,12 @@ import time
 
 import zmq
 
+from conveyor.assembly import node_link
 from conveyor.frontend.main import run_frontend
 from conveyor.http.main import run_http
 from conveyor.ipc import codec, step_channel, transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.ipc.transport import ClusterKey
-from conveyor.assembly import node_link
 from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
 from conveyor.runtime.model_source import StartupError
 from conveyor.runtime.process import HANG_EXIT_CODE, SHUTDOWN_GRACE_S, terminate
@@ -93,7 +93,9 @@ class Server:
             for replica in replicas:
                 step_channel.create_rings(replica.channels)
         except OSError as exc:
-            raise StartupError(f"cannot create the shared-memory plan rings ({exc}); --plan-transport zmq avoids them") from None
+            raise StartupError(
+                f"cannot create the shared-memory plan rings ({exc}); --plan-transport zmq avoids them"
+            ) from None
         first = {"frontend"}
         for index, replica in enumerate(replicas):  # every data-parallel replica's workers
             for rank in replica.worker_ranks():  # every tensor-parallel rank, each watched like any child

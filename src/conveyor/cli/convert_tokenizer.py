@@ -39,8 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tokenizer = AutoTokenizer.from_pretrained(slow_only)
         except (ImportError, OSError, ValueError) as exc:  # no sentencepiece/protobuf; no tokenizer files
-            print(f"convert-tokenizer: transformers could not load the tokenizer of {args.model_dir}: "
-                f"{' '.join(str(exc).split())}", file=sys.stderr)
+            print(
+                f"convert-tokenizer: transformers could not load the tokenizer of {args.model_dir}: "
+                f"{' '.join(str(exc).split())}",
+                file=sys.stderr,
+            )
             return 1
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:

@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="key directory (made if missing)")
     p.add_argument("--client", metavar="NAME", help="add an allowed client NAME (and the server keys, if DIR has none)")
     p.add_argument(
-        "--cluster", action="store_true", help="make DIR/cluster.key_secret, the key pair of bin/serve --nnodes > 1 --cluster-key"
+        "--cluster",
+        action="store_true",
+        help="make DIR/cluster.key_secret, the key pair of bin/serve --nnodes > 1 --cluster-key",
     )
     args = p.parse_args(argv)
     try:
@@ -76,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         made = make_server_keys(args.dir)
         if made or args.client is None:
-            print(f"server key pair {'made' if made else 'kept (already there)'}: "
-                f"{transport.server_secret_key_file(args.dir)}")
+            print(
+                f"server key pair {'made' if made else 'kept (already there)'}: "
+                f"{transport.server_secret_key_file(args.dir)}"
+            )
         if args.client is None:
-            print(f"clients need {transport.server_public_key_file(args.dir)}; add one with: bin/keygen {args.dir} "
-                "--client NAME")
+            print(
+                f"clients need {transport.server_public_key_file(args.dir)}; add one with: bin/keygen {args.dir} "
+                "--client NAME"
+            )
         else:
             secret = make_client_keys(args.dir, args.client)
             print(f"client {args.client}: give {secret} and {transport.server_public_key_file(args.dir)} to it")

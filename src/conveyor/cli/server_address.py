@@ -34,8 +34,14 @@ def add_server_arguments(p: argparse.ArgumentParser, *, timeout_s: float, timeou
         default=DEFAULT_LIVENESS_TIMEOUT_S,
         help="seconds a connection that answers no heartbeat counts as alive",
     )
-    g.add_argument("--client-key", metavar="FILE", help="this client's key pair (a NAME.key_secret from bin/keygen), for a server run with --auth-keys")
-    g.add_argument("--server-key", metavar="FILE", help="the server's public key (its DIR/server.key), with --client-key")
+    g.add_argument(
+        "--client-key",
+        metavar="FILE",
+        help="this client's key pair (a NAME.key_secret from bin/keygen), for a server run with --auth-keys",
+    )
+    g.add_argument(
+        "--server-key", metavar="FILE", help="the server's public key (its DIR/server.key), with --client-key"
+    )
 
 
 def client_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:

@@ -12,8 +12,17 @@ import zmq
 import zmq.asyncio
 
 from conveyor.client.connection import (
-    DRAIN_MAX, CompletionResult, Connection, StreamDelta, abort_message, awaited_key, check_error,
-    completion_result, pack_request, to_delta, unaddressed_error,
+    DRAIN_MAX,
+    CompletionResult,
+    Connection,
+    StreamDelta,
+    abort_message,
+    awaited_key,
+    check_error,
+    completion_result,
+    pack_request,
+    to_delta,
+    unaddressed_error,
 )
 from conveyor.protocol import wire
 

@@ -10,7 +10,12 @@ from conveyor.protocol import wire
 
 
 def profile_message(window_s: float, trace: bool, series: list[str] | None) -> dict[str, Any]:
-    msg: dict[str, Any] = {"type": wire.PROFILE, "v": wire.CLIENT_PROTOCOL_VERSION, "window_s": window_s, "trace": trace}
+    msg: dict[str, Any] = {
+        "type": wire.PROFILE,
+        "v": wire.CLIENT_PROTOCOL_VERSION,
+        "window_s": window_s,
+        "trace": trace,
+    }
     if series:
         msg["series"] = list(series)
     return msg
@@ -47,4 +52,9 @@ def tokenize_message(prompt: str | None, fields: dict[str, Any]) -> dict[str, An
 
 
 def detokenize_message(token_ids: list[int]) -> dict[str, Any]:
-    return {"type": wire.DETOKENIZE, "v": wire.CLIENT_PROTOCOL_VERSION, "request_id": str(uuid.uuid4()), "token_ids": list(token_ids)}
+    return {
+        "type": wire.DETOKENIZE,
+        "v": wire.CLIENT_PROTOCOL_VERSION,
+        "request_id": str(uuid.uuid4()),
+        "token_ids": list(token_ids),
+    }

@@ -15,7 +15,12 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from conveyor.client.commands import (
-    detokenize_message, lora_message, metrics_message, profile_message, stats_message, tokenize_message,
+    detokenize_message,
+    lora_message,
+    metrics_message,
+    profile_message,
+    stats_message,
+    tokenize_message,
 )
 from conveyor.client.results import Choice, CompletionResult, StreamDelta, Usage, completion_result, to_delta  # noqa: F401 (re-exported)
 from conveyor.ipc import transport
@@ -178,7 +183,9 @@ def pack_request(msg: dict[str, Any]) -> bytes:
     drop the connection, with every request on it, rather than read it)."""
     data = wire.pack(msg)
     if len(data) > limits.MAX_CLIENT_MESSAGE_BYTES:
-        raise ValueError(f"message of {len(data)} bytes exceeds the protocol's limit of {limits.MAX_CLIENT_MESSAGE_BYTES}")
+        raise ValueError(
+            f"message of {len(data)} bytes exceeds the protocol's limit of {limits.MAX_CLIENT_MESSAGE_BYTES}"
+        )
     return data
 
 

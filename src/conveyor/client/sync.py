@@ -13,8 +13,18 @@ from typing import Any
 import zmq
 
 from conveyor.client.connection import (
-    CONTROL_KEYS, DRAIN_MAX, CompletionResult, Connection, StreamDelta, abort_message, awaited_key,
-    check_error, completion_result, pack_request, to_delta, unaddressed_error,
+    CONTROL_KEYS,
+    DRAIN_MAX,
+    CompletionResult,
+    Connection,
+    StreamDelta,
+    abort_message,
+    awaited_key,
+    check_error,
+    completion_result,
+    pack_request,
+    to_delta,
+    unaddressed_error,
 )
 from conveyor.protocol import wire
 

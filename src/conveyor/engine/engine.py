@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from conveyor.assembly.build import batcher_config, settings_view, worker_settings
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.engine.embeddings import embed
 from conveyor.engine.options import EngineOptions
@@ -23,15 +24,23 @@ from conveyor.engine.outputs import BatchInfo, Result, StepOutput
 from conveyor.engine.ranks import RankGroup, RanksFailed
 from conveyor.engine.request import Request
 from conveyor.frontend.constraints import ConstraintCompiler
+from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.frontend.processor import RequestProcessor
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.tokenizer import Tokenizer
-from conveyor.frontend.output import best_of, cumulative_logprob, merge
 from conveyor.ipc.messages import (
-    AddRequest, CommitLora, FinishReason, LoadLora, RequestOutput, StepPlan, StepResult, UnloadLora, speculation_rates,
+    AddRequest,
+    CommitLora,
+    FinishReason,
+    LoadLora,
+    RequestOutput,
+    StepPlan,
+    StepResult,
+    UnloadLora,
+    speculation_rates,
 )
-from conveyor.protocol import requests as client_requests, wire
-from conveyor.assembly.build import batcher_config, settings_view, worker_settings
+from conveyor.protocol import requests as client_requests
+from conveyor.protocol import wire
 from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
 from conveyor.runtime.tensor_shards import NO_TENSOR_PARALLEL, check_shardable
@@ -41,8 +50,8 @@ from conveyor.worker.plan_check import PlanRefused
 from conveyor.worker.sleep import Sleep, fall_asleep, wake
 from conveyor.worker.weight_updates import WeightBroadcast, update_from_disk, update_from_group, update_from_tensors
 
-
-# add_request's keyword arguments besides the input, the id and the priority: the generate fields a client passes as options.
+# add_request's keyword arguments besides the input, the id and the priority: the generate
+# fields a client passes as options.
 _OPTIONS = frozenset(client_requests.OPTION_FIELDS) - {"priority"}
 
 
@@ -75,7 +84,9 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self._constraints = ConstraintCompiler(model_dir)
         worker = worker_settings(settings)
-        runner_config = settings_view(RunnerConfig, worker, model_dir=model_dir, num_threads=worker_threads(worker["num_threads"], size))
+        runner_config = settings_view(
+            RunnerConfig, worker, model_dir=model_dir, num_threads=worker_threads(worker["num_threads"], size)
+        )
         self._ranks = RankGroup(worker, model_dir) if size > 1 else None
         self._close_ranks = None if self._ranks is None else weakref.finalize(self, self._ranks.close)
         self._recoverable = Exception if size == 1 else PlanRefused  # (docs/architecture.md, "conveyor.Engine")
@@ -187,19 +198,32 @@ class Engine:
         prompt_ids = self.processor.prompt(req, history).prompt_ids
         scheduler_id = str(next(self._scheduler_ids))
         arrival = time.time()
-        rejected = self.scheduler.add_request(AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority, lora=req.lora))
+        rejected = self.scheduler.add_request(
+            AddRequest(scheduler_id, prompt_ids, req.sampling, arrival, req.priority, lora=req.lora)
+        )
         if rejected is not None:
             raise wire.ProtocolError(rejected.error, rid)
         if history is not None:
             self._sessions.take(rid)  # back, extended, when this turn ends
         history_len = len(history) if history is not None else 0
         prompt_log = self.processor.prompt_log(req)
-        request = Request(self, rid, scheduler_id, prompt_ids, history_len, self.processor.streams(req, prompt_ids), arrival, prompt_log)
+        request = Request(
+            self,
+            rid,
+            scheduler_id,
+            prompt_ids,
+            history_len,
+            self.processor.streams(req, prompt_ids),
+            arrival,
+            prompt_log,
+        )
         request._keep_best = req.keep_best
         request.weight_version = self.weight_version
         for i, (seq_id, streams) in enumerate(self.processor.fork(req, prompt_ids, scheduler_id)):
             # Its own output log (best_of > n: what ranks it at the end); the request's prompt log.
-            seq = Request(self, rid, seq_id, prompt_ids, history_len, streams, arrival, prompt_log, index=i, parent=request)
+            seq = Request(
+                self, rid, seq_id, prompt_ids, history_len, streams, arrival, prompt_log, index=i, parent=request
+            )
             request.sequences.append(seq)
         for seq in request.outputs:
             self._running[seq._scheduler_id] = seq
@@ -452,7 +476,9 @@ class Engine:
             seq._end(reason, error, flush=False)
             del self._running[seq._scheduler_id]
         leader = request.sequences[0]
-        request.first_token_time = min((s.first_token_time for s in request.sequences if s.first_token_time), default=None)
+        request.first_token_time = min(
+            (s.first_token_time for s in request.sequences if s.first_token_time), default=None
+        )
         request.sequences = best_of(
             request.sequences, request._keep_best, lambda s: cumulative_logprob(s._logprobs.values, len(s._tokens))
         )

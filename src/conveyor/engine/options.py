@@ -25,7 +25,14 @@ from typing import Any
 
 from conveyor.assembly.build import GIB
 from conveyor.runtime.config import (
-    KV_CACHE_MEMORY_BYTES, Attention, Device, Dtype, FrontendConfig, KVCacheDtype, RunnerConfig, SchedulerConfig,
+    KV_CACHE_MEMORY_BYTES,
+    Attention,
+    Device,
+    Dtype,
+    FrontendConfig,
+    KVCacheDtype,
+    RunnerConfig,
+    SchedulerConfig,
     WorkerConfig,
 )  # fmt: skip
 

@@ -96,5 +96,12 @@ class Result:
     def of(cls, req: Request) -> Result:
         outputs = [CompletionOutput(s.index, s.text, s.tokens, s.finish_reason, s.logprobs) for s in req.outputs]
         return cls(
-            req.request_id, req.prompt_token_ids, req.text, req.tokens, req.finish_reason, req.error, req.num_cached_tokens, outputs
+            req.request_id,
+            req.prompt_token_ids,
+            req.text,
+            req.tokens,
+            req.finish_reason,
+            req.error,
+            req.num_cached_tokens,
+            outputs,
         )

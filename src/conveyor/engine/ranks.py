@@ -38,11 +38,11 @@ from typing import Any
 
 import zmq
 
+from conveyor.assembly.build import worker_config
 from conveyor.ipc import codec, step_channel, transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.ipc.step_channel import StepChannels, StepSender
 from conveyor.ipc.transport import ServerAddresses
-from conveyor.assembly.build import worker_config
 from conveyor.runtime.config import WorkerConfig, rank_process_name
 from conveyor.runtime.process import terminate
 from conveyor.runtime.tensor_shards import TensorParallel
@@ -103,10 +103,14 @@ class RankGroup:
             spawn = mp.get_context("spawn")
             for rank in range(1, size):
                 name = f"conveyor-{rank_process_name('worker', rank)}"
-                proc = spawn.Process(target=run_worker, args=(replace(config, tensor_parallel_rank=rank),), name=name, daemon=True)
+                proc = spawn.Process(
+                    target=run_worker, args=(replace(config, tensor_parallel_rank=rank),), name=name, daemon=True
+                )
                 proc.start()
                 self.procs.append(proc)
-            self.tp = self._join(rendezvous, device, rank_device(device, TensorParallel(0, size), config.runner.first_device))
+            self.tp = self._join(
+                rendezvous, device, rank_device(device, TensorParallel(0, size), config.runner.first_device)
+            )
         except BaseException:
             self.close()
             raise
@@ -126,9 +130,11 @@ class RankGroup:
 
         def join() -> None:
             try:
-                joined.append(init_tensor_parallel(
-                    0, self.size, rendezvous, backend, self.timeout_s, own_device, self.expert_parallel
-                ))
+                joined.append(
+                    init_tensor_parallel(
+                        0, self.size, rendezvous, backend, self.timeout_s, own_device, self.expert_parallel
+                    )
+                )
             except BaseException as exc:  # (raised on the caller's thread below)
                 joined.append(exc)
 
@@ -137,8 +143,10 @@ class RankGroup:
         while thread.is_alive():
             thread.join(0.1)
             if thread.is_alive() and self._dead():
-                raise RanksFailed(f"{_died(self._dead())} before the ranks met (a script that starts an engine "
-                                  'needs `if __name__ == "__main__":`: the ranks are spawned)')
+                raise RanksFailed(
+                    f"{_died(self._dead())} before the ranks met (a script that starts an engine "
+                    'needs `if __name__ == "__main__":`: the ranks are spawned)'
+                )
         if isinstance(joined[0], BaseException):
             raise joined[0]
         if backend == "nccl":
@@ -202,7 +210,9 @@ class RankGroup:
             dead = self._dead()
             if dead or time.monotonic() > deadline:
                 cause = _died(dead) if dead else "the tensor-parallel ranks are out of step"
-                self.failure = RanksFailed(f"{cause} (rank 0's step failed: {type(exc).__name__}: {exc}){CANNOT_RUN_ON}")
+                self.failure = RanksFailed(
+                    f"{cause} (rank 0's step failed: {type(exc).__name__}: {exc}){CANNOT_RUN_ON}"
+                )
             else:
                 time.sleep(0.05)
         return self.failure

@@ -32,6 +32,7 @@ from conveyor.frontend.output import end_text, stream_text
 from conveyor.frontend.processor import Streams
 from conveyor.ipc.messages import FinishReason, TokenLogprobs
 
+
 class Owner(Protocol):
     """The engine a request belongs to, as the request sees it (:class:`conveyor.Engine`,
     which imports this module): what :meth:`Request.remove` asks of it."""

@@ -42,7 +42,9 @@ def render(template: str, messages: list, add_generation_prompt: bool, variables
     try:
         # ``tools`` and ``documents`` are None unless ``variables`` sets them (a request's tools).
         return _compile(template).render(
-            messages=chat, add_generation_prompt=add_generation_prompt, **{"tools": None, "documents": None, **variables}
+            messages=chat,
+            add_generation_prompt=add_generation_prompt,
+            **{"tools": None, "documents": None, **variables},
         )
     except jinja2.TemplateError as exc:
         raise ValueError(f"chat template error: {exc}") from None

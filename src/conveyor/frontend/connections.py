@@ -5,11 +5,10 @@ reading) dropped: untracked, counted as aborts, aborted at the scheduler, with n
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
-
-from collections.abc import Callable
 
 from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
@@ -86,7 +85,9 @@ class ClientConnections:
         """Untrack the requests of a client that is gone (no final) and abort those the scheduler has."""
         for state in states:
             self._untrack(state)
-            self.metrics.request_finished(FinishReason.ABORT, None, len(state.token_ids), state.prompt_len, state.max_tokens)
+            self.metrics.request_finished(
+                FinishReason.ABORT, None, len(state.token_ids), state.prompt_len, state.max_tokens
+            )
         admitted = [s.scheduler_id for s in states if not s.pending]
         if admitted:
             self._abort_at_scheduler(admitted)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import msgspec
 
-from conveyor.protocol import wire
 from conveyor.protocol import requests as client_requests
+from conveyor.protocol import wire
 from conveyor.structured.compiler import DEFAULT_TIMEOUT_S, GrammarCompiler
 from conveyor.structured.constraint import ConstraintError
 from conveyor.structured.grammar_engine import EngineTokenizer

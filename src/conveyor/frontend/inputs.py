@@ -14,11 +14,13 @@ from __future__ import annotations
 import msgspec
 
 from conveyor.frontend.tokenizer import Tokenizer
-from conveyor.protocol import validation, wire
 from conveyor.protocol import requests as client_requests
+from conveyor.protocol import validation, wire
 
 
-def encode_input(tokenizer: Tokenizer, req: client_requests.GenerateRequest, continuing: bool, release_gil: bool = False) -> list[int]:
+def encode_input(
+    tokenizer: Tokenizer, req: client_requests.GenerateRequest, continuing: bool, release_gil: bool = False
+) -> list[int]:
     """The request's input as token ids. A continuation's input follows earlier tokens, so
     no BOS is added to text, and a chat template's leading BOS is dropped. Messages are
     rendered with the request's ``add_generation_prompt``, ``continue_final_message``,
@@ -34,7 +36,9 @@ def encode_input(tokenizer: Tokenizer, req: client_requests.GenerateRequest, con
                 req.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
-                variables=req.chat_template_kwargs if req.tools is None else {**req.chat_template_kwargs, "tools": req.tools},
+                variables=req.chat_template_kwargs
+                if req.tools is None
+                else {**req.chat_template_kwargs, "tools": req.tools},
                 release_gil=release_gil,
             )
             bos = tokenizer.bos_token_id
@@ -124,4 +128,3 @@ def context_ids(
         req.sampling = msgspec.structs.replace(req.sampling, max_tokens=max(1, max_model_len - len(prompt_ids)))
     validation.check_tokenized(req, prompt_ids, vocab_size, max_model_len, check_ids=check_ids)
     return prompt_ids
-

@@ -28,8 +28,8 @@ from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
 from conveyor.frontend.shares import ClientShares
-from conveyor.frontend.token_service import TokenService
 from conveyor.frontend.stop import StopStringMatcher
+from conveyor.frontend.token_service import TokenService
 from conveyor.ipc.messages import AddRequest, FinishReason
 from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
@@ -101,7 +101,13 @@ class ClientIntake:
         p = parts
         self.config, self.processor, self.constraints = p.config, p.processor, p.constraints
         self.in_flight, self.requests, self.sessions, self.shares = p.in_flight, p.requests, p.sessions, p.shares
-        self.replicas, self.watch, self.sender, self.output, self.metrics = p.replicas, p.watch, p.sender, p.output, p.metrics
+        self.replicas, self.watch, self.sender, self.output, self.metrics = (
+            p.replicas,
+            p.watch,
+            p.sender,
+            p.output,
+            p.metrics,
+        )
         self.connections, self.relays, self.tokens = p.connections, p.relays, p.tokens
         self._pool, self._large_pool = p.pool, p.large_pool
         self._drain_disconnects = drain_disconnects
@@ -233,7 +239,11 @@ class ClientIntake:
         self._admit(state, req, history, prompt_ids)
 
     def _admit(
-        self, state: RequestState, req: client_requests.GenerateRequest, history: list[int] | None, prompt_ids: list[int]
+        self,
+        state: RequestState,
+        req: client_requests.GenerateRequest,
+        history: list[int] | None,
+        prompt_ids: list[int],
     ) -> None:
         """Complete ``state`` (in flight already) with its prompt and send it to the scheduler
         under its scheduler id; from then on the scheduler's outputs find it in :attr:`requests`.

@@ -65,7 +65,11 @@ class SchedulerWatch:
         return hung
 
     def error(self, index: int, silent: float) -> str:
-        what = "the server is stopping (--on-hang exit)" if self.exit else "its requests are refused until it answers (--on-hang wait)"
+        what = (
+            "the server is stopping (--on-hang exit)"
+            if self.exit
+            else "its requests are refused until it answers (--on-hang wait)"
+        )
         return (
             f"scheduler hung: replica {index}'s scheduler did not answer for {silent:.1f} s (--hang-timeout "
             f"{self.timeout:g}); {what}"

@@ -343,7 +343,12 @@ class OutputPath:
 def _choice(seq: RequestState, reason: str | None, logprobs: bool) -> dict:
     """A sequence's entry in its request's final ``choices`` (``reason``: the request's end,
     for a sequence still running); ``logprobs``: with its output's log-probabilities."""
-    choice = {"index": seq.index, "text": "".join(seq.text), "token_ids": seq.token_ids, "finish_reason": seq.finish_reason or reason}
+    choice = {
+        "index": seq.index,
+        "text": "".join(seq.text),
+        "token_ids": seq.token_ids,
+        "finish_reason": seq.finish_reason or reason,
+    }
     if logprobs:
         choice["logprobs"] = seq.logprobs.columns(seq.token_ids)  # type: ignore[union-attr]
     return choice

@@ -16,8 +16,8 @@ from conveyor.frontend.logprobs import LogprobsLog
 from conveyor.frontend.stop import StopStringMatcher
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc.messages import sequence_id
-from conveyor.protocol import sampling_fields, wire
 from conveyor.protocol import requests as client_requests
+from conveyor.protocol import sampling_fields, wire
 
 
 class Streams(NamedTuple):
@@ -81,7 +81,9 @@ class RequestProcessor:
         )
         return Prepared(prompt_ids, start, end)
 
-    def streams(self, req: client_requests.GenerateRequest, prompt_ids: list[int], *, sequence: bool = False) -> Streams:
+    def streams(
+        self, req: client_requests.GenerateRequest, prompt_ids: list[int], *, sequence: bool = False
+    ) -> Streams:
         """A request's own streams (``sequence`` False) or one of its ``n`` > 1 sequences'. An
         ``n`` > 1 request keeps no output log of its own: each sequence has one."""
         k = req.sampling.logprobs

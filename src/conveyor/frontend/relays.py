@@ -37,6 +37,8 @@ PROFILE_TIMEOUT_S = 10.0
 # generous; it stays under the clients' own wait (client.connection.DEFAULT_TIMEOUT_S, 300 s)
 # so they hear why instead of timing out blind.
 LORA_UPDATE_TIMEOUT_S = 120.0
+
+
 @dataclass
 class LoraWaiter:
     """A relayed ``load_lora`` / ``unload_lora``: who asked, the replicas' answers, its timer."""
@@ -134,7 +136,9 @@ class Relays:
         (:func:`merge_stats`), each replica's own under ``replicas``."""
         identity, iterations, gather = self.stats_waiters.pop(query_id)
         if not gather.answers:
-            error = replies.error_map(None, "no scheduler is alive to answer stats", wire.SERVER_ERROR, command=wire.STATS)
+            error = replies.error_map(
+                None, "no scheduler is alive to answer stats", wire.SERVER_ERROR, command=wire.STATS
+            )
             await self.sender.send(identity, error)
             return
         reply = replies.stats_reply(merge_stats(gather.answers), len(self.in_flight), iterations=iterations)
@@ -165,7 +169,9 @@ class Relays:
         query_id = uuid.uuid4().hex
         msg = UnloadLora(query_id, cmd.name) if cmd.path is None else LoadLora(query_id, cmd.name, cmd.path)
         loop = asyncio.get_running_loop()
-        timeout = loop.call_later(LORA_UPDATE_TIMEOUT_S, lambda: asyncio.ensure_future(self._reply_lora(query_id, timed_out=True)))
+        timeout = loop.call_later(
+            LORA_UPDATE_TIMEOUT_S, lambda: asyncio.ensure_future(self._reply_lora(query_id, timed_out=True))
+        )
         self.lora_waiters[query_id] = LoraWaiter(identity, cmd, Gather(self.replicas.broadcast(msg)), timeout)
 
     def _lora_pending(self, name: str) -> str | None:
@@ -174,8 +180,10 @@ class Relays:
             return f"another load or unload of LoRA adapter {name!r} is in progress: retry once it is answered"
         owing = sorted({index for cmd, waiting in self.lora_owed.values() if cmd.name == name for index in waiting})
         if owing:
-            return (f"an earlier load or unload of LoRA adapter {name!r} timed out and replica(s) {owing} have "
-                    "not answered it yet: retry once they do (or are reported dead)")
+            return (
+                f"an earlier load or unload of LoRA adapter {name!r} timed out and replica(s) {owing} have "
+                "not answered it yet: retry once they do (or are reported dead)"
+            )
         return None
 
     def _unanswered(self, waiting: set[int], what: str, bound_s: float) -> str:
@@ -223,8 +231,9 @@ class Relays:
             self.lora_owed[query_id] = (cmd, set(gather.waiting))
             what = f"the {'load' if loading else 'unload'} of LoRA adapter {cmd.name!r}"
             undone = f"; undone on replica(s) {sorted(took)}, which had loaded it" if loading and took else ""
-            reply = replies.error_map(cmd.request_id, self._unanswered(gather.waiting, what, LORA_UPDATE_TIMEOUT_S) + undone,
-                                      wire.TIMEOUT)
+            reply = replies.error_map(
+                cmd.request_id, self._unanswered(gather.waiting, what, LORA_UPDATE_TIMEOUT_S) + undone, wire.TIMEOUT
+            )
         elif not answers:
             reply = replies.error_map(cmd.request_id, "no scheduler is alive to answer", wire.SERVER_ERROR)
         elif took and not refusals:
@@ -241,7 +250,9 @@ class Relays:
         """Relay to every live replica's scheduler, which answers with its and its worker's snapshots."""
         query_id = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        timeout = loop.call_later(PROFILE_TIMEOUT_S, lambda: asyncio.ensure_future(self._reply_profile(query_id, timed_out=True)))
+        timeout = loop.call_later(
+            PROFILE_TIMEOUT_S, lambda: asyncio.ensure_future(self._reply_profile(query_id, timed_out=True))
+        )
         waiting = self.replicas.broadcast(ProfileQuery(query_id, cmd.window_s, cmd.trace, list(cmd.series)))
         self.profile_waiters[query_id] = (identity, cmd, timeout, Gather(waiting))
 

@@ -16,7 +16,14 @@ import zmq.asyncio
 
 from conveyor import profiling
 from conveyor.ipc import codec, transport
-from conveyor.ipc.messages import SEQUENCE_SEPARATOR, AbortRequests, AddRequest, ProcessProfile, SchedulerStats, TokenOutputs
+from conveyor.ipc.messages import (
+    SEQUENCE_SEPARATOR,
+    AbortRequests,
+    AddRequest,
+    ProcessProfile,
+    SchedulerStats,
+    TokenOutputs,
+)
 from conveyor.ipc.transport import ServerAddresses
 from conveyor.protocol import replies
 from conveyor.runtime.config import replica_process_name
@@ -25,7 +32,14 @@ T = TypeVar("T")
 
 # SchedulerStats fields that are not per-replica quantities to add up.
 _NOT_SUMMED = frozenset(
-    {"query_id", "iteration_fields", "recent_iterations", "iteration_token_counts", "spec_accepted_per_position", "lora_adapters"}
+    {
+        "query_id",
+        "iteration_fields",
+        "recent_iterations",
+        "iteration_token_counts",
+        "spec_accepted_per_position",
+        "lora_adapters",
+    }
 )
 # Of those, the lists summed entry by entry.
 _SUMMED_BY_ENTRY = ("iteration_token_counts", "spec_accepted_per_position")
@@ -278,7 +292,6 @@ def replica_profiles(answers: dict[int, list[ProcessProfile]]) -> list[dict[str,
             entry["process"] = replica_process_name(snapshot.process, index)
             processes.append(entry)
     return processes
-
 
 
 def _parent_id(scheduler_id: str) -> str | None:

@@ -16,15 +16,73 @@ from conveyor.ipc.messages import FinishReason
 # Bucket upper bounds in seconds, each list increasing: milliseconds to minutes, the ranges
 # operators see from other servers. Written once here; the reply carries them.
 TIME_TO_FIRST_TOKEN_BUCKETS_S = (
-    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
 )
 TOKEN_GAP_BUCKETS_S = (  # time per output token and inter-token latency
-    0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
-    10.0, 20.0, 40.0, 80.0,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 REQUEST_LATENCY_BUCKETS_S = (  # end-to-end latency
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 240.0, 480.0,
-    960.0, 1920.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
 )
 QUEUE_TIME_BUCKETS_S = TIME_TO_FIRST_TOKEN_BUCKETS_S  # an idle server queues for microseconds, a loaded one for minutes
 PHASE_TIME_BUCKETS_S = REQUEST_LATENCY_BUCKETS_S  # prefill, decode and inference time of a request
@@ -159,7 +217,12 @@ class FrontendMetrics:
         self.itl.observe_zeros(num_tokens)
 
     def request_finished(
-        self, reason: str, timing: dict[str, float | None] | None, num_tokens: int, prompt_tokens: int = 0, max_tokens: int = 0
+        self,
+        reason: str,
+        timing: dict[str, float | None] | None,
+        num_tokens: int,
+        prompt_tokens: int = 0,
+        max_tokens: int = 0,
     ) -> None:
         """A request ended with ``reason`` after ``num_tokens`` output tokens, with a context of
         ``prompt_tokens`` (0: never tokenized) and ``max_tokens`` (0: never admitted; neither is

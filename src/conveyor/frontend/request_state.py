@@ -14,23 +14,23 @@ from conveyor.protocol.replies import delta_head
 class RequestState:
     """One in-flight request.
 
-    ``request_id`` is the client's id (every message the client gets carries it);
-    ``scheduler_id`` the id this submission has at the scheduler, unique per submission
-    (see :class:`conveyor.frontend.server.Frontend`). A state built without one
-    (``bench/frontend_step.py`` fills :attr:`Frontend.requests` by hand) is known to the
-    scheduler by its client id. ``client_key`` names the client that sent it
-    (:func:`conveyor.frontend.intake.client_key`): a request id names a request only within
-    its client, so the frontend's tables hold :attr:`key`. ``text`` holds the pieces of text returned so far (stop
-    strings cut), ``token_ids`` every output token; the final carries both whole.
+        ``request_id`` is the client's id (every message the client gets carries it);
+        ``scheduler_id`` the id this submission has at the scheduler, unique per submission
+        (see :class:`conveyor.frontend.server.Frontend`). A state built without one
+        (``bench/frontend_step.py`` fills :attr:`Frontend.requests` by hand) is known to the
+        scheduler by its client id. ``client_key`` names the client that sent it
+        (:func:`conveyor.frontend.intake.client_key`): a request id names a request only within
+        its client, so the frontend's tables hold :attr:`key`. ``text`` holds the pieces of text returned so far (stop
+        strings cut), ``token_ids`` every output token; the final carries both whole.
 
-Parallel sampling (``n`` > 1): the request's state (the *parent*: in flight under its key,
-known to the scheduler by its scheduler id until the scheduler took it) has one state per
-sequence in ``sequences``, each with its own detokenizer and stop strings, known to the
-scheduler as ``{scheduler_id}/{index}`` (:func:`~conveyor.ipc.messages.sequence_id`),
-its ``parent`` set and its ``index`` carried by each of its deltas. A sequence's end is
-noted in its ``finish_reason``; the parent's final, with every sequence's choice, goes out
-when the last sequence ended (``ended`` is then set), or at once when the request as a whole
-ends (an abort, an error of the request or of any of its sequences)."""
+    Parallel sampling (``n`` > 1): the request's state (the *parent*: in flight under its key,
+    known to the scheduler by its scheduler id until the scheduler took it) has one state per
+    sequence in ``sequences``, each with its own detokenizer and stop strings, known to the
+    scheduler as ``{scheduler_id}/{index}`` (:func:`~conveyor.ipc.messages.sequence_id`),
+    its ``parent`` set and its ``index`` carried by each of its deltas. A sequence's end is
+    noted in its ``finish_reason``; the parent's final, with every sequence's choice, goes out
+    when the last sequence ended (``ended`` is then set), or at once when the request as a whole
+    ends (an abort, an error of the request or of any of its sequences)."""
 
     request_id: str
     identity: bytes

@@ -125,7 +125,9 @@ class SchedulerSide:
         waiting for it. Requests on the other replicas are untouched."""
         error = f"replica {replica} failed: {reason}"
         held = self.replicas.fail(replica, error)
-        log.error("%s; failing its %d request(s), serving on %d replica(s)", error, len(held), len(self.replicas.live()))
+        log.error(
+            "%s; failing its %d request(s), serving on %d replica(s)", error, len(held), len(self.replicas.live())
+        )
         for scheduler_id in held:
             state = self.requests.get(scheduler_id)
             if state is not None:

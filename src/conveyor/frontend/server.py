@@ -5,7 +5,6 @@
 ids, the one-final invariants, continuation, tokenization, outputs, replicas) are in
 docs/architecture.md, "The frontend's rules"."""
 
-
 from __future__ import annotations
 
 import asyncio
@@ -22,12 +21,13 @@ from conveyor import profiling
 from conveyor.frontend.connections import ClientConnections
 from conveyor.frontend.constraints import ConstraintCompiler
 from conveyor.frontend.intake import LARGE_INPUT_CHARS, ClientIntake, IntakeParts
+from conveyor.frontend.liveness import SchedulerWatch
 from conveyor.frontend.output import OutputPath
 from conveyor.frontend.processor import RequestProcessor
+from conveyor.frontend.relays import Relays
 from conveyor.frontend.replicas import ReplicaSet, SchedulerLink
 from conveyor.frontend.request_metrics import FrontendMetrics
 from conveyor.frontend.request_state import RequestState
-from conveyor.frontend.relays import Relays
 from conveyor.frontend.scheduler_side import LoopState, SchedulerSide
 from conveyor.frontend.sending import ClientSender
 from conveyor.frontend.sessions import Sessions
@@ -35,7 +35,6 @@ from conveyor.frontend.shares import ClientShares
 from conveyor.frontend.token_service import TokenService
 from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.ipc import transport
-from conveyor.frontend.liveness import SchedulerWatch
 from conveyor.protocol import limits
 from conveyor.runtime.config import FrontendConfig
 
@@ -73,7 +72,10 @@ class Frontend:
         self.tokenizer = tokenizer
         self.constraints = ConstraintCompiler(config.model_dir)
         self.processor = RequestProcessor(
-            tokenizer, vocab_size=config.vocab_size, max_model_len=config.max_model_len, max_logprobs=config.max_logprobs
+            tokenizer,
+            vocab_size=config.vocab_size,
+            max_model_len=config.max_model_len,
+            max_logprobs=config.max_logprobs,
         )
         # Two views of the requests in flight (docs/architecture.md, "The frontend's rules"): by the client's
         # id, every one from its generate on (a pending one too); by its id at the scheduler,

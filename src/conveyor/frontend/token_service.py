@@ -68,7 +68,9 @@ class TokenService:
         vocab = self.processor.tokenizer.vocab_size
         bad = next((t for t in cmd.token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            error = wire.ProtocolError(f"token id {bad} is outside the vocabulary [0, {vocab})", cmd.request_id, wire.INVALID_INPUT)
+            error = wire.ProtocolError(
+                f"token id {bad} is outside the vocabulary [0, {vocab})", cmd.request_id, wire.INVALID_INPUT
+            )
             self._spawn(self._send_error(identity, cmd.request_id, error))
             return
         work = lambda pooled: self.processor.tokenizer.decode(cmd.token_ids, False)  # noqa: E731
@@ -91,7 +93,9 @@ class TokenService:
             reply["token_strs"] = self.processor.tokenizer.convert_ids_to_tokens(ids)
         return reply
 
-    async def _answer(self, identity: bytes, rid: str, size: int, work: Callable[[bool], object], reply: Callable) -> None:
+    async def _answer(
+        self, identity: bytes, rid: str, size: int, work: Callable[[bool], object], reply: Callable
+    ) -> None:
         """Run ``work`` where ``size`` says (its argument: on a pool thread), then send ``reply`` of its result."""
         large = size >= self.large_chars
         pool = self.large_pool if large else self.pool
@@ -106,7 +110,9 @@ class TokenService:
             await self._send_error(identity, rid, exc)
             return
         except (asyncio.TimeoutError, TimeoutError):
-            await self._send_error(identity, rid, wire.ProtocolError(f"not done within {TOKENIZE_DEADLINE_S:g} s", rid, wire.TIMEOUT))
+            await self._send_error(
+                identity, rid, wire.ProtocolError(f"not done within {TOKENIZE_DEADLINE_S:g} s", rid, wire.TIMEOUT)
+            )
             return
         except Exception as exc:  # a bug, not the client's input: still one answer
             log.exception("tokenize/detokenize %r failed", rid)

@@ -416,7 +416,9 @@ class Tokenizer:
             final = str(messages[-1].get("content") or "").strip()
             end = text.rfind(final) if final else -1
             if end < 0:
-                raise ValueError("continue_final_message: the chat template does not write the final message's content as it is")
+                raise ValueError(
+                    "continue_final_message: the chat template does not write the final message's content as it is"
+                )
             text = text[: end + len(final)]
         return text
 
@@ -435,7 +437,9 @@ class Tokenizer:
 
         ``release_gil`` as in :meth:`encode` (the template itself renders in Python, holding it).
         """
-        text = self.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message, variables=variables)
+        text = self.render_chat(
+            messages, add_generation_prompt, continue_final_message=continue_final_message, variables=variables
+        )
         spans = literal_spans(text, messages, self._special_texts)
         if not spans:
             return self.encode(text, add_special_tokens=False, release_gil=release_gil)

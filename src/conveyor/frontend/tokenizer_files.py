@@ -15,9 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 
 def tokenizer_file(root: Path) -> Path:
@@ -30,7 +29,7 @@ def tokenizer_file(root: Path) -> Path:
         raise FileNotFoundError(
             f"{path} not found: the frontend reads only the fast-tokenizer file. If this checkpoint ships "
             f"a slow tokenizer (tokenizer.model, or vocab.json + merges.txt), run `bin/convert-tokenizer {root}` "
-            '(or conveyor-convert-tokenizer) once to write tokenizer.json from it; it needs transformers: '
+            "(or conveyor-convert-tokenizer) once to write tokenizer.json from it; it needs transformers: "
             'pip install "conveyor[convert]"'
         )
     return path

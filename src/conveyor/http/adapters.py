@@ -29,7 +29,9 @@ from conveyor.http.errors import ApiError, bad_field
 from conveyor.http.link import FrontendLink, api_error
 from conveyor.protocol import wire
 
-LORAS = web.AppKey("loras", list)  # the LoRA adapters' names as last seen: models a request may name beside the served one
+LORAS = web.AppKey(
+    "loras", list
+)  # the LoRA adapters' names as last seen: models a request may name beside the served one
 # A refresh of the adapters' names waits this long for the stats query.
 REFRESH_TIMEOUT_S = 5.0
 
@@ -80,9 +82,15 @@ def _int_or_null(value: Any) -> bool:
 # its check, what it must be). Conveyor names adapters by name only: ``lora_int_id`` (vLLM's own
 # id of a loaded adapter) is checked and ignored; ``load_inplace`` true asks to replace a loaded
 # adapter's weights, which Conveyor does not do (:func:`update`).
-LOAD_FIELDS = {"lora_name": (True, _text, "a non-empty string"), "lora_path": (True, _text, "a non-empty string"),
-               "load_inplace": (False, _flag, "a boolean")}
-UNLOAD_FIELDS = {"lora_name": (True, _text, "a non-empty string"), "lora_int_id": (False, _int_or_null, "an integer or null")}
+LOAD_FIELDS = {
+    "lora_name": (True, _text, "a non-empty string"),
+    "lora_path": (True, _text, "a non-empty string"),
+    "load_inplace": (False, _flag, "a boolean"),
+}
+UNLOAD_FIELDS = {
+    "lora_name": (True, _text, "a non-empty string"),
+    "lora_int_id": (False, _int_or_null, "an integer or null"),
+}
 
 
 def _fields(body: Any, spec: dict[str, tuple[bool, Callable[[Any], bool], str]]) -> dict[str, Any]:
@@ -120,8 +128,10 @@ async def update(app: web.Application, link: FrontendLink, served: str, body: An
             raise api_error(exc) from None
         message = str(exc)
         if exc.code == wire.LORA_ALREADY_LOADED and body.get("load_inplace"):
-            message += ("; load_inplace: Conveyor does not replace a loaded adapter's weights in place: unload it "
-                        "(once no request uses it), then load the new ones")
+            message += (
+                "; load_inplace: Conveyor does not replace a loaded adapter's weights in place: unload it "
+                "(once no request uses it), then load the new ones"
+            )
         raise ApiError(status, message, param="lora_name", code=exc.code) from None
     except Exception as exc:
         raise api_error(exc) from None

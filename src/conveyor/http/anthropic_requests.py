@@ -41,12 +41,25 @@ from conveyor.http.openai_requests import CHAT, GenerationJob, parse_request, un
 # The Messages API's request fields (count_tokens takes all but the sampling ones).
 # Fields with no effect here (caching hints: the prefix cache is automatic; routing, billing and
 # speed tiers of Anthropic's service).
-_IGNORED = ("cache_control", "diagnostics", "inference_geo", "metadata", "service_tier", "speed", "user_profile_id", "workspace_id")
-COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", *_IGNORED})
+_IGNORED = (
+    "cache_control",
+    "diagnostics",
+    "inference_geo",
+    "metadata",
+    "service_tier",
+    "speed",
+    "user_profile_id",
+    "workspace_id",
+)
+COUNT_FIELDS = frozenset(
+    {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", *_IGNORED}
+)
 MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "seed", "stream"}
 
 
-def messages_job(body: Any, served_model: str, loras: Sequence[str] = (), strict: bool = False, count_only: bool = False) -> GenerationJob:
+def messages_job(
+    body: Any, served_model: str, loras: Sequence[str] = (), strict: bool = False, count_only: bool = False
+) -> GenerationJob:
     """The job of a ``/v1/messages`` body (``count_only``: of a ``count_tokens`` body, whose
     job is only rendered and counted); :class:`ApiError` naming the field otherwise."""
     if not isinstance(body, dict):
@@ -99,7 +112,9 @@ def _thinking(thinking: Any) -> bool | None:
         return None
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
-        raise bad_field("thinking", "'thinking' must be {type: enabled, budget_tokens}, {type: adaptive} or {type: disabled}")
+        raise bad_field(
+            "thinking", "'thinking' must be {type: enabled, budget_tokens}, {type: adaptive} or {type: disabled}"
+        )
     return kind != "disabled"
 
 
@@ -131,8 +146,10 @@ def _texts(blocks: Any, where: str, allowed: tuple[str, ...]) -> str:
     for i, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind not in allowed:
-            raise bad_field(where.split("[")[0], f"'{where}'[{i}]: content blocks of type {kind!r} are not supported here "
-                            f"(only {', '.join(allowed)})")
+            raise bad_field(
+                where.split("[")[0],
+                f"'{where}'[{i}]: content blocks of type {kind!r} are not supported here (only {', '.join(allowed)})",
+            )
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise bad_field(where.split("[")[0], f"'{where}'[{i}].text must be a string")
@@ -147,7 +164,9 @@ def _turns(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("user", "assistant"):
-            raise bad_field("messages", f"'messages'[{i}].role must be 'user' or 'assistant' (the system prompt is 'system')")
+            raise bad_field(
+                "messages", f"'messages'[{i}].role must be 'user' or 'assistant' (the system prompt is 'system')"
+            )
         content = message.get("content")
         where = f"messages[{i}].content"
         if role == "user":
@@ -159,8 +178,14 @@ def _turns(messages: Any) -> list[dict[str, Any]]:
             if text or not isinstance(content, list):
                 turns.append({"role": "user", "content": text})
         else:
-            text = _texts(content, where, ("text", "tool_use", "thinking", "redacted_thinking"))  # earlier reasoning dropped
-            calls = [_tool_use(b, where) for b in content if b.get("type") == "tool_use"] if isinstance(content, list) else []
+            text = _texts(
+                content, where, ("text", "tool_use", "thinking", "redacted_thinking")
+            )  # earlier reasoning dropped
+            calls = (
+                [_tool_use(b, where) for b in content if b.get("type") == "tool_use"]
+                if isinstance(content, list)
+                else []
+            )
             turn: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 turn["tool_calls"] = calls
@@ -179,7 +204,11 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
-    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) or not isinstance(block.get("input"), dict):
+    if (
+        not isinstance(block.get("id"), str)
+        or not isinstance(block.get("name"), str)
+        or not isinstance(block.get("input"), dict)
+    ):
         raise bad_field("messages", f"'{where}': a tool_use block needs 'id', 'name' and an object 'input'")
     return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": block["input"]}}
 
@@ -192,8 +221,11 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_field("tools", f"'tools'[{i}] must be an object with a non-empty 'name'")
         if tool.get("type") not in (None, "custom"):
-            raise bad_field("tools", f"'tools'[{i}]: tools of type {tool['type']!r} (server tools) are not supported; "
-                            "give client tools: {name, description, input_schema}")
+            raise bad_field(
+                "tools",
+                f"'tools'[{i}]: tools of type {tool['type']!r} (server tools) are not supported; "
+                "give client tools: {name, description, input_schema}",
+            )
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise bad_field("tools", f"'tools'[{i}].input_schema must be a JSON schema object")
@@ -216,7 +248,12 @@ def _output_config(output: Any, ignored: list[str]) -> dict[str, Any]:
         return {}
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise bad_field("output_config", "'output_config.format' must be {type: json_schema, schema: {...}}")
-    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}}
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True},
+        }
+    }
 
 
 def _tool_choice(choice: Any) -> tuple[Any, bool]:
@@ -229,4 +266,6 @@ def _tool_choice(choice: Any) -> tuple[Any, bool]:
         return "required", parallel
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
-    raise bad_field("tool_choice", "'tool_choice' must be {type: auto}, {type: any}, {type: tool, name} or {type: none}")
+    raise bad_field(
+        "tool_choice", "'tool_choice' must be {type: auto}, {type: any}, {type: tool, name} or {type: none}"
+    )

@@ -29,15 +29,25 @@ from conveyor.http.job_runs import checked, generate_all, stream_events
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_requests import GenerationJob
 from conveyor.http.openai_responses import json_encode
-from conveyor.http.request_ids import request_id
 from conveyor.http.output_reading import OutputReader, Reading, output_reader
+from conveyor.http.request_ids import request_id
 from conveyor.ipc.messages import FinishReason
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 503 (starting,
 # a process died) is Anthropic's "overloaded": try again later.
-_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
@@ -89,14 +99,21 @@ def stop_reason(finish_reason: str, called: bool, stop: str | None) -> str:
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI tool call (arguments as JSON text) as a ``tool_use`` block."""
     fn = call["function"]
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": fn["name"], "input": json.loads(fn["arguments"])}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": fn["name"],
+        "input": json.loads(fn["arguments"]),
+    }
 
 
 def usage(result: CompletionResult) -> dict[str, int]:
     return {"input_tokens": result.usage.prompt_tokens, "output_tokens": result.usage.completion_tokens}
 
 
-def message_body(rid: str, model: str, result: CompletionResult, stops: list[str] | None, reader: OutputReader | None) -> dict[str, Any]:
+def message_body(
+    rid: str, model: str, result: CompletionResult, stops: list[str] | None, reader: OutputReader | None
+) -> dict[str, Any]:
     """The unstreamed message of ``result`` (its stop text dropped, its reasoning and calls
     read by ``reader``)."""
     tail = StopTail(stops)
@@ -109,8 +126,14 @@ def message_body(rid: str, model: str, result: CompletionResult, stops: list[str
         content.append({"type": "text", "text": text})
     content += [_tool_use(c) for c in calls]
     return {
-        "id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
-        "stop_reason": stop_reason(result.finish_reason, bool(calls), stop), "stop_sequence": stop, "usage": usage(result),
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(result.finish_reason, bool(calls), stop),
+        "stop_sequence": stop,
+        "usage": usage(result),
     }
 
 
@@ -138,8 +161,16 @@ class MessageEvents:
         self.called = False
 
     def start(self) -> None:
-        message = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+        message = {
+            "id": self.rid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
         self.out += event("message_start", {"message": message}) + event("ping", {})
 
     def __call__(self, index: int, delta: StreamDelta) -> int:
@@ -152,7 +183,9 @@ class MessageEvents:
         self._pieces(rest, end=True)
         self._close()
         reason = stop_reason(result.finish_reason, self.called, stop)
-        self.out += event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop}, "usage": usage(result)})
+        self.out += event(
+            "message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop}, "usage": usage(result)}
+        )
         return 1
 
     def _pieces(self, text: str, end: bool = False) -> None:
@@ -174,7 +207,9 @@ class MessageEvents:
             start = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
             self.out += event("content_block_start", {"index": self.blocks, "content_block": start})
             self.open = kind
-        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta", "text": text}
+        delta = (
+            {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta", "text": text}
+        )
         self.out += event("content_block_delta", {"index": self.blocks, "delta": delta})
 
     def _call(self, call: dict[str, Any]) -> None:
@@ -182,7 +217,10 @@ class MessageEvents:
         block = _tool_use(call)
         arguments = json_encode(block["input"]).decode()
         self.out += event("content_block_start", {"index": self.blocks, "content_block": {**block, "input": {}}})
-        self.out += event("content_block_delta", {"index": self.blocks, "delta": {"type": "input_json_delta", "partial_json": arguments}})
+        self.out += event(
+            "content_block_delta",
+            {"index": self.blocks, "delta": {"type": "input_json_delta", "partial_json": arguments}},
+        )
         self.out += event("content_block_stop", {"index": self.blocks})
         self.blocks += 1
         self.called = True
@@ -202,7 +240,12 @@ class MessageEvents:
 
 
 async def respond_message(
-    request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tool_parser: str | None, headers: dict[str, str],
+    request: web.Request,
+    link: FrontendLink,
+    job: GenerationJob,
+    model: str,
+    tool_parser: str | None,
+    headers: dict[str, str],
     reasoning_parser: str | None = None,
 ) -> web.StreamResponse:
     """The answer to a ``/v1/messages`` job, through the one lifecycle of :mod:`conveyor.http.job_runs`."""
@@ -213,4 +256,8 @@ async def respond_message(
     if job.stream:
         return await stream_events(request, link, job, MessageEvents(rid, model, stops, reader), headers)
     result = (await generate_all(link, job))[0]
-    return web.Response(body=json_encode(message_body(rid, model, result, stops, reader)), content_type="application/json", headers=headers)
+    return web.Response(
+        body=json_encode(message_body(rid, model, result, stops, reader)),
+        content_type="application/json",
+        headers=headers,
+    )

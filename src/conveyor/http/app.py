@@ -38,15 +38,13 @@ from typing import Any
 import prometheus_client
 from aiohttp import web
 
-from conveyor.version import __version__
-from conveyor.http import adapters, prometheus
+from conveyor.http import adapters, prometheus, request_ids
 from conveyor.http.adapters import LORAS
-from conveyor.http.connections import BODY_TIMEOUT, BODY_TIMEOUT_S, COUNTS, Guard
-from conveyor.http.embeddings import embeddings_body, embeddings_job
-from conveyor.http import request_ids
 from conveyor.http.anthropic_requests import messages_job, thinking_budget
 from conveyor.http.anthropic_responses import error_body as anthropic_error_body
 from conveyor.http.anthropic_responses import respond_message
+from conveyor.http.connections import BODY_TIMEOUT, BODY_TIMEOUT_S, COUNTS, Guard
+from conveyor.http.embeddings import embeddings_body, embeddings_job
 from conveyor.http.errors import ApiError, bad_field, unavailable
 from conveyor.http.generation import ignored_fields, respond
 from conveyor.http.job_runs import STARTED_RESPONSE, generate_all
@@ -60,6 +58,7 @@ from conveyor.http.responses_requests import responses_job
 from conveyor.http.tokenizer_info import tokenizer_info
 from conveyor.http.tokens import Tokens
 from conveyor.protocol.limits import MAX_CLIENT_MESSAGE_BYTES, MAX_TEMPLATE_KWARGS_BYTES
+from conveyor.version import __version__
 
 log = logging.getLogger("conveyor.http")
 
@@ -73,8 +72,12 @@ MODEL = web.AppKey("model", str)
 MAX_MODEL_LEN = web.AppKey("max_model_len", int)
 CREATED = web.AppKey("created", int)
 TOKENS = web.AppKey("tokens", Tokens)
-TOOL_PARSER = web.AppKey("tool_parser", object)  # --tool-call-parser: a format of conveyor.structured.tool_calls, or None
-REASONING_PARSER = web.AppKey("reasoning_parser", object)  # --reasoning-parser: a format of conveyor.structured.reasoning, or None
+TOOL_PARSER = web.AppKey(
+    "tool_parser", object
+)  # --tool-call-parser: a format of conveyor.structured.tool_calls, or None
+REASONING_PARSER = web.AppKey(
+    "reasoning_parser", object
+)  # --reasoning-parser: a format of conveyor.structured.reasoning, or None
 ACCESS = web.AppKey("access", object)
 MAX_WAITING = web.AppKey("max_waiting", int)  # --max-waiting (absent: no per-request share)
 GUARD = web.AppKey("guard", Guard)  # the listener's connection guard (absent: none, as in tests)
@@ -107,6 +110,7 @@ class Access:
         for key in self.keys:  # every key compared, in constant time each
             matched |= hmac.compare_digest(given, key)
         return matched
+
 
 # The Messages API's routes: their errors are in Anthropic's shape, their key may come as x-api-key.
 ANTHROPIC_PATH = "/v1/messages"
@@ -142,7 +146,12 @@ async def _handled(request: web.Request, handler) -> web.StreamResponse:
     request_ids.assign(request)
     try:
         if not request.app[ACCESS].allows(request):
-            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key", type="invalid_request_error")
+            raise ApiError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                type="invalid_request_error",
+            )
         return await handler(request)
     except ApiError as exc:
         response = error_response(exc, request.path)
@@ -166,7 +175,9 @@ async def _handled(request: web.Request, handler) -> web.StreamResponse:
         started = request.get(STARTED_RESPONSE)
         if started is not None:  # its status is sent already: the stream it began is the answer
             return started
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"), request.path)
+        return error_response(
+            ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"), request.path
+        )
 
 
 async def _body(request: web.Request) -> Any:
@@ -177,7 +188,9 @@ async def _body(request: web.Request) -> Any:
         counts = request.app.get(COUNTS)
         if counts is not None:
             counts.note("body_timeout")
-        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (--http-body-timeout)", code="request_timeout") from None
+        raise ApiError(
+            408, f"the request body did not arrive within {timeout:g} s (--http-body-timeout)", code="request_timeout"
+        ) from None
     return decode_body(data)
 
 
@@ -210,12 +223,22 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 async def _respond(request: web.Request, kind: str, body: Any) -> web.StreamResponse:
     app = request.app
-    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    loras = await adapters.known_model(
+        app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL]
+    )
     job = parse_request(kind, body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
     if kind == CHAT:
         job = budgeted(job, body.get("max_reasoning_tokens"), app.get(REASONING_PARSER))
     _check_share(job, app.get(MAX_WAITING, 0))
-    return await respond(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOKENS], app[TOOL_PARSER], app.get(REASONING_PARSER))
+    return await respond(
+        request,
+        app[LINK],
+        job,
+        job.options.get("lora") or app[MODEL],
+        app[TOKENS],
+        app[TOOL_PARSER],
+        app.get(REASONING_PARSER),
+    )
 
 
 @API_ROUTES.post("/v1/responses")
@@ -224,27 +247,37 @@ async def responses(request: web.Request) -> web.StreamResponse:
     (:mod:`conveyor.http.responses_requests`), answered as response objects and their events."""
     app = request.app
     body = await _body(request)
-    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    loras = await adapters.known_model(
+        app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL]
+    )
     parsed = responses_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
     parsed = replace(parsed, job=budgeted(parsed.job, body.get("max_reasoning_tokens"), app.get(REASONING_PARSER)))
     _check_share(parsed.job, app.get(MAX_WAITING, 0))
     headers = ignored_fields(request_ids.request_id(request), parsed.job)
     model = parsed.job.options.get("lora") or app[MODEL]
-    return await respond_response(request, app[LINK], parsed, model, app[TOOL_PARSER], app.get(REASONING_PARSER), headers)
+    return await respond_response(
+        request, app[LINK], parsed, model, app[TOOL_PARSER], app.get(REASONING_PARSER), headers
+    )
 
 
 @API_ROUTES.get("/v1/responses/{response_id}")
 async def stored_response(request: web.Request) -> web.Response:
     """Always a 404: Conveyor keeps no responses (``store: true`` is refused)."""
-    raise ApiError(404, f"no response '{request.match_info['response_id']}': this server keeps no responses ('store' is not supported)",
-                   param="response_id", code="response_not_found")
+    raise ApiError(
+        404,
+        f"no response '{request.match_info['response_id']}': this server keeps no responses ('store' is not supported)",
+        param="response_id",
+        code="response_not_found",
+    )
 
 
 @API_ROUTES.post("/v1/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
     """OpenAI's embeddings: pooling requests, one per input (:mod:`conveyor.http.embeddings`)."""
     app, body = request.app, await _body(request)
-    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    loras = await adapters.known_model(
+        app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL]
+    )
     job, encoding = embeddings_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
     _check_share(job, app.get(MAX_WAITING, 0))
     await app[LINK].require_started()
@@ -259,14 +292,24 @@ async def messages(request: web.Request) -> web.StreamResponse:
     (:mod:`conveyor.http.anthropic_requests`), answered in Anthropic's shapes."""
     app = request.app
     body = await _body(request)
-    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    loras = await adapters.known_model(
+        app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL]
+    )
     job = messages_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False))
     if app.get(REASONING_PARSER) is not None:
         job = budgeted(job, thinking_budget(body), app[REASONING_PARSER], "thinking")
     elif thinking_budget(body) is not None:  # no reasoning parser: no think block to cap
         job = replace(job, ignored=tuple(sorted([*job.ignored, "thinking.budget_tokens"])))
     headers = ignored_fields(request_ids.request_id(request), job)
-    return await respond_message(request, app[LINK], job, job.options.get("lora") or app[MODEL], app[TOOL_PARSER], headers, app.get(REASONING_PARSER))
+    return await respond_message(
+        request,
+        app[LINK],
+        job,
+        job.options.get("lora") or app[MODEL],
+        app[TOOL_PARSER],
+        headers,
+        app.get(REASONING_PARSER),
+    )
 
 
 @API_ROUTES.post("/v1/messages/count_tokens")
@@ -275,7 +318,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     messages and tools through the chat template), as ``/tokenize`` counts them."""
     app = request.app
     body = await _body(request)
-    loras = await adapters.known_model(app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL])
+    loras = await adapters.known_model(
+        app, app[LINK], body.get("model") if isinstance(body, dict) else None, app[MODEL]
+    )
     job = messages_job(body, app[MODEL], loras, app.get(STRICT_FIELDS, False), count_only=True)
     options = {k: v for k, v in job.options.items() if k not in ("fill_context", "lora")}
     ids = await app[TOKENS].prompt_ids(job.inputs[0], options)
@@ -311,7 +356,13 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 
 def _card(app: web.Application) -> dict[str, Any]:
-    return {"id": app[MODEL], "object": "model", "created": app[CREATED], "owned_by": "conveyor", "max_model_len": app[MAX_MODEL_LEN]}
+    return {
+        "id": app[MODEL],
+        "object": "model",
+        "created": app[CREATED],
+        "owned_by": "conveyor",
+        "max_model_len": app[MAX_MODEL_LEN],
+    }
 
 
 def _lora_card(app: web.Application, name: str) -> dict[str, Any]:
@@ -333,7 +384,12 @@ async def model_card(request: web.Request) -> web.Response:
     if name in await adapters.known_model(request.app, request.app[LINK], name, request.app[MODEL]):
         return _json(_lora_card(request.app, name))
     if name != request.app[MODEL]:
-        raise ApiError(404, f"the model '{name}' does not exist; this server serves '{request.app[MODEL]}'", param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model '{name}' does not exist; this server serves '{request.app[MODEL]}'",
+            param="model",
+            code="model_not_found",
+        )
     return _json(_card(request.app))
 
 
@@ -364,14 +420,32 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await _body(request)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    fields = {"prompt": (str,), "messages": (list,), "model": (str,), "add_special_tokens": (bool,), "add_generation_prompt": (bool,), "continue_final_message": (bool,), "chat_template_kwargs": (dict,), "return_token_strs": (bool,)}
+    fields = {
+        "prompt": (str,),
+        "messages": (list,),
+        "model": (str,),
+        "add_special_tokens": (bool,),
+        "add_generation_prompt": (bool,),
+        "continue_final_message": (bool,),
+        "chat_template_kwargs": (dict,),
+        "return_token_strs": (bool,),
+    }
     unknown = sorted(set(body) - set(fields))
     if unknown:
         raise bad_field(unknown[0], f"unrecognized request field(s): {', '.join(map(repr, unknown))}")
     if body.get("model") is not None and body["model"] != app[MODEL]:
-        raise ApiError(404, f"the model '{body['model']}' does not exist; this server serves '{app[MODEL]}'", param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model '{body['model']}' does not exist; this server serves '{app[MODEL]}'",
+            param="model",
+            code="model_not_found",
+        )
     chat = body.get("messages") is not None
-    options = {k: body[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs") if body.get(k) is not None}
+    options = {
+        k: body[k]
+        for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+        if body.get(k) is not None
+    }
     if chat:
         job = parse_request(CHAT, {"model": app[MODEL], "messages": body["messages"], **options}, app[MODEL])
     else:
@@ -383,10 +457,15 @@ async def tokenize(request: web.Request) -> web.Response:
     tokens = app[TOKENS]
     add_special = body.get("add_special_tokens")
     if chat and add_special:
-        raise bad_field("add_special_tokens", "'add_special_tokens' with 'messages': only false or null is accepted (the template writes them)")
+        raise bad_field(
+            "add_special_tokens",
+            "'add_special_tokens' with 'messages': only false or null is accepted (the template writes them)",
+        )
     options = {k: v for k, v in job.options.items() if k != "fill_context"}
     add = not (add_special is False and "prompt" in job.inputs[0])
-    answer = await tokens.tokenize(job.inputs[0], options, add_special_tokens=add, token_strs=bool(body.get("return_token_strs")))
+    answer = await tokens.tokenize(
+        job.inputs[0], options, add_special_tokens=add, token_strs=bool(body.get("return_token_strs"))
+    )
     ids = answer["token_ids"]
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": app[MAX_MODEL_LEN], "tokens": ids}
     if body.get("return_token_strs"):
@@ -403,7 +482,11 @@ async def detokenize(request: web.Request) -> web.Response:
     if body.get("model") is not None and body["model"] != request.app[MODEL]:
         raise ApiError(404, f"the model '{body['model']}' does not exist", param="model", code="model_not_found")
     ids = body.get("tokens")
-    if not isinstance(ids, list) or len(ids) > MAX_TOKENIZE_IDS or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if (
+        not isinstance(ids, list)
+        or len(ids) > MAX_TOKENIZE_IDS
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
         raise bad_field("tokens", f"'tokens' must be an array of at most {MAX_TOKENIZE_IDS} token ids")
     return _json({"prompt": await request.app[TOKENS].decode(ids)})
 
@@ -414,8 +497,11 @@ async def health(request: web.Request) -> web.Response:
     HEALTH_TIMEOUT_S (so all three processes are up) and no worker is hung; 503 otherwise."""
     if await request.app[LINK].healthy():
         return web.Response(body=b'{"status":"ok"}', content_type="application/json")
-    raise unavailable("the server is not healthy: the scheduler did not answer a stats query in time, or a worker is hung "
-        "(--hang-timeout)", "unhealthy")
+    raise unavailable(
+        "the server is not healthy: the scheduler did not answer a stats query in time, or a worker is hung "
+        "(--hang-timeout)",
+        "unhealthy",
+    )
 
 
 @PROBE_ROUTES.get("/metrics")
@@ -426,18 +512,27 @@ async def metrics(request: web.Request) -> web.Response:
     try:
         frontend_metrics = await link.metrics(SCRAPE_TIMEOUT_S)
     except Exception as exc:
-        raise unavailable(f"the frontend did not answer the metrics query: {exc or type(exc).__name__}", "unhealthy") from None
+        raise unavailable(
+            f"the frontend did not answer the metrics query: {exc or type(exc).__name__}", "unhealthy"
+        ) from None
     try:
         stats = await link.stats(SCRAPE_TIMEOUT_S)
     except Exception:
         stats = None
     counts = request.app.get(COUNTS)
-    body = prometheus.exposition(frontend_metrics, stats, request.app[MODEL], counts.snapshot() if counts is not None else None)
+    body = prometheus.exposition(
+        frontend_metrics, stats, request.app[MODEL], counts.snapshot() if counts is not None else None
+    )
     return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 
 def _app(
-    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None, access: Access | None,
+    link: FrontendLink,
+    model: str,
+    max_model_len: int,
+    created: int,
+    tokens: Tokens | None,
+    access: Access | None,
     loras: Sequence[str] = (),
 ) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
@@ -453,7 +548,12 @@ def _app(
 
 
 def api_app(
-    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None,
+    link: FrontendLink,
+    model: str,
+    max_model_len: int,
+    created: int,
+    tokens: Tokens | None = None,
+    access: Access | None = None,
     loras: Sequence[str] = (),
     tool_call_parser: str | None = None,
     strict_fields: bool = False,
@@ -469,7 +569,12 @@ def api_app(
 
 
 def metrics_app(
-    link: FrontendLink, model: str, max_model_len: int, created: int, tokens: Tokens | None = None, access: Access | None = None,
+    link: FrontendLink,
+    model: str,
+    max_model_len: int,
+    created: int,
+    tokens: Tokens | None = None,
+    access: Access | None = None,
     loras: Sequence[str] = (),
 ) -> web.Application:
     app = _app(link, model, max_model_len, created, tokens, access, loras)

@@ -55,14 +55,14 @@ RESERVED_FDS = 256
 CAUSES = ("header_timeout", "idle_timeout", "body_timeout", "not_reading", "refused")
 _WHY = {
     "header_timeout": "a client did not finish a request's headers within --http-header-timeout: its connection "
-        "was closed",
+    "was closed",
     "idle_timeout": "a connection sent nothing for --http-header-timeout (idle keep-alive, or it never spoke): closed",
     "body_timeout": "a client did not send its request body within --http-body-timeout: answered 408, "
     "connection closed",
     "not_reading": "a client did not take its streamed response's bytes within --http-body-timeout: its request "
-        "aborted, connection closed",
+    "aborted, connection closed",
     "refused": "an HTTP listener is at its connection cap (--http-max-connections): a new connection was answered "
-        "503 and closed",
+    "503 and closed",
 }
 
 
@@ -93,7 +93,11 @@ class Counts:
 
     def note(self, cause: str) -> None:
         if not self.closed[cause]:
-            log.warning("%s (logged once; counted in /metrics as conveyor:http_connections_closed_total{cause=%r})", _WHY[cause], cause)
+            log.warning(
+                "%s (logged once; counted in /metrics as conveyor:http_connections_closed_total{cause=%r})",
+                _WHY[cause],
+                cause,
+            )
         self.closed[cause] += 1
 
     def snapshot(self) -> dict[str, Any]:

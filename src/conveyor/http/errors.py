@@ -23,7 +23,15 @@ RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
 
-_TYPE_OF_STATUS = {400: INVALID_REQUEST, 404: NOT_FOUND, 405: INVALID_REQUEST, 408: INVALID_REQUEST, 413: INVALID_REQUEST, 429: RATE_LIMIT, 503: UNAVAILABLE}
+_TYPE_OF_STATUS = {
+    400: INVALID_REQUEST,
+    404: NOT_FOUND,
+    405: INVALID_REQUEST,
+    408: INVALID_REQUEST,
+    413: INVALID_REQUEST,
+    429: RATE_LIMIT,
+    503: UNAVAILABLE,
+}
 
 # Client-protocol field names that are spelled otherwise in the OpenAI API.
 _OPENAI_NAME = {"token_ids": "prompt"}
@@ -43,7 +51,9 @@ _LEADING_FIELD = (
 class ApiError(Exception):
     """A request answered with an OpenAI error object and ``status``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

@@ -34,9 +34,9 @@ from conveyor.http.link import FrontendLink
 from conveyor.http.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from conveyor.http.openai_requests import CHAT, COMPLETION, GenerationJob
 from conveyor.http.openai_responses import DONE, ChunkEncoder, completion_body, json_encode, response_id, usage_so_far
+from conveyor.http.output_reading import OutputReader, output_reader
 from conveyor.http.request_ids import request_id
 from conveyor.http.tokens import Tokens
-from conveyor.http.output_reading import OutputReader, output_reader
 from conveyor.ipc.messages import FinishReason
 
 log = logging.getLogger("conveyor.http")
@@ -51,7 +51,9 @@ class _Prompts:
     """What a job needs of its prompts: their ids (``return_token_ids``, continuous usage)
     and the texts ``echo`` puts in front (None where not asked)."""
 
-    def __init__(self, ids: list[list[int]] | None, echoes: list[str] | None, first_tokens: list[str] | None = None) -> None:
+    def __init__(
+        self, ids: list[list[int]] | None, echoes: list[str] | None, first_tokens: list[str] | None = None
+    ) -> None:
         self.ids = ids
         self.echoes = echoes
         self.first_tokens = first_tokens  # echo with logprobs: each prompt's first token's text (it has no value)
@@ -79,7 +81,13 @@ async def _prompts(job: GenerationJob, tokens: Tokens, ids: list[list[int]] | No
 
 
 def _logprob_fields(
-    job: GenerationJob, prompts: _Prompts, index: int, rows: dict | None, prompt_rows: dict | None, offset: int, first: bool
+    job: GenerationJob,
+    prompts: _Prompts,
+    index: int,
+    rows: dict | None,
+    prompt_rows: dict | None,
+    offset: int,
+    first: bool,
 ) -> dict[str, Any]:
     """The log-probability fields of choice ``index`` for output ``rows`` and ``prompt_rows``
     (a whole answer's, or one chunk's: ``first`` for its first, which carries the echoed
@@ -98,7 +106,12 @@ def _logprob_fields(
 
 
 async def respond(
-    request: web.Request, link: FrontendLink, job: GenerationJob, model: str, tokens: Tokens, tool_parser: str | None = None,
+    request: web.Request,
+    link: FrontendLink,
+    job: GenerationJob,
+    model: str,
+    tokens: Tokens,
+    tool_parser: str | None = None,
     reasoning_parser: str | None = None,
 ) -> web.StreamResponse:
     """The HTTP answer to ``job``; :class:`ApiError` for a failure known before it starts.
@@ -123,9 +136,13 @@ async def respond(
     extras = None
     if job.logprobs is not None or job.prompt_logprobs:
         extras = [
-            _logprob_fields(job, prompts, i, c.logprobs, r.prompt_logprobs, 0, True) for i, r in enumerate(results) for c in r.choices
+            _logprob_fields(job, prompts, i, c.logprobs, r.prompt_logprobs, 0, True)
+            for i, r in enumerate(results)
+            for c in r.choices
         ]
-    body = completion_body(job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids, extras=extras)
+    body = completion_body(
+        job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids, extras=extras
+    )
     reader = output_reader(job, tool_parser, reasoning_parser)
     if reader is not None:  # each choice read on its own (n > 1: each sequence wrote its own calls)
         for choice, seq in zip(body["choices"], [seq for r in results for seq in r.choices]):
@@ -169,7 +186,9 @@ class _Encoder:
     sequence ``j`` (``StreamDelta.index``) is choice ``i * n + j``; an input's final ends each of
     its choices (its ``finish_reason``), and continuous usage counts the input's tokens."""
 
-    def __init__(self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, tools: OutputReader | None = None) -> None:
+    def __init__(
+        self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, tools: OutputReader | None = None
+    ) -> None:
         self.enc, self.out = enc, bytearray()
         self.finals: list[CompletionResult | None] = [None] * len(job.inputs)
         self.n = job.n
@@ -270,7 +289,9 @@ class _Encoder:
                 self.prompt_rows[index] = prompt_rows
             elif first:  # n > 1: a sequence's first chunk after another's brought the prompt's
                 prompt_rows = self.prompt_rows.get(index)
-            fields = _logprob_fields(self.job, self.prompts, index, delta.logprobs, prompt_rows, self.offsets[choice], first)
+            fields = _logprob_fields(
+                self.job, self.prompts, index, delta.logprobs, prompt_rows, self.offsets[choice], first
+            )
             if fields.get("logprobs") and self.enc.kind == COMPLETION:
                 self.offsets[choice] += sum(len(t) for t in fields["logprobs"]["tokens"])
             extra.update(fields)

@@ -174,5 +174,3 @@ async def write(request: web.Request, response: web.StreamResponse, data: bytes)
         if request.transport is not None:
             request.transport.abort()
         raise asyncio.CancelledError from None
-
-

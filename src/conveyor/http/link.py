@@ -25,7 +25,9 @@ from conveyor.protocol import wire
 
 HEALTH_TIMEOUT_S = 1.0
 # Codes of an ``error`` map that blame the message (its size, shape or fields), not the server.
-_CLIENT_FAULTS = frozenset({wire.MALFORMED, wire.TOO_LARGE, wire.INVALID_FIELD, wire.INVALID_INPUT, wire.PROMPT_TOO_LONG})
+_CLIENT_FAULTS = frozenset(
+    {wire.MALFORMED, wire.TOO_LARGE, wire.INVALID_FIELD, wire.INVALID_INPUT, wire.PROMPT_TOO_LONG}
+)
 # A shared query gives up after this long (a caller's own deadline is usually shorter).
 QUERY_TIMEOUT_S = 10.0
 # How long a request's first send waits for the ZeroMQ handshake with the frontend.
@@ -63,7 +65,12 @@ class FrontendLink:
         no worker hung (``num_hung``, conveyor.scheduler.liveness)."""
         try:
             stats = await self.stats(HEALTH_TIMEOUT_S)
-        except (asyncio.TimeoutError, TimeoutError, ConnectionError, ServerError):  # ConnectionError: none, lost, refused
+        except (
+            asyncio.TimeoutError,
+            TimeoutError,
+            ConnectionError,
+            ServerError,
+        ):  # ConnectionError: none, lost, refused
             return False
         return not stats.get("num_hung")
 

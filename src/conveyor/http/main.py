@@ -89,14 +89,20 @@ class HttpServer:
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         # The client socket's internal endpoint: --client-send-queue does not bound it.
-        link = FrontendLink(self.config.addresses.internal_client or self.config.addresses.client, self.config.auth_keys)
+        link = FrontendLink(
+            self.config.addresses.internal_client or self.config.addresses.client, self.config.auth_keys
+        )
         created = int(time.time())
         tokens = Tokens(self.config.model_dir, self.config.max_model_len, link)
         access = Access.of(self.config.api_keys, self.config.api_key_everywhere)
         apps = []
         if self.api_socket is not None:
-            api = functools.partial(api_app, tool_call_parser=self.config.tool_call_parser, strict_fields=self.config.strict_fields,
-                                    reasoning_parser=self.config.reasoning_parser)
+            api = functools.partial(
+                api_app,
+                tool_call_parser=self.config.tool_call_parser,
+                strict_fields=self.config.strict_fields,
+                reasoning_parser=self.config.reasoning_parser,
+            )
             apps.append((api, self.api_socket))
         if self.metrics_socket is not None:
             apps.append((metrics_app, self.metrics_socket))
@@ -105,7 +111,15 @@ class HttpServer:
         counts, cap = Counts(), connection_cap(config.http_max_connections)
         try:
             for make, sock in apps:
-                app = make(link, self.config.served_model_name, self.config.max_model_len, created, tokens, access, loras=self.config.lora_names)
+                app = make(
+                    link,
+                    self.config.served_model_name,
+                    self.config.max_model_len,
+                    created,
+                    tokens,
+                    access,
+                    loras=self.config.lora_names,
+                )
                 app[GUARD] = guard = Guard(counts, cap, config.http_header_timeout)
                 app[COUNTS] = counts
                 app[BODY_TIMEOUT] = config.http_body_timeout
@@ -120,7 +134,11 @@ class HttpServer:
                 await runner.setup()
                 runners.append(runner)
                 # The listener itself (not an aiohttp site): its protocols go through the guard.
-                listeners.append(await loop.create_server(guard.factory(runner.server), sock=sock, ssl=self.ssl, backlog=LISTEN_BACKLOG))
+                listeners.append(
+                    await loop.create_server(
+                        guard.factory(runner.server), sock=sock, ssl=self.ssl, backlog=LISTEN_BACKLOG
+                    )
+                )
             await stop.wait()
         finally:
             for listener in listeners:

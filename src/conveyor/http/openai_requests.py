@@ -38,7 +38,9 @@ from conveyor.protocol.limits import MAX_TEMPLATE_KWARGS_BYTES
 MAX_PROMPTS = 1024
 
 _KNOWN = {kind: frozenset(n for n, f in FIELDS.items() if kind in f.endpoints) for kind in (COMPLETION, CHAT)}
-_FORWARDED = {kind: tuple(n for n, f in FIELDS.items() if f.how == FORWARD and kind in f.endpoints) for kind in (COMPLETION, CHAT)}
+_FORWARDED = {
+    kind: tuple(n for n, f in FIELDS.items() if f.how == FORWARD and kind in f.endpoints) for kind in (COMPLETION, CHAT)
+}
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,6 @@ class GenerationJob:
     prompt_logprobs: bool = False
     unknown: tuple[str, ...] = ()  # the fields no schema knows (also in ``ignored``): a warning each
 
-
     @property
     def n(self) -> int:
         """Sequences per input (``n``): input ``i``'s sequence ``j`` is choice ``i * n + j``."""
@@ -77,7 +78,9 @@ class GenerationJob:
         return n if isinstance(n, int) and not isinstance(n, bool) else 1
 
 
-def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] = (), strict: bool = False) -> GenerationJob:
+def parse_request(
+    kind: str, body: Any, served_model: str, loras: Sequence[str] = (), strict: bool = False
+) -> GenerationJob:
     """The job for a decoded body of ``/v1/completions`` (``kind`` COMPLETION) or
     ``/v1/chat/completions`` (CHAT); :class:`ApiError` (400, 404) naming the field otherwise.
     ``model`` names the served model or one of the LoRA adapters ``loras``: an adapter's
@@ -88,7 +91,9 @@ def parse_request(kind: str, body: Any, served_model: str, loras: Sequence[str] 
     misplaced = sorted(set(body) - _KNOWN[kind] & FIELDS.keys())
     if misplaced:
         other = "chat" if kind == COMPLETION else "completion"
-        raise bad_field(misplaced[0], f"{', '.join(map(repr, misplaced))}: a field of {other} requests, not of this endpoint")
+        raise bad_field(
+            misplaced[0], f"{', '.join(map(repr, misplaced))}: a field of {other} requests, not of this endpoint"
+        )
     unknown = unknown_fields(body, _KNOWN[kind], strict)
     if unknown:
         body = {k: v for k, v in body.items() if k not in unknown}
@@ -150,7 +155,14 @@ def unknown_fields(body: dict[str, Any], known: frozenset[str] | set[str], stric
     return unknown
 
 
-_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_CONSTRAINT_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 # vLLM's structured_outputs keys -> the protocol's constraint
 _STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
 _VLLM_FIELD = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
@@ -175,8 +187,11 @@ def _constraint(body: dict[str, Any]) -> dict[str, Any] | None:
             spec = value["json_schema"]
             # OpenAI's strict defaults to false: keywords the engine lacks are then ignored.
             return {"type": "json_schema", "schema": spec.get("schema", {}), "strict": spec.get("strict") is True}
-        raise bad_field(name, "'response_format' must be {type: text}, {type: json_object} or {type: json_schema, json_schema: "
-            "{name, schema, strict}}")
+        raise bad_field(
+            name,
+            "'response_format' must be {type: text}, {type: json_object} or {type: json_schema, json_schema: "
+            "{name, schema, strict}}",
+        )
     if name == "guided_json":
         return {"type": "json_schema", "schema": value, "strict": False}
     if name == "guided_regex":
@@ -201,8 +216,11 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     value, top = body.get("logprobs"), body.get("top_logprobs")
     if kind == COMPLETION:
         if top is not None and top != 0:
-            raise bad_field("top_logprobs", "'top_logprobs' applies to chat completions (only 0 or null here): completions take 'logprobs': "
-                f"k, got {top!r}")
+            raise bad_field(
+                "top_logprobs",
+                "'top_logprobs' applies to chat completions (only 0 or null here): completions take 'logprobs': "
+                f"k, got {top!r}",
+            )
         if value is not None and (not _is_int(value) or value < 0):
             raise bad_field("logprobs", f"'logprobs' must be an integer >= 0, got {value!r}")
         return value
@@ -242,7 +260,9 @@ def _forwardable(name: str, value: Any) -> Any:
         try:
             size = len(msgpack.packb(value))
         except (TypeError, ValueError, OverflowError):
-            raise bad_field(name, "'chat_template_kwargs' holds a value msgpack cannot carry (an integer past 64 bits)") from None
+            raise bad_field(
+                name, "'chat_template_kwargs' holds a value msgpack cannot carry (an integer past 64 bits)"
+            ) from None
         if size > MAX_TEMPLATE_KWARGS_BYTES:
             raise bad_field(name, f"'chat_template_kwargs' exceeds {MAX_TEMPLATE_KWARGS_BYTES} bytes packed")
         return value
@@ -269,7 +289,13 @@ def _forwardable(name: str, value: Any) -> Any:
 
 
 _BOOLEAN_FIELDS = frozenset(
-    {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message"}
+    {
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
 )
 
 
@@ -282,7 +308,12 @@ def _check_model(model: Any, served_model: str, loras: Sequence[str] = ()) -> st
     if model in loras:
         return model
     if model != served_model:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_model}'", param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{served_model}'",
+            param="model",
+            code="model_not_found",
+        )
     return None
 
 
@@ -324,7 +355,9 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     return True, flags[0], flags[0] and flags[1]  # continuous usage only with include_usage, as vLLM
 
 
-_PROMPT_SHAPE = "'prompt' must be a string, an array of strings, an array of token ids or an array of arrays of token ids"
+_PROMPT_SHAPE = (
+    "'prompt' must be a string, an array of strings, an array of token ids or an array of arrays of token ids"
+)
 
 
 def _prompts(prompt: Any) -> list[dict[str, Any]]:
@@ -334,7 +367,9 @@ def _prompts(prompt: Any) -> list[dict[str, Any]]:
     if isinstance(prompt, str):
         return [{"prompt": prompt}]
     if not isinstance(prompt, list) or not prompt:
-        raise bad_field("prompt", _PROMPT_SHAPE + (", got an empty array" if prompt == [] else f", got {_json_type(prompt)}"))
+        raise bad_field(
+            "prompt", _PROMPT_SHAPE + (", got an empty array" if prompt == [] else f", got {_json_type(prompt)}")
+        )
     if all(_is_int(t) for t in prompt):
         return [{"token_ids": prompt}]
     if len(prompt) > MAX_PROMPTS:
@@ -374,7 +409,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
 def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     """An assistant turn's earlier calls, with their arguments as objects (chat templates
     write them with ``tojson``; OpenAI sends them as JSON text)."""
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+    if not isinstance(calls, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+    ):
         raise bad_field("messages", f"'messages'[{i}].tool_calls must be an array of {{id, type, function}} objects")
     out = []
     for call in calls:
@@ -398,7 +435,9 @@ def _content(content: Any, i: int) -> str:
                 raise bad_field("messages", f"'messages'[{i}].content: only text parts are supported")
             texts.append(part["text"])
         return "".join(texts)
-    raise bad_field("messages", f"'messages'[{i}].content must be a string or an array of text parts, got {_json_type(content)}")
+    raise bad_field(
+        "messages", f"'messages'[{i}].content must be a string or an array of text parts, got {_json_type(content)}"
+    )
 
 
 def _is_int(value: Any) -> bool:

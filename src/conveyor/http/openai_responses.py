@@ -49,7 +49,11 @@ def usage(results: list[CompletionResult]) -> dict[str, Any]:
 
 def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """The usage one streamed chunk carries under ``continuous_usage_stats``: its choice's."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_body(
@@ -74,14 +78,27 @@ def completion_body(
     texts = [seq.text if echoes is None else echoes[i] + seq.text for i, seq in flat]
     if kind == COMPLETION:
         choices = [
-            {"index": k, "text": texts[k], "logprobs": None, "finish_reason": seq.finish_reason} for k, (_, seq) in enumerate(flat)
+            {"index": k, "text": texts[k], "logprobs": None, "finish_reason": seq.finish_reason}
+            for k, (_, seq) in enumerate(flat)
         ]
     else:
         choices = [
-            {"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": None, "finish_reason": seq.finish_reason}
+            {
+                "index": k,
+                "message": {"role": "assistant", "content": texts[k]},
+                "logprobs": None,
+                "finish_reason": seq.finish_reason,
+            }
             for k, (_, seq) in enumerate(flat)
         ]
-    body = {"id": rid, "object": _OBJECT[kind], "created": created, "model": model, "choices": choices, "usage": usage(results)}
+    body = {
+        "id": rid,
+        "object": _OBJECT[kind],
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(results),
+    }
     if extras is not None:
         for choice, extra in zip(choices, extras):
             choice.update(extra)
@@ -144,8 +161,10 @@ class ChunkEncoder:
         self._head = b"data: " + head[:-1] + b',"choices":[{"index":'
         text_key = b',"text":' if kind == COMPLETION else b',"delta":{"content":'
         self._text_key = text_key
-        self._tail = (b"" if kind == COMPLETION else b"}") + b',"logprobs":null,"finish_reason":null}]' + (
-            b',"usage":null}\n\n' if include_usage else b"}\n\n"
+        self._tail = (
+            (b"" if kind == COMPLETION else b"}")
+            + b',"logprobs":null,"finish_reason":null}]'
+            + (b',"usage":null}\n\n' if include_usage else b"}\n\n")
         )
         self._prefixes: dict[int, bytes] = {}
 
@@ -163,7 +182,11 @@ class ChunkEncoder:
         return event(chunk)
 
     def finish(
-        self, index: int, finish_reason: str, extra: dict[str, Any] | None = None, chunk_usage: dict[str, int] | None = None
+        self,
+        index: int,
+        finish_reason: str,
+        extra: dict[str, Any] | None = None,
+        chunk_usage: dict[str, int] | None = None,
     ) -> bytes:
         return self.chunk(index, None, finish_reason, extra, chunk_usage)
 
@@ -185,7 +208,14 @@ class ChunkEncoder:
     def usage(self, results: list[CompletionResult]) -> bytes:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         return event(
-            {"id": self.rid, "object": _CHUNK_OBJECT[self.kind], "created": self.created, "model": self.model, "choices": [], "usage": usage(results)}
+            {
+                "id": self.rid,
+                "object": _CHUNK_OBJECT[self.kind],
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage(results),
+            }
         )
 
     @staticmethod

@@ -59,7 +59,9 @@ class OutputReader:
         return feed
 
 
-def _last(tools: Callable[[str | None], tuple[str, list[dict[str, Any]]]], text: str) -> tuple[str, list[dict[str, Any]]]:
+def _last(
+    tools: Callable[[str | None], tuple[str, list[dict[str, Any]]]], text: str
+) -> tuple[str, list[dict[str, Any]]]:
     """The tool reader's last release: ``text`` (what the splitter held) fed, then its end."""
     content, calls = tools(text) if text else ("", [])
     more, more_calls = tools(None)

@@ -67,7 +67,11 @@ _STATS_COUNTERS = (
     ("spec_proposed_tokens", "spec_decode_num_draft_tokens", "Speculative tokens proposed and verified."),
     ("spec_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative tokens accepted."),
     ("spec_num_steps", "spec_decode_num_steps", "Steps that verified at least one speculative proposal."),
-    ("spec_num_limited_steps", "spec_decode_num_limited_steps", "Steps kept from proposing by the batch-size rule (--speculative-max-batch)."),
+    (
+        "spec_num_limited_steps",
+        "spec_decode_num_limited_steps",
+        "Steps kept from proposing by the batch-size rule (--speculative-max-batch).",
+    ),
 )
 # metrics reply counter -> help
 _COUNTER_HELP = {
@@ -91,7 +95,9 @@ _HISTOGRAM_HELP = {
 }
 
 
-def exposition(metrics: dict[str, Any], stats: dict[str, Any] | None, model_name: str, http: dict[str, Any] | None = None) -> bytes:
+def exposition(
+    metrics: dict[str, Any], stats: dict[str, Any] | None, model_name: str, http: dict[str, Any] | None = None
+) -> bytes:
     """One scrape in the Prometheus text format from a ``metrics`` reply and a ``stats`` reply
     (``Client.metrics()``, ``Client.stats()``), every series labelled ``model_name``.
     ``stats`` None (the scheduler did not answer) leaves the scheduler's families out; the
@@ -111,7 +117,9 @@ class _HttpConnections:
         self._counts, self._model = counts, model_name
 
     def collect(self) -> Iterator[Metric]:
-        gauge = GaugeMetricFamily(PREFIX + "http_connections_open", "Open client connections of the HTTP listeners.", labels=["model_name"])
+        gauge = GaugeMetricFamily(
+            PREFIX + "http_connections_open", "Open client connections of the HTTP listeners.", labels=["model_name"]
+        )
         gauge.add_metric([self._model], self._counts["open"])
         yield gauge
         closed = CounterMetricFamily(
@@ -159,7 +167,9 @@ def _vllm_only(stats: dict[str, Any], model: str) -> Iterator[Metric]:
     total = CounterMetricFamily(VLLM_PREFIX + "num_preemptions", "Requests preempted.", labels=["model_name"])
     total.add_metric([model], stats["num_preemptions_swap"] + stats["num_preemptions_recompute"])
     yield total
-    yield _gauge(VLLM_PREFIX + "gpu_cache_usage_perc", "Fraction of KV cache blocks held by requests.", model, _usage(stats))
+    yield _gauge(
+        VLLM_PREFIX + "gpu_cache_usage_perc", "Fraction of KV cache blocks held by requests.", model, _usage(stats)
+    )
 
 
 def _gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:
@@ -195,12 +205,17 @@ def _scheduler_families(stats: dict[str, Any], model: str) -> Iterator[Metric]:
     for field, name, doc in _STATS_GAUGES:
         yield _gauge(PREFIX + name, doc, model, stats[field])
     yield _gauge(
-        PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0 to 1; cached prefixes count as free).", model, _usage(stats)
+        PREFIX + "kv_cache_usage_perc",
+        "Fraction of KV cache blocks held by requests (0 to 1; cached prefixes count as free).",
+        model,
+        _usage(stats),
     )
     for field, name, doc in _STATS_COUNTERS:
         yield _counter(PREFIX + name, doc, model, stats[field])
     preemptions = CounterMetricFamily(
-        PREFIX + "num_preemptions", "Requests preempted, by kind (swap to CPU, or recompute).", labels=["model_name", "kind"]
+        PREFIX + "num_preemptions",
+        "Requests preempted, by kind (swap to CPU, or recompute).",
+        labels=["model_name", "kind"],
     )
     preemptions.add_metric([model, "swap"], stats["num_preemptions_swap"])
     preemptions.add_metric([model, "recompute"], stats["num_preemptions_recompute"])
@@ -225,10 +240,18 @@ def _replica_families(replicas: list[dict[str, Any]], model: str) -> Iterator[Me
     """Per data-parallel replica (``stats``' ``replicas``; the families above are their sums):
     whether it is alive, the requests it holds and has been sent, and its KV cache usage."""
     labels = ["model_name", "replica"]
-    up = GaugeMetricFamily(PREFIX + "replica_up", "1 while the data-parallel replica serves, 0 once it died.", labels=labels)
-    in_flight = GaugeMetricFamily(PREFIX + "replica_requests_in_flight", "Requests the replica holds (sent, not finished).", labels=labels)
+    up = GaugeMetricFamily(
+        PREFIX + "replica_up", "1 while the data-parallel replica serves, 0 once it died.", labels=labels
+    )
+    in_flight = GaugeMetricFamily(
+        PREFIX + "replica_requests_in_flight", "Requests the replica holds (sent, not finished).", labels=labels
+    )
     routed = CounterMetricFamily(PREFIX + "replica_requests_routed", "Requests sent to the replica.", labels=labels)
-    usage = GaugeMetricFamily(PREFIX + "replica_kv_cache_usage_perc", "Fraction of the replica's KV cache blocks held by requests.", labels=labels)
+    usage = GaugeMetricFamily(
+        PREFIX + "replica_kv_cache_usage_perc",
+        "Fraction of the replica's KV cache blocks held by requests.",
+        labels=labels,
+    )
     for replica in replicas:
         label = [model, str(replica["replica"])]
         up.add_metric(label, 1 if replica["alive"] else 0)
@@ -251,4 +274,6 @@ def _frontend_families(metrics: dict[str, Any], model: str) -> Iterator[Metric]:
         success.add_metric([model, reason], count)
     yield success
     for name, hist in metrics["histograms"].items():
-        yield _histogram(PREFIX + name, _HISTOGRAM_HELP.get(name, name), model, hist["buckets"], hist["counts"], hist["sum"])
+        yield _histogram(
+            PREFIX + name, _HISTOGRAM_HELP.get(name, name), model, hist["buckets"], hist["counts"], hist["sum"]
+        )

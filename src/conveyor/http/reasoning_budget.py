@@ -22,7 +22,9 @@ from conveyor.http.openai_requests import GenerationJob
 from conveyor.structured.grammar_engine import JSON_OPTIONS
 
 
-def budgeted(job: GenerationJob, budget: Any, reasoning_parser: str | None, field: str = "max_reasoning_tokens") -> GenerationJob:
+def budgeted(
+    job: GenerationJob, budget: Any, reasoning_parser: str | None, field: str = "max_reasoning_tokens"
+) -> GenerationJob:
     """``job`` with its think block capped at ``budget`` tokens (None: as it is); a 400 naming
     ``field`` for a budget that is not a non-negative integer, without a reasoning parser, or
     beside a constraint it cannot follow (a grammar, a forcing ``tool_choice``)."""
@@ -31,15 +33,23 @@ def budgeted(job: GenerationJob, budget: Any, reasoning_parser: str | None, fiel
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
         raise bad_field(field, f"'{field}' must be an integer >= 0, got {budget!r}")
     if reasoning_parser is None:
-        raise bad_field(field, f"'{field}' needs a server started with --reasoning-parser (which says where the think block is)")
+        raise bad_field(
+            field, f"'{field}' needs a server started with --reasoning-parser (which says where the think block is)"
+        )
     if (job.options.get("chat_template_kwargs") or {}).get("enable_thinking") is False:
-        raise bad_field(field, f"'{field}' with thinking off (chat_template_kwargs.enable_thinking false): there is no think block to cap")
+        raise bad_field(
+            field,
+            f"'{field}' with thinking off (chat_template_kwargs.enable_thinking false): there is no think block to cap",
+        )
     if job.forced_tool_choice is not None:
-        raise bad_field(field, f"'{field}' cannot be combined with a tool_choice that forces calls (the calls' JSON starts at the "
-            "first token)")
+        raise bad_field(
+            field,
+            f"'{field}' cannot be combined with a tool_choice that forces calls (the calls' JSON starts at the "
+            "first token)",
+        )
     answer = _answer(job.options.get("constraint"), field)
     opening = "<think> " if reasoning_parser == "qwen3" else ""
-    thought = f'thought[max_tokens={budget}]: /(?s:.*)/\n' if budget else 'thought: ""\n'
+    thought = f"thought[max_tokens={budget}]: /(?s:.*)/\n" if budget else 'thought: ""\n'
     grammar = f"start: {opening}thought </think> answer\n{thought}answer: {answer}\n"
     return replace(job, options={**job.options, "constraint": {"type": "grammar", "grammar": grammar}})
 
@@ -57,6 +67,10 @@ def _answer(constraint: dict[str, Any] | None, field: str) -> str:
         return "%json " + json.dumps({**schema, "x-guidance": options})
     if kind == "regex" and isinstance(constraint.get("pattern"), str):
         return "/" + constraint["pattern"].replace("/", "\\/") + "/"
-    if kind == "choice" and isinstance(constraint.get("choices"), list) and all(isinstance(c, str) for c in constraint["choices"]):
+    if (
+        kind == "choice"
+        and isinstance(constraint.get("choices"), list)
+        and all(isinstance(c, str) for c in constraint["choices"])
+    ):
         return " | ".join(json.dumps(c) for c in constraint["choices"])
     raise bad_field(field, f"'{field}' cannot be combined with a {kind} constraint (give the budget or the grammar)")

@@ -38,9 +38,13 @@ def _usage(result: CompletionResult | None) -> dict[str, Any] | None:
     if result is None:
         return None
     u = result.usage
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
 
 
 class _Response:
@@ -56,10 +60,19 @@ class _Response:
 
     def body(self, status: str, result: CompletionResult | None, error: ApiError | None = None) -> dict[str, Any]:
         return {
-            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "model": self.model,
-            "output": list(self.items), "usage": _usage(result), "error": None if error is None else {"code": error.code or error.type, "message": error.message},
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": list(self.items),
+            "usage": _usage(result),
+            "error": None if error is None else {"code": error.code or error.type, "message": error.message},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "store": False, "previous_response_id": None, "truncation": "disabled", **self.echo,
+            "store": False,
+            "previous_response_id": None,
+            "truncation": "disabled",
+            **self.echo,
         }
 
 
@@ -75,13 +88,31 @@ def _text_part(kind: str, text: str) -> dict[str, Any]:
 
 def _text_item(response: _Response, kind: str, text: str, status: str) -> dict[str, Any]:
     if kind == "reasoning":
-        return {"id": response.item_id("rs"), "type": "reasoning", "summary": [], "content": [_text_part(kind, text)], "status": status}
-    return {"id": response.item_id("msg"), "type": "message", "role": "assistant", "status": status, "content": [_text_part(kind, text)]}
+        return {
+            "id": response.item_id("rs"),
+            "type": "reasoning",
+            "summary": [],
+            "content": [_text_part(kind, text)],
+            "status": status,
+        }
+    return {
+        "id": response.item_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [_text_part(kind, text)],
+    }
 
 
 def _call_item(response: _Response, call: dict[str, Any], arguments: str, status: str) -> dict[str, Any]:
-    return {"id": response.item_id("fc"), "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": arguments, "status": status}
+    return {
+        "id": response.item_id("fc"),
+        "type": "function_call",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def response_body(response: _Response, result: CompletionResult, reader: OutputReader | None) -> dict[str, Any]:
@@ -105,7 +136,9 @@ class ResponseEvents:
         self.out = bytearray()
         self.response = response
         self.sequence = 0
-        self.feed: Callable[[str | None], Reading] = reader.stream() if reader is not None else (lambda text: Reading(content=text or ""))
+        self.feed: Callable[[str | None], Reading] = (
+            reader.stream() if reader is not None else (lambda text: Reading(content=text or ""))
+        )
         self.open: dict[str, Any] | None = None  # the text item being streamed
         self.text = ""  # its text so far
         self.final: dict[str, Any] | None = None
@@ -151,12 +184,16 @@ class ResponseEvents:
             self.open, self.text = _text_item(self.response, kind, "", "in_progress"), ""
             self.open["content"] = []
             self._event("response.output_item.added", {"output_index": len(self.response.items), "item": self.open})
-            self._event("response.content_part.added", {**self._where(), "content_index": 0, "part": _text_part(kind, "")})
+            self._event(
+                "response.content_part.added", {**self._where(), "content_index": 0, "part": _text_part(kind, "")}
+            )
         self.text += text
         if kind == "reasoning":
             self._event("response.reasoning_text.delta", {**self._where(), "content_index": 0, "delta": text})
         else:
-            self._event("response.output_text.delta", {**self._where(), "content_index": 0, "delta": text, "logprobs": []})
+            self._event(
+                "response.output_text.delta", {**self._where(), "content_index": 0, "delta": text, "logprobs": []}
+            )
 
     def _close(self, status: str) -> None:
         if self.open is None:
@@ -191,12 +228,19 @@ class ResponseEvents:
 
     def end(self) -> None:
         final = self.final or self.response.body("completed", None)
-        self._event("response.incomplete" if final["status"] == "incomplete" else "response.completed", {"response": final})
+        self._event(
+            "response.incomplete" if final["status"] == "incomplete" else "response.completed", {"response": final}
+        )
 
 
 async def respond_response(
-    request: web.Request, link: FrontendLink, parsed: ResponsesRequest, model: str, tool_parser: str | None,
-    reasoning_parser: str | None, headers: dict[str, str],
+    request: web.Request,
+    link: FrontendLink,
+    parsed: ResponsesRequest,
+    model: str,
+    tool_parser: str | None,
+    reasoning_parser: str | None,
+    headers: dict[str, str],
 ) -> web.StreamResponse:
     """The answer to a ``/v1/responses`` job, through the one lifecycle of :mod:`conveyor.http.job_runs`."""
     await link.require_started()
@@ -206,4 +250,6 @@ async def respond_response(
     if job.stream:
         return await stream_events(request, link, job, ResponseEvents(response, reader), headers)
     result = (await generate_all(link, job))[0]
-    return web.Response(body=json_encode(response_body(response, result, reader)), content_type="application/json", headers=headers)
+    return web.Response(
+        body=json_encode(response_body(response, result, reader)), content_type="application/json", headers=headers
+    )

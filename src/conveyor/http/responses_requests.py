@@ -32,15 +32,56 @@ from typing import Any
 from conveyor.http.errors import ApiError, bad_field
 from conveyor.http.openai_requests import CHAT, GenerationJob, parse_request, unknown_fields
 
-_IGNORED = ("include", "metadata", "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention", "reasoning",
-            "safety_identifier", "service_tier", "stream_options", "truncation", "user", "max_tool_calls")
+_IGNORED = (
+    "include",
+    "metadata",
+    "parallel_tool_calls",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "reasoning",
+    "safety_identifier",
+    "service_tier",
+    "stream_options",
+    "truncation",
+    "user",
+    "max_tool_calls",
+)
 _SAMPLING = ("temperature", "top_p", "stream")
 # vLLM's extras of its Responses request, taken as the chat route takes them.
-_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "ignore_eos",
-           "min_tokens", "logit_bias", "priority", "chat_template_kwargs", "skip_special_tokens", "structured_outputs")
+_EXTRAS = (
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "ignore_eos",
+    "min_tokens",
+    "logit_bias",
+    "priority",
+    "chat_template_kwargs",
+    "skip_special_tokens",
+    "structured_outputs",
+)
 _STATEFUL = ("store", "previous_response_id", "conversation", "background", "prompt")
-FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "top_logprobs", "max_reasoning_tokens",
-                    *_IGNORED, *_SAMPLING, *_EXTRAS, *_STATEFUL})
+FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "tools",
+        "tool_choice",
+        "text",
+        "top_logprobs",
+        "max_reasoning_tokens",
+        *_IGNORED,
+        *_SAMPLING,
+        *_EXTRAS,
+        *_STATEFUL,
+    }
+)
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -91,10 +132,16 @@ def responses_job(body: Any, served_model: str, loras: Sequence[str] = (), stric
     ignored = [n for n in _IGNORED if body.get(n) is not None]
     job = replace(job, ignored=tuple(sorted([*job.ignored, *ignored, *unknown])), unknown=unknown)
     echo = {
-        "instructions": instructions, "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"), "tools": tools or [], "tool_choice": choice if choice is not None else "auto",
-        "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False, "metadata": body.get("metadata") or {},
-        "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}}, "user": body.get("user"),
+        "instructions": instructions,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "tools": tools or [],
+        "tool_choice": choice if choice is not None else "auto",
+        "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
+        "metadata": body.get("metadata") or {},
+        "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+        "user": body.get("user"),
         "reasoning": body.get("reasoning"),
     }
     return ResponsesRequest(job, echo)
@@ -103,14 +150,22 @@ def responses_job(body: Any, served_model: str, loras: Sequence[str] = (), stric
 def _refuse_state(body: dict[str, Any]) -> None:
     """A 400 for what needs responses kept at the server: Conveyor keeps none (docs/http.md)."""
     if body.get("store") is True:
-        raise bad_field("store", "'store': true is not supported: this server keeps no responses (send 'store': false, "
-                        "and the whole conversation in 'input')")
+        raise bad_field(
+            "store",
+            "'store': true is not supported: this server keeps no responses (send 'store': false, "
+            "and the whole conversation in 'input')",
+        )
     for name in ("previous_response_id", "conversation", "prompt"):
         if body.get(name) is not None:
-            raise bad_field(name, f"'{name}' is not supported: this server keeps no responses, conversations or prompts; "
-                            "send the whole conversation in 'input'")
+            raise bad_field(
+                name,
+                f"'{name}' is not supported: this server keeps no responses, conversations or prompts; "
+                "send the whole conversation in 'input'",
+            )
     if body.get("background") is True:
-        raise bad_field("background", "'background': true is not supported (responses are answered, or streamed, at once)")
+        raise bad_field(
+            "background", "'background': true is not supported (responses are answered, or streamed, at once)"
+        )
 
 
 def _turns(items: Any) -> list[dict[str, Any]]:
@@ -130,10 +185,19 @@ def _turns(items: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise bad_field("input", f"'input'[{i}]: a function_call_output needs its 'call_id'")
-            turns.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), f"input[{i}].output")})
+            turns.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": _text(item.get("output"), f"input[{i}].output"),
+                }
+            )
         elif kind != "reasoning":
-            raise bad_field("input", f"'input'[{i}]: items of type {kind!r} are not supported (only message, function_call, "
-                            "function_call_output and reasoning)")
+            raise bad_field(
+                "input",
+                f"'input'[{i}]: items of type {kind!r} are not supported (only message, function_call, "
+                "function_call_output and reasoning)",
+            )
     if not turns:
         raise bad_field("input", "'input' holds no message")
     return turns
@@ -143,14 +207,23 @@ def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise bad_field("input", f"'input'[{i}].role must be user, system, developer or assistant")
-    return {"role": "system" if role == "developer" else role, "content": _text(item.get("content"), f"input[{i}].content")}
+    return {
+        "role": "system" if role == "developer" else role,
+        "content": _text(item.get("content"), f"input[{i}].content"),
+    }
 
 
 def _call(turns: list[dict[str, Any]], item: dict[str, Any], i: int) -> None:
     """A ``function_call`` item as a tool call of the assistant turn before it (a new one
     unless the last turn is the assistant's)."""
-    if not isinstance(item.get("call_id"), str) or not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
-        raise bad_field("input", f"'input'[{i}]: a function_call needs 'call_id', 'name' and 'arguments' (a JSON string)")
+    if (
+        not isinstance(item.get("call_id"), str)
+        or not isinstance(item.get("name"), str)
+        or not isinstance(item.get("arguments"), str)
+    ):
+        raise bad_field(
+            "input", f"'input'[{i}]: a function_call needs 'call_id', 'name' and 'arguments' (a JSON string)"
+        )
     try:
         arguments: Any = json.loads(item["arguments"])  # the templates write a mapping as JSON themselves
     except ValueError:
@@ -171,7 +244,10 @@ def _text(content: Any, where: str) -> str:
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_field("input", f"'{where}'[{k}]: content parts of type {kind!r} are not supported (only input_text, output_text)")
+            raise bad_field(
+                "input",
+                f"'{where}'[{k}]: content parts of type {kind!r} are not supported (only input_text, output_text)",
+            )
         texts.append(part["text"])
     return "".join(texts)
 
@@ -186,7 +262,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             raise bad_field("tools", f"'tools'[{i}]: tools of type {kind!r} are not supported (only function tools)")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_field("tools", f"'tools'[{i}] needs a non-empty 'name'")
-        function: dict[str, Any] = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
+        function: dict[str, Any] = {
+            "name": tool["name"],
+            "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+        }
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
@@ -214,5 +293,14 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema" and isinstance(fmt.get("schema"), dict):
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"], "strict": fmt.get("strict") is True}}
-    raise bad_field("text", "'text.format' must be {type: text}, {type: json_object} or {type: json_schema, name, schema, strict}")
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                "name": fmt.get("name", "output"),
+                "schema": fmt["schema"],
+                "strict": fmt.get("strict") is True,
+            },
+        }
+    raise bad_field(
+        "text", "'text.format' must be {type: text}, {type: json_object} or {type: json_schema, name, schema, strict}"
+    )

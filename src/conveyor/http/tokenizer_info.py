@@ -49,5 +49,7 @@ async def tokenizer_info(tokens: Tokens) -> dict[str, Any]:
     template = tokenizer.chat_template
     if template:
         info["chat_template"] = template
-    info.update(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    info.update(
+        vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
     return info

@@ -35,7 +35,9 @@ class Tokens:
     async def tokenizer(self) -> Tokenizer:
         """The tokenizer's configuration (``/tokenizer_info``): loaded here, never used to encode."""
         if self.model_dir is None:
-            raise ApiError(503, "this HTTP process was started without the model directory: no tokenizer", code="no_tokenizer")
+            raise ApiError(
+                503, "this HTTP process was started without the model directory: no tokenizer", code="no_tokenizer"
+            )
         if self._loading is None:
             self._loading = asyncio.ensure_future(asyncio.to_thread(Tokenizer.from_dir, self.model_dir))
         return await asyncio.shield(self._loading)
@@ -53,7 +55,9 @@ class Tokens:
             fields["return_token_strs"] = True
         return await self._ask(self._client().tokenize(fields.pop("prompt", None), **fields))
 
-    async def prompt_ids(self, inputs: dict[str, Any], options: dict[str, Any], add_special_tokens: bool = True) -> list[int]:
+    async def prompt_ids(
+        self, inputs: dict[str, Any], options: dict[str, Any], add_special_tokens: bool = True
+    ) -> list[int]:
         """The token ids the frontend makes of one generate input (:meth:`tokenize`)."""
         return (await self.tokenize(inputs, options, add_special_tokens))["token_ids"]
 

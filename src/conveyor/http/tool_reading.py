@@ -57,5 +57,3 @@ def tool_reader(job: GenerationJob, tool_parser: str | None) -> ToolReader | Non
     if job.forced_tool_choice is not None:
         return ToolReader(job.forced_tool_choice, None)
     return ToolReader(None, tool_parser) if tool_parser else None
-
-

@@ -131,8 +131,8 @@ import select
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 log = logging.getLogger("conveyor.shm_ring")
 

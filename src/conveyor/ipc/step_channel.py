@@ -107,7 +107,9 @@ class ChannelSpec:
         if not 1 <= self.num_local_readers <= self.readers:
             raise ValueError(f"a step channel has 1..{self.readers} local readers, got {self.local_readers}")
         if self.num_local_readers > 1 and not self.zmq_address.startswith("ipc://"):
-            raise ValueError(f"several readers need an ipc:// address (one socket file per reader), got {self.zmq_address}")
+            raise ValueError(
+                f"several readers need an ipc:// address (one socket file per reader), got {self.zmq_address}"
+            )
         if (self.num_local_readers < self.readers) != (self.remote_address is not None):
             raise ValueError("a step channel has a remote_address exactly when some of its readers are remote")
         if self.remote_address is not None:
@@ -174,7 +176,9 @@ class StepChannels:
                 remote_address=remote_plans_address,
                 remote_key=remote_plans_key,
             ),
-            ChannelSpec(results_address, shm_ring.ring_path(run_dir, "results.ring") if shm else None, RESULT_SLOT_BYTES),
+            ChannelSpec(
+                results_address, shm_ring.ring_path(run_dir, "results.ring") if shm else None, RESULT_SLOT_BYTES
+            ),
         )
 
 

@@ -185,7 +185,9 @@ def check_auth_keys(keys_dir: str) -> None:
     try:
         _, secret = zmq.auth.load_certificate(server_secret_key_file(keys_dir))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--auth-keys {keys_dir}: no server key pair ({exc}); make one with bin/keygen {keys_dir}") from None
+        raise ValueError(
+            f"--auth-keys {keys_dir}: no server key pair ({exc}); make one with bin/keygen {keys_dir}"
+        ) from None
     if secret is None:
         raise ValueError(f"--auth-keys {keys_dir}: {server_secret_key_file(keys_dir)} holds no secret key")
     if not os.path.isdir(client_keys_dir(keys_dir)):

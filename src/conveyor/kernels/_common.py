@@ -195,9 +195,7 @@ def check_kv_cache(kv: torch.Tensor) -> tuple[int, int, int, int]:
     1 so a head's row is one contiguous, vectorizable load.
     """
     if kv.dim() != 5 or kv.shape[0] != 2:
-        raise ValueError(
-            f"kv cache must be [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv.shape)}"
-        )
+        raise ValueError(f"kv cache must be [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv.shape)}")
     if kv.dtype not in KV_CACHE_DTYPES:
         raise TypeError(f"unsupported kv cache dtype {kv.dtype}")
     if kv.stride(-1) != 1:

@@ -33,7 +33,9 @@ def _dequant_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
         w_mask = k_mask[:, None] & col_mask[None, :]
         if BITS == 4:
             packed = tl.load(codes_ptr + cols[None, :] * stride_cn + (ks // 2)[:, None], mask=w_mask, other=0)

@@ -86,10 +86,29 @@ def _extend_kernel(
         kv_start = ctx_len * 0
 
     o, _ = attend_paged_span(
-        q_ptr + rows * stride_qt + h * stride_qh, m_mask, ctx_len + offs_m, kv_ptr, kv_head,
-        block_table_ptr, b, stride_bt, stride_kv_block, stride_kv_tok, stride_kv_head, stride_kv_kv,
-        head_dim, kv_start, kv_end, qk_scale_log2, window, v_scale,
-        BLOCK_N, BLOCK_D, PAGE, USE_WINDOW, UPCAST,
+        q_ptr + rows * stride_qt + h * stride_qh,
+        m_mask,
+        ctx_len + offs_m,
+        kv_ptr,
+        kv_head,
+        block_table_ptr,
+        b,
+        stride_bt,
+        stride_kv_block,
+        stride_kv_tok,
+        stride_kv_head,
+        stride_kv_kv,
+        head_dim,
+        kv_start,
+        kv_end,
+        qk_scale_log2,
+        window,
+        v_scale,
+        BLOCK_N,
+        BLOCK_D,
+        PAGE,
+        USE_WINDOW,
+        UPCAST,
     )
     store_rows(out_ptr + rows * stride_ot + h * stride_oh, m_mask, o, head_dim, BLOCK_D)
 
@@ -185,4 +204,3 @@ def extend_attention(
         num_stages=2,
     )
     return out
-

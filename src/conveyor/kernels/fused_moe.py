@@ -96,7 +96,9 @@ def _gate_up_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < hidden
-        a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(
+            x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
         b_mask = k_mask[:, None] & col_mask[None, :]
         b_gate = tl.load(weights + cols[None, :] * stride_wn + ks[:, None], mask=b_mask, other=0.0)
         b_up = tl.load(weights + (cols[None, :] + width) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
@@ -128,8 +130,12 @@ def _down_kernel(
     for k0 in range(0, width, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < width
-        a = tl.load(act_ptr + pairs[:, None] * stride_act + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(weights + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        a = tl.load(
+            act_ptr + pairs[:, None] * stride_act + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        b = tl.load(
+            weights + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0
+        )
         acc += tile_dot(a, b, UPCAST)
     scale = tl.load(router_weights_ptr + pairs, mask=row_mask, other=0.0)
     out_mask = row_mask[:, None] & col_mask[None, :]

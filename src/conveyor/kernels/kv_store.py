@@ -121,9 +121,7 @@ def kv_store(
     )
 
 
-def kv_store_ref(
-    key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor
-) -> torch.Tensor:
+def kv_store_ref(key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Reference: return a float32 copy of ``kv`` with the tokens written slot by slot."""
     out = kv.detach().to(torch.float32).clone()
     block_size = kv.shape[2]

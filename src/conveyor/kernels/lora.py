@@ -85,9 +85,22 @@ def _tile(tiles_ptr, tokens_ptr, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _lora_shrink_kernel(
-    x_ptr, a_ptr, out_ptr, tokens_ptr, tiles_ptr,
-    stride_xt, stride_as, stride_ar, stride_os, stride_ot, in_features, rank_rows,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    out_ptr,
+    tokens_ptr,
+    tiles_ptr,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    stride_os,
+    stride_ot,
+    in_features,
+    rank_rows,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One program: one tile's tokens against its slot's ``A``, over every ``splits``-th
     ``BLOCK_K`` slice of the input, into partial sum ``split`` (grid: tiles x splits)."""
@@ -100,10 +113,14 @@ def _lora_shrink_kernel(
     for k0 in range(split * BLOCK_K, in_features, splits * BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < in_features
-        x = tl.load(x_ptr + token[:, None] * stride_xt + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        a = tl.load(a_ptr + slot * stride_as + ranks[None, :] * stride_ar + ks[:, None],
-                    mask=k_mask[:, None] & rank_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]: A^T
+        x = tl.load(
+            x_ptr + token[:, None] * stride_xt + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        a = tl.load(
+            a_ptr + slot * stride_as + ranks[None, :] * stride_ar + ks[:, None],
+            mask=k_mask[:, None] & rank_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_R]: A^T
         acc += tile_dot(x, a, UPCAST)
     out = out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_ot + ranks[None, :]
     tl.store(out, acc, mask=row_mask[:, None] & rank_mask[None, :])
@@ -111,9 +128,23 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_kernel(
-    s_ptr, b_ptr, y_ptr, tokens_ptr, tiles_ptr, columns_ptr,
-    stride_ss, stride_st, stride_bs, stride_bo, stride_yt, rank, splits,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    tokens_ptr,
+    tiles_ptr,
+    columns_ptr,
+    stride_ss,
+    stride_st,
+    stride_bs,
+    stride_bo,
+    stride_yt,
+    rank,
+    splits,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One program: one tile's tokens, ``BLOCK_N`` output columns of one piece (grid: tiles x
     column tiles x pieces; tiles past a narrower piece's end return at once)."""
@@ -132,8 +163,11 @@ def _lora_expand_kernel(
         shrunk += tl.load(partial + split * stride_ss, mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
     cols = n0 + tl.arange(0, BLOCK_N)
     col_mask = cols < last
-    b = tl.load(b_ptr + slot * stride_bs + cols[None, :].to(tl.int64) * stride_bo + piece * rank + ranks[:, None],
-                mask=rank_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]: B^T
+    b = tl.load(
+        b_ptr + slot * stride_bs + cols[None, :].to(tl.int64) * stride_bo + piece * rank + ranks[:, None],
+        mask=rank_mask[:, None] & col_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_R, BLOCK_N]: B^T
     delta = tile_dot(shrunk.to(b_ptr.dtype.element_ty), b, UPCAST)
     mask = row_mask[:, None] & col_mask[None, :]
     out = y_ptr + token[:, None] * stride_yt + cols[None, :]
@@ -145,8 +179,9 @@ def _check(x: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, tiles: 
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"activations must be [T, features] with a contiguous last dim, got {tuple(x.shape)}")
     if weights.dim() != 3 or weights.stride(-1) != 1:
-        raise ValueError(f"stacked weights must be [slots, rows, cols] with a contiguous last dim, "
-                         f"got {tuple(weights.shape)}")
+        raise ValueError(
+            f"stacked weights must be [slots, rows, cols] with a contiguous last dim, got {tuple(weights.shape)}"
+        )
     if weights.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"unsupported LoRA weight dtype {weights.dtype}")
     if tokens.dtype != torch.int32 or tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 3:
@@ -174,16 +209,36 @@ def lora_shrink(
     out = torch.empty(splits, tokens.shape[0], rank_rows, dtype=torch.float32, device=x.device)
     if n_tiles:
         _lora_shrink_kernel[(n_tiles, splits)](
-            x, a, out, tokens, tiles, x.stride(0), a.stride(0), a.stride(1), out.stride(0), out.stride(1),
-            in_features, rank_rows, BLOCK_T=block, BLOCK_R=block_r, BLOCK_K=block_k, UPCAST=upcast_dots(x.dtype),
+            x,
+            a,
+            out,
+            tokens,
+            tiles,
+            x.stride(0),
+            a.stride(0),
+            a.stride(1),
+            out.stride(0),
+            out.stride(1),
+            in_features,
+            rank_rows,
+            BLOCK_T=block,
+            BLOCK_R=block_r,
+            BLOCK_K=block_k,
+            UPCAST=upcast_dots(x.dtype),
             num_warps=4,
         )
     return out
 
 
 def lora_expand(
-    shrunk: torch.Tensor, b: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor, tiles: torch.Tensor,
-    columns: torch.Tensor, widest: int, block: int,
+    shrunk: torch.Tensor,
+    b: torch.Tensor,
+    y: torch.Tensor,
+    tokens: torch.Tensor,
+    tiles: torch.Tensor,
+    columns: torch.Tensor,
+    widest: int,
+    block: int,
 ) -> torch.Tensor:
     """Add ``B_s shrunk[:, i].sum(0)`` into ``y[tokens[i]]`` (in place; ``y`` returned), piece by
     piece: ``columns`` int32 ``[pieces, 2]`` (device) the output columns of each piece, ``widest``
@@ -193,23 +248,42 @@ def lora_expand(
     pieces = columns.shape[0]
     rank_rows = b.shape[2]
     if rank_rows % pieces or shrunk.shape[1:] != (tokens.shape[0], rank_rows) or y.shape[1] != b.shape[1]:
-        raise ValueError(f"shrunk {tuple(shrunk.shape)}, B {tuple(b.shape)}, y {tuple(y.shape)} and "
-                         f"{pieces} pieces do not fit")
+        raise ValueError(
+            f"shrunk {tuple(shrunk.shape)}, B {tuple(b.shape)}, y {tuple(y.shape)} and {pieces} pieces do not fit"
+        )
     rank = rank_rows // pieces
     # 64 x 128 float32 tiles (the delta and y) spill on 4 warps: prefill tiles take 64 columns.
     block_n = min(128 if block == MIN_DOT else 64, max(MIN_DOT, next_pow2(widest)))
     if tiles.shape[0]:
         _lora_expand_kernel[(tiles.shape[0], cdiv(widest, block_n), pieces)](
-            shrunk, b, y, tokens, tiles, columns, shrunk.stride(0), shrunk.stride(1), b.stride(0), b.stride(1),
-            y.stride(0), rank, shrunk.shape[0],
-            BLOCK_T=block, BLOCK_N=block_n, BLOCK_R=max(MIN_DOT, next_pow2(rank)), UPCAST=upcast_dots(b.dtype),
+            shrunk,
+            b,
+            y,
+            tokens,
+            tiles,
+            columns,
+            shrunk.stride(0),
+            shrunk.stride(1),
+            b.stride(0),
+            b.stride(1),
+            y.stride(0),
+            rank,
+            shrunk.shape[0],
+            BLOCK_T=block,
+            BLOCK_N=block_n,
+            BLOCK_R=max(MIN_DOT, next_pow2(rank)),
+            UPCAST=upcast_dots(b.dtype),
             num_warps=4,
         )
     return y
 
 
 def lora_delta_ref(
-    x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
     columns: list[tuple[int, int]],
 ) -> torch.Tensor:
     """Reference: float32 ``y`` plus each token's ``B_s (A_s x)``, token by token and piece by

@@ -123,10 +123,29 @@ def _decode_partial_kernel(
     tokens = (b * query_len + offs_m // group_size).to(tl.int64)
 
     o, lse = attend_paged_span(
-        q_ptr + tokens * stride_qb + heads * stride_qh, m_mask, first_pos + offs_m // group_size, kv_ptr,
-        kv_head, block_table_ptr, b, stride_bt, stride_kv_block, stride_kv_tok, stride_kv_head,
-        stride_kv_kv, head_dim, part_start, part_end, qk_scale_log2, window, v_scale,
-        BLOCK_N, BLOCK_D, PAGE, USE_WINDOW, UPCAST,
+        q_ptr + tokens * stride_qb + heads * stride_qh,
+        m_mask,
+        first_pos + offs_m // group_size,
+        kv_ptr,
+        kv_head,
+        block_table_ptr,
+        b,
+        stride_bt,
+        stride_kv_block,
+        stride_kv_tok,
+        stride_kv_head,
+        stride_kv_kv,
+        head_dim,
+        part_start,
+        part_end,
+        qk_scale_log2,
+        window,
+        v_scale,
+        BLOCK_N,
+        BLOCK_D,
+        PAGE,
+        USE_WINDOW,
+        UPCAST,
     )
     if DIRECT_OUT:
         store_rows(out_ptr + tokens * stride_ob + heads * stride_oh, m_mask, o, head_dim, BLOCK_D)
@@ -367,4 +386,3 @@ def paged_decode_attention(
             num_warps=4,
         )
     return out
-

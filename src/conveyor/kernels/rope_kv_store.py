@@ -157,8 +157,10 @@ def rope_kv_store(
     _, block_size, kv_heads, head_dim = check_kv_cache(kv)
     num_tokens, num_heads = query.shape[0], query.shape[1]
     if query.dim() != 3 or query.shape[2] != head_dim or key.shape != (num_tokens, kv_heads, head_dim):
-        raise ValueError(f"query [T, H, {head_dim}] and key/value [T, {kv_heads}, {head_dim}]; "
-                         f"got {tuple(query.shape)}, {tuple(key.shape)}")
+        raise ValueError(
+            f"query [T, H, {head_dim}] and key/value [T, {kv_heads}, {head_dim}]; "
+            f"got {tuple(query.shape)}, {tuple(key.shape)}"
+        )
     if value.shape != key.shape or query.dtype != key.dtype or value.dtype != key.dtype:
         raise ValueError("key and value must have one shape, and q/k/v one dtype")
     if query.stride(2) != 1 or key.stride(2) != 1 or value.stride(2) != 1 or head_dim % 2:

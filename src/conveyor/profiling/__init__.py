@@ -13,25 +13,25 @@ series). Every name is re-exported here.
 
 from __future__ import annotations
 
-from conveyor.profiling.recorder import (
-    CLOCK_NAME,
-    COUNTER_HORIZON_S,
-    Counter,
-    DEFAULT_CAPACITY,
-    DEFAULT_TRACE_CAPACITY,
-    MAX_WINDOW_S,
-    NS_PER_MS,
-    NS_PER_S,
-    Profiler,
-    Series,
-    Timer,
-    now_ns,
-)
 from conveyor.profiling.exposition import (
     FLOW_FROM,
     FLOW_TO,
     chrome_trace,
     profile_to_map,
+)
+from conveyor.profiling.recorder import (
+    CLOCK_NAME,
+    COUNTER_HORIZON_S,
+    DEFAULT_CAPACITY,
+    DEFAULT_TRACE_CAPACITY,
+    MAX_WINDOW_S,
+    NS_PER_MS,
+    NS_PER_S,
+    Counter,
+    Profiler,
+    Series,
+    Timer,
+    now_ns,
 )
 from conveyor.profiling.step_records import (
     STEP_CAPACITY,

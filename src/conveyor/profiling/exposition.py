@@ -96,9 +96,20 @@ def chrome_trace(processes: list[dict[str, Any]]) -> dict[str, Any]:
                 continue
             flow = f"{replica or 0}:{arg}"
             if (role, span) in FLOW_FROM:
-                events.append({"ph": "s", "name": "step", "cat": "step", "id": flow, "pid": pid, "tid": tid, "ts": start / 1000.0})
+                events.append(
+                    {"ph": "s", "name": "step", "cat": "step", "id": flow, "pid": pid, "tid": tid, "ts": start / 1000.0}
+                )
             elif (role, span) in FLOW_TO:
                 events.append(
-                    {"ph": "f", "bp": "e", "name": "step", "cat": "step", "id": flow, "pid": pid, "tid": tid, "ts": start / 1000.0}
+                    {
+                        "ph": "f",
+                        "bp": "e",
+                        "name": "step",
+                        "cat": "step",
+                        "id": flow,
+                        "pid": pid,
+                        "tid": tid,
+                        "ts": start / 1000.0,
+                    }
                 )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"clock": CLOCK_NAME}}

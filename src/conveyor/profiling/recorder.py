@@ -351,7 +351,9 @@ class Profiler:
         if name in self._rings:
             raise ValueError(f"recorder {name!r} registered twice")
 
-    def snapshot(self, window_s: float, *, trace: bool = False, series: list[str] | tuple[str, ...] = ()) -> ProcessProfile:
+    def snapshot(
+        self, window_s: float, *, trace: bool = False, series: list[str] | tuple[str, ...] = ()
+    ) -> ProcessProfile:
         """Summaries over the last ``window_s`` seconds, plus spans and raw series if asked."""
         window_s = min(max(window_s, 0.0), MAX_WINDOW_S)
         now = now_ns()

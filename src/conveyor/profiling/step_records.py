@@ -48,7 +48,9 @@ def plan_shape(plan: Any) -> tuple[int, int, int, int, int, int]:
     pairs = int((scheduled[multi] * reach[multi]).sum())
     decode = reach[~multi]
     # class k holds lengths in [ratio^k, ratio^(k+1)); bincount over the few k is cheaper than a sort
-    classes = int(np.count_nonzero(np.bincount((np.log(np.maximum(decode, 1)) / math.log(LENGTH_CLASS_RATIO)).astype(np.int64))))
+    classes = int(
+        np.count_nonzero(np.bincount((np.log(np.maximum(decode, 1)) / math.log(LENGTH_CLASS_RATIO)).astype(np.int64)))
+    )
     return int(scheduled[multi].sum()), int((~multi).sum()), int(reach.sum()), copies, pairs, classes
 
 
@@ -82,7 +84,9 @@ class StepRecorder:
             series.add(value, end_ns)
 
 
-def step_records(processes: list[dict[str, Any]], since_ns: int = 0, until_ns: int | None = None) -> dict[str, list[float]]:
+def step_records(
+    processes: list[dict[str, Any]], since_ns: int = 0, until_ns: int | None = None
+) -> dict[str, list[float]]:
     """The worker's per-step records in a profile reply's ``processes`` (asked for with
     ``series=STEP_SERIES``), as columns by series name, steps ending in ``[since_ns, until_ns]``;
     empty columns when the worker recorded none (--no-profile). With data-parallel replicas,

@@ -98,7 +98,9 @@ def final_reply(
     return reply
 
 
-def error_reply(request_id: str | None, message: str, code: str = INVALID_FIELD, *, command: str | None = None) -> dict[str, Any]:
+def error_reply(
+    request_id: str | None, message: str, code: str = INVALID_FIELD, *, command: str | None = None
+) -> dict[str, Any]:
     """The answer to a message that cannot be served: the ``final`` of an ``error`` request
     when the message named a request (and no other final is coming under its id), else an
     ``error`` map (:func:`error_map`, naming ``command`` when the message was one)."""
@@ -163,7 +165,13 @@ def profile_reply(clock: str, window_s: float, processes: list[dict[str, Any]], 
 def lora_reply(request_id: str, name: str, loaded: bool) -> dict[str, Any]:
     """The ``lora`` map answering a ``load_lora`` (``loaded`` true) or an ``unload_lora``
     (false) that succeeded on every replica; a refusal is an ``error`` map under the same id."""
-    return {"type": LORA_REPLY, "v": CLIENT_PROTOCOL_VERSION, "request_id": request_id, "lora_name": name, "loaded": loaded}
+    return {
+        "type": LORA_REPLY,
+        "v": CLIENT_PROTOCOL_VERSION,
+        "request_id": request_id,
+        "lora_name": name,
+        "loaded": loaded,
+    }
 
 
 def metrics_reply(counters: dict[str, Any], histograms: dict[str, dict[str, Any]]) -> dict[str, Any]:

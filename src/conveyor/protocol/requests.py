@@ -75,14 +75,25 @@ FRONTEND_FIELDS = (
 # function: enforced as a JSON-schema constraint over ``tools``).
 STRUCTURED_FIELDS = ("constraint", "tools", "tool_choice")
 # Generate fields besides the input, the id and stream that clients pass as keyword arguments.
-OPTION_FIELDS = (*SAMPLING_FIELDS, "best_of", *LOGPROBS_FIELDS, "stop", "priority", "lora", *FRONTEND_FIELDS, *STRUCTURED_FIELDS)
+OPTION_FIELDS = (
+    *SAMPLING_FIELDS,
+    "best_of",
+    *LOGPROBS_FIELDS,
+    "stop",
+    "priority",
+    "lora",
+    *FRONTEND_FIELDS,
+    *STRUCTURED_FIELDS,
+)
 GENERATE_FIELDS = frozenset({"type", "v", "request_id", "prompt", "messages", "token_ids", "stream", *OPTION_FIELDS})
 # Template variables the frontend sets itself, so not settable through ``chat_template_kwargs``.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 PROFILE_FIELDS = frozenset({"type", "v", "window_s", "trace", "series"})
 METRICS_FIELDS = frozenset({"type", "v"})
-LORA_FIELDS = {LOAD_LORA: frozenset({"type", "v", "request_id", "lora_name", "lora_path"}),
-               UNLOAD_LORA: frozenset({"type", "v", "request_id", "lora_name"})}
+LORA_FIELDS = {
+    LOAD_LORA: frozenset({"type", "v", "request_id", "lora_name", "lora_path"}),
+    UNLOAD_LORA: frozenset({"type", "v", "request_id", "lora_name"}),
+}
 
 
 @dataclass
@@ -172,7 +183,14 @@ class LoraCommand:
 
 
 ClientMessage = (
-    GenerateRequest | AbortCommand | StatsCommand | ProfileCommand | MetricsCommand | LoraCommand | TokenizeCommand | DetokenizeCommand
+    GenerateRequest
+    | AbortCommand
+    | StatsCommand
+    | ProfileCommand
+    | MetricsCommand
+    | LoraCommand
+    | TokenizeCommand
+    | DetokenizeCommand
 )
 
 
@@ -240,7 +258,9 @@ def _parse_lora(obj: dict[str, Any], kind: str, rid: str | None) -> LoraCommand:
     if kind == UNLOAD_LORA:
         return LoraCommand(rid, name)
     if not isinstance(path, str) or not 0 < len(path) <= MAX_LORA_PATH_LEN:
-        raise CommandError(f"'lora_path' must be a directory: a non-empty string of at most {MAX_LORA_PATH_LEN} characters", rid)
+        raise CommandError(
+            f"'lora_path' must be a directory: a non-empty string of at most {MAX_LORA_PATH_LEN} characters", rid
+        )
     return LoraCommand(rid, name, path)
 
 
@@ -405,12 +425,20 @@ def parse_constraint(value: Any) -> Constraint:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise ConstraintError("'constraint' must be a map with a string 'type'")
     kind = value["type"]
-    keys = {"json_schema": {"schema", "strict"}, "json_object": set(), "regex": {"pattern"}, "choice": {"choices"}, "grammar": {"grammar"}}
+    keys = {
+        "json_schema": {"schema", "strict"},
+        "json_object": set(),
+        "regex": {"pattern"},
+        "choice": {"choices"},
+        "grammar": {"grammar"},
+    }
     if kind not in keys:
         raise ConstraintError(f"'constraint'.type must be one of {', '.join(keys)}, got {kind!r}")
     unknown = set(value) - keys[kind] - {"type"}
     if unknown:
-        raise ConstraintError(f"'constraint' of type {kind} has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+        raise ConstraintError(
+            f"'constraint' of type {kind} has unknown field(s): {', '.join(sorted(map(str, unknown)))}"
+        )
     try:
         if kind == "json_schema":
             strict = value.get("strict", True)
@@ -431,8 +459,14 @@ def parse_constraint(value: Any) -> Constraint:
 def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any) -> None:
     """The :data:`FRONTEND_FIELDS` of a generate map into ``req``, each checked."""
     flags = {}
-    for name in ("fill_context", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message",
-                 "return_prompt_token_ids"):
+    for name in (
+        "fill_context",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_prompt_token_ids",
+    ):
         value = obj.get(name)
         if value is not None and not isinstance(value, bool):
             raise fail(f"'{name}' must be a boolean, got {value!r}")
@@ -461,6 +495,8 @@ def _parse_frontend_fields(obj: dict[str, Any], req: GenerateRequest, fail: Any)
     req.skip_special_tokens = flags["skip_special_tokens"] is not False
     req.include_stop_str_in_output = bool(flags["include_stop_str_in_output"])
     req.continue_final_message = bool(flags["continue_final_message"])
-    req.add_generation_prompt = not req.continue_final_message if flags["add_generation_prompt"] is None else flags["add_generation_prompt"]
+    req.add_generation_prompt = (
+        not req.continue_final_message if flags["add_generation_prompt"] is None else flags["add_generation_prompt"]
+    )
     req.chat_template_kwargs = dict(kwargs or {})
     req.return_prompt_token_ids = bool(flags["return_prompt_token_ids"])

@@ -13,9 +13,22 @@ from conveyor.protocol.validation import is_int, is_number
 from conveyor.protocol.wire import ProtocolError
 
 SAMPLING_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "n",
-    "speculate", "pooling",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+    "n",
+    "speculate",
+    "pooling",
 )
 # Log-probabilities asked for (None: none; k: the token's own and the k most likely), bounded
 # by the server's max_logprobs (:func:`logprobs_problem`).
@@ -117,7 +130,9 @@ def _parse_pooling(obj: dict[str, Any], n: int, fail: Any) -> str:
         raise fail("'n' > 1 asks for several sequences; a pooling request samples none: drop 'n' or 'pooling'")
     for name in LOGPROBS_FIELDS:
         if obj.get(name) is not None:
-            raise fail(f"'{name}' asks for log-probabilities; a pooling request samples none: drop '{name}' or 'pooling'")
+            raise fail(
+                f"'{name}' asks for log-probabilities; a pooling request samples none: drop '{name}' or 'pooling'"
+            )
     return pooling
 
 

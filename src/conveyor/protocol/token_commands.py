@@ -18,8 +18,16 @@ MAX_DETOKENIZE_IDS = 1 << 20
 _TOKENIZE_OWN = frozenset({"type", "v", "request_id", "add_special_tokens", "return_token_strs"})
 # What a tokenize may carry of the generate fields: its input and what renders a chat.
 TOKENIZE_INPUT = frozenset(
-    {"prompt", "messages", "token_ids", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools",
-     "truncate_prompt_tokens"}
+    {
+        "prompt",
+        "messages",
+        "token_ids",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+        "tools",
+        "truncate_prompt_tokens",
+    }
 )
 DETOKENIZE_FIELDS = frozenset({"type", "v", "request_id", "token_ids"})
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from conveyor.protocol.wire import INVALID_INPUT, PROMPT_TOO_LONG, ProtocolError
 
+
 class Checked(Protocol):
     """What :func:`check_tokenized` reads of a parsed generate request
     (:class:`~conveyor.protocol.requests.GenerateRequest`, whose module imports this one)."""
@@ -63,7 +64,11 @@ def context_problem(
     if min_tokens > max_tokens:
         return f"min_tokens={min_tokens} exceeds max_tokens={max_tokens}"
     limit = vocab_size if vocab_size is not None else math.inf
-    checks = (("token id", prompt_ids, check_ids), ("stop token id", stop_token_ids, True), ("logit_bias token id", bias_token_ids, True))
+    checks = (
+        ("token id", prompt_ids, check_ids),
+        ("stop token id", stop_token_ids, True),
+        ("logit_bias token id", bias_token_ids, True),
+    )
     for what, ids, checked in checks:
         if checked and len(ids) and (min(ids) < 0 or max(ids) >= limit):  # min/max: C speed on long prompts
             bad = next(t for t in ids if not 0 <= t < limit)

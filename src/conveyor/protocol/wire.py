@@ -43,7 +43,9 @@ OVERLOADED = "overloaded"  # refused by the scheduler's bounded queue: retry lat
 # waited longer than --max-queue-time, or a load_lora / unload_lora some replica left unanswered: retry later
 TIMEOUT = "timeout"
 SERVER_ERROR = "server_error"  # the server failed the request: a process died, shutdown, an internal error
-LORA_LOADING_DISABLED = "lora_loading_disabled"  # load_lora / unload_lora: the server runs without --enable-lora-loading
+LORA_LOADING_DISABLED = (
+    "lora_loading_disabled"  # load_lora / unload_lora: the server runs without --enable-lora-loading
+)
 LORA_UPDATE_PENDING = "lora_update_pending"  # load_lora / unload_lora: another update of the name is unanswered yet
 # and the refusals of load_lora / unload_lora the scheduler and worker give (their meaning:
 # conveyor.ipc.messages.lora_updates): lora_already_loaded, lora_not_found, invalid_lora, lora_in_use

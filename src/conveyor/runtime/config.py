@@ -18,11 +18,22 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from conveyor.ipc.step_channel import StepChannels
-from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exported: they are read from here)
-    Attention, Batching, Choice, Device, Dtype, KVCacheDtype, PipelineSteps, PlanTransport, Policy, Preemption,
-    Quantization, parse_choices, require_at_least,
-)  # fmt: skip
 from conveyor.ipc.transport import CLIENT_SEND_QUEUE, ServerAddresses, is_loopback, is_loopback_host
+from conveyor.runtime.config_fields import (  # noqa: F401 (the modes re-exported: they are read from here)
+    Attention,
+    Batching,
+    Choice,
+    Device,
+    Dtype,
+    KVCacheDtype,
+    PipelineSteps,
+    PlanTransport,
+    Policy,
+    Preemption,
+    Quantization,
+    parse_choices,
+    require_at_least,
+)  # fmt: skip
 from conveyor.runtime.http_config import HttpConfig
 
 
@@ -93,7 +104,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         parse_choices(self, batching=Batching, policy=Policy, preemption=Preemption)
-        require_at_least(self, 0, "num_cpu_blocks", "max_waiting", "block_bytes", "max_wait_ms", "max_queue_time", "aging_rate")
+        require_at_least(
+            self, 0, "num_cpu_blocks", "max_waiting", "block_bytes", "max_wait_ms", "max_queue_time", "aging_rate"
+        )
         require_at_least(self, 1, "min_batch_size", "max_loras")
         require_at_least(self, 0, "max_bypass", "speculative_max_batch")
         if self.swap_bandwidth <= 0 or self.prefill_rate <= 0:
@@ -108,7 +121,11 @@ class SchedulerConfig:
         if (self.speculative_method == "draft") != (self.speculative_model is not None):
             raise ValueError("speculative_method 'draft' and speculative_model (the draft checkpoint) go together")
         if (self.speculative_method is None) == (self.num_speculative_tokens >= 1):  # (else tokens silently ignored)
-            raise ValueError("speculative_method needs num_speculative_tokens >= 1" if self.speculative_method else "num_speculative_tokens needs speculative_method (ngram or draft)")
+            raise ValueError(
+                "speculative_method needs num_speculative_tokens >= 1"
+                if self.speculative_method
+                else "num_speculative_tokens needs speculative_method (ngram or draft)"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 
@@ -159,7 +176,9 @@ class FrontendConfig:
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "data_parallel_size")
-        require_at_least(self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue", "max_logprobs", "max_waiting")
+        require_at_least(
+            self, 0, "tokenizer_threads", "tokenize_inline_chars", "client_send_queue", "max_logprobs", "max_waiting"
+        )
 
 
 @dataclass(frozen=True)
@@ -263,10 +282,14 @@ class WorkerConfig:
         if self.runner.num_blocks is not None:  # (else sized from kv_cache_memory_bytes by the worker)
             require_at_least(self.runner, 1, "num_blocks")
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_rank {self.tensor_parallel_rank} outside 0..{self.tensor_parallel_size - 1}")
+            raise ValueError(
+                f"tensor_parallel_rank {self.tensor_parallel_rank} outside 0..{self.tensor_parallel_size - 1}"
+            )
         readers = self.tensor_parallel_size - self.rank0_in_process
         if self.channels.plans.readers != readers:
-            raise ValueError(f"the plan channel has {self.channels.plans.readers} readers for {readers} tensor-parallel ranks")
+            raise ValueError(
+                f"the plan channel has {self.channels.plans.readers} readers for {readers} tensor-parallel ranks"
+            )
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
 
@@ -346,7 +369,9 @@ class ServerConfig:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
         host, _ = dist_init_host_port(self.dist_init_addr)
         if (self.cluster_key is None) != self.insecure_cluster:
-            raise ValueError("--nnodes > 1 needs one of --cluster-key FILE (bin/keygen DIR --cluster) and --insecure-cluster")
+            raise ValueError(
+                "--nnodes > 1 needs one of --cluster-key FILE (bin/keygen DIR --cluster) and --insecure-cluster"
+            )
         if self.insecure_cluster and not is_loopback_host(host):
             raise ValueError(f"--insecure-cluster is for loopback only: {host} is reachable from other hosts")
         size = self.worker.tensor_parallel_size
@@ -374,7 +399,9 @@ class ServerConfig:
         plans, results = self.channels.plans, self.channels.results
         channels = StepChannels(
             replace(plans, zmq_address=addresses.plans, ring_path=plans.ring_path and f"{plans.ring_path}.{index}"),
-            replace(results, zmq_address=addresses.results, ring_path=results.ring_path and f"{results.ring_path}.{index}"),
+            replace(
+                results, zmq_address=addresses.results, ring_path=results.ring_path and f"{results.ring_path}.{index}"
+            ),
         )
         return replace(
             self,

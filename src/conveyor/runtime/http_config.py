@@ -72,6 +72,8 @@ class HttpConfig:
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if self.http_port is not None and self.http_port == self.metrics_port and self.http_port != 0:
-            raise ValueError(f"http_port and metrics_port are both {self.http_port}: /metrics is on the HTTP port already")
+            raise ValueError(
+                f"http_port and metrics_port are both {self.http_port}: /metrics is on the HTTP port already"
+            )
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")

@@ -93,7 +93,9 @@ def draft_model_config(
     loads; the worker again when it loads the draft."""
     path = Path(draft_dir).expanduser()
     if not (path / "config.json").is_file():
-        raise StartupError(f"--speculative-model {draft_dir}: no config.json there (a local HF checkpoint directory is required)")
+        raise StartupError(
+            f"--speculative-model {draft_dir}: no config.json there (a local HF checkpoint directory is required)"
+        )
     draft = ModelConfig.from_dir(path)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(

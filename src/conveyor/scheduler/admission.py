@@ -29,7 +29,7 @@ from conveyor.scheduler.groups import fork_source
 from conveyor.scheduler.kv_manager import PrefixMatch
 from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.preemption import make_room
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conveyor.scheduler.request import RequestStatus, SchedulerRequest, SeqGroup, sequence_seed
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest
 
 if TYPE_CHECKING:
     from conveyor.scheduler.state import SchedulerState
+
 
 def fork_source(state: SchedulerState, req: SchedulerRequest) -> SchedulerRequest | None:
     """The leader ``req`` forks from if admitted now: a never-admitted non-leader sequence whose

@@ -46,7 +46,9 @@ def check_invariants(state: SchedulerState) -> None:
     live_seqs = [r for g in state.groups.values() for r in g.seqs if r.status is not RequestStatus.FINISHED]
     assert all(len(live_seqs_of(g)) == g.num_live > 0 for g in state.groups.values()), "a group's live count is off"
     assert all(state.table.live.get(r.request_id) is r for r in live_seqs), "a live sequence is not live"
-    assert set(running_ids) | set(waiting_ids) | {r.request_id for r in held} == set(state.table.live), "live map out of sync"
+    assert set(running_ids) | set(waiting_ids) | {r.request_id for r in held} == set(state.table.live), (
+        "live map out of sync"
+    )
     assert len(running) <= cfg.max_num_seqs
     assert all(a.rank < b.rank for a, b in zip(running, running[1:])), "running batch out of rank order"
     gpu_refs: dict[int, int] = {}
@@ -59,7 +61,9 @@ def check_invariants(state: SchedulerState) -> None:
         # (a speculative decode in flight computes up to 1 + k tokens, and keeps blocks for k
         # tokens beyond its known ones: scheduler/speculation.py)
         spec = cfg.speculative_tokens
-        assert pending <= len(state.inflight) * (1 + spec), f"{r.request_id}: {pending} tokens pending, or nothing to run"
+        assert pending <= len(state.inflight) * (1 + spec), (
+            f"{r.request_id}: {pending} tokens pending, or nothing to run"
+        )
         assert len(r.block_ids) <= blocks_for(r.num_tokens + pending + spec, bs)
         assert state.done_tokens(r) <= r.num_tokens, f"{r.request_id}: KV of unknown tokens counted as done"
         assert len(set(r.block_ids)) == len(r.block_ids) and min(r.block_ids, default=0) >= 0

@@ -32,7 +32,7 @@ from conveyor.runtime.config import SchedulerConfig
 from conveyor.scheduler.block_pool import BlockPool
 from conveyor.scheduler.policy import blocks_for
 from conveyor.scheduler.prefix_index import PrefixIndex
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest
 from conveyor.scheduler.swap import SwapSpace
 
 
@@ -71,7 +71,9 @@ class KVCacheManager:
         blocks are registered for others as usual). So does a pooling request: its vector is
         pooled over the hidden states of every prompt position, which a cached prefix would skip."""
         bs = self.block_size
-        if req.sampling.pooling or (req.sampling.prompt_logprobs is not None and req.prompt_logprobs_from < req.num_prompt_tokens):
+        if req.sampling.pooling or (
+            req.sampling.prompt_logprobs is not None and req.prompt_logprobs_from < req.num_prompt_tokens
+        ):
             return PrefixMatch([], [], [], None, 0, 0)
         tokens = req.token_ids
         limit = len(tokens) - 1

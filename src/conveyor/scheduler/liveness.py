@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 
 
-
 class HangWatch:
     """How long the worker has been silent with a plan in flight, and whether that is a hang."""
 
@@ -64,7 +63,11 @@ class HangWatch:
         if silent <= self.timeout:
             return None
         self.hung_since = self.clock()
-        what = "the server is stopping (--on-hang exit)" if self.exit else "new requests are refused until it steps again (--on-hang wait)"
+        what = (
+            "the server is stopping (--on-hang exit)"
+            if self.exit
+            else "new requests are refused until it steps again (--on-hang wait)"
+        )
         return f"worker hung: no step result for {silent:.1f} s (--hang-timeout {self.timeout:g}); {what}"
 
     def refusal(self) -> str | None:

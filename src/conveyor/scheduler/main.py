@@ -54,7 +54,6 @@ import zmq
 
 from conveyor import profiling
 from conveyor.ipc import codec, transport
-from conveyor.runtime.config import SchedulerProcessConfig
 from conveyor.ipc.messages import (
     LORA_ALREADY_LOADED,
     LORA_IN_USE,
@@ -62,12 +61,12 @@ from conveyor.ipc.messages import (
     AbortRequests,
     AddRequest,
     CommitLora,
+    FinishReason,
     LoadLora,
     LoraRead,
     LoraUpdated,
     ProfileQuery,
     ProfileReport,
-    FinishReason,
     RequestOutput,
     SchedulerStats,
     Shutdown,
@@ -77,10 +76,10 @@ from conveyor.ipc.messages import (
     TokenOutputs,
     UnloadLora,
 )
-from conveyor.runtime.process import Started, run_process
 from conveyor.ipc.step_channel import PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
-from conveyor.runtime.process import HANG_EXIT_CODE
+from conveyor.runtime.config import SchedulerProcessConfig
+from conveyor.runtime.process import HANG_EXIT_CODE, Started, run_process
 from conveyor.scheduler.liveness import HangWatch
 from conveyor.scheduler.scheduler import Scheduler
 
@@ -258,7 +257,9 @@ class SchedulerLoop:
 
     def _on_load_lora(self, msg: LoadLora) -> None:
         if msg.name in self.scheduler.lora_names or any(load.name == msg.name for load in self._lora_loads):
-            error = f"LoRA adapter {msg.name!r} is already loaded (unload it first to load other weights under its name)"
+            error = (
+                f"LoRA adapter {msg.name!r} is already loaded (unload it first to load other weights under its name)"
+            )
             transport.send(self.to_frontend, LoraUpdated(msg.query_id, msg.name, LORA_ALREADY_LOADED, error))
             return
         self._lora_loads.append(msg)
@@ -302,7 +303,10 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequests):
             self._pending.extend(self.scheduler.abort(msg.request_ids))
         elif isinstance(msg, StatsQuery):
-            transport.send(self.to_frontend, SchedulerStats(query_id=msg.query_id, **{**self.scheduler.stats(), "num_hung": int(self.watch.hung)}))
+            transport.send(
+                self.to_frontend,
+                SchedulerStats(query_id=msg.query_id, **{**self.scheduler.stats(), "num_hung": int(self.watch.hung)}),
+            )
         elif isinstance(msg, ProfileQuery):
             # On the plan channel, behind any plan in flight: the worker answers between steps.
             self._profile_queries.append(msg)
@@ -336,7 +340,9 @@ class SchedulerLoop:
                     continue
                 hung_for = self.watch.stepped()
                 if hung_for is not None:
-                    log.warning("the worker is stepping again after %.1f s without a result: serving requests again", hung_for)
+                    log.warning(
+                        "the worker is stepping again after %.1f s without a result: serving requests again", hung_for
+                    )
                 end = self._t_round_trip.record(sent, arg=plan.step_id)
                 if clean:
                     self._s_transport.add(max(0.0, (end - sent) / 1e6 - result.forward_time * 1e3))

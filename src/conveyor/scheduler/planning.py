@@ -23,7 +23,7 @@ import numpy as np
 from conveyor.scheduler.admission import NO_BLOCKS, NO_LORA_SLOT, try_admit
 from conveyor.scheduler.policy import BYPASS_LOOKAHEAD
 from conveyor.scheduler.preemption import make_room
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest
 from conveyor.scheduler.slot_columns import COMPUTED, GEN, KNOWN, STOP_LEN
 from conveyor.scheduler.step import Step
 
@@ -98,7 +98,9 @@ def plan_decodes(state: SchedulerState, step: Step, prefills: list[SchedulerRequ
         start = end
 
 
-def plan_prompts(state: SchedulerState, step: Step, prefills: list[SchedulerRequest], admit_open: bool, now: float) -> None:
+def plan_prompts(
+    state: SchedulerState, step: Step, prefills: list[SchedulerRequest], admit_open: bool, now: float
+) -> None:
     """Phase 2: prefill chunks of running requests (``prefills``, in rank order) and
     admissions from the waiting queue take the rest of the budget, whichever ranks better
     first. A waiting head that lacks blocks, or whose LoRA adapter finds no free device slot,
@@ -134,7 +136,11 @@ def plan_prompts(state: SchedulerState, step: Step, prefills: list[SchedulerRequ
                 if blocked.num_bypassed >= policy.max_bypass:
                     admit_open = False  # bound reached: nobody passes it any more
             continue
-        if outcome in (NO_BLOCKS, NO_LORA_SLOT) and head.num_bypassed < policy.max_bypass and len(skipped) < BYPASS_LOOKAHEAD:
+        if (
+            outcome in (NO_BLOCKS, NO_LORA_SLOT)
+            and head.num_bypassed < policy.max_bypass
+            and len(skipped) < BYPASS_LOOKAHEAD
+        ):
             queue.pop()  # set it aside for this iteration; smaller ones behind it may start
             skipped.append(head)
         else:

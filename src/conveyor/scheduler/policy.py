@@ -188,7 +188,9 @@ class SchedulingPolicy:
     # ------------------------------------------------------------ preemption
 
     @staticmethod
-    def choose_victim(running: Sequence[SchedulerRequest], req: SchedulerRequest, yields: bool) -> SchedulerRequest | None:
+    def choose_victim(
+        running: Sequence[SchedulerRequest], req: SchedulerRequest, yields: bool
+    ) -> SchedulerRequest | None:
         """Who gives up its KV so that ``req`` can run: the worst-ranked running request, if it
         ranks below ``req``. When ``req`` is itself the worst-ranked, it yields (returned) if
         ``yields`` (a decode: rather than stall everyone), else nobody does (None: it waits)."""

@@ -19,14 +19,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from conveyor.runtime.config import Preemption
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest
 from conveyor.scheduler.step import Step
 
 if TYPE_CHECKING:
     from conveyor.scheduler.state import SchedulerState
 
 
-def make_room(state: SchedulerState, step: Step, req: SchedulerRequest, fits: Callable[[], bool], *, yields: bool) -> bool:
+def make_room(
+    state: SchedulerState, step: Step, req: SchedulerRequest, fits: Callable[[], bool], *, yields: bool
+) -> bool:
     """Preempt running requests, as the policy chooses them, until ``fits()``; whether it does.
 
     False when nobody ranks below ``req`` (with ``yields``, ``req`` itself was then preempted)

@@ -14,7 +14,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest
 
 
 class WaitingQueue:

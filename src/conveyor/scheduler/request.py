@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-
 from typing import Protocol
 
 import msgspec

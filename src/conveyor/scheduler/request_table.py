@@ -12,7 +12,7 @@ import bisect
 
 import numpy as np
 
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest
 
 
 def _rank(req: SchedulerRequest) -> tuple:

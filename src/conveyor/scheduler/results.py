@@ -44,7 +44,7 @@ from conveyor.ipc.messages import (
     TokenOutputs,
 )
 from conveyor.scheduler.preemption import drop_kv
-from conveyor.scheduler.request import SchedulerRequest, RequestStatus
+from conveyor.scheduler.request import RequestStatus, SchedulerRequest
 from conveyor.scheduler.slot_columns import ALARM, EOS, GEN, KNOWN
 from conveyor.scheduler.speculation import back_off
 from conveyor.scheduler.step import Step
@@ -91,9 +91,7 @@ def apply_result(state: SchedulerState, plan: StepPlan, step: Step, result: Step
     if len(step.sample_slots):
         finished: list[SchedulerRequest] = []  # running requests this result retires
         complete = _grammar_ends(state, step, result, outputs, finished)
-        column_ids, column_tokens = _apply_tokens(
-            state, plan, step, slots, tokens, outputs, finished, complete, runs
-        )
+        column_ids, column_tokens = _apply_tokens(state, plan, step, slots, tokens, outputs, finished, complete, runs)
         if finished:
             state.table.prune_running(finished)
     if step.poolers:
@@ -103,7 +101,9 @@ def apply_result(state: SchedulerState, plan: StepPlan, step: Step, result: Step
     return TokenOutputs(outputs, column_ids, column_tokens)
 
 
-def _finish_pooled(state: SchedulerState, plan: StepPlan, step: Step, result: StepResult, outputs: list[RequestOutput]) -> None:
+def _finish_pooled(
+    state: SchedulerState, plan: StepPlan, step: Step, result: StepResult, outputs: list[RequestOutput]
+) -> None:
     """The pooling requests whose last prompt chunk the plan ran finish with their vectors
     (``stop``; ``error`` for one the worker pooled none for), their blocks freed now."""
     vectors = dict(zip(result.pooled_slots, result.pooled))
@@ -155,7 +155,11 @@ def _accepted_runs(state: SchedulerState, step: Step, result: StepResult) -> dic
 
 
 def _grammar_ends(
-    state: SchedulerState, step: Step, result: StepResult, outputs: list[RequestOutput], finished: list[SchedulerRequest]
+    state: SchedulerState,
+    step: Step,
+    result: StepResult,
+    outputs: list[RequestOutput],
+    finished: list[SchedulerRequest],
 ) -> np.ndarray | None:
     """Finish the requests the worker's grammar left at a dead end (``error``); returns the slots
     whose grammar is complete (their token decides ``stop`` in :func:`_output`), None if none."""
@@ -184,14 +188,25 @@ def _split_logprobs(step: Step, lp: StepLogprobs) -> list[tuple[SchedulerRequest
     width = lp.width
     out = []
     first = 0
-    for slot, start, count in zip(_int_array(lp.slots).tolist(), _int_array(lp.starts).tolist(), _int_array(lp.counts).tolist()):
+    for slot, start, count in zip(
+        _int_array(lp.slots).tolist(), _int_array(lp.starts).tolist(), _int_array(lp.counts).tolist()
+    ):
         req = step.owner(slot)
         end = first + count
         if req is not None:
-            out.append((req, TokenLogprobs(
-                start, count, width, chosen[first:end].tobytes(),
-                top_ids[first * width : end * width].copy(), top[first * width : end * width].tobytes(),
-            )))
+            out.append(
+                (
+                    req,
+                    TokenLogprobs(
+                        start,
+                        count,
+                        width,
+                        chosen[first:end].tobytes(),
+                        top_ids[first * width : end * width].copy(),
+                        top[first * width : end * width].tobytes(),
+                    ),
+                )
+            )
         first = end
     return out
 
@@ -200,8 +215,12 @@ def _drop_head(lp: TokenLogprobs, rows: int) -> TokenLogprobs:
     """``lp`` without its first ``rows`` rows."""
     w = lp.width
     return TokenLogprobs(
-        lp.start + rows, lp.count - rows, w, lp.token_logprobs[4 * rows :],
-        np.asarray(lp.top_ids)[rows * w :], lp.top_logprobs[4 * rows * w :],
+        lp.start + rows,
+        lp.count - rows,
+        w,
+        lp.token_logprobs[4 * rows :],
+        np.asarray(lp.top_ids)[rows * w :],
+        lp.top_logprobs[4 * rows * w :],
     )
 
 
@@ -273,8 +292,14 @@ def _by_slot(state: SchedulerState, slots: np.ndarray, tokens: np.ndarray) -> np
 
 
 def _apply_tokens(
-    state: SchedulerState, plan: StepPlan, step: Step, answered: np.ndarray, sampled: np.ndarray,
-    outputs: list[RequestOutput], finished: list[SchedulerRequest], complete: np.ndarray | None = None,
+    state: SchedulerState,
+    plan: StepPlan,
+    step: Step,
+    answered: np.ndarray,
+    sampled: np.ndarray,
+    outputs: list[RequestOutput],
+    finished: list[SchedulerRequest],
+    complete: np.ndarray | None = None,
     runs: dict[int, list[int]] | None = None,
 ) -> tuple[list[str], list[int]]:
     """Append each sampling row's token (the result's rows ``answered`` slots, ``sampled``
@@ -336,7 +361,12 @@ def _apply_tokens(
 
 
 def _output(
-    state: SchedulerState, req: SchedulerRequest, token: int, outputs: list[RequestOutput], now: float, complete: bool = False
+    state: SchedulerState,
+    req: SchedulerRequest,
+    token: int,
+    outputs: list[RequestOutput],
+    now: float,
+    complete: bool = False,
 ) -> int:
     """After ``token`` was appended to ``req``: finish it (``_FINISHED``), or give its first
     token a full output (``_FIRST``); a plain later token (``_PLAIN``) is left to the columns.
@@ -356,7 +386,9 @@ def _output(
     return _FINISHED
 
 
-def _output_run(state: SchedulerState, req: SchedulerRequest, tokens: list[int], outputs: list[RequestOutput], now: float) -> int:
+def _output_run(
+    state: SchedulerState, req: SchedulerRequest, tokens: list[int], outputs: list[RequestOutput], now: float
+) -> int:
     """A speculative decode gained ``tokens`` (the first already appended to ``req``): append
     the others one at a time while it does not stop, a stop (id, length) ending the run
     there, and give what it kept one full output (``_FINISHED`` or ``_FIRST``: never the

@@ -132,7 +132,8 @@ from conveyor.scheduler.iteration_log import ITERATION_FIELDS, IterationLog
 from conveyor.scheduler.planning import plan_decodes, plan_prompts
 from conveyor.scheduler.request import RequestStatus, SchedulerRequest, SeqGroup
 from conveyor.scheduler.results import apply_result
-from conveyor.scheduler.speculation import plan_speculation, quiet as speculation_quiet
+from conveyor.scheduler.speculation import plan_speculation
+from conveyor.scheduler.speculation import quiet as speculation_quiet
 from conveyor.scheduler.state import MAX_PLANS_IN_FLIGHT, SchedulerState
 from conveyor.scheduler.step import Step
 
@@ -216,7 +217,7 @@ class Scheduler:
                 [],
                 FinishReason.ERROR,
                 error=f"overloaded: {len(self.state.queue)} requests are waiting (max_waiting {cfg.max_waiting}); "
-                    "retry later",
+                "retry later",
             )
         now = self.clock()
         req.enqueue_time = now
@@ -342,9 +343,7 @@ class Scheduler:
         self._num_steps += 1
         swap_out, swap_in = st.kv.swap.take_transfers()
         cached = step.cached_columns(st.cols)
-        plan = StepPlan(
-            self._num_steps, step.new, cached, st.finished_slots, swap_out, swap_in, st.ahead, step.copies
-        )
+        plan = StepPlan(self._num_steps, step.new, cached, st.finished_slots, swap_out, swap_in, st.ahead, step.copies)
         self._num_planned_ahead += st.ahead
         st.finished_slots = []
         step.commit(st.cols)
@@ -430,7 +429,9 @@ class Scheduler:
         now = self.clock()
         times = []
         queue = self.state.queue
-        opens = self.state.policy.admission_opens_at(len(queue), queue.oldest_enqueue_time(self.state.policy.min_batch_size))
+        opens = self.state.policy.admission_opens_at(
+            len(queue), queue.oldest_enqueue_time(self.state.policy.min_batch_size)
+        )
         if opens is not None:
             times.append(opens)
         if self.config.max_queue_time:

@@ -46,12 +46,41 @@ class Step:
     """
 
     __slots__ = (
-        "budget", "dslots", "dcomputed", "dgens", "_owners", "_decodes", "_row_gen", "scheduled", "new",
-        "slots", "computed", "counts", "block_rows", "block_ids", "sample_slots", "sample_gens", "answer_slots",
+        "budget",
+        "dslots",
+        "dcomputed",
+        "dgens",
+        "_owners",
+        "_decodes",
+        "_row_gen",
+        "scheduled",
+        "new",
+        "slots",
+        "computed",
+        "counts",
+        "block_rows",
+        "block_ids",
+        "sample_slots",
+        "sample_gens",
+        "answer_slots",
         "answer_rows",
-        "preempted", "num_swap", "num_recompute", "num_admitted", "wait_sum", "wait_max", "hit_tokens",
-        "decode_tokens", "prefill_tokens", "context_tokens", "swapped_out", "_tokens_by_request", "failed", "copies",
-        "spec", "proposals", "poolers",
+        "preempted",
+        "num_swap",
+        "num_recompute",
+        "num_admitted",
+        "wait_sum",
+        "wait_max",
+        "hit_tokens",
+        "decode_tokens",
+        "prefill_tokens",
+        "context_tokens",
+        "swapped_out",
+        "_tokens_by_request",
+        "failed",
+        "copies",
+        "spec",
+        "proposals",
+        "poolers",
     )
 
     def __init__(self, budget: int) -> None:
@@ -205,8 +234,11 @@ class Step:
         spec_rows, spec_counts = self._spec_rows()
         if not self.slots and not spec_rows:
             return CachedRequests(
-                self.dslots.astype(np.int32), self.dcomputed.astype(np.int32), cols.ones[:n],
-                self.block_rows, self.block_ids,
+                self.dslots.astype(np.int32),
+                self.dcomputed.astype(np.int32),
+                cols.ones[:n],
+                self.block_rows,
+                self.block_ids,
             )
         counts = np.ones(n, np.int64)
         if spec_rows:
@@ -240,7 +272,9 @@ class Step:
             cols.computed[slot] += proposed
         dslots, dgens = self.dslots, self.dgens  # the decodes that sample
         if cols.num_pooling and len(dslots):  # a pooling request's last prompt token is pooled
-            pooled = np.fromiter((bool(self._owners[s].sampling.pooling) for s in dslots.tolist()), np.bool_, len(dslots))
+            pooled = np.fromiter(
+                (bool(self._owners[s].sampling.pooling) for s in dslots.tolist()), np.bool_, len(dslots)
+            )
             if pooled.any():
                 self.poolers += [self._owners[s] for s in dslots[pooled].tolist()]
                 dslots, dgens = dslots[~pooled], dgens[~pooled]

@@ -128,4 +128,3 @@ class GrammarCompiler:
         if not first.fill(allocate_bitmask(1, self.tokenizer.mask_vocab), 0):
             raise ConstraintError(f"invalid {constraint.kind}: {first.error or 'no token can start a match'}")
         return CompiledGrammar(constraint, self.tokenizer.id, grammar, prototype)
-

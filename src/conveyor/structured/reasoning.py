@@ -61,7 +61,7 @@ class ReasoningParser:
             if self.state == "start":
                 stripped = self.buffer.lstrip()
                 if stripped.startswith(OPEN):
-                    self.buffer = stripped[len(OPEN):]
+                    self.buffer = stripped[len(OPEN) :]
                     self._enter("reasoning")
                 elif OPEN.startswith(stripped):  # empty, or a piece of the tag: not decided yet
                     return out
@@ -78,7 +78,7 @@ class ReasoningParser:
                     self.buffer = self.buffer[kept:]
                     return out
                 out.reasoning += self._shown(self.buffer[:end].rstrip("\n"))
-                self.buffer = self.buffer[end + len(CLOSE):]
+                self.buffer = self.buffer[end + len(CLOSE) :]
                 self._enter("content")
             else:
                 out.content += self._shown(self.buffer)

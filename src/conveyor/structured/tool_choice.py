@@ -56,16 +56,26 @@ def tool_choice_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: Any)
 def _named(tool_choice: Any) -> str:
     fn = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-        raise ConstraintError('tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+        raise ConstraintError(
+            'tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+        )
     return fn["name"]
 
 
-def constrained_tool_calls(text: str, tool_choice: Any, make_id: Callable[[], str] = new_call_id) -> list[dict[str, Any]]:
+def constrained_tool_calls(
+    text: str, tool_choice: Any, make_id: Callable[[], str] = new_call_id
+) -> list[dict[str, Any]]:
     """OpenAI ``tool_calls`` from the output of :func:`tool_choice_constraint`'s constraint."""
     value = json.loads(text)
-    pairs = [(c["name"], c["arguments"]) for c in value] if tool_choice == "required" else [(_named(tool_choice), value)]
+    pairs = (
+        [(c["name"], c["arguments"]) for c in value] if tool_choice == "required" else [(_named(tool_choice), value)]
+    )
     return [
-        {"index": i, "id": make_id(), "type": "function",
-         "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+        {
+            "index": i,
+            "id": make_id(),
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+        }
         for i, (name, args) in enumerate(pairs)
     ]

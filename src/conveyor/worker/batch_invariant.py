@@ -43,9 +43,13 @@ class BatchVarianceError(RuntimeError):
 def invariant_backend(device: torch.device | str, attention: str, lora: bool = False) -> AttentionBackend:
     """The attention backend of batch-invariant mode, after checking the mode can run here."""
     if lora:
-        raise ValueError("--batch-invariant does not cover LoRA adapters yet: serve without --lora-modules/--enable-lora")
+        raise ValueError(
+            "--batch-invariant does not cover LoRA adapters yet: serve without --lora-modules/--enable-lora"
+        )
     if torch.device(device).type != "cpu":
-        raise ValueError("--batch-invariant runs on the CPU only (its CUDA kernels are not written yet): use --device cpu")
+        raise ValueError(
+            "--batch-invariant runs on the CPU only (its CUDA kernels are not written yet): use --device cpu"
+        )
     if attention != "auto":
         raise ValueError(f"--batch-invariant brings its own attention: drop --attention {attention}")
     return TorchInvariantAttention()
@@ -56,9 +60,13 @@ def make_batch_invariant(model: nn.Module) -> None:
     check, once per distinct projection, that a row's output is the same bits computed alone
     and among others (BatchVarianceError naming the shape where not)."""
     if getattr(model, "quantization", "none") != "none":
-        raise ValueError(f"--batch-invariant with quantized weights ({model.quantization}) is not supported: use --quantization none")
+        raise ValueError(
+            f"--batch-invariant with quantized weights ({model.quantization}) is not supported: use --quantization none"
+        )
     if getattr(getattr(model, "config", None), "moe", None) is not None:
-        raise ValueError("--batch-invariant does not cover mixture-of-experts models yet (expert groups change with the batch)")
+        raise ValueError(
+            "--batch-invariant does not cover mixture-of-experts models yet (expert groups change with the batch)"
+        )
     checked: set[tuple] = set()
     generator = torch.Generator(device="cpu").manual_seed(0)
     for name, module in model.named_modules():
@@ -72,7 +80,9 @@ def make_batch_invariant(model: nn.Module) -> None:
         if key not in checked:
             checked.add(key)
             _check_rows(name, lambda x, m=module: m.matmul(x, m.bias), module.weight, generator)
-    for head_dim in sorted({layer.head_dim for layer in model.attention_layers()}) if hasattr(model, "attention_layers") else ():
+    for head_dim in (
+        sorted({layer.head_dim for layer in model.attention_layers()}) if hasattr(model, "attention_layers") else ()
+    ):
         _check_attention_products(head_dim, generator)
     if hasattr(model, "row_tile") and getattr(model, "lm_head", None) is None and hasattr(model, "embed_tokens"):
         model.row_tile = ROW_TILE

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 import torch
 
 
-def transfer_blocks(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor], pairs: Sequence[Sequence[int]]) -> None:
+def transfer_blocks(
+    src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor], pairs: Sequence[Sequence[int]]
+) -> None:
     """Copy block ``src`` of every layer of ``src_layers`` into block ``dst`` of ``dst_layers``, for each pair.
 
     Layer caches are ``[2, num_blocks, block_size, kv_heads, head_dim]``; a block is

@@ -103,9 +103,13 @@ class DecodeGraphs:
         log.info(
             "captured %d decode CUDA graphs (%d row buckets up to %d, query tokens per row %s, context bounds %s) "
             "in %.2f s, holding %.1f MiB",
-            len(self._graphs), len(self._buffers.buckets), self._buffers.buckets[-1],
-            sorted({q for _, q in self._serving}), self._bounds,
-            self.capture_seconds, self.memory_bytes / 2**20,
+            len(self._graphs),
+            len(self._buffers.buckets),
+            self._buffers.buckets[-1],
+            sorted({q for _, q in self._serving}),
+            self._bounds,
+            self.capture_seconds,
+            self.memory_bytes / 2**20,
         )
 
     def replay(self, rows: int, q: int, bound: int) -> None:

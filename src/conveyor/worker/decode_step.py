@@ -90,7 +90,9 @@ class DecodeStep:
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             widths = [1 + width for width in self.verify_widths]
-            self.graphs = DecodeGraphs(self.forward, self.buffers, widths, self.context_bounds, block_size, self.plan_key)
+            self.graphs = DecodeGraphs(
+                self.forward, self.buffers, widths, self.context_bounds, block_size, self.plan_key
+            )
             with torch.inference_mode():
                 self.graphs.capture()
 
@@ -161,7 +163,9 @@ class DecodeStep:
         seq_lens_host = host["seq_lens"].tolist()  # the torch backends' host lengths (before the buffer is reused)
         return StagedStep(bucket, q, bound, width, draws, targets, selection, flags, seq_lens_host, from_device)
 
-    def _stage_tokens(self, host: dict[str, np.ndarray], rows: StepRows, bucket: int, q: int, lengths: np.ndarray) -> bool:
+    def _stage_tokens(
+        self, host: dict[str, np.ndarray], rows: StepRows, bucket: int, q: int, lengths: np.ndarray
+    ) -> bool:
         """Each row's last known token then its proposal; a token the host has not read yet
         (sampled by the step in flight) is marked to be read from the device. Whether any is."""
         work, states = rows.work, rows.states
@@ -180,7 +184,13 @@ class DecodeStep:
         return bool(pending.any())
 
     def _stage_attention(
-        self, host: dict[str, np.ndarray], slots: np.ndarray, width: int, q: int, computed: np.ndarray, lengths: np.ndarray
+        self,
+        host: dict[str, np.ndarray],
+        slots: np.ndarray,
+        width: int,
+        q: int,
+        computed: np.ndarray,
+        lengths: np.ndarray,
     ) -> None:
         """Positions, KV slots, block tables and lengths. A padded position repeats its row's
         last real position (a valid rotary position); its KV is not stored (slot -1) and its
@@ -244,7 +254,9 @@ class DecodeStep:
         ends = parts.grammar.constrain(batch, rows, False, staged.rows)
         sampled = parts.sampler.sample(self.logits[: staged.rows], batch).index_select(0, inputs.sample_rows[:m])
         # After the graph, on the same logits, for the rows that ask (the host knows which).
-        logprobs = parts.logprobs.sampled(self.logits, sample_rows, sampled, slots[sample_rows], staged.draws[sample_rows])
+        logprobs = parts.logprobs.sampled(
+            self.logits, sample_rows, sampled, slots[sample_rows], staged.draws[sample_rows]
+        )
         verdict = None
         if staged.targets:
             targets = self.logits.index_select(0, inputs.target_index[: staged.targets])

@@ -92,7 +92,9 @@ class DraftModel:
             return None
         counts = np.fromiter((work[i].num_drafted for i in rows), np.int64, len(rows))
         offsets = np.cumsum(counts) - counts  # where each row's tokens start in the flat proposals
-        start = np.fromiter((work[i].num_computed for i in rows), np.int64, len(rows))  # its last known token's position
+        start = np.fromiter(
+            (work[i].num_computed for i in rows), np.int64, len(rows)
+        )  # its last known token's position
         row_tables = tables[rows]
         tokens = torch.empty(int(counts.sum()), dtype=torch.int64, device=self.device)
         kept = None
@@ -107,7 +109,9 @@ class DraftModel:
             if kept is not None:
                 kept[at] = logits
             positions = start[feed] + j
-            metadata = AttentionMetadata.build(np.ones(len(feed), np.int64), positions, row_tables[feed], self.block_size, self.device)
+            metadata = AttentionMetadata.build(
+                np.ones(len(feed), np.int64), positions, row_tables[feed], self.block_size, self.device
+            )
             hidden = self.model(drawn, self._index(positions), metadata)
             more = np.flatnonzero(counts[feed] > j)
             if not len(more):

@@ -118,7 +118,11 @@ class MaskStaging:
         """The next host buffer's first ``num_rows`` rows, free to be written."""
         cuda = device.type == "cuda"
         have = self._buffers[0].shape if self._buffers else (0, 0)
-        if have[0] < num_rows or have[1] != bitmask_width(vocab) or len(self._buffers) != (self.SLOTS_CUDA if cuda else 1):
+        if (
+            have[0] < num_rows
+            or have[1] != bitmask_width(vocab)
+            or len(self._buffers) != (self.SLOTS_CUDA if cuda else 1)
+        ):
             rows = max(num_rows, 2 * have[0])
             self._buffers = [self._allocate(rows, vocab, cuda) for _ in range(self.SLOTS_CUDA if cuda else 1)]
             self._copied = [torch.cuda.Event() for _ in self._buffers] if cuda else []

@@ -23,7 +23,9 @@ class GrammarSteps:
     """The grammars of the requests on ``requests``' slots (the tokenizer of ``model_dir``);
     only rank 0 of ``tensor_parallel`` samples, so only it holds matchers."""
 
-    def __init__(self, model_dir: str | Path, requests: SlotStates, tensor_parallel: TensorParallel, device: torch.device) -> None:
+    def __init__(
+        self, model_dir: str | Path, requests: SlotStates, tensor_parallel: TensorParallel, device: torch.device
+    ) -> None:
         self.rows = GrammarRows(model_dir)
         self.requests = requests
         self.samples_here = tensor_parallel.rank == 0

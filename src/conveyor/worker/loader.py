@@ -95,7 +95,9 @@ def load_model(
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, device, config)
-    model = model_class(config.architecture)(config, backend or backend_for(device), torch_dtype, device, tensor_parallel)
+    model = model_class(config.architecture)(
+        config, backend or backend_for(device), torch_dtype, device, tensor_parallel
+    )
     load_weights(model, checkpoint_tensors(model_dir), resolve_quantization(quantization, model_dir))
     return model.eval(), config
 
@@ -111,7 +113,9 @@ def resolve_quantization(quantization: str, model_dir: Path) -> str:
     if quantization != "gguf":
         return quantization
     if source is None:
-        raise ValueError(f"--quantization gguf keeps a GGUF file's own quantization, and {model_dir} holds no .gguf file")
+        raise ValueError(
+            f"--quantization gguf keeps a GGUF file's own quantization, and {model_dir} holds no .gguf file"
+        )
     from conveyor.worker.gguf_tensors import file_is_quantized
 
     return "checkpoint" if file_is_quantized(source) else "none"
@@ -170,7 +174,10 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, str, Any]], quant
             keep = quantization == "checkpoint" and getattr(stored, "is_quantized", False)
             part = stored.quantized(_index(slot)) if keep else stored[_index(slot)]
             if tuple(part.shape) != (slot.end - slot.start, linear.in_features):
-                raise ValueError(f"slot of weight {name!r} reads shape {tuple(part.shape)} into {(slot.end - slot.start, linear.in_features)}")
+                raise ValueError(
+                    f"slot of weight {name!r} reads shape {tuple(part.shape)} "
+                    f"into {(slot.end - slot.start, linear.in_features)}"
+                )
             load_part(linear, slot.start, part, model.device)
             loaded.add(name)
             continue

@@ -36,8 +36,14 @@ class LogprobRows:
 
     @classmethod
     def compute(
-        cls, logits: torch.Tensor, rows: np.ndarray, tokens: torch.Tensor, width: int,
-        slots: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+        cls,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        tokens: torch.Tensor,
+        width: int,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
     ) -> LogprobRows:
         """Of ``logits`` rows ``rows`` (host indices), for ``tokens`` (one per row, on the device)."""
         index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(logits.device, non_blocking=True)
@@ -143,6 +149,11 @@ class LogprobSteps:
         tokens = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
         width = min(width, logits.shape[1])
         return LogprobRows.compute(
-            logits, np.arange(len(rows)), tokens, width,
-            np.asarray(slots, np.int64), np.asarray(starts, np.int64), np.asarray(counts, np.int64),
+            logits,
+            np.arange(len(rows)),
+            tokens,
+            width,
+            np.asarray(slots, np.int64),
+            np.asarray(starts, np.int64),
+            np.asarray(counts, np.int64),
         )

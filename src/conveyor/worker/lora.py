@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conveyor.checkpoints.model_config import ModelConfig
+
 # The errors are lora_config's (torch-free, for bin/serve's checks); imported from here too.
 from conveyor.worker.lora_config import WEIGHTS_FILE, LoraFilesMissing, LoraLoadError, read_adapter_config  # noqa: F401
 from conveyor.worker.lora_delta import LoraContext, LoraStack
@@ -70,8 +71,15 @@ def _expected_shape(config: ModelConfig, target: str) -> tuple[int, int]:
     :data:`~conveyor.worker.models.interface.DECODER_LORA_TARGETS`) in the unsplit base model."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     h, m = config.hidden_size, config.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h)}[target]
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, m),
+        "up_proj": (h, m),
+        "down_proj": (m, h),
+    }[target]
 
 
 def read_adapter(name: str, directory: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -188,8 +196,9 @@ class LoraManager:
             for module_name, pieces in columns.items():
                 linear = model.get_submodule(module_name)
                 out_features, in_features = linear.out_features, linear.in_features
-                linear.lora = LoraStack(options.max_loras, options.max_lora_rank, pieces, in_features, out_features,
-                                        self.context)
+                linear.lora = LoraStack(
+                    options.max_loras, options.max_lora_rank, pieces, in_features, out_features, self.context
+                )
                 self._stacks[module_name] = linear.lora
         self._ids: dict[str, int] = {}
         self._next_id = 1

@@ -54,8 +54,10 @@ def read_adapter_config(name: str, directory: str | Path, max_rank: int) -> Adap
         raise LoraLoadError(f"adapter {name!r}: DoRA, trained biases and modules_to_save are not supported")
     rank = int(peft.get("r", 8))
     if not 1 <= rank <= max_rank:
-        raise LoraLoadError(f"adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank} (raise --max-lora-rank to at least "
-            f"{rank})")
+        raise LoraLoadError(
+            f"adapter {name!r}: rank {rank} is over --max-lora-rank {max_rank} (raise --max-lora-rank to at least "
+            f"{rank})"
+        )
     if peft.get("rank_pattern") or peft.get("alpha_pattern"):
         raise LoraLoadError(f"adapter {name!r}: per-module rank_pattern/alpha_pattern are not supported")
     targets = peft.get("target_modules") or []

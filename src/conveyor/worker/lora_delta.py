@@ -113,7 +113,12 @@ class LoraStack:
     checkpoint's strict loader and state dict never see them."""
 
     def __init__(
-        self, slots: int, rank: int, columns: list[tuple[int, int]], in_features: int, out_features: int,
+        self,
+        slots: int,
+        rank: int,
+        columns: list[tuple[int, int]],
+        in_features: int,
+        out_features: int,
         context: LoraContext,
     ) -> None:
         rank_rows = len(columns) * rank
@@ -131,8 +136,9 @@ class LoraStack:
         if isinstance(batch, LoraSegments):
             kernels = self.context.kernels
             shrunk = kernels.lora_shrink(x, self.a, batch.tokens, batch.tiles, batch.block)
-            return kernels.lora_expand(shrunk, self.b, y, batch.tokens, batch.tiles, self.columns, self.widest,
-                                       batch.block)
+            return kernels.lora_expand(
+                shrunk, self.b, y, batch.tokens, batch.tiles, self.columns, self.widest, batch.block
+            )
         xs = x[batch.gather]  # [P, L, in]
         shrunk = torch.bmm(xs, self.a.index_select(0, batch.slots).transpose(1, 2)) * batch.mask
         delta = torch.bmm(shrunk, self.b.index_select(0, batch.slots).transpose(1, 2))  # [P, L, out]

@@ -85,7 +85,9 @@ class LoraUpdates:
         if not all_ranks_agree(error is None, self.tensor_parallel, self.device):
             if error is None:
                 self.lora.unregister(name)
-                error = LoraLoadError(f"adapter {name!r} could not be loaded on another tensor-parallel rank (see its log)")
+                error = LoraLoadError(
+                    f"adapter {name!r} could not be loaded on another tensor-parallel rank (see its log)"
+                )
             raise error
 
     def load_lora(self, name: str, directory: str) -> None:

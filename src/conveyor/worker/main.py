@@ -34,8 +34,8 @@ from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import Device, PipelineSteps, RunnerConfig, WorkerConfig, rank_process_name
 from conveyor.runtime.model_source import StartupError
 from conveyor.runtime.process import Started, run_process
-from conveyor.worker.lora_config import LoraLoadError
 from conveyor.worker.cpu_threads import cpu_thread_info, passive_waits, worker_threads
+from conveyor.worker.lora_config import LoraLoadError
 
 if TYPE_CHECKING:  # torch is imported when a runner is built, not with this module
     from conveyor.worker.model_runner import ModelRunner
@@ -64,8 +64,10 @@ def resolve_device(device: str) -> str:
     if device == Device.AUTO:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise StartupError(f"--device {device}: torch sees no CUDA device here (torch.cuda.is_available() is False); use --device "
-            "cpu (or auto)")
+        raise StartupError(
+            f"--device {device}: torch sees no CUDA device here (torch.cuda.is_available() is False); use --device "
+            "cpu (or auto)"
+        )
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"unsupported device {device!r}: use cpu, cuda or auto")
     return device
@@ -80,7 +82,9 @@ def run_worker(config: WorkerConfig) -> None:
     passive_waits()  # before anything imports torch (conveyor.worker.cpu_threads says why)
     name = rank_process_name("worker", config.tensor_parallel_rank)
     # Expected: a bad adapter, and a checkpoint file that is not there (its path is the message).
-    run_process(name, config.addresses.control, lambda ctx: _start(config, ctx), expected=(LoraLoadError, FileNotFoundError))
+    run_process(
+        name, config.addresses.control, lambda ctx: _start(config, ctx), expected=(LoraLoadError, FileNotFoundError)
+    )
 
 
 def build_runner(
@@ -110,7 +114,6 @@ def build_runner(
 def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
     """Join the tensor-parallel group (with more than one rank), load the model (this rank's
     shard), size the KV pool and the swap space (agreed across ranks), connect the step channel."""
-    from conveyor.worker.plan_check import PlanRefused
     from conveyor.worker.parallel import (
         TensorParallel,
         close_tensor_parallel,
@@ -118,18 +121,26 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         init_tensor_parallel,
         rank_device,
     )
+    from conveyor.worker.plan_check import PlanRefused
 
     rank, size = config.tensor_parallel_rank, config.tensor_parallel_size
     device = resolve_device(config.runner.device)
     tp = init_tensor_parallel(
-        rank, size, config.distributed_init_method, default_backend(device), config.distributed_timeout_s,
-        rank_device(device, TensorParallel(rank, size, None), config.runner.first_device), config.expert_parallel,
+        rank,
+        size,
+        config.distributed_init_method,
+        default_backend(device),
+        config.distributed_timeout_s,
+        rank_device(device, TensorParallel(rank, size, None), config.runner.first_device),
+        config.expert_parallel,
     )
     prof = profiling.Profiler("worker", enabled=config.profile)
 
     def idle_fraction(since_ns: int) -> float:
         idle = prof.window_total("idle", since_ns)
-        busy = sum(prof.window_total(name, since_ns) for name in ("plan_decode", "execute", "wait_tokens", "send_result"))
+        busy = sum(
+            prof.window_total(name, since_ns) for name in ("plan_decode", "execute", "wait_tokens", "send_result")
+        )
         return idle / (idle + busy) if idle + busy > 0 else 1.0
 
     prof.derive("idle_fraction", idle_fraction)

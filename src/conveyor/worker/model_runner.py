@@ -18,13 +18,13 @@ import torch
 from conveyor import profiling
 from conveyor.ipc.messages import NewRequestData, StepPlan, StepResult, int_list
 from conveyor.runtime.config import RunnerConfig
+from conveyor.worker.attention.kv_quant import KVScales, cache_dtype
 from conveyor.worker.attention.triton_backend import backend_for
 from conveyor.worker.batch_invariant import invariant_backend, make_batch_invariant
 from conveyor.worker.block_transfer import copy_blocks, transfer_blocks
 from conveyor.worker.decode_step import DecodeStep
 from conveyor.worker.draft_model import DraftModel, Drafts
 from conveyor.worker.grammar_steps import GrammarSteps
-from conveyor.worker.attention.kv_quant import KVScales, cache_dtype
 from conveyor.worker.kv_cache import KVCacheShape, KVCacheTooSmall
 from conveyor.worker.kv_calibration import calibrate_kv_scales
 from conveyor.worker.last_tokens import LastTokens
@@ -99,14 +99,22 @@ class ModelRunner:
         kv_scales = calibrate_kv_scales(self.model, cache_shape, self.kv_cache_dtype)
         self.lora: LoraManager | None = None
         if config.lora_enabled:
-            self.lora = LoraManager(self.model, LoraOptions(config.max_loras, config.max_lora_rank, config.max_cpu_loras))
+            self.lora = LoraManager(
+                self.model, LoraOptions(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+            )
             for name, directory in config.lora_modules:
                 self.lora.register(name, directory)
         self.draft: DraftModel | None = None
         if config.speculative_model is not None:  # (this rank's shard of it, as of the model)
             draft_backend = backend_for(device, config.attention)  # its own (a backend may keep per-step plans)
             self.draft = DraftModel(
-                config.speculative_model, self.model_config, device, self.dtype, draft_backend, config.block_size, tp,
+                config.speculative_model,
+                self.model_config,
+                device,
+                self.dtype,
+                draft_backend,
+                config.block_size,
+                tp,
                 kv_cache_dtype=config.kv_cache_dtype,
             )
         self._allocate_caches(config, cache_shape, kv_scales)
@@ -269,10 +277,13 @@ class ModelRunner:
         for item, state in zip(work, states):
             if item.new_block_ids:
                 requests.extend_blocks(item.slot, state, item.new_block_ids)
-        samples = self.parts.pooler.sampling_rows(work, [  # (a pooling row samples nothing: it is pooled)
-            item.num_computed + item.num_scheduled == state.num_known + item.num_proposed
-            for item, state in zip(work, states)
-        ])
+        samples = self.parts.pooler.sampling_rows(
+            work,
+            [  # (a pooling row samples nothing: it is pooled)
+                item.num_computed + item.num_scheduled == state.num_known + item.num_proposed
+                for item, state in zip(work, states)
+            ],
+        )
         return StepRows(work, states, samples, before)
 
     def _run_draft(self, rows: StepRows) -> Drafts | None:
@@ -290,7 +301,9 @@ class ModelRunner:
         """Forward the step and sample: a decode-only step (every row runs one token, or a
         verify of its proposal) through the static buffers, any other (or one scoring prompt
         positions or pooling, whose hidden states the decode step does not keep) the flattened ragged way."""
-        scores_prompt = self.parts.logprobs.scores_prompt(rows.work, rows.states) or self.parts.pooler.in_step(rows.work)
+        scores_prompt = self.parts.logprobs.scores_prompt(rows.work, rows.states) or self.parts.pooler.in_step(
+            rows.work
+        )
         q = None if scores_prompt else self.decode.static_query_len(rows.work)
         if q is not None:
             return self.decode.run(rows, q)
@@ -408,4 +421,3 @@ class ModelRunner:
             spec_token_ids=spec_runs,
             **result_fields(launched.pooled),
         )
-

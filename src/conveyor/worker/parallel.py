@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 # The group's arithmetic is torch-free (bin/serve checks that a model splits before any process
 # starts); the model and its cache import it from here, beside the collectives.
-from conveyor.runtime.tensor_shards import NO_TENSOR_PARALLEL, ExpertShard, HeadShard, TensorParallel, shard_experts, shard_heads  # noqa: F401
+from conveyor.runtime.tensor_shards import (
+    TensorParallel,
+)  # noqa: F401
 
 
 def default_backend(device: str) -> str:

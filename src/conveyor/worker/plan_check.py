@@ -105,7 +105,10 @@ class PlanChecker:
             proposal, num_drafted = proposals.get(row, ()), drafted.get(row, 0)
             proposed = len(proposal) or num_drafted
             if proposed and (
-                num_scheduled != 1 + proposed or num_computed + 1 != state.num_known or state.pending or plan.planned_ahead
+                num_scheduled != 1 + proposed
+                or num_computed + 1 != state.num_known
+                or state.pending
+                or plan.planned_ahead
             ):
                 raise PlanRefused(
                     f"request {rid!r} (slot {slot}): a speculative row must run its last known token, all of it "
@@ -116,7 +119,9 @@ class PlanChecker:
             )
             work.append(Work(slot, num_computed, num_scheduled, list(blocks), proposal, 0 if proposal else num_drafted))
         if len(work) > self.max_num_seqs:
-            raise PlanRefused(f"step {plan.step_id} runs {len(work)} requests; this runner takes at most {self.max_num_seqs}")
+            raise PlanRefused(
+                f"step {plan.step_id} runs {len(work)} requests; this runner takes at most {self.max_num_seqs}"
+            )
         self._check_transfers(plan)
         return work
 

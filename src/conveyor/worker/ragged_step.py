@@ -32,7 +32,9 @@ class RaggedStep:
         query_lens = [item.num_scheduled for item in work]
         drafted = drafts.tokens if drafts is not None else None
         tables = parts.requests.tables[slots]
-        inputs = ragged_inputs(work, rows.states, query_lens, tables, parts.block_size, parts.last_tokens.tokens, drafted)
+        inputs = ragged_inputs(
+            work, rows.states, query_lens, tables, parts.block_size, parts.last_tokens.tokens, drafted
+        )
         with parts.adapters.step(rows.states, np.asarray(query_lens, dtype=np.int64)):
             start = parts.timers.prepare.record(start)
             hidden = parts.model(inputs.tokens, inputs.positions, inputs.metadata)
@@ -71,7 +73,9 @@ class RaggedStep:
         draw_positions = np.fromiter([item.num_computed + item.num_scheduled for item in work], np.int64, len(work))
         rows_slots, rows_positions = slots[sample_rows], draw_positions[sample_rows]
         controls = parts.controls.upload(parts.controls.select(rows_slots, rows_positions))
-        batch = batch_from_rows(parts.sampling.gather(rows_slots), rows_positions, logits.shape[1], parts.device, controls)
+        batch = batch_from_rows(
+            parts.sampling.gather(rows_slots), rows_positions, logits.shape[1], parts.device, controls
+        )
         ends_of_grammar = parts.grammar.constrain(batch, rows, True, len(sample_rows))
         sampled = parts.sampler.sample(logits, batch)
         logprobs = parts.logprobs.sampled(logits, np.arange(len(sample_rows)), sampled, rows_slots, rows_positions)

@@ -99,7 +99,12 @@ class SlotStates:
             states.extend([None] * (new.slot + 1 - len(states)))
         tokens, blocks = int_list(new.token_ids), int_list(new.block_ids)
         states[new.slot] = RequestState(
-            new.request_id, tokens, blocks, new.sampling, new.num_computed_tokens, adapter=adapter,
+            new.request_id,
+            tokens,
+            blocks,
+            new.sampling,
+            new.num_computed_tokens,
+            adapter=adapter,
             num_prompt=len(tokens) if new.num_prompt_tokens is None else new.num_prompt_tokens,
         )
         self.set_table(new.slot, 0, blocks, clear=True)

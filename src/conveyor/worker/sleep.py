@@ -60,7 +60,9 @@ def fall_asleep(runner, level: int) -> Sleep:
     if level not in (1, 2):
         raise ValueError(f"sleep level must be 1 (the KV cache) or 2 (the KV cache and the weights), got {level}")
     if runner.device.type == "cuda" and not runner.config.enforce_eager:
-        raise ValueError("sleep on CUDA needs --enforce-eager: re-capturing the decode graphs on wake is not written yet")
+        raise ValueError(
+            "sleep on CUDA needs --enforce-eager: re-capturing the decode graphs on wake is not written yet"
+        )
     caches = Storages(tensor for pair in runner.cache_sets for tensors in pair for tensor in tensors)
     weights = None
     if level == 2:

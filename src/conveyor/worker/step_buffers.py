@@ -185,8 +185,18 @@ class StepBuffers:
 def _pad(views: dict[str, np.ndarray], q: int) -> None:
     """Every row inert (see the module docstring)."""
     for name in (
-        "input_ids", "positions", "logit_index", "target_index", "last_slots", "sample_rows", "sample_slots",
-        "control_rows", "control_pool_rows", "seed", "top_k", "context_lens",
+        "input_ids",
+        "positions",
+        "logit_index",
+        "target_index",
+        "last_slots",
+        "sample_rows",
+        "sample_slots",
+        "control_rows",
+        "control_pool_rows",
+        "seed",
+        "top_k",
+        "context_lens",
     ):
         views[name].fill(0)
     views["slot_mapping"].fill(-1)

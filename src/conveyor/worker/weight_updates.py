@@ -85,7 +85,9 @@ def weight_update_group(address: str, rank: int, world_size: int, timeout_s: flo
 
 
 def broadcast_tensors(
-    group: dist.ProcessGroup, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]], tensors: Sequence[torch.Tensor] | None
+    group: dist.ProcessGroup,
+    specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    tensors: Sequence[torch.Tensor] | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of ``specs`` (name, dtype, shape), one broadcast from group rank 0 each: rank 0
     passes ``tensors`` (in ``specs``' order), the others None and receive. Yields as they arrive."""

@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from conveyor_tools.bench.cpu import CpuMeter, CpuProbe, per_token_us
-from conveyor_tools.bench.run_metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
-from conveyor_tools.bench.workloads import BenchRequest, Workload
 from conveyor.client import AsyncClient
 from conveyor.kernels.jit_compiles import COUNTER as JIT_COMPILES
 from conveyor.profiling import STEP_SERIES, step_records
+from conveyor_tools.bench.cpu import CpuMeter, CpuProbe, per_token_us
+from conveyor_tools.bench.run_metrics import OfflineRun, OnlineRun, StreamTiming, Timeline
+from conveyor_tools.bench.workloads import BenchRequest, Workload
 
 WARMUP_REQUESTS = 4
 # Scheduler counters whose change over an offline run is recorded (extra["scheduler_counters"]).
@@ -43,7 +43,10 @@ class RunFailed(RuntimeError):
 async def _warmup(client: AsyncClient) -> None:
     """First forwards allocate and initialize; keep them out of the measured window."""
     await asyncio.gather(
-        *[client.generate(token_ids=[11, 12, 13, 14], max_tokens=8, temperature=0, ignore_eos=True) for _ in range(WARMUP_REQUESTS)]
+        *[
+            client.generate(token_ids=[11, 12, 13, 14], max_tokens=8, temperature=0, ignore_eos=True)
+            for _ in range(WARMUP_REQUESTS)
+        ]
     )
 
 
@@ -87,17 +90,21 @@ async def run_offline(
                 progress.reset(total=len(timed.requests))
             run = await _timed_run(client, system, timed, progress, cpu_probe)
             compiles = _compiles(run.extra.pop("profile"))
-            windows.append({
-                "output_tok_s": run.summary()["output_tok_s"],
-                "wall_s": run.wall_s,
-                "triton_compiles": None if compiles is None else compiles - (compiles_before or 0),
-            })
+            windows.append(
+                {
+                    "output_tok_s": run.summary()["output_tok_s"],
+                    "wall_s": run.wall_s,
+                    "triton_compiles": None if compiles is None else compiles - (compiles_before or 0),
+                }
+            )
     run.extra["timed_runs"] = windows
     return run
 
 
 def _generate(client: AsyncClient, req: BenchRequest) -> Awaitable[Any]:
-    return client.generate(token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.sampling)
+    return client.generate(
+        token_ids=req.prompt_ids, max_tokens=req.output_len, temperature=0, ignore_eos=True, **req.sampling
+    )
 
 
 def _compiles(profile: dict[str, Any]) -> int | None:

@@ -38,8 +38,10 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
             f"{'pct':>5} {'continuous s':>13} {'static s':>9} {'ratio':>7}",
         ]
         for r in t["rows"]:
-            lines.append(f"{'p' + str(r['percentile']):>5} {number_text(r['continuous_s'], 13, 2)} "
-                f"{number_text(r['static_s'], 9, 2)} {number_text(r['ratio'], 6, 2)}x")
+            lines.append(
+                f"{'p' + str(r['percentile']):>5} {number_text(r['continuous_s'], 13, 2)} "
+                f"{number_text(r['static_s'], 9, 2)} {number_text(r['ratio'], 6, 2)}x"
+            )
         out.append("\n".join(lines))
     if "3_occupancy" in tables:
         t = tables["3_occupancy"]
@@ -52,8 +54,10 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
         lines += _system_rows(
             t,
             11,
-            lambda o: f"{_pct(o['fraction_per_step'], 9)} {_pct(o['fraction_over_time'], 10)} "
-                f"{number_text(o['mean_per_step'], 10, 1)}",
+            lambda o: (
+                f"{_pct(o['fraction_per_step'], 9)} {_pct(o['fraction_over_time'], 10)} "
+                f"{number_text(o['mean_per_step'], 10, 1)}"
+            ),
         )
         out.append("\n".join(lines))
     if "4_kv" in tables:
@@ -70,9 +74,11 @@ def format_tables(tables: dict[str, Any], env: dict[str, Any], threads: int | No
         lines += _system_rows(
             t,
             15,
-            lambda kv: f"{number_text(kv['avg_held_blocks'], 10, 1)} {number_text(kv['peak_held_blocks'], 11, 0)} "
-            f"{number_text(kv['avg_slack_tokens'], 13, 1)} {_bytes(kv['peak_slack_tokens'] * per_token, 11)} "
-            f"{_pct(kv['coverage'], 9)}",
+            lambda kv: (
+                f"{number_text(kv['avg_held_blocks'], 10, 1)} {number_text(kv['peak_held_blocks'], 11, 0)} "
+                f"{number_text(kv['avg_slack_tokens'], 13, 1)} {_bytes(kv['peak_slack_tokens'] * per_token, 11)} "
+                f"{_pct(kv['coverage'], 9)}"
+            ),
         )
         pad = t["padded_static"]
         lines.append(

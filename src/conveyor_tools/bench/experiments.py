@@ -40,12 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from conveyor.client import AsyncClient
 from conveyor_tools.bench.batch_stats import LATENCY_PERCENTILES, kv_usage, latency_percentiles, occupancy, padded_waste
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
 from conveyor_tools.bench.workloads import Workload, make_workload, poisson_arrivals
-from conveyor.client import AsyncClient
 
 EXPERIMENTS = (1, 2, 3, 4, 5)
 SYSTEMS = ("continuous", "static")  # continuous first: experiment 2's rate comes from its run
@@ -59,7 +59,11 @@ SOURCE_ANYSCALE = (
 )
 SOURCE_ORCA = "Yu et al., Orca (OSDI 2022)"
 PUBLISHED: dict[str, dict[str, Any]] = {
-    "throughput": {"ratio": (5.95, 6.62), "setup": "LLaMA-7B, A100, ShareGPT", "sources": [SOURCE_ANYSCALE, SOURCE_ORCA]},
+    "throughput": {
+        "ratio": (5.95, 6.62),
+        "setup": "LLaMA-7B, A100, ShareGPT",
+        "sources": [SOURCE_ANYSCALE, SOURCE_ORCA],
+    },
     "latency": {"ratio": (4.1, 4.4), "sources": [SOURCE_ANYSCALE, SOURCE_ORCA]},
     "occupancy": {"static": 0.42, "continuous": 0.94, "sources": [SOURCE_ANYSCALE, SOURCE_ORCA]},
     "kv_waste": {"static_gb": 16.0, "continuous_gb": 0.5, "sources": [SOURCE_ANYSCALE, SOURCE_ORCA]},
@@ -254,7 +258,12 @@ class Experiments:
             return jobs
         if 1 in self.only or focus:
             n = self.throughput_requests(batch_size)
-            jobs.append((_key(system, batch_size, "sharegpt"), lambda srv: self._offline(srv, system, batch_size, self.sharegpt(n))))
+            jobs.append(
+                (
+                    _key(system, batch_size, "sharegpt"),
+                    lambda srv: self._offline(srv, system, batch_size, self.sharegpt(n)),
+                )
+            )
         if focus and 5 in self.only:
             for level, sigma in SPREADS.items():
                 jobs.append(
@@ -307,9 +316,11 @@ class Experiments:
             )  # fmt: skip
         done = [r for r in run.requests if r.ok]
         e2e = latency_percentiles([r.e2e for r in done])
-        self.setup.note(f"{system} @ {self.rate:.2f} req/s: e2e p50 {number_text(e2e['p50'], 0, 2)} s, p99 "
+        self.setup.note(
+            f"{system} @ {self.rate:.2f} req/s: e2e p50 {number_text(e2e['p50'], 0, 2)} s, p99 "
             f"{number_text(e2e['p99'], 0, 2)} s, "
-            f"{len(run.requests) - len(done)} failed")
+            f"{len(run.requests) - len(done)} failed"
+        )
         return {
             "system": system,
             "rate": self.rate,

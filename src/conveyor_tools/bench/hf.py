@@ -96,7 +96,6 @@ def pretrained_source(model_dir: str) -> tuple[str, dict[str, str]]:
 
 
 def load_model(model_dir: str, device: str, dtype: str) -> Any:
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     quiet_transformers()
@@ -146,13 +145,19 @@ def run_hf_generate(
             mask[row, width - r.prompt_len :] = 1
         max_new = max(r.output_len for r in batch)
         config = GenerationConfig(
-            max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=pad,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad,
             cache_implementation="static" if static_cache else None,
         )
         processors = LogitsProcessorList([clock] if clock is not None else [])
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config, logits_processor=processors
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=config,
+                logits_processor=processors,
             )
         if out.shape[1] - width != max_new:
             raise HFRunFailed(f"generate returned {out.shape[1] - width} new tokens, expected {max_new}")
@@ -268,7 +273,9 @@ def run_hf_cb(
     from transformers import GenerationConfig
 
     reqs = workload.requests
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(r.output_len for r in reqs))
+    gen = GenerationConfig(
+        do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(r.output_len for r in reqs)
+    )
     dtype_bytes = torch.empty(0, dtype=model.dtype).element_size()
     num_blocks = kv_blocks_for(model, kv_cache_gib, dtype_bytes)
     cb = continuous_batching_config(num_blocks, max_batch_tokens, batch_size)

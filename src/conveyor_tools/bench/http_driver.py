@@ -34,10 +34,10 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from conveyor.client import AsyncClient
 from conveyor_tools.bench.drivers import WARMUP_REQUESTS, Face, RunFailed, _profile_summary, profile_of_run
 from conveyor_tools.bench.run_metrics import StreamTiming
 from conveyor_tools.bench.workloads import BenchRequest
-from conveyor.client import AsyncClient
 
 _DATA = b"data: "
 _DONE = b"[DONE]"
@@ -123,7 +123,9 @@ async def http_face(base_url: str, profile_address: str | None, timeout: float) 
 
         async def stream_one(req: BenchRequest, timing: StreamTiming) -> None:
             nonlocal events
-            tokens, reason = await stream_completion(session, url, completion_body(model, req.prompt_ids, req.output_len), timing)
+            tokens, reason = await stream_completion(
+                session, url, completion_body(model, req.prompt_ids, req.output_len), timing
+            )
             events += len(timing.token_times)
             timing.num_tokens = tokens or 0
             timing.ok = reason == "length" and tokens == req.output_len

@@ -39,7 +39,9 @@ def _pyplot():
     return plt
 
 
-def _cdf_figure(plt, curves: list[tuple[list[float], str]], xlabel: str, title: str, legend_size: int, path: Path) -> str:
+def _cdf_figure(
+    plt, curves: list[tuple[list[float], str]], xlabel: str, title: str, legend_size: int, path: Path
+) -> str:
     """One figure of empirical CDFs, one step curve per (values, label); an empty curve is left out."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for values, label in curves:
@@ -63,7 +65,14 @@ def plot_offline(out_dir: str, title: str, systems: dict[str, dict[str, Any]]) -
     for i, (bar, name) in enumerate(zip(bars, names)):
         x, runs = bar.get_x() + bar.get_width() / 2, [r["output_tok_s"] for r in ran[name]["runs"]]
         if len(runs) > 1:  # the spread over --repeat: every run's value, and the min-max range
-            ax.errorbar([x], [values[i]], yerr=[[values[i] - min(runs)], [max(runs) - values[i]]], color="black", capsize=4, lw=1)
+            ax.errorbar(
+                [x],
+                [values[i]],
+                yerr=[[values[i] - min(runs)], [max(runs) - values[i]]],
+                color="black",
+                capsize=4,
+                lw=1,
+            )
             ax.plot([x] * len(runs), runs, "k.", ms=4)
         ax.annotate(f"{values[i]:.0f}", (x, max(runs)), ha="center", va="bottom", fontsize=8)
     repeats = max(len(r["runs"]) for r in ran.values()) if ran else 1
@@ -85,7 +94,9 @@ def plot_offline(out_dir: str, title: str, systems: dict[str, dict[str, Any]]) -
 
     with_timeline = {n: r for n, r in ran.items() if r["timeline"]["t_s"]}
     if with_timeline:
-        fig, axes = plt.subplots(len(with_timeline), 1, figsize=(7, 1.6 * len(with_timeline) + 0.6), sharex=True, squeeze=False)
+        fig, axes = plt.subplots(
+            len(with_timeline), 1, figsize=(7, 1.6 * len(with_timeline) + 0.6), sharex=True, squeeze=False
+        )
         for ax, (name, r) in zip(axes[:, 0], with_timeline.items()):
             tl = r["timeline"]
             if tl.get("step_function"):
@@ -107,7 +118,10 @@ def plot_online(out_dir: str, title: str, runs: list[dict[str, Any]]) -> list[st
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for key, label, fname in (("ttft_s", "time to first token (s)", "ttft_cdf.png"), ("e2e_s", "end-to-end latency (s)", "e2e_cdf.png")):
+    for key, label, fname in (
+        ("ttft_s", "time to first token (s)", "ttft_cdf.png"),
+        ("e2e_s", "end-to-end latency (s)", "e2e_cdf.png"),
+    ):
         curves = [(run["raw"][key], f"{run['system']} @ {run['summary']['rate']}/s") for run in runs]
         written.append(_cdf_figure(plt, curves, label, f"{label}: {title}", 7, out / fname))
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -116,14 +130,31 @@ def plot_online(out_dir: str, title: str, runs: list[dict[str, Any]]) -> list[st
         by_rate: dict[str, list[tuple[float, float]]] = {}  # the --repeat runs of each offered rate
         for run in runs:
             if run["system"] == name:
-                by_rate.setdefault(str(run["summary"]["rate"]), []).append((run["summary"]["req_s"], run["summary"]["output_tok_s"]))
+                by_rate.setdefault(str(run["summary"]["rate"]), []).append(
+                    (run["summary"]["req_s"], run["summary"]["output_tok_s"])
+                )
         pts = sorted((float(np.median([p[0] for p in ps])), [p[1] for p in ps]) for ps in by_rate.values())
         x, tok = [p[0] for p in pts], [p[1] for p in pts]
         med = [float(np.median(t)) for t in tok]
         spread = [[m - min(t) for m, t in zip(med, tok)], [max(t) - m for m, t in zip(med, tok)]]
-        ax.errorbar(x, med, yerr=spread, marker="o", capsize=3, label=name + (" (median, min-max)" if max(map(len, tok)) > 1 else ""))
+        ax.errorbar(
+            x,
+            med,
+            yerr=spread,
+            marker="o",
+            capsize=3,
+            label=name + (" (median, min-max)" if max(map(len, tok)) > 1 else ""),
+        )
     written.append(
-        _finish(plt, fig, ax, out / "online_throughput.png", f"Throughput vs load: {title}", "achieved requests / s", "output tokens / s")
+        _finish(
+            plt,
+            fig,
+            ax,
+            out / "online_throughput.png",
+            f"Throughput vs load: {title}",
+            "achieved requests / s",
+            "output tokens / s",
+        )
     )
     return written
 
@@ -190,7 +221,9 @@ def plot_experiments(out_dir: str, payload: dict[str, Any]) -> list[str]:
             series = run["kv"]["series"]
             ax.step(series["t_s"], series["held_blocks"], where="post", lw=0.7, color=f"C{i}", label=name)
         title = f"4. KV blocks held, batch {focus} ({device})"
-        written.append(_finish(plt, fig, ax, out / "4_kv_blocks.png", title, "time since the run started (s)", "KV blocks held"))
+        written.append(
+            _finish(plt, fig, ax, out / "4_kv_blocks.png", title, "time since the run started (s)", "KV blocks held")
+        )
 
     if "5_variance" in tables:
         row_figure("5_variance", _ratio_over_spread, f"5. Output-length spread at one mean ({device})")

@@ -36,14 +36,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
+from conveyor.ipc.messages import speculation_rates
+from conveyor.runtime.config import SchedulerConfig
 from conveyor_tools.bench.copy_model import COPY_WORKLOADS, copy_checkpoint_dir, copy_workload
 from conveyor_tools.bench.cpu import LOAD_GENERATOR
 from conveyor_tools.bench.drivers import run_offline
 from conveyor_tools.bench.server import BenchServer
 from conveyor_tools.bench.workloads import Workload
-from conveyor.checkpoints.demo.checkpoint import demo_checkpoint_dir
-from conveyor.ipc.messages import speculation_rates
-from conveyor.runtime.config import SchedulerConfig
 
 OFF = "off"
 METHODS: dict[str, list[str]] = {
@@ -122,7 +122,9 @@ def run_sweep(
     for rep in range(settings.repeat):
         for batch in settings.batch_sizes:
             workloads = {
-                name: copy_workload(name, batch * settings.batches_per_run, vocab_size, settings.output_len, settings.seed)
+                name: copy_workload(
+                    name, batch * settings.batches_per_run, vocab_size, settings.output_len, settings.seed
+                )
                 for name in settings.workloads
             }
             methods = methods_at(settings, batch)
@@ -136,7 +138,9 @@ def run_sweep(
     return with_ratios([median_cell(key, cells) for key, cells in runs.items()])
 
 
-def _one(server: BenchServer, workload: Workload, label: str, progress: Callable[[int, str], Any], timeout: float) -> dict[str, Any]:
+def _one(
+    server: BenchServer, workload: Workload, label: str, progress: Callable[[int, str], Any], timeout: float
+) -> dict[str, Any]:
     with progress(len(workload.requests), label) as bar:
         run = asyncio.run(run_offline(label, server.address, workload, bar, timeout, server.cpu_seconds))
     cpu = {name: seconds for name, seconds in run.extra["cpu_s"].items() if name != LOAD_GENERATOR}

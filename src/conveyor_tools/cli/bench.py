@@ -39,6 +39,9 @@ import signal
 import sys
 from typing import Any
 
+from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.ipc.messages import speculation_rates
+from conveyor.worker.main import resolve_device
 from conveyor_tools.bench import experiments, plots, report, roofline, vllm_server
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.run_metrics import OfflineRun
@@ -53,7 +56,6 @@ from conveyor_tools.bench.workloads import (
     workload_from_args,
 )
 from conveyor_tools.cli.bench_experiments import experiments_main
-from conveyor_tools.cli.bench_speculative import speculative_main
 from conveyor_tools.cli.bench_options import (
     ALL_SYSTEMS,
     EXTERNAL_HTTP,
@@ -66,10 +68,7 @@ from conveyor_tools.cli.bench_options import (
     progress_bar,
     serve_flags,
 )
-from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.ipc.messages import speculation_rates
-from conveyor.worker.main import resolve_device
-
+from conveyor_tools.cli.bench_speculative import speculative_main
 
 # --warmup workload: the warm-up requests' output cap (enough decode steps to overlap the
 # batch's prefill chunks, as the timed run's first steps do).
@@ -117,8 +116,11 @@ def offline(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                 if name in SERVED:
                     with BenchServer(offline_serve_args(args, model_dir, device, name)) as server:
                         with progress_bar(args, len(workload.requests), desc) as bar:
-                            run = asyncio.run(run_offline(name, server.address, workload, bar, args.timeout,
-                                                          warmup=warmup, reruns=reruns))
+                            run = asyncio.run(
+                                run_offline(
+                                    name, server.address, workload, bar, args.timeout, warmup=warmup, reruns=reruns
+                                )
+                            )
                 else:
                     from conveyor_tools.bench import hf
 
@@ -216,7 +218,9 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             try:
                 if name in EXTERNAL_HTTP:
                     python = args.vllm_python or vllm_server.default_python(vllm_server.REPO)
-                    server = vllm_server.VllmServer(python, model_dir, args.batch_size, args.max_batched_tokens, args.threads)
+                    server = vllm_server.VllmServer(
+                        python, model_dir, args.batch_size, args.max_batched_tokens, args.threads
+                    )
                 elif extra is not None:
                     server = BenchServer(serve_flags(args, model_dir, device, extra))
                 if server is not None:
@@ -329,9 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         ("--constrained-fraction", args.constrained_fraction, constrain_fraction),
     ):
         if fraction:
-            unsupported = [name for name in systems if name.startswith("hf") or name in ("conveyor-http", *EXTERNAL_HTTP)]
+            unsupported = [
+                name for name in systems if name.startswith("hf") or name in ("conveyor-http", *EXTERNAL_HTTP)
+            ]
             if unsupported or not 0 <= fraction <= 1:
-                print(f"bench: {flag} needs a value in [0, 1] and conveyor systems (not {unsupported})", file=sys.stderr)
+                print(
+                    f"bench: {flag} needs a value in [0, 1] and conveyor systems (not {unsupported})", file=sys.stderr
+                )
                 return 2
             workload = mark(workload, fraction)
     if args.logprobs_fraction:
@@ -350,7 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     if workload.num_clamped:
         print(f"note: {workload.num_clamped} requests clamped to max_model_len {max_model_len}", file=sys.stderr)
     env = report.environment(device)
-    ctx = {"workload": workload, "systems": systems, "device": device, "model_dir": model_dir, "vocab_size": model.vocab_size}
+    ctx = {
+        "workload": workload,
+        "systems": systems,
+        "device": device,
+        "model_dir": model_dir,
+        "vocab_size": model.vocab_size,
+    }
     result = offline(args, ctx) if args.mode == "offline" else online(args, ctx)
     if hasattr(os, "getloadavg"):
         env["machine"]["load_average_at_end"] = list(os.getloadavg())

@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conveyor_tools.bench import experiment_tables, experiments, plots, report
-from conveyor_tools.cli.bench_options import SERVED, checkpoint_dir, model_settings, progress_bar, serve_flags
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.main import resolve_device
+from conveyor_tools.bench import experiment_tables, experiments, plots, report
+from conveyor_tools.cli.bench_options import SERVED, checkpoint_dir, model_settings, progress_bar, serve_flags
+
 
 def _serve_flag(args: argparse.Namespace, flag: str) -> str | None:
     """The value a --serve-arg gives bin/serve's ``flag`` (``--flag V`` or ``--flag=V``), or None."""

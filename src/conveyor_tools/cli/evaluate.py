@@ -19,11 +19,15 @@ from conveyor_tools.eval.tasks import tasks
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="what bin/serve serves (a checkpoint directory, a .gguf file, demo); default: its default model")
+    p.add_argument(
+        "--model", help="what bin/serve serves (a checkpoint directory, a .gguf file, demo); default: its default model"
+    )
     p.add_argument("--address", help="a running server's address instead of starting one (--hf then needs --model)")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--limit", type=int, help="only the first N items of each category")
-    p.add_argument("--hf", action="store_true", help="also run transformers on the same checkpoint and compare item by item")
+    p.add_argument(
+        "--hf", action="store_true", help="also run transformers on the same checkpoint and compare item by item"
+    )
     p.add_argument("--threads", type=int, default=1, help="the server's --threads and transformers' torch threads")
     p.add_argument("--json", help="write every item's question, reply and verdict here")
     p.add_argument("--serve-arg", action="append", default=[], help="one more bin/serve flag (repeatable)")

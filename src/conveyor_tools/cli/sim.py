@@ -122,7 +122,9 @@ def workload_requests(args: argparse.Namespace, rate: float) -> list[SimRequest]
     return [SimRequest(t, r.prompt_ids, r.output_len, str(i)) for i, (t, r) in enumerate(zip(arrivals, wl.requests))]
 
 
-def scheduler_config(args: argparse.Namespace, model: CostModel, tp: int, max_num_seqs: int, max_batched: int) -> SchedulerConfig:
+def scheduler_config(
+    args: argparse.Namespace, model: CostModel, tp: int, max_num_seqs: int, max_batched: int
+) -> SchedulerConfig:
     num_blocks = args.num_blocks or model.step(tp).num_blocks
     if not num_blocks:
         raise SystemExit(f"sim: the KV pool size is unknown for tp {tp}: pass --num-blocks")
@@ -220,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--scale", type=float, default=1.0)
     work.add_argument("--min-len", type=int, default=100)
     work.add_argument("--max-len", type=int, default=1024)
-    work.add_argument("--vocab-size", type=int, default=DEMO_VOCAB, help="prompt ids are drawn below it (default: the demo model's)")
+    work.add_argument(
+        "--vocab-size", type=int, default=DEMO_VOCAB, help="prompt ids are drawn below it (default: the demo model's)"
+    )
     work.add_argument("--max-model-len", type=int, default=DEMO_MAX_MODEL_LEN)
     work.add_argument("--num-blocks", type=int, help="KV pool in blocks (default: the calibrated server's)")
     work.add_argument("--block-size", type=int, default=SchedulerConfig.block_size)
@@ -235,14 +239,26 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--tp", type=int, default=1, help="the runs' tensor-parallel size")
     cal.add_argument("--out", required=True, help="cost model JSON (updated in place: other TP sizes kept)")
     cal.add_argument("--sync-overhead-ms", type=float, help="host ms a plan formed in sync pays (default: keep, or 0)")
-    cal.add_argument("--experts", type=_experts, metavar="E:K",
-                     help="a mixture-of-experts model's num_experts:num_experts_per_tok (prices expert GEMMs per active expert)")
+    cal.add_argument(
+        "--experts",
+        type=_experts,
+        metavar="E:K",
+        help="a mixture-of-experts model's num_experts:num_experts_per_tok (prices expert GEMMs per active expert)",
+    )
     run = sub.add_parser("run", parents=[work], help="replay one configuration")
     run.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson (default inf: all at once)")
     run.add_argument("--tp", type=int, default=1)
     run.add_argument("--dp", type=int, default=1)
-    run.add_argument("--batch-size", "--max-num-seqs", dest="max_num_seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    run.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    run.add_argument(
+        "--batch-size", "--max-num-seqs", dest="max_num_seqs", type=int, default=SchedulerConfig.max_num_seqs
+    )
+    run.add_argument(
+        "--max-num-batched-tokens",
+        "--max-batched-tokens",
+        dest="max_batched",
+        type=int,
+        default=SchedulerConfig.max_num_batched_tokens,
+    )
     sw = sub.add_parser("sweep", parents=[work], help="the cheapest configuration meeting a target")
     sw.add_argument("--rate", type=float, required=True, help="target requests/s (Poisson arrivals)")
     sw.add_argument("--slo-ttft-ms", type=float, required=True, help="bound on p99 time to first token")

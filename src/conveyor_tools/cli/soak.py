@@ -50,16 +50,16 @@ import re
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from conveyor.cli.server_address import add_address_arguments, server_address
 from conveyor.client import AsyncClient, CompletionResult, ServerError, generate_message
 from conveyor.protocol import wire
-from conveyor.cli.server_address import add_address_arguments, server_address
 from conveyor.runtime.config import replica_process_name
 from conveyor_tools.cli.soak_kinds import (
     KIND_FIELDS,
@@ -149,7 +149,9 @@ def draw(rng: random.Random, mix: Mix = Mix()) -> _Drawn:
     add_kinds(rng, mix, fields, chat=kind < 0.15)
     if kind < 0.15:
         user = _words(rng, rng.randint(1, 30))
-        return _Drawn(None, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}], None, fields)
+        return _Drawn(
+            None, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}], None, fields
+        )
     if kind < 0.25:
         return _Drawn(None, None, [rng.randint(3, 500) for _ in range(rng.randint(1, 60))], fields)
     if kind < 0.3:
@@ -304,7 +306,9 @@ class _Soak:
             if added != (choice.text, choice.token_ids):
                 self.report.fail(f"{name} ({added[1]}) do not add up to its final ({choice.token_ids})")
             if "logprobs" in drawn.fields and rows.get(choice.index, 0) != len(choice.token_ids):
-                self.report.fail(f"{name} carried {rows.get(choice.index, 0)} logprob rows for {len(choice.token_ids)} tokens")
+                self.report.fail(
+                    f"{name} carried {rows.get(choice.index, 0)} logprob rows for {len(choice.token_ids)} tokens"
+                )
         return final
 
     async def _unstreamed(
@@ -346,7 +350,9 @@ class _Soak:
             if stats[key]:
                 self.report.fail(f"server not drained: {key} = {stats[key]}")
         if stats["free_blocks"] + stats["cached_blocks"] != stats["total_blocks"]:
-            self.report.fail(f"GPU blocks: {stats['free_blocks']} free + {stats['cached_blocks']} cached != {stats['total_blocks']}")
+            self.report.fail(
+                f"GPU blocks: {stats['free_blocks']} free + {stats['cached_blocks']} cached != {stats['total_blocks']}"
+            )
 
     async def replay(self, client: AsyncClient, rng: random.Random, n: int) -> None:
         for drawn, under_load in rng.sample(self.replayable, min(n, len(self.replayable))):
@@ -407,10 +413,14 @@ async def soak(
         while True:
             await asyncio.sleep(PROGRESS_EVERY_S)
             r = run.report
-            where = f"traffic, {max(0.0, deadline - time.monotonic()):.0f} s left" if phase[0] == "traffic" else phase[0]
+            where = (
+                f"traffic, {max(0.0, deadline - time.monotonic()):.0f} s left" if phase[0] == "traffic" else phase[0]
+            )
             replayed = f", {r.replayed} replayed" if r.replayed else ""
-            say(f"soak: {time.monotonic() - start:.0f} s ({where}): {r.requests} requests{replayed}, "
-                f"{len(r.failures)} failure(s)")
+            say(
+                f"soak: {time.monotonic() - start:.0f} s ({where}): {r.requests} requests{replayed}, "
+                f"{len(r.failures)} failure(s)"
+            )
 
     ticker = asyncio.ensure_future(tick())
     try:
@@ -439,8 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay", type=int, default=50, help="greedy/seeded requests to replay alone afterwards")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take before it counts as hung")
     p.add_argument("--plain", action="store_true", help="plain requests only: no n > 1, logprobs, constraints, LoRA")
-    p.add_argument("--lora-reload", metavar="NAME=DIR", help="an adapter to load and unload under load (--enable-lora-loading)")
-    p.add_argument("--quiet", action="store_true", help=f"no progress lines on stderr (one every {PROGRESS_EVERY_S:g} s and at each phase)")
+    p.add_argument(
+        "--lora-reload", metavar="NAME=DIR", help="an adapter to load and unload under load (--enable-lora-loading)"
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help=f"no progress lines on stderr (one every {PROGRESS_EVERY_S:g} s and at each phase)",
+    )
     args = p.parse_args(argv)
     report = asyncio.run(
         soak(

@@ -29,7 +29,10 @@ from conveyor.client import CompletionResult
 
 SCHEMA = {
     "type": "object",
-    "properties": {"word": {"type": "string", "maxLength": 6}, "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "properties": {
+        "word": {"type": "string", "maxLength": 6},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["word", "count"],
     "additionalProperties": False,
 }
@@ -158,7 +161,9 @@ def check_choices(fields: dict[str, Any], result: CompletionResult, raw_prompt: 
         columns = choice.logprobs
         if columns is None:
             failures.append(f"{name}: no logprobs for logprobs={k}")
-        elif len(columns["token_logprobs"]) != len(choice.token_ids) or (choice.token_ids and columns["start"] != prompt_len):
+        elif len(columns["token_logprobs"]) != len(choice.token_ids) or (
+            choice.token_ids and columns["start"] != prompt_len
+        ):
             failures.append(
                 f"{name}: {len(columns['token_logprobs'])} logprob rows from {columns['start']} for "
                 f"{len(choice.token_ids)} tokens after a prompt of {prompt_len}"
@@ -190,6 +195,11 @@ def logprobs_drift(a: CompletionResult, b: CompletionResult) -> float:
     tokens (0 without logprobs): batches of other sizes change float32 sums only a little."""
     pairs = [(x.logprobs, y.logprobs) for x, y in zip(a.choices, b.choices)] + [(a.prompt_logprobs, b.prompt_logprobs)]
     return max(
-        (abs(u - v) for x, y in pairs if x and y for u, v in zip(x["token_logprobs"], y["token_logprobs"], strict=True)),
+        (
+            abs(u - v)
+            for x, y in pairs
+            if x and y
+            for u, v in zip(x["token_logprobs"], y["token_logprobs"], strict=True)
+        ),
         default=0.0,
     )

@@ -78,9 +78,8 @@ def compile_all(capability: int = 90) -> list[Compiled]:
     import torch
     from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
     from triton.compiler import compile as triton_compile
-    from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
     target = GPUTarget("cuda", capability, 32)
@@ -147,32 +146,51 @@ def compile_all(capability: int = 90) -> list[Compiled]:
             qx = torch.empty(300, heads, head_dim, dtype=dtype)
             for max_query_len in (8, 200):  # short extends get short tiles
                 extend_attention(
-                    qx, kv, tables, i32([0, 100, 300]), i32([0, 28]), i32([100, 228]), scale, window,
+                    qx,
+                    kv,
+                    tables,
+                    i32([0, 100, 300]),
+                    i32([0, 28]),
+                    i32([100, 228]),
+                    scale,
+                    window,
                     max_query_len=max_query_len,
                 )
-            kv_store(torch.empty(4, kv_heads, head_dim, dtype=dtype), torch.empty(4, kv_heads, head_dim, dtype=dtype),
-                     kv, torch.zeros(4, dtype=torch.int64))
+            kv_store(
+                torch.empty(4, kv_heads, head_dim, dtype=dtype),
+                torch.empty(4, kv_heads, head_dim, dtype=dtype),
+                kv,
+                torch.zeros(4, dtype=torch.int64),
+            )
             # q, k, v as views of one fused projection output, with and without Qwen3's q/k norm.
             qkv = torch.empty(4, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-            rq, rk, rv = (t.view(4, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
-                                                                       kv_heads * head_dim], dim=-1))
+            rq, rk, rv = (
+                t.view(4, -1, head_dim)
+                for t in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+            )
             cos_sin = torch.empty(4096, head_dim, dtype=torch.float32)
             positions, slots = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
             norm_weight = torch.empty(head_dim, dtype=dtype)
             rope_kv_store(rq, rk, rv, positions, cos_sin, kv, slots)
             rope_kv_store(rq, rk, rv, positions, cos_sin, kv, slots, norm_weight, norm_weight, 1e-6)
-        for dtype, hidden, intermediate in ((torch.bfloat16, 2048, 8192), (torch.bfloat16, 8192, 28672),
-                                            (torch.float16, 896, 4864), (torch.float32, 4096, 14336)):
+        for dtype, hidden, intermediate in (
+            (torch.bfloat16, 2048, 8192),
+            (torch.bfloat16, 8192, 28672),
+            (torch.float16, 896, 4864),
+            (torch.float32, 4096, 14336),
+        ):
             x = torch.empty(8, hidden, dtype=dtype)
             add_rms_norm_triton(x, torch.empty_like(x), torch.empty(hidden, dtype=dtype), 1e-5)
             add_rms_norm_triton(x, None, torch.empty(hidden, dtype=dtype), 1e-5)
             silu_mul_triton(torch.empty(8, 2 * intermediate, dtype=dtype))
         _launch_copy_blocks(torch.empty(2, 8, 16, 8, 128, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64))
         # LoRA: 1B qkv (3 pieces) and 8B gate_up (2) / down (1), decode (split-K) and prefill tiles.
-        for dtype, rank, in_features, widths in ((torch.bfloat16, 16, 2048, [2048, 512, 512]),
-                                                 (torch.bfloat16, 64, 4096, [14336, 14336]),
-                                                 (torch.float16, 8, 14336, [4096]),
-                                                 (torch.float32, 16, 2048, [2048, 512, 512])):
+        for dtype, rank, in_features, widths in (
+            (torch.bfloat16, 16, 2048, [2048, 512, 512]),
+            (torch.bfloat16, 64, 4096, [14336, 14336]),
+            (torch.float16, 8, 14336, [4096]),
+            (torch.float32, 16, 2048, [2048, 512, 512]),
+        ):
             bounds = torch.tensor([[0, w] for w in widths], dtype=torch.int32)
             a = torch.empty(8, len(widths) * rank, in_features, dtype=dtype)
             b = torch.empty(8, sum(widths), len(widths) * rank, dtype=dtype)
@@ -180,8 +198,16 @@ def compile_all(capability: int = 90) -> list[Compiled]:
                 block = tile_tokens(tokens)
                 token_ids, tiles = (torch.from_numpy(t) for t in segment_tiles(torch.arange(tokens).numpy() % 8, block))
                 shrunk = lora_shrink(torch.empty(tokens, in_features, dtype=dtype), a, token_ids, tiles, block)
-                lora_expand(shrunk, b, torch.empty(tokens, sum(widths), dtype=dtype), token_ids, tiles, bounds,
-                            max(widths), block)
+                lora_expand(
+                    shrunk,
+                    b,
+                    torch.empty(tokens, sum(widths), dtype=dtype),
+                    token_ids,
+                    tiles,
+                    bounds,
+                    max(widths),
+                    block,
+                )
     finally:
         JITFunction.run = original
     return results

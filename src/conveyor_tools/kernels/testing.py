@@ -85,7 +85,9 @@ def _randn(shape: tuple[int, ...], draw: Draw) -> torch.Tensor:
     return torch.randn(shape, generator=draw["generator"]).to(device=draw["device"], dtype=draw["dtype"])
 
 
-def random_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, **draw: Unpack[Draw]) -> torch.Tensor:
+def random_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, **draw: Unpack[Draw]
+) -> torch.Tensor:
     """A layer cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` of N(0, 1) values."""
     return _randn((2, num_blocks, block_size, num_kv_heads, head_dim), draw)
 
@@ -127,7 +129,9 @@ def random_paged_kv(
     return kv, random_block_tables(seq_lens, block_size, num_blocks, generator=draw["generator"], device=draw["device"])
 
 
-def random_query(num_tokens: int, num_heads: int, head_dim: int, *, strided: bool = False, **draw: Unpack[Draw]) -> torch.Tensor:
+def random_query(
+    num_tokens: int, num_heads: int, head_dim: int, *, strided: bool = False, **draw: Unpack[Draw]
+) -> torch.Tensor:
     """``[num_tokens, num_heads, head_dim]`` N(0, 1) queries; ``strided``: a slice of a wider,
     fused projection (token stride > heads * head_dim), as a merged q/k/v output gives."""
     if not strided:

@@ -209,7 +209,9 @@ def fit(
     )  # fmt: skip
 
 
-def _leveled_fit(design: np.ndarray, times_s: np.ndarray, run: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _leveled_fit(
+    design: np.ndarray, times_s: np.ndarray, run: np.ndarray, keep: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Coefficients for ``times ~ level[run] * (design @ x)`` over the ``keep`` steps, x >= 0,
     alternating the fit with each run's level (its measured over its modelled time) until the
     levels settle; returns x and each step's level."""

@@ -336,11 +336,14 @@ def simulate(
     frontend's (:mod:`conveyor.frontend.replicas`): each request goes to the replica with the fewest
     outstanding requests, ties broken by their prompt tokens, then by the replica picked least
     recently."""
+
     def pricer() -> Callable[[StepPlan], float]:
         return step_time.pricer() if isinstance(step_time, StepCost) else step_time
 
     reps = [Replica(config, pricer(), overlap, sync_overhead_s, record_steps) for _ in range(replicas)]
-    named = [r if r.request_id else SimRequest(r.arrival, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(requests)]
+    named = [
+        r if r.request_id else SimRequest(r.arrival, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(requests)
+    ]
     named.sort(key=lambda r: r.arrival)
     last_pick = [-1] * replicas  # as the frontend's: ties go to the lowest index
     picks = 0

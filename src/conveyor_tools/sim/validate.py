@@ -144,10 +144,16 @@ def replay(run: dict[str, Any], model: CostModel) -> dict[str, Any]:
         max_num_batched_tokens=settings["max_batched_tokens"],
         max_model_len=settings["max_model_len"],
     )
-    reqs = [SimRequest(INTAKE_S if i else 0.0, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(workload.requests)]
+    reqs = [
+        SimRequest(INTAKE_S if i else 0.0, r.prompt_ids, r.output_len, str(i)) for i, r in enumerate(workload.requests)
+    ]
     sim = simulate(reqs, config, cost, sync_overhead_s=model.sync_overhead_s).summary()
     return {
-        "simulated": {"output_tok_s": sim["output_tok_s"], "ttft_p50_s": sim["ttft_s"]["p50"], "ttft_p99_s": sim["ttft_s"]["p99"]},
+        "simulated": {
+            "output_tok_s": sim["output_tok_s"],
+            "ttft_p50_s": sim["ttft_s"]["p50"],
+            "ttft_p99_s": sim["ttft_s"]["p99"],
+        },
         "cost_error": cost_error(records, cost),
         "steps": {"measured": len(records["step_time"]), "simulated": sim["num_steps"]},
     }
@@ -162,7 +168,11 @@ def cost_error(records: dict[str, Any], cost: StepCost) -> float | None:
 
 def measured_metrics(run: dict[str, Any]) -> dict[str, float]:
     summary = run["systems"]["conveyor"]["runs"][0]
-    return {"output_tok_s": summary["output_tok_s"], "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"]}
+    return {
+        "output_tok_s": summary["output_tok_s"],
+        "ttft_p50_s": summary["ttft_s"]["p50"],
+        "ttft_p99_s": summary["ttft_s"]["p99"],
+    }
 
 
 def evaluate(out: Path, batches: list[int], tolerance: float) -> dict[str, Any]:
@@ -191,8 +201,12 @@ def evaluate(out: Path, batches: list[int], tolerance: float) -> dict[str, Any]:
         "calibration_runs": cal_paths,
         # In sample: how far each calibration run's own level is from the pooled fit's (load drift).
         "calibration": [
-            {"workload": w, "batch": b, "load": loads.get(run_name(w, b)),
-             "cost_error": cost_error(find_step_records(json.loads(Path(path).read_text()))[0], cost)}
+            {
+                "workload": w,
+                "batch": b,
+                "load": loads.get(run_name(w, b)),
+                "cost_error": cost_error(find_step_records(json.loads(Path(path).read_text()))[0], cost),
+            }
             for (w, b), path in zip(calibration, cal_paths)
         ],  # fmt: skip
         "rows": rows,
@@ -227,7 +241,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Cost model (calibration runs only, {c['num_steps']} steps, {c['num_trimmed']} left out as outliers): "
         f"intercept {c['intercept_s'] * 1e3:.3f} ms, {coefs}; residual {c['rel_rmse']:.0%} of the mean step.",
         "Calibration runs, the fit's total over each one's own steps (in sample; a spread is load drift): "
-        + ", ".join(f"{c['workload']} batch {c['batch']} {c['cost_error']:+.0%}" for c in result["calibration"]) + ".",
+        + ", ".join(f"{c['workload']} batch {c['batch']} {c['cost_error']:+.0%}" for c in result["calibration"])
+        + ".",
         "cost model: its total over the run's measured step shapes against their measured time; "
         "load: the 1-minute load average, the higher of before and after the run.",
     ]

@@ -54,8 +54,13 @@ CHAT_TEMPLATE = (
     "        {%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
     " | map(attribute='text') | join('') %}\n"
     "    {%- endif %}\n"
-    "    {{- '" + START_HEADER + "' + message['role'] + '" + END_HEADER + "\\n\\n' + content | trim + '"
-    + EOT + "' }}\n"
+    "    {{- '"
+    + START_HEADER
+    + "' + message['role'] + '"
+    + END_HEADER
+    + "\\n\\n' + content | trim + '"
+    + EOT
+    + "' }}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "    {{- '" + START_HEADER + "assistant" + END_HEADER + "\\n\\n' }}\n"

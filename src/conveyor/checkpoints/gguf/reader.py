@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from conveyor.checkpoints.gguf.families import FAMILIES, Family, family_of_model_type
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 
 # general.architecture -> what sets it apart (q/k row order, names, norms, config keys)
 ARCHITECTURES = FAMILIES
@@ -101,8 +101,10 @@ def hf_config(reader: GGUFReader, path: str | Path) -> tuple[dict[str, Any], dic
     head_dim = fields.get(f"{arch}.attention.key_length") or hidden // heads
     rotary = fields.get(f"{arch}.rope.dimension_count")
     if rotary is not None and rotary != head_dim:
-        raise GGUFError(f"{path}: {arch}.rope.dimension_count {rotary} differs from the head size {head_dim} (partial rotary "
-            "is not supported)")
+        raise GGUFError(
+            f"{path}: {arch}.rope.dimension_count {rotary} differs from the head size {head_dim} (partial rotary "
+            "is not supported)"
+        )
     scaling = fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none") or "rope_freqs.weight" in names:
         what = f"{arch}.rope.scaling.type {scaling!r}" if scaling not in (None, "none") else "tensor rope_freqs.weight"

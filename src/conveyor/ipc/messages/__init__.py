@@ -24,22 +24,14 @@ re-exported here, and importing this package registers every message type.
 
 from __future__ import annotations
 
-from conveyor.ipc.messages.tagged import (
-    Int32Array,
-    MESSAGE_TYPES,
-    Message,
-    PROTOCOL_VERSION,
-    Positional,
-    message,
-)
 from conveyor.ipc.messages.frontend_scheduler import (
+    ITERATION_TOKEN_BUCKETS,
+    MAX_LOGIT_BIAS,
+    SEQUENCE_SEPARATOR,
     AbortRequests,
     AddRequest,
     FinishReason,
-    ITERATION_TOKEN_BUCKETS,
-    MAX_LOGIT_BIAS,
     RequestOutput,
-    SEQUENCE_SEPARATOR,
     SamplingParams,
     SchedulerStats,
     StatsQuery,
@@ -77,13 +69,21 @@ from conveyor.ipc.messages.profile_reports import (
     TraceEvents,
 )
 from conveyor.ipc.messages.scheduler_worker import (
-    CachedRequests,
     MAX_SLOTS,
+    CachedRequests,
     NewRequestData,
     StepLogprobs,
     StepPlan,
     StepResult,
     int_list,
+)
+from conveyor.ipc.messages.tagged import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Int32Array,
+    Message,
+    Positional,
+    message,
 )
 
 __all__ = [

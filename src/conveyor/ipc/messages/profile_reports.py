@@ -7,7 +7,6 @@ from msgspec import field
 
 from conveyor.ipc.messages.tagged import Message, Positional, message
 
-
 # ---------------------------------------------------------------- profiling (tags 50-59)
 # A `profile` client call travels frontend -> scheduler -> worker as ProfileQuery; the worker
 # answers the scheduler between steps with a ProfileReport of its own snapshot, and the

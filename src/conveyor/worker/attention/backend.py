@@ -98,7 +98,9 @@ class AttentionMetadata:
         max_blocks = int(blocks_needed.max()) if len(seq) else 0
         if isinstance(block_tables, np.ndarray):
             if block_tables.shape[0] != len(seq) or block_tables.shape[1] < max_blocks:
-                raise ValueError(f"block tables of shape {block_tables.shape} for {len(seq)} sequences of up to {max_blocks} blocks")
+                raise ValueError(
+                    f"block tables of shape {block_tables.shape} for {len(seq)} sequences of up to {max_blocks} blocks"
+                )
             table = block_tables[:, :max_blocks]
         else:
             table = np.zeros((len(seq), max_blocks), dtype=np.int64)

@@ -152,9 +152,7 @@ def plan_chunks(metadata: AttentionMetadata, sliding_window: int | None, block_s
             by_count[len(rows)].append((rows, slots, stale, hidden))
         plans.append(
             [
-                _Group(
-                    *(torch.from_numpy(np.stack([member[i] for member in members])).to(device) for i in range(4))
-                )
+                _Group(*(torch.from_numpy(np.stack([member[i] for member in members])).to(device) for i in range(4)))
                 for members in by_count.values()
             ]
         )

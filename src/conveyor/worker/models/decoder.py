@@ -28,7 +28,15 @@ from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
 from conveyor.worker.attention.kv_quant import UNIT_SCALES, KVScales
 from conveyor.worker.models.interface import DECODER_LORA_TARGETS, LoraTarget, WeightSlot
-from conveyor.worker.models.layers import Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, linear, pack_cpu_weight, pack_cpu_weights
+from conveyor.worker.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    linear,
+    pack_cpu_weight,
+    pack_cpu_weights,
+)
 from conveyor.worker.parallel import TensorParallel, shard_heads
 from conveyor.worker.quantization.methods import Int8Weights
 from conveyor.worker.quantization.tensors import quantize_int8

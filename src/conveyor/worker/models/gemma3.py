@@ -44,7 +44,12 @@ from conveyor.worker.parallel import NO_TENSOR_PARALLEL, TensorParallel
 
 __all__ = ["Gemma3DecoderLayer", "Gemma3Model"]
 
-_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -53,7 +53,9 @@ class SparseMoe(nn.Module):
     """Router ``gate`` (``[E, H]``, whole on every rank) and this rank's experts (module
     docstring: storage and the split); ``forward`` returns the all-reduced ``[T, H]`` output."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tensor_parallel: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tensor_parallel: TensorParallel
+    ) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None
@@ -64,7 +66,9 @@ class SparseMoe(nn.Module):
         self.tensor_parallel = tensor_parallel
         self.gate = Linear(config.hidden_size, moe.num_experts, False, dtype, device)
         count, hidden = self.shard.count, config.hidden_size
-        self.w13 = nn.Parameter(torch.empty(count * 2 * self.width, hidden, dtype=dtype, device=device), requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.empty(count * 2 * self.width, hidden, dtype=dtype, device=device), requires_grad=False
+        )
         self.w2 = nn.Parameter(torch.empty(count * hidden, self.width, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +78,9 @@ class SparseMoe(nn.Module):
         local = experts - self.shard.first  # other ranks' experts fall outside 0 .. count-1
         return all_reduce_(moe_experts(x, w13, w2, weights, local), self.tensor_parallel)
 
-    def layout(self, theirs: str, ours: str, names: tuple[str, tuple[str, str, str]], intermediate: int) -> dict[str, WeightSlot | None]:
+    def layout(
+        self, theirs: str, ours: str, names: tuple[str, tuple[str, str, str]], intermediate: int
+    ) -> dict[str, WeightSlot | None]:
         """Slots of layer ``theirs`` (``model.layers.N``) for this block at ``ours``
         (``layers.N.mlp``): the router whole, each held expert's gate/up rows and down columns
         of this rank's features into the stacks; experts held elsewhere are ignored (None).
@@ -83,7 +89,9 @@ class SparseMoe(nn.Module):
         module, (gate, up, down) = names
         hidden, width, features = self.hidden_size, self.width, self.shard.features
         layout: dict[str, WeightSlot | None] = {
-            f"{theirs}.{module}.gate.weight": WeightSlot(f"{ours}.gate.weight", 0, self.num_experts, (self.num_experts, hidden))
+            f"{theirs}.{module}.gate.weight": WeightSlot(
+                f"{ours}.gate.weight", 0, self.num_experts, (self.num_experts, hidden)
+            )
         }
         for expert in range(self.num_experts):
             prefix = f"{theirs}.{module}.experts.{expert}"

@@ -34,7 +34,9 @@ def compressed_scheme(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The one weight scheme of a ``quantization_config``, checked (ValueError naming the field)."""
     fmt = config.get("format")
     if fmt not in FORMATS:
-        raise ValueError(f"{where}: quantization_config.format {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
+        raise ValueError(
+            f"{where}: quantization_config.format {fmt!r} is not supported (supported: {', '.join(FORMATS)})"
+        )
     groups = config.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(f"{where}: quantization_config.config_groups has {len(groups)} schemes; one is supported")
@@ -43,7 +45,9 @@ def compressed_scheme(config: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: quantization_config weights.symmetric false (zero points) is not supported")
     kind = (weights.get("type"), weights.get("num_bits"))
     if kind not in (("int", 4), ("int", 8), ("float", 8)):
-        raise ValueError(f"{where}: quantization_config weights {kind[0]} {kind[1]}-bit is not supported (int 4, int 8, float 8)")
+        raise ValueError(
+            f"{where}: quantization_config weights {kind[0]} {kind[1]}-bit is not supported (int 4, int 8, float 8)"
+        )
     return {**weights, "format": fmt}
 
 

@@ -19,7 +19,20 @@ from conveyor.worker.quantization.tensors import QuantizedTensor, quantize_int4,
 
 BLOCK = 32
 #: Types requantized to int4 (4 bits or fewer per weight); any other quantized type to int8.
-_FOUR_BITS = {"Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M"}
+_FOUR_BITS = {
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "IQ4_NL",
+    "IQ4_XS",
+    "IQ3_S",
+    "IQ3_XXS",
+    "IQ2_S",
+    "IQ2_XS",
+    "IQ2_XXS",
+    "IQ1_S",
+    "IQ1_M",
+}
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
 
@@ -54,7 +67,10 @@ def decode_blocks(data: np.ndarray, qtype: Q, rows: int, cols: int) -> Quantized
 
 def unpermute_quantized(weight: QuantizedTensor, heads: int, unpermute) -> QuantizedTensor:
     """``weight`` with ``unpermute`` (the reader's rotary row reorder) applied to every row-wise part."""
+
     def rows(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.from_numpy(np.ascontiguousarray(unpermute(t.numpy(), heads)))
 
-    return QuantizedTensor(rows(weight.codes), rows(weight.scales), rows(weight.offsets), weight.bits, weight.group_size)
+    return QuantizedTensor(
+        rows(weight.codes), rows(weight.scales), rows(weight.offsets), weight.bits, weight.group_size
+    )

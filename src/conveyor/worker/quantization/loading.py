@@ -21,7 +21,12 @@ from torch import nn
 
 from conveyor.worker.quantization.methods import CPU_INT4_GROUPS, Fp8Weights, Int4Weights, Int8Weights, QuantizedWeights
 from conveyor.worker.quantization.tensors import (
-    Fp8Tensor, QuantizedTensor, as_int8_per_channel, quantize_fp8, quantize_int4, quantize_int8,
+    Fp8Tensor,
+    QuantizedTensor,
+    as_int8_per_channel,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
 )  # fmt: skip
 
 #: What --quantization takes for a float checkpoint; ``checkpoint`` (keep what a quantized
@@ -61,7 +66,9 @@ class PendingWeight:
         if any(isinstance(p, Fp8Tensor) for p in parts):  # (a checkpoint's fp8 layers are fp8 throughout)
             return Fp8Weights(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]), device)
         groups = {(p.bits, p.group_size) for p in parts}
-        if torch.device(device).type == "cpu" and any(p.bits == 4 and p.group_size not in CPU_INT4_GROUPS for p in parts):
+        if torch.device(device).type == "cpu" and any(
+            p.bits == 4 and p.group_size not in CPU_INT4_GROUPS for p in parts
+        ):
             parts = [quantize_int4(p.dequantize(), INT4_GROUP_SIZE) for p in parts]  # groups the CPU kernel lacks
             groups = {(4, INT4_GROUP_SIZE)}
         if len(groups) == 1 and next(iter(groups))[0] == 4:
@@ -98,7 +105,8 @@ def quantize_linears(model: nn.Module, scheme: str) -> dict[str, nn.Module]:
         if group is not None and not head and module.in_features % group:
             raise ValueError(
                 f"--quantization {scheme}: {name} has {module.in_features} input features on this rank, "
-                f"not a multiple of the quantization group of {group}; use another --tensor-parallel-size or --quantization none"
+                f"not a multiple of the quantization group of {group}; "
+                "use another --tensor-parallel-size or --quantization none"
             )
         module.weight = None
         module.pending = PendingWeight("int8" if head else scheme, module.out_features, module.in_features)

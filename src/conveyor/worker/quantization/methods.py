@@ -19,6 +19,7 @@ docs/quantization.md says why these kernels (measured against the alternatives).
 from __future__ import annotations
 
 import torch
+
 from conveyor.worker.quantization.tensors import QuantizedTensor, as_int8_per_channel, quantize_fp8
 
 #: Group sizes torch's CPU int4 matmul takes.
@@ -66,7 +67,9 @@ class Int8Weights(QuantizedWeights):
         xf = x.float()
         x_max = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # per token: x ~ x_max / 127 * code
         x_codes = xf.mul(127 / x_max).round_().to(torch.int8)
-        y = torch._int_mm(x_codes, self.codes.t()).mul(x_max * self.scales_127)  # (fewest operators: decode is op-bound)
+        y = torch._int_mm(x_codes, self.codes.t()).mul(
+            x_max * self.scales_127
+        )  # (fewest operators: decode is op-bound)
         if bias is not None:
             y += bias
         return y.to(x.dtype)
@@ -87,7 +90,9 @@ class Int4Weights(QuantizedWeights):
         offsets = weight.offsets if weight.offsets is not None else torch.zeros_like(weight.scales)
         if torch.device(device).type == "cpu":
             if self.group_size not in CPU_INT4_GROUPS:
-                raise ValueError(f"int4 group size {self.group_size} on the CPU: it takes {', '.join(map(str, CPU_INT4_GROUPS))}")
+                raise ValueError(
+                    f"int4 group size {self.group_size} on the CPU: it takes {', '.join(map(str, CPU_INT4_GROUPS))}"
+                )
             # torch's CPU int4: w = (code - 8) * scale + zero, so zero = offset + 8 * scale; it
             # takes rows in multiples of 16 (padded with zero rows, cut from the output).
             pad = -self.out_features % 16

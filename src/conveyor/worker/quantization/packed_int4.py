@@ -52,11 +52,19 @@ def checkpoint_reader(model_dir: Path) -> Callable[[str, Any], Iterator[tuple[st
 def _packed_config(config: dict[str, Any], method: Any, model_dir: Path) -> dict[str, Any]:
     if method not in METHODS:
         supported = ", ".join((*METHODS, "compressed-tensors"))
-        raise ValueError(f"{model_dir}: config.json quantization_config.quant_method {method!r} is not supported (supported: {supported})")
+        raise ValueError(
+            f"{model_dir}: config.json quantization_config.quant_method {method!r} is not supported "
+            f"(supported: {supported})"
+        )
     if config.get("bits") != 4:
-        raise ValueError(f"{model_dir}: config.json quantization_config.bits {config.get('bits')!r}: {method} is read at 4 bits only")
+        raise ValueError(
+            f"{model_dir}: config.json quantization_config.bits {config.get('bits')!r}: {method} is read at 4 bits only"
+        )
     if method == "awq" and str(config.get("version", "gemm")).lower() != "gemm":
-        raise ValueError(f"{model_dir}: config.json quantization_config.version {config['version']!r}: only AWQ's gemm layout is read")
+        raise ValueError(
+            f"{model_dir}: config.json quantization_config.version {config['version']!r}: "
+            "only AWQ's gemm layout is read"
+        )
     return config
 
 
@@ -101,11 +109,17 @@ class PackedInt4Slice:
                     return quantize_int4(weight.t(), group)
         else:
             order = torch.tensor(_AWQ_ORDER).argsort()
-            codes = _unpack(self._get(".qweight"), 1).reshape(in_features, -1, 8)[..., order].reshape(in_features, out_features)
+            codes = (
+                _unpack(self._get(".qweight"), 1)
+                .reshape(in_features, -1, 8)[..., order]
+                .reshape(in_features, out_features)
+            )
             zeros = _unpack(self._get(".qzeros"), 1)
             zeros = zeros.reshape(zeros.shape[0], -1, 8)[..., order].reshape(zeros.shape[0], out_features)
         scales_t = scales.t().contiguous()
-        return QuantizedTensor(codes.t().to(torch.uint8).contiguous(), scales_t, -(zeros.t().float() * scales_t), 4, group)
+        return QuantizedTensor(
+            codes.t().to(torch.uint8).contiguous(), scales_t, -(zeros.t().float() * scales_t), 4, group
+        )
 
     def quantized(self, index: tuple[slice, ...]) -> QuantizedTensor:
         return self._decode()[index]

@@ -28,7 +28,10 @@ class QuantizedTensor:
     def __post_init__(self) -> None:
         rows, cols = self.codes.shape
         if cols % self.group_size or tuple(self.scales.shape) != (rows, cols // self.group_size):
-            raise ValueError(f"scales {tuple(self.scales.shape)} do not fit codes {tuple(self.codes.shape)} in groups of {self.group_size}")
+            raise ValueError(
+                f"scales {tuple(self.scales.shape)} do not fit codes {tuple(self.codes.shape)} "
+                f"in groups of {self.group_size}"
+            )
 
     @property
     def shape(self) -> tuple[int, int]:

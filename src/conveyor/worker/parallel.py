@@ -17,8 +17,13 @@ import torch.distributed as dist
 # The group's arithmetic is torch-free (bin/serve checks that a model splits before any process
 # starts); the model and its cache import it from here, beside the collectives.
 from conveyor.runtime.tensor_shards import (
+    NO_TENSOR_PARALLEL,  # noqa: F401  (re-exported, as the other names below)
+    ExpertShard,  # noqa: F401
+    HeadShard,  # noqa: F401
     TensorParallel,
-)  # noqa: F401
+    shard_experts,  # noqa: F401
+    shard_heads,  # noqa: F401
+)
 
 
 def default_backend(device: str) -> str:

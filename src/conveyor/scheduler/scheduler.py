@@ -1,113 +1,11 @@
 """The continuous batcher: forms each iteration's plan and applies the worker's result.
 
-Pure logic, no I/O and no torch: :mod:`conveyor.scheduler.main` feeds it messages and
-moves plans and results over sockets; tests drive it with a fake worker. This module holds
-the protocol with its caller and the skeleton of an iteration; the state every phase receives
-is one object, :class:`~conveyor.scheduler.state.SchedulerState`, and each phase lives in a
-module of its own:
-
-- :mod:`~conveyor.scheduler.state`: the shared state, finishing a request, slots given and
-  taken back, and the plans in flight (:class:`~conveyor.scheduler.state.PlansInFlight`);
-- :mod:`~conveyor.scheduler.step`: the plan under construction (and in flight);
-- :mod:`~conveyor.scheduler.planning`: phase 1 (decodes) and phase 2 (prompts by rank);
-- :mod:`~conveyor.scheduler.admission`: refusal at arrival, the admission gate, admitting;
-- :mod:`~conveyor.scheduler.preemption`: the one place running requests yield their KV;
-- :mod:`~conveyor.scheduler.results`: applying a worker's result (tokens, stops, outputs);
-- :mod:`~conveyor.scheduler.invariants`: the invariants below, asserted for tests.
-
-Decisions come from :mod:`~conveyor.scheduler.policy`; blocks, prefix cache and swaps are
-bookkept by :mod:`~conveyor.scheduler.kv_manager`; the waiting line is
-:mod:`~conveyor.scheduler.queue`, the running batch :mod:`~conveyor.scheduler.request_table`.
-
-Protocol with the caller, at most two plans in flight::
-
-    add_request(...) / abort(...)        any time, also between schedule() and update()
-    plan = schedule()                    None when nothing can run
-    take_outputs()                       outputs produced outside update() (queue timeouts)
-    result = <worker executes plan>
-    outputs = update(plan, result)       results are applied in plan order
-
-**Planning ahead (overlap).** A plan counts as run the moment it is formed: each of its
-requests advances ``num_computed_tokens`` by what it scheduled, and :meth:`update` later
-appends the tokens sampled. So a request's token count may run ahead of its known tokens:
-``num_computed_tokens + 1 - len(token_ids)`` (when positive) tokens are *pending*, sampled by
-plans in flight and not back yet. With plan N in flight, :meth:`schedule` can already form
-plan N+1, the worker running it right after N (the worker keeps every request's tokens and
-feeds the token it sampled at N as the input of N+1). Such a plan *ahead* never preempts
-(the victim's token from N would be lost) and never schedules a request that will end by
-length at N; when it would have to preempt it stops there and :attr:`can_plan_ahead` turns
-false, so the caller applies N and plans the next step with everything known. A request that turns
-out to finish at N (a stop token) was still scheduled in N+1: its blocks and slot are freed when N
-is applied, the worker drops it with the next plan's ``finished_slots``, and the token N+1 sampled
-for it is discarded. Outputs are the same as without planning ahead; only decisions that depend on
-N's tokens (who finished, freeing slots and blocks) come one step later.
-
-Each iteration, within the token budget ``max_num_batched_tokens``:
-
-1. **Decodes first.** Every running request with one token to run gets it, best rank first.
-   One that needs a new block and finds none preempts the worst-ranked running request
-   (itself, if it is the worst). So however long the prompts being prefilled, running
-   decodes advance every iteration.
-2. **Then prompts, by rank.** Running requests still prefilling, and waiting requests, take
-   the rest of the budget in rank order: whichever of the next prefilling request and the
-   head of the waiting queue ranks better goes next. A prefill chunk is cut to the budget
-   and to the blocks available (preempting worse-ranked requests only if not one token fits).
-   A waiting request is admitted when a slot (``max_num_seqs``) and blocks for all its known
-   tokens are free, after its prefix-cache hit; under the priority policy it may preempt
-   worse-ranked running requests to get them. One that does not fit is stepped over a
-   bounded number of times (see the policy), and admissions stop when no slot is left.
-
-Preempting a request drops or swaps out its KV (policy), lists its slot in the plan's
-``finished_slots``, and requeues it under its old rank. A swapped request comes back
-as NewRequestData with its computed count intact and its blocks swapped in by the same plan.
-
-Blocks are freed the moment a request ends (finish, abort, error, preemption), also while
-plans that use them are in flight. That is safe because the worker runs plans strictly in
-order: a freed block can only be handed to someone else by a plan formed after the free,
-which runs after every plan that still writes or reads it; its ``finished_slots``
-tell the worker to drop the old owner first, and its swap-outs run before anything writes.
-The same order makes a block registered in the prefix cache while the plan computing it is
-in flight safe to share: whoever reads it runs later.
-
-**Slots.** Plans and results name requests by *slot*, a small integer in
-``0 .. max_num_seqs - 1``, not by id: a plan's per-request columns and the result are then
-int32 arrays the codec carries as raw bytes. The scheduler keeps the free slots. A request
-takes one when it is sent as NewRequestData (admission, or resumption after a preemption) and
-gives it back when it is queued for the worker to drop (finish, abort, error, preemption):
-at that moment the slot joins both the free list and ``_finished_slots``, which the next plan
-formed carries as ``finished_slots``. Only running requests hold slots, so ``max_num_seqs``
-slots always suffice. Reuse is safe for the same reason block reuse is, plus one rule of the
-worker: within a plan it drops ``finished_slots`` before it takes in ``new_requests``.
-
-- A slot given back is handed out again only by a plan formed after that, which is the
-  plan that carries the drop or a later one; so the worker always drops the old owner
-  before it takes in the new one (in the same plan, by the rule above).
-- Plans formed before the give-back and still in flight (at most two: a retirement by
-  plan N's result leaves the plan formed ahead of N in flight; an abort may come while
-  both are) run before the plan carrying the drop, and name the old owner on that slot,
-  which the worker still holds then. What they sample for it is
-  dropped: the old owner is no longer running when their results are applied, and a
-  result is matched to the requests *its* plan scheduled, never to the slot's later owner.
-- Preemption happens only in a plan formed with nothing in flight, and takes the victim
-  out of that plan's rows before giving its slot back; a request admitted in the plan may
-  take the slot, the worker dropping the victim first. A request admitted in a plan is
-  never preempted by the same plan, so a plan never both adds and drops one slot's owner
-  in that order.
-- So a request running when a plan's result is applied has the slot it had when the plan
-  was formed (no preemption happens in between, and a finished request never runs again):
-  :meth:`update` reads the result by the plan's requests' slots.
-- If a step fails, the plan formed ahead of it is failed by the worker unrun, having only
-  dropped its ``finished_slots``: the slots it would have given to new requests stay
-  empty there, the scheduler fails those requests, and their slots, given back, reach the
-  worker as drops of slots it does not hold, which it ignores.
-
-Cost per iteration is O(running requests + tokens of newly admitted requests) plus
-O(log waiting) per admission; nothing iterates over the waiting queue beyond the requests
-considered for admission, nor over finished ones. The O(running requests) part is numpy
-work over the slots (:mod:`~conveyor.scheduler.slot_columns`): phase 1 plans the decodes
-with a few vector operations per run of decodes that fit (one run unless someone must be
-preempted), and :meth:`update` applies every sampled token the same way; Python visits only
-the requests that need a decision.
+Pure logic, no I/O and no torch (:mod:`conveyor.scheduler.main` moves plans and results over
+sockets; tests drive it with a fake worker). This module holds the protocol with its caller
+and the iteration's skeleton; each phase is a module of its own over one
+:class:`~conveyor.scheduler.state.SchedulerState`. The rules (planning ahead, decodes first,
+prompts by rank, preemption, when blocks and slots are freed and reused) are in
+docs/architecture.md, "The scheduler's iteration".
 """
 
 from __future__ import annotations

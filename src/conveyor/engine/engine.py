@@ -306,11 +306,7 @@ class Engine:
                 self.step()
         elif in_flight == "abort":
             for request in [r for r in self._by_id.values() if not r.done]:
-                if request.sequences:
-                    self._end_request(request, FinishReason.ABORT, why)
-                else:
-                    self.scheduler.abort([request._scheduler_id])
-                    self._finish(request, FinishReason.ABORT, why, flush=False)
+                self._abort(request, why)
         else:
             raise ValueError(f"in_flight must be 'finish' or 'abort', got {in_flight!r}")
 
@@ -491,14 +487,20 @@ class Engine:
     def _remove(self, request: Request) -> None:
         """:meth:`Request.remove`: abort it if it runs, then forget its context (only the last
         turn under its id owns that context)."""
-        if not request.done and request.sequences:
-            self._end_request(request, FinishReason.ABORT, None)
-        elif not request.done:
-            self.scheduler.abort([request._scheduler_id])
-            self._finish(request, FinishReason.ABORT, None, flush=False)  # as a client's abort: no flush
+        if not request.done:
+            self._abort(request, None)
         if self._latest.get(request.request_id) is request:
             del self._latest[request.request_id]
             self._sessions.take(request.request_id)
+
+    def _abort(self, request: Request, error: str | None) -> None:
+        """End ``request`` (not done) as aborted, with ``error`` as the reason given: an n > 1
+        request with all its live sequences; no flush, as a client's abort."""
+        if request.sequences:
+            self._end_request(request, FinishReason.ABORT, error)
+        else:
+            self.scheduler.abort([request._scheduler_id])
+            self._finish(request, FinishReason.ABORT, error, flush=False)
 
     def _wait_until_ready(self) -> None:
         """Nothing could run although requests are pending: sleep until the admission gate

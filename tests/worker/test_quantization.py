@@ -24,7 +24,7 @@ from conveyor.worker.model_runner import ModelRunner
 from conveyor.worker.quantization.gguf_blocks import decode_blocks
 from conveyor.worker.quantization.loading import quantize_linears
 from conveyor.worker.quantization.methods import Fp8Weights, Int4Weights, Int8Weights
-from conveyor.worker.quantization.tensors import QuantizedTensor
+from conveyor.worker.quantization.tensors import QuantizedTensor, quantize_int4
 from tests.gguf_files import permute, write_gguf
 from tests.lora_adapters import make_adapter
 from tests.worker.parity import assert_greedy_agrees, hf_greedy_with_logits
@@ -134,6 +134,37 @@ def test_each_method_multiplies_by_its_dequantized_weight(method, rows) -> None:
     assert got.shape == (rows, n) and got.dtype == torch.float32
     if rows:
         assert (got - want).abs().max() <= tolerance * want.abs().max()
+
+
+def test_cpu_int4_keeps_float32_activations_and_f16_scales_to_the_output_rounding() -> None:
+    """GGUF's f16 scales and offsets (not bfloat16 numbers) and float32 activations through the
+    bfloat16 kernel: each output is the float64 product up to its own bfloat16 rounding (the
+    kernel's output), not the activations' or the scales' (what cost Q4_1 most of its agreement)."""
+    gen = torch.Generator().manual_seed(11)
+    n, k, rows = 48, 256, 5
+    codes = torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.005).half().float()
+    offsets = (-8 * scales + torch.randn(n, k // 32, generator=gen) * 0.01).half().float()
+    layer = Int4Weights(QuantizedTensor(codes, scales, offsets, 4, 32), "cpu")
+    assert layer.scale_zeros_residual is not None  # f16 scales need the residual call
+    weight = QuantizedTensor(codes, scales, offsets, 4, 32).dequantize().double()
+    x = torch.randn(rows, k, generator=gen)
+    want = x.double() @ weight.t()
+    got = layer.apply(x, None).double()
+    assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-6 * want.abs().max()).all()
+
+
+def test_our_int4_scales_need_no_residual_call() -> None:
+    """quantize_int4 rounds the scale and the kernel's zero to bfloat16 numbers, so the CPU
+    layer makes one kernel call (no residual) and still multiplies by exactly its codes."""
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    q = quantize_int4(weight, 32)
+    layer = Int4Weights(q, "cpu")
+    assert layer.scale_zeros_residual is None
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    want = x.double() @ q.dequantize().double().t()
+    got = layer.apply(x, None).double()
+    assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-6 * want.abs().max()).all()
 
 
 # -------------------------------------------------------------------- whole models

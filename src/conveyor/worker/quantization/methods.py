@@ -5,8 +5,9 @@ it holds what its kernels read (the weight slots: codes, scales, offsets) and
 ``apply(x, bias)`` picks the kernel of ``x``'s device:
 
 * **int8**, one scale per output channel. CPU: the activations are quantized per token to int8
-  on the fly and multiplied by ``torch._int_mm`` (oneDNN's VNNI int8 GEMM), scaled back in
-  float32; CUDA: the Triton dequantize-GEMM (:mod:`conveyor.kernels.dequant_gemm`).
+  on the fly, in two parts (the codes and their rounding error, ~15 bits together, stacked as
+  twice the rows of one call), and multiplied by ``torch._int_mm`` (oneDNN's VNNI int8 GEMM),
+  scaled back in float32; CUDA: the Triton dequantize-GEMM (:mod:`conveyor.kernels.dequant_gemm`).
 * **int4**, group-wise affine (``scale * code + offset``, symmetric being offset ``-8 scale``).
   CPU: ``torch.ops.aten._weight_int4pack_mm_for_cpu``, fast in bfloat16 only (its float32 path
   is a slow reference), so float32 activations go in as two bfloat16 parts (high and the
@@ -68,10 +69,12 @@ class Int8Weights(QuantizedWeights):
             return x.new_empty((0, self.out_features))
         xf = x.float()
         x_max = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # per token: x ~ x_max / 127 * code
-        x_codes = xf.mul(127 / x_max).round_().to(torch.int8)
-        y = torch._int_mm(x_codes, self.codes.t()).mul(
-            x_max * self.scales_127
-        )  # (fewest operators: decode is op-bound)
+        steps = xf.mul(127 / x_max)
+        high = steps.round()
+        low = steps.sub_(high).mul_(254).round_()  # the rest (at most half a step), 1/254 of a step each
+        rows = x.shape[0]
+        both = torch._int_mm(torch.cat([high, low]).to(torch.int8), self.codes.t()).float()
+        y = both[rows:].div_(254).add_(both[:rows]).mul_(x_max * self.scales_127)
         if bias is not None:
             y += bias
         return y.to(x.dtype)

@@ -56,7 +56,11 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ``x``'s dtype, each row's bits independent of the other rows."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x [..., K] and weight [N, K] needed; got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.shape != weight.shape[:1]):
+    if (
+        x.dtype not in SUPPORTED_DTYPES
+        or weight.dtype != x.dtype
+        or (bias is not None and bias.shape != weight.shape[:1])
+    ):
         raise TypeError(f"x and weight of one dtype among {SUPPORTED_DTYPES}, bias [N]; got {x.dtype}, {weight.dtype}")
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])

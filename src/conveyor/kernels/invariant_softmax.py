@@ -59,4 +59,3 @@ def row_softmax(x: torch.Tensor, log: bool = False) -> torch.Tensor:
 def row_softmax_ref(x: torch.Tensor, log: bool = False) -> torch.Tensor:
     """Reference: torch's float32 (log-)softmax."""
     return x.float().log_softmax(-1) if log else x.float().softmax(-1)
-

@@ -122,7 +122,13 @@ class LogprobSteps:
         width = min(int(asked[wanted].max()), logits.shape[1])
         tokens = sampled.index_select(0, torch.from_numpy(wanted).to(sampled.device, non_blocking=True))
         return LogprobRows.compute(
-            logits, rows[wanted], tokens, width, slots[wanted], positions[wanted], np.ones(len(wanted), np.int64),
+            logits,
+            rows[wanted],
+            tokens,
+            width,
+            slots[wanted],
+            positions[wanted],
+            np.ones(len(wanted), np.int64),
             self.invariant,
         )
 

@@ -89,7 +89,6 @@ class TritonPagedAttention(AttentionBackend):
         )
 
 
-
 class TritonInvariantAttention(TritonPagedAttention):
     """Batch-invariant mode's attention on CUDA: the Triton backend's stores (one program per
     token) and, for every step alike, the kernel of :mod:`conveyor.kernels.invariant_attention`,
@@ -107,6 +106,7 @@ class TritonInvariantAttention(TritonPagedAttention):
             query, layer.cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, layer.scale,
             layer.sliding_window, max_seq_len=metadata.max_seq_len, k_scale=scales.k, v_scale=scales.v,
         )  # fmt: skip
+
 
 def backend_for(device: torch.device | str, name: str = "auto") -> AttentionBackend:
     """The attention backend to use: ``auto`` is Triton on CUDA and batched torch on CPU.

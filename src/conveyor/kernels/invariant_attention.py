@@ -5,13 +5,13 @@ shares a key tile's loop among ``BLOCK_M`` query tokens whose spans differ, so a
 result moves with its company, its chunk and whether it is prefilled, decoded or verified.
 Here a token's arithmetic is fixed by the token alone (its position, window and cached K/V):
 
-1. ``_split_kernel``, grid ``(tokens, kv_heads, splits)``: a program owns one token, the query
+1. ``_invariant_split_kernel``, grid ``(tokens, kv_heads, splits)``: a program owns one token, the query
    heads of one KV head's GQA group (the rows of one ``tl.dot`` tile) and one *split* of key
    positions ``[j * S, (j + 1) * S)``, ``S`` = :data:`SPLIT_KEYS` absolute positions. It runs
    the shared online softmax (:func:`~conveyor.kernels._common.attend_paged_span`) over the
    split's keys up to the token's position, in ``BLOCK_N`` tiles from the split's start, and
    writes the normalized partial output and its log-sum-exp.
-2. ``_combine_kernel``, grid ``(tokens, heads)``: merges the token's splits one after
+2. ``_invariant_combine_kernel``, grid ``(tokens, heads)``: merges the token's splits one after
    another, in increasing ``j``, with a running maximum, and writes the output.
 
 Every token takes both steps (one split too), in one order; the number of splits a launch
@@ -46,7 +46,7 @@ def _token_position(token_seq_ptr, query_start_loc_ptr, seq_lens_ptr, t):
 
 
 @triton.jit
-def _split_kernel(
+def _invariant_split_kernel(
     q_ptr, kv_ptr, block_table_ptr, token_seq_ptr, query_start_loc_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kv_kv, stride_kv_block, stride_kv_tok, stride_kv_head,
     stride_bt, qk_scale_log2, window, v_scale,
@@ -83,7 +83,7 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _invariant_combine_kernel(
     mid_o_ptr, mid_lse_ptr, token_seq_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     stride_ot, stride_oh, stride_mid_t, stride_mid_h, stride_mid_s, token_offset, window, head_dim, split_keys,
     BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -170,13 +170,13 @@ def invariant_attention(
     args = inputs.strides_scale_window(scale, k_scale, v_scale)
     for t0 in range(0, num_tokens, step):
         count = min(step, num_tokens - t0)
-        _split_kernel[(count, num_kv_heads, splits)](
+        _invariant_split_kernel[(count, num_kv_heads, splits)](
             query[t0:], kv, inputs.block_tables, token_seq, query_start_loc, seq_lens, mid_o, mid_lse,
             *args, *mid_strides, t0, head_dim, group, split_keys,
             BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d, **inputs.constants,
             num_warps=4, num_stages=2,
         )  # fmt: skip
-        _combine_kernel[(count, num_heads)](
+        _invariant_combine_kernel[(count, num_heads)](
             mid_o, mid_lse, token_seq, query_start_loc, seq_lens, out[t0:], out.stride(0), out.stride(1),
             *mid_strides, t0, sliding_window or 0, head_dim, split_keys,
             BLOCK_D=block_d, USE_WINDOW=sliding_window is not None, num_warps=1,

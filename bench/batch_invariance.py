@@ -90,7 +90,8 @@ def row_rules(model, rows: list[int], device: str) -> dict:
 
 
 def serve_target(engine, target: list[int], tokens: int, companions: list[tuple[list[int], int]], before: int):
-    """The target's tokens and per-token (logprob, top 5), served with ``companions`` (``before`` of them queued first)."""
+    """The target's tokens and per-token (logprob, top 5), served with ``companions``
+    (``before`` of them queued first)."""
     handle = None
     for i, companion in enumerate([*companions, None]):
         if i == before:

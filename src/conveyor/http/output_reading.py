@@ -25,6 +25,7 @@ class Reading:
     reasoning: str = ""
     content: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
+    opened: bool = False  # the think block began here (a block may have no text: ``<think></think>``)
 
 
 class OutputReader:
@@ -66,8 +67,9 @@ class OutputReader:
             if split is None:
                 reading = Reading(content=text or "")
             else:
+                before = split.reasoned
                 delta = split.feed(text) if text is not None else split.finish()
-                reading = Reading(delta.reasoning, delta.content)
+                reading = Reading(delta.reasoning, delta.content, opened=split.reasoned and not before)
             if tools is not None:
                 content, calls = tools(reading.content) if text is not None else _last(tools, reading.content)
                 reading.content, reading.calls = content, calls

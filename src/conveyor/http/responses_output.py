@@ -168,7 +168,7 @@ class ResponseEvents:
         return 1
 
     def _reading(self, reading: Reading) -> None:
-        if reading.reasoning:
+        if reading.reasoning or reading.opened:  # an empty think block is an empty reasoning item, as whole
             self._text("reasoning", reading.reasoning)
         if reading.content:
             self._text("message", reading.content)
@@ -190,6 +190,8 @@ class ResponseEvents:
                 "response.content_part.added", {**self._where(), "content_index": 0, "part": _text_part(kind, "")}
             )
         self.text += text
+        if not text:
+            return
         if kind == "reasoning":
             self._event("response.reasoning_text.delta", {**self._where(), "content_index": 0, "delta": text})
         else:

@@ -1,12 +1,11 @@
 """The real default model (SmolLM2-135M-Instruct, its GGUF file) behind one bin/serve --http-port,
-asked through each official SDK unchanged: OpenAI's ``responses.create`` and
-``chat.completions.create`` and Anthropic's ``messages.create`` answer a capital question with
-the capital (greedy; tests/bench/test_eval.py holds the same answer equal to transformers'),
-``responses.create`` with a function tool (streamed and not), ``chat.completions.parse`` with a
-pydantic model, ``messages.stream``, a forced Anthropic tool and ``thinking`` enabled answer as
-they should, and OpenAI's ``embeddings.create`` gives transformers' pooled hidden state of the
-same file."""
-
+asked through each official SDK unchanged: OpenAI's ``responses.create``,
+``chat.completions.create`` and ``completions.create`` and Anthropic's ``messages.create``
+answer a capital question with the capital (greedy; tests/bench/test_eval.py holds the same
+answer equal to transformers'), ``responses.create`` with a function tool (streamed and not),
+``chat.completions.parse`` with a pydantic model, ``messages.stream``, ``count_tokens``, a
+forced Anthropic tool and ``thinking`` enabled answer as they should, and OpenAI's
+``embeddings.create`` gives transformers' pooled hidden state of the same file."""
 from __future__ import annotations
 
 import json
@@ -55,6 +54,10 @@ def test_chat_completions_answer_a_capital_question(openai_client) -> None:
     messages = [{"role": "user", "content": QUESTION}]
     reply = openai_client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
     assert "Paris" in reply.choices[0].message.content
+    completion = openai_client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=3, temperature=0
+    )
+    assert "Paris" in completion.choices[0].text, completion.choices[0].text
 
 
 def test_anthropic_messages_answer_a_capital_question(server, openai_client) -> None:
@@ -148,6 +151,8 @@ def test_anthropic_stream_tool_and_thinking(server, openai_client) -> None:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == whole.content[0].text and final.usage.output_tokens == whole.usage.output_tokens
+    counted = api.messages.count_tokens(model=model, messages=asked["messages"]).input_tokens
+    assert counted == whole.usage.input_tokens == final.usage.input_tokens
     thinking = api.messages.with_raw_response.create(
         **asked, thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0}
     )

@@ -9,6 +9,7 @@ Random weights never write a think block, so the answers with reasoning are forc
 ``structured_outputs`` grammar makes the model write a known text, which the parsers then split,
 or the reasoning budget's grammar makes it open the block (Messages' ``thinking.budget_tokens``).
 """
+
 from __future__ import annotations
 
 import json
@@ -267,6 +268,54 @@ def test_tool_calls_are_read_after_the_reasoning(client, model) -> None:
             extra_body=forced(inside))  # fmt: skip
     message = chat.choices[0].message
     assert message.tool_calls is None and message.content == "No call" and "<tool_call>" in message.reasoning_content
+    # Streamed chat: the reasoning deltas, then the call read from what follows the block.
+    chat_tool = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "weather?"}], tools=[chat_tool], max_tokens=60,
+            stream=True, extra_body=forced(CALL_AFTER_THOUGHT),
+        )
+    )  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    [call_delta] = [d for d in deltas if d.tool_calls]
+    assert reasoning == "I should look it up." and call_delta.tool_calls[0].function.name == "get_weather"
+    assert json.loads(call_delta.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert deltas.index(call_delta) > max(i for i, d in enumerate(deltas) if getattr(d, "reasoning_content", None))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_completions_and_embeddings_equal_transformers(client, model, server, thinking_checkpoint) -> None:
+    """The other SDK endpoints on the same Qwen3: a greedy completion is transformers' greedy
+    continuation, and an embedding transformers' last hidden state (normalized)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(thinking_checkpoint, dtype=torch.float32).eval()
+    prompt = "Once upon a time"
+    request = urllib.request.Request(
+        server.url + "/tokenize",
+        json.dumps({"model": model, "prompt": prompt}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        ids = json.loads(reply.read())["tokens"]
+    completion = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    with torch.inference_mode():
+        tokens = torch.tensor([ids])
+        out = hf.generate(
+            tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+        hidden = hf.model(tokens).last_hidden_state[0, -1]
+    assert completion.choices[0].model_extra["token_ids"] == out[0, len(ids) :].tolist()
+    embedding = client.embeddings.create(model=model, input=prompt).data[0].embedding
+    assert torch.allclose(torch.tensor(embedding), torch.nn.functional.normalize(hidden, dim=0), atol=1e-4)
 
 
 class City(BaseModel):

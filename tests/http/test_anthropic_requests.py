@@ -227,6 +227,19 @@ def test_streamed_events_of_text_a_stop_a_call_and_a_failure() -> None:
     assert [b["type"] for b in whole["content"]] == ["text", "tool_use"] and whole["content"][1]["input"] == {
         "zone": "cet"
     }
+    # With a reasoning parser too: the thinking block, then the call read from what follows it.
+    thought = "<think>\nI should check.\n</think>\n\n" + call
+    both = output_reader(job(tools=[TOOL]), "hermes", "qwen3")
+    whole = message_body("m", MODEL, result(thought), None, both)
+    assert [b["type"] for b in whole["content"]] == ["thinking", "tool_use"] and whole["stop_reason"] == "tool_use"
+    enc = MessageEvents("msg_5", MODEL, None, both)
+    enc.start()
+    for k in range(0, len(thought), 7):
+        enc(0, StreamDelta("r", thought[k : k + 7], [1]))
+    enc(0, StreamDelta("r", "", [], "stop", result(thought)))
+    got = events(bytes(enc.out))
+    assert [d["content_block"]["type"] for k, d in got if k == "content_block_start"] == ["thinking", "tool_use"]
+    assert got[-1][1]["delta"]["stop_reason"] == "tool_use"
     enc = MessageEvents("msg_3", MODEL, None, None)
     enc.start()
     enc(0, StreamDelta("r", "partial", [1]))

@@ -126,7 +126,8 @@ async def respond(
     if job.stream:
         prompts = await _prompts(job, tokens)
         enc = ChunkEncoder(job.kind, rid, created, model, job.include_usage)
-        return await stream_events(request, link, job, _Encoder(job, enc, prompts, reader), headers)
+        encoder = _Encoder(job, enc, prompts, reader, reasoning_parser is not None and job.kind == CHAT)
+        return await stream_events(request, link, job, encoder, headers)
     if _needs_prompt_ids(job):  # the finals carry them: the frontend tokenizes each prompt once
         job.options["return_prompt_token_ids"] = True
     results = await generate_all(link, job)
@@ -143,8 +144,9 @@ async def respond(
     body = completion_body(
         job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids, extras=extras
     )
-    if reader is not None and reader.reasoning is not None:
-        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": reader.reasoning_tokens(results)}
+    if reasoning_parser is not None and job.kind == CHAT:
+        counted = reader.reasoning_tokens(results) if reader is not None else 0
+        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": counted}
     if reader is not None:  # each choice read on its own (n > 1: each sequence wrote its own calls)
         for choice, seq in zip(body["choices"], [seq for r in results for seq in r.choices]):
             reasoning, content, calls = reader.whole(seq.text)
@@ -188,7 +190,12 @@ class _Encoder:
     its choices (its ``finish_reason``), and continuous usage counts the input's tokens."""
 
     def __init__(
-        self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, tools: OutputReader | None = None
+        self,
+        job: GenerationJob,
+        enc: ChunkEncoder,
+        prompts: _Prompts,
+        tools: OutputReader | None = None,
+        count_reasoning: bool = False,
     ) -> None:
         self.enc, self.out = enc, bytearray()
         self.finals: list[CompletionResult | None] = [None] * len(job.inputs)
@@ -196,6 +203,7 @@ class _Encoder:
         self.started = [False] * (len(job.inputs) * job.n)  # by choice
         self.tools = [tools.stream() for _ in self.started] if tools is not None else None  # by choice
         self.reader = tools
+        self.count_reasoning = count_reasoning  # the usage chunk says how many tokens were reasoning
         self.called = [False] * len(self.started)
         self.prompts = prompts
         self.token_ids = job.return_token_ids
@@ -220,8 +228,8 @@ class _Encoder:
     def end(self) -> None:
         if self.job.include_usage:
             reasoning = None
-            if self.reader is not None and self.reader.reasoning is not None:
-                reasoning = self.reader.reasoning_tokens(self.finals)  # type: ignore[arg-type]
+            if self.count_reasoning:
+                reasoning = self.reader.reasoning_tokens(self.finals) if self.reader is not None else 0  # type: ignore[arg-type]
             self.out += self.enc.usage(self.finals, reasoning)  # type: ignore[arg-type]
         self.out += DONE
 

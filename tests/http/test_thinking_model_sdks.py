@@ -173,6 +173,12 @@ def test_reasoning_on_chat_streamed_and_not(client, model) -> None:
     assert last.usage.completion_tokens_details.reasoning_tokens == thought
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=3, extra_body=forced("Hi"))
     assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    # An empty think block: reasoning_content "" (not null), whole and streamed alike.
+    empty = {"model": model, "messages": messages, "max_tokens": 5, "extra_body": forced("<think></think>Hi")}
+    message = client.chat.completions.create(**empty).choices[0].message
+    assert (message.reasoning_content, message.content) == ("", "Hi")
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**empty, stream=True) if c.choices]
+    assert [d.model_extra["reasoning_content"] for d in deltas if "reasoning_content" in d.model_extra] == [""]
 
 
 def test_reasoning_items_on_responses_streamed_and_not(client, model) -> None:

@@ -276,7 +276,7 @@ class _Encoder:
     def _tool_pieces(self, choice: int, text: str | None) -> None:
         """Feed ``text`` (None: the end) to choice ``choice``'s reader; its chunks to :attr:`out`."""
         reading = self.tools[choice](text)  # type: ignore[index]
-        if reading.reasoning:
+        if reading.reasoning or reading.opened:  # an empty think block: reasoning_content "", as whole
             self.out += self.enc.chunk(choice, None, None, {"delta": {"reasoning_content": reading.reasoning}})
         if reading.content:
             self.out += self.enc.text(choice, reading.content)

@@ -6,6 +6,7 @@ answer equal to transformers'), ``responses.create`` with a function tool (strea
 ``chat.completions.parse`` with a pydantic model, ``messages.stream``, ``count_tokens``, a
 forced Anthropic tool and ``thinking`` enabled answer as they should, and OpenAI's
 ``embeddings.create`` gives transformers' pooled hidden state of the same file."""
+
 from __future__ import annotations
 
 import json

@@ -1,0 +1,103 @@
+"""A runner's side of weight updates, sleep and wake (:mod:`conveyor.ipc.messages.engine_control`),
+applied between two steps on every tensor-parallel rank alike: the worker loop and
+``conveyor.Engine`` (rank 0 in its own process) both go through :class:`EngineControl`.
+
+Every rank receives an update whole and loads its own shard (:mod:`conveyor.worker.weight_updates`):
+from a directory each rank reads the files; from a trainer's group every rank is a member
+(``rank_offset + rank``) and receives each broadcast; tensors in the engine's process reach
+the other ranks by rank 0's broadcasts over the ranks' own group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from conveyor.ipc.messages import EngineControlled, SleepEngine, UpdateWeights, WakeEngine, WeightSpecs
+from conveyor.ipc.messages.engine_control import WEIGHTS_INVALID, WEIGHTS_NOT_FOUND
+from conveyor.worker.sleep import Sleep, fall_asleep, wake
+from conveyor.worker.weight_updates import (
+    broadcast_tensors,
+    update_from_disk,
+    update_from_group,
+    update_from_tensors,
+    weight_update_group,
+)
+
+log = logging.getLogger("conveyor.worker")
+
+
+def spec_tuples(specs: WeightSpecs) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``specs`` as :func:`~conveyor.worker.weight_updates.broadcast_tensors` takes them; a
+    ValueError naming an unknown dtype."""
+    out = []
+    for name, dtype, shape in zip(specs.names, specs.dtypes, specs.shapes, strict=True):
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"weight {name!r}: unknown dtype {dtype!r} (a torch dtype name, e.g. 'bfloat16')")
+        out.append((name, torch_dtype, tuple(shape)))
+    return out
+
+
+def weight_specs(tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightSpecs:
+    """The :class:`WeightSpecs` of ``(name, tensor)`` pairs, in their order."""
+    named = list(tensors)
+    return WeightSpecs(
+        [name for name, _ in named],
+        [str(t.dtype).removeprefix("torch.") for _, t in named],
+        [list(t.shape) for _, t in named],
+    )
+
+
+class EngineControl:
+    """One runner's sleep state and the commands that change its weights or memory."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.sleep: Sleep | None = None
+
+    def apply(self, msg: UpdateWeights | SleepEngine | WakeEngine, tensors=None) -> EngineControlled:
+        """Apply ``msg`` (``tensors``: rank 0's ``(name, tensor)`` pairs of a ``from_rank0``
+        update) and say how it went; a refused update leaves the model as it was."""
+        answer = EngineControlled(msg.query_id)
+        try:
+            if isinstance(msg, UpdateWeights):
+                self.update(msg, tensors)
+            elif isinstance(msg, SleepEngine):
+                if self.sleep is not None:
+                    raise ValueError(f"already asleep (level {self.sleep.level})")
+                self.sleep = fall_asleep(self.runner, msg.level)
+                answer.freed_bytes = self.sleep.freed_bytes
+            elif self.sleep is not None:
+                wake(self.runner, self.sleep, self.runner.config.model_dir)
+                self.sleep = None
+        except OSError as exc:  # (not there, not a directory, unreadable)
+            answer.code, answer.error = WEIGHTS_NOT_FOUND, f"weight update refused, the model is unchanged: {exc}"
+        except ValueError as exc:
+            answer.code, answer.error = WEIGHTS_INVALID, str(exc)
+        if not answer.ok:
+            log.warning("%s refused: %s", type(msg).__name__, answer.error)
+        return answer
+
+    def update(self, msg: UpdateWeights, tensors=None) -> None:
+        if self.sleep is not None:
+            raise ValueError("the weights cannot be updated while asleep: wake it up first")
+        model, tp = self.runner.model, self.runner.tensor_parallel
+        if msg.path is not None:
+            update_from_disk(model, msg.path)
+        elif msg.group is not None:
+            group = msg.group
+            specs = spec_tuples(group.specs)
+            pg = weight_update_group(group.address, group.rank_offset + tp.rank, group.world_size, group.timeout_s)
+            update_from_group(model, pg, specs)
+        elif msg.from_rank0 is not None:
+            specs = spec_tuples(msg.from_rank0)
+            if tp.size == 1:
+                update_from_tensors(model, tensors)
+            else:  # every rank in the same broadcasts, rank 0 sending what it holds
+                sent = None if tp.rank else [t for _, t in tensors]
+                update_from_tensors(model, broadcast_tensors(tp.group, specs, sent))
+        else:
+            raise ValueError("a weight update names no source (a path, a group or tensors)")

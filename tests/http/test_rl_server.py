@@ -25,8 +25,8 @@ from conveyor.client import Client, ServerError
 from conveyor.client.commands import weight_group
 from conveyor.worker.weight_updates import broadcast_tensors, weight_update_group
 from tests.checkpoints import randomize
-from tests.http.conftest import http_serve, stop_and_check
 from tests.e2e.serve_harness import ServeProcess
+from tests.http.conftest import http_serve, stop_and_check
 
 PROMPT = [5, 9, 33, 120, 7, 64, 200, 18]
 GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True)

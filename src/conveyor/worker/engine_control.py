@@ -41,14 +41,20 @@ def spec_tuples(specs: WeightSpecs) -> list[tuple[str, torch.dtype, tuple[int, .
     return out
 
 
+def weight_specs_of(specs: Iterable[tuple[str, torch.dtype, Iterable[int]]]) -> WeightSpecs:
+    """(name, torch dtype, shape) triples (a
+    :class:`~conveyor.worker.weight_updates.WeightBroadcast`'s) as :class:`WeightSpecs`."""
+    triples = list(specs)
+    return WeightSpecs(
+        [name for name, _, _ in triples],
+        [str(dtype).removeprefix("torch.") for _, dtype, _ in triples],
+        [list(shape) for _, _, shape in triples],
+    )
+
+
 def weight_specs(tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightSpecs:
     """The :class:`WeightSpecs` of ``(name, tensor)`` pairs, in their order."""
-    named = list(tensors)
-    return WeightSpecs(
-        [name for name, _ in named],
-        [str(t.dtype).removeprefix("torch.") for _, t in named],
-        [list(t.shape) for _, t in named],
-    )
+    return weight_specs_of((name, t.dtype, t.shape) for name, t in tensors)
 
 
 class EngineControl:

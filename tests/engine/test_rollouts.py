@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from conveyor.worker.weight_updates import WeightBroadcast, broadcast_tensors, weight_update_group
 from tests.checkpoints import randomize
+from tests.engine.conftest import TINY
 
 PROMPT = [5, 9, 33, 120, 7, 64, 200, 18]
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -145,3 +146,19 @@ def test_updates_at_two_tensor_parallel_ranks(tiny_engine, tiny_checkpoint, trai
         assert engine.sleep(1) > 0 and engine.is_sleeping
         engine.wake_up()
         assert greedy(engine) == hf_greedy(trained) and engine.weight_version == 3
+
+
+def kv_scales(engine) -> list:
+    layers = [m.attention for m in engine.runner.model.modules() if hasattr(m, "attention")]
+    return [(layer.kv_scales.k, layer.kv_scales.v) for layer in layers if hasattr(layer, "kv_scales")]
+
+
+def test_an_update_recalibrates_an_8bit_kv_cache(tiny_engine, tiny_checkpoint, trained):
+    """The scales after an update are those a start on the new checkpoint measures, and so
+    are the tokens."""
+    engine = tiny_engine(kv_cache_dtype="int8")
+    before = kv_scales(engine)
+    engine.update_weights(trained)
+    started = type(engine)(trained, **{**TINY, "kv_cache_dtype": "int8"})
+    assert kv_scales(engine) == kv_scales(started) != before and len(before) == engine.model_config.num_layers
+    assert greedy(engine) == greedy(started)

@@ -17,6 +17,9 @@ import torch
 
 from conveyor.ipc.messages import EngineControlled, SleepEngine, UpdateWeights, WakeEngine, WeightSpecs
 from conveyor.ipc.messages.engine_control import WEIGHTS_INVALID, WEIGHTS_NOT_FOUND
+from conveyor.worker.attention.kv_quant import quantized
+from conveyor.worker.kv_cache import KVCacheShape
+from conveyor.worker.kv_calibration import calibrate_kv_scales
 from conveyor.worker.sleep import Sleep, fall_asleep, wake
 from conveyor.worker.weight_updates import (
     broadcast_tensors,
@@ -107,3 +110,20 @@ class EngineControl:
                 update_from_tensors(model, broadcast_tensors(tp.group, specs, sent))
         else:
             raise ValueError("a weight update names no source (a path, a group or tensors)")
+        self._recalibrate_kv_scales()
+
+    def _recalibrate_kv_scales(self) -> None:
+        """An 8-bit KV cache's per-layer scales measured again on the new weights (as at start,
+        every rank at once: :mod:`conveyor.worker.kv_calibration`); the cache holds nothing
+        then (no request runs over an update). Not under CUDA graphs, whose captured decode
+        steps hold the old scales: there the scales stay the start's (docs/rl.md)."""
+        runner = self.runner
+        if not quantized(runner.kv_cache_dtype):
+            return
+        if runner.device.type == "cuda" and not runner.config.enforce_eager:
+            log.warning("8-bit KV cache: its scales stay the start's after a weight update (CUDA graphs hold them)")
+            return
+        shape = KVCacheShape.of(
+            runner.model_config, runner.config.block_size, runner.kv_cache_dtype, runner.tensor_parallel
+        )
+        runner.model.bind_kv_cache(runner.kv_caches, calibrate_kv_scales(runner.model, shape, runner.kv_cache_dtype))

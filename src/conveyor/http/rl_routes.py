@@ -66,6 +66,12 @@ def _query(request: web.Request, name: str, choices: tuple[str, ...], default: s
     return value
 
 
+def _accepted(body: dict[str, Any], name: str, values: tuple[Any, ...]) -> None:
+    """SGLang's fields Conveyor takes only at their default (a 400 naming them otherwise)."""
+    if body.get(name) not in values:
+        raise bad_field(name, f"{name!r} may only be {' or '.join(map(repr, values))} here, got {body[name]!r}")
+
+
 def _in_flight(body: dict[str, Any]) -> str:
     """``in_flight`` (finish / abort), or SGLang's ``abort_all_requests`` true for abort."""
     if body.get("abort_all_requests") is True:
@@ -141,6 +147,7 @@ def routes(link_key: web.AppKey) -> web.RouteTableDef:
     @table.post("/update_weights_from_disk")
     async def from_disk(request: web.Request) -> web.Response:
         body = await _object(request, DISK_FIELDS)
+        _accepted(body, "load_format", (None, "auto"))
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise bad_field("model_path", "'model_path' is required: the checkpoint directory on the server's host")
@@ -150,6 +157,7 @@ def routes(link_key: web.AppKey) -> web.RouteTableDef:
     @table.post("/update_weights_from_distributed")
     async def from_group(request: web.Request) -> web.Response:
         body = await _object(request, GROUP_FIELDS)
+        _accepted(body, "backend", (None, "gloo"))  # (the group is gloo's: tensors travel through host memory)
         for name in ("master_address", "master_port", "rank_offset", "world_size", "names", "dtypes", "shapes"):
             if name not in body:
                 raise bad_field(name, f"{name!r} is required")

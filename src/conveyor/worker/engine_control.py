@@ -86,6 +86,11 @@ class EngineControl:
             answer.code, answer.error = WEIGHTS_NOT_FOUND, f"weight update refused, the model is unchanged: {exc}"
         except ValueError as exc:
             answer.code, answer.error = WEIGHTS_INVALID, str(exc)
+        except RuntimeError as exc:  # torch.distributed's: the trainer's group failed or timed out
+            if not (isinstance(msg, UpdateWeights) and msg.group is not None):
+                raise
+            answer.code = WEIGHTS_INVALID
+            answer.error = f"the trainer's group failed ({exc}): the weights may be partly updated, update again"
         if not answer.ok:
             log.warning("%s refused: %s", type(msg).__name__, answer.error)
         return answer

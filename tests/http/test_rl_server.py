@@ -113,11 +113,20 @@ def test_an_update_from_the_trainers_group_at_two_ranks(server, tiny_checkpoint)
 
     thread = threading.Thread(target=trainer, daemon=True)
     thread.start()
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": int(address.rsplit(":", 1)[1]),
+        "rank_offset": 1,
+        "world_size": 3,
+        "names": [name for name, _, _ in specs],
+        "dtypes": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
+        "shapes": [list(shape) for _, _, shape in specs],
+        "timeout_s": 60,
+    }
+    status, reply = http(server, "POST", "/update_weights_from_distributed", body)
+    thread.join(60)
+    assert status == 200 and reply["weight_version"] == 2, reply
     with Client(server.address) as client:
-        wire_specs = [(name, str(dtype).removeprefix("torch."), list(shape)) for name, dtype, shape in specs]
-        reply = client.update_weights(group=weight_group(address, 1, 3, wire_specs, timeout_s=60))
-        thread.join(60)
-        assert reply["weight_version"] == 2
         result = client.generate(token_ids=PROMPT, **GREEDY)
         assert result.token_ids == hf_greedy(tiny_checkpoint) and result.weight_version == 2
 
@@ -130,6 +139,10 @@ def test_sleep_level_2_holds_requests_until_wake(server, tiny_checkpoint, traine
         assert status == 200 and body["is_sleeping"] and body["sleep_level"] == 2 and body["freed_bytes"] > 0, body
         assert http(server, "GET", "/is_sleeping") == (200, {"is_sleeping": True})
         assert http(server, "POST", "/update_weights_from_disk", {"model_path": str(trained)})[0] == 409
+        group = weight_group("127.0.0.1:1", 1, 3, [("model.norm.weight", "float32", [64])])
+        with pytest.raises(ServerError, match="wake_up first") as refused:
+            client.update_weights(group=group)
+        assert refused.value.code == "invalid_control"
         held: list = []
         waiter = threading.Thread(
             target=lambda: held.append(Client(server.address).generate(token_ids=PROMPT, **GREEDY))

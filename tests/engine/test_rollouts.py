@@ -162,3 +162,6 @@ def test_an_update_recalibrates_an_8bit_kv_cache(tiny_engine, tiny_checkpoint, t
     started = type(engine)(trained, **{**TINY, "kv_cache_dtype": "int8"})
     assert kv_scales(engine) == kv_scales(started) != before and len(before) == engine.model_config.num_layers
     assert greedy(engine) == greedy(started)
+    engine.sleep(2)  # waking reads the start's checkpoint again, and measures its scales again
+    engine.wake_up()
+    assert kv_scales(engine) == before

@@ -81,6 +81,8 @@ class EngineControl:
                 answer.freed_bytes = self.sleep.freed_bytes
             elif self.sleep is not None:
                 wake(self.runner, self.sleep, self.runner.config.model_dir)
+                if self.sleep.weights is not None:  # the checkpoint's weights again: their scales
+                    self._recalibrate_kv_scales()
                 self.sleep = None
         except OSError as exc:  # (not there, not a directory, unreadable)
             answer.code, answer.error = WEIGHTS_NOT_FOUND, f"weight update refused, the model is unchanged: {exc}"

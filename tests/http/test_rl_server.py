@@ -156,6 +156,8 @@ def test_sleep_level_2_holds_requests_until_wake(server, tiny_checkpoint, traine
         # Level 2 read the served checkpoint again: its weights, a new version.
         assert held[0].token_ids == hf_greedy(tiny_checkpoint) and held[0].weight_version == version + 1
         assert http(server, "GET", "/is_sleeping") == (200, {"is_sleeping": False})
+        assert client.sleep(1)["sleep_level"] == 1 and not client.wake_up()["is_sleeping"]  # (over ZeroMQ)
+        assert client.generate(token_ids=PROMPT, **GREEDY).token_ids == hf_greedy(tiny_checkpoint)
 
 
 def test_pause_keeps_or_aborts_what_runs(server, tiny_checkpoint) -> None:

@@ -41,6 +41,8 @@ def test_an_update_waits_for_what_runs_and_holds_new_requests() -> None:
     assert g.admit(request("b")) is None and "b" not in g.scheduler.state.table.live  # held
     command, _ = g.next_command(idle=True)
     assert isinstance(command, UpdateWeights) and g.release() == []
+    g.admit(request("c"))  # held too, then aborted by its client: never run
+    g.forget(["c"])
     answer = g.worker_answered(EngineControlled("q1"))
     assert answer.ok and answer.weight_version == 1
     assert [m.request_id for m in g.release()] == ["b"]

@@ -161,6 +161,12 @@ class ControlGate:
                 self.sleep_level = 0
         return self.answer(msg.query_id, report.code, report.error, report.freed_bytes)
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop held requests the frontend aborted (a client abort, a disconnect): never run."""
+        if self.held:
+            gone = set(request_ids)
+            self.held = [msg for msg in self.held if msg.request_id not in gone]
+
     def release(self) -> list[AddRequest]:
         """The requests held, once nothing holds them any more."""
         if self.queue or self.at_worker is not None or self.sleep_level or not self.held:

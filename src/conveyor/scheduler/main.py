@@ -334,6 +334,7 @@ class SchedulerLoop:
                 self._flush_outputs()  # (the aborts before the answer)
                 transport.send(self.to_frontend, answer)
         elif isinstance(msg, AbortRequests):
+            self.gate.forget(msg.request_ids)
             self._pending.extend(self.scheduler.abort(msg.request_ids))
         elif isinstance(msg, StatsQuery):
             transport.send(

@@ -34,10 +34,6 @@ from conveyor.worker.models.interface import WeightSlot
 from conveyor.worker.models.layers import Linear
 from conveyor.worker.parallel import TensorParallel, all_reduce_, shard_experts
 
-#: Checkpoint names of an expert's projections: (gate, up, down) and the sparse block's module.
-QWEN_EXPERT_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
-MIXTRAL_EXPERT_NAMES = ("block_sparse_moe", ("w1", "w3", "w2"))
-
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, experts)`` ``[T, top_k]`` of router ``logits`` ``[T, E]``: float32 softmax

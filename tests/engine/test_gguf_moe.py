@@ -71,8 +71,8 @@ def _build(family: str, root):
             values = param.numpy()
             if name.endswith("gate_up_proj"):  # written as two tensors, gate rows then up rows
                 half = values.shape[1] // 2
-                parts = [round_trip(values[:, i * half : (i + 1) * half], stored_type("ffn_up_exps.weight", values, qtype))
-                         for i in range(2)]  # fmt: skip
+                qtype_exps = stored_type("ffn_up_exps.weight", values, qtype)
+                parts = [round_trip(values[:, i * half : (i + 1) * half], qtype_exps) for i in range(2)]
                 param.copy_(torch.from_numpy(np.concatenate(parts, axis=1)))
             else:
                 param.copy_(torch.from_numpy(round_trip(values, stored_type(gguf_name(name, arch), values, qtype))))

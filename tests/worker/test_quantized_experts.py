@@ -1,7 +1,8 @@
 """A mixture of experts' experts kept quantized on the CPU: ``--quantization gguf`` on a Q8_0 /
 Q4_0 / Q4_1 Qwen3-MoE GGUF file serves each expert as one quantized method of the file's own
 blocks (Int8Weights / Int4Weights), the router float, and each sparse layer's output stays
-within the methods' activation rounding of a float32 reference whose experts are dequantized
+within the methods' rounding (activations per token; Q8_0 requantized per channel, as every
+int8 layer is on the CPU) of a float32 reference whose experts are dequantized
 by the format's definition (tests/worker/test_quantization.py's ``gguf_by_definition``, written
 from ggml's block layouts, not from the decoder under test)."""
 

@@ -74,7 +74,9 @@ def moe_config(
         if not norm:
             raise GGUFError(f"{path}: {arch}.expert_weights_norm false: Mixtral always renormalizes its top-k weights")
         if dense:
-            raise GGUFError(f"{path}: tensor blk.{dense[0]}.ffn_gate_exps.weight is missing (every Mixtral layer is sparse)")
+            raise GGUFError(
+                f"{path}: tensor blk.{dense[0]}.ffn_gate_exps.weight is missing (every Mixtral layer is sparse)"
+            )
         return {"num_local_experts": experts, "num_experts_per_tok": used, "intermediate_size": width}
     return {
         "num_experts": experts,
@@ -119,10 +121,13 @@ def split_experts(tensor: Any) -> Iterator[tuple[int, Any]]:
     count = int(tensor.shape[-1])  # GGUF lists dimensions innermost first: the experts last
     for expert in range(count):
         data = tensor.data[expert]
-        yield expert, tensor._replace(
-            name=f"{tensor.name}[{expert}]",
-            shape=tensor.shape[:2].copy(),
-            n_elements=tensor.n_elements // count,
-            n_bytes=tensor.n_bytes // count,
-            data=data,
+        yield (
+            expert,
+            tensor._replace(
+                name=f"{tensor.name}[{expert}]",
+                shape=tensor.shape[:2].copy(),
+                n_elements=tensor.n_elements // count,
+                n_bytes=tensor.n_bytes // count,
+                data=data,
+            ),
         )

@@ -121,9 +121,10 @@ def quantize_linears(model: nn.Module, scheme: str) -> dict[str, nn.Module | Qua
     """Give every Linear of ``model`` a :class:`PendingWeight` under ``scheme`` (its float
     weight dropped), and on the CPU every sparse layer's expert stacks a
     :class:`QuantizedExperts` (on CUDA the fused MoE kernel reads float experts, so they stay
-    float there; a sparse layer's router stays float everywhere); the result maps each one's weight parameter name to its target, for the
-    loader. ValueError (naming the layer and the group) when a group would straddle this
-    tensor-parallel rank's share of a layer's input features."""
+    float there; a sparse layer's router stays float everywhere); the result maps each one's
+    weight parameter name to its target, for the loader. ValueError (naming the layer and the
+    group) when a group would straddle this tensor-parallel rank's share of a layer's input
+    features."""
     from conveyor.worker.models.layers import Linear
     from conveyor.worker.models.moe import SparseMoe
 

@@ -108,10 +108,13 @@ def write_gguf(
     skip_metadata: tuple[str, ...] = (),
     extra_tensors: dict[str, np.ndarray] | None = None,
     extra_metadata: dict[str, tuple[str, Any]] | None = None,
+    stacked_experts: bool = True,
 ) -> Path:
     """Write ``model`` (a transformers causal LM) as GGUF file ``path``; ``skip_metadata``
     leaves those keys out, ``extra_tensors`` adds raw tensors or replaces those of its names,
-    ``extra_metadata`` adds ``key: (kind, value)`` (the error cases)."""
+    ``extra_metadata`` adds ``key: (kind, value)`` (the error cases); ``stacked_experts``
+    False writes one ``blk.N.ffn_{gate,up,down}.E.weight`` per expert, as llama.cpp's converter
+    did before it stacked them."""
     config = model.config
     writer = GGUFWriter(str(path), arch)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -146,6 +149,7 @@ def write_gguf(
             getattr(writer, f"add_{kind}")(key, value)
     if tokenizer:
         _add_demo_tokenizer(writer)
+    tensors: list[tuple[str, np.ndarray]] = []
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -153,11 +157,8 @@ def write_gguf(
         if name.endswith(_GATE_UP[0]):  # [experts, 2 * width, hidden]: gate rows, then up rows
             width = values.shape[1] // 2
             layer = name.split(".")[2]
-            for i, suffix in enumerate(_GATE_UP[1]):
-                gguf_tensor = f"blk.{layer}.{suffix}"
-                if gguf_tensor not in (extra_tensors or {}):
-                    part = values[:, i * width : (i + 1) * width]
-                    _add(writer, gguf_tensor, part, stored_type(gguf_tensor, part, qtype))
+            tensors += [(f"blk.{layer}.{suffix}", values[:, i * width : (i + 1) * width])
+                        for i, suffix in enumerate(_GATE_UP[1])]  # fmt: skip
             continue
         if arch == "llama" and name.endswith("q_proj.weight"):
             values = permute(values, heads)
@@ -165,8 +166,14 @@ def write_gguf(
             values = permute(values, kv_heads)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             values = values + np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w
-        gguf_tensor = gguf_name(name, arch)
-        if gguf_tensor not in (extra_tensors or {}):
+        tensors.append((gguf_name(name, arch), values))
+    for gguf_tensor, values in tensors:
+        if not stacked_experts and gguf_tensor.endswith("_exps.weight"):
+            for expert, matrix in enumerate(values):  # blk.N.ffn_gate.E.weight ...
+                expert_tensor = gguf_tensor.replace("_exps.weight", f".{expert}.weight")
+                if expert_tensor not in (extra_tensors or {}):
+                    _add(writer, expert_tensor, matrix, stored_type(expert_tensor, matrix, qtype))
+        elif gguf_tensor not in (extra_tensors or {}):
             _add(writer, gguf_tensor, values, stored_type(gguf_tensor, values, qtype))
     for name, values in (extra_tensors or {}).items():
         writer.add_tensor(name, values)

@@ -183,3 +183,29 @@ def test_bad_expert_tensors_and_fields_get_one_clear_error(case, needle, tmp_pat
     with pytest.raises(StartupError, match="--model") as caught:
         resolve_model(str(path))
     assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_per_expert_tensors_of_older_files_read_as_stacked_ones(tmp_path) -> None:
+    """A Mixtral converted before llama.cpp stacked experts (``blk.N.ffn_gate.E.weight`` ...)
+    reads to the same tensors as the stacked file; a wrong per-expert shape is refused by name."""
+    from tests.checkpoints import make_checkpoint
+
+    model = make_checkpoint("mixtral", tmp_path / "hf")
+    stacked = write_gguf(tmp_path / "stacked.gguf", model, Q.Q8_0)
+    older = write_gguf(tmp_path / "older.gguf", model, Q.Q8_0, stacked_experts=False)
+    assert "blk.1.ffn_down.7.weight" in {t.name for t in open_gguf(older).tensors}
+    read = []
+    for path in (stacked, older):
+        reader = open_gguf(path)
+        config, _ = hf_config(reader, path)
+        read.append((config, {name: np.array(values) for name, values in hf_tensors(reader, config, path)}))
+    (config, ours), (config_older, theirs) = read
+    assert config_older == config and config["architectures"] == ["MixtralForCausalLM"]
+    assert set(ours) == set(theirs) and all(np.array_equal(ours[name], theirs[name]) for name in ours)
+    (tmp_path / "bad").mkdir()
+    bad = write_gguf(tmp_path / "bad" / "older.gguf", model, stacked_experts=False,
+                     extra_tensors={"blk.1.ffn_up.3.weight": np.zeros((48, 32), np.float32)})  # fmt: skip
+    with pytest.raises(
+        StartupError, match=r"tensor blk\.1\.ffn_up\.3\.weight has shape \(48, 32\), expected \(48, 64\)"
+    ):
+        resolve_model(str(bad))

@@ -30,7 +30,13 @@ from typing import Any
 import numpy as np
 
 from conveyor.checkpoints.gguf.errors import GGUFError
-from conveyor.checkpoints.gguf.experts import EXPERT_FIELD, check_expert_shapes, moe_config, split_experts
+from conveyor.checkpoints.gguf.experts import (
+    EXPERT_FIELD,
+    check_expert_shapes,
+    moe_config,
+    per_expert_name,
+    split_experts,
+)
 from conveyor.checkpoints.gguf.families import FAMILIES, Family, family_of_model_type
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
@@ -203,6 +209,8 @@ def hf_name(name: str, path: str | Path, family: Family) -> str:
     suffix = match.group(2) if match else None
     if suffix in family.layer_names or suffix in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{family.layer_names.get(suffix) or _LAYER_NAMES[suffix]}"
+    if family.experts and (expert := per_expert_name(suffix, family.architecture)):
+        return f"model.layers.{match.group(1)}.{expert}"
     raise GGUFError(f"{path}: tensor {name} has no counterpart in Conveyor's models")
 
 

@@ -14,7 +14,9 @@ model neither imports Triton nor fixes ``TRITON_INTERPRET`` (see :mod:`conveyor.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +75,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor | Sequence[Any],
+    w2: torch.Tensor | Sequence[Any],
+    weights: torch.Tensor,
+    experts: torch.Tensor,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * w2[e] (silu(gate_e x_t) * up_e x_t)`` with ``e = experts[t, j]``,
     ``[T, H]`` in ``x``'s dtype: ``w13`` ``[E, 2I, H]`` stacks each expert's gate over its up

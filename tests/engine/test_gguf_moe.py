@@ -8,6 +8,8 @@ bad expert tensor or field refused at start with one line naming it."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -77,13 +79,17 @@ def _build(family: str, root):
             else:
                 param.copy_(torch.from_numpy(round_trip(values, stored_type(gguf_name(name, arch), values, qtype))))
 
-    def greedy(prompt: list[int], n: int) -> list[int]:
+    @functools.cache
+    def greedy_of(prompt: tuple[int, ...], n: int) -> list[int]:
         with torch.inference_mode():
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([list(prompt)])
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
             )
         return out[0, len(prompt) :].tolist()
+
+    def greedy(prompt: list[int], n: int) -> list[int]:  # (the tests ask for some prompts twice)
+        return greedy_of(tuple(prompt), n)
 
     return path, model, greedy
 
@@ -126,7 +132,7 @@ def test_greedy_through_chunked_prefill_equals_transformers(moe_gguf) -> None:
     from conveyor import Engine
 
     path, model, greedy = moe_gguf
-    prompts = [repetitive(i) for i in range(3)] + [[5, 17, 29, 41, 53, 65, 77]]
+    prompts = [repetitive(i) for i in range(2)] + [[5, 17, 29, 41, 53, 65, 77]]
     with Engine(str(path), **TINY, max_batch_tokens=12, quantization="none") as engine:
         assert engine.model_config.architecture == model.config.architectures[0]
         requests = [engine.add_request(token_ids=p, max_tokens=8, **GREEDY) for p in prompts]
@@ -145,11 +151,29 @@ def test_two_ranks_with_the_experts_split_equal_transformers(built) -> None:
     prompts = [repetitive(i) for i in range(2)]
     with Engine(str(path), **{**TINY, "threads": 1}, tensor_parallel_size=2, expert_parallel=True,
                 distributed_timeout_s=60, quantization="none") as engine:  # fmt: skip
-        requests = [engine.add_request(token_ids=p, max_tokens=6, **GREEDY) for p in prompts]
+        requests = [engine.add_request(token_ids=p, max_tokens=8, **GREEDY) for p in prompts]
         run_all(engine)
         assert engine.runner.model.layers[0].mlp.shard.count == 4
     for prompt, request in zip(prompts, requests):
-        assert request.tokens == greedy(prompt, 6)
+        assert request.tokens == greedy(prompt, 8)
+
+
+def test_quantization_gguf_serves_the_experts_as_the_files_blocks(built) -> None:
+    """``--quantization gguf`` on the Q8_0 Qwen3-MoE: every expert an int8 method of the file's
+    blocks (tests/worker/test_quantized_experts.py checks their products), the router float; on
+    these prompts its greedy tokens still equal the float reference's."""
+    from conveyor import Engine
+    from conveyor.worker.quantization.methods import Int8Weights
+
+    path, _, greedy = built("qwen3_moe")
+    prompts = [repetitive(i) for i in range(2)] + [[5, 17, 29, 41, 53, 65, 77]]
+    with Engine(str(path), **TINY, quantization="gguf") as engine:
+        mlp = engine.runner.model.layers[2].mlp
+        assert mlp.w13 is None and all(type(m) is Int8Weights for m in mlp.quantized["w13"].quant)
+        requests = [engine.add_request(token_ids=p, max_tokens=8, **GREEDY) for p in prompts]
+        run_all(engine)
+    for prompt, request in zip(prompts, requests):
+        assert request.tokens == greedy(prompt, 8)
 
 
 @pytest.mark.parametrize(

@@ -256,7 +256,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     headers = ignored_fields(request_ids.request_id(request), parsed.job)
     model = parsed.job.options.get("lora") or app[MODEL]
     return await respond_response(
-        request, app[LINK], parsed, model, app[TOOL_PARSER], app.get(REASONING_PARSER), headers
+        request, app[LINK], parsed, model, app[TOKENS], app[TOOL_PARSER], app.get(REASONING_PARSER), headers
     )
 
 

@@ -70,16 +70,11 @@ def test_anthropic_messages_answer_a_capital_question(server, openai_client) -> 
     assert reply.content[0].type == "text" and "Paris" in reply.content[0].text
 
 
-def test_embeddings_equal_transformers_pooled_hidden_state(server, openai_client) -> None:
-    from transformers import AutoModel
-
-    from conveyor.checkpoints.gguf.default_model import default_model_file
-
+def test_embeddings_equal_transformers_pooled_hidden_state(server, openai_client, real_hf_model) -> None:
     model = openai_client.models.list().data[0].id
     texts = ["The capital of France is Paris.", "A cat sat on the mat."]
     got = openai_client.embeddings.create(model=model, input=texts)
-    source = default_model_file()
-    hf = AutoModel.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32).eval()
+    hf = real_hf_model.model  # the decoder under the LM head: its last_hidden_state is AutoModel's
     for text, item in zip(texts, got.data):
         body = json.dumps({"model": model, "prompt": text}).encode()
         request = urllib.request.Request(server.url + "/tokenize", body, {"Content-Type": "application/json"})

@@ -23,6 +23,7 @@ from conveyor.assembly.supervisor import Server, stop_on_signals
 from conveyor.cli.serve_flags import (
     add_http_arguments,
     add_lora_arguments,
+    add_rl_arguments,
     add_scheduling_arguments,
     choice_flag,
     count_flag,
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="batch-invariant mode (CPU): a request's tokens and log-probabilities are the same bits whatever "
+        help="batch-invariant mode (CPU, CUDA): a request's tokens and log-probabilities are the same bits whatever "
         "else runs in its steps (fixed-tile matmuls, a fixed-order attention; costs speed: docs/benchmarks.md)",
     )
     p.add_argument(
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="print the traceback of a start-up error too (it is one line without)"
     )
     add_lora_arguments(p)
+    add_rl_arguments(p)
     add_http_arguments(p)
     return p
 

@@ -48,20 +48,22 @@ import time
 import zmq
 
 from conveyor.assembly import node_link
-from conveyor.frontend.main import run_frontend
-from conveyor.http.main import run_http
 from conveyor.ipc import codec, step_channel, transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.ipc.transport import ClusterKey
 from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
 from conveyor.runtime.model_source import StartupError
-from conveyor.runtime.process import HANG_EXIT_CODE, SHUTDOWN_GRACE_S, terminate
-from conveyor.scheduler.main import run_scheduler
-from conveyor.worker.main import run_worker
+from conveyor.runtime.process import HANG_EXIT_CODE, SHUTDOWN_GRACE_S, run_entry, terminate
 
 STARTUP_TIMEOUT_S = 600.0
 CAUSE_GRACE_S = 5.0  # how long a dead scheduler's worker may take to exit too (Server._cause)
 LOST_NODE_GRACE_S = 1.0  # how long a dead worker's node link may take to report the node it lost
+
+# Each child's body, imported by the child alone (conveyor.runtime.process.run_entry).
+RUN_WORKER = "conveyor.worker.main:run_worker"
+RUN_FRONTEND = "conveyor.frontend.main:run_frontend"
+RUN_HTTP = "conveyor.http.main:run_http"
+RUN_SCHEDULER = "conveyor.scheduler.main:run_scheduler"
 
 
 class Server:
@@ -100,11 +102,11 @@ class Server:
         for index, replica in enumerate(replicas):  # every data-parallel replica's workers
             for rank in replica.worker_ranks():  # every tensor-parallel rank, each watched like any child
                 name = rank_process_name(replica_process_name("worker", index), rank.tensor_parallel_rank)
-                self._spawn(name, run_worker, rank)
+                self._spawn(name, RUN_WORKER, rank)
                 first.add(name)
-        self._spawn("frontend", run_frontend, config.frontend)
+        self._spawn("frontend", RUN_FRONTEND, config.frontend)
         if config.http is not None:  # it answers 503 until the scheduler is up
-            self._spawn("http", run_http, config.http)
+            self._spawn("http", RUN_HTTP, config.http)
             first.add("http")
         self._wait_ready(first)
         schedulers = set()
@@ -119,7 +121,7 @@ class Server:
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
             name = replica_process_name("scheduler", index)
-            self._spawn(name, run_scheduler, scheduler)
+            self._spawn(name, RUN_SCHEDULER, scheduler)
             schedulers.add(name)
         self._wait_ready(schedulers)
 
@@ -143,12 +145,12 @@ class Server:
         names = set()
         for rank in self.config.worker_ranks():
             name = rank_process_name("worker", rank.tensor_parallel_rank)
-            self._spawn(name, run_worker, rank)
+            self._spawn(name, RUN_WORKER, rank)
             names.add(name)
         self._wait_ready(names)
 
-    def _spawn(self, name: str, target, config) -> None:
-        proc = self.mp.Process(target=target, args=(config,), name=f"conveyor-{name}")
+    def _spawn(self, name: str, entry: str, config) -> None:
+        proc = self.mp.Process(target=run_entry, args=(entry, config), name=f"conveyor-{name}")
         proc.start()
         self.procs[name] = proc
 

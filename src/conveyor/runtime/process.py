@@ -7,6 +7,7 @@ supplies only how it starts (:class:`Started`: what to run, what to close, what 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -32,6 +33,14 @@ SHUTDOWN_GRACE_S = 3.0  # how long stopped children may take to exit before they
 # The exit status of a process that stopped the server because a peer hung (--on-hang exit:
 # conveyor.scheduler.liveness, conveyor.frontend.liveness); bin/serve names the cause.
 HANG_EXIT_CODE = 3
+
+
+def run_entry(entry: str, config: object) -> None:
+    """Run child body ``entry`` (``"module:function"``) with ``config``: the spawn target of
+    every bin/serve child, so that bin/serve imports none of their modules (the worker's torch,
+    the HTTP process's aiohttp, the frontend's tokenizers: seconds before its first child starts)."""
+    module, _, function = entry.partition(":")
+    getattr(importlib.import_module(module), function)(config)
 
 
 def die_with_parent() -> None:

@@ -2,8 +2,10 @@
 
 Startup: the worker loads the model and sizes the KV pool while the frontend
 loads the tokenizer (and the HTTP process, with ``--http-port`` or ``--metrics-port``,
-binds its ports); the scheduler starts once the worker has reported its
-block count. With ``--tensor-parallel-size N`` the worker is N
+binds its ports) and the scheduler process imports its modules; the scheduler gets its
+config, and starts, once the worker has reported its block count. Each child imports its
+own modules (spawned by name: :func:`conveyor.runtime.process.run_entry`), none of which
+bin/serve imports. With ``--tensor-parallel-size N`` the worker is N
 processes (ranks, each watched like any child); rank 0 reports the KV pool the
 ranks agreed on (conveyor.worker.main). With ``--data-parallel-size M`` there are M
 such worker + scheduler pairs (replica 0's processes named as a single server's,
@@ -53,7 +55,7 @@ from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.ipc.transport import ClusterKey
 from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
 from conveyor.runtime.model_source import StartupError
-from conveyor.runtime.process import HANG_EXIT_CODE, SHUTDOWN_GRACE_S, run_entry, terminate
+from conveyor.runtime.process import HANG_EXIT_CODE, SHUTDOWN_GRACE_S, run_entry, run_entry_when_sent, terminate
 
 STARTUP_TIMEOUT_S = 600.0
 CAUSE_GRACE_S = 5.0  # how long a dead scheduler's worker may take to exit too (Server._cause)
@@ -77,6 +79,7 @@ class Server:
         self.frontend_control = transport.socket(self.ctx, zmq.PUSH, config.addresses.frontend_control, bind=False)
         self.mp = mp.get_context("spawn")
         self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.unsent: dict[str, mp.connection.Connection] = {}  # children started before their config, by name
         self.ready: dict[str, ProcessReady] = {}
         self.dead_replicas: set[int] = set()  # data-parallel replicas stopped while the others serve on
         self.link: node_link.NodeLinkHub | node_link.NodeLinkMember | None = None  # with --nnodes > 1
@@ -108,8 +111,10 @@ class Server:
         if config.http is not None:  # it answers 503 until the scheduler is up
             self._spawn("http", RUN_HTTP, config.http)
             first.add("http")
+        schedulers = {replica_process_name("scheduler", index) for index in range(len(replicas))}
+        for name in sorted(schedulers):  # importing while the workers load; sized by them below
+            self._spawn_unsent(name, RUN_SCHEDULER)
         self._wait_ready(first)
-        schedulers = set()
         for index, replica in enumerate(replicas):
             worker = self.ready[replica_process_name("worker", index)].info
             try:
@@ -120,9 +125,7 @@ class Server:
                 )
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
-            name = replica_process_name("scheduler", index)
-            self._spawn(name, RUN_SCHEDULER, scheduler)
-            schedulers.add(name)
+            self._send_config(replica_process_name("scheduler", index), scheduler)
         self._wait_ready(schedulers)
 
     def _open_link(self) -> None:
@@ -153,6 +156,24 @@ class Server:
         proc = self.mp.Process(target=run_entry, args=(entry, config), name=f"conveyor-{name}")
         proc.start()
         self.procs[name] = proc
+
+    def _spawn_unsent(self, name: str, entry: str) -> None:
+        """Start child ``name`` before its config exists (:meth:`_send_config` sends it)."""
+        receive, send = self.mp.Pipe(duplex=False)
+        proc = self.mp.Process(target=run_entry_when_sent, args=(entry, receive), name=f"conveyor-{name}")
+        proc.start()
+        receive.close()
+        self.procs[name] = proc
+        self.unsent[name] = send
+
+    def _send_config(self, name: str, config) -> None:
+        send = self.unsent.pop(name)
+        try:
+            send.send(config)
+        except OSError:
+            pass  # the child died waiting: _wait_ready reports it
+        finally:
+            send.close()
 
     def _wait_ready(self, names: set[str]) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -285,6 +306,8 @@ class Server:
         terminate(list(self.procs.values()))
 
     def close(self) -> None:
+        for send in self.unsent.values():
+            send.close()
         if self.link is not None:
             self.link.close()
         self.control.close(linger=0)

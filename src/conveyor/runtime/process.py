@@ -10,6 +10,7 @@ import ctypes
 import importlib
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -41,6 +42,23 @@ def run_entry(entry: str, config: object) -> None:
     the HTTP process's aiohttp, the frontend's tokenizers: seconds before its first child starts)."""
     module, _, function = entry.partition(":")
     getattr(importlib.import_module(module), function)(config)
+
+
+def run_entry_when_sent(entry: str, configs: mp.connection.Connection) -> None:
+    """:func:`run_entry` with the config sent later over ``configs`` (a pipe from bin/serve),
+    so that the child's interpreter and imports start while bin/serve still waits for what the
+    config needs (the scheduler's: the worker's block count). Returns at once when the pipe
+    closes unsent: the start-up failed, and bin/serve stops every child."""
+    die_with_parent()  # Ctrl-C and bin/serve's death, while waiting too
+    module, _, function = entry.partition(":")
+    body = getattr(importlib.import_module(module), function)
+    try:
+        config = configs.recv()
+    except EOFError:
+        return
+    finally:
+        configs.close()
+    body(config)
 
 
 def die_with_parent() -> None:

@@ -5,7 +5,9 @@
 captured once per (row bucket, query tokens per row, context bound) and replayed: one launch
 instead of hundreds. The graphs share one memory pool, captured largest first; bounds whose
 decode-kernel plans are equal share a graph (:meth:`DecodeGraphs.bound_for`). CUDA only, with
-the Triton backend, unless ``--enforce-eager``.
+the Triton backend, unless ``--enforce-eager``. A sleep releases them
+(:meth:`~DecodeGraphs.release`: they hold the caches' and weights' addresses) and waking
+captures the same keys again.
 """
 
 from __future__ import annotations
@@ -111,6 +113,14 @@ class DecodeGraphs:
             self.capture_seconds,
             self.memory_bytes / 2**20,
         )
+
+    def release(self) -> None:
+        """Drop every graph, and with the last one their pool (the memory goes back to the
+        caching allocator): what a sleep frees; :meth:`capture` makes the same graphs again."""
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self.memory_bytes = 0
 
     def replay(self, rows: int, q: int, bound: int) -> None:
         """Run the graph of ``rows`` rows of ``q`` tokens at ``bound`` (from :meth:`bound_for`)

@@ -93,8 +93,22 @@ class DecodeStep:
             self.graphs = DecodeGraphs(
                 self.forward, self.buffers, widths, self.context_bounds, block_size, self.plan_key
             )
-            with torch.inference_mode():
-                self.graphs.capture()
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """(Re)capture the decode graphs, if this step uses them: at start, on waking from a
+        sleep (the caches and weights have new addresses) and after an 8-bit KV cache's scales
+        change (the kernels take them as values, which a graph holds)."""
+        if self.graphs is None:
+            return
+        self.graphs.release()
+        with torch.inference_mode():
+            self.graphs.capture()
+
+    def release_graphs(self) -> None:
+        """Drop the decode graphs and their memory pool (a sleep); :meth:`capture_graphs` makes them again."""
+        if self.graphs is not None:
+            self.graphs.release()
 
     def static_query_len(self, work: list[Work]) -> int | None:
         """The query tokens per row ``q`` of a step that can run through the static buffers:

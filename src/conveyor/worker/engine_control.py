@@ -83,6 +83,7 @@ class EngineControl:
                 wake(self.runner, self.sleep, self.runner.config.model_dir)
                 if self.sleep.weights is not None:  # the checkpoint's weights again: their scales
                     self._recalibrate_kv_scales()
+                self.runner.decode.capture_graphs()  # (the start's graphs, over the regrown memory)
                 self.sleep = None
         except OSError as exc:  # (not there, not a directory, unreadable)
             answer.code, answer.error = WEIGHTS_NOT_FOUND, f"weight update refused, the model is unchanged: {exc}"
@@ -117,20 +118,20 @@ class EngineControl:
                 update_from_tensors(model, broadcast_tensors(tp.group, specs, sent))
         else:
             raise ValueError("a weight update names no source (a path, a group or tensors)")
-        self._recalibrate_kv_scales()
+        if self._recalibrate_kv_scales():
+            self.runner.decode.capture_graphs()  # (the kernels take the scales as values: a graph holds the old)
 
-    def _recalibrate_kv_scales(self) -> None:
+    def _recalibrate_kv_scales(self) -> bool:
         """An 8-bit KV cache's per-layer scales measured again on the new weights (as at start,
         every rank at once: :mod:`conveyor.worker.kv_calibration`); the cache holds nothing
-        then (no request runs over an update). Not under CUDA graphs, whose captured decode
-        steps hold the old scales: there the scales stay the start's (docs/rl.md)."""
+        then (no request runs over an update). Whether they changed: the decode graphs, which
+        hold the kernels' scale arguments, are then captured again (docs/rl.md)."""
         runner = self.runner
         if not quantized(runner.kv_cache_dtype):
-            return
-        if runner.device.type == "cuda" and not runner.config.enforce_eager:
-            log.warning("8-bit KV cache: its scales stay the start's after a weight update (CUDA graphs hold them)")
-            return
+            return False
+        before = [layer.kv_scales for layer in runner.model.attention_layers()]
         shape = KVCacheShape.of(
             runner.model_config, runner.config.block_size, runner.kv_cache_dtype, runner.tensor_parallel
         )
         runner.model.bind_kv_cache(runner.kv_caches, calibrate_kv_scales(runner.model, shape, runner.kv_cache_dtype))
+        return [layer.kv_scales for layer in runner.model.attention_layers()] != before

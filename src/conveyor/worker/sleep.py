@@ -1,14 +1,19 @@
 """Sleep and wake: a runner gives its memory back while a trainer runs, and takes it again after.
 
-Level 1 frees the KV cache and the swap space (the model's and a draft's); level 2 also the
+Level 1 frees the KV cache and the swap space (the model's and a draft's), the decode step's
+logits buffer and, on CUDA, its captured graphs with their memory pool; level 2 also the
 weights (and their packed CPU copies), which waking reloads from the checkpoint directory.
 Memory is freed by shrinking the tensors' storages to nothing, not by dropping the tensors:
 the model's layers, the step parts and the block copies keep the same tensor objects, and
 waking regrows the storages (zeroed caches; weights read again), so nothing else is rebuilt.
 The KV contents are lost: the caller drops its prefix cache and holds no request over a sleep.
 
-On CUDA a captured decode graph holds the caches' old addresses, so sleep is refused unless
-the runner runs eagerly (``enforce_eager``): re-capturing on wake is not written yet.
+Regrown storages have new device addresses, which the graphs captured at start would still
+read: the graphs are dropped at sleep, and captured again (the same keys, by the start's
+capture) once waking has the caches and weights back (:meth:`EngineControl.apply
+<conveyor.worker.engine_control.EngineControl.apply>`, after an 8-bit cache's scales are
+measured again). On CUDA the freed memory also leaves the caching allocator
+(``torch.cuda.empty_cache``), so a trainer in the same process or on the same GPU gets it.
 """
 
 from __future__ import annotations
@@ -59,11 +64,13 @@ def fall_asleep(runner, level: int) -> Sleep:
     """Free ``runner``'s KV caches (level 1), and its weights too (level 2)."""
     if level not in (1, 2):
         raise ValueError(f"sleep level must be 1 (the KV cache) or 2 (the KV cache and the weights), got {level}")
-    if runner.device.type == "cuda" and not runner.config.enforce_eager:
-        raise ValueError(
-            "sleep on CUDA needs --enforce-eager: re-capturing the decode graphs on wake is not written yet"
-        )
-    caches = Storages(tensor for pair in runner.cache_sets for tensors in pair for tensor in tensors)
+    cuda = runner.device.type == "cuda"
+    if cuda:  # (nothing queued still reads what is freed here)
+        torch.cuda.synchronize(runner.device)
+    runner.decode.release_graphs()  # (they read the storages freed here)
+    caches = Storages(
+        [tensor for pair in runner.cache_sets for tensors in pair for tensor in tensors] + [runner.decode.logits]
+    )
     weights = None
     if level == 2:
         for module in runner.model.modules():
@@ -72,11 +79,15 @@ def fall_asleep(runner, level: int) -> Sleep:
         if hasattr(runner.model, "tied_head_packed"):
             runner.model.tied_head_packed = None
         weights = Storages(runner.model.parameters())
+    if cuda:
+        torch.cuda.empty_cache()
     return Sleep(level, caches, weights)
 
 
 def wake(runner, sleep: Sleep, model_dir: str | Path) -> None:
-    """Take back what :func:`fall_asleep` freed: zeroed caches, weights read from ``model_dir``."""
+    """Take back what :func:`fall_asleep` freed: zeroed caches, weights read from ``model_dir``.
+    The decode graphs are the caller's to capture again, once the weights are final (an
+    8-bit cache's scales, measured on them, are baked into the graphs)."""
     sleep.caches.regrow()
     for caches, swap in runner.cache_sets:
         for tensor in (*caches, *swap):

@@ -104,6 +104,15 @@ def test_an_update_captures_the_graphs_again_when_8bit_scales_change(checkpoint_
     assert counts.captured == 1
 
 
+def test_an_update_of_quantized_weights_captures_the_graphs_again(checkpoint_factory):
+    """A quantized layer's update builds new tensors, which graphs captured before would not read."""
+    directory, _ = checkpoint_factory("llama")
+    runner = _runner(directory, quantization="int8")
+    counts = _Counting(runner)
+    assert EngineControl(runner).apply(UpdateWeights("u", path=str(directory))).ok
+    assert counts.captured == 1
+
+
 def test_released_graphs_are_reset_and_captured_under_the_same_keys():
     """:meth:`DecodeGraphs.release` resets and drops every graph (their pool goes with the
     last); the keys a capture then runs are those of the start's."""
@@ -152,14 +161,19 @@ def test_a_graphs_runner_sleeps_frees_the_cache_and_wakes_to_the_same_tokens(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_an_update_under_graphs_serves_the_new_8bit_scales(checkpoint_factory, scripted, script, tmp_path):
-    """After an update that changes an 8-bit cache's scales, the replayed graphs give the
-    tokens a start on the new checkpoint gives (eagerly)."""
+@pytest.mark.parametrize(("kv_cache_dtype", "quantization"), [("int8", "none"), ("auto", "int8")])
+def test_an_update_under_graphs_serves_the_new_weights(
+    kv_cache_dtype, quantization, checkpoint_factory, scripted, script, tmp_path
+):
+    """After an update that changes an 8-bit cache's scales, or a quantized model's weights
+    (new tensors), the replayed graphs give the tokens a start on the new checkpoint gives
+    (eagerly)."""
     directory, _ = checkpoint_factory("llama")
     scaled = _scaled_copy(directory, tmp_path / "scaled")
-    runner = _runner(directory, "cuda", kv_cache_dtype="int8", pad_decode=True)
+    options = dict(kv_cache_dtype=kv_cache_dtype, quantization=quantization, pad_decode=True)
+    runner = _runner(directory, "cuda", **options)
     assert EngineControl(runner).apply(UpdateWeights("u", path=str(scaled))).ok
-    started = _runner(scaled, "cuda", kv_cache_dtype="int8", pad_decode=True, enforce_eager=True)
+    started = _runner(scaled, "cuda", **options, enforce_eager=True)
     assert [layer.kv_scales for layer in runner.model.attention_layers()] == [
         layer.kv_scales for layer in started.model.attention_layers()
     ]

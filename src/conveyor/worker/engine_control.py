@@ -101,6 +101,19 @@ class EngineControl:
     def update(self, msg: UpdateWeights, tensors=None) -> None:
         if self.sleep is not None:
             raise ValueError("the weights cannot be updated while asleep: wake it up first")
+        # The decode graphs would read what was there before: the kernels take an 8-bit cache's
+        # scales as values, and a quantized layer's update builds new tensors (also when it fails
+        # part way); float weights are copied in place.
+        rebuilt = getattr(self.runner.model, "quantization", "none") != "none"
+        try:
+            self._load(msg, tensors)
+            rebuilt = self._recalibrate_kv_scales() or rebuilt
+        finally:
+            if rebuilt:
+                self.runner.decode.capture_graphs()
+
+    def _load(self, msg: UpdateWeights, tensors) -> None:
+        """The update's weights into the model, from its one source."""
         model, tp = self.runner.model, self.runner.tensor_parallel
         if msg.path is not None:
             update_from_disk(model, msg.path)
@@ -118,14 +131,11 @@ class EngineControl:
                 update_from_tensors(model, broadcast_tensors(tp.group, specs, sent))
         else:
             raise ValueError("a weight update names no source (a path, a group or tensors)")
-        if self._recalibrate_kv_scales():
-            self.runner.decode.capture_graphs()  # (the kernels take the scales as values: a graph holds the old)
 
     def _recalibrate_kv_scales(self) -> bool:
         """An 8-bit KV cache's per-layer scales measured again on the new weights (as at start,
         every rank at once: :mod:`conveyor.worker.kv_calibration`); the cache holds nothing
-        then (no request runs over an update). Whether they changed: the decode graphs, which
-        hold the kernels' scale arguments, are then captured again (docs/rl.md)."""
+        then (no request runs over an update). Whether they changed (docs/rl.md)."""
         runner = self.runner
         if not quantized(runner.kv_cache_dtype):
             return False

@@ -43,6 +43,7 @@ from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.ipc.messages import speculation_rates
 from conveyor.worker.main import resolve_device
 from conveyor_tools.bench import experiments, plots, report, roofline, vllm_server
+from conveyor_tools.bench.busy_cores import busy_cores, load_label
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
@@ -230,17 +231,19 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                     http_url = server.http_url
                     if not http_url:
                         raise RuntimeError(f"bin/serve printed no HTTP API address:\n{server.log_tail()}")
-                for rate in rates:
+                for rate, busy in [(r, b) for r in rates for b in dict.fromkeys((0, args.busy_cores))]:
                     arrivals = poisson_arrivals(len(workload.requests), rate, args.seed)
-                    label = f"{name} @ {rate:g}/s" + ("" if args.repeat == 1 else f" [{rep + 1}/{args.repeat}]")
+                    label = f"{name} @ {load_label(rate, busy)}/s"
+                    label += "" if args.repeat == 1 else f" [{rep + 1}/{args.repeat}]"
                     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                     probe = None if server is None else server.cpu_seconds
-                    with progress_bar(args, len(workload.requests), label) as bar:
+                    with progress_bar(args, len(workload.requests), label) as bar, busy_cores(busy):
                         job = run_online(
                             name, address, workload, arrivals, rate, *slo, bar, args.timeout, probe, http_url=http_url
                         )
                         run = asyncio.run(job)
                     summary = run.summary()
+                    summary["rate"] = load_label(summary["rate"], busy)
                     done = [r for r in run.requests if r.ok]
                     raw = {
                         "ttft_s": [r.ttft for r in done if r.ttft is not None],
@@ -259,7 +262,8 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             finally:
                 if server is not None:
                     server.stop()
-    reference = "server" if args.address else "conveyor"
+    names = [name for name, _, _ in targets]
+    reference = "server" if args.address else "conveyor" if "conveyor" in names or not names else names[0]
     ratios = report.add_online_ratios(runs, reference)
     table = report.online_table(rows, reference if len(ratios) > 1 else None)
     cpu = report.online_cpu_table(runs)

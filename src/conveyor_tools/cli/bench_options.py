@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-url", help="with --address: that server's HTTP API (e.g. http://127.0.0.1:8000), also driven"
     )
     on.add_argument("--repeat", type=int, default=1, help="runs per system, alternating (a fresh server each)")
+    on.add_argument(
+        "--busy-cores",
+        type=int,
+        default=0,
+        help="also run each system and rate with this many spinning processes beside it (rate shown as inf+1busy)",
+    )
     on.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput target: time to first token")
     on.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target: time per output token")
     spec = sub.add_parser(

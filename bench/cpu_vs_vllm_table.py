@@ -39,9 +39,8 @@ def medians(runs: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
 
 def main(directory: str) -> None:
     root = Path(directory)
-    print(
-        "| concurrency | load | Conveyor out tok/s | vLLM-CPU out tok/s | Conveyor / vLLM | TPOT p99 ms (C / V) | TTFT p50 s (C / V) |"
-    )
+    columns = ["concurrency", "load", "Conveyor out tok/s", "vLLM-CPU out tok/s", "Conveyor / vLLM"]
+    print("| " + " | ".join([*columns, "TPOT p99 ms (C / V)", "TTFT p50 s (C / V)"]) + " |")
     print("|---|---|---|---|---|---|---|")
     quiet_rate: dict[int, float] = {}
     kept: list[str] = []
@@ -51,16 +50,16 @@ def main(directory: str) -> None:
         for label in sorted({rate for _, rate in table}, key=lambda r: ("busy" in r, r)):
             conv, vllm = table.get((CONVEYOR, label)), table.get((VLLM, label))
             if conv is None or vllm is None:
-                print(
-                    f"| {c} | {label} | {conv and round(conv['tok_s'], 1)} | {vllm and round(vllm['tok_s'], 1)} | - | - | - |"
-                )
+                rates = [run and round(run["tok_s"], 1) for run in (conv, vllm)]
+                print(f"| {c} | {label} | {rates[0]} | {rates[1]} | - | - | - |")
                 continue
             if "busy" not in label:
                 quiet_rate[c] = conv["tok_s"]
             load = "one busy core" if "busy" in label else "quiet"
             failed = f" ({conv['failed']} / {vllm['failed']} failed)" if conv["failed"] or vllm["failed"] else ""
+            ratio = conv["tok_s"] / vllm["tok_s"]
             print(
-                f"| {c} | {load} | {conv['tok_s']:.1f} | {vllm['tok_s']:.1f} | **{conv['tok_s'] / vllm['tok_s']:.2f}x**{failed} "
+                f"| {c} | {load} | {conv['tok_s']:.1f} | {vllm['tok_s']:.1f} | **{ratio:.2f}x**{failed} "
                 f"| {1e3 * conv['tpot_p99']:.0f} / {1e3 * vllm['tpot_p99']:.0f} "
                 f"| {conv['ttft_p50']:.2f} / {vllm['ttft_p50']:.2f} |"
             )

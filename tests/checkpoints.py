@@ -190,13 +190,14 @@ def gemma3_serving_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def moe_serving_checkpoint(directory: Path, name: str = "qwen3_moe") -> Path:
+def moe_serving_checkpoint(directory: Path, name: str = "qwen3_moe", **changes: Any) -> Path:
     """Save family ``name`` (``qwen3_moe`` or ``mixtral`` of :data:`CHECKPOINTS`) with the demo
-    tokenizer into ``directory``: 256 positions, untied embeddings."""
+    tokenizer into ``directory``: 256 positions, untied embeddings; ``changes`` override more
+    of the config."""
     tok = _demo_tokenizer(directory)
     config_class, architecture, overrides = CHECKPOINTS[name]
     config = config_class(
-        **{**SMALL, **overrides, "max_position_embeddings": 256, "vocab_size": tok.vocab_size},
+        **{**SMALL, **overrides, **changes, "max_position_embeddings": 256, "vocab_size": tok.vocab_size},
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0, tie_word_embeddings=False,
         architectures=[architecture],
     )  # fmt: skip

@@ -1,11 +1,14 @@
 """Tiny GGUF files written the way llama.cpp's converter writes them, for the GGUF tests.
 
-:func:`write_gguf` turns a transformers Llama (or Qwen2/Qwen3/Gemma 3) into a GGUF file with
-``gguf.GGUFWriter``: the ``{arch}.*`` metadata, the q/k rows of a Llama permuted into
-llama.cpp's interleaved rotary order, a Gemma's norm weights stored as ``1 + w`` under its own
-names, every matrix quantized to one type by ``gguf.quants``
-(norms and biases stay F32, as llama.cpp keeps them), and optionally the demo model's
-byte-level BPE tokenizer with a chat template, so a file can be served end to end.
+:func:`write_gguf` turns a transformers Llama (or Qwen2/Qwen3/Gemma 3, or the mixtures of
+experts Qwen3-MoE and Mixtral) into a GGUF file with ``gguf.GGUFWriter``: the ``{arch}.*``
+metadata, the q/k rows of a Llama (and Mixtral) permuted into llama.cpp's interleaved rotary
+order, a Gemma's norm weights stored as ``1 + w`` under its own names, each sparse layer's
+experts stacked into ``ffn_{gate,up,down}_exps`` ``[experts, rows, columns]`` beside the router
+``ffn_gate_inp`` with the ``expert_*`` counts (Mixtral as ``llama`` with experts), every matrix
+quantized to one type by ``gguf.quants`` (norms, biases and the router stay F32, as llama.cpp
+keeps them: :func:`stored_type`), and optionally the demo model's byte-level BPE tokenizer
+with a chat template, so a file can be served end to end.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
 
 from conveyor.checkpoints.demo.checkpoint import TOKENIZER_DIR
 
@@ -37,7 +40,11 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # a sparse layer's router
+    "mlp.experts.down_proj": "ffn_down_exps.weight",  # transformers' stacked [experts, hidden, width]
 }
+#: transformers' stacked [experts, 2 * width, hidden] gate and up rows -> llama.cpp's two tensors.
+_GATE_UP = ("mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight"))
 _GEMMA3_LAYER = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -71,6 +78,27 @@ def permute(weights: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def stored_type(gguf_tensor: str, values: np.ndarray, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
+    """The type ``write_gguf`` stores a tensor in: ``qtype`` for matrices and stacked experts
+    (F16 when rows are not whole blocks of it, as llama.cpp's converter falls back), F32 for
+    vectors and the router (llama.cpp never quantizes ``ffn_gate_inp``)."""
+    if values.ndim < 2 or gguf_tensor.endswith("ffn_gate_inp.weight"):
+        return GGMLQuantizationType.F32
+    if values.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+        return GGMLQuantizationType.F16
+    return qtype
+
+
+def round_trip(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """``values`` as a reader dequantizes them after they are stored as ``qtype`` (by the
+    format's definition in ``gguf.quants``)."""
+    if qtype == GGMLQuantizationType.F32:
+        return values
+    if qtype == GGMLQuantizationType.F16:
+        return values.astype(np.float16).astype(np.float32)
+    return dequantize(quantize(values, qtype), qtype).reshape(values.shape)
+
+
 def write_gguf(
     path: Path,
     model: torch.nn.Module,
@@ -79,10 +107,14 @@ def write_gguf(
     tokenizer: bool = False,
     skip_metadata: tuple[str, ...] = (),
     extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_metadata: dict[str, tuple[str, Any]] | None = None,
+    stacked_experts: bool = True,
 ) -> Path:
     """Write ``model`` (a transformers causal LM) as GGUF file ``path``; ``skip_metadata``
-    leaves those keys out, ``extra_tensors`` adds raw tensors or replaces those of its names
-    (the error cases)."""
+    leaves those keys out, ``extra_tensors`` adds raw tensors or replaces those of its names,
+    ``extra_metadata`` adds ``key: (kind, value)`` (the error cases); ``stacked_experts``
+    False writes one ``blk.N.ffn_{gate,up,down}.E.weight`` per expert, as llama.cpp's converter
+    did before it stacked them."""
     config = model.config
     writer = GGUFWriter(str(path), arch)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -105,23 +137,44 @@ def write_gguf(
     }
     if arch == "gemma3":
         metadata[f"{arch}.attention.sliding_window"] = ("uint32", config.sliding_window)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:  # the converter's counts; Qwen's expert width (Mixtral's is feed_forward_length)
+        metadata[f"{arch}.expert_count"] = ("uint32", experts)
+        metadata[f"{arch}.expert_used_count"] = ("uint32", config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            metadata[f"{arch}.expert_feed_forward_length"] = ("uint32", config.moe_intermediate_size)
+    metadata.update(extra_metadata or {})
     for key, (kind, value) in metadata.items():
         if key not in skip_metadata:
             getattr(writer, f"add_{kind}")(key, value)
     if tokenizer:
         _add_demo_tokenizer(writer)
+    tensors: list[tuple[str, np.ndarray]] = []
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         values = tensor.detach().float().numpy()
+        if name.endswith(_GATE_UP[0]):  # [experts, 2 * width, hidden]: gate rows, then up rows
+            width = values.shape[1] // 2
+            layer = name.split(".")[2]
+            tensors += [(f"blk.{layer}.{suffix}", values[:, i * width : (i + 1) * width])
+                        for i, suffix in enumerate(_GATE_UP[1])]  # fmt: skip
+            continue
         if arch == "llama" and name.endswith("q_proj.weight"):
             values = permute(values, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             values = permute(values, kv_heads)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             values = values + np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w
-        if gguf_name(name, arch) not in (extra_tensors or {}):
-            _add(writer, gguf_name(name, arch), values, qtype if values.ndim == 2 else GGMLQuantizationType.F32)
+        tensors.append((gguf_name(name, arch), values))
+    for gguf_tensor, values in tensors:
+        if not stacked_experts and gguf_tensor.endswith("_exps.weight"):
+            for expert, matrix in enumerate(values):  # blk.N.ffn_gate.E.weight ...
+                expert_tensor = gguf_tensor.replace("_exps.weight", f".{expert}.weight")
+                if expert_tensor not in (extra_tensors or {}):
+                    _add(writer, expert_tensor, matrix, stored_type(expert_tensor, matrix, qtype))
+        elif gguf_tensor not in (extra_tensors or {}):
+            _add(writer, gguf_tensor, values, stored_type(gguf_tensor, values, qtype))
     for name, values in (extra_tensors or {}).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()
@@ -137,7 +190,7 @@ def _add(writer: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQuantizat
     elif qtype == GGMLQuantizationType.F16:
         writer.add_tensor(name, values.astype(np.float16))
     else:
-        writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+        writer.add_tensor(name, quantize(np.ascontiguousarray(values), qtype), raw_dtype=qtype)
 
 
 def _add_demo_tokenizer(writer: GGUFWriter) -> None:

@@ -61,3 +61,31 @@ def test_debug_and_unexpected_failures_keep_the_traceback(tmp_path) -> None:
     assert "Traceback" in run_child(tmp_path, "startup", debug=True)[1]
     reason, err = run_child(tmp_path, "bug")
     assert reason == "child: unexpected" and "Traceback" in err
+
+
+def test_a_reasoning_parser_needs_the_think_tokens(tmp_path) -> None:
+    """bin/serve's preflight refuses --reasoning-parser for a tokenizer without <think> and
+    </think> tokens (the demo's), naming the flag; one with them added (Qwen3's are) passes."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    import conveyor.checkpoints.demo as demo
+    from conveyor.assembly.preflight import check_think_tokens
+    from conveyor.runtime.model_source import StartupError
+
+    plain = Path(demo.__file__).parent / "tokenizer.json"
+    with pytest.raises(StartupError, match=r"--reasoning-parser qwen3: .*no <think> and no </think> token"):
+        check_think_tokens(plain, "qwen3")
+    backend = Backend.from_file(str(plain))
+    backend.add_tokens([AddedToken("</think>", special=False, normalized=False)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(StartupError, match=r"no <think> token"):
+        check_think_tokens(tmp_path / "tokenizer.json", "deepseek_r1")
+    backend.add_tokens([AddedToken("<think>", special=False, normalized=False)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    check_think_tokens(tmp_path / "tokenizer.json", "qwen3")
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"<think>": 0, "</think>": 1}}}))
+    check_think_tokens(tmp_path / "tokenizer.json", "qwen3")  # in the vocabulary itself

@@ -165,43 +165,6 @@ def hf_controlled(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def real_model_dir() -> Path:
-    """The real default model's cached checkpoint directory (SmolLM2-135M-Instruct Q4_1 GGUF,
-    fetched by the product's own fetch; skipped, with the reason, only where it cannot be)."""
-    from conveyor.checkpoints.gguf.default_model import FetchError, default_model_file
-    from conveyor.checkpoints.gguf.prepare import prepared_dir
-
-    try:
-        source = default_model_file()
-    except FetchError as exc:
-        pytest.skip(f"the default model cannot be fetched here: {exc}")
-    return prepared_dir(source)
-
-
-@pytest.fixture(scope="session")
-def real_hf_logprobs(real_model_dir):
-    """``f(sequences)``: transformers' log-softmax at every position of each token-id sequence
-    (the real model's GGUF file loaded as float32, one right-padded batch: causal attention
-    leaves every real position as it is), the reference of the real-model tests."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from conveyor.checkpoints.gguf.prepare import gguf_file
-
-    source = gguf_file(real_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32).eval()
-
-    def logprobs(sequences: list[list[int]]) -> torch.Tensor:
-        width = max(map(len, sequences))
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
-        with torch.no_grad():
-            return torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-
-    return logprobs
-
-
-@pytest.fixture(scope="session")
 def hf_greedy_check(real_hf_logprobs):
     """``f([(prompt ids, output ids), ...])``: the pairs whose output is not transformers'
     greedy continuation (teacher-forced: each output token must be its argmax at that point,

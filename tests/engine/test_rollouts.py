@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from conveyor.worker.weight_updates import WeightBroadcast, broadcast_tensors, weight_update_group
 from tests.checkpoints import randomize
+from tests.engine.conftest import TINY
 
 PROMPT = [5, 9, 33, 120, 7, 64, 200, 18]
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -114,3 +115,53 @@ def test_sleep_gives_memory_back_and_wake_serves_again(tiny_engine, tiny_checkpo
     assert not engine.is_sleeping
     assert greedy(engine) == hf_greedy(trained if level == 1 else tiny_checkpoint)
     assert engine.weight_version == (1 if level == 1 else 2)
+
+
+def test_updates_at_two_tensor_parallel_ranks(tiny_engine, tiny_checkpoint, trained):
+    """Every source reaches both ranks, each loading its shard: a directory, tensors in the
+    engine's process (rank 0 broadcasts them to rank 1), and the trainer's group (rank 0 of a
+    world of 3: the engine's ranks are members 1 and 2); then sleep and wake at two ranks."""
+    trained_tensors = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).state_dict()
+    with tiny_engine(tensor_parallel_size=2, distributed_timeout_s=60) as engine:
+        assert engine.update_weights(trained) == 1 and greedy(engine) == hf_greedy(trained)
+        original = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).state_dict()
+        assert engine.update_weights(original) == 2 and greedy(engine) == hf_greedy(tiny_checkpoint)
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in trained_tensors.items()]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{probe.getsockname()[1]}"
+
+        def trainer():
+            group = weight_update_group(address, 0, 3, timeout_s=60)
+            for _ in broadcast_tensors(group, specs, list(trained_tensors.values())):
+                pass
+
+        thread = threading.Thread(target=trainer, daemon=True)
+        thread.start()
+        assert engine.update_weights(WeightBroadcast(address, 1, 3, specs, timeout_s=60)) == 3
+        thread.join(60)
+        assert greedy(engine) == hf_greedy(trained)
+        with pytest.raises(ValueError, match="missing weights"):
+            engine.update_weights({k: v for k, v in original.items() if k != "lm_head.weight"})
+        assert engine.sleep(1) > 0 and engine.is_sleeping
+        engine.wake_up()
+        assert greedy(engine) == hf_greedy(trained) and engine.weight_version == 3
+
+
+def kv_scales(engine) -> list:
+    layers = [m.attention for m in engine.runner.model.modules() if hasattr(m, "attention")]
+    return [(layer.kv_scales.k, layer.kv_scales.v) for layer in layers if hasattr(layer, "kv_scales")]
+
+
+def test_an_update_recalibrates_an_8bit_kv_cache(tiny_engine, tiny_checkpoint, trained):
+    """The scales after an update are those a start on the new checkpoint measures, and so
+    are the tokens."""
+    engine = tiny_engine(kv_cache_dtype="int8")
+    before = kv_scales(engine)
+    engine.update_weights(trained)
+    started = type(engine)(trained, **{**TINY, "kv_cache_dtype": "int8"})
+    assert kv_scales(engine) == kv_scales(started) != before and len(before) == engine.model_config.num_layers
+    assert greedy(engine) == greedy(started)
+    engine.sleep(2)  # waking reads the start's checkpoint again, and measures its scales again
+    engine.wake_up()
+    assert kv_scales(engine) == before

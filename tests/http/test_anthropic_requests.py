@@ -227,6 +227,19 @@ def test_streamed_events_of_text_a_stop_a_call_and_a_failure() -> None:
     assert [b["type"] for b in whole["content"]] == ["text", "tool_use"] and whole["content"][1]["input"] == {
         "zone": "cet"
     }
+    # With a reasoning parser too: the thinking block, then the call read from what follows it.
+    thought = "<think>\nI should check.\n</think>\n\n" + call
+    both = output_reader(job(tools=[TOOL]), "hermes", "qwen3")
+    whole = message_body("m", MODEL, result(thought), None, both)
+    assert [b["type"] for b in whole["content"]] == ["thinking", "tool_use"] and whole["stop_reason"] == "tool_use"
+    enc = MessageEvents("msg_5", MODEL, None, both)
+    enc.start()
+    for k in range(0, len(thought), 7):
+        enc(0, StreamDelta("r", thought[k : k + 7], [1]))
+    enc(0, StreamDelta("r", "", [], "stop", result(thought)))
+    got = events(bytes(enc.out))
+    assert [d["content_block"]["type"] for k, d in got if k == "content_block_start"] == ["thinking", "tool_use"]
+    assert got[-1][1]["delta"]["stop_reason"] == "tool_use"
     enc = MessageEvents("msg_3", MODEL, None, None)
     enc.start()
     enc(0, StreamDelta("r", "partial", [1]))
@@ -273,6 +286,23 @@ def test_thinking_blocks_whole_and_streamed() -> None:
         "".join(d["delta"].get("thinking", "") for k, d in got if k == "content_block_delta") == "The user greets me."
     )
     assert "".join(d["delta"].get("text", "") for k, d in got if k == "content_block_delta") == "Hello there"
+    # Anthropic's order: the thinking block's deltas, its signature, its stop, then the text block.
+    kinds = [(k, d.get("delta", {}).get("type")) for k, d in got]
+    at = kinds.index(("content_block_delta", "signature_delta"))
+    assert kinds[at + 1 : at + 3] == [("content_block_stop", None), ("content_block_start", None)]
+    assert {t for _, t in kinds[:at] if t} == {"thinking_delta"} and got[at][1]["index"] == 0
+    # An empty think block is an empty thinking block, whole and streamed alike.
+    empty = "<think></think>Hi"
+    assert message_body("m", MODEL, result(empty), None, reader)["content"][0] == {
+        "type": "thinking",
+        "thinking": "",
+        "signature": "",
+    }
+    enc = MessageEvents("m", MODEL, None, reader)
+    enc.start()
+    enc(0, StreamDelta("r", empty, [1], "stop", result(empty)))
+    got = events(bytes(enc.out))
+    assert [d["content_block"]["type"] for k, d in got if k == "content_block_start"] == ["thinking", "text"]
     assert messages_job(
         {
             "model": MODEL,

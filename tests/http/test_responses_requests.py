@@ -139,6 +139,32 @@ def test_streamed_items_reasoning_text_and_a_call_then_a_failure() -> None:
     assert [{**i, "call_id": None} for i in got[-1][1]["response"]["output"]] == [
         {**i, "call_id": None} for i in whole["output"]
     ]
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 0  # the think tags' ids unknown
+    # With the tags' ids: the tokens between them, whole and in the stream's last event.
+    ids = [4096, 7, 8, 4097, 9, 9, 9]
+    counted = OutputReader("qwen3", ToolReader(None, "hermes"), (4096, 4097))
+    done = CompletionResult("r", text, ids, "stop", Usage(7, 7))
+    whole = response_body(_Response("resp_3", MODEL, {}, counted), done, counted)
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+    enc = ResponseEvents(_Response("resp_3", MODEL, {}, counted), counted)
+    enc.start()
+    enc(0, StreamDelta("r", text, ids, "stop", done))
+    enc.end()
+    assert _events(bytes(enc.out))[-1][1]["response"]["usage"] == whole["usage"]
+    # An empty think block: an empty reasoning item, whole and streamed alike.
+    empty = CompletionResult("r", "<think></think>Hi", [4096, 4097, 9], "stop", Usage(7, 3))
+    whole = response_body(_Response("resp_5", MODEL, {}, counted), empty, counted)
+    enc = ResponseEvents(_Response("resp_5", MODEL, {}, counted), counted)
+    enc.start()
+    enc(0, StreamDelta("r", empty.text, empty.token_ids, "stop", empty))
+    enc.end()
+    streamed = _events(bytes(enc.out))[-1][1]["response"]["output"]
+    assert [(i["type"], i["content"][0]["text"]) for i in streamed] == [("reasoning", ""), ("message", "Hi")]
+    assert [{**i, "id": None} for i in streamed] == [{**i, "id": None} for i in whole["output"]]
+    no_block = CompletionResult("r", "plain", [4096, 4097], "stop", Usage(7, 2))  # ids alone say nothing
+    assert response_body(_Response("resp_4", MODEL, {}, counted), no_block, counted)["usage"][
+        "output_tokens_details"
+    ] == {"reasoning_tokens": 0}
     enc = ResponseEvents(_Response("resp_2", MODEL, {}), None)
     enc.start()
     enc(0, StreamDelta("r", "par", [1]))

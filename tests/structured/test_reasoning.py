@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.structured.reasoning import ReasoningParser, split_reasoning
+from conveyor.structured.reasoning import ReasoningParser, reasoning_token_count, split_reasoning
 
 CASES = [
     # (format, text, reasoning, content)
@@ -66,3 +66,15 @@ def test_reasoning_is_released_before_the_block_closes() -> None:
 def test_unknown_format_is_refused() -> None:
     with pytest.raises(ValueError, match="qwen3"):
         ReasoningParser("o1")
+
+
+def test_reasoning_tokens_are_those_between_the_tags() -> None:
+    """The think block's tokens, tags left out (as the reasoning budget counts them): after the
+    opening tag the model wrote (or from the start, where the template opened it), up to the close
+    (or the end of an answer cut short inside the block)."""
+    think, end = 100, 101
+    assert reasoning_token_count([think, 5, 6, 7, end, 8, 9], think, end) == 3
+    assert reasoning_token_count([3, think, 5, end, end], think, end) == 1  # leading whitespace token; first close
+    assert reasoning_token_count([5, 6, end, 8], think, end) == 2  # deepseek_r1: opened by the template
+    assert reasoning_token_count([think, 5, 6], think, end) == 2  # never closed
+    assert reasoning_token_count([think, end, 8], think, end) == 0

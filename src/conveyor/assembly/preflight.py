@@ -15,6 +15,7 @@ into bin/serve. The processes still check again: a port can be taken between the
 from __future__ import annotations
 
 import ctypes
+import json
 import socket
 import ssl
 from pathlib import Path
@@ -23,6 +24,7 @@ from conveyor.frontend.tokenizer_files import tokenizer_file
 from conveyor.http.main import ssl_context
 from conveyor.runtime.config import ServerConfig
 from conveyor.runtime.model_source import StartupError
+from conveyor.structured.reasoning import CLOSE, OPEN
 from conveyor.worker.lora_config import LoraLoadError, read_adapter_config
 
 
@@ -30,9 +32,11 @@ def check_before_start(config: ServerConfig) -> None:
     """Refuse ``config`` (StartupError) for the mistakes found without loading the model."""
     if config.node_rank == 0:  # the node that runs the frontend and the HTTP face
         try:
-            tokenizer_file(Path(config.model_dir))
+            tokenizer = tokenizer_file(Path(config.model_dir))
         except FileNotFoundError as exc:
             raise StartupError(f"--model {config.model_dir}: {exc}") from None
+        if config.http is not None and config.http.reasoning_parser is not None:
+            check_think_tokens(tokenizer, config.http.reasoning_parser)
         client = config.addresses.client
         if client.startswith("tcp://"):
             host, _, port = client.removeprefix("tcp://").rpartition(":")
@@ -54,6 +58,25 @@ def check_before_start(config: ServerConfig) -> None:
             read_adapter_config(name, directory, config.worker.runner.max_lora_rank)
         except LoraLoadError as exc:
             raise StartupError(f"--lora-modules {name}={directory}: {exc}") from None
+
+
+def check_think_tokens(tokenizer: Path, parser: str) -> None:
+    """``--reasoning-parser`` needs the think block's tags as single tokens of the tokenizer
+    (Qwen3's and DeepSeek-R1's added tokens): the usage's reasoning tokens and the reasoning
+    budget are counted and written by those ids, so a tokenizer without them is refused, as vLLM does."""
+    try:
+        spec = json.loads(tokenizer.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"--model: cannot read {tokenizer}: {exc}") from None
+    vocab = (spec.get("model") or {}).get("vocab")
+    tokens = {t.get("content") for t in spec.get("added_tokens") or ()}
+    tokens.update(vocab if isinstance(vocab, dict) else (v[0] for v in vocab or () if isinstance(v, list) and v))
+    missing = [tag for tag in (OPEN, CLOSE) if tag not in tokens]
+    if missing:
+        raise StartupError(
+            f"--reasoning-parser {parser}: this model's tokenizer has no {' and no '.join(missing)} token, so its "
+            "answers have no think block to split; leave the flag out for this model"
+        )
 
 
 def check_port_free(flag: str, host: str, port: str, *, ipv4_first: bool = False) -> None:

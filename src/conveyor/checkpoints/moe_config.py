@@ -15,6 +15,13 @@ from typing import Any
 #: Architectures whose MLPs are mixtures of experts.
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
+#: Checkpoint names of each architecture's sparse block: its module (holding the router
+#: ``gate`` and ``experts.N``) and an expert's (gate, up, down) projections.
+EXPERT_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+
 
 @dataclass(frozen=True)
 class MoeConfig:

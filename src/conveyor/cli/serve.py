@@ -23,6 +23,7 @@ from conveyor.assembly.supervisor import Server, stop_on_signals
 from conveyor.cli.serve_flags import (
     add_http_arguments,
     add_lora_arguments,
+    add_rl_arguments,
     add_scheduling_arguments,
     choice_flag,
     count_flag,
@@ -262,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="print the traceback of a start-up error too (it is one line without)"
     )
     add_lora_arguments(p)
+    add_rl_arguments(p)
     add_http_arguments(p)
     return p
 

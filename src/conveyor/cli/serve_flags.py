@@ -44,6 +44,23 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_rl_arguments(p: argparse.ArgumentParser) -> None:
+    """Weight updates, sleep and wake, pause and continue (docs/rl.md)."""
+    g = p.add_argument_group("RL rollouts")
+    g.add_argument(
+        "--enable-rl-control",
+        action="store_true",
+        help="let clients update the weights, sleep, wake, pause and resume (update_weights, /sleep, ...); off: an "
+        "update reads any directory the client names",
+    )
+    g.add_argument(
+        "--asleep-requests",
+        default="wait",
+        choices=("wait", "refuse"),
+        help="requests that arrive while the server sleeps wait for the wake, or are refused at once",
+    )
+
+
 def _lora_module(text: str) -> tuple[str, str]:
     name, sep, directory = text.partition("=")
     if not sep or not name or not directory:

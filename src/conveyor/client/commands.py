@@ -1,5 +1,6 @@
 """The client protocol's command maps (docs/protocol.md): what a client sends for ``stats``,
-``profile``, ``metrics``, ``load_lora`` / ``unload_lora``, ``tokenize`` and ``detokenize``."""
+``profile``, ``metrics``, ``load_lora`` / ``unload_lora``, ``tokenize`` and ``detokenize``, and an
+RL trainer's ``update_weights``, ``sleep``, ``wake_up``, ``pause``, ``resume``, ``engine_state``."""
 
 from __future__ import annotations
 
@@ -57,4 +58,29 @@ def detokenize_message(token_ids: list[int]) -> dict[str, Any]:
         "v": wire.CLIENT_PROTOCOL_VERSION,
         "request_id": str(uuid.uuid4()),
         "token_ids": list(token_ids),
+    }
+
+
+def rl_message(kind: str, **fields: Any) -> dict[str, Any]:
+    """An RL trainer's command (:mod:`conveyor.protocol.rl_commands`), the fields that are not
+    None, answered under its fresh id."""
+    msg: dict[str, Any] = {"type": kind, "v": wire.CLIENT_PROTOCOL_VERSION, "request_id": str(uuid.uuid4())}
+    msg.update({k: v for k, v in fields.items() if v is not None})
+    return msg
+
+
+def weight_group(
+    address: str, rank_offset: int, world_size: int, specs: list[tuple[str, str, list[int]]], timeout_s: float = 300.0
+) -> dict[str, Any]:
+    """The ``group`` of an ``update_weights`` from a trainer's torch.distributed group hosted
+    at ``address`` (``host:port``) by its rank 0; the server's rank r joins as ``rank_offset
+    + r``; ``specs``: (name, dtype name, shape) of each tensor, in the order they are broadcast."""
+    return {
+        "address": address,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "names": [name for name, _, _ in specs],
+        "dtypes": [dtype for _, dtype, _ in specs],
+        "shapes": [list(shape) for _, _, shape in specs],
+        "timeout_s": timeout_s,
     }

@@ -19,6 +19,7 @@ from conveyor.client.commands import (
     lora_message,
     metrics_message,
     profile_message,
+    rl_message,
     stats_message,
     tokenize_message,
 )
@@ -26,6 +27,7 @@ from conveyor.client.results import Choice, CompletionResult, StreamDelta, Usage
 from conveyor.ipc import transport
 from conveyor.protocol import limits, wire
 from conveyor.protocol import requests as client_requests
+from conveyor.protocol.rl_commands import ENGINE_STATE, PAUSE, RESUME, SLEEP, UPDATE_WEIGHTS, WAKE_UP
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
 DEFAULT_TIMEOUT_S = 300.0
@@ -325,6 +327,48 @@ class Connection:
         :class:`ServerError` ``lora_in_use`` while requests run or wait under it,
         ``lora_not_found`` for a name not loaded."""
         msg = lora_message(name, None)
+        return self._command(msg["request_id"], msg)
+
+    def update_weights(
+        self, path: str | os.PathLike | None = None, *, group: dict | None = None, in_flight: str = "finish"
+    ) -> Any:
+        """New weights in place (docs/rl.md; bin/serve --enable-rl-control): from the checkpoint
+        directory ``path`` on the server's host, or a trainer's ``group``
+        (:func:`conveyor.client.commands.weight_group`). Requests in flight first ``finish``
+        on the old weights, or ``abort``; the prefix cache is dropped. The ``engine`` reply
+        (its ``weight_version`` bumped); :class:`ServerError` ``invalid_weights`` /
+        ``weights_not_found`` for an update refused whole (the old weights serve on)."""
+        msg = rl_message(
+            UPDATE_WEIGHTS, path=None if path is None else os.fspath(path), group=group, in_flight=in_flight
+        )
+        return self._command(msg["request_id"], msg)
+
+    def sleep(self, level: int = 1, *, in_flight: str = "finish") -> Any:
+        """Free the KV cache (``level`` 1) and the weights too (2; read again from the served
+        checkpoint on wake): the ``engine`` reply with ``freed_bytes``."""
+        msg = rl_message(SLEEP, level=level, in_flight=in_flight)
+        return self._command(msg["request_id"], msg)
+
+    def wake_up(self) -> Any:
+        """Take back what :meth:`sleep` freed; requests held meanwhile run."""
+        return self._rl(WAKE_UP)
+
+    def pause(self, mode: str = "abort") -> Any:
+        """Stop generating: ``abort`` what runs, ``wait`` for it to finish, or ``keep`` it in
+        place until :meth:`resume`. Requests sent while paused wait."""
+        msg = rl_message(PAUSE, mode=mode)
+        return self._command(msg["request_id"], msg)
+
+    def resume(self) -> Any:
+        """Generate again after :meth:`pause`."""
+        return self._rl(RESUME)
+
+    def engine_state(self) -> Any:
+        """The ``engine`` map: ``weight_version``, ``is_sleeping``, ``sleep_level``, ``is_paused``."""
+        return self._rl(ENGINE_STATE)
+
+    def _rl(self, kind: str) -> Any:
+        msg = rl_message(kind)
         return self._command(msg["request_id"], msg)
 
     def tokenize(self, prompt: str | None = None, **fields: Any) -> Any:

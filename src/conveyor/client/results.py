@@ -51,6 +51,8 @@ class CompletionResult:
     prompt_token_ids: list[int] | None = None  # where asked (``return_prompt_token_ids``)
     # An embedding request's (Connection.embed) L2-normalized pooled vector.
     embedding: list[float] | None = None
+    # The server's weight version the request ran on (weight updates since start; docs/rl.md).
+    weight_version: int | None = None
 
     def __post_init__(self) -> None:
         if not self.choices:  # n = 1: the one choice is the result itself
@@ -90,6 +92,7 @@ def completion_result(msg: dict[str, Any]) -> CompletionResult:
         prompt_logprobs=msg.get("prompt_logprobs"),
         prompt_token_ids=msg.get("prompt_token_ids"),
         embedding=_floats(msg["embedding"]) if msg.get("embedding") is not None else None,
+        weight_version=msg.get("weight_version"),
     )
 
 

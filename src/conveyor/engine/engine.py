@@ -34,9 +34,13 @@ from conveyor.ipc.messages import (
     FinishReason,
     LoadLora,
     RequestOutput,
+    SleepEngine,
     StepPlan,
     StepResult,
     UnloadLora,
+    UpdateWeights,
+    WakeEngine,
+    WeightGroup,
     speculation_rates,
 )
 from conveyor.protocol import requests as client_requests
@@ -45,10 +49,10 @@ from conveyor.runtime.config import RunnerConfig, SchedulerConfig
 from conveyor.runtime.model_source import draft_model_config, model_length, resolve_model
 from conveyor.runtime.tensor_shards import NO_TENSOR_PARALLEL, check_shardable
 from conveyor.scheduler.scheduler import Scheduler
+from conveyor.worker.engine_control import EngineControl, weight_specs, weight_specs_of
 from conveyor.worker.main import build_runner, failed_step, pool_agreed_by_ranks, worker_threads
 from conveyor.worker.plan_check import PlanRefused
-from conveyor.worker.sleep import Sleep, fall_asleep, wake
-from conveyor.worker.weight_updates import WeightBroadcast, update_from_disk, update_from_group, update_from_tensors
+from conveyor.worker.weight_updates import WeightBroadcast, check_update
 
 # add_request's keyword arguments besides the input, the id and the priority: the generate
 # fields a client passes as options.
@@ -112,7 +116,7 @@ class Engine:
             max_logprobs=options.max_logprobs,
         )
         self.weight_version = 0  # bumped by each weight update (every request reports the one it ran on)
-        self._sleep: Sleep | None = None
+        self._control = EngineControl(self.runner)  # weight updates, sleep and wake (every rank alike)
         self._scheduler_ids = itertools.count(1)
         self._lora_queries = itertools.count(1)  # (LoRA updates sent to tensor-parallel ranks)
         self._running: dict[str, Request] = {}  # by scheduler id: every request not done
@@ -175,7 +179,7 @@ class Engine:
         unknown = sorted(set(sampling) - _OPTIONS)
         if unknown:
             raise TypeError(f"add_request() got unexpected keyword argument(s): {', '.join(unknown)}")
-        if self._sleep is not None:
+        if self._control.sleep is not None:
             raise ValueError("the engine is asleep: wake_up() first")
         if token_ids is not None and not isinstance(token_ids, list):
             token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
@@ -259,48 +263,72 @@ class Engine:
         """Load new weights in place and return the new :attr:`weight_version`. ``source``: a
         checkpoint directory (or GGUF file's directory), ``(name, tensor)`` pairs (a mapping
         too) in checkpoint names, or a :class:`~conveyor.worker.weight_updates.WeightBroadcast`
-        (the trainer's group). Requests in flight first ``finish`` on the old weights, or are
-        ``abort``-ed; the prefix cache is dropped. A bad update is refused whole (ValueError)."""
-        self._between_requests(in_flight, "weights updated")
-        model = self.runner.model
+        (the trainer's group; under tensor parallelism rank r joins it as ``source.rank + r``).
+        Requests in flight first ``finish`` on the old weights, or are ``abort``-ed; the prefix
+        cache is dropped. A bad update is refused whole (ValueError; every rank keeps its
+        weights). Every rank loads its own shard (:mod:`conveyor.worker.engine_control`)."""
+        tensors = None
         if isinstance(source, (str, os.PathLike)):
-            update_from_disk(model, source)
+            msg = UpdateWeights(self._control_id(), path=os.fspath(source))
         elif isinstance(source, WeightBroadcast):
-            update_from_group(model, source.group(), source.specs)
+            specs = weight_specs_of(source.specs)
+            group = WeightGroup(source.address, source.rank, source.world_size, specs, source.timeout_s)
+            msg = UpdateWeights(self._control_id(), group=group)
         else:
-            update_from_tensors(model, source.items() if hasattr(source, "items") else source)
+            tensors = list(source.items() if hasattr(source, "items") else source)
+            if len({name for name, _ in tensors}) != len(tensors):
+                raise ValueError("weight update from tensors refused, the model is unchanged: a weight is named twice")
+            check_update(self.runner.model, {name: tuple(t.shape) for name, t in tensors}, "tensors")
+            msg = UpdateWeights(self._control_id(), from_rank0=weight_specs(tensors))
+        if self._control.sleep is not None:
+            raise ValueError("the weights cannot be updated while asleep: wake_up first")
+        self._between_requests(in_flight, "weights updated")
+        self._on_every_rank(msg, tensors)
         self.scheduler.drop_prefix_cache()
         self.weight_version += 1
         return self.weight_version
 
     def sleep(self, level: int = 1, *, in_flight: str = "finish") -> int:
         """Free the KV cache (level 1) and the weights too (level 2, read again from the model
-        directory on :meth:`wake_up`); returns the bytes freed. Requests in flight ``finish``
-        or are ``abort``-ed first; :meth:`add_request` refuses while asleep."""
-        if self._sleep is not None:
-            raise ValueError(f"the engine is already asleep (level {self._sleep.level})")
+        directory on :meth:`wake_up`); returns the bytes freed (rank 0's). Requests in flight
+        ``finish`` or are ``abort``-ed first; :meth:`add_request` refuses while asleep."""
+        if self._control.sleep is not None:
+            raise ValueError(f"the engine is already asleep (level {self._control.sleep.level})")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (the KV cache) or 2 (the KV cache and the weights), got {level}")
         self._between_requests(in_flight, "engine put to sleep")
-        self._sleep = fall_asleep(self.runner, level)
+        answer = self._on_every_rank(SleepEngine(self._control_id(), level))
         self.scheduler.drop_prefix_cache()
-        return self._sleep.freed_bytes
+        return answer.freed_bytes
 
     def wake_up(self) -> None:
         """Take back what :meth:`sleep` freed (a level-2 sleep reloads the checkpoint's weights:
         a new :attr:`weight_version`)."""
-        if self._sleep is None:
+        if self._control.sleep is None:
             return
-        wake(self.runner, self._sleep, self.model_dir)
-        self.weight_version += self._sleep.level == 2
-        self._sleep = None
+        level = self._control.sleep.level
+        self._on_every_rank(WakeEngine(self._control_id()))
+        self.weight_version += level == 2
 
     @property
     def is_sleeping(self) -> bool:
-        return self._sleep is not None
+        return self._control.sleep is not None
+
+    def _control_id(self) -> str:
+        return f"engine-control-{next(self._lora_queries)}"
+
+    def _on_every_rank(self, msg: UpdateWeights | SleepEngine | WakeEngine, tensors=None):
+        """Apply ``msg`` on every rank (the others read it on the plan channel, between the same
+        two steps); ValueError with rank 0's reason if it was refused."""
+        if self._ranks is not None:
+            self._ranks.send(msg)
+        answer = self._control.apply(msg, tensors)
+        if not answer.ok:
+            raise ValueError(answer.error)
+        return answer
 
     def _between_requests(self, in_flight: str, why: str) -> None:
         """End every request in flight: run them to their end (``finish``) or abort them."""
-        if self._ranks is not None:
-            raise ValueError("weight updates and sleep are not supported under tensor parallelism yet")
         if in_flight == "finish":
             while self.has_pending_requests():
                 self.step()

@@ -199,7 +199,7 @@ class RankGroup:
         return [(rank, proc) for rank, proc in enumerate(self.procs, 1) if not proc.is_alive()]
 
     def send(self, msg: Any) -> None:
-        """Send ``msg`` (a plan, a LoRA update) to every rank, after checking they live."""
+        """Send ``msg`` (a plan, a LoRA update, a weight update or sleep) to every rank, after checking they live."""
         self.check()
         self._plans.send(msg)
 

@@ -33,6 +33,7 @@ from conveyor.frontend.token_service import TokenService
 from conveyor.ipc.messages import AddRequest, FinishReason
 from conveyor.protocol import replies, wire
 from conveyor.protocol import requests as client_requests
+from conveyor.protocol.rl_commands import EngineCommand
 from conveyor.protocol.token_commands import DetokenizeCommand, TokenizeCommand
 from conveyor.runtime.config import FrontendConfig
 
@@ -147,6 +148,8 @@ class ClientIntake:
                 await self.relays.profile(identity, cmd)
             elif isinstance(cmd, client_requests.LoraCommand):
                 await self.relays.lora(identity, cmd)
+            elif isinstance(cmd, EngineCommand):
+                await self.relays.engine.relay(identity, cmd)
             elif isinstance(cmd, TokenizeCommand):
                 self.tokens.tokenize(identity, cmd)
             elif isinstance(cmd, DetokenizeCommand):

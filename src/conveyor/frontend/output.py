@@ -143,6 +143,8 @@ class OutputPath:
                     state.prompt_logprobs.add(new.prompt_logprobs)
                 if new.embedding is not None:
                     state.embedding = new.embedding
+                if new.weight_version is not None:
+                    state.weight_version = new.weight_version
                 timed = bool(token_ids)
                 if len(token_ids) == 1:
                     token, token_ids = token_ids[0], None
@@ -287,6 +289,9 @@ class OutputPath:
             reply["prompt_token_ids"] = state.prompt_ids
         if state.embedding is not None:
             reply["embedding"] = state.embedding
+        version = state.weight_version if not state.sequences else state.sequences[0].weight_version
+        if version is not None:
+            reply["weight_version"] = version
         if state.logged:
             reply.update(state.logprob_fields(whole=True))
             if state.choice_logprobs:  # the top level's are choice 0's, as its text is
@@ -422,12 +427,14 @@ def merge(batch: list[TokenOutputs]) -> list[RequestOutput]:
                     out.logprobs,
                     out.prompt_logprobs,
                     out.embedding,
+                    out.weight_version,
                 )
             elif acc.finish_reason is None:
                 acc.new_token_ids.extend(out.new_token_ids)
                 acc.logprobs = join(acc.logprobs, out.logprobs)
                 acc.prompt_logprobs = join(acc.prompt_logprobs, out.prompt_logprobs)
                 acc.finish_reason, acc.error, acc.embedding = out.finish_reason, out.error, out.embedding
+                acc.weight_version = out.weight_version
                 if acc.scheduled_time is None and out.scheduled_time is not None:
                     acc.scheduled_time, acc.num_cached_tokens = out.scheduled_time, out.num_cached_tokens
                 if acc.first_token_time is None:

@@ -1,5 +1,6 @@
 """The frontend's relays of client queries to every live replica: ``stats``, ``profile``,
-``load_lora`` / ``unload_lora``, each answered once every replica asked answered or died (or
+``load_lora`` / ``unload_lora`` (and, through :mod:`conveyor.frontend.engine_relay`, an RL
+trainer's commands), each answered once every replica asked answered or died (or
 on its bound). LoRA updates: one update of a name at a time, and a load answered with an error
 is undone on every replica that took it (docs/architecture.md, "LoRA adapters")."""
 
@@ -11,12 +12,14 @@ import uuid
 from dataclasses import dataclass
 
 from conveyor import profiling
+from conveyor.frontend.engine_relay import EngineRelay
 from conveyor.frontend.replicas import Gather, ReplicaSet, merge_stats, replica_profiles, replica_stats
 from conveyor.frontend.request_state import RequestState
 from conveyor.frontend.sending import ClientSender
 from conveyor.ipc.messages import (
     LORA_ALREADY_LOADED,
     LORA_NOT_FOUND,
+    EngineControlled,
     LoadLora,
     LoraUpdated,
     ProfileQuery,
@@ -64,12 +67,14 @@ class Relays:
         in_flight: dict[tuple[bytes, str], RequestState],
         profiler: profiling.Profiler,
         enable_lora_loading: bool,
+        enable_rl_control: bool = False,
     ) -> None:
         self.replicas = replicas
         self.sender = sender
         self.in_flight = in_flight
         self.profiler = profiler
         self.enable_lora_loading = enable_lora_loading
+        self.engine = EngineRelay(replicas, sender, enable_rl_control)  # weight updates, sleep, pause
         # query id -> (client, iterations asked for, the replicas' answers)
         self.stats_waiters: dict[str, tuple[bytes, bool, Gather[SchedulerStats]]] = {}
         # query id -> a load_lora / unload_lora waiting for the replicas; timed-out ones still owed
@@ -95,6 +100,8 @@ class Relays:
             waiter = self.stats_waiters.get(msg.query_id)
             if waiter is not None and waiter[2].add(replica, msg):
                 await self._reply_stats(msg.query_id)
+        elif isinstance(msg, EngineControlled):
+            await self.engine.on_answer(replica, msg)
         elif isinstance(msg, LoraUpdated):
             lora = self.lora_waiters.get(msg.query_id)
             if lora is None:
@@ -113,6 +120,7 @@ class Relays:
         for query_id, lora in list(self.lora_waiters.items()):
             if lora.gather.drop(replica):
                 await self._reply_lora(query_id)
+        await self.engine.replica_gone(replica)
         for query_id, (_, waiting) in list(self.lora_owed.items()):
             waiting.discard(replica)
             if not waiting:
@@ -130,6 +138,7 @@ class Relays:
             waiter.timeout.cancel()
             await self.sender.send(waiter.identity, replies.error_map(waiter.cmd.request_id, reason, wire.SERVER_ERROR))
         self.lora_owed.clear()
+        await self.engine.fail_all(reason)
 
     async def _reply_stats(self, query_id: str) -> None:
         """The ``stats`` reply once every replica asked answered (or died): their stats merged

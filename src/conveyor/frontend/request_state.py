@@ -71,6 +71,7 @@ class RequestState:
     return_prompt_ids: bool = False  # its final carries prompt_token_ids (the whole context)
     share: int = 0  # the sequences it counts against its client's share (conveyor.frontend.shares)
     embedding: bytes | None = None  # a pooling request's vector (float32 bytes): its final carries it
+    weight_version: int | None = None  # the server's weight version it ran on (from its last output)
 
     @property
     def key(self) -> tuple[bytes, str]:

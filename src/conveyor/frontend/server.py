@@ -128,7 +128,9 @@ class Frontend:
             self.in_flight, self.metrics, self.shares, self._untrack, self._abort_at_scheduler, config.client_send_queue
         )
         self.sender = ClientSender(self.clients, self.connections.client_gone, self.connections.not_reading, prof)
-        self.relays = Relays(self.replicas, self.sender, self.in_flight, prof, config.enable_lora_loading)
+        self.relays = Relays(
+            self.replicas, self.sender, self.in_flight, prof, config.enable_lora_loading, config.enable_rl_control
+        )
         self.output = OutputPath(
             self.requests,
             self.sender,

@@ -4,8 +4,8 @@ events of a streamed one (:class:`MessageEvents`), and errors in Anthropic's sha
 
 A stream is ``message_start``, ``ping``, then per content block ``content_block_start``,
 its ``content_block_delta`` events (``text_delta``; ``thinking_delta`` of a ``thinking`` block,
-the think block split off by ``--reasoning-parser``; a tool call's arguments as one
-``input_json_delta``) and ``content_block_stop``, then ``message_delta`` (``stop_reason``,
+the think block split off by ``--reasoning-parser``, then its ``signature_delta``; a tool call's
+arguments as one ``input_json_delta``) and ``content_block_stop``, then ``message_delta`` (``stop_reason``,
 ``stop_sequence``, the usage) and ``message_stop``; each event is ``event: <type>`` and
 ``data: <json>``. The prompt's token count is known only at the end (the frontend tokenizes
 it), so ``message_start`` carries ``input_tokens`` 0 and ``message_delta`` the real count (the
@@ -194,7 +194,7 @@ class MessageEvents:
         else:  # the reader's last release: ``text`` (the held stop tail) fed, then its end
             readings = ([self.feed(text)] if text else []) + ([self.feed(None)] if end else [])
         for reading in readings:
-            if reading.reasoning:
+            if reading.reasoning or reading.opened:  # an empty think block is an empty thinking block, as whole
                 self._block("thinking", reading.reasoning)
             if reading.content:
                 self._block("text", reading.content)
@@ -207,6 +207,8 @@ class MessageEvents:
             start = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
             self.out += event("content_block_start", {"index": self.blocks, "content_block": start})
             self.open = kind
+        if not text:
+            return
         delta = (
             {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta", "text": text}
         )
@@ -226,6 +228,10 @@ class MessageEvents:
         self.called = True
 
     def _close(self) -> None:
+        if self.open == "thinking":  # Anthropic's thinking block ends with its signature (empty here)
+            self.out += event(
+                "content_block_delta", {"index": self.blocks, "delta": {"type": "signature_delta", "signature": ""}}
+            )
         if self.open is not None:
             self.out += event("content_block_stop", {"index": self.blocks})
             self.blocks += 1

@@ -6,7 +6,8 @@
 ``prompt`` or ``messages``, as vLLM routes it), Anthropic's ``POST /v1/messages`` and ``POST
 /v1/messages/count_tokens`` (:mod:`conveyor.http.anthropic_requests`; their errors in
 Anthropic's shape, their key also as ``x-api-key``), ``GET /tokenizer_info``, ``POST /v1/load_lora_adapter`` and
-``POST /v1/unload_lora_adapter`` (:mod:`conveyor.http.adapters`), ``GET /version``, ``GET /health`` and ``GET
+``POST /v1/unload_lora_adapter`` (:mod:`conveyor.http.adapters`), an RL trainer's routes
+(:mod:`conveyor.http.rl_routes`), ``GET /version``, ``GET /health`` and ``GET
 /metrics``; :func:`metrics_app` (the ``--metrics-port`` listener) ``/metrics`` and
 ``/health`` alone.
 
@@ -38,7 +39,7 @@ from typing import Any
 import prometheus_client
 from aiohttp import web
 
-from conveyor.http import adapters, prometheus, request_ids
+from conveyor.http import adapters, prometheus, request_ids, rl_routes
 from conveyor.http.adapters import LORAS
 from conveyor.http.anthropic_requests import messages_job, thinking_budget
 from conveyor.http.anthropic_responses import error_body as anthropic_error_body
@@ -256,7 +257,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     headers = ignored_fields(request_ids.request_id(request), parsed.job)
     model = parsed.job.options.get("lora") or app[MODEL]
     return await respond_response(
-        request, app[LINK], parsed, model, app[TOOL_PARSER], app.get(REASONING_PARSER), headers
+        request, app[LINK], parsed, model, app[TOKENS], app[TOOL_PARSER], app.get(REASONING_PARSER), headers
     )
 
 
@@ -564,6 +565,7 @@ def api_app(
     app[REASONING_PARSER] = reasoning_parser
     app[STRICT_FIELDS] = strict_fields
     app.add_routes(API_ROUTES)
+    app.add_routes(rl_routes.routes(LINK))
     app.add_routes(PROBE_ROUTES)
     return app
 

@@ -34,7 +34,7 @@ from conveyor.http.link import FrontendLink
 from conveyor.http.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from conveyor.http.openai_requests import CHAT, COMPLETION, GenerationJob
 from conveyor.http.openai_responses import DONE, ChunkEncoder, completion_body, json_encode, response_id, usage_so_far
-from conveyor.http.output_reading import OutputReader, output_reader
+from conveyor.http.output_reading import OutputReader, counting_reader
 from conveyor.http.request_ids import request_id
 from conveyor.http.tokens import Tokens
 from conveyor.ipc.messages import FinishReason
@@ -122,11 +122,12 @@ async def respond(
     rid = response_id(job.kind, request_id(request))
     created = int(time.time())
     headers = ignored_fields(rid, job)
+    reader = await counting_reader(job, tool_parser, reasoning_parser, tokens)
     if job.stream:
         prompts = await _prompts(job, tokens)
         enc = ChunkEncoder(job.kind, rid, created, model, job.include_usage)
-        reader = output_reader(job, tool_parser, reasoning_parser)
-        return await stream_events(request, link, job, _Encoder(job, enc, prompts, reader), headers)
+        encoder = _Encoder(job, enc, prompts, reader, reasoning_parser is not None and job.kind == CHAT)
+        return await stream_events(request, link, job, encoder, headers)
     if _needs_prompt_ids(job):  # the finals carry them: the frontend tokenizes each prompt once
         job.options["return_prompt_token_ids"] = True
     results = await generate_all(link, job)
@@ -143,7 +144,9 @@ async def respond(
     body = completion_body(
         job.kind, rid, created, model, results, echoes=prompts.echoes, prompt_ids=prompt_ids, extras=extras
     )
-    reader = output_reader(job, tool_parser, reasoning_parser)
+    if reasoning_parser is not None and job.kind == CHAT:
+        counted = reader.reasoning_tokens(results) if reader is not None else 0
+        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": counted}
     if reader is not None:  # each choice read on its own (n > 1: each sequence wrote its own calls)
         for choice, seq in zip(body["choices"], [seq for r in results for seq in r.choices]):
             reasoning, content, calls = reader.whole(seq.text)
@@ -187,13 +190,20 @@ class _Encoder:
     its choices (its ``finish_reason``), and continuous usage counts the input's tokens."""
 
     def __init__(
-        self, job: GenerationJob, enc: ChunkEncoder, prompts: _Prompts, tools: OutputReader | None = None
+        self,
+        job: GenerationJob,
+        enc: ChunkEncoder,
+        prompts: _Prompts,
+        tools: OutputReader | None = None,
+        count_reasoning: bool = False,
     ) -> None:
         self.enc, self.out = enc, bytearray()
         self.finals: list[CompletionResult | None] = [None] * len(job.inputs)
         self.n = job.n
         self.started = [False] * (len(job.inputs) * job.n)  # by choice
         self.tools = [tools.stream() for _ in self.started] if tools is not None else None  # by choice
+        self.reader = tools
+        self.count_reasoning = count_reasoning  # the usage chunk says how many tokens were reasoning
         self.called = [False] * len(self.started)
         self.prompts = prompts
         self.token_ids = job.return_token_ids
@@ -217,7 +227,10 @@ class _Encoder:
 
     def end(self) -> None:
         if self.job.include_usage:
-            self.out += self.enc.usage(self.finals)  # type: ignore[arg-type]
+            reasoning = None
+            if self.count_reasoning:
+                reasoning = self.reader.reasoning_tokens(self.finals) if self.reader is not None else 0  # type: ignore[arg-type]
+            self.out += self.enc.usage(self.finals, reasoning)  # type: ignore[arg-type]
         self.out += DONE
 
     def __call__(self, index: int, delta: StreamDelta) -> int:
@@ -263,7 +276,7 @@ class _Encoder:
     def _tool_pieces(self, choice: int, text: str | None) -> None:
         """Feed ``text`` (None: the end) to choice ``choice``'s reader; its chunks to :attr:`out`."""
         reading = self.tools[choice](text)  # type: ignore[index]
-        if reading.reasoning:
+        if reading.reasoning or reading.opened:  # an empty think block: reasoning_content "", as whole
             self.out += self.enc.chunk(choice, None, None, {"delta": {"reasoning_content": reading.reasoning}})
         if reading.content:
             self.out += self.enc.text(choice, reading.content)

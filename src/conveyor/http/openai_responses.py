@@ -33,18 +33,22 @@ def response_id(kind: str, request_id: str) -> str:
     return _ID_PREFIX[kind] + request_id
 
 
-def usage(results: list[CompletionResult]) -> dict[str, Any]:
+def usage(results: list[CompletionResult], reasoning_tokens: int | None = None) -> dict[str, Any]:
     """The OpenAI ``usage`` of one response: every input's prompt once, every choice's
-    tokens added up (a result's ``completion_tokens`` counts all its ``n`` choices)."""
+    tokens added up (a result's ``completion_tokens`` counts all its ``n`` choices);
+    ``reasoning_tokens`` (a server with a reasoning parser): how many of those were the think blocks'."""
     prompt = sum(r.usage.prompt_tokens for r in results)
     completion = sum(r.usage.completion_tokens for r in results)
     cached = sum(r.usage.cached_tokens for r in results)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -205,7 +209,7 @@ class ChunkEncoder:
         )  # fmt: skip
         return event(obj)
 
-    def usage(self, results: list[CompletionResult]) -> bytes:
+    def usage(self, results: list[CompletionResult], reasoning_tokens: int | None = None) -> bytes:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         return event(
             {
@@ -214,7 +218,7 @@ class ChunkEncoder:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(results),
+                "usage": usage(results, reasoning_tokens),
             }
         )
 

@@ -28,21 +28,23 @@ from conveyor.http.errors import ApiError
 from conveyor.http.job_runs import checked, generate_all, stream_events
 from conveyor.http.link import FrontendLink
 from conveyor.http.openai_responses import json_encode
-from conveyor.http.output_reading import OutputReader, Reading, output_reader
+from conveyor.http.output_reading import OutputReader, Reading, counting_reader
 from conveyor.http.request_ids import request_id
 from conveyor.http.responses_requests import ResponsesRequest
+from conveyor.http.tokens import Tokens
 from conveyor.ipc.messages import FinishReason
 
 
-def _usage(result: CompletionResult | None) -> dict[str, Any] | None:
+def _usage(result: CompletionResult | None, reader: OutputReader | None) -> dict[str, Any] | None:
     if result is None:
         return None
     u = result.usage
+    reasoning = reader.reasoning_tokens([result]) if reader is not None else 0
     return {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 
@@ -50,8 +52,8 @@ def _usage(result: CompletionResult | None) -> dict[str, Any] | None:
 class _Response:
     """One response's fixed parts (id, time, model, what it echoes of the request) and its items."""
 
-    def __init__(self, rid: str, model: str, echo: dict[str, Any]) -> None:
-        self.rid, self.model, self.echo = rid, model, echo
+    def __init__(self, rid: str, model: str, echo: dict[str, Any], reader: OutputReader | None = None) -> None:
+        self.rid, self.model, self.echo, self.reader = rid, model, echo, reader
         self.created = int(time.time())
         self.items: list[dict[str, Any]] = []
 
@@ -66,7 +68,7 @@ class _Response:
             "status": status,
             "model": self.model,
             "output": list(self.items),
-            "usage": _usage(result),
+            "usage": _usage(result, self.reader),
             "error": None if error is None else {"code": error.code or error.type, "message": error.message},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "store": False,
@@ -166,7 +168,7 @@ class ResponseEvents:
         return 1
 
     def _reading(self, reading: Reading) -> None:
-        if reading.reasoning:
+        if reading.reasoning or reading.opened:  # an empty think block is an empty reasoning item, as whole
             self._text("reasoning", reading.reasoning)
         if reading.content:
             self._text("message", reading.content)
@@ -188,6 +190,8 @@ class ResponseEvents:
                 "response.content_part.added", {**self._where(), "content_index": 0, "part": _text_part(kind, "")}
             )
         self.text += text
+        if not text:
+            return
         if kind == "reasoning":
             self._event("response.reasoning_text.delta", {**self._where(), "content_index": 0, "delta": text})
         else:
@@ -238,6 +242,7 @@ async def respond_response(
     link: FrontendLink,
     parsed: ResponsesRequest,
     model: str,
+    tokens: Tokens,
     tool_parser: str | None,
     reasoning_parser: str | None,
     headers: dict[str, str],
@@ -245,8 +250,8 @@ async def respond_response(
     """The answer to a ``/v1/responses`` job, through the one lifecycle of :mod:`conveyor.http.job_runs`."""
     await link.require_started()
     job = parsed.job
-    response = _Response("resp_" + request_id(request), model, parsed.echo)
-    reader = output_reader(job, tool_parser, reasoning_parser)
+    reader = await counting_reader(job, tool_parser, reasoning_parser, tokens)
+    response = _Response("resp_" + request_id(request), model, parsed.echo, reader)
     if job.stream:
         return await stream_events(request, link, job, ResponseEvents(response, reader), headers)
     result = (await generate_all(link, job))[0]

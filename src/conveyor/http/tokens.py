@@ -5,6 +5,8 @@ count of ``stream_options.continuous_usage_stats`` travel as the client protocol
 the frontend bounds the input before tokenizing it, off its event loop when large, with the
 generate request's own refusals (the same 400s). Only ``/tokenizer_info`` reads the
 tokenizer's files here (loaded on first use, on a thread; nothing is encoded with it).
+The think block's tag ids (:meth:`Tokens.think_ids`, for the usage's ``reasoning_tokens``)
+are asked of the frontend once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from conveyor.frontend.tokenizer import Tokenizer
 from conveyor.http.errors import ApiError, from_final_error
 from conveyor.protocol import wire
 from conveyor.protocol.token_commands import TOKENIZE_INPUT
+from conveyor.structured.reasoning import CLOSE, OPEN
 
 if TYPE_CHECKING:
     from conveyor.http.link import FrontendLink
@@ -31,6 +34,7 @@ class Tokens:
         self.max_model_len = max_model_len
         self.link = link
         self._loading: asyncio.Future[Tokenizer] | None = None
+        self._think_ids: tuple[int, int] | None = None
 
     async def tokenizer(self) -> Tokenizer:
         """The tokenizer's configuration (``/tokenizer_info``): loaded here, never used to encode."""
@@ -60,6 +64,25 @@ class Tokens:
     ) -> list[int]:
         """The token ids the frontend makes of one generate input (:meth:`tokenize`)."""
         return (await self.tokenize(inputs, options, add_special_tokens))["token_ids"]
+
+    async def think_ids(self) -> tuple[int, int]:
+        """The ids of the ``<think>`` and ``</think>`` tokens (asked once). bin/serve refuses
+        ``--reasoning-parser`` for a tokenizer without them (:mod:`conveyor.assembly.preflight`);
+        a 500 naming them here where that check was not made."""
+        if self._think_ids is None:
+            ids = [
+                (await self._ask(self._client().tokenize(tag, add_special_tokens=False)))["token_ids"]
+                for tag in (OPEN, CLOSE)
+            ]
+            if any(len(tag_ids) != 1 for tag_ids in ids):
+                raise ApiError(
+                    500,
+                    f"--reasoning-parser needs a tokenizer whose {OPEN} and {CLOSE} are single tokens; this one's are "
+                    f"{ids[0]} and {ids[1]}",
+                    code="no_think_tokens",
+                )
+            self._think_ids = (ids[0][0], ids[1][0])
+        return self._think_ids
 
     async def decode(self, ids: list[int]) -> str:
         """``ids`` decoded by the frontend as they are (special tokens kept)."""

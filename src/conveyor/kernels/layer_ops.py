@@ -14,7 +14,9 @@ model neither imports Triton nor fixes ``TRITON_INTERPRET`` (see :mod:`conveyor.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,11 +75,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor | Sequence[Any],
+    w2: torch.Tensor | Sequence[Any],
+    weights: torch.Tensor,
+    experts: torch.Tensor,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * w2[e] (silu(gate_e x_t) * up_e x_t)`` with ``e = experts[t, j]``,
     ``[T, H]`` in ``x``'s dtype: ``w13`` ``[E, 2I, H]`` stacks each expert's gate over its up
     rows, ``w2`` ``[E, H, I]``; an id outside ``0 .. E-1`` (another rank's expert) adds nothing.
+    On the CPU ``w13`` and ``w2`` may instead be sequences of per-expert quantized methods (their
+    ``apply(x, bias)``: :mod:`conveyor.worker.quantization.methods`), the same loop calling them.
 
     On CUDA the fused kernels (:func:`conveyor.kernels.fused_moe.fused_moe_triton`: no host
     sync, so a CUDA graph captures it). Elsewhere the ``T * k`` (token, expert) pairs are
@@ -85,9 +93,9 @@ def moe_experts(
     loop over experts, never over tokens; the group sizes are read on the host), the rows gathered
     once, each group's output written in place, weighted and scattered back once.
     """
-    if _use_triton(x):
+    if isinstance(w13, torch.Tensor) and _use_triton(x):
         return _triton_module("fused_moe").fused_moe_triton(x, w13, w2, weights, experts)
-    num_experts, top_k = w13.shape[0], experts.shape[1]
+    num_experts, top_k = len(w13), experts.shape[1]
     flat = experts.flatten()
     flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # elsewhere: a last group, dropped
     order = torch.argsort(flat, stable=True)
@@ -97,8 +105,12 @@ def moe_experts(
     tokens = order // top_k
     grouped = x[tokens]  # the pairs' rows, grouped by expert
     outputs = torch.empty_like(grouped)
-    for gate_up, down, rows, out in zip(w13.unbind(0), w2.unbind(0), grouped.split(counts), outputs.split(counts)):
-        if rows.shape[0]:
+    for gate_up, down, rows, out in zip(w13, w2, grouped.split(counts), outputs.split(counts)):
+        if not rows.shape[0]:
+            continue
+        if isinstance(gate_up, torch.Tensor):
             torch.mm(silu_and_mul(F.linear(rows, gate_up)), down.t(), out=out)
+        else:  # quantized methods (their kernels, :mod:`conveyor.worker.quantization.methods`)
+            out.copy_(down.apply(silu_and_mul(gate_up.apply(rows, None)), None))
     outputs.mul_(weights.flatten()[order].to(x.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, tokens, outputs)

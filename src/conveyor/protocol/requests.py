@@ -33,6 +33,7 @@ from conveyor.protocol.limits import (
     MAX_STOP_STRINGS,
     MAX_TEMPLATE_KWARGS_BYTES,
 )
+from conveyor.protocol.rl_commands import RL_FIELDS, EngineCommand, parse_rl_command
 from conveyor.protocol.sampling_fields import LOGPROBS_FIELDS, SAMPLING_FIELDS, parse_sampling
 from conveyor.protocol.token_commands import DetokenizeCommand, TokenizeCommand, parse_detokenize, parse_tokenize
 from conveyor.protocol.validation import is_int, is_number
@@ -189,6 +190,7 @@ ClientMessage = (
     | ProfileCommand
     | MetricsCommand
     | LoraCommand
+    | EngineCommand
     | TokenizeCommand
     | DetokenizeCommand
 )
@@ -232,6 +234,8 @@ def _parse_client_message(obj: dict[str, Any]) -> ClientMessage:
         return _parse_profile(obj)
     if isinstance(kind, str) and kind in LORA_FIELDS:  # a type may be any value: a list is unhashable
         return _parse_lora(obj, kind, rid_for_error)
+    if isinstance(kind, str) and kind in RL_FIELDS:
+        return parse_rl_command(obj, kind)
     if kind == TOKENIZE:
         return parse_tokenize(obj, _parse_client_message)
     if kind == DETOKENIZE:

@@ -170,6 +170,10 @@ class FrontendConfig:
     # serves (load_lora / unload_lora); off by default, since a load reads any directory the
     # client names with the server's file permissions.
     enable_lora_loading: bool = False
+    # bin/serve --enable-rl-control: clients may update the weights (from a directory the
+    # client names, or a trainer's group), put the server to sleep, wake it, pause and continue
+    # it (docs/rl.md); off by default for the same reason.
+    enable_rl_control: bool = False
     # bin/serve --max-waiting: a ZeroMQ client may hold a quarter of it in sequences in flight
     # (conveyor.frontend.shares; 0: no bound).
     max_waiting: int = 0
@@ -326,9 +330,14 @@ class SchedulerProcessConfig:
     # "exit" or "wait" (conveyor.scheduler.liveness).
     hang_timeout: float = 30.0
     on_hang: str = "exit"
+    # bin/serve --asleep-requests: requests that arrive while the server sleeps "wait" for the
+    # wake or are "refuse"d (conveyor.scheduler.control_gate).
+    asleep_requests: str = "wait"
 
     def __post_init__(self) -> None:
         require_at_least(self, 0, "hang_timeout")
+        if self.asleep_requests not in ("wait", "refuse"):
+            raise ValueError(f"asleep_requests must be 'wait' or 'refuse', got {self.asleep_requests!r}")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ LoraUpdated says it loaded. An UnloadLora is decided here: refused while a
 live request names the adapter (``lora_in_use``), else the name is forgotten at once (a
 request naming it from now on is refused) and the worker is told to free it after the plans
 already sent, none of which a later plan could still need.
+
+Weight updates, sleep and wake, pause and continue (:mod:`conveyor.scheduler.control_gate`):
+applied between steps, with nothing in flight; a paused loop plans nothing.
 """
 
 from __future__ import annotations
@@ -61,31 +64,40 @@ from conveyor.ipc.messages import (
     AbortRequests,
     AddRequest,
     CommitLora,
+    ContinueGeneration,
+    EngineControlled,
+    EngineStateQuery,
     FinishReason,
     LoadLora,
     LoraRead,
     LoraUpdated,
+    PauseGeneration,
     ProfileQuery,
     ProfileReport,
     RequestOutput,
     SchedulerStats,
     Shutdown,
+    SleepEngine,
     StatsQuery,
     StepPlan,
     StepResult,
     TokenOutputs,
     UnloadLora,
+    UpdateWeights,
+    WakeEngine,
 )
 from conveyor.ipc.step_channel import PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import SchedulerProcessConfig
 from conveyor.runtime.process import HANG_EXIT_CODE, Started, run_process
+from conveyor.scheduler.control_gate import ControlGate
 from conveyor.scheduler.liveness import HangWatch
 from conveyor.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("conveyor.scheduler")
 
 IDLE_POLL_MS = 100
+CONTROL_MESSAGES = (UpdateWeights, SleepEngine, WakeEngine, PauseGeneration, ContinueGeneration, EngineStateQuery)
 
 
 class SchedulerLoop:
@@ -110,6 +122,7 @@ class SchedulerLoop:
         self._profile_queries: deque[ProfileQuery] = deque()
         self._lora_loads: deque[LoadLora] = deque()  # likewise, each reserving its name
         self.watch = HangWatch(config.hang_timeout, config.on_hang)
+        self.gate = ControlGate(self.scheduler, config.asleep_requests)
         self._init_profiling(config.profile)
 
     def _init_profiling(self, enabled: bool) -> None:
@@ -139,12 +152,16 @@ class SchedulerLoop:
         sched = self.scheduler
         inflight = sched.state.inflight  # plans sent and not yet applied, oldest first
         while self.running:
-            block = not inflight and not sched.has_work() and not self._pending
+            paused = self.gate.paused
+            block = not inflight and (paused or not sched.has_work()) and not self._pending
             self._take_frontend_messages(timeout_ms=IDLE_POLL_MS if block else wait_ms)
             if not self.running:
                 break
             wait_ms = 0
-            if not inflight:
+            if not inflight and not sched.has_work():
+                self._next_control()
+            paused = self.gate.paused
+            if not inflight and not paused:
                 self._schedule_and_send()
             if inflight and self.overlap and sched.can_plan_ahead:
                 self._schedule_and_send()  # plan N+1 while the worker runs N
@@ -161,7 +178,7 @@ class SchedulerLoop:
                 self._column_ids.extend(outputs.request_ids)
                 self._column_tokens.extend(outputs.token_ids)
                 self._t_update.record(start, arg=plan.step_id)
-            elif sched.has_work():
+            elif sched.has_work() and not paused:
                 # Live requests but nothing to run yet (the admission gate waits for company,
                 # min_batch_size / max_wait_ms): sleep on the sockets until then, not spin.
                 ready_in = sched.seconds_until_ready()
@@ -231,14 +248,24 @@ class SchedulerLoop:
                 continue
             if msg is None:
                 return
-            if isinstance(msg, (ProfileReport, LoraRead, LoraUpdated)):
+            if isinstance(msg, (ProfileReport, LoraRead, LoraUpdated, EngineControlled)):
                 self._on_worker_report(msg)
             else:
                 log.error("unexpected worker message %s with no plan in flight", type(msg).__name__)
 
-    def _on_worker_report(self, report: ProfileReport | LoraRead | LoraUpdated) -> None:
+    def _on_worker_report(self, report: ProfileReport | LoraRead | LoraUpdated | EngineControlled) -> None:
         if isinstance(report, ProfileReport):
             self._on_worker_profile(report)
+            return
+        if isinstance(report, EngineControlled):
+            answer = self.gate.worker_answered(report)
+            if answer is None:
+                log.error("engine control report %r answers no outstanding command", report.query_id)
+                return
+            log.info("engine control %s: %s", report.query_id, answer.error or "done")
+            transport.send(self.to_frontend, answer)
+            for held in self.gate.release():
+                self._handle(held)
             return
         loads = self._lora_loads
         if not loads or loads[0].query_id != report.query_id:
@@ -297,10 +324,17 @@ class SchedulerLoop:
             if refusal is not None:
                 self._pending.append(RequestOutput(msg.request_id, [], FinishReason.ERROR, error=refusal))
                 return
-            rejected = self.scheduler.add_request(msg)
+            rejected = self.gate.admit(msg)
             if rejected is not None:
                 self._pending.append(rejected)
+        elif isinstance(msg, CONTROL_MESSAGES):
+            answer, aborted = self.gate.receive(msg)
+            self._pending.extend(aborted)
+            if answer is not None:
+                self._flush_outputs()  # (the aborts before the answer)
+                transport.send(self.to_frontend, answer)
         elif isinstance(msg, AbortRequests):
+            self.gate.forget(msg.request_ids)
             self._pending.extend(self.scheduler.abort(msg.request_ids))
         elif isinstance(msg, StatsQuery):
             transport.send(
@@ -321,6 +355,18 @@ class SchedulerLoop:
         else:
             log.error("unexpected message %s from frontend", type(msg).__name__)
 
+    def _next_control(self) -> None:
+        """With nothing in flight: send the next weight update, sleep or wake to the worker
+        ranks (on the plan channel, between two steps), or answer a ``wait`` pause."""
+        while True:
+            command, answer = self.gate.next_command(idle=True)
+            if command is not None:
+                self.to_worker.send(command)
+                return
+            if answer is None:
+                return
+            transport.send(self.to_frontend, answer)
+
     def _await_result(self, plan: StepPlan, sent: int, clean: bool) -> StepResult | None:
         """Wait for the result of ``plan`` (the oldest in flight), still serving the frontend
         meanwhile; None when told to stop."""
@@ -332,7 +378,7 @@ class SchedulerLoop:
                 except codec.DecodeError as exc:
                     log.error("malformed result from worker: %s", exc)
                     return StepResult(plan.step_id, [], [], error=f"malformed worker result: {exc}")
-                if isinstance(result, (ProfileReport, LoraRead, LoraUpdated)):
+                if isinstance(result, (ProfileReport, LoraRead, LoraUpdated, EngineControlled)):
                     self._on_worker_report(result)
                     continue
                 if not isinstance(result, StepResult) or result.step_id != plan.step_id:
@@ -379,6 +425,9 @@ class SchedulerLoop:
 
     def _flush_outputs(self) -> None:
         if self._pending or self._column_ids:
+            for out in self._pending:  # (what finishes ran on this version: an update waits for it)
+                if out.finish_reason is not None:
+                    out.weight_version = self.gate.weight_version
             start = profiling.now_ns()
             transport.send(self.to_frontend, TokenOutputs(self._pending, self._column_ids, self._column_tokens))
             self._t_flush.record(start, arg=len(self._pending) + len(self._column_ids))

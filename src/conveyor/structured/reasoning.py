@@ -13,7 +13,8 @@ The tags are left out, and so are the newlines around them (the templates write
 ``<think>\\n...\\n</think>\\n\\n``); an answer without a think block is its content as it
 came. Streamed, text that may still become a tag is held back until the next piece or the end
 decides it, so concatenating the deltas of any chunking gives :func:`split_reasoning` of the
-whole text. Tool calls are read from the content alone.
+whole text. Tool calls are read from the content alone. :func:`reasoning_token_count` counts
+an answer's reasoning in tokens (the ``reasoning_tokens`` of the usage), by the tags' token ids.
 """
 
 from __future__ import annotations
@@ -115,3 +116,14 @@ def split_reasoning(text: str, format: str) -> tuple[str | None, str]:
     first, last = parser.feed(text), parser.finish()
     reasoning = first.reasoning + last.reasoning
     return (reasoning if parser.reasoned else None), first.content + last.content
+
+
+def reasoning_token_count(token_ids: list[int], open_id: int, close_id: int) -> int:
+    """The tokens inside the think block of an answer that had one (its tags not counted, as the
+    reasoning budget counts them): from after its first ``<think>`` token (the start where the
+    template opened the block) up to its first ``</think>`` token (the end where it never closed)."""
+    start = token_ids.index(open_id) + 1 if open_id in token_ids else 0
+    try:
+        return token_ids.index(close_id, start) - start
+    except ValueError:
+        return len(token_ids) - start

@@ -25,9 +25,12 @@ from conveyor.ipc.messages import (
     ProfileQuery,
     ProfileReport,
     Shutdown,
+    SleepEngine,
     StepPlan,
     StepResult,
     UnloadLora,
+    UpdateWeights,
+    WakeEngine,
 )
 from conveyor.ipc.step_channel import PeerGone, StepSender
 from conveyor.ipc.step_receivers import StepReceiver
@@ -243,6 +246,9 @@ class StepLoop:
         from conveyor.worker.lora_updates import AdapterReads  # (torch: imported with the runner, not this module)
 
         self.reads = AdapterReads(runner.adapters)  # LoRA adapters being read off the loop
+        from conveyor.worker.engine_control import EngineControl
+
+        self.control = EngineControl(runner)  # weight updates, sleep and wake
 
     def run(self) -> None:
         idle_start = profiling.now_ns()
@@ -275,6 +281,14 @@ class StepLoop:
                 continue
             if isinstance(msg, (LoadLora, CommitLora, UnloadLora)):
                 self._update_lora(msg)
+                continue
+            if isinstance(msg, (UpdateWeights, SleepEngine, WakeEngine)):
+                if self.pending is not None:  # (the scheduler sends these with no plan in flight)
+                    self._finish_pending()
+                answer = self.control.apply(msg)
+                if self.results is not None:
+                    self.results.send(answer)
+                idle_start = profiling.now_ns()
                 continue
             if not isinstance(msg, StepPlan):
                 log.error("unexpected message %s", type(msg).__name__)

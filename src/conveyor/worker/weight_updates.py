@@ -68,11 +68,12 @@ def update_from_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tens
 
 @torch.no_grad()
 def update_from_disk(model: CausalLM, model_dir: str | Path) -> None:
-    """Load the checkpoint in ``model_dir`` (safetensors or GGUF, as at start) into ``model``."""
+    """Load the checkpoint in ``model_dir`` (safetensors or GGUF, as at start) into ``model``.
+    Its files are opened once: the slices listed (headers only) are checked, then read."""
     model_dir = Path(model_dir)
-    shapes = {name: tuple(stored.get_shape()) for _, name, stored in checkpoint_tensors(model_dir)}
-    check_update(model, shapes, str(model_dir))
-    load_weights(model, checkpoint_tensors(model_dir))
+    stored = list(checkpoint_tensors(model_dir))
+    check_update(model, {name: tuple(tensor.get_shape()) for _, name, tensor in stored}, str(model_dir))
+    load_weights(model, stored)
 
 
 def weight_update_group(address: str, rank: int, world_size: int, timeout_s: float = 300.0) -> dist.ProcessGroup:

@@ -6,7 +6,9 @@ its metadata leaves out: q/k rows in rotary-interleaved order (Llama), tensor na
 RMSNorm weights stored as ``1 + w`` (Gemma: the converter adds the 1; HF checkpoints and
 Conveyor's models hold ``w``), config keys GGUF has no field for (llama.cpp hard-codes them per
 architecture too: Gemma 3's local rope base, layer pattern and query scale), the tokens that
-end a turn and a chat template for files that carry none. Torch-free.
+end a turn and a chat template for files that carry none, and for a mixture of experts the names
+of its router and stacked experts (:mod:`.experts`; ``llama`` is Mixtral when its metadata counts
+experts). Torch-free.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from conveyor.checkpoints.gguf import experts
 
 # (metadata key -> value or None) of one file.
 Getter = Callable[[str], Any]
@@ -32,6 +36,8 @@ class Family:
     config: Callable[[str, Getter], dict[str, Any]] | None = None  # (arch, metadata) -> extra config.json keys
     end_of_turn: tuple[str, ...] = ()  # token texts that also end generation
     chat_template: str | None = None  # for a file without ``tokenizer.chat_template``
+    experts: bool = False  # a mixture of experts: router and stacked experts (:mod:`.experts`)
+    sparse: Family | None = None  # what a file of this architecture is when ``{arch}.expert_count`` is set
 
 
 def _gemma3_config(arch: str, get: Getter) -> dict[str, Any]:
@@ -74,10 +80,22 @@ GEMMA_CHAT_TEMPLATE = """{{- bos_token -}}
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}
 """
 
+# Mixtral: llama.cpp's converter writes it as ``llama`` (q/k permuted) with experts.
+MIXTRAL = Family(
+    "MixtralForCausalLM",
+    "mixtral",
+    permuted_qk=True,
+    layer_names=experts.layer_names("MixtralForCausalLM"),
+    experts=True,
+)
+
 FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaForCausalLM", "llama", permuted_qk=True),
+    "llama": Family("LlamaForCausalLM", "llama", permuted_qk=True, sparse=MIXTRAL),
     "qwen2": Family("Qwen2ForCausalLM", "qwen2"),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": Family(
+        "Qwen3MoeForCausalLM", "qwen3_moe", layer_names=experts.layer_names("Qwen3MoeForCausalLM"), experts=True
+    ),
     "gemma3": Family(
         "Gemma3ForCausalLM",
         "gemma3_text",
@@ -97,4 +115,5 @@ FAMILIES: dict[str, Family] = {
 
 def family_of_model_type(model_type: str) -> Family:
     """The family whose config.json ``model_type`` is ``model_type`` (a prepared directory's)."""
-    return next(family for family in FAMILIES.values() if family.model_type == model_type)
+    every = [*FAMILIES.values(), *(family.sparse for family in FAMILIES.values() if family.sparse)]
+    return next(family for family in every if family.model_type == model_type)

@@ -87,7 +87,7 @@ def _write(source: Path, identity: dict[str, Any], out: Path) -> None:
         ModelConfig.from_dicts(config, generation)
     except ValueError as exc:
         raise GGUFError(f"{source}: {exc}") from None
-    check_tensors(reader, source)
+    check_tensors(reader, config, source)
     if reader.fields.get("tokenizer.ggml.tokens") is None:
         raise GGUFError(f"{source}: metadata field tokenizer.ggml.tokens is missing (the file carries no tokenizer)")
     _convert_tokenizer(source, out, family_of_model_type(config["model_type"]).chat_template)

@@ -7,7 +7,8 @@ tokenizer as ``tokenizer.*`` keys and every weight, often block-quantized (Q8_0,
 this module maps what it reads onto what the rest of Conveyor already understands, so
 nothing downstream has a GGUF case: :func:`hf_config` gives the dicts
 :meth:`~conveyor.checkpoints.model_config.ModelConfig.from_dicts` parses, :func:`hf_tensors`
-the tensors under the names the worker's loader expects.
+the tensors under the names the worker's loader expects (a mixture of experts' stacked
+expert tensors one per expert, :mod:`.experts`).
 
 llama.cpp's converter permutes the rows of Llama's q and k projections (it rotates
 interleaved pairs, HF rotates halves); :func:`unpermute` undoes it as transformers' GGUF
@@ -28,6 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from conveyor.checkpoints.gguf.errors import GGUFError
+from conveyor.checkpoints.gguf.experts import (
+    EXPERT_FIELD,
+    check_expert_shapes,
+    moe_config,
+    per_expert_name,
+    split_experts,
+)
 from conveyor.checkpoints.gguf.families import FAMILIES, Family, family_of_model_type
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
@@ -63,10 +72,6 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 # general.file_type -> the dtype a GPU serves it in by default (--dtype auto): a float file
 # keeps its own; a quantized one is dequantized to bfloat16 (its values fit that range).
 _FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
-
-
-class GGUFError(ValueError):
-    """A GGUF file Conveyor cannot serve; the message names the file and the field or tensor."""
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
@@ -139,14 +144,19 @@ def hf_config(reader: GGUFReader, path: str | Path) -> tuple[dict[str, Any], dic
     }
     if family.config is not None:
         config.update(family.config(arch, fields.get))
+    if family.experts:
+        config.update(moe_config(arch, family.architecture, fields.get, _shapes(reader), path))
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id") if config[key] is not None}
     return config, generation
 
 
-def check_tensors(reader: GGUFReader, path: str | Path) -> None:
+def check_tensors(reader: GGUFReader, config: dict[str, Any], path: str | Path) -> None:
     """GGUFError for a tensor of a type `gguf` cannot dequantize or of a name Conveyor does not
-    map: both found before any weight is read."""
+    map, or a mixture of experts' router or stacked experts missing or of the wrong shape
+    (``config``: :func:`hf_config`'s): all found before any weight is read."""
     _, family = _family(_Fields(reader, path), path)
+    if family.experts:
+        check_expert_shapes(config, _shapes(reader), path)
     for tensor in reader.tensors:
         hf_name(tensor.name, path, family)
         if not dequantizable(tensor.tensor_type):
@@ -172,10 +182,15 @@ def raw_tensors(
     """(HF name, the file's tensor as stored, the head count whose rotary row order
     :func:`unpermute` must undo or None, what to subtract from its dequantized values: a
     Gemma norm's 1, else 0) for every tensor: what a reader keeping the blocks quantized
-    starts from."""
+    starts from. A stacked expert tensor comes as one 2-D tensor per expert, under that
+    expert's name (:func:`~.experts.split_experts`)."""
     family = family_of_model_type(config["model_type"])
     for tensor in reader.tensors:
         name = hf_name(tensor.name, path, family)
+        if EXPERT_FIELD in name:
+            for expert, part in split_experts(tensor):
+                yield name.replace(EXPERT_FIELD, str(expert)), part, None, 0.0
+            continue
         heads = None
         if family.permuted_qk and name.endswith("self_attn.q_proj.weight"):
             heads = config["num_attention_heads"]
@@ -194,6 +209,8 @@ def hf_name(name: str, path: str | Path, family: Family) -> str:
     suffix = match.group(2) if match else None
     if suffix in family.layer_names or suffix in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{family.layer_names.get(suffix) or _LAYER_NAMES[suffix]}"
+    if family.experts and (expert := per_expert_name(suffix, family.architecture)):
+        return f"model.layers.{match.group(1)}.{expert}"
     raise GGUFError(f"{path}: tensor {name} has no counterpart in Conveyor's models")
 
 
@@ -206,7 +223,15 @@ def _family(fields: _Fields, path: str | Path) -> tuple[str, Family]:
         raise GGUFError(
             f"{path}: general.architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
-    return arch, ARCHITECTURES[arch]
+    family = ARCHITECTURES[arch]
+    if family.sparse is not None and fields.get(f"{arch}.expert_count"):
+        return arch, family.sparse
+    return arch, family
+
+
+def _shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in HF order (GGUF lists dimensions innermost first), by GGUF name."""
+    return {t.name: tuple(reversed([int(d) for d in t.shape])) for t in reader.tensors}
 
 
 @cache

@@ -18,12 +18,24 @@ registry, :class:`Positional`, :data:`Int32Array`), :mod:`~conveyor.ipc.messages
 (requests in, tokens and stats out), :mod:`~conveyor.ipc.messages.scheduler_worker` (plans and
 results, with the invariants their receivers rely on), :mod:`~conveyor.ipc.messages.process_control`
 (ready, failed, shutdown), :mod:`~conveyor.ipc.messages.profile_reports` and
-:mod:`~conveyor.ipc.messages.lora_updates` (adapters loaded and unloaded while serving). Every name is
+:mod:`~conveyor.ipc.messages.lora_updates` (adapters loaded and unloaded while serving),
+:mod:`~conveyor.ipc.messages.engine_control` (weight updates, sleep, pause: docs/rl.md). Every name is
 re-exported here, and importing this package registers every message type.
 """
 
 from __future__ import annotations
 
+from conveyor.ipc.messages.engine_control import (
+    ContinueGeneration,
+    EngineControlled,
+    EngineStateQuery,
+    PauseGeneration,
+    SleepEngine,
+    UpdateWeights,
+    WakeEngine,
+    WeightGroup,
+    WeightSpecs,
+)
 from conveyor.ipc.messages.frontend_scheduler import (
     ITERATION_TOKEN_BUCKETS,
     MAX_LOGIT_BIAS,
@@ -87,6 +99,15 @@ from conveyor.ipc.messages.tagged import (
 )
 
 __all__ = [
+    "ContinueGeneration",
+    "EngineControlled",
+    "EngineStateQuery",
+    "PauseGeneration",
+    "SleepEngine",
+    "UpdateWeights",
+    "WakeEngine",
+    "WeightGroup",
+    "WeightSpecs",
     "AbortRequests",
     "AddRequest",
     "CachedRequests",

@@ -187,6 +187,9 @@ class RequestOutput(Message, tag=10):
     prompt_logprobs: TokenLogprobs | None = None
     # A pooling request's final: its pooled vector, little-endian float32 bytes.
     embedding: bytes | None = None
+    # On a request's final: the weight version (updates since start) it ran on, all of it (an
+    # update waits until what runs has finished or is aborted: conveyor.ipc.messages.engine_control).
+    weight_version: int | None = None
 
 
 @message

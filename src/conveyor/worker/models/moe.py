@@ -5,7 +5,10 @@ Experts are stored stacked, one parameter for all gate/up projections and one fo
 projections (``w13`` ``[E * 2I, H]`` viewed as ``[E, 2I, H]``, ``w2`` ``[E * H, I]`` viewed as
 ``[E, H, I]``): the loader fills expert ``e``'s ``[I, H]`` gate rows at ``e * 2I``, its up rows
 at ``e * 2I + I`` and its down rows at ``e * H`` (:meth:`SparseMoe.layout`), so per-expert
-checkpoint tensors are stacked at load through the loader's ordinary row slots.
+checkpoint tensors are stacked at load through the loader's ordinary row slots. Under
+``--quantization`` on the CPU the two stacks are instead one quantized method per expert
+(:class:`~conveyor.worker.quantization.loading.QuantizedExperts`: a GGUF file's Q8_0 / Q4_x
+blocks kept as they are), filled through the same slots.
 
 The experts run as a batch, never token by token
 (:func:`conveyor.kernels.layer_ops.moe_experts`): on CUDA one fused Triton kernel pair
@@ -33,10 +36,6 @@ from conveyor.kernels.layer_ops import moe_experts
 from conveyor.worker.models.interface import WeightSlot
 from conveyor.worker.models.layers import Linear
 from conveyor.worker.parallel import TensorParallel, all_reduce_, shard_experts
-
-#: Checkpoint names of an expert's projections: (gate, up, down) and the sparse block's module.
-QWEN_EXPERT_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
-MIXTRAL_EXPERT_NAMES = ("block_sparse_moe", ("w1", "w3", "w2"))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,13 +69,32 @@ class SparseMoe(nn.Module):
             torch.empty(count * 2 * self.width, hidden, dtype=dtype, device=device), requires_grad=False
         )
         self.w2 = nn.Parameter(torch.empty(count * hidden, self.width, dtype=dtype, device=device), requires_grad=False)
+        self.quantized: dict[str, object] = {}  # stack name -> its quantized experts, under --quantization
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.renormalize)
-        w13 = self.w13.view(self.shard.count, 2 * self.width, self.hidden_size)
-        w2 = self.w2.view(self.shard.count, self.hidden_size, self.width)
+        if self.quantized:  # one quantized method per expert (quantization.loading.QuantizedExperts)
+            w13, w2 = self.quantized["w13"].quant, self.quantized["w2"].quant
+        else:
+            w13 = self.w13.view(self.shard.count, 2 * self.width, self.hidden_size)
+            w2 = self.w2.view(self.shard.count, self.hidden_size, self.width)
         local = experts - self.shard.first  # other ranks' experts fall outside 0 .. count-1
         return all_reduce_(moe_experts(x, w13, w2, weights, local), self.tensor_parallel)
+
+    def expert_stacks(self) -> dict[str, tuple[int, int, int]]:
+        """``w13`` and ``w2`` as (experts held, rows per expert, input features): what a
+        quantized load fills (:func:`~conveyor.worker.quantization.loading.quantize_linears`)."""
+        return {
+            "w13": (self.shard.count, 2 * self.width, self.hidden_size),
+            "w2": (self.shard.count, self.hidden_size, self.width),
+        }
+
+    def quantize_experts(self, stack: str, target):
+        """Serve stack ``stack`` (``w13`` / ``w2``) from ``target``'s per-expert quantized
+        methods once loaded, its float parameter dropped; returns ``target`` (the loader's)."""
+        setattr(self, stack, None)
+        self.quantized[stack] = target
+        return target
 
     def layout(
         self, theirs: str, ours: str, names: tuple[str, tuple[str, str, str]], intermediate: int

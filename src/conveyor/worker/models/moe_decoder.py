@@ -21,14 +21,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from conveyor.checkpoints.moe_config import EXPERT_NAMES
 from conveyor.worker.models.interface import DECODER_LORA_TARGETS, LoraTarget, WeightSlot
 from conveyor.worker.models.llama import LlamaFamilyModel
-from conveyor.worker.models.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, SparseMoe
+from conveyor.worker.models.moe import SparseMoe
 from conveyor.worker.parallel import TensorParallel
 
 __all__ = ["MoeDecoderModel"]
-
-_EXPERT_NAMES = {"Qwen3MoeForCausalLM": QWEN_EXPERT_NAMES, "MixtralForCausalLM": MIXTRAL_EXPERT_NAMES}
 
 
 class MoeDecoderModel(LlamaFamilyModel):
@@ -53,7 +52,7 @@ class MoeDecoderModel(LlamaFamilyModel):
         (:meth:`SparseMoe.layout`)."""
         layout = super().checkpoint_layout()
         config = self.config
-        names = _EXPERT_NAMES[config.architecture]
+        names = EXPERT_NAMES[config.architecture]
         for i, layer in enumerate(self.layers):
             if not isinstance(layer.mlp, SparseMoe):
                 continue

@@ -10,7 +10,8 @@ method's kernel layout (:mod:`.methods`) and the staging is dropped.
 
 Schemes: ``int8`` / ``int4`` / ``fp8`` quantize a float checkpoint; ``checkpoint`` keeps a GGUF
 file's blocks (Q4_0/Q4_1 and 4-bit k-quants as int4, the rest as int8), and GPTQ/AWQ's
-groups as int4. The LM head is int8
+groups as int4. A mixture of experts' stacked experts are quantized the same way on the CPU,
+one method per expert (:class:`QuantizedExperts`). The LM head is int8
 under every scheme (it is the largest matmul and the most sensitive one).
 """
 
@@ -76,6 +77,37 @@ class PendingWeight:
         return Int8Weights(_concat([as_int8_per_channel(p) for p in parts]), device)  # mixed parts: int8 per channel
 
 
+class QuantizedExperts:
+    """A sparse layer's stacked expert weight (``w13`` or ``w2``,
+    :class:`~conveyor.worker.models.moe.SparseMoe`) kept quantized on the CPU: one method per
+    expert, filled by the loader as a Linear is (stack rows ``e * rows ...`` are expert ``e``'s;
+    an expert's parts never straddle two experts). ``quant``: the experts' methods, in order,
+    once every expert's rows are in."""
+
+    def __init__(self, scheme: str, count: int, rows: int, in_features: int, device: torch.device | str) -> None:
+        self.rows, self.in_features, self.device = rows, in_features, device
+        self.experts: list[PendingWeight | QuantizedWeights] = [
+            PendingWeight(scheme, rows, in_features) for _ in range(count)
+        ]
+        self.pending = self  # what the loader adds parts to (load_part)
+        self.quant: list[QuantizedWeights] | None = None
+
+    def add(self, start: int, part: torch.Tensor | QuantizedTensor) -> None:
+        expert, offset = divmod(start, self.rows)
+        pending = self.experts[expert]
+        assert isinstance(pending, PendingWeight), f"expert {expert}'s rows were already complete"
+        pending.add(offset, part)
+        if pending.complete:  # built at once: its staged parts are dropped
+            self.experts[expert] = pending.build(self.device)
+
+    @property
+    def complete(self) -> bool:
+        return not any(isinstance(expert, PendingWeight) for expert in self.experts)
+
+    def build(self, device: torch.device | str) -> list[QuantizedWeights]:
+        return list(self.experts)  # type: ignore[arg-type]  (complete: every one built)
+
+
 def _concat(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """The parts (of one form) stacked by rows."""
     first = parts[0]
@@ -85,29 +117,48 @@ def _concat(parts: list[QuantizedTensor]) -> QuantizedTensor:
     )
 
 
-def quantize_linears(model: nn.Module, scheme: str) -> dict[str, nn.Module]:
+def quantize_linears(model: nn.Module, scheme: str) -> dict[str, nn.Module | QuantizedExperts]:
     """Give every Linear of ``model`` a :class:`PendingWeight` under ``scheme`` (its float
-    weight dropped); the result maps each one's weight parameter name to the Linear, for the
-    loader. ValueError (naming the layer and the group) when a group would straddle this
-    tensor-parallel rank's share of a layer's input features."""
+    weight dropped), and on the CPU every sparse layer's expert stacks a
+    :class:`QuantizedExperts` (on CUDA the fused MoE kernel reads float experts, so they stay
+    float there; a sparse layer's router stays float everywhere); the result maps each one's
+    weight parameter name to its target, for the loader. ValueError (naming the layer and the
+    group) when a group would straddle this tensor-parallel rank's share of a layer's input
+    features."""
     from conveyor.worker.models.layers import Linear
+    from conveyor.worker.models.moe import SparseMoe
 
     if scheme not in SCHEMES:
         raise ValueError(f"--quantization {scheme!r}: use one of {', '.join(SCHEMES)}")
-    targets: dict[str, nn.Module] = {}
+    targets: dict[str, nn.Module | QuantizedExperts] = {}
     if scheme == "none":
         return targets
     group = {"int4": INT4_GROUP_SIZE, "checkpoint": GGUF_BLOCK}.get(scheme)
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
-        head = name == "lm_head"
-        if group is not None and not head and module.in_features % group:
+
+    def check_group(name: str, in_features: int) -> None:
+        if group is not None and in_features % group:
             raise ValueError(
-                f"--quantization {scheme}: {name} has {module.in_features} input features on this rank, "
+                f"--quantization {scheme}: {name} has {in_features} input features on this rank, "
                 f"not a multiple of the quantization group of {group}; "
                 "use another --tensor-parallel-size or --quantization none"
             )
+
+    cpu = torch.device(model.device).type == "cpu"
+    routers = set()  # a sparse layer's router stays float: it is tiny, and its top-k picks are sensitive
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoe):
+            routers.add(f"{name}.gate")
+            for stack, (count, rows, in_features) in module.expert_stacks().items() if cpu else ():
+                check_group(f"{name}.{stack}", in_features)
+                targets[f"{name}.{stack}"] = module.quantize_experts(
+                    stack, QuantizedExperts(scheme, count, rows, in_features, model.device)
+                )
+            continue
+        if not isinstance(module, Linear) or name in routers:
+            continue
+        head = name == "lm_head"
+        if not head:
+            check_group(name, module.in_features)
         module.weight = None
         module.pending = PendingWeight("int8" if head else scheme, module.out_features, module.in_features)
         targets[f"{name}.weight"] = module
@@ -115,8 +166,11 @@ def quantize_linears(model: nn.Module, scheme: str) -> dict[str, nn.Module]:
     return targets
 
 
-def load_part(linear: nn.Module, start: int, part: torch.Tensor | QuantizedTensor, device: torch.device | str) -> None:
-    """Add rows ``start:`` of ``linear``'s weight; the last part turns them into its method."""
+def load_part(
+    linear: nn.Module | QuantizedExperts, start: int, part: torch.Tensor | QuantizedTensor, device: torch.device | str
+) -> None:
+    """Add rows ``start:`` of ``linear``'s weight (or an expert stack's); the last part turns
+    them into its method."""
     linear.pending.add(start, part)
     if linear.pending.complete:
         linear.quant = linear.pending.build(device)

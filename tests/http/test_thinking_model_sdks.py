@@ -1,11 +1,13 @@
-"""The official ``openai`` SDK, unchanged, against bin/serve --http-port on a tiny Qwen3 whose chat
-template has a think block (tests/checkpoints.py), served with ``--reasoning-parser qwen3`` and
-``--tool-call-parser hermes``: ``responses.create`` streamed and not, a function tool round
-trip, ``text.format`` and ``responses.parse`` / ``chat.completions.parse`` with pydantic models,
-reasoning on chat and Responses (Messages' thinking blocks: tests/http/test_anthropic_requests.py).
+"""The official ``openai`` and ``anthropic`` SDKs, unchanged, against one bin/serve --http-port on a
+tiny Qwen3 whose chat template has a think block (tests/checkpoints.py), served with
+``--reasoning-parser qwen3`` and ``--tool-call-parser hermes``: ``responses.create`` streamed and
+not, a function tool round trip, ``text.format`` and ``responses.parse`` / ``chat.completions.parse``
+with pydantic models, reasoning on chat and Responses with its token counts, and Anthropic's
+``messages.create`` / ``messages.stream`` with thinking blocks and tools.
 
 Random weights never write a think block, so the answers with reasoning are forced: vLLM's
-``structured_outputs`` regex makes the model write a known text, which the parsers then split.
+``structured_outputs`` grammar makes the model write a known text, which the parsers then split,
+or the reasoning budget's grammar makes it open the block (Messages' ``thinking.budget_tokens``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 import urllib.request
 from typing import Literal
 
+import anthropic
 import openai
 import pytest
 from pydantic import BaseModel
@@ -158,12 +161,35 @@ def test_reasoning_on_chat_streamed_and_not(client, model) -> None:
     ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
     entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert ids[0] == 4096 and 4097 in ids and len(entries) == len(ids) == whole.usage.completion_tokens
+    # The usage counts the think block's tokens (between the tags), whole and in a stream's usage chunk.
+    thought = ids.index(4097) - 1
+    assert thought > 3 and whole.usage.completion_tokens_details.reasoning_tokens == thought
+    last = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=40, stream=True, stream_options={"include_usage": True},
+            extra_body=forced(THOUGHT),
+        )
+    )[-1]  # fmt: skip
+    assert last.usage.completion_tokens_details.reasoning_tokens == thought
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=3, extra_body=forced("Hi"))
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    # An empty think block: reasoning_content "" (not null), whole and streamed alike.
+    empty = {"model": model, "messages": messages, "max_tokens": 5, "extra_body": forced("<think></think>Hi")}
+    message = client.chat.completions.create(**empty).choices[0].message
+    assert (message.reasoning_content, message.content) == ("", "Hi")
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**empty, stream=True) if c.choices]
+    assert [d.model_extra["reasoning_content"] for d in deltas if "reasoning_content" in d.model_extra] == [""]
 
 
 def test_reasoning_items_on_responses_streamed_and_not(client, model) -> None:
     whole = client.responses.create(model=model, input="hello", max_output_tokens=40, extra_body=forced(THOUGHT))
     assert whole.status == "completed" and [item.type for item in whole.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].text == "The user greets me." and whole.output_text == "Hello there"
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=40, extra_body=forced(THOUGHT)
+    )
+    reasoning_tokens = whole.usage.output_tokens_details.reasoning_tokens
+    assert reasoning_tokens == chat.usage.completion_tokens_details.reasoning_tokens > 0
     events = list(
         client.responses.create(
             model=model, input="hello", max_output_tokens=40, stream=True, extra_body=forced(THOUGHT)
@@ -173,6 +199,7 @@ def test_reasoning_items_on_responses_streamed_and_not(client, model) -> None:
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there"
     added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
     assert added == [(0, "reasoning"), (1, "message")] and events[-1].type == "response.completed"
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == reasoning_tokens
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
     # The SDK's own stream helper accumulates the events into the same response.
     with client.responses.stream(
@@ -247,6 +274,54 @@ def test_tool_calls_are_read_after_the_reasoning(client, model) -> None:
             extra_body=forced(inside))  # fmt: skip
     message = chat.choices[0].message
     assert message.tool_calls is None and message.content == "No call" and "<tool_call>" in message.reasoning_content
+    # Streamed chat: the reasoning deltas, then the call read from what follows the block.
+    chat_tool = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "weather?"}], tools=[chat_tool], max_tokens=60,
+            stream=True, extra_body=forced(CALL_AFTER_THOUGHT),
+        )
+    )  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    [call_delta] = [d for d in deltas if d.tool_calls]
+    assert reasoning == "I should look it up." and call_delta.tool_calls[0].function.name == "get_weather"
+    assert json.loads(call_delta.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert deltas.index(call_delta) > max(i for i, d in enumerate(deltas) if getattr(d, "reasoning_content", None))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_completions_and_embeddings_equal_transformers(client, model, server, thinking_checkpoint) -> None:
+    """The other SDK endpoints on the same Qwen3: a greedy completion is transformers' greedy
+    continuation, and an embedding transformers' last hidden state (normalized)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(thinking_checkpoint, dtype=torch.float32).eval()
+    prompt = "Once upon a time"
+    request = urllib.request.Request(
+        server.url + "/tokenize",
+        json.dumps({"model": model, "prompt": prompt}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        ids = json.loads(reply.read())["tokens"]
+    completion = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    with torch.inference_mode():
+        tokens = torch.tensor([ids])
+        out = hf.generate(
+            tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+        hidden = hf.model(tokens).last_hidden_state[0, -1]
+    assert completion.choices[0].model_extra["token_ids"] == out[0, len(ids) :].tolist()
+    embedding = client.embeddings.create(model=model, input=prompt).data[0].embedding
+    assert torch.allclose(torch.tensor(embedding), torch.nn.functional.normalize(hidden, dim=0), atol=1e-4)
 
 
 class City(BaseModel):
@@ -313,6 +388,7 @@ def test_reasoning_budget_closes_the_think_block(client, model) -> None:
     )  # fmt: skip
     ids = whole.choices[0].model_extra["token_ids"]
     assert ids[0] == think and end in ids[1:5] and len(ids) == 10
+    assert whole.usage.completion_tokens_details.reasoning_tokens == ids.index(end) - 1 <= 3
     assert whole.choices[0].message.reasoning_content is not None
     schema = {
         "type": "object",
@@ -335,3 +411,105 @@ def test_reasoning_budget_closes_the_think_block(client, model) -> None:
             model=model, messages=[{"role": "user", "content": "hi"}], extra_body={"max_reasoning_tokens": -1}
         )
     assert info.value.body["param"] == "max_reasoning_tokens"
+
+
+TIME_TOOL = {
+    "name": "get_time",
+    "description": "the time in a zone",
+    "input_schema": {
+        "type": "object",
+        "properties": {"zone": {"enum": ["utc", "cet"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
+# Anthropic's documented raw event kinds (the SDK's stream also yields its own text/thinking/... events).
+RAW = {
+    "message_start",
+    "content_block_start",
+    "content_block_delta",
+    "content_block_stop",
+    "message_delta",
+    "message_stop",
+}
+
+
+@pytest.fixture(scope="module")
+def messages_api(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_anthropic_thinking_blocks_streamed_and_not(messages_api, client, model) -> None:
+    """``thinking`` enabled with a budget: the model must open the think block (the budget's
+    grammar), so the answer is a thinking block, then text: the chat answer's reasoning_content
+    and content under ``max_reasoning_tokens`` (one request path). Streamed, the SDK sees
+    Anthropic's sequence (thinking_delta, signature_delta, stop, then the text block) and
+    accumulates the same message."""
+    hello = [{"role": "user", "content": "hello"}]
+    asked = {"model": model, "max_tokens": 10, "messages": hello, "thinking": {"type": "enabled", "budget_tokens": 3}}
+    greedy = {"temperature": 0, "ignore_eos": True}
+    msg = messages_api.messages.create(**asked, extra_body=greedy)
+    chat = client.chat.completions.create(
+        model=model, messages=hello, max_tokens=10, extra_body={**greedy, "max_reasoning_tokens": 3}
+    ).choices[0]
+    assert [b.type for b in msg.content] == ["thinking", "text"] and msg.stop_reason == "max_tokens"
+    assert (msg.content[0].thinking, msg.content[1].text) == (chat.message.reasoning_content, chat.message.content)
+    with messages_api.messages.stream(**asked, extra_body=greedy) as stream:
+        raw = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream if e.type in RAW]
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == [
+        (b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in msg.content
+    ]
+    assert final.usage.output_tokens == msg.usage.output_tokens == 10
+    kinds = [kind for kind, _ in raw]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-2:] == ["message_delta", "message_stop"]
+    signed = raw.index(("content_block_delta", "signature_delta"))
+    assert {d for _, d in raw[1:signed] if d} <= {"thinking_delta"}
+    assert kinds[signed + 1 : signed + 3] == ["content_block_stop", "content_block_start"]
+    assert {d for _, d in raw[signed + 3 : -3]} == {"text_delta"} and kinds[-3] == "content_block_stop"
+    # thinking disabled: the template renders an empty think block into the prompt; the answer is text.
+    off = messages_api.messages.create(
+        model=model, max_tokens=3, messages=hello, thinking={"type": "disabled"}, extra_body=greedy
+    )
+    assert [b.type for b in off.content] == ["text"]
+    counted = {
+        kind: messages_api.messages.count_tokens(model=model, messages=hello, thinking={"type": kind}).input_tokens
+        for kind in ("enabled", "disabled")
+    }
+    assert counted["disabled"] > counted["enabled"] and counted["disabled"] == off.usage.input_tokens
+
+
+def test_anthropic_tools_with_and_without_thinking(messages_api, model) -> None:
+    """A tool forced (``tool_choice: tool``): a ``tool_use`` block, created and streamed (the
+    SDK's ``input_json`` events); with thinking and ``auto`` the tools reach the template and the
+    answer still opens with its thinking block."""
+    ask = [{"role": "user", "content": "what time is it?"}]
+    forced_tool = {"tools": [TIME_TOOL], "tool_choice": {"type": "tool", "name": "get_time"}}
+    msg = messages_api.messages.create(model=model, max_tokens=40, messages=ask, extra_body={"seed": 3}, **forced_tool)
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
+    assert msg.content[0].name == "get_time" and msg.content[0].input["zone"] in ("utc", "cet")
+    with messages_api.messages.stream(
+        model=model, max_tokens=40, messages=ask, extra_body={"seed": 3}, **forced_tool
+    ) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert "input_json" in kinds and final.stop_reason == "tool_use" and final.content[0].input == msg.content[0].input
+    thought = messages_api.messages.create(
+        model=model, max_tokens=8, messages=ask, tools=[TIME_TOOL], tool_choice={"type": "auto"},
+        thinking={"type": "enabled", "budget_tokens": 2}, extra_body={"temperature": 0},
+    )  # fmt: skip
+    assert thought.content[0].type == "thinking"
+    count = messages_api.messages.count_tokens
+    assert thought.usage.input_tokens == count(model=model, messages=ask, tools=[TIME_TOOL]).input_tokens
+    assert thought.usage.input_tokens > count(model=model, messages=ask).input_tokens  # the tools are rendered
+    # The call's result answered; an earlier turn's thinking block is dropped (as the templates drop reasoning).
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "utc"}}
+    thinking = {"type": "thinking", "thinking": "hm", "signature": ""}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "12:00"}
+    turns = [*ask, {"role": "assistant", "content": [thinking, call]}, {"role": "user", "content": [result]}]
+    answer = messages_api.messages.create(
+        model=model, max_tokens=3, tools=[TIME_TOOL], messages=turns, extra_body={"temperature": 0}
+    )
+    unthought = [turns[0], {"role": "assistant", "content": [call]}, turns[2]]
+    assert answer.usage.input_tokens == count(model=model, messages=unthought, tools=[TIME_TOOL]).input_tokens
+    assert answer.usage.input_tokens > thought.usage.input_tokens

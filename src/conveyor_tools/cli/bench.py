@@ -211,6 +211,9 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             note = "no server: online runs go through the ZeroMQ client to a bin/serve"
             rows.append((name, {"unavailable": note}))
     failed: set[str] = set()
+    # A busy run's prompts are fresh tokens of the same lengths (the same for every system): the
+    # quiet run before it on the same server would otherwise leave them all in the prefix cache.
+    busy_workload = retokenized(workload, workload.seed + 100, ctx["vocab_size"]) if args.busy_cores else workload
     for rep in range(args.repeat):
         for name, extra, http_url in targets:
             if name in failed:
@@ -243,8 +246,9 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                     probe = None if server is None else server.cpu_seconds
                     with progress_bar(args, len(workload.requests), label) as bar, busy_cores(busy):
+                        load = busy_workload if busy else workload
                         job = run_online(
-                            name, address, workload, arrivals, rate, *slo, bar, args.timeout, probe, http_url=http_url
+                            name, address, load, arrivals, rate, *slo, bar, args.timeout, probe, http_url=http_url
                         )
                         run = asyncio.run(job)
                     summary = run.summary()

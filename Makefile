@@ -62,6 +62,11 @@ $(TEST_STAMP): pyproject.toml $(PROBE)
 	@$(PYTHON) -c '$(PROBE_PY)' > $(PROBE)
 	@touch $@ $(SERVE_STAMP)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test module per process at a time
+# (--dist loadfile: a module's shared servers and fixtures start once): most tests wait on
+# servers of their own, so two workers keep CI's two cores busy where one leaves them half idle.
+TEST_WORKERS ?= 2
+
 install: $(TEST_STAMP)
 install-serve: $(SERVE_STAMP)
 
@@ -70,7 +75,7 @@ serve: install-serve
 	$(PYTHON) -m conveyor.cli.serve $(SERVE_ARGS)
 
 test: install
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	$(MAKE) test-frontend-notorch
 	$(MAKE) lint
 

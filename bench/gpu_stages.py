@@ -194,6 +194,26 @@ def stages(cpu: bool, results: Path, checkpoint: Path, work: Path) -> list[Stage
     # Graphs == eager at long contexts, HF parity, swaps, LoRA against PEFT, NCCL where two GPUs exist.
     hide = {"PYTHONPATH": unimportable(work / "hidden-modules", HTTP_CLIENTS)} if cpu else {}
     out.append(Stage("gpu_tests", limit(90), [*pytest, "-m", "gpu", *gpu_test_files()], env=hide))
+    # Batch-invariant mode on CUDA (issue 42): its Triton kernels have never run compiled; a
+    # request's bits alone and beside 8 and 32 others (mode on: equal, or the stage fails), and
+    # the mode's cost on against off (docs/batch-invariance.md).
+    invariance_json = str(results / "batch_invariance.json")
+    out.append(
+        Stage(
+            "batch_invariance",
+            limit(90),
+            [
+                py,
+                str(REPO / "bench" / "batch_invariance.py"),
+                "--checkpoint",
+                str(checkpoint),
+                *(["--cpu"] if cpu else []),
+                "--out",
+                invariance_json,
+            ],
+            [invariance_json],
+        )
+    )
     # The rest of window 1, in what the stages above leave unused.
     out.append(bench("conveyor_b1", "conveyor", 1, 2 if cpu else 4, 40, cpu_skip="conveyor_b128's command at batch 1"))
     out.append(

@@ -103,6 +103,8 @@ def figures(results: Path) -> list[str]:
                 + f" (target <= {target.get('moe_over_dense_at_most')}x"
                 + f" at batch {target.get('batch')}: {target.get('met')})"
             )
+        elif name == "batch_invariance":
+            lines.append(data.get("summary_line", "batch_invariance: no summary line"))
         elif name == "lora":
             lines.append(
                 f"lora ({data.get('device')} {data.get('dtype')}, {data.get('adapters')} adapters): "

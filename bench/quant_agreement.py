@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Greedy agreement of a quantized checkpoint served kept quantized against its dequantized
 float32 (a script, not a test): bin/eval's 100 items (``conveyor_tools.eval.tasks``), greedy,
-24 tokens, through ``conveyor.Engine`` with ``--quantization none`` and then ``auto``; prints
+24 tokens, through ``conveyor.Engine`` with ``--quantization none`` and then ``--quantization``
+(``gguf`` by default: the file kept quantized); prints
 how many items' tokens are equal and each run's accuracy.
 
     python bench/quant_agreement.py --model SmolLM2-135M-Instruct.Q4_1.gguf --json agreement.json
@@ -24,11 +25,12 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quantization", default="gguf", help="the scheme compared with none (float32)")
     parser.add_argument("--json")
     args = parser.parse_args()
     items = tasks()
     runs = {}
-    for scheme in ("none", "auto"):
+    for scheme in ("none", args.quantization):
         with Engine(
             args.model, device="cpu", threads=args.threads, num_kv_blocks=512, max_batch_size=32, quantization=scheme
         ) as engine:
@@ -39,11 +41,11 @@ def main() -> None:
             {"id": i.id, "tokens": list(r.token_ids), "reply": r.text, "correct": i.correct(r.text)}
             for i, r in zip(items, results)
         ]
-    same = sum(a["tokens"] == b["tokens"] for a, b in zip(runs["none"], runs["auto"]))
+    same = sum(a["tokens"] == b["tokens"] for a, b in zip(runs["none"], runs[args.quantization]))
     correct = {scheme: sum(row["correct"] for row in rows) for scheme, rows in runs.items()}
     print(
         f"{same}/{len(items)} items with equal tokens; "
-        f"correct: float32 {correct['none']}, kept quantized {correct['auto']}"
+        f"correct: float32 {correct['none']}, {args.quantization} {correct[args.quantization]}"
     )
     if args.json:
         with open(args.json, "w") as f:

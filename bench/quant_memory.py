@@ -26,7 +26,6 @@ model, _ = load_model(resolve_model(sys.argv[1])[0], "cpu", "auto", quantization
 weights = sum(p.nbytes for p in model.parameters())
 weights += sum(m.packed.nbytes for m in model.modules() if isinstance(m, Linear) and m.packed is not None)
 quantized = [m.quant for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
-quantized += [model.tied_head_quant] if getattr(model, "tied_head_quant", None) is not None else []
 weights += sum(q.nbytes() for q in quantized)
 if getattr(model, "tied_head_packed", None) is not None:
     weights += model.tied_head_packed.nbytes

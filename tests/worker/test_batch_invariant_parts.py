@@ -12,6 +12,7 @@ import torch
 from conveyor.worker.attention.backend import AttentionLayer, AttentionMetadata
 from conveyor.worker.attention.torch_invariant import KEY_CHUNK, TorchInvariantAttention
 from conveyor.worker.attention.torch_ref import TorchReferenceAttention
+from conveyor.worker.attention.triton_backend import TritonInvariantAttention
 from conveyor.worker.batch_invariant import ROW_TILE, invariant_backend, make_batch_invariant
 from conveyor.worker.models.layers import Linear, pack_cpu_weights
 
@@ -90,8 +91,12 @@ def test_padded_projection_rows_are_the_same_bits_at_any_row_count(packed):
 
 
 def test_the_mode_refuses_what_it_cannot_hold():
-    with pytest.raises(ValueError, match="CPU only"):
-        invariant_backend("cuda", "auto")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        invariant_backend("cuda", "auto", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="not on mps"):
+        invariant_backend("mps", "auto")
+    assert isinstance(invariant_backend("cuda", "auto"), TritonInvariantAttention)
+    assert isinstance(invariant_backend("cpu", "triton"), TritonInvariantAttention)
     with pytest.raises(ValueError, match="drop --attention torch"):
         invariant_backend("cpu", "torch")
     with pytest.raises(ValueError, match="LoRA"):

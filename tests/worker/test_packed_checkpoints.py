@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from conveyor.runtime.config import RunnerConfig
 from conveyor.worker.model_runner import ModelRunner
 from conveyor.worker.quantization.methods import Int4Weights
-from tests.worker.test_quantization import LINEARS, assert_matches, int8_by_definition, prompts_for
+from tests.worker.test_quantization import LINEARS, assert_matches, prompts_for, served_head
 
 GROUP = 32
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -78,10 +78,7 @@ def write_packed(hf: torch.nn.Module, directory, method: str) -> torch.nn.Module
         else {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
     )  # fmt: skip
     (directory / "config.json").write_text(json.dumps(config))
-    with torch.no_grad():
-        head = reference.get_output_embeddings()
-        head.weight = torch.nn.Parameter(int8_by_definition(head.weight.detach().clone()))  # the int8 head
-    return reference.eval()
+    return served_head(reference).eval()
 
 
 @pytest.mark.parametrize(("method", "family"), [("gptq", "llama"), ("awq", "qwen2_tied")])
@@ -177,10 +174,7 @@ def write_compressed(hf: torch.nn.Module, directory, scheme: str) -> torch.nn.Mo
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
     }  # fmt: skip
     (directory / "config.json").write_text(json.dumps(config))
-    with torch.no_grad():
-        head = reference.get_output_embeddings()
-        head.weight = torch.nn.Parameter(int8_by_definition(head.weight.detach().clone()))
-    return reference.eval()
+    return served_head(reference).eval()
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,6 @@ import ssl
 from pathlib import Path
 
 from conveyor.frontend.tokenizer_files import tokenizer_file
-from conveyor.http.main import ssl_context
 from conveyor.runtime.config import ServerConfig
 from conveyor.runtime.model_source import StartupError
 from conveyor.structured.reasoning import CLOSE, OPEN
@@ -46,6 +45,8 @@ def check_before_start(config: ServerConfig) -> None:
                 if port:
                     check_port_free(flag, config.http.http_host, str(port))
             if config.http.ssl_certfile is not None:
+                from conveyor.http.main import ssl_context  # aiohttp's import, only when TLS is asked for
+
                 try:
                     ssl_context(config.http.ssl_certfile, config.http.ssl_keyfile)  # type: ignore[arg-type]
                 except (OSError, ssl.SSLError) as exc:

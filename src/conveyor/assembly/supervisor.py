@@ -2,8 +2,10 @@
 
 Startup: the worker loads the model and sizes the KV pool while the frontend
 loads the tokenizer (and the HTTP process, with ``--http-port`` or ``--metrics-port``,
-binds its ports); the scheduler starts once the worker has reported its
-block count. With ``--tensor-parallel-size N`` the worker is N
+binds its ports) and the scheduler process imports its modules; the scheduler gets its
+config, and starts, once the worker has reported its block count. Each child imports its
+own modules (spawned by name: :func:`conveyor.runtime.process.run_entry`), none of which
+bin/serve imports. With ``--tensor-parallel-size N`` the worker is N
 processes (ranks, each watched like any child); rank 0 reports the KV pool the
 ranks agreed on (conveyor.worker.main). With ``--data-parallel-size M`` there are M
 such worker + scheduler pairs (replica 0's processes named as a single server's,
@@ -48,20 +50,22 @@ import time
 import zmq
 
 from conveyor.assembly import node_link
-from conveyor.frontend.main import run_frontend
-from conveyor.http.main import run_http
 from conveyor.ipc import codec, step_channel, transport
 from conveyor.ipc.messages import ProcessFailed, ProcessReady, Shutdown
 from conveyor.ipc.transport import ClusterKey
 from conveyor.runtime.config import ServerConfig, rank_process_name, replica_of_process, replica_process_name
 from conveyor.runtime.model_source import StartupError
-from conveyor.runtime.process import HANG_EXIT_CODE, SHUTDOWN_GRACE_S, terminate
-from conveyor.scheduler.main import run_scheduler
-from conveyor.worker.main import run_worker
+from conveyor.runtime.process import HANG_EXIT_CODE, SHUTDOWN_GRACE_S, run_entry, run_entry_when_sent, terminate
 
 STARTUP_TIMEOUT_S = 600.0
 CAUSE_GRACE_S = 5.0  # how long a dead scheduler's worker may take to exit too (Server._cause)
 LOST_NODE_GRACE_S = 1.0  # how long a dead worker's node link may take to report the node it lost
+
+# Each child's body, imported by the child alone (conveyor.runtime.process.run_entry).
+RUN_WORKER = "conveyor.worker.main:run_worker"
+RUN_FRONTEND = "conveyor.frontend.main:run_frontend"
+RUN_HTTP = "conveyor.http.main:run_http"
+RUN_SCHEDULER = "conveyor.scheduler.main:run_scheduler"
 
 
 class Server:
@@ -75,6 +79,7 @@ class Server:
         self.frontend_control = transport.socket(self.ctx, zmq.PUSH, config.addresses.frontend_control, bind=False)
         self.mp = mp.get_context("spawn")
         self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.unsent: dict[str, mp.connection.Connection] = {}  # children started before their config, by name
         self.ready: dict[str, ProcessReady] = {}
         self.dead_replicas: set[int] = set()  # data-parallel replicas stopped while the others serve on
         self.link: node_link.NodeLinkHub | node_link.NodeLinkMember | None = None  # with --nnodes > 1
@@ -100,14 +105,16 @@ class Server:
         for index, replica in enumerate(replicas):  # every data-parallel replica's workers
             for rank in replica.worker_ranks():  # every tensor-parallel rank, each watched like any child
                 name = rank_process_name(replica_process_name("worker", index), rank.tensor_parallel_rank)
-                self._spawn(name, run_worker, rank)
+                self._spawn(name, RUN_WORKER, rank)
                 first.add(name)
-        self._spawn("frontend", run_frontend, config.frontend)
+        self._spawn("frontend", RUN_FRONTEND, config.frontend)
         if config.http is not None:  # it answers 503 until the scheduler is up
-            self._spawn("http", run_http, config.http)
+            self._spawn("http", RUN_HTTP, config.http)
             first.add("http")
+        schedulers = {replica_process_name("scheduler", index) for index in range(len(replicas))}
+        for name in sorted(schedulers):  # importing while the workers load; sized by them below
+            self._spawn_unsent(name, RUN_SCHEDULER)
         self._wait_ready(first)
-        schedulers = set()
         for index, replica in enumerate(replicas):
             worker = self.ready[replica_process_name("worker", index)].info
             try:
@@ -118,9 +125,7 @@ class Server:
                 )
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
-            name = replica_process_name("scheduler", index)
-            self._spawn(name, run_scheduler, scheduler)
-            schedulers.add(name)
+            self._send_config(replica_process_name("scheduler", index), scheduler)
         self._wait_ready(schedulers)
 
     def _open_link(self) -> None:
@@ -143,14 +148,32 @@ class Server:
         names = set()
         for rank in self.config.worker_ranks():
             name = rank_process_name("worker", rank.tensor_parallel_rank)
-            self._spawn(name, run_worker, rank)
+            self._spawn(name, RUN_WORKER, rank)
             names.add(name)
         self._wait_ready(names)
 
-    def _spawn(self, name: str, target, config) -> None:
-        proc = self.mp.Process(target=target, args=(config,), name=f"conveyor-{name}")
+    def _spawn(self, name: str, entry: str, config) -> None:
+        proc = self.mp.Process(target=run_entry, args=(entry, config), name=f"conveyor-{name}")
         proc.start()
         self.procs[name] = proc
+
+    def _spawn_unsent(self, name: str, entry: str) -> None:
+        """Start child ``name`` before its config exists (:meth:`_send_config` sends it)."""
+        receive, send = self.mp.Pipe(duplex=False)
+        proc = self.mp.Process(target=run_entry_when_sent, args=(entry, receive), name=f"conveyor-{name}")
+        proc.start()
+        receive.close()
+        self.procs[name] = proc
+        self.unsent[name] = send
+
+    def _send_config(self, name: str, config) -> None:
+        send = self.unsent.pop(name)
+        try:
+            send.send(config)
+        except OSError:
+            pass  # the child died waiting: _wait_ready reports it
+        finally:
+            send.close()
 
     def _wait_ready(self, names: set[str]) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -283,6 +306,8 @@ class Server:
         terminate(list(self.procs.values()))
 
     def close(self) -> None:
+        for send in self.unsent.values():
+            send.close()
         if self.link is not None:
             self.link.close()
         self.control.close(linger=0)

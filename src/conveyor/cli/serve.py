@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="batch-invariant mode (CPU): a request's tokens and log-probabilities are the same bits whatever "
+        help="batch-invariant mode (CPU, CUDA): a request's tokens and log-probabilities are the same bits whatever "
         "else runs in its steps (fixed-tile matmuls, a fixed-order attention; costs speed: docs/benchmarks.md)",
     )
     p.add_argument(

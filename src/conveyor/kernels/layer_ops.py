@@ -21,13 +21,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_rms_norm", "moe_experts", "silu_and_mul"]
+__all__ = ["add_rms_norm", "invariant_linear", "moe_experts", "silu_and_mul", "softmax_rows", "uses_triton"]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
     """Whether ``x``'s op runs the Triton kernel: on CUDA tensors (tests also force it on CPU
     tensors, with the kernels interpreted)."""
     return x.is_cuda
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether ops on ``x`` run the Triton kernels (for callers outside this module that pick a
+    rule by it: batch-invariant mode's matmul)."""
+    return _use_triton(x)
 
 
 @functools.cache
@@ -114,3 +120,20 @@ def moe_experts(
             out.copy_(down.apply(silu_and_mul(gate_up.apply(rows, None)), None))
     outputs.mul_(weights.flatten()[order].to(x.dtype)[:, None])
     return torch.zeros_like(x).index_add_(0, tokens, outputs)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x weight^T + bias`` through the batch-invariant Triton matmul
+    (:mod:`.invariant_matmul`): batch-invariant mode's projections on CUDA. The CPU has its own
+    rule (rows padded to a tile, :func:`conveyor.worker.models.layers.linear`)."""
+    return _triton_module("invariant_matmul").invariant_linear(x, weight, bias)
+
+
+def softmax_rows(x: torch.Tensor, *, log: bool = False, invariant: bool = False) -> torch.Tensor:
+    """float32 softmax (``log``: log-softmax) of each row of ``x`` ``[N, V]``. ``invariant``
+    (batch-invariant mode) on CUDA: the Triton kernel of :mod:`.invariant_softmax`, whose order
+    of additions is fixed by the row's length; otherwise, and on the CPU, torch's (per row there)."""
+    if invariant and _use_triton(x):
+        return _triton_module("invariant_softmax").row_softmax(x, log)
+    x = x.float()
+    return x.log_softmax(dim=-1) if log else x.softmax(dim=-1)

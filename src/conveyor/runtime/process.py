@@ -7,8 +7,10 @@ supplies only how it starts (:class:`Started`: what to run, what to close, what 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -32,6 +34,31 @@ SHUTDOWN_GRACE_S = 3.0  # how long stopped children may take to exit before they
 # The exit status of a process that stopped the server because a peer hung (--on-hang exit:
 # conveyor.scheduler.liveness, conveyor.frontend.liveness); bin/serve names the cause.
 HANG_EXIT_CODE = 3
+
+
+def run_entry(entry: str, config: object) -> None:
+    """Run child body ``entry`` (``"module:function"``) with ``config``: the spawn target of
+    every bin/serve child, so that bin/serve imports none of their modules (the worker's torch,
+    the HTTP process's aiohttp, the frontend's tokenizers: seconds before its first child starts)."""
+    module, _, function = entry.partition(":")
+    getattr(importlib.import_module(module), function)(config)
+
+
+def run_entry_when_sent(entry: str, configs: mp.connection.Connection) -> None:
+    """:func:`run_entry` with the config sent later over ``configs`` (a pipe from bin/serve),
+    so that the child's interpreter and imports start while bin/serve still waits for what the
+    config needs (the scheduler's: the worker's block count). Returns at once when the pipe
+    closes unsent: the start-up failed, and bin/serve stops every child."""
+    die_with_parent()  # Ctrl-C and bin/serve's death, while waiting too
+    module, _, function = entry.partition(":")
+    body = getattr(importlib.import_module(module), function)
+    try:
+        config = configs.recv()
+    except EOFError:
+        return
+    finally:
+        configs.close()
+    body(config)
 
 
 def die_with_parent() -> None:

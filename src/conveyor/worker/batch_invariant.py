@@ -16,7 +16,10 @@ Where a CPU forward's bits can move with the batch, and what this mode does abou
   row; torch splits such a reduction across threads only for rows far longer than these
   models' hidden sizes; the same start-up check covers the norms.
 
-CUDA kernels for the mode are not written yet: the mode refuses to start there.
+On CUDA the same three go through Triton kernels whose reduction order is fixed by the row
+alone (:mod:`conveyor.kernels.invariant_matmul`, :mod:`~conveyor.kernels.invariant_attention`,
+:mod:`~conveyor.kernels.invariant_softmax`, and the model's own per-row RMSNorm kernel); the
+start-up check runs there too. docs/batch-invariance.md says where the mode holds and where not.
 """
 
 from __future__ import annotations
@@ -40,18 +43,28 @@ class BatchVarianceError(RuntimeError):
     """This machine's kernels give a row bits that depend on its batch: the mode cannot hold."""
 
 
-def invariant_backend(device: torch.device | str, attention: str, lora: bool = False) -> AttentionBackend:
+def invariant_backend(
+    device: torch.device | str, attention: str, lora: bool = False, tensor_parallel_size: int = 1
+) -> AttentionBackend:
     """The attention backend of batch-invariant mode, after checking the mode can run here."""
+    kind = torch.device(device).type
     if lora:
         raise ValueError(
             "--batch-invariant does not cover LoRA adapters yet: serve without --lora-modules/--enable-lora"
         )
-    if torch.device(device).type != "cpu":
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--batch-invariant runs on the CPU and on CUDA, not on {kind}: use --device cpu or cuda")
+    if kind == "cuda" and tensor_parallel_size > 1:
         raise ValueError(
-            "--batch-invariant runs on the CPU only (its CUDA kernels are not written yet): use --device cpu"
+            "--batch-invariant on CUDA does not cover tensor parallelism (NCCL picks its all-reduce by the "
+            "message size, which moves with the batch): serve with --tensor-parallel-size 1"
         )
-    if attention != "auto":
+    if attention not in ("auto", "triton"):
         raise ValueError(f"--batch-invariant brings its own attention: drop --attention {attention}")
+    if kind == "cuda" or attention == "triton":  # (triton on a CPU: interpreted, for tests)
+        from conveyor.worker.attention.triton_backend import TritonInvariantAttention
+
+        return TritonInvariantAttention()
     return TorchInvariantAttention()
 
 
@@ -80,8 +93,13 @@ def make_batch_invariant(model: nn.Module) -> None:
         if key not in checked:
             checked.add(key)
             _check_rows(name, lambda x, m=module: m.matmul(x, m.bias), module.weight, generator)
+    # (CUDA's attention kernel is checked by tests and bench/gpu_checks, not at start-up: these
+    # are the CPU backend's products.)
+    cpu = next(model.parameters()).device.type == "cpu"
     for head_dim in (
-        sorted({layer.head_dim for layer in model.attention_layers()}) if hasattr(model, "attention_layers") else ()
+        sorted({layer.head_dim for layer in model.attention_layers()})
+        if cpu and hasattr(model, "attention_layers")
+        else ()
     ):
         _check_attention_products(head_dim, generator)
     if hasattr(model, "row_tile") and getattr(model, "lm_head", None) is None and hasattr(model, "embed_tokens"):
@@ -93,7 +111,7 @@ def make_batch_invariant(model: nn.Module) -> None:
 def _check_rows(name: str, project, weight: torch.Tensor, generator: torch.Generator) -> None:
     in_features, dtype = weight.shape[-1], weight.dtype
     rows = max(start + count for start, count in _CHECK_SLICES)
-    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(weight.device, dtype)
     with torch.inference_mode():
         together = project(x)
         for start, count in _CHECK_SLICES:

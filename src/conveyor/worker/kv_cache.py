@@ -2,7 +2,9 @@
 
 The scheduler owns which block belongs to whom; these tensors only hold the data. Blocks
 are zero-filled at allocation so a backend that reads a whole block never sees garbage
-(NaN/inf bit patterns) in the slots a sequence has not written yet.
+(NaN/inf bit patterns) in the slots a sequence has not written yet. On the CPU the zeros are
+the kernel's (:func:`zeroed`): pages are zero-filled when first touched, so a start does not
+write the whole pool (1 GiB by default: half a CPU second and its memory, at every start).
 
 Under tensor parallelism ``num_kv_heads`` is the rank's own (:func:`~conveyor.worker.parallel.
 shard_heads`): each rank caches only the heads it computes, so sizes here are per rank.
@@ -10,7 +12,10 @@ shard_heads`): each rank caches only the heads it computes, so sizes here are pe
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +71,7 @@ class KVCacheShape:
         layer in one op (:func:`conveyor.kernels.block_copy.stacked`)."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        whole = torch.zeros((self.num_layers, *self.layer_shape(num_blocks)), dtype=self.dtype, device=device)
+        whole = zeroed((self.num_layers, *self.layer_shape(num_blocks)), self.dtype, device)
         return list(whole.unbind(0))
 
     def allocate_swap(self, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
@@ -82,6 +87,42 @@ class KVCacheShape:
         swap moves each run in one copy (:func:`conveyor.kernels.block_copy.swap_blocks`).
         """
         halves, blocks, *block = self.layer_shape(num_blocks)
-        pin = torch.device(device).type == "cuda"
-        whole = torch.zeros((blocks, self.num_layers, halves, *block), dtype=self.dtype, device="cpu", pin_memory=pin)
+        shape = (blocks, self.num_layers, halves, *block)
+        if torch.device(device).type == "cuda":
+            whole = torch.zeros(shape, dtype=self.dtype, pin_memory=True)
+        else:
+            whole = zeroed(shape, self.dtype, "cpu")
         return list(whole.movedim(0, 2).unbind(0))  # layer i: [2, num_blocks, ...], strided
+
+
+# Below this many bytes a tensor is zeroed by writing it: the pages given back would be few.
+_LAZY_ZEROS_MIN_BYTES = 1 << 20
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros(shape)``, whose large CPU tensors cost no start-up time: the storage is
+    torch's own (resizable, as sleep needs), its whole pages handed back to the kernel
+    (``madvise(MADV_DONTNEED)``, after which private anonymous memory reads as zeros and is
+    committed when first written) and only the partial pages at its ends written. Elsewhere
+    (another device or OS, a small tensor, a refused madvise) the tensor is written with zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    tensor = torch.empty(shape, dtype=dtype)
+    raw = tensor.view(-1).view(torch.uint8)
+    start, end = tensor.data_ptr(), tensor.data_ptr() + raw.numel()
+    first_page = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last_page = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last_page - first_page < _LAZY_ZEROS_MIN_BYTES or not _pages_dropped(first_page, last_page - first_page):
+        return tensor.zero_()
+    raw[: first_page - start].zero_()
+    raw[last_page - start :].zero_()
+    return tensor
+
+
+def _pages_dropped(address: int, length: int) -> bool:
+    """Whether the kernel dropped the pages of ``[address, address + length)`` (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(address, length, mmap.MADV_DONTNEED) == 0

@@ -44,10 +44,12 @@ class LogprobRows:
         slots: np.ndarray,
         starts: np.ndarray,
         counts: np.ndarray,
+        invariant: bool = False,
     ) -> LogprobRows:
-        """Of ``logits`` rows ``rows`` (host indices), for ``tokens`` (one per row, on the device)."""
+        """Of ``logits`` rows ``rows`` (host indices), for ``tokens`` (one per row, on the device);
+        ``invariant``: batch-invariant mode's log-softmax (:func:`~conveyor.worker.sampler.logprobs_of`)."""
         index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(logits.device, non_blocking=True)
-        chosen, top_ids, top_lp = logprobs_of(logits, index, tokens, width)
+        chosen, top_ids, top_lp = logprobs_of(logits, index, tokens, width, invariant)
         return cls(slots, starts, counts, width, chosen, top_ids, top_lp)
 
     def to_host(self, pinned: bool) -> None:
@@ -72,9 +74,18 @@ class LogprobRows:
 
 class LogprobSteps:
     """The log-probabilities of a runner's steps: the model's LM head (rank 0's) over the rows
-    the requests on ``requests``' slots ask for by their ``sampling`` columns."""
+    the requests on ``requests``' slots ask for by their ``sampling`` columns; ``invariant``:
+    batch-invariant mode."""
 
-    def __init__(self, model: CausalLM, requests: SlotStates, sampling: SamplingColumns, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        requests: SlotStates,
+        sampling: SamplingColumns,
+        device: torch.device,
+        invariant: bool = False,
+    ) -> None:
+        self.invariant = invariant
         self.model = model
         self.requests = requests
         self.sampling = sampling
@@ -111,7 +122,14 @@ class LogprobSteps:
         width = min(int(asked[wanted].max()), logits.shape[1])
         tokens = sampled.index_select(0, torch.from_numpy(wanted).to(sampled.device, non_blocking=True))
         return LogprobRows.compute(
-            logits, rows[wanted], tokens, width, slots[wanted], positions[wanted], np.ones(len(wanted), np.int64)
+            logits,
+            rows[wanted],
+            tokens,
+            width,
+            slots[wanted],
+            positions[wanted],
+            np.ones(len(wanted), np.int64),
+            self.invariant,
         )
 
     def prompt(
@@ -156,4 +174,5 @@ class LogprobSteps:
             np.asarray(slots, np.int64),
             np.asarray(starts, np.int64),
             np.asarray(counts, np.int64),
+            self.invariant,
         )

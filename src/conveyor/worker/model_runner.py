@@ -84,7 +84,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.tensor_parallel = tp = tensor_parallel
         if config.batch_invariant:
-            backend = invariant_backend(device, config.attention, config.lora_enabled)
+            backend = invariant_backend(device, config.attention, config.lora_enabled, tp.size)
         else:
             backend = backend_for(device, config.attention)
         # (batch-invariant mode checks float kernels: there --quantization auto means float weights)
@@ -168,7 +168,7 @@ class ModelRunner:
         requests = SlotStates()  # request state and block tables by slot
         sampling = SamplingColumns()  # per-slot sampling parameters, set when a request arrives
         last_tokens = LastTokens(device)
-        sampler = Sampler(device)
+        sampler = Sampler(device, invariant=config.batch_invariant)
         return StepParts(
             model=model,
             device=device,
@@ -180,7 +180,7 @@ class ModelRunner:
             # Per-slot device state of the requests using penalties, logit_bias or min_tokens.
             controls=SamplingControls(self.model_config.vocab_size, device, self.model_config.eos_token_ids),
             grammar=GrammarSteps(config.model_dir, requests, tp, device),
-            logprobs=LogprobSteps(model, requests, sampling, device),
+            logprobs=LogprobSteps(model, requests, sampling, device, config.batch_invariant),
             verifier=SpeculativeVerify(sampler, sampling, last_tokens, tp, device),
             adapters=self.adapters,
             pooler=Pooler(),

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from conveyor.ipc.messages import SamplingParams
+from conveyor.kernels.layer_ops import softmax_rows
 from conveyor.worker.grammar_mask import apply_token_bitmask
 from conveyor.worker.sampling_controls import ControlRows, SamplingControls
 
@@ -181,10 +182,12 @@ def host_flags(rows: dict[str, np.ndarray], vocab: int) -> dict[str, bool]:
 
 
 class Sampler:
-    """Turns float32 logits ``[N, V]`` into ``[N]`` int64 token ids on the logits' device."""
+    """Turns float32 logits ``[N, V]`` into ``[N]`` int64 token ids on the logits' device.
+    ``invariant``: batch-invariant mode (its softmaxes through :func:`softmax_rows`'s kernel on CUDA)."""
 
-    def __init__(self, device: torch.device | str, seed: int | None = None) -> None:
+    def __init__(self, device: torch.device | str, seed: int | None = None, invariant: bool = False) -> None:
         self.device = torch.device(device)
+        self.invariant = invariant
         self._generator = torch.Generator(device=self.device)
         if seed is None:
             self._generator.seed()
@@ -258,16 +261,16 @@ class Sampler:
                 ranked = ranked.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
             if batch.any_top_p:
                 top_p = torch.where(batch.top_p < 1.0, batch.top_p, float("inf"))
-                probs = ranked.softmax(dim=-1)
+                probs = softmax_rows(ranked, invariant=self.invariant)
                 # A token stays while the mass ranked before it is below top_p: the first always stays.
                 mass_before = probs.cumsum(dim=-1) - probs
                 ranked = ranked.masked_fill(mass_before >= top_p[:, None], float("-inf"))
             logits = torch.empty_like(ranked).scatter_(-1, order, ranked)
         if batch.any_min_p:
-            probs = logits.softmax(dim=-1)
+            probs = softmax_rows(logits, invariant=self.invariant)
             threshold = batch.min_p.clamp_min(0.0)[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        probs = torch.where(sampling[:, None], logits.softmax(dim=-1), 0.0)
+        probs = torch.where(sampling[:, None], softmax_rows(logits, invariant=self.invariant), 0.0)
         # greedy rows: 1 at the argmax (sampling rows add 0)
         return probs.scatter_add_(1, greedy[:, None], (~sampling).to(probs.dtype)[:, None])
 
@@ -316,15 +319,18 @@ def batch_of_columns(
     )
 
 
-def logprobs_of(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+def logprobs_of(
+    logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, width: int, invariant: bool = False
+) -> tuple[torch.Tensor, ...]:
     """Log-probabilities of ``logits`` rows ``rows``: each row's ``tokens`` entry ``[R]`` and
     its ``width`` most likely tokens ``([R, width]`` ids and values, most likely first).
 
     The log-softmax of the *raw* logits in float32, before temperature and the filters (what
     vLLM returns by default): what the model gives the token, not what the sampler's
     reshaped distribution gave it. Only the ``rows`` asked for are normalized; the caller
-    decides on the host whether to call at all, so a step that asks for none runs nothing."""
-    lp = logits.index_select(0, rows).float().log_softmax(dim=-1)
+    decides on the host whether to call at all, so a step that asks for none runs nothing.
+    ``invariant``: batch-invariant mode (:func:`softmax_rows`)."""
+    lp = softmax_rows(logits.index_select(0, rows), log=True, invariant=invariant)
     chosen = lp.gather(1, tokens.view(-1, 1)).view(-1)
     if width:
         top_lp, top_ids = lp.topk(width, dim=-1)

@@ -116,6 +116,9 @@ def compile_all(capability: int = 90) -> list[Compiled]:
 
     from conveyor.kernels.block_copy import _launch_copy_blocks
     from conveyor.kernels.extend_attention import extend_attention
+    from conveyor.kernels.invariant_attention import invariant_attention
+    from conveyor.kernels.invariant_matmul import invariant_linear
+    from conveyor.kernels.invariant_softmax import row_softmax
     from conveyor.kernels.kv_store import kv_store
     from conveyor.kernels.lora import lora_expand, lora_shrink, segment_tiles, tile_tokens
     from conveyor.kernels.paged_decode import paged_decode_attention
@@ -156,6 +159,11 @@ def compile_all(capability: int = 90) -> list[Compiled]:
                     window,
                     max_query_len=max_query_len,
                 )
+            # Batch-invariant mode's attention: one split and several (and a window's extra one).
+            for max_seq_len in (100, 32768):
+                invariant_attention(
+                    qx, kv, tables, i32([0, 100, 300]), i32([100, 228]), scale, window, max_seq_len=max_seq_len
+                )
             kv_store(
                 torch.empty(4, kv_heads, head_dim, dtype=dtype),
                 torch.empty(4, kv_heads, head_dim, dtype=dtype),
@@ -183,6 +191,9 @@ def compile_all(capability: int = 90) -> list[Compiled]:
             add_rms_norm_triton(x, torch.empty_like(x), torch.empty(hidden, dtype=dtype), 1e-5)
             add_rms_norm_triton(x, None, torch.empty(hidden, dtype=dtype), 1e-5)
             silu_mul_triton(torch.empty(8, 2 * intermediate, dtype=dtype))
+            invariant_linear(x, torch.empty(intermediate, hidden, dtype=dtype))  # batch-invariant mode
+        row_softmax(torch.empty(4, 128256), log=True)
+        row_softmax(torch.empty(4, 128256))
         _launch_copy_blocks(torch.empty(2, 8, 16, 8, 128, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64))
         # LoRA: 1B qkv (3 pieces) and 8B gate_up (2) / down (1), decode (split-K) and prefill tiles.
         for dtype, rank, in_features, widths in (

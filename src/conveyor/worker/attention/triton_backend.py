@@ -89,6 +89,25 @@ class TritonPagedAttention(AttentionBackend):
         )
 
 
+class TritonInvariantAttention(TritonPagedAttention):
+    """Batch-invariant mode's attention on CUDA: the Triton backend's stores (one program per
+    token) and, for every step alike, the kernel of :mod:`conveyor.kernels.invariant_attention`,
+    whose reduction over a token's keys is fixed by the token alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from conveyor.kernels.invariant_attention import invariant_attention
+
+        self._invariant = invariant_attention
+
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        scales = layer.kv_scales
+        return self._invariant(
+            query, layer.cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, layer.scale,
+            layer.sliding_window, max_seq_len=metadata.max_seq_len, k_scale=scales.k, v_scale=scales.v,
+        )  # fmt: skip
+
+
 def backend_for(device: torch.device | str, name: str = "auto") -> AttentionBackend:
     """The attention backend to use: ``auto`` is Triton on CUDA and batched torch on CPU.
 

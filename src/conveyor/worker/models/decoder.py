@@ -38,8 +38,6 @@ from conveyor.worker.models.layers import (
     pack_cpu_weights,
 )
 from conveyor.worker.parallel import TensorParallel, shard_heads
-from conveyor.worker.quantization.methods import Int8Weights
-from conveyor.worker.quantization.tensors import quantize_int8
 
 
 def layer_rotaries(config: ModelConfig, device: torch.device | str) -> list[RotaryEmbedding]:
@@ -123,9 +121,9 @@ class DecoderLM(nn.Module):
     #: The tied LM head (the embedding) packed for the CPU matmul, or None (:meth:`weights_loaded`).
     tied_head_packed: torch.Tensor | None = None
     #: The weight quantization scheme (:mod:`conveyor.worker.quantization.loading`; set by
-    #: the loader) and, under one, the tied LM head quantized (:meth:`weights_loaded`).
+    #: the loader). A tied LM head stays the float embedding under every scheme (greedy
+    #: agreement: docs/quantization.md).
     quantization: str = "none"
-    tied_head_quant: Int8Weights | None = None
     #: The tied LM head's :attr:`Linear.row_tile <conveyor.worker.models.layers.Linear.row_tile>`.
     row_tile = 1
 
@@ -159,8 +157,6 @@ class DecoderLM(nn.Module):
             raise RuntimeError(f"tensor-parallel rank {rank} holds no LM head: rank 0 computes logits")
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self.tied_head_quant is not None:
-            return self.tied_head_quant.apply(hidden, None).float()
         return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed, self.row_tile).float()
 
     def weights_loaded(self) -> None:
@@ -170,10 +166,7 @@ class DecoderLM(nn.Module):
         checkpoint stores does so first, then calls this."""
         pack_cpu_weights(self)
         if self.lm_head is None and self.tensor_parallel.rank == 0:
-            if self.quantization != "none":  # int8, as a separate head is (quantization.loading)
-                self.tied_head_quant = Int8Weights(quantize_int8(self.embed_tokens.weight), self.device)
-            else:
-                self.tied_head_packed = pack_cpu_weight(self.embed_tokens.weight)
+            self.tied_head_packed = pack_cpu_weight(self.embed_tokens.weight)
 
     def base_layout(self, layer_norms: tuple[str, ...]) -> dict[str, WeightSlot | None]:
         """The layout of the modules every decoder here has (embedding, final norm, LM head,

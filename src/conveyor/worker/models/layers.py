@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.kernels.layer_ops import add_rms_norm, silu_and_mul
+from conveyor.kernels.layer_ops import add_rms_norm, invariant_linear, silu_and_mul, uses_triton
 from conveyor.worker.parallel import TensorParallel, all_reduce_
 
 
@@ -35,7 +35,8 @@ class Linear(nn.Module):
     quant = None
     pending = None
     #: Rows are padded to a multiple of this before the matmul (batch-invariant mode,
-    #: :mod:`conveyor.worker.batch_invariant`); 1: no padding.
+    #: :mod:`conveyor.worker.batch_invariant`); 1: no padding. On CUDA any value > 1 runs the
+    #: batch-invariant Triton matmul instead (its row tile is the kernel's own).
     row_tile = 1
 
     def __init__(
@@ -69,8 +70,11 @@ def linear(
     calls runs the decode step's few rows 1.4-2x slower than oneDNN on a packed weight
     (docs/benchmarks.md, "CPU: where the time goes"). ``row_tile`` > 1 pads ``x``'s rows
     (zeros) to a multiple of it, so the GEMM never runs the row counts whose kernel choice
-    changes a row's bits (batch-invariant mode)."""
+    changes a row's bits (batch-invariant mode); on CUDA it runs the batch-invariant Triton
+    matmul (:func:`~conveyor.kernels.layer_ops.invariant_linear`) instead."""
     rows = x.shape[0]
+    if row_tile > 1 and uses_triton(x):
+        return invariant_linear(x, weight, bias)
     if row_tile > 1 and rows % row_tile:
         x = torch.cat([x, x.new_zeros(row_tile - rows % row_tile, *x.shape[1:])])
         return linear(x, weight, bias, packed)[:rows]

@@ -5,11 +5,14 @@ it holds what its kernels read (the weight slots: codes, scales, offsets) and
 ``apply(x, bias)`` picks the kernel of ``x``'s device:
 
 * **int8**, one scale per output channel. CPU: the activations are quantized per token to int8
-  on the fly and multiplied by ``torch._int_mm`` (oneDNN's VNNI int8 GEMM), scaled back in
-  float32; CUDA: the Triton dequantize-GEMM (:mod:`conveyor.kernels.dequant_gemm`).
+  on the fly, in two parts (the codes and their rounding error, ~15 bits together, stacked as
+  twice the rows of one call), and multiplied by ``torch._int_mm`` (oneDNN's VNNI int8 GEMM),
+  scaled back in float32; CUDA: the Triton dequantize-GEMM (:mod:`conveyor.kernels.dequant_gemm`).
 * **int4**, group-wise affine (``scale * code + offset``, symmetric being offset ``-8 scale``).
-  CPU: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on bfloat16 activations (its float32
-  path is a slow reference), scales and zeros rounded to bfloat16; CUDA: the Triton kernel.
+  CPU: ``torch.ops.aten._weight_int4pack_mm_for_cpu``, fast in bfloat16 only (its float32 path
+  is a slow reference), so float32 activations go in as two bfloat16 parts (high and the
+  rest, stacked as twice the rows of one call) and scales/zeros that bfloat16 does not hold
+  exactly (GGUF's f16) as a second call with the rounding residuals; CUDA: the Triton kernel.
 * **fp8** (e4m3, one scale per output channel): ``torch._scaled_mm`` with the activations
   quantized per token (CPU and CUDA; sm_89+ on CUDA), bfloat16 output.
 
@@ -66,10 +69,12 @@ class Int8Weights(QuantizedWeights):
             return x.new_empty((0, self.out_features))
         xf = x.float()
         x_max = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # per token: x ~ x_max / 127 * code
-        x_codes = xf.mul(127 / x_max).round_().to(torch.int8)
-        y = torch._int_mm(x_codes, self.codes.t()).mul(
-            x_max * self.scales_127
-        )  # (fewest operators: decode is op-bound)
+        steps = xf.mul(127 / x_max)
+        high = steps.round()
+        low = steps.sub_(high).mul_(254).round_()  # the rest (at most half a step), 1/254 of a step each
+        rows = x.shape[0]
+        both = torch._int_mm(torch.cat([high, low]).to(torch.int8), self.codes.t()).float()
+        y = both[rows:].div_(254).add_(both[:rows]).mul_(x_max * self.scales_127)
         if bias is not None:
             y += bias
         return y.to(x.dtype)
@@ -99,9 +104,12 @@ class Int4Weights(QuantizedWeights):
             codes = torch.nn.functional.pad(weight.codes.to(torch.int32), (0, 0, 0, pad))
             scales, offsets = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (weight.scales, offsets))
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            scale_zeros = torch.stack([scales, offsets + 8 * scales], dim=-1).transpose(0, 1)
+            scale_zeros = torch.stack([scales, offsets + 8 * scales], dim=-1).transpose(0, 1).float()
             self.packed = packed
             self.scale_zeros = scale_zeros.to(torch.bfloat16).contiguous()
+            residual = (scale_zeros - self.scale_zeros.float()).to(torch.bfloat16).contiguous()
+            # (None when bfloat16 holds them: our own quantizer rounds them so, GGUF's f16 do not)
+            self.scale_zeros_residual = residual if residual.any() else None
         else:
             from conveyor.kernels.dequant_gemm import pack_int4
 
@@ -116,9 +124,7 @@ class Int4Weights(QuantizedWeights):
             return dequant_gemm(x, self.packed, self.scales, self.offsets, 4, self.group_size, bias)
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features))
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), self.packed, self.group_size, self.scale_zeros)
-        y = y[:, : self.out_features].to(x.dtype)
-        return y if bias is None else y.add_(bias)
+        return _int4_cpu(x, self, bias)
 
 
 class Fp8Weights(QuantizedWeights):
@@ -150,3 +156,24 @@ class Fp8Weights(QuantizedWeights):
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scales.reshape(-1, 1)
+
+
+def _int4_cpu(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T`` through torch's bfloat16 int4 kernel with float32's precision on the input
+    side: ``x = high + low`` (both bfloat16, ~16 bits together) run as one call of twice the
+    rows, plus ``high`` times the scales' residuals when there are some. The output of each
+    call is rounded to bfloat16 (what remains of the kernel's error). docs/quantization.md has
+    what each part buys in greedy agreement and costs in time."""
+    mm, group = torch.ops.aten._weight_int4pack_mm_for_cpu, weights.group_size
+    rows = x.shape[0]
+    high = x.bfloat16()
+    if x.dtype == torch.bfloat16:
+        y = mm(high, weights.packed, group, weights.scale_zeros).float()
+    else:
+        low = (x.float() - high.float()).bfloat16()
+        both = mm(torch.cat([high, low]), weights.packed, group, weights.scale_zeros).float()
+        y = both[:rows].add_(both[rows:])
+    if weights.scale_zeros_residual is not None:
+        y += mm(high, weights.packed, group, weights.scale_zeros_residual)
+    y = y[:, : weights.out_features].to(x.dtype)
+    return y if bias is None else y.add_(bias)

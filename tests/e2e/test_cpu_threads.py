@@ -29,10 +29,19 @@ def ready_line(server: ServeProcess) -> str:
     return next(line for line in server.stdout if "ready on" in line)
 
 
+def worker_affinity(server: ServeProcess) -> set[int]:
+    return os.sched_getaffinity(server.pids["worker"])
+
+
 def test_worker_threads_waits_and_no_spinning_while_idle(serve_factory, tiny_checkpoint) -> None:
     server = serve_factory("--model", str(tiny_checkpoint), "--device", "cpu")
-    threads = max(1, len(os.sched_getaffinity(0)) - 1)  # a core left to the frontend and scheduler
-    assert f"on cpu ({threads} threads, OpenMP waits PASSIVE)" in ready_line(server)
+    cores = sorted(os.sched_getaffinity(0))
+    threads = max(1, len(cores) - 1)  # a core left to the frontend and scheduler
+    bound = cores[:threads]
+    where = f"core {bound[0]}" if threads == 1 else f"cores {bound[0]}-{bound[-1]}"
+    assert f"on cpu ({threads} threads on {where}, OpenMP waits PASSIVE)" in ready_line(server)
+    assert worker_affinity(server) == set(bound)  # the worker's threads, bound to its cores
+    assert os.sched_getaffinity(server.pids["scheduler"]) == set(cores)  # the others float
     with Client(server.address, timeout=60) as client:
         out = client.generate(token_ids=[11, 12, 13], max_tokens=16, temperature=0, ignore_eos=True)
         assert len(out.token_ids) == 16
@@ -44,14 +53,15 @@ def test_worker_threads_waits_and_no_spinning_while_idle(serve_factory, tiny_che
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to pin to fewer")
-def test_worker_threads_follow_the_affinity_and_a_chosen_wait_policy(
+def test_worker_threads_follow_the_affinity_a_chosen_wait_policy_and_no_cpu_bind(
     serve_factory, tiny_checkpoint, monkeypatch
 ) -> None:
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(mine)})  # bin/serve and its processes inherit it, as under taskset
     try:
-        server = serve_factory("--model", str(tiny_checkpoint), "--device", "cpu")
+        server = serve_factory("--model", str(tiny_checkpoint), "--device", "cpu", "--no-cpu-bind")
     finally:
         os.sched_setaffinity(0, mine)
-    assert re.search(r"on cpu \(1 threads, OpenMP waits ACTIVE\)", ready_line(server))
+    assert re.search(r"on cpu \(1 threads floating, OpenMP waits ACTIVE\)", ready_line(server))
+    assert worker_affinity(server) == {min(mine)}  # the inherited mask, untouched

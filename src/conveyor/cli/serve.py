@@ -230,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(auto: on with CUDA, where launches are asynchronous; off on CPU, where it would only delay results)",
     )
     p.add_argument("--threads", type=int, help="torch CPU threads in the worker")
+    switch_flag(
+        p,
+        "--cpu-bind",
+        WorkerConfig.cpu_bind,
+        "CPU worker: bind its threads to cores of its own (each replica and rank its own; the cores past them "
+        "left to the frontend and scheduler), as long as the threads do not outnumber the cores; --no-cpu-bind: "
+        "let them float",
+    )
     count_flag(
         p,
         "--tokenizer-threads",
@@ -338,10 +346,13 @@ def ready_line(config: ServerConfig, workers: list[dict]) -> str:
 
 
 def cpu_threads_note(worker: dict) -> str:
-    """`` (2 threads, OpenMP waits PASSIVE)`` for a CPU worker: what decides its speed on shared cores."""
+    """`` (2 threads on cores 0-1, OpenMP waits PASSIVE)`` for a CPU worker (``floating`` when
+    unbound): what decides its speed on shared cores."""
     if worker.get("device") != "cpu" or "threads" not in worker:
         return ""
-    return f" ({worker['threads']} threads, OpenMP waits {worker['omp_wait_policy']})"
+    cores = str(worker.get("cores", ""))
+    where = f"on core{'s' * (not cores.isdigit())} {cores}" if cores else "floating"
+    return f" ({worker['threads']} threads {where}, OpenMP waits {worker['omp_wait_policy']})"
 
 
 def main(argv: list[str] | None = None) -> int:

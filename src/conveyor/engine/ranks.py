@@ -99,6 +99,8 @@ class RankGroup:
                 tensor_parallel_rank=1,
                 distributed_init_method=rendezvous,
                 rank0_in_process=True,
+                cpu_bind=False,  # the caller's machine: its threads are the caller's to place
+                cpu_slots=size,
             )
             spawn = mp.get_context("spawn")
             for rank in range(1, size):

@@ -278,9 +278,19 @@ class WorkerConfig:
     # Rank 0 is the planning process (conveyor.Engine: conveyor.engine.ranks) and reads no plans:
     # the plan channel has a reader per other rank, rank r >= 1 being reader r - 1.
     rank0_in_process: bool = False
+    # CPU threads (conveyor.worker.cpu_threads): this worker is slot ``cpu_slot`` of the
+    # ``cpu_slots`` worker processes on its machine (every replica's ranks there), whose threads
+    # share its cores; on a CPU device ``cpu_bind`` (bin/serve --cpu-bind) binds them to the
+    # slot's own cores.
+    cpu_bind: bool = True
+    cpu_slot: int = 0
+    cpu_slots: int = 1
 
     def __post_init__(self) -> None:
         parse_choices(self, pipeline=PipelineSteps)
+        require_at_least(self, 1, "cpu_slots")
+        if not 0 <= self.cpu_slot < self.cpu_slots:
+            raise ValueError(f"cpu_slot {self.cpu_slot} outside 0..{self.cpu_slots - 1}")
         Device.parse(self.runner.device, "device")  # (a rank's concrete device is the worker's to resolve)
         require_at_least(self, 1, "tensor_parallel_size")
         if self.runner.num_blocks is not None:  # (else sized from kv_cache_memory_bytes by the worker)
@@ -421,6 +431,8 @@ class ServerConfig:
                 addresses=addresses,
                 channels=channels,
                 runner=replace(self.worker.runner, first_device=index * self.worker.tensor_parallel_size),
+                cpu_slot=index * len(self.node_ranks()),
+                cpu_slots=self.data_parallel_size * len(self.node_ranks()),
             ),
             scheduler=replace(self.scheduler, addresses=addresses, channels=channels),
         )
@@ -435,9 +447,16 @@ class ServerConfig:
             rendezvous = f"tcp://{self.dist_init_addr}"
         else:
             rendezvous = "file://" + self.worker.addresses.plans.removeprefix("ipc://") + "-tp-rendezvous"
+        ranks = self.node_ranks()
         return [
-            replace(self.worker, tensor_parallel_rank=rank, distributed_init_method=rendezvous)
-            for rank in self.node_ranks()
+            replace(
+                self.worker,
+                tensor_parallel_rank=rank,
+                distributed_init_method=rendezvous,
+                cpu_slot=self.worker.cpu_slot + i,  # (replica(index) set the replica's first)
+                cpu_slots=self.data_parallel_size * len(ranks),
+            )
+            for i, rank in enumerate(ranks)
         ]
 
     def sized_scheduler(self, num_blocks: int, num_cpu_blocks: int, block_bytes: int) -> SchedulerProcessConfig:

@@ -37,7 +37,7 @@ from conveyor.ipc.step_receivers import StepReceiver
 from conveyor.runtime.config import Device, PipelineSteps, RunnerConfig, WorkerConfig, rank_process_name
 from conveyor.runtime.model_source import StartupError
 from conveyor.runtime.process import Started, run_process
-from conveyor.worker.cpu_threads import cpu_thread_info, passive_waits, worker_threads
+from conveyor.worker.cpu_threads import bind_process, cpu_thread_info, passive_waits, worker_cores, worker_threads
 from conveyor.worker.lora_config import LoraLoadError
 
 if TYPE_CHECKING:  # torch is imported when a runner is built, not with this module
@@ -151,7 +151,10 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         from conveyor.kernels.jit_compiles import COUNTER, count_compiles
 
         count_compiles(prof.counter(COUNTER).add)
-    threads = worker_threads(config.runner.num_threads, size)
+    threads = worker_threads(config.runner.num_threads, config.cpu_slots)
+    cores = worker_cores(config.cpu_slot, config.cpu_slots, threads) if config.cpu_bind and device == "cpu" else None
+    if cores:  # before the model loads: torch's threads start on them
+        bind_process(cores)
     runner = build_runner(dataclasses.replace(config.runner, num_threads=threads), profiler=prof, tensor_parallel=tp)
     num_blocks, num_cpu_blocks = pool_agreed_by_ranks(runner, tp)
     device = str(runner.device)
@@ -176,7 +179,7 @@ def _start(config: WorkerConfig, ctx: zmq.Context) -> Started:
         "num_cpu_blocks": num_cpu_blocks,
         "block_bytes": runner.block_bytes,
         "device": device,
-        **cpu_thread_info(),
+        **cpu_thread_info(cores),
     }
     if size > 1:
         ready["tensor_parallel"] = f"rank {rank} of {size}"

@@ -64,7 +64,13 @@ class BenchServer:
         cmd = [sys.executable, "-m", "conveyor.cli.serve", "--host", self.address, *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "w", encoding="utf-8") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            # A session of its own, as the other systems' servers and a user's shell get: with the
+            # kernel's autogroup scheduling (Linux's default) CPU time is shared per session first,
+            # so a server in the benchmark's session would share its slice with the load generator
+            # and --busy-cores' spinners while vLLM's had a slice to itself.
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
             while not self.ready_line and self.proc.poll() is None and time.monotonic() < deadline:

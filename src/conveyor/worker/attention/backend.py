@@ -15,6 +15,7 @@ An 8-bit cache (int8, float8_e4m3fn) holds scaled values: a backend stores and r
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -73,6 +74,17 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+    @functools.cached_property
+    def stored_slots(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(rows, slots)``: the new tokens that are stored (None: every one, the usual case)
+        and their slots, the non-negative entries of ``slot_mapping``; found once per step
+        (the object is the step's) for every layer's store."""
+        keep = self.slot_mapping >= 0
+        if bool(keep.all()):
+            return None, self.slot_mapping
+        rows = keep.nonzero().squeeze(1)
+        return rows, self.slot_mapping.index_select(0, rows)
 
     @classmethod
     def build(
@@ -206,17 +218,21 @@ class AttentionBackend(abc.ABC):
         """The step between the q/k/v projection ``qkv`` and attention; returns the query
         ``[T, num_heads, head_dim]`` to attend with.
 
-        Splits ``qkv`` (:meth:`AttentionLayer.split`), normalizes query and key per head with
-        the layer's ``qk_norm``, rotates both by their ``positions`` and stores the rotated
-        keys and the values in the layer's cache with :meth:`store_kv`. A backend with a fused
-        kernel for all of it overrides this; the result must be the same up to rounding.
+        Normalizes query and key per head with the layer's ``qk_norm``, rotates both by their
+        ``positions`` (together: their heads are adjacent in ``qkv``, so one rotation's few
+        operators serve both) and stores the rotated keys and the values
+        (:meth:`AttentionLayer.split`) in the layer's cache with :meth:`store_kv`. A backend
+        with a fused kernel for all of it overrides this; the result must be the same up to
+        rounding.
         """
-        query, key, value = layer.split(qkv)
+        heads, dim = layer.num_heads, layer.head_dim
+        query_key = qkv[:, : (heads + layer.num_kv_heads) * dim].view(qkv.shape[0], -1, dim)
         if layer.qk_norm is not None:
-            query, key = layer.qk_norm[0](query), layer.qk_norm[1](key)
-        query, key = layer.rotary(positions, query, key)
-        self.store_kv(key, value, layer.cache, metadata, layer.kv_scales)
-        return query
+            q_norm, k_norm = layer.qk_norm
+            query_key = torch.cat([q_norm(query_key[:, :heads]), k_norm(query_key[:, heads:])], dim=1)
+        query_key = layer.rotary(positions, query_key)
+        self.store_kv(query_key[:, heads:], layer.split(qkv)[2], layer.cache, metadata, layer.kv_scales)
+        return query_key[:, :heads]
 
     @abc.abstractmethod
     def forward(self, layer: AttentionLayer, query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:

@@ -136,7 +136,7 @@ class TorchBatchedAttention(TorchStoreKV):
             bias = g.bias if g.bias is not None else _bias(g.query_pos, g.key_pos, layer.sliding_window)
             values = value_t if value_t is not None else (g.value_rows, g.value_offsets, kv_cache_layer[1])
             _attend(q_by_head, key_t, values, g, bias, False, scores, probs, attended, num_kv_heads, group_size)
-            if not torch.isfinite(attended).all():
+            if not torch.isfinite(attended.sum()):  # (one reduction: NaN and inf carry into the sum)
                 # Stale slots (hidden from every query) hold non-finite values: -inf bias plus
                 # NaN, or 0 * inf, poisoned a row. Zero them and mask exactly, then only a
                 # sequence's own non-finite keys/values can show, as in the reference.

@@ -31,10 +31,11 @@ class TorchStoreKV(AttentionBackend):
         num_kv_heads, head_dim = kv_cache_layer.shape[-2:]
         keys = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
         values = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
-        keep = metadata.slot_mapping >= 0
-        slots = metadata.slot_mapping[keep]
-        keys[slots] = to_cache(key[keep], scales.inv_k, keys.dtype)
-        values[slots] = to_cache(value[keep], scales.inv_v, values.dtype)
+        rows, slots = metadata.stored_slots
+        if rows is not None:
+            key, value = key.index_select(0, rows), value.index_select(0, rows)
+        keys[slots] = to_cache(key, scales.inv_k, keys.dtype)  # (index_put: index_copy_ has no fp8 kernel)
+        values[slots] = to_cache(value, scales.inv_v, values.dtype)
 
 
 class TorchReferenceAttention(TorchStoreKV):

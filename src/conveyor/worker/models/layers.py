@@ -251,12 +251,11 @@ class RotaryEmbedding(nn.Module):
         angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inverse[None, :]
         self.cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=torch.float32)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``query`` ``[T, H, D]`` and ``key`` ``[T, H_kv, D]`` by the angles of ``positions`` ``[T]``."""
+    def forward(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """``heads`` ``[T, H, D]`` (a layer's query and key heads side by side: one rotation
+        for both) rotated by the angles of ``positions`` ``[T]``, a new tensor."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        return _rotate(heads, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,16 +6,15 @@ and wake, the memory given back measured in the process's RSS."""
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conveyor.worker.weight_updates import WeightBroadcast, broadcast_tensors, weight_update_group
+from conveyor.worker.weight_updates import WeightBroadcast
 from tests.checkpoints import randomize
 from tests.engine.conftest import TINY
+from tests.trainer_group import trainer_broadcasting
 
 PROMPT = [5, 9, 33, 120, 7, 64, 200, 18]
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -81,20 +80,8 @@ def test_an_update_from_tensors_can_abort_what_runs(tiny_engine, trained):
 def test_an_update_from_the_trainers_broadcast(tiny_engine, trained):
     engine = tiny_engine()
     tensors = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).state_dict()
-    specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-
-    def trainer():
-        group = weight_update_group(address, 0, 2, timeout_s=60)
-        for _ in broadcast_tensors(group, specs, list(tensors.values())):
-            pass
-
-    thread = threading.Thread(target=trainer, daemon=True)
-    thread.start()
-    engine.update_weights(WeightBroadcast(address, 1, 2, specs, timeout_s=60))
-    thread.join(60)
+    with trainer_broadcasting(tensors, 2) as (address, specs):
+        engine.update_weights(WeightBroadcast(address, 1, 2, specs, timeout_s=60))
     assert greedy(engine) == hf_greedy(trained)
 
 
@@ -128,20 +115,8 @@ def test_updates_at_two_tensor_parallel_ranks(tiny_engine, tiny_checkpoint, trai
         assert engine.update_weights(trained) == 1 and greedy(engine) == hf_greedy(trained)
         original = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).state_dict()
         assert engine.update_weights(original) == 2 and greedy(engine) == hf_greedy(tiny_checkpoint)
-        specs = [(name, t.dtype, tuple(t.shape)) for name, t in trained_tensors.items()]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{probe.getsockname()[1]}"
-
-        def trainer():
-            group = weight_update_group(address, 0, 3, timeout_s=60)
-            for _ in broadcast_tensors(group, specs, list(trained_tensors.values())):
-                pass
-
-        thread = threading.Thread(target=trainer, daemon=True)
-        thread.start()
-        assert engine.update_weights(WeightBroadcast(address, 1, 3, specs, timeout_s=60)) == 3
-        thread.join(60)
+        with trainer_broadcasting(trained_tensors, 3) as (address, specs):
+            assert engine.update_weights(WeightBroadcast(address, 1, 3, specs, timeout_s=60)) == 3
         assert greedy(engine) == hf_greedy(trained)
         with pytest.raises(ValueError, match="missing weights"):
             engine.update_weights({k: v for k, v in original.items() if k != "lm_head.weight"})

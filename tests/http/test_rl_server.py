@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import threading
 import time
 
@@ -23,10 +22,10 @@ from transformers import AutoModelForCausalLM
 
 from conveyor.client import Client, ServerError
 from conveyor.client.commands import weight_group
-from conveyor.worker.weight_updates import broadcast_tensors, weight_update_group
 from tests.checkpoints import randomize
 from tests.e2e.serve_harness import ServeProcess
 from tests.http.conftest import http_serve, stop_and_check
+from tests.trainer_group import trainer_broadcasting
 
 PROMPT = [5, 9, 33, 120, 7, 64, 200, 18]
 GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True)
@@ -101,30 +100,18 @@ def test_an_update_from_the_trainers_group_at_two_ranks(server, tiny_checkpoint)
     """The trainer (rank 0 of a world of 3) broadcasts the original weights; both server ranks
     receive every tensor and load their shards."""
     tensors = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).state_dict()
-    specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-
-    def trainer():
-        group = weight_update_group(address, 0, 3, timeout_s=60)
-        for _ in broadcast_tensors(group, specs, list(tensors.values())):
-            pass
-
-    thread = threading.Thread(target=trainer, daemon=True)
-    thread.start()
-    body = {
-        "master_address": "127.0.0.1",
-        "master_port": int(address.rsplit(":", 1)[1]),
-        "rank_offset": 1,
-        "world_size": 3,
-        "names": [name for name, _, _ in specs],
-        "dtypes": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
-        "shapes": [list(shape) for _, _, shape in specs],
-        "timeout_s": 60,
-    }
-    status, reply = http(server, "POST", "/update_weights_from_distributed", body)
-    thread.join(60)
+    with trainer_broadcasting(tensors, 3) as (address, specs):
+        body = {
+            "master_address": "127.0.0.1",
+            "master_port": int(address.rsplit(":", 1)[1]),
+            "rank_offset": 1,
+            "world_size": 3,
+            "names": [name for name, _, _ in specs],
+            "dtypes": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
+            "shapes": [list(shape) for _, _, shape in specs],
+            "timeout_s": 60,
+        }
+        status, reply = http(server, "POST", "/update_weights_from_distributed", body)
     assert status == 200 and reply["weight_version"] == 2, reply
     with Client(server.address) as client:
         result = client.generate(token_ids=PROMPT, **GREEDY)

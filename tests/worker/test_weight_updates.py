@@ -5,22 +5,19 @@ CPU copies derived from them); a bad update is refused before the first copy."""
 
 from __future__ import annotations
 
-import socket
-import threading
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conveyor.worker.loader import load_model
 from conveyor.worker.weight_updates import (
-    broadcast_tensors,
     update_from_disk,
     update_from_group,
     update_from_tensors,
     weight_update_group,
 )
 from tests.checkpoints import SMALL, build, gemma3_serving_checkpoint
+from tests.trainer_group import trainer_broadcasting
 
 
 @pytest.fixture(scope="module")
@@ -94,23 +91,6 @@ def test_update_from_a_trainers_broadcast(checkpoints):
     old, new = checkpoints
     model, _ = load_model(old)
     trained = AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).state_dict()
-    specs = [(name, t.dtype, tuple(t.shape)) for name, t in trained.items()]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    errors = []
-
-    def trainer():
-        try:
-            group = weight_update_group(address, 0, 2, timeout_s=60)
-            for _ in broadcast_tensors(group, specs, list(trained.values())):
-                pass
-        except Exception as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    update_from_group(model, weight_update_group(address, 1, 2, timeout_s=60), specs)
-    thread.join(60)
-    assert not errors
+    with trainer_broadcasting(trained, 2) as (address, specs):
+        update_from_group(model, weight_update_group(address, 1, 2, timeout_s=60), specs)
     _assert_same(model, load_model(new)[0])

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -40,8 +41,13 @@ def run_entry(entry: str, config: object) -> None:
     """Run child body ``entry`` (``"module:function"``) with ``config``: the spawn target of
     every bin/serve child, so that bin/serve imports none of their modules (the worker's torch,
     the HTTP process's aiohttp, the frontend's tokenizers: seconds before its first child starts)."""
+    entry_function(entry)(config)
+
+
+def entry_function(entry: str) -> Callable[[Any], None]:
+    """The child body named ``"module:function"``, imported."""
     module, _, function = entry.partition(":")
-    getattr(importlib.import_module(module), function)(config)
+    return getattr(importlib.import_module(module), function)
 
 
 def run_entry_when_sent(entry: str, configs: mp.connection.Connection) -> None:
@@ -50,8 +56,7 @@ def run_entry_when_sent(entry: str, configs: mp.connection.Connection) -> None:
     config needs (the scheduler's: the worker's block count). Returns at once when the pipe
     closes unsent: the start-up failed, and bin/serve stops every child."""
     die_with_parent()  # Ctrl-C and bin/serve's death, while waiting too
-    module, _, function = entry.partition(":")
-    body = getattr(importlib.import_module(module), function)
+    body = entry_function(entry)
     try:
         config = configs.recv()
     except EOFError:

@@ -34,6 +34,8 @@ _STATUS_OF_CODE = {
     rl_commands.WEIGHTS_NOT_FOUND: 404,
     rl_commands.CONTROL_INVALID: 409,
 }
+IN_FLIGHT = ("finish", "abort")
+PAUSE_MODES = ("abort", "wait", "keep")
 DISK_FIELDS = frozenset({"model_path", "in_flight", "load_format", "abort_all_requests"})
 GROUP_FIELDS = frozenset(
     {"master_address", "master_port", "rank_offset", "world_size", "names", "dtypes", "shapes", "in_flight"}
@@ -59,11 +61,15 @@ async def _call(link, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         raise api_error(exc) from None
 
 
-def _query(request: web.Request, name: str, choices: tuple[str, ...], default: str) -> str:
-    value = request.query.get(name, default)
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` of field ``name`` when it is one of ``choices`` (a 400 naming it otherwise)."""
     if value not in choices:
         raise bad_field(name, f"{name!r} must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+def _query(request: web.Request, name: str, choices: tuple[str, ...], default: str) -> str:
+    return _choice(name, request.query.get(name, default), choices)
 
 
 def _accepted(body: dict[str, Any], name: str, values: tuple[Any, ...]) -> None:
@@ -76,10 +82,7 @@ def _in_flight(body: dict[str, Any]) -> str:
     """``in_flight`` (finish / abort), or SGLang's ``abort_all_requests`` true for abort."""
     if body.get("abort_all_requests") is True:
         return "abort"
-    value = body.get("in_flight", "finish")
-    if value not in ("finish", "abort"):
-        raise bad_field("in_flight", f"'in_flight' must be finish or abort, got {value!r}")
-    return value
+    return _choice("in_flight", body.get("in_flight", "finish"), IN_FLIGHT)
 
 
 async def _object(request: web.Request, fields: frozenset[str]) -> dict[str, Any]:
@@ -105,7 +108,7 @@ def routes(link_key: web.AppKey) -> web.RouteTableDef:
     @table.post("/sleep")
     async def sleep(request: web.Request) -> web.Response:
         level = _query(request, "level", ("1", "2"), "1")
-        in_flight = _query(request, "in_flight", ("finish", "abort"), "finish")
+        in_flight = _query(request, "in_flight", IN_FLIGHT, "finish")
         return _json(await _call(request.app[link_key], "sleep", int(level), in_flight=in_flight))
 
     @table.post("/wake_up")
@@ -121,15 +124,12 @@ def routes(link_key: web.AppKey) -> web.RouteTableDef:
 
     @table.post("/pause")
     async def vllm_pause(request: web.Request) -> web.Response:
-        return await pause(request, _query(request, "mode", ("abort", "wait", "keep"), "abort"))
+        return await pause(request, _query(request, "mode", PAUSE_MODES, "abort"))
 
     @table.post("/pause_generation")
     async def sglang_pause(request: web.Request) -> web.Response:
         body = await _object(request, frozenset({"mode"})) if request.body_exists else {}
-        mode = body.get("mode", "abort")
-        if mode not in ("abort", "wait", "keep"):
-            raise bad_field("mode", f"'mode' must be abort, wait or keep, got {mode!r}")
-        return await pause(request, mode)
+        return await pause(request, _choice("mode", body.get("mode", "abort"), PAUSE_MODES))
 
     @table.post("/resume")
     @table.post("/continue_generation")
